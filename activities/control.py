@@ -1,0 +1,94 @@
+"""Control-plane activities (task queue `rollouts-control`): replica processes and bucket checks.
+
+`start_replicas` launches each replica as a detached `rollouts replica` process on this machine
+(pid file under the stack home, so `rollouts down` stops it); the replica reports itself ready to
+its deployment workflow by signal. `check_snapshot_files` is the admission check that every
+snapshot of a resolved chain has its required files; a missing file is a `failed_precondition`
+naming the files, and is never retried.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from workers.processes import PidFile, spawn, stop_pid
+from workers.settings import Settings
+from workflows import names
+from workflows.errors import FAILED_PRECONDITION
+from workflows.types import CheckSnapshotInput, SnapshotType, StartReplicasInput, StopReplicasInput
+
+
+def snapshot_uri(bucket: str, path_prefix: str, identity: str) -> str:
+    prefix = path_prefix.strip("/")
+    return f"s3://{bucket}/{prefix + '/' if prefix else ''}{identity}/"
+
+
+class ControlActivities:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def _replica_dir(self, deployment_id: str, name: str):
+        return self.settings.home_path / "replicas" / deployment_id / name
+
+    @activity.defn(name=names.START_REPLICAS)
+    def start_replicas(self, inp: StartReplicasInput) -> list[int]:
+        pids = []
+        for name in inp.names:
+            workdir = self._replica_dir(inp.deployment_id, name)
+            workdir.mkdir(parents=True, exist_ok=True)
+            pid_file = PidFile(workdir / "replica.pid")
+            pid = pid_file.alive_pid()
+            if pid is None:  # an activity retry must not start a second copy
+                argv = [
+                    sys.executable, "-m", "workers.cli", "replica",
+                    "--home", self.settings.home,
+                    "--deployment", inp.deployment_id,
+                    "--name", name,
+                    "--workflow-id", inp.deployment_workflow_id,
+                    "--zone", inp.zone,
+                    "--model-bucket", inp.model.bucket,
+                    "--model-path", inp.model.path,
+                    "--model-name", inp.model.name,
+                ]
+                pid = spawn(argv, log_path=workdir / "replica.log", pid_file=pid_file)
+                activity.logger.info("started replica %s (pid %d)", name, pid)
+            pids.append(pid)
+        return pids
+
+    @activity.defn(name=names.STOP_REPLICAS)
+    def stop_replicas(self, inp: StopReplicasInput) -> int:
+        stopped = 0
+        for name in inp.names:
+            pid_file = PidFile(self._replica_dir(inp.deployment_id, name) / "replica.pid")
+            pid = pid_file.alive_pid()
+            if pid is not None:
+                activity.heartbeat(name)
+                stop_pid(pid, timeout=30)
+                stopped += 1
+            pid_file.remove()
+        return stopped
+
+    @activity.defn(name=names.CHECK_SNAPSHOT)
+    def check_snapshot_files(self, inp: CheckSnapshotInput) -> list[str]:
+        """Raises failed_precondition naming the missing files; returns [] when complete."""
+        from snapshots.inspect import check_required_files
+        from snapshots.errors import SnapshotError
+
+        uri = snapshot_uri(inp.bucket, inp.path_prefix, inp.identity)
+        kind = "full" if inp.type == SnapshotType.FULL else "delta"
+        try:
+            missing = check_required_files(uri, kind, s3=self.settings.s3_client())
+        except SnapshotError as exc:
+            raise ApplicationError(
+                f"snapshot {inp.identity!r} ({uri}): {exc}", type=FAILED_PRECONDITION, non_retryable=True
+            ) from None
+        if missing:
+            raise ApplicationError(
+                f"snapshot {inp.identity!r} ({uri}) is missing required files: {', '.join(missing)}",
+                type=FAILED_PRECONDITION,
+                non_retryable=True,
+            )
+        return []

@@ -1,0 +1,312 @@
+"""The REST API, `/v1alpha1/inference`: gateways, deployments and hot-loads, as the guide states.
+
+Every request is authenticated (Bearer token → organization and role); another organization's
+resource answers not_found. Every error is `{"code", "message", "details"}` with the HTTP status
+of its code, never a traceback. Bodies are validated strictly and an invalid field is named.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api.auth import Principal, TokenStore
+from api.errors import AlreadyExists, ApiError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from api.models import CreateDeploymentRequest, CreateGatewayRequest, CreateHotLoadRequest
+from api.resources import Resources, page
+from workers.settings import Settings
+from workflows import names
+from workflows.deployment import HOT_LOAD_ENGINE
+from workflows.types import (
+    Condition,
+    ConditionStatus,
+    CreateHotLoadCommand,
+    Deployment,
+    DeploymentInput,
+    DeploymentSpec,
+    DeploymentStatus,
+    Gateway,
+    GatewaySpec,
+    GatewayStatus,
+    PromptCachePolicy,
+    ResourceStatus,
+    rfc3339,
+)
+
+log = logging.getLogger("rollouts.api")
+PREFIX = "/v1alpha1/inference"
+MAX_BODY_BYTES = 1 << 20
+
+
+def _now() -> str:
+    return rfc3339(datetime.now(UTC))
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    return ".".join(parts) or "body"
+
+
+def create_app(settings: Settings, *, temporal_client: Any = None) -> FastAPI:
+    tokens = TokenStore(settings.tokens_file)
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        from workers.settings import temporal_client as connect
+
+        state["resources"] = Resources(temporal_client or await connect(settings))
+        yield
+
+    app = FastAPI(title="rollouts", version="v1alpha1", lifespan=lifespan)
+
+    # ------------------------------------------------------------------ errors
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+            if err.get("type") == "extra_forbidden":
+                msg = "unknown field"
+            elif err.get("type") == "missing":
+                msg = "required field is missing"
+            problems.append(f"{_field_path(tuple(err.get('loc', ())))}: {msg}")
+        err = InvalidArgument("; ".join(problems[:10]) or "invalid request")
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "invalid_argument")
+        return JSONResponse({"code": code, "message": str(exc.detail), "details": []}, status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse({"code": "internal", "message": "internal error; see the API log", "details": []}, status_code=500)
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return JSONResponse(
+                {"code": "invalid_argument", "message": f"request body larger than {MAX_BODY_BYTES} bytes", "details": []},
+                status_code=413,
+            )
+        return await call_next(request)
+
+    # ------------------------------------------------------------------ deps
+    def principal(authorization: str | None = Header(default=None)) -> Principal:
+        return tokens.authenticate(authorization)
+
+    def res() -> Resources:
+        if "resources" not in state:
+            raise Unavailable("the API is starting")
+        return state["resources"]
+
+    def ui_link(workflow_id: str) -> str:
+        from urllib.parse import quote
+
+        return f"{settings.temporal_ui_url}/namespaces/{settings.temporal_namespace}/workflows/{quote(workflow_id, safe='')}"
+
+    def hot_load_view(hot_load: dict[str, Any]) -> dict[str, Any]:
+        hot_load["status"]["workflowUrl"] = ui_link(names.hot_load_workflow_id(hot_load["spec"]["id"]))
+        return hot_load
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    # ------------------------------------------------------------------ gateways
+    @app.get(f"{PREFIX}/gateways/parameters")
+    async def gateway_parameters(p: Principal = Depends(principal)) -> dict[str, Any]:
+        return {"zones": [settings.zone]}
+
+    @app.post(f"{PREFIX}/gateways")
+    async def create_gateway(body: CreateGatewayRequest, p: Principal = Depends(principal), r: Resources = Depends(res)):
+        p.require_admin("creating a gateway")
+        zones = body.zones or [settings.zone]
+        bad = [z for z in zones if z != settings.zone]
+        if bad:
+            raise InvalidArgument(f"zones: {', '.join(bad)} not offered here; GET /gateways/parameters lists {settings.zone}")
+        gw = Gateway(
+            spec=GatewaySpec(id=body.id or str(uuid.uuid4()), name=body.name, organization_id=p.organization_id, zones=zones),
+            status=GatewayStatus(status=ResourceStatus.CREATING, endpoints=[settings.gateway_url], created_at=_now(), updated_at=_now()),
+        )
+        if any(g.spec.name == body.name for g in await r.list_gateways(p.organization_id)):
+            raise AlreadyExists(f"a gateway named {body.name!r} already exists in this organization")
+        await r.create_gateway(gw)
+        gw.status.status = ResourceStatus.READY
+        return {"gateway": gw.wire()}
+
+    @app.get(f"{PREFIX}/gateways/{{gateway_id}}")
+    async def get_gateway(gateway_id: str, p: Principal = Depends(principal), r: Resources = Depends(res)):
+        return {"gateway": (await r.get_gateway(p.organization_id, gateway_id)).wire()}
+
+    @app.get(f"{PREFIX}/gateways")
+    async def list_gateways(p: Principal = Depends(principal), r: Resources = Depends(res)):
+        return {"items": [g.wire() for g in await r.list_gateways(p.organization_id)]}
+
+    @app.delete(f"{PREFIX}/gateways/{{gateway_id}}")
+    async def delete_gateway(gateway_id: str, p: Principal = Depends(principal), r: Resources = Depends(res)):
+        p.require_admin("deleting a gateway")
+        await r.delete_gateway(p.organization_id, gateway_id)
+        return {}
+
+    # ------------------------------------------------------------------ deployments
+    @app.get(f"{PREFIX}/deployments/parameters")
+    async def deployment_parameters(
+        gatewayIds: list[str] = Query(default=[]), p: Principal = Depends(principal)  # noqa: N803 - wire name
+    ) -> dict[str, Any]:
+        return {
+            "runtimes": [{"engine": HOT_LOAD_ENGINE, "versions": ["0.32.0"], "hotLoadSupported": True}],
+            "engineConfigKeys": ["max-model-len", "max-num-seqs", "enable-return-routed-experts"],
+            "instanceTypes": [{"name": "cpu-local", "gpuCount": 0, "zones": [settings.zone]}],
+            "zones": [settings.zone],
+        }
+
+    @app.post(f"{PREFIX}/deployments")
+    async def create_deployment(body: CreateDeploymentRequest, p: Principal = Depends(principal), r: Resources = Depends(res)):
+        p.require_admin("creating a deployment")
+        if body.hot_load is not None:
+            if not p.hot_load_enabled:
+                raise FailedPrecondition("hot-load is not enabled for this organization")
+            if body.runtime.engine != HOT_LOAD_ENGINE:
+                raise InvalidArgument(
+                    f"runtime.engine: hot-loading needs {HOT_LOAD_ENGINE!r}, got {body.runtime.engine!r}"
+                )
+        if body.autoscaling.max < body.autoscaling.min:
+            raise InvalidArgument("autoscaling.max must be at least autoscaling.min")
+        zones = []
+        for gid in body.gateway_ids:
+            try:
+                zones.extend((await r.get_gateway(p.organization_id, gid)).spec.zones)
+            except NotFound:
+                raise InvalidArgument(f"gatewayIds: gateway {gid} not found") from None
+        dep_id = body.id or str(uuid.uuid4())
+        if await r.memo(names.deployment_workflow_id(dep_id)) is not None:
+            raise AlreadyExists(f"deployment {dep_id} already exists")
+        if any(d.spec.name == body.name for d in await r.list_deployments(p.organization_id)):
+            raise AlreadyExists(f"a deployment named {body.name!r} already exists in this organization")
+        now = _now()
+        dep = Deployment(
+            spec=DeploymentSpec(
+                id=dep_id,
+                name=body.name,
+                organization_id=p.organization_id,
+                gateway_ids=body.gateway_ids,
+                runtime=body.runtime,
+                resources=body.resources,
+                model=body.model,
+                autoscaling=body.autoscaling,
+                traffic=body.traffic,
+                hot_load=body.hot_load.to_record() if body.hot_load else None,
+            ),
+            status=DeploymentStatus(
+                status=ResourceStatus.CREATING,
+                created_at=now,
+                updated_at=now,
+                conditions=[
+                    Condition(
+                        type="ReplicasReady", status=ConditionStatus.UNKNOWN, reason="Creating",
+                        message=f"starting {body.autoscaling.min} replica(s)", last_update_time=now,
+                    )
+                ],
+            ),
+        )
+        await r.create_deployment(DeploymentInput(deployment=dep, gateway_zones=zones))
+        return {"deployment": dep.wire()}
+
+    @app.get(f"{PREFIX}/deployments/{{deployment_id}}")
+    async def get_deployment(deployment_id: str, p: Principal = Depends(principal), r: Resources = Depends(res)):
+        return {"deployment": (await r.get_deployment(p.organization_id, deployment_id)).wire()}
+
+    @app.get(f"{PREFIX}/deployments")
+    async def list_deployments(
+        parentGatewayId: str | None = None, p: Principal = Depends(principal), r: Resources = Depends(res)  # noqa: N803
+    ):
+        return {"items": [d.wire() for d in await r.list_deployments(p.organization_id, parentGatewayId)]}
+
+    @app.delete(f"{PREFIX}/deployments/{{deployment_id}}")
+    async def delete_deployment(deployment_id: str, p: Principal = Depends(principal), r: Resources = Depends(res)):
+        p.require_admin("deleting a deployment")
+        await r.delete_deployment(p.organization_id, deployment_id)
+        return {}
+
+    # ------------------------------------------------------------------ hot-loads
+    @app.post(f"{PREFIX}/hotLoads")
+    async def create_hot_load(body: CreateHotLoadRequest, p: Principal = Depends(principal), r: Resources = Depends(res)):
+        p.require_admin("creating a hot-load")
+        await r.get_deployment(p.organization_id, body.deployment_id)  # not_found across orgs
+        meta = body.incremental_snapshot_metadata
+        cmd = CreateHotLoadCommand(
+            hot_load_id=body.hot_load_id or str(uuid.uuid4()),
+            identity=body.identity,
+            type=body.type,
+            incremental_snapshot_metadata=meta.model_dump() if meta else None,
+            prompt_cache_policy=body.prompt_cache_policy or PromptCachePolicy.PRESERVE,
+            organization_hot_load_enabled=p.hot_load_enabled,
+            created_at=_now(),
+        )
+        hot_load = await r.create_hot_load(body.deployment_id, cmd)
+        return {"hotLoad": hot_load_view(hot_load.wire())}
+
+    @app.get(f"{PREFIX}/hotLoads")
+    async def list_hot_loads(
+        parentDeploymentId: str | None = None,  # noqa: N803 - wire names
+        maxPageSize: int | None = None,  # noqa: N803
+        pageToken: str | None = None,  # noqa: N803
+        p: Principal = Depends(principal),
+        r: Resources = Depends(res),
+    ):
+        items = await r.list_hot_loads(p.organization_id, parentDeploymentId)
+        chunk, token = page(items, maxPageSize, pageToken, f"hotLoads:{parentDeploymentId or ''}")
+        out: dict[str, Any] = {"hotLoads": [hot_load_view(h) for h in chunk]}
+        if token:
+            out["nextPageToken"] = token
+        return out
+
+    @app.get(f"{PREFIX}/hotLoads/{{hot_load_id}}")
+    async def get_hot_load(hot_load_id: str, p: Principal = Depends(principal), r: Resources = Depends(res)):
+        memo = await r.hot_load_memo(p.organization_id, hot_load_id)
+        return {"hotLoad": hot_load_view(memo["hotLoad"])}
+
+    @app.get(f"{PREFIX}/hotLoads/{{hot_load_id}}/replicas")
+    async def list_hot_load_replicas(
+        hot_load_id: str,
+        maxPageSize: int | None = None,  # noqa: N803
+        pageToken: str | None = None,  # noqa: N803
+        p: Principal = Depends(principal),
+        r: Resources = Depends(res),
+    ):
+        memo = await r.hot_load_memo(p.organization_id, hot_load_id)
+        replicas = sorted(memo.get("replicas") or [], key=lambda x: (x.get("zone", ""), x.get("name", "")))
+        chunk, token = page(replicas, maxPageSize, pageToken, f"replicas:{hot_load_id}")
+        out: dict[str, Any] = {"replicas": chunk}
+        if token:
+            out["nextPageToken"] = token
+        return out
+
+    @app.post(f"{PREFIX}/hotLoads/{{hot_load_id}}:cancel")
+    async def cancel_hot_load(hot_load_id: str, p: Principal = Depends(principal), r: Resources = Depends(res)):
+        p.require_admin("canceling a hot-load")
+        memo = await r.hot_load_memo(p.organization_id, hot_load_id)
+        state = memo["hotLoad"]["status"]["state"]
+        if state in ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED"):
+            raise FailedPrecondition(f"hot-load {hot_load_id} already ended ({state})")
+        memo = await r.cancel_hot_load(p.organization_id, hot_load_id)
+        return {"hotLoad": hot_load_view(memo["hotLoad"])}
+
+    return app
+

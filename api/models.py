@@ -1,0 +1,161 @@
+"""Request bodies the API accepts, validated strictly (unknown fields and enum names refused).
+
+Enums are accepted as proto names or their proto numbers (cwtrain sends names; some tools send
+numbers); responses always carry names. Validation errors become `invalid_argument` naming the
+field (see api/app.py).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field, field_validator
+
+from workflows.types import (
+    ENUM_NUMBERS,
+    Autoscaling,
+    ChecksumFormat,
+    CompressionFormat,
+    HotLoadConfig,
+    ModelSource,
+    PromptCachePolicy,
+    Resources,
+    Runtime,
+    SnapshotType,
+    Traffic,
+    TransitionMode,
+    WireModel,
+    identity_problem,
+    resource_id_problem,
+)
+
+
+def _proto_enum(enum_cls):
+    numbers = ENUM_NUMBERS[enum_cls]
+
+    def parse(value: Any) -> Any:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+            n = int(value)
+            if 0 < n < len(numbers) and numbers[n] is not None:
+                return numbers[n]
+            raise ValueError(f"unknown enum number {n}; expected one of {', '.join(e.value for e in enum_cls)}")
+        if isinstance(value, str) and value not in {e.value for e in enum_cls}:
+            raise ValueError(f"unknown value {value!r}; expected one of {', '.join(e.value for e in enum_cls)}")
+        return value
+
+    return Annotated[enum_cls, BeforeValidator(parse)]
+
+
+SnapshotTypeIn = _proto_enum(SnapshotType)
+CompressionIn = _proto_enum(CompressionFormat)
+ChecksumIn = _proto_enum(ChecksumFormat)
+PromptCachePolicyIn = _proto_enum(PromptCachePolicy)
+TransitionModeIn = _proto_enum(TransitionMode)
+
+Name = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class CreateGatewayRequest(WireModel):
+    id: str | None = None
+    name: Name
+    zones: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=16)
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str | None) -> str | None:
+        if v is not None and (p := resource_id_problem(v, "id")):
+            raise ValueError(p)
+        return v
+
+
+class HotLoadConfigIn(WireModel):
+    bucket: Annotated[str, Field(min_length=3, max_length=63, pattern=r"^[a-z0-9][a-z0-9.-]*[a-z0-9]$")]
+    path_prefix: Annotated[str, Field(max_length=512)] = ""
+    transition_mode: TransitionModeIn = TransitionMode.ASYNC
+
+    @field_validator("path_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        parts = [p for p in v.strip("/").split("/") if p]
+        if any(p in (".", "..") for p in parts) or "\\" in v or any(ord(c) < 32 for c in v):
+            raise ValueError("pathPrefix must be a plain key prefix (no '.', '..' segments or control characters)")
+        return "/".join(parts)
+
+    def to_record(self) -> HotLoadConfig:
+        return HotLoadConfig(bucket=self.bucket, path_prefix=self.path_prefix, transition_mode=self.transition_mode)
+
+
+class RuntimeIn(Runtime):
+    engine: Annotated[str, Field(min_length=1, max_length=64)]
+    version: Annotated[str, Field(max_length=64)] = ""
+    engine_config: dict[Annotated[str, Field(max_length=128)], Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=dict, max_length=64
+    )
+
+
+class ModelSourceIn(ModelSource):
+    name: Name
+    bucket: Annotated[str, Field(min_length=3, max_length=63)]
+    path: Annotated[str, Field(min_length=1, max_length=512)]
+
+
+class AutoscalingIn(Autoscaling):
+    min: Annotated[int, Field(ge=1, le=16)] = 1
+    max: Annotated[int, Field(ge=1, le=16)] = 1
+
+
+class CreateDeploymentRequest(WireModel):
+    id: str | None = None
+    name: Name
+    gateway_ids: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(min_length=1, max_length=8)
+    runtime: RuntimeIn
+    resources: Resources = Field(default_factory=Resources)
+    model: ModelSourceIn
+    autoscaling: AutoscalingIn = Field(default_factory=AutoscalingIn)
+    traffic: Traffic = Field(default_factory=Traffic)
+    hot_load: HotLoadConfigIn | None = None
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str | None) -> str | None:
+        if v is not None and (p := resource_id_problem(v, "id")):
+            raise ValueError(p)
+        return v
+
+
+class IncrementalSnapshotMetadataIn(WireModel):
+    previous_snapshot_identity: str
+    compression_format: CompressionIn = CompressionFormat.ZSTD
+    checksum_format: ChecksumIn = ChecksumFormat.ADLER32
+
+    @field_validator("previous_snapshot_identity")
+    @classmethod
+    def _prev(cls, v: str) -> str:
+        if p := identity_problem(v, "previousSnapshotIdentity"):
+            raise ValueError(p)
+        return v
+
+
+class CreateHotLoadRequest(WireModel):
+    deployment_id: Annotated[str, Field(min_length=1, max_length=128)]
+    hot_load_id: str | None = None
+    identity: str
+    type: SnapshotTypeIn
+    incremental_snapshot_metadata: IncrementalSnapshotMetadataIn | None = None
+    prompt_cache_policy: PromptCachePolicyIn | None = None
+
+    @field_validator("identity")
+    @classmethod
+    def _identity(cls, v: str) -> str:
+        if p := identity_problem(v, "identity"):
+            raise ValueError(p)
+        return v
+
+    @field_validator("hot_load_id")
+    @classmethod
+    def _hl_id(cls, v: str | None) -> str | None:
+        if v is not None and (p := resource_id_problem(v, "hotLoadId")):
+            raise ValueError(p)
+        return v

@@ -1,0 +1,201 @@
+"""`rollouts`: the command line of the service.
+
+    rollouts up | down | status        the embedded stack on 127.0.0.1 (`make up` / `make down`)
+    rollouts demo                      up, a 2-replica deployment, a full hot-load, a table, down
+    rollouts api | worker | gateway    one service process (what `up` starts)
+    rollouts replica ...               one replica (started by the control worker)
+    rollouts snapshot ...              inspect / delta / apply / verify checkpoints (snapshots/)
+    rollouts token add ...             add an API token to the tokens file
+
+Every command exits non-zero with a one-line reason on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import sys
+from pathlib import Path
+
+from workers.settings import home_from_env
+
+
+def _home(args: argparse.Namespace) -> Path:
+    return Path(args.home).absolute() if args.home else home_from_env()
+
+
+def _settings(args: argparse.Namespace):
+    from workers.settings import Settings
+
+    return Settings.load(_home(args))
+
+
+def _logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from workers.stack import Stack, load_or_create_settings
+
+    settings = load_or_create_settings(_home(args), args.port_base)
+    Stack(settings).up()
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from workers.settings import Settings
+    from workers.stack import Stack
+
+    home = _home(args)
+    if not (home / "stack.json").exists():
+        print(f"no stack at {home}; nothing to stop")
+        return 0
+    Stack(Settings.load(home)).down()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from workers.stack import Stack
+
+    stack = Stack(_settings(args))
+    for name, pid in stack.status().items():
+        print(f"{name:<28} {'running (pid %d)' % pid if pid else 'stopped'}")
+    print(stack.describe())
+    return 0
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api.app import create_app
+
+    _logging()
+    settings = _settings(args)
+    uvicorn.run(create_app(settings), host="127.0.0.1", port=settings.ports["api"], log_level="warning")
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_gateway_app
+
+    _logging()
+    settings = _settings(args)
+    uvicorn.run(create_gateway_app(settings), host="127.0.0.1", port=settings.ports["gateway"], log_level="warning")
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from workers.control_worker import run_control_worker
+
+    _logging()
+    asyncio.run(run_control_worker(_settings(args)))
+    return 0
+
+
+def cmd_replica(args: argparse.Namespace) -> int:
+    from replica.agent import run_replica
+
+    _logging()
+    return asyncio.run(
+        run_replica(
+            _settings(args),
+            deployment_id=args.deployment,
+            name=args.name,
+            workflow_id=args.workflow_id,
+            zone=args.zone,
+            model_bucket=args.model_bucket,
+            model_path=args.model_path,
+            model_name=args.model_name,
+        )
+    )
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    from snapshots.cli import main as snapshot_main
+
+    return snapshot_main(args.rest)
+
+
+def cmd_token_add(args: argparse.Namespace) -> int:
+    from api.auth import add_token
+
+    settings = _settings(args)
+    token = args.token or f"rk-{args.role}-{secrets.token_urlsafe(24)}"
+    add_token(settings.tokens_file, token, args.role, args.org or settings.organization_id, args.name,
+              hot_load_enabled=not args.hot_load_disabled)
+    print(token)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from workers.demo import run_demo
+
+    return run_demo(_home(args), port_base=args.port_base, keep_running=args.keep_running)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollouts", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--home", help="stack home (default $ROLLOUTS_HOME or ./.rollouts)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, fn, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--home", default=argparse.SUPPRESS, help="stack home")
+        p.set_defaults(fn=fn)
+        return p
+
+    p = add("up", cmd_up, "start the embedded stack")
+    p.add_argument("--port-base", type=int, default=None, help="first port of the stack's range (default 17200)")
+    add("down", cmd_down, "stop everything the stack started")
+    add("status", cmd_status, "what runs")
+    add("api", cmd_api, "run the API server")
+    add("worker", cmd_worker, "run the control-plane worker")
+    add("gateway", cmd_gateway, "run the gateway")
+    p = add("replica", cmd_replica, "run one replica (engine + agent)")
+    for flag in ("--deployment", "--name", "--workflow-id", "--zone", "--model-bucket", "--model-path", "--model-name"):
+        p.add_argument(flag, required=True)
+    p = add("snapshot", cmd_snapshot, "checkpoint tools: inspect, delta, apply, verify")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p = add("demo", cmd_demo, "the main job, end to end")
+    p.add_argument("--port-base", type=int, default=None)
+    p.add_argument("--keep-running", action="store_true", help="leave the stack up afterwards")
+    p = add("token", cmd_token_add, "add an API token: rollouts token add --role viewer")
+    p.add_argument("action", choices=["add"])
+    p.add_argument("--role", choices=["admin", "viewer"], required=True)
+    p.add_argument("--org", default=None)
+    p.add_argument("--name", default="added")
+    p.add_argument("--token", default=None, help="the token value (default: a new random one)")
+    p.add_argument("--hot-load-disabled", action="store_true", help="for a new organization: hot-load not enabled")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "home", None) is None:
+        args.home = os.environ.get("ROLLOUTS_HOME")
+    try:
+        return int(args.fn(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line, not a traceback, for operators
+        from workers.stack import StackError
+
+        if isinstance(exc, (StackError, SystemExit)):
+            print(f"rollouts: {exc}", file=sys.stderr)
+            return 1
+        if os.environ.get("ROLLOUTS_DEBUG"):
+            raise
+        print(f"rollouts {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Detached service processes tracked by pid files: start, check, stop.
+
+Every process the stack starts (Temporal, SeaweedFS, API, worker, gateway, replicas) gets a pid
+file and a log file. `rollouts down` stops what the pid files name, and nothing else: a pid file
+also records the process start time so a recycled pid is never killed by mistake.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _proc_start_time(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22 (starttime), counted after the parenthesised command name.
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+@dataclass
+class PidFile:
+    path: Path
+
+    def read(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def write(self, pid: int, **extra: object) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"pid": pid, "start": _proc_start_time(pid), **extra}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(self.path)
+
+    def alive_pid(self) -> int | None:
+        """The recorded pid if that very process still runs (not a zombie, not a recycled pid)."""
+        data = self.read()
+        if not data:
+            return None
+        pid = int(data["pid"])
+        start = _proc_start_time(pid)
+        if start is None or (data.get("start") and start != data["start"]):
+            return None
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return None
+        return None if state == "Z" else pid
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spawn(
+    argv: list[str],
+    *,
+    log_path: Path,
+    pid_file: PidFile,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    **extra: object,
+) -> int:
+    """Start `argv` in its own session (it outlives the caller), output appended to `log_path`."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+            start_new_session=True,
+        )
+    pid_file.write(proc.pid, argv=argv[:3], **extra)
+    return proc.pid
+
+
+def stop_pid(pid: int, *, timeout: float = 15.0, group: bool = True) -> bool:
+    """SIGTERM the process (and its process group), wait, then SIGKILL. True if it was running."""
+
+    def _send(sig: int) -> None:
+        try:
+            if group:
+                os.killpg(pid, sig)
+            else:
+                os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            os.kill(pid, sig)
+
+    if _proc_start_time(pid) is None:
+        return False
+    _send(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    _send(signal.SIGKILL)
+    for _ in range(50):
+        if not _alive(pid):
+            break
+        time.sleep(0.1)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        # Reap it if it is our child; otherwise this raises ChildProcessError.
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

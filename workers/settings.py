@@ -1,0 +1,190 @@
+"""Settings every rollouts process reads: where Temporal, the S3 store and the tokens are.
+
+The embedded stack (`rollouts up`) writes them once to ``$ROLLOUTS_HOME/stack.json``; each process
+(API, control worker, gateway, replica) loads that file. Environment variables override single
+values, so the same processes run against a real Temporal cluster and any S3 store (see deploy/):
+``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``, ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``ROLLOUTS_TOKENS_FILE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_HOME = Path(".rollouts")
+CONTROL_TASK_QUEUE = "rollouts-control"
+LOOPBACK = "127.0.0.1"
+
+# Offsets from the stack's port base. Replicas take free ports as they start.
+PORT_OFFSETS = {
+    "api": 0,
+    "gateway": 1,
+    "temporal": 10,
+    "temporal_ui": 11,
+    "temporal_http": 12,
+    "temporal_metrics": 13,
+    "s3": 20,
+    "weed_master": 21,
+    "weed_volume": 22,
+    "weed_filer": 23,
+    "weed_admin": 24,
+}
+DEFAULT_PORT_BASE = 17200
+
+# Search attributes the workflows set; registered when the dev server starts.
+SEARCH_ATTRIBUTES = {
+    "OrganizationId": "Keyword",
+    "DeploymentId": "Keyword",
+    "GatewayId": "Keyword",
+    "HotLoadIdentity": "Keyword",
+    "HotLoadState": "Keyword",
+    "HotLoadType": "Keyword",
+    "ResourceKind": "Keyword",
+}
+
+
+def home_from_env() -> Path:
+    return Path(os.environ.get("ROLLOUTS_HOME") or DEFAULT_HOME).absolute()
+
+
+@dataclass
+class Settings:
+    """Everything a rollouts process needs to find the rest of the stack."""
+
+    home: str
+    ports: dict[str, int]
+    namespace: str = "default"
+    bucket: str = "rollouts"
+    base_model_path: str = "models/base"
+    model_name: str = "rollouts-tiny-llama"
+    organization_id: str = "org-local"
+    gateway_id: str = "gw-local"
+    zone: str = "LOCAL-1A"
+    s3_access_key: str = ""
+    s3_secret_key: str = ""
+    s3_region: str = "LOCAL-1A"
+    admin_token: str = ""
+    viewer_token: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def home_path(self) -> Path:
+        return Path(self.home)
+
+    @property
+    def temporal_address(self) -> str:
+        return os.environ.get("TEMPORAL_ADDRESS") or f"{LOOPBACK}:{self.ports['temporal']}"
+
+    @property
+    def temporal_namespace(self) -> str:
+        return os.environ.get("TEMPORAL_NAMESPACE") or self.namespace
+
+    @property
+    def temporal_ui_url(self) -> str:
+        return os.environ.get("TEMPORAL_UI_URL") or f"http://{LOOPBACK}:{self.ports['temporal_ui']}"
+
+    @property
+    def s3_endpoint(self) -> str:
+        # An IP, not "localhost": boto3 then uses path-style addressing (FIELD-NOTES.md).
+        return os.environ.get("AWS_ENDPOINT_URL_S3") or f"http://{LOOPBACK}:{self.ports['s3']}"
+
+    @property
+    def api_url(self) -> str:
+        return os.environ.get("ROLLOUTS_API_URL") or f"http://{LOOPBACK}:{self.ports['api']}"
+
+    @property
+    def gateway_url(self) -> str:
+        return os.environ.get("ROLLOUTS_GATEWAY_URL") or f"http://{LOOPBACK}:{self.ports['gateway']}"
+
+    @property
+    def tokens_file(self) -> Path:
+        return Path(os.environ.get("ROLLOUTS_TOKENS_FILE") or self.home_path / "tokens.json")
+
+    # ------------------------------------------------------------------ storage
+    def save(self) -> None:
+        path = self.home_path / "stack.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        os.chmod(tmp, 0o600)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, home: Path | None = None) -> Settings:
+        home = (home or home_from_env()).absolute()
+        path = home / "stack.json"
+        if not path.exists():
+            raise SystemExit(
+                f"no stack configuration at {path}: run `make up` (or `rollouts up --home {home}`) first"
+            )
+        data = json.loads(path.read_text())
+        data["home"] = str(home)
+        return cls(**data)
+
+    @classmethod
+    def create(cls, home: Path, port_base: int = DEFAULT_PORT_BASE) -> Settings:
+        """A new configuration with fresh credentials; written once, reused by every `up`."""
+        return cls(
+            home=str(home.absolute()),
+            ports={name: port_base + off for name, off in PORT_OFFSETS.items()},
+            s3_access_key="rollouts" + secrets.token_hex(6),
+            s3_secret_key=secrets.token_urlsafe(24),
+            admin_token="rk-admin-" + secrets.token_urlsafe(24),
+            viewer_token="rk-viewer-" + secrets.token_urlsafe(24),
+        )
+
+    def s3_client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.s3_endpoint,
+            aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID") or self.s3_access_key,
+            aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY") or self.s3_secret_key,
+            region_name=os.environ.get("AWS_REGION") or self.s3_region,
+            config=Config(retries={"max_attempts": 5, "mode": "standard"}, max_pool_connections=32),
+        )
+
+    def stack_env(self) -> dict[str, str]:
+        """The `KEY=value` lines of stack.env: what a trainer's shell needs (cwtrain, aws, boto3)."""
+        return {
+            "ROLLOUTS_HOME": self.home,
+            "ROLLOUTS_API_URL": self.api_url,
+            "CW_BASE_URL": self.api_url,
+            "CW_API_TOKEN": self.admin_token,
+            "ROLLOUTS_VIEWER_TOKEN": self.viewer_token,
+            "AWS_ACCESS_KEY_ID": self.s3_access_key,
+            "AWS_SECRET_ACCESS_KEY": self.s3_secret_key,
+            "AWS_REGION": self.s3_region,
+            "AWS_DEFAULT_REGION": self.s3_region,
+            "CW_S3_ENDPOINT": self.s3_endpoint,
+            "AWS_ENDPOINT_URL_S3": self.s3_endpoint,
+            "ROLLOUTS_BUCKET": self.bucket,
+            "ROLLOUTS_BASE_MODEL_PATH": self.base_model_path,
+            "ROLLOUTS_MODEL_NAME": self.model_name,
+            "ROLLOUTS_GATEWAY_ID": self.gateway_id,
+            "ROLLOUTS_GATEWAY_URL": self.gateway_url,
+            "TEMPORAL_ADDRESS": self.temporal_address,
+            "TEMPORAL_NAMESPACE": self.temporal_namespace,
+            "TEMPORAL_UI_URL": self.temporal_ui_url,
+        }
+
+
+async def temporal_client(settings: Settings, **kwargs: Any) -> Any:
+    """A Temporal client with the pydantic data converter (our wire objects are pydantic)."""
+    from temporalio.client import Client
+    from temporalio.contrib.pydantic import pydantic_data_converter
+
+    return await Client.connect(
+        settings.temporal_address,
+        namespace=settings.temporal_namespace,
+        data_converter=pydantic_data_converter,
+        **kwargs,
+    )

