@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import signal
+import tempfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,6 +38,21 @@ from workflows.types import (
 )
 
 log = logging.getLogger("rollouts.replica")
+
+
+def engine_alive(engine: Any) -> bool:
+    from replica.engine import _pid_alive
+
+    return engine.pid is not None and _pid_alive(engine.pid)
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """The first and last lines of an error (an engine's start error carries its log tail)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def snapshot_uri(bucket: str, path_prefix: str, identity: str) -> str:
@@ -202,7 +218,10 @@ async def run_replica(
         await asyncio.to_thread(download_prefix, s3, model_bucket, model_path, model_dir)
         port = free_port()
         engine = EngineProcess(
-            model_dir=model_dir,
+            model_dir,
+            # vLLM binds IPC sockets under the engine's TMPDIR, and a socket path must stay under
+            # 108 bytes: keep it short, outside the (possibly deep) stack home.
+            work_dir=Path(tempfile.gettempdir()) / "rollouts-engines" / name,
             served_model_name=model_name,
             port=port,
             log_path=workdir / "engine.log",
@@ -211,7 +230,9 @@ async def run_replica(
         host = await asyncio.to_thread(HostWeights.load, model_dir)
     except Exception as exc:  # noqa: BLE001 - reported to the deployment, then exit
         log.exception("replica %s failed to start", name)
-        await deployment.signal("replica_failed", ReplicaFailure(name=name, reason=f"start failed: {exc}"))
+        await deployment.signal(
+            "replica_failed", ReplicaFailure(name=name, reason=f"start failed: {one_line(exc)}; log {workdir}")
+        )
         if engine is not None:
             await engine.stop()
         return 1
@@ -236,7 +257,7 @@ async def run_replica(
         )
         log.info("replica %s ready: engine %s (pid %d), queue %s", name, engine.base_url, engine.pid, task_queue)
         while not stop.is_set():
-            if not engine.running():
+            if not engine_alive(engine):
                 reason = f"engine process {engine.pid} exited; log {engine.log_path}"
                 log.error(reason)
                 try:

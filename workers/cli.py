@@ -38,6 +38,8 @@ def _logging(verbose: bool = False) -> None:
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # One line per engine call is noise in the replica and gateway logs.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

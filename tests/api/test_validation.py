@@ -1,0 +1,163 @@
+"""API validation, auth and error mapping, without Temporal: every bad request is a clear 4xx
+naming the field, in the `{"code", "message", "details"}` shape cwtrain parses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from temporalio.client import WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
+
+from api.app import PREFIX, create_app
+from api.auth import add_token
+from api.resources import page, update_error
+from workers.settings import Settings
+
+
+class NoTemporal:
+    """Stands in for the Temporal client: any use of it is a test failure."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"validation must fail before Temporal is used (called {name})")
+
+
+@pytest.fixture()
+def client(tmp_path):
+    settings = Settings.create(tmp_path, 30000)
+    add_token(settings.tokens_file, "admin-t", "admin", "org-a", "admin")
+    add_token(settings.tokens_file, "viewer-t", "viewer", "org-a", "viewer")
+    add_token(settings.tokens_file, "other-t", "admin", "org-off", "other", hot_load_enabled=False)
+    with TestClient(create_app(settings, temporal_client=NoTemporal())) as c:
+        yield c
+
+
+def post(client, path, body, token="admin-t"):
+    return client.post(f"{PREFIX}{path}", json=body, headers={"Authorization": f"Bearer {token}"})
+
+
+GOOD_HOT_LOAD = {"deploymentId": "d1", "identity": "step-1", "type": "SNAPSHOT_TYPE_FULL"}
+
+
+def test_missing_token_is_unauthenticated(client):
+    r = client.get(f"{PREFIX}/hotLoads/x")
+    assert r.status_code == 401
+    assert r.json()["code"] == "unauthenticated"
+    assert set(r.json()) == {"code", "message", "details"}
+
+
+def test_unknown_token_is_unauthenticated(client):
+    r = client.get(f"{PREFIX}/hotLoads/x", headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
+
+
+def test_viewer_cannot_create(client):
+    r = post(client, "/hotLoads", GOOD_HOT_LOAD, token="viewer-t")
+    assert r.status_code == 403
+    assert r.json()["code"] == "permission_denied"
+
+
+@pytest.mark.parametrize(
+    "identity, words",
+    [
+        ("a/b", "single path segment"),
+        ("..", ".."),
+        ("x" * 129, "at most 128"),
+        ("initial", "reserved"),
+        ("", "non-empty"),
+    ],
+)
+def test_bad_identity_names_the_field(client, identity, words):
+    r = post(client, "/hotLoads", {**GOOD_HOT_LOAD, "identity": identity})
+    assert r.status_code == 400
+    body = r.json()
+    assert body["code"] == "invalid_argument"
+    assert "identity" in body["message"] and words in body["message"]
+
+
+def test_unknown_enum_name_lists_the_valid_ones(client):
+    r = post(client, "/hotLoads", {**GOOD_HOT_LOAD, "type": "SNAPSHOT_TYPE_WHOLE"})
+    assert r.status_code == 400
+    assert "type" in r.json()["message"] and "SNAPSHOT_TYPE_FULL" in r.json()["message"]
+
+
+def test_unsupported_compression_is_refused(client):
+    body = {
+        **GOOD_HOT_LOAD,
+        "type": "SNAPSHOT_TYPE_INCREMENTAL",
+        "incrementalSnapshotMetadata": {"previousSnapshotIdentity": "s0", "compressionFormat": "COMPRESSION_FORMAT_LZ4"},
+    }
+    r = post(client, "/hotLoads", body)
+    assert r.status_code == 400
+    assert "compressionFormat" in r.json()["message"]
+
+
+def test_wrong_types_and_unknown_fields_are_named(client):
+    r = post(client, "/hotLoads", {**GOOD_HOT_LOAD, "identity": 7, "surprise": True})
+    assert r.status_code == 400
+    msg = r.json()["message"]
+    assert "identity" in msg and "surprise: unknown field" in msg
+
+
+def test_enum_numbers_are_accepted_by_validation(client):
+    # 1 = SNAPSHOT_TYPE_FULL; validation passes and the request reaches the (absent) store.
+    with pytest.raises(AssertionError, match="before Temporal"):
+        post(client, "/hotLoads", {**GOOD_HOT_LOAD, "type": 1})
+
+
+def test_oversized_body_is_refused(client):
+    r = client.post(
+        f"{PREFIX}/hotLoads",
+        content=json.dumps({**GOOD_HOT_LOAD, "identity": "x" * (2 << 20)}),
+        headers={"Authorization": "Bearer admin-t", "content-type": "application/json"},
+    )
+    assert r.status_code == 413
+
+
+def test_deployment_hot_load_needs_enabled_org_and_engine(client):
+    body = {
+        "name": "d", "gatewayIds": ["g"], "runtime": {"engine": "dynamo-vllm"},
+        "model": {"name": "m", "bucket": "bkt", "path": "p"},
+        "hotLoad": {"bucket": "bkt", "pathPrefix": "ckpt"},
+    }
+    r = post(client, "/deployments", body, token="other-t")
+    assert r.status_code == 412
+    assert r.json()["message"] == "hot-load is not enabled for this organization"
+    r = post(client, "/deployments", {**body, "runtime": {"engine": "vllm"}})
+    assert r.status_code == 400 and "runtime.engine" in r.json()["message"]
+    r = post(client, "/deployments", {**body, "hotLoad": {"bucket": "bkt", "pathPrefix": "a/../b"}})
+    assert r.status_code == 400 and "pathPrefix" in r.json()["message"]
+
+
+def test_unknown_route_is_not_found_json(client):
+    r = client.get(f"{PREFIX}/nothing", headers={"Authorization": "Bearer admin-t"})
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+
+
+@pytest.mark.parametrize(
+    "code, status",
+    [("failed_precondition", 412), ("invalid_argument", 400), ("already_exists", 409), ("not_found", 404)],
+)
+def test_update_failures_map_to_their_codes(code, status):
+    exc = WorkflowUpdateFailedError(ApplicationError("hot-load h1 is already in progress", type=code))
+    err = update_error(exc)
+    assert err.code == code and err.http_status == status
+    assert err.message == "hot-load h1 is already in progress"
+
+
+def test_pagination_tokens_walk_and_are_scoped():
+    items = list(range(7))
+    first, token = page(items, 3, None, "s")
+    assert first == [0, 1, 2] and token
+    second, token2 = page(items, 3, token, "s")
+    assert second == [3, 4, 5]
+    last, token3 = page(items, 3, token2, "s")
+    assert last == [6] and token3 is None
+    from api.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument):
+        page(items, 3, token, "other-filter")
+    with pytest.raises(InvalidArgument):
+        page(items, 3, "garbage!", "s")
+    assert page(items, 5000, None, "s")[0] == items  # capped at 1000, not refused

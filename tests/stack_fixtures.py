@@ -1,0 +1,97 @@
+"""Start and stop the real embedded stack for tests (Temporal dev server, SeaweedFS, API,
+control worker, gateway) in a temporary home on free loopback ports, and helpers to drive it."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from workers.processes import port_in_use
+from workers.settings import PORT_OFFSETS, Settings
+from workers.stack import Stack
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port_base() -> int:
+    """A base whose whole range (and SeaweedFS's gRPC ports at +10000) is free on 127.0.0.1."""
+    for _ in range(200):
+        base = random.randrange(20000, 40000, 50)
+        ports = [base + off for off in PORT_OFFSETS.values()]
+        ports += [p + 10000 for p in ports]
+        if not any(port_in_use(p) for p in ports):
+            return base
+    raise RuntimeError("no free port range found")
+
+
+def start_stack(home: Path) -> tuple[Stack, Settings]:
+    settings = Settings.create(home, free_port_base())
+    stack = Stack(settings)
+    stack.up(say=lambda line: print(line, flush=True))
+    return stack, settings
+
+
+class Api:
+    """A thin JSON client for the REST API, raising nothing: tests assert status and body."""
+
+    def __init__(self, settings: Settings, token: str | None = None) -> None:
+        self.base = f"{settings.api_url}/v1alpha1/inference"
+        self.headers = {"Authorization": f"Bearer {token or settings.admin_token}"}
+
+    def call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        return httpx.request(method, f"{self.base}{path}", headers=self.headers, timeout=60, **kw)
+
+    def wait_deployment(self, dep_id: str, timeout: float = 900) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dep = self.call("GET", f"/deployments/{dep_id}").json()["deployment"]
+            if dep["status"]["status"] in ("STATUS_READY", "STATUS_FAILED"):
+                return dep
+            time.sleep(2)
+        raise TimeoutError(f"deployment {dep_id} not ready after {timeout}s")
+
+    def wait_hot_load(self, hl_id: str, timeout: float = 900) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hl = self.call("GET", f"/hotLoads/{hl_id}").json()["hotLoad"]
+            if hl["status"]["state"] in ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED"):
+                return hl
+            time.sleep(1)
+        raise TimeoutError(f"hot-load {hl_id} not terminal after {timeout}s")
+
+
+def deployment_body(settings: Settings, name: str, replicas: int, path_prefix: str) -> dict:
+    return {
+        "name": name,
+        "gatewayIds": [settings.gateway_id],
+        "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+        "resources": {"instanceType": "cpu-local", "gpuCount": 0},
+        "model": {"name": name + "-model", "bucket": settings.bucket, "path": settings.base_model_path},
+        "autoscaling": {"min": replicas, "max": replicas},
+        "traffic": {"weight": 100},
+        "hotLoad": {"bucket": settings.bucket, "pathPrefix": path_prefix, "transitionMode": "TRANSITION_MODE_ASYNC"},
+    }
+
+
+def cwtrain_python() -> Path:
+    return Path(os.environ.get("ROLLOUTS_CWTRAIN_PYTHON") or REPO / ".venv-cw" / "bin" / "python")
+
+
+def cwtrain(settings: Settings, *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
+    """Run the real cwtrain CLI (Python 3.12 venv) with stack.env's environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "CW_", "COREWEAVE_"))}
+    env.update(settings.stack_env())
+    cmd = [str(cwtrain_python()), "-m", "cwtrain.cli", "--base-url", settings.api_url, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def json_out(proc: subprocess.CompletedProcess) -> Any:
+    assert proc.returncode == 0, f"cwtrain failed ({proc.returncode}):\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return json.loads(proc.stdout)
