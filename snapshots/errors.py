@@ -1,0 +1,82 @@
+"""The errors of the ``snapshots`` package.
+
+Every failure to read, validate, apply or write a snapshot raises a :class:`SnapshotError`, a
+``ValueError``: the input is bad, retrying will not help. Each error carries the ``file`` (a path,
+an ``s3://`` URI, or a name inside a snapshot) and the ``tensor`` it is about when there is one,
+and its message names both, so a one-line report ("model-00001-of-00002.safetensors: tensor
+'lm_head.weight': checksum mismatch ...") is enough to find the culprit.
+
+Subclasses let callers map failures to API reasons without parsing messages:
+
+* :class:`IdentityError` - a snapshot identity breaks the naming rules.
+* :class:`HeaderError` - a safetensors file is truncated or its header is inconsistent.
+* :class:`LayoutError` - files are missing, or the index does not describe the shards.
+* :class:`UnsupportedFormatError` - a delta uses an encoding, compression or checksum other
+  than ``xor`` / ``zstd`` / ``adler32``.
+* :class:`DeltaMismatchError` - a delta does not fit its base (unknown tensor, wrong size,
+  dtype/shape mismatch, bad or oversize zstd frame).
+* :class:`ChecksumError` - reconstructed bytes do not match the Adler-32 the writer recorded,
+  or a checksum is missing or malformed.
+* :class:`ChainError` - a snapshot chain is too long, broken, or out of order.
+"""
+
+from __future__ import annotations
+
+
+class SnapshotError(ValueError):
+    """A snapshot (or one of its files or tensors) is unusable.
+
+    ``file`` and ``tensor`` are also folded into the message, in that order, so ``str(exc)``
+    is a complete one-line report.
+    """
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+        self.file = file
+        self.tensor = tensor
+        self.detail = message
+        prefix = ""
+        if file is not None:
+            prefix += f"{file}: "
+        if tensor is not None:
+            prefix += f"tensor {tensor!r}: "
+        super().__init__(prefix + message)
+
+
+class IdentityError(SnapshotError):
+    """A snapshot identity is not a valid single path segment."""
+
+
+class HeaderError(SnapshotError):
+    """A safetensors file is truncated or its header is malformed or inconsistent."""
+
+
+class LayoutError(SnapshotError):
+    """Required files are missing, or the index and the shards disagree."""
+
+
+class UnsupportedFormatError(SnapshotError):
+    """A delta uses an encoding, compression or checksum format the service does not accept."""
+
+
+class DeltaMismatchError(SnapshotError):
+    """A delta does not fit the base it is applied to, or one of its frames is unusable."""
+
+
+class ChecksumError(SnapshotError):
+    """A checksum is missing, malformed, or does not match the reconstructed bytes."""
+
+
+class ChainError(SnapshotError):
+    """A snapshot chain is malformed; the message names the offending link."""
+
+
+__all__ = [
+    "ChainError",
+    "ChecksumError",
+    "DeltaMismatchError",
+    "HeaderError",
+    "IdentityError",
+    "LayoutError",
+    "SnapshotError",
+    "UnsupportedFormatError",
+]

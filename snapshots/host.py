@@ -1,0 +1,374 @@
+"""``HostWeights``: a replica's host-side copy of the weights it serves, in checkpoint format.
+
+The replica keeps the bytes of every tensor exactly as the trainer's checkpoint holds them
+(same names, dtypes, shapes, shard layout), so it can apply the trainer's deltas to them, prove
+what it serves (per-tensor Adler-32), hand tensors to the engine, and write them out as a full
+checkpoint. The API is deliberately small::
+
+    weights = HostWeights.load("/models/base")            # or "s3://bucket/prefix/step-1/", s3=client
+    changed = weights.apply_delta("s3://bucket/prefix/step-2/", s3=client)   # all-or-nothing
+    for name in changed:
+        engine_param.copy_(weights.tensor(name))          # torch view, right dtype and shape
+    weights.checksums()                                   # {name: "8-hex adler32"}
+    weights.materialize("/tmp/step-2")                    # a full checkpoint directory
+
+Loading verifies the Adler-32 recorded in a full snapshot's shard ``__metadata__`` (cwtrain's
+``write_full_snapshot`` records them). ``apply_delta`` is all-or-nothing: if any tensor fails
+(see :mod:`snapshots.codec`) the weights are exactly as before and a ``SnapshotError`` names the
+file and tensor. It changes the buffers in place: tensors returned by :meth:`tensor` are views
+and see the new values; do not read them while an apply runs.
+
+Memory: each shard is one contiguous buffer of the shard file's size (``mmap=True`` maps local
+shards copy-on-write instead, so only the pages a delta touches become private memory).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap as mmap_module
+import os
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from snapshots.codec import DeltaReport, adler32_hex, apply_plan_in_place, default_workers
+from snapshots.errors import ChecksumError, SnapshotError
+from snapshots.inspect import (
+    INDEX_FILE,
+    SHARD_SUFFIX,
+    DeltaPlan,
+    FullLayout,
+    read_delta_plan,
+    read_full_layout,
+)
+from snapshots.safetensors_io import encode_header, readinto_exact
+from snapshots.storage import LocalSource
+
+#: Non-shard files (config, tokenizer) larger than this are not carried along to materialize.
+MAX_SIDE_FILE_BYTES = 256 * 2**20
+#: Remote shards are fetched in parts of this size, concurrently.
+_REMOTE_PART_BYTES = 64 * 2**20
+#: Index metadata keys that describe a delta, dropped when weights are written as a full snapshot.
+_DELTA_KEYS = ("delta_encoding", "compression_format", "version", "base_version")
+
+_TORCH_DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors dtype string, e.g. "BF16"
+    shape: tuple[int, ...]
+    nbytes: int
+    shard: str
+
+
+class HostWeights:
+    """The full set of tensors of one checkpoint, held in host memory, updatable by deltas."""
+
+    def __init__(
+        self,
+        layout: FullLayout,
+        shard_buffers: dict[str, np.ndarray],
+        side_files: dict[str, bytes],
+        *,
+        workers: int | None = None,
+    ) -> None:
+        """Use :meth:`load`."""
+        self._layout = layout
+        self._buffers = shard_buffers
+        self._side_files = side_files
+        self.workers = workers or default_workers()
+        self._info: dict[str, TensorInfo] = {}
+        self._views: dict[str, np.ndarray] = {}
+        for name, (shard, entry) in layout.tensors.items():
+            self._info[name] = TensorInfo(name, entry.dtype, entry.shape, entry.nbytes, shard)
+            self._views[name] = shard_buffers[shard][entry.begin : entry.end]
+        self._checksums: dict[str, str] = {}
+        #: ``version`` of every delta applied since load, in order.
+        self.applied: list[str | None] = []
+        self.source_uri = layout.source.uri
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def load(
+        cls,
+        location: Any,
+        *,
+        s3: Any = None,
+        mmap: bool = False,
+        verify: bool = True,
+        workers: int | None = None,
+    ) -> HostWeights:
+        """Load a full checkpoint (directory or ``s3://`` prefix).
+
+        Args:
+            s3: A boto3 S3 client for ``s3://`` locations.
+            mmap: Map local shards copy-on-write instead of reading them (the files are never
+                written). Ignored for S3.
+            verify: Check the Adler-32 recorded in shard ``__metadata__``, when there are any.
+
+        Raises:
+            SnapshotError: the checkpoint is malformed or a recorded checksum does not match.
+        """
+        layout = read_full_layout(location, s3=s3)
+        workers = workers or default_workers()
+        source = layout.source
+        shards = layout.index.shards
+        buffers: dict[str, np.ndarray] = {}
+        if isinstance(source, LocalSource):
+            for shard in shards:
+                path = source.path(shard)
+                with open(path, "rb", buffering=0) as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if mmap and size:
+                        mapped = mmap_module.mmap(f.fileno(), size, access=mmap_module.ACCESS_COPY)
+                        buffers[shard] = np.frombuffer(mapped, dtype=np.uint8)
+                    else:
+                        buf = np.empty(size, dtype=np.uint8)
+                        readinto_exact(f, 0, buf)
+                        buffers[shard] = buf
+        else:
+            parts: list[tuple[str, int, int]] = []
+            for shard in shards:
+                size = layout.files[shard]
+                buffers[shard] = np.empty(size, dtype=np.uint8)
+                parts += [(shard, off, min(_REMOTE_PART_BYTES, size - off)) for off in range(0, size, _REMOTE_PART_BYTES)]
+
+            def fetch(part: tuple[str, int, int]) -> None:
+                shard, offset, length = part
+                data = source.read_range(shard, offset, length)
+                if len(data) != length:
+                    raise SnapshotError("object is shorter than listed", file=source.describe(shard))
+                buffers[shard][offset : offset + length] = np.frombuffer(data, dtype=np.uint8)
+
+            with ThreadPoolExecutor(max_workers=min(workers, max(1, len(parts)))) as pool:
+                list(pool.map(fetch, parts))
+        side_files = {
+            name: source.read_all(name)
+            for name, size in layout.files.items()
+            if not name.endswith(SHARD_SUFFIX) and name != INDEX_FILE and size <= MAX_SIDE_FILE_BYTES
+        }
+        weights = cls(layout, buffers, side_files, workers=workers)
+        if verify and layout.checksums:
+            weights._verify_recorded(layout.checksums)
+        return weights
+
+    def _verify_recorded(self, recorded: dict[str, str]) -> None:
+        names = sorted(recorded)
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            computed = list(pool.map(lambda n: adler32_hex(self._views[n]), names))
+        for name, digest in zip(names, computed):
+            if digest != recorded[name]:
+                raise ChecksumError(
+                    f"checksum mismatch: __metadata__ records {recorded[name]}, the bytes have {digest}",
+                    file=self._layout.source.describe(self._info[name].shard),
+                    tensor=name,
+                )
+            self._checksums[name] = digest
+
+    # ------------------------------------------------------------------ reading
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._info
+
+    def __len__(self) -> int:
+        return len(self._info)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._info)
+
+    def names(self) -> list[str]:
+        """Tensor names, in the checkpoint index's order."""
+        return list(self._info)
+
+    def info(self, name: str) -> TensorInfo:
+        """dtype, shape, byte size and shard of one tensor."""
+        try:
+            return self._info[name]
+        except KeyError:
+            raise SnapshotError("no such tensor in the host weights", tensor=name) from None
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a flat ``uint8`` array (a view: do not write to it)."""
+        self.info(name)
+        return self._views[name]
+
+    def tensor(self, name: str) -> Any:
+        """The tensor as a CPU ``torch.Tensor`` of its dtype and shape, sharing memory with the
+        host copy (``.clone()`` it to keep a value across a later :meth:`apply_delta`)."""
+        import torch
+
+        info = self.info(name)
+        dtype = getattr(torch, _TORCH_DTYPES[info.dtype])
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=dtype)
+        return torch.frombuffer(self._views[name], dtype=dtype).view(info.shape)
+
+    def save(self, names: list[str]) -> dict[str, np.ndarray]:
+        """Copies of the named tensors' bytes, for :meth:`restore` (undo of a multi-delta chain)."""
+        return {name: self.raw(name).copy() for name in names}
+
+    def restore(self, saved: dict[str, np.ndarray]) -> None:
+        """Put back bytes from :meth:`save`; their cached checksums are dropped."""
+        for name, old in saved.items():
+            self._views[name][...] = old
+            self._checksums.pop(name, None)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(i.nbytes for i in self._info.values())
+
+    # ------------------------------------------------------------------ updating
+
+    def apply_delta(self, delta_location: Any, *, s3: Any = None) -> list[str]:
+        """Apply one delta (directory, ``s3://`` prefix or :class:`DeltaPlan`), all-or-nothing.
+
+        Returns:
+            The names of the tensors that changed, in the delta's order.
+
+        Raises:
+            SnapshotError: naming file and tensor; the weights are unchanged.
+        """
+        return self.apply_delta_report(delta_location, s3=s3).changed
+
+    def apply_delta_report(self, delta_location: Any, *, s3: Any = None) -> DeltaReport:
+        """Like :meth:`apply_delta`, returning the full :class:`DeltaReport` (sizes, checksums)."""
+        plan = delta_location if isinstance(delta_location, DeltaPlan) else read_delta_plan(delta_location, s3=s3)
+        report = apply_plan_in_place(self._views, plan, workers=self.workers)
+        self._checksums.update(report.checksums)
+        self.applied.append(plan.version)
+        return report
+
+    # ------------------------------------------------------------------ proving and writing
+
+    def checksums(self) -> dict[str, str]:
+        """Adler-32 (8 hex digits) of every tensor's current bytes, in index order.
+
+        Checksums verified at load or by a delta are reused; the rest are computed once."""
+        missing = [n for n in self._info if n not in self._checksums]
+        if missing:
+            with ThreadPoolExecutor(max_workers=self.workers) as pool:
+                for name, digest in zip(missing, pool.map(lambda n: adler32_hex(self._views[n]), missing)):
+                    self._checksums[name] = digest
+        return {name: self._checksums[name] for name in self._info}
+
+    def manifest(self, identity: str, version: str | None = None) -> dict[str, Any]:
+        """The ``_manifests/IDENTITY.json`` record of the current weights."""
+        return {
+            "identity": identity,
+            "version": version if version is not None else identity,
+            "checksum_format": "adler32",
+            "tensors": dict(sorted(self.checksums().items())),
+        }
+
+    def materialize(self, out_dir: str | os.PathLike[str]) -> Path:
+        """Write the current weights as a full checkpoint directory at ``out_dir`` (replaced).
+
+        Same shard names and tensor order as the loaded checkpoint; each shard's
+        ``__metadata__`` carries every tensor's Adler-32 and the index says
+        ``checksum_format: adler32``, like cwtrain's full snapshots. ``config.json`` and the other
+        small files of the base are copied. Written to a temporary sibling and renamed, so
+        ``out_dir`` never holds a partial checkpoint.
+        """
+        out = Path(out_dir)
+        checksums = self.checksums()
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            by_shard: dict[str, list[str]] = {}
+            for name, info in self._info.items():
+                by_shard.setdefault(info.shard, []).append(name)
+            for shard, names in by_shard.items():
+                header = self._layout.headers[shard]
+                names.sort(key=lambda n: header.tensors[n].begin)  # keep the file's tensor order
+                metadata = {k: v for k, v in header.metadata.items() if k not in header.tensors}
+                metadata.update({n: checksums[n] for n in names})
+                head = encode_header(
+                    ((n, self._info[n].dtype, self._info[n].shape, self._info[n].nbytes) for n in names),
+                    metadata,
+                )
+                with open(tmp / shard, "wb") as f:
+                    f.write(head)
+                    for n in names:
+                        f.write(memoryview(self._views[n]))
+            metadata = {k: v for k, v in self._layout.index.metadata.items() if k not in _DELTA_KEYS}
+            metadata["total_size"] = self.total_bytes
+            metadata["checksum_format"] = "adler32"
+            index = {"metadata": metadata, "weight_map": {n: i.shard for n, i in self._info.items()}}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            for name, body in self._side_files.items():
+                (tmp / name).write_bytes(body)
+            if out.exists():
+                shutil.rmtree(out)
+            tmp.replace(out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out
+
+
+def materialize_chain(
+    base: Any,
+    deltas: list[Any],
+    out_dir: str | os.PathLike[str],
+    *,
+    s3: Any = None,
+    workers: int | None = None,
+) -> Path:
+    """Reconstruct ``base`` + ``deltas`` (in order) as a full checkpoint directory ``out_dir``.
+
+    Every delta is validated and applied all-or-nothing; on any failure ``out_dir`` is not
+    created (or replaced) and the error names the delta's file and tensor.
+    """
+    weights = HostWeights.load(base, s3=s3, workers=workers)
+    for delta in deltas:
+        weights.apply_delta(delta, s3=s3)
+    return weights.materialize(out_dir)
+
+
+def checkpoint_checksums(location: Any, *, s3: Any = None, workers: int | None = None) -> dict[str, str]:
+    """Adler-32 of every tensor of a full checkpoint, computed from its bytes."""
+    return HostWeights.load(location, s3=s3, mmap=True, verify=False, workers=workers).checksums()
+
+
+def compare_checksums(ours: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    """Human-readable differences between two ``{name: adler32}`` maps (empty when equal)."""
+    problems = []
+    for name in sorted(set(ours) | set(theirs)):
+        a, b = ours.get(name), theirs.get(name)
+        if a is None:
+            problems.append(f"{name}: missing on the left")
+        elif b is None:
+            problems.append(f"{name}: missing on the right")
+        elif a != b:
+            problems.append(f"{name}: {a} != {b}")
+    return problems
+
+
+__all__ = ["HostWeights", "TensorInfo", "checkpoint_checksums", "compare_checksums", "materialize_chain"]
