@@ -26,6 +26,18 @@ def snapshot_uri(bucket: str, path_prefix: str, identity: str) -> str:
     return f"s3://{bucket}/{prefix + '/' if prefix else ''}{identity}/"
 
 
+def snapshot_check_failure(
+    identity: str, uri: str, *, missing: list[str] | None = None, exc: BaseException | None = None
+) -> ApplicationError:
+    """The admission error for an incomplete or malformed snapshot: `failed_precondition`, never
+    retried, naming the snapshot, where it was looked for and each missing file."""
+    if missing:
+        message = f"snapshot {identity!r} ({uri}) is missing required files: {', '.join(missing)}"
+    else:
+        message = f"snapshot {identity!r} ({uri}): {exc}"
+    return ApplicationError(message, type=FAILED_PRECONDITION, non_retryable=True)
+
+
 class ControlActivities:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -82,13 +94,7 @@ class ControlActivities:
         try:
             missing = check_required_files(uri, kind, s3=self.settings.s3_client())
         except SnapshotError as exc:
-            raise ApplicationError(
-                f"snapshot {inp.identity!r} ({uri}): {exc}", type=FAILED_PRECONDITION, non_retryable=True
-            ) from None
+            raise snapshot_check_failure(inp.identity, uri, exc=exc) from None
         if missing:
-            raise ApplicationError(
-                f"snapshot {inp.identity!r} ({uri}) is missing required files: {', '.join(missing)}",
-                type=FAILED_PRECONDITION,
-                non_retryable=True,
-            )
+            raise snapshot_check_failure(inp.identity, uri, missing=missing)
         return []

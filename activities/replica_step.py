@@ -17,7 +17,6 @@ cancel or a lost agent is noticed within seconds.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING
 
 from temporalio import activity
@@ -25,7 +24,14 @@ from temporalio.exceptions import ApplicationError
 
 from workflows import names
 from workflows.errors import NON_RETRYABLE_SNAPSHOT
-from workflows.types import ApplySnapshotInput, ApplySnapshotResult, PromptCachePolicy
+from workflows.types import (
+    ApplySnapshotInput,
+    ApplySnapshotResult,
+    PeerOffer,
+    PeerOfferInput,
+    PromptCachePolicy,
+    ReceiveFromPeerInput,
+)
 
 if TYPE_CHECKING:
     from replica.agent import ReplicaRuntime
@@ -43,58 +49,70 @@ class ReplicaActivities:
         async with rt.lock:
             heartbeat = asyncio.create_task(_heartbeat_forever())
             try:
-                try:
-                    staged = await asyncio.to_thread(rt.stage_chain, inp)
-                except SnapshotError as exc:
-                    raise ApplicationError(str(exc), type=NON_RETRYABLE_SNAPSHOT, non_retryable=True) from None
-                if staged.nothing_to_do:
-                    return ApplySnapshotResult(
-                        identity=inp.identity, engine_pid=rt.engine.pid, tensors_loaded=0,
-                        bytes_read_from_bucket=staged.bytes_read, pause_ms=0.0, links_applied=[],
-                    )
-                t0 = time.perf_counter()
-                # A cancel arriving now waits for the engine step to finish or roll back, so a
-                # replica never stays paused or serves a mix of weights; the step then reports
+                # A cancel arriving mid-step waits for the engine step to finish or roll back, so
+                # a replica never stays paused or serves a mix of weights; the step then reports
                 # what the replica really serves.
-                swap = asyncio.ensure_future(self._swap_in_engine(staged, inp))
+                step = asyncio.ensure_future(rt.apply_from_bucket(inp))
                 try:
-                    await asyncio.shield(swap)
+                    return await asyncio.shield(step)
                 except asyncio.CancelledError:
-                    await swap
-                pause_ms = (time.perf_counter() - t0) * 1000
-                rt.commit(staged, inp)
-                return ApplySnapshotResult(
-                    identity=inp.identity,
-                    engine_pid=rt.engine.pid,
-                    tensors_loaded=len(staged.names),
-                    bytes_read_from_bucket=staged.bytes_read,
-                    pause_ms=pause_ms,
-                    links_applied=staged.links,
-                )
+                    return await step
+            except SnapshotError as exc:
+                raise ApplicationError(str(exc), type=NON_RETRYABLE_SNAPSHOT, non_retryable=True) from None
             finally:
                 heartbeat.cancel()
-
-    async def _swap_in_engine(self, staged, inp: ApplySnapshotInput) -> None:
-        rt = self.runtime
-        # RESET_ALL: clear the KV cache at the pause, so paused requests are recomputed on the new
-        # weights after the resume and no prefix computed under the old ones is reused.
-        reset = inp.prompt_cache_policy == PromptCachePolicy.RESET_ALL
-        try:
-            await rt.engine.pause(mode="keep", clear_cache=reset)
-            try:
-                await rt.engine.load_weights_from_files([str(staged.path)], staged.names)
-            finally:
-                await rt.engine.resume()
-        except Exception as exc:
-            await rt.roll_back(staged)
-            raise ApplicationError(
-                f"loading {len(staged.names)} tensor(s) into the engine failed, previous weights "
-                f"restored: {exc}",
-                type="EngineLoadFailed",
-            ) from None
 
 
 async def _heartbeat_forever(every: float = 2.0) -> None:
     while True:
         activity.heartbeat()
         await asyncio.sleep(every)
+
+
+class PeerActivities:
+    """Weights passed replica to replica: the sender offers, then both ends join one group.
+
+    The sender streams the changed tensors from its engine (not from the bucket) over a
+    torch.distributed group between the two engine processes (gloo on CPU, NCCL on GPU). The
+    receiver checks every tensor's Adler-32 against the sender's verified host copy before its
+    engine changes, loads all-or-nothing inside one pause, then updates its own host copy from
+    what its engine now holds. It reads zero bytes from the bucket.
+    """
+
+    def __init__(self, runtime: ReplicaRuntime) -> None:
+        self.runtime = runtime
+
+    @activity.defn(name=names.OFFER_TO_PEER)
+    async def offer_to_peer(self, inp: PeerOfferInput) -> PeerOffer:
+        from snapshots.errors import SnapshotError
+
+        try:
+            return await asyncio.to_thread(self.runtime.make_offer, inp)
+        except SnapshotError as exc:
+            raise ApplicationError(str(exc), type="PeerOfferRefused", non_retryable=True) from None
+
+    @activity.defn(name=names.SEND_TO_PEER)
+    async def send_to_peer(self, offer: PeerOffer) -> int:
+        heartbeat = asyncio.create_task(_heartbeat_forever())
+        try:
+            return await self.runtime.send_to_peer(offer)
+        finally:
+            heartbeat.cancel()
+
+    @activity.defn(name=names.RECEIVE_FROM_PEER)
+    async def receive_from_peer(self, inp: ReceiveFromPeerInput) -> ApplySnapshotResult:
+        from snapshots.errors import SnapshotError
+
+        rt = self.runtime
+        async with rt.lock:
+            heartbeat = asyncio.create_task(_heartbeat_forever())
+            try:
+                swap = asyncio.ensure_future(rt.receive_from_peer(inp.offer, inp.prompt_cache_policy))
+                try:
+                    return await asyncio.shield(swap)
+                except asyncio.CancelledError:
+                    return await swap  # finish or roll back; never leave the engine paused
+            except SnapshotError as exc:
+                raise ApplicationError(str(exc), type=NON_RETRYABLE_SNAPSHOT, non_retryable=True) from None
+            finally:
+                heartbeat.cancel()

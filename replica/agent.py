@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,6 +31,10 @@ from workers.settings import Settings, temporal_client
 from workflows import names
 from workflows.types import (
     ApplySnapshotInput,
+    ApplySnapshotResult,
+    PeerOffer,
+    PeerOfferInput,
+    PromptCachePolicy,
     ReplicaEndpoint,
     ReplicaFailure,
     SnapshotRef,
@@ -70,28 +75,43 @@ class StagedUpdate:
     bytes_read: int = 0
     new_host: Any = None  # a new HostWeights when the chain starts from another full base
     backups: dict[str, np.ndarray] = field(default_factory=dict)  # old bytes of in-place changes
+    expected: dict[str, str] = field(default_factory=dict)  # Adler-32 of each staged tensor
+    changed_by_link: dict[str, list[str] | None] = field(default_factory=dict)
     nothing_to_do: bool = False
 
 
 class ReplicaRuntime:
-    """State shared by the agent's activities: the engine, the host copy and what it serves."""
+    """State shared by the agent's activities: the engine, the host copy and what it serves.
 
-    def __init__(self, *, engine: Any, host: Any, s3: Any, workdir: Path) -> None:
+    Every update is staged first (host copy, staging file; the engine keeps serving), then
+    swapped in inside one short pause, then proven (the engine's bytes read back and compared
+    with the snapshot's Adler-32), then committed. A failure at any point leaves the engine and
+    the host copy exactly as they were.
+    """
+
+    def __init__(self, *, name: str, engine: Any, host: Any, s3: Any, workdir: Path,
+                 peer_host: str = "127.0.0.1", peer_backend: str = "gloo") -> None:
+        self.name = name
         self.engine = engine
         self.host = host
         self.s3 = s3
         self.workdir = workdir
         self.staging = workdir / "staging"
+        self.peer_host = peer_host
+        self.peer_backend = peer_backend
         # Identities of the chain the replica serves, full base first; ["initial"] at start.
         self.applied: list[str] = ["initial"]
+        # Tensors each applied link changed (None: not known, so treat as all).
+        self.changed_by_link: dict[str, list[str] | None] = {}
         self.lock = asyncio.Lock()
 
     @property
     def current_identity(self) -> str:
         return self.applied[-1]
 
-    # ------------------------------------------------------------------ staging
+    # ------------------------------------------------------------------ from the bucket
     def stage_chain(self, inp: ApplySnapshotInput) -> StagedUpdate:
+        from snapshots.errors import ChainError
         from snapshots.host import HostWeights
         from snapshots.inspect import read_delta_plan
 
@@ -100,8 +120,6 @@ class ReplicaRuntime:
             return StagedUpdate(nothing_to_do=True)
         staged = StagedUpdate()
         if not inp.chain or inp.chain[0].type != SnapshotType.FULL:
-            from snapshots.errors import ChainError
-
             raise ChainError("the snapshot chain must start with a full snapshot")
         have = len(self.applied)
         incremental = have < len(wanted) and self.applied == wanted[:have] and self.applied[0] != "initial"
@@ -110,62 +128,209 @@ class ReplicaRuntime:
             target = self.host
         else:
             base = inp.chain[0]
-            uri = snapshot_uri(inp.bucket, inp.path_prefix, base.identity)
-            target = HostWeights.load(uri, s3=self.s3)
+            target = HostWeights.load(snapshot_uri(inp.bucket, inp.path_prefix, base.identity), s3=self.s3)
             staged.new_host = target
             staged.bytes_read += target.total_bytes
             staged.links.append(base.identity)
+            staged.changed_by_link[base.identity] = None
             todo = inp.chain[1:]
         changed: set[str] = set()
         try:
             for link in todo:
-                uri = snapshot_uri(inp.bucket, inp.path_prefix, link.identity)
-                plan = read_delta_plan(uri, s3=self.s3)
+                plan = read_delta_plan(snapshot_uri(inp.bucket, inp.path_prefix, link.identity), s3=self.s3)
                 if staged.new_host is None:
-                    for name in plan.tensors:
-                        if name not in staged.backups and name in target:
-                            staged.backups[name] = target.raw(name).copy()
-                changed.update(target.apply_delta(plan.uri, s3=self.s3))
+                    # Each delta is all-or-nothing; a chain of several is undone from these copies.
+                    fresh = [n for n in plan.tensors if n not in staged.backups and n in target]
+                    staged.backups.update(target.save(fresh))
+                link_changed = target.apply_delta(plan, s3=self.s3)
+                changed.update(link_changed)
+                staged.changed_by_link[link.identity] = list(link_changed)
                 staged.bytes_read += plan.wire_bytes
                 staged.links.append(link.identity)
         except Exception:
-            self._restore(staged)
+            self.host.restore(staged.backups)
             raise
         staged.names = sorted(target.names() if staged.new_host is not None else changed)
+        staged.expected = {n: c for n, c in target.checksums().items() if n in set(staged.names)}
         staged.path = self._write_staging(target, staged.names, inp.identity)
         return staged
 
-    def _write_staging(self, host: Any, names_: list[str], identity: str) -> Path:
+    def _write_staging(self, host: Any, names_: list[str], label: str) -> Path:
         from safetensors.torch import save_file
 
         self.staging.mkdir(parents=True, exist_ok=True)
-        path = self.staging / f"{identity}.safetensors"
+        path = self.staging / f"{label}.safetensors"
         save_file({n: host.tensor(n).contiguous() for n in names_}, str(path))
         return path
 
-    def _restore(self, staged: StagedUpdate) -> None:
-        self.host.restore(staged.backups)
-
-    # ------------------------------------------------------------------ outcome
-    def commit(self, staged: StagedUpdate, inp: ApplySnapshotInput) -> None:
-        if staged.new_host is not None:
-            self.host = staged.new_host
-        self.applied = [link.identity for link in inp.chain]
-        if staged.path is not None:
-            staged.path.unlink(missing_ok=True)
-
-    async def roll_back(self, staged: StagedUpdate) -> None:
-        """Give the engine back the tensors it had, and the host copy its bytes."""
-        self._restore(staged)
-        if not staged.names:
-            return
-        path = self._write_staging(self.host, staged.names, "rollback")
-        await self.engine.pause(mode="keep", clear_cache=False)
+    async def apply_from_bucket(self, inp: ApplySnapshotInput) -> ApplySnapshotResult:
+        t0 = time.perf_counter()
+        staged = await asyncio.to_thread(self.stage_chain, inp)
+        stage_ms = (time.perf_counter() - t0) * 1000
+        if staged.nothing_to_do:
+            verified = await self.prove(self.host.names())
+            return ApplySnapshotResult(
+                identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=0, bytes_read_from_bucket=0,
+                pause_ms=0.0, stage_ms=stage_ms, verified_tensors=verified,
+            )
         try:
-            await self.engine.load_weights_from_files([str(path)], staged.names)
+            pause_ms = await self._swap_from_file(staged, inp.prompt_cache_policy)
+        finally:
+            if staged.path is not None:
+                staged.path.unlink(missing_ok=True)
+        self._commit([link.identity for link in inp.chain], staged.new_host, staged.changed_by_link)
+        verified = await self.prove(staged.names)
+        return ApplySnapshotResult(
+            identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=len(staged.names),
+            bytes_read_from_bucket=staged.bytes_read, pause_ms=pause_ms, links_applied=staged.links,
+            stage_ms=stage_ms, source="bucket", verified_tensors=verified,
+        )
+
+    async def _swap_from_file(self, staged: StagedUpdate, policy: PromptCachePolicy) -> float:
+        """Pause (keeping requests), load the staged tensors in place, resume; all or nothing."""
+        # RESET_ALL: clear the KV cache at the pause, so paused requests are recomputed on the new
+        # weights after the resume and no prefix computed under the old ones is reused.
+        reset = policy == PromptCachePolicy.RESET_ALL
+        t0 = time.perf_counter()
+        try:
+            await self.engine.pause(mode="keep", clear_cache=reset)
+            try:
+                await self.engine.load_weights_from_files(
+                    [str(staged.path)], staged.names, expected_adler32=staged.expected
+                )
+            finally:
+                await self.engine.resume()
+        except Exception as exc:
+            # The engine's own load is all-or-nothing; the host copy is put back here.
+            self.host.restore(staged.backups)
+            raise EngineUpdateError(
+                f"loading {len(staged.names)} tensor(s) into the engine failed; it serves its previous "
+                f"weights: {one_line(exc)}"
+            ) from None
+        return (time.perf_counter() - t0) * 1000
+
+    def _commit(self, chain_ids: list[str], new_host: Any, changed: dict[str, list[str] | None]) -> None:
+        if new_host is not None:
+            self.host = new_host
+            self.changed_by_link = {}
+        self.changed_by_link.update(changed)
+        self.applied = list(chain_ids)
+
+    async def prove(self, names_: list[str]) -> int:
+        """Read the engine's bytes back and compare them with the host copy's verified Adler-32."""
+        if not names_:
+            return 0
+        served = await self.engine.checksums(names_)
+        expected = self.host.checksums()
+        wrong = [n for n in names_ if served.get(n) != expected.get(n)]
+        if wrong:
+            raise EngineUpdateError(
+                f"served weights differ from the snapshot for {len(wrong)} tensor(s): {', '.join(wrong[:5])}"
+            )
+        return len(names_)
+
+    # ------------------------------------------------------------------ replica to replica
+    def make_offer(self, inp: PeerOfferInput) -> PeerOffer:
+        from snapshots.errors import ChainError
+
+        chain_ids = [link.identity for link in inp.chain]
+        if self.applied != chain_ids:
+            raise ChainError(f"replica {self.name} serves {self.current_identity!r}, not {inp.identity!r}")
+        if inp.target_identity in chain_ids[:-1]:
+            missing = chain_ids[chain_ids.index(inp.target_identity) + 1 :]
+            known = [self.changed_by_link.get(i) for i in missing]
+            if all(k is not None for k in known):
+                names_ = sorted({n for k in known for n in k})  # type: ignore[union-attr]
+                base = inp.target_identity
+            else:
+                names_, base = self.host.names(), "*"
+        else:
+            names_, base = self.host.names(), "*"  # another base: send everything
+        checksums = self.host.checksums()
+        return PeerOffer(
+            source_replica=self.name, host=self.peer_host, port=free_port(self.peer_host),
+            backend=self.peer_backend, base_identity=base, identity=inp.identity, chain=inp.chain,
+            specs=[[n, str(self.host.tensor(n).dtype).removeprefix("torch."), list(self.host.info(n).shape)] for n in names_],
+            expected_adler32={n: checksums[n] for n in names_},
+        )
+
+    async def send_to_peer(self, offer: PeerOffer) -> int:
+        await self.engine.peer_init(offer.host, offer.port, 0, 2, offer.backend, timeout_s=120)
+        try:
+            sent = await self.engine.peer_send([s[0] for s in offer.specs])
+        finally:
+            await self.engine.peer_close()
+        return int(sent.get("bytes", 0))
+
+    async def receive_from_peer(self, offer: PeerOffer, policy: PromptCachePolicy) -> ApplySnapshotResult:
+        from snapshots.errors import ChainError
+
+        if offer.base_identity != "*" and self.current_identity != offer.base_identity:
+            raise ChainError(
+                f"replica {self.name} serves {self.current_identity!r}; the offer completes {offer.base_identity!r}"
+            )
+        names_ = [s[0] for s in offer.specs]
+        reset = policy == PromptCachePolicy.RESET_ALL
+        t0 = time.perf_counter()
+        await self.engine.pause(mode="keep", clear_cache=reset)
+        try:
+            await self.engine.peer_init(offer.host, offer.port, 1, 2, offer.backend, timeout_s=120)
+            try:
+                # Checked against the sender's verified Adler-32 before the engine changes.
+                await self.engine.peer_receive(offer.specs, src=0, verify=True, expected_adler32=offer.expected_adler32)
+            finally:
+                await self.engine.peer_close()
+        except Exception as exc:
+            raise EngineUpdateError(f"receiving from {offer.source_replica} failed; previous weights kept: {one_line(exc)}") from None
         finally:
             await self.engine.resume()
+        pause_ms = (time.perf_counter() - t0) * 1000
+        # The host copy takes the same bytes, read back from the engine (no bucket reads).
+        path = self.staging / f"peer-{offer.identity}.safetensors"
+        self.staging.mkdir(parents=True, exist_ok=True)
+        await self.engine.save_weights(names_, path)
+        try:
+            received = await asyncio.to_thread(_read_raw, path)
+        finally:
             path.unlink(missing_ok=True)
+        saved = self.host.save(names_)
+        self.host.restore(received)
+        got = self.host.checksums()
+        wrong = [n for n in names_ if got[n] != offer.expected_adler32[n]]
+        if wrong:
+            self.host.restore(saved)
+            raise EngineUpdateError(f"host copy differs after the transfer for {', '.join(wrong[:5])}")
+        chain_ids = [link.identity for link in offer.chain]
+        missing = chain_ids if offer.base_identity == "*" else chain_ids[chain_ids.index(offer.base_identity) + 1 :]
+        # Per-link changes are known only when one link was missing (the usual rolling update).
+        changed: dict[str, list[str] | None] = {i: None for i in missing}
+        if len(missing) == 1 and offer.base_identity != "*":
+            changed[missing[0]] = names_
+        if offer.base_identity == "*":
+            self.changed_by_link = {}
+        self._commit(chain_ids, None, changed)
+        verified = await self.prove(names_)
+        return ApplySnapshotResult(
+            identity=offer.identity, engine_pid=self.engine.pid, tensors_loaded=len(names_),
+            bytes_read_from_bucket=0, pause_ms=pause_ms, source=f"peer:{offer.source_replica}",
+            verified_tensors=verified, links_applied=chain_ids,
+        )
+
+
+class EngineUpdateError(RuntimeError):
+    """The engine could not take an update; it serves exactly its previous weights."""
+
+
+def _read_raw(path: Path) -> dict[str, np.ndarray]:
+    """Tensors of a safetensors file as flat byte arrays (the host copy's representation)."""
+    import torch
+    from safetensors import safe_open
+
+    out: dict[str, np.ndarray] = {}
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            out[key] = f.get_tensor(key).contiguous().view(-1).view(torch.uint8).numpy().copy()
+    return out
 
 
 # ---------------------------------------------------------------------- process
@@ -204,7 +369,7 @@ async def run_replica(
 ) -> int:
     from temporalio.worker import Worker
 
-    from activities.replica_step import ReplicaActivities
+    from activities.replica_step import PeerActivities, ReplicaActivities
     from replica.engine import EngineProcess
     from snapshots.host import HostWeights
 
@@ -237,13 +402,18 @@ async def run_replica(
             await engine.stop()
         return 1
 
-    runtime = ReplicaRuntime(engine=engine, host=host, s3=s3, workdir=workdir)
+    runtime = ReplicaRuntime(name=name, engine=engine, host=host, s3=s3, workdir=workdir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     task_queue = names.replica_task_queue(deployment_id, name)
-    worker = Worker(client, task_queue=task_queue, activities=[ReplicaActivities(runtime).apply_snapshot])
+    peer = PeerActivities(runtime)
+    worker = Worker(
+        client,
+        task_queue=task_queue,
+        activities=[ReplicaActivities(runtime).apply_snapshot, peer.offer_to_peer, peer.send_to_peer, peer.receive_from_peer],
+    )
     code = 0
     async with worker:
         now = rfc3339(datetime.now(UTC))

@@ -7,7 +7,19 @@ bucket as an activity, then starts the hot-load as a child workflow), keeps the 
 completed snapshots, and tears the replicas down on `delete`.
 
 Serialization: workflow code runs one handler step at a time, so the handler marks the hot-load
-active before its first await. Two concurrent creates can therefore never both be admitted.
+active before its first await. Two concurrent creates can therefore never both be admitted (when
+several arrive in one workflow task their validators all run first, so the handler applies the
+rules again; the losers fail with `already in progress`).
+
+The deployment learns that its hot-load ended twice over: the hot-load signals
+`hot_load_finished`, and the handler's watcher awaits the child's result. Either clears the
+active operation (idempotently), so a hot-load that is terminated, or whose signal is lost to a
+second cancel, can never block the deployment forever.
+
+`update_config` (PATCH /deployments/{id}) changes what needs no new replicas (`runtime.version`,
+`runtime.engineConfig`, `traffic`); it refuses an update that omits or changes the `hotLoad`
+section, and any update while a hot-load runs.
+
 Reads never query this workflow: it publishes the wire object in its memo on every change.
 """
 
@@ -17,13 +29,19 @@ import asyncio
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.common import (
+    RetryPolicy,
+    SearchAttributeKey,
+    SearchAttributePair,
+    TypedSearchAttributes,
+    WorkflowIDReusePolicy,
+)
 from temporalio.exceptions import ApplicationError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from workflows import names
-    from workflows.errors import ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, rejected
+    from workflows.errors import ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, UNAVAILABLE, rejected
     from workflows.hot_load import HotLoadWorkflow
     from workflows.types import (
         MAX_DELTAS_IN_CHAIN,
@@ -32,6 +50,7 @@ with workflow.unsafe.imports_passed_through():
         Condition,
         ConditionStatus,
         CreateHotLoadCommand,
+        Deployment,
         DeploymentInput,
         HotLoad,
         HotLoadInput,
@@ -46,6 +65,7 @@ with workflow.unsafe.imports_passed_through():
         SnapshotType,
         StartReplicasInput,
         StopReplicasInput,
+        UpdateDeploymentCommand,
         identity_problem,
         rfc3339,
     )
@@ -56,6 +76,9 @@ KIND = SearchAttributeKey.for_keyword("ResourceKind")
 
 HOT_LOAD_ENGINE = "dynamo-vllm"
 REPLICA_START_TIMEOUT = timedelta(minutes=20)
+# Chains kept for later deltas to build on: the most recently completed identities. A delta whose
+# predecessor fell out of this window is refused like one never loaded (publish a full one).
+MAX_CHAINS_KEPT = 256
 
 
 def search_attributes(org: str, deployment_id: str) -> TypedSearchAttributes:
@@ -229,6 +252,68 @@ class DeploymentWorkflow:
     def delete(self) -> None:
         self.deleting = True
 
+    # ------------------------------------------------------------------ configuration
+    @workflow.update
+    def update_config(self, cmd: UpdateDeploymentCommand) -> Deployment:
+        self._check_update(cmd)  # again: a hot-load may have been admitted since the validator
+        spec = self.spec
+        if cmd.runtime is not None:
+            spec.runtime.version = cmd.runtime.version
+            spec.runtime.engine_config = dict(cmd.runtime.engine_config)
+        if cmd.traffic is not None:
+            spec.traffic = cmd.traffic
+        self.state.deployment.status.updated_at = cmd.updated_at
+        self._publish()
+        return self.state.deployment
+
+    @update_config.validator
+    def _validate_update(self, cmd: UpdateDeploymentCommand) -> None:
+        self._check_update(cmd)
+
+    def _check_update(self, cmd: UpdateDeploymentCommand) -> None:
+        spec = self.spec
+        if spec.hot_load is not None and cmd.hot_load is None:
+            raise rejected(
+                INVALID_ARGUMENT,
+                "hotLoad: an update must include the deployment's hotLoad section unchanged "
+                "(it is immutable after creation)",
+            )
+        if spec.hot_load is None and cmd.hot_load is not None:
+            raise rejected(
+                INVALID_ARGUMENT,
+                "hotLoad: cannot be added to an existing deployment; create a new deployment with it",
+            )
+        if cmd.hot_load is not None and cmd.hot_load != spec.hot_load:
+            raise rejected(
+                INVALID_ARGUMENT,
+                "hotLoad: differs from the deployment's section, which is immutable after creation; "
+                "create a new deployment to change it",
+            )
+        fixed = {
+            "name": (cmd.name, spec.name),
+            "gatewayIds": (cmd.gateway_ids, spec.gateway_ids),
+            "resources": (cmd.resources, spec.resources),
+            "model": (cmd.model, spec.model),
+            "autoscaling": (cmd.autoscaling, spec.autoscaling),
+            "runtime.engine": (cmd.runtime.engine if cmd.runtime else None, spec.runtime.engine),
+        }
+        changed = [field for field, (new, old) in fixed.items() if new is not None and new != old]
+        if changed:
+            raise rejected(
+                INVALID_ARGUMENT,
+                f"{', '.join(changed)}: cannot be changed by an update (only runtime.version, "
+                "runtime.engineConfig and traffic can); create a new deployment",
+            )
+        if self.state.active_hot_load_id is not None:
+            raise rejected(
+                FAILED_PRECONDITION,
+                f"hot-load {self.state.active_hot_load_id} is already in progress on deployment {spec.id}; "
+                "configuration updates wait until it ends",
+            )
+        if self.deleting or self.state.deployment.status.status != ResourceStatus.READY:
+            status = "STATUS_DELETING" if self.deleting else self.state.deployment.status.status.value
+            raise rejected(FAILED_PRECONDITION, f"deployment {spec.id} is {status}, not STATUS_READY")
+
     # ------------------------------------------------------------------ hot-loads
     @workflow.update
     async def create_hot_load(self, cmd: CreateHotLoadCommand) -> HotLoad:
@@ -240,18 +325,28 @@ class DeploymentWorkflow:
         hl_cfg = self.spec.hot_load
         assert hl_cfg is not None
         try:
-            for link in chain:
-                await workflow.execute_activity(
-                    names.CHECK_SNAPSHOT,
-                    CheckSnapshotInput(
-                        bucket=hl_cfg.bucket, path_prefix=hl_cfg.path_prefix,
-                        identity=link.identity, type=link.type,
-                    ),
-                    start_to_close_timeout=timedelta(seconds=60),
-                    retry_policy=RetryPolicy(
-                        maximum_attempts=3, non_retryable_error_types=[FAILED_PRECONDITION]
-                    ),
-                )
+            # Every snapshot of the chain at once (a 64-link chain in one round trip); the first
+            # failing link in chain order is the one reported.
+            checks = await asyncio.gather(
+                *(
+                    workflow.execute_activity(
+                        names.CHECK_SNAPSHOT,
+                        CheckSnapshotInput(
+                            bucket=hl_cfg.bucket, path_prefix=hl_cfg.path_prefix,
+                            identity=link.identity, type=link.type,
+                        ),
+                        start_to_close_timeout=timedelta(seconds=60),
+                        retry_policy=RetryPolicy(
+                            maximum_attempts=3, non_retryable_error_types=[FAILED_PRECONDITION]
+                        ),
+                    )
+                    for link in chain
+                ),
+                return_exceptions=True,
+            )
+            for outcome in checks:
+                if isinstance(outcome, BaseException):
+                    raise outcome
             hot_load = HotLoad(
                 spec=HotLoadSpec(
                     id=cmd.hot_load_id,
@@ -267,7 +362,7 @@ class DeploymentWorkflow:
                     state=HotLoadState.PENDING, created_at=cmd.created_at, updated_at=cmd.created_at
                 ),
             )
-            await workflow.start_child_workflow(
+            child = await workflow.start_child_workflow(
                 HotLoadWorkflow.run,
                 HotLoadInput(
                     hot_load=hot_load,
@@ -277,29 +372,69 @@ class DeploymentWorkflow:
                 ),
                 id=names.hot_load_workflow_id(cmd.hot_load_id),
                 parent_close_policy=ParentClosePolicy.ABANDON,
+                # A hot-load id names one operation forever, even after it closed.
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 search_attributes=HotLoadWorkflow.search_attributes(hot_load),
                 memo={"hotLoad": hot_load.wire()},
             )
         except Exception as exc:
+            # Not admitted: the id stays free for a retry once the cause is fixed.
             self.state.active_hot_load_id = None
+            if cmd.hot_load_id in self.state.seen_hot_load_ids:
+                self.state.seen_hot_load_ids.remove(cmd.hot_load_id)
             self._publish()
             cause = exc.__cause__ if exc.__cause__ is not None else exc
             if isinstance(cause, ApplicationError) and cause.type in (FAILED_PRECONDITION, INVALID_ARGUMENT):
                 raise rejected(cause.type, cause.message) from None
             if type(exc).__name__ == "WorkflowAlreadyStartedError":
                 raise rejected(ALREADY_EXISTS, f"hot-load {cmd.hot_load_id} already exists") from None
+            if isinstance(cause, ApplicationError) or type(cause).__name__ == "TimeoutError":
+                raise rejected(
+                    UNAVAILABLE, f"checking the snapshot files failed, try again: {cause}"
+                ) from None
             raise
+        asyncio.create_task(self._watch(child, cmd.hot_load_id))  # deterministic: the workflow loop
         return hot_load
+
+    async def _watch(self, child: workflow.ChildWorkflowHandle, hot_load_id: str) -> None:
+        """Clears the active operation when the child closes, however it closes."""
+        try:
+            outcome = await child
+        except Exception as exc:  # noqa: BLE001 - terminated, timed out or failed at workflow level
+            workflow.logger.warning("hot-load %s closed without an outcome: %s", hot_load_id, exc)
+            if self.state.active_hot_load_id == hot_load_id:
+                self.state.active_hot_load_id = None
+                self._publish()
+            return
+        self._finish(outcome)
 
     @create_hot_load.validator
     def _validate_create(self, cmd: CreateHotLoadCommand) -> None:
         self._admit(cmd)
 
     def _admit(self, cmd: CreateHotLoadCommand) -> None:
-        """The admission rules that need no I/O; each a clear error with its API code."""
+        """The admission rules that need no I/O, each a clear error with its API code.
+
+        Order: what is wrong with the request itself (invalid_argument) before what is wrong
+        with the moment (failed_precondition), so a retry cannot succeed on a bad request.
+        """
         spec = self.spec
         if cmd.hot_load_id in self.state.seen_hot_load_ids:
             raise rejected(ALREADY_EXISTS, f"hot-load {cmd.hot_load_id} already exists")
+        problem = identity_problem(cmd.identity)
+        if problem:
+            raise rejected(INVALID_ARGUMENT, problem)
+        meta = cmd.incremental_snapshot_metadata
+        if cmd.type == SnapshotType.FULL and meta is not None:
+            raise rejected(INVALID_ARGUMENT, "incrementalSnapshotMetadata must be omitted for SNAPSHOT_TYPE_FULL")
+        if cmd.type == SnapshotType.INCREMENTAL:
+            if meta is None:
+                raise rejected(INVALID_ARGUMENT, "incrementalSnapshotMetadata is required for SNAPSHOT_TYPE_INCREMENTAL")
+            problem = identity_problem(meta.previous_snapshot_identity, "incrementalSnapshotMetadata.previousSnapshotIdentity")
+            if problem:
+                raise rejected(INVALID_ARGUMENT, problem)
+            if meta.previous_snapshot_identity == cmd.identity:
+                raise rejected(INVALID_ARGUMENT, "a delta cannot be its own previousSnapshotIdentity")
         if not cmd.organization_hot_load_enabled:
             raise rejected(FAILED_PRECONDITION, "hot-load is not enabled for this organization")
         if spec.hot_load is None:
@@ -328,20 +463,7 @@ class DeploymentWorkflow:
                 "the deployment's gateways are in different zones "
                 f"({', '.join(sorted(set(self.state.gateway_zones)))}); hot-load needs them in one zone",
             )
-        problem = identity_problem(cmd.identity)
-        if problem:
-            raise rejected(INVALID_ARGUMENT, problem)
-        meta = cmd.incremental_snapshot_metadata
-        if cmd.type == SnapshotType.FULL and meta is not None:
-            raise rejected(INVALID_ARGUMENT, "incrementalSnapshotMetadata must be omitted for SNAPSHOT_TYPE_FULL")
-        if cmd.type == SnapshotType.INCREMENTAL:
-            if meta is None:
-                raise rejected(INVALID_ARGUMENT, "incrementalSnapshotMetadata is required for SNAPSHOT_TYPE_INCREMENTAL")
-            problem = identity_problem(meta.previous_snapshot_identity, "incrementalSnapshotMetadata.previousSnapshotIdentity")
-            if problem:
-                raise rejected(INVALID_ARGUMENT, problem)
-            if meta.previous_snapshot_identity == cmd.identity:
-                raise rejected(INVALID_ARGUMENT, "a delta cannot be its own previousSnapshotIdentity")
+        if meta is not None:
             if meta.previous_snapshot_identity not in self.state.chains:
                 raise rejected(
                     FAILED_PRECONDITION,
@@ -369,14 +491,23 @@ class DeploymentWorkflow:
 
     @workflow.signal
     def hot_load_finished(self, outcome: HotLoadOutcome) -> None:
+        self._finish(outcome)
+
+    def _finish(self, outcome: HotLoadOutcome) -> None:
+        """Take note of an ended hot-load; idempotent (the signal and the watcher both call it)."""
         if self.state.active_hot_load_id == outcome.hot_load_id:
             self.state.active_hot_load_id = None
         served = {r.name: r.current_snapshot_identity for r in outcome.replicas}
         for r in self.state.replicas:
             if served.get(r.name):
                 r.current_snapshot_identity = served[r.name]
-        if outcome.state == HotLoadState.COMPLETED and outcome.chain:
+        already = any(link.hot_load_id == outcome.hot_load_id for link in self.state.completed)
+        if outcome.state == HotLoadState.COMPLETED and outcome.chain and not already:
+            # Re-inserted last, so the dict's order is completion order (oldest first).
+            self.state.chains.pop(outcome.identity, None)
             self.state.chains[outcome.identity] = outcome.chain
+            while len(self.state.chains) > MAX_CHAINS_KEPT:
+                del self.state.chains[next(iter(self.state.chains))]
             self.state.completed.append(
                 ChainLink(
                     identity=outcome.identity,

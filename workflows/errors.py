@@ -11,6 +11,7 @@ FAILED_PRECONDITION = "failed_precondition"
 INVALID_ARGUMENT = "invalid_argument"
 NOT_FOUND = "not_found"
 ALREADY_EXISTS = "already_exists"
+UNAVAILABLE = "unavailable"
 
 # Activity errors that retrying cannot heal (checksum mismatch, missing file, bad format).
 NON_RETRYABLE_SNAPSHOT = "SnapshotError"

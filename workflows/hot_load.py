@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
@@ -27,6 +28,10 @@ with workflow.unsafe.imports_passed_through():
     from workflows.types import (
         ApplySnapshotInput,
         ApplySnapshotResult,
+        PeerOffer,
+        PeerOfferInput,
+        ReceiveFromPeerInput,
+        ReplicaEndpoint,
         Condition,
         ConditionStatus,
         HotLoad,
@@ -52,6 +57,22 @@ REPLICA_STEP_RETRY = RetryPolicy(
     maximum_interval=timedelta(seconds=10),
     maximum_attempts=3,
     non_retryable_error_types=[NON_RETRYABLE_SNAPSHOT],
+)
+REPLICA_STEP_OPTIONS = dict(
+    start_to_close_timeout=timedelta(minutes=15),
+    # A step that no agent picks up means the replica is gone.
+    schedule_to_start_timeout=timedelta(minutes=2),
+    heartbeat_timeout=timedelta(seconds=30),
+    retry_policy=REPLICA_STEP_RETRY,
+    cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+)
+# A peer step is tried once: on failure the replica reads the bucket instead.
+PEER_STEP_OPTIONS = dict(
+    start_to_close_timeout=timedelta(minutes=10),
+    schedule_to_start_timeout=timedelta(minutes=1),
+    heartbeat_timeout=timedelta(seconds=30),
+    retry_policy=RetryPolicy(maximum_attempts=1),
+    cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
 )
 
 
@@ -116,7 +137,7 @@ class HotLoadWorkflow:
         workflow.upsert_search_attributes([STATE.value_set(state.value)])
         self._publish()
 
-    def _replica_moved(self, r: Replica, state: ReplicaState, **fields: str | None) -> None:
+    def _replica_moved(self, r: Replica, state: ReplicaState, **fields: Any) -> None:
         now = self._now()
         r.state = state
         r.transitioned_at = now
@@ -135,28 +156,12 @@ class HotLoadWorkflow:
             if not self.replicas:
                 raise ApplicationError("the deployment has no ready replicas", type="NoReplicas")
             self._set_state(HotLoadState.IN_PROGRESS)
-            for replica, endpoint in zip(self.replicas, sorted(inp.replicas, key=lambda r: (r.zone, r.name))):
+            endpoints = sorted(inp.replicas, key=lambda r: (r.zone, r.name))
+            updated: list[ReplicaEndpoint] = []
+            for replica, endpoint in zip(self.replicas, endpoints):
                 self._replica_moved(replica, ReplicaState.UPDATING, started_at=self._now(), error_reason=None)
                 try:
-                    result: ApplySnapshotResult = await workflow.execute_activity(
-                        names.APPLY_SNAPSHOT,
-                        ApplySnapshotInput(
-                            hot_load_id=spec.id,
-                            identity=spec.identity,
-                            chain=spec.snapshot_chain,
-                            bucket=inp.hot_load_config.bucket,
-                            path_prefix=inp.hot_load_config.path_prefix,
-                            prompt_cache_policy=spec.prompt_cache_policy,
-                        ),
-                        task_queue=endpoint.task_queue,
-                        result_type=ApplySnapshotResult,
-                        start_to_close_timeout=timedelta(minutes=15),
-                        # A step that no agent picks up means the replica is gone.
-                        schedule_to_start_timeout=timedelta(minutes=2),
-                        heartbeat_timeout=timedelta(seconds=30),
-                        retry_policy=REPLICA_STEP_RETRY,
-                        cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-                    )
+                    result = await self._update_one(inp, endpoint, replica, updated[-1] if updated else None)
                 except Exception as exc:
                     if is_cancelled_exception(exc):
                         raise
@@ -168,7 +173,12 @@ class HotLoadWorkflow:
                     ReplicaState.READY,
                     current_snapshot_identity=result.identity,
                     finished_at=self._now(),
+                    source=result.source,
+                    bytes_read_from_bucket=result.bytes_read_from_bucket,
+                    pause_ms=round(result.pause_ms, 3),
+                    verified_tensors=result.verified_tensors,
                 )
+                updated.append(endpoint)
             self._set_state(
                 HotLoadState.COMPLETED,
                 Condition(
@@ -217,6 +227,68 @@ class HotLoadWorkflow:
         except Exception:  # noqa: BLE001 - the deployment may have been deleted meanwhile
             workflow.logger.warning("could not report to %s", inp.deployment_workflow_id)
         return outcome
+
+    async def _update_one(
+        self, inp: HotLoadInput, endpoint: ReplicaEndpoint, replica: Replica, peer: ReplicaEndpoint | None
+    ) -> ApplySnapshotResult:
+        """One replica step: from an updated peer when there is one, else from the bucket."""
+        spec = self.hot_load.spec
+        if peer is not None and inp.peer_transfer:
+            try:
+                return await self._receive_from_peer(inp, endpoint, replica, peer)
+            except Exception as exc:
+                if is_cancelled_exception(exc):
+                    raise
+                # The bucket still has the snapshot: a broken peer link must not fail the update.
+                workflow.logger.warning(
+                    "peer transfer %s -> %s failed (%s); reading from the bucket", peer.name, endpoint.name,
+                    _error_reason(exc),
+                )
+        return await workflow.execute_activity(
+            names.APPLY_SNAPSHOT,
+            ApplySnapshotInput(
+                hot_load_id=spec.id,
+                identity=spec.identity,
+                chain=spec.snapshot_chain,
+                bucket=inp.hot_load_config.bucket,
+                path_prefix=inp.hot_load_config.path_prefix,
+                prompt_cache_policy=spec.prompt_cache_policy,
+            ),
+            task_queue=endpoint.task_queue,
+            result_type=ApplySnapshotResult,
+            **REPLICA_STEP_OPTIONS,
+        )
+
+    async def _receive_from_peer(
+        self, inp: HotLoadInput, endpoint: ReplicaEndpoint, replica: Replica, peer: ReplicaEndpoint
+    ) -> ApplySnapshotResult:
+        spec = self.hot_load.spec
+        offer: PeerOffer = await workflow.execute_activity(
+            names.OFFER_TO_PEER,
+            PeerOfferInput(
+                hot_load_id=spec.id, identity=spec.identity, chain=spec.snapshot_chain,
+                target_identity=replica.current_snapshot_identity,
+            ),
+            task_queue=peer.task_queue,
+            result_type=PeerOffer,
+            **PEER_STEP_OPTIONS,
+        )
+        # Both ends join one process group: run the two steps concurrently.
+        send = workflow.execute_activity(
+            names.SEND_TO_PEER, offer, task_queue=peer.task_queue, **PEER_STEP_OPTIONS
+        )
+        receive = workflow.execute_activity(
+            names.RECEIVE_FROM_PEER,
+            ReceiveFromPeerInput(offer=offer, prompt_cache_policy=spec.prompt_cache_policy),
+            task_queue=endpoint.task_queue,
+            result_type=ApplySnapshotResult,
+            **PEER_STEP_OPTIONS,
+        )
+        results = await asyncio.gather(send, receive, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results[1]
 
     def _mixed_message(self, verb: str) -> str:
         served = sorted({r.current_snapshot_identity for r in self.replicas})

@@ -12,6 +12,9 @@ STOP_REPLICAS = "stop_replicas"
 CHECK_SNAPSHOT = "check_snapshot_files"
 # Activities on each replica's own queue (run by its agent, next to the engine).
 APPLY_SNAPSHOT = "apply_snapshot"
+OFFER_TO_PEER = "offer_to_peer"
+SEND_TO_PEER = "send_to_peer"
+RECEIVE_FROM_PEER = "receive_from_peer"
 
 
 def deployment_workflow_id(deployment_id: str) -> str:

@@ -240,6 +240,12 @@ class Replica(WireModel):
     finished_at: str | None = None
     transitioned_at: str | None = None
     updated_at: str | None = None
+    # Beyond the guide: how this replica's last step went (where its weights came from, bytes
+    # read from the bucket, the pause window, tensors whose served bytes were proven).
+    source: str | None = None
+    bytes_read_from_bucket: int | None = None
+    pause_ms: float | None = None
+    verified_tensors: int | None = None
 
 
 # --------------------------------------------------------------------------- internal
@@ -269,6 +275,8 @@ class HotLoadInput(WireModel):
     hot_load_config: HotLoadConfig
     replicas: list[ReplicaEndpoint]
     deployment_workflow_id: str
+    # Replicas after the first take the weights from an updated peer instead of the bucket.
+    peer_transfer: bool = True
 
 
 class HotLoadOutcome(WireModel):
@@ -300,6 +308,26 @@ class CreateHotLoadCommand(WireModel):
     prompt_cache_policy: PromptCachePolicy = PromptCachePolicy.PRESERVE
     organization_hot_load_enabled: bool = True
     created_at: str
+
+
+class UpdateDeploymentCommand(WireModel):
+    """A deployment update after the API parsed it: each field given replaces the current one.
+
+    `hot_load` is the section the caller sent (None: omitted). The workflow refuses an update
+    that omits or changes it on a hot-load deployment, and one that adds it to another; of the
+    rest only `runtime.version`, `runtime.engineConfig` and `traffic` may change (the others
+    would need new replicas), and nothing changes while a hot-load runs.
+    """
+
+    name: str | None = None
+    gateway_ids: list[str] | None = None
+    runtime: Runtime | None = None
+    resources: Resources | None = None
+    model: ModelSource | None = None
+    autoscaling: Autoscaling | None = None
+    traffic: Traffic | None = None
+    hot_load: HotLoadConfig | None = None
+    updated_at: str
 
 
 # --------------------------------------------------------------------------- rules
@@ -374,6 +402,39 @@ class ApplySnapshotResult(WireModel):
     bytes_read_from_bucket: int
     pause_ms: float
     links_applied: list[str] = Field(default_factory=list)
+    stage_ms: float = 0.0
+    source: str = "bucket"  # "bucket", or "peer:<replica name>"
+    # Tensors whose served bytes were read back from the engine and matched the snapshot's
+    # Adler-32 after the update: the served-weights proof behind READY.
+    verified_tensors: int = 0
+
+
+class PeerOfferInput(WireModel):
+    """Asks an updated replica what it would send to a peer that serves `target_identity`."""
+
+    hot_load_id: str
+    identity: str
+    chain: list[SnapshotRef]
+    target_identity: str
+
+
+class PeerOffer(WireModel):
+    """What a sending replica offers: where to join, and exactly which tensors will arrive."""
+
+    source_replica: str
+    host: str
+    port: int
+    backend: str
+    base_identity: str  # the identity the receiver must serve for these tensors to complete it
+    identity: str
+    chain: list[SnapshotRef]
+    specs: list[list[Any]]  # [name, dtype, shape] in send order
+    expected_adler32: dict[str, str]
+
+
+class ReceiveFromPeerInput(WireModel):
+    offer: PeerOffer
+    prompt_cache_policy: PromptCachePolicy = PromptCachePolicy.PRESERVE
 
 
 class DeploymentInput(WireModel):

@@ -1,0 +1,498 @@
+"""One vLLM OpenAI server process (our engine), started or attached to, driven over HTTP.
+
+Contract:
+
+- ``EngineProcess(model_dir, work_dir=..., ...)`` describes an engine; ``await start()`` launches
+  ``python -m vllm.entrypoints.openai.api_server`` for ``model_dir`` on 127.0.0.1 with dev-mode
+  routes on (``VLLM_SERVER_DEV_MODE=1``), BF16, eager mode, a small KV cache
+  (``VLLM_CPU_KVCACHE_SPACE``), ``--served-model-name``, ``--max-model-len``, ``--max-num-seqs``
+  and our worker extension (``replica.engine_extension.WeightLoaderExtension``), then waits until
+  ``/health`` and ``/v1/models`` answer. A start that fails or times out raises
+  ``EngineStartError`` carrying the tail of the log, and stops what it started.
+- Everything the process writes goes under ``work_dir``: its log (``engine.log`` unless
+  ``log_path`` says otherwise) and, through ``TMPDIR`` / ``VLLM_CACHE_ROOT`` /
+  ``VLLM_CONFIG_ROOT`` / ``HF_HOME`` / ``XDG_*``, vLLM's IPC files and caches. Usage
+  statistics are off and Hugging Face is offline: nothing leaves the machine.
+- ``EngineProcess.attach(base_url, pid=None)`` drives an engine someone else started; ``stop()``
+  on it signals ``pid`` if given (it cannot reap it).
+- Async control methods (httpx) map to vLLM's dev-mode routes and to the extension's methods
+  over ``/collective_rpc`` (see ``replica/engine_extension.py`` for their JSON):
+  ``pause``, ``resume``, ``is_paused``, ``reset_prefix_cache``, ``collective_rpc``,
+  ``load_weights_from_files``, ``checksums``, ``weight_specs``, ``engine_pids``, ``peer_*``.
+  Non-2xx answers raise ``EngineRequestError`` with the status and body.
+- ``stop()``: SIGTERM to the server, wait, then SIGKILL to its whole process group (the server,
+  the engine core and the worker: the server is started in a session of its own) on timeout.
+
+Measured on the 2-core CPU machine with the embedded model (see tests/replica/test_engine.py,
+which prints them): a start takes ~40-70 s (almost all imports and process spawns); the pause
+window for ``pause(keep)`` -> ``load_weights_from_files`` (10 tensors, 2.6 MB) -> ``resume`` is
+tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+EXTENSION_CLS = "replica.engine_extension.WeightLoaderExtension"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class EngineStartError(EngineError):
+    pass
+
+
+class EngineRequestError(EngineError):
+    def __init__(self, method: str, path: str, status: int, body: str):
+        super().__init__(f"{method} {path} -> HTTP {status}: {body[:2000]}")
+        self.status = status
+        self.body = body
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now (the usual bind-to-0 race applies)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path | None, max_bytes: int = 6000) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    with path.open("rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - max_bytes))
+        return f.read().decode("utf-8", "replace")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+class EngineProcess:
+    """A vLLM OpenAI server for one model directory; see the module docstring."""
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        *,
+        work_dir: Path | str,
+        served_model_name: str = "model",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_path: Path | str | None = None,
+        max_model_len: int = 1024,
+        max_num_seqs: int = 32,
+        kv_cache_gib: int = 1,
+        dtype: str = "bfloat16",
+        worker_extension_cls: str | None = EXTENSION_CLS,
+        python: str = sys.executable,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.work_dir = Path(work_dir)
+        self.served_model_name = served_model_name
+        self.host = host
+        self.port = port
+        self.log_path = Path(log_path) if log_path else self.work_dir / "engine.log"
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.kv_cache_gib = kv_cache_gib
+        self.dtype = dtype
+        self.worker_extension_cls = worker_extension_cls
+        self.python = python
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pid: int | None = None
+        self._base_url: str | None = None
+        self._clients: dict[int, httpx.AsyncClient] = {}
+        self.start_seconds: float | None = None
+
+    # -- identity ---------------------------------------------------------------------------
+
+    @classmethod
+    def attach(cls, base_url: str, *, pid: int | None = None, served_model_name: str | None = None) -> EngineProcess:
+        """An EngineProcess for an engine that is already running at ``base_url``."""
+        self = cls("", work_dir=".", served_model_name=served_model_name or "")
+        self._base_url = base_url.rstrip("/")
+        self._pid = pid
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        """The API server's pid (the engine core and worker are its children)."""
+        return self._pid
+
+    @property
+    def base_url(self) -> str:
+        if self._base_url is None:
+            raise EngineError("engine not started")
+        return self._base_url
+
+    @property
+    def owned(self) -> bool:
+        """True when this object started the process (and so may reap it)."""
+        return self._proc is not None
+
+    def command(self) -> list[str]:
+        assert self.port is not None
+        cmd = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--served-model-name", self.served_model_name,
+            "--dtype", self.dtype,
+            "--enforce-eager",
+            "--host", self.host,
+            "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+        ]  # fmt: skip
+        if self.worker_extension_cls:
+            cmd += ["--worker-extension-cls", self.worker_extension_cls]
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        tmp = self.work_dir / "tmp"
+        cache = self.work_dir / "cache"
+        env.update(
+            {
+                "VLLM_SERVER_DEV_MODE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+                # Keep every file the engine writes under work_dir, and nothing leaves the machine.
+                "TMPDIR": str(tmp),
+                "VLLM_CACHE_ROOT": str(cache / "vllm"),
+                "VLLM_CONFIG_ROOT": str(cache / "vllm-config"),
+                "HF_HOME": str(cache / "hf"),
+                "XDG_CACHE_HOME": str(cache),
+                "XDG_CONFIG_HOME": str(cache / "config"),
+                "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+                "TRITON_CACHE_DIR": str(cache / "triton"),
+                "VLLM_NO_USAGE_STATS": "1",
+                "VLLM_DO_NOT_TRACK": "1",
+                "DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1",
+                # The worker imports our extension by name: make the repo importable.
+                "PYTHONPATH": os.pathsep.join(
+                    p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
+                ),
+            }
+        )
+        env.update(self.extra_env)
+        return env
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self, timeout: float = 600.0) -> EngineProcess:
+        """Launch the server and wait until it serves; raises EngineStartError."""
+        if self._proc is not None or self._base_url is not None:
+            raise EngineError("already started or attached")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        for sub in ("tmp", "cache"):
+            (self.work_dir / sub).mkdir(exist_ok=True)
+        if self.port is None:
+            self.port = free_port(self.host)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        with self.log_path.open("ab") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(self.command())}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                cwd=str(self.work_dir),
+                # A session of its own: stop() can kill the server, engine core and worker
+                # together by process group if SIGTERM is not enough.
+                start_new_session=True,
+            )
+        self._pid = self._proc.pid
+        self._base_url = f"http://{self.host}:{self.port}"
+        try:
+            await self.wait_ready(timeout)
+        except BaseException:
+            await self.stop()
+            raise
+        self.start_seconds = time.monotonic() - t0
+        return self
+
+    async def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            while True:
+                if self._proc is not None and self._proc.poll() is not None:
+                    raise EngineStartError(
+                        f"vLLM exited with code {self._proc.returncode} before it served "
+                        f"(log {self.log_path}):\n{_tail(self.log_path)}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    health = await client.get(self.base_url + "/health")
+                    if health.status_code == 200:
+                        models = await client.get(self.base_url + "/v1/models")
+                        if models.status_code == 200 and models.json().get("data"):
+                            return
+                if time.monotonic() > deadline:
+                    raise EngineStartError(
+                        f"vLLM at {self.base_url} not ready after {timeout:.0f}s "
+                        f"(log {self.log_path}):\n{_tail(self.log_path)}"
+                    )
+                await asyncio.sleep(0.5)
+
+    async def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, wait up to ``timeout``, then SIGKILL the process group. Returns the exit code
+        when this object started the process; None for an attached one."""
+        await self.aclose()
+        pid = self._pid
+        if pid is None:
+            return None
+        if self._proc is not None:
+            proc = self._proc
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + timeout
+                while proc.poll() is None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                await asyncio.to_thread(proc.wait)
+            # The engine core and worker share the server's process group; wait for them too.
+            await self._kill_group_leftovers(pid)
+            return proc.returncode
+        if _pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while _pid_alive(pid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            if _pid_alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        return None
+
+    async def _kill_group_leftovers(self, pgid: int, grace: float = 10.0) -> None:
+        """Children that outlive the server (the engine core exits on its own after the
+        server's SIGTERM, but give it a bounded grace period) get SIGKILL."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            await asyncio.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+
+    async def __aenter__(self) -> EngineProcess:
+        if self._base_url is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- HTTP -------------------------------------------------------------------------------
+
+    def _client(self) -> httpx.AsyncClient:
+        # One client per event loop: an httpx.AsyncClient's pool is bound to the loop it ran on.
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(id(loop))
+        if client is None or client.is_closed:
+            client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(600.0, connect=10.0))
+            self._clients[id(loop)] = client
+        return client
+
+    async def aclose(self) -> None:
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        client = self._client()
+        resp = await client.request(method, path, **kwargs)
+        if resp.status_code // 100 != 2:
+            if resp.status_code >= 500:
+                # vLLM's server drops the keep-alive connection after an unhandled exception
+                # (e.g. a failing collective_rpc); a pooled connection would then fail the
+                # next request with ReadError. Start the next request on a fresh pool.
+                self._clients.pop(id(asyncio.get_running_loop()), None)
+                await client.aclose()
+            raise EngineRequestError(method, path, resp.status_code, resp.text)
+        return resp
+
+    async def health(self) -> bool:
+        try:
+            return (await self._client().get("/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def models(self) -> list[str]:
+        return [m["id"] for m in (await self.request("GET", "/v1/models")).json()["data"]]
+
+    # -- pause / resume / cache -------------------------------------------------------------
+
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        """``keep`` freezes running requests in place and queues new ones (vLLM ignores
+        ``clear_cache`` in that mode: use ``reset_prefix_cache`` after the update instead);
+        ``wait`` drains running requests; ``abort`` aborts them."""
+        await self.request(
+            "POST", "/pause", params={"mode": mode, "clear_cache": "true" if clear_cache else "false"}
+        )
+
+    async def resume(self) -> None:
+        await self.request("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self.request("GET", "/is_paused")).json()["is_paused"])
+
+    async def reset_prefix_cache(self) -> bool:
+        """True when vLLM reset the prefix cache (it refuses while requests hold blocks)."""
+        resp = await self.request("POST", "/reset_prefix_cache")
+        with contextlib.suppress(ValueError):
+            body = resp.json()
+            if isinstance(body, dict) and "success" in body:
+                return bool(body["success"])
+        return True
+
+    # -- the extension ----------------------------------------------------------------------
+
+    async def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call a worker method; returns one JSON result per worker (one at TP=1)."""
+        resp = await self.request(
+            "POST", "/collective_rpc", json={"method": method, "args": list(args), "kwargs": kwargs}
+        )
+        if not resp.content:
+            return []
+        return resp.json()["results"]
+
+    async def _rpc1(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        results = await self.collective_rpc(method, *args, **kwargs)
+        if len(results) != 1:
+            # More than one worker (TP/PP > 1): the caller must combine per-worker results.
+            raise EngineError(f"{method}: expected one worker result, got {len(results)}")
+        return results[0]
+
+    async def engine_pids(self) -> dict[str, int]:
+        """``{"server": API server pid (if known), "worker": ..., "worker_parent": ...}``."""
+        r = await self._rpc1("engine_pid")
+        out = {"worker": int(r["pid"]), "worker_parent": int(r["parent_pid"])}
+        if self._pid is not None:
+            out["server"] = self._pid
+        return out
+
+    async def load_weights_from_files(
+        self,
+        paths: Sequence[Path | str],
+        names: Sequence[str] | None = None,
+        *,
+        verify: bool = True,
+        expected_adler32: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """Load tensors from safetensors files into the running engine, in place, all or
+        nothing. Returns ``{"loaded": [...], "bytes", "read_s", "apply_s"}``."""
+        return await self._rpc1(
+            "load_weights_from_files",
+            [str(p) for p in paths],
+            None if names is None else list(names),
+            verify,
+            None if expected_adler32 is None else dict(expected_adler32),
+        )
+
+    async def checksums(self, names: Sequence[str] | None = None, algorithm: str = "adler32") -> dict[str, str]:
+        """Per-tensor digest of what the engine holds, by checkpoint name."""
+        r = await self._rpc1("weight_checksums", None if names is None else list(names), algorithm)
+        return dict(r["checksums"])
+
+    async def weight_specs(self, names: Sequence[str] | None = None) -> list[list[Any]]:
+        return (await self._rpc1("weight_specs", None if names is None else list(names)))["specs"]
+
+    async def peer_init(
+        self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 300.0
+    ) -> dict[str, Any]:
+        return await self._rpc1("peer_init", host, port, rank, world_size, backend, timeout_s)
+
+    async def peer_send(
+        self, names: Sequence[str] | None = None, paths: Sequence[Path | str] | None = None, src: int = 0
+    ) -> dict[str, Any]:
+        return await self._rpc1(
+            "peer_send",
+            None if names is None else list(names),
+            None if paths is None else [str(p) for p in paths],
+            src,
+        )
+
+    async def peer_receive(
+        self,
+        specs: Sequence[Sequence[Any]],
+        src: int = 0,
+        verify: bool = True,
+        expected_adler32: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        return await self._rpc1(
+            "peer_receive",
+            [list(s) for s in specs],
+            src,
+            verify,
+            None if expected_adler32 is None else dict(expected_adler32),
+        )
+
+    async def peer_close(self) -> dict[str, Any]:
+        return await self._rpc1("peer_close")
+
+    async def save_weights(self, names: Sequence[str], path: Path | str) -> dict[str, Any]:
+        """Write the named tensors as the engine holds them to a safetensors file."""
+        return await self._rpc1("save_weights", list(names), str(path))
+
+    async def vllm_weight_checksums(self) -> dict[str, str]:
+        """vLLM's own ``/weight_checker`` SHA-256s (engine names, fused; see the extension's
+        docstring for why they are blind to linear layers on a CPU engine without our patch)."""
+        resp = await self.request("POST", "/weight_checker", json={"action": "checksum"})
+        return resp.json()["checksums"]
+
+    def __repr__(self) -> str:
+        return f"EngineProcess(model_dir={str(self.model_dir)!r}, base_url={self._base_url!r}, pid={self._pid})"
+
+
+__all__ = [
+    "EXTENSION_CLS",
+    "EngineError",
+    "EngineProcess",
+    "EngineRequestError",
+    "EngineStartError",
+    "free_port",
+]

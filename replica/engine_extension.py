@@ -1,0 +1,627 @@
+"""rollouts' code inside the vLLM engine: a worker extension for in-place weight loads.
+
+Start vLLM with ``--worker-extension-cls replica.engine_extension.WeightLoaderExtension``; vLLM
+mixes this class into its worker class, and with ``VLLM_SERVER_DEV_MODE=1`` each public method
+is callable over HTTP::
+
+    POST /collective_rpc {"method": "<name>", "args": [...], "kwargs": {...}}
+    -> 200 {"results": [<one JSON value per worker>]}          (one worker at TP=1)
+
+Arguments and results travel as JSON (vLLM turns any result that is not a dict, list or None
+into ``str``), so every method takes JSON-able arguments and returns a dict. A method that
+raises answers HTTP 500 and changes nothing (see "all-or-nothing" below). Do not pass vLLM's
+own ``timeout`` field: when it fires, vLLM's executor stops waiting but the worker still runs
+the call and later queues its reply, which then answers the *next* RPC. Bound waits inside
+the methods instead (``peer_init(timeout_s=...)``).
+
+Names. Every tensor is named as in the HF checkpoint (``model.layers.0.self_attn.q_proj.weight``),
+not as vLLM stores it (``...qkv_proj.weight``, fused). The extension maps each checkpoint name
+to a *view* of the engine's parameter: the rows of a fused ``qkv_proj`` / ``gate_up_proj``
+belonging to ``q``/``k``/``v`` or ``gate``/``up`` (from the model's ``packed_modules_mapping``
+and the layer's ``output_sizes``), and the unpadded rows of a vocab embedding. That holds for
+unquantized models at tensor-parallel size 1 whose vLLM module names equal the checkpoint's
+(the Llama family); parameters that cannot be mapped are reported under their engine names.
+
+Methods (JSON results, per worker):
+
+- ``engine_pid()`` -> ``{"pid": worker pid, "parent_pid": engine-core pid}``.
+- ``load_weights_from_files(paths, names=None, verify=True, expected_adler32=None)`` ->
+  ``{"loaded": [names], "bytes": n, "read_s": s, "apply_s": s}``: reads the tensors (only
+  ``names`` when given, else every tensor in the files) from safetensors files and copies them
+  into the engine's parameters in place. ``expected_adler32`` (name -> 8 hex digits) is checked
+  on the bytes read, before anything changes.
+- ``weight_checksums(names=None, algorithm="adler32")`` -> ``{"algorithm": "adler32",
+  "checksums": {checkpoint name: hex}, "engine_checksums": {engine name: hex}}``: the digest of
+  the bytes the engine holds for each tensor (Adler-32 as 8 hex digits, the snapshot format's
+  checksum, or ``"sha256"``). With a BF16 engine and a BF16 checkpoint these equal the digests of
+  the checkpoint tensors' raw bytes. ``engine_checksums`` holds parameters with no checkpoint name
+  (empty for Llama).
+- ``weight_specs(names=None)`` -> ``{"specs": [[name, dtype, shape], ...]}`` (dtype as
+  ``"bfloat16"``), in the order ``peer_send`` sends them.
+- ``peer_init(host, port, rank, world_size, backend="gloo", timeout_s=300)`` ->
+  ``{"rank", "world_size", "backend"}``; ``peer_send(names=None, paths=None, src=0)`` ->
+  ``{"sent": [names], "bytes": n, "seconds": s}``; ``peer_receive(specs, src=0, verify=True,
+  expected_adler32=None)`` -> the ``load_weights_from_files`` shape plus ``"recv_s"``;
+  ``peer_close()`` -> ``{"closed": bool}``. ``src`` is the sending rank (any rank may send).
+  Every member of the group must call ``peer_init`` concurrently, then the sender ``peer_send``
+  and every receiver ``peer_receive`` with the same tensors in the same order (each call blocks
+  the engine until all members have joined). gloo on CPU is tested; NCCL on CUDA follows vLLM's
+  ``PyNcclCommunicator`` pattern and is NOT tested here (no GPU build of vLLM on these machines).
+
+All-or-nothing: before touching the engine, a load checks that every name maps to an engine
+tensor of the same shape; it then copies the old values of exactly those tensors aside, loads,
+and (``verify``) compares what the engine now holds with what it was given, bit for bit. Any
+failure restores the old values and raises, so the engine serves exactly what it served before.
+
+CPU engines. vLLM's CPU backend repacks every linear weight into a kernel-private copy after
+loading (oneDNN or the AMX "sgl" kernels) and then replaces the parameter with an empty tensor
+(``dispatch_cpu_unquantized_gemm(remove_weight=True)``). That makes ``model.load_weights`` fail
+for linear layers and makes in-place changes to ``lm_head`` (which keeps its parameter) silently
+ineffective, and vLLM's ``/weight_checker`` hashes empty tensors. Importing this module inside
+the worker (which vLLM does before it loads the model) therefore patches the dispatch to keep
+the parameter, and every load re-runs the dispatch for the layers it touched, so the kernel's
+packed copy is rebuilt from the new weights. Cost: linear weights are held twice in CPU memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("rollouts.engine_extension")
+
+# Stacked/fused layers in vLLM whose rows hold several checkpoint tensors.
+_SKIP_NAMES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "f16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "f32": torch.float32,
+    "float": torch.float32,
+    "float64": torch.float64,
+    "f64": torch.float64,
+    "int8": torch.int8,
+    "i8": torch.int8,
+    "uint8": torch.uint8,
+    "u8": torch.uint8,
+    "int32": torch.int32,
+    "i32": torch.int32,
+    "int64": torch.int64,
+    "i64": torch.int64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "f8_e4m3": torch.float8_e4m3fn,
+}
+
+# One packed broadcast per this many bytes: few collective calls, bounded extra memory.
+PEER_CHUNK_BYTES = 256 * 1024 * 1024
+
+
+def dtype_from_str(name: str) -> torch.dtype:
+    key = name.lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}")
+    return _DTYPES[key]
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of ``t`` (row-major), as safetensors stores them."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def adler32_hex(t: torch.Tensor) -> str:
+    """Adler-32 of the tensor's raw bytes, 8 lowercase hex digits (the snapshot format's)."""
+    return "%08x" % (zlib.adler32(tensor_bytes(t)) & 0xFFFFFFFF)
+
+
+def sha256_hex(t: torch.Tensor) -> str:
+    return hashlib.sha256(tensor_bytes(t)).hexdigest()
+
+
+_ALGORITHMS = {"adler32": adler32_hex, "sha256": sha256_hex}
+
+
+# ---------------------------------------------------------------------------------------------
+# Peer transfer protocol (usable outside vLLM too: a test or trainer process can take part).
+
+
+def spec_of(name: str, t: torch.Tensor) -> list[Any]:
+    return [name, dtype_to_str(t.dtype), list(t.shape)]
+
+
+def normalize_specs(specs: Iterable[Sequence[Any]]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    out = []
+    for spec in specs:
+        name, dtype, shape = spec
+        out.append((str(name), dtype_from_str(str(dtype)), tuple(int(s) for s in shape)))
+    return out
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _chunks(sizes: list[int], chunk_bytes: int) -> list[list[int]]:
+    """Group consecutive indices so each group holds at most ``chunk_bytes`` (or one tensor)."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    acc = 0
+    for i, size in enumerate(sizes):
+        if cur and acc + size > chunk_bytes:
+            groups.append(cur)
+            cur, acc = [], 0
+        cur.append(i)
+        acc += size
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def _spec_digest(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
+    text = json.dumps([[n, dtype_to_str(d), list(s)] for n, d, s in specs])
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+@dataclass
+class PeerGroup:
+    """A two-or-more-member group for broadcasting weights: gloo (CPU) or NCCL (CUDA)."""
+
+    backend: str
+    rank: int
+    world_size: int
+    group: Any  # torch ProcessGroup (gloo) or vLLM PyNcclCommunicator (nccl)
+    device: torch.device
+
+    @classmethod
+    def create(
+        cls,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        device: torch.device | None = None,
+    ) -> PeerGroup:
+        from datetime import timedelta
+
+        if backend == "gloo":
+            from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+            pg = stateless_init_torch_distributed_process_group(
+                host, int(port), int(rank), int(world_size), backend="gloo",
+                timeout=timedelta(seconds=timeout_s),
+            )
+            return cls("gloo", int(rank), int(world_size), pg, torch.device("cpu"))
+        if backend == "nccl":
+            # UNTESTED here (no CUDA build of vLLM on these machines): vLLM's own pattern for
+            # trainer<->engine groups (distributed/weight_transfer/nccl_common.py).
+            from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+            dev = device or torch.device("cuda", torch.cuda.current_device())
+            comm = stateless_init_process_group(host, int(port), int(rank), int(world_size), dev)
+            return cls("nccl", int(rank), int(world_size), comm, dev)
+        raise ValueError(f"unknown peer backend {backend!r} (gloo or nccl)")
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        if self.backend == "gloo":
+            from torch.distributed import BroadcastOptions
+
+            opts = BroadcastOptions()
+            opts.rootRank = src
+            opts.rootTensor = 0
+            # Not torch.distributed.broadcast: that maps ranks through the global group.
+            self.group.broadcast([t], opts).wait()
+        else:
+            self.group.broadcast(t, src=src, stream=torch.cuda.current_stream())
+            torch.cuda.current_stream().synchronize()
+
+    def count_failures(self, failed: bool) -> int:
+        """How many members report a failure (a sum over the group; every member must call)."""
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=self.device)
+        if self.backend == "gloo":
+            self.group.allreduce([flag]).wait()
+        else:
+            flag = self.group.all_reduce(flag)
+            torch.cuda.current_stream().synchronize()
+        return int(flag.item())
+
+    def close(self) -> None:
+        if self.backend == "gloo":
+            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+            stateless_destroy_torch_distributed_process_group(self.group)
+        self.group = None
+
+    # The wire protocol: the sender broadcasts an int64 header [count, crc32(specs)]; each
+    # member says whether it agrees (an all-reduce of failure flags), so a receiver whose specs
+    # differ from the sender's makes every member fail at once instead of misreading bytes or
+    # leaving the sender blocked; then the tensors' bytes follow, packed into uint8 chunks of at
+    # most PEER_CHUNK_BYTES, in spec order. After a failure mid-stream, close the group.
+
+    def send(
+        self,
+        tensors: list[tuple[str, torch.Tensor]],
+        src: int,
+        chunk_bytes: int = PEER_CHUNK_BYTES,
+    ) -> int:
+        specs = [(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+        header = torch.tensor([len(specs), _spec_digest(specs)], dtype=torch.int64, device=self.device)
+        self.broadcast(header, src)
+        if self.count_failures(False):
+            raise ValueError("a receiver rejected the transfer: its specs (names, dtypes, shapes, order) differ")
+        sizes = [_nbytes(d, s) for _, d, s in specs]
+        total = 0
+        for group in _chunks(sizes, chunk_bytes):
+            buf = torch.empty(sum(sizes[i] for i in group), dtype=torch.uint8, device=self.device)
+            off = 0
+            for i in group:
+                src_t = tensors[i][1].detach().to(self.device).contiguous().reshape(-1)
+                buf[off : off + sizes[i]].copy_(src_t.view(torch.uint8))
+                off += sizes[i]
+            self.broadcast(buf, src)
+            total += buf.numel()
+        return total
+
+    def receive(
+        self,
+        specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        src: int,
+        chunk_bytes: int = PEER_CHUNK_BYTES,
+    ) -> list[tuple[str, torch.Tensor]]:
+        header = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.broadcast(header, src)
+        want = [len(specs), _spec_digest(specs)]
+        agreed = header.tolist() == want
+        if self.count_failures(not agreed) and agreed:
+            raise ValueError("another receiver rejected the transfer (its specs differ)")
+        if not agreed:
+            raise ValueError(
+                f"peer sent {int(header[0])} tensors with spec digest {int(header[1])}, "
+                f"this receiver expected {want[0]} with digest {want[1]}: the two sides disagree "
+                "on names, dtypes, shapes or order"
+            )
+        sizes = [_nbytes(d, s) for _, d, s in specs]
+        out: list[tuple[str, torch.Tensor]] = []
+        for group in _chunks(sizes, chunk_bytes):
+            buf = torch.empty(sum(sizes[i] for i in group), dtype=torch.uint8, device=self.device)
+            self.broadcast(buf, src)
+            off = 0
+            for i in group:
+                name, dtype, shape = specs[i]
+                out.append((name, buf[off : off + sizes[i]].view(dtype).reshape(shape)))
+                off += sizes[i]
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: keep linear weights as parameters (see the module docstring).
+
+
+def _install_cpu_gemm_patch() -> None:
+    try:
+        from vllm.model_executor.layers import utils as layer_utils
+        from vllm.platforms import current_platform
+    except Exception:  # pragma: no cover - vLLM absent: nothing to patch
+        return
+    if not current_platform.is_cpu():
+        return
+    original = layer_utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, "_rollouts_keeps_weight", False):
+        return
+
+    def dispatch_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+        # vLLM's linear.py / vocab_parallel_embedding.py import this name at call time, so
+        # replacing the module attribute reaches every layer loaded after this import.
+        original(layer, remove_weight=False)
+
+    dispatch_keeping_weight._rollouts_keeps_weight = True  # type: ignore[attr-defined]
+    dispatch_keeping_weight._rollouts_original = original  # type: ignore[attr-defined]
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
+
+
+# Only inside a vLLM process (the worker imports this module before it loads the model); a
+# plain `import replica.engine_extension` elsewhere (tests, trainers) does not pull vLLM in.
+if "vllm" in sys.modules:
+    _install_cpu_gemm_patch()
+
+
+def _redispatch_cpu_gemm(module: torch.nn.Module) -> None:
+    """Rebuild a CPU layer's packed kernel copy from its (just updated) weight parameter."""
+    if not hasattr(module, "cpu_linear"):
+        return
+    from vllm.model_executor.layers import utils as layer_utils
+
+    dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+    dispatch = getattr(dispatch, "_rollouts_original", dispatch)
+    dispatch(module, remove_weight=False)
+
+
+@dataclass
+class _View:
+    name: str  # checkpoint name
+    engine_name: str  # the vLLM parameter it lives in
+    module: torch.nn.Module  # the layer owning that parameter
+    tensor: torch.Tensor  # a view into the parameter's storage
+
+
+def _checkpoint_views(model: torch.nn.Module) -> tuple[dict[str, _View], dict[str, torch.Tensor]]:
+    """Map checkpoint names to views of the engine's parameters.
+
+    Returns (views by checkpoint name, engine parameters that could not be mapped).
+    """
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    modules = dict(model.named_modules())
+    views: dict[str, _View] = {}
+    unmapped: dict[str, torch.Tensor] = {}
+    for engine_name, param in model.named_parameters():
+        mod_name, _, attr = engine_name.rpartition(".")
+        module = modules[mod_name]
+        parent, _, leaf = mod_name.rpartition(".")
+        tp = int(getattr(module, "tp_size", 1) or 1)
+        data = param.data
+        if data.numel() == 0 and data.dim() == 1:
+            # A CPU layer whose weight vLLM dropped (patch not active): nothing to read.
+            unmapped[engine_name] = data
+            continue
+        subs = packed.get(leaf)
+        sizes = getattr(module, "output_sizes", None)
+        if subs and sizes is not None and len(subs) == len(sizes) and tp == 1:
+            dim = int(getattr(param, "output_dim", 0) or 0)
+            if sum(sizes) == data.shape[dim]:
+                off = 0
+                for sub, size in zip(subs, sizes):
+                    ck = f"{parent}.{sub}.{attr}" if parent else f"{sub}.{attr}"
+                    views[ck] = _View(ck, engine_name, module, data.narrow(dim, off, size))
+                    off += size
+                continue
+        if subs:
+            unmapped[engine_name] = data
+            continue
+        org = getattr(module, "org_vocab_size", None)
+        if org is not None and tp == 1 and data.dim() >= 1 and data.shape[0] > org:
+            data = data[:org]  # vocab padding rows are not in the checkpoint
+        views[engine_name] = _View(engine_name, engine_name, module, data)
+    return views, unmapped
+
+
+def _read_safetensors(paths: Sequence[str], names: Sequence[str] | None) -> list[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    wanted = None if names is None else set(names)
+    found: dict[str, torch.Tensor] = {}
+    for path in paths:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if wanted is not None and key not in wanted:
+                    continue
+                if wanted is None and key.endswith(_SKIP_NAMES):
+                    continue
+                if key in found:
+                    raise ValueError(f"tensor {key} appears in more than one file")
+                found[key] = f.get_tensor(key)
+    if wanted is not None:
+        missing = sorted(wanted - found.keys())
+        if missing:
+            raise ValueError(f"{len(missing)} tensor(s) not found in {list(paths)}: {missing[:8]}")
+        return [(n, found[n]) for n in names]  # the caller's order
+    return list(found.items())
+
+
+def _check_expected(tensors: list[tuple[str, torch.Tensor]], expected: dict[str, str] | None) -> None:
+    """Compare each tensor's Adler-32 with ``expected`` (name -> 8 hex digits) before any change."""
+    if not expected:
+        return
+    have = dict(tensors)
+    missing = sorted(set(expected) - have.keys())
+    bad = [
+        f"{n}: adler32 {adler32_hex(t)} != expected {expected[n].lower()}"
+        for n, t in tensors
+        if n in expected and adler32_hex(t) != expected[n].lower()
+    ]
+    if missing or bad:
+        raise ValueError(
+            "checksum check failed, nothing loaded: "
+            + "; ".join(bad[:8] + [f"{n}: expected but not given" for n in missing[:8]])
+        )
+
+
+def apply_weights(
+    model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], verify: bool = True
+) -> dict[str, Any]:
+    """Load checkpoint-named tensors into ``model`` in place, all or nothing (module docstring)."""
+    t0 = time.perf_counter()
+    views, _ = _checkpoint_views(model)
+    problems = []
+    seen: set[str] = set()
+    for name, t in tensors:
+        v = views.get(name)
+        if name in seen:
+            problems.append(f"{name}: given twice")
+        elif v is None:
+            problems.append(f"{name}: no such tensor in the engine")
+        elif tuple(t.shape) != tuple(v.tensor.shape):
+            problems.append(f"{name}: shape {tuple(t.shape)} != engine {tuple(v.tensor.shape)}")
+        elif t.dtype.is_floating_point != v.tensor.dtype.is_floating_point:
+            problems.append(f"{name}: dtype {t.dtype} cannot load into {v.tensor.dtype}")
+        seen.add(name)
+    if problems:
+        raise ValueError(f"refusing to load ({len(problems)} problem(s)): " + "; ".join(problems[:8]))
+
+    touched = {id(views[n].module): views[n].module for n, _ in tensors}
+    backup = {n: views[n].tensor.clone() for n, _ in tensors}
+    try:
+        with torch.no_grad():
+            model.load_weights(iter(tensors))  # type: ignore[operator]
+            for module in touched.values():
+                _redispatch_cpu_gemm(module)
+            if verify:
+                # Re-resolve: a loader may legitimately have replaced a parameter object.
+                views, _ = _checkpoint_views(model)
+                bad = [
+                    n
+                    for n, t in tensors
+                    if n not in views
+                    or not torch.equal(views[n].tensor, t.to(views[n].tensor.device, views[n].tensor.dtype))
+                ]
+                if bad:
+                    raise RuntimeError(f"engine holds different values after the load for {bad[:8]}")
+    except BaseException:
+        logger.exception("weight load failed; restoring the previous values")
+        with torch.no_grad():
+            views, _ = _checkpoint_views(model)
+            for n, old in backup.items():
+                views[n].tensor.copy_(old)
+            for module in touched.values():
+                _redispatch_cpu_gemm(module)
+        raise
+    return {
+        "loaded": [n for n, _ in tensors],
+        "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+        "apply_s": round(time.perf_counter() - t0, 6),
+    }
+
+
+def _select_views(model: torch.nn.Module, names: Sequence[str] | None) -> list[tuple[str, torch.Tensor]]:
+    views, _ = _checkpoint_views(model)
+    order = list(views) if names is None else list(names)
+    missing = [n for n in order if n not in views]
+    if missing:
+        raise ValueError(f"no such tensor(s) in the engine: {missing[:8]}")
+    return [(n, views[n].tensor) for n in order]
+
+
+class WeightLoaderExtension:
+    """Mixed into vLLM's worker class; see the module docstring for the contract.
+
+    Every attribute here becomes a worker attribute (vLLM asserts there is no clash) and every
+    callable one an RPC method, so helpers live at module level and the only state is
+    ``_rollouts_peer``.
+    """
+
+    _rollouts_peer: PeerGroup | None = None
+
+    def engine_pid(self) -> dict[str, int]:
+        return {"pid": os.getpid(), "parent_pid": os.getppid()}
+
+    def load_weights_from_files(
+        self,
+        paths: list[str],
+        names: list[str] | None = None,
+        verify: bool = True,
+        expected_adler32: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        tensors = _read_safetensors(paths, names)
+        _check_expected(tensors, expected_adler32)
+        read_s = time.perf_counter() - t0
+        result = apply_weights(self.model_runner.model, tensors, verify=verify)  # type: ignore[attr-defined]
+        result["read_s"] = round(read_s, 6)
+        return result
+
+    def weight_checksums(self, names: list[str] | None = None, algorithm: str = "adler32") -> dict[str, Any]:
+        if algorithm not in _ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}: one of {sorted(_ALGORITHMS)}")
+        digest = _ALGORITHMS[algorithm]
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        _, unmapped = _checkpoint_views(model)
+        return {
+            "algorithm": algorithm,
+            "checksums": {n: digest(t) for n, t in _select_views(model, names)},
+            "engine_checksums": {} if names is not None else {n: digest(t) for n, t in unmapped.items()},
+        }
+
+    def weight_specs(self, names: list[str] | None = None) -> dict[str, Any]:
+        return {"specs": [spec_of(n, t) for n, t in _select_views(self.model_runner.model, names)]}  # type: ignore[attr-defined]
+
+    def peer_init(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> dict[str, Any]:
+        if self._rollouts_peer is not None:
+            raise RuntimeError("a peer group is already open; call peer_close first")
+        device = getattr(self, "device", None) if backend == "nccl" else None
+        self._rollouts_peer = PeerGroup.create(
+            host, port, rank, world_size, backend=backend, timeout_s=timeout_s, device=device
+        )
+        return {"rank": int(rank), "world_size": int(world_size), "backend": backend}
+
+    def peer_send(
+        self, names: list[str] | None = None, paths: list[str] | None = None, src: int = 0
+    ) -> dict[str, Any]:
+        """Broadcast tensors from this engine (``paths`` None) or from files (``paths``)."""
+        group = self._rollouts_peer
+        if group is None:
+            raise RuntimeError("no peer group: call peer_init first")
+        if group.rank != src:
+            raise ValueError(f"peer_send on rank {group.rank}, but src is {src}")
+        t0 = time.perf_counter()
+        if paths is not None:
+            tensors = _read_safetensors(paths, names)
+        else:
+            tensors = _select_views(self.model_runner.model, names)  # type: ignore[attr-defined]
+        sent = group.send(tensors, src)
+        return {"sent": [n for n, _ in tensors], "bytes": sent, "seconds": round(time.perf_counter() - t0, 6)}
+
+    def peer_receive(
+        self,
+        specs: list[list[Any]],
+        src: int = 0,
+        verify: bool = True,
+        expected_adler32: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """Receive tensors broadcast by ``src`` and load them, all or nothing."""
+        group = self._rollouts_peer
+        if group is None:
+            raise RuntimeError("no peer group: call peer_init first")
+        t0 = time.perf_counter()
+        received = group.receive(normalize_specs(specs), src)
+        recv_s = time.perf_counter() - t0
+        _check_expected(received, expected_adler32)
+        result = apply_weights(self.model_runner.model, received, verify=verify)  # type: ignore[attr-defined]
+        result["recv_s"] = round(recv_s, 6)
+        return result
+
+    def peer_close(self) -> dict[str, Any]:
+        group, self._rollouts_peer = self._rollouts_peer, None
+        if group is None:
+            return {"closed": False}
+        group.close()
+        return {"closed": True}
+
+    def save_weights(self, names: list[str], path: str) -> dict[str, Any]:
+        """Write the named tensors, as the engine holds them, to a safetensors file at ``path``
+        (how a replica that received weights from a peer refreshes its host copy)."""
+        from safetensors.torch import save_file
+
+        tensors = _select_views(self.model_runner.model, names)  # type: ignore[attr-defined]
+        save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors}, path)
+        return {"saved": [n for n, _ in tensors], "path": path}
