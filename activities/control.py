@@ -18,7 +18,7 @@ from workers.processes import PidFile, spawn, stop_pid
 from workers.settings import Settings
 from workflows import names
 from workflows.errors import FAILED_PRECONDITION
-from workflows.types import CheckSnapshotInput, SnapshotType, StartReplicasInput, StopReplicasInput
+from workflows.types import ApplySnapshotInput, CheckSnapshotInput, SnapshotType, StartReplicasInput, StopReplicasInput
 
 
 def snapshot_uri(bucket: str, path_prefix: str, identity: str) -> str:
@@ -46,8 +46,12 @@ class ControlActivities:
         return self.settings.home_path / "replicas" / deployment_id / name
 
     @activity.defn(name=names.START_REPLICAS)
-    def start_replicas(self, inp: StartReplicasInput) -> list[int]:
-        pids = []
+    def start_replicas(self, inp: StartReplicasInput) -> list[str]:
+        """Start each named replica whose process is not running; returns the names started.
+
+        Idempotent (a retry or a periodic check starts nothing twice). With `target_chain`, a
+        replica loads that chain from the bucket before it reports ready."""
+        started = []
         for name in inp.names:
             workdir = self._replica_dir(inp.deployment_id, name)
             workdir.mkdir(parents=True, exist_ok=True)
@@ -65,10 +69,19 @@ class ControlActivities:
                     "--model-path", inp.model.path,
                     "--model-name", inp.model.name,
                 ]
+                if inp.target_chain and inp.hot_load_config:
+                    catch_up = ApplySnapshotInput(
+                        hot_load_id="catch-up",
+                        identity=inp.target_chain[-1].identity,
+                        chain=inp.target_chain,
+                        bucket=inp.hot_load_config.bucket,
+                        path_prefix=inp.hot_load_config.path_prefix,
+                    )
+                    argv += ["--catch-up", catch_up.model_dump_json(by_alias=True)]
                 pid = spawn(argv, log_path=workdir / "replica.log", pid_file=pid_file)
                 activity.logger.info("started replica %s (pid %d)", name, pid)
-            pids.append(pid)
-        return pids
+                started.append(name)
+        return started
 
     @activity.defn(name=names.STOP_REPLICAS)
     def stop_replicas(self, inp: StopReplicasInput) -> int:

@@ -43,6 +43,8 @@ from workflows.types import (
 )
 
 log = logging.getLogger("rollouts.replica")
+# Joining a peer group blocks the engine until the other side joins: keep the wait short.
+PEER_JOIN_TIMEOUT_S = 30.0
 
 
 def engine_alive(engine: Any) -> bool:
@@ -255,7 +257,7 @@ class ReplicaRuntime:
         )
 
     async def send_to_peer(self, offer: PeerOffer) -> int:
-        await self.engine.peer_init(offer.host, offer.port, 0, 2, offer.backend, timeout_s=120)
+        await self.engine.peer_init(offer.host, offer.port, 0, 2, offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S)
         try:
             sent = await self.engine.peer_send([s[0] for s in offer.specs])
         finally:
@@ -274,7 +276,7 @@ class ReplicaRuntime:
         t0 = time.perf_counter()
         await self.engine.pause(mode="keep", clear_cache=reset)
         try:
-            await self.engine.peer_init(offer.host, offer.port, 1, 2, offer.backend, timeout_s=120)
+            await self.engine.peer_init(offer.host, offer.port, 1, 2, offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S)
             try:
                 # Checked against the sender's verified Adler-32 before the engine changes.
                 await self.engine.peer_receive(offer.specs, src=0, verify=True, expected_adler32=offer.expected_adler32)
@@ -366,6 +368,7 @@ async def run_replica(
     model_bucket: str,
     model_path: str,
     model_name: str,
+    catch_up: str | None = None,
 ) -> int:
     from temporalio.worker import Worker
 
@@ -393,6 +396,13 @@ async def run_replica(
         )
         await engine.start()
         host = await asyncio.to_thread(HostWeights.load, model_dir)
+        runtime = ReplicaRuntime(name=name, engine=engine, host=host, s3=s3, workdir=workdir)
+        if catch_up:
+            # A replica (re)started after hot-loads serves their snapshot before it takes traffic.
+            inp = ApplySnapshotInput.model_validate_json(catch_up)
+            result = await runtime.apply_from_bucket(inp)
+            log.info("caught up to %s (%d tensors, %d bytes from the bucket)", inp.identity,
+                     result.tensors_loaded, result.bytes_read_from_bucket)
     except Exception as exc:  # noqa: BLE001 - reported to the deployment, then exit
         log.exception("replica %s failed to start", name)
         await deployment.signal(
@@ -402,7 +412,6 @@ async def run_replica(
             await engine.stop()
         return 1
 
-    runtime = ReplicaRuntime(name=name, engine=engine, host=host, s3=s3, workdir=workdir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -421,7 +430,7 @@ async def run_replica(
             "replica_ready",
             ReplicaEndpoint(
                 name=name, zone=zone, task_queue=task_queue, engine_url=engine.base_url,
-                engine_pid=engine.pid, agent_pid=os.getpid(), current_snapshot_identity="initial",
+                engine_pid=engine.pid, agent_pid=os.getpid(), current_snapshot_identity=runtime.current_identity,
                 started_at=now, transitioned_at=now,
             ),
         )

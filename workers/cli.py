@@ -116,6 +116,7 @@ def cmd_replica(args: argparse.Namespace) -> int:
             model_bucket=args.model_bucket,
             model_path=args.model_path,
             model_name=args.model_name,
+            catch_up=args.catch_up,
         )
     )
 
@@ -164,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("replica", cmd_replica, "run one replica (engine + agent)")
     for flag in ("--deployment", "--name", "--workflow-id", "--zone", "--model-bucket", "--model-path", "--model-name"):
         p.add_argument(flag, required=True)
+    p.add_argument("--catch-up", default=None, help="JSON ApplySnapshotInput to load before reporting ready")
     p = add("snapshot", cmd_snapshot, "checkpoint tools: inspect, delta, apply, verify")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p = add("demo", cmd_demo, "the main job, end to end")

@@ -76,6 +76,8 @@ KIND = SearchAttributeKey.for_keyword("ResourceKind")
 
 HOT_LOAD_ENGINE = "dynamo-vllm"
 REPLICA_START_TIMEOUT = timedelta(minutes=20)
+# How often the deployment checks that its replica processes are alive.
+SUPERVISE_EVERY = timedelta(seconds=10)
 # Chains kept for later deltas to build on: the most recently completed identities. A delta whose
 # predecessor fell out of this window is refused like one never loaded (publish a full one).
 MAX_CHAINS_KEPT = 256
@@ -146,18 +148,50 @@ class DeploymentWorkflow:
         self._publish()
         if self.state.deployment.status.status == ResourceStatus.CREATING:
             await self._create_replicas()
-        await workflow.wait_condition(
-            lambda: self.deleting
-            or (
+
+        def may_continue_as_new() -> bool:
+            return (
                 workflow.info().is_continue_as_new_suggested()
                 and self.state.active_hot_load_id is None
                 and workflow.all_handlers_finished()
             )
-        )
-        if self.deleting:
-            await self._delete()
+
+        while not self.deleting:
+            if may_continue_as_new():
+                workflow.continue_as_new(self.state)
+            try:
+                await workflow.wait_condition(lambda: self.deleting or may_continue_as_new(), timeout=SUPERVISE_EVERY)
+            except asyncio.TimeoutError:
+                if self.state.deployment.status.status == ResourceStatus.READY:
+                    await self._restart_lost_replicas()
+        await self._delete()
+
+    async def _restart_lost_replicas(self) -> None:
+        """Restart replica processes that died; each catches up from the bucket before it serves."""
+        known = [r.name for r in self.state.replicas] + list(self.state.pending_replicas)
+        if not known:
             return
-        workflow.continue_as_new(self.state)
+        latest = self.state.completed[-1].identity if self.state.completed else None
+        restarted: list[str] = await workflow.execute_activity(
+            names.START_REPLICAS,
+            StartReplicasInput(
+                deployment_id=self.spec.id,
+                deployment_workflow_id=workflow.info().workflow_id,
+                names=known,
+                zone=self.state.gateway_zones[0] if self.state.gateway_zones else "LOCAL-1A",
+                model=self.spec.model,
+                target_chain=self.state.chains.get(latest) if latest else None,
+                hot_load_config=self.spec.hot_load,
+            ),
+            start_to_close_timeout=timedelta(minutes=2),
+            retry_policy=RetryPolicy(maximum_attempts=3),
+        )
+        if restarted:
+            workflow.logger.warning("restarted lost replica(s) %s", ", ".join(restarted))
+            # Out of rotation until they report ready again (after catching up).
+            self.state.replicas = [r for r in self.state.replicas if r.name not in restarted]
+            self.state.pending_replicas = sorted(set(self.state.pending_replicas) | set(restarted))
+            self._publish()
 
     async def _create_replicas(self) -> None:
         count = max(1, self.spec.autoscaling.min)

@@ -60,8 +60,9 @@ REPLICA_STEP_RETRY = RetryPolicy(
 )
 REPLICA_STEP_OPTIONS = dict(
     start_to_close_timeout=timedelta(minutes=15),
-    # A step that no agent picks up means the replica is gone.
-    schedule_to_start_timeout=timedelta(minutes=2),
+    # A step that no agent picks up means the replica is gone; a lost replica is restarted by its
+    # deployment within seconds and needs a minute or two to start and catch up.
+    schedule_to_start_timeout=timedelta(minutes=10),
     heartbeat_timeout=timedelta(seconds=30),
     retry_policy=REPLICA_STEP_RETRY,
     cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
@@ -284,11 +285,14 @@ class HotLoadWorkflow:
             result_type=ApplySnapshotResult,
             **PEER_STEP_OPTIONS,
         )
-        results = await asyncio.gather(send, receive, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return results[1]
+        send_task, receive_task = asyncio.ensure_future(send), asyncio.ensure_future(receive)
+        await asyncio.wait([send_task, receive_task], return_when=asyncio.FIRST_EXCEPTION)
+        for task in (send_task, receive_task):
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                for other in (send_task, receive_task):
+                    other.cancel()
+                raise task.exception()  # type: ignore[misc]
+        return receive_task.result()
 
     def _mixed_message(self, verb: str) -> str:
         served = sorted({r.current_snapshot_identity for r in self.replicas})

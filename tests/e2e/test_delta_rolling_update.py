@@ -219,3 +219,44 @@ def test_corrupted_delta_fails_cleanly_then_a_good_one_completes(stack, rolling,
     expected = checkpoint_checksums(new_dir)
     for replica in engines(stack, dep_id):
         assert served_checksums(replica) == expected
+
+
+def test_replica_killed_mid_update_restarts_and_catches_up(stack, rolling, tmp_path):
+    import os
+    import signal
+
+    from workers.processes import PidFile
+
+    api, dep = rolling
+    dep_id = dep["spec"]["id"]
+    s3 = stack.s3_client()
+    base = stack.home_path / "models" / "base"
+    full_id = "kill-000000"
+    upload_dir(s3, base, stack.bucket, f"{PREFIX}/{full_id}")
+    assert hot_load(api, dep_id, full_id, None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
+    new_dir = train_step(base, tmp_path / "new", seed=11)
+    write_delta(base, new_dir, tmp_path / "kill-000001", version="1", base_version="0")
+    upload_dir(s3, tmp_path / "kill-000001", stack.bucket, f"{PREFIX}/kill-000001")
+
+    victim = engines(stack, dep_id)[-1]  # updated last: killed while the walk is under way
+    body = {
+        "deploymentId": dep_id, "identity": "kill-000001", "type": "SNAPSHOT_TYPE_INCREMENTAL",
+        "incrementalSnapshotMetadata": {"previousSnapshotIdentity": full_id},
+    }
+    hl_id = api.call("POST", "/hotLoads", json=body).json()["hotLoad"]["spec"]["id"]
+    agent = PidFile(stack.home_path / "replicas" / dep_id / victim["name"] / "replica.pid").alive_pid()
+    assert agent is not None
+    os.killpg(victim["enginePid"], signal.SIGKILL)
+    os.killpg(agent, signal.SIGKILL)
+
+    hl = api.wait_hot_load(hl_id, timeout=900)
+    assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
+    reps = {r["name"]: r for r in api.call("GET", f"/hotLoads/{hl_id}/replicas").json()["replicas"]}
+    assert all(r["state"] == "READY" and r["currentSnapshotIdentity"] == "kill-000001" for r in reps.values()), reps
+    now = {r["name"]: r for r in engines(stack, dep_id)}
+    assert now[victim["name"]]["enginePid"] != victim["enginePid"], "the killed replica was not restarted"
+    log = (stack.home_path / "replicas" / dep_id / victim["name"] / "replica.log").read_text()
+    assert f"caught up to {full_id}" in log, "the restarted replica took traffic before loading the served chain"
+    expected = checkpoint_checksums(new_dir)
+    for replica in now.values():
+        assert served_checksums(replica) == expected
