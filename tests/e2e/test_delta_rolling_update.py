@@ -21,23 +21,12 @@ import pytest
 from replica.engine import EngineProcess
 from snapshots.host import checkpoint_checksums
 from snapshots.writer import write_delta
-from tests.stack_fixtures import Api, cwtrain_python, deployment_body
+from tests.e2e.conftest import PREFIX
+from tests.stack_fixtures import Api, cwtrain_python
 from tests.trainer import train_step
 from workers.stack import upload_dir
 
 pytestmark = pytest.mark.stack
-PREFIX = "checkpoints/rolling"
-
-
-@pytest.fixture(scope="module")
-def rolling(stack):
-    api = Api(stack)
-    body = deployment_body(stack, "rolling", replicas=3, path_prefix=PREFIX)
-    dep = api.call("POST", "/deployments", json=body).json()["deployment"]
-    dep = api.wait_deployment(dep["spec"]["id"])
-    assert dep["status"]["status"] == "STATUS_READY", dep["status"]
-    yield api, dep
-    api.call("DELETE", f"/deployments/{dep['spec']['id']}")
 
 
 def engines(stack, dep_id: str) -> list[dict]:

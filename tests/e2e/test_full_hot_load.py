@@ -49,7 +49,9 @@ def cw_deployment(stack, tmp_path_factory):
     t0 = time.monotonic()
     out = json_out(cwtrain(stack, "deployment", "create", "--file", str(path), "--wait", "--timeout", "1200"))
     print(f"deployment ready in {time.monotonic() - t0:.1f}s")
-    return out
+    yield out
+    # Free the two replicas for the tests that follow (cwtrain waits until it is gone).
+    json_out(cwtrain(stack, "deployment", "delete", out["id"], "--wait"))
 
 
 def test_cwtrain_publishes_full_checkpoint_and_every_replica_serves_it(stack, cw_deployment, tmp_path):
@@ -104,6 +106,9 @@ def test_cwtrain_publishes_full_checkpoint_and_every_replica_serves_it(stack, cw
         assert r["currentSnapshotIdentity"] == "step-000001"
     for _ in range(4):  # least-loaded routing spreads these over both replicas
         assert greedy_ids(stack, model) == expected
+
+    # Engineers inspect the operation in the Temporal UI: the link answers.
+    assert httpx.get(wire["status"]["workflowUrl"], timeout=30).status_code == 200
 
 
 def replicas_of(settings, dep_id: str) -> list[dict]:
