@@ -1,0 +1,151 @@
+"""Delta hot-load vs a cold rolling restart, side by side in one run, on the real stack.
+
+    .venv/bin/python bench/hotload_vs_cold.py [--size-mb 256] [--replicas 4] [--runs 3] [--cold-runs 1]
+
+Builds a Llama-shaped BF16 model of about `--size-mb` MiB and one realistic RL step of it (fp32
+master, one Adam step at lr 1e-6: a few percent of elements change; `snapshots.synthetic`),
+starts the embedded stack in a temporary home, and creates a `--replicas` deployment of it.
+
+(a) hot-load: per run, a FULL hot-load of the base (setup, not timed), then the INCREMENTAL
+    delta of the step, timed from create to COMPLETED through the REST API; the first replica
+    reads the bucket, the others receive from a peer.
+(b) cold path: per run, for each replica in turn (a rolling restart), stop a vLLM engine, fetch
+    the new full checkpoint from the bucket, start vLLM on it and wait until it serves.
+
+Prints the medians, (b)/(a), the per-replica pause window and bytes read from the bucket per
+replica. Figures on a shared 2-core machine are noisy: the ratio is the figure, not the seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from replica.agent import download_prefix  # noqa: E402
+from replica.engine import EngineProcess  # noqa: E402
+from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
+from snapshots.writer import write_delta  # noqa: E402
+from tests.stack_fixtures import Api, start_stack  # noqa: E402
+from workers.processes import free_port  # noqa: E402
+from workers.stack import upload_dir  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def hot_load(api: Api, dep_id: str, identity: str, previous: str | None) -> tuple[dict, float]:
+    body: dict = {"deploymentId": dep_id, "identity": identity, "type": "SNAPSHOT_TYPE_FULL"}
+    if previous:
+        body["type"] = "SNAPSHOT_TYPE_INCREMENTAL"
+        body["incrementalSnapshotMetadata"] = {"previousSnapshotIdentity": previous}
+    t0 = time.monotonic()
+    r = api.call("POST", "/hotLoads", json=body)
+    r.raise_for_status()
+    hl_id = r.json()["hotLoad"]["spec"]["id"]
+    while True:
+        hl = api.call("GET", f"/hotLoads/{hl_id}").json()["hotLoad"]
+        if hl["status"]["state"] in ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED"):
+            break
+        time.sleep(0.05)
+    elapsed = time.monotonic() - t0
+    if hl["status"]["state"] != "HOT_LOAD_STATE_COMPLETED":
+        raise SystemExit(f"hot-load {identity} ended {hl['status']['state']}: {hl['status'].get('conditions')}")
+    return hl, elapsed
+
+
+async def cold_rolling_restart(settings, identity_prefix: str, replicas: int, model_name: str, work: Path) -> float:
+    """Restart `replicas` engines one after another on the new full checkpoint from the bucket."""
+    s3 = settings.s3_client()
+    t0 = time.monotonic()
+    for i in range(replicas):
+        model_dir = work / f"cold-{i}"
+        shutil.rmtree(model_dir, ignore_errors=True)
+        # A restarted replica has nothing local: it downloads the full checkpoint first.
+        await asyncio.to_thread(download_prefix, s3, settings.bucket, identity_prefix, model_dir)
+        engine = EngineProcess(model_dir, work_dir=Path(tempfile.mkdtemp(prefix="cold-", dir="/tmp")),
+                               served_model_name=model_name, port=free_port())
+        await engine.start()
+        await engine.stop()
+    return time.monotonic() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mb", type=float, default=256)
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--cold-runs", type=int, default=1)
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-hotload-"))
+    base, new = work / "base", work / "new"
+    info = make_checkpoint_pair(base, new, size_mb=args.size_mb, seed=0)
+    stack, settings = start_stack(work / "home")
+    try:
+        for d in (base, new):
+            for f in TOKENIZER_FILES:
+                shutil.copy2(settings.home_path / "models" / "base" / f, d / f)
+        stats = write_delta(base, new, work / "delta", version="1", base_version="0")
+        print(f"model {info['tensor_bytes'] / 2**20:.0f} MiB BF16, {info['changed_element_fraction'] * 100:.2f}% of "
+              f"elements changed; delta {stats.wire_bytes / 2**20:.1f} MiB ({stats.wire_bytes / info['tensor_bytes'] * 100:.2f}% of full)",
+              flush=True)
+        s3 = settings.s3_client()
+        upload_dir(s3, base, settings.bucket, "bench/model")
+        upload_dir(s3, new, settings.bucket, "bench/new-full")
+        api = Api(settings)
+        body = {
+            "name": "bench", "gatewayIds": [settings.gateway_id],
+            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+            "model": {"name": "bench-model", "bucket": settings.bucket, "path": "bench/model"},
+            "autoscaling": {"min": args.replicas, "max": args.replicas},
+            "hotLoad": {"bucket": settings.bucket, "pathPrefix": "bench/ckpt"},
+        }
+        dep_id = api.call("POST", "/deployments", json=body).json()["deployment"]["spec"]["id"]
+        dep = api.wait_deployment(dep_id, timeout=1800)
+        assert dep["status"]["status"] == "STATUS_READY", dep["status"]
+
+        hot: list[float] = []
+        pauses: list[float] = []
+        bytes_per_replica: list[list[int]] = []
+        for run in range(args.runs):
+            upload_dir(s3, base, settings.bucket, f"bench/ckpt/base-{run}")
+            upload_dir(s3, work / "delta", settings.bucket, f"bench/ckpt/step-{run}")
+            hot_load(api, dep_id, f"base-{run}", None)
+            hl, seconds = hot_load(api, dep_id, f"step-{run}", f"base-{run}")
+            reps = api.call("GET", f"/hotLoads/{hl['spec']['id']}/replicas").json()["replicas"]
+            hot.append(seconds)
+            pauses += [r["pauseMs"] for r in reps]
+            bytes_per_replica.append([r["bytesReadFromBucket"] for r in reps])
+            print(f"  hot-load run {run}: {seconds:.2f} s; pause ms {[round(r['pauseMs'], 1) for r in reps]}; "
+                  f"sources {[r['source'] for r in reps]}", flush=True)
+
+        cold: list[float] = []
+        for run in range(args.cold_runs):
+            seconds = asyncio.run(cold_rolling_restart(settings, "bench/new-full", args.replicas, "bench-model", work))
+            cold.append(seconds)
+            print(f"  cold rolling restart run {run}: {seconds:.1f} s", flush=True)
+
+        a, b = statistics.median(hot), statistics.median(cold)
+        print()
+        print(f"replicas                         {args.replicas}")
+        print(f"(a) delta hot-load, median       {a:.2f} s  ({args.runs} runs)")
+        print(f"(b) cold rolling restart, median {b:.1f} s  ({args.cold_runs} runs)")
+        print(f"(b)/(a)                          {b / a:.1f}x")
+        print(f"pause window per replica         median {statistics.median(pauses):.1f} ms, max {max(pauses):.1f} ms")
+        print(f"bytes from the bucket per replica {bytes_per_replica[-1]}  (full checkpoint: {info['tensor_bytes']})")
+    finally:
+        stack.down(say=lambda line: None)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
