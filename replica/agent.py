@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from workers.processes import free_port
+from workers.processes import PidFile, free_port, stop_pid
 from workers.settings import Settings, temporal_client
 from workflows import names
 from workflows.types import (
@@ -381,6 +381,12 @@ async def run_replica(
     deployment = client.get_workflow_handle(workflow_id)
     s3 = settings.s3_client()
     engine = None
+    engine_pid_file = PidFile(workdir / "engine.pid")
+    leftover = engine_pid_file.alive_pid()
+    if leftover is not None:
+        # An engine orphaned by a killed agent: it may sit paused forever. Stop it first.
+        log.warning("stopping engine %d left by a previous run of %s", leftover, name)
+        stop_pid(leftover, timeout=20)
     try:
         model_dir = workdir / "model"
         await asyncio.to_thread(download_prefix, s3, model_bucket, model_path, model_dir)
@@ -395,6 +401,7 @@ async def run_replica(
             log_path=workdir / "engine.log",
         )
         await engine.start()
+        engine_pid_file.write(engine.pid)
         host = await asyncio.to_thread(HostWeights.load, model_dir)
         runtime = ReplicaRuntime(name=name, engine=engine, host=host, s3=s3, workdir=workdir)
         if catch_up:
@@ -450,5 +457,6 @@ async def run_replica(
             except asyncio.TimeoutError:
                 pass
     await engine.stop()
+    engine_pid_file.remove()
     shutil.rmtree(runtime.staging, ignore_errors=True)
     return code

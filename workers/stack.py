@@ -272,14 +272,16 @@ class Stack:
         ])
 
     def replica_pid_files(self) -> list[PidFile]:
-        return [PidFile(p) for p in sorted((self.home / "replicas").glob("*/*/replica.pid"))]
+        """Replica agents, then their engines (an engine outlives a killed agent)."""
+        root = self.home / "replicas"
+        return [PidFile(p) for p in sorted(root.glob("*/*/replica.pid")) + sorted(root.glob("*/*/engine.pid"))]
 
     def down(self, say: Callable[[str], None] = print) -> None:
         for pf in self.replica_pid_files():
             pid = pf.alive_pid()
             if pid:
                 stop_pid(pid, timeout=20)
-                say(f"replica {pf.path.parent.name:<20} stopped (pid {pid})")
+                say(f"{pf.path.stem:<7} {pf.path.parent.name:<20} stopped (pid {pid})")
             pf.remove()
         for name in reversed(SERVICE_ORDER):
             pf = self.pid_file(name)
@@ -295,7 +297,7 @@ class Stack:
     def status(self) -> dict[str, int | None]:
         out: dict[str, int | None] = {name: self.pid_file(name).alive_pid() for name in SERVICE_ORDER}
         for pf in self.replica_pid_files():
-            out[f"replica {pf.path.parent.name}"] = pf.alive_pid()
+            out[f"{pf.path.stem} {pf.path.parent.name}"] = pf.alive_pid()
         return out
 
 
