@@ -18,15 +18,29 @@ Contract:
 - Async control methods (httpx) map to vLLM's dev-mode routes and to the extension's methods
   over ``/collective_rpc`` (see ``replica/engine_extension.py`` for their JSON):
   ``pause``, ``resume``, ``is_paused``, ``reset_prefix_cache``, ``collective_rpc``,
-  ``load_weights_from_files``, ``checksums``, ``weight_specs``, ``engine_pids``, ``peer_*``.
+  ``load_weights_from_files``, ``checksums``, ``weight_specs``, ``save_weights``,
+  ``engine_pids``, ``peer_init`` / ``peer_send`` / ``peer_receive`` / ``peer_close``.
   Non-2xx answers raise ``EngineRequestError`` with the status and body.
 - ``stop()``: SIGTERM to the server, wait, then SIGKILL to its whole process group (the server,
   the engine core and the worker: the server is started in a session of its own) on timeout.
 
-Measured on the 2-core CPU machine with the embedded model (see tests/replica/test_engine.py,
-which prints them): a start takes ~40-70 s (almost all imports and process spawns); the pause
-window for ``pause(keep)`` -> ``load_weights_from_files`` (10 tensors, 2.6 MB) -> ``resume`` is
-tens of milliseconds.
+Measured on the shared 2-core CPU machine with the embedded model (tests/replica/test_engine.py
+prints them; ranges span quiet to heavily loaded, load average up to ~15):
+
+- start to ready: 38-145 s (engine init itself ~3 s; the rest is imports and three process
+  spawns: API server, engine core, worker); ``stop()`` by SIGTERM: ~1.5 s.
+- pause window, client side, with 6 requests streaming: ``pause(keep)`` 25-67 ms,
+  ``load_weights_from_files`` of the counting model's 10 changed tensors (3.0 MB) 17-68 ms
+  (inside the engine: read 3-8 ms + apply 9-17 ms), ``resume`` 7-56 ms; window 60-180 ms.
+  A full 39-tensor load (7.9 MB) takes 41-217 ms. A ``/pause`` over a NEW connection to a server
+  busy streaming once took ~0.9 s (before the engine pauses, so requests are not frozen longer):
+  this class pools its connection for 60 s and asks the server to keep idle ones for 75 s
+  (vLLM's default is 5 s).
+- the API server's streams lag the engine under load: a client that had seen 2 tokens of a
+  stream was looking at a request the engine had already taken ~600 tokens into.
+- peer transfer engine to engine (gloo, 3.0 MB): ``peer_init`` 0.1-0.5 s; send + receive + apply
+  0.28-1.13 s (receiver: recv 60-610 ms, which includes waiting for the sender's RPC to arrive,
+  apply 13-697 ms; the high ends under heavy load).
 """
 
 from __future__ import annotations
@@ -203,6 +217,8 @@ class EngineProcess:
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
                 "PYTHONUNBUFFERED": "1",
+                # Keep the control connection warm between calls (vLLM's default is 5 s).
+                "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",
                 # The worker imports our extension by name: make the repo importable.
                 "PYTHONPATH": os.pathsep.join(
                     p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
@@ -332,7 +348,13 @@ class EngineProcess:
         loop = asyncio.get_running_loop()
         client = self._clients.get(id(loop))
         if client is None or client.is_closed:
-            client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(600.0, connect=10.0))
+            client = httpx.AsyncClient(
+                base_url=self.base_url,
+                timeout=httpx.Timeout(600.0, connect=10.0),
+                # Below the server's keep-alive (75 s, set in environment()), so a pooled
+                # connection is never one the server has just closed.
+                limits=httpx.Limits(keepalive_expiry=60.0),
+            )
             self._clients[id(loop)] = client
         return client
 
@@ -367,9 +389,15 @@ class EngineProcess:
     # -- pause / resume / cache -------------------------------------------------------------
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
-        """``keep`` freezes running requests in place and queues new ones (vLLM ignores
-        ``clear_cache`` in that mode: use ``reset_prefix_cache`` after the update instead);
-        ``wait`` drains running requests; ``abort`` aborts them."""
+        """Pause generation. ``keep`` freezes running requests in place (their KV cache kept) and
+        queues new ones until ``resume``; ``wait`` drains running requests; ``abort`` aborts them.
+
+        ``clear_cache`` (vLLM 0.32, checked in ``EngineCore._finish_pause``; its route's
+        docstring says keep ignores it, but the code does not): at the pause, preempt running
+        requests and drop the prefix cache, so after ``resume`` they are recomputed on whatever
+        weights the engine then holds. False keeps the KV cache: a frozen request continues over
+        its old KV with the new weights. Returns when the engine is paused.
+        """
         await self.request(
             "POST", "/pause", params={"mode": mode, "clear_cache": "true" if clear_cache else "false"}
         )
@@ -438,6 +466,11 @@ class EngineProcess:
         r = await self._rpc1("weight_checksums", None if names is None else list(names), algorithm)
         return dict(r["checksums"])
 
+    async def save_weights(self, names: Sequence[str] | None, path: Path | str) -> dict[str, Any]:
+        """Have the engine write what it holds for ``names`` (checkpoint names; all when None) to
+        a safetensors file at ``path`` (on the engine's machine)."""
+        return await self._rpc1("save_weights", None if names is None else list(names), str(path))
+
     async def weight_specs(self, names: Sequence[str] | None = None) -> list[list[Any]]:
         return (await self._rpc1("weight_specs", None if names is None else list(names)))["specs"]
 
@@ -473,10 +506,6 @@ class EngineProcess:
 
     async def peer_close(self) -> dict[str, Any]:
         return await self._rpc1("peer_close")
-
-    async def save_weights(self, names: Sequence[str], path: Path | str) -> dict[str, Any]:
-        """Write the named tensors as the engine holds them to a safetensors file."""
-        return await self._rpc1("save_weights", list(names), str(path))
 
     async def vllm_weight_checksums(self) -> dict[str, str]:
         """vLLM's own ``/weight_checker`` SHA-256s (engine names, fused; see the extension's

@@ -38,6 +38,8 @@ Methods (JSON results, per worker):
   (empty for Llama).
 - ``weight_specs(names=None)`` -> ``{"specs": [[name, dtype, shape], ...]}`` (dtype as
   ``"bfloat16"``), in the order ``peer_send`` sends them.
+- ``save_weights(names, path)`` -> ``{"saved": [names], "bytes": n, "path": path}``: writes what
+  the engine holds for ``names`` (all when None) to a safetensors file (atomically renamed).
 - ``peer_init(host, port, rank, world_size, backend="gloo", timeout_s=300)`` ->
   ``{"rank", "world_size", "backend"}``; ``peer_send(names=None, paths=None, src=0)`` ->
   ``{"sent": [names], "bytes": n, "seconds": s}``; ``peer_receive(specs, src=0, verify=True,
@@ -80,7 +82,8 @@ import torch
 
 logger = logging.getLogger("rollouts.engine_extension")
 
-# Stacked/fused layers in vLLM whose rows hold several checkpoint tensors.
+# Buffers some checkpoints carry that vLLM computes itself: skipped when a load takes every
+# tensor of a file (names=None).
 _SKIP_NAMES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -554,6 +557,17 @@ class WeightLoaderExtension:
             "engine_checksums": {} if names is not None else {n: digest(t) for n, t in unmapped.items()},
         }
 
+    def save_weights(self, names: list[str] | None, path: str) -> dict[str, Any]:
+        """Write what the engine holds for ``names`` (all when None) to a safetensors file at
+        ``path``, by checkpoint name (e.g. to refresh a host copy after a peer transfer)."""
+        from safetensors.torch import save_file
+
+        tensors = {n: t.detach().to("cpu").contiguous() for n, t in _select_views(self.model_runner.model, names)}  # type: ignore[attr-defined]
+        tmp = f"{path}.tmp-{os.getpid()}"
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, path)  # readers never see a half-written file
+        return {"saved": list(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "path": path}
+
     def weight_specs(self, names: list[str] | None = None) -> dict[str, Any]:
         return {"specs": [spec_of(n, t) for n, t in _select_views(self.model_runner.model, names)]}  # type: ignore[attr-defined]
 
@@ -616,12 +630,3 @@ class WeightLoaderExtension:
             return {"closed": False}
         group.close()
         return {"closed": True}
-
-    def save_weights(self, names: list[str], path: str) -> dict[str, Any]:
-        """Write the named tensors, as the engine holds them, to a safetensors file at ``path``
-        (how a replica that received weights from a peer refreshes its host copy)."""
-        from safetensors.torch import save_file
-
-        tensors = _select_views(self.model_runner.model, names)  # type: ignore[attr-defined]
-        save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors}, path)
-        return {"saved": [n for n, _ in tensors], "path": path}
