@@ -9,6 +9,7 @@ naming the files, and is never retried.
 
 from __future__ import annotations
 
+import json
 import sys
 
 from temporalio import activity
@@ -68,6 +69,7 @@ class ControlActivities:
                     "--model-bucket", inp.model.bucket,
                     "--model-path", inp.model.path,
                     "--model-name", inp.model.name,
+                    "--engine-config", json.dumps(inp.engine_config),
                 ]
                 if inp.target_chain and inp.hot_load_config:
                     catch_up = ApplySnapshotInput(

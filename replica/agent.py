@@ -53,6 +53,23 @@ def engine_alive(engine: Any) -> bool:
     return engine.pid is not None and _pid_alive(engine.pid)
 
 
+def engine_options(engine_config: dict[str, str]) -> dict[str, Any]:
+    """EngineProcess options from a deployment's runtime.engineConfig: the sizes it knows by
+    name, every other key as a vLLM flag (`--key value`, or `--key` for an empty value)."""
+    config = dict(engine_config)
+    options: dict[str, Any] = {}
+    if "max-model-len" in config:
+        options["max_model_len"] = int(config.pop("max-model-len"))
+    if "max-num-seqs" in config:
+        options["max_num_seqs"] = int(config.pop("max-num-seqs"))
+    extra: list[str] = []
+    for key, value in sorted(config.items()):
+        extra += [f"--{key}"] + ([value] if value else [])
+    if extra:
+        options["extra_args"] = extra
+    return options
+
+
 def one_line(exc: BaseException, limit: int = 400) -> str:
     """The first and last lines of an error (an engine's start error carries its log tail)."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
@@ -369,6 +386,7 @@ async def run_replica(
     model_path: str,
     model_name: str,
     catch_up: str | None = None,
+    engine_config: dict[str, str] | None = None,
 ) -> int:
     from temporalio.worker import Worker
 
@@ -399,6 +417,7 @@ async def run_replica(
             served_model_name=model_name,
             port=port,
             log_path=workdir / "engine.log",
+            **engine_options(engine_config or {}),
         )
         await engine.start()
         engine_pid_file.write(engine.pid)

@@ -1,11 +1,16 @@
 """`rollouts`: the command line of the service.
 
     rollouts up | down | status        the embedded stack on 127.0.0.1 (`make up` / `make down`)
-    rollouts demo                      up, a 2-replica deployment, a full hot-load, a table, down
+    rollouts demo [--steps N ...]      up, a 2-replica deployment, a tiny GRPO loop that learns
+                                       through delta hot-loads, a plot and a table, down
     rollouts api | worker | gateway    one service process (what `up` starts)
     rollouts replica ...               one replica (started by the control worker)
     rollouts snapshot ...              inspect / delta / apply / verify checkpoints (snapshots/)
     rollouts token add ...             add an API token to the tokens file
+    rollouts replay HOT_LOAD_ID        a new hot-load of the same snapshot, waited for (workers/ops.py)
+    rollouts rollback IDENTITY --deployment D    re-serve an earlier completed snapshot
+    rollouts hotload wait HOT_LOAD_ID  print progress until the operation ends
+    rollouts history check DIR         replay exported workflow histories against this code
 
 Every command exits non-zero with a one-line reason on failure.
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -117,6 +123,7 @@ def cmd_replica(args: argparse.Namespace) -> int:
             model_path=args.model_path,
             model_name=args.model_name,
             catch_up=args.catch_up,
+            engine_config=json.loads(args.engine_config),
         )
     )
 
@@ -139,9 +146,41 @@ def cmd_token_add(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from workers.demo import run_demo
+    from workers.demo import DemoConfig, run_demo
 
-    return run_demo(_home(args), port_base=args.port_base, keep_running=args.keep_running)
+    config = DemoConfig(
+        steps=args.steps, prompts=args.prompts, group=args.group, max_tokens=args.max_tokens,
+        lr=args.lr, inner_steps=args.inner_steps, max_loop_s=args.max_loop_seconds, seed=args.seed,
+    )
+    return run_demo(_home(args), port_base=args.port_base, keep_running=args.keep_running, config=config)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from workers.ops import replay, run
+
+    return run(lambda http: replay(http, args.hot_load_id, out=sys.stdout, poll_s=args.poll), _home(args))
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from workers.ops import rollback, run
+
+    return run(lambda http: rollback(http, args.identity, args.deployment, out=sys.stdout, poll_s=args.poll), _home(args))
+
+
+def cmd_hotload_wait(args: argparse.Namespace) -> int:
+    from workers.ops import run, wait_and_report
+
+    return run(lambda http: wait_and_report(http, args.hot_load_id, out=sys.stdout, poll_s=args.poll), _home(args))
+
+
+def cmd_history_check(args: argparse.Namespace) -> int:
+    from workers.ops import OpsError, history_check
+
+    try:
+        return asyncio.run(history_check(Path(args.directory), out=sys.stdout))
+    except OpsError as exc:
+        print(f"rollouts: {exc}", file=sys.stderr)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,12 +204,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("replica", cmd_replica, "run one replica (engine + agent)")
     for flag in ("--deployment", "--name", "--workflow-id", "--zone", "--model-bucket", "--model-path", "--model-name"):
         p.add_argument(flag, required=True)
+    p.add_argument("--engine-config", default="{}", help="JSON runtime.engineConfig: vLLM flags")
     p.add_argument("--catch-up", default=None, help="JSON ApplySnapshotInput to load before reporting ready")
     p = add("snapshot", cmd_snapshot, "checkpoint tools: inspect, delta, apply, verify")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p = add("demo", cmd_demo, "the main job, end to end")
     p.add_argument("--port-base", type=int, default=None)
     p.add_argument("--keep-running", action="store_true", help="leave the stack up afterwards")
+    p.add_argument("--steps", type=int, default=30, help="GRPO steps, one hot-load each (default 30)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
+    p.add_argument("--group", type=int, default=8, help="completions per prompt, the GRPO group (default 8)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default 16)")
+    p.add_argument("--lr", type=float, default=2e-3, help="trainer learning rate (Adam; default 2e-3)")
+    p.add_argument("--inner-steps", type=int, default=1, help="optimizer steps per batch (default 1)")
+    p.add_argument("--max-loop-seconds", type=float, default=420.0,
+                   help="start no new step after this many seconds of loop (default 420)")
+    p.add_argument("--seed", type=int, default=0)
     p = add("token", cmd_token_add, "add an API token: rollouts token add --role viewer")
     p.add_argument("action", choices=["add"])
     p.add_argument("--role", choices=["admin", "viewer"], required=True)
@@ -178,6 +227,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="added")
     p.add_argument("--token", default=None, help="the token value (default: a new random one)")
     p.add_argument("--hot-load-disabled", action="store_true", help="for a new organization: hot-load not enabled")
+    p = add("replay", cmd_replay, "start a new hot-load of the same snapshot as HOT_LOAD_ID and wait for it")
+    p.add_argument("hot_load_id")
+    p.add_argument("--poll", type=float, default=1.0, help="seconds between status reads")
+    p = add("rollback", cmd_rollback, "re-serve IDENTITY, as its newest completed hot-load on the deployment loaded it")
+    p.add_argument("identity")
+    p.add_argument("--deployment", required=True)
+    p.add_argument("--poll", type=float, default=1.0)
+    p = add("hotload", cmd_hotload_wait, "hotload wait HOT_LOAD_ID: print progress until it ends")
+    p.add_argument("action", choices=["wait"])
+    p.add_argument("hot_load_id")
+    p.add_argument("--poll", type=float, default=1.0)
+    p = add("history", cmd_history_check, "history check DIR: replay exported histories against this code")
+    p.add_argument("action", choices=["check"])
+    p.add_argument("directory")
     return parser
 
 

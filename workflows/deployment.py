@@ -20,6 +20,10 @@ second cancel, can never block the deployment forever.
 `runtime.engineConfig`, `traffic`); it refuses an update that omits or changes the `hotLoad`
 section, and any update while a hot-load runs.
 
+The create handler runs in the API request's trace context (`CreateHotLoadCommand.trace_context`),
+so the file checks and the hot-load workflow it starts belong to the request's trace, one trace
+per operation, rather than to the deployment's long-lived one (workers/telemetry.py).
+
 Reads never query this workflow: it publishes the wire object in its memo on every change.
 """
 
@@ -40,6 +44,9 @@ from temporalio.exceptions import ApplicationError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
+    from opentelemetry import context as otel_context
+    from opentelemetry import propagate as otel_propagate
+
     from workflows import names
     from workflows.errors import ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, UNAVAILABLE, rejected
     from workflows.hot_load import HotLoadWorkflow
@@ -81,6 +88,7 @@ SUPERVISE_EVERY = timedelta(seconds=10)
 # Chains kept for later deltas to build on: the most recently completed identities. A delta whose
 # predecessor fell out of this window is refused like one never loaded (publish a full one).
 MAX_CHAINS_KEPT = 256
+SEEN_IDS_KEPT = 1024
 
 
 def search_attributes(org: str, deployment_id: str) -> TypedSearchAttributes:
@@ -180,6 +188,7 @@ class DeploymentWorkflow:
                 names=known,
                 zone=self.state.gateway_zones[0] if self.state.gateway_zones else "LOCAL-1A",
                 model=self.spec.model,
+                engine_config=self.spec.runtime.engine_config,
                 target_chain=self.state.chains.get(latest) if latest else None,
                 hot_load_config=self.spec.hot_load,
             ),
@@ -209,6 +218,7 @@ class DeploymentWorkflow:
                     names=names_,
                     zone=zone,
                     model=self.spec.model,
+                engine_config=self.spec.runtime.engine_config,
                 ),
                 start_to_close_timeout=timedelta(minutes=5),
                 retry_policy=RetryPolicy(maximum_attempts=3),
@@ -354,7 +364,20 @@ class DeploymentWorkflow:
         self._admit(cmd)  # again, synchronously: the state may have changed since the validator
         self.state.active_hot_load_id = cmd.hot_load_id
         self.state.seen_hot_load_ids.append(cmd.hot_load_id)
+        # Bounded: ids older than this are refused by the child's REJECT_DUPLICATE id policy and
+        # by the API's existence check; the list only guards creates racing each other.
+        del self.state.seen_hot_load_ids[:-SEEN_IDS_KEPT]
         self._publish()
+        # What this handler starts (file checks, the hot-load workflow) carries the API request's
+        # trace, so each operation is one trace; without tracing this changes nothing.
+        trace_token = otel_context.attach(otel_propagate.extract(cmd.trace_context)) if cmd.trace_context else None
+        try:
+            return await self._check_and_start(cmd)
+        finally:
+            if trace_token is not None:
+                otel_context.detach(trace_token)
+
+    async def _check_and_start(self, cmd: CreateHotLoadCommand) -> HotLoad:
         chain = self._resolve_chain(cmd)
         hl_cfg = self.spec.hot_load
         assert hl_cfg is not None

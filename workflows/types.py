@@ -308,6 +308,9 @@ class CreateHotLoadCommand(WireModel):
     prompt_cache_policy: PromptCachePolicy = PromptCachePolicy.PRESERVE
     organization_hot_load_enabled: bool = True
     created_at: str
+    # The API request's trace context (W3C carrier): the operation's spans join that trace
+    # rather than the deployment's long-lived one (workers/telemetry.py).
+    trace_context: dict[str, str] = Field(default_factory=dict)
 
 
 class UpdateDeploymentCommand(WireModel):
@@ -368,6 +371,8 @@ class StartReplicasInput(WireModel):
     names: list[str]
     zone: str
     model: ModelSource
+    # runtime.engineConfig: vLLM flags for the replica's engine (e.g. "max-model-len").
+    engine_config: dict[str, str] = Field(default_factory=dict)
     # The snapshot a new replica must serve before it reports ready (a restart or a scale-up
     # after a hot-load began loads the target directly); None: the model's base weights.
     target_chain: list[SnapshotRef] | None = None

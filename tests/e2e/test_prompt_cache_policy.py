@@ -25,7 +25,7 @@ from workers.stack import upload_dir
 
 pytestmark = pytest.mark.stack
 PROMPT = [5, 17, 33, 101]
-N = 900
+N = 3500
 COMPARE = 16
 
 
@@ -80,9 +80,9 @@ def test_request_spanning_an_update(stack, rolling, tmp_path, policy):
     started = threading.Event()
     t = threading.Thread(target=streamed_greedy, args=(url, model, started, tokens))
     t.start()
-    assert started.wait(60)
+    assert started.wait(120)
     hl = hot_load(api, dep_id, f"cache-{tag}-1", None, promptCachePolicy=policy)
-    t.join(300)
+    t.join(600)
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
     assert len(tokens) == N, "the request spanning the update did not complete"
     k = next((i for i, (a, b) in enumerate(zip(tokens, old)) if a != b), None)
