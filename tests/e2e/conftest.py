@@ -16,7 +16,7 @@ def rolling(stack):
     api = Api(stack)
     body = deployment_body(stack, "rolling", replicas=3, path_prefix=PREFIX)
     # Long generations, so a request is surely still running when its replica updates.
-    body["runtime"]["engineConfig"] = {"max-model-len": "4096"}
+    body["runtime"]["engineConfig"] = {"max-model-len": "2048"}
     dep = api.call("POST", "/deployments", json=body).json()["deployment"]
     dep = api.wait_deployment(dep["spec"]["id"])
     assert dep["status"]["status"] == "STATUS_READY", dep["status"]

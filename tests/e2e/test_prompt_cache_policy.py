@@ -25,7 +25,7 @@ from workers.stack import upload_dir
 
 pytestmark = pytest.mark.stack
 PROMPT = [5, 17, 33, 101]
-N = 3500
+N = 1900
 COMPARE = 16
 
 
