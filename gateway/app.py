@@ -1,14 +1,33 @@
 """The OpenAI-compatible gateway in front of the deployments' replicas.
 
-`/v1/chat/completions` and `/v1/completions` are routed by the request's `model` (a deployment's
-`model.name`, or its id) to one of that deployment's replicas: the replica pinned to the request's
-`X-Dynamo-Session-ID` while it is healthy (affinity with a TTL), else the least-loaded one.
-Bodies and responses pass through unchanged (logprobs, token ids, SSE streams), except `nvext`,
-which is translated for vLLM (`cache_salt`). A request that fails before any byte was sent is
-retried on another replica; a stream that breaks midway ends with an error event, never silently.
-During a replica's pause, vLLM queues new requests itself (`mode=keep`), so they wait, not fail.
+Contract:
 
-The routing table comes from Temporal (the deployment workflows' memos), refreshed every second.
+- ``POST /v1/chat/completions`` and ``POST /v1/completions`` (text or token-id prompts, ``n``
+  choices, streamed as SSE or not), ``GET /v1/models``, with ``Authorization: Bearer <token>``
+  from the stack's tokens file; a deployment of another organization is not found. Errors use
+  OpenAI's envelope ``{"error": {"message", "type", "code"}}``: 401, 404 (unknown model), 400
+  (``invalid_argument``: the gateway's own checks, see ``gateway/nvext.py``; vLLM's 400s pass
+  through as vLLM wrote them), 503 (no replica could take the request).
+- Routing (``gateway/routing.py``): by ``model`` (a deployment's ``model.name`` or id) to one of
+  that deployment's running replicas; ``X-Dynamo-Session-ID`` pins a trajectory to one replica
+  while it is listed and healthy (TTL ``SESSION_TTL_S``), else the least-loaded replica.
+- Retries: a request that fails before the client received any byte (connection refused or
+  reset, a replica that died while generating a non-streamed answer, a 5xx, a stream that broke
+  before its first event) is sent to the next replica. A stream that breaks after bytes reached
+  the client ends with an SSE error event ``data: {"error": {...}}`` and no ``[DONE]``: never a
+  silent truncation (a stream that ends without vLLM's ``[DONE]`` counts as broken).
+- During a replica's pause (``/pause?mode=keep`` while a hot-load swaps its weights) vLLM queues
+  new requests itself; the gateway does not time them out (read timeout 600 s), so they wait.
+- Responses pass through as vLLM wrote them, plus: ``choices[].logprobs.content[].token_id`` on
+  chat (vLLM 0.32 omits it), and a top-level ``nvext`` object (on a stream: on the last chunk
+  that carries a ``finish_reason``) with ``weight_versions`` always (which snapshot identity
+  produced the tokens; see ``routing.weight_versions`` for what is exact), and, when named in
+  ``nvext.extra_fields``: ``worker_id`` (``{"prefill_worker_id", "decode_worker_id"}``, the
+  replica's name: prefill and decode run on the same replica), ``timing`` (gateway clock:
+  ``request_received_ms`` Unix epoch, ``total_time_ms``, and on streams ``ttft_ms``/``itl_ms``),
+  ``completion_token_ids`` (``n`` = 1), ``routed_experts`` (``{data, shape, dtype, start}``;
+  vLLM returns routes only on non-streamed answers, so a streamed request for them is served
+  from a non-streamed upstream request and replayed as SSE chunks).
 """
 
 from __future__ import annotations
@@ -17,6 +36,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,102 +45,103 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from api.auth import TokenStore
+from api.auth import Principal, TokenStore
 from api.errors import ApiError
+from gateway.nvext import RequestError, RequestPlan, finish_chunk, finish_choice, plan_request, strip_prompt_ids, translate_routed_experts
+from gateway.routing import DeploymentView, ReplicaView, Router, refresh_loop, weight_versions
 from workers.settings import Settings
 
 log = logging.getLogger("rollouts.gateway")
 SESSION_HEADER = "x-dynamo-session-id"
-SESSION_TTL_S = 600.0
-REFRESH_S = 1.0
-SUPPORTED_NVEXT = {"cache_salt"}
+REPLICA_HEADER = "x-rollouts-replica"
+
+
+class StreamBroken(Exception):
+    """The upstream stream ended without vLLM's ``[DONE]``."""
 
 
 @dataclass
-class Route:
-    deployment_id: str
-    model_name: str
-    replicas: list[dict[str, Any]]
+class Attempt:
+    """One request's bookkeeping across its tries."""
+
+    plan: RequestPlan
+    view: DeploymentView  # read before the request was sent (the "before" of weight_versions)
+    received_wall: float = field(default_factory=time.time)
+    received: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    token_events: int = 0
+
+    def saw_tokens(self, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        self.last_token = now
+        self.token_events += 1
 
 
-@dataclass
-class Router:
-    routes: dict[str, Route] = field(default_factory=dict)
-    in_flight: dict[str, int] = field(default_factory=dict)
-    sessions: dict[str, tuple[str, float]] = field(default_factory=dict)
-
-    def resolve(self, model: str | None) -> Route | None:
-        if model and model in self.routes:
-            return self.routes[model]
-        if not model and len(self.routes) == 1:
-            return next(iter(self.routes.values()))
-        return None
-
-    def candidates(self, route: Route, session: str | None) -> list[str]:
-        urls = [r["engineUrl"] for r in route.replicas]
-        if not urls:
-            return []
-        by_load = sorted(urls, key=lambda u: (self.in_flight.get(u, 0), u))
-        if session:
-            pinned = self.sessions.get(session)
-            if pinned and pinned[0] in urls and time.monotonic() - pinned[1] < SESSION_TTL_S:
-                return [pinned[0]] + [u for u in by_load if u != pinned[0]]
-        return by_load
-
-    def pin(self, session: str | None, url: str) -> None:
-        if session:
-            self.sessions[session] = (url, time.monotonic())
-            if len(self.sessions) > 100_000:  # bound memory: drop the oldest half
-                for key, _ in sorted(self.sessions.items(), key=lambda kv: kv[1][1])[:50_000]:
-                    self.sessions.pop(key, None)
+def error(status: int, code: str, message: str) -> JSONResponse:
+    # OpenAI-style error envelope (what OpenAI SDKs parse), with our code.
+    return JSONResponse({"error": {"message": message, "type": code, "code": code}}, status_code=status)
 
 
-def translate_nvext(body: dict[str, Any]) -> dict[str, Any]:
-    nvext = body.pop("nvext", None)
-    if nvext is None:
-        return body
-    if not isinstance(nvext, dict):
-        raise ValueError("nvext must be a JSON object")
-    unknown = sorted(set(nvext) - SUPPORTED_NVEXT)
-    if unknown:
-        raise ValueError(f"nvext: unsupported field(s) {', '.join(unknown)}; supported: {', '.join(sorted(SUPPORTED_NVEXT))}")
-    if "cache_salt" in nvext:
-        body["cache_salt"] = str(nvext["cache_salt"])
-    return body
+def sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-def create_gateway_app(settings: Settings, *, refresh: bool = True) -> FastAPI:
+async def sse_events(resp: httpx.Response) -> AsyncIterator[str]:
+    """The ``data`` payloads of an SSE stream, one per event."""
+    data: list[str] = []
+    async for line in resp.aiter_lines():
+        if line == "":
+            if data:
+                yield "\n".join(data)
+                data = []
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip(" "))
+    if data:
+        yield "\n".join(data)
+
+
+def _has_tokens(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if choice.get("text") or delta.get("content") or choice.get("token_ids") or (choice.get("logprobs") or None):
+            return True
+    return False
+
+
+def as_chunks(data: dict[str, Any], chat: bool) -> list[dict[str, Any]]:
+    """A non-streamed answer replayed as stream chunks: one per choice, then usage if present."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    head = {k: data[k] for k in ("id", "created", "model") if k in data}
+    chunks = []
+    for choice in data.get("choices") or []:
+        c = {k: v for k, v in choice.items() if k not in ("message",)}
+        if chat:
+            message = choice.get("message") or {}
+            c["delta"] = {k: v for k, v in message.items() if v is not None}
+        chunks.append({**head, "object": kind, "choices": [c]})
+    if data.get("usage") is not None:
+        chunks.append({**head, "object": kind, "choices": [], "usage": data["usage"]})
+    return chunks
+
+
+def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Router | None = None) -> FastAPI:
+    """The gateway app; ``refresh=False`` with a prepared ``router`` serves a fixed table (tests)."""
     tokens = TokenStore(settings.tokens_file)
-    router = Router()
+    router = router or Router()
     state: dict[str, Any] = {}
-
-    async def refresh_routes() -> None:
-        from workers.settings import temporal_client
-
-        client = await temporal_client(settings)
-        while True:
-            try:
-                routes: dict[str, Route] = {}
-                async for wf in client.list_workflows(
-                    "ResourceKind='deployment' AND ExecutionStatus='Running'", page_size=1000
-                ):
-                    memo = await wf.memo()
-                    dep = memo.get("deployment") or {}
-                    spec = dep.get("spec") or {}
-                    if not spec:
-                        continue
-                    route = Route(spec["id"], spec["model"]["name"], list(memo.get("replicas") or []))
-                    routes[spec["id"]] = route
-                    routes.setdefault(route.model_name, route)
-                router.routes = routes
-            except Exception as exc:  # noqa: BLE001 - keep the last table; Temporal may restart
-                log.warning("routing refresh failed: %s", exc)
-            await asyncio.sleep(REFRESH_S)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["http"] = httpx.AsyncClient(timeout=httpx.Timeout(connect=5, read=600, write=60, pool=60))
-        task = asyncio.create_task(refresh_routes()) if refresh else None
+        # No overall timeout: a request queued behind a paused replica waits (see the docstring).
+        state["http"] = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=5, read=600, write=60, pool=60),
+            # Pooled connections expire before vLLM's server drops idle ones (5 s by default):
+            # reusing one it just closed would look like a replica failure.
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=4.0),
+        )
+        task = asyncio.create_task(refresh_loop(router, settings)) if refresh else None
         yield
         if task:
             task.cancel()
@@ -129,65 +150,141 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True) -> FastAPI:
     app = FastAPI(title="rollouts gateway", lifespan=lifespan)
     app.state.router = router
 
-    def error(status: int, code: str, message: str) -> JSONResponse:
-        # OpenAI-style error envelope (what OpenAI SDKs parse), with our code.
-        return JSONResponse({"error": {"message": message, "type": code, "code": code}}, status_code=status)
-
-    def authorized(request: Request) -> JSONResponse | None:
+    def authorized(request: Request) -> Principal | JSONResponse:
         try:
-            tokens.authenticate(request.headers.get("authorization"))
+            return tokens.authenticate(request.headers.get("authorization"))
         except ApiError as exc:
             return error(exc.http_status, exc.code, exc.message)
-        return None
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "models": sorted(k for k, r in router.routes.items() if k == r.model_name)}
+        return {"status": "ok", "models": [v.model_name for v in router.models()]}
 
     @app.get("/v1/models")
     async def models(request: Request):
-        if (denied := authorized(request)) is not None:
-            return denied
-        seen = {r.model_name: r for r in router.routes.values()}
+        principal = authorized(request)
+        if isinstance(principal, JSONResponse):
+            return principal
         return {
             "object": "list",
             "data": [
-                {"id": name, "object": "model", "owned_by": "rollouts", "root": name, "deployment_id": r.deployment_id}
-                for name, r in sorted(seen.items())
+                {
+                    "id": v.model_name, "object": "model", "owned_by": "rollouts", "root": v.model_name,
+                    "deployment_id": v.deployment_id,
+                    # Beyond OpenAI: the snapshot identity each running replica serves.
+                    "replicas": [{"name": r.name, "identity": r.identity, "settled": r.settled} for r in v.replicas],
+                }
+                for v in router.models(principal.organization_id)
             ],
         }
 
+    async def response_nvext(attempt: Attempt, replica: ReplicaView, data: dict[str, Any] | None) -> dict[str, Any]:
+        """The ``nvext`` object of an answer that has finished (reads a fresh view: see routing)."""
+        plan = attempt.plan
+        out: dict[str, Any] = {}
+        extra = plan.extra_fields
+        if "worker_id" in extra:
+            out["worker_id"] = {"prefill_worker_id": replica.name, "decode_worker_id": replica.name}
+        if "completion_token_ids" in extra:
+            out["completion_token_ids"] = list(plan.token_ids.get(0, []))
+        if "routed_experts" in extra and data is not None:
+            choices = data.get("choices") or []
+            value = choices[0].get("routed_experts") if choices else None
+            out["routed_experts"] = None if value is None else translate_routed_experts(value, plan.routed_experts_start)
+        after_view = await router.fresh_view(attempt.view.deployment_id)
+        after = after_view.replica(replica.name) if after_view is not None else None
+        out["weight_versions"] = weight_versions(
+            attempt.view.replica(replica.name), after, attempt.view.epoch,
+            after_view.epoch if after_view is not None else attempt.view.epoch, replica.name,
+        )
+        if "timing" in extra:
+            now = time.monotonic()
+            timing: dict[str, Any] = {
+                "request_received_ms": int(attempt.received_wall * 1000),
+                "total_time_ms": round((now - attempt.received) * 1000, 3),
+            }
+            if attempt.first_token is not None:
+                timing["ttft_ms"] = round((attempt.first_token - attempt.received) * 1000, 3)
+                if attempt.token_events > 1 and attempt.last_token is not None:
+                    timing["itl_ms"] = round((attempt.last_token - attempt.first_token) * 1000 / (attempt.token_events - 1), 3)
+            out["timing"] = timing
+        return out
+
+    def finish_answer(plan: RequestPlan, data: dict[str, Any]) -> None:
+        for choice in data.get("choices") or []:
+            if isinstance(choice, dict):
+                finish_choice(plan, choice)
+        strip_prompt_ids(plan, data)
+
     async def proxy(request: Request, path: str):
-        if (denied := authorized(request)) is not None:
-            return denied
+        principal = authorized(request)
+        if isinstance(principal, JSONResponse):
+            return principal
         try:
             body = await request.json()
         except ValueError:
             return error(400, "invalid_argument", "request body is not JSON")
         if not isinstance(body, dict):
             return error(400, "invalid_argument", "request body must be a JSON object")
-        route = router.resolve(body.get("model"))
-        if route is None:
-            known = sorted({r.model_name for r in router.routes.values()})
+        view = router.resolve(body.get("model"), principal.organization_id)
+        if view is None:
+            known = [v.model_name for v in router.models(principal.organization_id)]
             return error(404, "not_found", f"model {body.get('model')!r} is not served here; models: {', '.join(known) or 'none'}")
         try:
-            body = translate_nvext(body)
-        except ValueError as exc:
+            plan = plan_request(body, path, view.engine_config)
+        except RequestError as exc:
             return error(400, "invalid_argument", str(exc))
+        if view.active_hot_load_id or not all(r.settled for r in view.replicas):
+            # A hot-load is (or was, in the cached view) under way: label against a current read.
+            view = await router.fresh_view(view.deployment_id) or view
+        attempt = Attempt(plan=plan, view=view)
+        # vLLM sends routes only on non-streamed answers: replay those as a stream.
+        replay = plan.stream and "routed_experts" in plan.extra_fields
+        upstream_body = plan.upstream
+        if replay:
+            upstream_body = {k: v for k, v in plan.upstream.items() if k != "stream_options"}
+            upstream_body["stream"] = False
+        payload = json.dumps(upstream_body).encode()
         session = request.headers.get(SESSION_HEADER)
-        stream = bool(body.get("stream"))
-        payload = json.dumps(body).encode()
         http: httpx.AsyncClient = state["http"]
-        last_error = "no ready replica"
-        for url in router.candidates(route, session):
-            router.in_flight[url] = router.in_flight.get(url, 0) + 1
-            released = False
-
-            def release(u: str = url) -> None:
-                nonlocal released
-                if not released:
-                    released = True
-                    router.in_flight[u] = max(0, router.in_flight.get(u, 1) - 1)
+        failures: list[str] = []
+        candidates = router.candidates(view, session)
+        for i, replica in enumerate(candidates):
+            more = i + 1 < len(candidates)
+            url = replica.engine_url
+            router.acquire(url)
+            if not plan.stream or replay:
+                try:
+                    resp = await http.post(f"{url}{path}", content=payload, headers={"content-type": "application/json"})
+                except httpx.TransportError as exc:
+                    router.release(url)
+                    router.mark_failed(url)
+                    failures.append(f"{replica.name}: {type(exc).__name__}: {exc}")
+                    continue  # nothing was sent to the client yet: try the next replica
+                router.release(url)
+                if resp.status_code >= 500 and more:
+                    router.mark_failed(url)
+                    failures.append(f"{replica.name}: HTTP {resp.status_code} {resp.text[:200]}")
+                    continue
+                if resp.status_code != 200:
+                    return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+                router.mark_ok(url)
+                router.pin(session, replica.name)
+                data = resp.json()
+                finish_answer(plan, data)
+                nvext = await response_nvext(attempt, replica, data)
+                for choice in data.get("choices") or []:
+                    choice.pop("routed_experts", None)  # moved to nvext.routed_experts (guide's shape)
+                headers = {REPLICA_HEADER: replica.name}
+                if not replay:
+                    data["nvext"] = {**(data.get("nvext") or {}), **nvext}
+                    return JSONResponse(data, headers=headers)
+                chunks = as_chunks(data, plan.chat)
+                last = max((k for k, c in enumerate(chunks) if c["choices"]), default=None)
+                if last is not None:
+                    chunks[last]["nvext"] = nvext
+                body_bytes = b"".join(sse(c) for c in chunks) + b"data: [DONE]\n\n"
+                return Response(body_bytes, media_type="text/event-stream", headers=headers)
 
             try:
                 upstream = await http.send(
@@ -195,31 +292,97 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True) -> FastAPI:
                     stream=True,
                 )
             except httpx.TransportError as exc:
-                release()
-                last_error = f"replica {url}: {exc!r}"
-                continue  # nothing was sent to the client yet: try the next replica
-            router.pin(session, url)
-            if not stream or upstream.status_code != 200:
-                try:
-                    content = await upstream.aread()
-                finally:
-                    await upstream.aclose()
-                    release()
+                router.release(url)
+                router.mark_failed(url)
+                failures.append(f"{replica.name}: {type(exc).__name__}: {exc}")
+                continue
+            if upstream.status_code != 200:
+                content = await upstream.aread()
+                await upstream.aclose()
+                router.release(url)
+                if upstream.status_code >= 500 and more:
+                    router.mark_failed(url)
+                    failures.append(f"{replica.name}: HTTP {upstream.status_code} {content[:200]!r}")
+                    continue
                 return Response(content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"))
+            events = sse_events(upstream)
+            try:
+                # Commit to this replica only once its first event arrived: before that, a
+                # failure is still invisible to the client and the next replica can take over.
+                first = await anext(events)
+            except (httpx.HTTPError, StopAsyncIteration) as exc:
+                await upstream.aclose()
+                router.release(url)
+                router.mark_failed(url)
+                failures.append(f"{replica.name}: stream failed before its first event: {exc!r}")
+                continue
+            router.mark_ok(url)
+            router.pin(session, replica.name)
+            return StreamingResponse(
+                relay(attempt, replica, upstream, first, events),
+                status_code=200, media_type="text/event-stream", headers={REPLICA_HEADER: replica.name},
+            )
+        detail = "; ".join(failures[-4:]) or "no running replica"
+        return error(503, "unavailable", f"no replica of {view.model_name} could take the request: {detail}")
 
-            async def relay(resp: httpx.Response = upstream):
+    async def relay(attempt: Attempt, replica: ReplicaView, upstream: httpx.Response,
+                    first: str, events: AsyncIterator[str]) -> AsyncIterator[bytes]:
+        """Relay an SSE stream; nvext goes on the last chunk that carries a finish_reason."""
+        plan = attempt.plan
+        held: dict[str, Any] | None = None  # a finish chunk, until we know whether it is the last
+
+        async def with_nvext(chunk: dict[str, Any]) -> bytes:
+            chunk["nvext"] = {**(chunk.get("nvext") or {}), **(await response_nvext(attempt, replica, None))}
+            return sse(chunk)
+
+        try:
+            pending: str | None = first
+            while True:
+                if pending is not None:
+                    data, pending = pending, None
+                else:
+                    try:
+                        data = await anext(events)
+                    except StopAsyncIteration:
+                        raise StreamBroken("the replica closed the stream before [DONE]") from None
+                if data.strip() == "[DONE]":
+                    if held is not None:
+                        yield await with_nvext(held)
+                        held = None
+                    yield b"data: [DONE]\n\n"
+                    return
                 try:
-                    async for chunk in resp.aiter_raw():
-                        yield chunk
-                except httpx.HTTPError as exc:
-                    err = {"error": {"message": f"replica stream broke: {exc!r}", "type": "unavailable", "code": 503}}
-                    yield f"data: {json.dumps(err)}\n\n".encode()
-                finally:
-                    await resp.aclose()
-                    release()
-
-            return StreamingResponse(relay(), status_code=200, media_type="text/event-stream")
-        return error(503, "unavailable", f"no replica of {route.model_name} could take the request: {last_error}")
+                    chunk = json.loads(data)
+                except ValueError:
+                    yield f"data: {data}\n\n".encode()
+                    continue
+                if not isinstance(chunk, dict) or "error" in chunk:
+                    yield sse(chunk)  # vLLM's own error event: pass it on as it is
+                    continue
+                finish_chunk(plan, chunk)
+                if _has_tokens(chunk):
+                    attempt.saw_tokens(time.monotonic())
+                choices = chunk.get("choices") or []
+                finishes = any(c.get("finish_reason") for c in choices if isinstance(c, dict))
+                if held is not None:
+                    if not choices:  # the usage chunk follows the last finish chunk
+                        yield await with_nvext(held)
+                    else:
+                        yield sse(held)
+                    held = None
+                if finishes:
+                    held = chunk
+                else:
+                    yield sse(chunk)
+        except (httpx.HTTPError, StreamBroken) as exc:
+            if held is not None:
+                yield sse(held)
+            log.warning("stream from %s broke: %r", replica.name, exc)
+            yield sse({"error": {"message": f"replica {replica.name} stream broke: {exc!r}; the answer is incomplete",
+                                 "type": "unavailable", "code": 503}})
+        finally:
+            await upstream.aclose()
+            router.release(replica.engine_url)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

@@ -1,0 +1,238 @@
+"""Request and response translation between the guide's OpenAI + `nvext` dialect and vLLM.
+
+Contract (pure functions, no I/O; `gateway/app.py` calls them around each upstream request):
+
+- ``plan_request(body, path, engine_config)`` validates a client body and returns a
+  ``RequestPlan``: the body to send to vLLM and what to add to the answer. It raises
+  ``RequestError`` (HTTP 400, ``invalid_argument``) with a message naming the field for:
+  an ``nvext`` that is not an object, an unknown ``nvext`` key, an unknown or malformed
+  ``extra_fields`` entry, ``completion_token_ids`` or ``routed_experts`` with ``n`` > 1,
+  ``routed_experts`` on a deployment whose ``runtime.engineConfig`` lacks
+  ``enable-return-routed-experts``, more than four stop strings or stop token ids (the hosted
+  frontend's limit, which cwtrain checks too), or a ``cache_salt`` vLLM would refuse.
+  ``nvext.cache_salt`` becomes vLLM's top-level ``cache_salt``. Everything else in the body
+  passes through unchanged (``logprobs``, ``top_logprobs``, ``return_token_ids``,
+  ``return_tokens_as_token_ids``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+  ``stop_token_ids``, ``n``, token-id prompts ...): vLLM validates those itself.
+- To fill what vLLM does not report, the plan may ask vLLM for more than the client did:
+  ``return_token_ids`` (for ``logprobs.content[].token_id`` on chat, and for
+  ``nvext.completion_token_ids``). ``finish_choice`` / ``finish_chunk`` remove what the
+  client did not ask for, so a client sees only the fields it requested plus ours.
+- ``finish_choice(plan, choice)`` (a non-streamed choice) and ``finish_chunk(plan, chunk)``
+  (one SSE chunk) add ``token_id`` to each chat ``logprobs.content`` entry, zipped with the
+  ``token_ids`` vLLM reported for the same tokens (vLLM 0.32's chat logprobs carry no id).
+- ``translate_routed_experts(value, start)`` turns vLLM's per-choice ``routed_experts`` (base64
+  of a ``.npy`` file, rows ``[prompt + completion - 1, layers, top_k]``) into the guide's
+  ``{"data", "shape", "dtype", "start"}``: ``data`` base64 of the raw C-order bytes,
+  ``dtype`` ``uint8`` (at most 256 experts) or ``uint16``.
+
+The response-side ``nvext`` object (``worker_id``, ``timing``, ``completion_token_ids``,
+``routed_experts``, ``weight_versions``) is assembled in ``gateway/app.py``, which knows the
+replica and the clock.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Keys the hosted frontend documents for nvext that this gateway implements.
+SUPPORTED_NVEXT = ("cache_salt", "extra_fields")
+# extra_fields values: Dynamo's response extensions, plus ours (weight_versions is always sent;
+# naming it is accepted so a client can be explicit).
+SUPPORTED_EXTRA_FIELDS = ("completion_token_ids", "routed_experts", "timing", "weight_versions", "worker_id")
+ROUTED_EXPERTS_CONFIG_KEY = "enable-return-routed-experts"
+# The hosted frontend refuses more (cwtrain's rollout client checks the same limits).
+MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 4
+# vLLM's rules for a cache salt.
+MAX_CACHE_SALT = 128
+_SALT_FORBIDDEN = frozenset("@/\\\0")
+
+
+class RequestError(ValueError):
+    """A request the gateway refuses before it reaches a replica (HTTP 400)."""
+
+
+@dataclass
+class RequestPlan:
+    """What to send upstream and how to finish the answer."""
+
+    upstream: dict[str, Any]
+    chat: bool
+    stream: bool
+    n: int
+    extra_fields: frozenset[str] = frozenset()
+    # True when the client itself asked for vLLM's token ids (else we strip the ones we asked for).
+    client_token_ids: bool = False
+    # Chat with logprobs: fill content[].token_id from the token ids.
+    fill_token_id: bool = False
+    routed_experts_start: int = 0
+    # Per choice index: the sampled token ids seen so far (streams accumulate them).
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+
+
+def _stop_count(value: Any) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return 1
+    if isinstance(value, list):
+        return len(value)
+    raise RequestError("stop must be a string or a list of strings")
+
+
+def plan_request(body: dict[str, Any], path: str, engine_config: dict[str, str] | None = None) -> RequestPlan:
+    """Validate ``body`` (a client's JSON object) for ``path`` and plan the upstream request."""
+    body = dict(body)
+    chat = path.endswith("/chat/completions")
+    nvext = body.pop("nvext", None)
+    if nvext is None:
+        nvext = {}
+    if not isinstance(nvext, dict):
+        raise RequestError("nvext must be a JSON object")
+    unknown = sorted(set(nvext) - set(SUPPORTED_NVEXT))
+    if unknown:
+        raise RequestError(
+            f"nvext: unsupported field(s) {', '.join(unknown)}; this gateway supports {', '.join(SUPPORTED_NVEXT)}"
+        )
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise RequestError("n must be a positive integer")
+    if _stop_count(body.get("stop")) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop: at most {MAX_STOP_STRINGS} stop strings per request")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and (not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS):
+        raise RequestError(f"stop_token_ids: a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+
+    if "cache_salt" in nvext:
+        salt = nvext["cache_salt"]
+        if not isinstance(salt, str) or not salt:
+            raise RequestError("nvext.cache_salt must be a non-empty string")
+        if len(salt) > MAX_CACHE_SALT or _SALT_FORBIDDEN.intersection(salt):
+            raise RequestError(f"nvext.cache_salt: at most {MAX_CACHE_SALT} characters and none of @ / \\ or NUL")
+        body["cache_salt"] = salt
+
+    extra = nvext.get("extra_fields", [])
+    if extra is None:
+        extra = []
+    if not isinstance(extra, list) or not all(isinstance(x, str) for x in extra):
+        raise RequestError("nvext.extra_fields must be a list of strings")
+    bad = sorted(set(extra) - set(SUPPORTED_EXTRA_FIELDS))
+    if bad:
+        raise RequestError(
+            f"nvext.extra_fields: unsupported value(s) {', '.join(bad)}; supported: {', '.join(SUPPORTED_EXTRA_FIELDS)}"
+        )
+    extra_fields = frozenset(extra)
+    if "completion_token_ids" in extra_fields and n != 1:
+        raise RequestError(f"nvext.extra_fields completion_token_ids requires one choice per request (n=1), got n={n}")
+    if "routed_experts" in extra_fields:
+        if ROUTED_EXPERTS_CONFIG_KEY not in (engine_config or {}):
+            raise RequestError(
+                "nvext.extra_fields routed_experts: this deployment does not capture routing; add "
+                f'"{ROUTED_EXPERTS_CONFIG_KEY}": "" to runtime.engineConfig (an MoE model on a GPU engine)'
+            )
+        if n != 1:
+            raise RequestError(f"nvext.extra_fields routed_experts requires one choice per request (n=1), got n={n}")
+
+    client_token_ids = bool(body.get("return_token_ids"))
+    fill_token_id = chat and bool(body.get("logprobs"))
+    if fill_token_id or "completion_token_ids" in extra_fields:
+        body["return_token_ids"] = True
+    start = body.get("routed_experts_prompt_start", 0) or 0
+    return RequestPlan(
+        upstream=body,
+        chat=chat,
+        stream=bool(body.get("stream")),
+        n=n,
+        extra_fields=extra_fields,
+        client_token_ids=client_token_ids,
+        fill_token_id=fill_token_id,
+        routed_experts_start=int(start) if isinstance(start, int) else 0,
+    )
+
+
+def _fill_token_ids(plan: RequestPlan, choice: dict[str, Any]) -> None:
+    ids = choice.get("token_ids")
+    if isinstance(ids, list):
+        plan.token_ids.setdefault(int(choice.get("index", 0)), []).extend(int(t) for t in ids)
+    if plan.fill_token_id:
+        logprobs = choice.get("logprobs")
+        content = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if isinstance(content, list) and isinstance(ids, list) and len(ids) == len(content):
+            for entry, token_id in zip(content, ids):
+                if isinstance(entry, dict):
+                    entry["token_id"] = int(token_id)
+        elif isinstance(content, list):
+            # vLLM reports one content entry per sampled token; fall back to "token_id:N" strings.
+            for entry in content:
+                token = entry.get("token") if isinstance(entry, dict) else None
+                if isinstance(token, str) and token.startswith("token_id:"):
+                    try:
+                        entry["token_id"] = int(token[len("token_id:") :])
+                    except ValueError:
+                        pass
+    if not plan.client_token_ids:
+        choice.pop("token_ids", None)
+
+
+def finish_choice(plan: RequestPlan, choice: dict[str, Any]) -> dict[str, Any]:
+    """A non-streamed choice as the client expects it; remembers its token ids in ``plan``."""
+    _fill_token_ids(plan, choice)
+    return choice
+
+
+def finish_chunk(plan: RequestPlan, chunk: dict[str, Any]) -> dict[str, Any]:
+    """One streamed chunk as the client expects it; accumulates token ids in ``plan``."""
+    for choice in chunk.get("choices") or []:
+        if isinstance(choice, dict):
+            _fill_token_ids(plan, choice)
+    strip_prompt_ids(plan, chunk)
+    return chunk
+
+
+def strip_prompt_ids(plan: RequestPlan, response: dict[str, Any]) -> None:
+    """vLLM's ``return_token_ids`` also adds the prompt's ids; drop them unless asked for."""
+    if plan.client_token_ids:
+        return
+    response.pop("prompt_token_ids", None)
+    for choice in response.get("choices") or []:
+        if isinstance(choice, dict):
+            choice.pop("prompt_token_ids", None)
+
+
+def translate_routed_experts(value: Any, start: int = 0) -> dict[str, Any]:
+    """vLLM's ``routed_experts`` (base64 ``.npy``) as the guide's ``{data, shape, dtype, start}``.
+
+    vLLM captures ``[prompt + completion - 1, layers, top_k]`` (the last sampled token never runs
+    through the model), already narrowed to ``uint8``/``uint16`` by the model's expert count.
+    An engine that sends a wider integer type is narrowed here by value (every expert id fits);
+    ``start`` is the first prompt token covered (vLLM's ``routed_experts_prompt_start``).
+    """
+    if isinstance(value, dict) and {"data", "shape", "dtype"} <= set(value):
+        return {**value, "start": value.get("start", start)}  # already in the guide's shape
+    if not isinstance(value, str):
+        raise ValueError(f"routed_experts: expected base64 of a .npy array, got {type(value).__name__}")
+    array = np.load(io.BytesIO(base64.b64decode(value)), allow_pickle=False)
+    if array.ndim != 3:
+        raise ValueError(f"routed_experts: expected [tokens, layers, top_k], got shape {list(array.shape)}")
+    if array.dtype not in (np.uint8, np.uint16):
+        if array.dtype.kind not in "iu":
+            raise ValueError(f"routed_experts: expert ids must be integers, got {array.dtype}")
+        top = int(array.max()) if array.size else 0
+        if int(array.min() if array.size else 0) < 0 or top > np.iinfo(np.uint16).max:
+            raise ValueError("routed_experts: expert ids out of range for uint16")
+        array = array.astype(np.uint8 if top < 256 else np.uint16)
+    array = np.ascontiguousarray(array)
+    return {
+        "data": base64.b64encode(array.tobytes(order="C")).decode("ascii"),
+        "shape": [int(d) for d in array.shape],
+        "start": int(start),
+        "dtype": str(array.dtype),
+    }

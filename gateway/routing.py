@@ -1,0 +1,327 @@
+"""Where a request goes, and what the gateway knows about the weights each replica serves.
+
+Contract:
+
+- ``Router.resolve(model)`` finds a deployment by its ``model.name`` (or its id); with a single
+  deployment, a request without ``model`` goes there.
+- ``Router.candidates(view, session)`` orders a deployment's replicas for one request: the
+  replica pinned to ``session`` (``X-Dynamo-Session-ID``) first while it is listed, healthy and
+  its pin younger than ``SESSION_TTL_S``; then the least-loaded (fewest requests in flight
+  through this gateway), ties broken at random so idle replicas share the load. A replica
+  whose connection failed within ``COOLDOWN_S`` goes last (it is still tried if nothing else
+  is left). Only replicas the deployment lists as running are candidates: a replica that
+  is gone is never routed to.
+- ``Router.pin`` / ``acquire`` / ``release`` / ``mark_failed`` record the outcome of a try.
+- Views come from Temporal, the system of record: each deployment workflow's memo (its wire
+  object, ``runtime.engineConfig`` and the running replicas with their
+  ``currentSnapshotIdentity``) and, while a hot-load runs, that hot-load workflow's memo (each
+  replica's state as it moves: ``PENDING_UPDATE`` -> ``UPDATING`` -> ``READY`` on the new
+  identity). ``refresh_loop`` lists the running deployment workflows every ``DISCOVER_S`` and
+  re-reads each one's memo with DescribeWorkflowExecution (current, not the lagging
+  visibility store) every ``REFRESH_S``. ``fresh_view(dep_id)`` returns a view whose read began
+  after the call (concurrent callers share one read), which is what a weight-version label
+  needs.
+- ``weight_versions(before, after, replica)`` labels a response from the views taken before it
+  was sent and after it finished; see the function for exactly what is and is not known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("rollouts.gateway")
+
+SESSION_TTL_S = 600.0
+COOLDOWN_S = 5.0
+REFRESH_S = 0.5
+DISCOVER_S = 2.0
+MAX_SESSIONS = 100_000
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    name: str
+    engine_url: str
+    identity: str
+    # False while the replica's weights may be changing (its hot-load step is under way), or when
+    # the running hot-load's state could not be read.
+    settled: bool = True
+    # True when an active hot-load has not reached this replica yet (its weights are the old ones).
+    pending: bool = False
+
+
+@dataclass(frozen=True)
+class DeploymentView:
+    deployment_id: str
+    model_name: str
+    workflow_id: str
+    engine_config: dict[str, str]
+    organization_id: str
+    replicas: tuple[ReplicaView, ...]
+    active_hot_load_id: str | None = None
+    # Counts the hot-loads this gateway has seen start on the deployment.
+    epoch: int = 0
+    read_at: float = 0.0  # time.monotonic() when the read began
+
+    def replica(self, name: str) -> ReplicaView | None:
+        return next((r for r in self.replicas if r.name == name), None)
+
+    def by_url(self, url: str) -> ReplicaView | None:
+        return next((r for r in self.replicas if r.engine_url == url), None)
+
+
+def build_view(
+    deployment_memo: dict[str, Any],
+    workflow_id: str,
+    hot_load_memo: dict[str, Any] | None,
+    *,
+    hot_load_readable: bool = True,
+    epoch: int = 0,
+    read_at: float = 0.0,
+) -> DeploymentView | None:
+    """A view from a deployment workflow's memo and, if one is active, its hot-load's memo."""
+    dep = deployment_memo.get("deployment") or {}
+    spec = dep.get("spec") or {}
+    if not spec:
+        return None
+    status = dep.get("status") or {}
+    active = status.get("activeHotLoadId")
+    steps = {r.get("name"): r for r in ((hot_load_memo or {}).get("replicas") or [])}
+    replicas = []
+    for r in deployment_memo.get("replicas") or []:
+        name, identity = r.get("name", ""), r.get("currentSnapshotIdentity") or "initial"
+        settled, pending = True, False
+        if active:
+            step = steps.get(name)
+            if not hot_load_readable:
+                settled = False
+            elif step is not None:
+                state = step.get("state")
+                if state == "UPDATING":
+                    settled = False
+                elif state == "PENDING_UPDATE":
+                    pending = True
+                identity = step.get("currentSnapshotIdentity") or identity
+        replicas.append(ReplicaView(name, r.get("engineUrl", ""), identity, settled, pending))
+    return DeploymentView(
+        deployment_id=spec["id"],
+        model_name=(spec.get("model") or {}).get("name", spec["id"]),
+        workflow_id=workflow_id,
+        engine_config=dict((spec.get("runtime") or {}).get("engineConfig") or {}),
+        organization_id=spec.get("organizationId", ""),
+        replicas=tuple(replicas),
+        active_hot_load_id=active,
+        epoch=epoch,
+        read_at=read_at,
+    )
+
+
+def weight_versions(before: ReplicaView | None, after: ReplicaView | None,
+                    before_epoch: int, after_epoch: int, replica: str) -> dict[str, Any]:
+    """``nvext.weight_versions`` for one response served by ``replica``.
+
+    ``exact`` is true, and ``identity`` names the snapshot every token of every choice came
+    from, when the replica was settled on the same identity in a view read before the request
+    was sent and in one read after it finished, and no hot-load reached the replica in between:
+    either no hot-load started (same epoch), or exactly one started and has not reached it yet.
+    Otherwise ``identity`` is null and ``identities`` lists what may have produced the tokens,
+    in load order (a request that spanned a PRESERVE hot-load has tokens of both; vLLM 0.32's
+    OpenAI endpoints do not say where the switch fell, so no token spans are given).
+    Not covered: a hot-load that started and ended entirely between two reads and was never
+    seen by this gateway, and that put back the same identity (A -> B -> A).
+    """
+    ids: list[str] = []
+    for view in (before, after):
+        if view is not None and view.identity not in ids:
+            ids.append(view.identity)
+    exact = (
+        before is not None
+        and after is not None
+        and before.settled
+        and after.settled
+        and before.identity == after.identity
+        and (after_epoch == before_epoch or (after_epoch == before_epoch + 1 and after.pending))
+    )
+    return {"identity": ids[0] if exact else None, "exact": bool(exact), "identities": ids, "replica": replica}
+
+
+@dataclass
+class _Reads:
+    """At most one read in progress per deployment, and at most one queued behind it."""
+
+    current: asyncio.Future[DeploymentView | None] | None = None
+    queued: asyncio.Future[DeploymentView | None] | None = None
+
+
+@dataclass
+class Router:
+    views: dict[str, DeploymentView] = field(default_factory=dict)  # by deployment id
+    in_flight: dict[str, int] = field(default_factory=dict)  # engine url -> requests
+    failed_at: dict[str, float] = field(default_factory=dict)  # engine url -> last connect failure
+    sessions: dict[str, tuple[str, float]] = field(default_factory=dict)  # session -> (replica name, time)
+    # Set by refresh_loop: reads one deployment's view now (None: the workflow is gone).
+    reader: Callable[[str], Awaitable[DeploymentView | None]] | None = None
+    _reads: dict[str, _Reads] = field(default_factory=dict)
+    _last_active: dict[str, str | None] = field(default_factory=dict)
+    _epochs: dict[str, int] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ table
+    def set_view(self, view: DeploymentView) -> None:
+        self.views[view.deployment_id] = view
+
+    def drop(self, deployment_id: str) -> None:
+        self.views.pop(deployment_id, None)
+
+    def resolve(self, model: str | None, organization_id: str | None = None) -> DeploymentView | None:
+        """The deployment serving ``model`` (its name or id), within ``organization_id`` if given:
+        another organization's deployment is not found, as in the REST API."""
+        mine = self.models(organization_id)
+        if model:
+            by_id = next((v for v in mine if v.deployment_id == model), None)
+            return by_id or next((v for v in mine if v.model_name == model), None)
+        return mine[0] if len(mine) == 1 else None
+
+    def models(self, organization_id: str | None = None) -> list[DeploymentView]:
+        views = [v for v in self.views.values() if organization_id is None or v.organization_id == organization_id]
+        return sorted(views, key=lambda v: v.model_name)
+
+    # ------------------------------------------------------------------ choice
+    def candidates(self, view: DeploymentView, session: str | None) -> list[ReplicaView]:
+        now = time.monotonic()
+        reps = list(view.replicas)
+        random.shuffle(reps)  # ties among equally loaded replicas go to any of them
+        cooling = {r.engine_url for r in reps if now - self.failed_at.get(r.engine_url, -1e9) < COOLDOWN_S}
+        ordered = sorted(reps, key=lambda r: (r.engine_url in cooling, self.in_flight.get(r.engine_url, 0)))
+        if session:
+            pinned = self.sessions.get(session)
+            if pinned and now - pinned[1] < SESSION_TTL_S:
+                first = next((r for r in ordered if r.name == pinned[0] and r.engine_url not in cooling), None)
+                if first is not None:
+                    ordered = [first] + [r for r in ordered if r is not first]
+        return ordered
+
+    def pin(self, session: str | None, replica: str) -> None:
+        if not session:
+            return
+        self.sessions[session] = (replica, time.monotonic())
+        if len(self.sessions) > MAX_SESSIONS:  # bound memory: drop the oldest half
+            for key, _ in sorted(self.sessions.items(), key=lambda kv: kv[1][1])[: MAX_SESSIONS // 2]:
+                self.sessions.pop(key, None)
+
+    def acquire(self, url: str) -> None:
+        self.in_flight[url] = self.in_flight.get(url, 0) + 1
+
+    def release(self, url: str) -> None:
+        self.in_flight[url] = max(0, self.in_flight.get(url, 1) - 1)
+
+    def mark_failed(self, url: str) -> None:
+        self.failed_at[url] = time.monotonic()
+
+    def mark_ok(self, url: str) -> None:
+        self.failed_at.pop(url, None)
+
+    # ------------------------------------------------------------------ views
+    def epoch_for(self, deployment_id: str, active: str | None) -> int:
+        """Count hot-loads as they are first seen active (for ``weight_versions``)."""
+        last = self._last_active.get(deployment_id)
+        if active and active != last:
+            self._epochs[deployment_id] = self._epochs.get(deployment_id, 0) + 1
+        self._last_active[deployment_id] = active
+        return self._epochs.get(deployment_id, 0)
+
+    async def fresh_view(self, deployment_id: str) -> DeploymentView | None:
+        """A view whose read started after this call; concurrent callers share one read.
+
+        A caller that arrives while a read is in progress joins the read queued behind it (which
+        starts when the current one ends), never the current one, which began too early.
+        """
+        if self.reader is None:
+            return self.views.get(deployment_id)
+        st = self._reads.setdefault(deployment_id, _Reads())
+        if st.queued is not None:
+            return await asyncio.shield(st.queued)
+        if st.current is None or st.current.done():
+            st.current = asyncio.ensure_future(self._read(deployment_id))
+            return await asyncio.shield(st.current)
+        previous = st.current
+
+        async def after_previous() -> DeploymentView | None:
+            await asyncio.wait([previous])
+            st.current, st.queued = st.queued, None  # from here on, late callers queue anew
+            return await self._read(deployment_id)
+
+        st.queued = asyncio.ensure_future(after_previous())
+        return await asyncio.shield(st.queued)
+
+    async def _read(self, deployment_id: str) -> DeploymentView | None:
+        assert self.reader is not None
+        view = await self.reader(deployment_id)
+        if view is not None:
+            current = self.views.get(deployment_id)
+            if current is None or current.read_at <= view.read_at:
+                self.set_view(view)
+        return view
+
+
+async def refresh_loop(router: Router, settings: Any) -> None:
+    """Keep ``router`` current from Temporal until cancelled; see the module docstring."""
+    from temporalio.client import Client
+    from temporalio.service import RPCError
+
+    from workers.settings import temporal_client
+
+    client: Client | None = None
+    workflow_ids: dict[str, str] = {}  # deployment id -> workflow id
+
+    async def read(deployment_id: str) -> DeploymentView | None:
+        assert client is not None
+        wf_id = workflow_ids.get(deployment_id, f"deployments/{deployment_id}")
+        started = time.monotonic()
+        try:
+            desc = await client.get_workflow_handle(wf_id).describe()
+        except RPCError as exc:
+            log.warning("reading %s failed: %s", wf_id, exc)
+            return router.views.get(deployment_id)
+        if desc.status is None or desc.status.name != "RUNNING":
+            router.drop(deployment_id)
+            return None
+        memo = await desc.memo()
+        active = ((memo.get("deployment") or {}).get("status") or {}).get("activeHotLoadId")
+        hot_memo, readable = None, True
+        if active:
+            try:
+                hot_memo = await (await client.get_workflow_handle(active).describe()).memo()
+            except RPCError as exc:
+                log.warning("reading hot-load %s failed: %s", active, exc)
+                readable = False
+        epoch = router.epoch_for(deployment_id, active)
+        return build_view(memo, wf_id, hot_memo, hot_load_readable=readable, epoch=epoch, read_at=started)
+
+    last_discovery = 0.0
+    while True:
+        try:
+            if client is None:
+                client = await temporal_client(settings)
+                router.reader = read
+            if time.monotonic() - last_discovery > DISCOVER_S:
+                found: dict[str, str] = {}
+                async for wf in client.list_workflows(
+                    "ResourceKind='deployment' AND ExecutionStatus='Running'", page_size=1000
+                ):
+                    found[wf.id.split("/", 1)[-1]] = wf.id
+                for gone in set(router.views) - set(found):
+                    router.drop(gone)
+                workflow_ids = found
+                last_discovery = time.monotonic()
+            await asyncio.gather(*(router.fresh_view(d) for d in list(workflow_ids)), return_exceptions=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - keep the last table; Temporal may restart
+            log.warning("routing refresh failed: %s", exc)
+        await asyncio.sleep(REFRESH_S)

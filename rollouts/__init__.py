@@ -1,0 +1,1 @@
+"""The trainer-side Python client of rollouts (``rollouts.client``)."""

@@ -1,0 +1,182 @@
+"""Unit tests of the gateway's request/response translation (gateway/nvext.py) and of the
+weight-version labels (gateway/routing.py): no stack, no engine."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+
+from gateway.app import as_chunks
+from gateway.nvext import RequestError, finish_choice, finish_chunk, plan_request, strip_prompt_ids, translate_routed_experts
+from gateway.routing import ReplicaView, build_view, weight_versions
+
+MOE = {"enable-return-routed-experts": ""}
+
+
+def npy_b64(array: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+# ---------------------------------------------------------------------------- requests
+def test_cache_salt_becomes_vllm_field_and_the_rest_passes_through():
+    body = {"model": "m", "prompt": [1, 2, 3], "n": 3, "logprobs": 1, "return_tokens_as_token_ids": True,
+            "seed": 7, "stop": ["a", "b"], "stop_token_ids": [5], "temperature": 1.0, "top_p": 0.9,
+            "nvext": {"cache_salt": "step-1"}}
+    plan = plan_request(body, "/v1/completions")
+    assert plan.upstream == {**{k: v for k, v in body.items() if k != "nvext"}, "cache_salt": "step-1"}
+    assert "nvext" in body  # the client's object is not modified
+
+
+@pytest.mark.parametrize(
+    "nvext, n, config, message",
+    [
+        ("salt", 1, {}, "nvext must be a JSON object"),
+        ({"greed_sampling": True}, 1, {}, "unsupported field(s) greed_sampling"),
+        ({"extra_fields": "worker_id"}, 1, {}, "must be a list of strings"),
+        ({"extra_fields": ["bogus"]}, 1, {}, "unsupported value(s) bogus"),
+        ({"extra_fields": ["completion_token_ids"]}, 2, {}, "requires one choice per request (n=1), got n=2"),
+        ({"extra_fields": ["routed_experts"]}, 1, {}, "does not capture routing; add \"enable-return-routed-experts\""),
+        ({"extra_fields": ["routed_experts"]}, 2, MOE, "requires one choice per request"),
+        ({"cache_salt": "a/b"}, 1, {}, "none of @ / \\"),
+        ({"cache_salt": ""}, 1, {}, "non-empty string"),
+    ],
+)
+def test_bad_nvext_is_a_clear_error(nvext, n, config, message):
+    with pytest.raises(RequestError) as exc:
+        plan_request({"model": "m", "prompt": "x", "n": n, "nvext": nvext}, "/v1/completions", config)
+    assert message in str(exc.value)
+
+
+def test_stop_limits_match_the_hosted_frontend():
+    plan_request({"prompt": "x", "stop": ["a"] * 4, "stop_token_ids": [1, 2, 3, 4]}, "/v1/completions")
+    with pytest.raises(RequestError, match="at most 4 stop strings"):
+        plan_request({"prompt": "x", "stop": ["a"] * 5}, "/v1/completions")
+    with pytest.raises(RequestError, match="at most 4 token ids"):
+        plan_request({"prompt": "x", "stop_token_ids": [1, 2, 3, 4, 5]}, "/v1/completions")
+
+
+def test_routed_experts_allowed_on_a_capturing_deployment():
+    plan = plan_request({"prompt": [1], "nvext": {"extra_fields": ["routed_experts", "completion_token_ids"]}},
+                        "/v1/completions", MOE)
+    assert plan.extra_fields == {"routed_experts", "completion_token_ids"}
+    assert plan.upstream["return_token_ids"] is True
+
+
+def test_chat_logprobs_get_token_ids_and_unasked_ids_are_stripped():
+    plan = plan_request({"messages": [], "logprobs": True}, "/v1/chat/completions")
+    assert plan.upstream["return_token_ids"] is True and plan.fill_token_id
+    choice = {"index": 0, "token_ids": [11, 12],
+              "logprobs": {"content": [{"token": "a", "logprob": -1.0}, {"token": "b", "logprob": -2.0}]}}
+    finish_choice(plan, choice)
+    assert [e["token_id"] for e in choice["logprobs"]["content"]] == [11, 12]
+    assert "token_ids" not in choice  # the client did not ask for them
+    response = {"prompt_token_ids": [1], "choices": [{"prompt_token_ids": [1]}]}
+    strip_prompt_ids(plan, response)
+    assert response == {"choices": [{}]}
+
+
+def test_chat_token_ids_kept_when_the_client_asked():
+    plan = plan_request({"messages": [], "logprobs": True, "return_token_ids": True}, "/v1/chat/completions")
+    chunk = {"prompt_token_ids": [1, 2], "choices": [{"index": 0, "token_ids": [9],
+             "logprobs": {"content": [{"token": "x", "logprob": -0.5}]}}]}
+    finish_chunk(plan, chunk)
+    assert chunk["choices"][0]["token_ids"] == [9] and chunk["prompt_token_ids"] == [1, 2]
+    assert chunk["choices"][0]["logprobs"]["content"][0]["token_id"] == 9
+
+
+def test_completion_token_ids_accumulate_over_a_stream():
+    plan = plan_request({"prompt": [1], "stream": True, "nvext": {"extra_fields": ["completion_token_ids"]}},
+                        "/v1/completions")
+    for ids in ([4], [5, 6], []):
+        chunk = {"choices": [{"index": 0, "text": "t", "token_ids": ids}]}
+        finish_chunk(plan, chunk)
+        assert "token_ids" not in chunk["choices"][0]
+    assert plan.token_ids[0] == [4, 5, 6]
+
+
+# ---------------------------------------------------------------------------- routed experts
+@pytest.mark.parametrize("dtype, experts", [(np.uint8, 256), (np.uint16, 300)])
+def test_routed_experts_translate_to_the_guides_shape(dtype, experts):
+    prompt, completion, layers, top_k = 26, 32, 52, 6
+    rng = np.random.default_rng(0)
+    routes = rng.integers(0, experts, size=(prompt + completion - 1, layers, top_k)).astype(dtype)
+    out = translate_routed_experts(npy_b64(routes))
+    assert set(out) == {"data", "shape", "start", "dtype"}
+    assert out["shape"] == [57, 52, 6] and out["start"] == 0 and out["dtype"] == np.dtype(dtype).name
+    # Decoded exactly as the guide shows.
+    decoded = np.frombuffer(base64.b64decode(out["data"]), dtype=out["dtype"]).reshape(out["shape"])
+    assert np.array_equal(decoded, routes)
+    json.dumps(out)  # plain JSON
+
+
+def test_routed_experts_from_a_wider_dtype_are_narrowed_and_start_is_kept():
+    routes = np.array([[[1, 200]], [[3, 4]]], dtype=np.int32)
+    out = translate_routed_experts(npy_b64(routes), start=5)
+    assert out["dtype"] == "uint8" and out["start"] == 5 and out["shape"] == [2, 1, 2]
+    assert np.frombuffer(base64.b64decode(out["data"]), dtype=np.uint8).tolist() == [1, 200, 3, 4]
+
+
+def test_routed_experts_decode_with_cwtrain_semantics():
+    """cwtrain's decode_routed_experts (reimplemented: it lives in the Python 3.12 venv) checks
+    shape [rows, layers, top_k], start 0, an integer dtype and the byte count."""
+    routes = np.arange(3 * 4 * 2, dtype=np.uint8).reshape(3, 4, 2)
+    out = translate_routed_experts(npy_b64(routes))
+    raw = base64.b64decode(out["data"], validate=True)
+    assert out["start"] == 0 and len(raw) == int(np.prod(out["shape"])) * np.dtype(out["dtype"]).itemsize
+
+
+def test_as_chunks_replays_an_answer_as_a_stream():
+    data = {"id": "c", "created": 1, "model": "m", "usage": {"prompt_tokens": 1},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi", "refusal": None},
+                         "logprobs": None, "finish_reason": "stop"}]}
+    chunks = as_chunks(data, chat=True)
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "hi"}
+    assert chunks[0]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[1]["choices"] == [] and chunks[1]["usage"] == {"prompt_tokens": 1}
+
+
+# ---------------------------------------------------------------------------- weight versions
+def test_weight_versions_exact_when_settled_on_one_identity():
+    a = ReplicaView("r1", "u", "step-1")
+    assert weight_versions(a, a, 3, 3, "r1") == {"identity": "step-1", "exact": True, "identities": ["step-1"], "replica": "r1"}
+
+
+def test_weight_versions_not_exact_across_a_change():
+    before, after = ReplicaView("r1", "u", "step-1"), ReplicaView("r1", "u", "step-2")
+    out = weight_versions(before, after, 3, 4, "r1")
+    assert out == {"identity": None, "exact": False, "identities": ["step-1", "step-2"], "replica": "r1"}
+    updating = ReplicaView("r1", "u", "step-1", settled=False)
+    assert weight_versions(before, updating, 3, 4, "r1")["exact"] is False
+    # A hot-load started but has not reached this replica: still exact.
+    pending = ReplicaView("r1", "u", "step-1", pending=True)
+    assert weight_versions(before, pending, 3, 4, "r1")["exact"] is True
+    # Two hot-loads seen in between: the same identity may have been put back (A -> B -> A).
+    assert weight_versions(before, pending, 3, 5, "r1")["exact"] is False
+    assert weight_versions(before, None, 3, 3, "r1")["exact"] is False
+
+
+def test_build_view_reads_replica_states_from_the_active_hot_load():
+    memo = {
+        "deployment": {"spec": {"id": "d", "organizationId": "o", "model": {"name": "m"},
+                                "runtime": {"engineConfig": MOE}},
+                       "status": {"activeHotLoadId": "hl"}},
+        "replicas": [{"name": n, "engineUrl": f"http://{n}", "currentSnapshotIdentity": "a"} for n in ("r1", "r2", "r3")],
+    }
+    hot = {"replicas": [
+        {"name": "r1", "state": "READY", "currentSnapshotIdentity": "b"},
+        {"name": "r2", "state": "UPDATING", "currentSnapshotIdentity": "a"},
+        {"name": "r3", "state": "PENDING_UPDATE", "currentSnapshotIdentity": "a"},
+    ]}
+    view = build_view(memo, "deployments/d", hot, epoch=2)
+    assert view is not None and view.engine_config == MOE and view.epoch == 2
+    assert [(r.identity, r.settled, r.pending) for r in view.replicas] == [
+        ("b", True, False), ("a", False, False), ("a", True, True)]
+    unreadable = build_view(memo, "deployments/d", None, hot_load_readable=False)
+    assert unreadable is not None and not any(r.settled for r in unreadable.replicas)
