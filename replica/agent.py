@@ -97,6 +97,7 @@ class StagedUpdate:
     expected: dict[str, str] = field(default_factory=dict)  # Adler-32 of each staged tensor
     changed_by_link: dict[str, list[str] | None] = field(default_factory=dict)
     nothing_to_do: bool = False
+    identity: str = ""
 
 
 class ReplicaRuntime:
@@ -169,6 +170,7 @@ class ReplicaRuntime:
         except Exception:
             self.host.restore(staged.backups)
             raise
+        staged.identity = inp.identity
         staged.names = sorted(target.names() if staged.new_host is not None else changed)
         staged.expected = {n: c for n, c in target.checksums().items() if n in set(staged.names)}
         staged.path = self._write_staging(target, staged.names, inp.identity)
@@ -217,6 +219,8 @@ class ReplicaRuntime:
                 await self.engine.load_weights_from_files(
                     [str(staged.path)], staged.names, expected_adler32=staged.expected
                 )
+                # Inside the pause: every token after the resume is labelled with the new version.
+                await self.engine.set_weight_version(staged.identity)
             finally:
                 await self.engine.resume()
         except Exception as exc:
@@ -299,6 +303,7 @@ class ReplicaRuntime:
                 await self.engine.peer_receive(offer.specs, src=0, verify=True, expected_adler32=offer.expected_adler32)
             finally:
                 await self.engine.peer_close()
+            await self.engine.set_weight_version(offer.identity)
         except Exception as exc:
             raise EngineUpdateError(f"receiving from {offer.source_replica} failed; previous weights kept: {one_line(exc)}") from None
         finally:
@@ -421,6 +426,7 @@ async def run_replica(
         )
         await engine.start()
         engine_pid_file.write(engine.pid)
+        await engine.set_weight_version("initial")
         host = await asyncio.to_thread(HostWeights.load, model_dir)
         runtime = ReplicaRuntime(name=name, engine=engine, host=host, s3=s3, workdir=workdir)
         if catch_up:

@@ -189,6 +189,8 @@ class EngineProcess:
             "--port", str(self.port),
             "--max-model-len", str(self.max_model_len),
             "--max-num-seqs", str(self.max_num_seqs),
+            # usage.prompt_tokens_details.cached_tokens: what trainers (cwtrain) read as cache hits.
+            "--enable-prompt-tokens-details",
         ]  # fmt: skip
         if self.worker_extension_cls:
             cmd += ["--worker-extension-cls", self.worker_extension_cls]
@@ -465,6 +467,13 @@ class EngineProcess:
         """Per-tensor digest of what the engine holds, by checkpoint name."""
         r = await self._rpc1("weight_checksums", None if names is None else list(names), algorithm)
         return dict(r["checksums"])
+
+    async def set_weight_version(self, version: str) -> None:
+        """Tag the weights the engine serves (vLLM labels outputs with it; `/weight_info` reads it)."""
+        await self.request("POST", "/update_weight_version", json={"new_version": version})
+
+    async def weight_version(self) -> str | None:
+        return (await self.request("GET", "/weight_info")).json().get("weight_version")
 
     async def save_weights(self, names: Sequence[str] | None, path: Path | str) -> dict[str, Any]:
         """Have the engine write what it holds for ``names`` (checkpoint names; all when None) to
