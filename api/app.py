@@ -1,13 +1,29 @@
 """The REST API, `/v1alpha1/inference`: gateways, deployments and hot-loads, as the guide states.
 
-Every request is authenticated (Bearer token → organization and role); another organization's
-resource answers not_found. Every error is `{"code", "message", "details"}` with the HTTP status
-of its code, never a traceback. Bodies are validated strictly and an invalid field is named.
+Every request is authenticated (Bearer token → organization and role) before anything else is
+looked at: a missing or unknown token answers unauthenticated and a viewer's write answers
+permission_denied even when its body is invalid or oversized. Another organization's resource
+answers not_found. Every error is `{"code", "message", "details"}` with the HTTP status of its
+code, never a traceback. Bodies are validated strictly and an invalid field is named.
+
+Deployment update (not called by cwtrain; the guide: "include the same hotLoad section"):
+`PATCH /deployments/{id}` with any of the create body's fields (no `id`). Each field given replaces
+the current one. `hotLoad` must be present and equal to the deployment's (it is immutable; an
+update that omits or changes it is invalid_argument), and may not be added to a deployment
+created without it. `runtime.version`, `runtime.engineConfig` and `traffic` may change (stored;
+the running replicas keep their engine process); `name`, `gatewayIds`, `resources`, `model`,
+`autoscaling` and `runtime.engine` must be unchanged if given. While a hot-load runs the update
+answers failed_precondition ("already in progress"). Answers `{"deployment": Deployment}`.
+
+Cancel: `POST /hotLoads/{id}:cancel` asks the operation to stop before its next replica step and
+waits (up to `cancel_wait_s`) for it to end, answering the operation as it then stands.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 import uuid
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -16,13 +32,19 @@ from typing import Any
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from opentelemetry import propagate as otel_propagate
+from opentelemetry.trace import SpanKind
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from temporalio.service import RPCError
 
 from api.auth import Principal, TokenStore
 from api.errors import AlreadyExists, ApiError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from api.models import CreateDeploymentRequest, CreateGatewayRequest, CreateHotLoadRequest
-from api.resources import Resources, page
+from api.listing import page, sort_key
+from api.models import CreateDeploymentRequest, CreateGatewayRequest, CreateHotLoadRequest, UpdateDeploymentRequest
+from api.resources import Resources
 from workers.settings import Settings
+from workers.telemetry import setup_tracing, temporal_interceptors
+from workers.telemetry import tracer as telemetry_tracer
 from workflows import names
 from workflows.deployment import HOT_LOAD_ENGINE
 from workflows.types import (
@@ -38,6 +60,7 @@ from workflows.types import (
     GatewayStatus,
     PromptCachePolicy,
     ResourceStatus,
+    UpdateDeploymentCommand,
     rfc3339,
 )
 
@@ -50,23 +73,57 @@ def _now() -> str:
     return rfc3339(datetime.now(UTC))
 
 
+# What each write is called in a permission_denied message; any other write is "this request".
+WRITE_ACTIONS: list[tuple[str, re.Pattern[str], str]] = [
+    ("POST", re.compile(r"^/gateways/?$"), "creating a gateway"),
+    ("DELETE", re.compile(r"^/gateways/[^/]+$"), "deleting a gateway"),
+    ("POST", re.compile(r"^/deployments/?$"), "creating a deployment"),
+    ("PATCH", re.compile(r"^/deployments/[^/]+$"), "updating a deployment"),
+    ("DELETE", re.compile(r"^/deployments/[^/]+$"), "deleting a deployment"),
+    ("POST", re.compile(r"^/hotLoads/?$"), "creating a hot-load"),
+    ("POST", re.compile(r"^/hotLoads/[^/]+:cancel$"), "canceling a hot-load"),
+]
+READ_METHODS = ("GET", "HEAD", "OPTIONS")
+TERMINAL_STATES = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
+
+
+def write_action(method: str, path: str) -> str:
+    for m, pattern, action in WRITE_ACTIONS:
+        if m == method and pattern.match(path):
+            return action
+    return "this request"
+
+
 def _field_path(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc if p not in ("body", "query", "path")]
     return ".".join(parts) or "body"
 
 
-def create_app(settings: Settings, *, temporal_client: Any = None) -> FastAPI:
+def create_app(
+    settings: Settings,
+    *,
+    temporal_client: Any = None,
+    task_queue: str = names.CONTROL_TASK_QUEUE,
+    cancel_wait_s: float = 10.0,
+    tracer: Any = None,
+) -> FastAPI:
     tokens = TokenStore(settings.tokens_file)
     state: dict[str, Any] = {}
+    request_tracer = tracer or telemetry_tracer("rollouts.api")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         from workers.settings import temporal_client as connect
 
-        state["resources"] = Resources(temporal_client or await connect(settings))
+        client = temporal_client
+        if client is None:
+            setup_tracing("rollouts-api")
+            client = await connect(settings, interceptors=temporal_interceptors(request_tracer))
+        state["resources"] = app.state.resources = Resources(client, task_queue=task_queue)
         yield
 
     app = FastAPI(title="rollouts", version="v1alpha1", lifespan=lifespan)
+    app.state.cancel_wait_s = cancel_wait_s
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(ApiError)
@@ -91,6 +148,13 @@ def create_app(settings: Settings, *, temporal_client: Any = None) -> FastAPI:
         code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "invalid_argument")
         return JSONResponse({"code": code, "message": str(exc.detail), "details": []}, status_code=exc.status_code)
 
+    @app.exception_handler(RPCError)
+    async def _temporal_down(_: Request, exc: RPCError) -> JSONResponse:
+        # Temporal unreachable or overloaded: retryable for the client (cwtrain retries 503).
+        log.warning("Temporal call failed: %s", exc)
+        err = Unavailable(f"Temporal is unavailable: {exc.message}")
+        return JSONResponse(err.body(), status_code=err.http_status)
+
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
@@ -106,9 +170,42 @@ def create_app(settings: Settings, *, temporal_client: Any = None) -> FastAPI:
             )
         return await call_next(request)
 
+    # The outermost span of a trace: Temporal calls made while serving carry it on (the client's
+    # TracingInterceptor), so a hot-load's workflow and activity spans join the request's trace.
+    async def _span(request: Request, call_next):
+        route = request.url.path
+        for r in app.router.routes:
+            if getattr(r, "path_regex", None) is not None and r.path_regex.match(request.url.path):
+                route = r.path  # the template: one span name per endpoint, not per id
+                break
+        with request_tracer.start_as_current_span(
+            f"{request.method} {route}", kind=SpanKind.SERVER,
+            attributes={"http.request.method": request.method, "url.path": request.url.path},
+        ) as span:
+            response = await call_next(request)
+            span.set_attribute("http.response.status_code", response.status_code)
+            return response
+
+    # Added last, so it runs first: who asks, and may they write, before the body is looked at.
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next):
+        path = request.url.path
+        if path.startswith(PREFIX + "/"):
+            try:
+                who = tokens.authenticate(request.headers.get("authorization"))
+                if request.method not in READ_METHODS:
+                    who.require_admin(write_action(request.method, path[len(PREFIX):]))
+            except ApiError as exc:
+                return JSONResponse(exc.body(), status_code=exc.http_status)
+            request.state.principal = who
+        return await call_next(request)
+
+    app.middleware("http")(_span)
+
     # ------------------------------------------------------------------ deps
-    def principal(authorization: str | None = Header(default=None)) -> Principal:
-        return tokens.authenticate(authorization)
+    def principal(request: Request, authorization: str | None = Header(default=None)) -> Principal:
+        who = getattr(request.state, "principal", None)
+        return who if who is not None else tokens.authenticate(authorization)
 
     def res() -> Resources:
         if "resources" not in state:
@@ -232,6 +329,24 @@ def create_app(settings: Settings, *, temporal_client: Any = None) -> FastAPI:
     async def get_deployment(deployment_id: str, p: Principal = Depends(principal), r: Resources = Depends(res)):
         return {"deployment": (await r.get_deployment(p.organization_id, deployment_id)).wire()}
 
+    @app.patch(f"{PREFIX}/deployments/{{deployment_id}}")
+    async def update_deployment(
+        deployment_id: str, body: UpdateDeploymentRequest, p: Principal = Depends(principal), r: Resources = Depends(res)
+    ):
+        p.require_admin("updating a deployment")
+        cmd = UpdateDeploymentCommand(
+            name=body.name,
+            gateway_ids=body.gateway_ids,
+            runtime=body.runtime,
+            resources=body.resources,
+            model=body.model,
+            autoscaling=body.autoscaling,
+            traffic=body.traffic,
+            hot_load=body.hot_load.to_record() if body.hot_load else None,
+            updated_at=_now(),
+        )
+        return {"deployment": (await r.update_deployment(p.organization_id, deployment_id, cmd)).wire()}
+
     @app.get(f"{PREFIX}/deployments")
     async def list_deployments(
         parentGatewayId: str | None = None, p: Principal = Depends(principal), r: Resources = Depends(res)  # noqa: N803
@@ -259,6 +374,7 @@ def create_app(settings: Settings, *, temporal_client: Any = None) -> FastAPI:
             organization_hot_load_enabled=p.hot_load_enabled,
             created_at=_now(),
         )
+        otel_propagate.inject(cmd.trace_context)  # the request's span, for the operation's trace
         hot_load = await r.create_hot_load(body.deployment_id, cmd)
         return {"hotLoad": hot_load_view(hot_load.wire())}
 
@@ -271,11 +387,12 @@ def create_app(settings: Settings, *, temporal_client: Any = None) -> FastAPI:
         r: Resources = Depends(res),
     ):
         items = await r.list_hot_loads(p.organization_id, parentDeploymentId)
-        chunk, token = page(items, maxPageSize, pageToken, f"hotLoads:{parentDeploymentId or ''}")
+        chunk, token = page(items, maxPageSize, pageToken, f"hotLoads:{parentDeploymentId or ''}", key=sort_key)
         out: dict[str, Any] = {"hotLoads": [hot_load_view(h) for h in chunk]}
         if token:
             out["nextPageToken"] = token
-        return out
+        # Plain JSON already: skip FastAPI's per-field encoder (~1 ms per 20 hot-loads).
+        return JSONResponse(out)
 
     @app.get(f"{PREFIX}/hotLoads/{{hot_load_id}}")
     async def get_hot_load(hot_load_id: str, p: Principal = Depends(principal), r: Resources = Depends(res)):
@@ -303,9 +420,17 @@ def create_app(settings: Settings, *, temporal_client: Any = None) -> FastAPI:
         p.require_admin("canceling a hot-load")
         memo = await r.hot_load_memo(p.organization_id, hot_load_id)
         state = memo["hotLoad"]["status"]["state"]
-        if state in ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED"):
+        if state in TERMINAL_STATES:
             raise FailedPrecondition(f"hot-load {hot_load_id} already ended ({state})")
         memo = await r.cancel_hot_load(p.organization_id, hot_load_id)
+        # The operation stops at its next replica step boundary; answer with the end state when it
+        # comes soon, else with the state now (the client polls GET as for any operation).
+        deadline = asyncio.get_running_loop().time() + app.state.cancel_wait_s
+        while memo["hotLoad"]["status"]["state"] not in TERMINAL_STATES:
+            if asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(0.1)
+            memo = await r.hot_load_memo(p.organization_id, hot_load_id)
         return {"hotLoad": hot_load_view(memo["hotLoad"])}
 
     return app

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from workflows.types import (
     ENUM_NUMBERS,
@@ -125,6 +125,22 @@ class CreateDeploymentRequest(WireModel):
         return v
 
 
+class UpdateDeploymentRequest(WireModel):
+    """PATCH /deployments/{id}: any field of the create body but `id`; `hotLoad` must repeat the
+    deployment's own section (the workflow compares it, see workflows/deployment.py)."""
+
+    name: Name | None = None
+    gateway_ids: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(
+        default=None, min_length=1, max_length=8
+    )
+    runtime: RuntimeIn | None = None
+    resources: Resources | None = None
+    model: ModelSourceIn | None = None
+    autoscaling: AutoscalingIn | None = None
+    traffic: Traffic | None = None
+    hot_load: HotLoadConfigIn | None = None
+
+
 class IncrementalSnapshotMetadataIn(WireModel):
     previous_snapshot_identity: str
     compression_format: CompressionIn = CompressionFormat.ZSTD
@@ -159,3 +175,18 @@ class CreateHotLoadRequest(WireModel):
         if v is not None and (p := resource_id_problem(v, "hotLoadId")):
             raise ValueError(p)
         return v
+
+    @model_validator(mode="after")
+    def _type_matches_metadata(self) -> CreateHotLoadRequest:
+        # Checked here too (the deployment workflow checks again) so that a malformed request is
+        # invalid_argument whatever the deployment's state.
+        if self.type == SnapshotType.FULL and self.incremental_snapshot_metadata is not None:
+            raise ValueError("incrementalSnapshotMetadata must be omitted for SNAPSHOT_TYPE_FULL")
+        if self.type == SnapshotType.INCREMENTAL and self.incremental_snapshot_metadata is None:
+            raise ValueError("incrementalSnapshotMetadata is required for SNAPSHOT_TYPE_INCREMENTAL")
+        if (
+            self.incremental_snapshot_metadata is not None
+            and self.incremental_snapshot_metadata.previous_snapshot_identity == self.identity
+        ):
+            raise ValueError("a delta cannot be its own previousSnapshotIdentity")
+        return self

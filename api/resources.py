@@ -3,29 +3,39 @@
 Temporal is the system of record: every resource is a workflow (deployments and gateways are
 entity workflows `deployments/ID`, `gateways/ID`; a hot-load is the workflow whose id is the
 hot-load id) that publishes its wire object in its memo. Reads use describe/list (visibility),
-never a query, so they work with no worker running and for closed operations. Writes are workflow
+never a query, so they work with no worker running and for closed operations; a hot-load whose
+workflow closed without recording an end (terminated, timed out) reads as FAILED/CANCELED with a
+condition (`reconcile_hot_load`). Hot-load listings are cached per filter (api/listing.py). Writes are workflow
 starts and Updates; an Update's `ApplicationError` type is the API error code.
 """
 
 from __future__ import annotations
 
-import base64
-import json
+import asyncio
+from datetime import datetime
 from typing import Any
 
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from api.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable, from_code
+from api.errors import AlreadyExists, NotFound, Unavailable, from_code
+from api.listing import HotLoadIndex, page
 from workflows import names
 from workflows.deployment import DeploymentWorkflow, search_attributes as deployment_attributes
 from workflows.gateway import GatewayWorkflow, search_attributes as gateway_attributes
-from workflows.types import CreateHotLoadCommand, Deployment, DeploymentInput, Gateway, HotLoad
+from workflows.types import (
+    CreateHotLoadCommand,
+    Deployment,
+    DeploymentInput,
+    Gateway,
+    HotLoad,
+    UpdateDeploymentCommand,
+    rfc3339,
+)
 
-MAX_PAGE_SIZE = 1000
-DEFAULT_PAGE_SIZE = 50
+__all__ = ["Resources", "page", "reconcile_hot_load", "update_error"]
 
 
 def _quote(value: str) -> str:
@@ -42,8 +52,11 @@ def update_error(exc: WorkflowUpdateFailedError) -> Exception:
 
 
 class Resources:
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, *, task_queue: str = names.CONTROL_TASK_QUEUE) -> None:
         self.client = client
+        # The control worker's queue; tests run the workflows on a queue of their own.
+        self.task_queue = task_queue
+        self.hot_loads = HotLoadIndex(client, reconcile_hot_load)
 
     # ------------------------------------------------------------------ plumbing
     async def memo(self, workflow_id: str, *, running_only: bool = False) -> dict[str, Any] | None:
@@ -89,7 +102,7 @@ class Resources:
                 GatewayWorkflow.run,
                 gateway,
                 id=names.gateway_workflow_id(gateway.spec.id),
-                task_queue=names.CONTROL_TASK_QUEUE,
+                task_queue=self.task_queue,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 search_attributes=gateway_attributes(gateway),
                 memo={"gateway": gateway.wire()},
@@ -138,7 +151,7 @@ class Resources:
                 DeploymentWorkflow.run,
                 state,
                 id=names.deployment_workflow_id(dep.spec.id),
-                task_queue=names.CONTROL_TASK_QUEUE,
+                task_queue=self.task_queue,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 search_attributes=deployment_attributes(dep.spec.organization_id, dep.spec.id),
                 memo={"deployment": dep.wire(), "replicas": []},
@@ -148,6 +161,14 @@ class Resources:
                 raise AlreadyExists(f"deployment {dep.spec.id} already exists") from None
             raise
         return dep
+
+    async def update_deployment(self, org: str, deployment_id: str, cmd: UpdateDeploymentCommand) -> Deployment:
+        await self.get_deployment(org, deployment_id)
+        handle = self.client.get_workflow_handle(names.deployment_workflow_id(deployment_id))
+        try:
+            return await handle.execute_update(DeploymentWorkflow.update_config, cmd, result_type=Deployment)
+        except WorkflowUpdateFailedError as exc:
+            raise update_error(exc) from None
 
     async def delete_deployment(self, org: str, deployment_id: str) -> None:
         await self.get_deployment(org, deployment_id)
@@ -162,53 +183,90 @@ class Resources:
         if await self.memo(names.hot_load_workflow_id(cmd.hot_load_id)) is not None:
             raise AlreadyExists(f"hot-load {cmd.hot_load_id} already exists")
         handle = self.client.get_workflow_handle(names.deployment_workflow_id(deployment_id))
-        try:
-            return await handle.execute_update(DeploymentWorkflow.create_hot_load, cmd, result_type=HotLoad)
-        except WorkflowUpdateFailedError as exc:
-            raise update_error(exc) from None
+        for attempt in range(2):
+            try:
+                return await handle.execute_update(DeploymentWorkflow.create_hot_load, cmd, result_type=HotLoad)
+            except WorkflowUpdateFailedError as exc:
+                err = update_error(exc)
+            if not isinstance(err, AlreadyExists) or attempt:
+                raise err
+            # A retry of a create whose first attempt is still being admitted (the API died or the
+            # client gave up mid-request): answer already_exists once the operation exists, so
+            # the client's GET finds it; if that admission failed meanwhile, try this one.
+            if await self._appears(names.hot_load_workflow_id(cmd.hot_load_id)):
+                raise err
+        raise AssertionError("unreachable")
+
+    async def _appears(self, workflow_id: str, within_s: float = 30.0) -> bool:
+        deadline = asyncio.get_running_loop().time() + within_s
+        while asyncio.get_running_loop().time() < deadline:
+            if await self.memo(workflow_id) is not None:
+                return True
+            await asyncio.sleep(0.1)
+        return False
 
     async def hot_load_memo(self, org: str, hot_load_id: str) -> dict[str, Any]:
-        memo = await self.memo(names.hot_load_workflow_id(hot_load_id))
-        if not memo or "hotLoad" not in memo:
+        try:
+            desc = await self.client.get_workflow_handle(names.hot_load_workflow_id(hot_load_id)).describe()
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise NotFound(f"hot-load {hot_load_id} not found") from None
+            raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc
+        memo = await desc.memo()
+        if "hotLoad" not in memo or memo["hotLoad"]["spec"].get("organizationId") != org:
             raise NotFound(f"hot-load {hot_load_id} not found")
-        if memo["hotLoad"]["spec"].get("organizationId") != org:
-            raise NotFound(f"hot-load {hot_load_id} not found")
-        return memo
+        return reconcile_hot_load(memo, desc.status, desc.close_time)
 
     async def list_hot_loads(self, org: str, deployment_id: str | None) -> list[dict[str, Any]]:
+        """Newest first (see api/listing.py for how this stays fast and correct)."""
         query = f"ResourceKind='hotLoad' AND OrganizationId={_quote(org)}"
         if deployment_id:
             query += f" AND DeploymentId={_quote(deployment_id)}"
-        hot_loads = [m["hotLoad"] for m in await self.list_memos(query) if "hotLoad" in m]
-        # The SQLite visibility store cannot ORDER BY: order here, newest first, id breaking ties.
-        hot_loads.sort(key=lambda h: (h["status"]["createdAt"], h["spec"]["id"]), reverse=True)
-        return hot_loads
+        return await self.hot_loads.list(query)
 
     async def cancel_hot_load(self, org: str, hot_load_id: str) -> dict[str, Any]:
         memo = await self.hot_load_memo(org, hot_load_id)
-        await self.client.get_workflow_handle(names.hot_load_workflow_id(hot_load_id)).cancel()
+        try:
+            await self.client.get_workflow_handle(names.hot_load_workflow_id(hot_load_id)).cancel()
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:  # NOT_FOUND: it closed meanwhile
+                raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc
         return memo
 
 
-# ---------------------------------------------------------------------- pagination
-def page(items: list[Any], max_page_size: int | None, page_token: str | None, scope: str) -> tuple[list[Any], str | None]:
-    """Offset pagination with an opaque token bound to the listing's filter."""
-    size = DEFAULT_PAGE_SIZE if not max_page_size else max_page_size
-    if size < 0:
-        raise InvalidArgument("maxPageSize must not be negative")
-    size = min(size, MAX_PAGE_SIZE)
-    offset = 0
-    if page_token:
-        try:
-            doc = json.loads(base64.urlsafe_b64decode(page_token.encode() + b"=="))
-            offset, token_scope = int(doc["o"]), doc["s"]
-        except Exception:
-            raise InvalidArgument("pageToken is not a token this listing returned") from None
-        if token_scope != scope or offset < 0:
-            raise InvalidArgument("pageToken belongs to a different listing (keep the same filter)")
-    chunk = items[offset : offset + size]
-    nxt = offset + size
-    token = None
-    if nxt < len(items):
-        token = base64.urlsafe_b64encode(json.dumps({"o": nxt, "s": scope}).encode()).decode().rstrip("=")
-    return chunk, token
+TERMINAL_STATES = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
+
+
+def reconcile_hot_load(memo: dict[str, Any], status: WorkflowExecutionStatus | None, close_time: datetime | None) -> dict[str, Any]:
+    """The operation as it really stands when its workflow closed without recording an end.
+
+    A hot-load workflow records its terminal state in its memo before it returns. If it closed
+    otherwise (an operator terminated it, it timed out, it failed at the workflow level), the
+    memo still says PENDING or IN_PROGRESS: answer FAILED (CANCELED if it was canceled) with a
+    condition saying why, and a replica caught mid-step as ERROR, since what it serves is unknown.
+    """
+    hl = memo["hotLoad"]
+    st = hl["status"]
+    if status is None or status == WorkflowExecutionStatus.RUNNING or st["state"] in TERMINAL_STATES:
+        return memo
+    canceled = status == WorkflowExecutionStatus.CANCELED
+    when = rfc3339(close_time) if close_time else st.get("updatedAt")
+    why = f"the operation's workflow ended {status.name} before it recorded a result"
+    st["state"] = "HOT_LOAD_STATE_CANCELED" if canceled else "HOT_LOAD_STATE_FAILED"
+    st["updatedAt"] = st["finishedAt"] = when
+    if canceled:
+        st["canceledAt"] = when
+    st.setdefault("conditions", []).append(
+        {
+            "type": "Canceled" if canceled else "Failed", "status": "STATUS_TRUE",
+            "reason": f"Workflow{status.name.title().replace('_', '')}", "message": why, "lastUpdateTime": when,
+        }
+    )
+    for replica in memo.get("replicas") or []:
+        if replica.get("state") == "UPDATING":
+            replica.update(
+                state="ERROR", finishedAt=when, transitionedAt=when, updatedAt=when,
+                errorReason=f"{why}, during this replica's step; it serves {replica.get('currentSnapshotIdentity')} "
+                "or the target, see the replica's log",
+            )
+    return memo

@@ -217,8 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default 16)")
     p.add_argument("--lr", type=float, default=2e-3, help="trainer learning rate (Adam; default 2e-3)")
     p.add_argument("--inner-steps", type=int, default=1, help="optimizer steps per batch (default 1)")
-    p.add_argument("--max-loop-seconds", type=float, default=420.0,
-                   help="start no new step after this many seconds of loop (default 420)")
+    p.add_argument("--max-loop-seconds", type=float, default=300.0,
+                   help="start no new step after this many seconds of loop (default 300)")
     p.add_argument("--seed", type=int, default=0)
     p = add("token", cmd_token_add, "add an API token: rollouts token add --role viewer")
     p.add_argument("action", choices=["add"])

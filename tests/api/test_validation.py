@@ -161,3 +161,84 @@ def test_pagination_tokens_walk_and_are_scoped():
     with pytest.raises(InvalidArgument):
         page(items, 3, "garbage!", "s")
     assert page(items, 5000, None, "s")[0] == items  # capped at 1000, not refused
+
+
+# --------------------------------------------------------------------------- auth comes first
+@pytest.mark.parametrize(
+    "method, path, content",
+    [
+        ("POST", "/hotLoads", json.dumps({"identity": 7, "surprise": True})),
+        ("POST", "/hotLoads", "{not json"),
+        ("POST", "/hotLoads", json.dumps({**GOOD_HOT_LOAD, "identity": "x" * (2 << 20)})),
+        ("POST", "/hotLoads/h1:cancel", "{}"),
+        ("PATCH", "/deployments/d1", json.dumps({"traffic": {"weight": "lots"}})),
+        ("DELETE", "/deployments/d1", None),
+        ("POST", "/deployments", "[]"),
+    ],
+)
+def test_viewer_write_is_permission_denied_before_the_body_is_read(client, method, path, content):
+    r = client.request(
+        method, f"{PREFIX}{path}", content=content,
+        headers={"Authorization": "Bearer viewer-t", "content-type": "application/json"},
+    )
+    assert r.status_code == 403, r.text
+    assert r.json()["code"] == "permission_denied"
+    assert "Inference Admin role" in r.json()["message"]
+
+
+def test_invalid_body_without_a_token_is_unauthenticated(client):
+    r = client.post(f"{PREFIX}/hotLoads", content="{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
+
+
+def test_permission_message_names_the_action(client):
+    r = post(client, "/hotLoads/h1:cancel", {}, token="viewer-t")
+    assert "canceling a hot-load" in r.json()["message"]
+    r = post(client, "/hotLoads", GOOD_HOT_LOAD, token="viewer-t")
+    assert "creating a hot-load" in r.json()["message"]
+
+
+# --------------------------------------------------------------------------- request shape
+def test_full_with_incremental_metadata_is_invalid(client):
+    body = {**GOOD_HOT_LOAD, "incrementalSnapshotMetadata": {"previousSnapshotIdentity": "s0"}}
+    r = post(client, "/hotLoads", body)
+    assert r.status_code == 400
+    assert "incrementalSnapshotMetadata must be omitted for SNAPSHOT_TYPE_FULL" in r.json()["message"]
+
+
+def test_incremental_without_metadata_is_invalid(client):
+    r = post(client, "/hotLoads", {**GOOD_HOT_LOAD, "type": "SNAPSHOT_TYPE_INCREMENTAL"})
+    assert r.status_code == 400
+    assert "incrementalSnapshotMetadata is required for SNAPSHOT_TYPE_INCREMENTAL" in r.json()["message"]
+
+
+def test_delta_on_itself_is_invalid(client):
+    body = {**GOOD_HOT_LOAD, "type": "SNAPSHOT_TYPE_INCREMENTAL",
+            "incrementalSnapshotMetadata": {"previousSnapshotIdentity": "step-1"}}
+    r = post(client, "/hotLoads", body)
+    assert r.status_code == 400 and "its own previousSnapshotIdentity" in r.json()["message"]
+
+
+def test_unsupported_checksum_is_refused(client):
+    body = {
+        **GOOD_HOT_LOAD,
+        "type": "SNAPSHOT_TYPE_INCREMENTAL",
+        "incrementalSnapshotMetadata": {"previousSnapshotIdentity": "s0", "checksumFormat": "CHECKSUM_FORMAT_XXH3_128"},
+    }
+    r = post(client, "/hotLoads", body)
+    assert r.status_code == 400
+    assert "checksumFormat" in r.json()["message"] and "CHECKSUM_FORMAT_ADLER32" in r.json()["message"]
+
+
+@pytest.mark.parametrize("hot_load_id", ["a/b", "../x", "", "x" * 129, "-lead"])
+def test_bad_client_chosen_hot_load_id(client, hot_load_id):
+    r = post(client, "/hotLoads", {**GOOD_HOT_LOAD, "hotLoadId": hot_load_id})
+    assert r.status_code == 400 and "hotLoadId" in r.json()["message"]
+
+
+def test_update_body_is_validated_strictly(client):
+    r = client.patch(
+        f"{PREFIX}/deployments/d1", json={"hotLoad": {"bucket": "bkt"}, "replicas": 3},
+        headers={"Authorization": "Bearer admin-t"},
+    )
+    assert r.status_code == 400 and "replicas: unknown field" in r.json()["message"]

@@ -1,0 +1,183 @@
+"""Latency of the hot-load read endpoints with many operations in history; prints p50/p99.
+
+    .venv/bin/python bench/list_latency.py [--hot-loads 500] [--requests 200]
+
+Starts a Temporal dev server (in memory, our search attributes), runs the real hot-load workflow
+with a stand-in replica step (2 replicas, ~10 % of operations FAILED), starts N hot-load
+workflows for one deployment directly, then times the API in process (httpx's ASGI transport,
+so HTTP parsing by uvicorn is not included) for:
+
+    GET /hotLoads?parentDeploymentId=D&maxPageSize=50     (first page; what a dashboard polls)
+    GET /hotLoads?parentDeploymentId=D&maxPageSize=1000   (what cwtrain sends)
+    GET /hotLoads/{id}, GET /hotLoads/{id}/replicas
+
+The issue asks for p99 under 50 ms with 500 hot-loads in history: this prints the figures; it
+is not a test threshold (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+from temporalio import activity
+from temporalio.common import SearchAttributeKey
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from api.app import PREFIX, create_app  # noqa: E402
+from api.auth import add_token  # noqa: E402
+from workers.settings import SEARCH_ATTRIBUTES, Settings  # noqa: E402
+from workflows import names  # noqa: E402
+from workflows.hot_load import HotLoadWorkflow  # noqa: E402
+from workflows.types import (  # noqa: E402
+    ApplySnapshotInput,
+    ApplySnapshotResult,
+    HotLoad,
+    HotLoadConfig,
+    HotLoadInput,
+    HotLoadSpec,
+    HotLoadState,
+    HotLoadStatus,
+    ReplicaEndpoint,
+    SnapshotRef,
+    SnapshotType,
+    rfc3339,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOYMENT = "bench-dep"
+
+
+@activity.defn(name=names.APPLY_SNAPSHOT)
+async def apply_snapshot(inp: ApplySnapshotInput) -> ApplySnapshotResult:
+    if inp.identity.endswith("-fail"):
+        raise ApplicationError("checksum mismatch (bench)", type="SnapshotError", non_retryable=True)
+    return ApplySnapshotResult(identity=inp.identity, engine_pid=1, tensors_loaded=1, bytes_read_from_bucket=1, pause_ms=1)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+async def fill(client, task_queue: str, count: int) -> list[str]:
+    replica_queue = f"{task_queue}/replica"
+    replicas = [
+        ReplicaEndpoint(name=f"replica-{i}", zone="LOCAL-1A", task_queue=replica_queue, engine_url="http://x",
+                        engine_pid=1, agent_pid=1, started_at="2026-01-01T00:00:00.000000Z")
+        for i in range(2)
+    ]
+    ids: list[str] = []
+    sem = asyncio.Semaphore(25)
+
+    async def one(i: int) -> None:
+        hl_id = str(uuid.uuid4())
+        identity = f"step-{i:06d}" + ("-fail" if i % 10 == 7 else "")
+        now = rfc3339(__import__("datetime").datetime.now(__import__("datetime").UTC))
+        hot_load = HotLoad(
+            spec=HotLoadSpec(id=hl_id, deployment_id=DEPLOYMENT, organization_id="org-bench", identity=identity,
+                             type=SnapshotType.FULL,
+                             snapshot_chain=[SnapshotRef(identity=identity, type=SnapshotType.FULL, hot_load_id=hl_id)]),
+            status=HotLoadStatus(state=HotLoadState.PENDING, created_at=now, updated_at=now),
+        )
+        async with sem:
+            handle = await client.start_workflow(
+                HotLoadWorkflow.run,
+                HotLoadInput(hot_load=hot_load, hot_load_config=HotLoadConfig(bucket="b", path_prefix="p"),
+                             replicas=replicas, deployment_workflow_id="deployments/absent"),
+                id=hl_id, task_queue=task_queue,
+                search_attributes=HotLoadWorkflow.search_attributes(hot_load), memo={"hotLoad": hot_load.wire()},
+            )
+            await handle.result()
+        ids.append(hl_id)
+
+    await asyncio.gather(*(one(i) for i in range(count)))
+    return ids
+
+
+async def timed(http: httpx.AsyncClient, path: str, n: int, **params) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        r = await http.get(path, params=params)
+        out.append((time.perf_counter() - t0) * 1000)
+        assert r.status_code == 200, r.text
+    return out
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hot-loads", type=int, default=500)
+    ap.add_argument("--requests", type=int, default=200)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(REPO / ".venv" / "bin" / "temporal"),
+        search_attributes=[SearchAttributeKey.for_keyword(n) for n in SEARCH_ATTRIBUTES],
+        data_converter=pydantic_data_converter,
+    )
+    task_queue = f"bench-{uuid.uuid4().hex[:8]}"
+    try:
+        async with (
+            Worker(env.client, task_queue=task_queue, workflows=[HotLoadWorkflow]),
+            Worker(env.client, task_queue=f"{task_queue}/replica", activities=[apply_snapshot]),
+        ):
+            t0 = time.perf_counter()
+            ids = await fill(env.client, task_queue, args.hot_loads)
+            print(f"{len(ids)} hot-loads run in {time.perf_counter() - t0:.1f}s")
+        # Reads need no worker: the workers are gone now, as after a restart.
+        with tempfile.TemporaryDirectory() as tmp:
+            settings = Settings.create(Path(tmp), 30000)
+            add_token(settings.tokens_file, "bench", "viewer", "org-bench", "bench")
+            app = create_app(settings, temporal_client=env.client, task_queue=task_queue)
+            async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url=f"http://api{PREFIX}",
+                headers={"Authorization": "Bearer bench"},
+            ) as http:
+                # Visibility is eventually consistent: wait until every operation is listed closed.
+                while True:
+                    r = await http.get("/hotLoads", params={"parentDeploymentId": DEPLOYMENT, "maxPageSize": 1000})
+                    got = r.json()["hotLoads"]
+                    if len(got) == len(ids) and all(h["status"]["state"] != "HOT_LOAD_STATE_IN_PROGRESS" for h in got):
+                        break
+                    await asyncio.sleep(0.5)
+                n = args.requests
+                # A fresh API process (empty cache) answers its first listing by loading it all.
+                cold_app = create_app(settings, temporal_client=env.client, task_queue=task_queue)
+                async with cold_app.router.lifespan_context(cold_app), httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app=cold_app), base_url=f"http://api{PREFIX}",
+                    headers={"Authorization": "Bearer bench"},
+                ) as cold:
+                    cold_ms = await timed(cold, "/hotLoads", 1, parentDeploymentId=DEPLOYMENT, maxPageSize=50)
+                rows = [
+                    ("list, cold (1st request)", cold_ms),
+                    ("list, first page of 50", await timed(http, "/hotLoads", n, parentDeploymentId=DEPLOYMENT, maxPageSize=50)),
+                    ("list, 1000 per page", await timed(http, "/hotLoads", max(20, n // 4), parentDeploymentId=DEPLOYMENT, maxPageSize=1000)),
+                    ("get one", await timed(http, f"/hotLoads/{ids[len(ids) // 2]}", n)),
+                    ("replicas of one", await timed(http, f"/hotLoads/{ids[len(ids) // 2]}/replicas", n)),
+                ]
+        full_loads = app.state.resources.hot_loads.full_loads if hasattr(app.state, "resources") else "?"
+        print(f"{args.hot_loads} hot-loads in history, in-process ASGI, {n} requests each "
+              f"(full reloads of the listing: {full_loads}):")
+        for name, ms in rows:
+            print(f"  {name:<24} p50 {statistics.median(ms):7.2f} ms   p99 {percentile(ms, 0.99):7.2f} ms   (n={len(ms)})")
+    finally:
+        await env.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

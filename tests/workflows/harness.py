@@ -1,0 +1,404 @@
+"""A control plane without vLLM: the real workflows and the real API on the real Temporal dev
+server, with test activities registered under the real activity names.
+
+`Fleet` runs, on one test's own task queue, the deployment, gateway and hot-load workflows plus
+stand-ins for the control activities (`start_replicas` signals each replica ready at once;
+`check_snapshot_files` runs the real file rules against a local directory tree standing in for
+the bucket) and, per replica, a worker on that replica's own queue whose `apply_snapshot` the
+test scripts: succeed, fail with a snapshot error, or hold until released (heartbeating, so a
+cancel reaches it). `Fleet.api` is the FastAPI app in process (httpx ASGI transport) on the same
+Temporal client, so a test drives exactly what a trainer drives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+from temporalio import activity
+from temporalio.client import Client
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import Worker
+
+from activities.control import snapshot_check_failure
+from api.app import PREFIX, create_app
+from api.auth import add_token
+from workers.settings import Settings
+from workflows import names
+from workflows.deployment import DeploymentWorkflow
+from workflows.deployment import search_attributes as deployment_attributes
+from workflows.errors import NON_RETRYABLE_SNAPSHOT
+from workflows.gateway import GatewayWorkflow
+from workflows.hot_load import HotLoadWorkflow
+from workflows.types import (
+    ApplySnapshotInput,
+    ApplySnapshotResult,
+    CheckSnapshotInput,
+    DeploymentInput,
+    PeerOffer,
+    PeerOfferInput,
+    ReceiveFromPeerInput,
+    ReplicaEndpoint,
+    SnapshotType,
+    StartReplicasInput,
+    StopReplicasInput,
+)
+
+ADMIN = "admin-token"
+VIEWER = "viewer-token"
+OTHER_ORG = "other-org-token"
+DISABLED_ORG = "disabled-org-token"
+ORG = "org-a"
+ZONE = "LOCAL-1A"
+
+ApplyBehaviour = Callable[[str, ApplySnapshotInput], Awaitable[None]]
+
+
+def write_full(root: Path, identity: str, *, missing: tuple[str, ...] = ()) -> None:
+    """A FULL snapshot's files (content irrelevant to admission; names and index matter)."""
+    import json
+
+    d = root / identity
+    d.mkdir(parents=True, exist_ok=True)
+    files = {
+        "config.json": "{}",
+        "model.safetensors.index.json": json.dumps(
+            {"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}
+        ),
+        "model-00001-of-00001.safetensors": "x",
+    }
+    for name, text in files.items():
+        if name not in missing:
+            (d / name).write_text(text)
+
+
+def write_delta(root: Path, identity: str, base: str, *, missing: tuple[str, ...] = ()) -> None:
+    import json
+
+    d = root / identity
+    d.mkdir(parents=True, exist_ok=True)
+    files = {
+        "model.safetensors.index.json": json.dumps(
+            {
+                "metadata": {
+                    "version": identity, "base_version": base, "delta_encoding": "xor",
+                    "compression_format": "zstd", "checksum_format": "adler32",
+                },
+                "weight_map": {"w": "model-00001-of-00001.safetensors"},
+            }
+        ),
+        "model-00001-of-00001.safetensors": "x",
+    }
+    for name, text in files.items():
+        if name not in missing:
+            (d / name).write_text(text)
+
+
+@dataclass
+class Fleet:
+    client: Client
+    tmp: Path
+    task_queue: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex[:12]}")
+    replicas_per_deployment: int = 2
+    # False: replicas never report ready, so deployments stay STATUS_CREATING.
+    report_ready: bool = True
+    # False: no control worker in this process (a durability test runs it as a process to kill).
+    control_worker: bool = True
+    # The API's request tracer (tests of tracing pass their own provider's).
+    tracer: Any = None
+    apply_delay: float = 0.05
+    # name -> behaviour; default: succeed after `apply_delay`.
+    apply_behaviour: dict[str, ApplyBehaviour] = field(default_factory=dict)
+    applied: list[tuple[str, str]] = field(default_factory=list)
+    hold: asyncio.Event = field(default_factory=asyncio.Event)
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    cancel_seen: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.bucket_root = self.tmp / "bucket"
+        self.bucket_root.mkdir(parents=True, exist_ok=True)
+        self.settings = Settings.create(self.tmp / "home", 30000)
+        self.settings.home_path.mkdir(parents=True, exist_ok=True)
+        add_token(self.settings.tokens_file, ADMIN, "admin", ORG, "admin")
+        add_token(self.settings.tokens_file, VIEWER, "viewer", ORG, "viewer")
+        add_token(self.settings.tokens_file, OTHER_ORG, "admin", "org-b", "other")
+        add_token(self.settings.tokens_file, DISABLED_ORG, "admin", "org-off", "off", hot_load_enabled=False)
+        self._stack = AsyncExitStack()
+        self._replica_workers: dict[str, Worker] = {}
+        self._pool = ThreadPoolExecutor(max_workers=4)
+        self.app = create_app(self.settings, temporal_client=self.client, task_queue=self.task_queue, tracer=self.tracer)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> Fleet:
+        if self.control_worker:
+            await self._stack.enter_async_context(
+                Worker(
+                    self.client,
+                    task_queue=self.task_queue,
+                    workflows=[DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow],
+                    activities=[self.start_replicas, self.stop_replicas, self.check_snapshot_files],
+                    activity_executor=self._pool,
+                )
+            )
+        await self._stack.enter_async_context(self.app.router.lifespan_context(self.app))
+        self.http = await self._stack.enter_async_context(
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url=f"http://api{PREFIX}", timeout=60)
+        )
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.hold.set()
+        await self._stack.aclose()
+        for w in self._replica_workers.values():
+            await w.shutdown()
+        self._pool.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ HTTP
+    async def call(self, method: str, path: str, token: str = ADMIN, **kw: Any) -> httpx.Response:
+        return await self.http.request(method, path, headers={"Authorization": f"Bearer {token}"}, **kw)
+
+    async def ready_deployment(
+        self, name: str | None = None, *, hot_load: bool = True, replicas: int | None = None,
+        token: str = ADMIN, wait: bool = True,
+    ) -> str:
+        """A gateway and a READY deployment (through the API, as `token`); returns the id."""
+        gw = f"gw-{uuid.uuid4().hex[:6]}"
+        r = await self.call("POST", "/gateways", token=token, json={"id": gw, "name": gw, "zones": [ZONE]})
+        assert r.status_code == 200, r.text
+        name = name or f"dep-{uuid.uuid4().hex[:6]}"
+        body: dict[str, Any] = {
+            "id": name,
+            "name": name,
+            "gatewayIds": [gw],
+            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+            "model": {"name": "m", "bucket": "rollouts", "path": "models/base"},
+            "autoscaling": {"min": replicas or self.replicas_per_deployment, "max": replicas or self.replicas_per_deployment},
+        }
+        if hot_load:
+            body["hotLoad"] = {"bucket": "rollouts", "pathPrefix": f"ckpt/{name}"}
+        r = await self.call("POST", "/deployments", token=token, json=body)
+        assert r.status_code == 200, r.text
+        if wait:
+            await self.wait_deployment(name, token=token)
+        return name
+
+    def replica_endpoints(self, dep_id: str, count: int) -> list[ReplicaEndpoint]:
+        """`count` replicas with their workers running here, as a deployment would record them."""
+        endpoints = []
+        for i in range(count):
+            name = f"replica-{i}"
+            tq = f"{self.task_queue}/replica/{dep_id}/{name}"
+            worker = Worker(
+                self.client, task_queue=tq, activities=self._replica_activities(name),
+                max_heartbeat_throttle_interval=timedelta(milliseconds=200),
+                default_heartbeat_throttle_interval=timedelta(milliseconds=200),
+            )
+            asyncio.create_task(worker.run())
+            self._replica_workers[tq] = worker
+            endpoints.append(ReplicaEndpoint(
+                name=name, zone=ZONE, task_queue=tq, engine_url="http://127.0.0.1:1", engine_pid=1000 + i,
+                agent_pid=2000 + i, started_at="2026-01-01T00:00:00.000000Z",
+            ))
+        return endpoints
+
+    async def deployment_from_state(self, state: DeploymentInput) -> str:
+        """A deployment workflow started from a given state (as after continue-as-new): how a
+        test reaches states the API cannot make quickly (63 deltas, gateways in two zones)."""
+        dep = state.deployment
+        await self.client.start_workflow(
+            DeploymentWorkflow.run, state, id=names.deployment_workflow_id(dep.spec.id), task_queue=self.task_queue,
+            search_attributes=deployment_attributes(dep.spec.organization_id, dep.spec.id),
+            memo={"deployment": dep.wire(), "replicas": []},
+        )
+        return dep.spec.id
+
+    async def wait_deployment(
+        self, dep_id: str, status: str = "STATUS_READY", timeout: float = 90, token: str = ADMIN
+    ) -> dict:
+        async def check() -> dict | None:
+            dep = (await self.call("GET", f"/deployments/{dep_id}", token=token)).json()["deployment"]
+            return dep if dep["status"]["status"] == status else None
+
+        return await poll(check, timeout, f"deployment {dep_id} {status}")
+
+    async def create_hot_load(self, dep_id: str, identity: str, *, token: str = ADMIN, **body: Any) -> httpx.Response:
+        return await self.call(
+            "POST", "/hotLoads", token=token,
+            json={"deploymentId": dep_id, "identity": identity, "type": "SNAPSHOT_TYPE_FULL", **body},
+        )
+
+    async def wait_hot_load(self, hl_id: str, timeout: float = 90) -> dict:
+        async def check() -> dict | None:
+            hl = (await self.call("GET", f"/hotLoads/{hl_id}")).json()["hotLoad"]
+            return hl if hl["status"]["state"] in TERMINAL else None
+
+        return await poll(check, timeout, f"hot-load {hl_id} terminal")
+
+    async def wait_idle(self, dep_id: str, timeout: float = 90) -> None:
+        """Until the deployment has taken note that its last hot-load ended."""
+
+        async def check() -> bool | None:
+            dep = (await self.call("GET", f"/deployments/{dep_id}")).json()["deployment"]
+            return True if not dep["status"].get("activeHotLoadId") else None
+
+        await poll(check, timeout, f"deployment {dep_id} idle")
+
+    async def completed(self, dep_id: str, identity: str, **body: Any) -> dict:
+        """Publish (files) + hot-load + wait: a COMPLETED hot-load of `identity`."""
+        if body.get("type") == "SNAPSHOT_TYPE_INCREMENTAL":
+            write_delta(self.bucket_root / f"ckpt/{dep_id}", identity,
+                        body["incrementalSnapshotMetadata"]["previousSnapshotIdentity"])
+        else:
+            write_full(self.bucket_root / f"ckpt/{dep_id}", identity)
+        r = await self.create_hot_load(dep_id, identity, **body)
+        assert r.status_code == 200, r.text
+        hl = await self.wait_hot_load(r.json()["hotLoad"]["spec"]["id"])
+        assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl
+        await self.wait_idle(dep_id)
+        return hl
+
+    # ------------------------------------------------------------------ control activities
+    @activity.defn(name=names.START_REPLICAS)
+    async def start_replicas(self, inp: StartReplicasInput) -> list[str]:
+        """Starts (once) a replica worker per name and reports it ready; returns the names started
+        now (the deployment also calls this periodically to restart lost replicas: none here)."""
+        handle = activity.client().get_workflow_handle(inp.deployment_workflow_id)
+        started: list[str] = []
+        for i, name in enumerate(inp.names):
+            tq = f"{self.task_queue}/replica/{inp.deployment_id}/{name}"
+            if tq in self._replica_workers:
+                continue
+            started.append(name)
+            if tq not in self._replica_workers:
+                worker = Worker(
+                    activity.client(), task_queue=tq, activities=self._replica_activities(name),
+                    # A cancel reaches a step only with a heartbeat's answer: send them often.
+                    max_heartbeat_throttle_interval=timedelta(milliseconds=200),
+                    default_heartbeat_throttle_interval=timedelta(milliseconds=200),
+                )
+                asyncio.create_task(worker.run())
+                self._replica_workers[tq] = worker
+            if not self.report_ready:
+                continue
+            await handle.signal(
+                "replica_ready",
+                ReplicaEndpoint(
+                    name=name, zone=ZONE, task_queue=tq, engine_url="http://127.0.0.1:1",
+                    engine_pid=1000 + i, agent_pid=2000 + i, started_at="2026-01-01T00:00:00.000000Z",
+                ),
+            )
+        return started
+
+    @activity.defn(name=names.STOP_REPLICAS)
+    async def stop_replicas(self, inp: StopReplicasInput) -> int:
+        return len(inp.names)
+
+    @activity.defn(name=names.CHECK_SNAPSHOT)
+    def check_snapshot_files(self, inp: CheckSnapshotInput) -> list[str]:
+        return check_local_snapshot(self.bucket_root, inp)
+
+    def _replica_activities(self, replica: str) -> list:
+        """The replica step under its real names: from the bucket, or from an updated peer (the
+        offer/send/receive trio); both follow the test's behaviour for this replica."""
+
+        async def step(inp: ApplySnapshotInput, source: str) -> ApplySnapshotResult:
+            behaviour = self.apply_behaviour.get(replica)
+            if behaviour is not None:
+                await behaviour(replica, inp)
+            else:
+                await asyncio.sleep(self.apply_delay)
+            self.applied.append((replica, inp.identity))
+            return ApplySnapshotResult(
+                identity=inp.identity, engine_pid=1, tensors_loaded=1, bytes_read_from_bucket=1, pause_ms=1.0,
+                links_applied=[link.identity for link in inp.chain], source=source,
+            )
+
+        @activity.defn(name=names.APPLY_SNAPSHOT)
+        async def apply_snapshot(inp: ApplySnapshotInput) -> ApplySnapshotResult:
+            return await step(inp, "bucket")
+
+        @activity.defn(name=names.OFFER_TO_PEER)
+        async def offer_to_peer(inp: PeerOfferInput) -> PeerOffer:
+            return PeerOffer(
+                source_replica=replica, host="127.0.0.1", port=1, backend="test", base_identity=inp.target_identity,
+                identity=inp.identity, chain=inp.chain, specs=[], expected_adler32={},
+            )
+
+        @activity.defn(name=names.SEND_TO_PEER)
+        async def send_to_peer(offer: PeerOffer) -> None:
+            return None
+
+        @activity.defn(name=names.RECEIVE_FROM_PEER)
+        async def receive_from_peer(inp: ReceiveFromPeerInput) -> ApplySnapshotResult:
+            offer = inp.offer
+            as_apply = ApplySnapshotInput(
+                hot_load_id="peer", identity=offer.identity, chain=offer.chain, bucket="-", path_prefix="-",
+            )
+            return await step(as_apply, f"peer:{offer.source_replica}")
+
+        return [apply_snapshot, offer_to_peer, send_to_peer, receive_from_peer]
+
+    async def held(self, replica: str, inp: ApplySnapshotInput) -> None:
+        """An apply that waits for `hold` (heartbeating), then succeeds; a cancel interrupts it
+        (the step rolled back: the replica keeps its previous weights)."""
+        self.started.set()
+        while not self.hold.is_set():
+            activity.heartbeat()
+            await asyncio.sleep(0.05)
+
+    async def held_then_finish(self, replica: str, inp: ApplySnapshotInput) -> None:
+        """Like `held`, but a cancel arriving mid-step lets the step finish, as the replica agent
+        does for its all-or-nothing engine swap (activities/replica_step.py)."""
+        self.started.set()
+        while not self.hold.is_set():
+            activity.heartbeat()
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                self.cancel_seen.set()
+                await asyncio.sleep(0.1)
+                return
+
+    @staticmethod
+    async def broken(replica: str, inp: ApplySnapshotInput) -> None:
+        raise ApplicationError(
+            f"tensor w: Adler-32 mismatch in {inp.identity}", type=NON_RETRYABLE_SNAPSHOT, non_retryable=True
+        )
+
+
+def check_local_snapshot(bucket_root: Path, inp: CheckSnapshotInput) -> list[str]:
+    """The real admission file rules and error, against a directory standing in for the bucket."""
+    from snapshots.inspect import check_required_files
+
+    location = bucket_root / inp.path_prefix / inp.identity
+    kind = "full" if inp.type == SnapshotType.FULL else "delta"
+    uri = f"s3://{inp.bucket}/{inp.path_prefix}/{inp.identity}/"
+    try:
+        missing = check_required_files(location, kind)
+    except Exception as exc:  # noqa: BLE001 - same mapping as the real activity
+        raise snapshot_check_failure(inp.identity, uri, exc=exc) from None
+    if missing:
+        raise snapshot_check_failure(inp.identity, uri, missing=missing)
+    return []
+
+
+TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
+
+
+async def poll(check: Callable[[], Awaitable[Any]], timeout: float, what: str, every: float = 0.05) -> Any:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        got = await check()
+        if got is not None:
+            return got
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"{what}: not reached within {timeout}s")
+        await asyncio.sleep(every)

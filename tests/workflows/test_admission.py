@@ -1,0 +1,281 @@
+"""Hot-load admission through the API and the deployment workflow, on the real Temporal dev server:
+each documented rule is its own error with its code and message, and nothing starts when a
+request is refused. Replicas are test activities (see harness.py); no vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio.client import WorkflowExecutionStatus
+
+from tests.workflows.harness import DISABLED_ORG, VIEWER, ZONE, Fleet, write_delta, write_full
+from workflows.types import (
+    MAX_DELTAS_IN_CHAIN,
+    Deployment,
+    DeploymentInput,
+    DeploymentSpec,
+    DeploymentStatus,
+    HotLoadConfig,
+    ModelSource,
+    ResourceStatus,
+    Runtime,
+    SnapshotRef,
+    SnapshotType,
+)
+
+
+def error(r, status: int, code: str, *words: str) -> dict:
+    body = r.json()
+    assert r.status_code == status, (r.status_code, body)
+    assert body["code"] == code, body
+    for w in words:
+        assert w in body["message"], body
+    return body
+
+
+def delta_body(prev: str) -> dict:
+    return {
+        "type": "SNAPSHOT_TYPE_INCREMENTAL",
+        "incrementalSnapshotMetadata": {
+            "previousSnapshotIdentity": prev,
+            "compressionFormat": "COMPRESSION_FORMAT_ZSTD",
+            "checksumFormat": "CHECKSUM_FORMAT_ADLER32",
+        },
+    }
+
+
+async def no_hot_load_started(f: Fleet, dep: str) -> None:
+    r = await f.call("GET", "/hotLoads", params={"parentDeploymentId": dep})
+    assert r.status_code == 200 and r.json()["hotLoads"] == [], r.json()
+
+
+async def test_deployment_not_ready_is_failed_precondition(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path, report_ready=False) as f:
+        dep = await f.ready_deployment(wait=False)
+        write_full(f.bucket_root / f"ckpt/{dep}", "s1")
+        r = await f.create_hot_load(dep, "s1")
+        error(r, 412, "failed_precondition", f"deployment {dep} is STATUS_CREATING, not STATUS_READY")
+        await no_hot_load_started(f, dep)
+
+
+async def test_organization_without_hot_load_is_refused(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment(hot_load=False, token=DISABLED_ORG)
+        r = await f.create_hot_load(dep, "s1", token=DISABLED_ORG)
+        body = error(r, 412, "failed_precondition")
+        assert body["message"] == "hot-load is not enabled for this organization"
+
+
+async def test_deployment_without_hot_load_section_is_refused(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment(hot_load=False)
+        r = await f.create_hot_load(dep, "s1")
+        error(r, 412, "failed_precondition", f"hot-load is not enabled on deployment {dep}", "hotLoad section")
+
+
+async def test_second_hot_load_while_one_runs_is_already_in_progress(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        f.apply_behaviour = {"*": f.held}
+        f.apply_behaviour = _every(f.held)
+        write_full(f.bucket_root / f"ckpt/{dep}", "s1")
+        write_full(f.bucket_root / f"ckpt/{dep}", "s2")
+        first = await f.create_hot_load(dep, "s1", hotLoadId="first")
+        assert first.status_code == 200, first.text
+        r = await f.create_hot_load(dep, "s2", hotLoadId="second")
+        error(r, 412, "failed_precondition", "already in progress", "first")
+        # The refused id was never used: once the first ends, it is admitted.
+        f.hold.set()
+        await f.wait_hot_load("first")
+        await f.wait_idle(dep)
+        f.apply_behaviour = {}
+        r = await f.create_hot_load(dep, "s2", hotLoadId="second")
+        assert r.status_code == 200, r.text
+
+
+async def test_twenty_concurrent_creates_admit_exactly_one(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        f.apply_behaviour = _every(f.held)
+        for i in range(20):
+            write_full(f.bucket_root / f"ckpt/{dep}", f"s{i}")
+        answers = await asyncio.gather(
+            *(f.create_hot_load(dep, f"s{i}", hotLoadId=f"c{i}") for i in range(20))
+        )
+        admitted = [r for r in answers if r.status_code == 200]
+        refused = [r for r in answers if r.status_code != 200]
+        assert len(admitted) == 1, [r.json() for r in answers]
+        assert len(refused) == 19
+        for r in refused:
+            error(r, 412, "failed_precondition", "already in progress")
+        listed = (await f.call("GET", "/hotLoads", params={"parentDeploymentId": dep})).json()["hotLoads"]
+        assert [h["spec"]["id"] for h in listed] == [admitted[0].json()["hotLoad"]["spec"]["id"]]
+        f.hold.set()
+
+
+async def test_type_and_metadata_must_match(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        r = await f.create_hot_load(dep, "s1", **{"incrementalSnapshotMetadata": delta_body("s0")["incrementalSnapshotMetadata"]})
+        error(r, 400, "invalid_argument", "incrementalSnapshotMetadata must be omitted for SNAPSHOT_TYPE_FULL")
+        r = await f.create_hot_load(dep, "s1", type="SNAPSHOT_TYPE_INCREMENTAL")
+        error(r, 400, "invalid_argument", "incrementalSnapshotMetadata is required for SNAPSHOT_TYPE_INCREMENTAL")
+        await no_hot_load_started(f, dep)
+
+
+async def test_unsupported_formats_are_invalid_argument(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        body = delta_body("s0")
+        body["incrementalSnapshotMetadata"]["checksumFormat"] = "CHECKSUM_FORMAT_XXH3_128"
+        error(await f.create_hot_load(dep, "s1", **body), 400, "invalid_argument", "checksumFormat", "CHECKSUM_FORMAT_ADLER32")
+        body = delta_body("s0")
+        body["incrementalSnapshotMetadata"]["compressionFormat"] = "COMPRESSION_FORMAT_LZ4"
+        error(await f.create_hot_load(dep, "s1", **body), 400, "invalid_argument", "compressionFormat", "COMPRESSION_FORMAT_ZSTD")
+
+
+async def test_identity_rules(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        for identity, words in [
+            ("../etc", "single path segment"), ("a/b", "single path segment"), ("..", ".."),
+            ("x" * 129, "at most 128"), ("initial", "reserved"), ("", "non-empty"), ("a\x00b", "control"),
+        ]:
+            error(await f.create_hot_load(dep, identity), 400, "invalid_argument", "identity", words)
+        error(await f.create_hot_load(dep, "s1", **delta_body("initial")), 400, "invalid_argument",
+              "previousSnapshotIdentity", "reserved")
+        await no_hot_load_started(f, dep)
+
+
+async def test_predecessor_needs_a_completed_hot_load_on_this_deployment(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        other = await f.ready_deployment()
+        root = f.bucket_root / f"ckpt/{dep}"
+        write_delta(root, "s1", "s0")
+        # Never loaded anywhere.
+        error(await f.create_hot_load(dep, "s1", **delta_body("s0")), 412, "failed_precondition",
+              "previousSnapshotIdentity 's0' has no completed hot-load", dep)
+        # Completed on another deployment only.
+        await f.completed(other, "s0")
+        error(await f.create_hot_load(dep, "s1", **delta_body("s0")), 412, "failed_precondition", "has no completed hot-load")
+        # Loaded here but FAILED.
+        f.apply_behaviour = _every(f.broken)
+        write_full(root, "s0")
+        r = await f.create_hot_load(dep, "s0")
+        assert r.status_code == 200
+        assert (await f.wait_hot_load(r.json()["hotLoad"]["spec"]["id"]))["status"]["state"] == "HOT_LOAD_STATE_FAILED"
+        await f.wait_idle(dep)
+        error(await f.create_hot_load(dep, "s1", **delta_body("s0")), 412, "failed_precondition", "has no completed hot-load")
+        # Completed here: admitted, and the chain lists the base first.
+        f.apply_behaviour = {}
+        await f.completed(dep, "s0")
+        hl = await f.completed(dep, "s1", **delta_body("s0"))
+        assert [(c["identity"], c["type"]) for c in hl["spec"]["snapshotChain"]] == [
+            ("s0", "SNAPSHOT_TYPE_FULL"), ("s1", "SNAPSHOT_TYPE_INCREMENTAL")
+        ]
+        assert hl["spec"]["snapshotChain"][1]["compressionFormat"] == "COMPRESSION_FORMAT_ZSTD"
+
+
+def _state(dep_id: str, *, zones: list[str], chains: dict[str, list[SnapshotRef]] | None = None) -> DeploymentInput:
+    dep = Deployment(
+        spec=DeploymentSpec(
+            id=dep_id, name=dep_id, organization_id="org-a", gateway_ids=["g1", "g2"],
+            runtime=Runtime(engine="dynamo-vllm"), model=ModelSource(name="m", bucket="rollouts", path="models/base"),
+            hot_load=HotLoadConfig(bucket="rollouts", path_prefix=f"ckpt/{dep_id}"),
+        ),
+        status=DeploymentStatus(status=ResourceStatus.READY, created_at="2026-01-01T00:00:00Z", updated_at="2026-01-01T00:00:00Z"),
+    )
+    return DeploymentInput(deployment=dep, gateway_zones=zones, chains=chains or {})
+
+
+async def test_chain_of_more_than_63_deltas_is_refused(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        base = SnapshotRef(identity="d0", type=SnapshotType.FULL, hot_load_id="h0")
+        links = [base] + [
+            SnapshotRef(identity=f"d{i}", type=SnapshotType.INCREMENTAL, hot_load_id=f"h{i}")
+            for i in range(1, MAX_DELTAS_IN_CHAIN + 1)
+        ]
+        chains = {link.identity: links[: i + 1] for i, link in enumerate(links)}
+        dep = await f.deployment_from_state(_state("dep-chain", zones=[ZONE], chains=chains))
+        root = f.bucket_root / "ckpt/dep-chain"
+        write_full(root, "d0")
+        for i in range(1, MAX_DELTAS_IN_CHAIN + 2):
+            write_delta(root, f"d{i}", f"d{i - 1}")
+        write_delta(root, "d63b", "d62")
+        body = error(
+            await f.create_hot_load(dep, "d64", **delta_body("d63")), 412, "failed_precondition",
+            f"the chain would hold {MAX_DELTAS_IN_CHAIN + 1} deltas", f"at most {MAX_DELTAS_IN_CHAIN}",
+        )
+        assert "publish a full checkpoint" in body["message"]
+        # 63 deltas is the limit, not past it.
+        r = await f.create_hot_load(dep, "d63b", **delta_body("d62"))
+        assert r.status_code == 200, r.text
+        chain = r.json()["hotLoad"]["spec"]["snapshotChain"]
+        assert len(chain) == 64 and chain[0]["identity"] == "d0" and chain[-1]["identity"] == "d63b"
+
+
+async def test_missing_required_files_are_named(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        root = f.bucket_root / f"ckpt/{dep}"
+        write_full(root, "s1", missing=("config.json", "model-00001-of-00001.safetensors"))
+        r = await f.create_hot_load(dep, "s1", hotLoadId="retry-me")
+        error(r, 412, "failed_precondition", "'s1'", "missing required files", "config.json",
+              "model-00001-of-00001.safetensors", f"s3://rollouts/ckpt/{dep}/s1/")
+        await no_hot_load_started(f, dep)
+        # A snapshot of the chain other than the target: the base of a delta loses its shard.
+        write_full(root, "s1")
+        await f.completed(dep, "s1", hotLoadId="retry-me")  # the refused id is free again
+        (root / "s1" / "model-00001-of-00001.safetensors").unlink()
+        write_delta(root, "s2", "s1")
+        error(await f.create_hot_load(dep, "s2", **delta_body("s1")), 412, "failed_precondition",
+              "snapshot 's1'", "model-00001-of-00001.safetensors")
+        write_delta(root, "s3", "s1", missing=("model.safetensors.index.json",))
+        write_full(root, "s1")
+        error(await f.create_hot_load(dep, "s3", **delta_body("s1")), 412, "failed_precondition",
+              "snapshot 's3'", "model.safetensors.index.json")
+
+
+async def test_gateways_in_different_zones_are_refused(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.deployment_from_state(_state("dep-zones", zones=["US-EAST-04A", "US-WEST-01A"]))
+        write_full(f.bucket_root / "ckpt/dep-zones", "s1")
+        error(await f.create_hot_load(dep, "s1"), 412, "failed_precondition", "different zones",
+              "US-EAST-04A", "US-WEST-01A")
+
+
+async def test_existing_client_chosen_id_is_already_exists(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        other = await f.ready_deployment()
+        await f.completed(dep, "s1", hotLoadId="mine")
+        write_full(f.bucket_root / f"ckpt/{dep}", "s2")
+        write_full(f.bucket_root / f"ckpt/{other}", "s2")
+        error(await f.create_hot_load(dep, "s2", hotLoadId="mine"), 409, "already_exists", "mine")
+        error(await f.create_hot_load(other, "s2", hotLoadId="mine"), 409, "already_exists", "mine")
+        # cwtrain then GETs it: the original operation, unchanged.
+        got = (await f.call("GET", "/hotLoads/mine")).json()["hotLoad"]
+        assert got["spec"]["identity"] == "s1" and got["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
+
+
+async def test_viewer_and_other_org_cannot_create(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        write_full(f.bucket_root / f"ckpt/{dep}", "s1")
+        error(await f.create_hot_load(dep, "s1", token=VIEWER), 403, "permission_denied", "creating a hot-load")
+        error(await f.create_hot_load(dep, "s1", token="other-org-token"), 404, "not_found", dep)
+        await no_hot_load_started(f, dep)
+        handle = f.client.get_workflow_handle(f"deployments/{dep}")
+        assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+
+
+class _every(dict):
+    """Every replica behaves the same."""
+
+    def __init__(self, behaviour) -> None:
+        super().__init__()
+        self.behaviour = behaviour
+
+    def get(self, key, default=None):  # noqa: ARG002 - dict protocol
+        return self.behaviour

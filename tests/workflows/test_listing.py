@@ -1,0 +1,178 @@
+"""Reading operations on the real Temporal dev server: `GET /hotLoads?parentDeploymentId=` newest
+first with working pages over closed and open operations, stable when a hot-load is created
+between two pages, the same after an API restart with no worker running; replicas paginated by
+(zone, name); a terminated workflow reported truthfully; search attributes that find failed loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from api.app import PREFIX, create_app
+from tests.workflows.harness import ADMIN, OTHER_ORG, Fleet, poll, write_full
+from tests.workflows.test_admission import _every, error
+
+
+async def walk(f: Fleet, dep: str, size: int) -> list[dict]:
+    out, token, seen_tokens = [], None, set()
+    while True:
+        params = {"parentDeploymentId": dep, "maxPageSize": size}
+        if token:
+            params["pageToken"] = token
+        r = await f.call("GET", "/hotLoads", params=params)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert len(body["hotLoads"]) <= size
+        out += body["hotLoads"]
+        token = body.get("nextPageToken")
+        if not token:
+            return out
+        assert token not in seen_tokens, "a listing that repeats a page token is an error (cwtrain)"
+        seen_tokens.add(token)
+
+
+async def test_history_newest_first_over_closed_and_open_operations(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        other = await f.ready_deployment()
+        root = f.bucket_root / f"ckpt/{dep}"
+        created: list[str] = []
+        await f.completed(other, "x")  # another deployment's history stays out
+        for i in range(5):
+            created.append((await f.completed(dep, f"s{i}", hotLoadId=f"ok-{i}"))["spec"]["id"])
+        f.apply_behaviour = _every(f.broken)
+        write_full(root, "bad")
+        r = await f.create_hot_load(dep, "bad", hotLoadId="failed-1")
+        assert (await f.wait_hot_load("failed-1"))["status"]["state"] == "HOT_LOAD_STATE_FAILED"
+        created.append("failed-1")
+        await f.wait_idle(dep)
+        f.apply_behaviour = _every(f.held)
+        r = await f.create_hot_load(dep, "s0", hotLoadId="canceled-1")
+        assert r.status_code == 200
+        await asyncio.wait_for(f.started.wait(), 30)
+        assert (await f.call("POST", "/hotLoads/canceled-1:cancel", json={})).json()["hotLoad"]["status"]["state"] == (
+            "HOT_LOAD_STATE_CANCELED"
+        )
+        created.append("canceled-1")
+        await f.wait_idle(dep)
+        f.started.clear()
+        r = await f.create_hot_load(dep, "s1", hotLoadId="open-1")
+        assert r.status_code == 200
+        created.append("open-1")
+
+        newest_first = list(reversed(created))
+        listed = await walk(f, dep, 3)
+        assert [h["spec"]["id"] for h in listed] == newest_first
+        assert listed[0]["status"]["state"] in ("HOT_LOAD_STATE_PENDING", "HOT_LOAD_STATE_IN_PROGRESS")
+        assert [h["status"]["state"] for h in listed[1:3]] == ["HOT_LOAD_STATE_CANCELED", "HOT_LOAD_STATE_FAILED"]
+        assert all(h["status"]["workflowUrl"].endswith(h["spec"]["id"]) for h in listed)
+        assert [h["spec"]["id"] for h in await walk(f, dep, 1000)] == newest_first
+        # Warm: later listings ask visibility only for what may have changed, not for everything.
+        index = f.app.state.resources.hot_loads
+        loads = index.full_loads
+        for _ in range(5):
+            await walk(f, dep, 1000)
+        assert index.full_loads == loads
+        # Stable pages: the first page is read, then a new operation starts; the next page goes on
+        # after the last item read, nothing repeated or skipped.
+        first = (await f.call("GET", "/hotLoads", params={"parentDeploymentId": dep, "maxPageSize": 4})).json()
+        f.hold.set()
+        await f.wait_hot_load("open-1")
+        await f.wait_idle(dep)
+        f.apply_behaviour = {}
+        await f.completed(dep, "s9", hotLoadId="newer")
+        rest = (await f.call("GET", "/hotLoads", params={
+            "parentDeploymentId": dep, "maxPageSize": 100, "pageToken": first["nextPageToken"],
+        })).json()
+        assert [h["spec"]["id"] for h in first["hotLoads"] + rest["hotLoads"]] == newest_first
+        assert "nextPageToken" not in rest
+        # A token belongs to its filter; other organizations see nothing.
+        error(await f.call("GET", "/hotLoads", params={"parentDeploymentId": other, "pageToken": first["nextPageToken"]}),
+              400, "invalid_argument", "pageToken")
+        r = await f.call("GET", "/hotLoads", token=OTHER_ORG, params={"parentDeploymentId": dep})
+        assert r.status_code == 200 and r.json()["hotLoads"] == []
+
+        # An API restart with no worker running: a fresh process, an empty cache, same answers.
+        expected = ["newer", *newest_first]
+        fresh = create_app(f.settings, temporal_client=f.client, task_queue="no-worker-here")
+        async with fresh.router.lifespan_context(fresh), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=fresh), base_url=f"http://api{PREFIX}",
+            headers={"Authorization": f"Bearer {ADMIN}"},
+        ) as http:
+            got = (await http.get("/hotLoads", params={"parentDeploymentId": dep, "maxPageSize": 1000})).json()
+            assert [h["spec"]["id"] for h in got["hotLoads"]] == expected
+            states = {h["spec"]["id"]: h["status"]["state"] for h in got["hotLoads"]}
+            assert states["failed-1"] == "HOT_LOAD_STATE_FAILED" and states["open-1"] == "HOT_LOAD_STATE_COMPLETED"
+            one = (await http.get("/hotLoads/canceled-1")).json()["hotLoad"]
+            assert one["status"]["state"] == "HOT_LOAD_STATE_CANCELED" and one["status"]["canceledAt"]
+
+
+async def test_replicas_paginated_by_zone_then_name(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path, replicas_per_deployment=5) as f:
+        dep = await f.ready_deployment()
+        hl = await f.completed(dep, "s1")
+        pages, token = [], None
+        while True:
+            params = {"maxPageSize": 2, **({"pageToken": token} if token else {})}
+            body = (await f.call("GET", f"/hotLoads/{hl['spec']['id']}/replicas", params=params)).json()
+            pages.append(body["replicas"])
+            token = body.get("nextPageToken")
+            if not token:
+                break
+        assert [len(p) for p in pages] == [2, 2, 1]
+        replicas = [r for p in pages for r in p]
+        assert [(r["zone"], r["name"]) for r in replicas] == sorted((r["zone"], r["name"]) for r in replicas)
+        for r in replicas:
+            assert r["state"] == "READY" and r["currentSnapshotIdentity"] == "s1"
+            assert r["startedAt"] <= r["finishedAt"] == r["transitionedAt"]
+        error(await f.call("GET", f"/hotLoads/{hl['spec']['id']}/replicas", params={"maxPageSize": -1}),
+              400, "invalid_argument", "maxPageSize")
+
+
+async def test_terminated_workflow_reads_as_failed_and_frees_the_deployment(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        f.apply_behaviour = _every(f.held)
+        write_full(f.bucket_root / f"ckpt/{dep}", "s1")
+        assert (await f.create_hot_load(dep, "s1", hotLoadId="killed")).status_code == 200
+        await asyncio.wait_for(f.started.wait(), 30)
+        await f.client.get_workflow_handle("killed").terminate(reason="operator")
+        hl = (await f.call("GET", "/hotLoads/killed")).json()["hotLoad"]
+        assert hl["status"]["state"] == "HOT_LOAD_STATE_FAILED" and hl["status"]["finishedAt"]
+        assert hl["status"]["conditions"][-1]["reason"] == "WorkflowTerminated"
+        replicas = (await f.call("GET", "/hotLoads/killed/replicas")).json()["replicas"]
+        assert replicas[0]["state"] == "ERROR" and "TERMINATED" in replicas[0]["errorReason"]
+        assert replicas[1]["state"] == "PENDING_UPDATE"
+        listed = (await f.call("GET", "/hotLoads", params={"parentDeploymentId": dep})).json()["hotLoads"]
+        assert listed[0]["status"]["state"] == "HOT_LOAD_STATE_FAILED"
+        # The deployment noticed through its watcher (no hot_load_finished signal came).
+        await f.wait_idle(dep)
+        f.apply_behaviour = {}
+        await f.completed(dep, "s1")
+
+
+async def test_search_attributes_find_failed_loads(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        await f.completed(dep, "good")
+        f.apply_behaviour = _every(f.broken)
+        write_full(f.bucket_root / f"ckpt/{dep}", "bad")
+        r = await f.create_hot_load(dep, "bad", hotLoadId=f"{dep}-bad")
+        assert (await f.wait_hot_load(f"{dep}-bad"))["status"]["state"] == "HOT_LOAD_STATE_FAILED"
+        query = f'DeploymentId="{dep}" AND HotLoadState="HOT_LOAD_STATE_FAILED"'
+
+        async def found() -> list | None:
+            rows = [wf async for wf in f.client.list_workflows(query)]
+            return rows or None
+
+        rows = await poll(found, 10, "visibility")
+        assert [wf.id for wf in rows] == [f"{dep}-bad"]
+        attrs = rows[0].typed_search_attributes
+        values = {pair.key.name: pair.value for pair in attrs}
+        assert values["HotLoadIdentity"] == "bad" and values["HotLoadType"] == "SNAPSHOT_TYPE_FULL"
+        assert values["OrganizationId"] == "org-a" and values["DeploymentId"] == dep
+        completed = [wf async for wf in f.client.list_workflows(
+            f'DeploymentId="{dep}" AND HotLoadState="HOT_LOAD_STATE_COMPLETED"')]
+        assert len(completed) == 1
