@@ -20,7 +20,7 @@ import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -399,8 +399,11 @@ async def run_replica(
     from replica.engine import EngineProcess
     from snapshots.host import HostWeights
 
+    from workers.telemetry import setup_tracing, temporal_interceptors
+
     workdir = settings.home_path / "replicas" / deployment_id / name
-    client = await temporal_client(settings)
+    setup_tracing("rollouts-replica")
+    client = await temporal_client(settings, interceptors=temporal_interceptors())
     deployment = client.get_workflow_handle(workflow_id)
     s3 = settings.s3_client()
     engine = None
@@ -454,6 +457,8 @@ async def run_replica(
         client,
         task_queue=task_queue,
         activities=[ReplicaActivities(runtime).apply_snapshot, peer.offer_to_peer, peer.send_to_peer, peer.receive_from_peer],
+        # Heartbeats carry cancellation back: send them at least every second, not every 24 s.
+        max_heartbeat_throttle_interval=timedelta(seconds=1),
     )
     code = 0
     async with worker:

@@ -26,7 +26,10 @@ def control_activities(settings: Settings) -> list:
 
 
 async def run_control_worker(settings: Settings) -> None:
-    client = await temporal_client(settings)
+    from workers.telemetry import setup_tracing, temporal_interceptors
+
+    setup_tracing("rollouts-worker")
+    client = await temporal_client(settings, interceptors=temporal_interceptors())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -160,11 +160,16 @@ class HotLoadWorkflow:
             endpoints = sorted(inp.replicas, key=lambda r: (r.zone, r.name))
             updated: list[ReplicaEndpoint] = []
             for replica, endpoint in zip(self.replicas, endpoints):
+                self._raise_if_canceled()
                 self._replica_moved(replica, ReplicaState.UPDATING, started_at=self._now(), error_reason=None)
                 try:
                     result = await self._update_one(inp, endpoint, replica, updated[-1] if updated else None)
-                except Exception as exc:
+                except (Exception, asyncio.CancelledError) as exc:
                     if is_cancelled_exception(exc):
+                        # The step was given up before it changed the replica: it serves what it
+                        # did. (Patched: histories from before this change replay without it.)
+                        if workflow.patched("cancel-reports-replica-pending"):
+                            self._replica_moved(replica, ReplicaState.PENDING_UPDATE, finished_at=self._now())
                         raise
                     reason = _error_reason(exc)
                     self._replica_moved(replica, ReplicaState.ERROR, error_reason=reason, finished_at=self._now())
@@ -180,6 +185,8 @@ class HotLoadWorkflow:
                     verified_tensors=result.verified_tensors,
                 )
                 updated.append(endpoint)
+            # A cancel that arrived while the last step finished its all-or-nothing swap.
+            self._raise_if_canceled()
             self._set_state(
                 HotLoadState.COMPLETED,
                 Condition(
@@ -286,13 +293,20 @@ class HotLoadWorkflow:
             **PEER_STEP_OPTIONS,
         )
         send_task, receive_task = asyncio.ensure_future(send), asyncio.ensure_future(receive)
-        await asyncio.wait([send_task, receive_task], return_when=asyncio.FIRST_EXCEPTION)
+        await workflow.wait([send_task, receive_task], return_when=asyncio.FIRST_EXCEPTION)
         for task in (send_task, receive_task):
             if task.done() and not task.cancelled() and task.exception() is not None:
                 for other in (send_task, receive_task):
                     other.cancel()
                 raise task.exception()  # type: ignore[misc]
         return receive_task.result()
+
+    @staticmethod
+    def _raise_if_canceled() -> None:
+        """A replica step finishes its swap even when canceled, which hands its result back and
+        swallows the cancel; the walk must still stop before the next replica."""
+        if workflow.cancellation_reason() is not None:
+            raise asyncio.CancelledError()
 
     def _mixed_message(self, verb: str) -> str:
         served = sorted({r.current_snapshot_identity for r in self.replicas})

@@ -1,8 +1,9 @@
 """`POST /hotLoads/{id}:cancel` on the real Temporal dev server: roles, organizations, the end
 state (CANCELED, canceledAt, a condition) and what each replica is reported to serve afterwards.
 
-Two of these need a change in workflows/hot_load.py (owned elsewhere) and are marked xfail,
-strict, with the change they need: when they start passing, drop the mark.
+A cancel stops the walk before the next replica even when the step in flight completes its
+all-or-nothing swap anyway, and a step given up before it changed its replica reports that
+replica PENDING_UPDATE, never UPDATING.
 """
 
 from __future__ import annotations
@@ -13,17 +14,6 @@ import pytest
 
 from tests.workflows.harness import OTHER_ORG, VIEWER, Fleet, write_full
 from tests.workflows.test_admission import _every, error
-
-HOT_LOAD_PY_CANCEL = (
-    "workflows/hot_load.py keeps walking after a cancel when the replica step completes anyway "
-    "(WAIT_CANCELLATION_COMPLETED returns the step's result and erases the cancel); it must check "
-    "workflow.cancellation_reason() after each step and before the next"
-)
-HOT_LOAD_PY_REPLICA = (
-    "workflows/hot_load.py leaves the interrupted replica UPDATING on cancel; it must report it "
-    "PENDING_UPDATE (step rolled back, previous weights) with finishedAt"
-)
-
 
 async def start_held(f: Fleet, behaviour) -> tuple[str, str]:
     dep = await f.ready_deployment()
@@ -73,7 +63,6 @@ async def test_cancel_mid_step_ends_canceled_and_untouched_replicas_keep_their_w
         assert dep_view["status"]["currentSnapshotIdentity"] == "initial"
 
 
-@pytest.mark.xfail(strict=True, reason=HOT_LOAD_PY_REPLICA)
 async def test_cancel_mid_step_leaves_no_replica_updating(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path, replicas_per_deployment=2) as f:
         _, hl = await start_held(f, f.held)
@@ -84,7 +73,6 @@ async def test_cancel_mid_step_leaves_no_replica_updating(temporal_env, tmp_path
         assert replicas[0]["state"] == "PENDING_UPDATE" and replicas[0]["finishedAt"]
 
 
-@pytest.mark.xfail(strict=True, reason=HOT_LOAD_PY_CANCEL)
 async def test_cancel_while_a_step_finishes_stops_before_the_next_replica(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path, replicas_per_deployment=3) as f:
         _, hl = await start_held(f, f.held_then_finish)
