@@ -26,6 +26,7 @@ from workers.processes import PidFile, port_in_use, spawn, stop_pid, tail
 from workers.settings import DEFAULT_PORT_BASE, LOOPBACK, SEARCH_ATTRIBUTES, Settings
 
 SERVICE_ORDER = ["temporal", "s3", "api", "worker", "gateway"]
+HISTORY_RETENTION = "8760h"  # a year
 
 
 class StackError(RuntimeError):
@@ -194,6 +195,15 @@ class Stack:
         return f"{name:<9} started (pid {pid}, {time.monotonic() - t0:.1f}s)"
 
     # ---------------------------------------------------------------- bootstrap
+    def keep_history(self) -> None:
+        """The dev server keeps closed workflows for a day; hot-load history (and rollback's
+        lookup of earlier completed snapshots) should outlive that."""
+        subprocess.run(
+            [_bin("temporal"), "operator", "namespace", "update", "--address", self.s.temporal_address,
+             "--retention", HISTORY_RETENTION, self.s.temporal_namespace],
+            capture_output=True, timeout=30,
+        )
+
     def ensure_tokens(self) -> None:
         path = self.s.tokens_file
         if path.exists():
@@ -246,6 +256,7 @@ class Stack:
         self.ensure_tokens()
         for name in ("temporal", "s3"):
             say(self.start(name))
+        self.keep_history()
         say(self.ensure_base_model())
         for name in ("api", "worker", "gateway"):
             say(self.start(name))
