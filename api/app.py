@@ -40,7 +40,13 @@ from temporalio.service import RPCError
 from api.auth import Principal, TokenStore
 from api.errors import AlreadyExists, ApiError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from api.listing import page, sort_key
-from api.models import CreateDeploymentRequest, CreateGatewayRequest, CreateHotLoadRequest, UpdateDeploymentRequest
+from api.models import (
+    ENGINE_CONFIG_KEYS,
+    CreateDeploymentRequest,
+    CreateGatewayRequest,
+    CreateHotLoadRequest,
+    UpdateDeploymentRequest,
+)
 from api.resources import Resources
 from workers.settings import Settings
 from workers.telemetry import setup_tracing, temporal_interceptors
@@ -268,7 +274,7 @@ def create_app(
     ) -> dict[str, Any]:
         return {
             "runtimes": [{"engine": HOT_LOAD_ENGINE, "versions": ["0.32.0"], "hotLoadSupported": True}],
-            "engineConfigKeys": ["max-model-len", "max-num-seqs", "enable-return-routed-experts"],
+            "engineConfigKeys": list(ENGINE_CONFIG_KEYS),
             "instanceTypes": [{"name": "cpu-local", "gpuCount": 0, "zones": [settings.zone]}],
             "zones": [settings.zone],
         }

@@ -87,12 +87,33 @@ class HotLoadConfigIn(WireModel):
         return HotLoadConfig(bucket=self.bucket, path_prefix=self.path_prefix, transition_mode=self.transition_mode)
 
 
+# runtime.engineConfig keys a deployment may set, and whether each takes a positive integer.
+# They become vLLM flags on the replicas, so nothing outside this list is accepted.
+ENGINE_CONFIG_KEYS: dict[str, bool] = {
+    "max-model-len": True,
+    "max-num-seqs": True,
+    "enable-return-routed-experts": False,
+}
+
+
 class RuntimeIn(Runtime):
     engine: Annotated[str, Field(min_length=1, max_length=64)]
     version: Annotated[str, Field(max_length=64)] = ""
     engine_config: dict[Annotated[str, Field(max_length=128)], Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=dict, max_length=64
     )
+
+    @field_validator("engine_config")
+    @classmethod
+    def _engine_config(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            if key not in ENGINE_CONFIG_KEYS:
+                raise ValueError(f"unsupported key {key!r}; supported: {', '.join(ENGINE_CONFIG_KEYS)}")
+            if ENGINE_CONFIG_KEYS[key] and not (value.isdigit() and int(value) > 0):
+                raise ValueError(f"{key} must be a positive integer, got {value!r}")
+            if not ENGINE_CONFIG_KEYS[key] and value:
+                raise ValueError(f"{key} takes an empty value, got {value!r}")
+        return v
 
 
 class ModelSourceIn(ModelSource):

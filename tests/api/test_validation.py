@@ -242,3 +242,15 @@ def test_update_body_is_validated_strictly(client):
         headers={"Authorization": "Bearer admin-t"},
     )
     assert r.status_code == 400 and "replicas: unknown field" in r.json()["message"]
+
+
+def test_engine_config_is_an_allow_list(client):
+    body = {
+        "name": "d", "gatewayIds": ["g"], "model": {"name": "m", "bucket": "bkt", "path": "p"},
+        "runtime": {"engine": "dynamo-vllm", "engineConfig": {"host": "0.0.0.0"}},
+    }
+    r = post(client, "/deployments", body)
+    assert r.status_code == 400 and "'host'" in r.json()["message"] and "runtime.engineConfig" in r.json()["message"]
+    body["runtime"]["engineConfig"] = {"max-model-len": "lots"}
+    r = post(client, "/deployments", body)
+    assert r.status_code == 400 and "max-model-len must be a positive integer" in r.json()["message"]
