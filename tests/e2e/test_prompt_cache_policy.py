@@ -1,10 +1,12 @@
 """PROMPT_CACHE_POLICY_PRESERVE vs RESET_ALL, by behaviour, on a real vLLM CPU replica.
 
-A greedy request is running when its replica's weights change. Under RESET_ALL the KV cache is
-discarded at the update, so everything generated after the switch equals a recompute of the
-same prefix on the new weights. Under PRESERVE the request keeps its old KV cache, so what it
-generates after the switch is not what a recompute on the new weights gives. The new weights
-here make attention matter (large linear weights), so stale keys and values show.
+Sixteen greedy requests are running on one replica when its weights change from the "counting"
+model (after token i it says i+1, by a wide margin, so the switch point of every request is
+exact) to a model whose attention matters (large projections). Under RESET_ALL the KV cache is
+discarded at the update, so the first token after the switch equals a recompute of the same
+prefix on the new weights. Under PRESERVE the requests keep their KV cache from the old weights,
+so that token generally differs from the recompute. Counted over the sixteen requests, so that a
+rare BF16 near-tie between a batched and a lone computation cannot decide the outcome.
 """
 
 from __future__ import annotations
@@ -20,13 +22,12 @@ import torch
 
 from tests.e2e.conftest import PREFIX
 from tests.e2e.test_delta_rolling_update import engines, hot_load
-from workers.base_model import base_tensors, write_tensors
+from workers.base_model import VOCAB, base_tensors, write_counting_model, write_tensors
 from workers.stack import upload_dir
 
 pytestmark = pytest.mark.stack
-PROMPT = [5, 17, 33, 101]
 N = 1900
-COMPARE = 16
+REQUESTS = 16
 
 
 def strong_model(base_dir: Path, out: Path) -> Path:
@@ -50,10 +51,10 @@ def greedy(url: str, model: str, prompt: list[int], n: int) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
-def streamed_greedy(url: str, model: str, started: threading.Event, out: list[int]) -> None:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True,
+def streamed_greedy(url: str, model: str, prompt: list[int], started: threading.Event, out: list[int]) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": N, "temperature": 0, "ignore_eos": True,
             "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -63,32 +64,41 @@ def streamed_greedy(url: str, model: str, started: threading.Event, out: list[in
 
 
 @pytest.mark.parametrize("policy", ["PROMPT_CACHE_POLICY_RESET_ALL", "PROMPT_CACHE_POLICY_PRESERVE"])
-def test_request_spanning_an_update(stack, rolling, tmp_path, policy):
+def test_requests_spanning_an_update(stack, rolling, tmp_path, policy):
     api, dep = rolling
     dep_id, model = dep["spec"]["id"], dep["spec"]["model"]["name"]
     s3 = stack.s3_client()
     base = stack.home_path / "models" / "base"
     tag = policy.rsplit("_", 1)[-1].lower().replace("all", "reset")
-    upload_dir(s3, base, stack.bucket, f"{PREFIX}/cache-{tag}-0")
+    upload_dir(s3, write_counting_model(base, tmp_path / "counting"), stack.bucket, f"{PREFIX}/cache-{tag}-0")
     assert hot_load(api, dep_id, f"cache-{tag}-0", None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
     upload_dir(s3, strong_model(base, tmp_path / "strong"), stack.bucket, f"{PREFIX}/cache-{tag}-1")
 
-    first = sorted(engines(stack, dep_id), key=lambda r: (r["zone"], r["name"]))[0]  # updated first
-    url = first["engineUrl"]
-    old = greedy(url, model, PROMPT, N)
-    tokens: list[int] = []
-    started = threading.Event()
-    t = threading.Thread(target=streamed_greedy, args=(url, model, started, tokens))
-    t.start()
-    assert started.wait(120)
+    url = sorted(engines(stack, dep_id), key=lambda r: (r["zone"], r["name"]))[0]["engineUrl"]  # updated first
+    prompts = [[5, 17 + i, 33 + 7 * i] for i in range(REQUESTS)]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    started = [threading.Event() for _ in prompts]
+    threads = [
+        threading.Thread(target=streamed_greedy, args=(url, model, p, e, o))
+        for p, e, o in zip(prompts, started, outputs)
+    ]
+    for t in threads:
+        t.start()
+    assert all(e.wait(120) for e in started)
     hl = hot_load(api, dep_id, f"cache-{tag}-1", None, promptCachePolicy=policy)
-    t.join(600)
+    for t in threads:
+        t.join(600)
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
-    assert len(tokens) == N, "the request spanning the update did not complete"
-    k = next((i for i, (a, b) in enumerate(zip(tokens, old)) if a != b), None)
-    assert k is not None and 0 < k < N - COMPARE, f"the update did not land mid-request (k={k})"
-    recompute = greedy(url, model, PROMPT + tokens[:k], COMPARE)
+
+    same_as_recompute = 0
+    for prompt, tokens in zip(prompts, outputs):
+        assert len(tokens) == N, "a request spanning the update did not complete"
+        counting = [(prompt[-1] + 1 + i) % VOCAB for i in range(N)]
+        k = next((i for i, (a, b) in enumerate(zip(tokens, counting)) if a != b), None)
+        assert k is not None and 0 < k < N, f"the update did not land mid-request (k={k})"
+        same_as_recompute += tokens[k] == greedy(url, model, prompt + tokens[:k], 1)[0]
+    print(f"{policy}: {same_as_recompute}/{REQUESTS} first tokens after the switch equal a recompute")
     if policy.endswith("RESET_ALL"):
-        assert tokens[k : k + COMPARE] == recompute
+        assert same_as_recompute >= REQUESTS - 4
     else:
-        assert tokens[k : k + COMPARE] != recompute
+        assert same_as_recompute <= 4
