@@ -15,16 +15,12 @@ import sys
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from snapshots.storage import snapshot_uri
 from workers.processes import PidFile, spawn, stop_pid
 from workers.settings import Settings
 from workflows import names
 from workflows.errors import FAILED_PRECONDITION
 from workflows.types import ApplySnapshotInput, CheckSnapshotInput, SnapshotType, StartReplicasInput, StopReplicasInput
-
-
-def snapshot_uri(bucket: str, path_prefix: str, identity: str) -> str:
-    prefix = path_prefix.strip("/")
-    return f"s3://{bucket}/{prefix + '/' if prefix else ''}{identity}/"
 
 
 def snapshot_check_failure(

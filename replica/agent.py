@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from snapshots.storage import snapshot_uri
 from workers.processes import PidFile, free_port, stop_pid
 from workers.settings import Settings, temporal_client
 from workflows import names
@@ -77,11 +78,6 @@ def one_line(exc: BaseException, limit: int = 400) -> str:
         return type(exc).__name__
     text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def snapshot_uri(bucket: str, path_prefix: str, identity: str) -> str:
-    prefix = path_prefix.strip("/")
-    return f"s3://{bucket}/{prefix + '/' if prefix else ''}{identity}/"
 
 
 @dataclass

@@ -49,7 +49,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -58,6 +57,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from workers.processes import free_port
 
 EXTENSION_CLS = "replica.engine_extension.WeightLoaderExtension"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -76,13 +77,6 @@ class EngineRequestError(EngineError):
         super().__init__(f"{method} {path} -> HTTP {status}: {body[:2000]}")
         self.status = status
         self.body = body
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now (the usual bind-to-0 race applies)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path | None, max_bytes: int = 6000) -> str:

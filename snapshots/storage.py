@@ -93,6 +93,12 @@ class S3Location:
         return f"s3://{self.bucket}/{self.prefix}"
 
 
+def snapshot_uri(bucket: str, path_prefix: str, identity: str) -> str:
+    """Where a deployment's snapshot lives: ``s3://BUCKET/PATH_PREFIX/IDENTITY/``."""
+    prefix = path_prefix.strip("/")
+    return f"s3://{bucket}/{prefix + '/' if prefix else ''}{identity}/"
+
+
 def parse_s3_uri(uri: str) -> S3Location:
     """Split ``s3://bucket/some/prefix/identity/`` into bucket and a ``/``-terminated prefix."""
     if not uri.startswith("s3://"):
