@@ -150,7 +150,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     config = DemoConfig(
         steps=args.steps, prompts=args.prompts, group=args.group, max_tokens=args.max_tokens,
-        lr=args.lr, inner_steps=args.inner_steps, max_loop_s=args.max_loop_seconds, seed=args.seed,
+        lr=args.lr, train=args.train, inner_steps=args.inner_steps, max_loop_s=args.max_loop_seconds, seed=args.seed,
     )
     return run_demo(_home(args), port_base=args.port_base, keep_running=args.keep_running, config=config)
 
@@ -215,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
     p.add_argument("--group", type=int, default=8, help="completions per prompt, the GRPO group (default 8)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default 16)")
-    p.add_argument("--lr", type=float, default=2e-3, help="trainer learning rate (Adam; default 2e-3)")
+    p.add_argument("--lr", type=float, default=5e-3, help="trainer learning rate (Adam; default 5e-3)")
+    p.add_argument("--train", choices=["head", "last", "all"], default="head",
+                   help="tensors the trainer updates: lm_head + final norm (default), + the last layer, or all")
     p.add_argument("--inner-steps", type=int, default=1, help="optimizer steps per batch (default 1)")
     p.add_argument("--max-loop-seconds", type=float, default=300.0,
                    help="start no new step after this many seconds of loop (default 300)")

@@ -1,15 +1,42 @@
-"""`make demo`: the main job end to end on the embedded stack, then a short table.
+"""`make demo`: a tiny GRPO loop that learns through hot-loads, on the embedded stack.
 
 Starts the stack (unless it already runs), creates a 2-replica deployment of the embedded model,
-publishes a FULL checkpoint (the "counting" model: after token i it greedily says i+1, so the
-change is visible), hot-loads it through the REST API, and prints the identity, the seconds from
-create to COMPLETED, the replicas READY, and a sample completion before and after. Then it
-deletes the deployment and stops what it started.
+publishes the base as a FULL snapshot (``step-000000``), then loops:
+
+1. rollouts: a group of ``--group`` completions per prompt for ``--prompts`` arithmetic questions
+   (``"37 + 45 ="``), sampled through the gateway's ``/v1/completions`` at temperature 1 with
+   logprobs and token ids (one request per prompt with ``n = group``, all prompts at once, so
+   both replicas serve);
+2. reward: "answer with digits", the fraction of completion tokens that are a digit
+   (``workers.grpo.digits_reward``; ~0.005 for the random-init model);
+3. a GRPO step on the trainer's own FP32 copy of the model (torch on the CPU,
+   ``workers.grpo.Policy``), exported as a BF16 checkpoint in the base layout. By default
+   (``--train head``) it updates the output head (``lm_head`` and the final norm), which is
+   enough for this task and keeps each delta to 2 of the 39 tensors; ``--train last`` adds the
+   last decoder layer, ``--train all`` everything (Adam then moves every weight: deltas ~55%);
+4. a delta against the previous published checkpoint (``snapshots.writer.write_delta``), uploaded
+   and hot-loaded through the REST API as ``SNAPSHOT_TYPE_INCREMENTAL`` with
+   ``previousSnapshotIdentity`` and ``PROMPT_CACHE_POLICY_RESET_ALL``; it waits for COMPLETED
+   with every replica READY on the identity, so the next rollouts are strictly on-policy.
+   A chain holds at most 63 deltas: at that point the step publishes a FULL snapshot instead.
+
+Each step prints one line: identity, mean reward, delta size as % of the full checkpoint,
+seconds from create to COMPLETED, replicas READY, rollout tokens per second, trainer seconds and
+the mean |trainer − sampler| log-prob of the sampled tokens (small while the replicas serve what
+the trainer published). At the end: a PNG of reward and hot-load seconds per step (and a JSON of
+the figures) under ``HOME/demo/``, a table with the first-5 and last-5 mean reward and a greedy
+sample completion before and after, then the deployment is deleted and what the demo started
+is stopped. Exit status 0 when every hot-load completed and the reward rose.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,59 +45,233 @@ import httpx
 from workers.settings import Settings
 from workers.stack import Stack, StackError, load_or_create_settings, upload_dir
 
-PROMPT_IDS = [5, 100, 200, 300]
+# The table's before/after sample: a question the policy never trains on, greedy.
+SAMPLE_PROMPT = "12 + 34 ="
+TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
+
+
+@dataclass
+class DemoConfig:
+    steps: int = 30  # GRPO steps (hot-loads after the initial FULL)
+    prompts: int = 8  # prompts per step
+    group: int = 8  # completions per prompt (GRPO group)
+    max_tokens: int = 16  # tokens per completion
+    lr: float = 5e-3
+    train: str = "head"  # which tensors the trainer updates: head | last | all (workers.grpo)
+    inner_steps: int = 1
+    max_loop_s: float = 300.0  # stop starting new steps after this many seconds of loop
+    replicas: int = 2
+    seed: int = 0
+    max_deltas: int | None = None  # deltas per chain before a FULL; None: the service's limit (63)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    identity: str
+    kind: str  # "FULL", "DELTA", or "NONE" (no tensor changed in BF16: nothing published)
+    reward: float | None  # mean reward of the rollouts this step trained on (None for step 0)
+    delta_pct: float | None  # wire bytes as % of the full checkpoint's tensor bytes
+    hot_load_s: float
+    ready: int
+    replicas: int
+    state: str
+    tokens: int = 0
+    rollout_s: float = 0.0
+    train_s: float = 0.0
+    publish_s: float = 0.0  # export + delta + upload
+    mismatch: float | None = None
+    sample: str = ""
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.tokens / self.rollout_s if self.rollout_s > 0 else 0.0
+
+
+def reward_summary(rewards: list[float], k: int = 5) -> tuple[float, float]:
+    """Mean reward of the first ``k`` and last ``k`` steps (halves when there are < 2k steps)."""
+    if not rewards:
+        return 0.0, 0.0
+    k = max(1, min(k, len(rewards) // 2 or 1))
+    return statistics.fmean(rewards[:k]), statistics.fmean(rewards[-k:])
+
+
+HEADER = (
+    f"{'step':>4}  {'identity':<12} {'type':<5} {'reward':>6}  {'delta':>7}  {'hot-load':>8}  {'READY':>5}  "
+    f"{'tok/s':>6}  {'train':>6}  {'|Δlogp|':>7}  sample"
+)
+
+
+def format_step(r: StepRecord) -> str:
+    reward = f"{r.reward:6.3f}" if r.reward is not None else f"{'—':>6}"
+    delta = f"{r.delta_pct:6.2f}%" if r.delta_pct is not None else f"{r.kind.lower():>7}"
+    tps = f"{r.tok_per_s:6.0f}" if r.tokens else f"{'—':>6}"
+    train = f"{r.train_s:5.2f}s" if r.train_s else f"{'—':>6}"
+    mismatch = f"{r.mismatch:7.4f}" if r.mismatch is not None else f"{'—':>7}"
+    sample = repr(r.sample) if r.sample else ""
+    return (
+        f"{r.step:>4}  {r.identity:<12} {r.kind:<5} {reward}  {delta}  {r.hot_load_s:7.2f}s  "
+        f"{r.ready}/{r.replicas:<3}  {tps}  {train}  {mismatch}  {sample}"
+    )
+
+
+def write_plot(records: list[StepRecord], path: Path, subtitle: str = "") -> Path | None:
+    """Reward and hot-load seconds per step as a PNG; ``None`` when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    trained = [r for r in records if r.reward is not None]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    ax1.plot([r.step for r in trained], [r.reward for r in trained], marker="o", ms=3, color="tab:blue")
+    ax1.set_ylabel("mean reward\n(fraction of digit tokens)")
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.grid(alpha=0.3)
+    ax1.set_title("rollouts demo: GRPO through hot-loads (2 vLLM CPU replicas)" + (f"\n{subtitle}" if subtitle else ""),
+                  fontsize=10)
+    colors = ["tab:orange" if r.kind == "FULL" else "tab:green" for r in records]
+    ax2.bar([r.step for r in records], [r.hot_load_s for r in records], color=colors)
+    ax2.set_ylabel("hot-load seconds\n(create → COMPLETED)")
+    ax2.set_xlabel("step (orange: FULL, green: delta)")
+    ax2.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 class Client:
+    """The REST API and the gateway, as the trainer calls them."""
+
     def __init__(self, settings: Settings) -> None:
         self.s = settings
         self.api = f"{settings.api_url}/v1alpha1/inference"
         self.h = {"Authorization": f"Bearer {settings.admin_token}"}
+        self.http = httpx.Client(timeout=httpx.Timeout(300, connect=10), limits=httpx.Limits(max_connections=64))
+
+    def close(self) -> None:
+        self.http.close()
 
     def call(self, method: str, path: str, **kw: Any) -> dict:
-        r = httpx.request(method, f"{self.api}{path}", headers=self.h, timeout=60, **kw)
+        r = self.http.request(method, f"{self.api}{path}", headers=self.h, **kw)
         if r.status_code >= 400:
             raise StackError(f"{method} {path}: HTTP {r.status_code} {r.text}")
         return r.json()
 
-    def sample(self, model: str) -> tuple[list[int], str]:
-        r = httpx.post(
+    def complete(self, model: str, prompt: str, *, n: int, max_tokens: int, temperature: float, **extra: Any) -> dict:
+        r = self.http.post(
             f"{self.s.gateway_url}/v1/completions",
             headers=self.h,
-            json={"model": model, "prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0,
-                  "return_token_ids": True, "ignore_eos": True},
-            timeout=120,
+            json={"model": model, "prompt": prompt, "n": n, "max_tokens": max_tokens, "temperature": temperature,
+                  "logprobs": 0, "return_token_ids": True, "ignore_eos": True, **extra},
         )
-        r.raise_for_status()
-        choice = r.json()["choices"][0]
-        return list(choice["token_ids"]), choice["text"]
+        if r.status_code != 200:
+            raise StackError(f"gateway /v1/completions: HTTP {r.status_code} {r.text[:300]}")
+        return r.json()
+
+    def sample(self, model: str) -> str:
+        choice = self.complete(model, SAMPLE_PROMPT, n=1, max_tokens=12, temperature=0,
+                               skip_special_tokens=False)["choices"][0]
+        return choice["text"]
+
+    def hot_load(self, dep_id: str, identity: str, previous: str | None) -> tuple[dict, list[dict], float]:
+        """Create a hot-load (FULL when ``previous`` is None), wait for its end; returns the
+        operation, its replicas and the seconds from create to the terminal state."""
+        body: dict[str, Any] = {"deploymentId": dep_id, "identity": identity,
+                                "promptCachePolicy": "PROMPT_CACHE_POLICY_RESET_ALL"}
+        if previous is None:
+            body["type"] = "SNAPSHOT_TYPE_FULL"
+        else:
+            body["type"] = "SNAPSHOT_TYPE_INCREMENTAL"
+            body["incrementalSnapshotMetadata"] = {
+                "previousSnapshotIdentity": previous,
+                "compressionFormat": "COMPRESSION_FORMAT_ZSTD",
+                "checksumFormat": "CHECKSUM_FORMAT_ADLER32",
+            }
+        t0 = time.monotonic()
+        hl_id = self.call("POST", "/hotLoads", json=body)["hotLoad"]["spec"]["id"]
+        while True:
+            hl = self.call("GET", f"/hotLoads/{hl_id}")["hotLoad"]
+            if hl["status"]["state"] in TERMINAL:
+                break
+            time.sleep(0.1)
+        seconds = time.monotonic() - t0
+        reps = self.call("GET", f"/hotLoads/{hl_id}/replicas")["replicas"]
+        return hl, reps, seconds
 
 
-def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = False) -> int:
-    from workers.base_model import write_counting_model
+def rollouts_for(client: Client, model: str, prompts: list[str], cfg: DemoConfig, digit_ids) -> tuple[list, int, float]:
+    """Sample ``cfg.group`` completions per prompt through the gateway, all prompts at once."""
+    from workers.grpo import Rollout, digits_reward
 
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        responses = list(pool.map(
+            lambda p: client.complete(model, p, n=cfg.group, max_tokens=cfg.max_tokens, temperature=1.0), prompts
+        ))
+    seconds = time.monotonic() - t0
+    rollouts = []
+    tokens = 0
+    for g, resp in enumerate(responses):
+        for choice in resp["choices"]:
+            ids = list(choice["token_ids"])
+            lps = (choice.get("logprobs") or {}).get("token_logprobs")
+            rollouts.append(Rollout(
+                group=g, prompt_ids=list(choice["prompt_token_ids"]), completion_ids=ids,
+                reward=digits_reward(ids, digit_ids),
+                sampler_logprobs=[float(x) for x in lps] if lps and None not in lps else None,
+            ))
+            tokens += len(ids)
+    return rollouts, tokens, seconds
+
+
+def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = False, config: DemoConfig | None = None) -> int:
+    from workflows.types import MAX_DELTAS_IN_CHAIN
+
+    cfg = config or DemoConfig()
     settings = load_or_create_settings(home, port_base)
     stack = Stack(settings)
     was_running = all(stack.status().get(n) for n in ("temporal", "s3", "api", "worker", "gateway"))
+    say = lambda line: print(line, flush=True)  # noqa: E731
     t_up = time.monotonic()
-    stack.up(say=lambda line: print(line, flush=True))
+    stack.up(say=say)
     up_s = time.monotonic() - t_up
     c = Client(settings)
     dep_id = None
+    name = f"grpo-{int(time.time())}"
+    work = settings.home_path / "demo" / name
+    records: list[StepRecord] = []
     try:
-        name = f"demo-{int(time.time())}"
         body = {
             "name": name, "gatewayIds": [settings.gateway_id],
             "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
             "resources": {"instanceType": "cpu-local", "gpuCount": 0},
             "model": {"name": settings.model_name, "bucket": settings.bucket, "path": settings.base_model_path},
-            "autoscaling": {"min": 2, "max": 2}, "traffic": {"weight": 100},
+            "autoscaling": {"min": cfg.replicas, "max": cfg.replicas}, "traffic": {"weight": 100},
             "hotLoad": {"bucket": settings.bucket, "pathPrefix": f"checkpoints/{name}",
                         "transitionMode": "TRANSITION_MODE_ASYNC"},
         }
         t0 = time.monotonic()
         dep_id = c.call("POST", "/deployments", json=body)["deployment"]["spec"]["id"]
-        print(f"deployment {dep_id}: starting 2 vLLM CPU replicas (about a minute each on 2 cores)...", flush=True)
+        say(f"deployment {dep_id}: starting {cfg.replicas} vLLM CPU replicas (about a minute each on 2 cores)...")
+
+        # The trainer loads its copy while the replicas start.
+        from workers.grpo import Policy, digit_token_ids, group_advantages, make_prompts
+        from snapshots.writer import write_delta
+
+        base_dir = settings.home_path / "models" / "base"
+        t_load = time.monotonic()
+        policy = Policy(base_dir, lr=cfg.lr, inner_steps=cfg.inner_steps, train=cfg.train, seed=cfg.seed)
+        digit_ids = digit_token_ids(base_dir)
+        n_train = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
+        say(f"trainer: {sum(p.numel() for p in policy.model.parameters()) / 1e6:.2f}M parameters, {n_train / 1e6:.2f}M "
+            f"trained ({cfg.train}: {len(policy.trainable)} of {len(policy.names)} tensors), FP32 masters, BF16 export; "
+            f"loaded in {time.monotonic() - t_load:.1f}s")
+
         while True:
             dep = c.call("GET", f"/deployments/{dep_id}")["deployment"]
             if dep["status"]["status"] == "STATUS_READY":
@@ -79,54 +280,155 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
                 raise StackError(f"deployment failed: {dep['status']['conditions']}")
             time.sleep(2)
         ready_s = time.monotonic() - t0
-        print(f"deployment READY in {ready_s:.1f}s", flush=True)
-        before = c.sample(settings.model_name)
+        say(f"deployment READY in {ready_s:.1f}s")
+        model = settings.model_name
+        before = c.sample(model)
 
-        identity = "step-000001"
-        ckpt = write_counting_model(settings.home_path / "models" / "base", settings.home_path / "demo" / "counting")
-        upload_dir(settings.s3_client(), ckpt, settings.bucket, f"checkpoints/{name}/{identity}")
-        t1 = time.monotonic()
-        hl = c.call("POST", "/hotLoads", json={"deploymentId": dep_id, "identity": identity, "type": "SNAPSHOT_TYPE_FULL"})
-        hl_id = hl["hotLoad"]["spec"]["id"]
-        last = None
-        while True:
-            hl = c.call("GET", f"/hotLoads/{hl_id}")["hotLoad"]
-            reps = c.call("GET", f"/hotLoads/{hl_id}/replicas")["replicas"]
-            view = (hl["status"]["state"], tuple((r["name"], r["state"]) for r in reps))
-            if view != last:
-                print(f"  {time.monotonic() - t1:5.1f}s {hl['status']['state']}: "
-                      + ", ".join(f"{r['name']}={r['state']}" for r in reps), flush=True)
-                last = view
-            if hl["status"]["state"] in ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED"):
+        s3 = settings.s3_client()
+        prefix = f"checkpoints/{name}"
+        work.mkdir(parents=True, exist_ok=True)
+
+        def publish_full(step: int, ckpt: Path) -> StepRecord:
+            identity = f"step-{step:06d}"
+            t_pub = time.monotonic()
+            upload_dir(s3, ckpt, settings.bucket, f"{prefix}/{identity}")
+            publish_s = time.monotonic() - t_pub
+            hl, reps, secs = c.hot_load(dep_id, identity, None)
+            return StepRecord(step, identity, "FULL", None, None, secs, _ready(reps, identity), len(reps),
+                              hl["status"]["state"], publish_s=publish_s)
+
+        say(f"GRPO: {cfg.prompts} prompts x {cfg.group} completions x {cfg.max_tokens} tokens per step, "
+            f"reward = fraction of digit tokens, up to {cfg.steps} steps / {cfg.max_loop_s:.0f}s")
+        say(HEADER)
+        rec = publish_full(0, base_dir)
+        records.append(rec)
+        say(format_step(rec))
+        _check(rec)
+        prev_dir, prev_id, deltas_in_chain = base_dir, rec.identity, 0
+        loop_t0 = time.monotonic()
+        for step in range(1, cfg.steps + 1):
+            if time.monotonic() - loop_t0 > cfg.max_loop_s:
+                say(f"loop budget of {cfg.max_loop_s:.0f}s reached after {step - 1} steps")
                 break
-            time.sleep(0.25)
-        hot_load_s = time.monotonic() - t1
-        after = c.sample(settings.model_name)
-        ready = sum(1 for r in reps if r["state"] == "READY" and r["currentSnapshotIdentity"] == identity)
+            prompts = make_prompts(cfg.prompts, seed=cfg.seed * 100_003 + step)
+            rollouts, tokens, rollout_s = rollouts_for(c, model, prompts, cfg, digit_ids)
+            advantages = group_advantages([r.reward for r in rollouts], [r.group for r in rollouts])
+            for r, a in zip(rollouts, advantages):
+                r.advantage = a
+            t_train = time.monotonic()
+            stats = policy.step(rollouts)
+            train_s = time.monotonic() - t_train
+            mean_reward = statistics.fmean(r.reward for r in rollouts)
+            identity = f"step-{step:06d}"
+            new_dir = policy.export(work / f"ckpt-{step:06d}")
+            sample = _decode(rollouts[0].completion_ids, base_dir)[:24]
+            if deltas_in_chain >= (cfg.max_deltas or MAX_DELTAS_IN_CHAIN):
+                rec = publish_full(step, new_dir)
+                deltas_in_chain = 0
+            else:
+                t_pub = time.monotonic()
+                delta_dir = work / identity
+                dstats = write_delta(prev_dir, new_dir, delta_dir, version=identity, base_version=prev_id)
+                if dstats.is_empty:  # nothing changed in BF16 (e.g. every group scored alike): no publish
+                    rec = StepRecord(step, prev_id, "NONE", mean_reward, None, 0.0, records[-1].ready,
+                                     records[-1].replicas, records[-1].state, tokens=tokens, rollout_s=rollout_s,
+                                     train_s=train_s, mismatch=stats.sampler_mismatch, sample=sample)
+                    records.append(rec)
+                    say(format_step(rec) + "  (no tensor changed in BF16: nothing published)")
+                    shutil.rmtree(new_dir, ignore_errors=True)
+                    continue
+                upload_dir(s3, delta_dir, settings.bucket, f"{prefix}/{identity}")
+                publish_s = time.monotonic() - t_pub
+                hl, reps, secs = c.hot_load(dep_id, identity, prev_id)
+                rec = StepRecord(step, identity, "DELTA", None, 100.0 * dstats.ratio, secs, _ready(reps, identity),
+                                 len(reps), hl["status"]["state"], publish_s=publish_s)
+                shutil.rmtree(delta_dir, ignore_errors=True)
+                deltas_in_chain += 1
+            rec.reward, rec.tokens, rec.rollout_s, rec.train_s = mean_reward, tokens, rollout_s, train_s
+            rec.mismatch, rec.sample = stats.sampler_mismatch, sample
+            records.append(rec)
+            say(format_step(rec))
+            _check(rec)
+            if prev_dir != base_dir:
+                shutil.rmtree(prev_dir, ignore_errors=True)
+            prev_dir, prev_id = new_dir, rec.identity
+        loop_s = time.monotonic() - loop_t0
+        after = c.sample(model)
+
+        trained = [r for r in records if r.reward is not None]
+        first5, last5 = reward_summary([r.reward for r in trained])
+        deltas = [r for r in records if r.kind == "DELTA"]
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        figures = settings.home_path / "demo" / f"grpo-{stamp}.json"
+        figures.write_text(json.dumps({"config": asdict(cfg), "deployment": dep_id,
+                                       "steps": [{**asdict(r), "tok_per_s": r.tok_per_s} for r in records],
+                                       "first5_reward": first5, "last5_reward": last5}, indent=2) + "\n")
+        plot = write_plot(records, settings.home_path / "demo" / f"grpo-{stamp}.png",
+                          f"reward first 5 steps {first5:.3f} → last 5 {last5:.3f}; delta mean "
+                          f"{_mean(r.delta_pct for r in deltas):.1f}% of full; delta hot-load mean "
+                          f"{_mean(r.hot_load_s for r in deltas):.2f}s")
+        last = records[-1]
         rows = [
-            ("identity", identity),
-            ("state", hl["status"]["state"]),
-            ("create → COMPLETED", f"{hot_load_s:.2f} s"),
-            ("replicas READY", f"{ready}/{len(reps)}"),
-            ("before", f"{before[0]} {before[1]!r}"),
-            ("after", f"{after[0]} {after[1]!r}"),
+            ("steps", f"{len(trained)} GRPO steps in {loop_s:.0f}s of loop ({len(deltas)} deltas, "
+                      f"{sum(1 for r in records if r.kind == 'FULL')} full)"),
+            ("reward first 5 → last 5", f"{first5:.3f} → {last5:.3f}"),
+            ("last identity", f"{last.identity} ({last.state}, replicas READY {last.ready}/{last.replicas})"),
+            ("delta size (mean)", f"{_mean(r.delta_pct for r in deltas):.2f}% of full" if deltas else "—"),
+            ("hot-load create → COMPLETED", f"full {records[0].hot_load_s:.2f}s; deltas mean "
+                                            f"{_mean(r.hot_load_s for r in deltas):.2f}s, max "
+                                            f"{max((r.hot_load_s for r in deltas), default=0):.2f}s"),
+            ("rollout tokens/s (median)", f"{statistics.median(r.tok_per_s for r in trained):.0f}" if trained else "—"),
+            ("before", f"{SAMPLE_PROMPT!r} → {before!r}"),
+            ("after", f"{SAMPLE_PROMPT!r} → {after!r}"),
             ("stack up", f"{up_s:.1f} s"),
             ("deployment ready", f"{ready_s:.1f} s"),
-            ("Temporal UI", hl["status"].get("workflowUrl", "")),
+            ("plot", str(plot) if plot else "matplotlib is not installed: no PNG (pip install matplotlib)"),
+            ("figures", str(figures)),
+            ("Temporal UI", f"{settings.temporal_ui_url}/namespaces/{settings.temporal_namespace}/workflows"),
         ]
         width = max(len(k) for k, _ in rows)
         print()
         for k, v in rows:
             print(f"  {k:<{width}}  {v}")
-        print()
-        ok = hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED" and ready == len(reps) and before[0] != after[0]
-        return 0 if ok else 1
+        print(flush=True)
+        rose = last5 > first5 + 0.05
+        if not rose:
+            say("the reward did not rise: try more --steps (or a larger --lr)")
+        return 0 if rose and all(r.state == "HOT_LOAD_STATE_COMPLETED" for r in records) else 1
     finally:
+        shutil.rmtree(work, ignore_errors=True)
         if dep_id:
             try:
                 c.call("DELETE", f"/deployments/{dep_id}")
                 time.sleep(3)  # let the worker stop the replicas before the stack goes down
-            except StackError as exc:
+            except (StackError, httpx.HTTPError) as exc:
                 print(f"warning: {exc}")
+        c.close()
         if not was_running and not keep_running:
-            stack.down(say=lambda line: print(line, flush=True))
+            stack.down(say=say)
+
+
+def _ready(reps: list[dict], identity: str) -> int:
+    return sum(1 for r in reps if r.get("state") == "READY" and r.get("currentSnapshotIdentity") == identity)
+
+
+def _check(rec: StepRecord) -> None:
+    if rec.state != "HOT_LOAD_STATE_COMPLETED" or rec.ready != rec.replicas:
+        raise StackError(f"hot-load of {rec.identity} ended {rec.state} with {rec.ready}/{rec.replicas} replicas READY")
+
+
+def _mean(values) -> float:
+    vals = [v for v in values if v is not None]
+    return statistics.fmean(vals) if vals else 0.0
+
+
+_TOKENIZERS: dict[Path, Any] = {}
+
+
+def _decode(ids: list[int], model_dir: Path) -> str:
+    from tokenizers import Tokenizer
+
+    tok = _TOKENIZERS.get(model_dir)
+    if tok is None:
+        tok = _TOKENIZERS[model_dir] = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return tok.decode(ids, skip_special_tokens=False)
