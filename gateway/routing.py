@@ -164,6 +164,7 @@ class Router:
     views: dict[str, DeploymentView] = field(default_factory=dict)  # by deployment id
     in_flight: dict[str, int] = field(default_factory=dict)  # engine url -> requests
     failed_at: dict[str, float] = field(default_factory=dict)  # engine url -> last connect failure
+    cooldown_s: float = COOLDOWN_S  # how long a replica whose connection failed is tried last
     sessions: dict[str, tuple[str, float]] = field(default_factory=dict)  # session -> (replica name, time)
     # Set by refresh_loop: reads one deployment's view now (None: the workflow is gone).
     reader: Callable[[str], Awaitable[DeploymentView | None]] | None = None
@@ -196,7 +197,7 @@ class Router:
         now = time.monotonic()
         reps = list(view.replicas)
         random.shuffle(reps)  # ties among equally loaded replicas go to any of them
-        cooling = {r.engine_url for r in reps if now - self.failed_at.get(r.engine_url, -1e9) < COOLDOWN_S}
+        cooling = {r.engine_url for r in reps if now - self.failed_at.get(r.engine_url, -1e9) < self.cooldown_s}
         ordered = sorted(reps, key=lambda r: (r.engine_url in cooling, self.in_flight.get(r.engine_url, 0)))
         if session:
             pinned = self.sessions.get(session)

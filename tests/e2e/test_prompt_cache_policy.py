@@ -70,33 +70,44 @@ def test_requests_spanning_an_update(stack, rolling, tmp_path, policy):
     s3 = stack.s3_client()
     base = stack.home_path / "models" / "base"
     tag = policy.rsplit("_", 1)[-1].lower().replace("all", "reset")
-    upload_dir(s3, write_counting_model(base, tmp_path / "counting"), stack.bucket, f"{PREFIX}/cache-{tag}-0")
-    assert hot_load(api, dep_id, f"cache-{tag}-0", None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
-    upload_dir(s3, strong_model(base, tmp_path / "strong"), stack.bucket, f"{PREFIX}/cache-{tag}-1")
-
+    counting = write_counting_model(base, tmp_path / "counting")
+    strong = strong_model(base, tmp_path / "strong")
     url = sorted(engines(stack, dep_id), key=lambda r: (r["zone"], r["name"]))[0]["engineUrl"]  # updated first
-    prompts = [[5, 17 + i, 33 + 7 * i] for i in range(REQUESTS)]
-    outputs: list[list[int]] = [[] for _ in prompts]
-    started = [threading.Event() for _ in prompts]
-    threads = [
-        threading.Thread(target=streamed_greedy, args=(url, model, p, e, o))
-        for p, e, o in zip(prompts, started, outputs)
-    ]
-    for t in threads:
-        t.start()
-    assert all(e.wait(120) for e in started)
-    hl = hot_load(api, dep_id, f"cache-{tag}-1", None, promptCachePolicy=policy)
-    for t in threads:
-        t.join(600)
-    assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
 
-    same_as_recompute = 0
-    for prompt, tokens in zip(prompts, outputs):
-        assert len(tokens) == N, "a request spanning the update did not complete"
-        counting = [(prompt[-1] + 1 + i) % VOCAB for i in range(N)]
-        k = next((i for i, (a, b) in enumerate(zip(tokens, counting)) if a != b), None)
-        assert k is not None and 0 < k < N, f"the update did not land mid-request (k={k})"
-        same_as_recompute += tokens[k] == greedy(url, model, prompt + tokens[:k], 1)[0]
+    # On a busy machine the requests can end before the update reaches their replica: such a
+    # round shows nothing about the policy, so it is run again (at most three rounds).
+    for attempt in range(3):
+        upload_dir(s3, counting, stack.bucket, f"{PREFIX}/cache-{tag}-{attempt}-0")
+        upload_dir(s3, strong, stack.bucket, f"{PREFIX}/cache-{tag}-{attempt}-1")
+        assert hot_load(api, dep_id, f"cache-{tag}-{attempt}-0", None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
+        prompts = [[5, 17 + i, 33 + 7 * i] for i in range(REQUESTS)]
+        outputs: list[list[int]] = [[] for _ in prompts]
+        started = [threading.Event() for _ in prompts]
+        threads = [
+            threading.Thread(target=streamed_greedy, args=(url, model, p, e, o))
+            for p, e, o in zip(prompts, started, outputs)
+        ]
+        for t in threads:
+            t.start()
+        assert all(e.wait(120) for e in started)
+        hl = hot_load(api, dep_id, f"cache-{tag}-{attempt}-1", None, promptCachePolicy=policy)
+        for t in threads:
+            t.join(600)
+        assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
+        switches = []
+        for prompt, tokens in zip(prompts, outputs):
+            assert len(tokens) == N, "a request spanning the update did not complete"
+            counting_ids = [(prompt[-1] + 1 + i) % VOCAB for i in range(N)]
+            switches.append(next((i for i, (a, b) in enumerate(zip(tokens, counting_ids)) if a != b), None))
+        if all(k is not None and k > 0 for k in switches):
+            break
+        print(f"round {attempt}: the update landed outside some requests ({switches}); again")
+    else:
+        pytest.fail(f"in three rounds the update never landed inside all {REQUESTS} requests")
+
+    same_as_recompute = sum(
+        tokens[k] == greedy(url, model, prompt + tokens[:k], 1)[0] for prompt, tokens, k in zip(prompts, outputs, switches)
+    )
     print(f"{policy}: {same_as_recompute}/{REQUESTS} first tokens after the switch equal a recompute")
     if policy.endswith("RESET_ALL"):
         assert same_as_recompute >= REQUESTS - 4

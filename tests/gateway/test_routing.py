@@ -78,7 +78,8 @@ async def test_requests_queue_while_a_replica_is_paused(gw):
 @pytest.fixture
 def local(gw):
     """A gateway in this process; the test edits ``router.views`` (see LocalGateway)."""
-    router = Router()
+    # A cooldown longer than any test, so "tried last after a failure" does not depend on speed.
+    router = Router(cooldown_s=600.0)
     view = asyncio.run(gw.view())
     assert len(view.replicas) == 2
     router.set_view(view)

@@ -20,6 +20,7 @@ from tests.gateway.conftest import random_prompt, serve_full, succession
 from workers.base_model import write_counting_model
 
 pytestmark = pytest.mark.stack
+LONG = 900  # tokens per spanning request (the engines' max-model-len is 1024)
 
 
 async def long_stream(client: httpx.AsyncClient, gw, prompt: list[int], max_tokens: int) -> tuple[list[int], dict]:
@@ -35,13 +36,25 @@ async def long_stream(client: httpx.AsyncClient, gw, prompt: list[int], max_toke
 
 async def test_labels_match_the_weights_that_produced_the_tokens(gw, tmp_path_factory):
     counting = write_counting_model(gw.base_model, tmp_path_factory.mktemp("wv") / "counting")
-    old = await asyncio.to_thread(serve_full, gw, counting, "wv-count")
+    inexact = 0
+    # A busy machine can finish every request before the swap reaches its replica; that round
+    # proves nothing about spanning answers, so try again (each round checks every label).
+    for attempt in range(3):
+        inexact = await one_round(gw, counting, attempt)
+        print(f"\nround {attempt}: {inexact}/8 answers spanned the hot-load (labelled inexact, both identities)")
+        if inexact:
+            break
+    assert inexact >= 1
+
+
+async def one_round(gw, counting, attempt: int) -> int:
+    old = await asyncio.to_thread(serve_full, gw, counting, f"wv-count-{attempt}")
     prompts = [random_prompt(6) for _ in range(10)]
     async with httpx.AsyncClient(base_url=gw.url, headers=gw.headers, timeout=600) as client:
         before = await long_stream(client, gw, prompts[0], 16)
-        tasks = [asyncio.ensure_future(long_stream(client, gw, p, 400)) for p in prompts[1:9]]
+        tasks = [asyncio.ensure_future(long_stream(client, gw, p, LONG)) for p in prompts[1:9]]
         await asyncio.sleep(1.0)  # under way when the hot-load starts
-        new = await asyncio.to_thread(serve_full, gw, gw.base_model, "wv-base")
+        new = await asyncio.to_thread(serve_full, gw, gw.base_model, f"wv-base-{attempt}")
         spanning = await asyncio.gather(*tasks)
         after = await long_stream(client, gw, prompts[9], 16)
 
@@ -50,7 +63,7 @@ async def test_labels_match_the_weights_that_produced_the_tokens(gw, tmp_path_fa
     inexact = 0
     for prompt, (ids, label) in zip(prompts[1:9], spanning):
         counts = succession(prompt[-1], ids)
-        assert len(ids) == 400
+        assert len(ids) == LONG
         if label["exact"] and label["identity"] == old:
             assert all(counts), label
         elif label["exact"]:
@@ -61,5 +74,4 @@ async def test_labels_match_the_weights_that_produced_the_tokens(gw, tmp_path_fa
             # The tokens count up to the swap, then stop: the label is right to name both.
             switch = counts.index(False) if False in counts else len(counts)
             assert switch > 0 and sum(counts[switch:]) < 8, (switch, sum(counts[switch:]))
-    print(f"\n{inexact}/8 answers spanned the hot-load (labelled inexact, both identities)")
-    assert inexact >= 1
+    return inexact
