@@ -288,6 +288,9 @@ class Stack:
         return [PidFile(p) for p in sorted(root.glob("*/*/replica.pid")) + sorted(root.glob("*/*/engine.pid"))]
 
     def down(self, say: Callable[[str], None] = print) -> None:
+        # The control worker first: it restarts replicas it finds dead, so it must be gone before
+        # the replicas are stopped; then the replicas, then the rest in reverse start order.
+        self._stop_service("worker", say)
         for pf in self.replica_pid_files():
             pid = pf.alive_pid()
             if pid:
@@ -295,15 +298,19 @@ class Stack:
                 say(f"{pf.path.stem:<7} {pf.path.parent.name:<20} stopped (pid {pid})")
             pf.remove()
         for name in reversed(SERVICE_ORDER):
-            pf = self.pid_file(name)
-            pid = pf.alive_pid()
-            if pid:
-                stop_pid(pid, timeout=20)
-                say(f"{name:<9} stopped (pid {pid})")
-            else:
-                say(f"{name:<9} not running")
-            pf.remove()
+            if name != "worker":
+                self._stop_service(name, say)
         say(f"data kept in {self.home}")
+
+    def _stop_service(self, name: str, say: Callable[[str], None]) -> None:
+        pf = self.pid_file(name)
+        pid = pf.alive_pid()
+        if pid:
+            stop_pid(pid, timeout=20)
+            say(f"{name:<9} stopped (pid {pid})")
+        else:
+            say(f"{name:<9} not running")
+        pf.remove()
 
     def status(self) -> dict[str, int | None]:
         out: dict[str, int | None] = {name: self.pid_file(name).alive_pid() for name in SERVICE_ORDER}
