@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import mmap as mmap_module
 import os
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from snapshots.inspect import (
     read_full_layout,
 )
 from snapshots.safetensors_io import encode_header, readinto_exact
-from snapshots.storage import LocalSource
+from snapshots.storage import LocalSource, replacing_directory
 
 #: Non-shard files (config, tokenizer) larger than this are not carried along to materialize.
 MAX_SIDE_FILE_BYTES = 256 * 2**20
@@ -297,10 +296,7 @@ class HostWeights:
         """
         out = Path(out_dir)
         checksums = self.checksums()
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
+        with replacing_directory(out) as tmp:
             by_shard: dict[str, list[str]] = {}
             for name, info in self._info.items():
                 by_shard.setdefault(info.shard, []).append(name)
@@ -324,12 +320,6 @@ class HostWeights:
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
             for name, body in self._side_files.items():
                 (tmp / name).write_bytes(body)
-            if out.exists():
-                shutil.rmtree(out)
-            tmp.replace(out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return out
 
 

@@ -14,6 +14,9 @@ the CLI.
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -253,3 +256,22 @@ __all__ = [
     "parse_s3_uri",
     "s3_client_from_env",
 ]
+
+
+@contextmanager
+def replacing_directory(out: Path) -> Iterator[Path]:
+    """A fresh temporary sibling of ``out`` to write a checkpoint into. When the block ends
+    normally it replaces ``out`` whole; when it raises it is removed. So ``out`` never holds a
+    partial checkpoint."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.replace(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+

@@ -41,7 +41,7 @@ from snapshots.codec import adler32_hex, default_workers
 from snapshots.errors import DeltaMismatchError, SnapshotError
 from snapshots.inspect import CONFIG_FILE, INDEX_FILE, FullLayout, read_full_layout
 from snapshots.safetensors_io import DTYPE_SIZES, TensorSpec, write_safetensors
-from snapshots.storage import LocalSource
+from snapshots.storage import LocalSource, replacing_directory
 
 SHARD_TARGET_BYTES = 2 * 2**30
 FULL_SHARD_TARGET_BYTES = 5 * 2**30
@@ -365,10 +365,7 @@ def write_full_snapshot(
             size = 0
         groups[-1].append(spec)
         size += nbytes
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with replacing_directory(out) as tmp:
         with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
             digests = dict(zip((s.name for s in specs), pool.map(lambda s: adler32_hex(s.data), specs)))
         weight_map: dict[str, str] = {}
@@ -382,12 +379,6 @@ def write_full_snapshot(
         ), "checksum_format": "adler32"}
         (tmp / INDEX_FILE).write_text(json.dumps({"metadata": index_meta, "weight_map": weight_map}, indent=2) + "\n")
         _write_config(tmp, config)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.replace(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -47,19 +47,6 @@ def _bin(name: str) -> str:
     return found
 
 
-def _wait(what: str, check: Callable[[], bool], timeout: float, log: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except Exception:
-            pass
-        time.sleep(0.25)
-    raise StackError(
-        f"{what} did not become ready within {timeout:.0f}s" + (f"; log {log}:\n{tail(log)}" if log else "")
-    )
-
 
 class Stack:
     def __init__(self, settings: Settings):
