@@ -17,6 +17,7 @@ cancel or a lost agent is noticed within seconds.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from temporalio import activity
@@ -29,7 +30,6 @@ from workflows.types import (
     ApplySnapshotResult,
     PeerOffer,
     PeerOfferInput,
-    PromptCachePolicy,
     ReceiveFromPeerInput,
 )
 
@@ -43,24 +43,29 @@ class ReplicaActivities:
 
     @activity.defn(name=names.APPLY_SNAPSHOT)
     async def apply_snapshot(self, inp: ApplySnapshotInput) -> ApplySnapshotResult:
-        from snapshots.errors import SnapshotError
+        return await _replica_step(self.runtime, lambda: self.runtime.apply_from_bucket(inp))
 
-        rt = self.runtime
-        async with rt.lock:
-            heartbeat = asyncio.create_task(_heartbeat_forever())
+
+async def _replica_step(rt: ReplicaRuntime, step: Callable[[], Awaitable[ApplySnapshotResult]]) -> ApplySnapshotResult:
+    """Run one weight-changing step on this replica: one at a time, heartbeating, and to the end.
+
+    A cancel arriving mid-step waits for the engine step to finish or roll back, so a replica
+    never stays paused or serves a mix of weights; the step then reports what the replica really
+    serves. A bad snapshot is a non-retryable error."""
+    from snapshots.errors import SnapshotError
+
+    async with rt.lock:
+        heartbeat = asyncio.create_task(_heartbeat_forever())
+        try:
+            running = asyncio.ensure_future(step())
             try:
-                # A cancel arriving mid-step waits for the engine step to finish or roll back, so
-                # a replica never stays paused or serves a mix of weights; the step then reports
-                # what the replica really serves.
-                step = asyncio.ensure_future(rt.apply_from_bucket(inp))
-                try:
-                    return await asyncio.shield(step)
-                except asyncio.CancelledError:
-                    return await step
-            except SnapshotError as exc:
-                raise ApplicationError(str(exc), type=NON_RETRYABLE_SNAPSHOT, non_retryable=True) from None
-            finally:
-                heartbeat.cancel()
+                return await asyncio.shield(running)
+            except asyncio.CancelledError:
+                return await running
+        except SnapshotError as exc:
+            raise ApplicationError(str(exc), type=NON_RETRYABLE_SNAPSHOT, non_retryable=True) from None
+        finally:
+            heartbeat.cancel()
 
 
 async def _heartbeat_forever(every: float = 2.0) -> None:
@@ -101,18 +106,6 @@ class PeerActivities:
 
     @activity.defn(name=names.RECEIVE_FROM_PEER)
     async def receive_from_peer(self, inp: ReceiveFromPeerInput) -> ApplySnapshotResult:
-        from snapshots.errors import SnapshotError
-
-        rt = self.runtime
-        async with rt.lock:
-            heartbeat = asyncio.create_task(_heartbeat_forever())
-            try:
-                swap = asyncio.ensure_future(rt.receive_from_peer(inp.offer, inp.prompt_cache_policy))
-                try:
-                    return await asyncio.shield(swap)
-                except asyncio.CancelledError:
-                    return await swap  # finish or roll back; never leave the engine paused
-            except SnapshotError as exc:
-                raise ApplicationError(str(exc), type=NON_RETRYABLE_SNAPSHOT, non_retryable=True) from None
-            finally:
-                heartbeat.cancel()
+        return await _replica_step(
+            self.runtime, lambda: self.runtime.receive_from_peer(inp.offer, inp.prompt_cache_policy)
+        )
