@@ -111,7 +111,10 @@ def test_seed_temperature_top_p_pass_through(gw):
     greedy = sample(temperature=0)
     assert sample(temperature=1.0, seed=1234) == sample(temperature=1.0, seed=1234)
     assert sample(temperature=1.0, seed=1234) != greedy  # sampling happened (16 random tokens of 2048)
-    assert sample(temperature=1.0, top_p=1e-9, seed=9) == greedy  # nucleus of one token: greedy
+    # A nucleus of one token leaves nothing to chance: any seed gives the same tokens. (Not
+    # compared with greedy: the base model's BF16 logits have exact ties, which argmax and the
+    # sorted top-p path break differently.)
+    assert sample(temperature=1.0, top_p=1e-9, seed=9) == sample(temperature=1.0, top_p=1e-9, seed=77)
 
 
 def test_stop_strings_and_stop_token_ids(gw):
