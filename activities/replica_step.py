@@ -28,9 +28,12 @@ from workflows.errors import NON_RETRYABLE_SNAPSHOT
 from workflows.types import (
     ApplySnapshotInput,
     ApplySnapshotResult,
+    CommitPeerStageInput,
     PeerOffer,
     PeerOfferInput,
     ReceiveFromPeerInput,
+    StageFromPeerInput,
+    StageFromPeerResult,
 )
 
 if TYPE_CHECKING:
@@ -77,6 +80,13 @@ async def _heartbeat_forever(every: float = 2.0) -> None:
 class PeerActivities:
     """Weights passed replica to replica: the sender offers, then both ends join one group.
 
+    The broadcast walk (`send_to_peers`, `stage_from_peer`, `commit_peer_stage`): the updated
+    replica sends to every other replica at once while all of them keep serving; each receiver
+    checks what it got and stages it (engine and host copy); then, one replica at a time, a
+    commit swaps the stage in inside one short pause and proves the served bytes. The pairwise
+    `send_to_peer` / `receive_from_peer` (transfer inside the receiver's pause) remain for
+    histories started before the broadcast walk.
+
     The sender streams the changed tensors from its engine (not from the bucket) over a
     torch.distributed group between the two engine processes (gloo on CPU, NCCL on GPU). The
     receiver checks every tensor's Adler-32 against the sender's verified host copy before its
@@ -108,4 +118,32 @@ class PeerActivities:
     async def receive_from_peer(self, inp: ReceiveFromPeerInput) -> ApplySnapshotResult:
         return await _replica_step(
             self.runtime, lambda: self.runtime.receive_from_peer(inp.offer, inp.prompt_cache_policy)
+        )
+
+    @activity.defn(name=names.SEND_TO_PEERS)
+    async def send_to_peers(self, offer: PeerOffer) -> int:
+        heartbeat = asyncio.create_task(_heartbeat_forever())
+        try:
+            return await self.runtime.send_to_peers(offer)
+        finally:
+            heartbeat.cancel()
+
+    @activity.defn(name=names.STAGE_FROM_PEER)
+    async def stage_from_peer(self, inp: StageFromPeerInput) -> StageFromPeerResult:
+        from snapshots.errors import SnapshotError
+
+        # Under the replica's lock: a stage must not interleave with another weight change.
+        async with self.runtime.lock:
+            heartbeat = asyncio.create_task(_heartbeat_forever())
+            try:
+                return await self.runtime.stage_from_peer(inp.offer, inp.rank)
+            except SnapshotError as exc:
+                raise ApplicationError(str(exc), type="PeerOfferRefused", non_retryable=True) from None
+            finally:
+                heartbeat.cancel()
+
+    @activity.defn(name=names.COMMIT_PEER_STAGE)
+    async def commit_peer_stage(self, inp: CommitPeerStageInput) -> ApplySnapshotResult:
+        return await _replica_step(
+            self.runtime, lambda: self.runtime.commit_peer_stage(inp.identity, inp.prompt_cache_policy)
         )

@@ -77,6 +77,15 @@ async def cold_rolling_restart(settings, identity_prefix: str, replicas: int, mo
     return time.monotonic() - t0
 
 
+def _step_seconds(replica: dict) -> float:
+    from datetime import datetime
+
+    def at(key: str) -> float:
+        return datetime.fromisoformat(replica[key].replace("Z", "+00:00")).timestamp()
+
+    return at("finishedAt") - at("startedAt")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=float, default=256)
@@ -124,8 +133,8 @@ def main() -> int:
             hot.append(seconds)
             pauses += [r["pauseMs"] for r in reps]
             bytes_per_replica.append([r["bytesReadFromBucket"] for r in reps])
-            print(f"  hot-load run {run}: {seconds:.2f} s; pause ms {[round(r['pauseMs'], 1) for r in reps]}; "
-                  f"sources {[r['source'] for r in reps]}", flush=True)
+            print(f"  hot-load run {run}: {seconds:.2f} s; step s {[round(_step_seconds(r), 2) for r in reps]}; "
+                  f"pause ms {[round(r['pauseMs'], 1) for r in reps]}; sources {[r['source'] for r in reps]}", flush=True)
 
         cold: list[float] = []
         for run in range(args.cold_runs):
@@ -133,7 +142,8 @@ def main() -> int:
             cold.append(seconds)
             print(f"  cold rolling restart run {run}: {seconds:.1f} s", flush=True)
 
-        a, b = statistics.median(hot), statistics.median(cold)
+        a = statistics.median(hot)
+        b = statistics.median(cold) if cold else float("nan")
         print()
         print(f"replicas                         {args.replicas}")
         print(f"(a) delta hot-load, median       {a:.2f} s  ({args.runs} runs)")

@@ -39,6 +39,7 @@ from workflows.types import (
     ReplicaEndpoint,
     ReplicaFailure,
     SnapshotRef,
+    StageFromPeerResult,
     SnapshotType,
     rfc3339,
 )
@@ -119,6 +120,7 @@ class ReplicaRuntime:
         self.applied: list[str] = ["initial"]
         # Tensors each applied link changed (None: not known, so treat as all).
         self.changed_by_link: dict[str, list[str] | None] = {}
+        self.peer_stage: PeerStage | None = None
         self.lock = asyncio.Lock()
 
     @property
@@ -183,28 +185,45 @@ class ReplicaRuntime:
     async def apply_from_bucket(self, inp: ApplySnapshotInput) -> ApplySnapshotResult:
         t0 = time.perf_counter()
         staged = await asyncio.to_thread(self.stage_chain, inp)
-        stage_ms = (time.perf_counter() - t0) * 1000
+        timings = {"host_stage": _ms_since(t0)}
         if staged.nothing_to_do:
             verified = await self.prove(self.host.names())
             return ApplySnapshotResult(
                 identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=0, bytes_read_from_bucket=0,
-                pause_ms=0.0, stage_ms=stage_ms, verified_tensors=verified,
+                pause_ms=0.0, stage_ms=timings["host_stage"], verified_tensors=verified,
             )
         try:
-            pause_ms = await self._swap_from_file(staged, inp.prompt_cache_policy)
+            t1 = time.perf_counter()
+            try:
+                # The engine reads and checks the staged tensors on a background thread while it
+                # keeps serving; only the swap happens inside the pause.
+                await self.engine.stage_from_files(
+                    staged.identity, [str(staged.path)], staged.names, expected_adler32=staged.expected
+                )
+            except Exception as exc:
+                self.host.restore(staged.backups)
+                raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
+                                        f"weights: {one_line(exc)}") from None
+            timings["engine_stage"] = _ms_since(t1)
+            pause_ms = await self._swap_staged(staged.identity, staged.backups, len(staged.names),
+                                               inp.prompt_cache_policy)
         finally:
             if staged.path is not None:
                 staged.path.unlink(missing_ok=True)
         self._commit([link.identity for link in inp.chain], staged.new_host, staged.changed_by_link)
+        t2 = time.perf_counter()
         verified = await self.prove(staged.names)
+        timings.update(pause=pause_ms, prove=_ms_since(t2), total=_ms_since(t0))
+        log.info("applied %s from the bucket: %s", inp.identity, _fmt(timings))
         return ApplySnapshotResult(
             identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=len(staged.names),
             bytes_read_from_bucket=staged.bytes_read, pause_ms=pause_ms, links_applied=staged.links,
-            stage_ms=stage_ms, source="bucket", verified_tensors=verified,
+            stage_ms=timings["host_stage"] + timings["engine_stage"], source="bucket", verified_tensors=verified,
         )
 
-    async def _swap_from_file(self, staged: StagedUpdate, policy: PromptCachePolicy) -> float:
-        """Pause (keeping requests), load the staged tensors in place, resume; all or nothing."""
+    async def _swap_staged(self, label: str, host_backups: dict[str, np.ndarray], count: int,
+                           policy: PromptCachePolicy) -> float:
+        """Pause (keeping requests), swap the engine's stage in, resume; all or nothing."""
         # RESET_ALL: clear the KV cache at the pause, so paused requests are recomputed on the new
         # weights after the resume and no prefix computed under the old ones is reused.
         reset = policy == PromptCachePolicy.RESET_ALL
@@ -212,18 +231,16 @@ class ReplicaRuntime:
         try:
             await self.engine.pause(mode="keep", clear_cache=reset)
             try:
-                await self.engine.load_weights_from_files(
-                    [str(staged.path)], staged.names, expected_adler32=staged.expected
-                )
+                await self.engine.commit_staged(label)
                 # Inside the pause: every token after the resume is labelled with the new version.
-                await self.engine.set_weight_version(staged.identity)
+                await self.engine.set_weight_version(label)
             finally:
                 await self.engine.resume()
         except Exception as exc:
-            # The engine's own load is all-or-nothing; the host copy is put back here.
-            self.host.restore(staged.backups)
+            # The engine's own swap is all-or-nothing; the host copy is put back here.
+            self.host.restore(host_backups)
             raise EngineUpdateError(
-                f"loading {len(staged.names)} tensor(s) into the engine failed; it serves its previous "
+                f"loading {count} tensor(s) into the engine failed; it serves its previous "
                 f"weights: {one_line(exc)}"
             ) from None
         return (time.perf_counter() - t0) * 1000
@@ -239,7 +256,8 @@ class ReplicaRuntime:
         """Read the engine's bytes back and compare them with the host copy's verified Adler-32."""
         if not names_:
             return 0
-        served = await self.engine.checksums(names_)
+        # Computed on the engine's background thread: the proof does not stall generation.
+        served = await self.engine.served_checksums(names_)
         expected = self.host.checksums()
         wrong = [n for n in names_ if served.get(n) != expected.get(n)]
         if wrong:
@@ -270,7 +288,7 @@ class ReplicaRuntime:
             source_replica=self.name, host=self.peer_host, port=free_port(self.peer_host),
             backend=self.peer_backend, base_identity=base, identity=inp.identity, chain=inp.chain,
             specs=[[n, str(self.host.tensor(n).dtype).removeprefix("torch."), list(self.host.info(n).shape)] for n in names_],
-            expected_adler32={n: checksums[n] for n in names_},
+            expected_adler32={n: checksums[n] for n in names_}, world_size=inp.world_size,
         )
 
     async def send_to_peer(self, offer: PeerOffer) -> int:
@@ -336,9 +354,112 @@ class ReplicaRuntime:
             verified_tensors=verified, links_applied=chain_ids,
         )
 
+    # ------------------------------------------------------------------ broadcast walk
+    async def send_to_peers(self, offer: PeerOffer) -> int:
+        """Broadcast the offered tensors from this engine to every receiver of the offer's group
+        (they join concurrently); the engine keeps serving while it sends."""
+        await self.engine.start_peer_stage_send(
+            offer.host, offer.port, offer.world_size, [s[0] for s in offer.specs], offer.backend,
+            timeout_s=PEER_JOIN_TIMEOUT_S,
+        )
+        return int((await self.engine.wait_job("send"))["bytes"])
+
+    async def stage_from_peer(self, offer: PeerOffer, rank: int) -> StageFromPeerResult:
+        """Join the offer's group as `rank`, receive and check the tensors into an engine stage
+        and a host-side copy; the engine keeps serving its current weights."""
+        from snapshots.errors import ChainError
+
+        if offer.base_identity != "*" and self.current_identity != offer.base_identity:
+            raise ChainError(
+                f"replica {self.name} serves {self.current_identity!r}; the offer completes {offer.base_identity!r}"
+            )
+        t0 = time.perf_counter()
+        self.peer_stage = None
+        self.staging.mkdir(parents=True, exist_ok=True)
+        path = self.staging / f"peer-{offer.identity}.safetensors"
+        try:
+            await self.engine.start_peer_stage_receive(
+                offer.identity, offer.host, offer.port, rank, offer.world_size, offer.specs,
+                expected_adler32=offer.expected_adler32, save_path=path, backend=offer.backend,
+                timeout_s=PEER_JOIN_TIMEOUT_S,
+            )
+            got = await self.engine.wait_job("stage")
+            # The host copy takes the same bytes the engine checked (no bucket reads).
+            received = await asyncio.to_thread(_read_raw, path)
+        except Exception as exc:
+            raise EngineUpdateError(f"receiving from {offer.source_replica} failed; previous weights kept: "
+                                    f"{one_line(exc)}") from None
+        finally:
+            path.unlink(missing_ok=True)
+        wrong = await asyncio.to_thread(_adler_mismatches, received, offer.expected_adler32)
+        if wrong:
+            await self.engine.discard_staged()
+            raise EngineUpdateError(f"received bytes differ from the sender's checksums for {', '.join(wrong[:5])}")
+        self.peer_stage = PeerStage(offer=offer, received=received)
+        return StageFromPeerResult(identity=offer.identity, tensors_staged=int(got["tensors"]),
+                                   bytes_received=int(got["bytes"]), stage_ms=_ms_since(t0))
+
+    async def commit_peer_stage(self, identity: str, policy: PromptCachePolicy) -> ApplySnapshotResult:
+        """Swap a peer stage in (one short pause), then move the host copy and prove it."""
+        from snapshots.errors import ChainError
+
+        stage, self.peer_stage = self.peer_stage, None
+        if stage is None or stage.offer.identity != identity:
+            raise ChainError(f"replica {self.name} has no stage for {identity!r}")
+        offer = stage.offer
+        if offer.base_identity != "*" and self.current_identity != offer.base_identity:
+            await self.engine.discard_staged()
+            raise ChainError(f"replica {self.name} serves {self.current_identity!r}; the stage completes "
+                             f"{offer.base_identity!r}")
+        t0 = time.perf_counter()
+        names_ = [s[0] for s in offer.specs]
+        saved = self.host.save(names_)
+        self.host.restore(stage.received, checksums=offer.expected_adler32)  # verified at staging
+        pause_ms = await self._swap_staged(identity, saved, len(names_), policy)
+        chain_ids = [link.identity for link in offer.chain]
+        missing = chain_ids if offer.base_identity == "*" else chain_ids[chain_ids.index(offer.base_identity) + 1 :]
+        # Per-link changes are known only when one link was missing (the usual rolling update).
+        changed: dict[str, list[str] | None] = {i: None for i in missing}
+        if len(missing) == 1 and offer.base_identity != "*":
+            changed[missing[0]] = names_
+        if offer.base_identity == "*":
+            self.changed_by_link = {}
+        self._commit(chain_ids, None, changed)
+        t1 = time.perf_counter()
+        verified = await self.prove(names_)
+        log.info("applied %s from %s: %s", identity, offer.source_replica,
+                 _fmt({"pause": pause_ms, "prove": _ms_since(t1), "total": _ms_since(t0)}))
+        return ApplySnapshotResult(
+            identity=identity, engine_pid=self.engine.pid, tensors_loaded=len(names_),
+            bytes_read_from_bucket=0, pause_ms=pause_ms, source=f"peer:{offer.source_replica}",
+            verified_tensors=verified, links_applied=chain_ids,
+        )
+
+
+def _ms_since(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 1)
+
+
+def _fmt(timings: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.0f} ms" for k, v in timings.items())
+
+@dataclass
+class PeerStage:
+    """Tensors received from a peer and checked, staged in the engine and held for the host
+    copy; nothing the engine serves has changed yet."""
+
+    offer: PeerOffer
+    received: dict[str, np.ndarray]
+
 
 class EngineUpdateError(RuntimeError):
     """The engine could not take an update; it serves exactly its previous weights."""
+
+
+def _adler_mismatches(arrays: dict[str, np.ndarray], expected: dict[str, str]) -> list[str]:
+    import zlib
+
+    return [n for n, a in arrays.items() if "%08x" % (zlib.adler32(a) & 0xFFFFFFFF) != expected.get(n, "").lower()]
 
 
 def _read_raw(path: Path) -> dict[str, np.ndarray]:
@@ -452,7 +573,10 @@ async def run_replica(
     worker = Worker(
         client,
         task_queue=task_queue,
-        activities=[ReplicaActivities(runtime).apply_snapshot, peer.offer_to_peer, peer.send_to_peer, peer.receive_from_peer],
+        activities=[
+            ReplicaActivities(runtime).apply_snapshot, peer.offer_to_peer, peer.send_to_peer, peer.receive_from_peer,
+            peer.send_to_peers, peer.stage_from_peer, peer.commit_peer_stage,
+        ],
         # Heartbeats carry cancellation back: send them at least every second, not every 24 s.
         max_heartbeat_throttle_interval=timedelta(seconds=1),
     )

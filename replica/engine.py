@@ -510,6 +510,70 @@ class EngineProcess:
     async def peer_close(self) -> dict[str, Any]:
         return await self._rpc1("peer_close")
 
+    # -- staged updates (the extension's background jobs) ---------------------------------
+
+    async def job_status(self) -> dict[str, Any]:
+        return await self._rpc1("job_status")
+
+    async def wait_job(self, kind: str, poll_s: float = 0.02, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Wait for the extension's background ``kind`` job; returns its result or raises
+        EngineError with the job's error. Each poll is a cheap RPC between engine steps."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = await self.job_status()
+            if st["kind"] != kind:
+                raise EngineError(f"no background {kind} job (the engine reports {st['kind']!r})")
+            if st["state"] == "done":
+                return st["result"]
+            if st["state"] == "failed":
+                raise EngineError(f"background {kind} failed: {st['error']}")
+            if time.monotonic() > deadline:
+                raise EngineError(f"background {kind} still running after {timeout_s:.0f} s")
+            await asyncio.sleep(poll_s)
+
+    async def stage_from_files(
+        self, label: str, paths: Sequence[Path | str], names: Sequence[str] | None = None,
+        expected_adler32: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """Read and check tensors off the serving path; ``commit_staged(label)`` swaps them in."""
+        await self._rpc1(
+            "stage_from_files", label, [str(p) for p in paths], None if names is None else list(names),
+            None if expected_adler32 is None else dict(expected_adler32),
+        )
+        return await self.wait_job("stage")
+
+    async def start_peer_stage_send(
+        self, host: str, port: int, world_size: int, names: Sequence[str] | None = None,
+        backend: str = "gloo", timeout_s: float = 300.0,
+    ) -> None:
+        """Start broadcasting ``names`` to ranks 1..world_size-1 (``wait_job("send")``)."""
+        await self._rpc1("peer_stage_send", host, port, world_size, None if names is None else list(names),
+                         backend, timeout_s)
+
+    async def start_peer_stage_receive(
+        self, label: str, host: str, port: int, rank: int, world_size: int, specs: Sequence[Sequence[Any]],
+        expected_adler32: Mapping[str, str] | None = None, save_path: Path | str | None = None,
+        backend: str = "gloo", timeout_s: float = 300.0,
+    ) -> None:
+        """Start receiving a broadcast into a stage (``wait_job("stage")``)."""
+        await self._rpc1(
+            "peer_stage_receive", label, host, port, rank, world_size, [list(s) for s in specs],
+            None if expected_adler32 is None else dict(expected_adler32),
+            None if save_path is None else str(save_path), backend, timeout_s,
+        )
+
+    async def served_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """Adler-32 of what the engine serves, computed off the serving path (a background job)."""
+        await self._rpc1("checksum_job", None if names is None else list(names))
+        return dict((await self.wait_job("checksums"))["checksums"])
+
+    async def commit_staged(self, label: str, verify: bool = True) -> dict[str, Any]:
+        """Swap the staged tensors in (call inside a pause); all or nothing."""
+        return await self._rpc1("commit_staged", label, verify)
+
+    async def discard_staged(self) -> dict[str, Any]:
+        return await self._rpc1("discard_staged")
+
     async def vllm_weight_checksums(self) -> dict[str, str]:
         """vLLM's own ``/weight_checker`` SHA-256s (engine names, fused; see the extension's
         docstring for why they are blind to linear layers on a CPU engine without our patch)."""

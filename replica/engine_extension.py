@@ -47,8 +47,27 @@ Methods (JSON results, per worker):
   ``peer_close()`` -> ``{"closed": bool}``. ``src`` is the sending rank (any rank may send).
   Every member of the group must call ``peer_init`` concurrently, then the sender ``peer_send``
   and every receiver ``peer_receive`` with the same tensors in the same order (each call blocks
-  the engine until all members have joined). gloo on CPU is tested; NCCL on CUDA follows vLLM's
-  ``PyNcclCommunicator`` pattern and is NOT tested here (no GPU build of vLLM on these machines).
+  the engine until all members have joined). Groups are torch's own gloo or NCCL backends over a
+  TCP rendezvous (``stateless_group``); gloo is tested on CPU engines here.
+
+Staged updates (the rolling update's fast path). An RPC runs inside the engine core's loop, so a
+long one stalls generation as surely as a pause. The expensive parts of an update therefore run
+on a background thread of the worker while the engine keeps serving, and only the swap itself
+runs inside the pause:
+
+- ``stage_from_files(label, paths, names, expected_adler32)``: read the tensors, check their
+  Adler-32, copy aside the engine's current values of the same tensors (the roll-back copy);
+- ``peer_stage_send(host, port, world_size, names, backend, timeout_s)``: join a group as rank 0
+  and broadcast what this engine holds for ``names`` to every other member;
+- ``peer_stage_receive(label, host, port, rank, world_size, specs, expected_adler32, save_path,
+  backend, timeout_s)``: join as ``rank``, receive, check the sender's Adler-32, write the bytes
+  to ``save_path`` (a safetensors file the replica's host copy takes them from), stage them;
+- ``checksum_job(names)``: Adler-32 of what the engine serves (the served-weights proof);
+- ``job_status()`` -> ``{"kind", "state": "idle"|"running"|"done"|"failed", "result", "error"}``
+  (one job at a time; starting another while one runs is refused);
+- ``commit_staged(label, verify=True)`` (inside a pause): load the staged tensors in place, all
+  or nothing, bit-compared; ``discard_staged()`` drops them. A stage is refused at commit if the
+  engine's weights changed after it was taken (its roll-back copy would be stale).
 
 All-or-nothing: before touching the engine, a load checks that every name maps to an engine
 tensor of the same shape; it then copies the old values of exactly those tensors aside, loads,
@@ -188,6 +207,43 @@ def _spec_digest(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
+def stateless_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout: Any) -> Any:
+    """A gloo or NCCL process group of ``world_size`` members that meet at ``host:port`` (rank
+    0 hosts the rendezvous store), outside torch.distributed's global state, so an engine that
+    already has its own groups (vLLM's) can join any number of these, one after another."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    prefixed = PrefixStore(f"rollouts-peer/{host}:{port}", store)
+    if backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+
+        return _Owning(ProcessGroupGloo(prefixed, rank, world_size, timeout), store)
+    from torch.distributed import ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return _Owning(ProcessGroupNCCL(prefixed, rank, world_size, options), store)
+
+
+class _Owning:
+    """A backend process group that keeps its rendezvous store alive as long as it lives."""
+
+    def __init__(self, backend: Any, store: Any) -> None:
+        self.backend, self.store = backend, store
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        return self.backend.broadcast(tensors, opts)
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> Any:
+        return self.backend.allreduce(tensors)
+
+    def shutdown(self) -> None:
+        if hasattr(self.backend, "shutdown"):
+            self.backend.shutdown()
+        self.backend = self.store = None
+
+
 @dataclass
 class PeerGroup:
     """A two-or-more-member group for broadcasting weights: gloo (CPU) or NCCL (CUDA)."""
@@ -195,7 +251,7 @@ class PeerGroup:
     backend: str
     rank: int
     world_size: int
-    group: Any  # torch ProcessGroup (gloo) or vLLM PyNcclCommunicator (nccl)
+    group: Any  # a stateless_group
     device: torch.device
 
     @classmethod
@@ -211,53 +267,38 @@ class PeerGroup:
     ) -> PeerGroup:
         from datetime import timedelta
 
-        if backend == "gloo":
-            from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
-            pg = stateless_init_torch_distributed_process_group(
-                host, int(port), int(rank), int(world_size), backend="gloo",
-                timeout=timedelta(seconds=timeout_s),
-            )
-            return cls("gloo", int(rank), int(world_size), pg, torch.device("cpu"))
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"unknown peer backend {backend!r} (gloo or nccl)")
         if backend == "nccl":
-            # UNTESTED here (no CUDA build of vLLM on these machines): vLLM's own pattern for
-            # trainer<->engine groups (distributed/weight_transfer/nccl_common.py).
-            from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
-
             dev = device or torch.device("cuda", torch.cuda.current_device())
-            comm = stateless_init_process_group(host, int(port), int(rank), int(world_size), dev)
-            return cls("nccl", int(rank), int(world_size), comm, dev)
-        raise ValueError(f"unknown peer backend {backend!r} (gloo or nccl)")
+            torch.cuda.set_device(dev)
+        else:
+            dev = torch.device("cpu")
+        group = stateless_group(host, int(port), int(rank), int(world_size), backend, timedelta(seconds=timeout_s))
+        return cls(backend, int(rank), int(world_size), group, dev)
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
-        if self.backend == "gloo":
-            from torch.distributed import BroadcastOptions
+        from torch.distributed import BroadcastOptions
 
-            opts = BroadcastOptions()
-            opts.rootRank = src
-            opts.rootTensor = 0
-            # Not torch.distributed.broadcast: that maps ranks through the global group.
-            self.group.broadcast([t], opts).wait()
-        else:
-            self.group.broadcast(t, src=src, stream=torch.cuda.current_stream())
-            torch.cuda.current_stream().synchronize()
+        opts = BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        # The backend's own broadcast: torch.distributed.broadcast maps ranks through the global
+        # group, which a stateless group is not part of.
+        self.group.broadcast([t], opts).wait()
+        if self.backend == "nccl":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def count_failures(self, failed: bool) -> int:
         """How many members report a failure (a sum over the group; every member must call)."""
         flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=self.device)
-        if self.backend == "gloo":
-            self.group.allreduce([flag]).wait()
-        else:
-            flag = self.group.all_reduce(flag)
-            torch.cuda.current_stream().synchronize()
-        return int(flag.item())
+        self.group.allreduce([flag]).wait()
+        return int(flag.item())  # .item() waits for the device on CUDA
 
     def close(self) -> None:
-        if self.backend == "gloo":
-            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
-            stateless_destroy_torch_distributed_process_group(self.group)
-        self.group = None
+        group, self.group = self.group, None
+        if group is not None and hasattr(group, "shutdown"):
+            group.shutdown()
 
     # The wire protocol: the sender broadcasts an int64 header [count, crc32(specs)]; each
     # member says whether it agrees (an all-reduce of failure flags), so a receiver whose specs
@@ -452,11 +493,9 @@ def _check_expected(tensors: list[tuple[str, torch.Tensor]], expected: dict[str,
         )
 
 
-def apply_weights(
-    model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], verify: bool = True
-) -> dict[str, Any]:
-    """Load checkpoint-named tensors into ``model`` in place, all or nothing (module docstring)."""
-    t0 = time.perf_counter()
+def check_loadable(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, _View]:
+    """Refuse (ValueError, naming each tensor) what cannot load in place: unknown names,
+    duplicates, shape or kind mismatches. Returns the engine's views by checkpoint name."""
     views, _ = _checkpoint_views(model)
     problems = []
     seen: set[str] = set()
@@ -473,9 +512,31 @@ def apply_weights(
         seen.add(name)
     if problems:
         raise ValueError(f"refusing to load ({len(problems)} problem(s)): " + "; ".join(problems[:8]))
+    return views
 
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype:
+        b = b.to(a.dtype)
+    b = b.to(a.device)
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def apply_weights(
+    model: torch.nn.Module,
+    tensors: list[tuple[str, torch.Tensor]],
+    verify: bool = True,
+    backup: dict[str, torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """Load checkpoint-named tensors into ``model`` in place, all or nothing (module docstring).
+
+    ``backup`` (name -> the engine's current values, taken earlier by a stage) saves copying
+    them here, inside the pause."""
+    t0 = time.perf_counter()
+    views = check_loadable(model, tensors)
     touched = {id(views[n].module): views[n].module for n, _ in tensors}
-    backup = {n: views[n].tensor.clone() for n, _ in tensors}
+    if backup is None:
+        backup = {n: views[n].tensor.clone() for n, _ in tensors}
     try:
         with torch.no_grad():
             model.load_weights(iter(tensors))  # type: ignore[operator]
@@ -484,12 +545,7 @@ def apply_weights(
             if verify:
                 # Re-resolve: a loader may legitimately have replaced a parameter object.
                 views, _ = _checkpoint_views(model)
-                bad = [
-                    n
-                    for n, t in tensors
-                    if n not in views
-                    or not torch.equal(views[n].tensor, t.to(views[n].tensor.device, views[n].tensor.dtype))
-                ]
+                bad = [n for n, t in tensors if n not in views or not _same_bits(views[n].tensor, t)]
                 if bad:
                     raise RuntimeError(f"engine holds different values after the load for {bad[:8]}")
     except BaseException:
@@ -517,6 +573,58 @@ def _select_views(model: torch.nn.Module, names: Sequence[str] | None) -> list[t
     return [(n, views[n].tensor) for n in order]
 
 
+@dataclass
+class _Staged:
+    """Tensors checked and ready to swap in, with the engine's current values of the same
+    tensors (the roll-back copy) and the weights generation they were taken at."""
+
+    label: str
+    tensors: list[tuple[str, torch.Tensor]]
+    backup: dict[str, torch.Tensor]
+    generation: int
+
+
+class _Job:
+    """One background job of the worker (module docstring, "Staged updates")."""
+
+    def __init__(self, kind: str, fn: Any) -> None:
+        import threading
+
+        self.kind = kind
+        self.state = "running"
+        self.result: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.started = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=f"rollouts-{kind}", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Any) -> None:
+        try:
+            result = fn()
+            result["seconds"] = round(time.perf_counter() - self.started, 6)
+            self.result, self.state = result, "done"
+        except BaseException as exc:  # noqa: BLE001 - reported through job_status
+            logger.exception("background %s failed", self.kind)
+            self.error, self.state = f"{type(exc).__name__}: {exc}", "failed"
+
+    def status(self) -> dict[str, Any]:
+        return {"kind": self.kind, "state": self.state, "result": self.result, "error": self.error}
+
+
+def _stage(model: torch.nn.Module, label: str, tensors: list[tuple[str, torch.Tensor]], generation: int) -> _Staged:
+    views = check_loadable(model, tensors)
+    backup = {n: views[n].tensor.clone() for n, _ in tensors}
+    return _Staged(label, tensors, backup, generation)
+
+
+def _save_tensors(tensors: list[tuple[str, torch.Tensor]], path: str) -> None:
+    from safetensors.torch import save_file
+
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_file({n: t.contiguous() for n, t in tensors}, tmp, metadata={"format": "pt"})
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
 class WeightLoaderExtension:
     """Mixed into vLLM's worker class; see the module docstring for the contract.
 
@@ -526,6 +634,10 @@ class WeightLoaderExtension:
     """
 
     _rollouts_peer: PeerGroup | None = None
+    _rollouts_job: _Job | None = None
+    _rollouts_staged: _Staged | None = None
+    # Bumped by every change of the engine's weights: a stage taken before one is stale.
+    _rollouts_generation: int = 0
 
     def engine_pid(self) -> dict[str, int]:
         return {"pid": os.getpid(), "parent_pid": os.getppid()}
@@ -541,6 +653,7 @@ class WeightLoaderExtension:
         tensors = _read_safetensors(paths, names)
         _check_expected(tensors, expected_adler32)
         read_s = time.perf_counter() - t0
+        self._rollouts_generation += 1
         result = apply_weights(self.model_runner.model, tensors, verify=verify)  # type: ignore[attr-defined]
         result["read_s"] = round(read_s, 6)
         return result
@@ -620,6 +733,7 @@ class WeightLoaderExtension:
         received = group.receive(normalize_specs(specs), src)
         recv_s = time.perf_counter() - t0
         _check_expected(received, expected_adler32)
+        self._rollouts_generation += 1
         result = apply_weights(self.model_runner.model, received, verify=verify)  # type: ignore[attr-defined]
         result["recv_s"] = round(recv_s, 6)
         return result
@@ -630,3 +744,97 @@ class WeightLoaderExtension:
             return {"closed": False}
         group.close()
         return {"closed": True}
+
+    # -- staged updates and background jobs (module docstring) ------------------------------
+
+    def _start_job(self, kind: str, fn: Any) -> dict[str, Any]:
+        job = self._rollouts_job
+        if job is not None and job.state == "running":
+            raise RuntimeError(f"a background {job.kind} job is still running")
+        self._rollouts_job = _Job(kind, fn)
+        return {"kind": kind, "state": "running"}
+
+    def job_status(self) -> dict[str, Any]:
+        job = self._rollouts_job
+        return {"kind": None, "state": "idle", "result": None, "error": None} if job is None else job.status()
+
+    def stage_from_files(
+        self, label: str, paths: list[str], names: list[str] | None = None,
+        expected_adler32: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        generation = self._rollouts_generation
+        self._rollouts_staged = None
+
+        def run() -> dict[str, Any]:
+            tensors = _read_safetensors(paths, names)
+            _check_expected(tensors, expected_adler32)
+            self._rollouts_staged = _stage(model, label, tensors, generation)
+            return {"staged": label, "tensors": len(tensors), "bytes": sum(t.nbytes for _, t in tensors)}
+
+        return self._start_job("stage", run)
+
+    def peer_stage_send(
+        self, host: str, port: int, world_size: int, names: list[str] | None = None,
+        backend: str = "gloo", timeout_s: float = 300.0,
+    ) -> dict[str, Any]:
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        device = getattr(self, "device", None) if backend == "nccl" else None
+
+        def run() -> dict[str, Any]:
+            group = PeerGroup.create(host, port, 0, world_size, backend=backend, timeout_s=timeout_s, device=device)
+            try:
+                tensors = _select_views(model, names)
+                sent = group.send(tensors, 0)
+            finally:
+                group.close()
+            return {"sent": len(tensors), "bytes": sent}
+
+        return self._start_job("send", run)
+
+    def peer_stage_receive(
+        self, label: str, host: str, port: int, rank: int, world_size: int, specs: list[list[Any]],
+        expected_adler32: dict[str, str] | None = None, save_path: str | None = None,
+        backend: str = "gloo", timeout_s: float = 300.0,
+    ) -> dict[str, Any]:
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        device = getattr(self, "device", None) if backend == "nccl" else None
+        generation = self._rollouts_generation
+        self._rollouts_staged = None
+        wanted = normalize_specs(specs)
+
+        def run() -> dict[str, Any]:
+            group = PeerGroup.create(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, device=device)
+            try:
+                received = group.receive(wanted, 0)
+            finally:
+                group.close()
+            _check_expected(received, expected_adler32)
+            if save_path:
+                _save_tensors([(n, t.to("cpu")) for n, t in received], save_path)
+            self._rollouts_staged = _stage(model, label, received, generation)
+            return {"staged": label, "tensors": len(received), "bytes": sum(t.nbytes for _, t in received)}
+
+        return self._start_job("stage", run)
+
+    def checksum_job(self, names: list[str] | None = None) -> dict[str, Any]:
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return self._start_job(
+            "checksums", lambda: {"checksums": {n: adler32_hex(t) for n, t in _select_views(model, names)}}
+        )
+
+    def commit_staged(self, label: str, verify: bool = True) -> dict[str, Any]:
+        staged = self._rollouts_staged
+        if staged is None or staged.label != label:
+            have = None if staged is None else staged.label
+            raise RuntimeError(f"nothing staged for {label!r} (staged: {have!r})")
+        if staged.generation != self._rollouts_generation:
+            self._rollouts_staged = None
+            raise RuntimeError(f"the stage for {label!r} is stale: the engine's weights changed after it was taken")
+        self._rollouts_staged = None
+        self._rollouts_generation += 1
+        return apply_weights(self.model_runner.model, staged.tensors, verify=verify, backup=staged.backup)  # type: ignore[attr-defined]
+
+    def discard_staged(self) -> dict[str, Any]:
+        staged, self._rollouts_staged = self._rollouts_staged, None
+        return {"discarded": None if staged is None else staged.label}

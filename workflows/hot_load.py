@@ -3,7 +3,13 @@
 PENDING → IN_PROGRESS → COMPLETED | FAILED | CANCELED. Replicas are walked one at a time in
 (zone, name) order; each step is one activity on that replica's own task queue, run by its agent
 next to the engine: stage the snapshot, pause (keeping in-flight requests), apply in place,
-verify, resume. A replica's state goes PENDING_UPDATE → UPDATING → READY | ERROR, with
+verify, resume.
+
+The first replica reads the snapshot from the bucket. Then it broadcasts the changed tensors to
+every other replica at once over one process group (`send_to_peers` + `stage_from_peer`, all
+replicas still serving), and each receiver in turn swaps its stage in (`commit_peer_stage`, one
+short pause). A replica whose stage or commit fails reads the bucket instead. (Histories from
+before the broadcast walk, unpatched, replay the pairwise transfer `_receive_from_peer`.) A replica's state goes PENDING_UPDATE → UPDATING → READY | ERROR, with
 `startedAt`, `finishedAt`, `transitionedAt` and `errorReason`.
 
 A failed step stops the walk (FAILED); replicas that already moved keep the new weights and the
@@ -28,10 +34,13 @@ with workflow.unsafe.imports_passed_through():
     from workflows.types import (
         ApplySnapshotInput,
         ApplySnapshotResult,
+        CommitPeerStageInput,
         PeerOffer,
         PeerOfferInput,
         ReceiveFromPeerInput,
         ReplicaEndpoint,
+        StageFromPeerInput,
+        StageFromPeerResult,
         Condition,
         ConditionStatus,
         HotLoad,
@@ -159,11 +168,18 @@ class HotLoadWorkflow:
             self._set_state(HotLoadState.IN_PROGRESS)
             endpoints = sorted(inp.replicas, key=lambda r: (r.zone, r.name))
             updated: list[ReplicaEndpoint] = []
-            for replica, endpoint in zip(self.replicas, endpoints):
+            staged: set[str] | None = None  # replicas holding a stage from the broadcast
+            for index, (replica, endpoint) in enumerate(zip(self.replicas, endpoints)):
                 self._raise_if_canceled()
+                if index == 1 and inp.peer_transfer and workflow.patched("peer-broadcast"):
+                    staged = await self._broadcast(inp, updated[0], list(zip(self.replicas, endpoints))[1:])
+                    self._raise_if_canceled()
                 self._replica_moved(replica, ReplicaState.UPDATING, started_at=self._now(), error_reason=None)
                 try:
-                    result = await self._update_one(inp, endpoint, replica, updated[-1] if updated else None)
+                    if staged is None:
+                        result = await self._update_one(inp, endpoint, replica, updated[-1] if updated else None)
+                    else:
+                        result = await self._commit_stage(inp, endpoint, replica, replica.name in staged)
                 except (Exception, asyncio.CancelledError) as exc:
                     if is_cancelled_exception(exc):
                         # The step was given up before it changed the replica: it serves what it
@@ -240,7 +256,6 @@ class HotLoadWorkflow:
         self, inp: HotLoadInput, endpoint: ReplicaEndpoint, replica: Replica, peer: ReplicaEndpoint | None
     ) -> ApplySnapshotResult:
         """One replica step: from an updated peer when there is one, else from the bucket."""
-        spec = self.hot_load.spec
         if peer is not None and inp.peer_transfer:
             try:
                 return await self._receive_from_peer(inp, endpoint, replica, peer)
@@ -252,7 +267,11 @@ class HotLoadWorkflow:
                     "peer transfer %s -> %s failed (%s); reading from the bucket", peer.name, endpoint.name,
                     _error_reason(exc),
                 )
-        return await workflow.execute_activity(
+        return await self._bucket_step(inp, endpoint)
+
+    def _bucket_step(self, inp: HotLoadInput, endpoint: ReplicaEndpoint) -> Any:
+        spec = self.hot_load.spec
+        return workflow.execute_activity(
             names.APPLY_SNAPSHOT,
             ApplySnapshotInput(
                 hot_load_id=spec.id,
@@ -266,6 +285,85 @@ class HotLoadWorkflow:
             result_type=ApplySnapshotResult,
             **REPLICA_STEP_OPTIONS,
         )
+
+    async def _broadcast(
+        self, inp: HotLoadInput, sender: ReplicaEndpoint, receivers: list[tuple[Replica, ReplicaEndpoint]]
+    ) -> set[str]:
+        """Send the update from `sender` to every receiver at once; returns who staged it.
+
+        Nothing any replica serves changes here: each receiver only checks and stages."""
+        spec = self.hot_load.spec
+        serving = {r.current_snapshot_identity for r, _ in receivers}
+        try:
+            offer: PeerOffer = await workflow.execute_activity(
+                names.OFFER_TO_PEER,
+                PeerOfferInput(
+                    hot_load_id=spec.id, identity=spec.identity, chain=spec.snapshot_chain,
+                    # Receivers on different snapshots get every tensor ("" is no identity).
+                    target_identity=serving.pop() if len(serving) == 1 else "",
+                    world_size=1 + len(receivers),
+                ),
+                task_queue=sender.task_queue,
+                result_type=PeerOffer,
+                **PEER_STEP_OPTIONS,
+            )
+        except Exception as exc:
+            if is_cancelled_exception(exc):
+                raise
+            workflow.logger.warning("no peer offer from %s (%s): reading the bucket", sender.name, _error_reason(exc))
+            return set()
+        send = asyncio.ensure_future(
+            workflow.execute_activity(names.SEND_TO_PEERS, offer, task_queue=sender.task_queue, **PEER_STEP_OPTIONS)
+        )
+        stages = [
+            asyncio.ensure_future(
+                workflow.execute_activity(
+                    names.STAGE_FROM_PEER,
+                    StageFromPeerInput(offer=offer, rank=rank),
+                    task_queue=endpoint.task_queue,
+                    result_type=StageFromPeerResult,
+                    **PEER_STEP_OPTIONS,
+                )
+            )
+            for rank, (_, endpoint) in enumerate(receivers, start=1)
+        ]
+        await workflow.wait([send, *stages])
+        for task in [send, *stages]:
+            if task.cancelled() or (task.exception() is not None and is_cancelled_exception(task.exception())):
+                raise asyncio.CancelledError()
+        if send.exception() is not None:
+            workflow.logger.warning("broadcast from %s failed (%s): reading the bucket", sender.name,
+                                    _error_reason(send.exception()))
+            return set()
+        ok = set()
+        for (replica, _), task in zip(receivers, stages):
+            if task.exception() is None:
+                ok.add(replica.name)
+            else:
+                workflow.logger.warning("%s did not stage from %s (%s): it reads the bucket", replica.name,
+                                        sender.name, _error_reason(task.exception()))
+        return ok
+
+    async def _commit_stage(
+        self, inp: HotLoadInput, endpoint: ReplicaEndpoint, replica: Replica, has_stage: bool
+    ) -> ApplySnapshotResult:
+        """Swap a replica's broadcast stage in; without one, or if the swap fails, read the bucket."""
+        if has_stage:
+            spec = self.hot_load.spec
+            try:
+                return await workflow.execute_activity(
+                    names.COMMIT_PEER_STAGE,
+                    CommitPeerStageInput(identity=spec.identity, prompt_cache_policy=spec.prompt_cache_policy),
+                    task_queue=endpoint.task_queue,
+                    result_type=ApplySnapshotResult,
+                    **PEER_STEP_OPTIONS,
+                )
+            except Exception as exc:
+                if is_cancelled_exception(exc):
+                    raise
+                workflow.logger.warning("%s could not swap its stage in (%s): reading the bucket", replica.name,
+                                        _error_reason(exc))
+        return await self._bucket_step(inp, endpoint)
 
     async def _receive_from_peer(
         self, inp: HotLoadInput, endpoint: ReplicaEndpoint, replica: Replica, peer: ReplicaEndpoint

@@ -15,6 +15,11 @@ APPLY_SNAPSHOT = "apply_snapshot"
 OFFER_TO_PEER = "offer_to_peer"
 SEND_TO_PEER = "send_to_peer"
 RECEIVE_FROM_PEER = "receive_from_peer"
+# The broadcast walk: one updated replica sends to every other at once (staged, off the serving
+# path), then each receiver swaps its stage in, one at a time.
+SEND_TO_PEERS = "send_to_peers"
+STAGE_FROM_PEER = "stage_from_peer"
+COMMIT_PEER_STAGE = "commit_peer_stage"
 
 
 def deployment_workflow_id(deployment_id: str) -> str:

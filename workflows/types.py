@@ -421,6 +421,8 @@ class PeerOfferInput(WireModel):
     identity: str
     chain: list[SnapshotRef]
     target_identity: str
+    # Members of the group the offer opens: the sender (rank 0) and world_size - 1 receivers.
+    world_size: int = 2
 
 
 class PeerOffer(WireModel):
@@ -435,6 +437,26 @@ class PeerOffer(WireModel):
     chain: list[SnapshotRef]
     specs: list[list[Any]]  # [name, dtype, shape] in send order
     expected_adler32: dict[str, str]
+    world_size: int = 2
+
+
+class StageFromPeerInput(WireModel):
+    """A receiver's place in a broadcast: it joins `offer`'s group as `rank` and stages."""
+
+    offer: PeerOffer
+    rank: int
+
+
+class CommitPeerStageInput(WireModel):
+    identity: str
+    prompt_cache_policy: PromptCachePolicy = PromptCachePolicy.PRESERVE
+
+
+class StageFromPeerResult(WireModel):
+    identity: str
+    tensors_staged: int
+    bytes_received: int
+    stage_ms: float
 
 
 class ReceiveFromPeerInput(WireModel):

@@ -42,12 +42,15 @@ from workflows.types import (
     ApplySnapshotInput,
     ApplySnapshotResult,
     CheckSnapshotInput,
+    CommitPeerStageInput,
     DeploymentInput,
     PeerOffer,
     PeerOfferInput,
     ReceiveFromPeerInput,
     ReplicaEndpoint,
     SnapshotType,
+    StageFromPeerInput,
+    StageFromPeerResult,
     StartReplicasInput,
     StopReplicasInput,
 )
@@ -307,7 +310,8 @@ class Fleet:
 
     def _replica_activities(self, replica: str) -> list:
         """The replica step under its real names: from the bucket, or from an updated peer (the
-        offer/send/receive trio); both follow the test's behaviour for this replica."""
+        broadcast's offer/send/stage/commit, or the older pairwise offer/send/receive); each
+        weight-changing step follows the test's behaviour for this replica."""
 
         async def step(inp: ApplySnapshotInput, source: str) -> ApplySnapshotResult:
             behaviour = self.apply_behaviour.get(replica)
@@ -344,7 +348,27 @@ class Fleet:
             )
             return await step(as_apply, f"peer:{offer.source_replica}")
 
-        return [apply_snapshot, offer_to_peer, send_to_peer, receive_from_peer]
+        staged: dict[str, PeerOffer] = {}
+
+        @activity.defn(name=names.SEND_TO_PEERS)
+        async def send_to_peers(offer: PeerOffer) -> int:
+            return 0
+
+        @activity.defn(name=names.STAGE_FROM_PEER)
+        async def stage_from_peer(inp: StageFromPeerInput) -> StageFromPeerResult:
+            staged[inp.offer.identity] = inp.offer
+            return StageFromPeerResult(identity=inp.offer.identity, tensors_staged=0, bytes_received=0, stage_ms=0.0)
+
+        @activity.defn(name=names.COMMIT_PEER_STAGE)
+        async def commit_peer_stage(inp: CommitPeerStageInput) -> ApplySnapshotResult:
+            offer = staged.pop(inp.identity)
+            as_apply = ApplySnapshotInput(
+                hot_load_id="peer", identity=offer.identity, chain=offer.chain, bucket="-", path_prefix="-",
+            )
+            return await step(as_apply, f"peer:{offer.source_replica}")
+
+        return [apply_snapshot, offer_to_peer, send_to_peer, receive_from_peer, send_to_peers, stage_from_peer,
+                commit_peer_stage]
 
     async def held(self, replica: str, inp: ApplySnapshotInput) -> None:
         """An apply that waits for `hold` (heartbeating), then succeeds; a cancel interrupts it
