@@ -3,10 +3,19 @@
 Builds a realistic BF16 checkpoint pair (one Adam step at lr 1e-6, see snapshots.synthetic),
 writes the delta once, then on the same files measures, in GB/s of changed tensor bytes:
 
-* ours: ``HostWeights.load(base).apply_delta(delta)`` in a fresh process, the base loaded in
-  memory beforehand as a replica holds it (also its peak RSS, and how much the apply added);
-* cwtrain: ``WeightMirror.apply_delta`` (mirror created beforehand, untimed) in cwtrain's venv;
+* ours: ``materialize_chain_report(base, [delta], out)`` in a fresh process: the streamed apply
+  that reads the base checkpoint directory and writes the new one (files in, files out, like
+  cwtrain's mirror), with its peak RSS against the model size. Once as shipped (``fsync=True``:
+  the new files are on disk before they replace ``out``) and once with ``fsync=False``;
+* cwtrain: ``WeightMirror.apply_delta`` into a mirror directory created beforehand (untimed), in
+  cwtrain's venv. It stages the new bytes, fsyncs, then writes them into the mirror's shards and
+  fsyncs again; once as shipped and once with ``os.fsync`` made a no-op, to compare like with like;
+* host: ``HostWeights.apply_delta`` on a base already loaded in memory (what a replica does), with
+  its peak RSS (it holds the whole model);
 * raw: frames and base tensors already in memory, parallel zstd decompress + XOR + Adler-32.
+
+Every figure is the best of ``--repeat`` runs (the page cache is synced before each timed run),
+because this is usually measured on a shared machine.
 
     .venv/bin/python bench/delta_apply.py --size-mb 1024     # the issue's size (default)
     .venv/bin/python bench/delta_apply.py --size-mb 128      # a quick run
@@ -17,13 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zstandard
@@ -37,27 +49,49 @@ from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
 
 # ru_maxrss survives fork+exec on Linux (it would report the parent's peak); VmHWM does not.
-OURS = """
-import json, sys, time
-sys.path.insert(0, sys.argv[3])
-from snapshots.host import HostWeights
+HWM = """
 def hwm_mb():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
-w = HostWeights.load(sys.argv[1], verify=False)
-rss0 = hwm_mb()
-t = time.perf_counter(); r = w.apply_delta_report(sys.argv[2]); dt = time.perf_counter() - t
-print(json.dumps({"seconds": dt, "bytes_changed": r.bytes_changed, "changed": len(r.changed),
-                  "peak_rss_mb": hwm_mb(), "rss_before_apply_mb": rss0}))
 """
 
-CWTRAIN = """
+STREAM = HWM + """
 import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from snapshots.stream import materialize_chain_report
+rss0 = hwm_mb()
+t = time.perf_counter()
+r = materialize_chain_report(sys.argv[2], [sys.argv[3]], sys.argv[4], fsync=sys.argv[5] == "1")
+dt = time.perf_counter() - t
+print(json.dumps({"seconds": dt, "bytes_changed": r.bytes_changed, "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
+"""
+
+HOST = HWM + """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from snapshots.host import HostWeights
+w = HostWeights.load(sys.argv[2], verify=False)
+rss0 = hwm_mb()
+t = time.perf_counter(); r = w.apply_delta_report(sys.argv[3]); dt = time.perf_counter() - t
+print(json.dumps({"seconds": dt, "bytes_changed": r.bytes_changed, "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
+"""
+
+CWTRAIN = HWM + """
+import json, os, sys, time
 from cwtrain.hotload import WeightMirror
-m = WeightMirror.create(sys.argv[1], sys.argv[3])
+m = WeightMirror(sys.argv[1])
+if sys.argv[3] == "0":
+    os.fsync = lambda fd: None  # the mirror calls os.fsync through the module
+rss0 = hwm_mb()
 t = time.perf_counter(); r = m.apply_delta(sys.argv[2]); dt = time.perf_counter() - t
-print(json.dumps({"seconds": dt, "bytes_changed": r.bytes_changed, "changed": r.tensors_changed}))
+print(json.dumps({"seconds": dt, "bytes_changed": r.bytes_changed, "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
+"""
+
+MIRROR_CREATE = """
+import sys
+from cwtrain.hotload import WeightMirror
+WeightMirror.create(sys.argv[1], sys.argv[2])
 """
 
 
@@ -68,7 +102,8 @@ def raw_limit(base: Path, delta: Path, workers: int) -> dict[str, float]:
     plan = read_delta_plan(delta)
     frames = {t.name: plan.source.read_range(t.file, t.begin, t.wire_bytes) for t in plan.tensors.values()}
     targets = {n: weights.raw(n).copy() for n in frames}
-    local = __import__("threading").local()
+    del weights
+    local = threading.local()
 
     def one(name: str) -> None:
         target = targets[name]
@@ -88,39 +123,68 @@ def raw_limit(base: Path, delta: Path, workers: int) -> dict[str, float]:
     return {"seconds": seconds, "bytes_changed": sum(t.nbytes for t in targets.values())}
 
 
+def run_json(argv: list[str]) -> dict[str, Any]:
+    os.sync()  # start from a clean page cache: no earlier run's write-back competes with this one
+    run = subprocess.run(argv, capture_output=True, text=True)
+    if run.returncode:
+        raise SystemExit(f"{argv[0]} failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return min(runs, key=lambda r: r["seconds"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=float, default=1024)
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each measurement; the best is reported")
     parser.add_argument("--workdir", type=Path, help="where to build the checkpoints (default: a temp dir)")
     parser.add_argument("--cwtrain-python", default=os.environ.get("ROLLOUTS_CWTRAIN_PYTHON", str(REPO / ".venv-cw/bin/python")))
     args = parser.parse_args()
     workers = default_workers()
+    py = sys.executable
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         root = Path(tmp)
+        base, delta, out, mirror = root / "base", root / "delta", root / "out", root / "mirror"
         t = time.perf_counter()
-        summary = make_checkpoint_pair(root / "base", root / "new", size_mb=args.size_mb)
+        summary = make_checkpoint_pair(base, root / "new", size_mb=args.size_mb)
         print(f"generated {summary['tensor_bytes'] / 1e9:.2f} GB BF16 pair in {time.perf_counter() - t:.0f}s; "
               f"{100 * summary['changed_element_fraction']:.2f}% of elements changed", flush=True)
-        stats = write_delta(root / "base", root / "new", root / "delta", version="000001", base_version="000000")
+        stats = write_delta(base, root / "new", delta, version="000001", base_version="000000")
+        shutil.rmtree(root / "new")
         print(f"delta: {stats.changed}/{stats.tensors_total} tensors, {stats.wire_bytes / 1e6:.1f} MB on the wire "
               f"({100 * stats.ratio:.2f}% of full)", flush=True)
-        results: dict[str, dict[str, float]] = {}
-        run = subprocess.run([sys.executable, "-c", OURS, str(root / "base"), str(root / "delta"), str(REPO)],
-                             capture_output=True, text=True, check=True)
-        results["ours"] = json.loads(run.stdout)
-        if Path(args.cwtrain_python).exists():
-            run = subprocess.run([args.cwtrain_python, "-c", CWTRAIN, str(root / "base"), str(root / "delta"), str(root / "mirror")],
-                                 capture_output=True, text=True, check=True)
-            results["cwtrain"] = json.loads(run.stdout.strip().splitlines()[-1])
-        results["raw"] = raw_limit(root / "base", root / "delta", workers)
-    print(f"workers: {workers}; model tensor bytes: {summary['tensor_bytes'] / 1e6:.0f} MB")
+        have_cw = Path(args.cwtrain_python).exists()
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for i in range(args.repeat):
+            # Interleaved, so a burst of load elsewhere on the machine hits every contender alike.
+            for fsync in ("0", "1"):
+                shutil.rmtree(out, ignore_errors=True)
+                runs.setdefault(f"ours fsync={fsync}", []).append(run_json([py, "-c", STREAM, str(REPO), str(base), str(delta), str(out), fsync]))
+            shutil.rmtree(out, ignore_errors=True)
+            if have_cw:
+                for fsync in ("0", "1"):
+                    subprocess.run([args.cwtrain_python, "-c", MIRROR_CREATE, str(base), str(mirror)], check=True, capture_output=True)
+                    runs.setdefault(f"cwtrain fsync={fsync}", []).append(run_json([args.cwtrain_python, "-c", CWTRAIN, str(mirror), str(delta), fsync]))
+                shutil.rmtree(mirror, ignore_errors=True)
+            runs.setdefault("host (in memory)", []).append(run_json([py, "-c", HOST, str(REPO), str(base), str(delta)]))
+            runs.setdefault("raw", []).append(raw_limit(base, delta, workers))
+            print(f"round {i + 1}/{args.repeat} done", flush=True)
+    model_mb = summary["tensor_bytes"] / 2**20
+    print(f"workers: {workers}; model tensor bytes: {model_mb:.0f} MiB; best of {args.repeat} runs each")
+    results = {name: best(r) for name, r in runs.items()}
     for name, r in results.items():
         r["gbps"] = r["bytes_changed"] / r["seconds"] / 1e9
-        extra = f", peak RSS {r['peak_rss_mb']:.0f} MB (+{r['peak_rss_mb'] - r['rss_before_apply_mb']:.0f} MB during the apply)" if "peak_rss_mb" in r else ""
-        print(f"{name:8s} {r['seconds']:7.3f}s  {r['gbps']:6.2f} GB/s of changed bytes{extra}")
-    if "cwtrain" in results:
-        print(f"ours / cwtrain mirror: {results['ours']['gbps'] / results['cwtrain']['gbps']:.1f}x")
-    print(f"ours / raw limit: {100 * results['ours']['gbps'] / results['raw']['gbps']:.0f}%")
+        extra = f", peak RSS {r['peak_rss_mb']:.0f} MiB ({100 * r['peak_rss_mb'] / model_mb:.0f}% of the model)" if "peak_rss_mb" in r else ""
+        print(f"{name:18s} {r['seconds']:7.3f}s  {r['gbps']:6.3f} GB/s of changed bytes{extra}")
+    for fsync in ("0", "1"):
+        if f"cwtrain fsync={fsync}" in results:
+            ratio = results[f"ours fsync={fsync}"]["gbps"] / results[f"cwtrain fsync={fsync}"]["gbps"]
+            print(f"ours / cwtrain mirror, fsync={fsync}: {ratio:.1f}x")
+    print(f"ours fsync=0 / raw limit: {100 * results['ours fsync=0']['gbps'] / results['raw']['gbps']:.0f}%")
+    print(f"ours fsync=1 / raw limit: {100 * results['ours fsync=1']['gbps'] / results['raw']['gbps']:.0f}%")
+    print(f"host (in memory) / raw limit: {100 * results['host (in memory)']['gbps'] / results['raw']['gbps']:.0f}%")
 
 
 if __name__ == "__main__":

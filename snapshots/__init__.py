@@ -13,7 +13,9 @@ Entry points (each module's docstring states its contract):
 * :func:`inspect_snapshot`, :func:`check_required_files` - validate a directory or ``s3://`` prefix.
 * :class:`HostWeights` - a replica's host copy of its weights: load, ``apply_delta``
   (all-or-nothing), ``tensor``, ``checksums``, ``materialize``.
-* :func:`apply_delta`, :func:`materialize_chain` - the same for plain buffers and directories.
+* :func:`apply_delta` - the same for plain buffers.
+* :func:`materialize_chain` (:func:`materialize_chain_report`) - base + deltas -> a full
+  checkpoint directory, streamed in bounded memory, all-or-nothing (may be done in place).
 * :func:`validate_chain`, :func:`resolve_chain` - full base + at most 63 deltas.
 * :func:`write_delta`, :func:`write_full_snapshot` - writers.
 * :mod:`snapshots.cli` - ``rollouts snapshot inspect|delta|apply|verify``.
@@ -43,6 +45,7 @@ from snapshots.inspect import (
     read_full_layout,
 )
 from snapshots.safetensors_io import TensorEntry, list_tensors, read_header, read_tensor_bytes
+from snapshots.stream import MaterializeReport, materialize_chain_report, stream_checksums
 from snapshots.writer import DeltaStats, write_delta, write_full_snapshot
 
 __all__ = [
@@ -57,6 +60,7 @@ __all__ = [
     "HostWeights",
     "IdentityError",
     "LayoutError",
+    "MaterializeReport",
     "SnapshotError",
     "SnapshotInfo",
     "TensorEntry",
@@ -69,11 +73,13 @@ __all__ = [
     "inspect_snapshot",
     "list_tensors",
     "materialize_chain",
+    "materialize_chain_report",
     "read_delta_plan",
     "read_full_layout",
     "read_header",
     "read_tensor_bytes",
     "resolve_chain",
+    "stream_checksums",
     "validate_chain",
     "validate_identity",
     "write_delta",

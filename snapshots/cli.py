@@ -2,7 +2,8 @@
 
     rollouts snapshot inspect PATH_OR_S3 [--previous-identity ID]     # JSON description
     rollouts snapshot delta BASE NEW OUT --version V --base-version B  # JSON stats
-    rollouts snapshot apply BASE DELTA [DELTA ...] --out DIR           # materialize a chain
+    rollouts snapshot apply BASE DELTA [DELTA ...] --out DIR           # materialize a chain (streamed;
+                                                                       # DIR may be BASE: in place)
     rollouts snapshot verify DIR --against OTHER                       # per-tensor Adler-32
 
 ``OTHER`` may be a checkpoint (directory or ``s3://``) or a manifest JSON
@@ -102,18 +103,18 @@ def _run(args: argparse.Namespace) -> int:
         _print_json(stats.to_json())
         return 0
     if args.command == "apply":
-        from snapshots.host import HostWeights
+        from snapshots.stream import materialize_chain_report
 
-        weights = HostWeights.load(args.base, s3=s3(args.base), workers=args.workers)
-        reports = [weights.apply_delta_report(d, s3=s3(d)) for d in args.deltas]
-        out = weights.materialize(args.out)
+        report = materialize_chain_report(
+            args.base, args.deltas, args.out, s3=s3(args.base, *args.deltas), workers=args.workers
+        )
         _print_json(
             {
-                "out": str(out),
-                "tensors": len(weights),
+                "out": str(report.out),
+                "tensors": report.tensors,
                 "deltas": [
                     {"location": r.location, "version": r.version, "changed": len(r.changed), "wire_bytes": r.wire_bytes}
-                    for r in reports
+                    for r in report.deltas
                 ],
             }
         )

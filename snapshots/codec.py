@@ -2,10 +2,13 @@
 
 A delta tensor is one zstd frame of ``new XOR base`` over the tensor's raw bytes. To apply it:
 
-1. the frame is inflated into a per-thread scratch buffer of exactly the base tensor's byte
-   length. A frame that *declares* another size is refused before anything is decompressed; a
-   frame without a declared size is decompressed into that fixed buffer and refused if it
-   would produce even one byte more (so a zstd bomb is never allocated) or fewer;
+1. the frame is checked before anything is decompressed (:func:`check_frame`): it must be no
+   larger than any zstd frame of the base tensor's byte length can be (checked before it is even
+   read), be one zstd frame whose block headers end exactly at the end of the delta tensor
+   (trailing bytes are refused), and not *declare* a decompressed size other than the base
+   tensor's. It is then inflated into a per-thread scratch buffer of exactly that length; a frame
+   without a declared size is refused if it would produce even one byte more (so a zstd bomb is
+   never allocated) or fewer;
 2. the scratch is XORed into the target tensor in place;
 3. the Adler-32 of the result is compared with the writer's; on a mismatch the XOR is undone
    at once (XOR is its own inverse).
@@ -78,21 +81,71 @@ class _ThreadState(threading.local):
 _state = _ThreadState()
 
 
-def inflate_exact(frame: Any, out: np.ndarray, *, file: str | None = None, tensor: str | None = None) -> None:
-    """Decompress the single zstd frame ``frame`` into ``out``, which it must fill exactly.
+def max_frame_bytes(nbytes: int) -> int:
+    """The most bytes a zstd frame of ``nbytes`` decompressed bytes can take.
+
+    zstd's ``ZSTD_COMPRESSBOUND`` (what every zstd writer stays within), plus room for the
+    largest frame header and a content checksum. Longer "frames" are refused before they are
+    read, so a delta cannot make the reader fetch or hold more than about one tensor.
+    """
+    small = (128 * 1024 - nbytes) >> 11 if nbytes < 128 * 1024 else 0
+    return nbytes + (nbytes >> 8) + small + 32
+
+
+def check_wire_size(wire_bytes: int, nbytes: int, *, file: str | None = None, tensor: str | None = None) -> None:
+    """Refuse a frame longer than any zstd frame of ``nbytes`` can be (see :func:`max_frame_bytes`)."""
+    if wire_bytes > max_frame_bytes(nbytes):
+        raise DeltaMismatchError(
+            f"frame is {wire_bytes} bytes, more than any zstd frame of the base tensor's {nbytes} "
+            f"bytes can be ({max_frame_bytes(nbytes)}); refused without reading it",
+            file=file,
+            tensor=tensor,
+        )
+
+
+_BLOCK_RLE, _BLOCK_RESERVED = 1, 3
+
+
+def zstd_frame_length(frame: Any) -> int | None:
+    """Where the first zstd frame in ``frame`` ends, from its header and block headers alone.
+
+    Returns ``None`` when ``frame`` ends before the frame does. Raises ``zstandard.ZstdError``
+    (bad magic or header) or ``ValueError`` (a reserved block type).
+    """
+    view = memoryview(frame).cast("B")
+    size = len(view)
+    pos = zstandard.frame_header_size(view)
+    while True:
+        if pos + 3 > size:
+            return None
+        header = view[pos] | view[pos + 1] << 8 | view[pos + 2] << 16
+        kind = (header >> 1) & 3
+        if kind == _BLOCK_RESERVED:
+            raise ValueError(f"reserved block type at byte {pos}")
+        # An RLE block stores one byte however many it stands for.
+        pos += 3 + (1 if kind == _BLOCK_RLE else header >> 3)
+        if header & 1:  # last block
+            break
+    if zstandard.get_frame_parameters(view).has_checksum:
+        pos += 4
+    return pos if pos <= size else None
+
+
+def check_frame(frame: Any, nbytes: int, *, file: str | None = None, tensor: str | None = None) -> memoryview:
+    """Check, without decompressing, that ``frame`` is one zstd frame that may inflate to
+    ``nbytes``: not empty, a zstd header, no declared size other than ``nbytes``, no bytes after
+    the frame, not cut short. Returns it as a byte memoryview.
 
     Raises:
-        DeltaMismatchError: not a zstd frame, corrupt, or it decompresses to a size other than
-            ``out.nbytes`` (checked from the frame header first, then by decompressing into
-            ``out`` and probing for one byte more, so an oversize frame is never allocated).
+        DeltaMismatchError: naming ``file`` and ``tensor``.
     """
-    nbytes = out.nbytes
-    view = memoryview(frame)
+    view = memoryview(frame).cast("B")
     if len(view) == 0:
         raise DeltaMismatchError("empty zstd frame", file=file, tensor=tensor)
     try:
         declared = zstandard.frame_content_size(view)
-    except zstandard.ZstdError as exc:
+        end = zstd_frame_length(view)
+    except (zstandard.ZstdError, ValueError) as exc:
         raise DeltaMismatchError(f"not a zstd frame ({exc})", file=file, tensor=tensor) from None
     if declared != _UNKNOWN_SIZE and declared != nbytes:
         raise DeltaMismatchError(
@@ -101,18 +154,55 @@ def inflate_exact(frame: Any, out: np.ndarray, *, file: str | None = None, tenso
             file=file,
             tensor=tensor,
         )
-    target = memoryview(out).cast("B")
+    if end is None:
+        raise DeltaMismatchError(
+            f"zstd frame is cut short: its blocks run past the tensor's {len(view)} bytes",
+            file=file,
+            tensor=tensor,
+        )
+    if end != len(view):
+        raise DeltaMismatchError(
+            f"{len(view) - end} trailing bytes after the zstd frame (it ends at byte {end} of "
+            f"{len(view)}); refused",
+            file=file,
+            tensor=tensor,
+        )
+    return view
+
+
+def fill_from(reader: Any, out: memoryview) -> int:
+    """Read from a zstd stream reader into ``out`` until it is full or the frame ends."""
     got = 0
+    while got < len(out):
+        n = reader.readinto(out[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def inflate_exact(frame: Any, out: np.ndarray, *, file: str | None = None, tensor: str | None = None) -> None:
+    """Decompress the single zstd frame ``frame`` into ``out``, which it must fill exactly.
+
+    Raises:
+        DeltaMismatchError: not a zstd frame, trailing bytes, corrupt, or it decompresses to a
+            size other than ``out.nbytes`` (checked from the frame header first, then by
+            decompressing into ``out`` and probing for one byte more, so an oversize frame is
+            never allocated).
+    """
+    nbytes = out.nbytes
+    view = check_frame(frame, nbytes, file=file, tensor=tensor)
     try:
         with _state.dctx.stream_reader(view, read_across_frames=False) as reader:
-            while got < nbytes:
-                n = reader.readinto(target[got:])
-                if not n:
-                    break
-                got += n
+            got = fill_from(reader, memoryview(out).cast("B"))
             overflow = reader.read(1) if got == nbytes else b""
     except zstandard.ZstdError as exc:
         raise DeltaMismatchError(f"corrupt zstd frame ({exc})", file=file, tensor=tensor) from None
+    check_inflated(got, overflow, nbytes, file=file, tensor=tensor)
+
+
+def check_inflated(got: int, overflow: bytes, nbytes: int, *, file: str | None, tensor: str | None) -> None:
+    """Refuse a frame that produced ``got`` bytes instead of ``nbytes``, or had more to give."""
     if got != nbytes:
         raise DeltaMismatchError(
             f"frame decompresses to {got} bytes but the base tensor has {nbytes}",
@@ -175,10 +265,11 @@ def apply_plan_in_place(
         if abort.is_set():
             return ""
         file = plan.source.describe(item.file)
+        target = targets[item.name]
+        check_wire_size(item.wire_bytes, target.nbytes, file=file, tensor=item.name)
         frame = plan.source.read_range(item.file, item.begin, item.wire_bytes)
         if len(frame) != item.wire_bytes:
             raise DeltaMismatchError("frame is truncated", file=file, tensor=item.name)
-        target = targets[item.name]
         diff = _state.buffer(target.nbytes)
         inflate_exact(frame, diff, file=file, tensor=item.name)
         if abort.is_set():
@@ -266,6 +357,12 @@ __all__ = [
     "apply_delta",
     "apply_plan_in_place",
     "as_byte_array",
+    "check_frame",
+    "check_inflated",
+    "check_wire_size",
     "default_workers",
+    "fill_from",
     "inflate_exact",
+    "max_frame_bytes",
+    "zstd_frame_length",
 ]

@@ -24,10 +24,9 @@ shards copy-on-write instead, so only the pages a delta touches become private m
 
 from __future__ import annotations
 
-import json
 import mmap as mmap_module
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,21 +38,24 @@ from snapshots.codec import DeltaReport, adler32_hex, apply_plan_in_place, defau
 from snapshots.errors import ChecksumError, SnapshotError
 from snapshots.inspect import (
     INDEX_FILE,
-    SHARD_SUFFIX,
     DeltaPlan,
     FullLayout,
     read_delta_plan,
     read_full_layout,
 )
-from snapshots.safetensors_io import encode_header, readinto_exact
+from snapshots.safetensors_io import readinto_exact
 from snapshots.storage import LocalSource, replacing_directory
+from snapshots.stream import (
+    full_index,
+    full_shard_header,
+    materialize_chain_report,
+    shard_tensor_order,
+    side_files,
+    stream_checksums,
+)
 
-#: Non-shard files (config, tokenizer) larger than this are not carried along to materialize.
-MAX_SIDE_FILE_BYTES = 256 * 2**20
 #: Remote shards are fetched in parts of this size, concurrently.
 _REMOTE_PART_BYTES = 64 * 2**20
-#: Index metadata keys that describe a delta, dropped when weights are written as a full snapshot.
-_DELTA_KEYS = ("delta_encoding", "compression_format", "version", "base_version")
 
 _TORCH_DTYPES = {
     "BOOL": "bool",
@@ -167,12 +169,7 @@ class HostWeights:
 
             with ThreadPoolExecutor(max_workers=min(workers, max(1, len(parts)))) as pool:
                 list(pool.map(fetch, parts))
-        side_files = {
-            name: source.read_all(name)
-            for name, size in layout.files.items()
-            if not name.endswith(SHARD_SUFFIX) and name != INDEX_FILE and size <= MAX_SIDE_FILE_BYTES
-        }
-        weights = cls(layout, buffers, side_files, workers=workers)
+        weights = cls(layout, buffers, {name: source.read_all(name) for name in side_files(layout)}, workers=workers)
         if verify and layout.checksums:
             weights._verify_recorded(layout.checksums)
         return weights
@@ -232,11 +229,15 @@ class HostWeights:
         """Copies of the named tensors' bytes, for :meth:`restore` (undo of a multi-delta chain)."""
         return {name: self.raw(name).copy() for name in names}
 
-    def restore(self, saved: dict[str, np.ndarray]) -> None:
-        """Put back bytes from :meth:`save`; their cached checksums are dropped."""
+    def restore(self, saved: dict[str, np.ndarray], checksums: dict[str, str] | None = None) -> None:
+        """Put back bytes from :meth:`save` (or bytes received elsewhere). Their cached checksums
+        are dropped, or set from ``checksums`` when the caller has verified the bytes."""
         for name, old in saved.items():
             self._views[name][...] = old
-            self._checksums.pop(name, None)
+            if checksums is not None and name in checksums:
+                self._checksums[name] = checksums[name].lower()
+            else:
+                self._checksums.pop(name, None)
 
     @property
     def total_bytes(self) -> int:
@@ -297,54 +298,34 @@ class HostWeights:
         out = Path(out_dir)
         checksums = self.checksums()
         with replacing_directory(out) as tmp:
-            by_shard: dict[str, list[str]] = {}
-            for name, info in self._info.items():
-                by_shard.setdefault(info.shard, []).append(name)
-            for shard, names in by_shard.items():
-                header = self._layout.headers[shard]
-                names.sort(key=lambda n: header.tensors[n].begin)  # keep the file's tensor order
-                metadata = {k: v for k, v in header.metadata.items() if k not in header.tensors}
-                metadata.update({n: checksums[n] for n in names})
-                head = encode_header(
-                    ((n, self._info[n].dtype, self._info[n].shape, self._info[n].nbytes) for n in names),
-                    metadata,
-                )
+            for shard, names in shard_tensor_order(self._layout).items():
                 with open(tmp / shard, "wb") as f:
-                    f.write(head)
+                    f.write(full_shard_header(self._layout, shard, names, checksums))
                     for n in names:
                         f.write(memoryview(self._views[n]))
-            metadata = {k: v for k, v in self._layout.index.metadata.items() if k not in _DELTA_KEYS}
-            metadata["total_size"] = self.total_bytes
-            metadata["checksum_format"] = "adler32"
-            index = {"metadata": metadata, "weight_map": {n: i.shard for n, i in self._info.items()}}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            (tmp / INDEX_FILE).write_text(full_index(self._layout))
             for name, body in self._side_files.items():
                 (tmp / name).write_bytes(body)
         return out
 
 
-def materialize_chain(
-    base: Any,
-    deltas: list[Any],
-    out_dir: str | os.PathLike[str],
-    *,
-    s3: Any = None,
-    workers: int | None = None,
-) -> Path:
+def materialize_chain(base: Any, deltas: Sequence[Any], out_dir: str | os.PathLike[str], **options: Any) -> Path:
     """Reconstruct ``base`` + ``deltas`` (in order) as a full checkpoint directory ``out_dir``.
 
-    Every delta is validated and applied all-or-nothing; on any failure ``out_dir`` is not
-    created (or replaced) and the error names the delta's file and tensor.
+    Streams, in memory bounded by a few tensors whatever the model size:
+    :func:`snapshots.stream.materialize_chain_report` (whose keyword ``options`` - ``s3``,
+    ``workers``, ``fsync`` - this takes) states the contract. Every delta is validated and
+    applied all-or-nothing; on any failure ``out_dir`` is not created (or replaced) and the error
+    names the file and tensor. ``out_dir`` may be ``base`` (an in-place apply).
     """
-    weights = HostWeights.load(base, s3=s3, workers=workers)
-    for delta in deltas:
-        weights.apply_delta(delta, s3=s3)
-    return weights.materialize(out_dir)
+    out = materialize_chain_report(base, deltas, out_dir, **options).out
+    assert out is not None
+    return out
 
 
 def checkpoint_checksums(location: Any, *, s3: Any = None, workers: int | None = None) -> dict[str, str]:
-    """Adler-32 of every tensor of a full checkpoint, computed from its bytes."""
-    return HostWeights.load(location, s3=s3, mmap=True, verify=False, workers=workers).checksums()
+    """Adler-32 of every tensor of a full checkpoint, computed from its bytes (streamed)."""
+    return stream_checksums(location, s3=s3, workers=workers, verify=False)
 
 
 def compare_checksums(ours: dict[str, str], theirs: dict[str, str]) -> list[str]:

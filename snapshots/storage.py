@@ -155,14 +155,7 @@ class S3Source:
     def read_range(self, name: str, offset: int, length: int) -> bytes:
         if length <= 0:
             return b""
-        answer = self._call(
-            "get_object",
-            self.describe(name),
-            Bucket=self.location.bucket,
-            Key=self.location.prefix + name,
-            Range=f"bytes={offset}-{offset + length - 1}",
-        )
-        body = answer["Body"]
+        body = self.open_range(name, offset, length)
         try:
             return body.read()
         finally:
@@ -176,6 +169,18 @@ class S3Source:
             Key=self.location.prefix + name,
         )
         return answer["Body"].read()
+
+    def open_range(self, name: str, offset: int, length: int) -> Any:
+        """One ranged GET of ``length`` bytes from ``offset``, as a stream (``read(n)``, ``close()``)
+        to read in pieces, so a large range never sits in memory whole."""
+        answer = self._call(
+            "get_object",
+            self.describe(name),
+            Bucket=self.location.bucket,
+            Key=self.location.prefix + name,
+            Range=f"bytes={offset}-{offset + length - 1}",
+        )
+        return answer["Body"]
 
     def describe(self, name: str) -> str:
         return self.uri + name
@@ -259,10 +264,11 @@ __all__ = [
 
 
 @contextmanager
-def replacing_directory(out: Path) -> Iterator[Path]:
+def replacing_directory(out: Path, *, fsync: bool = False) -> Iterator[Path]:
     """A fresh temporary sibling of ``out`` to write a checkpoint into. When the block ends
     normally it replaces ``out`` whole; when it raises it is removed. So ``out`` never holds a
-    partial checkpoint."""
+    partial checkpoint. With ``fsync`` the rename is made durable too (the block must have
+    synced what it wrote)."""
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -274,4 +280,15 @@ def replacing_directory(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if fsync:
+        fsync_path(out.parent)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes renames in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 

@@ -1,4 +1,5 @@
-"""Fixtures for the snapshots tests: small synthetic checkpoints, cwtrain's interpreter, a fake S3.
+"""Fixtures for the snapshots tests: small synthetic checkpoints, cwtrain's interpreter, a fake S3
+and a real one (SeaweedFS).
 
 Everything here is a few MB at most; the realistic large generator is for bench/ only. Plain
 helpers live in ``snapshot_helpers.py`` (this directory is put on ``sys.path`` for them).
@@ -8,17 +9,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from snapshot_helpers import FakeS3, copy_tree, cwtrain_python  # noqa: E402
+from snapshot_helpers import FakeS3, copy_tree, cwtrain_python, mutate_checkpoint  # noqa: E402
 
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
+from workers.settings import Settings  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +36,14 @@ def delta(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     out = tmp_path_factory.mktemp("delta") / "d1"
     write_delta(pair[0], pair[1], out, version="000001", base_version="000000")
     return out
+
+@pytest.fixture(scope="session")
+def chain(pair: tuple[Path, Path], delta: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path], Path]:
+    """``pair``'s base, two deltas ``[delta, d2]``, and the checkpoint they reconstruct."""
+    root = tmp_path_factory.mktemp("chain")
+    step2 = mutate_checkpoint(pair[1], root / "step2", seed=11)
+    write_delta(pair[1], step2, root / "d2", version="000002", base_version="000001")
+    return pair[0], [delta, root / "d2"], step2
 
 @pytest.fixture
 def base_copy(pair: tuple[Path, Path], tmp_path: Path) -> Path:
@@ -58,3 +68,31 @@ def fake_s3(tmp_path: Path) -> FakeS3:
     (tmp_path / "s3" / "bucket").mkdir(parents=True)
     return FakeS3(tmp_path / "s3")
 
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    """A real SeaweedFS S3 server (``weed mini`` on 127.0.0.1 only, on free ports, its bucket
+    created), started the way the stack starts it and stopped by its pid at the end."""
+    from tests.stack_fixtures import free_port_base
+    from workers.processes import stop_pid
+    from workers.stack import Stack, StackError
+
+    for attempt in range(3):
+        settings = Settings.create(tmp_path_factory.mktemp("seaweed"), free_port_base())
+        stack = Stack(settings)
+        try:
+            stack.start("s3")
+            break
+        except StackError:
+            # Other test sessions on this machine take ports too: a port found free may be gone
+            # by the time weed binds it. Another range then.
+            if attempt == 2:
+                raise
+    try:
+        yield settings
+    finally:
+        pid_file = stack.pid_file("s3")
+        pid = pid_file.alive_pid()
+        if pid:
+            stop_pid(pid, timeout=20)
+        pid_file.remove()

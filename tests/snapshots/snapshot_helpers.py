@@ -151,3 +151,42 @@ class FakeS3:
         return {"Body": io.BytesIO(data), "ContentLength": len(data)}
 
 
+
+
+# ------------------------------------------------------------------------------ real S3
+
+
+class GetCounter:
+    """Records every GetObject a real boto3 client makes: key, Range header, bytes returned.
+
+    Hooks the client's own event system (no stand-in: the requests still go to the server).
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.gets: list[tuple[str, str | None, int]] = []
+        client.meta.events.register("before-parameter-build.s3.GetObject", self._request)
+        client.meta.events.register("after-call.s3.GetObject", self._response)
+
+    def _request(self, params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
+        context["counted"] = (params["Key"], params.get("Range"))
+
+    def _response(self, parsed: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
+        key, byte_range = context["counted"]
+        self.gets.append((key, byte_range, int(parsed.get("ContentLength", 0))))
+
+    def clear(self) -> None:
+        self.gets.clear()
+
+    def under(self, prefix: str) -> list[tuple[str, str | None, int]]:
+        return [g for g in self.gets if g[0].startswith(prefix)]
+
+
+def ranges(gets: list[tuple[str, str | None, int]]) -> list[tuple[str, int, int]]:
+    """``(file name, first byte, length)`` of ranged GETs, sorted."""
+    out = []
+    for key, byte_range, _ in gets:
+        assert byte_range is not None, f"{key} was fetched whole"
+        first, last = (int(x) for x in byte_range.removeprefix("bytes=").split("-"))
+        out.append((key.rsplit("/", 1)[1], first, last - first + 1))
+    return sorted(out)
+

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zstandard
-from snapshot_helpers import adler, mutate_checkpoint, raw_bytes, write_delta_dir, xor_frame
+from snapshot_helpers import adler, copy_tree, mutate_checkpoint, raw_bytes, write_delta_dir, xor_frame
 
 from snapshots import (
     ChecksumError,
@@ -17,6 +17,7 @@ from snapshots import (
     SnapshotError,
     apply_delta,
     materialize_chain,
+    materialize_chain_report,
     write_delta,
 )
 
@@ -101,12 +102,25 @@ def _two_tensors(weights: HostWeights, pair: tuple[Path, Path]) -> tuple[str, st
     return changed[0], changed[1], new
 
 
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in root.iterdir()}
+
+
 def _assert_fails_untouched(weights: HostWeights, delta_dir: Path, error: type[Exception], pattern: str) -> None:
+    """The delta fails the same way in memory (HostWeights) and streamed in place into a copy of
+    the base directory, and neither target changes."""
     before = raw_bytes(weights)
     with pytest.raises(error, match=pattern) as info:
         weights.apply_delta(delta_dir)
     assert isinstance(info.value, SnapshotError) and isinstance(info.value, ValueError)
     assert raw_bytes(weights) == before
+    target = copy_tree(Path(weights.source_uri), delta_dir.parent / "in-place-target")
+    files = _tree(target)
+    with pytest.raises(error, match=pattern):
+        # Small chunks, so a frame's faults show up mid-tensor too.
+        materialize_chain_report(target, [delta_dir], target, chunk_bytes=4096)
+    assert _tree(target) == files
+    assert [p.name for p in delta_dir.parent.iterdir() if p.name.startswith(".")] == []  # no temp left
 
 
 def test_wrong_checksum_rolls_back_every_tensor(weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path) -> None:
@@ -138,8 +152,12 @@ def test_frame_of_wrong_size_without_declared_size(weights: HostWeights, pair: t
     _assert_fails_untouched(weights, d, DeltaMismatchError, rf"tensor '{a}': frame decompresses to")
 
 
+def _largest(weights: HostWeights) -> str:
+    return max(weights.names(), key=lambda n: weights.info(n).nbytes)
+
+
 def test_zstd_bomb_declared_size_is_refused_before_decompressing(weights: HostWeights, tmp_path: Path) -> None:
-    a = weights.names()[1]
+    a = _largest(weights)
     bomb = zero_bomb(declare_size=True)
     assert len(bomb) < 64 * 2**10 and zstandard.frame_content_size(bomb) == BOMB_BYTES
     d = write_delta_dir(tmp_path / "d", {a: bomb}, {a: "00000001"})
@@ -149,7 +167,7 @@ def test_zstd_bomb_declared_size_is_refused_before_decompressing(weights: HostWe
 def test_zstd_bomb_without_declared_size_stops_at_the_tensor_size(weights: HostWeights, tmp_path: Path) -> None:
     import resource
 
-    a = weights.names()[1]
+    a = _largest(weights)
     bomb = zero_bomb(declare_size=False)
     assert len(bomb) < 64 * 2**10 and zstandard.frame_content_size(bomb) == -1
     d = write_delta_dir(tmp_path / "d", {a: bomb}, {a: "00000001"})
@@ -165,6 +183,37 @@ def test_corrupt_frame(weights: HostWeights, pair: tuple[Path, Path], tmp_path: 
     frame[len(frame) // 2 :] = bytes(len(frame) - len(frame) // 2)
     d = write_delta_dir(tmp_path / "d", {a: bytes(frame)}, {a: adler(new.raw(a))})
     _assert_fails_untouched(weights, d, SnapshotError, rf"tensor '{a}': ")
+
+
+def test_trailing_bytes_after_the_frame(weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path) -> None:
+    a, b, new = _two_tensors(weights, pair)
+    frames = {a: xor_frame(weights.raw(a), new.raw(a)), b: xor_frame(weights.raw(b), new.raw(b)) + b"\x00" * 7}
+    d = write_delta_dir(tmp_path / "d", frames, {a: adler(new.raw(a)), b: adler(new.raw(b))})
+    _assert_fails_untouched(weights, d, DeltaMismatchError, rf"{SHARD}: tensor '{b}': 7 trailing bytes after the zstd frame")
+
+
+def test_second_frame_after_the_frame(weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path) -> None:
+    a, _, new = _two_tensors(weights, pair)
+    frame = xor_frame(weights.raw(a), new.raw(a))
+    empty = zstandard.ZstdCompressor().compress(b"")
+    d = write_delta_dir(tmp_path / "d", {a: frame + empty}, {a: adler(new.raw(a))})
+    _assert_fails_untouched(weights, d, DeltaMismatchError, rf"tensor '{a}': {len(empty)} trailing bytes after the zstd frame")
+
+
+def test_frame_cut_short(weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path) -> None:
+    a, _, new = _two_tensors(weights, pair)
+    frame = xor_frame(weights.raw(a), new.raw(a), write_checksum=True)
+    d = write_delta_dir(tmp_path / "d", {a: frame[:-2]}, {a: adler(new.raw(a))})
+    _assert_fails_untouched(weights, d, DeltaMismatchError, rf"{SHARD}: tensor '{a}': zstd frame is cut short")
+
+
+def test_frame_longer_than_any_frame_of_the_tensor(weights: HostWeights, tmp_path: Path) -> None:
+    a = weights.names()[1]
+    nbytes = weights.info(a).nbytes
+    # Incompressible content in raw blocks of the right size, padded past zstd's bound.
+    oversize = zstandard.ZstdCompressor(level=1).compress(np.random.default_rng(0).bytes(nbytes)) + bytes(4096)
+    d = write_delta_dir(tmp_path / "d", {a: oversize}, {a: "00000001"})
+    _assert_fails_untouched(weights, d, DeltaMismatchError, rf"{SHARD}: tensor '{a}': frame is {len(oversize)} bytes, more than any zstd frame of the base tensor's {nbytes} bytes can be")
 
 
 def test_not_a_zstd_frame(weights: HostWeights, tmp_path: Path) -> None:
