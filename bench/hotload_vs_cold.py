@@ -92,6 +92,7 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cold-runs", type=int, default=1)
+    ap.add_argument("--keep", action="store_true", help="keep the stack's home (logs) afterwards")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-hotload-"))
@@ -153,7 +154,10 @@ def main() -> int:
         print(f"bytes from the bucket per replica {bytes_per_replica[-1]}  (full checkpoint: {info['tensor_bytes']})")
     finally:
         stack.down(say=lambda line: None)
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"kept {work} (replica logs under home/replicas/)")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

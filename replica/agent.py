@@ -13,6 +13,7 @@ nothing the engine sees), commit, and roll-back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -95,6 +96,7 @@ class StagedUpdate:
     changed_by_link: dict[str, list[str] | None] = field(default_factory=dict)
     nothing_to_do: bool = False
     identity: str = ""
+    link_dirs: dict[str, Path] = field(default_factory=dict)  # local files of each delta link
 
 
 class ReplicaRuntime:
@@ -121,6 +123,7 @@ class ReplicaRuntime:
         # Tensors each applied link changed (None: not known, so treat as all).
         self.changed_by_link: dict[str, list[str] | None] = {}
         self.peer_stage: PeerStage | None = None
+        self.link_dirs: dict[str, Path] = {}
         self.lock = asyncio.Lock()
 
     @property
@@ -128,7 +131,22 @@ class ReplicaRuntime:
         return self.applied[-1]
 
     # ------------------------------------------------------------------ from the bucket
-    def stage_chain(self, inp: ApplySnapshotInput) -> StagedUpdate:
+    @property
+    def links_root(self) -> Path:
+        """Delta links this replica fetched or received, kept to offer them to peers."""
+        return self.staging / "links"
+
+    def clear_links(self) -> None:
+        shutil.rmtree(self.links_root, ignore_errors=True)
+        self.link_dirs = {}
+
+    def stage_chain(self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None) -> StagedUpdate:
+        """Apply the chain links this replica is missing to its host copy (or load a new full
+        base) and write the changed tensors to a staging file; the engine is not touched.
+
+        A delta link comes from `local_links` when given (received from a peer), else its files
+        are downloaded from the bucket into `links_root` first (a delta's files hold only the
+        changed tensors, so that is what a ranged read would fetch) and kept for peers."""
         from snapshots.errors import ChainError
         from snapshots.host import HostWeights
         from snapshots.inspect import read_delta_plan
@@ -155,16 +173,21 @@ class ReplicaRuntime:
         changed: set[str] = set()
         try:
             for link in todo:
-                plan = read_delta_plan(snapshot_uri(inp.bucket, inp.path_prefix, link.identity), s3=self.s3)
+                location = (local_links or {}).get(link.identity)
+                if location is None:
+                    location = self.links_root / link.identity
+                    prefix = "/".join(p for p in (inp.path_prefix.strip("/"), link.identity) if p)
+                    staged.bytes_read += download_prefix(self.s3, inp.bucket, prefix, location)
+                plan = read_delta_plan(location)
                 if staged.new_host is None:
                     # Each delta is all-or-nothing; a chain of several is undone from these copies.
                     fresh = [n for n in plan.tensors if n not in staged.backups and n in target]
                     staged.backups.update(target.save(fresh))
-                link_changed = target.apply_delta(plan, s3=self.s3)
+                link_changed = target.apply_delta(plan)
                 changed.update(link_changed)
                 staged.changed_by_link[link.identity] = list(link_changed)
-                staged.bytes_read += plan.wire_bytes
                 staged.links.append(link.identity)
+                staged.link_dirs[link.identity] = Path(location)
         except Exception:
             self.host.restore(staged.backups)
             raise
@@ -184,6 +207,8 @@ class ReplicaRuntime:
 
     async def apply_from_bucket(self, inp: ApplySnapshotInput) -> ApplySnapshotResult:
         t0 = time.perf_counter()
+        await self.drop_peer_stage()
+        await asyncio.to_thread(self.clear_links)
         staged = await asyncio.to_thread(self.stage_chain, inp)
         timings = {"host_stage": _ms_since(t0)}
         if staged.nothing_to_do:
@@ -211,6 +236,7 @@ class ReplicaRuntime:
             if staged.path is not None:
                 staged.path.unlink(missing_ok=True)
         self._commit([link.identity for link in inp.chain], staged.new_host, staged.changed_by_link)
+        self.link_dirs = staged.link_dirs
         t2 = time.perf_counter()
         verified = await self.prove(staged.names)
         timings.update(pause=pause_ms, prove=_ms_since(t2), total=_ms_since(t0))
@@ -273,6 +299,20 @@ class ReplicaRuntime:
         chain_ids = [link.identity for link in inp.chain]
         if self.applied != chain_ids:
             raise ChainError(f"replica {self.name} serves {self.current_identity!r}, not {inp.identity!r}")
+        link_dir = self.link_dirs.get(chain_ids[-1])
+        if (inp.accept_files and self.peer_backend == "gloo" and len(chain_ids) > 1
+                and inp.target_identity == chain_ids[-2] and link_dir is not None and link_dir.is_dir()):
+            # The receivers miss exactly the link this replica holds as files: send the delta
+            # itself (the changed tensors, XOR+zstd, ~5 % of their bytes for an RL step) rather
+            # than the tensors as served; each receiver decodes and checks it against its own copy.
+            files = sorted(f for f in link_dir.iterdir() if f.is_file())
+            return PeerOffer(
+                source_replica=self.name, host=self.peer_host, port=free_port(self.peer_host),
+                backend=self.peer_backend, base_identity=inp.target_identity, identity=inp.identity,
+                chain=inp.chain, specs=[[f.name, "uint8", [f.stat().st_size]] for f in files],
+                expected_adler32={f.name: _file_adler32(f) for f in files}, world_size=inp.world_size,
+                mode="files",
+            )
         if inp.target_identity in chain_ids[:-1]:
             missing = chain_ids[chain_ids.index(inp.target_identity) + 1 :]
             known = [self.changed_by_link.get(i) for i in missing]
@@ -356,13 +396,33 @@ class ReplicaRuntime:
 
     # ------------------------------------------------------------------ broadcast walk
     async def send_to_peers(self, offer: PeerOffer) -> int:
-        """Broadcast the offered tensors from this engine to every receiver of the offer's group
-        (they join concurrently); the engine keeps serving while it sends."""
-        await self.engine.start_peer_stage_send(
-            offer.host, offer.port, offer.world_size, [s[0] for s in offer.specs], offer.backend,
-            timeout_s=PEER_JOIN_TIMEOUT_S,
-        )
+        """Broadcast the offered tensors (or delta files) from this engine to every receiver of
+        the offer's group (they join concurrently); the engine keeps serving while it sends."""
+        if offer.mode == "files":
+            link_dir = self.link_dirs[offer.identity]
+            await self.engine.start_peer_send_files(
+                offer.host, offer.port, offer.world_size, [str(link_dir / s[0]) for s in offer.specs],
+                offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S,
+            )
+        else:
+            await self.engine.start_peer_stage_send(
+                offer.host, offer.port, offer.world_size, [s[0] for s in offer.specs], offer.backend,
+                timeout_s=PEER_JOIN_TIMEOUT_S,
+            )
         return int((await self.engine.wait_job("send"))["bytes"])
+
+    async def drop_peer_stage(self) -> None:
+        """Undo a stage that was never committed (a canceled walk): the host copy goes back to
+        what the engine serves, and the engine drops its staged tensors."""
+        stage, self.peer_stage = self.peer_stage, None
+        if stage is None:
+            return
+        if stage.staged is not None:
+            self.host.restore(stage.staged.backups)
+            if stage.staged.path is not None:
+                stage.staged.path.unlink(missing_ok=True)
+        with contextlib.suppress(Exception):
+            await self.engine.discard_staged()
 
     async def stage_from_peer(self, offer: PeerOffer, rank: int) -> StageFromPeerResult:
         """Join the offer's group as `rank`, receive and check the tensors into an engine stage
@@ -374,7 +434,9 @@ class ReplicaRuntime:
                 f"replica {self.name} serves {self.current_identity!r}; the offer completes {offer.base_identity!r}"
             )
         t0 = time.perf_counter()
-        self.peer_stage = None
+        await self.drop_peer_stage()
+        if offer.mode == "files":
+            return await self._stage_files_from_peer(offer, rank, t0)
         self.staging.mkdir(parents=True, exist_ok=True)
         path = self.staging / f"peer-{offer.identity}.safetensors"
         try:
@@ -399,19 +461,74 @@ class ReplicaRuntime:
         return StageFromPeerResult(identity=offer.identity, tensors_staged=int(got["tensors"]),
                                    bytes_received=int(got["bytes"]), stage_ms=_ms_since(t0))
 
+    async def _stage_files_from_peer(self, offer: PeerOffer, rank: int, t0: float) -> StageFromPeerResult:
+        """Receive a delta link's files from a peer, then stage them exactly like the bucket
+        path does (host copy first, every changed tensor's Adler-32 checked, then the engine)."""
+        from snapshots.errors import ChainError
+
+        chain_ids = [link.identity for link in offer.chain]
+        if self.applied != chain_ids[:-1]:
+            raise ChainError(f"replica {self.name} serves {self.current_identity!r}; the delta from "
+                             f"{offer.source_replica} applies to {chain_ids[-2]!r}")
+        await asyncio.to_thread(self.clear_links)
+        link_dir = self.links_root / offer.identity
+        try:
+            await self.engine.start_peer_receive_files(
+                offer.host, offer.port, rank, offer.world_size, offer.specs, offer.expected_adler32,
+                link_dir, offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S,
+            )
+            got = await self.engine.wait_job("receive")
+        except Exception as exc:
+            raise EngineUpdateError(f"receiving from {offer.source_replica} failed; previous weights kept: "
+                                    f"{one_line(exc)}") from None
+        inp = ApplySnapshotInput(hot_load_id="", identity=offer.identity, chain=offer.chain, bucket="", path_prefix="")
+        staged = await asyncio.to_thread(self.stage_chain, inp, {offer.identity: link_dir})
+        try:
+            await self.engine.stage_from_files(staged.identity, [str(staged.path)], staged.names,
+                                               expected_adler32=staged.expected)
+        except Exception as exc:
+            self.host.restore(staged.backups)
+            staged.path.unlink(missing_ok=True)  # type: ignore[union-attr]
+            raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
+                                    f"weights: {one_line(exc)}") from None
+        self.peer_stage = PeerStage(offer=offer, received=None, staged=staged)
+        return StageFromPeerResult(identity=offer.identity, tensors_staged=len(staged.names),
+                                   bytes_received=int(got["bytes"]), stage_ms=_ms_since(t0))
+
     async def commit_peer_stage(self, identity: str, policy: PromptCachePolicy) -> ApplySnapshotResult:
         """Swap a peer stage in (one short pause), then move the host copy and prove it."""
         from snapshots.errors import ChainError
 
-        stage, self.peer_stage = self.peer_stage, None
+        stage = self.peer_stage
         if stage is None or stage.offer.identity != identity:
+            await self.drop_peer_stage()
             raise ChainError(f"replica {self.name} has no stage for {identity!r}")
+        self.peer_stage = None
         offer = stage.offer
         if offer.base_identity != "*" and self.current_identity != offer.base_identity:
-            await self.engine.discard_staged()
+            self.peer_stage = stage
+            await self.drop_peer_stage()
             raise ChainError(f"replica {self.name} serves {self.current_identity!r}; the stage completes "
                              f"{offer.base_identity!r}")
         t0 = time.perf_counter()
+        if stage.staged is not None:  # a delta link received as files, staged like the bucket path
+            staged = stage.staged
+            names_ = staged.names
+            try:
+                pause_ms = await self._swap_staged(identity, staged.backups, len(names_), policy)
+            finally:
+                staged.path.unlink(missing_ok=True)  # type: ignore[union-attr]
+            self._commit([link.identity for link in offer.chain], None, staged.changed_by_link)
+            self.link_dirs = staged.link_dirs
+            t1 = time.perf_counter()
+            verified = await self.prove(names_)
+            log.info("applied %s from %s (delta files): %s", identity, offer.source_replica,
+                     _fmt({"pause": pause_ms, "prove": _ms_since(t1), "total": _ms_since(t0)}))
+            return ApplySnapshotResult(
+                identity=identity, engine_pid=self.engine.pid, tensors_loaded=len(names_),
+                bytes_read_from_bucket=0, pause_ms=pause_ms, source=f"peer:{offer.source_replica}",
+                verified_tensors=verified, links_applied=staged.links,
+            )
         names_ = [s[0] for s in offer.specs]
         saved = self.host.save(names_)
         self.host.restore(stage.received, checksums=offer.expected_adler32)  # verified at staging
@@ -449,11 +566,22 @@ class PeerStage:
     copy; nothing the engine serves has changed yet."""
 
     offer: PeerOffer
-    received: dict[str, np.ndarray]
+    received: dict[str, np.ndarray] | None  # tensors as served (mode "tensors")
+    staged: StagedUpdate | None = None  # a delta link staged on the host copy (mode "files")
 
 
 class EngineUpdateError(RuntimeError):
     """The engine could not take an update; it serves exactly its previous weights."""
+
+
+def _file_adler32(path: Path) -> str:
+    import zlib
+
+    value = 1
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            value = zlib.adler32(chunk, value)
+    return "%08x" % (value & 0xFFFFFFFF)
 
 
 def _adler_mismatches(arrays: dict[str, np.ndarray], expected: dict[str, str]) -> list[str]:

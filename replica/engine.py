@@ -562,6 +562,22 @@ class EngineProcess:
             None if save_path is None else str(save_path), backend, timeout_s,
         )
 
+    async def start_peer_send_files(
+        self, host: str, port: int, world_size: int, paths: Sequence[Path | str], backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> None:
+        """Start broadcasting whole files to ranks 1..world_size-1 (``wait_job("send")``)."""
+        await self._rpc1("peer_send_files", host, port, world_size, [str(p) for p in paths], backend, timeout_s)
+
+    async def start_peer_receive_files(
+        self, host: str, port: int, rank: int, world_size: int, specs: Sequence[Sequence[Any]],
+        expected_adler32: Mapping[str, str], out_dir: Path | str, backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> None:
+        """Start receiving broadcast files into ``out_dir`` (``wait_job("receive")``)."""
+        await self._rpc1("peer_receive_files", host, port, rank, world_size, [list(s) for s in specs],
+                         dict(expected_adler32), str(out_dir), backend, timeout_s)
+
     async def served_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
         """Adler-32 of what the engine serves, computed off the serving path (a background job)."""
         await self._rpc1("checksum_job", None if names is None else list(names))

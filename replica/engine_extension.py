@@ -62,6 +62,10 @@ runs inside the pause:
 - ``peer_stage_receive(label, host, port, rank, world_size, specs, expected_adler32, save_path,
   backend, timeout_s)``: join as ``rank``, receive, check the sender's Adler-32, write the bytes
   to ``save_path`` (a safetensors file the replica's host copy takes them from), stage them;
+- ``peer_send_files(host, port, world_size, paths, backend, timeout_s)`` /
+  ``peer_receive_files(host, port, rank, world_size, specs, expected_adler32, out_dir, backend,
+  timeout_s)``: the same broadcast for whole files (a delta link's XOR+zstd files, a few percent
+  of the changed tensors' bytes), checked by Adler-32 and written to ``out_dir``;
 - ``checksum_job(names)``: Adler-32 of what the engine serves (the served-weights proof);
 - ``job_status()`` -> ``{"kind", "state": "idle"|"running"|"done"|"failed", "result", "error"}``
   (one job at a time; starting another while one runs is refused);
@@ -617,6 +621,12 @@ def _stage(model: torch.nn.Module, label: str, tensors: list[tuple[str, torch.Te
     return _Staged(label, tensors, backup, generation)
 
 
+def _read_file_tensor(path: str) -> torch.Tensor:
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
 def _save_tensors(tensors: list[tuple[str, torch.Tensor]], path: str) -> None:
     from safetensors.torch import save_file
 
@@ -817,11 +827,68 @@ class WeightLoaderExtension:
 
         return self._start_job("stage", run)
 
+    def peer_send_files(
+        self, host: str, port: int, world_size: int, paths: list[str], backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> dict[str, Any]:
+        """Broadcast whole files (a delta link's) as rank 0; each is one uint8 tensor named by
+        its base name."""
+        device = getattr(self, "device", None) if backend == "nccl" else None
+
+        def run() -> dict[str, Any]:
+            files = [(os.path.basename(p), _read_file_tensor(p)) for p in paths]
+            group = PeerGroup.create(host, port, 0, world_size, backend=backend, timeout_s=timeout_s, device=device)
+            try:
+                sent = group.send(files, 0)
+            finally:
+                group.close()
+            return {"sent": len(files), "bytes": sent}
+
+        return self._start_job("send", run)
+
+    def peer_receive_files(
+        self, host: str, port: int, rank: int, world_size: int, specs: list[list[Any]],
+        expected_adler32: dict[str, str], out_dir: str, backend: str = "gloo", timeout_s: float = 300.0,
+    ) -> dict[str, Any]:
+        """Receive files broadcast by rank 0, check each one's Adler-32, write them to
+        ``out_dir`` (created); nothing the engine serves changes."""
+        device = getattr(self, "device", None) if backend == "nccl" else None
+        wanted = normalize_specs(specs)
+        for name, _, _ in wanted:
+            if os.path.basename(name) != name or name in ("", ".", ".."):
+                raise ValueError(f"refusing file name {name!r}: not a plain file name")
+
+        def run() -> dict[str, Any]:
+            group = PeerGroup.create(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, device=device)
+            try:
+                received = group.receive(wanted, 0)
+            finally:
+                group.close()
+            received = [(n, t.to("cpu")) for n, t in received]
+            _check_expected(received, expected_adler32)
+            os.makedirs(out_dir, exist_ok=True)
+            for name, t in received:
+                path = os.path.join(out_dir, name)
+                with open(f"{path}.part", "wb") as f:
+                    f.write(tensor_bytes(t))
+                os.replace(f"{path}.part", path)
+            return {"files": len(received), "bytes": sum(t.numel() for _, t in received)}
+
+        return self._start_job("receive", run)
+
     def checksum_job(self, names: list[str] | None = None) -> dict[str, Any]:
         model = self.model_runner.model  # type: ignore[attr-defined]
-        return self._start_job(
-            "checksums", lambda: {"checksums": {n: adler32_hex(t) for n, t in _select_views(model, names)}}
-        )
+
+        def run() -> dict[str, Any]:
+            from concurrent.futures import ThreadPoolExecutor
+
+            views = _select_views(model, names)
+            # zlib releases the GIL on large buffers: a few threads read the weights in parallel.
+            with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+                digests = list(pool.map(lambda nt: adler32_hex(nt[1]), views))
+            return {"checksums": {n: d for (n, _), d in zip(views, digests)}}
+
+        return self._start_job("checksums", run)
 
     def commit_staged(self, label: str, verify: bool = True) -> dict[str, Any]:
         staged = self._rollouts_staged

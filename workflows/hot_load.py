@@ -302,6 +302,7 @@ class HotLoadWorkflow:
                     # Receivers on different snapshots get every tensor ("" is no identity).
                     target_identity=serving.pop() if len(serving) == 1 else "",
                     world_size=1 + len(receivers),
+                    accept_files=True,
                 ),
                 task_queue=sender.task_queue,
                 result_type=PeerOffer,

@@ -423,6 +423,8 @@ class PeerOfferInput(WireModel):
     target_identity: str
     # Members of the group the offer opens: the sender (rank 0) and world_size - 1 receivers.
     world_size: int = 2
+    # Receivers can take the delta link's files instead of the tensors as served.
+    accept_files: bool = False
 
 
 class PeerOffer(WireModel):
@@ -438,6 +440,9 @@ class PeerOffer(WireModel):
     specs: list[list[Any]]  # [name, dtype, shape] in send order
     expected_adler32: dict[str, str]
     world_size: int = 2
+    # "tensors": specs are tensors as the sender serves them; "files": specs are the files of
+    # the delta link `identity` (XOR+zstd frames), which each receiver decodes and checks itself.
+    mode: str = "tensors"
 
 
 class StageFromPeerInput(WireModel):

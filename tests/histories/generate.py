@@ -5,7 +5,9 @@
 Runs the real workflows on a fresh Temporal dev server with the test replicas of
 tests/workflows/harness.py, drives a completed, a failed and a canceled hot-load through the
 API, then one whose control worker is killed -9 mid-walk and restarted (a crash-recovered
-history: its workflow tasks time out and are replayed on the new worker), and exports each
+history: its workflow tasks time out and are replayed on the new worker), then a 3-replica
+hot-load on the broadcast walk (`... generate broadcast` writes only that one; the others
+predate the broadcast and replay its unpatched branch), and exports each
 workflow's history with the Temporal CLI exactly as an operator would
 (`temporal workflow show -w ID -o json`), one file per workflow named by its id (`/` as `%2F`).
 
@@ -70,7 +72,22 @@ async def crash_recovered(env: WorkflowEnvironment, address: str, tmp: Path) -> 
             kill9(proc)
 
 
-async def main() -> None:
+async def broadcast_walk(env: WorkflowEnvironment, address: str, tmp: Path) -> None:
+    """A 3-replica hot-load on the broadcast walk: the first replica from the bucket, one
+    broadcast to the other two, then a commit per receiver."""
+    from tests.workflows.harness import ZONE
+    from tests.workflows.test_admission import _state
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    async with Fleet(env.client, tmp) as f:
+        state = _state("history-broadcast", zones=[ZONE])
+        state.replicas = f.replica_endpoints("history-broadcast", 3)
+        dep = await f.deployment_from_state(state)
+        await f.completed(dep, "step-1", hotLoadId="history-broadcast-completed")
+        export(address, "history-broadcast-completed")
+
+
+async def main(only: list[str]) -> None:
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(TEMPORAL_BIN),
         search_attributes=[SearchAttributeKey.for_keyword(n) for n in SEARCH_ATTRIBUTES],
@@ -79,6 +96,10 @@ async def main() -> None:
     address = env.client.service_client.config.target_host
     try:
         with tempfile.TemporaryDirectory() as tmp:
+            if only:
+                if "broadcast" in only:
+                    await broadcast_walk(env, address, Path(tmp) / "broadcast")
+                return
             async with Fleet(env.client, Path(tmp)) as f:
                 dep = await f.ready_deployment("history-dep")
                 root = f.bucket_root / f"ckpt/{dep}"
@@ -97,9 +118,13 @@ async def main() -> None:
                 for workflow_id in ("history-completed", "history-failed", "history-canceled", f"deployments/{dep}"):
                     export(address, workflow_id)
             await crash_recovered(env, address, Path(tmp) / "crash")
+            await broadcast_walk(env, address, Path(tmp) / "broadcast")
     finally:
         await env.shutdown()
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    import sys
+
+    # `python -m tests.histories.generate broadcast` writes only the broadcast walk's history.
+    asyncio.run(main(sys.argv[1:]))

@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import json
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 from safetensors.torch import load_file as load_checkpoint_file
 from safetensors.torch import save_file
 
-from replica.engine import EngineProcess, EngineRequestError, free_port
+from replica.engine import EngineError, EngineProcess, EngineRequestError, free_port
 from replica.engine_extension import PeerGroup, adler32_hex, normalize_specs
 from workers.base_model import COUNTING_CHANGED, VOCAB, checkpoint_files, load_checkpoint
 
@@ -435,3 +436,118 @@ async def test_peer_transfer_between_engines(
     assert await b.checksums() == await a.checksums() == file_checksums(model_dirs["counting"])
     assert await greedy(b) == [103 + i for i in range(8)]
     assert await b.engine_pids() == b_pids
+
+
+async def test_staged_update_from_files_changes_nothing_until_commit(
+    engine: EngineProcess, model_dirs: dict[str, Path]
+) -> None:
+    """stage_from_files reads and checks off the serving path; only commit_staged swaps."""
+    await load_full(engine, model_dirs["base"])
+    base_sums = file_checksums(model_dirs["base"])
+    counting = load_checkpoint(model_dirs["counting"])
+    expected = {n: adler32_hex(counting[n]) for n in COUNTING_CHANGED}
+    files = checkpoint_files(model_dirs["counting"])
+
+    with pytest.raises(EngineRequestError, match="nothing staged"):
+        await engine.commit_staged("v-none")
+    # A wrong checksum fails the stage, not the engine.
+    with pytest.raises(EngineError, match="checksum check failed"):
+        await engine.stage_from_files("v-bad", files, COUNTING_CHANGED, {**expected, "lm_head.weight": "00000000"})
+    staged = await engine.stage_from_files("v1", files, COUNTING_CHANGED, expected)
+    assert staged["tensors"] == len(COUNTING_CHANGED)
+    assert await engine.served_checksums() == base_sums  # staged, not served
+    assert not consecutive(PROMPT[-1:] + await greedy(engine))
+
+    with pytest.raises(EngineRequestError, match="nothing staged"):
+        await engine.commit_staged("v-other")  # another label
+    await engine.pause(mode="keep")
+    try:
+        await engine.commit_staged("v1")
+    finally:
+        await engine.resume()
+    assert await engine.served_checksums() == file_checksums(model_dirs["counting"])
+    assert await greedy(engine) == [103 + i for i in range(8)]
+
+    # A stage taken before another change of the weights is stale: refused, nothing changes.
+    await engine.stage_from_files("v2", checkpoint_files(model_dirs["base"]), COUNTING_CHANGED)
+    await load_full(engine, model_dirs["counting"])
+    with pytest.raises(EngineRequestError, match="stale"):
+        await engine.commit_staged("v2")
+    assert await engine.served_checksums() == file_checksums(model_dirs["counting"])
+
+
+async def test_broadcast_stages_on_the_receiver_then_commits(
+    engine: EngineProcess, engine_b: EngineProcess, model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The broadcast walk's engine side: A sends from its memory while B keeps serving; B has
+    checked and staged the bytes (and written them for its host copy) but serves the old weights
+    until its commit, inside a pause."""
+    a, b = engine, engine_b
+    await load_full(a, model_dirs["counting"])
+    await load_full(b, model_dirs["base"])
+    counting = load_checkpoint(model_dirs["counting"])
+    expected = {n: adler32_hex(counting[n]) for n in COUNTING_CHANGED}
+    specs = await a.weight_specs(COUNTING_CHANGED)
+    port = free_port()
+    saved = tmp_path / "received.safetensors"
+    await a.start_peer_stage_send("127.0.0.1", port, 2, COUNTING_CHANGED, timeout_s=60)
+    await b.start_peer_stage_receive("v1", "127.0.0.1", port, 1, 2, specs, expected, saved, timeout_s=60)
+    sent, got = await asyncio.gather(a.wait_job("send"), b.wait_job("stage"))
+    assert sent["bytes"] == got["bytes"] > 0 and got["tensors"] == len(COUNTING_CHANGED)
+    assert await b.served_checksums() == file_checksums(model_dirs["base"])  # still serving the old
+    on_disk = load_checkpoint_file(saved)
+    assert {n: adler32_hex(t) for n, t in on_disk.items()} == expected
+
+    await b.pause(mode="keep")
+    try:
+        await b.commit_staged("v1")
+    finally:
+        await b.resume()
+    assert await b.served_checksums() == file_checksums(model_dirs["counting"])
+    assert await greedy(b) == [103 + i for i in range(8)]
+
+    # Checksums that disagree with the bytes: the receiver refuses the stage; nothing changes.
+    await load_full(b, model_dirs["base"])
+    port = free_port()
+    await a.start_peer_stage_send("127.0.0.1", port, 2, COUNTING_CHANGED, timeout_s=60)
+    await b.start_peer_stage_receive("v2", "127.0.0.1", port, 1, 2, specs,
+                                     {**expected, COUNTING_CHANGED[0]: "00000000"}, timeout_s=60)
+    await a.wait_job("send")
+    with pytest.raises(EngineError, match="checksum check failed"):
+        await b.wait_job("stage")
+    with pytest.raises(EngineRequestError, match="nothing staged"):
+        await b.commit_staged("v2")
+    assert await b.served_checksums() == file_checksums(model_dirs["base"])
+
+
+async def test_broadcast_of_files_checks_and_writes_them(
+    engine: EngineProcess, engine_b: EngineProcess, model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The broadcast in "files" mode (a delta link's files): byte-identical on the receiver,
+    Adler-32 checked, written only when every file checks; odd names are refused up front."""
+    a, b = engine, engine_b
+    files = sorted(p for p in model_dirs["counting"].iterdir() if p.is_file())
+    specs = [[p.name, "uint8", [p.stat().st_size]] for p in files]
+    expected = {p.name: "%08x" % (zlib.adler32(p.read_bytes()) & 0xFFFFFFFF) for p in files}
+    before = await b.served_checksums()
+
+    out = tmp_path / "received"
+    port = free_port()
+    await a.start_peer_send_files("127.0.0.1", port, 2, files, timeout_s=60)
+    await b.start_peer_receive_files("127.0.0.1", port, 1, 2, specs, expected, out, timeout_s=60)
+    sent, got = await asyncio.gather(a.wait_job("send"), b.wait_job("receive"))
+    assert sent["bytes"] == got["bytes"] == sum(p.stat().st_size for p in files)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {p.name: p.read_bytes() for p in files}
+    assert await b.served_checksums() == before  # files only: the engine serves what it did
+
+    bad_out = tmp_path / "bad"
+    port = free_port()
+    await a.start_peer_send_files("127.0.0.1", port, 2, files, timeout_s=60)
+    await b.start_peer_receive_files("127.0.0.1", port, 1, 2, specs, {**expected, files[0].name: "00000000"},
+                                     bad_out, timeout_s=60)
+    await a.wait_job("send")
+    with pytest.raises(EngineError, match="checksum check failed"):
+        await b.wait_job("receive")
+    assert not bad_out.exists()
+    with pytest.raises(EngineRequestError, match="not a plain file name"):
+        await b.start_peer_receive_files("127.0.0.1", free_port(), 1, 2, [["../x", "uint8", [1]]], {}, bad_out)
