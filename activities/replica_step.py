@@ -2,11 +2,14 @@
 
 `apply_snapshot` moves one replica to a snapshot chain, all-or-nothing:
 
-1. Stage, while the engine keeps serving: apply to the host copy only the chain links this
-   replica is missing (a new full base replaces the copy; deltas are decoded, XORed and checked
-   against their Adler-32 by `snapshots`), and write the changed tensors to a staging file.
-2. Pause the engine with `mode=keep` (in-flight requests and their KV cache stay), load the
-   changed tensors in place, reset the prefix cache under RESET_ALL, resume.
+1. Stage, while the engine keeps serving: fetch the delta links this replica is missing (their
+   files hold only the changed tensors) and decode them twice, concurrently: into the host copy
+   and, on a background thread of the engine, against what the engine serves; both check every
+   changed tensor's Adler-32 and must agree. A new full base goes through a staging file instead.
+2. Pause the engine with `mode=keep` (in-flight requests and their KV cache stay; RESET_ALL drops
+   the cache), swap the staged tensors in place, set the weight version, resume.
+3. Prove: the engine's served bytes are read back (off the serving path) and compared with the
+   snapshot's Adler-32.
 
 If anything fails, the host copy is restored and the engine is given back the tensors it had, so
 the replica serves exactly its previous weights; the error names the cause. Snapshot errors

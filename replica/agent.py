@@ -6,8 +6,11 @@ what deltas apply to), starts a Temporal worker on the replica's own task queue 
 `activities.replica_step`), and tells its deployment workflow it is ready. If the engine dies,
 the replica reports the failure to its deployment and exits; SIGTERM stops the engine and exits.
 
-`ReplicaRuntime` owns the all-or-nothing bookkeeping of an update: staging (host copy first,
-nothing the engine sees), commit, and roll-back.
+`ReplicaRuntime` owns the all-or-nothing bookkeeping of an update: staging (host copy and an
+engine stage, nothing the engine serves changes), the swap inside one short pause, the proof,
+commit and roll-back; from the bucket, or from a peer's broadcast (`stage_from_peer` then
+`commit_peer_stage`). Delta links it fetched or received stay in `links_root` so that it can
+offer them to its peers.
 """
 
 from __future__ import annotations
@@ -140,9 +143,81 @@ class ReplicaRuntime:
         shutil.rmtree(self.links_root, ignore_errors=True)
         self.link_dirs = {}
 
-    def stage_chain(self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None) -> StagedUpdate:
+    def missing_links(self, inp: ApplySnapshotInput) -> list[SnapshotRef] | None:
+        """The delta links to apply on top of what this replica serves; None when it needs the
+        chain's full base (a new base, or a replica still on its initial weights)."""
+        wanted = [link.identity for link in inp.chain]
+        have = len(self.applied)
+        if have <= len(wanted) and self.applied == wanted[:have] and self.applied[0] != "initial":
+            return list(inp.chain[have:])
+        return None
+
+    def fetch_links(self, inp: ApplySnapshotInput, links: list[SnapshotRef]) -> tuple[dict[str, Path], int]:
+        """Download delta links' files into `links_root`; returns their directories and bytes."""
+        dirs: dict[str, Path] = {}
+        total = 0
+        for link in links:
+            dest = self.links_root / link.identity
+            prefix = "/".join(p for p in (inp.path_prefix.strip("/"), link.identity) if p)
+            total += download_prefix(self.s3, inp.bucket, prefix, dest)
+            dirs[link.identity] = dest
+        return dirs, total
+
+    async def stage_update(
+        self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None
+    ) -> StagedUpdate:
+        """Stage an update on the host copy and in the engine, both off the serving path.
+
+        Delta links held locally are decoded by the host copy and, concurrently, by the engine
+        against what it serves (each checks every changed tensor's Adler-32; the two results
+        must agree); a new full base goes through a staging file the engine reads."""
+        todo = self.missing_links(inp)
+        local = local_links or {}
+        if todo and all(link.identity in local for link in todo):
+            engine_job = asyncio.ensure_future(
+                self.engine.stage_delta(inp.identity, [str(local[link.identity]) for link in todo])
+            )
+            try:
+                staged = await asyncio.to_thread(self.stage_chain, inp, local, False)
+            except BaseException:
+                await asyncio.gather(engine_job, return_exceptions=True)
+                with contextlib.suppress(Exception):
+                    await self.engine.discard_staged()
+                raise
+            try:
+                got = await engine_job
+                wrong = sorted(set(got["checksums"]) ^ set(staged.names)) or [
+                    n for n in staged.names if got["checksums"][n] != staged.expected.get(n)
+                ]
+                if wrong:
+                    raise RuntimeError(f"engine and host copy decoded different bytes for {', '.join(wrong[:5])}")
+            except Exception as exc:
+                self.host.restore(staged.backups)
+                with contextlib.suppress(Exception):
+                    await self.engine.discard_staged()
+                raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
+                                        f"weights: {one_line(exc)}") from None
+            return staged
+        staged = await asyncio.to_thread(self.stage_chain, inp, local)
+        if staged.nothing_to_do:
+            return staged
+        try:
+            await self.engine.stage_from_files(
+                staged.identity, [str(staged.path)], staged.names, expected_adler32=staged.expected
+            )
+        except Exception as exc:
+            self.host.restore(staged.backups)
+            staged.path.unlink(missing_ok=True)  # type: ignore[union-attr]
+            raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
+                                    f"weights: {one_line(exc)}") from None
+        return staged
+
+    def stage_chain(
+        self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None, write_file: bool = True
+    ) -> StagedUpdate:
         """Apply the chain links this replica is missing to its host copy (or load a new full
-        base) and write the changed tensors to a staging file; the engine is not touched.
+        base) and (`write_file`) write the changed tensors to a staging file; the engine is not
+        touched.
 
         A delta link comes from `local_links` when given (received from a peer), else its files
         are downloaded from the bucket into `links_root` first (a delta's files hold only the
@@ -194,7 +269,8 @@ class ReplicaRuntime:
         staged.identity = inp.identity
         staged.names = sorted(target.names() if staged.new_host is not None else changed)
         staged.expected = {n: c for n, c in target.checksums().items() if n in set(staged.names)}
-        staged.path = self._write_staging(target, staged.names, inp.identity)
+        if write_file:
+            staged.path = self._write_staging(target, staged.names, inp.identity)
         return staged
 
     def _write_staging(self, host: Any, names_: list[str], label: str) -> Path:
@@ -209,27 +285,19 @@ class ReplicaRuntime:
         t0 = time.perf_counter()
         await self.drop_peer_stage()
         await asyncio.to_thread(self.clear_links)
-        staged = await asyncio.to_thread(self.stage_chain, inp)
-        timings = {"host_stage": _ms_since(t0)}
+        todo = self.missing_links(inp) or []
+        local, fetched = await asyncio.to_thread(self.fetch_links, inp, todo)
+        timings = {"fetch": _ms_since(t0)}
+        t1 = time.perf_counter()
+        staged = await self.stage_update(inp, local)
+        timings["stage"] = _ms_since(t1)
         if staged.nothing_to_do:
             verified = await self.prove(self.host.names())
             return ApplySnapshotResult(
                 identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=0, bytes_read_from_bucket=0,
-                pause_ms=0.0, stage_ms=timings["host_stage"], verified_tensors=verified,
+                pause_ms=0.0, stage_ms=timings["stage"], verified_tensors=verified,
             )
         try:
-            t1 = time.perf_counter()
-            try:
-                # The engine reads and checks the staged tensors on a background thread while it
-                # keeps serving; only the swap happens inside the pause.
-                await self.engine.stage_from_files(
-                    staged.identity, [str(staged.path)], staged.names, expected_adler32=staged.expected
-                )
-            except Exception as exc:
-                self.host.restore(staged.backups)
-                raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
-                                        f"weights: {one_line(exc)}") from None
-            timings["engine_stage"] = _ms_since(t1)
             pause_ms = await self._swap_staged(staged.identity, staged.backups, len(staged.names),
                                                inp.prompt_cache_policy)
         finally:
@@ -243,8 +311,8 @@ class ReplicaRuntime:
         log.info("applied %s from the bucket: %s", inp.identity, _fmt(timings))
         return ApplySnapshotResult(
             identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=len(staged.names),
-            bytes_read_from_bucket=staged.bytes_read, pause_ms=pause_ms, links_applied=staged.links,
-            stage_ms=timings["host_stage"] + timings["engine_stage"], source="bucket", verified_tensors=verified,
+            bytes_read_from_bucket=staged.bytes_read + fetched, pause_ms=pause_ms, links_applied=staged.links,
+            stage_ms=timings["fetch"] + timings["stage"], source="bucket", verified_tensors=verified,
         )
 
     async def _swap_staged(self, label: str, host_backups: dict[str, np.ndarray], count: int,
@@ -257,7 +325,9 @@ class ReplicaRuntime:
         try:
             await self.engine.pause(mode="keep", clear_cache=reset)
             try:
-                await self.engine.commit_staged(label)
+                swap = await self.engine.commit_staged(label)
+                log.info("swap of %d tensor(s) in the pause: %s", count,
+                         _fmt({k: 1000 * v for k, v in swap.items() if k.endswith("_s")}))
                 # Inside the pause: every token after the resume is labelled with the new version.
                 await self.engine.set_weight_version(label)
             finally:
@@ -482,15 +552,7 @@ class ReplicaRuntime:
             raise EngineUpdateError(f"receiving from {offer.source_replica} failed; previous weights kept: "
                                     f"{one_line(exc)}") from None
         inp = ApplySnapshotInput(hot_load_id="", identity=offer.identity, chain=offer.chain, bucket="", path_prefix="")
-        staged = await asyncio.to_thread(self.stage_chain, inp, {offer.identity: link_dir})
-        try:
-            await self.engine.stage_from_files(staged.identity, [str(staged.path)], staged.names,
-                                               expected_adler32=staged.expected)
-        except Exception as exc:
-            self.host.restore(staged.backups)
-            staged.path.unlink(missing_ok=True)  # type: ignore[union-attr]
-            raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
-                                    f"weights: {one_line(exc)}") from None
+        staged = await self.stage_update(inp, {offer.identity: link_dir})
         self.peer_stage = PeerStage(offer=offer, received=None, staged=staged)
         return StageFromPeerResult(identity=offer.identity, tensors_staged=len(staged.names),
                                    bytes_received=int(got["bytes"]), stage_ms=_ms_since(t0))
@@ -517,7 +579,8 @@ class ReplicaRuntime:
             try:
                 pause_ms = await self._swap_staged(identity, staged.backups, len(names_), policy)
             finally:
-                staged.path.unlink(missing_ok=True)  # type: ignore[union-attr]
+                if staged.path is not None:
+                    staged.path.unlink(missing_ok=True)
             self._commit([link.identity for link in offer.chain], None, staged.changed_by_link)
             self.link_dirs = staged.link_dirs
             t1 = time.perf_counter()

@@ -542,6 +542,12 @@ class EngineProcess:
         )
         return await self.wait_job("stage")
 
+    async def stage_delta(self, label: str, delta_dirs: Sequence[Path | str]) -> dict[str, Any]:
+        """Decode local delta directories against what the engine serves, off the serving path;
+        returns ``{"tensors", "bytes", "checksums"}`` (the staged tensors' Adler-32)."""
+        await self._rpc1("stage_delta", label, [str(d) for d in delta_dirs])
+        return await self.wait_job("stage")
+
     async def start_peer_stage_send(
         self, host: str, port: int, world_size: int, names: Sequence[str] | None = None,
         backend: str = "gloo", timeout_s: float = 300.0,

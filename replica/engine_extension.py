@@ -57,6 +57,8 @@ runs inside the pause:
 
 - ``stage_from_files(label, paths, names, expected_adler32)``: read the tensors, check their
   Adler-32, copy aside the engine's current values of the same tensors (the roll-back copy);
+- ``stage_delta(label, delta_dirs)``: the same for a chain of local delta directories, decoded
+  against what the engine serves (no full-size staging file at all);
 - ``peer_stage_send(host, port, world_size, names, backend, timeout_s)``: join a group as rank 0
   and broadcast what this engine holds for ``names`` to every other member;
 - ``peer_stage_receive(label, host, port, rank, world_size, specs, expected_adler32, save_path,
@@ -541,11 +543,16 @@ def apply_weights(
     touched = {id(views[n].module): views[n].module for n, _ in tensors}
     if backup is None:
         backup = {n: views[n].tensor.clone() for n, _ in tensors}
+    timings: dict[str, float] = {}
     try:
         with torch.no_grad():
+            t1 = time.perf_counter()
             model.load_weights(iter(tensors))  # type: ignore[operator]
+            t2 = time.perf_counter()
             for module in touched.values():
                 _redispatch_cpu_gemm(module)
+            t3 = time.perf_counter()
+            timings = {"copy_s": round(t2 - t1, 6), "repack_s": round(t3 - t2, 6)}
             if verify:
                 # Re-resolve: a loader may legitimately have replaced a parameter object.
                 views, _ = _checkpoint_views(model)
@@ -565,6 +572,7 @@ def apply_weights(
         "loaded": [n for n, _ in tensors],
         "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
         "apply_s": round(time.perf_counter() - t0, 6),
+        **timings,
     }
 
 
@@ -781,6 +789,36 @@ class WeightLoaderExtension:
             _check_expected(tensors, expected_adler32)
             self._rollouts_staged = _stage(model, label, tensors, generation)
             return {"staged": label, "tensors": len(tensors), "bytes": sum(t.nbytes for _, t in tensors)}
+
+        return self._start_job("stage", run)
+
+    def stage_delta(self, label: str, delta_dirs: list[str]) -> dict[str, Any]:
+        """Stage the new values of every tensor a chain of local delta directories changes:
+        copies of what the engine serves, with each link's XOR+zstd frames applied and every
+        changed tensor's Adler-32 checked (``snapshots.codec``, all or nothing per link)."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        generation = self._rollouts_generation
+        self._rollouts_staged = None
+
+        def run() -> dict[str, Any]:
+            from snapshots.codec import apply_plan_in_place
+            from snapshots.inspect import read_delta_plan
+
+            plans = [read_delta_plan(d) for d in delta_dirs]
+            views, _ = _checkpoint_views(model)
+            names = sorted({n for plan in plans for n in plan.tensors})
+            unknown = [n for n in names if n not in views]
+            if unknown:
+                raise ValueError(f"the delta changes tensor(s) this engine does not hold: {unknown[:8]}")
+            new = {n: views[n].tensor.detach().to("cpu", copy=True).contiguous() for n in names}
+            flat = {n: t.reshape(-1).view(torch.uint8).numpy() for n, t in new.items()}
+            checksums: dict[str, str] = {}
+            for plan in plans:
+                checksums.update(apply_plan_in_place(flat, plan).checksums)
+            tensors = [(n, new[n].to(views[n].tensor.device)) for n in names]
+            self._rollouts_staged = _stage(model, label, tensors, generation)
+            return {"staged": label, "tensors": len(tensors), "bytes": sum(t.nbytes for _, t in tensors),
+                    "checksums": checksums}
 
         return self._start_job("stage", run)
 
