@@ -15,7 +15,9 @@ writes the delta once, then on the same files measures, in GB/s of changed tenso
 * raw: frames and base tensors already in memory, parallel zstd decompress + XOR + Adler-32.
 
 Every figure is the best of ``--repeat`` runs (the page cache is synced before each timed run),
-because this is usually measured on a shared machine.
+because this is usually measured on a shared machine. Next to each wall-clock figure is the
+process's CPU cost (GB per CPU-second, all threads): other load on the machine barely moves it,
+so its ratios are what a quiet machine's throughput ratios would be when nothing waits on disk.
 
     .venv/bin/python bench/delta_apply.py --size-mb 1024     # the issue's size (default)
     .venv/bin/python bench/delta_apply.py --size-mb 128      # a quick run
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -49,11 +52,16 @@ from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
 
 # ru_maxrss survives fork+exec on Linux (it would report the parent's peak); VmHWM does not.
+# cpu(): this process's CPU seconds (all threads), a figure the machine's other load barely moves.
 HWM = """
+import resource
 def hwm_mb():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 """
 
 STREAM = HWM + """
@@ -61,10 +69,10 @@ import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from snapshots.stream import materialize_chain_report
 rss0 = hwm_mb()
-t = time.perf_counter()
+t, c = time.perf_counter(), cpu()
 r = materialize_chain_report(sys.argv[2], [sys.argv[3]], sys.argv[4], fsync=sys.argv[5] == "1")
-dt = time.perf_counter() - t
-print(json.dumps({"seconds": dt, "bytes_changed": r.bytes_changed, "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
+dt, dc = time.perf_counter() - t, cpu() - c
+print(json.dumps({"seconds": dt, "cpu": dc, "bytes_changed": r.bytes_changed, "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
 """
 
 HOST = HWM + """
@@ -73,8 +81,10 @@ sys.path.insert(0, sys.argv[1])
 from snapshots.host import HostWeights
 w = HostWeights.load(sys.argv[2], verify=False)
 rss0 = hwm_mb()
-t = time.perf_counter(); r = w.apply_delta_report(sys.argv[3]); dt = time.perf_counter() - t
-print(json.dumps({"seconds": dt, "bytes_changed": r.bytes_changed, "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
+t, c = time.perf_counter(), cpu()
+r = w.apply_delta_report(sys.argv[3])
+dt, dc = time.perf_counter() - t, cpu() - c
+print(json.dumps({"seconds": dt, "cpu": dc, "bytes_changed": r.bytes_changed, "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
 """
 
 CWTRAIN = HWM + """
@@ -84,8 +94,10 @@ m = WeightMirror(sys.argv[1])
 if sys.argv[3] == "0":
     os.fsync = lambda fd: None  # the mirror calls os.fsync through the module
 rss0 = hwm_mb()
-t = time.perf_counter(); r = m.apply_delta(sys.argv[2]); dt = time.perf_counter() - t
-print(json.dumps({"seconds": dt, "bytes_changed": r.bytes_changed, "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
+t, c = time.perf_counter(), cpu()
+r = m.apply_delta(sys.argv[2])
+dt, dc = time.perf_counter() - t, cpu() - c
+print(json.dumps({"seconds": dt, "cpu": dc, "bytes_changed": r.bytes_changed, "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
 """
 
 MIRROR_CREATE = """
@@ -116,11 +128,14 @@ def raw_limit(base: Path, delta: Path, workers: int) -> dict[str, float]:
         np.bitwise_xor(target, out, out=target)
         zlib.adler32(target)
 
-    start = time.perf_counter()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    start, cpu = time.perf_counter(), usage.ru_utime + usage.ru_stime
     with ThreadPoolExecutor(workers) as pool:
         list(pool.map(one, frames))
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "bytes_changed": sum(t.nbytes for t in targets.values())}
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = usage.ru_utime + usage.ru_stime - cpu
+    return {"seconds": seconds, "cpu": cpu, "bytes_changed": sum(t.nbytes for t in targets.values())}
 
 
 def run_json(argv: list[str]) -> dict[str, Any]:
@@ -176,16 +191,20 @@ def main() -> None:
     results = {name: best(r) for name, r in runs.items()}
     for name, r in results.items():
         r["gbps"] = r["bytes_changed"] / r["seconds"] / 1e9
+        r["gb_per_cpu_s"] = r["bytes_changed"] / min(x["cpu"] for x in runs[name]) / 1e9
         extra = f", peak RSS {r['peak_rss_mb']:.0f} MiB ({100 * r['peak_rss_mb'] / model_mb:.0f}% of the model)" if "peak_rss_mb" in r else ""
-        print(f"{name:18s} {r['seconds']:7.3f}s  {r['gbps']:6.3f} GB/s of changed bytes{extra}")
+        print(f"{name:18s} {r['seconds']:7.3f}s  {r['gbps']:6.3f} GB/s of changed bytes; "
+              f"{r['gb_per_cpu_s']:6.3f} GB per CPU-second{extra}")
+    print("ratios: by wall-clock throughput (the target); by CPU cost (what a quiet machine would show)")
     for fsync in ("0", "1"):
         if f"cwtrain fsync={fsync}" in results:
-            ratio = results[f"ours fsync={fsync}"]["gbps"] / results[f"cwtrain fsync={fsync}"]["gbps"]
-            print(f"ours / cwtrain mirror, fsync={fsync}: {ratio:.1f}x")
-    print(f"ours fsync=0 / raw limit: {100 * results['ours fsync=0']['gbps'] / results['raw']['gbps']:.0f}%")
-    print(f"ours fsync=1 / raw limit: {100 * results['ours fsync=1']['gbps'] / results['raw']['gbps']:.0f}%")
-    print(f"host (in memory) / raw limit: {100 * results['host (in memory)']['gbps'] / results['raw']['gbps']:.0f}%")
-
+            ours, theirs = results[f"ours fsync={fsync}"], results[f"cwtrain fsync={fsync}"]
+            print(f"ours / cwtrain mirror, fsync={fsync}: {ours['gbps'] / theirs['gbps']:.1f}x; "
+                  f"{ours['gb_per_cpu_s'] / theirs['gb_per_cpu_s']:.1f}x")
+    raw = results["raw"]
+    for name in ("ours fsync=0", "ours fsync=1", "host (in memory)"):
+        r = results[name]
+        print(f"{name} / raw limit: {100 * r['gbps'] / raw['gbps']:.0f}%; {100 * r['gb_per_cpu_s'] / raw['gb_per_cpu_s']:.0f}%")
 
 if __name__ == "__main__":
     main()

@@ -21,9 +21,13 @@ one before) into ``out_dir`` without ever holding the model in memory. The contr
   deltas in chain order, then each delta's own order) is raised as a :class:`SnapshotError`
   naming file and tensor. ``out_dir`` may be the base directory itself: an in-place apply that
   leaves the base exactly as it was on failure.
+* **Durable.** With ``fsync`` (the default) the new files and the rename are synced before the
+  call returns; each tensor's write-back is started as soon as it is written, so the final
+  fsync overlaps the pass instead of following it.
 * **Bounded memory.** Tensors are streamed in chunks of ``chunk_bytes``: base bytes are read
   with ``preadv`` into a reusable per-thread buffer (page cache, not resident memory as mmap'd
-  pages would be; on S3, one streaming ranged GET per tensor), each delta's next decompressed
+  pages would be, and a clean error rather than SIGBUS if a shard is cut short under us; on
+  S3, one streaming ranged GET per tensor), each delta's next decompressed
   chunk is XORed into it, each link's running Adler-32 is updated and the chunk is written at
   its offset in the new shard. Memory is two chunk buffers per worker plus the zstd frames of
   the tensors in flight (one per delta that changed the tensor, each at most a bit more than the
@@ -250,6 +254,8 @@ class _Task:
 
 
 class _Failure(Exception):
+    """A tensor's error, with where it sorts among all failures."""
+
     def __init__(self, key: tuple[int, int], error: BaseException) -> None:
         super().__init__(str(error))
         self.key, self.error = key, error
