@@ -12,7 +12,8 @@ writes the delta once, then on the same files measures, in GB/s of changed tenso
   fsyncs again; once as shipped and once with ``os.fsync`` made a no-op, to compare like with like;
 * host: ``HostWeights.apply_delta`` on a base already loaded in memory (what a replica does), with
   its peak RSS (it holds the whole model);
-* raw: frames and base tensors already in memory, parallel zstd decompress + XOR + Adler-32.
+* raw: frames and base tensors already in memory, parallel zstd decompress + XOR + Adler-32
+  (whole tensors, and in the streamed apply's chunk size: the faster is the limit).
 
 Every figure is the best of ``--repeat`` runs (the page cache is synced before each timed run),
 because this is usually measured on a shared machine. Next to each wall-clock figure is the
@@ -46,8 +47,9 @@ import zstandard
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from snapshots.codec import default_workers  # noqa: E402
+from snapshots.codec import default_workers, fill_from  # noqa: E402
 from snapshots.inspect import read_delta_plan  # noqa: E402
+from snapshots.stream import CHUNK_BYTES  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
 
@@ -107,7 +109,10 @@ WeightMirror.create(sys.argv[1], sys.argv[2])
 """
 
 
-def raw_limit(base: Path, delta: Path, workers: int) -> dict[str, float]:
+def raw_limit(base: Path, delta: Path, workers: int, chunk_bytes: int) -> list[dict[str, float]]:
+    """Parallel zstd decompress + XOR + Adler-32 of every changed tensor, frames and base tensors
+    already in memory: once a whole tensor per pass, once in cache-sized chunks (the way the
+    streamed apply works). Either may be the faster; the bench takes the best as the limit."""
     from snapshots.host import HostWeights
 
     weights = HostWeights.load(base)
@@ -117,25 +122,41 @@ def raw_limit(base: Path, delta: Path, workers: int) -> dict[str, float]:
     del weights
     local = threading.local()
 
-    def one(name: str) -> None:
+    def scratch(nbytes: int) -> np.ndarray:
+        buf = getattr(local, "s", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = local.s = np.empty(nbytes, np.uint8)
+        return buf[:nbytes]
+
+    def whole(name: str) -> None:
         target = targets[name]
-        scratch = getattr(local, "s", None)
-        if scratch is None or scratch.nbytes < target.nbytes:
-            scratch = local.s = np.empty(target.nbytes, np.uint8)
-        out = scratch[: target.nbytes]
+        out = scratch(target.nbytes)
         with zstandard.ZstdDecompressor().stream_reader(frames[name]) as reader:
-            reader.readinto(memoryview(out))
+            fill_from(reader, memoryview(out))
         np.bitwise_xor(target, out, out=target)
         zlib.adler32(target)
 
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    start, cpu = time.perf_counter(), usage.ru_utime + usage.ru_stime
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(one, frames))
-    seconds = time.perf_counter() - start
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = usage.ru_utime + usage.ru_stime - cpu
-    return {"seconds": seconds, "cpu": cpu, "bytes_changed": sum(t.nbytes for t in targets.values())}
+    def chunked(name: str) -> None:
+        target, running = targets[name], zlib.adler32(b"")
+        with zstandard.ZstdDecompressor().stream_reader(frames[name]) as reader:
+            for begin in range(0, target.nbytes, chunk_bytes):
+                part = target[begin : begin + chunk_bytes]
+                out = scratch(part.nbytes)
+                fill_from(reader, memoryview(out))
+                np.bitwise_xor(part, out, out=part)
+                running = zlib.adler32(part, running)
+
+    results = []
+    for one in (whole, chunked):
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        start, cpu = time.perf_counter(), usage.ru_utime + usage.ru_stime
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(one, frames))
+        seconds = time.perf_counter() - start
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = usage.ru_utime + usage.ru_stime - cpu
+        results.append({"seconds": seconds, "cpu": cpu, "bytes_changed": sum(t.nbytes for t in targets.values())})
+    return results
 
 
 def run_json(argv: list[str]) -> dict[str, Any]:
@@ -184,7 +205,7 @@ def main() -> None:
                     runs.setdefault(f"cwtrain fsync={fsync}", []).append(run_json([args.cwtrain_python, "-c", CWTRAIN, str(mirror), str(delta), fsync]))
                 shutil.rmtree(mirror, ignore_errors=True)
             runs.setdefault("host (in memory)", []).append(run_json([py, "-c", HOST, str(REPO), str(base), str(delta)]))
-            runs.setdefault("raw", []).append(raw_limit(base, delta, workers))
+            runs.setdefault("raw", []).extend(raw_limit(base, delta, workers, CHUNK_BYTES))
             print(f"round {i + 1}/{args.repeat} done", flush=True)
     model_mb = summary["tensor_bytes"] / 2**20
     print(f"workers: {workers}; model tensor bytes: {model_mb:.0f} MiB; best of {args.repeat} runs each")
