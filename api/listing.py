@@ -1,120 +1,396 @@
-"""Fast, correct hot-load listings over Temporal visibility, and stable page tokens.
+"""Hot-load reads answered from memory: listings newest first with stable page tokens, and
+closed operations by id; plus offset pages for short lists.
 
-Listing every hot-load's memo per request costs ~250 ms with 500 operations in history (the
-visibility RPC dominates; measured with bench/list_latency.py). A closed hot-load never changes
-again (its id cannot be reused), so `HotLoadIndex` keeps, per listing scope (organization, and
-deployment if filtered), the closed operations it has seen, and per request asks visibility only
-for what may have changed: `ExecutionStatus='Running' OR CloseTime >= <newest close seen>`
-(~4 ms), plus a count of closed operations in scope (~4 ms). When the count differs from the
-cache (an operation became visible late, or retention deleted some), it reloads the scope in
-full. A fresh process (an API restart) starts empty and loads each scope on first use, so closed
-operations read correctly with or without workers.
+Requests do not call Temporal for what it already told us (every listing request used to make
+two visibility calls, 8-14 ms p50 and 20-40 ms p99 each on a loaded machine, and re-encode every
+item; a GET of a closed operation was a describe: bench/list_latency.py):
 
-Order is newest first by `createdAt`, id breaking ties (the SQLite visibility store cannot
-ORDER BY). Page tokens are keyset cursors (the last item's sort key, bound to the listing's
-filter): a hot-load created between two pages does not shift or repeat items.
+- A closed hot-load never changes (its id cannot be reused): it is decoded once into a
+  `Record` (wire object with its UI link, replicas ordered by zone then name, and its JSON
+  encoded once) and then served from memory, by listings and by `GET /hotLoads/{id}[/replicas]`.
+  An open one is described on every GET by id (what a client polls) and the answer is kept.
+- A listing scope (organization, and deployment if filtered) is read in full from visibility on
+  first use (the SQLite visibility store cannot ORDER BY; the order is kept here, sorted once
+  per change of membership, and a page is a slice of it). While any listing is being read
+  (within `ACTIVE_S` of a read) one background task refreshes every loaded scope at once every
+  `REFRESH_S`: one visibility call for the running hot-loads (by status, which is indexed; a
+  `CloseTime >=` query scans the whole history on SQLite, up to 1.5 s for 500 operations on a
+  loaded machine), decoding only rows some scope lists, then a describe of each
+  operation that left the running set (it closed) or that visibility does not show yet (an own
+  create). Every `VERIFY_S` a listing being read is counted (closed operations); if the count
+  disagrees (an operation created elsewhere that ended between two refreshes, a late-visible
+  one, history deleted by retention) the scope is read in full again. Reads and refreshes are
+  single-flight: concurrent requests and the background task share one.
+- A request answers from memory when its scope was refreshed at most `STALE_S` ago (the
+  background task keeps it within about `REFRESH_S`); otherwise (first use, listings unread for
+  a while, Temporal unreachable) it waits for a refresh, and answers unavailable if Temporal is.
+  So Temporal's load follows what runs, not the number of listings, requests or history.
+
+Freshness: an operation created through this process is listed as soon as its create returns
+(it is kept in the listing for `RECENT_S` even before visibility shows it); a state read by
+`GET /hotLoads/{id}` in this process is what listings show from then on (newest `updatedAt`
+wins, closed beats open). Changes made elsewhere (another API process, a replica step, an
+operator terminating a workflow) are listed within about `REFRESH_S`; an operation created
+elsewhere that ends within one refresh period, within `VERIFY_S`. Memory: what has been
+listed (as before), plus up to `MAX_CLOSED_BY_ID` closed operations read only by id.
+
+Order is newest first by `createdAt`, id breaking ties. Page tokens are keyset cursors (the last
+item's sort key, bound to the listing's filter): a hot-load created between two pages does not
+shift or repeat items, and tokens stay valid across API restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import bisect
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from api.errors import InvalidArgument, Unavailable
+from workflows import names
+from workflows.hot_load import DEPLOYMENT, ORG
+
+log = logging.getLogger("rollouts.api.listing")
 
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 50
 MAX_SCOPES = 256
+MAX_CLOSED_BY_ID = 10_000
+REFRESH_S = 0.5  # background refresh period while listings are being read
+ACTIVE_S = 30.0  # a listing unread for this long is no longer refreshed
+STALE_S = 2.0  # a request waits for a refresh rather than answer from an older one
+VERIFY_S = 10.0  # how often a listing being read is checked against a count
+RUNNING = "ResourceKind='hotLoad' AND ExecutionStatus = 'Running'"
+RECENT_S = 120.0  # own creates are listed this long even if visibility does not show them yet
+DECODE_BATCH = 50  # memos decoded between yields to the event loop (a full load is long)
 
-# (hot-load dict, workflow status, close time) -> the hot-load as it really stands.
+# (memo, workflow status, close time) -> the memo as the operation really stands.
 Reconcile = Callable[[dict[str, Any], WorkflowExecutionStatus | None, datetime | None], dict[str, Any]]
 
 
-def sort_key(hot_load: dict[str, Any]) -> tuple[str, str]:
-    return (hot_load["status"]["createdAt"], hot_load["spec"]["id"])
+def quote(value: str) -> str:
+    """A string literal for a visibility query."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def dumps(doc: Any) -> bytes:
+    """JSON as FastAPI's JSONResponse writes it."""
+    return json.dumps(doc, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def is_closed(status: WorkflowExecutionStatus | None, close_time: datetime | None) -> bool:
+    return status != WorkflowExecutionStatus.RUNNING and close_time is not None
+
+
+@dataclass(frozen=True)
+class Record:
+    """One hot-load as last read; never mutated (a newer read makes a new record)."""
+
+    id: str
+    key: tuple[str, str]  # (createdAt, id): the listing's sort key
+    organization_id: str
+    deployment_id: str
+    closed: bool
+    updated_at: str
+    hot_load: dict[str, Any]
+    replicas: list[dict[str, Any]]
+    json: bytes  # `hot_load` encoded
+
+    def newer_than(self, other: Record) -> bool:
+        if other.closed:
+            return False  # a closed operation's record is final
+        return self.closed or self.updated_at >= other.updated_at
 
 
 @dataclass
 class _Scope:
-    # id -> hot-load; None for a row that carries no hot-load (counted, never listed).
-    closed: dict[str, dict[str, Any] | None] = field(default_factory=dict)
-    newest_close: datetime | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    organization_id: str
+    deployment_id: str | None
+    closed_ids: set[str] = field(default_factory=set)  # closed per visibility (counted)
+    open_ids: set[str] = field(default_factory=set)  # running per visibility's last answer
+    loaded_at: float | None = None  # loop times: the last full read started
+    fresh_at: float = 0.0  # the last full read or refresh that reached this scope started
+    verified_at: float = 0.0  # the last count
+    last_read: float = 0.0
+    order: list[tuple[str, str]] | None = None  # members' sort keys, ascending; None: rebuild
+    built_at_version: int = -1
+    loading: asyncio.Task | None = None
+
+    @property
+    def query(self) -> str:
+        q = f"ResourceKind='hotLoad' AND OrganizationId={quote(self.organization_id)}"
+        if self.deployment_id:
+            q += f" AND DeploymentId={quote(self.deployment_id)}"
+        return q
+
+    @property
+    def token_scope(self) -> str:
+        return f"hotLoads:{self.deployment_id or ''}"
+
+    def covers(self, organization_id: str, deployment_id: str) -> bool:
+        return organization_id == self.organization_id and (
+            not self.deployment_id or deployment_id == self.deployment_id
+        )
+
+    def holds(self, rec: Record) -> bool:
+        return self.covers(rec.organization_id, rec.deployment_id)
 
 
 class HotLoadIndex:
-    def __init__(self, client: Client, reconcile: Reconcile) -> None:
+    def __init__(
+        self, client: Client, reconcile: Reconcile, view: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    ) -> None:
         self.client = client
         self.reconcile = reconcile
-        self._scopes: OrderedDict[str, _Scope] = OrderedDict()
+        self.view = view or (lambda hot_load: hot_load)
+        # Timings (module constants; tests stretch them to take the clock out).
+        self.refresh_s, self.stale_s, self.verify_s, self.active_s = REFRESH_S, STALE_S, VERIFY_S, ACTIVE_S
+        self.records: dict[str, Record] = {}  # every id some scope lists, and own recent creates
+        self._closed_by_id: OrderedDict[str, Record] = OrderedDict()  # read by id, LRU
+        self._recent: dict[str, float] = {}  # own creates: id -> loop time created
+        self._version = 0  # bumped when `_recent` changes: scopes rebuild their order
+        self._scopes: OrderedDict[tuple[str, str | None], _Scope] = OrderedDict()
+        self._refreshing: asyncio.Task | None = None
+        self._poller: asyncio.Task | None = None
         self.full_loads = 0  # how often a scope was read in full (first use, or a disagreement)
+        self.refreshes = 0  # refreshes of the loaded scopes (one visibility call each)
 
-    def _scope(self, query: str) -> _Scope:
-        scope = self._scopes.pop(query, None) or _Scope()
-        self._scopes[query] = scope  # most recently used last
+    # ------------------------------------------------------------------ records
+    def record(self, memo: dict[str, Any], closed: bool) -> Record:
+        hot_load = self.view(memo["hotLoad"])
+        spec, status = hot_load["spec"], hot_load["status"]
+        replicas = sorted(memo.get("replicas") or [], key=lambda r: (r.get("zone", ""), r.get("name", "")))
+        return Record(
+            id=spec["id"], key=(status["createdAt"], spec["id"]), organization_id=spec.get("organizationId", ""),
+            deployment_id=spec.get("deploymentId", ""), closed=closed, updated_at=status.get("updatedAt") or "",
+            hot_load=hot_load, replicas=replicas, json=dumps(hot_load),
+        )
+
+    def _known(self, hot_load_id: str) -> Record | None:
+        return self.records.get(hot_load_id) or self._closed_by_id.get(hot_load_id)
+
+    def _store(self, rec: Record, *, listed: bool) -> Record:
+        """Keeps the newer of `rec` and what is held; `listed` records are kept while listed."""
+        cur = self._known(rec.id)
+        if cur is not None and not rec.newer_than(cur):
+            rec = cur
+        if listed or rec.id in self.records:
+            self.records[rec.id] = rec
+        if rec.closed:
+            self._closed_by_id[rec.id] = rec
+            self._closed_by_id.move_to_end(rec.id)
+            while len(self._closed_by_id) > MAX_CLOSED_BY_ID:
+                self._closed_by_id.popitem(last=False)
+        return rec
+
+    def closed(self, hot_load_id: str) -> Record | None:
+        """The operation if it is known to have closed (then it never changes): no Temporal call."""
+        rec = self._known(hot_load_id)
+        return rec if rec is not None and rec.closed else None
+
+    def observed(self, memo: dict[str, Any], closed: bool) -> Record:
+        """A fresh read of one operation (a describe): listings show it from now on."""
+        return self._store(self.record(memo, closed), listed=False)
+
+    def created(self, hot_load: dict[str, Any]) -> Record:
+        """An operation this process just created: listed at once, before visibility has it."""
+        rec = self._store(self.record({"hotLoad": hot_load}, closed=False), listed=True)
+        self._recent[rec.id] = asyncio.get_running_loop().time()
+        self._version += 1
+        return rec
+
+    # ------------------------------------------------------------------ listing
+    async def page(
+        self, organization_id: str, deployment_id: str | None, max_page_size: int | None, page_token: str | None
+    ) -> tuple[list[bytes], str | None]:
+        """One page of the listing (each hot-load as JSON), newest first, and the next token."""
+        scope = self._scope(organization_id, deployment_id)
+        size = page_size(max_page_size)
+        after = _keyset_token(page_token, scope.token_scope) if page_token else None
+        now = asyncio.get_running_loop().time()
+        scope.last_read = now
+        try:
+            if scope.loaded_at is None:
+                await _single_flight(scope, "loading", lambda: self._load(scope))
+            elif now - scope.fresh_at > self.stale_s:
+                await self._refresh()
+        except RPCError as exc:
+            raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.create_task(self._keep_fresh())
+        order = self._order(scope)
+        end = len(order) if after is None else bisect.bisect_left(order, after)
+        start = max(0, end - size)
+        keys = order[start:end][::-1]
+        token = _encode({"s": scope.token_scope, "k": list(keys[-1])}) if start > 0 and keys else None
+        return [rec.json for _, i in keys if (rec := self.records.get(i)) is not None], token
+
+    def _scope(self, organization_id: str, deployment_id: str | None) -> _Scope:
+        name = (organization_id, deployment_id or None)
+        scope = self._scopes.pop(name, None) or _Scope(organization_id, deployment_id or None)
+        self._scopes[name] = scope  # most recently used last
         while len(self._scopes) > MAX_SCOPES:
             self._scopes.popitem(last=False)
+            self._collect()
         return scope
 
-    async def _hot_load(self, wf: WorkflowExecution) -> dict[str, Any] | None:
+    def _order(self, scope: _Scope) -> list[tuple[str, str]]:
+        now = asyncio.get_running_loop().time()
+        expired = [i for i, t in self._recent.items() if now - t > RECENT_S]
+        for hot_load_id in expired:
+            del self._recent[hot_load_id]
+        if expired:
+            self._version += 1
+        if scope.order is None or scope.built_at_version != self._version:
+            members = scope.closed_ids | scope.open_ids
+            members.update(i for i in self._recent if scope.holds(self.records[i]))
+            scope.order = sorted(self.records[i].key for i in members if i in self.records)
+            scope.built_at_version = self._version
+        return scope.order
+
+    # ------------------------------------------------------------------ visibility
+    async def _load(self, scope: _Scope) -> None:
+        """Reads a scope in full: on first use, and when a count disagrees with it."""
+        started = asyncio.get_running_loop().time()
+        self.full_loads += 1
+        closed_ids: set[str] = set()
+        open_ids: set[str] = set()
+        decoded = 0
+        async for wf in self.client.list_workflows(scope.query, page_size=MAX_PAGE_SIZE):
+            closed = is_closed(wf.status, wf.close_time)
+            if closed:
+                closed_ids.add(wf.id)  # counted even if it is no hot-load (never listed)
+            if await self._file(wf, closed) is not None and not closed:
+                open_ids.add(wf.id)
+            decoded += 1
+            if decoded % DECODE_BATCH == 0:
+                await asyncio.sleep(0)  # let other requests through during a long load
+        scope.closed_ids, scope.open_ids, scope.order = closed_ids, open_ids, None
+        scope.loaded_at = scope.fresh_at = scope.verified_at = started
+        self._collect()
+
+    async def _refresh(self) -> None:
+        """Brings every loaded scope up to date at once (single flight)."""
+        await _single_flight(self, "_refreshing", self._refresh_now)
+
+    async def _refresh_now(self) -> None:
+        """One visibility call for the running hot-loads (indexed by status: its cost follows
+        what runs, not the history), then a describe of each one that left that set since the
+        last look (it closed) or that visibility does not show yet (an own create); one already
+        known closed (read by id) needs no call."""
+        started = asyncio.get_running_loop().time()
+        scopes = [s for s in self._scopes.values() if s.loaded_at is not None]
+        if not scopes:
+            return
+        self.refreshes += 1
+        watched = {i for s in scopes for i in s.open_ids} | self._recent.keys()
+        running: dict[str, Record] = {}
+        async for wf in self.client.list_workflows(RUNNING, page_size=MAX_PAGE_SIZE):
+            attrs = wf.typed_search_attributes
+            if any(s.covers(attrs.get(ORG) or "", attrs.get(DEPLOYMENT) or "") for s in scopes):
+                rec = await self._file(wf, closed=False)  # no scope lists the others: not decoded
+                if rec is not None:
+                    running[wf.id] = rec
+        ended: dict[str, Record] = {}
+        for hot_load_id in watched - running.keys():
+            rec = self.closed(hot_load_id) or await self.read(hot_load_id)
+            if rec is not None:
+                (ended if rec.closed else running)[hot_load_id] = rec
+        for s in scopes:
+            if s.loaded_at is None or s.loaded_at > started:
+                continue  # (re)loaded while this ran: that is fresher
+            open_ids = {i for i, rec in running.items() if s.holds(rec)}
+            closed_ids = s.closed_ids | {i for i, rec in ended.items() if s.holds(rec)}
+            if open_ids != s.open_ids or closed_ids != s.closed_ids:
+                s.open_ids, s.closed_ids, s.order = open_ids, closed_ids, None
+            s.fresh_at = started
+
+    async def read(self, hot_load_id: str) -> Record | None:
+        """Describes one operation now (its memo, reconciled) and keeps what it says; None: no
+        such hot-load. Raises RPCError when Temporal is unreachable."""
+        try:
+            desc = await self.client.get_workflow_handle(names.hot_load_workflow_id(hot_load_id)).describe()
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return None
+            raise
+        memo = await desc.memo()
+        if "hotLoad" not in memo:
+            return None
+        closed = is_closed(desc.status, desc.close_time)
+        return self.observed(self.reconcile(memo, desc.status, desc.close_time), closed)
+
+    async def _verify(self, scope: _Scope) -> None:
+        """Counts the scope's closed operations: one the refreshes never saw running (created
+        elsewhere and ended within a refresh period), a late-visible one, or history deleted by
+        retention makes the count disagree, and the scope is read again."""
+        counted = await self.client.count_workflows(f"{scope.query} AND ExecutionStatus != 'Running'")
+        scope.verified_at = asyncio.get_running_loop().time()
+        if counted.count != len(scope.closed_ids):
+            await _single_flight(scope, "loading", lambda: self._load(scope))
+
+    async def _keep_fresh(self) -> None:
+        """Refreshes while some listing is being read; stops `active_s` after the last read."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            active = [s for s in self._scopes.values() if s.loaded_at is not None and loop.time() - s.last_read < self.active_s]
+            if not active:
+                return
+            try:
+                await self._refresh()
+                for s in active:
+                    if loop.time() - s.verified_at >= self.verify_s:
+                        await self._verify(s)
+            except RPCError as exc:  # requests notice (stale_s) and answer unavailable
+                log.debug("refreshing hot-load listings failed: %s", exc)
+
+    async def _file(self, wf: WorkflowExecution, closed: bool) -> Record | None:
+        """One visibility row as a record: a closed one decoded once ever, an open one each time
+        (it changes). None: the row carries no hot-load."""
+        held = self.closed(wf.id)
+        if held is not None:
+            self.records[wf.id] = held
+            return held
         memo = await wf.memo()
         if "hotLoad" not in memo:
             return None
-        return self.reconcile(memo, wf.status, wf.close_time)["hotLoad"]
+        return self._store(self.record(self.reconcile(memo, wf.status, wf.close_time), closed), listed=True)
 
-    async def list(self, query: str) -> list[dict[str, Any]]:
-        """Every hot-load matching `query` (a visibility query), newest first."""
-        scope = self._scope(query)
-        try:
-            async with scope.lock:
-                running = await self._refresh(scope, query)
-        except RPCError as exc:
-            raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc
-        items = [h for h in scope.closed.values() if h is not None]
-        items += [h for i, h in running.items() if i not in scope.closed]
-        items.sort(key=sort_key, reverse=True)
-        return items
+    def _collect(self) -> None:
+        """Drops records no scope lists any more (a scope evicted or reloaded)."""
+        live = set(self._recent)
+        for scope in self._scopes.values():
+            live |= scope.closed_ids
+            live |= scope.open_ids
+        for hot_load_id in [i for i in self.records if i not in live]:
+            del self.records[hot_load_id]
 
-    async def _refresh(self, scope: _Scope, query: str) -> dict[str, dict[str, Any]]:
-        """Brings `scope.closed` up to date; returns the running hot-loads by id."""
-        running: dict[str, dict[str, Any]] = {}
-        if scope.newest_close is not None:
-            # Closed at or after the newest close we saw (>=: equal close times are not lost).
-            since = (scope.newest_close - timedelta(microseconds=1)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-            delta = f"{query} AND (ExecutionStatus = 'Running' OR CloseTime >= '{since}')"
-            async for wf in self.client.list_workflows(delta, page_size=MAX_PAGE_SIZE):
-                await self._take(scope, wf, running)
-            closed = await self.client.count_workflows(f"{query} AND ExecutionStatus != 'Running'")
-            if closed.count == len(scope.closed):
-                return running
-        # First use of this scope, or the cache disagrees with visibility: load it all again.
-        scope.closed, scope.newest_close, running = {}, None, {}
-        self.full_loads += 1
-        async for wf in self.client.list_workflows(query, page_size=MAX_PAGE_SIZE):
-            await self._take(scope, wf, running)
-        return running
+    async def close(self) -> None:
+        tasks = [t for t in (self._poller, self._refreshing) if t is not None]
+        tasks += [s.loading for s in self._scopes.values() if s.loading is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _take(self, scope: _Scope, wf: WorkflowExecution, running: dict[str, dict[str, Any]]) -> None:
-        """Files one visibility row: running ones decoded every time (they change), closed ones
-        once ever (they do not)."""
-        if wf.status == WorkflowExecutionStatus.RUNNING or wf.close_time is None:
-            hl = await self._hot_load(wf)
-            if hl is not None:
-                running[wf.id] = hl
-            return
-        if scope.newest_close is None or wf.close_time > scope.newest_close:
-            scope.newest_close = wf.close_time
-        if wf.id not in scope.closed:
-            scope.closed[wf.id] = await self._hot_load(wf)
+
+async def _single_flight(owner: Any, attr: str, start: Callable[[], Any]) -> None:
+    """Joins the task in `owner.attr` if one runs, else starts one; a caller that gives up
+    (client gone) does not cancel it for the others."""
+    task = getattr(owner, attr)
+    if task is None or task.done():
+        task = asyncio.create_task(start())
+        setattr(owner, attr, task)
+    await asyncio.shield(task)
 
 
 # ---------------------------------------------------------------------- pagination
@@ -133,6 +409,13 @@ def _decode(token: str, scope: str) -> dict[str, Any]:
     return doc
 
 
+def _keyset_token(token: str, scope: str) -> tuple[str, str]:
+    key = _decode(token, scope).get("k")
+    if not (isinstance(key, list) and len(key) == 2 and all(isinstance(k, str) for k in key)):
+        raise InvalidArgument("pageToken is not a token this listing returned")
+    return (key[0], key[1])
+
+
 def page_size(max_page_size: int | None) -> int:
     size = DEFAULT_PAGE_SIZE if not max_page_size else max_page_size
     if size < 0:
@@ -140,37 +423,19 @@ def page_size(max_page_size: int | None) -> int:
     return min(size, MAX_PAGE_SIZE)
 
 
-def page(
-    items: list[Any],
-    max_page_size: int | None,
-    page_token: str | None,
-    scope: str,
-    key: Callable[[Any], Any] | None = None,
-) -> tuple[list[Any], str | None]:
-    """One page of `items` (already in listing order) and the token of the next, if any.
-
-    With `key` (the listing's sort key, descending), the token is a keyset cursor: the next page
-    starts after the last item returned, wherever it now is. Without, an offset.
-    """
+def page(items: list[Any], max_page_size: int | None, page_token: str | None, scope: str) -> tuple[list[Any], str | None]:
+    """One page of a short list (already in order) and the token of the next, if any: an offset."""
     size = page_size(max_page_size)
     start = 0
     if page_token:
         doc = _decode(page_token, scope)
-        if key is not None:
-            if "k" not in doc or not isinstance(doc["k"], list):
-                raise InvalidArgument("pageToken is not a token this listing returned")
-            after = tuple(doc["k"])
-            start = next((i for i, item in enumerate(items) if tuple(key(item)) < after), len(items))
-        else:
-            try:
-                start = int(doc["o"])
-            except Exception:
-                raise InvalidArgument("pageToken is not a token this listing returned") from None
-            if start < 0:
-                raise InvalidArgument("pageToken is not a token this listing returned")
+        try:
+            start = int(doc["o"])
+        except Exception:
+            raise InvalidArgument("pageToken is not a token this listing returned") from None
+        if start < 0:
+            raise InvalidArgument("pageToken is not a token this listing returned")
     chunk = items[start : start + size]
     if start + size >= len(items) or not chunk:
         return chunk, None
-    if key is not None:
-        return chunk, _encode({"s": scope, "k": list(key(chunk[-1]))})
     return chunk, _encode({"s": scope, "o": start + size})

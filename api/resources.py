@@ -5,13 +5,15 @@ entity workflows `deployments/ID`, `gateways/ID`; a hot-load is the workflow who
 hot-load id) that publishes its wire object in its memo. Reads use describe/list (visibility),
 never a query, so they work with no worker running and for closed operations; a hot-load whose
 workflow closed without recording an end (terminated, timed out) reads as FAILED/CANCELED with a
-condition (`reconcile_hot_load`). Hot-load listings are cached per filter (api/listing.py). Writes are workflow
-starts and Updates; an Update's `ApplicationError` type is the API error code.
+condition (`reconcile_hot_load`). Hot-loads are read as `Record`s (api/listing.py): a closed one
+is served from memory, listings are cached per filter. Writes are workflow starts and Updates;
+an Update's `ApplicationError` type is the API error code.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -21,7 +23,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from api.errors import AlreadyExists, NotFound, Unavailable, from_code
-from api.listing import HotLoadIndex, page
+from api.listing import HotLoadIndex, Record, page, quote
 from workflows import names
 from workflows.deployment import DeploymentWorkflow, search_attributes as deployment_attributes
 from workflows.gateway import GatewayWorkflow, search_attributes as gateway_attributes
@@ -38,10 +40,6 @@ from workflows.types import (
 __all__ = ["Resources", "page", "reconcile_hot_load", "update_error"]
 
 
-def _quote(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def update_error(exc: WorkflowUpdateFailedError) -> Exception:
     cause = exc.cause
     while cause is not None and not isinstance(cause, ApplicationError):
@@ -52,11 +50,18 @@ def update_error(exc: WorkflowUpdateFailedError) -> Exception:
 
 
 class Resources:
-    def __init__(self, client: Client, *, task_queue: str = names.CONTROL_TASK_QUEUE) -> None:
+    def __init__(
+        self,
+        client: Client,
+        *,
+        task_queue: str = names.CONTROL_TASK_QUEUE,
+        hot_load_view: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> None:
         self.client = client
         # The control worker's queue; tests run the workflows on a queue of their own.
         self.task_queue = task_queue
-        self.hot_loads = HotLoadIndex(client, reconcile_hot_load)
+        # `hot_load_view` completes a hot-load's wire object (its UI link) once per record.
+        self.hot_loads = HotLoadIndex(client, reconcile_hot_load, hot_load_view)
 
     # ------------------------------------------------------------------ plumbing
     async def memo(self, workflow_id: str, *, running_only: bool = False) -> dict[str, Any] | None:
@@ -91,7 +96,7 @@ class Resources:
 
     async def list_gateways(self, org: str) -> list[Gateway]:
         memos = await self.list_memos(
-            f"ResourceKind='gateway' AND OrganizationId={_quote(org)} AND ExecutionStatus='Running'"
+            f"ResourceKind='gateway' AND OrganizationId={quote(org)} AND ExecutionStatus='Running'"
         )
         gws = [Gateway.model_validate(m["gateway"]) for m in memos if "gateway" in m]
         return sorted(gws, key=lambda g: g.spec.name)
@@ -137,7 +142,7 @@ class Resources:
 
     async def list_deployments(self, org: str, gateway_id: str | None = None) -> list[Deployment]:
         memos = await self.list_memos(
-            f"ResourceKind='deployment' AND OrganizationId={_quote(org)} AND ExecutionStatus='Running'"
+            f"ResourceKind='deployment' AND OrganizationId={quote(org)} AND ExecutionStatus='Running'"
         )
         deps = [Deployment.model_validate(m["deployment"]) for m in memos if "deployment" in m]
         if gateway_id:
@@ -179,13 +184,15 @@ class Resources:
             raise update_error(exc) from None
 
     # ------------------------------------------------------------------ hot-loads
-    async def create_hot_load(self, deployment_id: str, cmd: CreateHotLoadCommand) -> HotLoad:
-        if await self.memo(names.hot_load_workflow_id(cmd.hot_load_id)) is not None:
+    async def create_hot_load(self, deployment_id: str, cmd: CreateHotLoadCommand) -> Record:
+        known = self.hot_loads.closed(cmd.hot_load_id)
+        if known is not None or await self.memo(names.hot_load_workflow_id(cmd.hot_load_id)) is not None:
             raise AlreadyExists(f"hot-load {cmd.hot_load_id} already exists")
         handle = self.client.get_workflow_handle(names.deployment_workflow_id(deployment_id))
         for attempt in range(2):
             try:
-                return await handle.execute_update(DeploymentWorkflow.create_hot_load, cmd, result_type=HotLoad)
+                hot_load = await handle.execute_update(DeploymentWorkflow.create_hot_load, cmd, result_type=HotLoad)
+                return self.hot_loads.created(hot_load.wire())  # listed from now on
             except WorkflowUpdateFailedError as exc:
                 err = update_error(exc)
             if not isinstance(err, AlreadyExists) or attempt:
@@ -205,33 +212,33 @@ class Resources:
             await asyncio.sleep(0.1)
         return False
 
-    async def hot_load_memo(self, org: str, hot_load_id: str) -> dict[str, Any]:
-        try:
-            desc = await self.client.get_workflow_handle(names.hot_load_workflow_id(hot_load_id)).describe()
-        except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND:
-                raise NotFound(f"hot-load {hot_load_id} not found") from None
-            raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc
-        memo = await desc.memo()
-        if "hotLoad" not in memo or memo["hotLoad"]["spec"].get("organizationId") != org:
+    async def hot_load(self, org: str, hot_load_id: str) -> Record:
+        """The operation as it stands: from memory once it closed, else described now."""
+        rec = self.hot_loads.closed(hot_load_id)
+        if rec is None:
+            try:
+                rec = await self.hot_loads.read(hot_load_id)
+            except RPCError as exc:
+                raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc
+        if rec is None or rec.organization_id != org:
             raise NotFound(f"hot-load {hot_load_id} not found")
-        return reconcile_hot_load(memo, desc.status, desc.close_time)
+        return rec
 
-    async def list_hot_loads(self, org: str, deployment_id: str | None) -> list[dict[str, Any]]:
-        """Newest first (see api/listing.py for how this stays fast and correct)."""
-        query = f"ResourceKind='hotLoad' AND OrganizationId={_quote(org)}"
-        if deployment_id:
-            query += f" AND DeploymentId={_quote(deployment_id)}"
-        return await self.hot_loads.list(query)
+    async def list_hot_loads(
+        self, org: str, deployment_id: str | None, max_page_size: int | None, page_token: str | None
+    ) -> tuple[list[bytes], str | None]:
+        """A page, newest first, each hot-load as JSON (see api/listing.py for how this stays
+        fast and correct)."""
+        return await self.hot_loads.page(org, deployment_id, max_page_size, page_token)
 
-    async def cancel_hot_load(self, org: str, hot_load_id: str) -> dict[str, Any]:
-        memo = await self.hot_load_memo(org, hot_load_id)
+    async def cancel_hot_load(self, org: str, hot_load_id: str) -> Record:
+        rec = await self.hot_load(org, hot_load_id)
         try:
             await self.client.get_workflow_handle(names.hot_load_workflow_id(hot_load_id)).cancel()
         except RPCError as exc:
             if exc.status != RPCStatusCode.NOT_FOUND:  # NOT_FOUND: it closed meanwhile
                 raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc
-        return memo
+        return rec
 
 
 TERMINAL_STATES = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")

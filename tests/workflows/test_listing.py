@@ -2,6 +2,9 @@
 first with working pages over closed and open operations, stable when a hot-load is created
 between two pages, the same after an API restart with no worker running; replicas paginated by
 (zone, name); a terminated workflow reported truthfully; search attributes that find failed loads.
+Listings and closed operations answer from memory (api/listing.py): concurrent first reads share
+one visibility read, a warm listing and a closed operation need no Temporal call, an operation
+created here is listed at once, and changes made elsewhere reach the listing by its refreshes.
 """
 
 from __future__ import annotations
@@ -176,3 +179,84 @@ async def test_search_attributes_find_failed_loads(temporal_env, tmp_path):
         completed = [wf async for wf in f.client.list_workflows(
             f'DeploymentId="{dep}" AND HotLoadState="HOT_LOAD_STATE_COMPLETED"')]
         assert len(completed) == 1
+
+
+class _NoTemporal:
+    """Stands in for the API's Temporal client: any call is a test failure."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"answered from memory, yet called Temporal ({name})")
+
+
+async def test_warm_reads_answer_from_memory_and_share_visibility_calls(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        done = [(await f.completed(dep, f"s{i}", hotLoadId=f"m-{i}"))["spec"]["id"] for i in range(3)]
+        resources = f.app.state.resources
+        index = resources.hot_loads
+        # No background refresh and no staleness in this test: only requests drive visibility.
+        index.refresh_s = index.stale_s = index.verify_s = 3600.0
+        loads = index.full_loads
+        firsts = await asyncio.gather(
+            *(f.call("GET", "/hotLoads", params={"parentDeploymentId": dep}) for _ in range(10))
+        )
+        assert index.full_loads == loads + 1  # ten concurrent first reads, one visibility read
+        assert all([h["spec"]["id"] for h in r.json()["hotLoads"]] == done[::-1] for r in firsts)
+        refreshes = index.refreshes
+
+        real = resources.client
+        resources.client = index.client = _NoTemporal()
+        try:
+            assert [h["spec"]["id"] for h in await walk(f, dep, 2)] == done[::-1]
+            one = (await f.call("GET", f"/hotLoads/{done[0]}")).json()["hotLoad"]
+            assert one["status"]["state"] == "HOT_LOAD_STATE_COMPLETED" and one["status"]["workflowUrl"]
+            replicas = (await f.call("GET", f"/hotLoads/{done[0]}/replicas")).json()["replicas"]
+            assert {r["state"] for r in replicas} == {"READY"}
+        finally:
+            resources.client = index.client = real
+
+        # Created here: listed as soon as the create returns; its end, read by GET, is listed too.
+        write_full(f.bucket_root / f"ckpt/{dep}", "s9")
+        assert (await f.create_hot_load(dep, "s9", hotLoadId="m-new")).status_code == 200
+        listed = (await f.call("GET", "/hotLoads", params={"parentDeploymentId": dep})).json()["hotLoads"]
+        assert [h["spec"]["id"] for h in listed] == ["m-new", *done[::-1]]
+        assert (await f.wait_hot_load("m-new"))["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
+        listed = (await f.call("GET", "/hotLoads", params={"parentDeploymentId": dep})).json()["hotLoads"]
+        assert listed[0]["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
+        assert (index.full_loads, index.refreshes) == (loads + 1, refreshes)
+
+
+async def test_listing_follows_changes_made_elsewhere(temporal_env, tmp_path):
+    """Another API process creates a hot-load, an operator terminates one: a warm listing here
+    shows both through its background refreshes, without a GET of either."""
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        await f.completed(dep, "s0", hotLoadId="e-0")
+        params = {"parentDeploymentId": dep}
+        assert [h["spec"]["id"] for h in (await f.call("GET", "/hotLoads", params=params)).json()["hotLoads"]] == ["e-0"]
+
+        async def listed() -> list[tuple[str, str]]:
+            body = (await f.call("GET", "/hotLoads", params=params)).json()
+            return [(h["spec"]["id"], h["status"]["state"]) for h in body["hotLoads"]]
+
+        async def until(expected: list[tuple[str, str]]) -> None:
+            async def check() -> bool | None:
+                return True if await listed() == expected else None
+
+            await poll(check, 60, f"listing {expected}", every=0.1)
+
+        other = create_app(f.settings, temporal_client=f.client, task_queue=f.task_queue)
+        async with other.router.lifespan_context(other), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=other), base_url=f"http://api{PREFIX}",
+            headers={"Authorization": f"Bearer {ADMIN}"},
+        ) as http:
+            write_full(f.bucket_root / f"ckpt/{dep}", "s1")
+            f.apply_behaviour = _every(f.held)
+            r = await http.post("/hotLoads", json={
+                "deploymentId": dep, "identity": "s1", "type": "SNAPSHOT_TYPE_FULL", "hotLoadId": "e-1",
+            })
+            assert r.status_code == 200, r.text
+        await asyncio.wait_for(f.started.wait(), 30)
+        await until([("e-1", "HOT_LOAD_STATE_IN_PROGRESS"), ("e-0", "HOT_LOAD_STATE_COMPLETED")])
+        await f.client.get_workflow_handle("e-1").terminate(reason="operator")
+        await until([("e-1", "HOT_LOAD_STATE_FAILED"), ("e-0", "HOT_LOAD_STATE_COMPLETED")])
