@@ -46,7 +46,10 @@ async def test_one_trace_from_the_api_request_to_the_replica_steps(temporal_env,
     # The Update is handled inside the deployment's long-lived trace, linked to this request.
     (handled,) = [s for s in spans if s.name == "HandleUpdate:create_hot_load"]
     assert any(link.context.trace_id == root.context.trace_id for link in handled.links)
-    steps = [s for s in in_trace if s.name in ("RunActivity:apply_snapshot", "RunActivity:receive_from_peer")]
-    assert len(steps) == 2, sorted(names)  # one per replica
+    # One weight-changing step per replica: the first from the bucket, the other a broadcast
+    # stage then its commit.
+    steps = [s for s in in_trace if s.name in ("RunActivity:apply_snapshot", "RunActivity:commit_peer_stage")]
+    assert len(steps) == 2, sorted(names)
+    assert {"RunActivity:send_to_peers", "RunActivity:stage_from_peer"} <= names, sorted(names)
     # The polling GETs are traces of their own, not part of the operation's.
     assert all(s.name != "GET /v1alpha1/inference/hotLoads/{hot_load_id}" for s in in_trace)
