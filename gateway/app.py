@@ -20,14 +20,50 @@ Contract:
   new requests itself; the gateway does not time them out (read timeout 600 s), so they wait.
 - Responses pass through as vLLM wrote them, plus: ``choices[].logprobs.content[].token_id`` on
   chat (vLLM 0.32 omits it), and a top-level ``nvext`` object (on a stream: on the last chunk
-  that carries a ``finish_reason``) with ``weight_versions`` always (which snapshot identity
-  produced the tokens; see ``routing.weight_versions`` for what is exact), and, when named in
+  that carries a ``finish_reason``) with ``weight_versions`` always (below), and, when named in
   ``nvext.extra_fields``: ``worker_id`` (``{"prefill_worker_id", "decode_worker_id"}``, the
   replica's name: prefill and decode run on the same replica), ``timing`` (gateway clock:
   ``request_received_ms`` Unix epoch, ``total_time_ms``, and on streams ``ttft_ms``/``itl_ms``),
   ``completion_token_ids`` (``n`` = 1), ``routed_experts`` (``{data, shape, dtype, start}``;
   vLLM returns routes only on non-streamed answers, so a streamed request for them is served
   from a non-streamed upstream request and replayed as SSE chunks).
+- ``nvext.weight_versions``: which snapshot identity produced the tokens::
+
+      {"identity": null, "exact": false, "identities": ["step-6", "step-7"], "replica": "r-0",
+       "spans": [{"choice": 0, "identity": "step-6", "start": 0, "end": 22},
+                 {"choice": 0, "identity": "step-7", "start": 22, "end": 600}]}
+
+  ``identity`` names the one snapshot every token of every choice came from, or is null when
+  the tokens are not known to come from one snapshot; ``exact`` is true exactly when
+  ``identity`` is set; ``identities`` lists the snapshots that did (or, without ``spans``, may
+  have) produced tokens, in load order; ``replica`` served the request. ``spans`` (present when
+  the replica reported per-token versions for every choice): per choice (``choice`` is its
+  ``index``), in generation order, the completion tokens ``[start, end)`` the snapshot
+  ``identity`` sampled: indices into that choice's ``token_ids``, ``logprobs`` entries and
+  ``nvext.completion_token_ids`` (an echoed prompt is not counted). A choice's spans tile its
+  completion tokens, so their lengths add up to its token count; a request that spanned a
+  PRESERVE hot-load has one span per identity, the old one first. With spans, the label is
+  the engine's record and exact; without them it is inferred from Temporal around the request
+  (``routing.weight_versions``), and a request that spanned a hot-load gets both identities
+  and no spans.
+- Why spans are exact (vLLM 0.32 source, no clock involved): the engine core handles utility
+  calls (pause, the worker RPC that swaps the weights, ``set_weight_version``, resume) on its
+  one thread between engine steps; ``pause(mode=keep)`` returns once no step is in flight and
+  nothing is scheduled until ``resume``; each step's outputs are stamped with the label current
+  when the step ran (``EngineCore._attach_weight_version``) and the API server's output
+  processor opens a span at the first token whose step carries a new label
+  (``RequestState.track_weight_version``; the spans reach the final ``CompletionOutput``). The
+  replica agent changes weights and label only together inside one such pause
+  (``ReplicaRuntime._swap_staged``: pause, swap, set the label to the snapshot identity,
+  resume), so a token's label is the identity of the weights whose forward pass sampled it
+  (under PRESERVE, over KV cache partly computed by the previous weights).
+- What the replica must provide for spans: vLLM 0.32 writes ``CompletionOutput.weight_versions``
+  only on its token API (``/inference/v1/generate``, off unless ``--enable-scale-out``), not on
+  the OpenAI routes the gateway relays; the replica's server has to copy it onto each OpenAI
+  choice (contract in ``gateway/nvext.py``; ``tests/gateway/vllm_spans.py`` does it for the
+  tests). The gateway does not generate through the token API itself: one call there cannot
+  give an OpenAI answer (its text mode names no ids for top-logprob candidates, its tokens mode
+  has no text), and vLLM's derender routes cost one call per streamed chunk.
 """
 
 from __future__ import annotations
@@ -47,7 +83,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from api.auth import Principal, TokenStore
 from api.errors import ApiError
-from gateway.nvext import RequestError, RequestPlan, finish_chunk, finish_choice, plan_request, strip_prompt_ids, translate_routed_experts
+from gateway.nvext import (
+    RequestError,
+    RequestPlan,
+    finish_chunk,
+    finish_choice,
+    plan_request,
+    strip_prompt_ids,
+    translate_routed_experts,
+    version_spans,
+)
 from gateway.routing import DeploymentView, ReplicaView, Router, refresh_loop, weight_versions
 from workers.settings import Settings
 
@@ -191,12 +236,16 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
             choices = data.get("choices") or []
             value = choices[0].get("routed_experts") if choices else None
             out["routed_experts"] = None if value is None else translate_routed_experts(value, plan.routed_experts_start)
-        after_view = await router.fresh_view(attempt.view.deployment_id)
-        after = after_view.replica(replica.name) if after_view is not None else None
-        out["weight_versions"] = weight_versions(
-            attempt.view.replica(replica.name), after, attempt.view.epoch,
-            after_view.epoch if after_view is not None else attempt.view.epoch, replica.name,
-        )
+        spans = version_spans(plan)
+        if spans:  # the engine's own record: no need to read Temporal
+            out["weight_versions"] = weight_versions(None, None, 0, 0, replica.name, spans)
+        else:
+            after_view = await router.fresh_view(attempt.view.deployment_id)
+            after = after_view.replica(replica.name) if after_view is not None else None
+            out["weight_versions"] = weight_versions(
+                attempt.view.replica(replica.name), after, attempt.view.epoch,
+                after_view.epoch if after_view is not None else attempt.view.epoch, replica.name, spans,
+            )
         if "timing" in extra:
             now = time.monotonic()
             timing: dict[str, Any] = {

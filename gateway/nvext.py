@@ -21,6 +21,11 @@ Contract (pure functions, no I/O; `gateway/app.py` calls them around each upstre
 - ``finish_choice(plan, choice)`` (a non-streamed choice) and ``finish_chunk(plan, chunk)``
   (one SSE chunk) add ``token_id`` to each chat ``logprobs.content`` entry, zipped with the
   ``token_ids`` vLLM reported for the same tokens (vLLM 0.32's chat logprobs carry no id).
+- ``finish_choice`` / ``finish_chunk`` also take each choice's ``weight_versions`` off the answer
+  (the replica's per-token weight versions, see below) into the plan; ``version_spans(plan)``
+  returns them checked, as ``nvext.weight_versions.spans`` entries ``{"choice", "identity",
+  "start", "end"}``, or None when the answer did not carry them for every choice or they do not
+  tile each choice's completion tokens (never a guess).
 - ``translate_routed_experts(value, start)`` turns vLLM's per-choice ``routed_experts`` (base64
   of a ``.npy`` file, rows ``[prompt + completion - 1, layers, top_k]``) into the guide's
   ``{"data", "shape", "dtype", "start"}``: ``data`` base64 of the raw C-order bytes,
@@ -29,6 +34,13 @@ Contract (pure functions, no I/O; `gateway/app.py` calls them around each upstre
 The response-side ``nvext`` object (``worker_id``, ``timing``, ``completion_token_ids``,
 ``routed_experts``, ``weight_versions``) is assembled in ``gateway/app.py``, which knows the
 replica and the clock.
+
+Per-token weight versions from the replica: a choice may carry ``weight_versions``, a list of
+``{"version": label, "start": i, "end": j}``: completion tokens ``[i, j)`` of that choice were
+sampled by the weights labelled ``label`` (vLLM's ``WeightVersionSpan``, the shape its token API
+``/inference/v1/generate`` writes; on a stream, on the chunk with the choice's
+``finish_reason``). vLLM 0.32's OpenAI endpoints do not write it; a replica whose server adds it
+gets exact spans (``gateway/app.py`` says what that takes).
 """
 
 from __future__ import annotations
@@ -74,6 +86,10 @@ class RequestPlan:
     routed_experts_start: int = 0
     # Per choice index: the sampled token ids seen so far (streams accumulate them).
     token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # echo puts the prompt's ids in front of the completion's: they are not completion tokens.
+    echo: bool = False
+    # Per choice index seen in the answer: the replica's weight_versions for it (None: absent).
+    weight_versions: dict[int, Any] = field(default_factory=dict)
 
 
 def _stop_count(value: Any) -> int:
@@ -155,6 +171,7 @@ def plan_request(body: dict[str, Any], path: str, engine_config: dict[str, str] 
         client_token_ids=client_token_ids,
         fill_token_id=fill_token_id,
         routed_experts_start=int(start) if isinstance(start, int) else 0,
+        echo=bool(body.get("echo")),
     )
 
 
@@ -182,9 +199,19 @@ def _fill_token_ids(plan: RequestPlan, choice: dict[str, Any]) -> None:
         choice.pop("token_ids", None)
 
 
+def _take_weight_versions(plan: RequestPlan, choice: dict[str, Any], final: bool) -> None:
+    index = int(choice.get("index", 0))
+    spans = choice.pop("weight_versions", None)  # moved to nvext.weight_versions.spans
+    if spans is not None or final:
+        plan.weight_versions[index] = spans
+    else:
+        plan.weight_versions.setdefault(index, None)
+
+
 def finish_choice(plan: RequestPlan, choice: dict[str, Any]) -> dict[str, Any]:
     """A non-streamed choice as the client expects it; remembers its token ids in ``plan``."""
     _fill_token_ids(plan, choice)
+    _take_weight_versions(plan, choice, final=True)
     return choice
 
 
@@ -193,8 +220,38 @@ def finish_chunk(plan: RequestPlan, chunk: dict[str, Any]) -> dict[str, Any]:
     for choice in chunk.get("choices") or []:
         if isinstance(choice, dict):
             _fill_token_ids(plan, choice)
+            _take_weight_versions(plan, choice, final=choice.get("finish_reason") is not None)
     strip_prompt_ids(plan, chunk)
     return chunk
+
+
+def version_spans(plan: RequestPlan) -> list[dict[str, Any]] | None:
+    """The replica's per-token weight versions of a finished answer, as
+    ``[{"choice", "identity", "start", "end"}, ...]`` (by choice, then in generation order), or
+    None unless every choice carried them and each choice's spans tile ``[0, its token count)``
+    without gaps (the count checked against the token ids when the answer had them)."""
+    if not plan.weight_versions:
+        return None
+    out: list[dict[str, Any]] = []
+    for index in sorted(plan.weight_versions):
+        spans = plan.weight_versions[index]
+        if not isinstance(spans, list):
+            return None
+        end = 0
+        for span in spans:
+            if not isinstance(span, dict):
+                return None
+            version, start, stop = span.get("version"), span.get("start"), span.get("end")
+            if not isinstance(version, str) or type(start) is not int or type(stop) is not int:
+                return None
+            if start != end or stop <= start:
+                return None
+            out.append({"choice": index, "identity": version, "start": end, "end": stop})
+            end = stop
+        ids = plan.token_ids.get(index)
+        if ids is not None and not plan.echo and len(ids) != end:
+            return None
+    return out
 
 
 def strip_prompt_ids(plan: RequestPlan, response: dict[str, Any]) -> None:

@@ -21,8 +21,10 @@ Contract:
   visibility store) every ``REFRESH_S``. ``fresh_view(dep_id)`` returns a view whose read began
   after the call (concurrent callers share one read), which is what a weight-version label
   needs.
-- ``weight_versions(before, after, replica)`` labels a response from the views taken before it
-  was sent and after it finished; see the function for exactly what is and is not known.
+- ``weight_versions(before, after, ..., spans)`` labels a response from the views taken before
+  it was sent and after it finished, or, when the replica reported which weights sampled each
+  token (``spans``, see ``gateway/nvext.py``), from those; see the function for exactly what is
+  and is not known.
 """
 
 from __future__ import annotations
@@ -123,19 +125,30 @@ def build_view(
 
 
 def weight_versions(before: ReplicaView | None, after: ReplicaView | None,
-                    before_epoch: int, after_epoch: int, replica: str) -> dict[str, Any]:
+                    before_epoch: int, after_epoch: int, replica: str,
+                    spans: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """``nvext.weight_versions`` for one response served by ``replica``.
 
-    ``exact`` is true, and ``identity`` names the snapshot every token of every choice came
-    from, when the replica was settled on the same identity in a view read before the request
-    was sent and in one read after it finished, and no hot-load reached the replica in between:
-    either no hot-load started (same epoch), or exactly one started and has not reached it yet.
-    Otherwise ``identity`` is null and ``identities`` lists what may have produced the tokens,
-    in load order (a request that spanned a PRESERVE hot-load has tokens of both; vLLM 0.32's
-    OpenAI endpoints do not say where the switch fell, so no token spans are given).
+    With ``spans`` (the replica's own per-token record, checked by ``nvext.version_spans``):
+    they are passed on as ``spans``; ``identities`` lists the identities they name, in load
+    order (old first), and ``exact``/``identity`` say whether that is one identity. This is
+    exact whatever the views say (see ``gateway/app.py`` for why), so no view is needed.
+
+    Without them, from the views: ``exact`` is true, and ``identity`` names the snapshot every
+    token of every choice came from, when the replica was settled on the same identity in a
+    view read before the request was sent and in one read after it finished, and no hot-load
+    reached the replica in between: either no hot-load started (same epoch), or exactly one
+    started and has not reached it yet. Otherwise ``identity`` is null and ``identities`` lists
+    what may have produced the tokens, in load order (a request that spanned a PRESERVE
+    hot-load has tokens of both, and without spans nothing says where the switch fell).
     Not covered: a hot-load that started and ended entirely between two reads and was never
     seen by this gateway, and that put back the same identity (A -> B -> A).
     """
+    if spans:
+        named = _load_order(spans)
+        one = len(named) == 1
+        return {"identity": named[0] if one else None, "exact": one, "identities": named,
+                "replica": replica, "spans": spans}
     ids: list[str] = []
     for view in (before, after):
         if view is not None and view.identity not in ids:
@@ -148,7 +161,28 @@ def weight_versions(before: ReplicaView | None, after: ReplicaView | None,
         and before.identity == after.identity
         and (after_epoch == before_epoch or (after_epoch == before_epoch + 1 and after.pending))
     )
-    return {"identity": ids[0] if exact else None, "exact": bool(exact), "identities": ids, "replica": replica}
+    out = {"identity": ids[0] if exact else None, "exact": bool(exact), "identities": ids, "replica": replica}
+    if spans is not None:
+        out["spans"] = spans  # reported, and empty: the answer has no completion tokens
+    return out
+
+
+def _load_order(spans: list[dict[str, Any]]) -> list[str]:
+    """The identities ``spans`` name, ordered as loaded: each choice's spans are in time order,
+    but choices of one request may start in different engine steps, so merge their orders."""
+    named = list(dict.fromkeys(s["identity"] for s in spans))
+    later: dict[str, set[str]] = {v: set() for v in named}
+    for a, b in zip(spans, spans[1:]):
+        if a["choice"] == b["choice"]:
+            later[a["identity"]].add(b["identity"])
+    order: list[str] = []
+    while len(order) < len(named):
+        # The first identity (in order of appearance) that no remaining identity precedes; an
+        # identity loaded twice (A -> B -> A) makes a cycle: then take them as they appear.
+        left = [v for v in named if v not in order]
+        free = [v for v in left if not any(v in later[u] for u in left if u != v)]
+        order.append((free or left)[0])
+    return order
 
 
 @dataclass

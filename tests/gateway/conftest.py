@@ -255,3 +255,22 @@ def succession(prompt_last: int, ids: list[int], vocab: int = 2048) -> list[bool
         out.append(t == (prev + 1) % vocab)
         prev = t
     return out
+
+
+def check_spans(counts: list[bool], spans: list[dict[str, Any]], old: str, new: str, counting: str) -> None:
+    """One choice's ``nvext.weight_versions.spans`` against its tokens (``counts`` from
+    ``succession``), a hot-load from ``old`` to ``new`` with one of them the ``counting`` model:
+    the spans tile the tokens, old identity first; every token of the counting identity's span
+    follows the counting rule; the other model's tokens practically never do (1 in 2048 each),
+    and its span neither starts nor ends with a run of three that do (a boundary off by three
+    would put the counting model's tokens there)."""
+    assert [s["start"] for s in spans] == [0] + [s["end"] for s in spans[:-1]], spans
+    assert sum(s["end"] - s["start"] for s in spans) == len(counts), (spans, len(counts))
+    assert [s["identity"] for s in spans] in ([old], [new], [old, new]), spans
+    for s in spans:
+        inside = counts[s["start"]:s["end"]]
+        if s["identity"] == counting:
+            assert all(inside), (s, inside.index(False))
+        else:
+            assert sum(inside) < 8, (s, sum(inside))
+            assert len(inside) < 3 or not (all(inside[:3]) or all(inside[-3:])), (s, inside[:3], inside[-3:])

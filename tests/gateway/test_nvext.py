@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 
 from gateway.app import as_chunks
-from gateway.nvext import RequestError, finish_choice, finish_chunk, plan_request, strip_prompt_ids, translate_routed_experts
+from gateway.nvext import (
+    RequestError,
+    finish_choice,
+    finish_chunk,
+    plan_request,
+    strip_prompt_ids,
+    translate_routed_experts,
+    version_spans,
+)
 from gateway.routing import ReplicaView, build_view, weight_versions
 
 MOE = {"enable-return-routed-experts": ""}
@@ -160,6 +168,88 @@ def test_weight_versions_not_exact_across_a_change():
     # Two hot-loads seen in between: the same identity may have been put back (A -> B -> A).
     assert weight_versions(before, pending, 3, 5, "r1")["exact"] is False
     assert weight_versions(before, None, 3, 3, "r1")["exact"] is False
+
+
+def span(version: str, start: int, end: int) -> dict:
+    return {"version": version, "start": start, "end": end}
+
+
+def test_replica_spans_move_into_the_label():
+    """Spans of a non-streamed answer with two choices: one spanned a swap, one finished before."""
+    plan = plan_request({"prompt": [1], "n": 2, "return_token_ids": True}, "/v1/completions")
+    answer = {"choices": [
+        {"index": 0, "token_ids": [5, 6, 7], "weight_versions": [span("a", 0, 1), span("b", 1, 3)]},
+        {"index": 1, "token_ids": [8], "weight_versions": [span("a", 0, 1)]},
+    ]}
+    for choice in answer["choices"]:
+        finish_choice(plan, choice)
+    assert all("weight_versions" not in c for c in answer["choices"])  # moved to nvext
+    spans = version_spans(plan)
+    assert spans == [{"choice": 0, "identity": "a", "start": 0, "end": 1},
+                     {"choice": 0, "identity": "b", "start": 1, "end": 3},
+                     {"choice": 1, "identity": "a", "start": 0, "end": 1}]
+    label = weight_versions(None, None, 0, 0, "r1", spans)
+    assert label == {"identity": None, "exact": False, "identities": ["a", "b"], "replica": "r1", "spans": spans}
+    one = weight_versions(None, None, 0, 0, "r1", [{"choice": 0, "identity": "b", "start": 0, "end": 4}])
+    assert one["identity"] == "b" and one["exact"] is True and one["identities"] == ["b"]
+
+
+def test_replica_spans_on_a_stream_come_with_each_finish_chunk():
+    plan = plan_request({"prompt": [1], "n": 2, "stream": True}, "/v1/completions")
+    chunks = [
+        {"choices": [{"index": 0, "text": "x", "finish_reason": None}]},
+        {"choices": [{"index": 1, "text": "y", "finish_reason": "length", "weight_versions": [span("a", 0, 2)]}]},
+        {"choices": [{"index": 0, "text": "z", "finish_reason": "length",
+                      "weight_versions": [span("a", 0, 1), span("b", 1, 2)]}]},
+    ]
+    for chunk in chunks[:2]:
+        finish_chunk(plan, chunk)
+    assert version_spans(plan) is None  # choice 0 has not finished yet
+    finish_chunk(plan, chunks[2])
+    assert [(s["choice"], s["identity"]) for s in version_spans(plan)] == [(0, "a"), (0, "b"), (1, "a")]
+    assert "weight_versions" not in chunks[2]["choices"][0]
+
+
+@pytest.mark.parametrize("spans, ids", [
+    (None, [5, 6]),                                        # a replica that does not report them
+    ([span("a", 0, 1)], [5, 6]),                           # does not cover the tokens
+    ([span("a", 1, 2)], [5, 6]),                           # does not start at 0
+    ([span("a", 0, 1), span("b", 2, 2)], [5, 6]),          # a gap, an empty span
+    ([span("a", 0, 2), span("b", 1, 3)], [5, 6, 7]),       # overlap
+    ([{"version": 3, "start": 0, "end": 2}], [5, 6]),      # not a label
+    ("a", [5, 6]),
+])
+def test_replica_spans_that_do_not_tile_the_tokens_are_not_reported(spans, ids):
+    plan = plan_request({"prompt": [1], "return_token_ids": True}, "/v1/completions")
+    finish_choice(plan, {"index": 0, "token_ids": ids, "weight_versions": spans})
+    assert version_spans(plan) is None
+    before = ReplicaView("r1", "u", "a")
+    assert "spans" not in weight_versions(before, before, 1, 1, "r1", version_spans(plan))
+
+
+def test_spans_are_checked_against_the_count_only_without_an_echoed_prompt():
+    plan = plan_request({"prompt": [1, 2], "echo": True, "return_token_ids": True}, "/v1/completions")
+    finish_choice(plan, {"index": 0, "token_ids": [1, 2, 9], "weight_versions": [span("a", 0, 1)]})
+    assert version_spans(plan) == [{"choice": 0, "identity": "a", "start": 0, "end": 1}]
+
+
+def test_no_tokens_no_spans_and_the_label_from_the_views():
+    plan = plan_request({"prompt": [1]}, "/v1/completions")
+    finish_choice(plan, {"index": 0, "text": "", "weight_versions": []})
+    assert version_spans(plan) == []
+    a = ReplicaView("r1", "u", "a")
+    assert weight_versions(a, a, 1, 1, "r1", []) == {
+        "identity": "a", "exact": True, "identities": ["a"], "replica": "r1", "spans": []}
+
+
+def test_identities_are_in_load_order_across_choices():
+    """Choice 0 began after the swap, choice 1 before: the old identity is still first."""
+    spans = [{"choice": 0, "identity": "b", "start": 0, "end": 3},
+             {"choice": 1, "identity": "a", "start": 0, "end": 1}, {"choice": 1, "identity": "b", "start": 1, "end": 3}]
+    assert weight_versions(None, None, 0, 0, "r1", spans)["identities"] == ["a", "b"]
+    twice = [{"choice": 0, "identity": "a", "start": 0, "end": 1}, {"choice": 0, "identity": "b", "start": 1, "end": 2},
+             {"choice": 0, "identity": "a", "start": 2, "end": 3}]
+    assert weight_versions(None, None, 0, 0, "r1", twice)["identities"] == ["a", "b"]
 
 
 def test_build_view_reads_replica_states_from_the_active_hot_load():

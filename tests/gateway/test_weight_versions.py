@@ -6,6 +6,12 @@ which weights produced them, so each label can be checked: an answer labelled ex
 counting identity counts all the way, one labelled exactly with the base identity does not
 count, and an answer that spanned the swap is labelled inexact with both identities, old first
 (its tokens count up to the swap, then stop counting).
+
+Spans: a replica whose server reports vLLM's per-token weight versions (``gateway/app.py``)
+gives every answer ``spans``, and then each is checked against the tokens (the counting
+identity's span counts, the base identity's does not; ``test_weight_spans.py`` proves the
+same on an engine that reports them); a replica that does not gives none, and the labels above
+come from Temporal alone.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import json
 import httpx
 import pytest
 
-from tests.gateway.conftest import random_prompt, serve_full, succession
+from tests.gateway.conftest import check_spans, random_prompt, serve_full, succession
 from workers.base_model import write_counting_model
 
 pytestmark = pytest.mark.stack
@@ -61,6 +67,9 @@ async def one_round(gw, counting, attempt: int) -> int:
     assert before[1] == {**before[1], "identity": old, "exact": True} and all(succession(prompts[0][-1], before[0]))
     assert after[1] == {**after[1], "identity": new, "exact": True} and sum(succession(prompts[9][-1], after[0])) < 4
     inexact = 0
+    for prompt, (ids, label) in zip([prompts[0], *prompts[1:9], prompts[9]], [before, *spanning, after]):
+        if "spans" in label:  # a replica that reports per-token versions (see the docstring)
+            check_spans(succession(prompt[-1], ids), label["spans"], old, new, counting=old)
     for prompt, (ids, label) in zip(prompts[1:9], spanning):
         counts = succession(prompt[-1], ids)
         assert len(ids) == LONG

@@ -1,0 +1,108 @@
+"""Test support: vLLM 0.32's OpenAI server that also writes each choice's weight-version spans.
+
+vLLM records, for every finished completion output, which weight-version label was current at
+the engine step that sampled each output token (``CompletionOutput.weight_versions``: a list of
+``WeightVersionSpan(version, start, end)`` over output-token indices, set on the final output;
+``vllm/v1/engine/output_processor.py``, ``RequestState._weight_version_spans``). Its OpenAI
+endpoints drop that field; only the token API (``/inference/v1/generate``, behind
+``--enable-scale-out``) writes it. This wrapper adds it to the OpenAI answers, as the replica
+side of the contract ``gateway/nvext.py`` reads: ``choices[i].weight_versions`` =
+``[{"version", "start", "end"}, ...]`` (the token API's own shape), on a non-streamed choice and
+on the stream chunk that carries the choice's ``finish_reason``. Nothing else changes.
+
+It stands in for the replica-side vLLM plugin the gateway's exact spans need (see
+``gateway/app.py``); tests start engines with it instead of vLLM's module:
+
+    python -m tests.gateway.vllm_spans <vllm.entrypoints.openai.api_server arguments>
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+
+def _spans(output: Any) -> list[dict[str, Any]] | None:
+    spans = getattr(output, "weight_versions", None)
+    if spans is None:
+        return None
+    return [{"version": s.version, "start": s.start, "end": s.end} for s in spans]
+
+
+async def _recording(results: AsyncIterator[Any], spans: dict[int, Any],
+                     index_of: Callable[[Any, Any], int]) -> AsyncIterator[Any]:
+    # Records a choice's spans as its final output passes, before the server formats that output.
+    async for item in results:
+        res = item[1] if isinstance(item, tuple) else item
+        for output in res.outputs:
+            if output.finish_reason is not None:
+                spans[index_of(item, output)] = _spans(output)
+        yield item
+
+
+def _stamp(event: str, spans: dict[int, Any]) -> str:
+    if not event.startswith("data: ") or '"finish_reason"' not in event:
+        return event
+    try:
+        chunk = json.loads(event[len("data: "):])
+    except ValueError:
+        return event
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    stamped = False
+    for choice in choices or []:
+        if choice.get("finish_reason") is not None and choice.get("index") in spans:
+            choice["weight_versions"] = spans[choice["index"]]
+            stamped = True
+    return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n" if stamped else event
+
+
+def patch() -> None:
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    cmpl_stream = OpenAIServingCompletion.completion_stream_generator
+    cmpl_full = OpenAIServingCompletion.request_output_to_completion_response
+    chat_stream = OpenAIServingChat.chat_completion_stream_generator
+    chat_full = OpenAIServingChat.chat_completion_full_generator
+
+    async def completion_stream_generator(self, request, engine_inputs, result_generator, *args, **kwargs):
+        n = request.n or 1
+        spans: dict[int, Any] = {}
+        results = _recording(result_generator, spans, lambda item, out: out.index + item[0] * n)
+        async for event in cmpl_stream(self, request, engine_inputs, results, *args, **kwargs):
+            yield _stamp(event, spans)
+
+    def request_output_to_completion_response(self, final_res_batch, *args, **kwargs):
+        response = cmpl_full(self, final_res_batch, *args, **kwargs)
+        # vLLM numbers the choices in this same order (prompt by prompt, output by output).
+        outputs = [output for res in final_res_batch for output in res.outputs]
+        for choice, output in zip(response.choices, outputs):
+            choice.weight_versions = _spans(output)  # an extra field: vLLM's models allow them
+        return response
+
+    async def chat_completion_stream_generator(self, request, result_generator, *args, **kwargs):
+        spans: dict[int, Any] = {}
+        results = _recording(result_generator, spans, lambda item, out: out.index)
+        async for event in chat_stream(self, request, results, *args, **kwargs):
+            yield _stamp(event, spans)
+
+    async def chat_completion_full_generator(self, request, result_generator, *args, **kwargs):
+        spans: dict[int, Any] = {}
+        results = _recording(result_generator, spans, lambda item, out: out.index)
+        response = await chat_full(self, request, results, *args, **kwargs)
+        for choice in getattr(response, "choices", None) or []:
+            if choice.index in spans:
+                choice.weight_versions = spans[choice.index]
+        return response
+
+    OpenAIServingCompletion.completion_stream_generator = completion_stream_generator
+    OpenAIServingCompletion.request_output_to_completion_response = request_output_to_completion_response
+    OpenAIServingChat.chat_completion_stream_generator = chat_completion_stream_generator
+    OpenAIServingChat.chat_completion_full_generator = chat_completion_full_generator
+
+
+if __name__ == "__main__":  # not in vLLM's spawned engine processes, which import this as __mp_main__
+    patch()
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
