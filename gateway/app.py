@@ -60,8 +60,8 @@ Contract:
 - What the replica must provide for spans: vLLM 0.32 writes ``CompletionOutput.weight_versions``
   only on its token API (``/inference/v1/generate``, off unless ``--enable-scale-out``), not on
   the OpenAI routes the gateway relays; the replica's server has to copy it onto each OpenAI
-  choice (contract in ``gateway/nvext.py``; ``tests/gateway/vllm_spans.py`` does it for the
-  tests). The gateway does not generate through the token API itself: one call there cannot
+  choice (contract in ``gateway/nvext.py``; ``replica/vllm_server.py`` does it on every
+  replica). The gateway does not generate through the token API itself: one call there cannot
   give an OpenAI answer (its text mode names no ids for top-logprob candidates, its tokens mode
   has no text), and vLLM's derender routes cost one call per streamed chunk.
 """

@@ -322,14 +322,21 @@ class ReplicaRuntime:
         # weights after the resume and no prefix computed under the old ones is reused.
         reset = policy == PromptCachePolicy.RESET_ALL
         t0 = time.perf_counter()
+        previous = self.current_identity
         try:
             await self.engine.pause(mode="keep", clear_cache=reset)
             try:
-                swap = await self.engine.commit_staged(label)
+                # Label first, then weights, both inside the pause (no step runs in between, so no
+                # token sees one without the other); a failed swap puts the old label back.
+                await self.engine.set_weight_version(label)
+                try:
+                    swap = await self.engine.commit_staged(label)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await self.engine.set_weight_version(previous)
+                    raise
                 log.info("swap of %d tensor(s) in the pause: %s", count,
                          _fmt({k: 1000 * v for k, v in swap.items() if k.endswith("_s")}))
-                # Inside the pause: every token after the resume is labelled with the new version.
-                await self.engine.set_weight_version(label)
             finally:
                 await self.engine.resume()
         except Exception as exc:

@@ -3,7 +3,8 @@
 Contract:
 
 - ``EngineProcess(model_dir, work_dir=..., ...)`` describes an engine; ``await start()`` launches
-  ``python -m vllm.entrypoints.openai.api_server`` for ``model_dir`` on 127.0.0.1 with dev-mode
+  ``python -m replica.vllm_server`` (vLLM's ``vllm.entrypoints.openai.api_server`` with the
+  per-choice weight-version spans of ``replica/vllm_server.py``) for ``model_dir`` on 127.0.0.1 with dev-mode
   routes on (``VLLM_SERVER_DEV_MODE=1``), BF16, eager mode, a small KV cache
   (``VLLM_CPU_KVCACHE_SPACE``), ``--served-model-name``, ``--max-model-len``, ``--max-num-seqs``
   and our worker extension (``replica.engine_extension.WeightLoaderExtension``), then waits until
@@ -174,7 +175,8 @@ class EngineProcess:
     def command(self) -> list[str]:
         assert self.port is not None
         cmd = [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            # vLLM's OpenAI server, plus each choice's per-token weight-version spans.
+            self.python, "-m", "replica.vllm_server",
             "--model", str(self.model_dir),
             "--served-model-name", self.served_model_name,
             "--dtype", self.dtype,

@@ -1,6 +1,6 @@
 """Exact token spans in ``nvext.weight_versions`` on a real vLLM CPU engine whose server reports
-vLLM's per-token weight versions on its OpenAI answers (``tests/gateway/vllm_spans.py``, what a
-replica has to add; see ``gateway/app.py``), behind the gateway app in this process.
+vLLM's per-token weight versions on its OpenAI answers (``replica/vllm_server.py``, which every
+replica runs; see ``gateway/app.py``), behind the gateway app in this process.
 
 Requests run while the engine swaps the base model for the counting model (every token its
 predecessor + 1) exactly as a replica's PRESERVE swap does: ``pause(keep)`` without clearing the
@@ -37,13 +37,6 @@ LONG = 600  # tokens per spanning request (max-model-len 1024)
 TOKEN = "spans-test-token"
 
 
-class SpansEngine(EngineProcess):
-    """A replica's engine with vLLM's weight-version spans on its OpenAI answers."""
-
-    def command(self) -> list[str]:
-        cmd = super().command()
-        cmd[cmd.index("vllm.entrypoints.openai.api_server")] = "tests.gateway.vllm_spans"
-        return cmd
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +50,12 @@ def models(tmp_path_factory) -> dict[str, Path]:
 async def engine(models, tmp_path_factory) -> AsyncIterator[EngineProcess]:
     url = os.environ.get("ROLLOUTS_TEST_SPANS_ENGINE_URL")
     if url:
-        # Development: an engine started as SpansEngine starts it (any served name), serving
+        # Development: an engine started as EngineProcess starts it (any served name), serving
         # workers.base_model's base model (tests load the weights they need).
         served = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         yield EngineProcess.attach(url, served_model_name=served)
         return
-    eng = SpansEngine(models["base"], work_dir=tmp_path_factory.mktemp("spans-engine"), served_model_name="tiny")
+    eng = EngineProcess(models["base"], work_dir=tmp_path_factory.mktemp("spans-engine"), served_model_name="tiny")
     await eng.start(timeout=900)
     try:
         yield eng

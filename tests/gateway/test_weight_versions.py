@@ -7,11 +7,9 @@ counting identity counts all the way, one labelled exactly with the base identit
 count, and an answer that spanned the swap is labelled inexact with both identities, old first
 (its tokens count up to the swap, then stop counting).
 
-Spans: a replica whose server reports vLLM's per-token weight versions (``gateway/app.py``)
-gives every answer ``spans``, and then each is checked against the tokens (the counting
-identity's span counts, the base identity's does not; ``test_weight_spans.py`` proves the
-same on an engine that reports them); a replica that does not gives none, and the labels above
-come from Temporal alone.
+Spans: every replica's server reports vLLM's per-token weight versions
+(``replica/vllm_server.py``), so every answer carries ``spans``, each checked against the
+tokens (the counting identity's span counts, the base identity's does not).
 """
 
 from __future__ import annotations
@@ -68,8 +66,8 @@ async def one_round(gw, counting, attempt: int) -> int:
     assert after[1] == {**after[1], "identity": new, "exact": True} and sum(succession(prompts[9][-1], after[0])) < 4
     inexact = 0
     for prompt, (ids, label) in zip([prompts[0], *prompts[1:9], prompts[9]], [before, *spanning, after]):
-        if "spans" in label:  # a replica that reports per-token versions (see the docstring)
-            check_spans(succession(prompt[-1], ids), label["spans"], old, new, counting=old)
+        assert "spans" in label, label  # every replica reports per-token versions
+        check_spans(succession(prompt[-1], ids), label["spans"], old, new, counting=old)
     for prompt, (ids, label) in zip(prompts[1:9], spanning):
         counts = succession(prompt[-1], ids)
         assert len(ids) == LONG

