@@ -355,6 +355,20 @@ class ReplicaRuntime:
         self.changed_by_link.update(changed)
         self.applied = list(chain_ids)
 
+    def _commit_offer(self, offer: PeerOffer, names_: list[str]) -> list[str]:
+        """Record that this replica now serves the offer's chain, having taken `names_` from a
+        peer's tensors; returns the chain's identities."""
+        chain_ids = [link.identity for link in offer.chain]
+        missing = chain_ids if offer.base_identity == "*" else chain_ids[chain_ids.index(offer.base_identity) + 1 :]
+        # Per-link changes are known only when one link was missing (the usual rolling update).
+        changed: dict[str, list[str] | None] = {i: None for i in missing}
+        if len(missing) == 1 and offer.base_identity != "*":
+            changed[missing[0]] = names_
+        if offer.base_identity == "*":
+            self.changed_by_link = {}
+        self._commit(chain_ids, None, changed)
+        return chain_ids
+
     async def prove(self, names_: list[str]) -> int:
         """Read the engine's bytes back and compare them with the host copy's verified Adler-32."""
         if not names_:
@@ -455,15 +469,7 @@ class ReplicaRuntime:
         if wrong:
             self.host.restore(saved)
             raise EngineUpdateError(f"host copy differs after the transfer for {', '.join(wrong[:5])}")
-        chain_ids = [link.identity for link in offer.chain]
-        missing = chain_ids if offer.base_identity == "*" else chain_ids[chain_ids.index(offer.base_identity) + 1 :]
-        # Per-link changes are known only when one link was missing (the usual rolling update).
-        changed: dict[str, list[str] | None] = {i: None for i in missing}
-        if len(missing) == 1 and offer.base_identity != "*":
-            changed[missing[0]] = names_
-        if offer.base_identity == "*":
-            self.changed_by_link = {}
-        self._commit(chain_ids, None, changed)
+        chain_ids = self._commit_offer(offer, names_)
         verified = await self.prove(names_)
         return ApplySnapshotResult(
             identity=offer.identity, engine_pid=self.engine.pid, tensors_loaded=len(names_),
@@ -603,15 +609,7 @@ class ReplicaRuntime:
         saved = self.host.save(names_)
         self.host.restore(stage.received, checksums=offer.expected_adler32)  # verified at staging
         pause_ms = await self._swap_staged(identity, saved, len(names_), policy)
-        chain_ids = [link.identity for link in offer.chain]
-        missing = chain_ids if offer.base_identity == "*" else chain_ids[chain_ids.index(offer.base_identity) + 1 :]
-        # Per-link changes are known only when one link was missing (the usual rolling update).
-        changed: dict[str, list[str] | None] = {i: None for i in missing}
-        if len(missing) == 1 and offer.base_identity != "*":
-            changed[missing[0]] = names_
-        if offer.base_identity == "*":
-            self.changed_by_link = {}
-        self._commit(chain_ids, None, changed)
+        chain_ids = self._commit_offer(offer, names_)
         t1 = time.perf_counter()
         verified = await self.prove(names_)
         log.info("applied %s from %s: %s", identity, offer.source_replica,
