@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from replica.stage_arena import StageArena, host_decode_slot
 from snapshots.storage import snapshot_uri
 from workers.processes import PidFile, free_port, stop_pid
 from workers.settings import Settings, temporal_client
@@ -97,6 +98,9 @@ class StagedUpdate:
     backups: dict[str, np.ndarray] = field(default_factory=dict)  # old bytes of in-place changes
     expected: dict[str, str] = field(default_factory=dict)  # Adler-32 of each staged tensor
     changed_by_link: dict[str, list[str] | None] = field(default_factory=dict)
+    # New bytes decoded into the stage arena (the host copy adopts them after the swap).
+    decoded: dict[str, np.ndarray] = field(default_factory=dict)
+    arena_offsets: dict[str, int] = field(default_factory=dict)
     nothing_to_do: bool = False
     identity: str = ""
     link_dirs: dict[str, Path] = field(default_factory=dict)  # local files of each delta link
@@ -105,10 +109,13 @@ class StagedUpdate:
 class ReplicaRuntime:
     """State shared by the agent's activities: the engine, the host copy and what it serves.
 
-    Every update is staged first (host copy, staging file; the engine keeps serving), then
-    swapped in inside one short pause, then proven (the engine's bytes read back and compared
-    with the snapshot's Adler-32), then committed. A failure at any point leaves the engine and
-    the host copy exactly as they were.
+    Every update is staged first, the engine still serving: a delta chain is decoded once, by
+    the host copy, into the shared stage arena (`replica.stage_arena`; the host copy itself does
+    not change yet) and the engine stages views of those bytes; a new full base goes through a
+    staging file. Then it is swapped in inside one short pause, where the engine also reads back
+    the Adler-32 of what it now holds (the proof; without it, read after the resume), then the
+    host copy adopts the same bytes and the chain is committed. A failure at any point leaves
+    the engine and the host copy exactly as they were.
     """
 
     def __init__(self, *, name: str, engine: Any, host: Any, s3: Any, workdir: Path,
@@ -128,6 +135,8 @@ class ReplicaRuntime:
         self.peer_stage: PeerStage | None = None
         self.link_dirs: dict[str, Path] = {}
         self.lock = asyncio.Lock()
+        self.arena = StageArena()  # where delta updates are decoded for the engine
+        self.peer_store: Any = None  # the rendezvous store of the broadcast this replica sends
 
     @property
     def current_identity(self) -> str:
@@ -166,37 +175,33 @@ class ReplicaRuntime:
     async def stage_update(
         self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None
     ) -> StagedUpdate:
-        """Stage an update on the host copy and in the engine, both off the serving path.
+        """Stage an update for the engine, off the serving path; the host copy is not changed.
 
-        Delta links held locally are decoded by the host copy and, concurrently, by the engine
-        against what it serves (each checks every changed tensor's Adler-32; the two results
-        must agree); a new full base goes through a staging file the engine reads."""
+        Delta links held locally are decoded once, by the host copy, into the stage arena (every
+        changed tensor's Adler-32 checked there), and the engine stages views of those bytes
+        (`replica.stage_arena`); a new full base goes through a staging file the engine reads."""
         todo = self.missing_links(inp)
         local = local_links or {}
         if todo and all(link.identity in local for link in todo):
-            engine_job = asyncio.ensure_future(
-                self.engine.stage_delta(inp.identity, [str(local[link.identity]) for link in todo])
-            )
-            try:
-                staged = await asyncio.to_thread(self.stage_chain, inp, local, False)
-            except BaseException:
-                await asyncio.gather(engine_job, return_exceptions=True)
-                with contextlib.suppress(Exception):
-                    await self.engine.discard_staged()
-                raise
-            try:
-                got = await engine_job
-                wrong = sorted(set(got["checksums"]) ^ set(staged.names)) or [
-                    n for n in staged.names if got["checksums"][n] != staged.expected.get(n)
-                ]
-                if wrong:
-                    raise RuntimeError(f"engine and host copy decoded different bytes for {', '.join(wrong[:5])}")
-            except Exception as exc:
-                self.host.restore(staged.backups)
-                with contextlib.suppress(Exception):
-                    await self.engine.discard_staged()
-                raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
-                                        f"weights: {one_line(exc)}") from None
+            t_wait = time.perf_counter()
+            async with host_decode_slot(self.arena.directory):
+                t0 = time.perf_counter()
+                staged = await asyncio.to_thread(self.decode_links, inp, todo, local)
+                t1 = time.perf_counter()
+                entries = [[n, self.host.info(n).torch_dtype, list(self.host.info(n).shape), offset]
+                           for n, offset in staged.arena_offsets.items()]
+                try:
+                    # The decode just checked these bytes; the commit checks what the engine holds.
+                    job = await self.engine.stage_from_arena(staged.identity, self.arena.path, entries,
+                                                             staged.expected, verify=False)
+                except Exception as exc:
+                    with contextlib.suppress(Exception):
+                        await self.engine.discard_staged()
+                    raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
+                                            f"weights: {one_line(exc)}") from None
+            log.info("staged %s: waited %.0f ms for the host's decode slot, decode %.0f ms, engine stage %.0f ms "
+                     "(%s)", staged.identity, (t0 - t_wait) * 1000, (t1 - t0) * 1000, _ms_since(t1),
+                     _fmt({k: 1000 * float(v) for k, v in job.items() if k.endswith("_s") or k == "seconds"}))
             return staged
         staged = await asyncio.to_thread(self.stage_chain, inp, local)
         if staged.nothing_to_do:
@@ -211,6 +216,40 @@ class ReplicaRuntime:
             raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
                                     f"weights: {one_line(exc)}") from None
         return staged
+
+    def decode_links(self, inp: ApplySnapshotInput, todo: list[SnapshotRef], local: dict[str, Path]) -> StagedUpdate:
+        """Decode the missing delta links (local directories) into the stage arena, in chain
+        order, against the host copy (which does not change); each link's tensors are checked
+        against their recorded Adler-32. Raises SnapshotError naming file and tensor."""
+        from snapshots.inspect import read_delta_plan
+
+        plans = [read_delta_plan(local[link.identity]) for link in todo]
+        sizes: dict[str, int] = {}
+        for plan in plans:
+            for name in plan.tensors:
+                if name in self.host and name not in sizes:
+                    sizes[name] = self.host.info(name).nbytes
+        layout = self.arena.reserve(list(sizes.items()))
+        out = {n: self.arena.view(offset, nbytes) for n, (offset, nbytes) in layout.items()}
+        staged = StagedUpdate(identity=inp.identity)
+        decoded: set[str] = set()
+        for link, plan in zip(todo, plans):
+            report = self.host.decode_delta_into(plan, out, decoded)
+            decoded.update(report.changed)
+            staged.expected.update(report.checksums)
+            staged.changed_by_link[link.identity] = list(report.changed)
+            staged.links.append(link.identity)
+            staged.link_dirs[link.identity] = Path(local[link.identity])
+        staged.names = sorted(decoded)
+        staged.decoded = {n: out[n] for n in staged.names}
+        staged.arena_offsets = {n: layout[n][0] for n in staged.names}
+        return staged
+
+    def _adopt(self, staged: StagedUpdate) -> None:
+        """After the engine took an arena stage: the host copy takes the same checked bytes."""
+        if staged.decoded:
+            self.host.restore(staged.decoded, checksums=staged.expected)
+            staged.decoded = {}
 
     def stage_chain(
         self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None, write_file: bool = True
@@ -298,15 +337,16 @@ class ReplicaRuntime:
                 pause_ms=0.0, stage_ms=timings["stage"], verified_tensors=verified,
             )
         try:
-            pause_ms = await self._swap_staged(staged.identity, staged.backups, len(staged.names),
-                                               inp.prompt_cache_policy)
+            pause_ms, swap = await self._swap_staged(staged.identity, staged.backups, len(staged.names),
+                                                     inp.prompt_cache_policy)
         finally:
             if staged.path is not None:
                 staged.path.unlink(missing_ok=True)
+        self._adopt(staged)
         self._commit([link.identity for link in inp.chain], staged.new_host, staged.changed_by_link)
         self.link_dirs = staged.link_dirs
         t2 = time.perf_counter()
-        verified = await self.prove(staged.names)
+        verified = await self.prove(staged.names, swap)
         timings.update(pause=pause_ms, prove=_ms_since(t2), total=_ms_since(t0))
         log.info("applied %s from the bucket: %s", inp.identity, _fmt(timings))
         return ApplySnapshotResult(
@@ -316,8 +356,10 @@ class ReplicaRuntime:
         )
 
     async def _swap_staged(self, label: str, host_backups: dict[str, np.ndarray], count: int,
-                           policy: PromptCachePolicy) -> float:
-        """Pause (keeping requests), swap the engine's stage in, resume; all or nothing."""
+                           policy: PromptCachePolicy) -> tuple[float, dict[str, Any]]:
+        """Pause (keeping requests), swap the engine's stage in, resume; all or nothing.
+        Returns the pause in ms and the engine's swap report (with ``checksums`` when the engine
+        proved the swapped tensors' Adler-32 inside the pause)."""
         # RESET_ALL: clear the KV cache at the pause, so paused requests are recomputed on the new
         # weights after the resume and no prefix computed under the old ones is reused.
         reset = policy == PromptCachePolicy.RESET_ALL
@@ -346,7 +388,7 @@ class ReplicaRuntime:
                 f"loading {count} tensor(s) into the engine failed; it serves its previous "
                 f"weights: {one_line(exc)}"
             ) from None
-        return (time.perf_counter() - t0) * 1000
+        return (time.perf_counter() - t0) * 1000, swap
 
     def _commit(self, chain_ids: list[str], new_host: Any, changed: dict[str, list[str] | None]) -> None:
         if new_host is not None:
@@ -369,12 +411,17 @@ class ReplicaRuntime:
         self._commit(chain_ids, None, changed)
         return chain_ids
 
-    async def prove(self, names_: list[str]) -> int:
-        """Read the engine's bytes back and compare them with the host copy's verified Adler-32."""
+    async def prove(self, names_: list[str], swap: dict[str, Any] | None = None) -> int:
+        """Compare the Adler-32 of what the engine serves with the host copy's verified ones.
+
+        A swap that checksummed the engine's tensors inside its pause (`swap["checksums"]`, read
+        back from the engine after the load, before anything was served) already is that proof;
+        otherwise the engine computes them now, on its background thread."""
         if not names_:
             return 0
-        # Computed on the engine's background thread: the proof does not stall generation.
-        served = await self.engine.served_checksums(names_)
+        served = dict((swap or {}).get("checksums") or {})
+        if not all(n in served for n in names_):
+            served = await self.engine.served_checksums(names_)
         expected = self.host.checksums()
         wrong = [n for n in names_ if served.get(n) != expected.get(n)]
         if wrong:
@@ -385,6 +432,23 @@ class ReplicaRuntime:
 
     # ------------------------------------------------------------------ replica to replica
     def make_offer(self, inp: PeerOfferInput) -> PeerOffer:
+        """What this replica would send to replicas serving `inp.target_identity`; with
+        `inp.host_store`, it also starts hosting the group's rendezvous store (until its send)."""
+        offer = self._build_offer(inp)
+        if inp.host_store:
+            self._host_store(offer)
+            offer = offer.model_copy(update={"store_hosted": True})
+        return offer
+
+    def _host_store(self, offer: PeerOffer) -> None:
+        from torch.distributed import TCPStore
+
+        # Up before any engine connects: a TCPStore client that finds no master backs off for
+        # ~0.7 s, which every member of the group would then wait out.
+        self.peer_store = TCPStore(offer.host, offer.port, offer.world_size, is_master=True,
+                                   timeout=timedelta(seconds=PEER_JOIN_TIMEOUT_S), wait_for_workers=False)
+
+    def _build_offer(self, inp: PeerOfferInput) -> PeerOffer:
         from snapshots.errors import ChainError
 
         chain_ids = [link.identity for link in inp.chain]
@@ -481,18 +545,21 @@ class ReplicaRuntime:
     async def send_to_peers(self, offer: PeerOffer) -> int:
         """Broadcast the offered tensors (or delta files) from this engine to every receiver of
         the offer's group (they join concurrently); the engine keeps serving while it sends."""
-        if offer.mode == "files":
-            link_dir = self.link_dirs[offer.identity]
-            await self.engine.start_peer_send_files(
-                offer.host, offer.port, offer.world_size, [str(link_dir / s[0]) for s in offer.specs],
-                offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S,
-            )
-        else:
-            await self.engine.start_peer_stage_send(
-                offer.host, offer.port, offer.world_size, [s[0] for s in offer.specs], offer.backend,
-                timeout_s=PEER_JOIN_TIMEOUT_S,
-            )
-        return int((await self.engine.wait_job("send"))["bytes"])
+        try:
+            if offer.mode == "files":
+                link_dir = self.link_dirs[offer.identity]
+                await self.engine.start_peer_send_files(
+                    offer.host, offer.port, offer.world_size, [str(link_dir / s[0]) for s in offer.specs],
+                    offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S, external_store=offer.store_hosted,
+                )
+            else:
+                await self.engine.start_peer_stage_send(
+                    offer.host, offer.port, offer.world_size, [s[0] for s in offer.specs], offer.backend,
+                    timeout_s=PEER_JOIN_TIMEOUT_S, external_store=offer.store_hosted,
+                )
+            return int((await self.engine.wait_job("send"))["bytes"])
+        finally:
+            self.peer_store = None  # the group is formed (or failed): its store is done
 
     async def drop_peer_stage(self) -> None:
         """Undo a stage that was never committed (a canceled walk): the host copy goes back to
@@ -526,7 +593,7 @@ class ReplicaRuntime:
             await self.engine.start_peer_stage_receive(
                 offer.identity, offer.host, offer.port, rank, offer.world_size, offer.specs,
                 expected_adler32=offer.expected_adler32, save_path=path, backend=offer.backend,
-                timeout_s=PEER_JOIN_TIMEOUT_S,
+                timeout_s=PEER_JOIN_TIMEOUT_S, external_store=offer.store_hosted,
             )
             got = await self.engine.wait_job("stage")
             # The host copy takes the same bytes the engine checked (no bucket reads).
@@ -558,12 +625,15 @@ class ReplicaRuntime:
         try:
             await self.engine.start_peer_receive_files(
                 offer.host, offer.port, rank, offer.world_size, offer.specs, offer.expected_adler32,
-                link_dir, offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S,
+                link_dir, offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S, external_store=offer.store_hosted,
             )
             got = await self.engine.wait_job("receive")
         except Exception as exc:
             raise EngineUpdateError(f"receiving from {offer.source_replica} failed; previous weights kept: "
                                     f"{one_line(exc)}") from None
+        log.info("received %s's delta files from %s: %d bytes, joined in %.0f ms, transfer %.0f ms, %.0f ms "
+                 "since the step began", offer.identity, offer.source_replica, int(got["bytes"]),
+                 1000 * float(got.get("join_s", 0)), 1000 * float(got.get("transfer_s", 0)), _ms_since(t0))
         inp = ApplySnapshotInput(hot_load_id="", identity=offer.identity, chain=offer.chain, bucket="", path_prefix="")
         staged = await self.stage_update(inp, {offer.identity: link_dir})
         self.peer_stage = PeerStage(offer=offer, received=None, staged=staged)
@@ -590,14 +660,15 @@ class ReplicaRuntime:
             staged = stage.staged
             names_ = staged.names
             try:
-                pause_ms = await self._swap_staged(identity, staged.backups, len(names_), policy)
+                pause_ms, swap = await self._swap_staged(identity, staged.backups, len(names_), policy)
             finally:
                 if staged.path is not None:
                     staged.path.unlink(missing_ok=True)
+            self._adopt(staged)
             self._commit([link.identity for link in offer.chain], None, staged.changed_by_link)
             self.link_dirs = staged.link_dirs
             t1 = time.perf_counter()
-            verified = await self.prove(names_)
+            verified = await self.prove(names_, swap)
             log.info("applied %s from %s (delta files): %s", identity, offer.source_replica,
                      _fmt({"pause": pause_ms, "prove": _ms_since(t1), "total": _ms_since(t0)}))
             return ApplySnapshotResult(
@@ -608,10 +679,10 @@ class ReplicaRuntime:
         names_ = [s[0] for s in offer.specs]
         saved = self.host.save(names_)
         self.host.restore(stage.received, checksums=offer.expected_adler32)  # verified at staging
-        pause_ms = await self._swap_staged(identity, saved, len(names_), policy)
+        pause_ms, swap = await self._swap_staged(identity, saved, len(names_), policy)
         chain_ids = self._commit_offer(offer, names_)
         t1 = time.perf_counter()
-        verified = await self.prove(names_)
+        verified = await self.prove(names_, swap)
         log.info("applied %s from %s: %s", identity, offer.source_replica,
                  _fmt({"pause": pause_ms, "prove": _ms_since(t1), "total": _ms_since(t0)}))
         return ApplySnapshotResult(
@@ -643,19 +714,19 @@ class EngineUpdateError(RuntimeError):
 
 
 def _file_adler32(path: Path) -> str:
-    import zlib
+    from snapshots.codec import adler32
 
     value = 1
     with open(path, "rb") as f:
         while chunk := f.read(8 << 20):
-            value = zlib.adler32(chunk, value)
+            value = adler32(chunk, value)
     return "%08x" % (value & 0xFFFFFFFF)
 
 
 def _adler_mismatches(arrays: dict[str, np.ndarray], expected: dict[str, str]) -> list[str]:
-    import zlib
+    from snapshots.codec import adler32_hex
 
-    return [n for n, a in arrays.items() if "%08x" % (zlib.adler32(a) & 0xFFFFFFFF) != expected.get(n, "").lower()]
+    return [n for n, a in arrays.items() if adler32_hex(a) != expected.get(n, "").lower()]
 
 
 def _read_raw(path: Path) -> dict[str, np.ndarray]:

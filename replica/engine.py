@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -140,6 +141,7 @@ class EngineProcess:
         self.python = python
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
+        self._job_results: dict[str, Path] = {}  # background job kind -> its result file
         self._proc: subprocess.Popen[bytes] | None = None
         self._pid: int | None = None
         self._base_url: str | None = None
@@ -517,78 +519,109 @@ class EngineProcess:
     async def job_status(self) -> dict[str, Any]:
         return await self._rpc1("job_status")
 
-    async def wait_job(self, kind: str, poll_s: float = 0.02, timeout_s: float = 600.0) -> dict[str, Any]:
+    async def _start_job(self, method: str, *args: Any) -> dict[str, Any]:
+        """Call an extension method that starts a background job; remember where it reports."""
+        started = await self._rpc1(method, *args)
+        if isinstance(started, dict) and started.get("result_path"):
+            self._job_results[str(started["kind"])] = Path(started["result_path"])
+        return started
+
+    async def wait_job(self, kind: str, timeout_s: float = 600.0, rpc_every_s: float = 5.0) -> dict[str, Any]:
         """Wait for the extension's background ``kind`` job; returns its result or raises
-        EngineError with the job's error. Each poll is a cheap RPC between engine steps."""
+        EngineError with the job's error.
+
+        Watches the job's result file every 5 ms (no RPC: each one keeps vLLM's worker
+        busy-polling for a second) and asks the engine itself only every ``rpc_every_s`` (a job
+        that could not write its file, an engine that died); without a file, every 20 ms."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            st = await self.job_status()
-            if st["kind"] != kind:
-                raise EngineError(f"no background {kind} job (the engine reports {st['kind']!r})")
-            if st["state"] == "done":
-                return st["result"]
-            if st["state"] == "failed":
-                raise EngineError(f"background {kind} failed: {st['error']}")
-            if time.monotonic() > deadline:
-                raise EngineError(f"background {kind} still running after {timeout_s:.0f} s")
-            await asyncio.sleep(poll_s)
+        path = self._job_results.pop(kind, None)
+        next_rpc = time.monotonic() + (rpc_every_s if path is not None else 0.0)
+        try:
+            while True:
+                st: dict[str, Any] | None = None
+                if path is not None and path.exists():
+                    with contextlib.suppress(ValueError):  # written atomically: a foreign file
+                        st = json.loads(path.read_text())
+                if st is None and time.monotonic() >= next_rpc:
+                    st = await self.job_status()
+                    if st["kind"] != kind:
+                        raise EngineError(f"no background {kind} job (the engine reports {st['kind']!r})")
+                    next_rpc = time.monotonic() + (rpc_every_s if path is not None else 0.02)
+                if st is not None and st["state"] == "done":
+                    return st["result"]
+                if st is not None and st["state"] == "failed":
+                    raise EngineError(f"background {kind} failed: {st['error']}")
+                if time.monotonic() > deadline:
+                    raise EngineError(f"background {kind} still running after {timeout_s:.0f} s")
+                await asyncio.sleep(0.005 if path is not None else 0.02)
+        finally:
+            if path is not None:
+                path.unlink(missing_ok=True)
 
     async def stage_from_files(
         self, label: str, paths: Sequence[Path | str], names: Sequence[str] | None = None,
         expected_adler32: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         """Read and check tensors off the serving path; ``commit_staged(label)`` swaps them in."""
-        await self._rpc1(
+        await self._start_job(
             "stage_from_files", label, [str(p) for p in paths], None if names is None else list(names),
             None if expected_adler32 is None else dict(expected_adler32),
         )
         return await self.wait_job("stage")
 
-    async def stage_delta(self, label: str, delta_dirs: Sequence[Path | str]) -> dict[str, Any]:
-        """Decode local delta directories against what the engine serves, off the serving path;
-        returns ``{"tensors", "bytes", "checksums"}`` (the staged tensors' Adler-32)."""
-        await self._rpc1("stage_delta", label, [str(d) for d in delta_dirs])
+    async def stage_from_arena(
+        self, label: str, path: Path | str, entries: Sequence[Sequence[Any]], expected_adler32: Mapping[str, str],
+        verify: bool = True,
+    ) -> dict[str, Any]:
+        """Stage tensors the agent decoded into shared memory (``replica.stage_arena``):
+        ``entries`` are ``[name, dtype, shape, offset]``, checked against ``expected_adler32``
+        off the serving path (``verify``) and again, on what the engine holds, by
+        ``commit_staged(label)``, which swaps them in."""
+        await self._start_job("stage_from_arena", label, str(path), [list(e) for e in entries],
+                              dict(expected_adler32), verify)
         return await self.wait_job("stage")
 
     async def start_peer_stage_send(
         self, host: str, port: int, world_size: int, names: Sequence[str] | None = None,
-        backend: str = "gloo", timeout_s: float = 300.0,
+        backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
     ) -> None:
-        """Start broadcasting ``names`` to ranks 1..world_size-1 (``wait_job("send")``)."""
-        await self._rpc1("peer_stage_send", host, port, world_size, None if names is None else list(names),
-                         backend, timeout_s)
+        """Start broadcasting ``names`` to ranks 1..world_size-1 (``wait_job("send")``).
+        ``external_store``: another process already hosts the rendezvous store at host:port."""
+        await self._start_job("peer_stage_send", host, port, world_size, None if names is None else list(names),
+                              backend, timeout_s, external_store)
 
     async def start_peer_stage_receive(
         self, label: str, host: str, port: int, rank: int, world_size: int, specs: Sequence[Sequence[Any]],
         expected_adler32: Mapping[str, str] | None = None, save_path: Path | str | None = None,
-        backend: str = "gloo", timeout_s: float = 300.0,
+        backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
     ) -> None:
         """Start receiving a broadcast into a stage (``wait_job("stage")``)."""
-        await self._rpc1(
+        await self._start_job(
             "peer_stage_receive", label, host, port, rank, world_size, [list(s) for s in specs],
             None if expected_adler32 is None else dict(expected_adler32),
-            None if save_path is None else str(save_path), backend, timeout_s,
+            None if save_path is None else str(save_path), backend, timeout_s, external_store,
         )
 
     async def start_peer_send_files(
         self, host: str, port: int, world_size: int, paths: Sequence[Path | str], backend: str = "gloo",
-        timeout_s: float = 300.0,
+        timeout_s: float = 300.0, external_store: bool = False,
     ) -> None:
         """Start broadcasting whole files to ranks 1..world_size-1 (``wait_job("send")``)."""
-        await self._rpc1("peer_send_files", host, port, world_size, [str(p) for p in paths], backend, timeout_s)
+        await self._start_job("peer_send_files", host, port, world_size, [str(p) for p in paths], backend, timeout_s,
+                              external_store)
 
     async def start_peer_receive_files(
         self, host: str, port: int, rank: int, world_size: int, specs: Sequence[Sequence[Any]],
         expected_adler32: Mapping[str, str], out_dir: Path | str, backend: str = "gloo",
-        timeout_s: float = 300.0,
+        timeout_s: float = 300.0, external_store: bool = False,
     ) -> None:
         """Start receiving broadcast files into ``out_dir`` (``wait_job("receive")``)."""
-        await self._rpc1("peer_receive_files", host, port, rank, world_size, [list(s) for s in specs],
-                         dict(expected_adler32), str(out_dir), backend, timeout_s)
+        await self._start_job("peer_receive_files", host, port, rank, world_size, [list(s) for s in specs],
+                              dict(expected_adler32), str(out_dir), backend, timeout_s, external_store)
 
     async def served_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
         """Adler-32 of what the engine serves, computed off the serving path (a background job)."""
-        await self._rpc1("checksum_job", None if names is None else list(names))
+        await self._start_job("checksum_job", None if names is None else list(names))
         return dict((await self.wait_job("checksums"))["checksums"])
 
     async def commit_staged(self, label: str, verify: bool = True) -> dict[str, Any]:

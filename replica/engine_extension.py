@@ -24,7 +24,8 @@ unquantized models at tensor-parallel size 1 whose vLLM module names equal the c
 
 Methods (JSON results, per worker):
 
-- ``engine_pid()`` -> ``{"pid": worker pid, "parent_pid": engine-core pid}``.
+- ``engine_pid()`` -> ``{"pid": worker pid, "parent_pid": engine-core pid, "idle_spin_s": the
+  busy-poll cap ``replica.vllm_plugin`` set in this process, or None}``.
 - ``load_weights_from_files(paths, names=None, verify=True, expected_adler32=None)`` ->
   ``{"loaded": [names], "bytes": n, "read_s": s, "apply_s": s}``: reads the tensors (only
   ``names`` when given, else every tensor in the files) from safetensors files and copies them
@@ -57,8 +58,10 @@ runs inside the pause:
 
 - ``stage_from_files(label, paths, names, expected_adler32)``: read the tensors, check their
   Adler-32, copy aside the engine's current values of the same tensors (the roll-back copy);
-- ``stage_delta(label, delta_dirs)``: the same for a chain of local delta directories, decoded
-  against what the engine serves (no full-size staging file at all);
+- ``stage_from_arena(label, path, entries, expected_adler32)``: the same for tensors the
+  replica's agent decoded into shared memory (``replica.stage_arena``; ``entries`` are ``[name,
+  dtype, shape, byte offset]``): zero-copy views of that memory, each checked against
+  ``expected_adler32``; the commit then also proves the swapped tensors' Adler-32 (below);
 - ``peer_stage_send(host, port, world_size, names, backend, timeout_s)``: join a group as rank 0
   and broadcast what this engine holds for ``names`` to every other member;
 - ``peer_stage_receive(label, host, port, rank, world_size, specs, expected_adler32, save_path,
@@ -70,9 +73,15 @@ runs inside the pause:
   of the changed tensors' bytes), checked by Adler-32 and written to ``out_dir``;
 - ``checksum_job(names)``: Adler-32 of what the engine serves (the served-weights proof);
 - ``job_status()`` -> ``{"kind", "state": "idle"|"running"|"done"|"failed", "result", "error"}``
-  (one job at a time; starting another while one runs is refused);
+  (one job at a time; starting another while one runs is refused). Each method that starts a
+  job answers ``{"kind", "state": "running", "result_path"}``: the job's final status is written
+  there as JSON, so a caller on the same host waits on that file rather than polling (each RPC
+  keeps vLLM's worker busy-polling for a second, see ``_Job``);
 - ``commit_staged(label, verify=True)`` (inside a pause): load the staged tensors in place, all
-  or nothing, bit-compared; ``discard_staged()`` drops them. A stage is refused at commit if the
+  or nothing, verified: when the stage carries expected Adler-32 and the engine's tensors are in
+  host memory, by the Adler-32 of what the engine now holds (returned as ``checksums``: the
+  served-weights proof, taken before a single token is served on them), else bit-compared with
+  what it was given; ``discard_staged()`` drops them. A stage is refused at commit if the
   engine's weights changed after it was taken (its roll-back copy would be stale).
 
 All-or-nothing: before touching the engine, a load checks that every name maps to an engine
@@ -97,6 +106,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Iterable, Sequence
@@ -159,7 +169,9 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def adler32_hex(t: torch.Tensor) -> str:
     """Adler-32 of the tensor's raw bytes, 8 lowercase hex digits (the snapshot format's)."""
-    return "%08x" % (zlib.adler32(tensor_bytes(t)) & 0xFFFFFFFF)
+    from snapshots.codec import adler32  # zlib-ng's SIMD one when installed
+
+    return "%08x" % (adler32(tensor_bytes(t)) & 0xFFFFFFFF)
 
 
 def sha256_hex(t: torch.Tensor) -> str:
@@ -213,13 +225,17 @@ def _spec_digest(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
-def stateless_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout: Any) -> Any:
+def stateless_group(
+    host: str, port: int, rank: int, world_size: int, backend: str, timeout: Any, external_store: bool = False
+) -> Any:
     """A gloo or NCCL process group of ``world_size`` members that meet at ``host:port`` (rank
-    0 hosts the rendezvous store), outside torch.distributed's global state, so an engine that
-    already has its own groups (vLLM's) can join any number of these, one after another."""
+    0 hosts the rendezvous store, unless ``external_store``: another process already does),
+    outside torch.distributed's global state, so an engine that already has its own groups
+    (vLLM's) can join any number of these, one after another."""
     from torch.distributed import PrefixStore, TCPStore
 
-    store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    master = rank == 0 and not external_store
+    store = TCPStore(host, port, world_size, is_master=master, timeout=timeout, wait_for_workers=False)
     prefixed = PrefixStore(f"rollouts-peer/{host}:{port}", store)
     if backend == "gloo":
         from torch.distributed import ProcessGroupGloo
@@ -270,6 +286,7 @@ class PeerGroup:
         backend: str = "gloo",
         timeout_s: float = 300.0,
         device: torch.device | None = None,
+        external_store: bool = False,
     ) -> PeerGroup:
         from datetime import timedelta
 
@@ -280,7 +297,8 @@ class PeerGroup:
             torch.cuda.set_device(dev)
         else:
             dev = torch.device("cpu")
-        group = stateless_group(host, int(port), int(rank), int(world_size), backend, timedelta(seconds=timeout_s))
+        group = stateless_group(host, int(port), int(rank), int(world_size), backend, timedelta(seconds=timeout_s),
+                                external_store)
         return cls(backend, int(rank), int(world_size), group, dev)
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
@@ -533,17 +551,20 @@ def apply_weights(
     tensors: list[tuple[str, torch.Tensor]],
     verify: bool = True,
     backup: dict[str, torch.Tensor] | None = None,
+    expected_adler32: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Load checkpoint-named tensors into ``model`` in place, all or nothing (module docstring).
 
     ``backup`` (name -> the engine's current values, taken earlier by a stage) saves copying
-    them here, inside the pause."""
+    them here, inside the pause. With ``verify`` and ``expected_adler32`` covering every tensor
+    of an engine in host memory, what the engine holds afterwards is checked by Adler-32
+    (returned as ``checksums``) instead of a bit compare: one read instead of two."""
     t0 = time.perf_counter()
     views = check_loadable(model, tensors)
     touched = {id(views[n].module): views[n].module for n, _ in tensors}
     if backup is None:
         backup = {n: views[n].tensor.clone() for n, _ in tensors}
-    timings: dict[str, float] = {}
+    timings: dict[str, Any] = {}
     try:
         with torch.no_grad():
             t1 = time.perf_counter()
@@ -556,9 +577,21 @@ def apply_weights(
             if verify:
                 # Re-resolve: a loader may legitimately have replaced a parameter object.
                 views, _ = _checkpoint_views(model)
-                bad = [n for n, t in tensors if n not in views or not _same_bits(views[n].tensor, t)]
+                missing = [n for n, _ in tensors if n not in views]
+                if missing:
+                    raise RuntimeError(f"engine lost tensor(s) in the load: {missing[:8]}")
+                by_adler = bool(expected_adler32) and all(
+                    n in expected_adler32 and views[n].tensor.device.type == "cpu" for n, _ in tensors
+                )
+                if by_adler:
+                    held = {n: adler32_hex(views[n].tensor) for n, _ in tensors}
+                    bad = [n for n, _ in tensors if held[n] != expected_adler32[n].lower()]
+                    timings["checksums"] = held  # type: ignore[assignment]
+                else:
+                    bad = [n for n, t in tensors if not _same_bits(views[n].tensor, t)]
                 if bad:
                     raise RuntimeError(f"engine holds different values after the load for {bad[:8]}")
+                timings["verify_s"] = round(time.perf_counter() - t3, 6)
     except BaseException:
         logger.exception("weight load failed; restoring the previous values")
         with torch.no_grad():
@@ -594,18 +627,25 @@ class _Staged:
     tensors: list[tuple[str, torch.Tensor]]
     backup: dict[str, torch.Tensor]
     generation: int
+    expected_adler32: dict[str, str] | None = None  # checked again after the swap
 
 
 class _Job:
-    """One background job of the worker (module docstring, "Staged updates")."""
+    """One background job of the worker (module docstring, "Staged updates").
 
-    def __init__(self, kind: str, fn: Any) -> None:
+    Its final status is also written to ``result_path`` (JSON, atomically), so the caller can
+    wait on a file instead of polling ``job_status``: every RPC makes vLLM's worker busy-poll
+    its message queue for a second afterwards (``shm_broadcast``'s spin), and a 20 ms poll kept
+    every worker of a host spinning, starving the very jobs being waited on of CPU and GIL."""
+
+    def __init__(self, kind: str, fn: Any, result_path: str | None = None) -> None:
         import threading
 
         self.kind = kind
         self.state = "running"
         self.result: dict[str, Any] | None = None
         self.error: str | None = None
+        self.result_path = result_path
         self.started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, args=(fn,), name=f"rollouts-{kind}", daemon=True)
         self._thread.start()
@@ -618,15 +658,84 @@ class _Job:
         except BaseException as exc:  # noqa: BLE001 - reported through job_status
             logger.exception("background %s failed", self.kind)
             self.error, self.state = f"{type(exc).__name__}: {exc}", "failed"
+        if self.result_path:
+            try:
+                tmp = f"{self.result_path}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(self.status(), f)
+                os.replace(tmp, self.result_path)
+            except Exception:  # noqa: BLE001 - job_status still answers
+                logger.exception("could not write %s", self.result_path)
 
     def status(self) -> dict[str, Any]:
         return {"kind": self.kind, "state": self.state, "result": self.result, "error": self.error}
 
 
+_JOB_SEQ = iter(range(1, 1 << 62))
+
+
+def _job_result_path(kind: str) -> str:
+    import tempfile
+
+    directory = os.environ.get("ROLLOUTS_JOB_DIR") or os.path.join(tempfile.gettempdir(), f"rollouts-jobs-{os.getpid()}")
+    os.makedirs(directory, exist_ok=True)
+    return os.path.join(directory, f"{next(_JOB_SEQ)}-{kind}.json")
+
+
+# The roll-back copies of the current stage live in one host buffer kept across updates: a
+# fresh allocation of a model's size costs several times the copy itself in page faults (and
+# several engines faulting at once on a small host stretched a 0.15 s copy past a second).
+# Host memory even for a GPU engine: a whole model's copy does not fit beside its weights and
+# KV cache on the device. The lock keeps a stage from refilling it while a commit may still
+# roll back from it.
+_BACKUP_POOL: torch.Tensor | None = None
+_BACKUP_LOCK = threading.Lock()
+_ALIGN = 64
+
+
+def _backup_copies(views: dict[str, _View], names: list[str]) -> dict[str, torch.Tensor]:
+    global _BACKUP_POOL
+    sizes = [views[n].tensor.numel() * views[n].tensor.element_size() for n in names]
+    total = sum(-(-size // _ALIGN) * _ALIGN for size in sizes)
+    if _BACKUP_POOL is None or _BACKUP_POOL.numel() < total:
+        _BACKUP_POOL = None  # let the old one go before the new one is allocated
+        _BACKUP_POOL = torch.empty(max(total, _ALIGN), dtype=torch.uint8)
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, size in zip(names, sizes):
+        src = views[name].tensor
+        dst = _BACKUP_POOL[offset : offset + size].view(src.dtype).reshape(src.shape)
+        dst.copy_(src.detach())
+        out[name] = dst
+        offset += -(-size // _ALIGN) * _ALIGN
+    return out
+
+
 def _stage(model: torch.nn.Module, label: str, tensors: list[tuple[str, torch.Tensor]], generation: int) -> _Staged:
     views = check_loadable(model, tensors)
-    backup = {n: views[n].tensor.clone() for n, _ in tensors}
+    with _BACKUP_LOCK:
+        backup = _backup_copies(views, [n for n, _ in tensors])
     return _Staged(label, tensors, backup, generation)
+
+
+_SHARED_MAPS: dict[str, tuple[tuple[int, int, int], Any, torch.Tensor]] = {}
+
+
+def _map_shared(path: str) -> torch.Tensor:
+    """The file at ``path`` mapped shared, as a flat uint8 tensor; the mapping is kept for the
+    next stage while the path names the same file (device, inode, size)."""
+    import mmap
+
+    st = os.stat(path)
+    key = (st.st_dev, st.st_ino, st.st_size)
+    cached = _SHARED_MAPS.get(path)
+    if cached is not None and cached[0] == key:
+        return cached[2]
+    with open(path, "r+b") as f:
+        mapped = mmap.mmap(f.fileno(), st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    memory = torch.frombuffer(mapped, dtype=torch.uint8)
+    _SHARED_MAPS[path] = (key, mapped, memory)
+    return memory
 
 
 def _read_file_tensor(path: str) -> torch.Tensor:
@@ -657,8 +766,10 @@ class WeightLoaderExtension:
     # Bumped by every change of the engine's weights: a stage taken before one is stale.
     _rollouts_generation: int = 0
 
-    def engine_pid(self) -> dict[str, int]:
-        return {"pid": os.getpid(), "parent_pid": os.getppid()}
+    def engine_pid(self) -> dict[str, Any]:
+        from replica.vllm_plugin import idle_spin_cap
+
+        return {"pid": os.getpid(), "parent_pid": os.getppid(), "idle_spin_s": idle_spin_cap()}
 
     def load_weights_from_files(
         self,
@@ -769,8 +880,9 @@ class WeightLoaderExtension:
         job = self._rollouts_job
         if job is not None and job.state == "running":
             raise RuntimeError(f"a background {job.kind} job is still running")
-        self._rollouts_job = _Job(kind, fn)
-        return {"kind": kind, "state": "running"}
+        path = _job_result_path(kind)
+        self._rollouts_job = _Job(kind, fn, path)
+        return {"kind": kind, "state": "running", "result_path": path}
 
     def job_status(self) -> dict[str, Any]:
         job = self._rollouts_job
@@ -792,45 +904,56 @@ class WeightLoaderExtension:
 
         return self._start_job("stage", run)
 
-    def stage_delta(self, label: str, delta_dirs: list[str]) -> dict[str, Any]:
-        """Stage the new values of every tensor a chain of local delta directories changes:
-        copies of what the engine serves, with each link's XOR+zstd frames applied and every
-        changed tensor's Adler-32 checked (``snapshots.codec``, all or nothing per link)."""
+    def stage_from_arena(
+        self, label: str, path: str, entries: list[list[Any]], expected_adler32: dict[str, str],
+        verify: bool = True,
+    ) -> dict[str, Any]:
+        """Stage tensors the agent decoded into shared memory: zero-copy views of ``path`` (the
+        agent's ``/proc/<pid>/fd/<n>``), checked against ``expected_adler32`` now (``verify``;
+        the agent that checked them as it decoded passes False) and in any case at the commit,
+        on what the engine then holds."""
         model = self.model_runner.model  # type: ignore[attr-defined]
         generation = self._rollouts_generation
         self._rollouts_staged = None
+        expected = {n: c.lower() for n, c in expected_adler32.items()}
 
         def run() -> dict[str, Any]:
-            from snapshots.codec import apply_plan_in_place
-            from snapshots.inspect import read_delta_plan
-
-            plans = [read_delta_plan(d) for d in delta_dirs]
-            views, _ = _checkpoint_views(model)
-            names = sorted({n for plan in plans for n in plan.tensors})
-            unknown = [n for n in names if n not in views]
-            if unknown:
-                raise ValueError(f"the delta changes tensor(s) this engine does not hold: {unknown[:8]}")
-            new = {n: views[n].tensor.detach().to("cpu", copy=True).contiguous() for n in names}
-            flat = {n: t.reshape(-1).view(torch.uint8).numpy() for n, t in new.items()}
-            checksums: dict[str, str] = {}
-            for plan in plans:
-                checksums.update(apply_plan_in_place(flat, plan).checksums)
-            tensors = [(n, new[n].to(views[n].tensor.device)) for n in names]
-            self._rollouts_staged = _stage(model, label, tensors, generation)
+            t0 = time.perf_counter()
+            memory = _map_shared(path)
+            tensors: list[tuple[str, torch.Tensor]] = []
+            for name, dtype, shape, offset in entries:
+                dt, shp = dtype_from_str(str(dtype)), tuple(int(x) for x in shape)
+                nbytes, offset = _nbytes(dt, shp), int(offset)
+                if offset < 0 or offset + nbytes > memory.numel():
+                    raise ValueError(f"{name}: bytes {offset}..{offset + nbytes} lie outside the "
+                                     f"{memory.numel()}-byte arena")
+                tensors.append((str(name), memory[offset : offset + nbytes].view(dt).reshape(shp)))
+            missing = [n for n, _ in tensors if n not in expected]
+            if missing:
+                raise ValueError(f"no expected Adler-32 for {missing[:8]}")
+            t1 = time.perf_counter()
+            if verify:
+                _check_expected(tensors, expected)
+            t2 = time.perf_counter()
+            staged = _stage(model, label, tensors, generation)
+            staged.expected_adler32 = expected
+            self._rollouts_staged = staged
             return {"staged": label, "tensors": len(tensors), "bytes": sum(t.nbytes for _, t in tensors),
-                    "checksums": checksums}
+                    "map_s": round(t1 - t0, 6), "check_s": round(t2 - t1, 6),
+                    "backup_s": round(time.perf_counter() - t2, 6)}
 
         return self._start_job("stage", run)
 
     def peer_stage_send(
         self, host: str, port: int, world_size: int, names: list[str] | None = None,
-        backend: str = "gloo", timeout_s: float = 300.0,
+        backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
     ) -> dict[str, Any]:
         model = self.model_runner.model  # type: ignore[attr-defined]
         device = getattr(self, "device", None) if backend == "nccl" else None
 
         def run() -> dict[str, Any]:
-            group = PeerGroup.create(host, port, 0, world_size, backend=backend, timeout_s=timeout_s, device=device)
+            group = PeerGroup.create(host, port, 0, world_size, backend=backend, timeout_s=timeout_s, device=device,
+                                        external_store=external_store)
             try:
                 tensors = _select_views(model, names)
                 sent = group.send(tensors, 0)
@@ -843,7 +966,7 @@ class WeightLoaderExtension:
     def peer_stage_receive(
         self, label: str, host: str, port: int, rank: int, world_size: int, specs: list[list[Any]],
         expected_adler32: dict[str, str] | None = None, save_path: str | None = None,
-        backend: str = "gloo", timeout_s: float = 300.0,
+        backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
     ) -> dict[str, Any]:
         model = self.model_runner.model  # type: ignore[attr-defined]
         device = getattr(self, "device", None) if backend == "nccl" else None
@@ -852,7 +975,8 @@ class WeightLoaderExtension:
         wanted = normalize_specs(specs)
 
         def run() -> dict[str, Any]:
-            group = PeerGroup.create(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, device=device)
+            group = PeerGroup.create(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, device=device,
+                                        external_store=external_store)
             try:
                 received = group.receive(wanted, 0)
             finally:
@@ -867,7 +991,7 @@ class WeightLoaderExtension:
 
     def peer_send_files(
         self, host: str, port: int, world_size: int, paths: list[str], backend: str = "gloo",
-        timeout_s: float = 300.0,
+        timeout_s: float = 300.0, external_store: bool = False,
     ) -> dict[str, Any]:
         """Broadcast whole files (a delta link's) as rank 0; each is one uint8 tensor named by
         its base name."""
@@ -875,7 +999,8 @@ class WeightLoaderExtension:
 
         def run() -> dict[str, Any]:
             files = [(os.path.basename(p), _read_file_tensor(p)) for p in paths]
-            group = PeerGroup.create(host, port, 0, world_size, backend=backend, timeout_s=timeout_s, device=device)
+            group = PeerGroup.create(host, port, 0, world_size, backend=backend, timeout_s=timeout_s, device=device,
+                                        external_store=external_store)
             try:
                 sent = group.send(files, 0)
             finally:
@@ -887,6 +1012,7 @@ class WeightLoaderExtension:
     def peer_receive_files(
         self, host: str, port: int, rank: int, world_size: int, specs: list[list[Any]],
         expected_adler32: dict[str, str], out_dir: str, backend: str = "gloo", timeout_s: float = 300.0,
+        external_store: bool = False,
     ) -> dict[str, Any]:
         """Receive files broadcast by rank 0, check each one's Adler-32, write them to
         ``out_dir`` (created); nothing the engine serves changes."""
@@ -897,11 +1023,15 @@ class WeightLoaderExtension:
                 raise ValueError(f"refusing file name {name!r}: not a plain file name")
 
         def run() -> dict[str, Any]:
-            group = PeerGroup.create(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, device=device)
+            t0 = time.perf_counter()
+            group = PeerGroup.create(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, device=device,
+                                        external_store=external_store)
+            t1 = time.perf_counter()
             try:
                 received = group.receive(wanted, 0)
             finally:
                 group.close()
+            t2 = time.perf_counter()
             received = [(n, t.to("cpu")) for n, t in received]
             _check_expected(received, expected_adler32)
             os.makedirs(out_dir, exist_ok=True)
@@ -910,7 +1040,8 @@ class WeightLoaderExtension:
                 with open(f"{path}.part", "wb") as f:
                     f.write(tensor_bytes(t))
                 os.replace(f"{path}.part", path)
-            return {"files": len(received), "bytes": sum(t.numel() for _, t in received)}
+            return {"files": len(received), "bytes": sum(t.numel() for _, t in received),
+                    "join_s": round(t1 - t0, 6), "transfer_s": round(t2 - t1, 6)}
 
         return self._start_job("receive", run)
 
@@ -938,7 +1069,9 @@ class WeightLoaderExtension:
             raise RuntimeError(f"the stage for {label!r} is stale: the engine's weights changed after it was taken")
         self._rollouts_staged = None
         self._rollouts_generation += 1
-        return apply_weights(self.model_runner.model, staged.tensors, verify=verify, backup=staged.backup)  # type: ignore[attr-defined]
+        with _BACKUP_LOCK:  # its roll-back copies must not be refilled meanwhile
+            return apply_weights(self.model_runner.model, staged.tensors, verify=verify,  # type: ignore[attr-defined]
+                                 backup=staged.backup, expected_adler32=staged.expected_adler32)
 
     def discard_staged(self) -> dict[str, Any]:
         staged, self._rollouts_staged = self._rollouts_staged, None

@@ -86,6 +86,11 @@ class TensorInfo:
     nbytes: int
     shard: str
 
+    @property
+    def torch_dtype(self) -> str:
+        """The torch dtype's name ("bfloat16" for BF16)."""
+        return _TORCH_DTYPES[self.dtype]
+
 
 class HostWeights:
     """The full set of tensors of one checkpoint, held in host memory, updatable by deltas."""
@@ -263,6 +268,20 @@ class HostWeights:
         self._checksums.update(report.checksums)
         self.applied.append(plan.version)
         return report
+
+    def decode_delta_into(self, plan: DeltaPlan, out: dict[str, np.ndarray], decoded: set[str]) -> DeltaReport:
+        """Decode one delta into ``out`` (name -> flat writable buffer of the tensor's size),
+        leaving these weights untouched: a tensor in ``decoded`` (written by an earlier link of
+        the same chain) is updated in place there, any other is written as this copy's bytes
+        XOR the delta. Every changed tensor's Adler-32 is checked. The caller adds the report's
+        ``changed`` to ``decoded``; :meth:`restore` with the report's checksums adopts ``out``.
+
+        Raises:
+            SnapshotError: naming file and tensor (a tensor absent from ``out`` is "in the delta
+                but not in the base"); ``out`` then holds unspecified bytes.
+        """
+        sources = {n: self._views[n] for n in plan.tensors if n not in decoded and n in self._views}
+        return apply_plan_in_place(out, plan, workers=self.workers, sources=sources)
 
     # ------------------------------------------------------------------ proving and writing
 

@@ -46,7 +46,6 @@ import json
 import os
 import shutil
 import threading
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -58,6 +57,7 @@ import zstandard
 
 from snapshots.codec import (
     DeltaReport,
+    adler32,
     check_frame,
     check_inflated,
     check_wire_size,
@@ -320,7 +320,7 @@ class _Pass:
         data_buf, diff_buf = _thread.buffers(min(self.chunk_bytes, max(task.nbytes, 1)))
         readers = [d.stream_reader(f, read_across_frames=False) for d, f in zip(_thread.decompressors(len(frames)), frames)]
         # Running Adler-32 of the base bytes, then of the bytes after each link.
-        running = [zlib.adler32(b"")] * (len(frames) + 1)
+        running = [adler32(b"")] * (len(frames) + 1)
         base = _TensorReader(self.layout.source, task.shard, task.begin, task.nbytes, self.base_fds.get(task.shard), task.name)
         try:
             done = 0
@@ -332,13 +332,13 @@ class _Pass:
                 task.link = None
                 base.readinto(memoryview(data))
                 if not task.links:  # a changed tensor is proven by its links' checksums instead
-                    running[0] = zlib.adler32(data, running[0])
+                    running[0] = adler32(data, running[0])
                 for k, (task.link, reader) in enumerate(zip(task.links, readers)):
                     got = fill_from(reader, memoryview(diff))
                     if got != step:
                         check_inflated(done + got, b"", task.nbytes, file=task.link.file, tensor=task.name)
                     np.bitwise_xor(data, diff, out=data)
-                    running[k + 1] = zlib.adler32(data, running[k + 1])
+                    running[k + 1] = adler32(data, running[k + 1])
                 if out_fd is not None:
                     _pwrite_all(out_fd, memoryview(data), task.out_offset + done)
                 done += step

@@ -8,7 +8,9 @@ verify, resume.
 The first replica reads the snapshot from the bucket. Then it broadcasts the changed tensors to
 every other replica at once over one process group (`send_to_peers` + `stage_from_peer`, all
 replicas still serving), and each receiver in turn swaps its stage in (`commit_peer_stage`, one
-short pause). A replica whose stage or commit fails reads the bucket instead. (Histories from
+short pause) as soon as its own stage is ready, while the later ones still stage (patched
+`pipelined-commits`; before it, every stage was awaited first). A replica whose stage or commit
+fails reads the bucket instead. (Histories from
 before the broadcast walk, unpatched, replay the pairwise transfer `_receive_from_peer`.) A replica's state goes PENDING_UPDATE → UPDATING → READY | ERROR, with
 `startedAt`, `finishedAt`, `transitionedAt` and `errorReason`.
 
@@ -98,6 +100,7 @@ class HotLoadWorkflow:
     @workflow.init
     def __init__(self, inp: HotLoadInput) -> None:
         self.hot_load: HotLoad = inp.hot_load
+        self._broadcast_send: asyncio.Future[Any] | None = None  # the pipelined walk's send
         self.replicas: list[Replica] = [
             Replica(
                 name=r.name,
@@ -169,14 +172,26 @@ class HotLoadWorkflow:
             endpoints = sorted(inp.replicas, key=lambda r: (r.zone, r.name))
             updated: list[ReplicaEndpoint] = []
             staged: set[str] | None = None  # replicas holding a stage from the broadcast
+            # Pipelined: each receiver's stage task (name -> task); its commit waits only for it.
+            stage_tasks: dict[str, asyncio.Future[bool]] | None = None
             for index, (replica, endpoint) in enumerate(zip(self.replicas, endpoints)):
                 self._raise_if_canceled()
                 if index == 1 and inp.peer_transfer and workflow.patched("peer-broadcast"):
-                    staged = await self._broadcast(inp, updated[0], list(zip(self.replicas, endpoints))[1:])
+                    receivers = list(zip(self.replicas, endpoints))[1:]
+                    if workflow.patched("pipelined-commits"):
+                        stage_tasks = await self._start_broadcast(inp, updated[0], receivers)
+                    else:
+                        staged = await self._broadcast(inp, updated[0], receivers)
+                    self._raise_if_canceled()
+                if stage_tasks is not None and index >= 1:
+                    # Later receivers keep staging while this one commits.
+                    has_stage = await stage_tasks[replica.name]
                     self._raise_if_canceled()
                 self._replica_moved(replica, ReplicaState.UPDATING, started_at=self._now(), error_reason=None)
                 try:
-                    if staged is None:
+                    if stage_tasks is not None and index >= 1:
+                        result = await self._commit_stage(inp, endpoint, replica, has_stage)
+                    elif staged is None:
                         result = await self._update_one(inp, endpoint, replica, updated[-1] if updated else None)
                     else:
                         result = await self._commit_stage(inp, endpoint, replica, replica.name in staged)
@@ -201,6 +216,14 @@ class HotLoadWorkflow:
                     verified_tensors=result.verified_tensors,
                 )
                 updated.append(endpoint)
+            if self._broadcast_send is not None:
+                # Done once every receiver staged; a failed send was already answered by the
+                # receivers falling back to the bucket.
+                try:
+                    await self._broadcast_send
+                except Exception as exc:  # noqa: BLE001
+                    if is_cancelled_exception(exc):
+                        raise
             # A cancel that arrived while the last step finished its all-or-nothing swap.
             self._raise_if_canceled()
             self._set_state(
@@ -344,6 +367,66 @@ class HotLoadWorkflow:
                 workflow.logger.warning("%s did not stage from %s (%s): it reads the bucket", replica.name,
                                         sender.name, _error_reason(task.exception()))
         return ok
+
+    async def _start_broadcast(
+        self, inp: HotLoadInput, sender: ReplicaEndpoint, receivers: list[tuple[Replica, ReplicaEndpoint]]
+    ) -> dict[str, asyncio.Future[bool]]:
+        """Start sending the update from `sender` to every receiver at once; returns, per
+        receiver, a task that ends True once it holds a checked stage (False: it reads the
+        bucket). Nothing any replica serves changes here."""
+        spec = self.hot_load.spec
+        serving = {r.current_snapshot_identity for r, _ in receivers}
+
+        async def no_stage() -> bool:
+            return False
+
+        try:
+            offer: PeerOffer = await workflow.execute_activity(
+                names.OFFER_TO_PEER,
+                PeerOfferInput(
+                    hot_load_id=spec.id, identity=spec.identity, chain=spec.snapshot_chain,
+                    target_identity=serving.pop() if len(serving) == 1 else "",
+                    world_size=1 + len(receivers),
+                    accept_files=True,
+                    host_store=True,
+                ),
+                task_queue=sender.task_queue,
+                result_type=PeerOffer,
+                **PEER_STEP_OPTIONS,
+            )
+        except Exception as exc:
+            if is_cancelled_exception(exc):
+                raise
+            workflow.logger.warning("no peer offer from %s (%s): reading the bucket", sender.name, _error_reason(exc))
+            return {r.name: asyncio.ensure_future(no_stage()) for r, _ in receivers}
+        send = asyncio.ensure_future(
+            workflow.execute_activity(names.SEND_TO_PEERS, offer, task_queue=sender.task_queue, **PEER_STEP_OPTIONS)
+        )
+
+        async def stage(rank: int, replica: Replica, endpoint: ReplicaEndpoint) -> bool:
+            try:
+                await workflow.execute_activity(
+                    names.STAGE_FROM_PEER,
+                    StageFromPeerInput(offer=offer, rank=rank),
+                    task_queue=endpoint.task_queue,
+                    result_type=StageFromPeerResult,
+                    **PEER_STEP_OPTIONS,
+                )
+                return True
+            except Exception as exc:
+                if is_cancelled_exception(exc):
+                    raise
+                # A stage is checked against the sender's checksums, so one that succeeded is
+                # good whatever became of the others; a failed one reads the bucket.
+                workflow.logger.warning("%s did not stage from %s (%s): it reads the bucket", replica.name,
+                                        sender.name, _error_reason(exc))
+                return False
+
+        self._broadcast_send = send
+        return {
+            replica.name: asyncio.ensure_future(stage(rank, replica, endpoint))
+            for rank, (replica, endpoint) in enumerate(receivers, start=1)
+        }
 
     async def _commit_stage(
         self, inp: HotLoadInput, endpoint: ReplicaEndpoint, replica: Replica, has_stage: bool

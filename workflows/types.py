@@ -425,6 +425,9 @@ class PeerOfferInput(WireModel):
     world_size: int = 2
     # Receivers can take the delta link's files instead of the tensors as served.
     accept_files: bool = False
+    # The sender's agent hosts the group's rendezvous store from the offer on, so no engine
+    # waits out TCPStore's connect back-off for a master that is not up yet.
+    host_store: bool = False
 
 
 class PeerOffer(WireModel):
@@ -443,6 +446,8 @@ class PeerOffer(WireModel):
     # "tensors": specs are tensors as the sender serves them; "files": specs are the files of
     # the delta link `identity` (XOR+zstd frames), which each receiver decodes and checks itself.
     mode: str = "tensors"
+    # Every engine joins as a client of a store the sender's agent already hosts (host_store).
+    store_hosted: bool = False
 
 
 class StageFromPeerInput(WireModel):

@@ -6,8 +6,9 @@ Runs the real workflows on a fresh Temporal dev server with the test replicas of
 tests/workflows/harness.py, drives a completed, a failed and a canceled hot-load through the
 API, then one whose control worker is killed -9 mid-walk and restarted (a crash-recovered
 history: its workflow tasks time out and are replayed on the new worker), then a 3-replica
-hot-load on the broadcast walk (`... generate broadcast` writes only that one; the others
-predate the broadcast and replay its unpatched branch), and exports each
+hot-load on the broadcast walk with pipelined commits (`... generate broadcast` writes only
+that one; the others predate the broadcast or its pipelining and replay their unpatched
+branches), and exports each
 workflow's history with the Temporal CLI exactly as an operator would
 (`temporal workflow show -w ID -o json`), one file per workflow named by its id (`/` as `%2F`).
 
@@ -72,19 +73,21 @@ async def crash_recovered(env: WorkflowEnvironment, address: str, tmp: Path) -> 
             kill9(proc)
 
 
-async def broadcast_walk(env: WorkflowEnvironment, address: str, tmp: Path) -> None:
+async def broadcast_walk(env: WorkflowEnvironment, address: str, tmp: Path, name: str = "history-pipelined") -> None:
     """A 3-replica hot-load on the broadcast walk: the first replica from the bucket, one
-    broadcast to the other two, then a commit per receiver."""
+    broadcast to the other two, then a commit per receiver as soon as its stage is ready
+    (`history-pipelined-completed`; `history-broadcast-completed` is the same walk from before
+    `pipelined-commits`, when every stage was awaited first)."""
     from tests.workflows.harness import ZONE
     from tests.workflows.test_admission import _state
 
     tmp.mkdir(parents=True, exist_ok=True)
     async with Fleet(env.client, tmp) as f:
-        state = _state("history-broadcast", zones=[ZONE])
-        state.replicas = f.replica_endpoints("history-broadcast", 3)
+        state = _state(name, zones=[ZONE])
+        state.replicas = f.replica_endpoints(name, 3)
         dep = await f.deployment_from_state(state)
-        await f.completed(dep, "step-1", hotLoadId="history-broadcast-completed")
-        export(address, "history-broadcast-completed")
+        await f.completed(dep, "step-1", hotLoadId=f"{name}-completed")
+        export(address, f"{name}-completed")
 
 
 async def main(only: list[str]) -> None:
@@ -126,5 +129,5 @@ async def main(only: list[str]) -> None:
 if __name__ == "__main__":
     import sys
 
-    # `python -m tests.histories.generate broadcast` writes only the broadcast walk's history.
+    # `python -m tests.histories.generate broadcast` writes only the pipelined broadcast walk's history.
     asyncio.run(main(sys.argv[1:]))

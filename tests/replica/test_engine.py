@@ -92,6 +92,13 @@ async def test_serves_completions_and_chat(engine: EngineProcess, model_dirs: di
     assert not consecutive(PROMPT[-1:] + await greedy(engine))
 
 
+async def test_engine_processes_run_our_vllm_plugin(engine: EngineProcess) -> None:
+    """The `vllm.general_plugins` entry point reached the worker: its idle busy-poll is capped."""
+    from replica.vllm_plugin import DEFAULT_SPIN_S
+
+    assert (await engine._rpc1("engine_pid"))["idle_spin_s"] == DEFAULT_SPIN_S
+
+
 async def test_checksums_equal_checkpoint_files(engine: EngineProcess, model_dirs: dict[str, Path]) -> None:
     await load_full(engine, model_dirs["base"])
     expected = file_checksums(model_dirs["base"])
@@ -474,6 +481,57 @@ async def test_staged_update_from_files_changes_nothing_until_commit(
     with pytest.raises(EngineRequestError, match="stale"):
         await engine.commit_staged("v2")
     assert await engine.served_checksums() == file_checksums(model_dirs["counting"])
+
+
+async def test_stage_from_arena_is_checked_and_proven_inside_the_pause(
+    engine: EngineProcess, model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The agent's fast path: bytes decoded into shared memory are staged as views (checked
+    against the expected Adler-32), served only after the commit, which returns the Adler-32 of
+    what the engine then holds; bytes that change under a stage fail the commit, nothing moves."""
+    from replica.stage_arena import StageArena
+
+    await load_full(engine, model_dirs["base"])
+    base_sums = file_checksums(model_dirs["base"])
+    counting = load_checkpoint(model_dirs["counting"])
+    expected = {n: adler32_hex(counting[n]) for n in COUNTING_CHANGED}
+    arena = StageArena(tmp_path)
+    layout = arena.reserve([(n, counting[n].nbytes) for n in COUNTING_CHANGED])
+    for n, (offset, nbytes) in layout.items():
+        arena.view(offset, nbytes)[:] = counting[n].contiguous().view(-1).view(torch.uint8).numpy()
+    entries = [[n, "bfloat16", list(counting[n].shape), layout[n][0]] for n in COUNTING_CHANGED]
+
+    with pytest.raises(EngineError, match="checksum check failed"):
+        await engine.stage_from_arena("v-bad", arena.path, entries, {**expected, COUNTING_CHANGED[0]: "00000001"})
+    with pytest.raises(EngineError, match="outside"):
+        await engine.stage_from_arena("v-far", arena.path, [[COUNTING_CHANGED[0], "bfloat16", [1], arena.size]],
+                                      expected)
+    staged = await engine.stage_from_arena("v1", arena.path, entries, expected)
+    assert staged["tensors"] == len(COUNTING_CHANGED)
+    assert await engine.served_checksums() == base_sums  # staged, not served
+
+    # The stage is a view: bytes changed after it was checked are caught by the commit's proof.
+    first = COUNTING_CHANGED[0]
+    arena.view(*layout[first])[0] ^= 1
+    await engine.pause(mode="keep")
+    try:
+        with pytest.raises(EngineRequestError, match="different values after the load"):
+            await engine.commit_staged("v1")
+    finally:
+        await engine.resume()
+    assert await engine.served_checksums() == base_sums
+    arena.view(*layout[first])[0] ^= 1
+
+    await engine.stage_from_arena("v2", arena.path, entries, expected)
+    await engine.pause(mode="keep")
+    try:
+        swap = await engine.commit_staged("v2")
+    finally:
+        await engine.resume()
+    assert swap["checksums"] == expected
+    assert await engine.served_checksums() == file_checksums(model_dirs["counting"])
+    assert await greedy(engine) == [103 + i for i in range(8)]
+    arena.close()
 
 
 async def test_broadcast_stages_on_the_receiver_then_commits(

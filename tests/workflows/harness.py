@@ -121,6 +121,10 @@ class Fleet:
     # name -> behaviour; default: succeed after `apply_delay`.
     apply_behaviour: dict[str, ApplyBehaviour] = field(default_factory=dict)
     applied: list[tuple[str, str]] = field(default_factory=list)
+    # name -> awaited before a broadcast stage reports success (raise to fail the stage).
+    stage_behaviour: dict[str, Callable[[str], Awaitable[None]]] = field(default_factory=dict)
+    # (replica, event) in the order the replicas' activities saw them: "staged", "commit".
+    peer_events: list[tuple[str, str]] = field(default_factory=list)
     hold: asyncio.Event = field(default_factory=asyncio.Event)
     started: asyncio.Event = field(default_factory=asyncio.Event)
     cancel_seen: asyncio.Event = field(default_factory=asyncio.Event)
@@ -356,11 +360,16 @@ class Fleet:
 
         @activity.defn(name=names.STAGE_FROM_PEER)
         async def stage_from_peer(inp: StageFromPeerInput) -> StageFromPeerResult:
+            behaviour = self.stage_behaviour.get(replica)
+            if behaviour is not None:
+                await behaviour(replica)
             staged[inp.offer.identity] = inp.offer
+            self.peer_events.append((replica, "staged"))
             return StageFromPeerResult(identity=inp.offer.identity, tensors_staged=0, bytes_received=0, stage_ms=0.0)
 
         @activity.defn(name=names.COMMIT_PEER_STAGE)
         async def commit_peer_stage(inp: CommitPeerStageInput) -> ApplySnapshotResult:
+            self.peer_events.append((replica, "commit"))
             offer = staged.pop(inp.identity)
             as_apply = ApplySnapshotInput(
                 hot_load_id="peer", identity=offer.identity, chain=offer.chain, bucket="-", path_prefix="-",

@@ -1,0 +1,128 @@
+"""Shared memory between a replica's agent and its engine: where an update is decoded once.
+
+A delta update is decoded by the agent's host copy into this arena — for each changed tensor
+``new = old XOR diff``, its Adler-32 checked — without touching the host copy itself. The engine
+maps the same memory and stages zero-copy views of those bytes (``stage_from_arena``); after the
+engine's commit succeeds the host copy takes them (one memcpy). So each replica decodes an update
+once, not once per process, and no staging file is written.
+
+Contract:
+
+- The backing file lives in ``ROLLOUTS_SHM_DIR`` (default ``/dev/shm``, else the system's temp
+  directory) and is unlinked as soon as it is created, so a killed agent leaks nothing; the
+  engine opens it as ``/proc/<agent pid>/fd/<fd>`` (Linux, same user), which :attr:`path` names.
+- The arena is reused across updates (fresh pages cost more than the copy itself: page faults)
+  and replaced by a bigger one when an update needs more; its size is at most the changed
+  tensors' bytes of the largest update so far (the model's size for a full-model RL step).
+- :func:`host_decode_slot`: one decode at a time per host. A decode already uses every core
+  (its threads), so replicas sharing a host that decode together only finish together, later
+  than the first of them would alone; one after another, the first receiver of a broadcast is
+  ready to swap while the others still decode.
+- One update at a time: :meth:`reserve` hands out the whole arena again, so a stage not yet
+  committed must be abandoned first (the agent's lock and ``drop_peer_stage`` see to that). The
+  engine checks what it commits against the verified Adler-32 anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import mmap
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+
+ALIGN = 64  # cache-line aligned tensors: any dtype view is aligned
+
+
+def shm_dir() -> Path:
+    configured = os.environ.get("ROLLOUTS_SHM_DIR")
+    if configured:
+        return Path(configured)
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+class StageArena:
+    """A growable shared-memory buffer (module docstring)."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.directory = directory or shm_dir()
+        self._fd: int | None = None
+        self._map: mmap.mmap | None = None
+        self._array: np.ndarray | None = None
+        self.size = 0
+
+    @property
+    def path(self) -> str:
+        """Where another process of the same user opens this arena."""
+        if self._fd is None:
+            raise RuntimeError("the arena holds nothing yet: reserve() first")
+        return f"/proc/{os.getpid()}/fd/{self._fd}"
+
+    def reserve(self, sizes: list[tuple[str, int]]) -> dict[str, tuple[int, int]]:
+        """Lay ``(name, nbytes)`` out back to back (aligned); returns name -> (offset, nbytes).
+        Everything handed out before is void from here on."""
+        layout: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, nbytes in sizes:
+            layout[name] = (offset, int(nbytes))
+            offset += -(-int(nbytes) // ALIGN) * ALIGN
+        if offset > self.size:
+            self._replace(max(offset, ALIGN))
+        return layout
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """A writable flat ``uint8`` view of the arena."""
+        assert self._array is not None
+        return self._array[offset : offset + nbytes]
+
+    def _replace(self, size: int) -> None:
+        self.close()
+        fd, name = tempfile.mkstemp(prefix="rollouts-stage-", dir=self.directory)
+        try:
+            os.unlink(name)  # nothing to clean up after a crash; the fd keeps it alive
+            os.ftruncate(fd, size)
+            mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd, self._map, self.size = fd, mapped, size
+        self._array = np.frombuffer(mapped, dtype=np.uint8)
+
+    def close(self) -> None:
+        """Drop this process's mapping (views handed out keep their pages alive)."""
+        self._array = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # views still exported: the mapping goes when they do
+            self._map = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.size = 0
+
+
+@contextlib.asynccontextmanager
+async def host_decode_slot(directory: Path | None = None) -> AsyncIterator[None]:
+    """Hold this host's decode slot (an flock on ``rollouts-decode.lock`` in :func:`shm_dir`;
+    the kernel drops it if the holder dies). Polled, not blocking, so a canceled waiter leaves
+    no thread behind that would take the slot later and never give it back."""
+    path = (directory or shm_dir()) / "rollouts-decode.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                await asyncio.sleep(0.005)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

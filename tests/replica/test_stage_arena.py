@@ -1,0 +1,67 @@
+"""StageArena: shared memory another process reads through /proc/<pid>/fd/<n>."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from replica.stage_arena import ALIGN, StageArena
+
+
+def test_layout_is_aligned_and_the_arena_grows(tmp_path: Path) -> None:
+    arena = StageArena(tmp_path)
+    layout = arena.reserve([("a", 3), ("b", 100), ("c", 0)])
+    assert layout == {"a": (0, 3), "b": (ALIGN, 100), "c": (3 * ALIGN, 0)}
+    assert arena.size >= 3 * ALIGN
+    assert list(tmp_path.iterdir()) == []  # unlinked at once: nothing to leak
+    small_path = arena.path
+    arena.reserve([("big", 10 * 2**20)])
+    assert arena.size >= 10 * 2**20 and arena.view(0, 10 * 2**20).nbytes == 10 * 2**20
+    arena.reserve([("a", 16)])  # smaller requests reuse the same memory
+    assert arena.size >= 10 * 2**20
+    assert small_path.startswith(f"/proc/{os.getpid()}/fd/")
+    arena.close()
+
+
+def test_another_process_sees_the_bytes(tmp_path: Path) -> None:
+    arena = StageArena(tmp_path)
+    (offset, nbytes), = arena.reserve([("t", 4096)]).values()
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    arena.view(offset, nbytes)[:] = data
+    code = (
+        "import sys, mmap\n"
+        "f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0)\n"
+        "sys.stdout.write(m[int(sys.argv[2]):int(sys.argv[2]) + int(sys.argv[3])].hex())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, arena.path, str(offset), str(nbytes)],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    assert bytes.fromhex(out) == data.tobytes()
+    arena.close()
+
+
+async def test_decode_slot_is_held_by_one_at_a_time_and_a_canceled_waiter_leaves_it(tmp_path: Path) -> None:
+    import asyncio
+
+    from replica.stage_arena import host_decode_slot
+
+    inside: list[str] = []
+    log: list[str] = []
+
+    async def holder(name: str) -> None:
+        async with host_decode_slot(tmp_path):
+            inside.append(name)
+            assert len(inside) == 1, inside
+            log.append(name)
+            await asyncio.sleep(0.1)
+            inside.remove(name)
+
+    async with host_decode_slot(tmp_path):
+        waiter = asyncio.ensure_future(holder("canceled"))
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+    await asyncio.gather(holder("a"), holder("b"), holder("c"))
+    assert sorted(log) == ["a", "b", "c"]
