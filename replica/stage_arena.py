@@ -83,16 +83,40 @@ class StageArena:
 
     def _replace(self, size: int) -> None:
         self.close()
-        fd, name = tempfile.mkstemp(prefix="rollouts-stage-", dir=self.directory)
         try:
-            os.unlink(name)  # nothing to clean up after a crash; the fd keeps it alive
-            os.ftruncate(fd, size)
+            fd = self._allocate(self.directory, size)
+        except OSError as exc:
+            # A small /dev/shm (a container's default 64 MB): a disk-backed file in the temp
+            # directory still shares pages through the page cache.
+            fallback = Path(tempfile.gettempdir())
+            if fallback == self.directory:
+                raise
+            try:
+                fd = self._allocate(fallback, size)
+            except OSError as again:
+                raise OSError(f"no room for a {size}-byte stage arena in {self.directory} ({exc}) "
+                              f"or {fallback} ({again}); set ROLLOUTS_SHM_DIR") from None
+            self.directory = fallback
+        try:
             mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
         self._fd, self._map, self.size = fd, mapped, size
         self._array = np.frombuffer(mapped, dtype=np.uint8)
+
+    @staticmethod
+    def _allocate(directory: Path, size: int) -> int:
+        """An unlinked file of ``size`` bytes, its space reserved now: writing into a mapping
+        of a sparse file past a full tmpfs would kill the process with SIGBUS later."""
+        fd, name = tempfile.mkstemp(prefix="rollouts-stage-", dir=directory)
+        try:
+            os.unlink(name)  # nothing to clean up after a crash; the fd keeps it alive
+            os.posix_fallocate(fd, 0, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def close(self) -> None:
         """Drop this process's mapping (views handed out keep their pages alive)."""

@@ -65,3 +65,27 @@ async def test_decode_slot_is_held_by_one_at_a_time_and_a_canceled_waiter_leaves
         waiter.cancel()
     await asyncio.gather(holder("a"), holder("b"), holder("c"))
     assert sorted(log) == ["a", "b", "c"]
+
+
+def test_a_full_shm_dir_falls_back_to_the_temp_dir(tmp_path: Path, monkeypatch) -> None:
+    """A tmpfs too small for the arena must not become a SIGBUS at the first write."""
+    import errno
+
+    full = tmp_path / "shm"
+    full.mkdir()
+    spare = tmp_path / "tmp"
+    spare.mkdir()
+    real = os.posix_fallocate
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(full)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    monkeypatch.setattr("tempfile.tempdir", str(spare))
+    arena = StageArena(full)
+    arena.reserve([("t", 1 << 20)])
+    assert arena.directory == spare and arena.size >= 1 << 20
+    arena.view(0, 1 << 20)[:] = 7
+    arena.close()
