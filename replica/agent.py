@@ -251,12 +251,10 @@ class ReplicaRuntime:
             self.host.restore(staged.decoded, checksums=staged.expected)
             staged.decoded = {}
 
-    def stage_chain(
-        self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None, write_file: bool = True
-    ) -> StagedUpdate:
+    def stage_chain(self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None) -> StagedUpdate:
         """Apply the chain links this replica is missing to its host copy (or load a new full
-        base) and (`write_file`) write the changed tensors to a staging file; the engine is not
-        touched.
+        base) and write the changed tensors to a staging file; the engine is not touched. (The
+        usual delta update takes `decode_links` instead, which leaves the host copy as it is.)
 
         A delta link comes from `local_links` when given (received from a peer), else its files
         are downloaded from the bucket into `links_root` first (a delta's files hold only the
@@ -308,8 +306,7 @@ class ReplicaRuntime:
         staged.identity = inp.identity
         staged.names = sorted(target.names() if staged.new_host is not None else changed)
         staged.expected = {n: c for n, c in target.checksums().items() if n in set(staged.names)}
-        if write_file:
-            staged.path = self._write_staging(target, staged.names, inp.identity)
+        staged.path = self._write_staging(target, staged.names, inp.identity)
         return staged
 
     def _write_staging(self, host: Any, names_: list[str], label: str) -> Path:
