@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from replica.stage_arena import StageArena, host_decode_slot
+from replica.stage_arena import StageArena, decode_turn_marker, host_decode_slot
 from snapshots.storage import snapshot_uri
 from workers.processes import PidFile, free_port, stop_pid
 from workers.settings import Settings, temporal_client
@@ -173,7 +173,8 @@ class ReplicaRuntime:
         return dirs, total
 
     async def stage_update(
-        self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None
+        self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None,
+        turn: tuple[str, int] | None = None,
     ) -> StagedUpdate:
         """Stage an update for the engine, off the serving path; the host copy is not changed.
 
@@ -184,7 +185,7 @@ class ReplicaRuntime:
         local = local_links or {}
         if todo and all(link.identity in local for link in todo):
             t_wait = time.perf_counter()
-            async with host_decode_slot(self.arena.directory):
+            async with host_decode_slot(self.arena.directory, turn):
                 t0 = time.perf_counter()
                 staged = await asyncio.to_thread(self.decode_links, inp, todo, local)
                 t1 = time.perf_counter()
@@ -619,6 +620,17 @@ class ReplicaRuntime:
                              f"{offer.source_replica} applies to {chain_ids[-2]!r}")
         await asyncio.to_thread(self.clear_links)
         link_dir = self.links_root / offer.identity
+        # Receivers on this host decode in rank order, the order they commit in.
+        turn = (str(offer.port), rank)
+        marker = decode_turn_marker(self.arena.directory, *turn)
+        try:
+            return await self._receive_and_stage_files(offer, rank, t0, link_dir, turn)
+        finally:
+            marker.unlink(missing_ok=True)
+
+    async def _receive_and_stage_files(
+        self, offer: PeerOffer, rank: int, t0: float, link_dir: Path, turn: tuple[str, int]
+    ) -> StageFromPeerResult:
         try:
             await self.engine.start_peer_receive_files(
                 offer.host, offer.port, rank, offer.world_size, offer.specs, offer.expected_adler32,
@@ -632,7 +644,7 @@ class ReplicaRuntime:
                  "since the step began", offer.identity, offer.source_replica, int(got["bytes"]),
                  1000 * float(got.get("join_s", 0)), 1000 * float(got.get("transfer_s", 0)), _ms_since(t0))
         inp = ApplySnapshotInput(hot_load_id="", identity=offer.identity, chain=offer.chain, bucket="", path_prefix="")
-        staged = await self.stage_update(inp, {offer.identity: link_dir})
+        staged = await self.stage_update(inp, {offer.identity: link_dir}, turn)
         self.peer_stage = PeerStage(offer=offer, received=None, staged=staged)
         return StageFromPeerResult(identity=offer.identity, tensors_staged=len(staged.names),
                                    bytes_received=int(got["bytes"]), stage_ms=_ms_since(t0))

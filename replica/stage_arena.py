@@ -133,20 +133,50 @@ class StageArena:
         self.size = 0
 
 
+def decode_turn_marker(directory: Path, queue: str, position: int) -> Path:
+    """Announce early (before the bytes arrive) that this process will want the decode slot as
+    ``position`` of ``queue`` (a broadcast: its port; the receiver's rank): a process of a later
+    position on this host then waits for it (:func:`host_decode_slot`). Remove it when done."""
+    marker = directory / f"rollouts-turn-{queue}-{position:06d}-{os.getpid()}"
+    marker.touch()
+    return marker
+
+
+def _earlier_turns(directory: Path, queue: str, position: int) -> bool:
+    for marker in directory.glob(f"rollouts-turn-{queue}-*"):
+        try:
+            _, _, _, pos, pid = marker.name.split("-")[-5:]
+            if int(pos) < position:
+                os.kill(int(pid), 0)  # a dead process's marker does not hold anyone up
+                return True
+        except (ValueError, ProcessLookupError):
+            continue
+        except PermissionError:
+            return True
+    return False
+
+
 @contextlib.asynccontextmanager
-async def host_decode_slot(directory: Path | None = None) -> AsyncIterator[None]:
+async def host_decode_slot(
+    directory: Path | None = None, turn: tuple[str, int] | None = None
+) -> AsyncIterator[None]:
     """Hold this host's decode slot (an flock on ``rollouts-decode.lock`` in :func:`shm_dir`;
-    the kernel drops it if the holder dies). Polled, not blocking, so a canceled waiter leaves
-    no thread behind that would take the slot later and never give it back."""
-    path = (directory or shm_dir()) / "rollouts-decode.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    the kernel drops it if the holder dies). With ``turn`` = (queue, position), first wait while
+    a live process on this host announced an earlier position of the same queue
+    (:func:`decode_turn_marker`): the first receiver of a broadcast is the first to commit, so it
+    decodes first. Polled, not blocking, so a canceled waiter leaves no thread behind that would
+    take the slot later and never give it back."""
+    directory = directory or shm_dir()
+    fd = os.open(directory / "rollouts-decode.lock", os.O_RDWR | os.O_CREAT, 0o666)
     try:
         while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                await asyncio.sleep(0.005)
+            if turn is None or not _earlier_turns(directory, *turn):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    pass
+            await asyncio.sleep(0.005)
         yield
     finally:
         os.close(fd)  # releases the lock

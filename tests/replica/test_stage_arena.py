@@ -89,3 +89,24 @@ def test_a_full_shm_dir_falls_back_to_the_temp_dir(tmp_path: Path, monkeypatch) 
     assert arena.directory == spare and arena.size >= 1 << 20
     arena.view(0, 1 << 20)[:] = 7
     arena.close()
+
+
+async def test_decode_turns_go_in_position_order_and_dead_markers_are_ignored(tmp_path: Path) -> None:
+    import asyncio
+
+    from replica.stage_arena import decode_turn_marker, host_decode_slot
+
+    order: list[int] = []
+    # A marker left by a process that no longer exists holds nobody up.
+    (tmp_path / "rollouts-turn-7-000000-999999999").touch()
+    markers = {pos: decode_turn_marker(tmp_path, "7", pos) for pos in (3, 2, 1)}
+
+    async def receiver(pos: int, delay: float) -> None:
+        await asyncio.sleep(delay)  # the later positions ask first
+        async with host_decode_slot(tmp_path, ("7", pos)):
+            order.append(pos)
+            await asyncio.sleep(0.02)
+        markers[pos].unlink()
+
+    await asyncio.gather(receiver(3, 0.0), receiver(2, 0.01), receiver(1, 0.05))
+    assert order == [1, 2, 3]
