@@ -309,16 +309,14 @@ class HotLoadWorkflow:
             **REPLICA_STEP_OPTIONS,
         )
 
-    async def _broadcast(
-        self, inp: HotLoadInput, sender: ReplicaEndpoint, receivers: list[tuple[Replica, ReplicaEndpoint]]
-    ) -> set[str]:
-        """Send the update from `sender` to every receiver at once; returns who staged it.
-
-        Nothing any replica serves changes here: each receiver only checks and stages."""
+    async def _offer(
+        self, sender: ReplicaEndpoint, receivers: list[tuple[Replica, ReplicaEndpoint]], host_store: bool
+    ) -> PeerOffer | None:
+        """What `sender` offers every receiver (None: no offer, they read the bucket)."""
         spec = self.hot_load.spec
         serving = {r.current_snapshot_identity for r, _ in receivers}
         try:
-            offer: PeerOffer = await workflow.execute_activity(
+            return await workflow.execute_activity(
                 names.OFFER_TO_PEER,
                 PeerOfferInput(
                     hot_load_id=spec.id, identity=spec.identity, chain=spec.snapshot_chain,
@@ -326,6 +324,7 @@ class HotLoadWorkflow:
                     target_identity=serving.pop() if len(serving) == 1 else "",
                     world_size=1 + len(receivers),
                     accept_files=True,
+                    host_store=host_store,
                 ),
                 task_queue=sender.task_queue,
                 result_type=PeerOffer,
@@ -335,6 +334,16 @@ class HotLoadWorkflow:
             if is_cancelled_exception(exc):
                 raise
             workflow.logger.warning("no peer offer from %s (%s): reading the bucket", sender.name, _error_reason(exc))
+            return None
+
+    async def _broadcast(
+        self, inp: HotLoadInput, sender: ReplicaEndpoint, receivers: list[tuple[Replica, ReplicaEndpoint]]
+    ) -> set[str]:
+        """Send the update from `sender` to every receiver at once; returns who staged it.
+
+        Nothing any replica serves changes here: each receiver only checks and stages."""
+        offer = await self._offer(sender, receivers, host_store=False)
+        if offer is None:
             return set()
         send = asyncio.ensure_future(
             workflow.execute_activity(names.SEND_TO_PEERS, offer, task_queue=sender.task_queue, **PEER_STEP_OPTIONS)
@@ -374,30 +383,11 @@ class HotLoadWorkflow:
         """Start sending the update from `sender` to every receiver at once; returns, per
         receiver, a task that ends True once it holds a checked stage (False: it reads the
         bucket). Nothing any replica serves changes here."""
-        spec = self.hot_load.spec
-        serving = {r.current_snapshot_identity for r, _ in receivers}
-
         async def no_stage() -> bool:
             return False
 
-        try:
-            offer: PeerOffer = await workflow.execute_activity(
-                names.OFFER_TO_PEER,
-                PeerOfferInput(
-                    hot_load_id=spec.id, identity=spec.identity, chain=spec.snapshot_chain,
-                    target_identity=serving.pop() if len(serving) == 1 else "",
-                    world_size=1 + len(receivers),
-                    accept_files=True,
-                    host_store=True,
-                ),
-                task_queue=sender.task_queue,
-                result_type=PeerOffer,
-                **PEER_STEP_OPTIONS,
-            )
-        except Exception as exc:
-            if is_cancelled_exception(exc):
-                raise
-            workflow.logger.warning("no peer offer from %s (%s): reading the bucket", sender.name, _error_reason(exc))
+        offer = await self._offer(sender, receivers, host_store=True)
+        if offer is None:
             return {r.name: asyncio.ensure_future(no_stage()) for r, _ in receivers}
         send = asyncio.ensure_future(
             workflow.execute_activity(names.SEND_TO_PEERS, offer, task_queue=sender.task_queue, **PEER_STEP_OPTIONS)
