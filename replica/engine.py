@@ -519,9 +519,21 @@ class EngineProcess:
     async def job_status(self) -> dict[str, Any]:
         return await self._rpc1("job_status")
 
-    async def _start_job(self, method: str, *args: Any) -> dict[str, Any]:
-        """Call an extension method that starts a background job; remember where it reports."""
-        started = await self._rpc1(method, *args)
+    async def _start_job(self, method: str, *args: Any, previous_wait_s: float = 90.0) -> dict[str, Any]:
+        """Call an extension method that starts a background job; remember where it reports.
+
+        The engine runs one job at a time. A job whose caller stopped waiting (a canceled step)
+        still runs to its end, which is bounded (a peer group's join times out); a new job
+        waits up to ``previous_wait_s`` for it instead of failing the step."""
+        deadline = time.monotonic() + previous_wait_s
+        while True:
+            try:
+                started = await self._rpc1(method, *args)
+                break
+            except EngineRequestError as exc:
+                if "job is still running" not in exc.body or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.25)
         if isinstance(started, dict) and started.get("result_path"):
             self._job_results[str(started["kind"])] = Path(started["result_path"])
         return started

@@ -12,6 +12,7 @@ Each test first loads the full checkpoint it starts from, so the tests do not de
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
@@ -481,6 +482,29 @@ async def test_staged_update_from_files_changes_nothing_until_commit(
     with pytest.raises(EngineRequestError, match="stale"):
         await engine.commit_staged("v2")
     assert await engine.served_checksums() == file_checksums(model_dirs["counting"])
+
+
+async def test_a_job_its_caller_gave_up_on_delays_the_next_one_instead_of_failing_it(
+    engine: EngineProcess, model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A canceled step stops waiting but its engine job runs on (here a receive whose sender
+    never comes, until its join times out); the next step's job starts after it."""
+    await load_full(engine, model_dirs["base"])
+    await engine.start_peer_receive_files("127.0.0.1", free_port(), 1, 2, [["f", "uint8", [4]]], {"f": "00000000"},
+                                          tmp_path / "never", timeout_s=3)
+    waiting = asyncio.ensure_future(engine.wait_job("receive"))
+    await asyncio.sleep(0.2)
+    waiting.cancel()  # the step was canceled: nobody waits for the receive any more
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiting
+    assert (await engine.job_status())["state"] == "running"
+    counting = load_checkpoint(model_dirs["counting"])
+    expected = {n: adler32_hex(counting[n]) for n in COUNTING_CHANGED}
+    staged = await engine.stage_from_files("v-after", checkpoint_files(model_dirs["counting"]), COUNTING_CHANGED,
+                                           expected)
+    assert staged["tensors"] == len(COUNTING_CHANGED)
+    assert await engine.discard_staged() == {"discarded": "v-after"}
+    assert await engine.served_checksums() == file_checksums(model_dirs["base"])
 
 
 async def test_stage_from_arena_is_checked_and_proven_inside_the_pause(
