@@ -86,7 +86,10 @@ class PeerActivities:
     The broadcast walk (`send_to_peers`, `stage_from_peer`, `commit_peer_stage`): the updated
     replica sends to every other replica at once while all of them keep serving; each receiver
     checks what it got and stages it (engine and host copy); then, one replica at a time, a
-    commit swaps the stage in inside one short pause and proves the served bytes. The pairwise
+    commit swaps the stage in inside one short pause and proves the served bytes. For a delta
+    link, the first replica offers its files as soon as its own update from the bucket has
+    checked them (`PeerOfferInput.from_stage`), so the receivers stage while it swaps; they
+    commit only after it. The pairwise
     `send_to_peer` / `receive_from_peer` (transfer inside the receiver's pause) remain for
     histories started before the broadcast walk.
 
@@ -105,6 +108,13 @@ class PeerActivities:
         from snapshots.errors import SnapshotError
 
         try:
+            if inp.from_stage:
+                # Waits for this replica's own update to stage: heartbeat meanwhile.
+                heartbeat = asyncio.create_task(_heartbeat_forever())
+                try:
+                    return await self.runtime.make_offer_from_stage(inp)
+                finally:
+                    heartbeat.cancel()
             return await asyncio.to_thread(self.runtime.make_offer, inp)
         except SnapshotError as exc:
             raise ApplicationError(str(exc), type="PeerOfferRefused", non_retryable=True) from None

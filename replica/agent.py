@@ -137,6 +137,10 @@ class ReplicaRuntime:
         self.lock = asyncio.Lock()
         self.arena = StageArena()  # where delta updates are decoded for the engine
         self.peer_store: Any = None  # the rendezvous store of the broadcast this replica sends
+        # Per hot-load id: resolves with the bucket update's stage once it is checked (an early
+        # offer waits on it), or fails if the update ended without one.
+        self.update_stages: dict[str, asyncio.Future[StagedUpdate]] = {}
+        self.offered_links: dict[int, Path] = {}  # files offered to peers, by the offer's port
 
     @property
     def current_identity(self) -> str:
@@ -318,7 +322,33 @@ class ReplicaRuntime:
         save_file({n: host.tensor(n).contiguous() for n in names_}, str(path))
         return path
 
+    def update_stage(self, hot_load_id: str, fresh: bool = False) -> asyncio.Future[StagedUpdate]:
+        """The future an early offer waits on for `hot_load_id`'s update from the bucket; `fresh`
+        (an update starting): a new one unless an offer is already waiting on the current one."""
+        current = self.update_stages.get(hot_load_id)
+        if current is None or (fresh and current.done()):
+            current = asyncio.get_running_loop().create_future()
+            self.update_stages.pop(hot_load_id, None)
+            self.update_stages[hot_load_id] = current
+            while len(self.update_stages) > 4:  # only the latest few hot-loads can still ask
+                stale = self.update_stages.pop(next(iter(self.update_stages)))
+                if not stale.done():
+                    stale.cancel()
+        return current
+
     async def apply_from_bucket(self, inp: ApplySnapshotInput) -> ApplySnapshotResult:
+        from snapshots.errors import ChainError
+
+        ready = self.update_stage(inp.hot_load_id, fresh=True)
+        try:
+            return await self._apply_from_bucket(inp, ready)
+        finally:
+            if not ready.done():
+                ready.set_exception(ChainError(f"replica {self.name}'s update to {inp.identity} ended before it "
+                                               f"staged anything to offer"))
+                ready.exception()  # retrieved: nobody may be waiting
+
+    async def _apply_from_bucket(self, inp: ApplySnapshotInput, ready: asyncio.Future[StagedUpdate]) -> ApplySnapshotResult:
         t0 = time.perf_counter()
         await self.drop_peer_stage()
         await asyncio.to_thread(self.clear_links)
@@ -328,6 +358,8 @@ class ReplicaRuntime:
         t1 = time.perf_counter()
         staged = await self.stage_update(inp, local)
         timings["stage"] = _ms_since(t1)
+        if not ready.done():
+            ready.set_result(staged)  # checked and staged: peers may take its files from here on
         if staged.nothing_to_do:
             verified = await self.prove(self.host.names())
             return ApplySnapshotResult(
@@ -446,6 +478,43 @@ class ReplicaRuntime:
         self.peer_store = TCPStore(offer.host, offer.port, offer.world_size, is_master=True,
                                    timeout=timedelta(seconds=PEER_JOIN_TIMEOUT_S), wait_for_workers=False)
 
+    async def make_offer_from_stage(self, inp: PeerOfferInput, wait_s: float = 600.0) -> PeerOffer:
+        """The early offer (`inp.from_stage`): once this replica's update of `inp.hot_load_id`
+        from the bucket has decoded and checked the delta link's files, offer those files to
+        receivers that serve the link's base, before this replica swaps them in. Raises
+        ChainError when the update ends without such files (a new base, nothing to do, NCCL)."""
+        from snapshots.errors import ChainError
+
+        try:
+            staged = await asyncio.wait_for(asyncio.shield(self.update_stage(inp.hot_load_id)), wait_s)
+        except TimeoutError:
+            raise ChainError(f"replica {self.name} staged nothing for {inp.identity!r} in {wait_s:.0f} s") from None
+        chain_ids = [link.identity for link in inp.chain]
+        link_dir = staged.link_dirs.get(chain_ids[-1])
+        if not (inp.accept_files and self.peer_backend == "gloo" and staged.identity == inp.identity
+                and len(chain_ids) > 1 and inp.target_identity == chain_ids[-2] and staged.arena_offsets
+                and link_dir is not None and link_dir.is_dir()):
+            raise ChainError(f"replica {self.name}'s update to {inp.identity!r} holds no delta files for "
+                             f"replicas on {inp.target_identity!r} to take before its swap")
+        offer = await asyncio.to_thread(self._files_offer, inp, link_dir)
+        if inp.host_store:
+            self._host_store(offer)
+            offer = offer.model_copy(update={"store_hosted": True})
+        return offer
+
+    def _files_offer(self, inp: PeerOfferInput, link_dir: Path) -> PeerOffer:
+        """Offer a delta link's files (checked by this replica's decode) as they are."""
+        files = sorted(f for f in link_dir.iterdir() if f.is_file())
+        offer = PeerOffer(
+            source_replica=self.name, host=self.peer_host, port=free_port(self.peer_host),
+            backend=self.peer_backend, base_identity=inp.target_identity, identity=inp.identity,
+            chain=inp.chain, specs=[[f.name, "uint8", [f.stat().st_size]] for f in files],
+            expected_adler32={f.name: _file_adler32(f) for f in files}, world_size=inp.world_size,
+            mode="files",
+        )
+        self.offered_links = {offer.port: link_dir}  # only the latest offer is ever sent
+        return offer
+
     def _build_offer(self, inp: PeerOfferInput) -> PeerOffer:
         from snapshots.errors import ChainError
 
@@ -458,14 +527,7 @@ class ReplicaRuntime:
             # The receivers miss exactly the link this replica holds as files: send the delta
             # itself (the changed tensors, XOR+zstd, ~5 % of their bytes for an RL step) rather
             # than the tensors as served; each receiver decodes and checks it against its own copy.
-            files = sorted(f for f in link_dir.iterdir() if f.is_file())
-            return PeerOffer(
-                source_replica=self.name, host=self.peer_host, port=free_port(self.peer_host),
-                backend=self.peer_backend, base_identity=inp.target_identity, identity=inp.identity,
-                chain=inp.chain, specs=[[f.name, "uint8", [f.stat().st_size]] for f in files],
-                expected_adler32={f.name: _file_adler32(f) for f in files}, world_size=inp.world_size,
-                mode="files",
-            )
+            return self._files_offer(inp, link_dir)
         if inp.target_identity in chain_ids[:-1]:
             missing = chain_ids[chain_ids.index(inp.target_identity) + 1 :]
             known = [self.changed_by_link.get(i) for i in missing]
@@ -545,7 +607,7 @@ class ReplicaRuntime:
         the offer's group (they join concurrently); the engine keeps serving while it sends."""
         try:
             if offer.mode == "files":
-                link_dir = self.link_dirs[offer.identity]
+                link_dir = self.offered_links.get(offer.port) or self.link_dirs[offer.identity]
                 await self.engine.start_peer_send_files(
                     offer.host, offer.port, offer.world_size, [str(link_dir / s[0]) for s in offer.specs],
                     offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S, external_store=offer.store_hosted,

@@ -9,7 +9,11 @@ The first replica reads the snapshot from the bucket. Then it broadcasts the cha
 every other replica at once over one process group (`send_to_peers` + `stage_from_peer`, all
 replicas still serving), and each receiver in turn swaps its stage in (`commit_peer_stage`, one
 short pause) as soon as its own stage is ready, while the later ones still stage (patched
-`pipelined-commits`; before it, every stage was awaited first). A replica whose stage or commit
+`pipelined-commits`; before it, every stage was awaited first). For a delta, the broadcast
+starts as soon as the first replica has checked the link's files, while it still swaps them in
+(patched `early-broadcast`: the offer waits for its stage); the receivers still commit only
+after it is READY, and if its update fails their stages are abandoned (nothing they serve
+changed). Without such files it broadcasts after its commit. A replica whose stage or commit
 fails reads the bucket instead. (Histories from
 before the broadcast walk, unpatched, replay the pairwise transfer `_receive_from_peer`.) A replica's state goes PENDING_UPDATE → UPDATING → READY | ERROR, with
 `startedAt`, `finishedAt`, `transitionedAt` and `errorReason`.
@@ -174,12 +178,20 @@ class HotLoadWorkflow:
             staged: set[str] | None = None  # replicas holding a stage from the broadcast
             # Pipelined: each receiver's stage task (name -> task); its commit waits only for it.
             stage_tasks: dict[str, asyncio.Future[bool]] | None = None
+            # The broadcast the first replica starts from its own checked stage (patched
+            # `early-broadcast`): the receivers stage while it swaps; None: after its commit.
+            early: asyncio.Future[dict[str, asyncio.Future[bool]] | None] | None = None
             for index, (replica, endpoint) in enumerate(zip(self.replicas, endpoints)):
                 self._raise_if_canceled()
+                receivers = list(zip(self.replicas, endpoints))[1:]
+                if (index == 0 and receivers and inp.peer_transfer and len(spec.snapshot_chain) > 1
+                        and workflow.patched("early-broadcast")):
+                    early = asyncio.ensure_future(self._start_broadcast(inp, endpoint, receivers, from_stage=True))
                 if index == 1 and inp.peer_transfer and workflow.patched("peer-broadcast"):
-                    receivers = list(zip(self.replicas, endpoints))[1:]
                     if workflow.patched("pipelined-commits"):
-                        stage_tasks = await self._start_broadcast(inp, updated[0], receivers)
+                        stage_tasks = await early if early is not None else None
+                        if stage_tasks is None:
+                            stage_tasks = await self._start_broadcast(inp, updated[0], receivers)
                     else:
                         staged = await self._broadcast(inp, updated[0], receivers)
                     self._raise_if_canceled()
@@ -196,6 +208,8 @@ class HotLoadWorkflow:
                     else:
                         result = await self._commit_stage(inp, endpoint, replica, replica.name in staged)
                 except (Exception, asyncio.CancelledError) as exc:
+                    if early is not None and index == 0:
+                        self._abandon_broadcast(early)
                     if is_cancelled_exception(exc):
                         # The step was given up before it changed the replica: it serves what it
                         # did. (Patched: histories from before this change replay without it.)
@@ -310,9 +324,11 @@ class HotLoadWorkflow:
         )
 
     async def _offer(
-        self, sender: ReplicaEndpoint, receivers: list[tuple[Replica, ReplicaEndpoint]], host_store: bool
+        self, sender: ReplicaEndpoint, receivers: list[tuple[Replica, ReplicaEndpoint]], host_store: bool,
+        from_stage: bool = False,
     ) -> PeerOffer | None:
-        """What `sender` offers every receiver (None: no offer, they read the bucket)."""
+        """What `sender` offers every receiver (None: no offer, they read the bucket; with
+        `from_stage`, what it offers from its update's stage before it swaps it in)."""
         spec = self.hot_load.spec
         serving = {r.current_snapshot_identity for r, _ in receivers}
         try:
@@ -325,6 +341,7 @@ class HotLoadWorkflow:
                     world_size=1 + len(receivers),
                     accept_files=True,
                     host_store=host_store,
+                    from_stage=from_stage,
                 ),
                 task_queue=sender.task_queue,
                 result_type=PeerOffer,
@@ -378,16 +395,23 @@ class HotLoadWorkflow:
         return ok
 
     async def _start_broadcast(
-        self, inp: HotLoadInput, sender: ReplicaEndpoint, receivers: list[tuple[Replica, ReplicaEndpoint]]
-    ) -> dict[str, asyncio.Future[bool]]:
+        self, inp: HotLoadInput, sender: ReplicaEndpoint, receivers: list[tuple[Replica, ReplicaEndpoint]],
+        from_stage: bool = False,
+    ) -> dict[str, asyncio.Future[bool]] | None:
         """Start sending the update from `sender` to every receiver at once; returns, per
         receiver, a task that ends True once it holds a checked stage (False: it reads the
-        bucket). Nothing any replica serves changes here."""
+        bucket). Nothing any replica serves changes here.
+
+        `from_stage`: `sender` is still updating (from the bucket); it offers the delta files
+        once its own stage has checked them, and None means it has no such offer (the caller
+        broadcasts after its commit instead)."""
         async def no_stage() -> bool:
             return False
 
-        offer = await self._offer(sender, receivers, host_store=True)
+        offer = await self._offer(sender, receivers, host_store=True, from_stage=from_stage)
         if offer is None:
+            if from_stage:
+                return None
             return {r.name: asyncio.ensure_future(no_stage()) for r, _ in receivers}
         send = asyncio.ensure_future(
             workflow.execute_activity(names.SEND_TO_PEERS, offer, task_queue=sender.task_queue, **PEER_STEP_OPTIONS)
@@ -417,6 +441,19 @@ class HotLoadWorkflow:
             replica.name: asyncio.ensure_future(stage(rank, replica, endpoint))
             for rank, (replica, endpoint) in enumerate(receivers, start=1)
         }
+
+    def _abandon_broadcast(self, early: asyncio.Future[dict[str, asyncio.Future[bool]] | None]) -> None:
+        """The first replica's update failed or was canceled after it started broadcasting:
+        cancel the offer, the send and every receiver's stage. They only stage (nothing any
+        receiver serves changes), and each agent's lock orders a stage before its next step, so
+        the walk does not wait for them to end."""
+        tasks: list[asyncio.Future[Any]] = [early]
+        if early.done() and not early.cancelled() and early.exception() is None and early.result():
+            tasks += list(early.result().values())  # type: ignore[union-attr]
+        if self._broadcast_send is not None:
+            tasks.append(self._broadcast_send)
+        for task in tasks:
+            task.cancel()
 
     async def _commit_stage(
         self, inp: HotLoadInput, endpoint: ReplicaEndpoint, replica: Replica, has_stage: bool

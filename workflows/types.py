@@ -428,6 +428,11 @@ class PeerOfferInput(WireModel):
     # The sender's agent hosts the group's rendezvous store from the offer on, so no engine
     # waits out TCPStore's connect back-off for a master that is not up yet.
     host_store: bool = False
+    # Offer the delta link's files as soon as the sender's own update of this hot-load (from the
+    # bucket) has decoded and checked them, before it swaps them in: the receivers stage while
+    # it commits, and commit only after it is READY. Waits for that stage; refused (no offer)
+    # when the update holds no such files.
+    from_stage: bool = False
 
 
 class PeerOffer(WireModel):

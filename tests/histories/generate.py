@@ -8,7 +8,8 @@ API, then one whose control worker is killed -9 mid-walk and restarted (a crash-
 history: its workflow tasks time out and are replayed on the new worker), then a 3-replica
 hot-load on the broadcast walk with pipelined commits (`... generate broadcast` writes only
 that one; the others predate the broadcast or its pipelining and replay their unpatched
-branches), and exports each
+branches), then a completed and a failed delta hot-load whose first replica broadcasts from its
+stage (`... generate early`), and exports each
 workflow's history with the Temporal CLI exactly as an operator would
 (`temporal workflow show -w ID -o json`), one file per workflow named by its id (`/` as `%2F`).
 
@@ -90,6 +91,41 @@ async def broadcast_walk(env: WorkflowEnvironment, address: str, tmp: Path, name
         export(address, f"{name}-completed")
 
 
+async def early_broadcast(env: WorkflowEnvironment, address: str, tmp: Path, name: str = "history-early") -> None:
+    """Two delta hot-loads of a 3-replica deployment on "base" where the first replica offers
+    the delta's files from its stage, before its swap (patched `early-broadcast`): one
+    completes (`history-early-completed`); in the other the first replica's swap fails after
+    both receivers staged, and the broadcast is abandoned (`history-early-failed`)."""
+    from temporalio.exceptions import ApplicationError
+
+    from tests.workflows.harness import ZONE, write_delta
+    from tests.workflows.test_admission import _state
+
+    delta = {"type": "SNAPSHOT_TYPE_INCREMENTAL", "incrementalSnapshotMetadata": {"previousSnapshotIdentity": "base"}}
+    tmp.mkdir(parents=True, exist_ok=True)
+    async with Fleet(env.client, tmp) as f:
+        state = _state(name, zones=[ZONE])
+        state.replicas = f.replica_endpoints(name, 3)
+        dep = await f.deployment_from_state(state)
+        await f.completed(dep, "base", hotLoadId=f"{name}-base")
+        f.peer_events.clear()
+
+        async def swap_fails(replica: str) -> None:
+            while sum(1 for _, e in f.peer_events if e == "staged") < 2:
+                await asyncio.sleep(0.05)
+            raise ApplicationError("engine: load_weights failed; it serves its previous weights", non_retryable=True)
+
+        f.swap_behaviour = {"replica-0": swap_fails}
+        write_delta(f.bucket_root / f"ckpt/{dep}", "step-1", "base")
+        assert (await f.create_hot_load(dep, "step-1", hotLoadId=f"{name}-failed", **delta)).status_code == 200
+        assert (await f.wait_hot_load(f"{name}-failed"))["status"]["state"] == "HOT_LOAD_STATE_FAILED"
+        await f.wait_idle(dep)
+        f.swap_behaviour = {}
+        await f.completed(dep, "step-1", hotLoadId=f"{name}-completed", **delta)
+        for outcome in ("completed", "failed"):
+            export(address, f"{name}-{outcome}")
+
+
 async def main(only: list[str]) -> None:
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(TEMPORAL_BIN),
@@ -102,6 +138,8 @@ async def main(only: list[str]) -> None:
             if only:
                 if "broadcast" in only:
                     await broadcast_walk(env, address, Path(tmp) / "broadcast")
+                if "early" in only:
+                    await early_broadcast(env, address, Path(tmp) / "early")
                 return
             async with Fleet(env.client, Path(tmp)) as f:
                 dep = await f.ready_deployment("history-dep")
@@ -122,6 +160,7 @@ async def main(only: list[str]) -> None:
                     export(address, workflow_id)
             await crash_recovered(env, address, Path(tmp) / "crash")
             await broadcast_walk(env, address, Path(tmp) / "broadcast")
+            await early_broadcast(env, address, Path(tmp) / "early")
     finally:
         await env.shutdown()
 
@@ -129,5 +168,6 @@ async def main(only: list[str]) -> None:
 if __name__ == "__main__":
     import sys
 
-    # `python -m tests.histories.generate broadcast` writes only the pipelined broadcast walk's history.
+    # `... generate broadcast` writes only the pipelined broadcast walk's history; `... generate
+    # early` only the two early-broadcast ones.
     asyncio.run(main(sys.argv[1:]))

@@ -123,7 +123,13 @@ class Fleet:
     applied: list[tuple[str, str]] = field(default_factory=list)
     # name -> awaited before a broadcast stage reports success (raise to fail the stage).
     stage_behaviour: dict[str, Callable[[str], Awaitable[None]]] = field(default_factory=dict)
-    # (replica, event) in the order the replicas' activities saw them: "staged", "commit".
+    # name -> awaited in an update from the bucket after its stage is ready, before the swap
+    # (raise to fail the swap): the first replica's early offer answers in between.
+    swap_behaviour: dict[str, Callable[[str], Awaitable[None]]] = field(default_factory=dict)
+    # True: an early offer (`from_stage`) is refused, as by a replica without delta files.
+    refuse_early_offer: bool = False
+    # (replica, event) in the order the replicas' activities saw them: "applied", "offered"
+    # (an early offer answered), "staged", "commit".
     peer_events: list[tuple[str, str]] = field(default_factory=list)
     hold: asyncio.Event = field(default_factory=asyncio.Event)
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -317,13 +323,32 @@ class Fleet:
         broadcast's offer/send/stage/commit, or the older pairwise offer/send/receive); each
         weight-changing step follows the test's behaviour for this replica."""
 
+        # hot-load id -> resolves True once this replica's update from the bucket staged, False
+        # if it ended without (what an early offer waits for, as on the real agent).
+        bucket_stages: dict[str, asyncio.Future[bool]] = {}
+
+        def bucket_stage(hot_load_id: str) -> asyncio.Future[bool]:
+            return bucket_stages.setdefault(hot_load_id, asyncio.get_running_loop().create_future())
+
         async def step(inp: ApplySnapshotInput, source: str) -> ApplySnapshotResult:
-            behaviour = self.apply_behaviour.get(replica)
-            if behaviour is not None:
-                await behaviour(replica, inp)
-            else:
-                await asyncio.sleep(self.apply_delay)
+            ready = bucket_stage(inp.hot_load_id) if source == "bucket" else None
+            try:
+                behaviour = self.apply_behaviour.get(replica)
+                if behaviour is not None:
+                    await behaviour(replica, inp)
+                else:
+                    await asyncio.sleep(self.apply_delay)
+                if ready is not None:
+                    if not ready.done():
+                        ready.set_result(True)
+                    swap = self.swap_behaviour.get(replica)
+                    if swap is not None:
+                        await swap(replica)
+            finally:
+                if ready is not None and not ready.done():
+                    ready.set_result(False)
             self.applied.append((replica, inp.identity))
+            self.peer_events.append((replica, "applied"))
             return ApplySnapshotResult(
                 identity=inp.identity, engine_pid=1, tensors_loaded=1, bytes_read_from_bucket=1, pause_ms=1.0,
                 links_applied=[link.identity for link in inp.chain], source=source,
@@ -335,6 +360,15 @@ class Fleet:
 
         @activity.defn(name=names.OFFER_TO_PEER)
         async def offer_to_peer(inp: PeerOfferInput) -> PeerOffer:
+            if inp.from_stage:
+                ready = bucket_stage(inp.hot_load_id)
+                while not ready.done():
+                    activity.heartbeat()
+                    await asyncio.wait({ready}, timeout=0.05)
+                self.peer_events.append((replica, "offered"))
+                if not ready.result() or self.refuse_early_offer:
+                    raise ApplicationError(f"{replica} holds no delta files to offer before its swap",
+                                           type="PeerOfferRefused", non_retryable=True)
             return PeerOffer(
                 source_replica=replica, host="127.0.0.1", port=1, backend="test", base_identity=inp.target_identity,
                 identity=inp.identity, chain=inp.chain, specs=[], expected_adler32={},

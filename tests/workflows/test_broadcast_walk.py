@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.workflows.harness import ZONE, Fleet
+from temporalio.exceptions import ApplicationError
+
+from tests.workflows.harness import ZONE, Fleet, write_delta
 from tests.workflows.test_admission import _state
 
 
@@ -37,3 +39,85 @@ async def test_receivers_commit_as_their_stages_finish_and_a_failed_stage_reads_
         assert commits == ["replica-1", "replica-2"]
         assert f.peer_events.index(("replica-1", "commit")) < f.peer_events.index(("replica-2", "staged"))
         assert [name for name, _ in f.applied] == ["replica-0", "replica-1", "replica-2", "replica-3"]
+
+
+DELTA = {"type": "SNAPSHOT_TYPE_INCREMENTAL", "incrementalSnapshotMetadata": {"previousSnapshotIdentity": "base"}}
+
+
+async def _on_base(f: Fleet, name: str, replicas: int) -> str:
+    """A deployment of `replicas` whose replicas all serve the full snapshot "base"."""
+    state = _state(name, zones=[ZONE])
+    state.replicas = f.replica_endpoints(name, replicas)
+    dep = await f.deployment_from_state(state)
+    await f.completed(dep, "base", hotLoadId=f"{name}-base")
+    f.peer_events.clear()
+    f.applied.clear()
+    return dep
+
+
+async def _all_staged(f: Fleet, receivers: int, timeout: float = 20.0) -> bool:
+    """True once `receivers` broadcast stages were seen (False after `timeout`)."""
+    for _ in range(int(timeout / 0.05)):
+        if sum(1 for _, event in f.peer_events if event == "staged") >= receivers:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_receivers_stage_while_the_first_replica_swaps_and_commit_after_it(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await _on_base(f, "early", 4)
+
+        async def swap_once_all_staged(replica: str) -> None:
+            # Only an offer made from replica-0's stage, before its swap, lets this return.
+            if not await _all_staged(f, 3):
+                raise ApplicationError("no receiver staged during the first replica's swap", non_retryable=True)
+
+        f.swap_behaviour = {"replica-0": swap_once_all_staged}
+        hl = await f.completed(dep, "step-1", hotLoadId="early-1", **DELTA)
+        assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
+        replicas = {r["name"]: r for r in (await f.call("GET", "/hotLoads/early-1/replicas")).json()["replicas"]}
+        assert [replicas[f"replica-{i}"]["source"] for i in range(4)] == ["bucket"] + ["peer:replica-0"] * 3
+        events = f.peer_events
+        assert events.index(("replica-0", "offered")) < min(i for i, (_, e) in enumerate(events) if e == "staged")
+        # The receivers commit only after the first replica serves the update, in walk order.
+        first_commit = min(i for i, (_, e) in enumerate(events) if e == "commit")
+        assert events.index(("replica-0", "applied")) < first_commit
+        assert [n for n, e in events if e == "commit"] == ["replica-1", "replica-2", "replica-3"]
+        assert [name for name, _ in f.applied] == ["replica-0", "replica-1", "replica-2", "replica-3"]
+
+
+async def test_a_first_replica_that_fails_its_swap_leaves_the_receivers_on_their_weights(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await _on_base(f, "early-fail", 3)
+
+        async def swap_fails(replica: str) -> None:
+            await _all_staged(f, 2)
+            raise ApplicationError("engine: load_weights failed; it serves its previous weights", non_retryable=True)
+
+        f.swap_behaviour = {"replica-0": swap_fails}
+        write_delta(f.bucket_root / f"ckpt/{dep}", "step-1", "base")
+        r = await f.create_hot_load(dep, "step-1", hotLoadId="early-fail-1", **DELTA)
+        assert r.status_code == 200, r.text
+        hl = await f.wait_hot_load("early-fail-1")
+        assert hl["status"]["state"] == "HOT_LOAD_STATE_FAILED", hl["status"]
+        replicas = {r["name"]: r for r in (await f.call("GET", "/hotLoads/early-fail-1/replicas")).json()["replicas"]}
+        assert replicas["replica-0"]["state"] == "ERROR"
+        assert "load_weights failed" in replicas["replica-0"]["errorReason"]
+        # The receivers staged at most: none committed, none moved.
+        assert [e for _, e in f.peer_events if e == "commit"] == []
+        assert {replicas[n]["state"] for n in ("replica-1", "replica-2")} == {"PENDING_UPDATE"}
+        assert {replicas[n]["currentSnapshotIdentity"] for n in ("replica-1", "replica-2")} == {"base"}
+        assert f.applied == []
+
+
+async def test_without_an_early_offer_the_first_replica_broadcasts_after_its_commit(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await _on_base(f, "late", 3)
+        f.refuse_early_offer = True
+        hl = await f.completed(dep, "step-1", hotLoadId="late-1", **DELTA)
+        assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
+        replicas = {r["name"]: r for r in (await f.call("GET", "/hotLoads/late-1/replicas")).json()["replicas"]}
+        assert [replicas[f"replica-{i}"]["source"] for i in range(3)] == ["bucket"] + ["peer:replica-0"] * 2
+        events = f.peer_events
+        assert events.index(("replica-0", "applied")) < min(i for i, (_, e) in enumerate(events) if e == "staged")
