@@ -47,6 +47,7 @@ def hot_load(api: Api, dep_id: str, identity: str, previous: str | None) -> tupl
         body["type"] = "SNAPSHOT_TYPE_INCREMENTAL"
         body["incrementalSnapshotMetadata"] = {"previousSnapshotIdentity": previous}
     t0 = time.monotonic()
+    hot_load.created_at = time.time()  # type: ignore[attr-defined]
     r = api.call("POST", "/hotLoads", json=body)
     r.raise_for_status()
     hl_id = r.json()["hotLoad"]["spec"]["id"]
@@ -86,6 +87,42 @@ def _step_seconds(replica: dict) -> float:
     return at("finishedAt") - at("startedAt")
 
 
+def print_timeline(settings, workflow_id: str, created: float) -> None:
+    """Each activity of a hot-load's workflow history: when it was scheduled, started and
+    closed, in ms since the hot-load's create call (`created`, wall clock)."""
+    import json
+    import subprocess
+    from datetime import datetime
+
+    from tests.temporal_server import TEMPORAL_BIN
+
+    out = subprocess.run([str(TEMPORAL_BIN), "workflow", "show", "-w", workflow_id, "-o", "json",
+                          "--address", settings.temporal_address, "--namespace", settings.temporal_namespace],
+                         check=True, capture_output=True, text=True).stdout
+
+    def ms(event: dict) -> float:
+        return (datetime.fromisoformat(event["eventTime"].replace("Z", "+00:00")).timestamp() - created) * 1000
+
+    rows: dict[str, list] = {}
+    for event in json.loads(out)["events"]:
+        attrs = event.get("activityTaskScheduledEventAttributes")
+        if attrs:
+            queue = attrs["taskQueue"]["name"].rsplit("/", 1)[-1]
+            rows[str(event["eventId"])] = [attrs["activityType"]["name"], queue, ms(event), None, None]
+            continue
+        for kind, col in (("activityTaskStartedEventAttributes", 3), ("activityTaskCompletedEventAttributes", 4),
+                          ("activityTaskFailedEventAttributes", 4), ("activityTaskCanceledEventAttributes", 4)):
+            if kind in event:
+                rows[str(event[kind]["scheduledEventId"])][col] = ms(event)
+        if "workflowExecutionStartedEventAttributes" in event:
+            print(f"    {ms(event):7.0f} ms  workflow started")
+        if "workflowExecutionCompletedEventAttributes" in event:
+            print(f"    {ms(event):7.0f} ms  workflow completed")
+    for name, queue, scheduled, started, closed in rows.values():
+        print(f"    {scheduled:7.0f} ms  {name:18s} {queue:18s} started +{(started or scheduled) - scheduled:4.0f}, "
+              f"closed at {closed or float('nan'):7.0f} ms")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=float, default=256)
@@ -93,6 +130,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cold-runs", type=int, default=1)
     ap.add_argument("--keep", action="store_true", help="keep the stack's home (logs) afterwards")
+    ap.add_argument("--timeline", action="store_true", help="print the last hot-load's activities in time")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-hotload-"))
@@ -136,6 +174,9 @@ def main() -> int:
             bytes_per_replica.append([r["bytesReadFromBucket"] for r in reps])
             print(f"  hot-load run {run}: {seconds:.2f} s; step s {[round(_step_seconds(r), 2) for r in reps]}; "
                   f"pause ms {[round(r['pauseMs'], 1) for r in reps]}; sources {[r['source'] for r in reps]}", flush=True)
+
+        if args.timeline and args.runs:
+            print_timeline(settings, hl["spec"]["id"], hot_load.created_at)  # type: ignore[attr-defined]
 
         cold: list[float] = []
         for run in range(args.cold_runs):

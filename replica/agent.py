@@ -102,6 +102,7 @@ class StagedUpdate:
     decoded: dict[str, np.ndarray] = field(default_factory=dict)
     arena_offsets: dict[str, int] = field(default_factory=dict)
     nothing_to_do: bool = False
+    new_host_arena: StageArena | None = None  # the shared memory `new_host` lives in
     identity: str = ""
     link_dirs: dict[str, Path] = field(default_factory=dict)  # local files of each delta link
 
@@ -119,10 +120,14 @@ class ReplicaRuntime:
     """
 
     def __init__(self, *, name: str, engine: Any, host: Any, s3: Any, workdir: Path,
-                 peer_host: str = "127.0.0.1", peer_backend: str = "gloo") -> None:
+                 peer_host: str = "127.0.0.1", peer_backend: str = "gloo",
+                 host_arena: StageArena | None = None) -> None:
         self.name = name
         self.engine = engine
         self.host = host
+        # The shared memory `host` lives in (None: private memory): the engine's roll-back
+        # copies of a delta stage are views of it (`replica.stage_arena`).
+        self.host_arena = host_arena
         self.s3 = s3
         self.workdir = workdir
         self.staging = workdir / "staging"
@@ -198,7 +203,8 @@ class ReplicaRuntime:
                 try:
                     # The decode just checked these bytes; the commit checks what the engine holds.
                     job = await self.engine.stage_from_arena(staged.identity, self.arena.path, entries,
-                                                             staged.expected, verify=False)
+                                                             staged.expected, verify=False,
+                                                             backup=self._host_backup(staged.names))
                 except Exception as exc:
                     with contextlib.suppress(Exception):
                         await self.engine.discard_staged()
@@ -221,6 +227,16 @@ class ReplicaRuntime:
             raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
                                     f"weights: {one_line(exc)}") from None
         return staged
+
+    def _host_backup(self, names_: list[str]) -> tuple[str, dict[str, int]] | None:
+        """Where the engine finds its roll-back bytes for `names_`: the host copy, when it lives
+        in shared memory (it holds exactly what the engine serves until the commit returns)."""
+        if self.host_arena is None:
+            return None
+        try:
+            return self.host_arena.path, {n: self.host_arena.offset_of(self.host.raw(n)) for n in names_}
+        except ValueError:  # the host copy is not (all) in that arena: the engine copies instead
+            return None
 
     def decode_links(self, inp: ApplySnapshotInput, todo: list[SnapshotRef], local: dict[str, Path]) -> StagedUpdate:
         """Decode the missing delta links (local directories) into the stage arena, in chain
@@ -281,7 +297,9 @@ class ReplicaRuntime:
             target = self.host
         else:
             base = inp.chain[0]
-            target = HostWeights.load(snapshot_uri(inp.bucket, inp.path_prefix, base.identity), s3=self.s3)
+            staged.new_host_arena = StageArena()
+            target = HostWeights.load(snapshot_uri(inp.bucket, inp.path_prefix, base.identity), s3=self.s3,
+                                      allocate=staged.new_host_arena.allocate)
             staged.new_host = target
             staged.bytes_read += target.total_bytes
             staged.links.append(base.identity)
@@ -373,7 +391,8 @@ class ReplicaRuntime:
             if staged.path is not None:
                 staged.path.unlink(missing_ok=True)
         self._adopt(staged)
-        self._commit([link.identity for link in inp.chain], staged.new_host, staged.changed_by_link)
+        self._commit([link.identity for link in inp.chain], staged.new_host, staged.changed_by_link,
+                     staged.new_host_arena)
         self.link_dirs = staged.link_dirs
         t2 = time.perf_counter()
         verified = await self.prove(staged.names, swap)
@@ -420,9 +439,11 @@ class ReplicaRuntime:
             ) from None
         return (time.perf_counter() - t0) * 1000, swap
 
-    def _commit(self, chain_ids: list[str], new_host: Any, changed: dict[str, list[str] | None]) -> None:
+    def _commit(self, chain_ids: list[str], new_host: Any, changed: dict[str, list[str] | None],
+                new_host_arena: StageArena | None = None) -> None:
         if new_host is not None:
             self.host = new_host
+            self.host_arena = new_host_arena
             self.changed_by_link = {}
         self.changed_by_link.update(changed)
         self.applied = list(chain_ids)
@@ -885,8 +906,10 @@ async def run_replica(
         await engine.start()
         engine_pid_file.write(engine.pid)
         await engine.set_weight_version("initial")
-        host = await asyncio.to_thread(HostWeights.load, model_dir)
-        runtime = ReplicaRuntime(name=name, engine=engine, host=host, s3=s3, workdir=workdir)
+        # The host copy lives in shared memory: the engine takes its roll-back bytes from it.
+        host_arena = StageArena()
+        host = await asyncio.to_thread(lambda: HostWeights.load(model_dir, allocate=host_arena.allocate))
+        runtime = ReplicaRuntime(name=name, engine=engine, host=host, s3=s3, workdir=workdir, host_arena=host_arena)
         if catch_up:
             # A replica (re)started after hot-loads serves their snapshot before it takes traffic.
             inp = ApplySnapshotInput.model_validate_json(catch_up)

@@ -583,14 +583,17 @@ class EngineProcess:
 
     async def stage_from_arena(
         self, label: str, path: Path | str, entries: Sequence[Sequence[Any]], expected_adler32: Mapping[str, str],
-        verify: bool = True,
+        verify: bool = True, backup: tuple[Path | str, Mapping[str, int]] | None = None,
     ) -> dict[str, Any]:
         """Stage tensors the agent decoded into shared memory (``replica.stage_arena``):
         ``entries`` are ``[name, dtype, shape, offset]``, checked against ``expected_adler32``
         off the serving path (``verify``) and again, on what the engine holds, by
-        ``commit_staged(label)``, which swaps them in."""
+        ``commit_staged(label)``, which swaps them in. ``backup`` = (path, name -> offset): the
+        host copy in shared memory, holding what the engine serves now, which the commit rolls
+        back from (else the stage copies the engine's current values first)."""
+        backup_path, backup_offsets = (str(backup[0]), dict(backup[1])) if backup is not None else (None, None)
         await self._start_job("stage_from_arena", label, str(path), [list(e) for e in entries],
-                              dict(expected_adler32), verify)
+                              dict(expected_adler32), verify, backup_path, backup_offsets)
         return await self.wait_job("stage")
 
     async def start_peer_stage_send(

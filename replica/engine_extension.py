@@ -906,12 +906,16 @@ class WeightLoaderExtension:
 
     def stage_from_arena(
         self, label: str, path: str, entries: list[list[Any]], expected_adler32: dict[str, str],
-        verify: bool = True,
+        verify: bool = True, backup_path: str | None = None, backup_offsets: dict[str, int] | None = None,
     ) -> dict[str, Any]:
         """Stage tensors the agent decoded into shared memory: zero-copy views of ``path`` (the
         agent's ``/proc/<pid>/fd/<n>``), checked against ``expected_adler32`` now (``verify``;
         the agent that checked them as it decoded passes False) and in any case at the commit,
-        on what the engine then holds."""
+        on what the engine then holds.
+
+        ``backup_path`` + ``backup_offsets`` (name -> offset): where the agent's host copy holds
+        each tensor's bytes as this engine serves them now, unchanged until the commit returns;
+        the roll-back copies are then views of it instead of copies of the parameters."""
         model = self.model_runner.model  # type: ignore[attr-defined]
         generation = self._rollouts_generation
         self._rollouts_staged = None
@@ -935,12 +939,29 @@ class WeightLoaderExtension:
             if verify:
                 _check_expected(tensors, expected)
             t2 = time.perf_counter()
-            staged = _stage(model, label, tensors, generation)
+            if backup_path is not None:
+                offsets = backup_offsets or {}
+                missing_backup = [n for n, _ in tensors if n not in offsets]
+                if missing_backup:
+                    raise ValueError(f"no roll-back bytes given for {missing_backup[:8]}")
+                host = _map_shared(backup_path)
+                backup: dict[str, torch.Tensor] = {}
+                for name, t in tensors:
+                    offset = int(offsets[name])
+                    if offset < 0 or offset + t.nbytes > host.numel():
+                        raise ValueError(f"{name}: roll-back bytes {offset}..{offset + t.nbytes} lie outside the "
+                                         f"{host.numel()}-byte host copy")
+                    backup[name] = host[offset : offset + t.nbytes].view(t.dtype).reshape(t.shape)
+                check_loadable(model, tensors)
+                staged = _Staged(label, tensors, backup, generation)
+            else:
+                staged = _stage(model, label, tensors, generation)
             staged.expected_adler32 = expected
             self._rollouts_staged = staged
             return {"staged": label, "tensors": len(tensors), "bytes": sum(t.nbytes for _, t in tensors),
                     "map_s": round(t1 - t0, 6), "check_s": round(t2 - t1, 6),
-                    "backup_s": round(time.perf_counter() - t2, 6)}
+                    "backup_s": round(time.perf_counter() - t2, 6),
+                    "backup": "host copy" if backup_path is not None else "copied"}
 
         return self._start_job("stage", run)
 

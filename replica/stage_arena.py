@@ -21,6 +21,10 @@ Contract:
 - One update at a time: :meth:`reserve` hands out the whole arena again, so a stage not yet
   committed must be abandoned first (the agent's lock and ``drop_peer_stage`` see to that). The
   engine checks what it commits against the verified Adler-32 anyway.
+- The host copy itself lives in an arena of its own, reserved once (:meth:`allocate`): the engine
+  maps it too and takes its roll-back copies of a stage as views of it (the host copy holds
+  exactly what the engine serves until the commit succeeded), instead of copying its own
+  parameters before every swap.
 """
 
 from __future__ import annotations
@@ -80,6 +84,22 @@ class StageArena:
         """A writable flat ``uint8`` view of the arena."""
         assert self._array is not None
         return self._array[offset : offset + nbytes]
+
+    def allocate(self, sizes: dict[str, int]) -> dict[str, np.ndarray]:
+        """Buffers of the given sizes, by name, all in this arena (for a host copy of the
+        weights that the engine may read: ``HostWeights.load(allocate=...)``)."""
+        layout = self.reserve(list(sizes.items()))
+        return {name: self.view(offset, nbytes) for name, (offset, nbytes) in layout.items()}
+
+    def offset_of(self, array: np.ndarray) -> int:
+        """Where ``array`` (a view of this arena) starts in it; ValueError for any other array."""
+        if self._array is None:
+            raise ValueError("the arena holds nothing")
+        base = self._array.__array_interface__["data"][0]
+        start = array.__array_interface__["data"][0] - base
+        if not (0 <= start and start + array.nbytes <= self.size):
+            raise ValueError("the array does not lie in this arena")
+        return start
 
     def _replace(self, size: int) -> None:
         self.close()

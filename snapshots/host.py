@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import mmap as mmap_module
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,13 +129,17 @@ class HostWeights:
         mmap: bool = False,
         verify: bool = True,
         workers: int | None = None,
+        allocate: Callable[[dict[str, int]], dict[str, np.ndarray]] | None = None,
     ) -> HostWeights:
         """Load a full checkpoint (directory or ``s3://`` prefix).
 
         Args:
             s3: A boto3 S3 client for ``s3://`` locations.
             mmap: Map local shards copy-on-write instead of reading them (the files are never
-                written). Ignored for S3.
+                written). Ignored for S3 and with ``allocate``.
+            allocate: Given every shard's size (shard name -> bytes), returns a writable flat
+                ``uint8`` buffer of that size per shard (e.g. in memory shared with another
+                process); default: private memory.
             verify: Check the Adler-32 recorded in shard ``__metadata__``, when there are any.
 
         Raises:
@@ -146,23 +150,29 @@ class HostWeights:
         source = layout.source
         shards = layout.index.shards
         buffers: dict[str, np.ndarray] = {}
-        if isinstance(source, LocalSource):
+        local = isinstance(source, LocalSource)
+        sizes = {shard: (os.path.getsize(source.path(shard)) if local else layout.files[shard]) for shard in shards}
+        given = allocate(sizes) if allocate is not None else {}
+        for shard, buf in given.items():
+            if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != sizes[shard]:
+                raise ValueError(f"allocate() gave a buffer of {buf.nbytes} bytes for shard {shard} of {sizes[shard]}")
+        if local:
             for shard in shards:
                 path = source.path(shard)
                 with open(path, "rb", buffering=0) as f:
                     size = os.fstat(f.fileno()).st_size
-                    if mmap and size:
+                    if mmap and size and allocate is None:
                         mapped = mmap_module.mmap(f.fileno(), size, access=mmap_module.ACCESS_COPY)
                         buffers[shard] = np.frombuffer(mapped, dtype=np.uint8)
                     else:
-                        buf = np.empty(size, dtype=np.uint8)
+                        buf = given[shard] if allocate is not None else np.empty(size, dtype=np.uint8)
                         readinto_exact(f, 0, buf)
                         buffers[shard] = buf
         else:
             parts: list[tuple[str, int, int]] = []
             for shard in shards:
                 size = layout.files[shard]
-                buffers[shard] = np.empty(size, dtype=np.uint8)
+                buffers[shard] = given[shard] if allocate is not None else np.empty(size, dtype=np.uint8)
                 parts += [(shard, off, min(_REMOTE_PART_BYTES, size - off)) for off in range(0, size, _REMOTE_PART_BYTES)]
 
             def fetch(part: tuple[str, int, int]) -> None:

@@ -558,6 +558,55 @@ async def test_stage_from_arena_is_checked_and_proven_inside_the_pause(
     arena.close()
 
 
+async def test_a_stage_rolls_back_from_the_host_copy_in_shared_memory(
+    engine: EngineProcess, model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """With the agent's host copy in shared memory, a stage takes its roll-back bytes as views
+    of it (no copy of the parameters): a failed commit puts exactly those back."""
+    from replica.stage_arena import StageArena
+    from snapshots.host import HostWeights
+
+    await load_full(engine, model_dirs["base"])
+    base_sums = file_checksums(model_dirs["base"])
+    host_arena = StageArena(tmp_path)
+    host = HostWeights.load(model_dirs["base"], allocate=host_arena.allocate)
+    offsets = {n: host_arena.offset_of(host.raw(n)) for n in COUNTING_CHANGED}
+    counting = load_checkpoint(model_dirs["counting"])
+    expected = {n: adler32_hex(counting[n]) for n in COUNTING_CHANGED}
+    arena = StageArena(tmp_path)
+    layout = arena.reserve([(n, counting[n].nbytes) for n in COUNTING_CHANGED])
+    for n, (offset, nbytes) in layout.items():
+        arena.view(offset, nbytes)[:] = counting[n].contiguous().view(-1).view(torch.uint8).numpy()
+    entries = [[n, "bfloat16", list(counting[n].shape), layout[n][0]] for n in COUNTING_CHANGED]
+
+    with pytest.raises(EngineError, match="no roll-back bytes"):
+        await engine.stage_from_arena("v-part", arena.path, entries, expected,
+                                      backup=(host_arena.path, dict(list(offsets.items())[1:])))
+    staged = await engine.stage_from_arena("v1", arena.path, entries, expected, backup=(host_arena.path, offsets))
+    assert staged["backup"] == "host copy"
+    first = COUNTING_CHANGED[0]
+    arena.view(*layout[first])[0] ^= 1  # the commit's proof fails: it rolls back from the host copy
+    await engine.pause(mode="keep")
+    try:
+        with pytest.raises(EngineRequestError, match="different values after the load"):
+            await engine.commit_staged("v1")
+    finally:
+        await engine.resume()
+    assert await engine.served_checksums() == base_sums
+    arena.view(*layout[first])[0] ^= 1
+
+    await engine.stage_from_arena("v2", arena.path, entries, expected, backup=(host_arena.path, offsets))
+    await engine.pause(mode="keep")
+    try:
+        await engine.commit_staged("v2")
+    finally:
+        await engine.resume()
+    assert await engine.served_checksums() == file_checksums(model_dirs["counting"])
+    assert host.checksums() == base_sums  # the engine read the host copy, never wrote it
+    arena.close()
+    host_arena.close()
+
+
 async def test_broadcast_stages_on_the_receiver_then_commits(
     engine: EngineProcess, engine_b: EngineProcess, model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from replica.stage_arena import ALIGN, StageArena
 
@@ -110,3 +111,18 @@ async def test_decode_turns_go_in_position_order_and_dead_markers_are_ignored(tm
 
     await asyncio.gather(receiver(3, 0.0), receiver(2, 0.01), receiver(1, 0.05))
     assert order == [1, 2, 3]
+
+
+def test_a_host_copy_allocated_in_an_arena_is_found_by_offset(tmp_path: Path) -> None:
+    arena = StageArena(tmp_path)
+    buffers = arena.allocate({"a.safetensors": 100, "b.safetensors": 1000})
+    assert {n: b.nbytes for n, b in buffers.items()} == {"a.safetensors": 100, "b.safetensors": 1000}
+    buffers["b.safetensors"][:] = 7
+    assert arena.offset_of(buffers["a.safetensors"]) == 0
+    b_at = arena.offset_of(buffers["b.safetensors"])
+    assert b_at % 64 == 0 and b_at >= 100
+    assert arena.offset_of(buffers["b.safetensors"][10:20]) == b_at + 10
+    assert bytes(arena.view(b_at, 3)) == b"\x07\x07\x07"
+    with pytest.raises(ValueError, match="does not lie in this arena"):
+        arena.offset_of(np.zeros(10, dtype=np.uint8))
+    arena.close()

@@ -63,3 +63,21 @@ def test_tensor_without_a_buffer_is_refused(pair: tuple[Path, Path], tmp_path: P
     d = write_delta_dir(tmp_path / "d", {"model.not_there.weight": frame}, {"model.not_there.weight": "00000001"})
     with pytest.raises(SnapshotError, match="model.not_there.weight.*in the delta but not in the base"):
         weights.decode_delta_into(read_delta_plan(d), {}, set())
+
+
+def test_load_into_given_buffers(pair: tuple[Path, Path]) -> None:
+    """`allocate` places every shard in the caller's buffers (shared memory, for the agent);
+    a buffer of the wrong size is refused."""
+    arena: dict[str, np.ndarray] = {}
+
+    def allocate(sizes: dict[str, int]) -> dict[str, np.ndarray]:
+        arena.update({shard: np.zeros(size, dtype=np.uint8) for shard, size in sizes.items()})
+        return arena
+
+    weights = HostWeights.load(pair[0], allocate=allocate)
+    plain = HostWeights.load(pair[0])
+    assert raw_bytes(weights) == raw_bytes(plain) and arena
+    name = weights.names()[0]
+    assert any(np.shares_memory(weights.raw(name), buf) for buf in arena.values())
+    with pytest.raises(ValueError, match="allocate"):
+        HostWeights.load(pair[0], allocate=lambda sizes: {s: np.zeros(n + 1, dtype=np.uint8) for s, n in sizes.items()})
