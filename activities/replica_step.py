@@ -115,6 +115,7 @@ class PeerActivities:
                     return await self.runtime.make_offer_from_stage(inp)
                 finally:
                     heartbeat.cancel()
+            await self.runtime.settled()  # the host copy has taken the last update
             return await asyncio.to_thread(self.runtime.make_offer, inp)
         except SnapshotError as exc:
             raise ApplicationError(str(exc), type="PeerOfferRefused", non_retryable=True) from None

@@ -114,9 +114,11 @@ class ReplicaRuntime:
     the host copy, into the shared stage arena (`replica.stage_arena`; the host copy itself does
     not change yet) and the engine stages views of those bytes; a new full base goes through a
     staging file. Then it is swapped in inside one short pause, where the engine also reads back
-    the Adler-32 of what it now holds (the proof; without it, read after the resume), then the
-    host copy adopts the same bytes and the chain is committed. A failure at any point leaves
-    the engine and the host copy exactly as they were.
+    the Adler-32 of what it now holds (the proof; without it, read after the resume), and the
+    chain is committed; the host copy adopts the same bytes on a thread after the step returns,
+    and every later step waits for that first (`settled`). The host copy lives in shared memory
+    and is the engine's roll-back source for a delta stage. A failure at any point leaves the
+    engine and the host copy exactly as they were.
     """
 
     def __init__(self, *, name: str, engine: Any, host: Any, s3: Any, workdir: Path,
@@ -142,6 +144,7 @@ class ReplicaRuntime:
         self.lock = asyncio.Lock()
         self.arena = StageArena()  # where delta updates are decoded for the engine
         self.peer_store: Any = None  # the rendezvous store of the broadcast this replica sends
+        self._adopting: asyncio.Future[None] | None = None  # the host copy taking the last swap
         # Per hot-load id: resolves with the bucket update's stage once it is checked (an early
         # offer waits on it), or fails if the update ended without one.
         self.update_stages: dict[str, asyncio.Future[StagedUpdate]] = {}
@@ -272,6 +275,30 @@ class ReplicaRuntime:
             self.host.restore(staged.decoded, checksums=staged.expected)
             staged.decoded = {}
 
+    def _adopt_later(self, staged: StagedUpdate) -> None:
+        """Adopt on a thread once the swap is proven, off the step's path: the walk's next
+        replica need not wait for this copy. Every later use of the host copy (and of the stage
+        arena, which the next decode reuses) waits for it first (`settled`)."""
+        if staged.decoded:
+            self._adopting = asyncio.ensure_future(asyncio.to_thread(self._adopt, staged))
+
+    async def settled(self) -> None:
+        """Wait until the host copy has adopted the last swapped update (`_adopt_later`)."""
+        adopting = self._adopting
+        if adopting is None:
+            return
+        try:
+            await asyncio.shield(adopting)
+        except asyncio.CancelledError:
+            if not adopting.done():
+                raise
+        except Exception as exc:
+            # The host copy is no longer what the engine serves: no later update may use it.
+            raise EngineUpdateError(f"the host copy could not take the last update: {one_line(exc)}; "
+                                    f"restart the replica") from None
+        if self._adopting is adopting:
+            self._adopting = None
+
     def stage_chain(self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None) -> StagedUpdate:
         """Apply the chain links this replica is missing to its host copy (or load a new full
         base) and write the changed tensors to a staging file; the engine is not touched. (The
@@ -368,6 +395,7 @@ class ReplicaRuntime:
 
     async def _apply_from_bucket(self, inp: ApplySnapshotInput, ready: asyncio.Future[StagedUpdate]) -> ApplySnapshotResult:
         t0 = time.perf_counter()
+        await self.settled()
         await self.drop_peer_stage()
         await asyncio.to_thread(self.clear_links)
         todo = self.missing_links(inp) or []
@@ -390,12 +418,13 @@ class ReplicaRuntime:
         finally:
             if staged.path is not None:
                 staged.path.unlink(missing_ok=True)
-        self._adopt(staged)
+        expected = dict(staged.expected)
+        self._adopt_later(staged)
         self._commit([link.identity for link in inp.chain], staged.new_host, staged.changed_by_link,
                      staged.new_host_arena)
         self.link_dirs = staged.link_dirs
         t2 = time.perf_counter()
-        verified = await self.prove(staged.names, swap)
+        verified = await self.prove(staged.names, swap, expected)
         timings.update(pause=pause_ms, prove=_ms_since(t2), total=_ms_since(t0))
         log.info("applied %s from the bucket: %s", inp.identity, _fmt(timings))
         return ApplySnapshotResult(
@@ -462,7 +491,8 @@ class ReplicaRuntime:
         self._commit(chain_ids, None, changed)
         return chain_ids
 
-    async def prove(self, names_: list[str], swap: dict[str, Any] | None = None) -> int:
+    async def prove(self, names_: list[str], swap: dict[str, Any] | None = None,
+                    expected: dict[str, str] | None = None) -> int:
         """Compare the Adler-32 of what the engine serves with the host copy's verified ones.
 
         A swap that checksummed the engine's tensors inside its pause (`swap["checksums"]`, read
@@ -473,7 +503,8 @@ class ReplicaRuntime:
         served = dict((swap or {}).get("checksums") or {})
         if not all(n in served for n in names_):
             served = await self.engine.served_checksums(names_)
-        expected = self.host.checksums()
+        if expected is None or not all(n in expected for n in names_):
+            expected = self.host.checksums()
         wrong = [n for n in names_ if served.get(n) != expected.get(n)]
         if wrong:
             raise EngineUpdateError(
@@ -578,6 +609,7 @@ class ReplicaRuntime:
     async def receive_from_peer(self, offer: PeerOffer, policy: PromptCachePolicy) -> ApplySnapshotResult:
         from snapshots.errors import ChainError
 
+        await self.settled()
         if offer.base_identity != "*" and self.current_identity != offer.base_identity:
             raise ChainError(
                 f"replica {self.name} serves {self.current_identity!r}; the offer completes {offer.base_identity!r}"
@@ -645,6 +677,7 @@ class ReplicaRuntime:
     async def drop_peer_stage(self) -> None:
         """Undo a stage that was never committed (a canceled walk): the host copy goes back to
         what the engine serves, and the engine drops its staged tensors."""
+        await self.settled()
         stage, self.peer_stage = self.peer_stage, None
         if stage is None:
             return
@@ -665,6 +698,7 @@ class ReplicaRuntime:
                 f"replica {self.name} serves {self.current_identity!r}; the offer completes {offer.base_identity!r}"
             )
         t0 = time.perf_counter()
+        await self.settled()
         await self.drop_peer_stage()
         if offer.mode == "files":
             return await self._stage_files_from_peer(offer, rank, t0)
@@ -736,6 +770,7 @@ class ReplicaRuntime:
         """Swap a peer stage in (one short pause), then move the host copy and prove it."""
         from snapshots.errors import ChainError
 
+        await self.settled()
         stage = self.peer_stage
         if stage is None or stage.offer.identity != identity:
             await self.drop_peer_stage()
@@ -756,11 +791,12 @@ class ReplicaRuntime:
             finally:
                 if staged.path is not None:
                     staged.path.unlink(missing_ok=True)
-            self._adopt(staged)
+            expected = dict(staged.expected)
+            self._adopt_later(staged)
             self._commit([link.identity for link in offer.chain], None, staged.changed_by_link)
             self.link_dirs = staged.link_dirs
             t1 = time.perf_counter()
-            verified = await self.prove(names_, swap)
+            verified = await self.prove(names_, swap, expected)
             log.info("applied %s from %s (delta files): %s", identity, offer.source_replica,
                      _fmt({"pause": pause_ms, "prove": _ms_since(t1), "total": _ms_since(t0)}))
             return ApplySnapshotResult(
