@@ -3,13 +3,16 @@
 `apply_snapshot` moves one replica to a snapshot chain, all-or-nothing:
 
 1. Stage, while the engine keeps serving: fetch the delta links this replica is missing (their
-   files hold only the changed tensors) and decode them twice, concurrently: into the host copy
-   and, on a background thread of the engine, against what the engine serves; both check every
-   changed tensor's Adler-32 and must agree. A new full base goes through a staging file instead.
+   files hold only the changed tensors) and decode them once, by the host copy, into shared
+   memory (every changed tensor's Adler-32 checked); the engine stages views of those bytes,
+   with the host copy (also in shared memory) as its roll-back source. A new full base goes
+   through a staging file instead. From here on the delta's checked files may be offered to
+   peers (`PeerOfferInput.from_stage`).
 2. Pause the engine with `mode=keep` (in-flight requests and their KV cache stay; RESET_ALL drops
-   the cache), swap the staged tensors in place, set the weight version, resume.
-3. Prove: the engine's served bytes are read back (off the serving path) and compared with the
-   snapshot's Adler-32.
+   the cache), set the weight version, swap the staged tensors in place and read back their
+   Adler-32 (the served-weights proof, before anything is served), resume.
+3. Commit: the replica serves the chain; the host copy takes the same bytes on a thread, which
+   every later step waits for.
 
 If anything fails, the host copy is restored and the engine is given back the tensors it had, so
 the replica serves exactly its previous weights; the error names the cause. Snapshot errors
