@@ -47,18 +47,24 @@ def export(address: str, workflow_id: str) -> None:
     print(f"wrote {quote(workflow_id, safe='')}.json ({len(out)} bytes)")
 
 
-async def crash_recovered(env: WorkflowEnvironment, address: str, tmp: Path) -> None:
+async def _deployment(f: Fleet, name: str, replicas: int = 3) -> str:
+    """A ready deployment `name` of `replicas` test replicas in one zone; returns its id."""
     from tests.workflows.harness import ZONE
     from tests.workflows.test_admission import _state
+
+    state = _state(name, zones=[ZONE])
+    state.replicas = f.replica_endpoints(name, replicas)
+    return await f.deployment_from_state(state)
+
+
+async def crash_recovered(env: WorkflowEnvironment, address: str, tmp: Path) -> None:
     from tests.workflows.test_durability import kill9, start_control_process
 
     tmp.mkdir(parents=True, exist_ok=True)
     async with Fleet(env.client, tmp, control_worker=False) as f:
         proc = await start_control_process(address, f, tmp)
         try:
-            state = _state("history-crash", zones=[ZONE])
-            state.replicas = f.replica_endpoints("history-crash", 3)
-            dep = await f.deployment_from_state(state)
+            dep = await _deployment(f, "history-crash")
             write_full(f.bucket_root / f"ckpt/{dep}", "step-1")
             f.apply_behaviour = {"replica-1": f.held}
             assert (await f.create_hot_load(dep, "step-1", hotLoadId="history-crash-recovered")).status_code == 200
@@ -79,14 +85,9 @@ async def broadcast_walk(env: WorkflowEnvironment, address: str, tmp: Path, name
     broadcast to the other two, then a commit per receiver as soon as its stage is ready
     (`history-pipelined-completed`; `history-broadcast-completed` is the same walk from before
     `pipelined-commits`, when every stage was awaited first)."""
-    from tests.workflows.harness import ZONE
-    from tests.workflows.test_admission import _state
-
     tmp.mkdir(parents=True, exist_ok=True)
     async with Fleet(env.client, tmp) as f:
-        state = _state(name, zones=[ZONE])
-        state.replicas = f.replica_endpoints(name, 3)
-        dep = await f.deployment_from_state(state)
+        dep = await _deployment(f, name)
         await f.completed(dep, "step-1", hotLoadId=f"{name}-completed")
         export(address, f"{name}-completed")
 
@@ -98,15 +99,12 @@ async def early_broadcast(env: WorkflowEnvironment, address: str, tmp: Path, nam
     both receivers staged, and the broadcast is abandoned (`history-early-failed`)."""
     from temporalio.exceptions import ApplicationError
 
-    from tests.workflows.harness import ZONE, write_delta
-    from tests.workflows.test_admission import _state
+    from tests.workflows.harness import write_delta
 
     delta = {"type": "SNAPSHOT_TYPE_INCREMENTAL", "incrementalSnapshotMetadata": {"previousSnapshotIdentity": "base"}}
     tmp.mkdir(parents=True, exist_ok=True)
     async with Fleet(env.client, tmp) as f:
-        state = _state(name, zones=[ZONE])
-        state.replicas = f.replica_endpoints(name, 3)
-        dep = await f.deployment_from_state(state)
+        dep = await _deployment(f, name)
         await f.completed(dep, "base", hotLoadId=f"{name}-base")
         f.peer_events.clear()
 

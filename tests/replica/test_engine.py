@@ -507,16 +507,11 @@ async def test_a_job_its_caller_gave_up_on_delays_the_next_one_instead_of_failin
     assert await engine.served_checksums() == file_checksums(model_dirs["base"])
 
 
-async def test_stage_from_arena_is_checked_and_proven_inside_the_pause(
-    engine: EngineProcess, model_dirs: dict[str, Path], tmp_path: Path
-) -> None:
-    """The agent's fast path: bytes decoded into shared memory are staged as views (checked
-    against the expected Adler-32), served only after the commit, which returns the Adler-32 of
-    what the engine then holds; bytes that change under a stage fail the commit, nothing moves."""
+def _counting_in_arena(model_dirs: dict[str, Path], tmp_path: Path) -> tuple[Any, dict, list, dict[str, str]]:
+    """The counting model's changed tensors laid out in a stage arena as the agent's decode
+    leaves them: (arena, layout, stage entries, expected Adler-32)."""
     from replica.stage_arena import StageArena
 
-    await load_full(engine, model_dirs["base"])
-    base_sums = file_checksums(model_dirs["base"])
     counting = load_checkpoint(model_dirs["counting"])
     expected = {n: adler32_hex(counting[n]) for n in COUNTING_CHANGED}
     arena = StageArena(tmp_path)
@@ -524,6 +519,31 @@ async def test_stage_from_arena_is_checked_and_proven_inside_the_pause(
     for n, (offset, nbytes) in layout.items():
         arena.view(offset, nbytes)[:] = counting[n].contiguous().view(-1).view(torch.uint8).numpy()
     entries = [[n, "bfloat16", list(counting[n].shape), layout[n][0]] for n in COUNTING_CHANGED]
+    return arena, layout, entries, expected
+
+
+async def _commit_of_a_changed_stage_fails(engine: EngineProcess, arena: Any, layout: dict, label: str) -> None:
+    """Flip one staged byte after the stage was checked: the commit's proof must refuse it."""
+    first = COUNTING_CHANGED[0]
+    arena.view(*layout[first])[0] ^= 1
+    await engine.pause(mode="keep")
+    try:
+        with pytest.raises(EngineRequestError, match="different values after the load"):
+            await engine.commit_staged(label)
+    finally:
+        await engine.resume()
+    arena.view(*layout[first])[0] ^= 1
+
+
+async def test_stage_from_arena_is_checked_and_proven_inside_the_pause(
+    engine: EngineProcess, model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The agent's fast path: bytes decoded into shared memory are staged as views (checked
+    against the expected Adler-32), served only after the commit, which returns the Adler-32 of
+    what the engine then holds; bytes that change under a stage fail the commit, nothing moves."""
+    await load_full(engine, model_dirs["base"])
+    base_sums = file_checksums(model_dirs["base"])
+    arena, layout, entries, expected = _counting_in_arena(model_dirs, tmp_path)
 
     with pytest.raises(EngineError, match="checksum check failed"):
         await engine.stage_from_arena("v-bad", arena.path, entries, {**expected, COUNTING_CHANGED[0]: "00000001"})
@@ -535,16 +555,8 @@ async def test_stage_from_arena_is_checked_and_proven_inside_the_pause(
     assert await engine.served_checksums() == base_sums  # staged, not served
 
     # The stage is a view: bytes changed after it was checked are caught by the commit's proof.
-    first = COUNTING_CHANGED[0]
-    arena.view(*layout[first])[0] ^= 1
-    await engine.pause(mode="keep")
-    try:
-        with pytest.raises(EngineRequestError, match="different values after the load"):
-            await engine.commit_staged("v1")
-    finally:
-        await engine.resume()
+    await _commit_of_a_changed_stage_fails(engine, arena, layout, "v1")
     assert await engine.served_checksums() == base_sums
-    arena.view(*layout[first])[0] ^= 1
 
     await engine.stage_from_arena("v2", arena.path, entries, expected)
     await engine.pause(mode="keep")
@@ -571,29 +583,15 @@ async def test_a_stage_rolls_back_from_the_host_copy_in_shared_memory(
     host_arena = StageArena(tmp_path)
     host = HostWeights.load(model_dirs["base"], allocate=host_arena.allocate)
     offsets = {n: host_arena.offset_of(host.raw(n)) for n in COUNTING_CHANGED}
-    counting = load_checkpoint(model_dirs["counting"])
-    expected = {n: adler32_hex(counting[n]) for n in COUNTING_CHANGED}
-    arena = StageArena(tmp_path)
-    layout = arena.reserve([(n, counting[n].nbytes) for n in COUNTING_CHANGED])
-    for n, (offset, nbytes) in layout.items():
-        arena.view(offset, nbytes)[:] = counting[n].contiguous().view(-1).view(torch.uint8).numpy()
-    entries = [[n, "bfloat16", list(counting[n].shape), layout[n][0]] for n in COUNTING_CHANGED]
+    arena, layout, entries, expected = _counting_in_arena(model_dirs, tmp_path)
 
     with pytest.raises(EngineError, match="no roll-back bytes"):
         await engine.stage_from_arena("v-part", arena.path, entries, expected,
                                       backup=(host_arena.path, dict(list(offsets.items())[1:])))
     staged = await engine.stage_from_arena("v1", arena.path, entries, expected, backup=(host_arena.path, offsets))
     assert staged["backup"] == "host copy"
-    first = COUNTING_CHANGED[0]
-    arena.view(*layout[first])[0] ^= 1  # the commit's proof fails: it rolls back from the host copy
-    await engine.pause(mode="keep")
-    try:
-        with pytest.raises(EngineRequestError, match="different values after the load"):
-            await engine.commit_staged("v1")
-    finally:
-        await engine.resume()
+    await _commit_of_a_changed_stage_fails(engine, arena, layout, "v1")  # rolled back from the host copy
     assert await engine.served_checksums() == base_sums
-    arena.view(*layout[first])[0] ^= 1
 
     await engine.stage_from_arena("v2", arena.path, entries, expected, backup=(host_arena.path, offsets))
     await engine.pause(mode="keep")
