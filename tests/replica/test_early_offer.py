@@ -1,0 +1,86 @@
+"""The early offer (`PeerOfferInput.from_stage`): a replica updating from the bucket offers the
+delta link's files once its own decode checked them, before its swap; it refuses when the update
+ends without such files. The runtime's offer logic only (no engine: it is not touched here); the
+e2e delta tests run it on real replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from pathlib import Path
+
+import pytest
+
+from replica.agent import ReplicaRuntime, StagedUpdate
+from snapshots.errors import ChainError
+from workflows.types import PeerOfferInput, SnapshotRef, SnapshotType
+
+CHAIN = [SnapshotRef(identity="base", type=SnapshotType.FULL),
+         SnapshotRef(identity="step-1", type=SnapshotType.INCREMENTAL)]
+
+
+def _runtime(tmp_path: Path, backend: str = "gloo") -> ReplicaRuntime:
+    return ReplicaRuntime(name="replica-a", engine=None, host=None, s3=None, workdir=tmp_path, peer_backend=backend)
+
+
+def _ask(target: str = "base") -> PeerOfferInput:
+    return PeerOfferInput(hot_load_id="hl-1", identity="step-1", chain=CHAIN, target_identity=target, world_size=3,
+                          accept_files=True, from_stage=True)
+
+
+def _staged_files(tmp_path: Path) -> StagedUpdate:
+    link = tmp_path / "links" / "step-1"
+    link.mkdir(parents=True)
+    (link / "model.safetensors").write_bytes(b"delta bytes")
+    (link / "manifest.json").write_bytes(b"{}")
+    return StagedUpdate(identity="step-1", names=["w"], link_dirs={"step-1": link}, arena_offsets={"w": 0})
+
+
+async def test_the_offer_waits_for_the_stage_then_offers_its_files(tmp_path: Path) -> None:
+    rt = _runtime(tmp_path)
+    asking = asyncio.ensure_future(rt.make_offer_from_stage(_ask()))
+    await asyncio.sleep(0.1)
+    assert not asking.done()  # nothing staged yet
+    rt.update_stage("hl-1", fresh=True).set_result(_staged_files(tmp_path))
+    offer = await asyncio.wait_for(asking, 5)
+    assert offer.mode == "files" and offer.base_identity == "base" and offer.world_size == 3
+    assert sorted(s[0] for s in offer.specs) == ["manifest.json", "model.safetensors"]
+    assert offer.expected_adler32["model.safetensors"] == f"{zlib.adler32(b'delta bytes'):08x}"
+    assert rt.offered_links[offer.port] == tmp_path / "links" / "step-1"
+
+
+async def test_an_update_that_ended_without_a_stage_refuses_the_offer(tmp_path: Path) -> None:
+    rt = _runtime(tmp_path)
+    asking = asyncio.ensure_future(rt.make_offer_from_stage(_ask()))
+    await asyncio.sleep(0.05)
+    rt.update_stage("hl-1", fresh=True).set_exception(ChainError("replica-a's update to step-1 ended before it staged"))
+    with pytest.raises(ChainError, match="ended before it staged"):
+        await asyncio.wait_for(asking, 5)
+
+
+@pytest.mark.parametrize("case", ["no files", "other base", "nccl"])
+async def test_a_stage_without_files_for_the_receivers_is_refused(tmp_path: Path, case: str) -> None:
+    rt = _runtime(tmp_path, backend="nccl" if case == "nccl" else "gloo")
+    staged = _staged_files(tmp_path)
+    if case == "no files":
+        staged.arena_offsets = {}  # a new full base: staged from a file, no delta to pass on
+    rt.update_stage("hl-1", fresh=True).set_result(staged)
+    with pytest.raises(ChainError, match="holds no delta files"):
+        await rt.make_offer_from_stage(_ask(target="older" if case == "other base" else "base"))
+
+
+async def test_no_stage_in_time_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ChainError, match="staged nothing"):
+        await _runtime(tmp_path).make_offer_from_stage(_ask(), wait_s=0.1)
+
+
+async def test_a_new_update_replaces_a_finished_one_but_not_one_an_offer_waits_on(tmp_path: Path) -> None:
+    rt = _runtime(tmp_path)
+    waited_on = rt.update_stage("hl-1")  # an offer arrived first
+    assert rt.update_stage("hl-1", fresh=True) is waited_on
+    waited_on.set_result(_staged_files(tmp_path))
+    retry = rt.update_stage("hl-1", fresh=True)  # a retried step stages again
+    assert retry is not waited_on and not retry.done()
+    for i in range(6):
+        rt.update_stage(f"other-{i}", fresh=True)
+    assert len(rt.update_stages) <= 4 and retry.cancelled()
