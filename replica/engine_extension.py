@@ -731,6 +731,17 @@ def _map_shared(path: str) -> torch.Tensor:
     cached = _SHARED_MAPS.get(path)
     if cached is not None and cached[0] == key:
         return cached[2]
+    # Forget mappings of files the agent has let go (a replaced host copy, a grown arena): kept,
+    # they would pin that shared memory for the engine's lifetime. Tensors still viewing one
+    # (a stage's) keep it alive until they go.
+    for other, (other_key, _, _) in list(_SHARED_MAPS.items()):
+        try:
+            now = os.stat(other)
+            gone = (now.st_dev, now.st_ino, now.st_size) != other_key
+        except OSError:
+            gone = True
+        if gone or other == path:
+            del _SHARED_MAPS[other]
     with open(path, "r+b") as f:
         mapped = mmap.mmap(f.fileno(), st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     memory = torch.frombuffer(mapped, dtype=torch.uint8)

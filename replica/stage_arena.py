@@ -138,6 +138,12 @@ class StageArena:
             raise
         return fd
 
+    def __del__(self) -> None:
+        # An arena dropped without close() (a replaced host copy, a failed stage) must not keep
+        # its file, and so its shared memory, open for the agent's lifetime.
+        with contextlib.suppress(Exception):
+            self.close()
+
     def close(self) -> None:
         """Drop this process's mapping (views handed out keep their pages alive)."""
         self._array = None

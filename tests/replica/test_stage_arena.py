@@ -126,3 +126,31 @@ def test_a_host_copy_allocated_in_an_arena_is_found_by_offset(tmp_path: Path) ->
     with pytest.raises(ValueError, match="does not lie in this arena"):
         arena.offset_of(np.zeros(10, dtype=np.uint8))
     arena.close()
+
+
+def test_an_arena_let_go_closes_its_file_and_the_engine_forgets_its_mapping(tmp_path: Path) -> None:
+    """A replaced host copy's arena must not pin its shared memory: dropping the arena closes
+    its file, and the engine's next mapping forgets mappings of files that are gone."""
+    import gc
+
+    from replica import engine_extension
+
+    kept, dropped = StageArena(tmp_path), StageArena(tmp_path)
+    kept.reserve([("a", 128)])
+    dropped.reserve([("a", 128)])
+    kept_path, dropped_path = kept.path, dropped.path
+    engine_extension._map_shared(kept_path)
+    engine_extension._map_shared(dropped_path)
+    del dropped
+    gc.collect()
+    assert not os.path.exists(dropped_path)  # the agent's fd is closed
+    placeholder = os.open(os.devnull, os.O_RDONLY)  # the next file gets another fd number
+    newer = StageArena(tmp_path)
+    newer.reserve([("a", 64)])
+    os.close(placeholder)
+    assert newer.path != dropped_path
+    engine_extension._map_shared(newer.path)
+    assert set(engine_extension._SHARED_MAPS) == {kept_path, newer.path}
+    for arena in (kept, newer):
+        arena.close()
+    engine_extension._SHARED_MAPS.clear()
