@@ -1,6 +1,6 @@
 """Delta hot-load vs a cold rolling restart, side by side in one run, on the real stack.
 
-    .venv/bin/python bench/hotload_vs_cold.py [--size-mb 256] [--replicas 4] [--runs 3] [--cold-runs 1]
+    .venv/bin/python bench/hotload_vs_cold.py [--size-mb 256] [--replicas 4] [--runs 3] [--cold-runs 1] [--timeline]
 
 Builds a Llama-shaped BF16 model of about `--size-mb` MiB and one realistic RL step of it (fp32
 master, one Adam step at lr 1e-6: a few percent of elements change; `snapshots.synthetic`),
@@ -13,7 +13,8 @@ starts the embedded stack in a temporary home, and creates a `--replicas` deploy
     the new full checkpoint from the bucket, start vLLM on it and wait until it serves.
 
 Prints the medians, (b)/(a), the per-replica pause window and bytes read from the bucket per
-replica. Figures on a shared 2-core machine are noisy: the ratio is the figure, not the seconds.
+replica; `--timeline`: also when each activity of the last hot-load was scheduled, started and
+closed (from its Temporal history), to see where the walk waits. Figures on a shared 2-core machine are noisy: the ratio is the figure, not the seconds.
 """
 
 from __future__ import annotations
