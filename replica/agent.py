@@ -395,8 +395,7 @@ class ReplicaRuntime:
 
     async def _apply_from_bucket(self, inp: ApplySnapshotInput, ready: asyncio.Future[StagedUpdate]) -> ApplySnapshotResult:
         t0 = time.perf_counter()
-        await self.settled()
-        await self.drop_peer_stage()
+        await self.drop_peer_stage()  # settles the host copy first
         await asyncio.to_thread(self.clear_links)
         todo = self.missing_links(inp) or []
         local, fetched = await asyncio.to_thread(self.fetch_links, inp, todo)
@@ -412,26 +411,31 @@ class ReplicaRuntime:
                 identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=0, bytes_read_from_bucket=0,
                 pause_ms=0.0, stage_ms=timings["stage"], verified_tensors=verified,
             )
-        try:
-            pause_ms, swap = await self._swap_staged(staged.identity, staged.backups, len(staged.names),
-                                                     inp.prompt_cache_policy)
-        finally:
-            if staged.path is not None:
-                staged.path.unlink(missing_ok=True)
-        expected = dict(staged.expected)
-        self._adopt_later(staged)
-        self._commit([link.identity for link in inp.chain], staged.new_host, staged.changed_by_link,
-                     staged.new_host_arena)
-        self.link_dirs = staged.link_dirs
-        t2 = time.perf_counter()
-        verified = await self.prove(staged.names, swap, expected)
-        timings.update(pause=pause_ms, prove=_ms_since(t2), total=_ms_since(t0))
+        pause_ms, prove_ms, verified = await self._swap_in(staged, [link.identity for link in inp.chain],
+                                                           inp.prompt_cache_policy)
+        timings.update(pause=pause_ms, prove=prove_ms, total=_ms_since(t0))
         log.info("applied %s from the bucket: %s", inp.identity, _fmt(timings))
         return ApplySnapshotResult(
             identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=len(staged.names),
             bytes_read_from_bucket=staged.bytes_read + fetched, pause_ms=pause_ms, links_applied=staged.links,
             stage_ms=timings["fetch"] + timings["stage"], source="bucket", verified_tensors=verified,
         )
+
+    async def _swap_in(self, staged: StagedUpdate, chain_ids: list[str],
+                       policy: PromptCachePolicy) -> tuple[float, float, int]:
+        """Swap a stage in (one pause), commit the chain, start the host copy's adoption and
+        prove the swap; returns (pause ms, prove ms, tensors proven)."""
+        try:
+            pause_ms, swap = await self._swap_staged(staged.identity, staged.backups, len(staged.names), policy)
+        finally:
+            if staged.path is not None:
+                staged.path.unlink(missing_ok=True)
+        self._adopt_later(staged)
+        self._commit(chain_ids, staged.new_host, staged.changed_by_link, staged.new_host_arena)
+        self.link_dirs = staged.link_dirs
+        t0 = time.perf_counter()
+        verified = await self.prove(staged.names, swap, staged.expected)
+        return pause_ms, _ms_since(t0), verified
 
     async def _swap_staged(self, label: str, host_backups: dict[str, np.ndarray], count: int,
                            policy: PromptCachePolicy) -> tuple[float, dict[str, Any]]:
@@ -516,19 +520,19 @@ class ReplicaRuntime:
     def make_offer(self, inp: PeerOfferInput) -> PeerOffer:
         """What this replica would send to replicas serving `inp.target_identity`; with
         `inp.host_store`, it also starts hosting the group's rendezvous store (until its send)."""
-        offer = self._build_offer(inp)
-        if inp.host_store:
-            self._host_store(offer)
-            offer = offer.model_copy(update={"store_hosted": True})
-        return offer
+        return self._hosting_store(inp, self._build_offer(inp))
 
-    def _host_store(self, offer: PeerOffer) -> None:
+    def _hosting_store(self, inp: PeerOfferInput, offer: PeerOffer) -> PeerOffer:
+        """With `inp.host_store`, start hosting the offer's rendezvous store (until the send)."""
+        if not inp.host_store:
+            return offer
         from torch.distributed import TCPStore
 
         # Up before any engine connects: a TCPStore client that finds no master backs off for
         # ~0.7 s, which every member of the group would then wait out.
         self.peer_store = TCPStore(offer.host, offer.port, offer.world_size, is_master=True,
                                    timeout=timedelta(seconds=PEER_JOIN_TIMEOUT_S), wait_for_workers=False)
+        return offer.model_copy(update={"store_hosted": True})
 
     async def make_offer_from_stage(self, inp: PeerOfferInput, wait_s: float = 600.0) -> PeerOffer:
         """The early offer (`inp.from_stage`): once this replica's update of `inp.hot_load_id`
@@ -548,11 +552,7 @@ class ReplicaRuntime:
                 and link_dir is not None and link_dir.is_dir()):
             raise ChainError(f"replica {self.name}'s update to {inp.identity!r} holds no delta files for "
                              f"replicas on {inp.target_identity!r} to take before its swap")
-        offer = await asyncio.to_thread(self._files_offer, inp, link_dir)
-        if inp.host_store:
-            self._host_store(offer)
-            offer = offer.model_copy(update={"store_hosted": True})
-        return offer
+        return self._hosting_store(inp, await asyncio.to_thread(self._files_offer, inp, link_dir))
 
     def _files_offer(self, inp: PeerOfferInput, link_dir: Path) -> PeerOffer:
         """Offer a delta link's files (checked by this replica's decode) as they are."""
@@ -676,7 +676,9 @@ class ReplicaRuntime:
 
     async def drop_peer_stage(self) -> None:
         """Undo a stage that was never committed (a canceled walk): the host copy goes back to
-        what the engine serves, and the engine drops its staged tensors."""
+        what the engine serves, and the engine drops its staged tensors. Waits for the host
+        copy to have adopted the last swap first (`settled`), so a step that starts here may
+        use the host copy and the stage arena."""
         await self.settled()
         stage, self.peer_stage = self.peer_stage, None
         if stage is None:
@@ -698,8 +700,7 @@ class ReplicaRuntime:
                 f"replica {self.name} serves {self.current_identity!r}; the offer completes {offer.base_identity!r}"
             )
         t0 = time.perf_counter()
-        await self.settled()
-        await self.drop_peer_stage()
+        await self.drop_peer_stage()  # settles the host copy first
         if offer.mode == "files":
             return await self._stage_files_from_peer(offer, rank, t0)
         self.staging.mkdir(parents=True, exist_ok=True)
@@ -785,22 +786,11 @@ class ReplicaRuntime:
         t0 = time.perf_counter()
         if stage.staged is not None:  # a delta link received as files, staged like the bucket path
             staged = stage.staged
-            names_ = staged.names
-            try:
-                pause_ms, swap = await self._swap_staged(identity, staged.backups, len(names_), policy)
-            finally:
-                if staged.path is not None:
-                    staged.path.unlink(missing_ok=True)
-            expected = dict(staged.expected)
-            self._adopt_later(staged)
-            self._commit([link.identity for link in offer.chain], None, staged.changed_by_link)
-            self.link_dirs = staged.link_dirs
-            t1 = time.perf_counter()
-            verified = await self.prove(names_, swap, expected)
+            pause_ms, prove_ms, verified = await self._swap_in(staged, [link.identity for link in offer.chain], policy)
             log.info("applied %s from %s (delta files): %s", identity, offer.source_replica,
-                     _fmt({"pause": pause_ms, "prove": _ms_since(t1), "total": _ms_since(t0)}))
+                     _fmt({"pause": pause_ms, "prove": prove_ms, "total": _ms_since(t0)}))
             return ApplySnapshotResult(
-                identity=identity, engine_pid=self.engine.pid, tensors_loaded=len(names_),
+                identity=identity, engine_pid=self.engine.pid, tensors_loaded=len(staged.names),
                 bytes_read_from_bucket=0, pause_ms=pause_ms, source=f"peer:{offer.source_replica}",
                 verified_tensors=verified, links_applied=staged.links,
             )
