@@ -711,10 +711,16 @@ def _backup_copies(views: dict[str, _View], names: list[str]) -> dict[str, torch
     return out
 
 
-def _stage(model: torch.nn.Module, label: str, tensors: list[tuple[str, torch.Tensor]], generation: int) -> _Staged:
+def _stage(
+    model: torch.nn.Module, label: str, tensors: list[tuple[str, torch.Tensor]], generation: int,
+    backup: dict[str, torch.Tensor] | None = None,
+) -> _Staged:
+    """Check that `tensors` load into `model` and keep them with their roll-back copies: the
+    given `backup` (views of bytes equal to what the engine serves), else copies taken now."""
     views = check_loadable(model, tensors)
-    with _BACKUP_LOCK:
-        backup = _backup_copies(views, [n for n, _ in tensors])
+    if backup is None:
+        with _BACKUP_LOCK:
+            backup = _backup_copies(views, [n for n, _ in tensors])
     return _Staged(label, tensors, backup, generation)
 
 
@@ -747,6 +753,16 @@ def _map_shared(path: str) -> torch.Tensor:
     memory = torch.frombuffer(mapped, dtype=torch.uint8)
     _SHARED_MAPS[path] = (key, mapped, memory)
     return memory
+
+
+def _view_at(memory: torch.Tensor, name: str, offset: int, dtype: torch.dtype, shape: tuple[int, ...],
+             where: str) -> torch.Tensor:
+    """``name``'s bytes at ``offset`` of a mapped file (`_map_shared`; ``where``: what it holds),
+    as a tensor; ValueError naming the tensor if they do not lie inside it."""
+    nbytes = _nbytes(dtype, shape)
+    if offset < 0 or offset + nbytes > memory.numel():
+        raise ValueError(f"{name}: bytes {offset}..{offset + nbytes} lie outside the {memory.numel()}-byte {where}")
+    return memory[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
 def _read_file_tensor(path: str) -> torch.Tensor:
@@ -935,14 +951,11 @@ class WeightLoaderExtension:
         def run() -> dict[str, Any]:
             t0 = time.perf_counter()
             memory = _map_shared(path)
-            tensors: list[tuple[str, torch.Tensor]] = []
-            for name, dtype, shape, offset in entries:
-                dt, shp = dtype_from_str(str(dtype)), tuple(int(x) for x in shape)
-                nbytes, offset = _nbytes(dt, shp), int(offset)
-                if offset < 0 or offset + nbytes > memory.numel():
-                    raise ValueError(f"{name}: bytes {offset}..{offset + nbytes} lie outside the "
-                                     f"{memory.numel()}-byte arena")
-                tensors.append((str(name), memory[offset : offset + nbytes].view(dt).reshape(shp)))
+            tensors = [
+                (str(name), _view_at(memory, str(name), int(offset), dtype_from_str(str(dtype)),
+                                     tuple(int(x) for x in shape), "arena"))
+                for name, dtype, shape, offset in entries
+            ]
             missing = [n for n, _ in tensors if n not in expected]
             if missing:
                 raise ValueError(f"no expected Adler-32 for {missing[:8]}")
@@ -950,23 +963,16 @@ class WeightLoaderExtension:
             if verify:
                 _check_expected(tensors, expected)
             t2 = time.perf_counter()
+            backup = None
             if backup_path is not None:
                 offsets = backup_offsets or {}
                 missing_backup = [n for n, _ in tensors if n not in offsets]
                 if missing_backup:
                     raise ValueError(f"no roll-back bytes given for {missing_backup[:8]}")
                 host = _map_shared(backup_path)
-                backup: dict[str, torch.Tensor] = {}
-                for name, t in tensors:
-                    offset = int(offsets[name])
-                    if offset < 0 or offset + t.nbytes > host.numel():
-                        raise ValueError(f"{name}: roll-back bytes {offset}..{offset + t.nbytes} lie outside the "
-                                         f"{host.numel()}-byte host copy")
-                    backup[name] = host[offset : offset + t.nbytes].view(t.dtype).reshape(t.shape)
-                check_loadable(model, tensors)
-                staged = _Staged(label, tensors, backup, generation)
-            else:
-                staged = _stage(model, label, tensors, generation)
+                backup = {n: _view_at(host, n, int(offsets[n]), t.dtype, tuple(t.shape), "host copy")
+                          for n, t in tensors}
+            staged = _stage(model, label, tensors, generation, backup)
             staged.expected_adler32 = expected
             self._rollouts_staged = staged
             return {"staged": label, "tensors": len(tensors), "bytes": sum(t.nbytes for _, t in tensors),
