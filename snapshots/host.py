@@ -152,27 +152,27 @@ class HostWeights:
         buffers: dict[str, np.ndarray] = {}
         local = isinstance(source, LocalSource)
         sizes = {shard: (os.path.getsize(source.path(shard)) if local else layout.files[shard]) for shard in shards}
-        given = allocate(sizes) if allocate is not None else {}
-        for shard, buf in given.items():
-            if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != sizes[shard]:
-                raise ValueError(f"allocate() gave a buffer of {buf.nbytes} bytes for shard {shard} of {sizes[shard]}")
+        if allocate is not None:
+            given = allocate(sizes)
+            for shard, buf in given.items():
+                if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != sizes[shard]:
+                    raise ValueError(f"allocate() gave a buffer of {buf.nbytes} bytes for shard {shard} of {sizes[shard]}")
+        else:  # private memory; with `mmap`, local shards are mapped copy-on-write instead
+            given = {shard: np.empty(size, dtype=np.uint8) for shard, size in sizes.items() if not (mmap and local and size)}
         if local:
             for shard in shards:
-                path = source.path(shard)
-                with open(path, "rb", buffering=0) as f:
-                    size = os.fstat(f.fileno()).st_size
-                    if mmap and size and allocate is None:
-                        mapped = mmap_module.mmap(f.fileno(), size, access=mmap_module.ACCESS_COPY)
+                with open(source.path(shard), "rb", buffering=0) as f:
+                    if shard not in given:
+                        mapped = mmap_module.mmap(f.fileno(), sizes[shard], access=mmap_module.ACCESS_COPY)
                         buffers[shard] = np.frombuffer(mapped, dtype=np.uint8)
                     else:
-                        buf = given[shard] if allocate is not None else np.empty(size, dtype=np.uint8)
-                        readinto_exact(f, 0, buf)
-                        buffers[shard] = buf
+                        readinto_exact(f, 0, given[shard])
+                        buffers[shard] = given[shard]
         else:
             parts: list[tuple[str, int, int]] = []
             for shard in shards:
-                size = layout.files[shard]
-                buffers[shard] = given[shard] if allocate is not None else np.empty(size, dtype=np.uint8)
+                size = sizes[shard]
+                buffers[shard] = given[shard]
                 parts += [(shard, off, min(_REMOTE_PART_BYTES, size - off)) for off in range(0, size, _REMOTE_PART_BYTES)]
 
             def fetch(part: tuple[str, int, int]) -> None:
