@@ -181,9 +181,9 @@ class HotLoadWorkflow:
             # The broadcast the first replica starts from its own checked stage (patched
             # `early-broadcast`): the receivers stage while it swaps; None: after its commit.
             early: asyncio.Future[dict[str, asyncio.Future[bool]] | None] | None = None
+            receivers = list(zip(self.replicas, endpoints))[1:]
             for index, (replica, endpoint) in enumerate(zip(self.replicas, endpoints)):
                 self._raise_if_canceled()
-                receivers = list(zip(self.replicas, endpoints))[1:]
                 if (index == 0 and receivers and inp.peer_transfer and len(spec.snapshot_chain) > 1
                         and workflow.patched("early-broadcast")):
                     early = asyncio.ensure_future(self._start_broadcast(inp, endpoint, receivers, from_stage=True))
@@ -362,19 +362,9 @@ class HotLoadWorkflow:
         offer = await self._offer(sender, receivers, host_store=False)
         if offer is None:
             return set()
-        send = asyncio.ensure_future(
-            workflow.execute_activity(names.SEND_TO_PEERS, offer, task_queue=sender.task_queue, **PEER_STEP_OPTIONS)
-        )
+        send = self._send(sender, offer)
         stages = [
-            asyncio.ensure_future(
-                workflow.execute_activity(
-                    names.STAGE_FROM_PEER,
-                    StageFromPeerInput(offer=offer, rank=rank),
-                    task_queue=endpoint.task_queue,
-                    result_type=StageFromPeerResult,
-                    **PEER_STEP_OPTIONS,
-                )
-            )
+            asyncio.ensure_future(self._stage(offer, rank, endpoint))
             for rank, (_, endpoint) in enumerate(receivers, start=1)
         ]
         await workflow.wait([send, *stages])
@@ -413,19 +403,11 @@ class HotLoadWorkflow:
             if from_stage:
                 return None
             return {r.name: asyncio.ensure_future(no_stage()) for r, _ in receivers}
-        send = asyncio.ensure_future(
-            workflow.execute_activity(names.SEND_TO_PEERS, offer, task_queue=sender.task_queue, **PEER_STEP_OPTIONS)
-        )
+        send = self._send(sender, offer)
 
         async def stage(rank: int, replica: Replica, endpoint: ReplicaEndpoint) -> bool:
             try:
-                await workflow.execute_activity(
-                    names.STAGE_FROM_PEER,
-                    StageFromPeerInput(offer=offer, rank=rank),
-                    task_queue=endpoint.task_queue,
-                    result_type=StageFromPeerResult,
-                    **PEER_STEP_OPTIONS,
-                )
+                await self._stage(offer, rank, endpoint)
                 return True
             except Exception as exc:
                 if is_cancelled_exception(exc):
@@ -441,6 +423,24 @@ class HotLoadWorkflow:
             replica.name: asyncio.ensure_future(stage(rank, replica, endpoint))
             for rank, (replica, endpoint) in enumerate(receivers, start=1)
         }
+
+    @staticmethod
+    def _send(sender: ReplicaEndpoint, offer: PeerOffer) -> asyncio.Future[Any]:
+        """The sender's side of a broadcast, started."""
+        return asyncio.ensure_future(
+            workflow.execute_activity(names.SEND_TO_PEERS, offer, task_queue=sender.task_queue, **PEER_STEP_OPTIONS)
+        )
+
+    @staticmethod
+    def _stage(offer: PeerOffer, rank: int, receiver: ReplicaEndpoint) -> Any:
+        """A receiver's side of a broadcast: join as `rank`, check and stage (an activity)."""
+        return workflow.execute_activity(
+            names.STAGE_FROM_PEER,
+            StageFromPeerInput(offer=offer, rank=rank),
+            task_queue=receiver.task_queue,
+            result_type=StageFromPeerResult,
+            **PEER_STEP_OPTIONS,
+        )
 
     def _abandon_broadcast(self, early: asyncio.Future[dict[str, asyncio.Future[bool]] | None]) -> None:
         """The first replica's update failed or was canceled after it started broadcasting:
