@@ -42,13 +42,15 @@ from workers.stack import upload_dir  # noqa: E402
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
-def hot_load(api: Api, dep_id: str, identity: str, previous: str | None) -> tuple[dict, float]:
+def hot_load(api: Api, dep_id: str, identity: str, previous: str | None) -> tuple[dict, float, float]:
+    """Create a hot-load and wait until it ends; returns it, the seconds to COMPLETED, and the
+    wall-clock time of the create call."""
     body: dict = {"deploymentId": dep_id, "identity": identity, "type": "SNAPSHOT_TYPE_FULL"}
     if previous:
         body["type"] = "SNAPSHOT_TYPE_INCREMENTAL"
         body["incrementalSnapshotMetadata"] = {"previousSnapshotIdentity": previous}
     t0 = time.monotonic()
-    hot_load.created_at = time.time()  # type: ignore[attr-defined]
+    created = time.time()
     r = api.call("POST", "/hotLoads", json=body)
     r.raise_for_status()
     hl_id = r.json()["hotLoad"]["spec"]["id"]
@@ -60,7 +62,7 @@ def hot_load(api: Api, dep_id: str, identity: str, previous: str | None) -> tupl
     elapsed = time.monotonic() - t0
     if hl["status"]["state"] != "HOT_LOAD_STATE_COMPLETED":
         raise SystemExit(f"hot-load {identity} ended {hl['status']['state']}: {hl['status'].get('conditions')}")
-    return hl, elapsed
+    return hl, elapsed, created
 
 
 async def cold_rolling_restart(settings, identity_prefix: str, replicas: int, model_name: str, work: Path) -> float:
@@ -168,7 +170,7 @@ def main() -> int:
             upload_dir(s3, base, settings.bucket, f"bench/ckpt/base-{run}")
             upload_dir(s3, work / "delta", settings.bucket, f"bench/ckpt/step-{run}")
             hot_load(api, dep_id, f"base-{run}", None)
-            hl, seconds = hot_load(api, dep_id, f"step-{run}", f"base-{run}")
+            hl, seconds, created = hot_load(api, dep_id, f"step-{run}", f"base-{run}")
             reps = api.call("GET", f"/hotLoads/{hl['spec']['id']}/replicas").json()["replicas"]
             hot.append(seconds)
             pauses += [r["pauseMs"] for r in reps]
@@ -177,7 +179,7 @@ def main() -> int:
                   f"pause ms {[round(r['pauseMs'], 1) for r in reps]}; sources {[r['source'] for r in reps]}", flush=True)
 
         if args.timeline and args.runs:
-            print_timeline(settings, hl["spec"]["id"], hot_load.created_at)  # type: ignore[attr-defined]
+            print_timeline(settings, hl["spec"]["id"], created)
 
         cold: list[float] = []
         for run in range(args.cold_runs):
