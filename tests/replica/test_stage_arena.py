@@ -141,16 +141,20 @@ def test_an_arena_let_go_closes_its_file_and_the_engine_forgets_its_mapping(tmp_
     kept_path, dropped_path = kept.path, dropped.path
     engine_extension._map_shared(kept_path)
     engine_extension._map_shared(dropped_path)
+    dropped_key = engine_extension._SHARED_MAPS[dropped_path][0]
     del dropped
     gc.collect()
     assert not os.path.exists(dropped_path)  # the agent's fd is closed
-    placeholder = os.open(os.devnull, os.O_RDONLY)  # the next file gets another fd number
+    # The next arena may or may not get the dropped one's fd number (its path): either way the
+    # engine must map the new file, not hand back the old mapping, and forget the old one.
     newer = StageArena(tmp_path)
     newer.reserve([("a", 64)])
-    os.close(placeholder)
-    assert newer.path != dropped_path
-    engine_extension._map_shared(newer.path)
-    assert set(engine_extension._SHARED_MAPS) == {kept_path, newer.path}
+    memory = engine_extension._map_shared(newer.path)
+    assert memory.numel() == os.stat(newer.path).st_size
+    kept_key = engine_extension._SHARED_MAPS[kept_path][0]
+    keys = {key for key, _, _ in engine_extension._SHARED_MAPS.values()}
+    assert dropped_key not in keys
+    assert set(engine_extension._SHARED_MAPS) == {kept_path, newer.path} and len(keys) == 2 and kept_key in keys
     for arena in (kept, newer):
         arena.close()
     engine_extension._SHARED_MAPS.clear()
