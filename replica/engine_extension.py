@@ -794,9 +794,10 @@ class WeightLoaderExtension:
     _rollouts_generation: int = 0
 
     def engine_pid(self) -> dict[str, Any]:
-        from replica.vllm_plugin import idle_spin_cap
+        from replica.vllm_plugin import idle_spin_cap, logprob_ranks_eager
 
-        return {"pid": os.getpid(), "parent_pid": os.getppid(), "idle_spin_s": idle_spin_cap()}
+        return {"pid": os.getpid(), "parent_pid": os.getppid(), "idle_spin_s": idle_spin_cap(),
+                "logprob_ranks_eager": logprob_ranks_eager()}
 
     def load_weights_from_files(
         self,

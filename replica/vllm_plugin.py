@@ -12,6 +12,14 @@ the engine starts. What it does:
   ``ROLLOUTS_VLLM_SPIN_S`` (default 0.05 s) caps that window: under load, engine steps follow
   each other far faster than that, so serving still never sleeps between steps; idle, a reader
   wakes from its socket in microseconds. GPU hosts keep vLLM's default.
+- On CPU platforms, it runs the sampler's logprob ranks eagerly. vLLM wraps
+  ``batched_count_greater_than`` (each sampled token's rank, computed for every request that
+  asks for logprobs) in ``torch.compile``, compiled lazily by inductor, i.e. g++, on the first
+  such request: on a 2-core host that stalled the engine — every running request, pauses and
+  RPCs included — for 18 s idle and over two minutes under load (seen in the 64-client load
+  test: a replica's peer receive timed out behind it). The eager ``(x >= values).sum(-1)`` is the
+  same integer count; its temporary is a bool per logit (a quarter of the float32 logprobs
+  tensor already there). GPU hosts keep the compiled kernel.
 
 Nothing here changes what vLLM computes; a process without vLLM is unaffected.
 """
@@ -20,6 +28,10 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("rollouts.vllm_plugin")
 
@@ -28,6 +40,7 @@ DEFAULT_SPIN_S = 0.05
 
 def register() -> None:
     shorten_idle_spin()
+    eager_logprob_ranks()
 
 
 def idle_spin_cap() -> float | None:
@@ -63,3 +76,39 @@ def shorten_idle_spin() -> bool:
     spin.wait = wait  # type: ignore[method-assign]
     logger.info("vLLM's idle busy-poll capped at %.3f s (ROLLOUTS_VLLM_SPIN_S)", cap)
     return True
+
+
+def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row of ``x``, how many elements are >= that row's ``values`` entry (what vLLM's
+    compiled ``batched_count_greater_than`` returns), eagerly."""
+    return (x >= values).sum(-1)
+
+
+def eager_logprob_ranks() -> bool:
+    """On CPU platforms, point vLLM's sampler at :func:`count_at_least` instead of its lazily
+    compiled ``batched_count_greater_than``; True if applied (idempotent)."""
+    try:
+        from vllm.platforms import current_platform
+        from vllm.v1.sample import sampler
+        from vllm.v1.sample.ops import logprobs
+    except Exception:  # noqa: BLE001 - another vLLM layout: leave it alone
+        return False
+    if not current_platform.is_cpu():
+        return False
+    # The sampler imported the function by name: replace both references.
+    if sampler.batched_count_greater_than is count_at_least:
+        return True
+    for module in (logprobs, sampler):
+        if hasattr(module, "batched_count_greater_than"):
+            module.batched_count_greater_than = count_at_least
+    logger.info("vLLM's sampler counts logprob ranks eagerly (no inductor compile on the first logprobs request)")
+    return sampler.batched_count_greater_than is count_at_least
+
+
+def logprob_ranks_eager() -> bool:
+    """Whether this process's vLLM sampler counts logprob ranks with :func:`count_at_least`."""
+    try:
+        from vllm.v1.sample import sampler
+    except Exception:  # noqa: BLE001
+        return False
+    return getattr(sampler, "batched_count_greater_than", None) is count_at_least

@@ -94,10 +94,21 @@ async def test_serves_completions_and_chat(engine: EngineProcess, model_dirs: di
 
 
 async def test_engine_processes_run_our_vllm_plugin(engine: EngineProcess) -> None:
-    """The `vllm.general_plugins` entry point reached the worker: its idle busy-poll is capped."""
+    """The `vllm.general_plugins` entry point reached the worker: its idle busy-poll is capped
+    and a logprobs request compiles nothing (vLLM's lazily compiled rank count stalled the whole
+    engine for its g++ build, minutes on a busy 2-core host)."""
     from replica.vllm_plugin import DEFAULT_SPIN_S
 
-    assert (await engine._rpc1("engine_pid"))["idle_spin_s"] == DEFAULT_SPIN_S
+    worker = await engine._rpc1("engine_pid")
+    assert worker["idle_spin_s"] == DEFAULT_SPIN_S and worker["logprob_ranks_eager"] is True
+    r = await engine.request("POST", "/v1/completions", json={
+        "model": engine.served_model_name, "prompt": PROMPT, "max_tokens": 4, "temperature": 1.0, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"]) == 4
+    cache = engine.work_dir / "cache"  # start() made it; an attached development engine has none
+    inductor = cache / "inductor"  # the engine's TORCHINDUCTOR_CACHE_DIR
+    if cache.is_dir():
+        assert not [p for p in inductor.rglob("*") if p.suffix in (".so", ".cpp")], "inductor compiled code"
 
 
 async def test_checksums_equal_checkpoint_files(engine: EngineProcess, model_dirs: dict[str, Path]) -> None:

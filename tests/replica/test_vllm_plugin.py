@@ -1,10 +1,18 @@
-"""replica.vllm_plugin: the capped idle busy-poll (the engine side: tests/replica/test_engine.py)."""
+"""replica.vllm_plugin: the capped idle busy-poll and the eager logprob ranks (the engine side:
+tests/replica/test_engine.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from replica.vllm_plugin import DEFAULT_SPIN_S, idle_spin_cap, shorten_idle_spin
+from replica.vllm_plugin import (
+    DEFAULT_SPIN_S,
+    count_at_least,
+    eager_logprob_ranks,
+    idle_spin_cap,
+    logprob_ranks_eager,
+    shorten_idle_spin,
+)
 
 
 def test_readers_stop_spinning_after_the_cap() -> None:
@@ -26,3 +34,20 @@ def test_readers_stop_spinning_after_the_cap() -> None:
         sock.close(0)
     context.term()
 
+
+
+def test_the_sampler_counts_logprob_ranks_eagerly() -> None:
+    import torch
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs
+
+    assert eager_logprob_ranks() is True and eager_logprob_ranks() is True  # a CPU platform; idempotent
+    assert logprob_ranks_eager()
+    assert sampler.batched_count_greater_than is count_at_least is logprobs.batched_count_greater_than
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 300, generator=gen).log_softmax(-1)
+    picked = torch.randint(0, 300, (5, 1), generator=gen)
+    values = x.gather(-1, picked)
+    x[0, :4] = values[0, 0]  # ties count (vLLM's rank: 1 + how many logits are at least as large)
+    expected = torch.tensor([sum(1 for v in row if v >= values[i, 0]) for i, row in enumerate(x.tolist())])
+    assert torch.equal(count_at_least(x, values), expected)
