@@ -36,6 +36,7 @@ def test_readers_stop_spinning_after_the_cap() -> None:
 
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # vLLM's sampler imports torch.jit.script_method
 def test_the_sampler_counts_logprob_ranks_eagerly() -> None:
     import torch
     from vllm.v1.sample import sampler
