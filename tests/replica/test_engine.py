@@ -61,6 +61,16 @@ async def greedy(engine: EngineProcess, prompt: list[int] = PROMPT, n: int = 8) 
     return resp.json()["choices"][0]["token_ids"]
 
 
+async def commit_in_pause(engine: EngineProcess, label: str) -> dict[str, Any]:
+    """``commit_staged(label)`` the way a replica swaps: inside ``pause(keep)``, resumed whatever
+    happens; returns the commit's result."""
+    await engine.pause(mode="keep")
+    try:
+        return await engine.commit_staged(label)
+    finally:
+        await engine.resume()
+
+
 async def test_serves_completions_and_chat(engine: EngineProcess, model_dirs: dict[str, Path]) -> None:
     await load_full(engine, model_dirs["base"])
     assert await engine.models() == [SERVED_NAME]
@@ -479,11 +489,7 @@ async def test_staged_update_from_files_changes_nothing_until_commit(
 
     with pytest.raises(EngineRequestError, match="nothing staged"):
         await engine.commit_staged("v-other")  # another label
-    await engine.pause(mode="keep")
-    try:
-        await engine.commit_staged("v1")
-    finally:
-        await engine.resume()
+    await commit_in_pause(engine, "v1")
     assert await engine.served_checksums() == file_checksums(model_dirs["counting"])
     assert await greedy(engine) == [103 + i for i in range(8)]
 
@@ -537,12 +543,8 @@ async def _commit_of_a_changed_stage_fails(engine: EngineProcess, arena: Any, la
     """Flip one staged byte after the stage was checked: the commit's proof must refuse it."""
     first = COUNTING_CHANGED[0]
     arena.view(*layout[first])[0] ^= 1
-    await engine.pause(mode="keep")
-    try:
-        with pytest.raises(EngineRequestError, match="different values after the load"):
-            await engine.commit_staged(label)
-    finally:
-        await engine.resume()
+    with pytest.raises(EngineRequestError, match="different values after the load"):
+        await commit_in_pause(engine, label)
     arena.view(*layout[first])[0] ^= 1
 
 
@@ -570,11 +572,7 @@ async def test_stage_from_arena_is_checked_and_proven_inside_the_pause(
     assert await engine.served_checksums() == base_sums
 
     await engine.stage_from_arena("v2", arena.path, entries, expected)
-    await engine.pause(mode="keep")
-    try:
-        swap = await engine.commit_staged("v2")
-    finally:
-        await engine.resume()
+    swap = await commit_in_pause(engine, "v2")
     assert swap["checksums"] == expected
     assert await engine.served_checksums() == file_checksums(model_dirs["counting"])
     assert await greedy(engine) == [103 + i for i in range(8)]
@@ -605,11 +603,7 @@ async def test_a_stage_rolls_back_from_the_host_copy_in_shared_memory(
     assert await engine.served_checksums() == base_sums
 
     await engine.stage_from_arena("v2", arena.path, entries, expected, backup=(host_arena.path, offsets))
-    await engine.pause(mode="keep")
-    try:
-        await engine.commit_staged("v2")
-    finally:
-        await engine.resume()
+    await commit_in_pause(engine, "v2")
     assert await engine.served_checksums() == file_checksums(model_dirs["counting"])
     assert host.checksums() == base_sums  # the engine read the host copy, never wrote it
     arena.close()
@@ -638,11 +632,7 @@ async def test_broadcast_stages_on_the_receiver_then_commits(
     on_disk = load_checkpoint_file(saved)
     assert {n: adler32_hex(t) for n, t in on_disk.items()} == expected
 
-    await b.pause(mode="keep")
-    try:
-        await b.commit_staged("v1")
-    finally:
-        await b.resume()
+    await commit_in_pause(b, "v1")
     assert await b.served_checksums() == file_checksums(model_dirs["counting"])
     assert await greedy(b) == [103 + i for i in range(8)]
 

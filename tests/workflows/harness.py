@@ -255,6 +255,10 @@ class Fleet:
 
         return await poll(check, timeout, f"hot-load {hl_id} terminal")
 
+    async def hot_load_replicas(self, hl_id: str) -> list[dict]:
+        """``GET /hotLoads/{hl_id}/replicas``: the replica entries, in walk order."""
+        return (await self.call("GET", f"/hotLoads/{hl_id}/replicas")).json()["replicas"]
+
     async def wait_idle(self, dep_id: str, timeout: float = 90) -> None:
         """Until the deployment has taken note that its last hot-load ended."""
 

@@ -29,7 +29,7 @@ async def test_receivers_commit_as_their_stages_finish_and_a_failed_stage_reads_
         f.stage_behaviour = {"replica-2": slow, "replica-3": broken}
         hl = await f.completed(dep, "step-1", hotLoadId="walk-1")
         assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
-        replicas = {r["name"]: r for r in (await f.call("GET", "/hotLoads/walk-1/replicas")).json()["replicas"]}
+        replicas = {r["name"]: r for r in await f.hot_load_replicas("walk-1")}
         assert [replicas[f"replica-{i}"]["source"] for i in range(4)] == [
             "bucket", "peer:replica-0", "peer:replica-0", "bucket"
         ]
@@ -76,7 +76,7 @@ async def test_receivers_stage_while_the_first_replica_swaps_and_commit_after_it
         f.swap_behaviour = {"replica-0": swap_once_all_staged}
         hl = await f.completed(dep, "step-1", hotLoadId="early-1", **DELTA)
         assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
-        replicas = {r["name"]: r for r in (await f.call("GET", "/hotLoads/early-1/replicas")).json()["replicas"]}
+        replicas = {r["name"]: r for r in await f.hot_load_replicas("early-1")}
         assert [replicas[f"replica-{i}"]["source"] for i in range(4)] == ["bucket"] + ["peer:replica-0"] * 3
         events = f.peer_events
         assert events.index(("replica-0", "offered")) < min(i for i, (_, e) in enumerate(events) if e == "staged")
@@ -101,7 +101,7 @@ async def test_a_first_replica_that_fails_its_swap_leaves_the_receivers_on_their
         assert r.status_code == 200, r.text
         hl = await f.wait_hot_load("early-fail-1")
         assert hl["status"]["state"] == "HOT_LOAD_STATE_FAILED", hl["status"]
-        replicas = {r["name"]: r for r in (await f.call("GET", "/hotLoads/early-fail-1/replicas")).json()["replicas"]}
+        replicas = {r["name"]: r for r in await f.hot_load_replicas("early-fail-1")}
         assert replicas["replica-0"]["state"] == "ERROR"
         assert "load_weights failed" in replicas["replica-0"]["errorReason"]
         # The receivers staged at most: none committed, none moved.
@@ -117,7 +117,7 @@ async def test_without_an_early_offer_the_first_replica_broadcasts_after_its_com
         f.refuse_early_offer = True
         hl = await f.completed(dep, "step-1", hotLoadId="late-1", **DELTA)
         assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
-        replicas = {r["name"]: r for r in (await f.call("GET", "/hotLoads/late-1/replicas")).json()["replicas"]}
+        replicas = {r["name"]: r for r in await f.hot_load_replicas("late-1")}
         assert [replicas[f"replica-{i}"]["source"] for i in range(3)] == ["bucket"] + ["peer:replica-0"] * 2
         events = f.peer_events
         assert events.index(("replica-0", "applied")) < min(i for i, (_, e) in enumerate(events) if e == "staged")

@@ -53,7 +53,7 @@ async def test_cancel_mid_step_ends_canceled_and_untouched_replicas_keep_their_w
         assert st["canceledAt"] and st["finishedAt"] and st["canceledAt"] >= st["createdAt"]
         (cond,) = [c for c in st["conditions"] if c["type"] == "Canceled"]
         assert cond["status"] == "STATUS_TRUE" and cond["message"]
-        replicas = (await f.call("GET", f"/hotLoads/{hl}/replicas")).json()["replicas"]
+        replicas = await f.hot_load_replicas(hl)
         assert [r["state"] for r in replicas[1:]] == ["PENDING_UPDATE", "PENDING_UPDATE"]
         assert all(r["currentSnapshotIdentity"] == "initial" for r in replicas)
         assert f.applied == []  # no step finished, none started after the cancel
@@ -68,7 +68,7 @@ async def test_cancel_mid_step_leaves_no_replica_updating(temporal_env, tmp_path
         _, hl = await start_held(f, f.held)
         await f.call("POST", f"/hotLoads/{hl}:cancel", json={})
         await f.wait_hot_load(hl)
-        replicas = (await f.call("GET", f"/hotLoads/{hl}/replicas")).json()["replicas"]
+        replicas = await f.hot_load_replicas(hl)
         assert all(r["state"] != "UPDATING" for r in replicas), replicas
         assert replicas[0]["state"] == "PENDING_UPDATE" and replicas[0]["finishedAt"]
 
@@ -84,7 +84,7 @@ async def test_cancel_while_a_step_finishes_stops_before_the_next_replica(tempor
         end = await f.wait_hot_load(hl)
         assert f.cancel_seen.is_set()
         assert end["status"]["state"] == "HOT_LOAD_STATE_CANCELED", end["status"]
-        replicas = (await f.call("GET", f"/hotLoads/{hl}/replicas")).json()["replicas"]
+        replicas = await f.hot_load_replicas(hl)
         # The replica mid-step finished it (all-or-nothing) and says so; the others were not touched.
         assert [(r["state"], r["currentSnapshotIdentity"]) for r in replicas] == [
             ("READY", "s1"), ("PENDING_UPDATE", "initial"), ("PENDING_UPDATE", "initial"),

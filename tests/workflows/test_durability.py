@@ -60,10 +60,6 @@ def kill9(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
-async def replicas_of(f: Fleet, hl: str) -> list[dict]:
-    return (await f.call("GET", f"/hotLoads/{hl}/replicas")).json()["replicas"]
-
-
 async def test_control_worker_killed_mid_hot_load_then_restarted(temporal_env, tmp_path):
     address = temporal_env.client.service_client.config.target_host
     async with Fleet(temporal_env.client, tmp_path, control_worker=False) as f:
@@ -83,12 +79,12 @@ async def test_control_worker_killed_mid_hot_load_then_restarted(temporal_env, t
             await asyncio.sleep(1)
             mid = (await f.call("GET", "/hotLoads/crash-worker")).json()["hotLoad"]
             assert mid["status"]["state"] == "HOT_LOAD_STATE_IN_PROGRESS"
-            assert [r["state"] for r in await replicas_of(f, "crash-worker")] == ["READY", "UPDATING", "PENDING_UPDATE"]
+            assert [r["state"] for r in await f.hot_load_replicas("crash-worker")] == ["READY", "UPDATING", "PENDING_UPDATE"]
 
             proc = await start_control_process(address, f, tmp_path)
             end = await f.wait_hot_load("crash-worker", timeout=60)
             assert end["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", end["status"]
-            assert [(r["state"], r["currentSnapshotIdentity"]) for r in await replicas_of(f, "crash-worker")] == [
+            assert [(r["state"], r["currentSnapshotIdentity"]) for r in await f.hot_load_replicas("crash-worker")] == [
                 ("READY", "s1")
             ] * 3
             await f.wait_idle(dep, timeout=60)
@@ -164,7 +160,7 @@ async def test_temporal_dev_server_killed_mid_hot_load_then_restarted(tmp_path):
             f.hold.set()  # the held step completes once its worker reaches the server again
             end = await f.wait_hot_load("crash-server", timeout=90)
             assert end["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", end["status"]
-            assert {r["state"] for r in await replicas_of(f, "crash-server")} == {"READY"}
+            assert {r["state"] for r in await f.hot_load_replicas("crash-server")} == {"READY"}
             await f.wait_idle(dep, timeout=60)
             f.apply_behaviour = {}
             await f.completed(dep, "s2")  # the deployment admits the next one

@@ -145,7 +145,7 @@ async def test_terminated_workflow_reads_as_failed_and_frees_the_deployment(temp
         hl = (await f.call("GET", "/hotLoads/killed")).json()["hotLoad"]
         assert hl["status"]["state"] == "HOT_LOAD_STATE_FAILED" and hl["status"]["finishedAt"]
         assert hl["status"]["conditions"][-1]["reason"] == "WorkflowTerminated"
-        replicas = (await f.call("GET", "/hotLoads/killed/replicas")).json()["replicas"]
+        replicas = await f.hot_load_replicas("killed")
         assert replicas[0]["state"] == "ERROR" and "TERMINATED" in replicas[0]["errorReason"]
         assert replicas[1]["state"] == "PENDING_UPDATE"
         listed = (await f.call("GET", "/hotLoads", params={"parentDeploymentId": dep})).json()["hotLoads"]
@@ -210,7 +210,7 @@ async def test_warm_reads_answer_from_memory_and_share_visibility_calls(temporal
             assert [h["spec"]["id"] for h in await walk(f, dep, 2)] == done[::-1]
             one = (await f.call("GET", f"/hotLoads/{done[0]}")).json()["hotLoad"]
             assert one["status"]["state"] == "HOT_LOAD_STATE_COMPLETED" and one["status"]["workflowUrl"]
-            replicas = (await f.call("GET", f"/hotLoads/{done[0]}/replicas")).json()["replicas"]
+            replicas = await f.hot_load_replicas(done[0])
             assert {r["state"] for r in replicas} == {"READY"}
         finally:
             resources.client = index.client = real
