@@ -1,10 +1,12 @@
 """One replica: a vLLM engine, the host copy of its weights, and its Temporal agent.
 
-`run_replica` downloads the deployment's model from the bucket, starts the engine (a stock vLLM
-OpenAI server with our worker extension), loads the host copy of the weights (checkpoint format,
-what deltas apply to), starts a Temporal worker on the replica's own task queue (running
-`activities.replica_step`), and tells its deployment workflow it is ready. If the engine dies,
-the replica reports the failure to its deployment and exits; SIGTERM stops the engine and exits.
+`run_replica` reclaims the shared memory of dead engines (`replica.shm_reclaim`), downloads the
+deployment's model from the bucket, starts the engine (vLLM's OpenAI server with our worker
+extension, behind the replica's secret: `replica.engine_guard`), loads the host copy of the
+weights (checkpoint format, what deltas apply to), starts a Temporal worker on the replica's own
+task queue (running `activities.replica_step`), and tells its deployment workflow it is ready. If
+the engine dies, the replica reports the failure to its deployment and exits; SIGTERM stops the
+engine and exits.
 
 `ReplicaRuntime` owns the all-or-nothing bookkeeping of an update: staging (host copy and an
 engine stage, nothing the engine serves changes), the swap inside one short pause, the proof,
@@ -30,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from replica.shm_reclaim import reclaim_dead_segments
 from replica.stage_arena import StageArena, decode_turn_marker, host_decode_slot
 from snapshots.storage import snapshot_uri
 from workers.processes import PidFile, free_port, stop_pid
@@ -113,12 +116,15 @@ class ReplicaRuntime:
     Every update is staged first, the engine still serving: a delta chain is decoded once, by
     the host copy, into the shared stage arena (`replica.stage_arena`; the host copy itself does
     not change yet) and the engine stages views of those bytes; a new full base goes through a
-    staging file. Then it is swapped in inside one short pause, where the engine also reads back
-    the Adler-32 of what it now holds (the proof; without it, read after the resume), and the
-    chain is committed; the host copy adopts the same bytes on a thread after the step returns,
-    and every later step waits for that first (`settled`). The host copy lives in shared memory
-    and is the engine's roll-back source for a delta stage. A failure at any point leaves the
-    engine and the host copy exactly as they were.
+    staging file. A tensor whose name, shape or dtype differs from the engine's parameter is
+    refused there, before any pause. Then it is swapped in inside one short pause, where the
+    engine also reads back the Adler-32 of every swapped tensor against the snapshot's (the
+    proof): a difference rolls back the engine's tensors, the weight-version label and the host
+    copy, then resumes on the old weights. Only a proven swap commits the chain; the host copy
+    adopts the same bytes on a thread after the step returns, and every later step waits for
+    that first (`settled`). The host copy lives in shared memory and is the engine's roll-back
+    source for a delta stage. A failure at any point leaves the engine, its label and the host
+    copy exactly as they were, and the error says what was read back to show it.
     """
 
     def __init__(self, *, name: str, engine: Any, host: Any, s3: Any, workdir: Path,
@@ -423,25 +429,26 @@ class ReplicaRuntime:
 
     async def _swap_in(self, staged: StagedUpdate, chain_ids: list[str],
                        policy: PromptCachePolicy) -> tuple[float, float, int]:
-        """Swap a stage in (one pause), commit the chain, start the host copy's adoption and
-        prove the swap; returns (pause ms, prove ms, tensors proven)."""
+        """Swap a stage in and prove it (one pause), then commit the chain and start the host
+        copy's adoption; returns (pause ms, ms of the proof inside it, tensors proven)."""
         try:
-            pause_ms, swap = await self._swap_staged(staged.identity, staged.backups, len(staged.names), policy)
+            pause_ms, swap = await self._swap_staged(staged.identity, staged.backups, staged.names, policy)
         finally:
             if staged.path is not None:
                 staged.path.unlink(missing_ok=True)
         self._adopt_later(staged)
         self._commit(chain_ids, staged.new_host, staged.changed_by_link, staged.new_host_arena)
         self.link_dirs = staged.link_dirs
-        t0 = time.perf_counter()
-        verified = await self.prove(staged.names, swap, staged.expected)
-        return pause_ms, _ms_since(t0), verified
+        return pause_ms, 1000 * float(swap.get("verify_s", 0.0)), int(swap["verified"])
 
-    async def _swap_staged(self, label: str, host_backups: dict[str, np.ndarray], count: int,
+    async def _swap_staged(self, label: str, host_backups: dict[str, np.ndarray], names_: list[str],
                            policy: PromptCachePolicy) -> tuple[float, dict[str, Any]]:
-        """Pause (keeping requests), swap the engine's stage in, resume; all or nothing.
-        Returns the pause in ms and the engine's swap report (with ``checksums`` when the engine
-        proved the swapped tensors' Adler-32 inside the pause)."""
+        """Pause (keeping requests), swap the engine's stage in and prove it, resume; all or
+        nothing. Everything that can refuse the update runs inside the pause, before the
+        replica serves a token of it: the engine reads back every swapped tensor against the
+        snapshot's Adler-32 and rolls its tensors back on any difference; then the label goes
+        back too and the host copy is restored. Returns the pause in ms and the engine's swap
+        report (``verified``: tensors proven; ``checksums`` where proven by Adler-32)."""
         # RESET_ALL: clear the KV cache at the pause, so paused requests are recomputed on the new
         # weights after the resume and no prefix computed under the old ones is reused.
         reset = policy == PromptCachePolicy.RESET_ALL
@@ -455,11 +462,14 @@ class ReplicaRuntime:
                 await self.engine.set_weight_version(label)
                 try:
                     swap = await self.engine.commit_staged(label)
+                    if int(swap.get("verified", -1)) != len(names_):
+                        raise EngineUpdateError(f"the engine proved {swap.get('verified')} of {len(names_)} "
+                                                f"swapped tensor(s)")
                 except BaseException:
                     with contextlib.suppress(Exception):
                         await self.engine.set_weight_version(previous)
                     raise
-                log.info("swap of %d tensor(s) in the pause: %s", count,
+                log.info("swap of %d tensor(s) in the pause: %s", len(names_),
                          _fmt({k: 1000 * v for k, v in swap.items() if k.endswith("_s")}))
             finally:
                 await self.engine.resume()
@@ -467,10 +477,23 @@ class ReplicaRuntime:
             # The engine's own swap is all-or-nothing; the host copy is put back here.
             self.host.restore(host_backups)
             raise EngineUpdateError(
-                f"loading {count} tensor(s) into the engine failed; it serves its previous "
-                f"weights: {one_line(exc)}"
+                f"loading {len(names_)} tensor(s) into the engine failed; {await self._kept_previous(names_)}: "
+                f"{one_line(exc)}"
             ) from None
         return (time.perf_counter() - t0) * 1000, swap
+
+    async def _kept_previous(self, names_: list[str]) -> str:
+        """After a refused swap: read back what the engine serves (label and the swapped
+        tensors) against the host copy, and say so."""
+        try:
+            label = await self.engine.weight_version()
+            await self.prove(names_)
+        except Exception as exc:  # noqa: BLE001 - reported in the replica's error
+            return (f"the engine could not be shown to serve its previous weights ({one_line(exc, 200)}); "
+                    f"restart the replica")
+        if label != self.current_identity:
+            return f"the engine serves its previous weights but is labelled {label!r}; restart the replica"
+        return f"it serves its previous weights ({self.current_identity}, {len(names_)} tensor(s) read back)"
 
     def _commit(self, chain_ids: list[str], new_host: Any, changed: dict[str, list[str] | None],
                 new_host_arena: StageArena | None = None) -> None:
@@ -495,20 +518,14 @@ class ReplicaRuntime:
         self._commit(chain_ids, None, changed)
         return chain_ids
 
-    async def prove(self, names_: list[str], swap: dict[str, Any] | None = None,
-                    expected: dict[str, str] | None = None) -> int:
-        """Compare the Adler-32 of what the engine serves with the host copy's verified ones.
-
-        A swap that checksummed the engine's tensors inside its pause (`swap["checksums"]`, read
-        back from the engine after the load, before anything was served) already is that proof;
-        otherwise the engine computes them now, on its background thread."""
+    async def prove(self, names_: list[str]) -> int:
+        """Compare the Adler-32 of what the engine serves for `names_` (computed now, on its
+        background thread) with the host copy's verified ones; EngineUpdateError naming the
+        tensors that differ. (A swap is proven inside its pause instead: `_swap_staged`.)"""
         if not names_:
             return 0
-        served = dict((swap or {}).get("checksums") or {})
-        if not all(n in served for n in names_):
-            served = await self.engine.served_checksums(names_)
-        if expected is None or not all(n in expected for n in names_):
-            expected = self.host.checksums()
+        served = await self.engine.served_checksums(names_)
+        expected = self.host.checksums()
         wrong = [n for n in names_ if served.get(n) != expected.get(n)]
         if wrong:
             raise EngineUpdateError(
@@ -797,12 +814,11 @@ class ReplicaRuntime:
         names_ = [s[0] for s in offer.specs]
         saved = self.host.save(names_)
         self.host.restore(stage.received, checksums=offer.expected_adler32)  # verified at staging
-        pause_ms, swap = await self._swap_staged(identity, saved, len(names_), policy)
+        pause_ms, swap = await self._swap_staged(identity, saved, names_, policy)
         chain_ids = self._commit_offer(offer, names_)
-        t1 = time.perf_counter()
-        verified = await self.prove(names_, swap)
+        verified = int(swap["verified"])
         log.info("applied %s from %s: %s", identity, offer.source_replica,
-                 _fmt({"pause": pause_ms, "prove": _ms_since(t1), "total": _ms_since(t0)}))
+                 _fmt({"pause": pause_ms, "total": _ms_since(t0)}))
         return ApplySnapshotResult(
             identity=identity, engine_pid=self.engine.pid, tensors_loaded=len(names_),
             bytes_read_from_bucket=0, pause_ms=pause_ms, source=f"peer:{offer.source_replica}",
@@ -915,6 +931,8 @@ async def run_replica(
         # An engine orphaned by a killed agent: it may sit paused forever. Stop it first.
         log.warning("stopping engine %d left by a previous run of %s", leftover, name)
         stop_pid(leftover, timeout=20)
+    # Shared memory that killed engines (this replica's or others') left in /dev/shm.
+    await asyncio.to_thread(reclaim_dead_segments)
     try:
         model_dir = workdir / "model"
         await asyncio.to_thread(download_prefix, s3, model_bucket, model_path, model_dir)
@@ -927,6 +945,8 @@ async def run_replica(
             served_model_name=model_name,
             port=port,
             log_path=workdir / "engine.log",
+            # What the gateway derives too: the engine answers only this agent and the gateway.
+            secret=settings.engine_secret(workflow_id, name),
             **engine_options(engine_config or {}),
         )
         await engine.start()
@@ -955,7 +975,7 @@ async def run_replica(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    task_queue = names.replica_task_queue(deployment_id, name)
+    task_queue = names.replica_task_queue(workflow_id, name)
     peer = PeerActivities(runtime)
     worker = Worker(
         client,

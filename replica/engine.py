@@ -10,17 +10,25 @@ Contract:
   and our worker extension (``replica.engine_extension.WeightLoaderExtension``), then waits until
   ``/health`` and ``/v1/models`` answer. A start that fails or times out raises
   ``EngineStartError`` carrying the tail of the log, and stops what it started.
+- Every route but ``GET /health`` needs the engine's secret (``replica/engine_guard.py``), and
+  only the routes this class and the gateway use are on. ``secret`` (default: a fresh random
+  one; the replica agent passes ``Settings.engine_secret``) reaches the server through a 0600
+  file in ``work_dir`` named by ``ROLLOUTS_ENGINE_SECRET_FILE`` (never its command line), which
+  ``start()`` removes once the server serves; every request of this class carries it
+  (``auth_headers``).
 - Everything the process writes goes under ``work_dir``: its log (``engine.log`` unless
   ``log_path`` says otherwise) and, through ``TMPDIR`` / ``VLLM_CACHE_ROOT`` /
   ``VLLM_CONFIG_ROOT`` / ``HF_HOME`` / ``XDG_*``, vLLM's IPC files and caches. Usage
   statistics are off and Hugging Face is offline: nothing leaves the machine.
-- ``EngineProcess.attach(base_url, pid=None)`` drives an engine someone else started; ``stop()``
-  on it signals ``pid`` if given (it cannot reap it).
+- ``EngineProcess.attach(base_url, pid=None, secret=None)`` drives an engine someone else started
+  (without its secret only ``health()`` works); ``stop()`` on it signals ``pid`` if given (it
+  cannot reap it).
 - Async control methods (httpx) map to vLLM's dev-mode routes and to the extension's methods
   over ``/collective_rpc`` (see ``replica/engine_extension.py`` for their JSON):
   ``pause``, ``resume``, ``is_paused``, ``reset_prefix_cache``, ``collective_rpc``,
   ``load_weights_from_files``, ``checksums``, ``weight_specs``, ``save_weights``,
-  ``engine_pids``, ``peer_init`` / ``peer_send`` / ``peer_receive`` / ``peer_close``.
+  ``engine_pids``, ``peer_init`` / ``peer_send`` / ``peer_receive`` / ``peer_close``, and
+  ``vllm_weight_checksums`` (vLLM's own worker checksums, over ``/collective_rpc``).
   Non-2xx answers raise ``EngineRequestError`` with the status and body.
 - ``stop()``: SIGTERM to the server, wait, then SIGKILL to its whole process group (the server,
   the engine core and the worker: the server is started in a session of its own) on timeout.
@@ -50,6 +58,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -60,7 +69,9 @@ from typing import Any
 
 import httpx
 
+from replica.engine_guard import SECRET_FILE_ENV
 from workers.processes import free_port
+from workers.settings import ENGINE_SECRET_HEADER
 
 EXTENSION_CLS = "replica.engine_extension.WeightLoaderExtension"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -126,6 +137,7 @@ class EngineProcess:
         python: str = sys.executable,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        secret: str | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.work_dir = Path(work_dir)
@@ -141,6 +153,7 @@ class EngineProcess:
         self.python = python
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
+        self.secret: str | None = secret or secrets.token_urlsafe(32)
         self._job_results: dict[str, Path] = {}  # background job kind -> its result file
         self._proc: subprocess.Popen[bytes] | None = None
         self._pid: int | None = None
@@ -151,12 +164,25 @@ class EngineProcess:
     # -- identity ---------------------------------------------------------------------------
 
     @classmethod
-    def attach(cls, base_url: str, *, pid: int | None = None, served_model_name: str | None = None) -> EngineProcess:
-        """An EngineProcess for an engine that is already running at ``base_url``."""
+    def attach(cls, base_url: str, *, pid: int | None = None, served_model_name: str | None = None,
+               secret: str | None = None) -> EngineProcess:
+        """An EngineProcess for an engine that is already running at ``base_url``; ``secret``:
+        that engine's (without it, the engine refuses everything but ``/health``)."""
         self = cls("", work_dir=".", served_model_name=served_model_name or "")
+        self.secret = secret
         self._base_url = base_url.rstrip("/")
         self._pid = pid
         return self
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """The header that gets a request past the engine's guard (empty without a secret)."""
+        return {ENGINE_SECRET_HEADER: self.secret} if self.secret else {}
+
+    @property
+    def secret_path(self) -> Path:
+        """Where ``start()`` hands the secret to the server (removed once it serves)."""
+        return self.work_dir / "engine.secret"
 
     @property
     def pid(self) -> int | None:
@@ -226,6 +252,7 @@ class EngineProcess:
             }
         )
         env.update(self.extra_env)
+        env[SECRET_FILE_ENV] = str(self.secret_path)
         return env
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -240,6 +267,7 @@ class EngineProcess:
         if self.port is None:
             self.port = free_port(self.host)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._write_secret()
         t0 = time.monotonic()
         with self.log_path.open("ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(self.command())}\n".encode())
@@ -262,12 +290,22 @@ class EngineProcess:
         except BaseException:
             await self.stop()
             raise
+        finally:
+            self.secret_path.unlink(missing_ok=True)  # the server read it before it served
         self.start_seconds = time.monotonic() - t0
         return self
 
+    def _write_secret(self) -> None:
+        if not self.secret:
+            raise EngineError("an engine needs a secret")
+        self.secret_path.unlink(missing_ok=True)
+        fd = os.open(self.secret_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.secret)
+
     async def wait_ready(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient(timeout=5.0) as client:
+        async with httpx.AsyncClient(timeout=5.0, headers=self.auth_headers) as client:
             while True:
                 if self._proc is not None and self._proc.poll() is not None:
                     raise EngineStartError(
@@ -350,6 +388,7 @@ class EngineProcess:
         if client is None or client.is_closed:
             client = httpx.AsyncClient(
                 base_url=self.base_url,
+                headers=self.auth_headers,
                 timeout=httpx.Timeout(600.0, connect=10.0),
                 # Below the server's keep-alive (75 s, set in environment()), so a pooled
                 # connection is never one the server has just closed.
@@ -639,18 +678,24 @@ class EngineProcess:
         await self._start_job("checksum_job", None if names is None else list(names))
         return dict((await self.wait_job("checksums"))["checksums"])
 
-    async def commit_staged(self, label: str, verify: bool = True) -> dict[str, Any]:
-        """Swap the staged tensors in (call inside a pause); all or nothing."""
-        return await self._rpc1("commit_staged", label, verify)
+    async def commit_staged(self, label: str) -> dict[str, Any]:
+        """Swap the staged tensors in and prove them (call inside a pause); all or nothing: the
+        result's ``verified`` counts the tensors read back and found equal to the stage's
+        expected Adler-32 (``checksums``) or, without those, to the bytes staged."""
+        return await self._rpc1("commit_staged", label)
 
     async def discard_staged(self) -> dict[str, Any]:
         return await self._rpc1("discard_staged")
 
     async def vllm_weight_checksums(self) -> dict[str, str]:
-        """vLLM's own ``/weight_checker`` SHA-256s (engine names, fused; see the extension's
-        docstring for why they are blind to linear layers on a CPU engine without our patch)."""
-        resp = await self.request("POST", "/weight_checker", json={"action": "checksum"})
-        return resp.json()["checksums"]
+        """vLLM's own per-parameter SHA-256s (its worker's ``compute_weight_checksums``, what its
+        ``/weight_checker`` route returns; that route is off here). Engine names, fused; see the
+        extension's docstring for why they are blind to linear layers on a CPU engine without
+        our patch."""
+        out: dict[str, str] = {}
+        for worker in await self.collective_rpc("compute_weight_checksums"):
+            out.update(worker)
+        return out
 
     def __repr__(self) -> str:
         return f"EngineProcess(model_dir={str(self.model_dir)!r}, base_url={self._base_url!r}, pid={self._pid})"

@@ -77,17 +77,20 @@ runs inside the pause:
   job answers ``{"kind", "state": "running", "result_path"}``: the job's final status is written
   there as JSON, so a caller on the same host waits on that file rather than polling (each RPC
   keeps vLLM's worker busy-polling for a second, see ``_Job``);
-- ``commit_staged(label, verify=True)`` (inside a pause): load the staged tensors in place, all
-  or nothing, verified: when the stage carries expected Adler-32 and the engine's tensors are in
-  host memory, by the Adler-32 of what the engine now holds (returned as ``checksums``: the
-  served-weights proof, taken before a single token is served on them), else bit-compared with
-  what it was given; ``discard_staged()`` drops them. A stage is refused at commit if the
-  engine's weights changed after it was taken (its roll-back copy would be stale).
+- ``commit_staged(label)`` (inside a pause): load the staged tensors in place, all or nothing,
+  and prove them before the pause ends: every stage keeps the expected Adler-32 it was given
+  (the snapshot's), and the commit reads back what the engine now holds against them (returned
+  as ``checksums`` and counted as ``verified``: the served-weights proof, taken before a single
+  token is served on them); a stage without expected checksums is bit-compared with what it was
+  given. Any difference rolls the engine's tensors back and fails the commit.
+  ``discard_staged()`` drops a stage. A stage is refused at commit if the engine's weights
+  changed after it was taken (its roll-back copy would be stale).
 
-All-or-nothing: before touching the engine, a load checks that every name maps to an engine
-tensor of the same shape; it then copies the old values of exactly those tensors aside, loads,
-and (``verify``) compares what the engine now holds with what it was given, bit for bit. Any
-failure restores the old values and raises, so the engine serves exactly what it served before.
+All-or-nothing: before touching the engine (at staging, for a staged update), a load checks
+that every name maps to an engine tensor of exactly the same shape and dtype (a conversion
+would serve bytes other than the snapshot's); it then copies the old values of exactly those
+tensors aside, loads, and (``verify``) reads back what the engine now holds. Any failure
+restores the old values and raises, so the engine serves exactly what it served before.
 
 CPU engines. vLLM's CPU backend repacks every linear weight into a kernel-private copy after
 loading (oneDNN or the AMX "sgl" kernels) and then replaces the parameter with an empty tensor
@@ -518,8 +521,9 @@ def _check_expected(tensors: list[tuple[str, torch.Tensor]], expected: dict[str,
 
 
 def check_loadable(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, _View]:
-    """Refuse (ValueError, naming each tensor) what cannot load in place: unknown names,
-    duplicates, shape or kind mismatches. Returns the engine's views by checkpoint name."""
+    """Refuse (ValueError, naming each tensor) what cannot load in place byte for byte: unknown
+    names, duplicates, a shape or a dtype other than the engine parameter's. Returns the
+    engine's views by checkpoint name."""
     views, _ = _checkpoint_views(model)
     problems = []
     seen: set[str] = set()
@@ -531,8 +535,9 @@ def check_loadable(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor
             problems.append(f"{name}: no such tensor in the engine")
         elif tuple(t.shape) != tuple(v.tensor.shape):
             problems.append(f"{name}: shape {tuple(t.shape)} != engine {tuple(v.tensor.shape)}")
-        elif t.dtype.is_floating_point != v.tensor.dtype.is_floating_point:
-            problems.append(f"{name}: dtype {t.dtype} cannot load into {v.tensor.dtype}")
+        elif t.dtype != v.tensor.dtype:
+            # A conversion would serve other bytes than the snapshot's (and its checksums).
+            problems.append(f"{name}: dtype {dtype_to_str(t.dtype)} != engine {dtype_to_str(v.tensor.dtype)}")
         seen.add(name)
     if problems:
         raise ValueError(f"refusing to load ({len(problems)} problem(s)): " + "; ".join(problems[:8]))
@@ -540,10 +545,38 @@ def check_loadable(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype:
-        b = b.to(a.dtype)
+    """Whether ``a`` holds exactly ``b``'s bytes (same dtype and shape; no conversion)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
     b = b.to(a.device)
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _proof(views: dict[str, _View], tensors: list[tuple[str, torch.Tensor]],
+           expected_adler32: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
+    """Read back what the engine holds for ``tensors`` after a load: returns (tensors that
+    differ, Adler-32 of each proven tensor).
+
+    With ``expected_adler32`` covering every tensor (the snapshot's checksums), each tensor is
+    proven against it: by the Adler-32 of the engine's own bytes when they live in host memory,
+    else by the Adler-32 of the bytes given plus a bit compare of the engine's copy with them.
+    Without it, the engine's bytes are bit-compared with the bytes given."""
+    if not (expected_adler32 and all(n in expected_adler32 for n, _ in tensors)):
+        return [n for n, t in tensors if not _same_bits(views[n].tensor, t)], {}
+    held: dict[str, str] = {}
+    bad: list[str] = []
+    for n, t in tensors:
+        want = expected_adler32[n].lower()
+        engine_t = views[n].tensor
+        if engine_t.device.type == "cpu":
+            ok = engine_t.dtype == t.dtype and adler32_hex(engine_t) == want
+        else:
+            ok = adler32_hex(t) == want and _same_bits(engine_t, t)
+        if ok:
+            held[n] = want
+        else:
+            bad.append(n)
+    return bad, held
 
 
 def apply_weights(
@@ -556,9 +589,10 @@ def apply_weights(
     """Load checkpoint-named tensors into ``model`` in place, all or nothing (module docstring).
 
     ``backup`` (name -> the engine's current values, taken earlier by a stage) saves copying
-    them here, inside the pause. With ``verify`` and ``expected_adler32`` covering every tensor
-    of an engine in host memory, what the engine holds afterwards is checked by Adler-32
-    (returned as ``checksums``) instead of a bit compare: one read instead of two."""
+    them here, inside the pause. ``verify`` reads back what the engine holds afterwards
+    (`_proof`: against ``expected_adler32`` when it covers every tensor, returned as
+    ``checksums``; else bit for bit against the bytes given) and counts the tensors proven as
+    ``verified``; any difference restores the previous values and raises."""
     t0 = time.perf_counter()
     views = check_loadable(model, tensors)
     touched = {id(views[n].module): views[n].module for n, _ in tensors}
@@ -580,17 +614,12 @@ def apply_weights(
                 missing = [n for n, _ in tensors if n not in views]
                 if missing:
                     raise RuntimeError(f"engine lost tensor(s) in the load: {missing[:8]}")
-                by_adler = bool(expected_adler32) and all(
-                    n in expected_adler32 and views[n].tensor.device.type == "cpu" for n, _ in tensors
-                )
-                if by_adler:
-                    held = {n: adler32_hex(views[n].tensor) for n, _ in tensors}
-                    bad = [n for n, _ in tensors if held[n] != expected_adler32[n].lower()]
+                bad, held = _proof(views, tensors, expected_adler32)
+                if held:
                     timings["checksums"] = held  # type: ignore[assignment]
-                else:
-                    bad = [n for n, t in tensors if not _same_bits(views[n].tensor, t)]
                 if bad:
                     raise RuntimeError(f"engine holds different values after the load for {bad[:8]}")
+                timings["verified"] = len(tensors)  # type: ignore[assignment]
                 timings["verify_s"] = round(time.perf_counter() - t3, 6)
     except BaseException:
         logger.exception("weight load failed; restoring the previous values")
@@ -923,11 +952,14 @@ class WeightLoaderExtension:
         model = self.model_runner.model  # type: ignore[attr-defined]
         generation = self._rollouts_generation
         self._rollouts_staged = None
+        expected = None if expected_adler32 is None else {n: c.lower() for n, c in expected_adler32.items()}
 
         def run() -> dict[str, Any]:
             tensors = _read_safetensors(paths, names)
             _check_expected(tensors, expected_adler32)
-            self._rollouts_staged = _stage(model, label, tensors, generation)
+            staged = _stage(model, label, tensors, generation)
+            staged.expected_adler32 = expected
+            self._rollouts_staged = staged
             return {"staged": label, "tensors": len(tensors), "bytes": sum(t.nbytes for _, t in tensors)}
 
         return self._start_job("stage", run)
@@ -1023,7 +1055,10 @@ class WeightLoaderExtension:
             _check_expected(received, expected_adler32)
             if save_path:
                 _save_tensors([(n, t.to("cpu")) for n, t in received], save_path)
-            self._rollouts_staged = _stage(model, label, received, generation)
+            staged = _stage(model, label, received, generation)
+            staged.expected_adler32 = None if expected_adler32 is None else {
+                n: c.lower() for n, c in expected_adler32.items()}
+            self._rollouts_staged = staged
             return {"staged": label, "tensors": len(received), "bytes": sum(t.nbytes for _, t in received)}
 
         return self._start_job("stage", run)
@@ -1098,7 +1133,7 @@ class WeightLoaderExtension:
 
         return self._start_job("checksums", run)
 
-    def commit_staged(self, label: str, verify: bool = True) -> dict[str, Any]:
+    def commit_staged(self, label: str) -> dict[str, Any]:
         staged = self._rollouts_staged
         if staged is None or staged.label != label:
             have = None if staged is None else staged.label
@@ -1109,7 +1144,7 @@ class WeightLoaderExtension:
         self._rollouts_staged = None
         self._rollouts_generation += 1
         with _BACKUP_LOCK:  # its roll-back copies must not be refilled meanwhile
-            return apply_weights(self.model_runner.model, staged.tensors, verify=verify,  # type: ignore[attr-defined]
+            return apply_weights(self.model_runner.model, staged.tensors, verify=True,  # type: ignore[attr-defined]
                                  backup=staged.backup, expected_adler32=staged.expected_adler32)
 
     def discard_staged(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
-"""Fixtures for the replica tests: the generated models and ONE vLLM CPU engine per module.
+"""Fixtures for the replica tests: the generated models and ONE vLLM CPU engine per session.
 
-A vLLM start costs ~40-70 s on the 2-core machine, so a module shares one engine and each
-test puts the engine in the state it needs (loading a full checkpoint in place takes ~50 ms).
+A vLLM start costs ~40-70 s on the 2-core machine, so the replica tests share one engine and
+each test puts the engine in the state it needs (loading a full checkpoint in place takes ~50 ms).
 ``ROLLOUTS_TEST_ENGINE_URL=http://127.0.0.1:PORT`` reuses a running engine instead (development;
 it must serve the base model as "base" with our extension and ``--max-model-len 2048``).
 """
@@ -42,7 +42,7 @@ def start_engine():
     return _start_engine
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 async def engine(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[EngineProcess]:
     url = os.environ.get("ROLLOUTS_TEST_ENGINE_URL")
     if url:

@@ -353,6 +353,8 @@ async def test_refused_loads_change_nothing(
     cases = {
         "shape": {good: counting[good], "model.norm.weight": torch.ones(3, dtype=torch.bfloat16)},
         "name": {good: counting[good], "model.layers.9.mlp.up_proj.weight": torch.zeros(4, 4, dtype=torch.bfloat16)},
+        # The same bytes under another dtype: a conversion would serve bytes the snapshot lacks.
+        "dtype": {good: counting[good].view(torch.float16)},
     }
     for case, tensors in cases.items():
         path = tmp_path / f"{case}.safetensors"
@@ -360,6 +362,7 @@ async def test_refused_loads_change_nothing(
         with pytest.raises(EngineRequestError) as err:
             await engine.load_weights_from_files([path])
         assert "refusing to load" in err.value.body, case
+    assert "dtype float16 != engine bfloat16" in err.value.body
     # A checksum mismatch names the tensor and loads nothing.
     with pytest.raises(EngineRequestError) as err:
         await engine.load_weights_from_files(
@@ -468,7 +471,7 @@ async def test_peer_transfer_between_engines(
 
 
 async def test_staged_update_from_files_changes_nothing_until_commit(
-    engine: EngineProcess, model_dirs: dict[str, Path]
+    engine: EngineProcess, model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
     """stage_from_files reads and checks off the serving path; only commit_staged swaps."""
     await load_full(engine, model_dirs["base"])
@@ -482,6 +485,11 @@ async def test_staged_update_from_files_changes_nothing_until_commit(
     # A wrong checksum fails the stage, not the engine.
     with pytest.raises(EngineError, match="checksum check failed"):
         await engine.stage_from_files("v-bad", files, COUNTING_CHANGED, {**expected, "lm_head.weight": "00000000"})
+    # A tensor whose dtype differs from the engine's is refused at staging, before any pause.
+    edited = tmp_path / "f16.safetensors"
+    save_file({"lm_head.weight": counting["lm_head.weight"].view(torch.float16)}, edited)
+    with pytest.raises(EngineError, match="lm_head.weight: dtype float16 != engine bfloat16"):
+        await engine.stage_from_files("v-f16", [edited], ["lm_head.weight"], {"lm_head.weight": expected["lm_head.weight"]})
     staged = await engine.stage_from_files("v1", files, COUNTING_CHANGED, expected)
     assert staged["tensors"] == len(COUNTING_CHANGED)
     assert await engine.served_checksums() == base_sums  # staged, not served
