@@ -9,7 +9,10 @@ Contract (pure functions, no I/O; `gateway/app.py` calls them around each upstre
   ``extra_fields`` entry, ``completion_token_ids`` or ``routed_experts`` with ``n`` > 1,
   ``routed_experts`` on a deployment whose ``runtime.engineConfig`` lacks
   ``enable-return-routed-experts``, more than four stop strings or stop token ids (the hosted
-  frontend's limit, which cwtrain checks too), or a ``cache_salt`` vLLM would refuse.
+  frontend's limit, which cwtrain checks too), a ``cache_salt`` vLLM would refuse, ``n`` or
+  ``best_of`` that is not a positive integer, a request for more than ``MAX_N`` (16) sequences
+  (``n``, or ``best_of`` when larger, times the prompts of a completions batch), or a ``stream``
+  that is not a boolean.
   ``nvext.cache_salt`` becomes vLLM's top-level ``cache_salt``. Everything else in the body
   passes through unchanged (``logprobs``, ``top_logprobs``, ``return_token_ids``,
   ``return_tokens_as_token_ids``, ``temperature``, ``top_p``, ``seed``, ``stop``,
@@ -61,6 +64,9 @@ ROUTED_EXPERTS_CONFIG_KEY = "enable-return-routed-experts"
 # The hosted frontend refuses more (cwtrain's rollout client checks the same limits).
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 4
+# Sequences one request may ask for: ``n`` (and ``best_of``), times the prompts of a completions
+# batch. One request must not multiply a replica's load without bound.
+MAX_N = 16
 # vLLM's rules for a cache salt.
 MAX_CACHE_SALT = 128
 _SALT_FORBIDDEN = frozenset("@/\\\0")
@@ -92,6 +98,24 @@ class RequestPlan:
     weight_versions: dict[int, Any] = field(default_factory=dict)
 
 
+def _count(body: dict[str, Any], key: str) -> int:
+    """``body[key]`` as a positive integer (1 when absent or null)."""
+    value = body.get(key)
+    if value is None:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise RequestError(f"{key} must be a positive integer")
+    return value
+
+
+def _prompt_count(prompt: Any) -> int:
+    """How many prompts a completions ``prompt`` holds: a batch is a list of strings or of
+    token-id lists; anything else counts as one (vLLM validates its shape)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
+
+
 def _stop_count(value: Any) -> int:
     if value is None:
         return 0
@@ -116,11 +140,21 @@ def plan_request(body: dict[str, Any], path: str, engine_config: dict[str, str] 
         raise RequestError(
             f"nvext: unsupported field(s) {', '.join(unknown)}; this gateway supports {', '.join(SUPPORTED_NVEXT)}"
         )
-    n = body.get("n", 1)
-    if n is None:
-        n = 1
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise RequestError("n must be a positive integer")
+    n = _count(body, "n")
+    if n > MAX_N:
+        raise RequestError(f"n: at most {MAX_N} choices per request, got {n}")
+    best_of = _count(body, "best_of")
+    if best_of > MAX_N:
+        raise RequestError(f"best_of: at most {MAX_N} per request, got {best_of}")
+    prompts = _prompt_count(body.get("prompt")) if not chat else 1
+    if prompts * max(n, best_of) > MAX_N:
+        raise RequestError(
+            f"prompt: a batch of {prompts} prompts with n={max(n, best_of)} asks for {prompts * max(n, best_of)} "
+            f"sequences; at most {MAX_N} per request"
+        )
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError("stream must be true or false")
     if _stop_count(body.get("stop")) > MAX_STOP_STRINGS:
         raise RequestError(f"stop: at most {MAX_STOP_STRINGS} stop strings per request")
     stop_ids = body.get("stop_token_ids")

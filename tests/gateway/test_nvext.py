@@ -69,6 +69,37 @@ def test_stop_limits_match_the_hosted_frontend():
         plan_request({"prompt": "x", "stop_token_ids": [1, 2, 3, 4, 5]}, "/v1/completions")
 
 
+@pytest.mark.parametrize(
+    "fields, path, message",
+    [
+        ({"n": 17}, "/v1/completions", "n: at most 16 choices per request, got 17"),
+        ({"n": 1000}, "/v1/chat/completions", "n: at most 16 choices per request, got 1000"),
+        ({"n": 0}, "/v1/completions", "n must be a positive integer"),
+        ({"n": "4"}, "/v1/completions", "n must be a positive integer"),
+        ({"n": True}, "/v1/completions", "n must be a positive integer"),
+        ({"best_of": 40}, "/v1/completions", "best_of: at most 16 per request, got 40"),
+        ({"best_of": 2.5}, "/v1/completions", "best_of must be a positive integer"),
+        ({"n": 4, "prompt": [[1, 2], [3], [4], [5], [6]]}, "/v1/completions",
+         "prompt: a batch of 5 prompts with n=4 asks for 20 sequences; at most 16 per request"),
+        ({"n": 2, "best_of": 4, "prompt": ["a", "b", "c", "d", "e"]}, "/v1/completions",
+         "prompt: a batch of 5 prompts with n=4 asks for 20 sequences"),
+        ({"stream": "false"}, "/v1/completions", "stream must be true or false"),
+        ({"stream": 1}, "/v1/chat/completions", "stream must be true or false"),
+    ],
+)
+def test_sequence_cap_and_field_types(fields, path, message):
+    with pytest.raises(RequestError) as exc:
+        plan_request({"model": "m", "prompt": "x", "messages": [], **fields}, path)
+    assert message in str(exc.value)
+
+
+def test_up_to_the_cap_passes():
+    assert plan_request({"prompt": [1, 2], "n": 16}, "/v1/completions").n == 16
+    assert plan_request({"prompt": [[1], [2], [3], [4]], "n": 4, "stream": True}, "/v1/completions").stream
+    assert plan_request({"messages": [{"role": "user", "content": "x"}], "n": 16}, "/v1/chat/completions").n == 16
+    assert plan_request({"prompt": list(range(100)), "n": None, "stream": None}, "/v1/completions").n == 1
+
+
 def test_routed_experts_allowed_on_a_capturing_deployment():
     plan = plan_request({"prompt": [1], "nvext": {"extra_fields": ["routed_experts", "completion_token_ids"]}},
                         "/v1/completions", MOE)
