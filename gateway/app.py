@@ -4,13 +4,23 @@ Contract:
 
 - ``POST /v1/chat/completions`` and ``POST /v1/completions`` (text or token-id prompts, ``n``
   choices, streamed as SSE or not), ``GET /v1/models``, with ``Authorization: Bearer <token>``
-  from the stack's tokens file; a deployment of another organization is not found. Errors use
-  OpenAI's envelope ``{"error": {"message", "type", "code"}}``: 401, 404 (unknown model), 400
-  (``invalid_argument``: the gateway's own checks, see ``gateway/nvext.py``; vLLM's 400s pass
-  through as vLLM wrote them), 503 (no replica could take the request).
+  from the stack's tokens file; a deployment of another organization, or one that does not list
+  this gateway in ``gatewayIds``, is not found. Inference needs an ``admin`` token (the guide's
+  Inference Admin role); a ``viewer`` token only reads: ``GET /v1/models`` lists for it, and an
+  inference request answers 403 ``permission_denied``.
+- Errors (``gateway/errors.py``) carry the API's ``{"code", "message", "details"}`` and OpenAI's
+  ``{"error": {"message", "type", "code"}}`` in one body: 401, 403, 404 (unknown model), 400
+  ``invalid_argument`` for any malformed body (``gateway/body.py``: size over 8 MiB, not UTF-8,
+  not JSON, nested over 64 levels, not an object), a ``model`` that is not a string, the
+  gateway's own field checks (``gateway/nvext.py``: ``n`` at most 16 sequences per request ...)
+  and vLLM's own 400s (their message kept); 503 (no replica could take the request); 500
+  ``internal`` for a bug, answered without dropping the connection. vLLM's other error answers
+  pass through as vLLM wrote them. A refused request leaves the keep-alive connection usable.
 - Routing (``gateway/routing.py``): by ``model`` (a deployment's ``model.name`` or id) to one of
-  that deployment's running replicas; ``X-Dynamo-Session-ID`` pins a trajectory to one replica
-  while it is listed and healthy (TTL ``SESSION_TTL_S``), else the least-loaded replica.
+  the deployments of that name that take traffic (running replicas, not FAILED), split by
+  ``traffic.weight``, then to one of its running replicas; ``X-Dynamo-Session-ID`` pins a
+  trajectory to one replica while it is listed and healthy (TTL ``SESSION_TTL_S``), else the
+  least-loaded replica.
 - Retries: a request that fails before the client received any byte (connection refused or
   reset, a replica that died while generating a non-streamed answer, a 5xx, a stream that broke
   before its first event) is sent to the next replica. A stream that breaks after bytes reached
@@ -82,7 +92,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from api.auth import Principal, TokenStore
-from api.errors import ApiError
+from api.errors import ApiError, Internal, InvalidArgument, NotFound, Unavailable
+from gateway.body import read_json_object
+from gateway.errors import error_response
 from gateway.nvext import (
     RequestError,
     RequestPlan,
@@ -124,9 +136,17 @@ class Attempt:
         self.token_events += 1
 
 
-def error(status: int, code: str, message: str) -> JSONResponse:
-    # OpenAI-style error envelope (what OpenAI SDKs parse), with our code.
-    return JSONResponse({"error": {"message": message, "type": code, "code": code}}, status_code=status)
+def upstream_error(status: int, content: bytes, content_type: str | None) -> Response:
+    """A replica's error answer: a 400 in our shape with vLLM's message, anything else as is."""
+    if status == 400:
+        try:
+            data = json.loads(content)
+            message = data["error"]["message"] if isinstance(data.get("error"), dict) else data["message"]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            message = None
+        if isinstance(message, str) and message:
+            return error_response(InvalidArgument(message))
+    return Response(content, status_code=status, media_type=content_type)
 
 
 def sse(obj: Any) -> bytes:
@@ -172,9 +192,12 @@ def as_chunks(data: dict[str, Any], chat: bool) -> list[dict[str, Any]]:
 
 
 def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Router | None = None) -> FastAPI:
-    """The gateway app; ``refresh=False`` with a prepared ``router`` serves a fixed table (tests)."""
+    """The gateway app; ``refresh=False`` with a prepared ``router`` serves a fixed table (tests).
+    The router serves the deployments that list ``settings.gateway_id`` unless it names a gateway."""
     tokens = TokenStore(settings.tokens_file)
     router = router or Router()
+    if router.gateway_id is None:
+        router.gateway_id = settings.gateway_id
     state: dict[str, Any] = {}
 
     @asynccontextmanager
@@ -195,11 +218,15 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
     app = FastAPI(title="rollouts gateway", lifespan=lifespan)
     app.state.router = router
 
-    def authorized(request: Request) -> Principal | JSONResponse:
+    def authorized(request: Request, action: str | None = None) -> Principal | JSONResponse:
+        """The caller; with ``action``, one that may run it (admin)."""
         try:
-            return tokens.authenticate(request.headers.get("authorization"))
+            principal = tokens.authenticate(request.headers.get("authorization"))
+            if action is not None:
+                principal.require_admin(action)
+            return principal
         except ApiError as exc:
-            return error(exc.http_status, exc.code, exc.message)
+            return error_response(exc)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, Any]:
@@ -266,23 +293,31 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
         strip_prompt_ids(plan, data)
 
     async def proxy(request: Request, path: str):
-        principal = authorized(request)
+        principal = authorized(request, "running inference")
         if isinstance(principal, JSONResponse):
             return principal
         try:
-            body = await request.json()
-        except ValueError:
-            return error(400, "invalid_argument", "request body is not JSON")
-        if not isinstance(body, dict):
-            return error(400, "invalid_argument", "request body must be a JSON object")
-        view = router.resolve(body.get("model"), principal.organization_id)
+            body = await read_json_object(request)
+        except InvalidArgument as exc:
+            return error_response(exc)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            return error_response(InvalidArgument("model must be a string: a deployment's model.name or id"))
+        session = request.headers.get(SESSION_HEADER)
+        named, view = router.route(model, principal.organization_id, session)
+        if not named:
+            known = sorted({v.model_name for v in router.models(principal.organization_id)})
+            return error_response(NotFound(f"model {model!r} is not served here; models: {', '.join(known) or 'none'}"))
         if view is None:
-            known = [v.model_name for v in router.models(principal.organization_id)]
-            return error(404, "not_found", f"model {body.get('model')!r} is not served here; models: {', '.join(known) or 'none'}")
+            states = "; ".join(v.describe() for v in named)
+            return error_response(Unavailable(
+                f"no replica of {named[0].model_name} could take the request: no running replica of a deployment "
+                f"that takes traffic: {states}"
+            ))
         try:
             plan = plan_request(body, path, view.engine_config)
         except RequestError as exc:
-            return error(400, "invalid_argument", str(exc))
+            return error_response(InvalidArgument(str(exc)))
         if view.active_hot_load_id or not all(r.settled for r in view.replicas):
             # A hot-load is (or was, in the cached view) under way: label against a current read.
             view = await router.fresh_view(view.deployment_id) or view
@@ -294,17 +329,19 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
             upstream_body = {k: v for k, v in plan.upstream.items() if k != "stream_options"}
             upstream_body["stream"] = False
         payload = json.dumps(upstream_body).encode()
-        session = request.headers.get(SESSION_HEADER)
         http: httpx.AsyncClient = state["http"]
         failures: list[str] = []
         candidates = router.candidates(view, session)
         for i, replica in enumerate(candidates):
             more = i + 1 < len(candidates)
             url = replica.engine_url
+            # The replica's engine answers only its agent and gateways (replica/engine_guard.py).
+            upstream_headers = {"content-type": "application/json",
+                                **settings.engine_headers(view.workflow_id, replica.name)}
             router.acquire(url)
             if not plan.stream or replay:
                 try:
-                    resp = await http.post(f"{url}{path}", content=payload, headers={"content-type": "application/json"})
+                    resp = await http.post(f"{url}{path}", content=payload, headers=upstream_headers)
                 except httpx.TransportError as exc:
                     router.release(url)
                     router.mark_failed(url)
@@ -316,7 +353,7 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
                     failures.append(f"{replica.name}: HTTP {resp.status_code} {resp.text[:200]}")
                     continue
                 if resp.status_code != 200:
-                    return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+                    return upstream_error(resp.status_code, resp.content, resp.headers.get("content-type"))
                 router.mark_ok(url)
                 router.pin(session, replica.name)
                 data = resp.json()
@@ -337,7 +374,7 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
 
             try:
                 upstream = await http.send(
-                    http.build_request("POST", f"{url}{path}", content=payload, headers={"content-type": "application/json"}),
+                    http.build_request("POST", f"{url}{path}", content=payload, headers=upstream_headers),
                     stream=True,
                 )
             except httpx.TransportError as exc:
@@ -353,7 +390,7 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
                     router.mark_failed(url)
                     failures.append(f"{replica.name}: HTTP {upstream.status_code} {content[:200]!r}")
                     continue
-                return Response(content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"))
+                return upstream_error(upstream.status_code, content, upstream.headers.get("content-type"))
             events = sse_events(upstream)
             try:
                 # Commit to this replica only once its first event arrived: before that, a
@@ -372,7 +409,7 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
                 status_code=200, media_type="text/event-stream", headers={REPLICA_HEADER: replica.name},
             )
         detail = "; ".join(failures[-4:]) or "no running replica"
-        return error(503, "unavailable", f"no replica of {view.model_name} could take the request: {detail}")
+        return error_response(Unavailable(f"no replica of {view.model_name} could take the request: {detail}"))
 
     async def relay(attempt: Attempt, replica: ReplicaView, upstream: httpx.Response,
                     first: str, events: AsyncIterator[str]) -> AsyncIterator[bytes]:
@@ -433,12 +470,20 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
             await upstream.aclose()
             router.release(replica.engine_url)
 
+    async def guarded(request: Request, path: str):
+        # An exception escaping a handler makes the server drop the client's connection: answer it.
+        try:
+            return await proxy(request, path)
+        except Exception:  # noqa: BLE001 - logged; the client gets a 500 in the usual shape
+            log.exception("request to %s failed", path)
+            return error_response(Internal("internal error in the gateway; see its log"))
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await proxy(request, "/v1/chat/completions")
+        return await guarded(request, "/v1/chat/completions")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await proxy(request, "/v1/completions")
+        return await guarded(request, "/v1/completions")
 
     return app

@@ -2,8 +2,19 @@
 
 Contract:
 
-- ``Router.resolve(model)`` finds a deployment by its ``model.name`` (or its id); with a single
-  deployment, a request without ``model`` goes there.
+- A gateway serves only the deployments that list its id (``Router.gateway_id``, the stack's
+  ``gateway_id``) in ``gatewayIds``, and a token only its organization's: no other deployment is
+  listed, resolved or routed to.
+- ``Router.route(model, organization, session)`` returns the deployments ``model`` names (a
+  deployment id names that one; otherwise every deployment whose ``model.name`` it is; without
+  ``model``, the deployments of the one model served, if only one is) and the one this request
+  goes to. A deployment takes traffic when it lists running replicas and its status is not
+  ``STATUS_FAILED`` or ``STATUS_DELETING``; by model name, only with ``traffic.weight`` > 0, and
+  those that do split requests by weight (``gateway/split.py``: deterministic, exact over every
+  ``sum(weights)`` requests). A session pinned to a replica stays on that replica's deployment
+  while it takes traffic. A deployment whose every replica failed within ``COOLDOWN_S`` is
+  chosen only when no other can be. None taking traffic: no deployment (the app answers 503,
+  naming each deployment's state).
 - ``Router.candidates(view, session)`` orders a deployment's replicas for one request: the
   replica pinned to ``session`` (``X-Dynamo-Session-ID``) first while it is listed, healthy and
   its pin younger than ``SESSION_TTL_S``; then the least-loaded (fewest requests in flight
@@ -37,6 +48,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.split import WeightedSplit
+
+from workflows.names import hot_load_workflow_id
+
 log = logging.getLogger("rollouts.gateway")
 
 SESSION_TTL_S = 600.0
@@ -44,6 +59,7 @@ COOLDOWN_S = 5.0
 REFRESH_S = 0.5
 DISCOVER_S = 2.0
 MAX_SESSIONS = 100_000
+NO_TRAFFIC_STATUSES = ("STATUS_FAILED", "STATUS_DELETING")
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,17 @@ class DeploymentView:
     # Counts the hot-loads this gateway has seen start on the deployment.
     epoch: int = 0
     read_at: float = 0.0  # time.monotonic() when the read began
+    gateway_ids: tuple[str, ...] = ()  # spec.gatewayIds: the gateways that serve it
+    weight: int = 100  # spec.traffic.weight: its share among deployments of the same model name
+    status: str = "STATUS_READY"  # status.status
+
+    @property
+    def takes_traffic(self) -> bool:
+        """It lists running replicas and is neither failed nor being deleted."""
+        return bool(self.replicas) and self.status not in NO_TRAFFIC_STATUSES
+
+    def describe(self) -> str:
+        return f"{self.deployment_id} ({self.status}, {len(self.replicas)} running replica(s), weight {self.weight})"
 
     def replica(self, name: str) -> ReplicaView | None:
         return next((r for r in self.replicas if r.name == name), None)
@@ -121,7 +148,15 @@ def build_view(
         active_hot_load_id=active,
         epoch=epoch,
         read_at=read_at,
+        gateway_ids=tuple(g for g in spec.get("gatewayIds") or [] if isinstance(g, str)),
+        weight=_weight(spec),
+        status=str(status.get("status") or "STATUS_CREATING"),
     )
+
+
+def _weight(spec: dict[str, Any]) -> int:
+    weight = (spec.get("traffic") or {}).get("weight", 100)
+    return weight if isinstance(weight, int) and not isinstance(weight, bool) else 0
 
 
 def weight_versions(before: ReplicaView | None, after: ReplicaView | None,
@@ -200,6 +235,9 @@ class Router:
     failed_at: dict[str, float] = field(default_factory=dict)  # engine url -> last connect failure
     cooldown_s: float = COOLDOWN_S  # how long a replica whose connection failed is tried last
     sessions: dict[str, tuple[str, float]] = field(default_factory=dict)  # session -> (replica name, time)
+    # Serve only deployments that list this gateway id (None: every deployment; a table in a test).
+    gateway_id: str | None = None
+    split: WeightedSplit = field(default_factory=WeightedSplit)
     # Set by refresh_loop: reads one deployment's view now (None: the workflow is gone).
     reader: Callable[[str], Awaitable[DeploymentView | None]] | None = None
     _reads: dict[str, _Reads] = field(default_factory=dict)
@@ -213,25 +251,51 @@ class Router:
     def drop(self, deployment_id: str) -> None:
         self.views.pop(deployment_id, None)
 
-    def resolve(self, model: str | None, organization_id: str | None = None) -> DeploymentView | None:
-        """The deployment serving ``model`` (its name or id), within ``organization_id`` if given:
-        another organization's deployment is not found, as in the REST API."""
-        mine = self.models(organization_id)
-        if model:
-            by_id = next((v for v in mine if v.deployment_id == model), None)
-            return by_id or next((v for v in mine if v.model_name == model), None)
-        return mine[0] if len(mine) == 1 else None
+    def serves(self, view: DeploymentView) -> bool:
+        return self.gateway_id is None or self.gateway_id in view.gateway_ids
 
     def models(self, organization_id: str | None = None) -> list[DeploymentView]:
-        views = [v for v in self.views.values() if organization_id is None or v.organization_id == organization_id]
-        return sorted(views, key=lambda v: v.model_name)
+        """The deployments this gateway serves, within ``organization_id`` if given (another
+        organization's deployment is not found, as in the REST API), by model name then id."""
+        views = [v for v in self.views.values()
+                 if (organization_id is None or v.organization_id == organization_id) and self.serves(v)]
+        return sorted(views, key=lambda v: (v.model_name, v.deployment_id))
+
+    def route(self, model: str | None, organization_id: str | None = None,
+              session: str | None = None) -> tuple[list[DeploymentView], DeploymentView | None]:
+        """``(named, chosen)``: the deployments ``model`` names (empty: not served here) and the
+        one this request goes to (None: none of them takes traffic); see the module docstring."""
+        mine = self.models(organization_id)
+        by_id = [v for v in mine if model and v.deployment_id == model]
+        if by_id:
+            named = by_id
+        elif model:
+            named = [v for v in mine if v.model_name == model]
+        else:
+            named = mine if len({v.model_name for v in mine}) == 1 else []
+        live = [v for v in named if v.takes_traffic and (by_id or v.weight > 0)]
+        now = time.monotonic()
+        # Prefer deployments with a replica whose connection has not just failed.
+        pool = [v for v in live if any(not self._cooling(r.engine_url, now) for r in v.replicas)] or live
+        if not pool:
+            return named, None
+        pinned = self.sessions.get(session) if session else None
+        if pinned and now - pinned[1] < SESSION_TTL_S:
+            home = next((v for v in pool if v.replica(pinned[0]) is not None), None)
+            if home is not None:
+                return named, home
+        if len(pool) == 1:
+            return named, pool[0]
+        key = (pool[0].organization_id, pool[0].model_name)
+        chosen = self.split.pick(key, [(v.deployment_id, v.weight) for v in pool])
+        return named, next(v for v in pool if v.deployment_id == chosen)
 
     # ------------------------------------------------------------------ choice
     def candidates(self, view: DeploymentView, session: str | None) -> list[ReplicaView]:
         now = time.monotonic()
         reps = list(view.replicas)
         random.shuffle(reps)  # ties among equally loaded replicas go to any of them
-        cooling = {r.engine_url for r in reps if now - self.failed_at.get(r.engine_url, -1e9) < self.cooldown_s}
+        cooling = {r.engine_url for r in reps if self._cooling(r.engine_url, now)}
         ordered = sorted(reps, key=lambda r: (r.engine_url in cooling, self.in_flight.get(r.engine_url, 0)))
         if session:
             pinned = self.sessions.get(session)
@@ -240,6 +304,9 @@ class Router:
                 if first is not None:
                     ordered = [first] + [r for r in ordered if r is not first]
         return ordered
+
+    def _cooling(self, url: str, now: float) -> bool:
+        return now - self.failed_at.get(url, -1e9) < self.cooldown_s
 
     def pin(self, session: str | None, replica: str) -> None:
         if not session:
@@ -331,7 +398,8 @@ async def refresh_loop(router: Router, settings: Any) -> None:
         hot_memo, readable = None, True
         if active:
             try:
-                hot_memo = await (await client.get_workflow_handle(active).describe()).memo()
+                org = memo["deployment"]["spec"]["organizationId"]
+                hot_memo = await (await client.get_workflow_handle(hot_load_workflow_id(org, active)).describe()).memo()
             except RPCError as exc:
                 log.warning("reading hot-load %s failed: %s", active, exc)
                 readable = False
@@ -349,7 +417,7 @@ async def refresh_loop(router: Router, settings: Any) -> None:
                 async for wf in client.list_workflows(
                     "ResourceKind='deployment' AND ExecutionStatus='Running'", page_size=1000
                 ):
-                    found[wf.id.split("/", 1)[-1]] = wf.id
+                    found[wf.id.rsplit("/", 1)[-1]] = wf.id  # deployments/ORG/ID (workflows/names.py)
                 for gone in set(router.views) - set(found):
                     router.drop(gone)
                 workflow_ids = found

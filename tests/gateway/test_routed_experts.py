@@ -59,7 +59,8 @@ def moe_gateway(tmp_path_factory):
         time.sleep(0.05)
     router = Router()
     router.set_view(DeploymentView("dep", "moe", "deployments/dep", {"enable-return-routed-experts": ""}, "org",
-                                   (ReplicaView("r1", f"http://127.0.0.1:{port}", "step-1"),)))
+                                   (ReplicaView("r1", f"http://127.0.0.1:{port}", "step-1"),),
+                                   gateway_ids=(settings.gateway_id,)))
     with LocalGateway(settings, router) as gateway:
         yield gateway
     server.should_exit = True

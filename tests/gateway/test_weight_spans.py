@@ -67,13 +67,14 @@ async def engine(models, tmp_path_factory) -> AsyncIterator[EngineProcess]:
 def gateway(engine, tmp_path_factory) -> Iterator[LocalGateway]:
     home = tmp_path_factory.mktemp("spans-gw")
     add_token(home / "tokens.json", TOKEN, "admin", "org-spans", "test")
+    settings = Settings(home=str(home), ports={})
     router = Router()
     router.set_view(DeploymentView(
         deployment_id="dep-spans", model_name=engine.served_model_name, workflow_id="deployments/dep-spans",
         engine_config={}, organization_id="org-spans",
-        replicas=(ReplicaView("spans-0", engine.base_url, "initial"),),
+        replicas=(ReplicaView("spans-0", engine.base_url, "initial"),), gateway_ids=(settings.gateway_id,),
     ))
-    with LocalGateway(Settings(home=str(home), ports={}), router) as gw:
+    with LocalGateway(settings, router) as gw:
         yield gw
 
 

@@ -1,0 +1,205 @@
+"""Malformed requests through the gateway app (in this process, in front of a fake replica that
+records what reaches it): each shape is a 400 ``invalid_argument`` naming the problem, in the
+API's error shape, that reaches no replica and leaves the keep-alive connection usable; a
+viewer token may list models but not run inference; a replica's own 400 keeps its message in our
+shape. The same on the real stack: ``test_bad_input_stack.py``."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from api.auth import add_token
+from gateway.body import MAX_BODY_BYTES
+from gateway.routing import DeploymentView, ReplicaView, Router
+from tests.gateway.conftest import LocalGateway
+from workers.processes import free_port
+from workers.settings import Settings
+
+ADMIN, VIEWER = "admin-tok", "viewer-tok"
+GOOD = {"model": "m", "prompt": [1, 2], "max_tokens": 1}
+
+
+def fake_replica(seen: list[dict]) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        seen.append(body)
+        if body.get("prompt") == "vllm-refuses":
+            return JSONResponse({"error": {"message": "temperature must be non-negative", "type": "BadRequestError",
+                                           "param": None, "code": 400}}, status_code=400)
+        return {"id": "c", "object": "text_completion", "created": 1, "model": "m",
+                "choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}}
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory) -> Iterator[tuple[LocalGateway, list[dict]]]:
+    home = tmp_path_factory.mktemp("bad-input")
+    settings = Settings.create(home)
+    add_token(settings.tokens_file, ADMIN, "admin", "org", "admin")
+    add_token(settings.tokens_file, VIEWER, "viewer", "org", "viewer")
+    seen: list[dict] = []
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(fake_replica(seen), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    router = Router()
+    router.set_view(DeploymentView("dep", "m", "deployments/dep", {}, "org",
+                                   (ReplicaView("r1", f"http://127.0.0.1:{port}", "initial"),),
+                                   gateway_ids=(settings.gateway_id,)))
+    with LocalGateway(settings, router) as gateway:
+        yield gateway, seen
+    server.should_exit = True
+    thread.join(5)
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection; every request must go over the same socket."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        self.local: tuple | None = None
+
+    def post(self, path: str, body, token: str = ADMIN, **kw) -> tuple[int, dict]:
+        raw = body if isinstance(body, (bytes, Iterator)) else json.dumps(body).encode()
+        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json", **kw.pop("headers", {})}
+        self.conn.request("POST", path, body=raw, headers=headers, **kw)
+        resp = self.conn.getresponse()
+        data = json.loads(resp.read())
+        assert not resp.will_close, "the gateway closed the connection"
+        local = self.conn.sock.getsockname()
+        assert self.local in (None, local), "the connection was replaced"
+        self.local = local
+        return resp.status, data
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def invalid(status_body: tuple[int, dict], message: str) -> None:
+    status, body = status_body
+    assert status == 400, body
+    assert body["code"] == "invalid_argument" and body["details"] == [], body
+    assert body["error"] == {"message": body["message"], "type": "invalid_argument", "code": "invalid_argument"}
+    assert message in body["message"], body["message"]
+
+
+def chunks(total: int, size: int = 1 << 20) -> Iterator[bytes]:
+    yield b'{"prompt": "'
+    sent = 12
+    while sent < total:
+        yield b"a" * size
+        sent += size
+    yield b'"}'
+
+
+BAD = [
+    (b"[" * 1000, "nests arrays/objects more than 64 levels deep"),
+    (b'{"model": "m", "prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", "more than 64 levels deep"),
+    (b'{"model": "m", "prompt": "\xff\xfe"}', "not UTF-8: byte 0xff at offset 26"),
+    ('{"model": "m"}'.encode("utf-16"), "not UTF-8"),
+    (b'{"model": "m", "prompt": [1, 2', "not JSON: Expecting ',' delimiter at offset 30"),
+    (b'{"model": "m", "temperature": NaN}', "NaN is not a JSON number"),
+    (b"[1, 2]", "must be a JSON object, got an array"),
+    (b'"hello"', "must be a JSON object, got a string"),
+    (b"", "request body is empty"),
+    (json.dumps({"model": ["m"], "prompt": "x"}).encode(), "model must be a string"),
+    (json.dumps({**GOOD, "n": 1000}).encode(), "n: at most 16 choices per request, got 1000"),
+    (json.dumps({**GOOD, "n": "2"}).encode(), "n must be a positive integer"),
+    (json.dumps({**GOOD, "stream": "yes"}).encode(), "stream must be true or false"),
+    (json.dumps({**GOOD, "prompt": [[1]] * 17}).encode(), "a batch of 17 prompts with n=1 asks for 17 sequences"),
+    (json.dumps({**GOOD, "nvext": []}).encode(), "nvext must be a JSON object"),
+]
+
+
+def test_every_malformed_body_is_a_400_on_a_connection_that_stays_usable(local):
+    gateway, seen = local
+    conn = Connection(gateway.url)
+    before = len(seen)
+    try:
+        for raw, message in BAD:
+            for path in ("/v1/completions", "/v1/chat/completions"):
+                if b"batch" in message.encode() and "chat" in path:
+                    continue  # a chat request has no prompt batch
+                invalid(conn.post(path, raw), message)
+        assert len(seen) == before, "a refused body reached the replica"
+        status, body = conn.post("/v1/completions", GOOD)
+        assert status == 200 and body["choices"][0]["text"] == "x"
+        assert len(seen) == before + 1
+    finally:
+        conn.close()
+
+
+def test_a_body_over_the_cap_is_refused_with_or_without_a_length(local):
+    gateway, seen = local
+    before = len(seen)
+    conn = Connection(gateway.url)
+    try:
+        big = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+        invalid(conn.post("/v1/completions", big), f"request body is {len(big)} bytes; the gateway accepts at most "
+                                                   f"{MAX_BODY_BYTES} bytes (8 MiB)")
+        invalid(conn.post("/v1/completions", chunks(MAX_BODY_BYTES + 1), encode_chunked=True),
+                "request body is larger; the gateway accepts at most")
+        assert len(seen) == before
+        assert conn.post("/v1/completions", GOOD)[0] == 200
+        # Just under the cap (chunked) is read whole and reaches the replica.
+        status, _ = conn.post("/v1/completions", chunks(MAX_BODY_BYTES - (2 << 20)), encode_chunked=True)
+        assert status == 200 and len(seen[-1]["prompt"]) >= MAX_BODY_BYTES - (3 << 20)
+    finally:
+        conn.close()
+
+
+def test_a_viewer_lists_models_but_does_not_run_inference(local):
+    gateway, seen = local
+    before = len(seen)
+    conn = Connection(gateway.url)
+    try:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            status, body = conn.post(path, GOOD, token=VIEWER)
+            assert status == 403 and body["code"] == "permission_denied", body
+            assert body["message"] == "running inference needs the Inference Admin role; this token has role 'viewer'"
+            assert body["error"]["code"] == "permission_denied"
+        status, body = conn.post("/v1/completions", GOOD, token="nope")
+        assert status == 401 and body["code"] == "unauthenticated"
+        assert len(seen) == before
+        conn.conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {VIEWER}"})
+        resp = conn.conn.getresponse()
+        assert resp.status == 200 and [m["id"] for m in json.loads(resp.read())["data"]] == ["m"]
+    finally:
+        conn.close()
+
+
+def test_a_replicas_400_keeps_its_message_in_our_shape(local):
+    gateway, _ = local
+    conn = Connection(gateway.url)
+    try:
+        invalid(conn.post("/v1/completions", {**GOOD, "prompt": "vllm-refuses"}), "temperature must be non-negative")
+        assert conn.post("/v1/completions", GOOD)[0] == 200
+    finally:
+        conn.close()
+
+
+def test_unknown_model_and_no_traffic_use_the_same_shape(local):
+    gateway, _ = local
+    conn = Connection(gateway.url)
+    try:
+        status, body = conn.post("/v1/completions", {**GOOD, "model": "nope"})
+        assert status == 404 and body["code"] == "not_found" and body["message"].startswith("model 'nope' is not served")
+    finally:
+        conn.close()
