@@ -139,9 +139,13 @@ def cmd_token_add(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     token = args.token or f"rk-{args.role}-{secrets.token_urlsafe(24)}"
-    add_token(settings.tokens_file, token, args.role, args.org or settings.organization_id, args.name,
-              hot_load_enabled=not args.hot_load_disabled)
-    print(token)
+    try:
+        add_token(settings.tokens_file, token, args.role, args.org or settings.organization_id, args.name,
+                  hot_load_enabled=not args.hot_load_disabled, buckets=args.bucket)
+    except ValueError as exc:
+        print(f"rollouts token add: {exc}", file=sys.stderr)
+        return 2
+    print(token)  # the only time it is shown: tokens.json keeps its hash
     return 0
 
 
@@ -229,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="added")
     p.add_argument("--token", default=None, help="the token value (default: a new random one)")
     p.add_argument("--hot-load-disabled", action="store_true", help="for a new organization: hot-load not enabled")
+    p.add_argument("--bucket", action="append", default=[], metavar="BUCKET[/PREFIX]",
+                   help="grant the organization this bucket (or only keys under PREFIX); repeatable")
     p = add("replay", cmd_replay, "start a new hot-load of the same snapshot as HOT_LOAD_ID and wait for it")
     p.add_argument("hot_load_id")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between status reads")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from api.auth import add_token, grant_default_bucket
 from workers.processes import PidFile, port_in_use, spawn, stop_pid, tail
 from workers.settings import DEFAULT_PORT_BASE, LOOPBACK, SEARCH_ATTRIBUTES, Settings
 
@@ -192,18 +193,17 @@ class Stack:
         )
 
     def ensure_tokens(self) -> None:
+        """tokens.json with the stack's organization, granted the stack's bucket, and the hashes
+        of its admin and viewer tokens (the plain tokens stay in stack.json and stack.env only).
+        An existing file is kept; an organization there with no `buckets` entry (a file from
+        before grants) is granted the stack's bucket, so `make up` keeps working on old homes."""
         path = self.s.tokens_file
+        org = self.s.organization_id
         if path.exists():
+            grant_default_bucket(path, org, self.s.bucket)
             return
-        doc = {
-            "organizations": [{"id": self.s.organization_id, "hotLoadEnabled": True}],
-            "tokens": [
-                {"token": self.s.admin_token, "role": "admin", "organizationId": self.s.organization_id, "name": "local-admin"},
-                {"token": self.s.viewer_token, "role": "viewer", "organizationId": self.s.organization_id, "name": "local-viewer"},
-            ],
-        }
-        path.write_text(json.dumps(doc, indent=2) + "\n")
-        path.chmod(0o600)
+        add_token(path, self.s.admin_token, "admin", org, "local-admin", buckets=[self.s.bucket])
+        add_token(path, self.s.viewer_token, "viewer", org, "local-viewer")
 
     def ensure_base_model(self) -> str:
         """Generate the base model locally (fixed seed) and upload it once."""
