@@ -6,6 +6,12 @@ permission_denied even when its body is invalid or oversized. Another organizati
 answers not_found. Every error is `{"code", "message", "details"}` with the HTTP status of its
 code, never a traceback. Bodies are validated strictly and an invalid field is named.
 
+Where deployments read (api/buckets.py): a malformed `model.bucket`/`model.path` or
+`hotLoad.bucket`/`hotLoad.pathPrefix` is invalid_argument (400); a bucket or path not granted to
+the caller's organization in the tokens file is permission_denied (403), naming the field, at
+create; a hot-load checks its deployment's `hotLoad` against the grants again (a revoked grant
+stops further loads).
+
 Deployment update (not called by cwtrain; the guide: "include the same hotLoad section"):
 `PATCH /deployments/{id}` with any of the create body's fields (no `id`). Each field given replaces
 the current one. `hotLoad` must be present and equal to the deployment's (it is immutable; an
@@ -38,7 +44,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from temporalio.service import RPCError
 
 from api.auth import Principal, TokenStore
-from api.errors import AlreadyExists, ApiError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from api.buckets import grant_problem
+from api.errors import (
+    AlreadyExists,
+    ApiError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
 from api.listing import Record, dumps, page
 from api.models import (
     ENGINE_CONFIG_KEYS,
@@ -64,6 +79,8 @@ from workflows.types import (
     Gateway,
     GatewaySpec,
     GatewayStatus,
+    HotLoadConfig,
+    ModelSource,
     PromptCachePolicy,
     ResourceStatus,
     UpdateDeploymentCommand,
@@ -101,8 +118,21 @@ def write_action(method: str, path: str) -> str:
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    # The first element says where (body, query, path parameter); a field may itself be "path".
+    parts = [str(p) for p in (loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc)]
     return ".".join(parts) or "body"
+
+
+def require_granted(p: Principal, model: ModelSource | None, hot_load: HotLoadConfig | None) -> None:
+    """permission_denied naming the field when the organization may not read there (api/buckets.py)."""
+    checks = []
+    if model is not None:
+        checks.append(("model.bucket", model.bucket, "model.path", model.path))
+    if hot_load is not None:
+        checks.append(("hotLoad.bucket", hot_load.bucket, "hotLoad.pathPrefix", hot_load.path_prefix))
+    for bucket_field, bucket, path_field, path in checks:
+        if problem := grant_problem(p.buckets, p.organization_id, bucket_field, bucket, path_field, path):
+            raise PermissionDenied(problem)
 
 
 def create_app(
@@ -299,6 +329,7 @@ def create_app(
                 )
         if body.autoscaling.max < body.autoscaling.min:
             raise InvalidArgument("autoscaling.max must be at least autoscaling.min")
+        require_granted(p, body.model, body.hot_load)
         zones = []
         for gid in body.gateway_ids:
             try:
@@ -377,7 +408,8 @@ def create_app(
     @app.post(f"{PREFIX}/hotLoads")
     async def create_hot_load(body: CreateHotLoadRequest, p: Principal = Depends(principal), r: Resources = Depends(res)):
         p.require_admin("creating a hot-load")
-        await r.get_deployment(p.organization_id, body.deployment_id)  # not_found across orgs
+        dep = await r.get_deployment(p.organization_id, body.deployment_id)  # not_found across orgs
+        require_granted(p, None, dep.spec.hot_load)  # a grant revoked since the create stops reads
         meta = body.incremental_snapshot_metadata
         cmd = CreateHotLoadCommand(
             hot_load_id=body.hot_load_id or str(uuid.uuid4()),

@@ -2,7 +2,7 @@
 
 Enums are accepted as proto names or their proto numbers (cwtrain sends names; some tools send
 numbers); responses always carry names. Validation errors become `invalid_argument` naming the
-field (see api/app.py).
+field (see api/app.py). Buckets and paths (`model`, `hotLoad`) follow api/buckets.py's rules.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
+
+from api.buckets import bucket_problem, normalize_path, path_problem
 
 from workflows.types import (
     ENUM_NUMBERS,
@@ -71,17 +73,23 @@ class CreateGatewayRequest(WireModel):
 
 
 class HotLoadConfigIn(WireModel):
-    bucket: Annotated[str, Field(min_length=3, max_length=63, pattern=r"^[a-z0-9][a-z0-9.-]*[a-z0-9]$")]
+    bucket: Annotated[str, Field(max_length=63)]
     path_prefix: Annotated[str, Field(max_length=512)] = ""
     transition_mode: TransitionModeIn = TransitionMode.ASYNC
+
+    @field_validator("bucket")
+    @classmethod
+    def _bucket(cls, v: str) -> str:
+        if p := bucket_problem(v, "bucket"):
+            raise ValueError(p)
+        return v
 
     @field_validator("path_prefix")
     @classmethod
     def _prefix(cls, v: str) -> str:
-        parts = [p for p in v.strip("/").split("/") if p]
-        if any(p in (".", "..") for p in parts) or "\\" in v or any(ord(c) < 32 for c in v):
-            raise ValueError("pathPrefix must be a plain key prefix (no '.', '..' segments or control characters)")
-        return "/".join(parts)
+        if p := path_problem(v, "pathPrefix", allow_empty=True):
+            raise ValueError(p)
+        return normalize_path(v)
 
     def to_record(self) -> HotLoadConfig:
         return HotLoadConfig(bucket=self.bucket, path_prefix=self.path_prefix, transition_mode=self.transition_mode)
@@ -118,8 +126,22 @@ class RuntimeIn(Runtime):
 
 class ModelSourceIn(ModelSource):
     name: Name
-    bucket: Annotated[str, Field(min_length=3, max_length=63)]
+    bucket: Annotated[str, Field(max_length=63)]
     path: Annotated[str, Field(min_length=1, max_length=512)]
+
+    @field_validator("bucket")
+    @classmethod
+    def _bucket(cls, v: str) -> str:
+        if p := bucket_problem(v, "bucket"):
+            raise ValueError(p)
+        return v
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        if p := path_problem(v, "path", allow_empty=False):
+            raise ValueError(p)
+        return normalize_path(v)
 
 
 class AutoscalingIn(Autoscaling):

@@ -140,10 +140,11 @@ class Fleet:
         self.bucket_root.mkdir(parents=True, exist_ok=True)
         self.settings = Settings.create(self.tmp / "home", 30000)
         self.settings.home_path.mkdir(parents=True, exist_ok=True)
-        add_token(self.settings.tokens_file, ADMIN, "admin", ORG, "admin")
+        add_token(self.settings.tokens_file, ADMIN, "admin", ORG, "admin", buckets=["rollouts"])
         add_token(self.settings.tokens_file, VIEWER, "viewer", ORG, "viewer")
-        add_token(self.settings.tokens_file, OTHER_ORG, "admin", "org-b", "other")
-        add_token(self.settings.tokens_file, DISABLED_ORG, "admin", "org-off", "off", hot_load_enabled=False)
+        add_token(self.settings.tokens_file, OTHER_ORG, "admin", "org-b", "other", buckets=["rollouts"])
+        add_token(self.settings.tokens_file, DISABLED_ORG, "admin", "org-off", "off", hot_load_enabled=False,
+                  buckets=["rollouts"])
         self._stack = AsyncExitStack()
         self._replica_workers: dict[str, Worker] = {}
         self._pool = ThreadPoolExecutor(max_workers=4)
