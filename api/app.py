@@ -6,6 +6,9 @@ permission_denied even when its body is invalid or oversized. Another organizati
 answers not_found. Every error is `{"code", "message", "details"}` with the HTTP status of its
 code, never a traceback. Bodies are validated strictly and an invalid field is named.
 
+Ids are per organization (workflows/names.py): two organizations may each create `foo`, and
+creating, reading or deleting an id another organization uses behaves as if it did not exist.
+
 Where deployments read (api/buckets.py): a malformed `model.bucket`/`model.path` or
 `hotLoad.bucket`/`hotLoad.pathPrefix` is invalid_argument (400); a bucket or path not granted to
 the caller's organization in the tokens file is permission_denied (403), naming the field, at
@@ -258,7 +261,8 @@ def create_app(
         return f"{settings.temporal_ui_url}/namespaces/{settings.temporal_namespace}/workflows/{quote(workflow_id, safe='')}"
 
     def hot_load_view(hot_load: dict[str, Any]) -> dict[str, Any]:
-        hot_load["status"]["workflowUrl"] = ui_link(names.hot_load_workflow_id(hot_load["spec"]["id"]))
+        spec = hot_load["spec"]
+        hot_load["status"]["workflowUrl"] = ui_link(names.hot_load_workflow_id(spec["organizationId"], spec["id"]))
         return hot_load
 
     def hot_load_response(rec: Record) -> Response:
@@ -337,7 +341,7 @@ def create_app(
             except NotFound:
                 raise InvalidArgument(f"gatewayIds: gateway {gid} not found") from None
         dep_id = body.id or str(uuid.uuid4())
-        if await r.memo(names.deployment_workflow_id(dep_id)) is not None:
+        if await r.memo(names.deployment_workflow_id(p.organization_id, dep_id)) is not None:
             raise AlreadyExists(f"deployment {dep_id} already exists")
         if any(d.spec.name == body.name for d in await r.list_deployments(p.organization_id)):
             raise AlreadyExists(f"a deployment named {body.name!r} already exists in this organization")
@@ -421,7 +425,7 @@ def create_app(
             created_at=_now(),
         )
         otel_propagate.inject(cmd.trace_context)  # the request's span, for the operation's trace
-        return hot_load_response(await r.create_hot_load(body.deployment_id, cmd))
+        return hot_load_response(await r.create_hot_load(p.organization_id, body.deployment_id, cmd))
 
     @app.get(f"{PREFIX}/hotLoads")
     async def list_hot_loads(

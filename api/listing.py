@@ -34,6 +34,7 @@ operator terminating a workflow) are listed within about `REFRESH_S`; an operati
 elsewhere that ends within one refresh period, within `VERIFY_S`. Memory: what has been
 listed (as before), plus up to `MAX_CLOSED_BY_ID` closed operations read only by id.
 
+Records are keyed by workflow id (`hotLoads/ORG/ID`): hot-load ids are per organization.
 Order is newest first by `createdAt`, id breaking ties. Page tokens are keyset cursors (the last
 item's sort key, bound to the listing's filter): a hot-load created between two pages does not
 shift or repeat items, and tokens stay valid across API restarts.
@@ -95,8 +96,8 @@ def is_closed(status: WorkflowExecutionStatus | None, close_time: datetime | Non
 class Record:
     """One hot-load as last read; never mutated (a newer read makes a new record)."""
 
-    id: str
-    key: tuple[str, str]  # (createdAt, id): the listing's sort key
+    id: str  # the workflow id (`hotLoads/ORG/ID`, workflows/names.py): unique across organizations
+    key: tuple[str, str]  # (createdAt, workflow id): the listing's sort key
     organization_id: str
     deployment_id: str
     closed: bool
@@ -169,14 +170,15 @@ class HotLoadIndex:
         hot_load = self.view(memo["hotLoad"])
         spec, status = hot_load["spec"], hot_load["status"]
         replicas = sorted(memo.get("replicas") or [], key=lambda r: (r.get("zone", ""), r.get("name", "")))
+        workflow_id = names.hot_load_workflow_id(spec.get("organizationId", ""), spec["id"])
         return Record(
-            id=spec["id"], key=(status["createdAt"], spec["id"]), organization_id=spec.get("organizationId", ""),
+            id=workflow_id, key=(status["createdAt"], workflow_id), organization_id=spec.get("organizationId", ""),
             deployment_id=spec.get("deploymentId", ""), closed=closed, updated_at=status.get("updatedAt") or "",
             hot_load=hot_load, replicas=replicas, json=dumps(hot_load),
         )
 
-    def _known(self, hot_load_id: str) -> Record | None:
-        return self.records.get(hot_load_id) or self._closed_by_id.get(hot_load_id)
+    def _known(self, workflow_id: str) -> Record | None:
+        return self.records.get(workflow_id) or self._closed_by_id.get(workflow_id)
 
     def _store(self, rec: Record, *, listed: bool) -> Record:
         """Keeps the newer of `rec` and what is held; `listed` records are kept while listed."""
@@ -192,9 +194,10 @@ class HotLoadIndex:
                 self._closed_by_id.popitem(last=False)
         return rec
 
-    def closed(self, hot_load_id: str) -> Record | None:
-        """The operation if it is known to have closed (then it never changes): no Temporal call."""
-        rec = self._known(hot_load_id)
+    def closed(self, workflow_id: str) -> Record | None:
+        """The operation (by workflow id) if it is known to have closed (then it never changes):
+        no Temporal call."""
+        rec = self._known(workflow_id)
         return rec if rec is not None and rec.closed else None
 
     def observed(self, memo: dict[str, Any], closed: bool) -> Record:
@@ -246,8 +249,8 @@ class HotLoadIndex:
     def _order(self, scope: _Scope) -> list[tuple[str, str]]:
         now = asyncio.get_running_loop().time()
         expired = [i for i, t in self._recent.items() if now - t > RECENT_S]
-        for hot_load_id in expired:
-            del self._recent[hot_load_id]
+        for workflow_id in expired:
+            del self._recent[workflow_id]
         if expired:
             self._version += 1
         if scope.order is None or scope.built_at_version != self._version:
@@ -301,10 +304,10 @@ class HotLoadIndex:
                 if rec is not None:
                     running[wf.id] = rec
         ended: dict[str, Record] = {}
-        for hot_load_id in watched - running.keys():
-            rec = self.closed(hot_load_id) or await self.read(hot_load_id)
+        for workflow_id in watched - running.keys():
+            rec = self.closed(workflow_id) or await self.read(workflow_id)
             if rec is not None:
-                (ended if rec.closed else running)[hot_load_id] = rec
+                (ended if rec.closed else running)[workflow_id] = rec
         for s in scopes:
             if s.loaded_at is None or s.loaded_at > started:
                 continue  # (re)loaded while this ran: that is fresher
@@ -314,11 +317,11 @@ class HotLoadIndex:
                 s.open_ids, s.closed_ids, s.order = open_ids, closed_ids, None
             s.fresh_at = started
 
-    async def read(self, hot_load_id: str) -> Record | None:
-        """Describes one operation now (its memo, reconciled) and keeps what it says; None: no
-        such hot-load. Raises RPCError when Temporal is unreachable."""
+    async def read(self, workflow_id: str) -> Record | None:
+        """Describes one operation (by workflow id) now (its memo, reconciled) and keeps what it
+        says; None: no such hot-load. Raises RPCError when Temporal is unreachable."""
         try:
-            desc = await self.client.get_workflow_handle(names.hot_load_workflow_id(hot_load_id)).describe()
+            desc = await self.client.get_workflow_handle(workflow_id).describe()
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 return None
@@ -372,8 +375,8 @@ class HotLoadIndex:
         for scope in self._scopes.values():
             live |= scope.closed_ids
             live |= scope.open_ids
-        for hot_load_id in [i for i in self.records if i not in live]:
-            del self.records[hot_load_id]
+        for workflow_id in [i for i in self.records if i not in live]:
+            del self.records[workflow_id]
 
     async def close(self) -> None:
         tasks = [t for t in (self._poller, self._refreshing) if t is not None]

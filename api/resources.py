@@ -1,8 +1,11 @@
 """Reads and writes of gateways, deployments and hot-loads, all through Temporal.
 
 Temporal is the system of record: every resource is a workflow (deployments and gateways are
-entity workflows `deployments/ID`, `gateways/ID`; a hot-load is the workflow whose id is the
-hot-load id) that publishes its wire object in its memo. Reads use describe/list (visibility),
+entity workflows `deployments/ORG/ID`, `gateways/ORG/ID`; a hot-load is the workflow
+`hotLoads/ORG/ID`, workflows/names.py) that publishes its wire object in its memo. Ids are per
+organization: each lookup builds the workflow id from the caller's organization, so another
+organization's resource, or one of the same id, is simply not found (and the memo's organization
+is checked again). Reads use describe/list (visibility),
 never a query, so they work with no worker running and for closed operations; a hot-load whose
 workflow closed without recording an end (terminated, timed out) reads as FAILED/CANCELED with a
 condition (`reconcile_hot_load`). Hot-loads are read as `Record`s (api/listing.py): a closed one
@@ -86,7 +89,7 @@ class Resources:
 
     # ------------------------------------------------------------------ gateways
     async def get_gateway(self, org: str, gateway_id: str) -> Gateway:
-        memo = await self.memo(names.gateway_workflow_id(gateway_id), running_only=True)
+        memo = await self.memo(names.gateway_workflow_id(org, gateway_id), running_only=True)
         if not memo or "gateway" not in memo:
             raise NotFound(f"gateway {gateway_id} not found")
         gw = Gateway.model_validate(memo["gateway"])
@@ -106,7 +109,7 @@ class Resources:
             await self.client.start_workflow(
                 GatewayWorkflow.run,
                 gateway,
-                id=names.gateway_workflow_id(gateway.spec.id),
+                id=names.gateway_workflow_id(gateway.spec.organization_id, gateway.spec.id),
                 task_queue=self.task_queue,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 search_attributes=gateway_attributes(gateway),
@@ -127,12 +130,12 @@ class Resources:
             raise FailedPrecondition(
                 f"gateway {gateway_id} is used by deployment(s) {', '.join(d.spec.id for d in users)}; delete them first"
             )
-        handle = self.client.get_workflow_handle(names.gateway_workflow_id(gateway_id))
+        handle = self.client.get_workflow_handle(names.gateway_workflow_id(org, gateway_id))
         await handle.execute_update(GatewayWorkflow.delete)
 
     # ------------------------------------------------------------------ deployments
     async def get_deployment(self, org: str, deployment_id: str) -> Deployment:
-        memo = await self.memo(names.deployment_workflow_id(deployment_id), running_only=True)
+        memo = await self.memo(names.deployment_workflow_id(org, deployment_id), running_only=True)
         if not memo or "deployment" not in memo:
             raise NotFound(f"deployment {deployment_id} not found")
         dep = Deployment.model_validate(memo["deployment"])
@@ -155,7 +158,7 @@ class Resources:
             await self.client.start_workflow(
                 DeploymentWorkflow.run,
                 state,
-                id=names.deployment_workflow_id(dep.spec.id),
+                id=names.deployment_workflow_id(dep.spec.organization_id, dep.spec.id),
                 task_queue=self.task_queue,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 search_attributes=deployment_attributes(dep.spec.organization_id, dep.spec.id),
@@ -169,7 +172,7 @@ class Resources:
 
     async def update_deployment(self, org: str, deployment_id: str, cmd: UpdateDeploymentCommand) -> Deployment:
         await self.get_deployment(org, deployment_id)
-        handle = self.client.get_workflow_handle(names.deployment_workflow_id(deployment_id))
+        handle = self.client.get_workflow_handle(names.deployment_workflow_id(org, deployment_id))
         try:
             return await handle.execute_update(DeploymentWorkflow.update_config, cmd, result_type=Deployment)
         except WorkflowUpdateFailedError as exc:
@@ -177,18 +180,19 @@ class Resources:
 
     async def delete_deployment(self, org: str, deployment_id: str) -> None:
         await self.get_deployment(org, deployment_id)
-        handle = self.client.get_workflow_handle(names.deployment_workflow_id(deployment_id))
+        handle = self.client.get_workflow_handle(names.deployment_workflow_id(org, deployment_id))
         try:
             await handle.execute_update(DeploymentWorkflow.delete)
         except WorkflowUpdateFailedError as exc:
             raise update_error(exc) from None
 
     # ------------------------------------------------------------------ hot-loads
-    async def create_hot_load(self, deployment_id: str, cmd: CreateHotLoadCommand) -> Record:
-        known = self.hot_loads.closed(cmd.hot_load_id)
-        if known is not None or await self.memo(names.hot_load_workflow_id(cmd.hot_load_id)) is not None:
+    async def create_hot_load(self, org: str, deployment_id: str, cmd: CreateHotLoadCommand) -> Record:
+        workflow_id = names.hot_load_workflow_id(org, cmd.hot_load_id)
+        known = self.hot_loads.closed(workflow_id)
+        if known is not None or await self.memo(workflow_id) is not None:
             raise AlreadyExists(f"hot-load {cmd.hot_load_id} already exists")
-        handle = self.client.get_workflow_handle(names.deployment_workflow_id(deployment_id))
+        handle = self.client.get_workflow_handle(names.deployment_workflow_id(org, deployment_id))
         for attempt in range(2):
             try:
                 hot_load = await handle.execute_update(DeploymentWorkflow.create_hot_load, cmd, result_type=HotLoad)
@@ -200,7 +204,7 @@ class Resources:
             # A retry of a create whose first attempt is still being admitted (the API died or the
             # client gave up mid-request): answer already_exists once the operation exists, so
             # the client's GET finds it; if that admission failed meanwhile, try this one.
-            if await self._appears(names.hot_load_workflow_id(cmd.hot_load_id)):
+            if await self._appears(workflow_id):
                 raise err
         raise AssertionError("unreachable")
 
@@ -214,10 +218,11 @@ class Resources:
 
     async def hot_load(self, org: str, hot_load_id: str) -> Record:
         """The operation as it stands: from memory once it closed, else described now."""
-        rec = self.hot_loads.closed(hot_load_id)
+        workflow_id = names.hot_load_workflow_id(org, hot_load_id)
+        rec = self.hot_loads.closed(workflow_id)
         if rec is None:
             try:
-                rec = await self.hot_loads.read(hot_load_id)
+                rec = await self.hot_loads.read(workflow_id)
             except RPCError as exc:
                 raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc
         if rec is None or rec.organization_id != org:
@@ -234,7 +239,7 @@ class Resources:
     async def cancel_hot_load(self, org: str, hot_load_id: str) -> Record:
         rec = await self.hot_load(org, hot_load_id)
         try:
-            await self.client.get_workflow_handle(names.hot_load_workflow_id(hot_load_id)).cancel()
+            await self.client.get_workflow_handle(names.hot_load_workflow_id(org, hot_load_id)).cancel()
         except RPCError as exc:
             if exc.status != RPCStatusCode.NOT_FOUND:  # NOT_FOUND: it closed meanwhile
                 raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc

@@ -104,7 +104,7 @@ async def fill(client, task_queue: str, count: int) -> list[str]:
                 HotLoadWorkflow.run,
                 HotLoadInput(hot_load=hot_load, hot_load_config=HotLoadConfig(bucket="b", path_prefix="p"),
                              replicas=replicas, deployment_workflow_id="deployments/absent"),
-                id=hl_id, task_queue=task_queue,
+                id=names.hot_load_workflow_id("org-bench", hl_id), task_queue=task_queue,
                 search_attributes=HotLoadWorkflow.search_attributes(hot_load), memo={"hotLoad": hot_load.wire()},
             )
             await handle.result()

@@ -89,6 +89,9 @@ SUPERVISE_EVERY = timedelta(seconds=10)
 # predecessor fell out of this window is refused like one never loaded (publish a full one).
 MAX_CHAINS_KEPT = 256
 SEEN_IDS_KEPT = 1024
+# Hot-load workflow ids carry the organization (workflows/names.py); histories from before
+# started and cancel hot-loads by their bare id.
+ORG_SCOPED_IDS = "org-scoped-ids"
 
 
 def search_attributes(org: str, deployment_id: str) -> TypedSearchAttributes:
@@ -113,6 +116,11 @@ class DeploymentWorkflow:
     @property
     def spec(self):
         return self.state.deployment.spec
+
+    def _hot_load_workflow_id(self, hot_load_id: str) -> str:
+        if workflow.patched(ORG_SCOPED_IDS):
+            return names.hot_load_workflow_id(self.spec.organization_id, hot_load_id)
+        return hot_load_id
 
     def _now(self) -> str:
         return rfc3339(workflow.now())
@@ -262,7 +270,7 @@ class DeploymentWorkflow:
         if self.state.active_hot_load_id:
             try:
                 await workflow.get_external_workflow_handle(
-                    names.hot_load_workflow_id(self.state.active_hot_load_id)
+                    self._hot_load_workflow_id(self.state.active_hot_load_id)
                 ).cancel()
             except Exception:  # noqa: BLE001 - it may have just finished
                 pass
@@ -427,7 +435,7 @@ class DeploymentWorkflow:
                     replicas=list(self.state.replicas),
                     deployment_workflow_id=workflow.info().workflow_id,
                 ),
-                id=names.hot_load_workflow_id(cmd.hot_load_id),
+                id=self._hot_load_workflow_id(cmd.hot_load_id),
                 parent_close_policy=ParentClosePolicy.ABANDON,
                 # A hot-load id names one operation forever, even after it closed.
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,

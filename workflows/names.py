@@ -1,7 +1,10 @@
 """Workflow ids, task queues and activity names shared by api/, workflows/ and activities/.
 
-Hot-load workflows use the hot-load id itself (so the Temporal UI finds an operation by its id);
-entity workflows carry a `kind/` prefix, which a client-chosen id (no '/') can never collide with.
+Client-chosen ids (deployments, gateways, hot-loads) are unique per organization, not globally:
+every workflow id built from one carries the organization, `KIND/ORG/ID` (`deployments/org-a/foo`,
+`gateways/org-a/gw`, `hotLoads/org-a/step-1-load`), so two organizations can each have their own
+`foo` and creating one reveals nothing about the other's. A client-chosen id has no '/', so the
+last segment is always the id. A replica's task queue hangs under its deployment's workflow id.
 """
 
 CONTROL_TASK_QUEUE = "rollouts-control"
@@ -22,17 +25,17 @@ STAGE_FROM_PEER = "stage_from_peer"
 COMMIT_PEER_STAGE = "commit_peer_stage"
 
 
-def deployment_workflow_id(deployment_id: str) -> str:
-    return f"deployments/{deployment_id}"
+def deployment_workflow_id(organization_id: str, deployment_id: str) -> str:
+    return f"deployments/{organization_id}/{deployment_id}"
 
 
-def gateway_workflow_id(gateway_id: str) -> str:
-    return f"gateways/{gateway_id}"
+def gateway_workflow_id(organization_id: str, gateway_id: str) -> str:
+    return f"gateways/{organization_id}/{gateway_id}"
 
 
-def hot_load_workflow_id(hot_load_id: str) -> str:
-    return hot_load_id
+def hot_load_workflow_id(organization_id: str, hot_load_id: str) -> str:
+    return f"hotLoads/{organization_id}/{hot_load_id}"
 
 
-def replica_task_queue(deployment_id: str, replica_name: str) -> str:
-    return f"replica/{deployment_id}/{replica_name}"
+def replica_task_queue(deployment_workflow_id: str, replica_name: str) -> str:
+    return f"{deployment_workflow_id}/replicas/{replica_name}"

@@ -119,7 +119,7 @@ def replicas_of(settings, dep_id: str) -> list[dict]:
 
     async def read() -> list[dict]:
         client = await temporal_client(settings)
-        desc = await client.get_workflow_handle(deployment_workflow_id(dep_id)).describe()
+        desc = await client.get_workflow_handle(deployment_workflow_id(settings.organization_id, dep_id)).describe()
         return (await desc.memo())["replicas"]
 
     return asyncio.run(read())

@@ -12,6 +12,8 @@ branches), then a completed and a failed delta hot-load whose first replica broa
 stage (`... generate early`), and exports each
 workflow's history with the Temporal CLI exactly as an operator would
 (`temporal workflow show -w ID -o json`), one file per workflow named by its id (`/` as `%2F`).
+The files from before org-scoped workflow ids (`hotLoads/ORG/ID`, `deployments/ORG/ID`) are
+named by the bare ids of then and replay the deployment's unpatched `org-scoped-ids` branch.
 
 Regenerate only when a workflow change is meant to be incompatible with histories already
 running (and then version it: `workflow.patched`), since `make test` replays these files to
@@ -31,11 +33,17 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from tests.temporal_server import TEMPORAL_BIN
-from tests.workflows.harness import Fleet, write_full
+from tests.workflows.harness import ORG, Fleet, write_full
 from tests.workflows.test_admission import _every
 from workers.settings import SEARCH_ATTRIBUTES
+from workflows import names
 
 HERE = Path(__file__).resolve().parent
+
+
+def hot_load(hot_load_id: str) -> str:
+    """The workflow id of the test organization's hot-load (workflows/names.py)."""
+    return names.hot_load_workflow_id(ORG, hot_load_id)
 
 
 def export(address: str, workflow_id: str) -> None:
@@ -75,7 +83,7 @@ async def crash_recovered(env: WorkflowEnvironment, address: str, tmp: Path) -> 
             proc = await start_control_process(address, f, tmp)
             end = await f.wait_hot_load("history-crash-recovered", timeout=60)
             assert end["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
-            export(address, "history-crash-recovered")
+            export(address, hot_load("history-crash-recovered"))
         finally:
             kill9(proc)
 
@@ -89,7 +97,7 @@ async def broadcast_walk(env: WorkflowEnvironment, address: str, tmp: Path, name
     async with Fleet(env.client, tmp) as f:
         dep = await _deployment(f, name)
         await f.completed(dep, "step-1", hotLoadId=f"{name}-completed")
-        export(address, f"{name}-completed")
+        export(address, hot_load(f"{name}-completed"))
 
 
 async def early_broadcast(env: WorkflowEnvironment, address: str, tmp: Path, name: str = "history-early") -> None:
@@ -121,7 +129,7 @@ async def early_broadcast(env: WorkflowEnvironment, address: str, tmp: Path, nam
         f.swap_behaviour = {}
         await f.completed(dep, "step-1", hotLoadId=f"{name}-completed", **delta)
         for outcome in ("completed", "failed"):
-            export(address, f"{name}-{outcome}")
+            export(address, hot_load(f"{name}-{outcome}"))
 
 
 async def main(only: list[str]) -> None:
@@ -154,8 +162,9 @@ async def main(only: list[str]) -> None:
                 await f.call("POST", "/hotLoads/history-canceled:cancel", json={})
                 assert (await f.wait_hot_load("history-canceled"))["status"]["state"] == "HOT_LOAD_STATE_CANCELED"
                 await f.wait_idle(dep)
-                for workflow_id in ("history-completed", "history-failed", "history-canceled", f"deployments/{dep}"):
-                    export(address, workflow_id)
+                for hot_load_id in ("history-completed", "history-failed", "history-canceled"):
+                    export(address, hot_load(hot_load_id))
+                export(address, names.deployment_workflow_id(ORG, dep))
             await crash_recovered(env, address, Path(tmp) / "crash")
             await broadcast_walk(env, address, Path(tmp) / "broadcast")
             await early_broadcast(env, address, Path(tmp) / "early")

@@ -228,7 +228,8 @@ class Fleet:
         test reaches states the API cannot make quickly (63 deltas, gateways in two zones)."""
         dep = state.deployment
         await self.client.start_workflow(
-            DeploymentWorkflow.run, state, id=names.deployment_workflow_id(dep.spec.id), task_queue=self.task_queue,
+            DeploymentWorkflow.run, state, id=names.deployment_workflow_id(dep.spec.organization_id, dep.spec.id),
+            task_queue=self.task_queue,
             search_attributes=deployment_attributes(dep.spec.organization_id, dep.spec.id),
             memo={"deployment": dep.wire(), "replicas": []},
         )

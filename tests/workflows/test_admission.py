@@ -8,7 +8,8 @@ import asyncio
 
 from temporalio.client import WorkflowExecutionStatus
 
-from tests.workflows.harness import DISABLED_ORG, VIEWER, ZONE, Fleet, write_delta, write_full
+from tests.workflows.harness import DISABLED_ORG, ORG, VIEWER, ZONE, Fleet, write_delta, write_full
+from workflows import names
 from workflows.types import (
     MAX_DELTAS_IN_CHAIN,
     Deployment,
@@ -266,7 +267,7 @@ async def test_viewer_and_other_org_cannot_create(temporal_env, tmp_path):
         error(await f.create_hot_load(dep, "s1", token=VIEWER), 403, "permission_denied", "creating a hot-load")
         error(await f.create_hot_load(dep, "s1", token="other-org-token"), 404, "not_found", dep)
         await no_hot_load_started(f, dep)
-        handle = f.client.get_workflow_handle(f"deployments/{dep}")
+        handle = f.client.get_workflow_handle(names.deployment_workflow_id(ORG, dep))
         assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
 
 

@@ -14,8 +14,9 @@ import asyncio
 import httpx
 
 from api.app import PREFIX, create_app
-from tests.workflows.harness import ADMIN, OTHER_ORG, Fleet, poll, write_full
+from tests.workflows.harness import ADMIN, ORG, OTHER_ORG, Fleet, poll, write_full
 from tests.workflows.test_admission import _every, error
+from workflows import names
 
 
 async def walk(f: Fleet, dep: str, size: int) -> list[dict]:
@@ -141,7 +142,7 @@ async def test_terminated_workflow_reads_as_failed_and_frees_the_deployment(temp
         write_full(f.bucket_root / f"ckpt/{dep}", "s1")
         assert (await f.create_hot_load(dep, "s1", hotLoadId="killed")).status_code == 200
         await asyncio.wait_for(f.started.wait(), 30)
-        await f.client.get_workflow_handle("killed").terminate(reason="operator")
+        await f.client.get_workflow_handle(names.hot_load_workflow_id(ORG, "killed")).terminate(reason="operator")
         hl = (await f.call("GET", "/hotLoads/killed")).json()["hotLoad"]
         assert hl["status"]["state"] == "HOT_LOAD_STATE_FAILED" and hl["status"]["finishedAt"]
         assert hl["status"]["conditions"][-1]["reason"] == "WorkflowTerminated"
@@ -171,7 +172,7 @@ async def test_search_attributes_find_failed_loads(temporal_env, tmp_path):
             return rows or None
 
         rows = await poll(found, 10, "visibility")
-        assert [wf.id for wf in rows] == [f"{dep}-bad"]
+        assert [wf.id for wf in rows] == [names.hot_load_workflow_id(ORG, f"{dep}-bad")]
         attrs = rows[0].typed_search_attributes
         values = {pair.key.name: pair.value for pair in attrs}
         assert values["HotLoadIdentity"] == "bad" and values["HotLoadType"] == "SNAPSHOT_TYPE_FULL"
@@ -258,5 +259,5 @@ async def test_listing_follows_changes_made_elsewhere(temporal_env, tmp_path):
             assert r.status_code == 200, r.text
         await asyncio.wait_for(f.started.wait(), 30)
         await until([("e-1", "HOT_LOAD_STATE_IN_PROGRESS"), ("e-0", "HOT_LOAD_STATE_COMPLETED")])
-        await f.client.get_workflow_handle("e-1").terminate(reason="operator")
+        await f.client.get_workflow_handle(names.hot_load_workflow_id(ORG, "e-1")).terminate(reason="operator")
         await until([("e-1", "HOT_LOAD_STATE_FAILED"), ("e-0", "HOT_LOAD_STATE_COMPLETED")])

@@ -11,8 +11,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from tests.workflows.harness import Fleet
+from tests.workflows.harness import ORG, Fleet
 from workers.telemetry import temporal_interceptors
+from workflows.names import hot_load_workflow_id
 
 
 async def test_one_trace_from_the_api_request_to_the_replica_steps(temporal_env, tmp_path):
@@ -29,7 +30,7 @@ async def test_one_trace_from_the_api_request_to_the_replica_steps(temporal_env,
         exporter.clear()
         hl = await f.completed(dep, "s1", hotLoadId="traced")
         assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
-        await client.get_workflow_handle("traced").result()  # its memo says COMPLETED a step earlier
+        await client.get_workflow_handle(hot_load_workflow_id(ORG, "traced")).result()  # memo says COMPLETED a step earlier
     spans = exporter.get_finished_spans()
     (root,) = [s for s in spans if s.name == "POST /v1alpha1/inference/hotLoads"]
     assert root.parent is None and root.attributes["http.response.status_code"] == 200
