@@ -121,7 +121,10 @@ def guard(secret: str) -> None:
 
     def build_app(*args: Any, **kwargs: Any) -> Any:
         app = build(*args, **kwargs)
-        app.add_middleware(EngineGuard, secret=secret)
+        # vLLM's SageMaker bootstrap has already built the app's middleware stack (so
+        # add_middleware would raise): wrap the built stack, the one Starlette serves.
+        stack = app.middleware_stack or app.build_middleware_stack()
+        app.middleware_stack = EngineGuard(stack, secret=secret)
         return app
 
     entry.build_app = build_app
