@@ -38,7 +38,7 @@ def kill9(pid: int) -> None:
 
 def paused(replica: dict) -> bool:
     async def read() -> bool:
-        engine = EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"])
+        engine = EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"])
         try:
             return await engine.is_paused()
         finally:

@@ -25,19 +25,24 @@ from tests.e2e.conftest import PREFIX
 from tests.stack_fixtures import Api, cwtrain_python
 from tests.trainer import train_step
 from workers.stack import upload_dir
+from workflows.names import deployment_workflow_id
 
 pytestmark = pytest.mark.stack
 
 
 def engines(stack, dep_id: str) -> list[dict]:
+    """The deployment's replicas as its workflow lists them, each with its engine's secret
+    (``engineSecret``, derived from the stack's settings as the gateway does)."""
     from tests.e2e.test_full_hot_load import replicas_of
 
-    return sorted(replicas_of(stack, dep_id), key=lambda r: r["name"])
+    workflow_id = deployment_workflow_id(stack.organization_id, dep_id)
+    replicas = [{**r, "engineSecret": stack.engine_secret(workflow_id, r["name"])} for r in replicas_of(stack, dep_id)]
+    return sorted(replicas, key=lambda r: r["name"])
 
 
 def served_checksums(replica: dict, names: list[str] | None = None) -> dict[str, str]:
     async def read():
-        engine = EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"])
+        engine = EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"])
         try:
             return await engine.checksums(names)
         finally:

@@ -48,7 +48,7 @@ def observe(replica: dict) -> dict:
     completion (top 5 per token; a fresh cache salt, so nothing comes from the prefix cache)."""
 
     async def read() -> dict:
-        engine = EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"])
+        engine = EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"])
         try:
             body = {"model": (await engine.models())[0], "prompt": [100, 101, 102], "max_tokens": 6,
                     "temperature": 0, "ignore_eos": True, "logprobs": 5, "cache_salt": uuid.uuid4().hex}

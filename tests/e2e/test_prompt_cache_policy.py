@@ -23,6 +23,7 @@ import torch
 from tests.e2e.conftest import PREFIX
 from tests.e2e.test_delta_rolling_update import engines, hot_load
 from workers.base_model import VOCAB, base_tensors, write_counting_model, write_tensors
+from workers.settings import ENGINE_SECRET_HEADER
 from workers.stack import upload_dir
 
 pytestmark = pytest.mark.stack
@@ -43,18 +44,19 @@ def strong_model(base_dir: Path, out: Path) -> Path:
     return out
 
 
-def greedy(url: str, model: str, prompt: list[int], n: int) -> list[int]:
+def greedy(url: str, headers: dict[str, str], model: str, prompt: list[int], n: int) -> list[int]:
     r = httpx.post(f"{url}/v1/completions", json={
         "model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True}, timeout=300)
+        "return_token_ids": True}, headers=headers, timeout=300)
     r.raise_for_status()
     return r.json()["choices"][0]["token_ids"]
 
 
-def streamed_greedy(url: str, model: str, prompt: list[int], started: threading.Event, out: list[int]) -> None:
+def streamed_greedy(url: str, headers: dict[str, str], model: str, prompt: list[int], started: threading.Event,
+                    out: list[int]) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": N, "temperature": 0, "ignore_eos": True,
             "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=600) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -72,7 +74,8 @@ def test_requests_spanning_an_update(stack, rolling, tmp_path, policy):
     tag = policy.rsplit("_", 1)[-1].lower().replace("all", "reset")
     counting = write_counting_model(base, tmp_path / "counting")
     strong = strong_model(base, tmp_path / "strong")
-    url = sorted(engines(stack, dep_id), key=lambda r: (r["zone"], r["name"]))[0]["engineUrl"]  # updated first
+    first = sorted(engines(stack, dep_id), key=lambda r: (r["zone"], r["name"]))[0]  # updated first
+    url, headers = first["engineUrl"], {ENGINE_SECRET_HEADER: first["engineSecret"]}
 
     # On a busy machine the requests can end before the update reaches their replica: such a
     # round shows nothing about the policy, so it is run again (at most three rounds).
@@ -84,7 +87,7 @@ def test_requests_spanning_an_update(stack, rolling, tmp_path, policy):
         outputs: list[list[int]] = [[] for _ in prompts]
         started = [threading.Event() for _ in prompts]
         threads = [
-            threading.Thread(target=streamed_greedy, args=(url, model, p, e, o))
+            threading.Thread(target=streamed_greedy, args=(url, headers, model, p, e, o))
             for p, e, o in zip(prompts, started, outputs)
         ]
         for t in threads:
@@ -112,7 +115,7 @@ def test_requests_spanning_an_update(stack, rolling, tmp_path, policy):
         pytest.fail(f"in three rounds the update never landed inside all {REQUESTS} requests")
 
     same_as_recompute = sum(
-        tokens[k] == greedy(url, model, prompt + tokens[:k], 1)[0] for prompt, tokens, k in zip(prompts, outputs, switches)
+        tokens[k] == greedy(url, headers, model, prompt + tokens[:k], 1)[0] for prompt, tokens, k in zip(prompts, outputs, switches)
     )
     print(f"{policy}: {same_as_recompute}/{REQUESTS} first tokens after the switch equal a recompute")
     if policy.endswith("RESET_ALL"):

@@ -17,17 +17,17 @@ from tests.gateway.conftest import random_prompt
 pytestmark = pytest.mark.stack
 
 
-def prefix_cache_hits(engine_url: str) -> float:
-    text = httpx.get(f"{engine_url}/metrics", timeout=30).text
+def prefix_cache_hits(engine_url: str, engine_headers: dict[str, str]) -> float:
+    text = httpx.get(f"{engine_url}/metrics", headers=engine_headers, timeout=30).text
     return sum(float(m) for m in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
 
 
-def cached_tokens(gw, engine_url: str, body: dict, session: dict) -> int:
+def cached_tokens(gw, engine_url: str, engine_headers: dict[str, str], body: dict, session: dict) -> int:
     """Prompt tokens served from the prefix cache for one request: vLLM's
     usage.prompt_tokens_details.cached_tokens when the engine reports it
     (--enable-prompt-tokens-details), else the growth of its vllm:prefix_cache_hits counter
     (requests here are sequential and pinned to one replica, so the growth is this request's)."""
-    before = prefix_cache_hits(engine_url)
+    before = prefix_cache_hits(engine_url, engine_headers)
     resp = gw.post("/v1/completions", body, session)
     assert resp.status_code == 200, resp.text
     details = resp.json()["usage"].get("prompt_tokens_details") or {}
@@ -35,7 +35,7 @@ def cached_tokens(gw, engine_url: str, body: dict, session: dict) -> int:
         return int(details["cached_tokens"])
     deadline = time.monotonic() + 5
     while True:  # the engine publishes its stats at the end of a step: allow a moment
-        grown = prefix_cache_hits(engine_url) - before
+        grown = prefix_cache_hits(engine_url, engine_headers) - before
         if grown or time.monotonic() > deadline:
             return int(grown)
         time.sleep(0.2)
@@ -46,11 +46,13 @@ async def test_cache_salt_isolates_prefix_cache_reuse(gw):
     prompt = random_prompt(256)  # many full KV blocks; never sent before
     first = gw.post("/v1/completions", {"prompt": [1], "max_tokens": 1}, session)
     name = first.headers["x-rollouts-replica"]
-    url = next(r["engineUrl"] for r in await gw.replicas() if r["name"] == name)
+    view = await gw.view()
+    url = next(r.engine_url for r in view.replicas if r.name == name)
+    engine_headers = gw.settings.engine_headers(view.workflow_id, name)
 
     def ask(salt: str | None) -> int:
         body = {"prompt": prompt, "max_tokens": 1, **({"nvext": {"cache_salt": salt}} if salt else {})}
-        return cached_tokens(gw, url, body, session)
+        return cached_tokens(gw, url, engine_headers, body, session)
 
     assert ask("policy-1") == 0  # first sight: computed
     reused = ask("policy-1")

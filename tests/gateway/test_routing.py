@@ -58,8 +58,9 @@ def test_least_loaded_spreads_concurrent_requests(gw):
 async def test_requests_queue_while_a_replica_is_paused(gw):
     session = {"X-Dynamo-Session-ID": f"pause-{uuid.uuid4()}"}
     name = served_by(await asyncio.to_thread(gw.post, "/v1/completions", {"prompt": [5, 6], "max_tokens": 1}, session))
-    url = next(r["engineUrl"] for r in await gw.replicas() if r["name"] == name)
-    engine = EngineProcess.attach(url)
+    view = await gw.view()
+    url = next(r.engine_url for r in view.replicas if r.name == name)
+    engine = EngineProcess.attach(url, secret=gw.settings.engine_secret(view.workflow_id, name))
     await engine.pause(mode="keep")
     try:
         body = {"prompt": random_prompt(6), "max_tokens": 8, "ignore_eos": True}

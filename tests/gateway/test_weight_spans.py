@@ -30,11 +30,14 @@ from gateway.routing import DeploymentView, ReplicaView, Router
 from replica.engine import EngineProcess
 from tests.gateway.conftest import LocalGateway, check_spans, random_prompt, succession
 from workers.base_model import checkpoint_files, write_base_model, write_counting_model
-from workers.settings import Settings
+from workers.settings import ENGINE_SECRET_HEADER, Settings
 
 pytestmark = pytest.mark.engine
 LONG = 600  # tokens per spanning request (max-model-len 1024)
 TOKEN = "spans-test-token"
+WORKFLOW_ID, REPLICA = "deployments/org-spans/dep-spans", "spans-0"
+# A fixed engine key: the engine's secret is the one the gateway derives for REPLICA.
+ENGINE_KEY = "spans-test-engine-key"
 
 
 
@@ -48,14 +51,16 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 async def engine(models, tmp_path_factory) -> AsyncIterator[EngineProcess]:
+    secret = Settings(home="", ports={}, engine_key=ENGINE_KEY).engine_secret(WORKFLOW_ID, REPLICA)
     url = os.environ.get("ROLLOUTS_TEST_SPANS_ENGINE_URL")
     if url:
-        # Development: an engine started as EngineProcess starts it (any served name), serving
-        # workers.base_model's base model (tests load the weights they need).
-        served = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        yield EngineProcess.attach(url, served_model_name=served)
+        # Development: an engine started as EngineProcess starts it (any served name, this
+        # module's secret), serving workers.base_model's base model (tests load the weights they need).
+        served = httpx.get(f"{url}/v1/models", headers={ENGINE_SECRET_HEADER: secret})
+        yield EngineProcess.attach(url, served_model_name=served.json()["data"][0]["id"], secret=secret)
         return
-    eng = EngineProcess(models["base"], work_dir=tmp_path_factory.mktemp("spans-engine"), served_model_name="tiny")
+    eng = EngineProcess(models["base"], work_dir=tmp_path_factory.mktemp("spans-engine"), served_model_name="tiny",
+                        secret=secret)
     await eng.start(timeout=900)
     try:
         yield eng
@@ -67,12 +72,12 @@ async def engine(models, tmp_path_factory) -> AsyncIterator[EngineProcess]:
 def gateway(engine, tmp_path_factory) -> Iterator[LocalGateway]:
     home = tmp_path_factory.mktemp("spans-gw")
     add_token(home / "tokens.json", TOKEN, "admin", "org-spans", "test")
-    settings = Settings(home=str(home), ports={})
+    settings = Settings(home=str(home), ports={}, engine_key=ENGINE_KEY)
     router = Router()
     router.set_view(DeploymentView(
-        deployment_id="dep-spans", model_name=engine.served_model_name, workflow_id="deployments/dep-spans",
+        deployment_id="dep-spans", model_name=engine.served_model_name, workflow_id=WORKFLOW_ID,
         engine_config={}, organization_id="org-spans",
-        replicas=(ReplicaView("spans-0", engine.base_url, "initial"),), gateway_ids=(settings.gateway_id,),
+        replicas=(ReplicaView(REPLICA, engine.base_url, "initial"),), gateway_ids=(settings.gateway_id,),
     ))
     with LocalGateway(settings, router) as gw:
         yield gw

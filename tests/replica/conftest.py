@@ -3,7 +3,8 @@
 A vLLM start costs ~40-70 s on the 2-core machine, so the replica tests share one engine and
 each test puts the engine in the state it needs (loading a full checkpoint in place takes ~50 ms).
 ``ROLLOUTS_TEST_ENGINE_URL=http://127.0.0.1:PORT`` reuses a running engine instead (development;
-it must serve the base model as "base" with our extension and ``--max-model-len 2048``).
+it must serve the base model as "base" with our extension and ``--max-model-len 2048``, and its
+secret must be in ``ROLLOUTS_TEST_ENGINE_SECRET``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ async def engine(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathF
     if url:
         # Development: reuse an engine already serving workers.base_model's base model under
         # the name "base" with our extension (tests load the weights they need).
-        yield EngineProcess.attach(url, served_model_name=SERVED_NAME)
+        yield EngineProcess.attach(url, served_model_name=SERVED_NAME, secret=os.environ.get("ROLLOUTS_TEST_ENGINE_SECRET"))
         return
     eng = await _start_engine(model_dirs["base"], tmp_path_factory.mktemp("engine-a"))
     print(f"\n[engine] started in {eng.start_seconds:.1f}s at {eng.base_url} pid {eng.pid}")

@@ -74,7 +74,7 @@ async def commit_in_pause(engine: EngineProcess, label: str) -> dict[str, Any]:
 async def test_serves_completions_and_chat(engine: EngineProcess, model_dirs: dict[str, Path]) -> None:
     await load_full(engine, model_dirs["base"])
     assert await engine.models() == [SERVED_NAME]
-    async with httpx.AsyncClient(base_url=engine.base_url, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=engine.base_url, headers=engine.auth_headers, timeout=120) as client:
         r = await client.post(
             "/v1/completions",
             json={"model": SERVED_NAME, "prompt": "12 + 34 =", "max_tokens": 5, "temperature": 0, "ignore_eos": True},
@@ -182,7 +182,7 @@ async def _hot_load_under_traffic(engine: EngineProcess, model_dirs: dict[str, P
     counting = load_checkpoint(model_dirs["counting"])
     expected_adler = {n: adler32_hex(counting[n]) for n in COUNTING_CHANGED}
     base_body = {"model": SERVED_NAME, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    async with httpx.AsyncClient(base_url=engine.base_url, timeout=300) as client:
+    async with httpx.AsyncClient(base_url=engine.base_url, headers=engine.auth_headers, timeout=300) as client:
         started = [asyncio.Event() for _ in range(2)]
         streams = [
             asyncio.create_task(
