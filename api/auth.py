@@ -64,7 +64,19 @@ def hash_token(token: str, salt: str) -> str:
 
 def hashed_entry(token: str, role: str, organization_id: str, name: str) -> dict[str, str]:
     salt = secrets.token_hex(16)
-    return {"sha256": hash_token(token, salt), "salt": salt, "role": role, "organizationId": organization_id, "name": name}
+    return {
+        "sha256": hash_token(token, salt), "salt": salt, "role": role, "organizationId": organization_id, "name": name,
+    }
+
+
+def hash_plain_entries(tokens: list[dict[str, Any]]) -> int:
+    """Replace each plain `"token"` entry, in place, by its salted hash; returns how many."""
+    plain = [t for t in tokens if "token" in t]
+    for t in plain:
+        t.update(hashed_entry(
+            str(t.pop("token")), t.get("role", "viewer"), t.get("organizationId", ""), t.get("name", "")
+        ))
+    return len(plain)
 
 
 def _grants(org: dict[str, Any]) -> tuple[Grant, ...]:
@@ -100,9 +112,7 @@ class TokenStore:
                 mtime = os.stat(self.path).st_mtime_ns
             except OSError as exc:  # not writable here: hash in memory, keep serving
                 log.error("tokens file %s holds plain-text tokens and cannot be rewritten: %s", self.path, exc)
-                for t in doc["tokens"]:
-                    if "token" in t:
-                        t.update(hashed_entry(str(t.pop("token")), t.get("role", "viewer"), t.get("organizationId", ""), t.get("name", "")))
+                hash_plain_entries(doc["tokens"])
         self._tokens = [t for t in doc.get("tokens") or [] if "sha256" in t and "salt" in t]
         self._orgs = {o["id"]: o for o in doc.get("organizations") or []}
         self._mtime = mtime
@@ -170,12 +180,10 @@ def migrate_plain_tokens(path: Path) -> dict[str, Any]:
     """Rewrite every plain `"token"` entry as its salted hash; returns the file as it now is."""
 
     def change(doc: dict[str, Any]) -> bool:
-        plain = [t for t in doc["tokens"] if "token" in t]
-        for t in plain:
-            t.update(hashed_entry(str(t.pop("token")), t.get("role", "viewer"), t.get("organizationId", ""), t.get("name", "")))
-        if plain:
-            log.warning("tokens file %s: %d plain-text token(s) rewritten as hashes", path, len(plain))
-        return bool(plain)
+        count = hash_plain_entries(doc["tokens"])
+        if count:
+            log.warning("tokens file %s: %d plain-text token(s) rewritten as hashes", path, count)
+        return bool(count)
 
     return _edit(path, change)
 
