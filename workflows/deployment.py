@@ -2,9 +2,17 @@
 
 It starts the deployment's replicas and waits for each to report ready (CREATING → READY, or
 FAILED with a condition), admits hot-loads through the `create_hot_load` Update (the validator
-applies the guide's admission rules without I/O; the handler checks the snapshot files in the
-bucket as an activity, then starts the hot-load as a child workflow), keeps the chain of
-completed snapshots, and tears the replicas down on `delete`.
+applies the guide's admission rules without I/O; the handler makes sure every replica process
+runs, then checks the snapshot files in the bucket, as activities, then starts the hot-load as
+a child workflow), keeps the chain of completed snapshots, and tears the replicas down on
+`delete`.
+
+READY means every member replica serves the spec's runtime. Past creation the status follows
+the replica set (`_settle`): a replica whose process is gone (it reported its engine dead, the
+periodic check or the admission check found no process, or the control worker's
+`verify_replicas` on start found the stack restarted) is restarted, catches up to the current
+snapshot chain and reports ready again; until then the deployment is STATUS_UPDATING with the
+condition `ReplicasReady` False, reason `ReplicasRestarting`, and admits no hot-load.
 
 Serialization: workflow code runs one handler step at a time, so the handler marks the hot-load
 active before its first await. Two concurrent creates can therefore never both be admitted (when
@@ -16,9 +24,16 @@ The deployment learns that its hot-load ended twice over: the hot-load signals
 active operation (idempotently), so a hot-load that is terminated, or whose signal is lost to a
 second cancel, can never block the deployment forever.
 
-`update_config` (PATCH /deployments/{id}) changes what needs no new replicas (`runtime.version`,
-`runtime.engineConfig`, `traffic`); it refuses an update that omits or changes the `hotLoad`
-section, and any update while a hot-load runs.
+`update_config` (PATCH /deployments/{id}) changes `runtime.version`, `runtime.engineConfig` and
+`traffic`; it refuses an update that omits or changes the `hotLoad` section, and any update
+while a hot-load runs or the deployment is not READY (or ERROR after a failed update). A new
+runtime rolls the replicas onto it, one at a time (`_roll`): a new replica starts on it, catches
+up to the current chain, serves, and only then is the replica it replaces taken out of rotation
+and stopped, so the others keep serving. Meanwhile the deployment is STATUS_UPDATING (reason
+`RollingUpdate`) and admits no hot-load; it is READY again when every replica runs the new
+runtime. A new replica that fails to start stops the roll: STATUS_ERROR (reason `UpdateFailed`,
+naming the replica and why), the replicas not yet replaced keep serving, and another update
+(a fixed or the previous runtime) rolls again.
 
 The create handler runs in the API request's trace context (`CreateHotLoadCommand.trace_context`),
 so the file checks and the hot-load workflow it starts belong to the request's trace, one trace
@@ -92,6 +107,10 @@ SEEN_IDS_KEPT = 1024
 # Hot-load workflow ids carry the organization (workflows/names.py); histories from before
 # started and cancel hot-loads by their bare id.
 ORG_SCOPED_IDS = "org-scoped-ids"
+# Statuses past creation in which the deployment watches its replica set (and restarts replicas).
+SUPERVISED = (ResourceStatus.READY, ResourceStatus.UPDATING, ResourceStatus.ERROR)
+# Versioned behaviour (workflow.patched): histories recorded before it replay without it.
+ADMISSION_CHECKS_REPLICAS = "admission-checks-replicas"
 
 
 def search_attributes(org: str, deployment_id: str) -> TypedSearchAttributes:
@@ -111,6 +130,9 @@ class DeploymentWorkflow:
         self.state = state
         self.failures: list[ReplicaFailure] = []
         self.deleting = False
+        # One replica-set change at a time: starting (which checks the pid files first) and
+        # stopping replicas from the main loop, the admission check and `verify_replicas`.
+        self.replica_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -148,6 +170,64 @@ class DeploymentWorkflow:
             }
         )
 
+    def _settle(self) -> None:
+        """Status from the replica set, past creation: READY only when every member serves the
+        spec's runtime; publishes either way (one memo update)."""
+        st = self.state.deployment.status
+        if self.deleting or st.status not in SUPERVISED:
+            self._publish()
+            return
+        members = self.state.members
+        serving = {r.name for r in self.state.replicas}
+        down = [m for m in members if m not in serving]
+        n = len(members)
+        if self.state.update_error:
+            self._set_status(
+                ResourceStatus.ERROR, self._condition("ReplicasReady", False, "UpdateFailed", self.state.update_error)
+            )
+        elif self.state.outdated:
+            rt = self.spec.runtime
+            self._set_status(
+                ResourceStatus.UPDATING,
+                self._condition(
+                    "ReplicasReady", False, "RollingUpdate",
+                    f"rolling the replicas onto runtime version {rt.version!r} engineConfig "
+                    f"{dict(sorted(rt.engine_config.items()))}: {len(self.state.outdated)} replica(s) "
+                    f"still on the previous runtime, {len(serving)} serving",
+                ),
+            )
+        elif down:
+            self._set_status(
+                ResourceStatus.UPDATING,
+                self._condition(
+                    "ReplicasReady", False, "ReplicasRestarting",
+                    f"replica(s) {', '.join(down)} (re)starting; {n - len(down)} of {n} serving",
+                ),
+            )
+        else:
+            self._set_status(
+                ResourceStatus.READY,
+                self._condition("ReplicasReady", True, "AllReplicasReady", f"{n} replica(s) serving"),
+            )
+
+    def _start_input(self, names_: list[str]) -> StartReplicasInput:
+        """Start these replicas on the spec's runtime; each catches up to the latest completed
+        snapshot chain (if any) before it reports ready."""
+        latest = self.state.completed[-1].identity if self.state.completed else None
+        return StartReplicasInput(
+            deployment_id=self.spec.id,
+            deployment_workflow_id=workflow.info().workflow_id,
+            names=names_,
+            zone=self.state.gateway_zones[0] if self.state.gateway_zones else "LOCAL-1A",
+            model=self.spec.model,
+            engine_config=self.spec.runtime.engine_config,
+            target_chain=self.state.chains.get(latest) if latest else None,
+            hot_load_config=self.spec.hot_load,
+        )
+
+    def _failure_of(self, name: str) -> str | None:
+        return next((f.reason for f in self.failures if f.name == name), None)
+
     def _condition(self, type_: str, ok: bool, reason: str, message: str) -> Condition:
         return Condition(
             type=type_,
@@ -161,6 +241,8 @@ class DeploymentWorkflow:
     # ------------------------------------------------------------------ main loop
     @workflow.run
     async def run(self, state: DeploymentInput) -> None:
+        if not self.state.members:  # a state from before members were kept
+            self.state.members = [r.name for r in self.state.replicas] + list(self.state.pending_replicas)
         self._publish()
         if self.state.deployment.status.status == ResourceStatus.CREATING:
             await self._create_replicas()
@@ -172,43 +254,112 @@ class DeploymentWorkflow:
                 and workflow.all_handlers_finished()
             )
 
+        def roll_due() -> bool:
+            return bool(self.state.outdated) and self.state.update_error is None and not self.deleting
+
         while not self.deleting:
             if may_continue_as_new():
                 workflow.continue_as_new(self.state)
+            if roll_due():
+                await self._roll()
+                continue
             try:
-                await workflow.wait_condition(lambda: self.deleting or may_continue_as_new(), timeout=SUPERVISE_EVERY)
+                await workflow.wait_condition(
+                    lambda: self.deleting or may_continue_as_new() or roll_due(), timeout=SUPERVISE_EVERY
+                )
             except asyncio.TimeoutError:
-                if self.state.deployment.status.status == ResourceStatus.READY:
+                if self.state.deployment.status.status in SUPERVISED:
                     await self._restart_lost_replicas()
         await self._delete()
 
-    async def _restart_lost_replicas(self) -> None:
-        """Restart replica processes that died; each catches up from the bucket before it serves."""
-        known = [r.name for r in self.state.replicas] + list(self.state.pending_replicas)
-        if not known:
-            return
-        latest = self.state.completed[-1].identity if self.state.completed else None
-        restarted: list[str] = await workflow.execute_activity(
-            names.START_REPLICAS,
-            StartReplicasInput(
-                deployment_id=self.spec.id,
-                deployment_workflow_id=workflow.info().workflow_id,
-                names=known,
-                zone=self.state.gateway_zones[0] if self.state.gateway_zones else "LOCAL-1A",
-                model=self.spec.model,
-                engine_config=self.spec.runtime.engine_config,
-                target_chain=self.state.chains.get(latest) if latest else None,
-                hot_load_config=self.spec.hot_load,
-            ),
-            start_to_close_timeout=timedelta(minutes=2),
-            retry_policy=RetryPolicy(maximum_attempts=3),
-        )
-        if restarted:
-            workflow.logger.warning("restarted lost replica(s) %s", ", ".join(restarted))
-            # Out of rotation until they report ready again (after catching up).
-            self.state.replicas = [r for r in self.state.replicas if r.name not in restarted]
-            self.state.pending_replicas = sorted(set(self.state.pending_replicas) | set(restarted))
-            self._publish()
+    async def _restart_lost_replicas(self) -> list[str]:
+        """Start every member replica whose process is gone (the activity checks each pid file;
+        a live one is left alone); returns the names started. Each catches up to the current
+        chain before it reports ready; until then it is out of rotation and the deployment
+        says STATUS_UPDATING."""
+        async with self.replica_lock:
+            if not self.state.members or self.deleting:
+                return []
+            restarted: list[str] = await workflow.execute_activity(
+                names.START_REPLICAS,
+                self._start_input(list(self.state.members)),
+                start_to_close_timeout=timedelta(minutes=2),
+                retry_policy=RetryPolicy(maximum_attempts=3),
+            )
+            if restarted:
+                workflow.logger.warning("restarted lost replica(s) %s", ", ".join(restarted))
+                self.state.replicas = [r for r in self.state.replicas if r.name not in restarted]
+                self.state.pending_replicas = sorted(set(self.state.pending_replicas) | set(restarted))
+                # A restarted replica runs the spec's runtime: nothing left to roll on it.
+                self.state.outdated = [n for n in self.state.outdated if n not in restarted]
+                self.failures = [f for f in self.failures if f.name not in restarted]
+                self._settle()
+            return restarted
+
+    async def _roll(self) -> None:
+        """Replace each outdated replica by a new one on the spec's runtime, one at a time: the
+        new one starts, catches up to the current chain and serves before the old one leaves
+        rotation and stops, so the others keep serving throughout."""
+        while self.state.outdated and self.state.update_error is None and not self.deleting:
+            old = self.state.outdated[0]
+            new = f"replica-{str(workflow.uuid4())[:8]}"
+            self.state.members.append(new)
+            self.state.pending_replicas.append(new)
+            self._settle()
+            failure: str | None = None
+            try:
+                async with self.replica_lock:
+                    await workflow.execute_activity(
+                        names.START_REPLICAS,
+                        self._start_input([new]),
+                        start_to_close_timeout=timedelta(minutes=5),
+                        retry_policy=RetryPolicy(maximum_attempts=3),
+                    )
+                await workflow.wait_condition(
+                    lambda: new not in self.state.pending_replicas or self._failure_of(new) is not None
+                    or self.deleting,
+                    timeout=REPLICA_START_TIMEOUT,
+                )
+                failure = self._failure_of(new)
+            except asyncio.TimeoutError:
+                failure = f"did not become ready within {REPLICA_START_TIMEOUT}"
+            except Exception as exc:  # noqa: BLE001 - the activity failed: reported, not a crash
+                failure = f"start failed: {exc.__cause__ or exc}"
+            if self.deleting:
+                return  # `_delete` stops every member, the new one included
+            if failure is not None:
+                await self._stop_replicas([new])
+                rt = self.spec.runtime
+                self.state.update_error = (
+                    f"the update to runtime version {rt.version!r} engineConfig "
+                    f"{dict(sorted(rt.engine_config.items()))} stopped: new replica {new} failed: {failure}; "
+                    f"{len(self.state.outdated)} replica(s) still serve the previous runtime; update the "
+                    "deployment again (a fixed or the previous runtime) to roll again"
+                )
+                workflow.logger.warning("rolling update stopped: %s", self.state.update_error)
+                self._settle()
+                return
+            # The new replica serves: the one it replaces leaves rotation, then stops.
+            await self._stop_replicas([old])
+            self._settle()
+
+    async def _stop_replicas(self, names_: list[str]) -> None:
+        """Take these replicas out of the deployment (out of rotation first), then stop them."""
+        self.state.replicas = [r for r in self.state.replicas if r.name not in names_]
+        self.state.pending_replicas = [n for n in self.state.pending_replicas if n not in names_]
+        self.state.members = [n for n in self.state.members if n not in names_]
+        self.state.outdated = [n for n in self.state.outdated if n not in names_]
+        self._publish()
+        async with self.replica_lock:
+            try:
+                await workflow.execute_activity(
+                    names.STOP_REPLICAS,
+                    StopReplicasInput(deployment_id=self.spec.id, names=names_),
+                    start_to_close_timeout=timedelta(minutes=2),
+                    retry_policy=RetryPolicy(maximum_attempts=5),
+                )
+            except Exception as exc:  # noqa: BLE001 - logged; they are out of rotation either way
+                workflow.logger.warning("stopping replica(s) %s failed: %s", ", ".join(names_), exc)
 
     async def _create_replicas(self) -> None:
         count = max(1, self.spec.autoscaling.min)
@@ -216,21 +367,15 @@ class DeploymentWorkflow:
         # Deterministic, unique names: a short random suffix from the workflow's seeded uuid.
         names_ = [f"replica-{str(workflow.uuid4())[:8]}" for _ in range(count)]
         self.state.pending_replicas = list(names_)
-        zone = self.state.gateway_zones[0] if self.state.gateway_zones else "LOCAL-1A"
+        self.state.members = list(names_)
         try:
-            await workflow.execute_activity(
-                names.START_REPLICAS,
-                StartReplicasInput(
-                    deployment_id=self.spec.id,
-                    deployment_workflow_id=workflow.info().workflow_id,
-                    names=names_,
-                    zone=zone,
-                    model=self.spec.model,
-                engine_config=self.spec.runtime.engine_config,
-                ),
-                start_to_close_timeout=timedelta(minutes=5),
-                retry_policy=RetryPolicy(maximum_attempts=3),
-            )
+            async with self.replica_lock:
+                await workflow.execute_activity(
+                    names.START_REPLICAS,
+                    self._start_input(names_),
+                    start_to_close_timeout=timedelta(minutes=5),
+                    retry_policy=RetryPolicy(maximum_attempts=3),
+                )
         except Exception as exc:  # noqa: BLE001 - reported as a condition, not a crash
             self._set_status(
                 ResourceStatus.FAILED,
@@ -274,7 +419,9 @@ class DeploymentWorkflow:
                 ).cancel()
             except Exception:  # noqa: BLE001 - it may have just finished
                 pass
-        all_names = [r.name for r in self.state.replicas] + list(self.state.pending_replicas)
+        all_names = list(
+            dict.fromkeys([*self.state.members, *(r.name for r in self.state.replicas), *self.state.pending_replicas])
+        )
         await workflow.execute_activity(
             names.STOP_REPLICAS,
             StopReplicasInput(deployment_id=self.spec.id, names=all_names),
@@ -282,22 +429,40 @@ class DeploymentWorkflow:
             retry_policy=RetryPolicy(maximum_attempts=5),
         )
         self.state.replicas = []
+        self.state.pending_replicas = []
+        self.state.members = []
         self._publish()
 
     # ------------------------------------------------------------------ replicas report in
     @workflow.signal
     def replica_ready(self, endpoint: ReplicaEndpoint) -> None:
+        if endpoint.name not in self.state.members or self.deleting:
+            # A replica taken out of the deployment (replaced, or deleted) that reported late.
+            workflow.logger.warning("ignoring ready from %s: not a replica of this deployment", endpoint.name)
+            return
         self.state.replicas = [r for r in self.state.replicas if r.name != endpoint.name] + [endpoint]
         self.state.replicas.sort(key=lambda r: (r.zone, r.name))
         if endpoint.name in self.state.pending_replicas:
             self.state.pending_replicas.remove(endpoint.name)
-        self._publish()
+        self._settle()
 
     @workflow.signal
     def replica_failed(self, failure: ReplicaFailure) -> None:
+        """A replica reports its engine dead or its start failed: out of rotation; during
+        creation that fails the deployment, afterwards the periodic check restarts it."""
         self.failures.append(failure)
         self.state.replicas = [r for r in self.state.replicas if r.name != failure.name]
-        self._publish()
+        self.state.pending_replicas = [n for n in self.state.pending_replicas if n != failure.name]
+        self._settle()
+
+    @workflow.update
+    async def verify_replicas(self) -> str:
+        """Start every replica whose process is gone, now (the control worker calls this for
+        each deployment when it starts: after a stack restart no replica runs); returns the
+        deployment's status after the check."""
+        if not self.deleting and self.state.deployment.status.status in (ResourceStatus.CREATING, *SUPERVISED):
+            await self._restart_lost_replicas()
+        return self.state.deployment.status.status.value
 
     # ------------------------------------------------------------------ delete
     @workflow.update
@@ -309,13 +474,23 @@ class DeploymentWorkflow:
     def update_config(self, cmd: UpdateDeploymentCommand) -> Deployment:
         self._check_update(cmd)  # again: a hot-load may have been admitted since the validator
         spec = self.spec
+        roll = cmd.runtime is not None and (
+            cmd.runtime.version != spec.runtime.version or dict(cmd.runtime.engine_config) != spec.runtime.engine_config
+        )
         if cmd.runtime is not None:
             spec.runtime.version = cmd.runtime.version
             spec.runtime.engine_config = dict(cmd.runtime.engine_config)
         if cmd.traffic is not None:
             spec.traffic = cmd.traffic
         self.state.deployment.status.updated_at = cmd.updated_at
-        self._publish()
+        if roll:
+            # Every member runs an earlier runtime now; the main loop rolls them (`_roll`).
+            walk = [r.name for r in self.state.replicas]
+            self.state.outdated = walk + [m for m in self.state.members if m not in walk]
+            self.state.update_error = None
+            self._settle()  # STATUS_UPDATING before the update returns: no hot-load slips in
+        else:
+            self._publish()
         return self.state.deployment
 
     @update_config.validator
@@ -362,9 +537,21 @@ class DeploymentWorkflow:
                 f"hot-load {self.state.active_hot_load_id} is already in progress on deployment {spec.id}; "
                 "configuration updates wait until it ends",
             )
-        if self.deleting or self.state.deployment.status.status != ResourceStatus.READY:
-            status = "STATUS_DELETING" if self.deleting else self.state.deployment.status.status.value
-            raise rejected(FAILED_PRECONDITION, f"deployment {spec.id} is {status}, not STATUS_READY")
+        status = self.state.deployment.status.status
+        failed_update = status == ResourceStatus.ERROR and self.state.update_error is not None
+        if self.deleting or (status != ResourceStatus.READY and not failed_update):
+            raise rejected(FAILED_PRECONDITION, self._not_ready())
+
+    def _not_ready(self) -> str:
+        """Why the deployment admits nothing now: its status and, if any, the reason."""
+        if self.deleting:
+            return f"deployment {self.spec.id} is STATUS_DELETING, not STATUS_READY"
+        st = self.state.deployment.status
+        why = f"deployment {self.spec.id} is {st.status.value}, not STATUS_READY"
+        blocking = [c for c in st.conditions if c.status == ConditionStatus.FALSE and c.message]
+        if blocking:
+            why += f" ({blocking[0].reason}: {blocking[0].message})"
+        return why
 
     # ------------------------------------------------------------------ hot-loads
     @workflow.update
@@ -390,6 +577,12 @@ class DeploymentWorkflow:
         hl_cfg = self.spec.hot_load
         assert hl_cfg is not None
         try:
+            if workflow.patched(ADMISSION_CHECKS_REPLICAS):
+                # READY is what the replicas last reported; a stack restart or a crash since may
+                # have taken them down unseen. Every replica process must run now (one that does
+                # not is restarted, and the deployment is UPDATING until it serves again).
+                if await self._restart_lost_replicas():
+                    raise rejected(FAILED_PRECONDITION, self._not_ready())
             # Every snapshot of the chain at once (a 64-link chain in one round trip); the first
             # failing link in chain order is the one reported.
             checks = await asyncio.gather(
@@ -515,13 +708,8 @@ class DeploymentWorkflow:
                 FAILED_PRECONDITION,
                 f"hot-load {self.state.active_hot_load_id} is already in progress on deployment {spec.id}",
             )
-        status = self.state.deployment.status.status
-        if status != ResourceStatus.READY or self.deleting:
-            raise rejected(
-                FAILED_PRECONDITION,
-                f"deployment {spec.id} is {'STATUS_DELETING' if self.deleting else status.value}, "
-                "not STATUS_READY",
-            )
+        if self.state.deployment.status.status != ResourceStatus.READY or self.deleting:
+            raise rejected(FAILED_PRECONDITION, self._not_ready())
         if len(set(self.state.gateway_zones)) > 1:
             raise rejected(
                 FAILED_PRECONDITION,

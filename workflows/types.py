@@ -318,8 +318,8 @@ class UpdateDeploymentCommand(WireModel):
 
     `hot_load` is the section the caller sent (None: omitted). The workflow refuses an update
     that omits or changes it on a hot-load deployment, and one that adds it to another; of the
-    rest only `runtime.version`, `runtime.engineConfig` and `traffic` may change (the others
-    would need new replicas), and nothing changes while a hot-load runs.
+    rest only `runtime.version`, `runtime.engineConfig` (the replicas roll onto a new runtime)
+    and `traffic` may change, and nothing changes while a hot-load runs.
     """
 
     name: str | None = None
@@ -486,6 +486,16 @@ class DeploymentInput(WireModel):
     gateway_zones: list[str] = Field(default_factory=list)
     replicas: list[ReplicaEndpoint] = Field(default_factory=list)
     pending_replicas: list[str] = Field(default_factory=list)
+    # Every replica that belongs to the deployment: serving (`replicas`), starting (`pending`) or
+    # lost (its process died; the deployment restarts it). Empty in a state carried over from
+    # before it was kept: then `replicas` and `pending_replicas` are the members.
+    members: list[str] = Field(default_factory=list)
+    # Members that still run an earlier runtime (`version`/`engineConfig`): a rolling update
+    # replaces them one at a time, in walk order; empty when every member runs the spec's runtime.
+    outdated: list[str] = Field(default_factory=list)
+    # Why the last rolling update stopped (a new replica failed to start); the deployment is
+    # STATUS_ERROR until a configuration update succeeds. None: no failed update.
+    update_error: str | None = None
     completed: list[ChainLink] = Field(default_factory=list)
     chains: dict[str, list[SnapshotRef]] = Field(default_factory=dict)
     seen_hot_load_ids: list[str] = Field(default_factory=list)

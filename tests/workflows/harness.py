@@ -121,6 +121,8 @@ class Fleet:
     # name -> behaviour; default: succeed after `apply_delay`.
     apply_behaviour: dict[str, ApplyBehaviour] = field(default_factory=dict)
     applied: list[tuple[str, str]] = field(default_factory=list)
+    # The replica names `stop_replicas` was asked to stop, in order.
+    stopped: list[str] = field(default_factory=list)
     # name -> awaited before a broadcast stage reports success (raise to fail the stage).
     stage_behaviour: dict[str, Callable[[str], Awaitable[None]]] = field(default_factory=dict)
     # name -> awaited in an update from the bucket after its stage is ready, before the swap
@@ -284,6 +286,31 @@ class Fleet:
         await self.wait_idle(dep_id)
         return hl
 
+    # ------------------------------------------------------------------ replica processes
+    def deployment_handle(self, dep_id: str):
+        return self.client.get_workflow_handle(names.deployment_workflow_id(ORG, dep_id))
+
+    async def deployment_state(self, dep_id: str) -> DeploymentInput:
+        """The deployment workflow's own state (its `describe` query): members, pending, outdated."""
+        return await self.deployment_handle(dep_id).query(DeploymentWorkflow.describe)
+
+    async def lose(self, dep_id: str, *replicas: str) -> None:
+        """These replicas' processes are gone, as after `rollouts down`: their workers stop, and
+        the next `start_replicas` naming them starts them again (and reports it)."""
+        for name in replicas:
+            await self._replica_workers.pop(f"{self.task_queue}/replica/{dep_id}/{name}").shutdown()
+
+    async def signal_ready(self, dep_id: str, name: str) -> None:
+        """The replica `name` reports ready, as a (re)started replica does once it serves."""
+        await self.deployment_handle(dep_id).signal(
+            DeploymentWorkflow.replica_ready,
+            ReplicaEndpoint(
+                name=name, zone=ZONE, task_queue=f"{self.task_queue}/replica/{dep_id}/{name}",
+                engine_url="http://127.0.0.1:1", engine_pid=1000, agent_pid=2000,
+                started_at="2026-01-01T00:00:00.000000Z",
+            ),
+        )
+
     # ------------------------------------------------------------------ control activities
     @activity.defn(name=names.START_REPLICAS)
     async def start_replicas(self, inp: StartReplicasInput) -> list[str]:
@@ -318,6 +345,7 @@ class Fleet:
 
     @activity.defn(name=names.STOP_REPLICAS)
     async def stop_replicas(self, inp: StopReplicasInput) -> int:
+        self.stopped.extend(inp.names)
         return len(inp.names)
 
     @activity.defn(name=names.CHECK_SNAPSHOT)
