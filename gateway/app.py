@@ -242,8 +242,10 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
             "data": [
                 {
                     "id": v.model_name, "object": "model", "owned_by": "rollouts", "root": v.model_name,
-                    "deployment_id": v.deployment_id,
-                    # Beyond OpenAI: the snapshot identity each running replica serves.
+                    # Beyond OpenAI: the deployment, whether it takes traffic here, its share of
+                    # its model name's requests, and the snapshot identity each running replica serves.
+                    "deployment_id": v.deployment_id, "status": v.status, "takes_traffic": v.takes_traffic,
+                    "weight": v.weight,
                     "replicas": [{"name": r.name, "identity": r.identity, "settled": r.settled} for r in v.replicas],
                 }
                 for v in router.models(principal.organization_id)
@@ -267,7 +269,7 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
         if spans:  # the engine's own record: no need to read Temporal
             out["weight_versions"] = weight_versions(None, None, 0, 0, replica.name, spans)
         else:
-            after_view = await router.fresh_view(attempt.view.deployment_id)
+            after_view = await router.fresh_view(attempt.view.workflow_id)
             after = after_view.replica(replica.name) if after_view is not None else None
             out["weight_versions"] = weight_versions(
                 attempt.view.replica(replica.name), after, attempt.view.epoch,
@@ -320,7 +322,7 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
             return error_response(InvalidArgument(str(exc)))
         if view.active_hot_load_id or not all(r.settled for r in view.replicas):
             # A hot-load is (or was, in the cached view) under way: label against a current read.
-            view = await router.fresh_view(view.deployment_id) or view
+            view = await router.fresh_view(view.workflow_id) or view
         attempt = Attempt(plan=plan, view=view)
         # vLLM sends routes only on non-streamed answers: replay those as a stream.
         replay = plan.stream and "routed_experts" in plan.extra_fields

@@ -29,9 +29,10 @@ Contract:
   replica's state as it moves: ``PENDING_UPDATE`` -> ``UPDATING`` -> ``READY`` on the new
   identity). ``refresh_loop`` lists the running deployment workflows every ``DISCOVER_S`` and
   re-reads each one's memo with DescribeWorkflowExecution (current, not the lagging
-  visibility store) every ``REFRESH_S``. ``fresh_view(dep_id)`` returns a view whose read began
-  after the call (concurrent callers share one read), which is what a weight-version label
-  needs.
+  visibility store) every ``REFRESH_S``. Views are keyed by workflow id
+  (``deployments/ORG/ID``: a deployment id is unique only within its organization).
+  ``fresh_view(workflow_id)`` returns a view whose read began after the call (concurrent
+  callers share one read), which is what a weight-version label needs.
 - ``weight_versions(before, after, ..., spans)`` labels a response from the views taken before
   it was sent and after it finished, or, when the replica reported which weights sampled each
   token (``spans``, see ``gateway/nvext.py``), from those; see the function for exactly what is
@@ -230,7 +231,8 @@ class _Reads:
 
 @dataclass
 class Router:
-    views: dict[str, DeploymentView] = field(default_factory=dict)  # by deployment id
+    # By workflow id (deployments/ORG/ID): deployment ids are unique only within an organization.
+    views: dict[str, DeploymentView] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)  # engine url -> requests
     failed_at: dict[str, float] = field(default_factory=dict)  # engine url -> last connect failure
     cooldown_s: float = COOLDOWN_S  # how long a replica whose connection failed is tried last
@@ -238,7 +240,7 @@ class Router:
     # Serve only deployments that list this gateway id (None: every deployment; a table in a test).
     gateway_id: str | None = None
     split: WeightedSplit = field(default_factory=WeightedSplit)
-    # Set by refresh_loop: reads one deployment's view now (None: the workflow is gone).
+    # Set by refresh_loop: reads one deployment's view now, by workflow id (None: the workflow is gone).
     reader: Callable[[str], Awaitable[DeploymentView | None]] | None = None
     _reads: dict[str, _Reads] = field(default_factory=dict)
     _last_active: dict[str, str | None] = field(default_factory=dict)
@@ -246,10 +248,10 @@ class Router:
 
     # ------------------------------------------------------------------ table
     def set_view(self, view: DeploymentView) -> None:
-        self.views[view.deployment_id] = view
+        self.views[view.workflow_id] = view
 
-    def drop(self, deployment_id: str) -> None:
-        self.views.pop(deployment_id, None)
+    def drop(self, workflow_id: str) -> None:
+        self.views.pop(workflow_id, None)
 
     def serves(self, view: DeploymentView) -> bool:
         return self.gateway_id is None or self.gateway_id in view.gateway_ids
@@ -329,43 +331,43 @@ class Router:
         self.failed_at.pop(url, None)
 
     # ------------------------------------------------------------------ views
-    def epoch_for(self, deployment_id: str, active: str | None) -> int:
+    def epoch_for(self, workflow_id: str, active: str | None) -> int:
         """Count hot-loads as they are first seen active (for ``weight_versions``)."""
-        last = self._last_active.get(deployment_id)
+        last = self._last_active.get(workflow_id)
         if active and active != last:
-            self._epochs[deployment_id] = self._epochs.get(deployment_id, 0) + 1
-        self._last_active[deployment_id] = active
-        return self._epochs.get(deployment_id, 0)
+            self._epochs[workflow_id] = self._epochs.get(workflow_id, 0) + 1
+        self._last_active[workflow_id] = active
+        return self._epochs.get(workflow_id, 0)
 
-    async def fresh_view(self, deployment_id: str) -> DeploymentView | None:
+    async def fresh_view(self, workflow_id: str) -> DeploymentView | None:
         """A view whose read started after this call; concurrent callers share one read.
 
         A caller that arrives while a read is in progress joins the read queued behind it (which
         starts when the current one ends), never the current one, which began too early.
         """
         if self.reader is None:
-            return self.views.get(deployment_id)
-        st = self._reads.setdefault(deployment_id, _Reads())
+            return self.views.get(workflow_id)
+        st = self._reads.setdefault(workflow_id, _Reads())
         if st.queued is not None:
             return await asyncio.shield(st.queued)
         if st.current is None or st.current.done():
-            st.current = asyncio.ensure_future(self._read(deployment_id))
+            st.current = asyncio.ensure_future(self._read(workflow_id))
             return await asyncio.shield(st.current)
         previous = st.current
 
         async def after_previous() -> DeploymentView | None:
             await asyncio.wait([previous])
             st.current, st.queued = st.queued, None  # from here on, late callers queue anew
-            return await self._read(deployment_id)
+            return await self._read(workflow_id)
 
         st.queued = asyncio.ensure_future(after_previous())
         return await asyncio.shield(st.queued)
 
-    async def _read(self, deployment_id: str) -> DeploymentView | None:
+    async def _read(self, workflow_id: str) -> DeploymentView | None:
         assert self.reader is not None
-        view = await self.reader(deployment_id)
+        view = await self.reader(workflow_id)
         if view is not None:
-            current = self.views.get(deployment_id)
+            current = self.views.get(workflow_id)
             if current is None or current.read_at <= view.read_at:
                 self.set_view(view)
         return view
@@ -379,19 +381,18 @@ async def refresh_loop(router: Router, settings: Any) -> None:
     from workers.settings import temporal_client
 
     client: Client | None = None
-    workflow_ids: dict[str, str] = {}  # deployment id -> workflow id
+    workflow_ids: list[str] = []  # the running deployment workflows (deployments/ORG/ID)
 
-    async def read(deployment_id: str) -> DeploymentView | None:
+    async def read(wf_id: str) -> DeploymentView | None:
         assert client is not None
-        wf_id = workflow_ids.get(deployment_id, f"deployments/{deployment_id}")
         started = time.monotonic()
         try:
             desc = await client.get_workflow_handle(wf_id).describe()
         except RPCError as exc:
             log.warning("reading %s failed: %s", wf_id, exc)
-            return router.views.get(deployment_id)
+            return router.views.get(wf_id)
         if desc.status is None or desc.status.name != "RUNNING":
-            router.drop(deployment_id)
+            router.drop(wf_id)
             return None
         memo = await desc.memo()
         active = ((memo.get("deployment") or {}).get("status") or {}).get("activeHotLoadId")
@@ -403,7 +404,7 @@ async def refresh_loop(router: Router, settings: Any) -> None:
             except RPCError as exc:
                 log.warning("reading hot-load %s failed: %s", active, exc)
                 readable = False
-        epoch = router.epoch_for(deployment_id, active)
+        epoch = router.epoch_for(wf_id, active)
         return build_view(memo, wf_id, hot_memo, hot_load_readable=readable, epoch=epoch, read_at=started)
 
     last_discovery = 0.0
@@ -413,11 +414,11 @@ async def refresh_loop(router: Router, settings: Any) -> None:
                 client = await temporal_client(settings)
                 router.reader = read
             if time.monotonic() - last_discovery > DISCOVER_S:
-                found: dict[str, str] = {}
+                found: list[str] = []
                 async for wf in client.list_workflows(
                     "ResourceKind='deployment' AND ExecutionStatus='Running'", page_size=1000
                 ):
-                    found[wf.id.rsplit("/", 1)[-1]] = wf.id  # deployments/ORG/ID (workflows/names.py)
+                    found.append(wf.id)  # deployments/ORG/ID (workflows/names.py)
                 for gone in set(router.views) - set(found):
                     router.drop(gone)
                 workflow_ids = found

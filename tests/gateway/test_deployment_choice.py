@@ -21,7 +21,7 @@ def view(dep_id: str, model: str = "policy", *, replicas: int = 1, status: str =
         "replicas": [{"name": f"{dep_id}-r{i}", "engineUrl": f"http://127.0.0.1:{9000 + i}/{dep_id}"}
                      for i in range(replicas)],
     }
-    v = build_view(memo, f"deployments/{dep_id}", None)
+    v = build_view(memo, f"deployments/{org}/{dep_id}", None)
     assert v is not None
     return v
 
@@ -94,6 +94,14 @@ def test_another_organization_is_not_found():
     r = router(view("theirs", org="org-b"), view("mine"))
     assert chosen(r, "policy", 5) == {"mine": 5}
     assert r.route("theirs", "org") == ([], None)
+
+
+def test_two_organizations_may_use_the_same_deployment_id():
+    r = router(view("policy-dep", org="org-a"), view("policy-dep", "theirs", org="org-b"))
+    assert len(r.views) == 2  # keyed by workflow id, neither replaces the other
+    assert r.route("policy", "org-a")[1].organization_id == "org-a"
+    assert r.route("policy-dep", "org-b")[1].model_name == "theirs"
+    assert r.route("theirs", "org-a") == ([], None)
 
 
 def test_a_session_stays_on_its_deployment():
