@@ -12,6 +12,8 @@ stack and deployment instead of starting them; nothing is stopped at the end the
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import os
 import random
 import threading
@@ -153,6 +155,43 @@ class LocalGateway:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection to a gateway: every request must go over the same
+    socket (asserted: the server neither closed it nor was it replaced), and every answer is JSON."""
+
+    def __init__(self, url: str, token: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=300)
+        self.token = token
+        self.local: tuple | None = None
+        self.headers: dict[str, str] = {}  # of the last answer
+
+    def request(self, method: str, path: str, body: Any = None, token: str | None = None,
+                **kw: Any) -> tuple[int, dict]:
+        if body is not None and not isinstance(body, (bytes, Iterator)):
+            body = json.dumps(body).encode()
+        headers = {"Authorization": f"Bearer {token or self.token}", "Content-Type": "application/json",
+                   **kw.pop("headers", {})}
+        self.conn.request(method, path, body=body, headers=headers, **kw)
+        resp = self.conn.getresponse()
+        data = json.loads(resp.read())
+        self.headers = {k.lower(): v for k, v in resp.getheaders()}
+        assert not resp.will_close, "the gateway closed the connection"
+        local = self.conn.sock.getsockname()
+        assert self.local in (None, local), "the connection was replaced"
+        self.local = local
+        return resp.status, data
+
+    def post(self, path: str, body: Any, token: str | None = None, **kw: Any) -> tuple[int, dict]:
+        return self.request("POST", path, body, token, **kw)
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.conn.close()
 
 
 class ChaosProxy:

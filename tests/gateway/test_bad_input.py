@@ -6,7 +6,6 @@ shape. The same on the real stack: ``test_bad_input_stack.py``."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import threading
 import time
@@ -20,7 +19,7 @@ from fastapi.responses import JSONResponse
 from api.auth import add_token
 from gateway.body import MAX_BODY_BYTES
 from gateway.routing import DeploymentView, ReplicaView, Router
-from tests.gateway.conftest import LocalGateway
+from tests.gateway.conftest import Connection, LocalGateway
 from workers.processes import free_port
 from workers.settings import Settings
 
@@ -68,30 +67,6 @@ def local(tmp_path_factory) -> Iterator[tuple[LocalGateway, list[dict]]]:
     thread.join(5)
 
 
-class Connection:
-    """One keep-alive HTTP/1.1 connection; every request must go over the same socket."""
-
-    def __init__(self, url: str) -> None:
-        host, port = url.removeprefix("http://").split(":")
-        self.conn = http.client.HTTPConnection(host, int(port), timeout=120)
-        self.local: tuple | None = None
-
-    def post(self, path: str, body, token: str = ADMIN, **kw) -> tuple[int, dict]:
-        raw = body if isinstance(body, (bytes, Iterator)) else json.dumps(body).encode()
-        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json", **kw.pop("headers", {})}
-        self.conn.request("POST", path, body=raw, headers=headers, **kw)
-        resp = self.conn.getresponse()
-        data = json.loads(resp.read())
-        assert not resp.will_close, "the gateway closed the connection"
-        local = self.conn.sock.getsockname()
-        assert self.local in (None, local), "the connection was replaced"
-        self.local = local
-        return resp.status, data
-
-    def close(self) -> None:
-        self.conn.close()
-
-
 def invalid(status_body: tuple[int, dict], message: str) -> None:
     status, body = status_body
     assert status == 400, body
@@ -130,27 +105,23 @@ BAD = [
 
 def test_every_malformed_body_is_a_400_on_a_connection_that_stays_usable(local):
     gateway, seen = local
-    conn = Connection(gateway.url)
     before = len(seen)
-    try:
+    with Connection(gateway.url, ADMIN) as conn:
         for raw, message in BAD:
             for path in ("/v1/completions", "/v1/chat/completions"):
-                if b"batch" in message.encode() and "chat" in path:
+                if "batch" in message and "chat" in path:
                     continue  # a chat request has no prompt batch
                 invalid(conn.post(path, raw), message)
         assert len(seen) == before, "a refused body reached the replica"
         status, body = conn.post("/v1/completions", GOOD)
         assert status == 200 and body["choices"][0]["text"] == "x"
         assert len(seen) == before + 1
-    finally:
-        conn.close()
 
 
 def test_a_body_over_the_cap_is_refused_with_or_without_a_length(local):
     gateway, seen = local
     before = len(seen)
-    conn = Connection(gateway.url)
-    try:
+    with Connection(gateway.url, ADMIN) as conn:
         big = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
         invalid(conn.post("/v1/completions", big), f"request body is {len(big)} bytes; the gateway accepts at most "
                                                    f"{MAX_BODY_BYTES} bytes (8 MiB)")
@@ -161,15 +132,12 @@ def test_a_body_over_the_cap_is_refused_with_or_without_a_length(local):
         # Just under the cap (chunked) is read whole and reaches the replica.
         status, _ = conn.post("/v1/completions", chunks(MAX_BODY_BYTES - (2 << 20)), encode_chunked=True)
         assert status == 200 and len(seen[-1]["prompt"]) >= MAX_BODY_BYTES - (3 << 20)
-    finally:
-        conn.close()
 
 
 def test_a_viewer_lists_models_but_does_not_run_inference(local):
     gateway, seen = local
     before = len(seen)
-    conn = Connection(gateway.url)
-    try:
+    with Connection(gateway.url, ADMIN) as conn:
         for path in ("/v1/completions", "/v1/chat/completions"):
             status, body = conn.post(path, GOOD, token=VIEWER)
             assert status == 403 and body["code"] == "permission_denied", body
@@ -178,28 +146,19 @@ def test_a_viewer_lists_models_but_does_not_run_inference(local):
         status, body = conn.post("/v1/completions", GOOD, token="nope")
         assert status == 401 and body["code"] == "unauthenticated"
         assert len(seen) == before
-        conn.conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {VIEWER}"})
-        resp = conn.conn.getresponse()
-        assert resp.status == 200 and [m["id"] for m in json.loads(resp.read())["data"]] == ["m"]
-    finally:
-        conn.close()
+        status, body = conn.request("GET", "/v1/models", token=VIEWER)
+        assert status == 200 and [m["id"] for m in body["data"]] == ["m"]
 
 
 def test_a_replicas_400_keeps_its_message_in_our_shape(local):
     gateway, _ = local
-    conn = Connection(gateway.url)
-    try:
+    with Connection(gateway.url, ADMIN) as conn:
         invalid(conn.post("/v1/completions", {**GOOD, "prompt": "vllm-refuses"}), "temperature must be non-negative")
         assert conn.post("/v1/completions", GOOD)[0] == 200
-    finally:
-        conn.close()
 
 
 def test_unknown_model_and_no_traffic_use_the_same_shape(local):
     gateway, _ = local
-    conn = Connection(gateway.url)
-    try:
+    with Connection(gateway.url, ADMIN) as conn:
         status, body = conn.post("/v1/completions", {**GOOD, "model": "nope"})
         assert status == 404 and body["code"] == "not_found" and body["message"].startswith("model 'nope' is not served")
-    finally:
-        conn.close()

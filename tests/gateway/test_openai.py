@@ -137,11 +137,12 @@ def test_stop_strings_and_stop_token_ids(gw):
     assert too_many.status_code == 400 and "at most 4 stop strings" in too_many.json()["error"]["message"]
 
 
-def test_vllm_errors_pass_through_and_unknown_model_is_404(gw):
+def test_vllm_errors_keep_their_message_and_unknown_model_is_404(gw):
     r = gw.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 100000})
-    assert r.status_code == 400 and r.json()["error"]["message"]  # vLLM's own validation
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]  # vLLM's own validation
+    assert r.json()["code"] == r.json()["error"]["code"] == "invalid_argument"  # ... in the gateway's shape
     r = httpx.post(f"{gw.url}/v1/completions", json={"model": "nope", "prompt": "x"}, headers=gw.headers)
-    assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
+    assert r.status_code == 404 and "nope" in r.json()["error"]["message"] and r.json()["code"] == "not_found"
 
 
 def test_cwtrain_rollout_client_samples_a_group(gw):

@@ -1,0 +1,46 @@
+"""Bad input at the stack's real gateway, in front of the shared 2-replica deployment: a
+1,000-deep JSON array, ``n`` over the cap and a viewer's inference request are refused in the
+API's error shape, reach no replica, and the same keep-alive connection then gets a real
+completion; vLLM's own 400 keeps its message in that shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gateway.conftest import Connection, random_prompt
+
+pytestmark = pytest.mark.stack
+
+
+def refused(answer: tuple[int, dict], status: int, code: str, message: str) -> None:
+    got, body = answer
+    assert got == status and body["code"] == code and body["details"] == [], body
+    assert body["error"]["code"] == code and body["error"]["message"] == body["message"], body
+    assert message in body["message"], body["message"]
+
+
+def test_nested_json_n_over_the_cap_and_a_viewer_then_the_connection_still_serves(gw):
+    replicas = {"x-rollouts-replica"}
+    with Connection(gw.url, gw.settings.admin_token) as conn:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            refused(conn.post(path, b"[" * 1000 + b"]" * 1000), 400, "invalid_argument",
+                    "request body nests arrays/objects more than 64 levels deep")
+            refused(conn.post(path, b'{"model": "' + gw.model.encode() + b'", "prompt": ' + b"[" * 1000),
+                    400, "invalid_argument", "more than 64 levels deep")
+        refused(conn.post("/v1/completions", {"model": gw.model, "prompt": [1, 2], "n": 1000, "max_tokens": 1}),
+                400, "invalid_argument", "n: at most 16 choices per request, got 1000")
+        refused(conn.post("/v1/chat/completions", {"model": gw.model, "messages": [{"role": "user", "content": "x"}],
+                                                   "n": 17}),
+                400, "invalid_argument", "n: at most 16 choices per request, got 17")
+        refused(conn.post("/v1/completions", {"model": gw.model, "prompt": [1, 2], "max_tokens": 1},
+                          token=gw.settings.viewer_token),
+                403, "permission_denied", "running inference needs the Inference Admin role; this token has role 'viewer'")
+        status, models = conn.request("GET", "/v1/models", token=gw.settings.viewer_token)
+        assert status == 200 and gw.model in [m["id"] for m in models["data"]]
+        # vLLM's own validation (a context window the tiny model does not have), in our shape.
+        refused(conn.post("/v1/completions", {"model": gw.model, "prompt": [1, 2], "max_tokens": 100000}),
+                400, "invalid_argument", "max_tokens")
+        status, body = conn.post("/v1/completions", {"model": gw.model, "prompt": random_prompt(6), "max_tokens": 3,
+                                                     "ignore_eos": True, "n": 16})
+        assert status == 200 and body["usage"]["completion_tokens"] == 48, body
+        assert conn.headers.keys() >= replicas
