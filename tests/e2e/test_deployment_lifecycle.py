@@ -1,0 +1,158 @@
+"""A deployment's status tells the truth across a configuration update and a restart, on the real
+stack with a real vLLM CPU replica (one, to keep the cost at three engine starts).
+
+- `PATCH` of `runtime.engineConfig` rolls the replica onto it: the deployment leaves READY
+  (a hot-load and another update are refused meanwhile), keeps a replica serving throughout,
+  and is READY again on a new engine whose command line carries the new flag and which caught
+  up to the deployment's current snapshot before it served.
+- Replica processes stopped as `rollouts down` stops them (the control worker first, then the
+  replicas), then the worker started again as `rollouts up` does: the deployment reads
+  STATUS_UPDATING, not the READY it last recorded, and refuses a hot-load with
+  failed_precondition until its replica serves again (caught up), then admits one.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from snapshots.host import checkpoint_checksums
+from tests.e2e.test_delta_rolling_update import engines, hot_load, served_checksums
+from tests.stack_fixtures import Api, deployment_body
+from tests.trainer import train_step
+from workers.processes import stop_pid
+from workers.stack import Stack, upload_dir
+
+pytestmark = pytest.mark.stack
+
+PREFIX = "checkpoints/lifecycle"
+TRAINED = "life-000001"
+
+
+@pytest.fixture(scope="module")
+def lifecycle(stack, tmp_path_factory):
+    """A 1-replica deployment serving TRAINED (a FULL hot-load of weights that differ from the
+    base), and those weights' checksums."""
+    api = Api(stack)
+    body = deployment_body(stack, "lifecycle", replicas=1, path_prefix=PREFIX)
+    dep = api.call("POST", "/deployments", json=body).json()["deployment"]
+    dep = api.wait_deployment(dep["spec"]["id"])
+    assert dep["status"]["status"] == "STATUS_READY", dep["status"]
+    trained = train_step(stack.home_path / "models" / "base", tmp_path_factory.mktemp("trained") / TRAINED, seed=41)
+    upload_dir(stack.s3_client(), trained, stack.bucket, f"{PREFIX}/{TRAINED}")
+    assert hot_load(api, dep["spec"]["id"], TRAINED, None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
+    yield api, dep, body, checkpoint_checksums(trained)
+    api.call("DELETE", f"/deployments/{dep['spec']['id']}")
+
+
+def flag(pid: int, name: str) -> str | None:
+    """The value of `--name` on process `pid`'s command line."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def publish_base(stack, identity: str) -> None:
+    """The base model as a FULL snapshot named `identity` (its content does not matter here)."""
+    upload_dir(stack.s3_client(), stack.home_path / "models" / "base", stack.bucket, f"{PREFIX}/{identity}")
+
+
+def answers(stack, model: str) -> None:
+    r = httpx.post(
+        f"{stack.gateway_url}/v1/completions",
+        headers={"Authorization": f"Bearer {stack.admin_token}"},
+        json={"model": model, "prompt": [5, 100, 200], "max_tokens": 4, "temperature": 0},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] is not None
+
+
+def test_engine_config_update_rolls_the_replica_onto_it(stack, lifecycle):
+    api, dep, body, expected = lifecycle
+    dep_id = dep["spec"]["id"]
+    (old,) = engines(stack, dep_id)
+    assert flag(old["enginePid"], "--max-num-seqs") == "32"
+
+    patch = {"hotLoad": body["hotLoad"], "runtime": {**body["runtime"], "engineConfig": {"max-num-seqs": "6"}}}
+    r = api.call("PATCH", f"/deployments/{dep_id}", json=patch)
+    assert r.status_code == 200, r.text
+    assert r.json()["deployment"]["spec"]["runtime"]["engineConfig"] == {"max-num-seqs": "6"}
+    status = r.json()["deployment"]["status"]
+    assert status["status"] == "STATUS_UPDATING" and status["conditions"][0]["reason"] == "RollingUpdate", status
+
+    # While it rolls: no hot-load, no other update.
+    publish_base(stack, "life-roll")
+    r = api.call("POST", "/hotLoads", json={"deploymentId": dep_id, "identity": "life-roll", "type": "SNAPSHOT_TYPE_FULL"})
+    assert r.status_code == 412 and r.json()["code"] == "failed_precondition", r.text
+    assert "STATUS_UPDATING, not STATUS_READY" in r.json()["message"], r.text
+    r = api.call("PATCH", f"/deployments/{dep_id}", json=patch)
+    assert r.status_code == 412 and "STATUS_UPDATING" in r.json()["message"], r.text
+
+    # Every status read until READY again: UPDATING, with the old replica serving throughout.
+    seen: list[tuple[str, int]] = []
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        st = api.call("GET", f"/deployments/{dep_id}").json()["deployment"]["status"]
+        seen.append((st["status"], st["readyReplicas"]))
+        if st["status"] != "STATUS_UPDATING":
+            break
+        time.sleep(0.5)
+    assert seen[-1] == ("STATUS_READY", 1), seen
+    assert all(s == ("STATUS_UPDATING", 1) or s == ("STATUS_UPDATING", 2) for s in seen[:-1]), seen
+
+    (new,) = engines(stack, dep_id)
+    assert new["name"] != old["name"]
+    assert flag(new["enginePid"], "--max-num-seqs") == "6"
+    assert not Path(f"/proc/{old['enginePid']}").exists(), "the replaced engine still runs"
+    # It caught up to the deployment's snapshot before it served.
+    assert new["currentSnapshotIdentity"] == TRAINED
+    assert served_checksums(new) == expected
+    answers(stack, body["model"]["name"])
+
+
+def test_replicas_stopped_by_down_are_not_ready_and_refuse_hot_loads(stack, lifecycle):
+    api, dep, body, expected = lifecycle
+    dep_id = dep["spec"]["id"]
+    dep = api.wait_deployment(dep_id)
+    assert dep["status"]["status"] == "STATUS_READY"
+    (before,) = engines(stack, dep_id)
+    max_num_seqs = dep["spec"]["runtime"].get("engineConfig", {}).get("max-num-seqs", "32")
+    publish_base(stack, "life-restart")
+    services = Stack(stack)
+
+    # `rollouts down`: the control worker first, then the replicas (agents, then engines).
+    worker = services.pid_file("worker")
+    stop_pid(worker.alive_pid(), timeout=20)
+    worker.remove()
+    stopped = 0
+    for pf in services.replica_pid_files():
+        if pf.path.parent.parent.name == dep_id:
+            pid = pf.alive_pid()
+            if pid:
+                stop_pid(pid, timeout=20)
+                stopped += 1
+            pf.remove()
+    assert stopped >= 1
+    # `rollouts up`: the worker reports ready once every deployment checked its replicas.
+    print(services.start("worker", timeout=240))
+
+    st = api.call("GET", f"/deployments/{dep_id}").json()["deployment"]["status"]
+    assert st["status"] == "STATUS_UPDATING" and st["readyReplicas"] == 0, st
+    assert st["conditions"][0]["reason"] == "ReplicasRestarting", st
+    r = api.call("POST", "/hotLoads", json={"deploymentId": dep_id, "identity": "life-restart", "type": "SNAPSHOT_TYPE_FULL"})
+    assert r.status_code == 412 and r.json()["code"] == "failed_precondition", r.text
+    assert "STATUS_UPDATING, not STATUS_READY" in r.json()["message"], r.text
+
+    dep = api.wait_deployment(dep_id)
+    assert dep["status"]["status"] == "STATUS_READY" and dep["status"]["readyReplicas"] == 1, dep["status"]
+    (after,) = engines(stack, dep_id)
+    assert after["name"] == before["name"] and after["enginePid"] != before["enginePid"]
+    # Restarted on the deployment's runtime, caught up to its snapshot.
+    assert flag(after["enginePid"], "--max-num-seqs") == max_num_seqs
+    assert after["currentSnapshotIdentity"] == TRAINED and served_checksums(after) == expected
+    hl = hot_load(api, dep_id, "life-restart", None)
+    assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
+    answers(stack, body["model"]["name"])
