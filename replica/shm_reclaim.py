@@ -63,7 +63,8 @@ def _candidates(directory: Path, patterns: Sequence[str], uid: int) -> dict[tupl
     found: dict[tuple[int, int], Segment] = {}
     try:
         entries = list(os.scandir(directory))
-    except OSError:
+    except OSError as exc:
+        log.warning("shared-memory reclaim cannot list %s: %s", directory, exc)
         return found
     for entry in entries:
         if not any(fnmatch.fnmatchcase(entry.name, p) for p in patterns):
@@ -114,14 +115,15 @@ def files_in_use(directories: Iterable[Path]) -> tuple[set[tuple[int, int]], lis
             in_use |= _process_files(pid, prefixes)
         except (FileNotFoundError, ProcessLookupError):
             continue  # exited
-        except PermissionError:
+        except OSError:  # PermissionError, mostly
             unreadable.append(int(pid))
     return in_use, unreadable
 
 
 def reclaim_dead_segments(directories: Sequence[Path] | None = None,
                           patterns: Sequence[str] = PATTERNS) -> list[Segment]:
-    """Remove the segments that the module docstring's rule allows; returns them."""
+    """Remove the segments that the module docstring's rule allows; returns them. Raises
+    nothing for what it cannot read or remove (it logs that): a replica starts regardless."""
     dirs = list(directories) if directories is not None else default_directories()
     uid = os.getuid()
     candidates: dict[tuple[int, int], Segment] = {}
