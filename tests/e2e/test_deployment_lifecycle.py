@@ -9,10 +9,14 @@ stack with a real vLLM CPU replica (one, to keep the cost at three engine starts
   replicas), then the worker started again as `rollouts up` does: the deployment reads
   STATUS_UPDATING, not the READY it last recorded, and refuses a hot-load with
   failed_precondition until its replica serves again (caught up), then admits one.
+- A whole `rollouts down` then `rollouts up` (a stack of its own; Temporal's data survives):
+  from the moment the API answers again, every read says STATUS_UPDATING until the replica
+  serves, then READY; a hot-load asked for right after `up` is refused.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +25,7 @@ import pytest
 
 from snapshots.host import checkpoint_checksums
 from tests.e2e.test_delta_rolling_update import engines, hot_load, served_checksums
-from tests.stack_fixtures import Api, deployment_body
+from tests.stack_fixtures import Api, deployment_body, start_stack
 from tests.trainer import train_step
 from workers.processes import stop_pid
 from workers.stack import Stack, upload_dir
@@ -156,3 +160,49 @@ def test_replicas_stopped_by_down_are_not_ready_and_refuse_hot_loads(stack, life
     hl = hot_load(api, dep_id, "life-restart", None)
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
     answers(stack, body["model"]["name"])
+
+
+def test_down_then_up_reads_updating_until_the_replica_serves(tmp_path_factory):
+    services, settings = start_stack(tmp_path_factory.mktemp("down-up-home"))
+    try:
+        api = Api(settings)
+        body = deployment_body(settings, "downup", replicas=1, path_prefix="checkpoints/downup")
+        dep_id = api.call("POST", "/deployments", json=body).json()["deployment"]["spec"]["id"]
+        assert api.wait_deployment(dep_id)["status"]["status"] == "STATUS_READY"
+        services.down(say=print)
+
+        # Every status the API answers from the moment it is back, until READY.
+        seen: list[tuple[str, int]] = []
+        done = threading.Event()
+
+        def watch() -> None:
+            deadline = time.monotonic() + 900
+            while time.monotonic() < deadline and not done.is_set():
+                try:
+                    st = api.call("GET", f"/deployments/{dep_id}").json()["deployment"]["status"]
+                except (httpx.HTTPError, KeyError, ValueError):
+                    time.sleep(0.1)  # the API is not up yet
+                    continue
+                seen.append((st["status"], st["readyReplicas"]))
+                if st["status"] == "STATUS_READY":
+                    return
+                time.sleep(0.2)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        services.up(say=print)
+        upload_dir(settings.s3_client(), settings.home_path / "models" / "base", settings.bucket,
+                   "checkpoints/downup/after-up")
+        body_hl = {"deploymentId": dep_id, "identity": "after-up", "type": "SNAPSHOT_TYPE_FULL"}
+        r = api.call("POST", "/hotLoads", json=body_hl)
+        assert r.status_code == 412 and r.json()["code"] == "failed_precondition", r.text
+        assert "STATUS_UPDATING, not STATUS_READY" in r.json()["message"] and "ReplicasRestarting" in r.json()["message"]
+        watcher.join(900)
+        done.set()
+        assert seen and seen[-1] == ("STATUS_READY", 1), seen
+        assert all(s == ("STATUS_UPDATING", 0) for s in seen[:-1]), seen
+        assert len(seen) > 1, seen  # it was read while the replica restarted
+        hl = hot_load(api, dep_id, "after-up", None)
+        assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
+    finally:
+        services.down(say=print)
