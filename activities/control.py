@@ -46,8 +46,10 @@ class ControlActivities:
     def start_replicas(self, inp: StartReplicasInput) -> list[str]:
         """Start each named replica whose process is not running; returns the names started.
 
-        Idempotent (a retry or a periodic check starts nothing twice). With `target_chain`, a
-        replica loads that chain from the bucket before it reports ready."""
+        Idempotent: a retry, or the deployment's check of its replicas (periodic, at admission,
+        and `verify_replicas` when the control worker starts; one at a time per deployment),
+        starts nothing twice, so the names returned are the replicas that were gone. With
+        `target_chain`, a replica loads that chain from the bucket before it reports ready."""
         started = []
         for name in inp.names:
             workdir = self._replica_dir(inp.deployment_id, name)
