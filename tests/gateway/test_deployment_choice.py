@@ -49,10 +49,11 @@ def test_views_carry_gateways_weight_and_status():
 
 
 def test_a_failed_deployment_sharing_the_name_takes_nothing():
-    r = router(view("ready", replicas=2), view("failed", replicas=0, status="STATUS_FAILED"))
+    # The failed one first, in the table and by id: the order in which it took every request.
+    r = router(view("failed", replicas=0, status="STATUS_FAILED"), view("ready", replicas=2))
     assert chosen(r, "policy", 50) == {"ready": 50}
     # Even when its memo still lists a replica (one of two started before the other failed).
-    r = router(view("ready"), view("failed", status="STATUS_FAILED"), view("deleting", status="STATUS_DELETING"))
+    r = router(view("failed", status="STATUS_FAILED"), view("deleting", status="STATUS_DELETING"), view("ready"))
     assert chosen(r, "policy", 50) == {"ready": 50}
     named, none = r.route("failed", "org")  # addressed by id: named, but no traffic
     assert none is None and [v.deployment_id for v in named] == ["failed"]

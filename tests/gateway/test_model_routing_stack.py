@@ -1,11 +1,13 @@
 """Routing by model name at the stack's real gateway, with real deployments sharing the shared
 deployment's ``model.name``: a FAILED one (its model path holds no checkpoint, so its replica
-fails to start) takes no traffic; one that lists only another gateway is not served here at all;
-a READY one with nine times the shared deployment's ``traffic.weight`` takes exactly 9 of every
-10 requests (the split is deterministic, ``gateway/split.py``)."""
+fails to start) takes no traffic, also where the gateway's table lists it first; one that lists
+only another gateway is not served here at all; a READY one with nine times the shared
+deployment's ``traffic.weight`` takes exactly 9 of every 10 requests (the split is
+deterministic, ``gateway/split.py``)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections import Counter
@@ -16,8 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.gateway.conftest import GatewayDeployment, random_prompt
+from gateway.routing import DeploymentView, Router, build_view
+from tests.gateway.conftest import GatewayDeployment, LocalGateway, random_prompt
 from tests.stack_fixtures import deployment_body
+from workers.settings import temporal_client
+from workflows.names import deployment_workflow_id
 
 pytestmark = pytest.mark.stack
 REPLICA = "x-rollouts-replica"
@@ -84,6 +89,15 @@ def extra(gw: GatewayDeployment) -> Iterator[Extra]:
         gw.api.call("DELETE", f"/gateways/{other}")
 
 
+async def view_of(gw: GatewayDeployment, dep_id: str) -> DeploymentView:
+    """A deployment's routing view, built from its workflow's memo as the gateway builds it."""
+    wf_id = deployment_workflow_id(gw.settings.organization_id, dep_id)
+    client = await temporal_client(gw.settings)
+    view = build_view(await (await client.get_workflow_handle(wf_id).describe()).memo(), wf_id, None)
+    assert view is not None
+    return view
+
+
 def served(gw: GatewayDeployment, count: int) -> list[str]:
     names = []
     for _ in range(count):
@@ -104,6 +118,16 @@ def test_a_failed_deployment_sharing_the_model_name_takes_no_traffic(gw, extra):
     names = served(gw, 8)
     split = {r["name"] for m in models(gw) if m["deployment_id"] == extra.split for r in m["replicas"]}
     assert set(names) <= shared | split, names  # never the failed one (it has no replica to name)
+    # The same through a gateway whose table lists the failed one first (as after a gateway
+    # restart, when discovery lists the newest deployment first): the order that black-holed it.
+    router = Router()
+    for dep_id in (extra.failed, gw.id):
+        router.set_view(asyncio.run(view_of(gw, dep_id)))
+    with LocalGateway(gw.settings, router) as local:
+        for _ in range(4):
+            r = httpx.post(f"{local.url}/v1/completions", json={"model": gw.model, "prompt": random_prompt(4),
+                                                                 "max_tokens": 1}, headers=gw.headers, timeout=300)
+            assert r.status_code == 200 and r.headers[REPLICA] in shared, r.text
     # Addressed by its id, it is named in a 503 with its state, not routed.
     r = gw.post("/v1/completions", {"model": extra.failed, "prompt": [1, 2], "max_tokens": 1})
     assert r.status_code == 503 and r.json()["code"] == "unavailable", r.text
