@@ -1,7 +1,8 @@
 """Bad input at the stack's real gateway, in front of the shared 2-replica deployment: a
 1,000-deep JSON array, ``n`` over the cap and a viewer's inference request are refused in the
 API's error shape, reach no replica, and the same keep-alive connection then gets a real
-completion; vLLM's own 400 keeps its message in that shape."""
+completion; vLLM's own 400 keeps its message in that shape, so a field of the wrong type is a
+400 ``invalid_argument`` whichever of the two checks it."""
 
 from __future__ import annotations
 
@@ -44,3 +45,30 @@ def test_nested_json_n_over_the_cap_and_a_viewer_then_the_connection_still_serve
                                                      "ignore_eos": True, "n": 16})
         assert status == 200 and body["usage"]["completion_tokens"] == 48, body
         assert conn.headers.keys() >= replicas
+
+
+WRONG_TYPES = [
+    ("/v1/completions", {"prompt": {"text": "x"}}),
+    ("/v1/completions", {"prompt": [1, "two", 3]}),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": "ten"}),
+    ("/v1/completions", {"prompt": [1, 2], "temperature": "hot"}),
+    ("/v1/completions", {"prompt": [1, 2], "logprobs": "yes"}),
+    ("/v1/completions", {"prompt": [1, 2], "seed": 1.5}),
+    ("/v1/completions", {"prompt": [1, 2], "stop": 5}),
+    ("/v1/completions", {"prompt": [1, 2], "stop_token_ids": ["a"]}),
+    ("/v1/completions", {"prompt": [1, 2], "n": -1}),
+    ("/v1/completions", {"prompt": [1, 2], "stream": True, "stream_options": "usage"}),
+    ("/v1/chat/completions", {"messages": "hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": 5, "content": "x"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": "two"}),
+]
+
+
+def test_wrong_field_types_are_400s_from_the_gateway_or_vllm_in_one_shape(gw):
+    with Connection(gw.url, gw.settings.admin_token) as conn:
+        for path, fields in WRONG_TYPES:
+            status, body = conn.post(path, {"model": gw.model, "max_tokens": 1, **fields})
+            assert status == 400 and body["code"] == body["error"]["code"] == "invalid_argument", (fields, body)
+            assert body["message"], (fields, body)
+        status, _ = conn.post("/v1/completions", {"model": gw.model, "prompt": [1, 2], "max_tokens": 1})
+        assert status == 200
