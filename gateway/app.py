@@ -12,7 +12,7 @@ Contract:
   ``{"error": {"message", "type", "code"}}`` in one body: 401, 403, 404 (unknown model), 400
   ``invalid_argument`` for any malformed body (``gateway/body.py``: size over 8 MiB, not UTF-8,
   not JSON, nested over 64 levels, not an object), a ``model`` that is not a string, the
-  gateway's own field checks (``gateway/nvext.py``: ``n`` at most 16 sequences per request ...)
+  gateway's own field checks (``gateway/nvext.py``: ``n`` at most 64 sequences per request ...)
   and vLLM's own 400s (their message kept); 503 (no replica could take the request); 500
   ``internal`` for a bug, answered without dropping the connection. vLLM's other error answers
   pass through as vLLM wrote them. A refused request leaves the keep-alive connection usable.

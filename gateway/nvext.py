@@ -10,7 +10,7 @@ Contract (pure functions, no I/O; `gateway/app.py` calls them around each upstre
   ``routed_experts`` on a deployment whose ``runtime.engineConfig`` lacks
   ``enable-return-routed-experts``, more than four stop strings or stop token ids (the hosted
   frontend's limit, which cwtrain checks too), a ``cache_salt`` vLLM would refuse, ``n`` or
-  ``best_of`` that is not a positive integer, a request for more than ``MAX_N`` (16) sequences
+  ``best_of`` that is not a positive integer, a request for more than ``MAX_N`` (64) sequences
   (``n``, or ``best_of`` when larger, times the prompts of a completions batch), or a ``stream``
   that is not a boolean.
   ``nvext.cache_salt`` becomes vLLM's top-level ``cache_salt``. Everything else in the body
@@ -65,8 +65,9 @@ ROUTED_EXPERTS_CONFIG_KEY = "enable-return-routed-experts"
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 4
 # Sequences one request may ask for: ``n`` (and ``best_of``), times the prompts of a completions
-# batch. One request must not multiply a replica's load without bound.
-MAX_N = 16
+# batch. One request must not multiply a replica's load without bound, and a GRPO group (cwtrain
+# sends one as one request with ``n`` = the group size; 64 is the largest in common recipes) fits.
+MAX_N = 64
 # vLLM's rules for a cache salt.
 MAX_CACHE_SALT = 128
 _SALT_FORBIDDEN = frozenset("@/\\\0")

@@ -95,10 +95,10 @@ BAD = [
     (b'"hello"', "must be a JSON object, got a string"),
     (b"", "request body is empty"),
     (json.dumps({"model": ["m"], "prompt": "x"}).encode(), "model must be a string"),
-    (json.dumps({**GOOD, "n": 1000}).encode(), "n: at most 16 choices per request, got 1000"),
+    (json.dumps({**GOOD, "n": 1000}).encode(), "n: at most 64 choices per request, got 1000"),
     (json.dumps({**GOOD, "n": "2"}).encode(), "n must be a positive integer"),
     (json.dumps({**GOOD, "stream": "yes"}).encode(), "stream must be true or false"),
-    (json.dumps({**GOOD, "prompt": [[1]] * 17}).encode(), "a batch of 17 prompts with n=1 asks for 17 sequences"),
+    (json.dumps({**GOOD, "prompt": [[1]] * 65}).encode(), "a batch of 65 prompts with n=1 asks for 65 sequences"),
     (json.dumps({**GOOD, "nvext": []}).encode(), "nvext must be a JSON object"),
 ]
 

@@ -72,17 +72,17 @@ def test_stop_limits_match_the_hosted_frontend():
 @pytest.mark.parametrize(
     "fields, path, message",
     [
-        ({"n": 17}, "/v1/completions", "n: at most 16 choices per request, got 17"),
-        ({"n": 1000}, "/v1/chat/completions", "n: at most 16 choices per request, got 1000"),
+        ({"n": 65}, "/v1/completions", "n: at most 64 choices per request, got 65"),
+        ({"n": 1000}, "/v1/chat/completions", "n: at most 64 choices per request, got 1000"),
         ({"n": 0}, "/v1/completions", "n must be a positive integer"),
         ({"n": "4"}, "/v1/completions", "n must be a positive integer"),
         ({"n": True}, "/v1/completions", "n must be a positive integer"),
-        ({"best_of": 40}, "/v1/completions", "best_of: at most 16 per request, got 40"),
+        ({"best_of": 100}, "/v1/completions", "best_of: at most 64 per request, got 100"),
         ({"best_of": 2.5}, "/v1/completions", "best_of must be a positive integer"),
-        ({"n": 4, "prompt": [[1, 2], [3], [4], [5], [6]]}, "/v1/completions",
-         "prompt: a batch of 5 prompts with n=4 asks for 20 sequences; at most 16 per request"),
-        ({"n": 2, "best_of": 4, "prompt": ["a", "b", "c", "d", "e"]}, "/v1/completions",
-         "prompt: a batch of 5 prompts with n=4 asks for 20 sequences"),
+        ({"n": 16, "prompt": [[1, 2], [3], [4], [5], [6]]}, "/v1/completions",
+         "prompt: a batch of 5 prompts with n=16 asks for 80 sequences; at most 64 per request"),
+        ({"n": 2, "best_of": 16, "prompt": ["a", "b", "c", "d", "e"]}, "/v1/completions",
+         "prompt: a batch of 5 prompts with n=16 asks for 80 sequences"),
         ({"stream": "false"}, "/v1/completions", "stream must be true or false"),
         ({"stream": 1}, "/v1/chat/completions", "stream must be true or false"),
     ],
@@ -94,9 +94,9 @@ def test_sequence_cap_and_field_types(fields, path, message):
 
 
 def test_up_to_the_cap_passes():
-    assert plan_request({"prompt": [1, 2], "n": 16}, "/v1/completions").n == 16
-    assert plan_request({"prompt": [[1], [2], [3], [4]], "n": 4, "stream": True}, "/v1/completions").stream
-    assert plan_request({"messages": [{"role": "user", "content": "x"}], "n": 16}, "/v1/chat/completions").n == 16
+    assert plan_request({"prompt": [1, 2], "n": 64}, "/v1/completions").n == 64
+    assert plan_request({"prompt": [[1], [2], [3], [4]], "n": 16, "stream": True}, "/v1/completions").stream
+    assert plan_request({"messages": [{"role": "user", "content": "x"}], "n": 64}, "/v1/chat/completions").n == 64
     assert plan_request({"prompt": list(range(100)), "n": None, "stream": None}, "/v1/completions").n == 1
 
 
