@@ -150,7 +150,10 @@ class Autoscaling(WireModel):
 
 
 class Traffic(WireModel):
-    weight: int = 100
+    """A deployment's share of its model name's requests, relative to the other deployments of
+    that name on a gateway (0: none)."""
+
+    weight: int = Field(default=100, ge=0, le=100, strict=True)
 
 
 class HotLoadConfig(WireModel):

@@ -254,3 +254,17 @@ def test_engine_config_is_an_allow_list(client):
     body["runtime"]["engineConfig"] = {"max-model-len": "lots"}
     r = post(client, "/deployments", body)
     assert r.status_code == 400 and "max-model-len must be a positive integer" in r.json()["message"]
+
+
+@pytest.mark.parametrize("weight", [-1, 101, "50", 12.5, True])
+def test_traffic_weight_is_an_integer_from_0_to_100(client, weight):
+    body = {
+        "name": "d", "gatewayIds": ["g"], "runtime": {"engine": "dynamo-vllm"},
+        "model": {"name": "m", "bucket": "bkt", "path": "p"}, "traffic": {"weight": weight},
+    }
+    r = post(client, "/deployments", body)
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text
+    assert "traffic.weight" in r.json()["message"], r.text
+    r = client.patch(f"{PREFIX}/deployments/d1", json={"traffic": {"weight": weight}, "hotLoad": {"bucket": "bkt"}},
+                     headers={"Authorization": "Bearer admin-t"})
+    assert r.status_code == 400 and "traffic.weight" in r.json()["message"], r.text
