@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 
 from api.buckets import bucket_problem, normalize_path, path_problem
-
 from workflows.types import (
     ENUM_NUMBERS,
     Autoscaling,
@@ -72,24 +71,31 @@ class CreateGatewayRequest(WireModel):
         return v
 
 
+def _bucket(value: str) -> str:
+    if p := bucket_problem(value, "bucket"):
+        raise ValueError(p)
+    return value
+
+
+def _path(field: str, *, allow_empty: bool):
+    def check(value: str) -> str:
+        if p := path_problem(value, field, allow_empty=allow_empty):
+            raise ValueError(p)
+        return normalize_path(value)
+
+    return check
+
+
+# A bucket (`model.bucket`, `hotLoad.bucket`) and the object paths in it (api/buckets.py).
+BucketName = Annotated[str, Field(max_length=63), AfterValidator(_bucket)]
+PathPrefix = Annotated[str, Field(max_length=512), AfterValidator(_path("pathPrefix", allow_empty=True))]
+ModelPath = Annotated[str, Field(min_length=1, max_length=512), AfterValidator(_path("path", allow_empty=False))]
+
+
 class HotLoadConfigIn(WireModel):
-    bucket: Annotated[str, Field(max_length=63)]
-    path_prefix: Annotated[str, Field(max_length=512)] = ""
+    bucket: BucketName
+    path_prefix: PathPrefix = ""
     transition_mode: TransitionModeIn = TransitionMode.ASYNC
-
-    @field_validator("bucket")
-    @classmethod
-    def _bucket(cls, v: str) -> str:
-        if p := bucket_problem(v, "bucket"):
-            raise ValueError(p)
-        return v
-
-    @field_validator("path_prefix")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        if p := path_problem(v, "pathPrefix", allow_empty=True):
-            raise ValueError(p)
-        return normalize_path(v)
 
     def to_record(self) -> HotLoadConfig:
         return HotLoadConfig(bucket=self.bucket, path_prefix=self.path_prefix, transition_mode=self.transition_mode)
@@ -126,22 +132,8 @@ class RuntimeIn(Runtime):
 
 class ModelSourceIn(ModelSource):
     name: Name
-    bucket: Annotated[str, Field(max_length=63)]
-    path: Annotated[str, Field(min_length=1, max_length=512)]
-
-    @field_validator("bucket")
-    @classmethod
-    def _bucket(cls, v: str) -> str:
-        if p := bucket_problem(v, "bucket"):
-            raise ValueError(p)
-        return v
-
-    @field_validator("path")
-    @classmethod
-    def _path(cls, v: str) -> str:
-        if p := path_problem(v, "path", allow_empty=False):
-            raise ValueError(p)
-        return normalize_path(v)
+    bucket: BucketName
+    path: ModelPath
 
 
 class AutoscalingIn(Autoscaling):
