@@ -1,6 +1,6 @@
 """snapshots: everything about the bytes of a hot-load snapshot (no Temporal, no HTTP).
 
-The format (``../shared/DESIGN.md``, "The snapshot format"): a *full* snapshot is Hugging Face
+The format (``docs/design.md``, "The snapshot format"): a *full* snapshot is Hugging Face
 safetensors shards + ``config.json`` + ``model.safetensors.index.json``; a *delta* is shards of
 1-D ``U8`` tensors, each one zstd frame of ``new XOR base`` for one changed tensor, with the new
 bytes' Adler-32 in the shard ``__metadata__`` and ``xor`` / ``zstd`` / ``adler32`` in the index
