@@ -1,4 +1,4 @@
-"""The replica step (task queue `replica/DEPLOYMENT/NAME`, run by that replica's agent).
+"""The replica step (task queue `deployments/ORG/ID/replicas/NAME`, run by that replica's agent).
 
 `apply_snapshot` moves one replica to a snapshot chain, all-or-nothing:
 

@@ -19,10 +19,10 @@ Deployment update (not called by cwtrain; the guide: "include the same hotLoad s
 `PATCH /deployments/{id}` with any of the create body's fields (no `id`). Each field given replaces
 the current one. `hotLoad` must be present and equal to the deployment's (it is immutable; an
 update that omits or changes it is invalid_argument), and may not be added to a deployment
-created without it. `runtime.version`, `runtime.engineConfig` and `traffic` may change (stored;
-the running replicas keep their engine process); `name`, `gatewayIds`, `resources`, `model`,
-`autoscaling` and `runtime.engine` must be unchanged if given. While a hot-load runs the update
-answers failed_precondition ("already in progress"). Answers `{"deployment": Deployment}`.
+created without it. `runtime.version`, `runtime.engineConfig` and `traffic` may change (a new runtime rolls
+the replicas onto it one at a time: workflows/deployment.py); `name`, `gatewayIds`, `resources`, `model`,
+`autoscaling` and `runtime.engine` must be unchanged if given. While a hot-load runs or the
+deployment is not READY the update answers failed_precondition. Answers `{"deployment": Deployment}`.
 
 Cancel: `POST /hotLoads/{id}:cancel` asks the operation to stop before its next replica step and
 waits (up to `cancel_wait_s`) for it to end, answering the operation as it then stands.

@@ -1,6 +1,6 @@
 """API errors: one class per code, answered as `{"code", "message", "details"}` with its HTTP status.
 
-The codes and statuses are the ones cwtrain maps (WIRE.md): invalid_argument 400,
+The codes and statuses are the ones cwtrain maps (docs/wire.md): invalid_argument 400,
 unauthenticated 401, permission_denied 403, not_found 404, already_exists 409,
 failed_precondition 412, unimplemented 501, unavailable 503, internal 500.
 """

@@ -105,7 +105,7 @@ class Settings:
 
     @property
     def s3_endpoint(self) -> str:
-        # An IP, not "localhost": boto3 then uses path-style addressing (FIELD-NOTES.md).
+        # An IP, not "localhost": boto3 then uses path-style addressing (docs/field-notes.md).
         return os.environ.get("AWS_ENDPOINT_URL_S3") or f"http://{LOOPBACK}:{self.ports['s3']}"
 
     @property
