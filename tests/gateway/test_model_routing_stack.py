@@ -2,8 +2,9 @@
 deployment's ``model.name``: a FAILED one (its model path holds no checkpoint, so its replica
 fails to start) takes no traffic, also where the gateway's table lists it first; one that lists
 only another gateway is not served here at all; a READY one with nine times the shared
-deployment's ``traffic.weight`` takes exactly 9 of every 10 requests (the split is
-deterministic, ``gateway/split.py``)."""
+deployment's ``traffic.weight`` (90 against 10: the module sets the shared deployment's weight
+to 10 and puts it back after) takes exactly 9 of every 10 requests (the split is deterministic,
+``gateway/split.py``)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,14 @@ def extra(gw: GatewayDeployment) -> Iterator[Extra]:
     other = f"gw-other-{tag}"
     r = gw.api.call("POST", "/gateways", json={"id": other, "name": "other", "zones": [gw.settings.zone]})
     assert r.status_code == 200, r.text
-    weight = gw.deployment["spec"]["traffic"]["weight"]
+    shared_weight = gw.deployment["spec"]["traffic"]["weight"]
+
+    def set_shared_weight(weight: int) -> None:
+        gw.api.wait_deployment(gw.id)  # READY, so that an update is admitted
+        body = {"traffic": {"weight": weight}, "hotLoad": gw.deployment["spec"]["hotLoad"]}
+        r = gw.api.call("PATCH", f"/deployments/{gw.id}", json=body)
+        assert r.status_code == 200, r.text
+
 
     def create(name: str, *, path: str | None = None, gateways: list[str] | None = None, weight: int = 100) -> str:
         body = deployment_body(gw.settings, f"{name}-{tag}", replicas=1, path_prefix=f"checkpoints/{name}-{tag}")
@@ -74,7 +82,8 @@ def extra(gw: GatewayDeployment) -> Iterator[Extra]:
 
     missing = f"models/no-checkpoint-{tag}"
     made = Extra(failed=create("gwfailed", path=missing), elsewhere=create("gwelsewhere", path=missing, gateways=[other]),
-                 split=create("gwsplit", weight=9 * weight), other_gateway=other)
+                 split=create("gwsplit", weight=90), other_gateway=other)
+    set_shared_weight(10)
     try:
         yield made
     finally:
@@ -87,6 +96,7 @@ def extra(gw: GatewayDeployment) -> Iterator[Extra]:
         while gw.api.call("GET", f"/deployments/{made.elsewhere}").status_code != 404 and time.monotonic() < deadline:
             time.sleep(1)
         gw.api.call("DELETE", f"/gateways/{other}")
+        set_shared_weight(shared_weight)
 
 
 async def view_of(gw: GatewayDeployment, dep_id: str) -> DeploymentView:
@@ -148,7 +158,8 @@ def test_two_ready_deployments_sharing_the_name_split_ninety_ten(gw, extra):
     assert dep["status"]["status"] == "STATUS_READY", dep["status"]
     entry = wait_listed(gw, extra.split, lambda m: m["takes_traffic"] and len(m["replicas"]) == 1, "serving")
     split_replica = entry["replicas"][0]["name"]
-    shared = wait_listed(gw, gw.id, lambda m: m["takes_traffic"] and len(m["replicas"]) == 2, "serving")
+    shared = wait_listed(gw, gw.id, lambda m: m["takes_traffic"] and len(m["replicas"]) == 2 and m["weight"] == 10,
+                         "serving at weight 10")
     assert entry["weight"] == 9 * shared["weight"]
     names = served(gw, 40)
     by_deployment = Counter("split" if n == split_replica else "shared" for n in names)

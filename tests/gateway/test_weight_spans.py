@@ -33,7 +33,11 @@ from workers.base_model import checkpoint_files, write_base_model, write_countin
 from workers.settings import ENGINE_SECRET_HEADER, Settings
 
 pytestmark = pytest.mark.engine
-LONG = 600  # tokens per spanning request (max-model-len 1024)
+# Tokens per spanning request: the engine must still be generating them when the swap comes,
+# although the gateway and this client (one busy process) see its first token late under load
+# (in the full suite, 600 tokens of 5 requests were all done before the swap, three rounds in a row).
+LONG = 1900
+MAX_MODEL_LEN = 2048  # the generated model's max_position_embeddings
 TOKEN = "spans-test-token"
 WORKFLOW_ID, REPLICA = "deployments/org-spans/dep-spans", "spans-0"
 # A fixed engine key: the engine's secret is the one the gateway derives for REPLICA.
@@ -60,7 +64,7 @@ async def engine(models, tmp_path_factory) -> AsyncIterator[EngineProcess]:
         yield EngineProcess.attach(url, served_model_name=served.json()["data"][0]["id"], secret=secret)
         return
     eng = EngineProcess(models["base"], work_dir=tmp_path_factory.mktemp("spans-engine"), served_model_name="tiny",
-                        secret=secret)
+                        secret=secret, max_model_len=MAX_MODEL_LEN)
     await eng.start(timeout=900)
     try:
         yield eng
