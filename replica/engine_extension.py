@@ -742,15 +742,17 @@ def _backup_copies(views: dict[str, _View], names: list[str]) -> dict[str, torch
 
 def _stage(
     model: torch.nn.Module, label: str, tensors: list[tuple[str, torch.Tensor]], generation: int,
-    backup: dict[str, torch.Tensor] | None = None,
+    backup: dict[str, torch.Tensor] | None = None, expected_adler32: dict[str, str] | None = None,
 ) -> _Staged:
-    """Check that `tensors` load into `model` and keep them with their roll-back copies: the
-    given `backup` (views of bytes equal to what the engine serves), else copies taken now."""
+    """Check that `tensors` load into `model` and keep them with their roll-back copies (the
+    given `backup`, views of bytes equal to what the engine serves, else copies taken now) and
+    the Adler-32 the commit proves them against (`expected_adler32`)."""
     views = check_loadable(model, tensors)
     if backup is None:
         with _BACKUP_LOCK:
             backup = _backup_copies(views, [n for n, _ in tensors])
-    return _Staged(label, tensors, backup, generation)
+    expected = None if expected_adler32 is None else {n: c.lower() for n, c in expected_adler32.items()}
+    return _Staged(label, tensors, backup, generation, expected)
 
 
 _SHARED_MAPS: dict[str, tuple[tuple[int, int, int], Any, torch.Tensor]] = {}
@@ -952,14 +954,11 @@ class WeightLoaderExtension:
         model = self.model_runner.model  # type: ignore[attr-defined]
         generation = self._rollouts_generation
         self._rollouts_staged = None
-        expected = None if expected_adler32 is None else {n: c.lower() for n, c in expected_adler32.items()}
 
         def run() -> dict[str, Any]:
             tensors = _read_safetensors(paths, names)
             _check_expected(tensors, expected_adler32)
-            staged = _stage(model, label, tensors, generation)
-            staged.expected_adler32 = expected
-            self._rollouts_staged = staged
+            self._rollouts_staged = _stage(model, label, tensors, generation, expected_adler32=expected_adler32)
             return {"staged": label, "tensors": len(tensors), "bytes": sum(t.nbytes for _, t in tensors)}
 
         return self._start_job("stage", run)
@@ -1005,9 +1004,7 @@ class WeightLoaderExtension:
                 host = _map_shared(backup_path)
                 backup = {n: _view_at(host, n, int(offsets[n]), t.dtype, tuple(t.shape), "host copy")
                           for n, t in tensors}
-            staged = _stage(model, label, tensors, generation, backup)
-            staged.expected_adler32 = expected
-            self._rollouts_staged = staged
+            self._rollouts_staged = _stage(model, label, tensors, generation, backup, expected)
             return {"staged": label, "tensors": len(tensors), "bytes": sum(t.nbytes for _, t in tensors),
                     "map_s": round(t1 - t0, 6), "check_s": round(t2 - t1, 6),
                     "backup_s": round(time.perf_counter() - t2, 6),
@@ -1055,10 +1052,7 @@ class WeightLoaderExtension:
             _check_expected(received, expected_adler32)
             if save_path:
                 _save_tensors([(n, t.to("cpu")) for n, t in received], save_path)
-            staged = _stage(model, label, received, generation)
-            staged.expected_adler32 = None if expected_adler32 is None else {
-                n: c.lower() for n, c in expected_adler32.items()}
-            self._rollouts_staged = staged
+            self._rollouts_staged = _stage(model, label, received, generation, expected_adler32=expected_adler32)
             return {"staged": label, "tensors": len(received), "bytes": sum(t.nbytes for _, t in received)}
 
         return self._start_job("stage", run)
