@@ -96,12 +96,13 @@ class TokenStore:
         self._mtime: int | None = None
         self._tokens: list[dict] = []
         self._orgs: dict[str, dict] = {}
+        self._grants: dict[str, tuple[Grant, ...]] = {}  # parsed once per version of the file
 
     def _reload(self) -> None:
         try:
             mtime = os.stat(self.path).st_mtime_ns
         except OSError:
-            self._tokens, self._orgs, self._mtime = [], {}, None
+            self._tokens, self._orgs, self._grants, self._mtime = [], {}, {}, None
             return
         if mtime == self._mtime:
             return
@@ -115,6 +116,7 @@ class TokenStore:
                 hash_plain_entries(doc["tokens"])
         self._tokens = [t for t in doc.get("tokens") or [] if "sha256" in t and "salt" in t]
         self._orgs = {o["id"]: o for o in doc.get("organizations") or []}
+        self._grants = {org_id: _grants(org) for org_id, org in self._orgs.items()}
         self._mtime = mtime
 
     def authenticate(self, authorization: str | None) -> Principal:
@@ -132,13 +134,13 @@ class TokenStore:
                 if hmac.compare_digest(digest, str(entry["sha256"])):
                     found = entry
             if found is not None:
-                org = self._orgs.get(found.get("organizationId", ""), {})
+                org_id = found.get("organizationId", "")
                 return Principal(
                     name=found.get("name", ""),
                     role=found.get("role", "viewer"),
-                    organization_id=found.get("organizationId", ""),
-                    hot_load_enabled=bool(org.get("hotLoadEnabled", False)),
-                    buckets=_grants(org),
+                    organization_id=org_id,
+                    hot_load_enabled=bool(self._orgs.get(org_id, {}).get("hotLoadEnabled", False)),
+                    buckets=self._grants.get(org_id, ()),
                 )
         raise Unauthenticated("invalid or revoked API token")
 
