@@ -136,6 +136,11 @@ class ModelSourceIn(ModelSource):
     path: ModelPath
 
 
+class TrafficIn(Traffic):
+    # Checked where it comes in, not on the record: a state written before the bound still loads.
+    weight: Annotated[int, Field(ge=0, le=100, strict=True)] = 100
+
+
 class AutoscalingIn(Autoscaling):
     min: Annotated[int, Field(ge=1, le=16)] = 1
     max: Annotated[int, Field(ge=1, le=16)] = 1
@@ -149,7 +154,7 @@ class CreateDeploymentRequest(WireModel):
     resources: Resources = Field(default_factory=Resources)
     model: ModelSourceIn
     autoscaling: AutoscalingIn = Field(default_factory=AutoscalingIn)
-    traffic: Traffic = Field(default_factory=Traffic)
+    traffic: TrafficIn = Field(default_factory=TrafficIn)
     hot_load: HotLoadConfigIn | None = None
 
     @field_validator("id")
@@ -172,7 +177,7 @@ class UpdateDeploymentRequest(WireModel):
     resources: Resources | None = None
     model: ModelSourceIn | None = None
     autoscaling: AutoscalingIn | None = None
-    traffic: Traffic | None = None
+    traffic: TrafficIn | None = None
     hot_load: HotLoadConfigIn | None = None
 
 

@@ -151,9 +151,9 @@ class Autoscaling(WireModel):
 
 class Traffic(WireModel):
     """A deployment's share of its model name's requests, relative to the other deployments of
-    that name on a gateway (0: none)."""
+    that name on a gateway (0: none; the API accepts 0-100)."""
 
-    weight: int = Field(default=100, ge=0, le=100, strict=True)
+    weight: int = 100
 
 
 class HotLoadConfig(WireModel):
