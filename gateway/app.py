@@ -18,9 +18,10 @@ Contract:
   pass through as vLLM wrote them. A refused request leaves the keep-alive connection usable.
 - Routing (``gateway/routing.py``): by ``model`` (a deployment's ``model.name`` or id) to one of
   the deployments of that name that take traffic (running replicas, not FAILED or being
-  deleted, weight above 0), split by ``traffic.weight`` (by id: that deployment, whatever its weight), then to one of its running replicas; ``X-Dynamo-Session-ID`` pins a
-  trajectory to one replica while it is listed and healthy (TTL ``SESSION_TTL_S``), else the
-  least-loaded replica.
+  deleted, weight above 0), split by ``traffic.weight`` (by id: that deployment, whatever its
+  weight), then to one of its running replicas; ``X-Dynamo-Session-ID`` pins a trajectory to
+  one replica while it is listed and healthy (TTL ``SESSION_TTL_S``), else the least-loaded
+  replica.
 - Retries: a request that fails before the client received any byte (connection refused or
   reset, a replica that died while generating a non-streamed answer, a 5xx, a stream that broke
   before its first event) is sent to the next replica. A stream that breaks after bytes reached

@@ -50,7 +50,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.split import WeightedSplit
-
 from workflows.names import hot_load_workflow_id
 
 log = logging.getLogger("rollouts.gateway")
