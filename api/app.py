@@ -6,10 +6,10 @@ permission_denied even when its body is invalid or oversized. Another organizati
 answers not_found. Every error is `{"code", "message", "details"}` with the HTTP status of its
 code, never a traceback. Bodies are validated strictly and an invalid field is named.
 
-Ids are per organization (workflows/names.py): two organizations may each create `foo`, and
+Ids are per organization (contracts/names.py): two organizations may each create `foo`, and
 creating, reading or deleting an id another organization uses behaves as if it did not exist.
 
-Where deployments read (api/buckets.py): a malformed `model.bucket`/`model.path` or
+Where deployments read (common/buckets.py): a malformed `model.bucket`/`model.path` or
 `hotLoad.bucket`/`hotLoad.pathPrefix` is invalid_argument (400); a bucket or path not granted to
 the caller's organization in the tokens file is permission_denied (403), naming the field, at
 create; a hot-load checks its deployment's `hotLoad` against the grants again (a revoked grant
@@ -20,7 +20,7 @@ Deployment update (not called by cwtrain; the guide: "include the same hotLoad s
 the current one. `hotLoad` must be present and equal to the deployment's (it is immutable; an
 update that omits or changes it is invalid_argument), and may not be added to a deployment
 created without it. `runtime.version`, `runtime.engineConfig` and `traffic` may change (a new runtime rolls
-the replicas onto it one at a time: workflows/deployment.py); `name`, `gatewayIds`, `resources`, `model`,
+the replicas onto it one at a time: control/deployment.py); `name`, `gatewayIds`, `resources`, `model`,
 `autoscaling` and `runtime.engine` must be unchanged if given. While a hot-load runs or the
 deployment is not READY the update answers failed_precondition. Answers `{"deployment": Deployment}`.
 
@@ -46,17 +46,6 @@ from opentelemetry.trace import SpanKind
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from temporalio.service import RPCError
 
-from api.auth import Principal, TokenStore
-from api.buckets import grant_problem
-from api.errors import (
-    AlreadyExists,
-    ApiError,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-    Unavailable,
-)
 from api.listing import Record, dumps, page
 from api.models import (
     ENGINE_CONFIG_KEYS,
@@ -66,12 +55,22 @@ from api.models import (
     UpdateDeploymentRequest,
 )
 from api.resources import Resources
-from workers.settings import Settings
-from workers.telemetry import setup_tracing, temporal_interceptors
-from workers.telemetry import tracer as telemetry_tracer
-from workflows import names
-from workflows.deployment import HOT_LOAD_ENGINE
-from workflows.types import (
+from common.buckets import grant_problem
+from common.errors import (
+    AlreadyExists,
+    ApiError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
+from common.settings import Settings
+from common.telemetry import setup_tracing, temporal_interceptors
+from common.telemetry import tracer as telemetry_tracer
+from common.tokens import Principal, TokenStore
+from contracts import names
+from contracts.records import (
     Condition,
     ConditionStatus,
     CreateHotLoadCommand,
@@ -127,7 +126,7 @@ def _field_path(loc: tuple[Any, ...]) -> str:
 
 
 def require_granted(p: Principal, model: ModelSource | None, hot_load: HotLoadConfig | None) -> None:
-    """permission_denied naming the field when the organization may not read there (api/buckets.py)."""
+    """permission_denied naming the field when the organization may not read there (common/buckets.py)."""
     checks = []
     if model is not None:
         checks.append(("model.bucket", model.bucket, "model.path", model.path))
@@ -152,7 +151,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        from workers.settings import temporal_client as connect
+        from common.settings import temporal_client as connect
 
         client = temporal_client
         if client is None:
@@ -315,7 +314,7 @@ def create_app(
         gatewayIds: list[str] = Query(default=[]), p: Principal = Depends(principal)  # noqa: N803 - wire name
     ) -> dict[str, Any]:
         return {
-            "runtimes": [{"engine": HOT_LOAD_ENGINE, "versions": ["0.32.0"], "hotLoadSupported": True}],
+            "runtimes": [{"engine": names.HOT_LOAD_ENGINE, "versions": ["0.32.0"], "hotLoadSupported": True}],
             "engineConfigKeys": list(ENGINE_CONFIG_KEYS),
             "instanceTypes": [{"name": "cpu-local", "gpuCount": 0, "zones": [settings.zone]}],
             "zones": [settings.zone],
@@ -327,9 +326,9 @@ def create_app(
         if body.hot_load is not None:
             if not p.hot_load_enabled:
                 raise FailedPrecondition("hot-load is not enabled for this organization")
-            if body.runtime.engine != HOT_LOAD_ENGINE:
+            if body.runtime.engine != names.HOT_LOAD_ENGINE:
                 raise InvalidArgument(
-                    f"runtime.engine: hot-loading needs {HOT_LOAD_ENGINE!r}, got {body.runtime.engine!r}"
+                    f"runtime.engine: hot-loading needs {names.HOT_LOAD_ENGINE!r}, got {body.runtime.engine!r}"
                 )
         if body.autoscaling.max < body.autoscaling.min:
             raise InvalidArgument("autoscaling.max must be at least autoscaling.min")

@@ -56,9 +56,9 @@ from typing import Any
 from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from api.errors import InvalidArgument, Unavailable
-from workflows import names
-from workflows.hot_load import DEPLOYMENT, ORG
+from common.errors import InvalidArgument, Unavailable
+from contracts import names
+from contracts.search import DEPLOYMENT, ORG
 
 log = logging.getLogger("rollouts.api.listing")
 
@@ -96,7 +96,7 @@ def is_closed(status: WorkflowExecutionStatus | None, close_time: datetime | Non
 class Record:
     """One hot-load as last read; never mutated (a newer read makes a new record)."""
 
-    id: str  # the workflow id (`hotLoads/ORG/ID`, workflows/names.py): unique across organizations
+    id: str  # the workflow id (`hotLoads/ORG/ID`, contracts/names.py): unique across organizations
     key: tuple[str, str]  # (createdAt, workflow id): the listing's sort key
     organization_id: str
     deployment_id: str

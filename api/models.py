@@ -2,7 +2,7 @@
 
 Enums are accepted as proto names or their proto numbers (cwtrain sends names; some tools send
 numbers); responses always carry names. Validation errors become `invalid_argument` naming the
-field (see api/app.py). Buckets and paths (`model`, `hotLoad`) follow api/buckets.py's rules.
+field (see api/app.py). Buckets and paths (`model`, `hotLoad`) follow common/buckets.py's rules.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 
-from api.buckets import bucket_problem, normalize_path, path_problem
-from workflows.types import (
+from common.buckets import bucket_problem, normalize_path, path_problem
+from common.ids import resource_id_problem
+from contracts.records import (
     ENUM_NUMBERS,
     Autoscaling,
     ChecksumFormat,
@@ -26,9 +27,8 @@ from workflows.types import (
     Traffic,
     TransitionMode,
     WireModel,
-    identity_problem,
-    resource_id_problem,
 )
+from snapshots.identity import identity_problem
 
 
 def _proto_enum(enum_cls):
@@ -86,7 +86,7 @@ def _path(field: str, *, allow_empty: bool):
     return check
 
 
-# A bucket (`model.bucket`, `hotLoad.bucket`) and the object paths in it (api/buckets.py).
+# A bucket (`model.bucket`, `hotLoad.bucket`) and the object paths in it (common/buckets.py).
 BucketName = Annotated[str, Field(max_length=63), AfterValidator(_bucket)]
 PathPrefix = Annotated[str, Field(max_length=512), AfterValidator(_path("pathPrefix", allow_empty=True))]
 ModelPath = Annotated[str, Field(min_length=1, max_length=512), AfterValidator(_path("path", allow_empty=False))]
@@ -167,7 +167,7 @@ class CreateDeploymentRequest(WireModel):
 
 class UpdateDeploymentRequest(WireModel):
     """PATCH /deployments/{id}: any field of the create body but `id`; `hotLoad` must repeat the
-    deployment's own section (the workflow compares it, see workflows/deployment.py)."""
+    deployment's own section (the workflow compares it, see control/deployment.py)."""
 
     name: Name | None = None
     gateway_ids: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(

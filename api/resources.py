@@ -2,7 +2,7 @@
 
 Temporal is the system of record: every resource is a workflow (deployments and gateways are
 entity workflows `deployments/ORG/ID`, `gateways/ORG/ID`; a hot-load is the workflow
-`hotLoads/ORG/ID`, workflows/names.py) that publishes its wire object in its memo. Ids are per
+`hotLoads/ORG/ID`, contracts/names.py) that publishes its wire object in its memo. Ids are per
 organization: each lookup builds the workflow id from the caller's organization, so another
 organization's resource, or one of the same id, is simply not found (and the memo's organization
 is checked again). Reads use describe/list (visibility),
@@ -25,12 +25,10 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from api.errors import AlreadyExists, NotFound, Unavailable, from_code
 from api.listing import HotLoadIndex, Record, page, quote
-from workflows import names
-from workflows.deployment import DeploymentWorkflow, search_attributes as deployment_attributes
-from workflows.gateway import GatewayWorkflow, search_attributes as gateway_attributes
-from workflows.types import (
+from common.errors import AlreadyExists, NotFound, Unavailable, from_code
+from contracts import names
+from contracts.records import (
     CreateHotLoadCommand,
     Deployment,
     DeploymentInput,
@@ -39,6 +37,7 @@ from workflows.types import (
     UpdateDeploymentCommand,
     rfc3339,
 )
+from contracts.search import deployment_attributes, gateway_attributes
 
 __all__ = ["Resources", "page", "reconcile_hot_load", "update_error"]
 
@@ -107,7 +106,7 @@ class Resources:
     async def create_gateway(self, gateway: Gateway) -> Gateway:
         try:
             await self.client.start_workflow(
-                GatewayWorkflow.run,
+                names.GATEWAY_WORKFLOW,
                 gateway,
                 id=names.gateway_workflow_id(gateway.spec.organization_id, gateway.spec.id),
                 task_queue=self.task_queue,
@@ -125,13 +124,13 @@ class Resources:
         await self.get_gateway(org, gateway_id)
         users = [d for d in await self.list_deployments(org) if gateway_id in d.spec.gateway_ids]
         if users:
-            from api.errors import FailedPrecondition
+            from common.errors import FailedPrecondition
 
             raise FailedPrecondition(
                 f"gateway {gateway_id} is used by deployment(s) {', '.join(d.spec.id for d in users)}; delete them first"
             )
         handle = self.client.get_workflow_handle(names.gateway_workflow_id(org, gateway_id))
-        await handle.execute_update(GatewayWorkflow.delete)
+        await handle.execute_update(names.DELETE)
 
     # ------------------------------------------------------------------ deployments
     async def get_deployment(self, org: str, deployment_id: str) -> Deployment:
@@ -156,7 +155,7 @@ class Resources:
         dep = state.deployment
         try:
             await self.client.start_workflow(
-                DeploymentWorkflow.run,
+                names.DEPLOYMENT_WORKFLOW,
                 state,
                 id=names.deployment_workflow_id(dep.spec.organization_id, dep.spec.id),
                 task_queue=self.task_queue,
@@ -174,7 +173,7 @@ class Resources:
         await self.get_deployment(org, deployment_id)
         handle = self.client.get_workflow_handle(names.deployment_workflow_id(org, deployment_id))
         try:
-            return await handle.execute_update(DeploymentWorkflow.update_config, cmd, result_type=Deployment)
+            return await handle.execute_update(names.UPDATE_CONFIG, cmd, result_type=Deployment)
         except WorkflowUpdateFailedError as exc:
             raise update_error(exc) from None
 
@@ -182,7 +181,7 @@ class Resources:
         await self.get_deployment(org, deployment_id)
         handle = self.client.get_workflow_handle(names.deployment_workflow_id(org, deployment_id))
         try:
-            await handle.execute_update(DeploymentWorkflow.delete)
+            await handle.execute_update(names.DELETE)
         except WorkflowUpdateFailedError as exc:
             raise update_error(exc) from None
 
@@ -195,7 +194,7 @@ class Resources:
         handle = self.client.get_workflow_handle(names.deployment_workflow_id(org, deployment_id))
         for attempt in range(2):
             try:
-                hot_load = await handle.execute_update(DeploymentWorkflow.create_hot_load, cmd, result_type=HotLoad)
+                hot_load = await handle.execute_update(names.CREATE_HOT_LOAD, cmd, result_type=HotLoad)
                 return self.hot_loads.created(hot_load.wire())  # listed from now on
             except WorkflowUpdateFailedError as exc:
                 err = update_error(exc)

@@ -31,12 +31,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.processes import free_port  # noqa: E402
 from replica.agent import download_prefix  # noqa: E402
 from replica.engine import EngineProcess  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
-from tests.stack_fixtures import Api, start_stack  # noqa: E402
-from workers.processes import free_port  # noqa: E402
+from tests.helpers.stack_fixtures import Api, start_stack  # noqa: E402
 from workers.stack import upload_dir  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -97,7 +97,7 @@ def print_timeline(settings, workflow_id: str, created: float) -> None:
     import subprocess
     from datetime import datetime
 
-    from tests.temporal_server import TEMPORAL_BIN
+    from tests.helpers.temporal_server import TEMPORAL_BIN
 
     out = subprocess.run([str(TEMPORAL_BIN), "workflow", "show", "-w", workflow_id, "-o", "json",
                           "--address", settings.temporal_address, "--namespace", settings.temporal_namespace],

@@ -44,13 +44,11 @@ from temporalio.worker import Worker
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from api.app import PREFIX, create_app  # noqa: E402
-from api.auth import add_token  # noqa: E402
-from workers.settings import SEARCH_ATTRIBUTES, Settings  # noqa: E402
-from workflows import names  # noqa: E402
-from workflows.hot_load import HotLoadWorkflow  # noqa: E402
-from workflows.types import (  # noqa: E402
-    ApplySnapshotInput,
-    ApplySnapshotResult,
+from common.settings import SEARCH_ATTRIBUTES, Settings  # noqa: E402
+from common.tokens import add_token  # noqa: E402
+from contracts import names  # noqa: E402
+from contracts.activities import ApplySnapshotInput, ApplySnapshotResult  # noqa: E402
+from contracts.records import (  # noqa: E402
     HotLoad,
     HotLoadConfig,
     HotLoadInput,
@@ -62,6 +60,8 @@ from workflows.types import (  # noqa: E402
     SnapshotType,
     rfc3339,
 )
+from contracts.search import hot_load_attributes  # noqa: E402
+from control.hot_load import HotLoadWorkflow  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOYMENT = "bench-dep"
@@ -105,7 +105,7 @@ async def fill(client, task_queue: str, count: int) -> list[str]:
                 HotLoadInput(hot_load=hot_load, hot_load_config=HotLoadConfig(bucket="b", path_prefix="p"),
                              replicas=replicas, deployment_workflow_id="deployments/absent"),
                 id=names.hot_load_workflow_id("org-bench", hl_id), task_queue=task_queue,
-                search_attributes=HotLoadWorkflow.search_attributes(hot_load), memo={"hotLoad": hot_load.wire()},
+                search_attributes=hot_load_attributes(hot_load), memo={"hotLoad": hot_load.wire()},
             )
             await handle.result()
         ids.append(hl_id)

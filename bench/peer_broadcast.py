@@ -79,7 +79,7 @@ def _member(rank: int, world: int, port: int, backend: str, size_mb: float, queu
 
 
 def run(backend: str, world: int, size_mb: float) -> dict:
-    from workers.processes import free_port
+    from common.processes import free_port
 
     ctx = mp.get_context("spawn")
     queue: mp.Queue = ctx.Queue()

@@ -92,22 +92,22 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from api.auth import Principal, TokenStore
-from api.errors import ApiError, Internal, InvalidArgument, NotFound, Unavailable
+from common.errors import ApiError, Internal, InvalidArgument, NotFound, Unavailable
+from common.settings import Settings
+from common.tokens import Principal, TokenStore
 from gateway.body import read_json_object
 from gateway.errors import error_response
 from gateway.nvext import (
     RequestError,
     RequestPlan,
-    finish_chunk,
     finish_choice,
+    finish_chunk,
     plan_request,
     strip_prompt_ids,
     translate_routed_experts,
     version_spans,
 )
 from gateway.routing import DeploymentView, ReplicaView, Router, refresh_loop, weight_versions
-from workers.settings import Settings
 
 log = logging.getLogger("rollouts.gateway")
 SESSION_HEADER = "x-dynamo-session-id"

@@ -1,7 +1,7 @@
 """Reading a client's request body: bounded in size, UTF-8, JSON, an object, not deeply nested.
 
 Contract: ``await read_json_object(request)`` returns the body as a dict, or raises
-``api.errors.InvalidArgument`` (HTTP 400) whose message names the problem:
+``common.errors.InvalidArgument`` (HTTP 400) whose message names the problem:
 
 - more than ``MAX_BODY_BYTES`` (8 MiB): refused from ``Content-Length`` before anything is read,
   or as soon as a body without one (chunked) grows past the cap;
@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 from fastapi import Request
 
-from api.errors import InvalidArgument
+from common.errors import InvalidArgument
 
 MAX_BODY_BYTES = 8 << 20
 MAX_JSON_DEPTH = 64

@@ -49,8 +49,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from contracts.names import hot_load_workflow_id
 from gateway.split import WeightedSplit
-from workflows.names import hot_load_workflow_id
 
 log = logging.getLogger("rollouts.gateway")
 
@@ -377,7 +377,7 @@ async def refresh_loop(router: Router, settings: Any) -> None:
     from temporalio.client import Client
     from temporalio.service import RPCError
 
-    from workers.settings import temporal_client
+    from common.settings import temporal_client
 
     client: Client | None = None
     workflow_ids: list[str] = []  # the running deployment workflows (deployments/ORG/ID)
@@ -417,7 +417,7 @@ async def refresh_loop(router: Router, settings: Any) -> None:
                 async for wf in client.list_workflows(
                     "ResourceKind='deployment' AND ExecutionStatus='Running'", page_size=1000
                 ):
-                    found.append(wf.id)  # deployments/ORG/ID (workflows/names.py)
+                    found.append(wf.id)  # deployments/ORG/ID (contracts/names.py)
                 for gone in set(router.views) - set(found):
                     router.drop(gone)
                 workflow_ids = found

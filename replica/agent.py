@@ -4,7 +4,7 @@
 deployment's model from the bucket, starts the engine (vLLM's OpenAI server with our worker
 extension, behind the replica's secret: `replica.engine_guard`), loads the host copy of the
 weights (checkpoint format, what deltas apply to), starts a Temporal worker on the replica's own
-task queue (running `activities.replica_step`), and tells its deployment workflow it is ready. If
+task queue (running `replica.activities`), and tells its deployment workflow it is ready. If
 the engine dies, the replica reports the failure to its deployment and exits; SIGTERM stops the
 engine and exits.
 
@@ -32,25 +32,27 @@ from typing import Any
 
 import numpy as np
 
-from replica.shm_reclaim import reclaim_dead_segments
-from replica.stage_arena import StageArena, decode_turn_marker, host_decode_slot
-from snapshots.storage import snapshot_uri
-from workers.processes import PidFile, free_port, stop_pid
-from workers.settings import Settings, temporal_client
-from workflows import names
-from workflows.types import (
+from common.processes import PidFile, free_port, stop_pid
+from common.settings import Settings, temporal_client
+from contracts import names
+from contracts.activities import (
     ApplySnapshotInput,
     ApplySnapshotResult,
     PeerOffer,
     PeerOfferInput,
+    StageFromPeerResult,
+)
+from contracts.records import (
     PromptCachePolicy,
     ReplicaEndpoint,
     ReplicaFailure,
     SnapshotRef,
-    StageFromPeerResult,
     SnapshotType,
     rfc3339,
 )
+from replica.shm_reclaim import reclaim_dead_segments
+from replica.stage_arena import StageArena, decode_turn_marker, host_decode_slot
+from snapshots.storage import snapshot_uri
 
 log = logging.getLogger("rollouts.replica")
 # Joining a peer group blocks the engine until the other side joins: keep the wait short.
@@ -913,11 +915,10 @@ async def run_replica(
 ) -> int:
     from temporalio.worker import Worker
 
-    from activities.replica_step import PeerActivities, ReplicaActivities
+    from common.telemetry import setup_tracing, temporal_interceptors
+    from replica.activities import PeerActivities, ReplicaActivities
     from replica.engine import EngineProcess
     from snapshots.host import HostWeights
-
-    from workers.telemetry import setup_tracing, temporal_interceptors
 
     workdir = settings.home_path / "replicas" / deployment_id / name
     setup_tracing("rollouts-replica")

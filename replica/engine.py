@@ -69,9 +69,9 @@ from typing import Any
 
 import httpx
 
+from common.processes import free_port
+from common.settings import ENGINE_SECRET_HEADER
 from replica.engine_guard import SECRET_FILE_ENV
-from workers.processes import free_port
-from workers.settings import ENGINE_SECRET_HEADER
 
 EXTENSION_CLS = "replica.engine_extension.WeightLoaderExtension"
 REPO_ROOT = Path(__file__).resolve().parents[1]

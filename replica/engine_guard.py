@@ -24,7 +24,7 @@ Who holds the secret: the engine reads it at start from the file named by
 ``ROLLOUTS_ENGINE_SECRET_FILE`` (:func:`read_secret_file`: the file must not be readable by group
 or others; it is never on a command line); ``replica.engine.EngineProcess`` writes that file and
 sends the header; the stack derives each replica's secret from its settings
-(``workers.settings.Settings.engine_secret``), so the agent and the gateway agree on it.
+(``common.settings.Settings.engine_secret``), so the agent and the gateway agree on it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from workers.settings import ENGINE_SECRET_HEADER
+from common.settings import ENGINE_SECRET_HEADER
 
 SECRET_FILE_ENV = "ROLLOUTS_ENGINE_SECRET_FILE"
 

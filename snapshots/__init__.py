@@ -24,7 +24,7 @@ Every failure on bad input is a :class:`SnapshotError` (a ``ValueError``) naming
 """
 
 from snapshots.chain import MAX_CHAIN_DELTAS, ChainLink, resolve_chain, validate_chain
-from snapshots.codec import DeltaReport, adler32_hex, apply_delta
+from snapshots.codec import DeltaReport, adler32_hex
 from snapshots.errors import (
     ChainError,
     ChecksumError,
@@ -35,7 +35,7 @@ from snapshots.errors import (
     SnapshotError,
     UnsupportedFormatError,
 )
-from snapshots.host import HostWeights, checkpoint_checksums, compare_checksums, materialize_chain
+from snapshots.host import HostWeights, apply_delta, checkpoint_checksums, compare_checksums, materialize_chain
 from snapshots.identity import validate_identity
 from snapshots.inspect import (
     SnapshotInfo,

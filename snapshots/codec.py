@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - zlib-ng is a dependency; keep working 
     from zlib import adler32 as adler32  # type: ignore[assignment]
 
 from snapshots.errors import ChecksumError, DeltaMismatchError, SnapshotError
-from snapshots.inspect import DeltaPlan, DeltaTensor, read_delta_plan
+from snapshots.inspect import DeltaPlan, DeltaTensor
 
 #: zstd's "content size unknown" answer from ``frame_content_size``.
 _UNKNOWN_SIZE = -1
@@ -337,45 +337,9 @@ def apply_plan_in_place(
     return report
 
 
-def apply_delta(
-    base: Mapping[str, Any] | str | os.PathLike[str],
-    delta_location: Any,
-    *,
-    s3: Any = None,
-    workers: int | None = None,
-) -> dict[str, np.ndarray]:
-    """Apply one delta to ``base``, all-or-nothing, and return the changed tensors' new bytes.
-
-    Args:
-        base: A mapping of tensor name -> writable contiguous buffer (``bytearray``,
-            ``memoryview``, numpy array), changed in place; or a full checkpoint location,
-            loaded into memory (see :class:`snapshots.host.HostWeights`) and left untouched.
-        delta_location: A delta directory, ``s3://`` prefix, or a :class:`DeltaPlan`.
-        s3: A boto3 S3 client for ``s3://`` locations.
-
-    Returns:
-        name -> flat ``uint8`` array of the new bytes, for every changed tensor. For a mapping
-        base these are views of the caller's buffers.
-
-    Raises:
-        SnapshotError: the delta is malformed or does not fit ``base``; ``base`` is unchanged.
-    """
-    plan = delta_location if isinstance(delta_location, DeltaPlan) else read_delta_plan(delta_location, s3=s3)
-    if isinstance(base, Mapping):
-        targets = {name: as_byte_array(buf, writable=True, what=f"base tensor {name!r}") for name, buf in base.items()}
-        report = apply_plan_in_place(targets, plan, workers=workers)
-        return {name: targets[name] for name in report.changed}
-    from snapshots.host import HostWeights
-
-    weights = HostWeights.load(base, s3=s3, workers=workers)
-    changed = weights.apply_delta(plan)
-    return {name: weights.raw(name) for name in changed}
-
-
 __all__ = [
     "DeltaReport",
     "adler32_hex",
-    "apply_delta",
     "apply_plan_in_place",
     "as_byte_array",
     "check_frame",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import mmap as mmap_module
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from snapshots.codec import DeltaReport, adler32_hex, apply_plan_in_place, default_workers
+from snapshots.codec import DeltaReport, adler32_hex, apply_plan_in_place, as_byte_array, default_workers
 from snapshots.errors import ChecksumError, SnapshotError
 from snapshots.inspect import (
     INDEX_FILE,
@@ -371,4 +371,37 @@ def compare_checksums(ours: dict[str, str], theirs: dict[str, str]) -> list[str]
     return problems
 
 
-__all__ = ["HostWeights", "TensorInfo", "checkpoint_checksums", "compare_checksums", "materialize_chain"]
+def apply_delta(
+    base: Mapping[str, Any] | str | os.PathLike[str],
+    delta_location: Any,
+    *,
+    s3: Any = None,
+    workers: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Apply one delta to ``base``, all-or-nothing, and return the changed tensors' new bytes.
+
+    Args:
+        base: A mapping of tensor name -> writable contiguous buffer (``bytearray``,
+            ``memoryview``, numpy array), changed in place; or a full checkpoint location,
+            loaded into memory (see :class:`snapshots.host.HostWeights`) and left untouched.
+        delta_location: A delta directory, ``s3://`` prefix, or a :class:`DeltaPlan`.
+        s3: A boto3 S3 client for ``s3://`` locations.
+
+    Returns:
+        name -> flat ``uint8`` array of the new bytes, for every changed tensor. For a mapping
+        base these are views of the caller's buffers.
+
+    Raises:
+        SnapshotError: the delta is malformed or does not fit ``base``; ``base`` is unchanged.
+    """
+    plan = delta_location if isinstance(delta_location, DeltaPlan) else read_delta_plan(delta_location, s3=s3)
+    if isinstance(base, Mapping):
+        targets = {name: as_byte_array(buf, writable=True, what=f"base tensor {name!r}") for name, buf in base.items()}
+        report = apply_plan_in_place(targets, plan, workers=workers)
+        return {name: targets[name] for name in report.changed}
+    weights = HostWeights.load(base, s3=s3, workers=workers)
+    changed = weights.apply_delta(plan)
+    return {name: weights.raw(name) for name in changed}
+
+
+__all__ = ["HostWeights", "TensorInfo", "apply_delta", "checkpoint_checksums", "compare_checksums", "materialize_chain"]

@@ -28,9 +28,11 @@ def validate_identity(identity: str, *, field: str = "identity") -> str:
     """
     if not isinstance(identity, str):
         raise IdentityError(f"{field} must be a string, got {type(identity).__name__}")
-    if not identity or len(identity) > IDENTITY_MAX_LEN:
+    if not identity:
+        raise IdentityError(f"{field} must be a non-empty string of 1-{IDENTITY_MAX_LEN} characters")
+    if len(identity) > IDENTITY_MAX_LEN:
         raise IdentityError(
-            f"{field} must be 1-{IDENTITY_MAX_LEN} characters, got {len(identity)}"
+            f"{field} must be 1-{IDENTITY_MAX_LEN} characters: at most {IDENTITY_MAX_LEN} (got {len(identity)})"
         )
     if "/" in identity or "\\" in identity:
         raise IdentityError(f"{field} must be a single path segment (no '/'): {identity!r}")
@@ -45,4 +47,13 @@ def validate_identity(identity: str, *, field: str = "identity") -> str:
     return identity
 
 
-__all__ = ["IDENTITY_MAX_LEN", "RESERVED_IDENTITY", "validate_identity"]
+def identity_problem(identity: str, field: str = "identity") -> str | None:
+    """Why ``identity`` is not a valid snapshot identity (naming ``field``), or None."""
+    try:
+        validate_identity(identity, field=field)
+    except IdentityError as exc:
+        return str(exc)
+    return None
+
+
+__all__ = ["IDENTITY_MAX_LEN", "RESERVED_IDENTITY", "identity_problem", "validate_identity"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.stack_fixtures import start_stack
+from tests.helpers.stack_fixtures import start_stack
 
 
 @pytest.fixture(scope="session")

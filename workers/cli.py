@@ -26,7 +26,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from workers.settings import home_from_env
+from common.settings import home_from_env
 
 
 def _home(args: argparse.Namespace) -> Path:
@@ -34,7 +34,7 @@ def _home(args: argparse.Namespace) -> Path:
 
 
 def _settings(args: argparse.Namespace):
-    from workers.settings import Settings
+    from common.settings import Settings
 
     return Settings.load(_home(args))
 
@@ -57,7 +57,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from workers.settings import Settings
+    from common.settings import Settings
     from workers.stack import Stack
 
     home = _home(args)
@@ -135,7 +135,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_token_add(args: argparse.Namespace) -> int:
-    from api.auth import add_token
+    from common.tokens import add_token
 
     settings = _settings(args)
     token = args.token or f"rk-{args.role}-{secrets.token_urlsafe(24)}"

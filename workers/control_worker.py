@@ -17,13 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from activities.control import ControlActivities
-from workers.settings import Settings, temporal_client
-from workers.telemetry import setup_tracing, temporal_interceptors
-from workflows import names
-from workflows.deployment import DeploymentWorkflow
-from workflows.gateway import GatewayWorkflow
-from workflows.hot_load import HotLoadWorkflow
+from common.settings import Settings, temporal_client
+from common.telemetry import setup_tracing, temporal_interceptors
+from contracts import names
+from control.activities import ControlActivities
+from control.deployment import DeploymentWorkflow
+from control.gateway import GatewayWorkflow
+from control.hot_load import HotLoadWorkflow
 
 WORKFLOWS = [DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow]
 RUNNING_DEPLOYMENTS = (

@@ -42,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from workers.settings import Settings
+from common.settings import Settings
 from workers.stack import Stack, StackError, load_or_create_settings, upload_dir
 
 # The table's before/after sample: a question the policy never trains on, greedy.
@@ -230,7 +230,7 @@ def rollouts_for(client: Client, model: str, prompts: list[str], cfg: DemoConfig
 
 
 def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = False, config: DemoConfig | None = None) -> int:
-    from workflows.types import MAX_DELTAS_IN_CHAIN
+    from snapshots.chain import MAX_CHAIN_DELTAS as MAX_DELTAS_IN_CHAIN
 
     cfg = config or DemoConfig()
     settings = load_or_create_settings(home, port_base)
@@ -260,8 +260,8 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
         say(f"deployment {dep_id}: starting {cfg.replicas} vLLM CPU replicas (about a minute each on 2 cores)...")
 
         # The trainer loads its copy while the replicas start.
-        from workers.grpo import Policy, digit_token_ids, group_advantages, make_prompts
         from snapshots.writer import write_delta
+        from workers.grpo import Policy, digit_token_ids, group_advantages, make_prompts
 
         base_dir = settings.home_path / "models" / "base"
         t_load = time.monotonic()

@@ -49,7 +49,7 @@ class ApiTarget:
     def from_environment(cls, home: Path | None = None) -> ApiTarget:
         url, token = os.environ.get("ROLLOUTS_API_URL"), os.environ.get("CW_API_TOKEN")
         if not (url and token):
-            from workers.settings import Settings
+            from common.settings import Settings
 
             settings = Settings.load(home)
             url, token = url or settings.api_url, token or settings.admin_token
@@ -174,9 +174,9 @@ async def rollback(http: httpx.AsyncClient, identity: str, deployment_id: str, *
 
 # ---------------------------------------------------------------------- histories
 def workflow_classes() -> list[type]:
-    from workflows.deployment import DeploymentWorkflow
-    from workflows.gateway import GatewayWorkflow
-    from workflows.hot_load import HotLoadWorkflow
+    from control.deployment import DeploymentWorkflow
+    from control.gateway import GatewayWorkflow
+    from control.hot_load import HotLoadWorkflow
 
     return [DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow]
 

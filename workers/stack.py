@@ -24,9 +24,9 @@ from pathlib import Path
 
 import httpx
 
-from api.auth import add_token, grant_default_bucket
-from workers.processes import PidFile, port_in_use, spawn, stop_pid, tail
-from workers.settings import DEFAULT_PORT_BASE, LOOPBACK, SEARCH_ATTRIBUTES, Settings
+from common.processes import PidFile, port_in_use, spawn, stop_pid, tail
+from common.settings import DEFAULT_PORT_BASE, LOOPBACK, SEARCH_ATTRIBUTES, Settings
+from common.tokens import add_token, grant_default_bucket
 
 SERVICE_ORDER = ["temporal", "s3", "worker", "api", "gateway"]
 # The worker reports ready after the deployments verified their replicas (workers/control_worker.py).

@@ -1,4 +1,4 @@
-"""Bucket and path rules, and per-organization grants (api/buckets.py), on the API without
+"""Bucket and path rules, and per-organization grants (common/buckets.py), on the API without
 Temporal: a malformed `model`/`hotLoad` bucket or path is invalid_argument (400) and one the
 organization is not granted is permission_denied (403), each naming the field, before anything
 reaches Temporal."""
@@ -9,10 +9,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import PREFIX, create_app
-from api.auth import add_token
-from api.buckets import Grant, bucket_problem, grant_problem, path_problem
+from common.buckets import Grant, bucket_problem, grant_problem, path_problem
+from common.settings import Settings
+from common.tokens import add_token
 from tests.api.test_validation import NoTemporal
-from workers.settings import Settings
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from api.auth import add_token
-from tests.stack_fixtures import Api, deployment_body
+from common.tokens import add_token
+from tests.helpers.stack_fixtures import Api, deployment_body
 
 SECOND_ORG = "org-second"
 SECOND_TOKEN = "rk-admin-second-organization-test-token"

@@ -1,4 +1,4 @@
-"""Tokens at rest (api/auth.py): the file keeps only salted hashes, a plain-text file is
+"""Tokens at rest (common/tokens.py): the file keeps only salted hashes, a plain-text file is
 rewritten hashed on its first read (no restart), `rollouts token add` prints the new token once,
 and organizations carry their bucket grants."""
 
@@ -10,11 +10,11 @@ import stat
 
 import pytest
 
-from api.auth import TokenStore, add_token, grant_default_bucket, hash_token
-from api.buckets import Grant
-from api.errors import Unauthenticated
+from common.buckets import Grant
+from common.errors import Unauthenticated
+from common.settings import Settings
+from common.tokens import TokenStore, add_token, grant_default_bucket, hash_token
 from workers.cli import main as cli_main
-from workers.settings import Settings
 
 
 def bearer(token: str) -> str:

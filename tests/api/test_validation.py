@@ -11,9 +11,9 @@ from temporalio.client import WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
 from api.app import PREFIX, create_app
-from api.auth import add_token
 from api.resources import page, update_error
-from workers.settings import Settings
+from common.settings import Settings
+from common.tokens import add_token
 
 
 class NoTemporal:
@@ -154,7 +154,7 @@ def test_pagination_tokens_walk_and_are_scoped():
     assert second == [3, 4, 5]
     last, token3 = page(items, 3, token2, "s")
     assert last == [6] and token3 is None
-    from api.errors import InvalidArgument
+    from common.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument):
         page(items, 3, token, "other-filter")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.stack_fixtures import Api, deployment_body
+from tests.helpers.stack_fixtures import Api, deployment_body
 
 PREFIX = "checkpoints/rolling"
 

@@ -21,7 +21,7 @@ from snapshots.host import checkpoint_checksums
 from snapshots.writer import write_delta
 from tests.e2e.conftest import PREFIX
 from tests.e2e.test_delta_rolling_update import engines, hot_load, served_checksums
-from tests.trainer import train_step
+from tests.helpers.trainer import train_step
 from workers.stack import Stack, upload_dir
 
 pytestmark = pytest.mark.stack

@@ -18,14 +18,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from contracts.names import deployment_workflow_id
 from replica.engine import EngineProcess
 from snapshots.host import checkpoint_checksums
 from snapshots.writer import write_delta
 from tests.e2e.conftest import PREFIX
-from tests.stack_fixtures import Api, cwtrain_python
-from tests.trainer import train_step
+from tests.helpers.stack_fixtures import Api, cwtrain_python
+from tests.helpers.trainer import train_step
 from workers.stack import upload_dir
-from workflows.names import deployment_workflow_id
 
 pytestmark = pytest.mark.stack
 
@@ -219,7 +219,7 @@ def test_replica_killed_mid_update_restarts_and_catches_up(stack, rolling, tmp_p
     import os
     import signal
 
-    from workers.processes import PidFile
+    from common.processes import PidFile
 
     api, dep = rolling
     dep_id = dep["spec"]["id"]

@@ -23,11 +23,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.processes import stop_pid
 from snapshots.host import checkpoint_checksums
 from tests.e2e.test_delta_rolling_update import engines, hot_load, served_checksums
-from tests.stack_fixtures import Api, deployment_body, start_stack
-from tests.trainer import train_step
-from workers.processes import stop_pid
+from tests.helpers.stack_fixtures import Api, deployment_body, start_stack
+from tests.helpers.trainer import train_step
 from workers.stack import Stack, upload_dir
 
 pytestmark = pytest.mark.stack

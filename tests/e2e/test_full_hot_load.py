@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.stack_fixtures import Api, cwtrain, cwtrain_python, deployment_body, json_out
+from tests.helpers.stack_fixtures import Api, cwtrain, cwtrain_python, deployment_body, json_out
 from workers.base_model import write_counting_model
 
 pytestmark = pytest.mark.stack
@@ -114,8 +114,8 @@ def test_cwtrain_publishes_full_checkpoint_and_every_replica_serves_it(stack, cw
 def replicas_of(settings, dep_id: str) -> list[dict]:
     import asyncio
 
-    from workers.settings import temporal_client
-    from workflows.names import deployment_workflow_id
+    from common.settings import temporal_client
+    from contracts.names import deployment_workflow_id
 
     async def read() -> list[dict]:
         client = await temporal_client(settings)

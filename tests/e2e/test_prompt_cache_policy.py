@@ -20,10 +20,10 @@ import httpx
 import pytest
 import torch
 
+from common.settings import ENGINE_SECRET_HEADER
 from tests.e2e.conftest import PREFIX
 from tests.e2e.test_delta_rolling_update import engines, hot_load
 from workers.base_model import VOCAB, base_tensors, write_counting_model, write_tensors
-from workers.settings import ENGINE_SECRET_HEADER
 from workers.stack import upload_dir
 
 pytestmark = pytest.mark.stack

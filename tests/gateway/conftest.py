@@ -28,11 +28,11 @@ import httpx
 import pytest
 import uvicorn
 
+from common.processes import free_port
+from common.settings import Settings, temporal_client
+from contracts.names import deployment_workflow_id
 from gateway.routing import DeploymentView, Router, build_view
-from tests.stack_fixtures import Api, deployment_body
-from workers.processes import free_port
-from workers.settings import Settings, temporal_client
-from workflows.names import deployment_workflow_id
+from tests.helpers.stack_fixtures import Api, deployment_body
 
 PREFIX = "checkpoints/gateway"
 

@@ -16,12 +16,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from api.auth import add_token
+from common.processes import free_port
+from common.settings import Settings
+from common.tokens import add_token
 from gateway.body import MAX_BODY_BYTES
 from gateway.routing import DeploymentView, ReplicaView, Router
 from tests.gateway.conftest import Connection, LocalGateway
-from workers.processes import free_port
-from workers.settings import Settings
 
 ADMIN, VIEWER = "admin-tok", "viewer-tok"
 GOOD = {"model": "m", "prompt": [1, 2], "max_tokens": 1}

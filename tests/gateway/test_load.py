@@ -16,7 +16,7 @@ import pytest
 
 from snapshots.writer import write_delta
 from tests.gateway.conftest import Served, publish, random_prompt, rollouts_client, serve_full
-from tests.trainer import train_step
+from tests.helpers.trainer import train_step
 
 pytestmark = pytest.mark.stack
 CLIENTS = 64

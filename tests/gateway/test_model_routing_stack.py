@@ -19,11 +19,11 @@ from typing import Any
 import httpx
 import pytest
 
+from common.settings import temporal_client
+from contracts.names import deployment_workflow_id
 from gateway.routing import DeploymentView, Router, build_view
 from tests.gateway.conftest import GatewayDeployment, LocalGateway, random_prompt
-from tests.stack_fixtures import deployment_body
-from workers.settings import temporal_client
-from workflows.names import deployment_workflow_id
+from tests.helpers.stack_fixtures import deployment_body
 
 pytestmark = pytest.mark.stack
 REPLICA = "x-rollouts-replica"

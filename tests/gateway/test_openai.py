@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.gateway.conftest import random_prompt, serve_base
-from tests.stack_fixtures import cwtrain_python
+from tests.helpers.stack_fixtures import cwtrain_python
 
 pytestmark = pytest.mark.stack
 

@@ -18,11 +18,11 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from api.auth import add_token
+from common.processes import free_port
+from common.settings import Settings
+from common.tokens import add_token
 from gateway.routing import DeploymentView, ReplicaView, Router
 from tests.gateway.conftest import LocalGateway
-from workers.processes import free_port
-from workers.settings import Settings
 
 PROMPT, COMPLETION, LAYERS, TOP_K = 5, 4, 3, 2
 ROUTES = np.arange((PROMPT + COMPLETION - 1) * LAYERS * TOP_K, dtype=np.uint8).reshape(PROMPT + COMPLETION - 1, LAYERS, TOP_K)

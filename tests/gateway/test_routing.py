@@ -16,10 +16,10 @@ import httpx
 import openai
 import pytest
 
+from common.processes import free_port
 from gateway.routing import ReplicaView, Router
 from replica.engine import EngineProcess
 from tests.gateway.conftest import ChaosProxy, LocalGateway, random_prompt
-from workers.processes import free_port
 
 pytestmark = pytest.mark.stack
 REPLICA = "x-rollouts-replica"

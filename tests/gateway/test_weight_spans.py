@@ -25,12 +25,12 @@ from typing import Any
 import httpx
 import pytest
 
-from api.auth import add_token
+from common.settings import ENGINE_SECRET_HEADER, Settings
+from common.tokens import add_token
 from gateway.routing import DeploymentView, ReplicaView, Router
 from replica.engine import EngineProcess
 from tests.gateway.conftest import LocalGateway, check_spans, random_prompt, succession
 from workers.base_model import checkpoint_files, write_base_model, write_counting_model
-from workers.settings import ENGINE_SECRET_HEADER, Settings
 
 pytestmark = pytest.mark.engine
 # Tokens per spanning request: the engine must still be generating them when the swap comes,

@@ -3,7 +3,7 @@
     .venv/bin/python -m tests.histories.generate
 
 Runs the real workflows on a fresh Temporal dev server with the test replicas of
-tests/workflows/harness.py, drives a completed, a failed and a canceled hot-load through the
+tests/helpers/harness.py, drives a completed, a failed and a canceled hot-load through the
 API, then one whose control worker is killed -9 mid-walk and restarted (a crash-recovered
 history: its workflow tasks time out and are replayed on the new worker), then a 3-replica
 hot-load on the broadcast walk with pipelined commits (`... generate broadcast` writes only
@@ -32,17 +32,17 @@ from temporalio.common import SearchAttributeKey
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from tests.temporal_server import TEMPORAL_BIN
-from tests.workflows.harness import ORG, Fleet, write_full
-from tests.workflows.test_admission import _every
-from workers.settings import SEARCH_ATTRIBUTES
-from workflows import names
+from common.settings import SEARCH_ATTRIBUTES
+from contracts import names
+from tests.helpers.harness import ORG, Fleet, write_full
+from tests.helpers.temporal_server import TEMPORAL_BIN
+from tests.helpers.workflow_checks import every
 
 HERE = Path(__file__).resolve().parent
 
 
 def hot_load(hot_load_id: str) -> str:
-    """The workflow id of the test organization's hot-load (workflows/names.py)."""
+    """The workflow id of the test organization's hot-load (contracts/names.py)."""
     return names.hot_load_workflow_id(ORG, hot_load_id)
 
 
@@ -57,16 +57,16 @@ def export(address: str, workflow_id: str) -> None:
 
 async def _deployment(f: Fleet, name: str, replicas: int = 3) -> str:
     """A ready deployment `name` of `replicas` test replicas in one zone; returns its id."""
-    from tests.workflows.harness import ZONE
-    from tests.workflows.test_admission import _state
+    from tests.helpers.harness import ZONE
+    from tests.helpers.workflow_checks import deployment_state
 
-    state = _state(name, zones=[ZONE])
+    state = deployment_state(name, zones=[ZONE])
     state.replicas = f.replica_endpoints(name, replicas)
     return await f.deployment_from_state(state)
 
 
 async def crash_recovered(env: WorkflowEnvironment, address: str, tmp: Path) -> None:
-    from tests.workflows.test_durability import kill9, start_control_process
+    from tests.helpers.workflow_checks import kill9, start_control_process
 
     tmp.mkdir(parents=True, exist_ok=True)
     async with Fleet(env.client, tmp, control_worker=False) as f:
@@ -107,7 +107,7 @@ async def early_broadcast(env: WorkflowEnvironment, address: str, tmp: Path, nam
     both receivers staged, and the broadcast is abandoned (`history-early-failed`)."""
     from temporalio.exceptions import ApplicationError
 
-    from tests.workflows.harness import write_delta
+    from tests.helpers.harness import write_delta
 
     delta = {"type": "SNAPSHOT_TYPE_INCREMENTAL", "incrementalSnapshotMetadata": {"previousSnapshotIdentity": "base"}}
     tmp.mkdir(parents=True, exist_ok=True)
@@ -151,12 +151,12 @@ async def main(only: list[str]) -> None:
                 dep = await f.ready_deployment("history-dep")
                 root = f.bucket_root / f"ckpt/{dep}"
                 await f.completed(dep, "step-1", hotLoadId="history-completed")
-                f.apply_behaviour = _every(f.broken)
+                f.apply_behaviour = every(f.broken)
                 write_full(root, "step-2")
                 assert (await f.create_hot_load(dep, "step-2", hotLoadId="history-failed")).status_code == 200
                 assert (await f.wait_hot_load("history-failed"))["status"]["state"] == "HOT_LOAD_STATE_FAILED"
                 await f.wait_idle(dep)
-                f.apply_behaviour = _every(f.held)
+                f.apply_behaviour = every(f.held)
                 assert (await f.create_hot_load(dep, "step-2", hotLoadId="history-canceled")).status_code == 200
                 await asyncio.wait_for(f.started.wait(), 30)
                 await f.call("POST", "/hotLoads/history-canceled:cancel", json={})

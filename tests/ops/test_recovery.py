@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from api.app import PREFIX
-from tests.workflows.harness import ADMIN, Fleet, write_delta, write_full
-from tests.workflows.test_admission import _every, delta_body
+from tests.helpers.harness import ADMIN, Fleet, write_delta, write_full
+from tests.helpers.workflow_checks import delta_body, every
 from workers.cli import main as cli_main
 from workers.ops import OpsError, replay, rollback
 
@@ -28,7 +28,7 @@ async def test_replay_recovers_a_failed_delta_with_the_same_type_and_metadata(te
         dep = await f.ready_deployment()
         await f.completed(dep, "s0")
         write_delta(f.bucket_root / f"ckpt/{dep}", "s1", "s0")
-        f.apply_behaviour = _every(f.broken)
+        f.apply_behaviour = every(f.broken)
         r = await f.create_hot_load(dep, "s1", hotLoadId="broken-1", promptCachePolicy="PROMPT_CACHE_POLICY_RESET_ALL",
                                     **delta_body("s0"))
         assert (await f.wait_hot_load("broken-1"))["status"]["state"] == "HOT_LOAD_STATE_FAILED"
@@ -74,7 +74,7 @@ async def test_rollback_reserves_an_earlier_completed_snapshot(temporal_env, tmp
             await rollback(http, "never", dep, out=io.StringIO())
         # Refused by admission: the API's code and message, unchanged.
         write_full(f.bucket_root / f"ckpt/{dep}", "s3")
-        f.apply_behaviour = _every(f.held)
+        f.apply_behaviour = every(f.held)
         assert (await f.create_hot_load(dep, "s3")).status_code == 200
         with pytest.raises(OpsError, match="failed_precondition: .*already in progress"):
             await rollback(http, "s0", dep, out=io.StringIO())

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from contracts.activities import PeerOfferInput
+from contracts.records import SnapshotRef, SnapshotType
 from replica.agent import ReplicaRuntime, StagedUpdate
 from snapshots.errors import ChainError
-from workflows.types import PeerOfferInput, SnapshotRef, SnapshotType
 
 CHAIN = [SnapshotRef(identity="base", type=SnapshotType.FULL),
          SnapshotRef(identity="step-1", type=SnapshotType.INCREMENTAL)]

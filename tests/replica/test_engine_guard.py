@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.settings import ENGINE_SECRET_HEADER
 from replica.engine import REPO_ROOT, EngineProcess
 from replica.engine_guard import SECRET_FILE_ENV
-from workers.settings import ENGINE_SECRET_HEADER
 
 pytestmark = pytest.mark.engine
 

@@ -16,13 +16,14 @@ from typing import Any
 
 import pytest
 
+from contracts.activities import ApplySnapshotInput
+from contracts.records import PromptCachePolicy, SnapshotRef, SnapshotType
 from replica.agent import EngineUpdateError, ReplicaRuntime
 from replica.engine import EngineProcess
 from replica.stage_arena import StageArena
 from snapshots.host import HostWeights, checkpoint_checksums
 from snapshots.writer import write_delta
 from workers.base_model import checkpoint_files
-from workflows.types import ApplySnapshotInput, PromptCachePolicy, SnapshotRef, SnapshotType
 
 pytestmark = pytest.mark.engine
 

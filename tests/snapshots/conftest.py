@@ -2,25 +2,21 @@
 and a real one (SeaweedFS).
 
 Everything here is a few MB at most; the realistic large generator is for bench/ only. Plain
-helpers live in ``snapshot_helpers.py`` (this directory is put on ``sys.path`` for them).
+helpers live in ``tests/helpers/snapshot_helpers.py``.
 """
 
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from snapshot_helpers import FakeS3, copy_tree, cwtrain_python, mutate_checkpoint  # noqa: E402
-
-from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
-from snapshots.writer import write_delta  # noqa: E402
-from workers.settings import Settings  # noqa: E402
+from common.settings import Settings
+from snapshots.synthetic import make_checkpoint_pair
+from snapshots.writer import write_delta
+from tests.helpers.snapshot_helpers import FakeS3, copy_tree, cwtrain_python, mutate_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -73,8 +69,8 @@ def fake_s3(tmp_path: Path) -> FakeS3:
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     """A real SeaweedFS S3 server (``weed mini`` on 127.0.0.1 only, on free ports, its bucket
     created), started the way the stack starts it and stopped by its pid at the end."""
-    from tests.stack_fixtures import free_port_base
-    from workers.processes import stop_pid
+    from common.processes import stop_pid
+    from tests.helpers.stack_fixtures import free_port_base
     from workers.stack import Stack, StackError
 
     for attempt in range(3):

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zstandard
-from snapshot_helpers import adler, copy_tree, mutate_checkpoint, raw_bytes, write_delta_dir, xor_frame
 
 from snapshots import (
     ChecksumError,
@@ -20,6 +19,7 @@ from snapshots import (
     materialize_chain_report,
     write_delta,
 )
+from tests.helpers.snapshot_helpers import adler, copy_tree, mutate_checkpoint, raw_bytes, write_delta_dir, xor_frame
 
 SHARD = "model-00000-of-00001.safetensors"
 BOMB_BYTES = 256 * 2**20

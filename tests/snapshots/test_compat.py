@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import zstandard
-from snapshot_helpers import raw_bytes
 
 from snapshots import HostWeights, UnsupportedFormatError, inspect_snapshot, write_delta, write_full_snapshot
 from snapshots.host import checkpoint_checksums
+from tests.helpers.snapshot_helpers import raw_bytes
 
 
 def write_slime_delta(base: Path, new: Path, disk_dir: Path, *, ranks: int = 3, checksum: str = "adler32") -> Path:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from snapshot_helpers import adler, raw_bytes, write_delta_dir, xor_frame
 
 from snapshots import ChecksumError, HostWeights, SnapshotError
 from snapshots.inspect import read_delta_plan
+from tests.helpers.snapshot_helpers import adler, raw_bytes, write_delta_dir, xor_frame
 
 
 def _buffers(weights: HostWeights, names: list[str]) -> dict[str, np.ndarray]:

@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from snapshot_helpers import INDEX, FakeS3, write_delta_dir
 
 from snapshots import (
     HostWeights,
@@ -18,6 +17,7 @@ from snapshots import (
     inspect_snapshot,
 )
 from snapshots.errors import ChecksumError, HeaderError, IdentityError
+from tests.helpers.snapshot_helpers import INDEX, FakeS3, write_delta_dir
 
 
 def test_inspect_full_and_delta(pair: tuple[Path, Path], delta: Path) -> None:

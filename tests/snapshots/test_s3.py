@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from snapshot_helpers import INDEX, GetCounter, raw_bytes, ranges
 
+from common.settings import Settings
 from snapshots import (
     ChainError,
     ChainLink,
@@ -29,7 +29,7 @@ from snapshots import (
 from snapshots.cli import main
 from snapshots.safetensors_io import HEADER_PROBE_BYTES, TensorSpec
 from snapshots.storage import snapshot_uri
-from workers.settings import Settings
+from tests.helpers.snapshot_helpers import INDEX, GetCounter, ranges, raw_bytes
 from workers.stack import upload_dir
 
 RUN = "snapshot-tests/run-1"

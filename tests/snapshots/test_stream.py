@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from snapshot_helpers import REPO, adler, copy_tree, raw_bytes, write_delta_dir, xor_frame
 
 from snapshots import (
     ChecksumError,
@@ -23,6 +22,7 @@ from snapshots import (
     write_full_snapshot,
 )
 from snapshots.safetensors_io import TensorSpec, write_safetensors
+from tests.helpers.snapshot_helpers import REPO, adler, copy_tree, raw_bytes, write_delta_dir, xor_frame
 
 
 def _files(root: Path) -> dict[str, bytes]:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from snapshot_helpers import INDEX, adler, raw_bytes
 
 from snapshots import (
     ChecksumError,
@@ -20,6 +19,7 @@ from snapshots import (
 )
 from snapshots.cli import main
 from snapshots.safetensors_io import TensorSpec
+from tests.helpers.snapshot_helpers import INDEX, adler, raw_bytes
 
 
 def test_delta_layout(pair: tuple[Path, Path], tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from tests.stack_fixtures import free_port_base
-from workers.settings import Settings
+from common.settings import Settings
+from tests.helpers.stack_fixtures import free_port_base
 from workers.stack import Stack, StackError
 
 

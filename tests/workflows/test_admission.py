@@ -1,6 +1,6 @@
 """Hot-load admission through the API and the deployment workflow, on the real Temporal dev server:
 each documented rule is its own error with its code and message, and nothing starts when a
-request is refused. Replicas are test activities (see harness.py); no vLLM."""
+request is refused. Replicas are test activities (tests/helpers/harness.py); no vLLM."""
 
 from __future__ import annotations
 
@@ -8,41 +8,14 @@ import asyncio
 
 from temporalio.client import WorkflowExecutionStatus
 
-from tests.workflows.harness import DISABLED_ORG, ORG, VIEWER, ZONE, Fleet, write_delta, write_full
-from workflows import names
-from workflows.types import (
-    MAX_DELTAS_IN_CHAIN,
-    Deployment,
-    DeploymentInput,
-    DeploymentSpec,
-    DeploymentStatus,
-    HotLoadConfig,
-    ModelSource,
-    ResourceStatus,
-    Runtime,
+from contracts import names
+from contracts.records import (
     SnapshotRef,
     SnapshotType,
 )
-
-
-def error(r, status: int, code: str, *words: str) -> dict:
-    body = r.json()
-    assert r.status_code == status, (r.status_code, body)
-    assert body["code"] == code, body
-    for w in words:
-        assert w in body["message"], body
-    return body
-
-
-def delta_body(prev: str) -> dict:
-    return {
-        "type": "SNAPSHOT_TYPE_INCREMENTAL",
-        "incrementalSnapshotMetadata": {
-            "previousSnapshotIdentity": prev,
-            "compressionFormat": "COMPRESSION_FORMAT_ZSTD",
-            "checksumFormat": "CHECKSUM_FORMAT_ADLER32",
-        },
-    }
+from snapshots.chain import MAX_CHAIN_DELTAS as MAX_DELTAS_IN_CHAIN
+from tests.helpers.harness import DISABLED_ORG, ORG, VIEWER, ZONE, Fleet, write_delta, write_full
+from tests.helpers.workflow_checks import delta_body, deployment_state, error, every
 
 
 async def no_hot_load_started(f: Fleet, dep: str) -> None:
@@ -78,7 +51,7 @@ async def test_second_hot_load_while_one_runs_is_already_in_progress(temporal_en
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
         f.apply_behaviour = {"*": f.held}
-        f.apply_behaviour = _every(f.held)
+        f.apply_behaviour = every(f.held)
         write_full(f.bucket_root / f"ckpt/{dep}", "s1")
         write_full(f.bucket_root / f"ckpt/{dep}", "s2")
         first = await f.create_hot_load(dep, "s1", hotLoadId="first")
@@ -97,7 +70,7 @@ async def test_second_hot_load_while_one_runs_is_already_in_progress(temporal_en
 async def test_twenty_concurrent_creates_admit_exactly_one(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
-        f.apply_behaviour = _every(f.held)
+        f.apply_behaviour = every(f.held)
         for i in range(20):
             write_full(f.bucket_root / f"ckpt/{dep}", f"s{i}")
         answers = await asyncio.gather(
@@ -161,7 +134,7 @@ async def test_predecessor_needs_a_completed_hot_load_on_this_deployment(tempora
         await f.completed(other, "s0")
         error(await f.create_hot_load(dep, "s1", **delta_body("s0")), 412, "failed_precondition", "has no completed hot-load")
         # Loaded here but FAILED.
-        f.apply_behaviour = _every(f.broken)
+        f.apply_behaviour = every(f.broken)
         write_full(root, "s0")
         r = await f.create_hot_load(dep, "s0")
         assert r.status_code == 200
@@ -178,18 +151,6 @@ async def test_predecessor_needs_a_completed_hot_load_on_this_deployment(tempora
         assert hl["spec"]["snapshotChain"][1]["compressionFormat"] == "COMPRESSION_FORMAT_ZSTD"
 
 
-def _state(dep_id: str, *, zones: list[str], chains: dict[str, list[SnapshotRef]] | None = None) -> DeploymentInput:
-    dep = Deployment(
-        spec=DeploymentSpec(
-            id=dep_id, name=dep_id, organization_id="org-a", gateway_ids=["g1", "g2"],
-            runtime=Runtime(engine="dynamo-vllm"), model=ModelSource(name="m", bucket="rollouts", path="models/base"),
-            hot_load=HotLoadConfig(bucket="rollouts", path_prefix=f"ckpt/{dep_id}"),
-        ),
-        status=DeploymentStatus(status=ResourceStatus.READY, created_at="2026-01-01T00:00:00Z", updated_at="2026-01-01T00:00:00Z"),
-    )
-    return DeploymentInput(deployment=dep, gateway_zones=zones, chains=chains or {})
-
-
 async def test_chain_of_more_than_63_deltas_is_refused(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         base = SnapshotRef(identity="d0", type=SnapshotType.FULL, hot_load_id="h0")
@@ -198,7 +159,7 @@ async def test_chain_of_more_than_63_deltas_is_refused(temporal_env, tmp_path):
             for i in range(1, MAX_DELTAS_IN_CHAIN + 1)
         ]
         chains = {link.identity: links[: i + 1] for i, link in enumerate(links)}
-        dep = await f.deployment_from_state(_state("dep-chain", zones=[ZONE], chains=chains))
+        dep = await f.deployment_from_state(deployment_state("dep-chain", zones=[ZONE], chains=chains))
         root = f.bucket_root / "ckpt/dep-chain"
         write_full(root, "d0")
         for i in range(1, MAX_DELTAS_IN_CHAIN + 2):
@@ -240,7 +201,7 @@ async def test_missing_required_files_are_named(temporal_env, tmp_path):
 
 async def test_gateways_in_different_zones_are_refused(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
-        dep = await f.deployment_from_state(_state("dep-zones", zones=["US-EAST-04A", "US-WEST-01A"]))
+        dep = await f.deployment_from_state(deployment_state("dep-zones", zones=["US-EAST-04A", "US-WEST-01A"]))
         write_full(f.bucket_root / "ckpt/dep-zones", "s1")
         error(await f.create_hot_load(dep, "s1"), 412, "failed_precondition", "different zones",
               "US-EAST-04A", "US-WEST-01A")
@@ -271,12 +232,3 @@ async def test_viewer_and_other_org_cannot_create(temporal_env, tmp_path):
         assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
 
 
-class _every(dict):
-    """Every replica behaves the same."""
-
-    def __init__(self, behaviour) -> None:
-        super().__init__()
-        self.behaviour = behaviour
-
-    def get(self, key, default=None):  # noqa: ARG002 - dict protocol
-        return self.behaviour

@@ -8,13 +8,13 @@ import asyncio
 
 from temporalio.exceptions import ApplicationError
 
-from tests.workflows.harness import ZONE, Fleet, write_delta
-from tests.workflows.test_admission import _state
+from tests.helpers.harness import ZONE, Fleet, write_delta
+from tests.helpers.workflow_checks import deployment_state
 
 
 async def test_receivers_commit_as_their_stages_finish_and_a_failed_stage_reads_the_bucket(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
-        state = _state("walk", zones=[ZONE])
+        state = deployment_state("walk", zones=[ZONE])
         state.replicas = f.replica_endpoints("walk", 4)
         dep = await f.deployment_from_state(state)
         slow_done = asyncio.Event()
@@ -46,7 +46,7 @@ DELTA = {"type": "SNAPSHOT_TYPE_INCREMENTAL", "incrementalSnapshotMetadata": {"p
 
 async def _on_base(f: Fleet, name: str, replicas: int) -> str:
     """A deployment of `replicas` whose replicas all serve the full snapshot "base"."""
-    state = _state(name, zones=[ZONE])
+    state = deployment_state(name, zones=[ZONE])
     state.replicas = f.replica_endpoints(name, replicas)
     dep = await f.deployment_from_state(state)
     await f.completed(dep, "base", hotLoadId=f"{name}-base")

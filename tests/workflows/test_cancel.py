@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
+from tests.helpers.harness import OTHER_ORG, VIEWER, Fleet, write_full
+from tests.helpers.workflow_checks import error, every
 
-from tests.workflows.harness import OTHER_ORG, VIEWER, Fleet, write_full
-from tests.workflows.test_admission import _every, error
 
 async def start_held(f: Fleet, behaviour) -> tuple[str, str]:
     dep = await f.ready_deployment()
-    f.apply_behaviour = _every(behaviour)
+    f.apply_behaviour = every(behaviour)
     write_full(f.bucket_root / f"ckpt/{dep}", "s1")
     r = await f.create_hot_load(dep, "s1")
     assert r.status_code == 200, r.text

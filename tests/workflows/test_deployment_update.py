@@ -1,16 +1,16 @@
 """`PATCH /deployments/{id}` on the real Temporal dev server: the hotLoad section must come back
 unchanged, only runtime.version, runtime.engineConfig and traffic may change, nothing changes
 while a hot-load runs, and a new runtime rolls the replicas onto it one at a time (test replicas,
-harness.py; tests/e2e/test_deployment_lifecycle.py checks the engines' flags on real replicas)."""
+tests/helpers/harness.py; tests/e2e/test_deployment_lifecycle.py checks the engines' flags on real replicas)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from tests.workflows.harness import OTHER_ORG, VIEWER, Fleet, poll, write_full
-from tests.workflows.test_admission import _every, error
-from workflows.deployment import DeploymentWorkflow
-from workflows.types import ReplicaFailure
+from contracts.records import ReplicaFailure
+from control.deployment import DeploymentWorkflow
+from tests.helpers.harness import OTHER_ORG, VIEWER, Fleet, poll, write_full
+from tests.helpers.workflow_checks import error, every
 
 
 def hot_load_section(dep: str) -> dict:
@@ -152,7 +152,7 @@ async def test_update_that_omits_or_changes_hot_load_is_refused(temporal_env, tm
 async def test_no_update_while_a_hot_load_runs(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
-        f.apply_behaviour = _every(f.held)
+        f.apply_behaviour = every(f.held)
         write_full(f.bucket_root / f"ckpt/{dep}", "s1")
         r = await f.create_hot_load(dep, "s1", hotLoadId="busy")
         assert r.status_code == 200

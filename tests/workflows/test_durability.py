@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,38 +24,12 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from api.app import PREFIX
-from tests.temporal_server import REPO, TEMPORAL_BIN
-from tests.workflows.harness import ADMIN, TERMINAL, ZONE, Fleet, poll, write_full
-from tests.workflows.test_admission import _every, _state
-from workers.settings import SEARCH_ATTRIBUTES
-from workflows import names
-from workflows.types import CheckSnapshotInput
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def start_control_process(address: str, f: Fleet, tmp: Path) -> subprocess.Popen:
-    ready = tmp / f"control-{os.urandom(3).hex()}.ready"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.workflows.control_process", address, f.task_queue, str(f.bucket_root), str(ready)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp / "control.log", "ab"),
-    )
-    await poll(lambda: _true_if(ready.exists()), 30, "control worker process ready", every=0.1)
-    return proc
-
-
-async def _true_if(cond: bool) -> bool | None:
-    return True if cond else None
-
-
-def kill9(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=10)
+from common.settings import SEARCH_ATTRIBUTES
+from contracts import names
+from contracts.activities import CheckSnapshotInput
+from tests.helpers.harness import ADMIN, TERMINAL, ZONE, Fleet, poll, write_full
+from tests.helpers.temporal_server import REPO, TEMPORAL_BIN
+from tests.helpers.workflow_checks import deployment_state, every, free_port, kill9, start_control_process, true_if
 
 
 async def test_control_worker_killed_mid_hot_load_then_restarted(temporal_env, tmp_path):
@@ -65,7 +37,7 @@ async def test_control_worker_killed_mid_hot_load_then_restarted(temporal_env, t
     async with Fleet(temporal_env.client, tmp_path, control_worker=False) as f:
         proc = await start_control_process(address, f, tmp_path)
         try:
-            state = _state("dep-crash-worker", zones=[ZONE])
+            state = deployment_state("dep-crash-worker", zones=[ZONE])
             state.replicas = f.replica_endpoints("dep-crash-worker", 3)
             dep = await f.deployment_from_state(state)
             write_full(f.bucket_root / f"ckpt/{dep}", "s1")
@@ -147,7 +119,7 @@ async def test_temporal_dev_server_killed_mid_hot_load_then_restarted(tmp_path):
         async with Fleet(client, tmp_path) as f:
             dep = await f.ready_deployment(replicas=3)
             write_full(f.bucket_root / f"ckpt/{dep}", "s1")
-            f.apply_behaviour = _every(f.held)
+            f.apply_behaviour = every(f.held)
             assert (await f.create_hot_load(dep, "s1", hotLoadId="crash-server")).status_code == 200
             await asyncio.wait_for(f.started.wait(), 20)
 
@@ -273,7 +245,7 @@ async def test_api_process_killed_mid_hot_load_and_mid_create_then_restarted(tem
                 else:
                     await asyncio.sleep(f.apply_delay)
 
-            f.apply_behaviour = _every(second_step_held)
+            f.apply_behaviour = every(second_step_held)
 
             # 1. Killed mid-operation: the operation does not need the API.
             await api.start()
@@ -303,7 +275,7 @@ async def test_api_process_killed_mid_hot_load_and_mid_create_then_restarted(tem
             body = {"deploymentId": dep, "identity": "s2", "type": "SNAPSHOT_TYPE_FULL", "hotLoadId": "lost"}
             async with api.http() as http:
                 lost = asyncio.create_task(http.post("/hotLoads", json=body))
-                await poll(lambda: _true_if(f.check_started.is_set()), 30, "admission check started")
+                await poll(lambda: true_if(f.check_started.is_set()), 30, "admission check started")
                 api.kill9()
                 with pytest.raises(httpx.TransportError):
                     await lost  # the response is lost with the process

@@ -26,7 +26,7 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from api.app import PREFIX
-from tests.workflows.harness import ADMIN, DISABLED_ORG, OTHER_ORG, VIEWER, Fleet, write_full
+from tests.helpers.harness import ADMIN, DISABLED_ORG, OTHER_ORG, VIEWER, Fleet, write_full
 
 EXAMPLES = 1100  # a few (DELETE of the live deployment) are skipped; >= 1000 are sent
 

@@ -14,9 +14,9 @@ import asyncio
 import httpx
 
 from api.app import PREFIX, create_app
-from tests.workflows.harness import ADMIN, ORG, OTHER_ORG, Fleet, poll, write_full
-from tests.workflows.test_admission import _every, error
-from workflows import names
+from contracts import names
+from tests.helpers.harness import ADMIN, ORG, OTHER_ORG, Fleet, poll, write_full
+from tests.helpers.workflow_checks import error, every
 
 
 async def walk(f: Fleet, dep: str, size: int) -> list[dict]:
@@ -46,13 +46,13 @@ async def test_history_newest_first_over_closed_and_open_operations(temporal_env
         await f.completed(other, "x")  # another deployment's history stays out
         for i in range(5):
             created.append((await f.completed(dep, f"s{i}", hotLoadId=f"ok-{i}"))["spec"]["id"])
-        f.apply_behaviour = _every(f.broken)
+        f.apply_behaviour = every(f.broken)
         write_full(root, "bad")
         r = await f.create_hot_load(dep, "bad", hotLoadId="failed-1")
         assert (await f.wait_hot_load("failed-1"))["status"]["state"] == "HOT_LOAD_STATE_FAILED"
         created.append("failed-1")
         await f.wait_idle(dep)
-        f.apply_behaviour = _every(f.held)
+        f.apply_behaviour = every(f.held)
         r = await f.create_hot_load(dep, "s0", hotLoadId="canceled-1")
         assert r.status_code == 200
         await asyncio.wait_for(f.started.wait(), 30)
@@ -138,7 +138,7 @@ async def test_replicas_paginated_by_zone_then_name(temporal_env, tmp_path):
 async def test_terminated_workflow_reads_as_failed_and_frees_the_deployment(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
-        f.apply_behaviour = _every(f.held)
+        f.apply_behaviour = every(f.held)
         write_full(f.bucket_root / f"ckpt/{dep}", "s1")
         assert (await f.create_hot_load(dep, "s1", hotLoadId="killed")).status_code == 200
         await asyncio.wait_for(f.started.wait(), 30)
@@ -161,7 +161,7 @@ async def test_search_attributes_find_failed_loads(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
         await f.completed(dep, "good")
-        f.apply_behaviour = _every(f.broken)
+        f.apply_behaviour = every(f.broken)
         write_full(f.bucket_root / f"ckpt/{dep}", "bad")
         r = await f.create_hot_load(dep, "bad", hotLoadId=f"{dep}-bad")
         assert (await f.wait_hot_load(f"{dep}-bad"))["status"]["state"] == "HOT_LOAD_STATE_FAILED"
@@ -252,7 +252,7 @@ async def test_listing_follows_changes_made_elsewhere(temporal_env, tmp_path):
             headers={"Authorization": f"Bearer {ADMIN}"},
         ) as http:
             write_full(f.bucket_root / f"ckpt/{dep}", "s1")
-            f.apply_behaviour = _every(f.held)
+            f.apply_behaviour = every(f.held)
             r = await http.post("/hotLoads", json={
                 "deploymentId": dep, "identity": "s1", "type": "SNAPSHOT_TYPE_FULL", "hotLoadId": "e-1",
             })

@@ -1,4 +1,4 @@
-"""Ids per organization (workflows/names.py), on the real Temporal dev server through the real API:
+"""Ids per organization (contracts/names.py), on the real Temporal dev server through the real API:
 two organizations each create a gateway, a deployment and a hot-load with the same ids; both
 succeed, each sees only its own, deleting one leaves the other, and a third organization finds
 neither."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.workflows.harness import ADMIN, DISABLED_ORG, OTHER_ORG, ORG, ZONE, Fleet, poll, write_full
-from workflows.names import deployment_workflow_id, hot_load_workflow_id
+from contracts.names import deployment_workflow_id, hot_load_workflow_id
+from tests.helpers.harness import ADMIN, DISABLED_ORG, ORG, OTHER_ORG, ZONE, Fleet, poll, write_full
 
 SAME = "same-id"
 

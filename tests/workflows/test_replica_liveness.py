@@ -1,15 +1,15 @@
 """The deployment's status follows its replica set, on the real Temporal dev server with test
-replicas (harness.py): a deployment whose replica processes are gone is not READY and admits no
+replicas (tests/helpers/harness.py): a deployment whose replica processes are gone is not READY and admits no
 hot-load until they serve again. `tests/e2e/test_deployment_lifecycle.py` shows the same with
 real vLLM replicas stopped as `rollouts down` stops them."""
 
 from __future__ import annotations
 
-from tests.workflows.harness import Fleet, poll, write_full
-from tests.workflows.test_admission import error
+from contracts.records import ReplicaFailure
+from control.deployment import DeploymentWorkflow
+from tests.helpers.harness import Fleet, poll, write_full
+from tests.helpers.workflow_checks import error
 from workers.control_worker import verify_deployments
-from workflows.deployment import DeploymentWorkflow
-from workflows.types import ReplicaFailure
 
 
 async def _status(f: Fleet, dep: str) -> dict:

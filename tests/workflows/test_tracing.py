@@ -11,9 +11,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from tests.workflows.harness import ORG, Fleet
-from workers.telemetry import temporal_interceptors
-from workflows.names import hot_load_workflow_id
+from common.telemetry import temporal_interceptors
+from contracts.names import hot_load_workflow_id
+from tests.helpers.harness import ORG, Fleet
 
 
 async def test_one_trace_from_the_api_request_to_the_replica_steps(temporal_env, tmp_path):

@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from workflows import names
-from workflows.errors import NON_RETRYABLE_SNAPSHOT
-from workflows.types import (
+from contracts import names
+from contracts.activities import (
     ApplySnapshotInput,
     ApplySnapshotResult,
     CommitPeerStageInput,
@@ -41,6 +40,7 @@ from workflows.types import (
     StageFromPeerInput,
     StageFromPeerResult,
 )
+from contracts.errors import NON_RETRYABLE_SNAPSHOT
 
 if TYPE_CHECKING:
     from replica.agent import ReplicaRuntime

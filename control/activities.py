@@ -15,12 +15,13 @@ import sys
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from common.processes import PidFile, spawn, stop_pid
+from common.settings import Settings
+from contracts import names
+from contracts.activities import ApplySnapshotInput, CheckSnapshotInput, StartReplicasInput, StopReplicasInput
+from contracts.errors import FAILED_PRECONDITION
+from contracts.records import SnapshotType
 from snapshots.storage import snapshot_uri
-from workers.processes import PidFile, spawn, stop_pid
-from workers.settings import Settings
-from workflows import names
-from workflows.errors import FAILED_PRECONDITION
-from workflows.types import ApplySnapshotInput, CheckSnapshotInput, SnapshotType, StartReplicasInput, StopReplicasInput
 
 
 def snapshot_check_failure(
@@ -99,8 +100,8 @@ class ControlActivities:
     @activity.defn(name=names.CHECK_SNAPSHOT)
     def check_snapshot_files(self, inp: CheckSnapshotInput) -> list[str]:
         """Raises failed_precondition naming the missing files; returns [] when complete."""
-        from snapshots.inspect import check_required_files
         from snapshots.errors import SnapshotError
+        from snapshots.inspect import check_required_files
 
         uri = snapshot_uri(inp.bucket, inp.path_prefix, inp.identity)
         kind = "full" if inp.type == SnapshotType.FULL else "delta"

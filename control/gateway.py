@@ -7,25 +7,9 @@ gateway's `status.endpoints[0]`. The memo carries the wire object, so reads need
 from __future__ import annotations
 
 from temporalio import workflow
-from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.types import Gateway, ResourceStatus, rfc3339
-
-ORG = SearchAttributeKey.for_keyword("OrganizationId")
-GATEWAY = SearchAttributeKey.for_keyword("GatewayId")
-KIND = SearchAttributeKey.for_keyword("ResourceKind")
-
-
-def search_attributes(gateway: Gateway) -> TypedSearchAttributes:
-    return TypedSearchAttributes(
-        [
-            SearchAttributePair(ORG, gateway.spec.organization_id),
-            SearchAttributePair(GATEWAY, gateway.spec.id),
-            SearchAttributePair(KIND, "gateway"),
-        ]
-    )
-
+    from contracts.records import Gateway, ResourceStatus, rfc3339
 
 @workflow.defn
 class GatewayWorkflow:

@@ -9,7 +9,7 @@ elsewhere, mode 0600) holds organizations and the hashes of their tokens:
 
 A token is stored only as `sha256(salt + token)` with a random per-token salt, compared in
 constant time (`hmac.compare_digest`); tokens are random (`rk-…`, 192 bits), so one hash round
-suffices. `buckets` lists what the organization's deployments may read (api/buckets.py: `BUCKET`
+suffices. `buckets` lists what the organization's deployments may read (common/buckets.py: `BUCKET`
 or `BUCKET/PREFIX`); an organization without grants can create no deployment.
 
 `rollouts token add --role viewer --org org-local` appends a token and prints it once
@@ -37,12 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from api.buckets import Grant
-from api.errors import PermissionDenied, Unauthenticated
-from workflows.types import resource_id_problem
+from common.buckets import Grant
+from common.errors import PermissionDenied, Unauthenticated
+from common.ids import resource_id_problem
 
 ROLES = ("admin", "viewer")
-log = logging.getLogger("rollouts.api.auth")
+log = logging.getLogger("rollouts.tokens")
 
 
 @dataclass(frozen=True)

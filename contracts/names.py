@@ -1,4 +1,5 @@
-"""Workflow ids, task queues and activity names shared by api/, workflows/ and activities/.
+"""Workflow types, ids, updates and signals, task queues and activity names: what the API, the
+control worker and each replica agent address each other by.
 
 Client-chosen ids (deployments, gateways, hot-loads) are unique per organization, not globally:
 every workflow id built from one carries the organization, `KIND/ORG/ID` (`deployments/org-a/foo`,
@@ -8,6 +9,22 @@ last segment is always the id. A replica's task queue hangs under its deployment
 """
 
 CONTROL_TASK_QUEUE = "rollouts-control"
+
+# Workflow types (the class names the control worker registers) and what they answer.
+DEPLOYMENT_WORKFLOW = "DeploymentWorkflow"
+GATEWAY_WORKFLOW = "GatewayWorkflow"
+HOT_LOAD_WORKFLOW = "HotLoadWorkflow"
+# Deployment workflow updates, signals and queries.
+UPDATE_CONFIG = "update_config"
+CREATE_HOT_LOAD = "create_hot_load"
+DELETE = "delete"  # also the gateway workflow's
+VERIFY_REPLICAS = "verify_replicas"
+REPLICA_READY = "replica_ready"
+REPLICA_FAILED = "replica_failed"
+HOT_LOAD_FINISHED = "hot_load_finished"
+DESCRIBE = "describe"
+# The engine every hot-loadable deployment runs (the guide: hot-loading requires it).
+HOT_LOAD_ENGINE = "dynamo-vllm"
 
 # Activities on the control queue.
 START_REPLICAS = "start_replicas"

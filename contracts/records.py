@@ -7,7 +7,6 @@ Nothing here talks to Temporal, HTTP or storage.
 
 from __future__ import annotations
 
-import re
 from datetime import UTC, datetime
 from enum import Enum
 from typing import Any
@@ -292,7 +291,7 @@ class HotLoadOutcome(WireModel):
     chain: list[SnapshotRef] = Field(default_factory=list)
 
 
-class ChainLink(WireModel):
+class CompletedLink(WireModel):
     """One completed hot-load of a deployment, kept to resolve later chains."""
 
     identity: str
@@ -312,7 +311,7 @@ class CreateHotLoadCommand(WireModel):
     organization_hot_load_enabled: bool = True
     created_at: str
     # The API request's trace context (W3C carrier): the operation's spans join that trace
-    # rather than the deployment's long-lived one (workers/telemetry.py).
+    # rather than the deployment's long-lived one (common/telemetry.py).
     trace_context: dict[str, str] = Field(default_factory=dict)
 
 
@@ -336,152 +335,6 @@ class UpdateDeploymentCommand(WireModel):
     updated_at: str
 
 
-# --------------------------------------------------------------------------- rules
-IDENTITY_MAX = 128
-MAX_DELTAS_IN_CHAIN = 63
-RESERVED_IDENTITY = "initial"
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def identity_problem(identity: str, field: str = "identity") -> str | None:
-    """Why `identity` is not a valid snapshot identity, or None (the guide's rules)."""
-    if not isinstance(identity, str) or not identity:
-        return f"{field} must be a non-empty string"
-    if len(identity) > IDENTITY_MAX:
-        return f"{field} must be at most {IDENTITY_MAX} characters (got {len(identity)})"
-    if "/" in identity or "\\" in identity:
-        return f"{field} {identity!r} must be a single path segment (no '/')"
-    if identity in (".", "..") or ".." in identity:
-        return f"{field} {identity!r} must not contain '..'"
-    if any(ord(c) < 32 or ord(c) == 127 for c in identity):
-        return f"{field} must not contain control characters"
-    if identity == RESERVED_IDENTITY:
-        return f"{field} {RESERVED_IDENTITY!r} is reserved for the deployment's base weights"
-    return None
-
-
-def resource_id_problem(value: str, field: str) -> str | None:
-    """Client-chosen ids (deployments, gateways, hot-loads): one URL path segment, 1-128 chars."""
-    if not isinstance(value, str) or not _ID_RE.match(value):
-        return f"{field} must be 1-128 characters of letters, digits, '.', '_' or '-', starting with a letter or digit"
-    return None
-
-
-# --------------------------------------------------------------------------- activity contracts
-class StartReplicasInput(WireModel):
-    deployment_id: str
-    deployment_workflow_id: str
-    names: list[str]
-    zone: str
-    model: ModelSource
-    # runtime.engineConfig: vLLM flags for the replica's engine (e.g. "max-model-len").
-    engine_config: dict[str, str] = Field(default_factory=dict)
-    # The snapshot a new replica must serve before it reports ready (a restart or a scale-up
-    # after a hot-load began loads the target directly); None: the model's base weights.
-    target_chain: list[SnapshotRef] | None = None
-    hot_load_config: HotLoadConfig | None = None
-
-
-class StopReplicasInput(WireModel):
-    deployment_id: str
-    names: list[str]
-
-
-class CheckSnapshotInput(WireModel):
-    bucket: str
-    path_prefix: str
-    identity: str
-    type: SnapshotType
-
-
-class ApplySnapshotInput(WireModel):
-    hot_load_id: str
-    identity: str
-    chain: list[SnapshotRef]
-    bucket: str
-    path_prefix: str
-    prompt_cache_policy: PromptCachePolicy = PromptCachePolicy.PRESERVE
-
-
-class ApplySnapshotResult(WireModel):
-    identity: str
-    engine_pid: int
-    tensors_loaded: int
-    bytes_read_from_bucket: int
-    pause_ms: float
-    links_applied: list[str] = Field(default_factory=list)
-    stage_ms: float = 0.0
-    source: str = "bucket"  # "bucket", or "peer:<replica name>"
-    # Tensors whose served bytes were read back from the engine and matched the snapshot's
-    # Adler-32 after the update: the served-weights proof behind READY.
-    verified_tensors: int = 0
-
-
-class PeerOfferInput(WireModel):
-    """Asks an updated replica what it would send to a peer that serves `target_identity`."""
-
-    hot_load_id: str
-    identity: str
-    chain: list[SnapshotRef]
-    target_identity: str
-    # Members of the group the offer opens: the sender (rank 0) and world_size - 1 receivers.
-    world_size: int = 2
-    # Receivers can take the delta link's files instead of the tensors as served.
-    accept_files: bool = False
-    # The sender's agent hosts the group's rendezvous store from the offer on, so no engine
-    # waits out TCPStore's connect back-off for a master that is not up yet.
-    host_store: bool = False
-    # Offer the delta link's files as soon as the sender's own update of this hot-load (from the
-    # bucket) has decoded and checked them, before it swaps them in: the receivers stage while
-    # it commits, and commit only after it is READY. Waits for that stage; refused (no offer)
-    # when the update holds no such files.
-    from_stage: bool = False
-
-
-class PeerOffer(WireModel):
-    """What a sending replica offers: where to join, and exactly which tensors will arrive."""
-
-    source_replica: str
-    host: str
-    port: int
-    backend: str
-    base_identity: str  # the identity the receiver must serve for these tensors to complete it
-    identity: str
-    chain: list[SnapshotRef]
-    specs: list[list[Any]]  # [name, dtype, shape] in send order
-    expected_adler32: dict[str, str]
-    world_size: int = 2
-    # "tensors": specs are tensors as the sender serves them; "files": specs are the files of
-    # the delta link `identity` (XOR+zstd frames), which each receiver decodes and checks itself.
-    mode: str = "tensors"
-    # Every engine joins as a client of a store the sender's agent already hosts (host_store).
-    store_hosted: bool = False
-
-
-class StageFromPeerInput(WireModel):
-    """A receiver's place in a broadcast: it joins `offer`'s group as `rank` and stages."""
-
-    offer: PeerOffer
-    rank: int
-
-
-class CommitPeerStageInput(WireModel):
-    identity: str
-    prompt_cache_policy: PromptCachePolicy = PromptCachePolicy.PRESERVE
-
-
-class StageFromPeerResult(WireModel):
-    identity: str
-    tensors_staged: int
-    bytes_received: int
-    stage_ms: float
-
-
-class ReceiveFromPeerInput(WireModel):
-    offer: PeerOffer
-    prompt_cache_policy: PromptCachePolicy = PromptCachePolicy.PRESERVE
-
-
 class DeploymentInput(WireModel):
     """The deployment workflow's input, also what it carries across continue-as-new."""
 
@@ -499,7 +352,7 @@ class DeploymentInput(WireModel):
     # Why the last rolling update stopped (a new replica failed to start); the deployment is
     # STATUS_ERROR until a configuration update succeeds. None: no failed update.
     update_error: str | None = None
-    completed: list[ChainLink] = Field(default_factory=list)
+    completed: list[CompletedLink] = Field(default_factory=list)
     chains: dict[str, list[SnapshotRef]] = Field(default_factory=dict)
     seen_hot_load_ids: list[str] = Field(default_factory=list)
     active_hot_load_id: str | None = None

@@ -37,7 +37,7 @@ naming the replica and why), the replicas not yet replaced keep serving, and ano
 
 The create handler runs in the API request's trace context (`CreateHotLoadCommand.trace_context`),
 so the file checks and the hot-load workflow it starts belong to the request's trace, one trace
-per operation, rather than to the deployment's long-lived one (workers/telemetry.py).
+per operation, rather than to the deployment's long-lived one (common/telemetry.py).
 
 Reads never query this workflow: it publishes the wire object in its memo on every change.
 """
@@ -48,13 +48,7 @@ import asyncio
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import (
-    RetryPolicy,
-    SearchAttributeKey,
-    SearchAttributePair,
-    TypedSearchAttributes,
-    WorkflowIDReusePolicy,
-)
+from temporalio.common import RetryPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.workflow import ParentClosePolicy
 
@@ -62,13 +56,11 @@ with workflow.unsafe.imports_passed_through():
     from opentelemetry import context as otel_context
     from opentelemetry import propagate as otel_propagate
 
-    from workflows import names
-    from workflows.errors import ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, UNAVAILABLE, rejected
-    from workflows.hot_load import HotLoadWorkflow
-    from workflows.types import (
-        MAX_DELTAS_IN_CHAIN,
-        ChainLink,
-        CheckSnapshotInput,
+    from contracts import names
+    from contracts.activities import CheckSnapshotInput, StartReplicasInput, StopReplicasInput
+    from contracts.errors import ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, UNAVAILABLE, rejected
+    from contracts.records import (
+        CompletedLink,
         Condition,
         ConditionStatus,
         CreateHotLoadCommand,
@@ -85,18 +77,14 @@ with workflow.unsafe.imports_passed_through():
         ResourceStatus,
         SnapshotRef,
         SnapshotType,
-        StartReplicasInput,
-        StopReplicasInput,
         UpdateDeploymentCommand,
-        identity_problem,
         rfc3339,
     )
+    from contracts.search import hot_load_attributes
+    from control.hot_load import HotLoadWorkflow
+    from snapshots.chain import MAX_CHAIN_DELTAS as MAX_DELTAS_IN_CHAIN
+    from snapshots.identity import identity_problem
 
-ORG = SearchAttributeKey.for_keyword("OrganizationId")
-DEPLOYMENT = SearchAttributeKey.for_keyword("DeploymentId")
-KIND = SearchAttributeKey.for_keyword("ResourceKind")
-
-HOT_LOAD_ENGINE = "dynamo-vllm"
 REPLICA_START_TIMEOUT = timedelta(minutes=20)
 # How often the deployment checks that its replica processes are alive.
 SUPERVISE_EVERY = timedelta(seconds=10)
@@ -104,23 +92,13 @@ SUPERVISE_EVERY = timedelta(seconds=10)
 # predecessor fell out of this window is refused like one never loaded (publish a full one).
 MAX_CHAINS_KEPT = 256
 SEEN_IDS_KEPT = 1024
-# Hot-load workflow ids carry the organization (workflows/names.py); histories from before
+# Hot-load workflow ids carry the organization (contracts/names.py); histories from before
 # started and cancel hot-loads by their bare id.
 ORG_SCOPED_IDS = "org-scoped-ids"
 # Statuses past creation in which the deployment watches its replica set (and restarts replicas).
 SUPERVISED = (ResourceStatus.READY, ResourceStatus.UPDATING, ResourceStatus.ERROR)
 # Versioned behaviour (workflow.patched): histories recorded before it replay without it.
 ADMISSION_CHECKS_REPLICAS = "admission-checks-replicas"
-
-
-def search_attributes(org: str, deployment_id: str) -> TypedSearchAttributes:
-    return TypedSearchAttributes(
-        [
-            SearchAttributePair(ORG, org),
-            SearchAttributePair(DEPLOYMENT, deployment_id),
-            SearchAttributePair(KIND, "deployment"),
-        ]
-    )
 
 
 @workflow.defn
@@ -632,7 +610,7 @@ class DeploymentWorkflow:
                 parent_close_policy=ParentClosePolicy.ABANDON,
                 # A hot-load id names one operation forever, even after it closed.
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                search_attributes=HotLoadWorkflow.search_attributes(hot_load),
+                search_attributes=hot_load_attributes(hot_load),
                 memo={"hotLoad": hot_load.wire()},
             )
         except Exception as exc:
@@ -701,8 +679,8 @@ class DeploymentWorkflow:
                 f"hot-load is not enabled on deployment {spec.id}: it was created without a hotLoad "
                 "section, which cannot be added later",
             )
-        if spec.runtime.engine != HOT_LOAD_ENGINE:
-            raise rejected(FAILED_PRECONDITION, f"hot-load requires runtime.engine {HOT_LOAD_ENGINE!r}")
+        if spec.runtime.engine != names.HOT_LOAD_ENGINE:
+            raise rejected(FAILED_PRECONDITION, f"hot-load requires runtime.engine {names.HOT_LOAD_ENGINE!r}")
         if self.state.active_hot_load_id is not None:
             raise rejected(
                 FAILED_PRECONDITION,
@@ -762,7 +740,7 @@ class DeploymentWorkflow:
             while len(self.state.chains) > MAX_CHAINS_KEPT:
                 del self.state.chains[next(iter(self.state.chains))]
             self.state.completed.append(
-                ChainLink(
+                CompletedLink(
                     identity=outcome.identity,
                     type=outcome.chain[-1].type,
                     hot_load_id=outcome.hot_load_id,

@@ -31,22 +31,23 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
-    from workflows import names
-    from workflows.errors import NON_RETRYABLE_SNAPSHOT
-    from workflows.types import (
+    from contracts import names
+    from contracts.activities import (
         ApplySnapshotInput,
         ApplySnapshotResult,
         CommitPeerStageInput,
         PeerOffer,
         PeerOfferInput,
         ReceiveFromPeerInput,
-        ReplicaEndpoint,
         StageFromPeerInput,
         StageFromPeerResult,
+    )
+    from contracts.errors import NON_RETRYABLE_SNAPSHOT
+    from contracts.records import (
         Condition,
         ConditionStatus,
         HotLoad,
@@ -54,16 +55,11 @@ with workflow.unsafe.imports_passed_through():
         HotLoadOutcome,
         HotLoadState,
         Replica,
+        ReplicaEndpoint,
         ReplicaState,
         rfc3339,
     )
-
-ORG = SearchAttributeKey.for_keyword("OrganizationId")
-DEPLOYMENT = SearchAttributeKey.for_keyword("DeploymentId")
-KIND = SearchAttributeKey.for_keyword("ResourceKind")
-IDENTITY = SearchAttributeKey.for_keyword("HotLoadIdentity")
-STATE = SearchAttributeKey.for_keyword("HotLoadState")
-TYPE = SearchAttributeKey.for_keyword("HotLoadType")
+    from contracts.search import STATE
 
 # A replica step retries what can heal (a replica briefly unreachable, a storage hiccup); a
 # snapshot that is wrong (checksum, missing file, bad format) fails at once.
@@ -116,20 +112,6 @@ class HotLoadWorkflow:
             )
             for r in sorted(inp.replicas, key=lambda r: (r.zone, r.name))
         ]
-
-    @staticmethod
-    def search_attributes(hot_load: HotLoad) -> TypedSearchAttributes:
-        spec = hot_load.spec
-        return TypedSearchAttributes(
-            [
-                SearchAttributePair(ORG, spec.organization_id),
-                SearchAttributePair(DEPLOYMENT, spec.deployment_id),
-                SearchAttributePair(KIND, "hotLoad"),
-                SearchAttributePair(IDENTITY, spec.identity),
-                SearchAttributePair(STATE, hot_load.status.state.value),
-                SearchAttributePair(TYPE, spec.type.value),
-            ]
-        )
 
     # ------------------------------------------------------------------ state
     def _now(self) -> str:

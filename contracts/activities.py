@@ -1,0 +1,135 @@
+"""Activity contracts: each activity's name, task queue, input and output.
+
+The control worker's workflows schedule these; the control worker's own activities
+(control/activities.py) and each replica's agent (replica/activities.py) implement them. They are
+Temporal payloads (JSON, camelCase), never REST wire objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from contracts.records import (
+    HotLoadConfig,
+    ModelSource,
+    PromptCachePolicy,
+    SnapshotRef,
+    SnapshotType,
+    WireModel,
+)
+
+
+class StartReplicasInput(WireModel):
+    deployment_id: str
+    deployment_workflow_id: str
+    names: list[str]
+    zone: str
+    model: ModelSource
+    # runtime.engineConfig: vLLM flags for the replica's engine (e.g. "max-model-len").
+    engine_config: dict[str, str] = Field(default_factory=dict)
+    # The snapshot a new replica must serve before it reports ready (a restart or a scale-up
+    # after a hot-load began loads the target directly); None: the model's base weights.
+    target_chain: list[SnapshotRef] | None = None
+    hot_load_config: HotLoadConfig | None = None
+
+
+class StopReplicasInput(WireModel):
+    deployment_id: str
+    names: list[str]
+
+
+class CheckSnapshotInput(WireModel):
+    bucket: str
+    path_prefix: str
+    identity: str
+    type: SnapshotType
+
+
+class ApplySnapshotInput(WireModel):
+    hot_load_id: str
+    identity: str
+    chain: list[SnapshotRef]
+    bucket: str
+    path_prefix: str
+    prompt_cache_policy: PromptCachePolicy = PromptCachePolicy.PRESERVE
+
+
+class ApplySnapshotResult(WireModel):
+    identity: str
+    engine_pid: int
+    tensors_loaded: int
+    bytes_read_from_bucket: int
+    pause_ms: float
+    links_applied: list[str] = Field(default_factory=list)
+    stage_ms: float = 0.0
+    source: str = "bucket"  # "bucket", or "peer:<replica name>"
+    # Tensors whose served bytes were read back from the engine and matched the snapshot's
+    # Adler-32 after the update: the served-weights proof behind READY.
+    verified_tensors: int = 0
+
+
+class PeerOfferInput(WireModel):
+    """Asks an updated replica what it would send to a peer that serves `target_identity`."""
+
+    hot_load_id: str
+    identity: str
+    chain: list[SnapshotRef]
+    target_identity: str
+    # Members of the group the offer opens: the sender (rank 0) and world_size - 1 receivers.
+    world_size: int = 2
+    # Receivers can take the delta link's files instead of the tensors as served.
+    accept_files: bool = False
+    # The sender's agent hosts the group's rendezvous store from the offer on, so no engine
+    # waits out TCPStore's connect back-off for a master that is not up yet.
+    host_store: bool = False
+    # Offer the delta link's files as soon as the sender's own update of this hot-load (from the
+    # bucket) has decoded and checked them, before it swaps them in: the receivers stage while
+    # it commits, and commit only after it is READY. Waits for that stage; refused (no offer)
+    # when the update holds no such files.
+    from_stage: bool = False
+
+
+class PeerOffer(WireModel):
+    """What a sending replica offers: where to join, and exactly which tensors will arrive."""
+
+    source_replica: str
+    host: str
+    port: int
+    backend: str
+    base_identity: str  # the identity the receiver must serve for these tensors to complete it
+    identity: str
+    chain: list[SnapshotRef]
+    specs: list[list[Any]]  # [name, dtype, shape] in send order
+    expected_adler32: dict[str, str]
+    world_size: int = 2
+    # "tensors": specs are tensors as the sender serves them; "files": specs are the files of
+    # the delta link `identity` (XOR+zstd frames), which each receiver decodes and checks itself.
+    mode: str = "tensors"
+    # Every engine joins as a client of a store the sender's agent already hosts (host_store).
+    store_hosted: bool = False
+
+
+class StageFromPeerInput(WireModel):
+    """A receiver's place in a broadcast: it joins `offer`'s group as `rank` and stages."""
+
+    offer: PeerOffer
+    rank: int
+
+
+class CommitPeerStageInput(WireModel):
+    identity: str
+    prompt_cache_policy: PromptCachePolicy = PromptCachePolicy.PRESERVE
+
+
+class StageFromPeerResult(WireModel):
+    identity: str
+    tensors_staged: int
+    bytes_received: int
+    stage_ms: float
+
+
+class ReceiveFromPeerInput(WireModel):
+    offer: PeerOffer
+    prompt_cache_policy: PromptCachePolicy = PromptCachePolicy.PRESERVE
