@@ -19,3 +19,8 @@ NON_RETRYABLE_SNAPSHOT = "SnapshotError"
 
 def rejected(code: str, message: str) -> ApplicationError:
     return ApplicationError(message, type=code, non_retryable=True)
+# A swap whose in-pause read-back found the engine's bytes differ from the snapshot's checksums:
+# the engine was rolled back; the same snapshot would fail the same way, so it is not retried.
+READ_BACK_FAILED = "ReadBackFailed"
+# An error injected by a fault point (replica/faults.py), in tests of the walk's failure branches.
+INJECTED_FAULT = "InjectedFault"

@@ -1,0 +1,88 @@
+"""Fault points: named places in a replica agent's steps where a test can make it fail or wait.
+
+Inert unless the stack's home holds `faults.json` (`Settings.home / "faults.json"`); only the
+operator and the tests that start the stack can write there. The file is read at every fault
+point (one `stat` when it is absent), so a test arms and disarms a fault while the stack runs:
+
+    {"rules": [{"id": "r1", "point": "stage_from_peer", "replica": "my-dep-1",
+                "action": "fail", "times": 1}]}
+
+- `point`: one of `POINTS` (where `hit` is called; see each caller);
+- `replica`: the replica name, or "*" (any); `deployment`: optional deployment id;
+- `action`: "fail" raises a non-retryable `InjectedFault` ApplicationError naming the point and
+  the replica; "hold" waits `seconds` (default 3600) or until the rule is removed from the file
+  (checked every 0.2 s), whichever comes first; a cancel of the step ends the wait;
+- `times`: how many times the rule fires in one agent process (default 1), counted by `id`.
+
+A fault point changes nothing by itself: each caller puts it where a real failure of that step
+could happen, so the step's own failure handling (roll-back, fallback to the bucket) runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from temporalio.exceptions import ApplicationError
+
+from contracts.errors import INJECTED_FAULT
+
+log = logging.getLogger("rollouts.replica.faults")
+
+# Where callers put a fault point.
+POINTS = (
+    "apply_snapshot",  # a step from the bucket starts (before anything is read)
+    "stage_from_peer",  # a receiver's stage from the broadcast starts (it then reads the bucket)
+    "commit_peer_stage",  # a receiver's swap of its broadcast stage starts (it then reads the bucket)
+    "swap",  # inside the pause, after the stage was applied and before it is proven and committed
+)
+FAULTS_FILE = "faults.json"
+_fired: Counter[str] = Counter()
+
+
+def _rules(home: Path) -> list[dict[str, Any]]:
+    path = home / FAULTS_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable %s: %s", path, exc)
+        return []
+    rules = doc.get("rules", []) if isinstance(doc, dict) else []
+    return [r for r in rules if isinstance(r, dict)]
+
+
+def _matches(rule: dict[str, Any], point: str, replica: str, deployment: str) -> bool:
+    return (
+        rule.get("point") == point
+        and rule.get("replica", "*") in ("*", replica)
+        and rule.get("deployment", deployment) == deployment
+        and _fired[str(rule.get("id", ""))] < int(rule.get("times", 1))
+    )
+
+
+async def hit(home: Path, point: str, *, replica: str, deployment: str) -> None:
+    """Fire the first armed rule for `point` on this replica, if any (see the module docstring)."""
+    if point not in POINTS:
+        raise ValueError(f"unknown fault point {point!r}; known: {', '.join(POINTS)}")
+    for rule in _rules(home):
+        if not _matches(rule, point, replica, deployment):
+            continue
+        rule_id = str(rule.get("id", ""))
+        _fired[rule_id] += 1
+        action = rule.get("action", "fail")
+        log.warning("fault %s fires at %s on %s: %s", rule_id, point, replica, action)
+        if action == "hold":
+            waited, limit = 0.0, float(rule.get("seconds", 3600))
+            while waited < limit and any(str(r.get("id", "")) == rule_id for r in _rules(home)):
+                await asyncio.sleep(0.2)
+                waited += 0.2
+            return
+        raise ApplicationError(
+            f"injected fault {rule_id!r} at {point} on replica {replica}", type=INJECTED_FAULT, non_retryable=True
+        )
