@@ -36,7 +36,6 @@ from contracts.activities import (
     CommitPeerStageInput,
     PeerOffer,
     PeerOfferInput,
-    ReceiveFromPeerInput,
     StageFromPeerInput,
     StageFromPeerResult,
 )
@@ -92,9 +91,7 @@ class PeerActivities:
     commit swaps the stage in inside one short pause and proves the served bytes. For a delta
     link, the first replica offers its files as soon as its own update from the bucket has
     checked them (`PeerOfferInput.from_stage`), so the receivers stage while it swaps; they
-    commit only after it. The pairwise
-    `send_to_peer` / `receive_from_peer` (transfer inside the receiver's pause) remain for
-    histories started before the broadcast walk.
+    commit only after it.
 
     The sender streams the changed tensors from its engine (not from the bucket) over a
     torch.distributed group between the two engine processes (gloo on CPU, NCCL on GPU). The
@@ -122,20 +119,6 @@ class PeerActivities:
             return await asyncio.to_thread(self.runtime.make_offer, inp)
         except SnapshotError as exc:
             raise ApplicationError(str(exc), type="PeerOfferRefused", non_retryable=True) from None
-
-    @activity.defn(name=names.SEND_TO_PEER)
-    async def send_to_peer(self, offer: PeerOffer) -> int:
-        heartbeat = asyncio.create_task(_heartbeat_forever())
-        try:
-            return await self.runtime.send_to_peer(offer)
-        finally:
-            heartbeat.cancel()
-
-    @activity.defn(name=names.RECEIVE_FROM_PEER)
-    async def receive_from_peer(self, inp: ReceiveFromPeerInput) -> ApplySnapshotResult:
-        return await _replica_step(
-            self.runtime, lambda: self.runtime.receive_from_peer(inp.offer, inp.prompt_cache_policy)
-        )
 
     @activity.defn(name=names.SEND_TO_PEERS)
     async def send_to_peers(self, offer: PeerOffer) -> int:

@@ -617,62 +617,6 @@ class ReplicaRuntime:
             expected_adler32={n: checksums[n] for n in names_}, world_size=inp.world_size,
         )
 
-    async def send_to_peer(self, offer: PeerOffer) -> int:
-        await self.engine.peer_init(offer.host, offer.port, 0, 2, offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S)
-        try:
-            sent = await self.engine.peer_send([s[0] for s in offer.specs])
-        finally:
-            await self.engine.peer_close()
-        return int(sent.get("bytes", 0))
-
-    async def receive_from_peer(self, offer: PeerOffer, policy: PromptCachePolicy) -> ApplySnapshotResult:
-        from snapshots.errors import ChainError
-
-        await self.settled()
-        if offer.base_identity != "*" and self.current_identity != offer.base_identity:
-            raise ChainError(
-                f"replica {self.name} serves {self.current_identity!r}; the offer completes {offer.base_identity!r}"
-            )
-        names_ = [s[0] for s in offer.specs]
-        reset = policy == PromptCachePolicy.RESET_ALL
-        t0 = time.perf_counter()
-        await self.engine.pause(mode="keep", clear_cache=reset)
-        try:
-            await self.engine.peer_init(offer.host, offer.port, 1, 2, offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S)
-            try:
-                # Checked against the sender's verified Adler-32 before the engine changes.
-                await self.engine.peer_receive(offer.specs, src=0, verify=True, expected_adler32=offer.expected_adler32)
-            finally:
-                await self.engine.peer_close()
-            await self.engine.set_weight_version(offer.identity)
-        except Exception as exc:
-            raise EngineUpdateError(f"receiving from {offer.source_replica} failed; previous weights kept: {one_line(exc)}") from None
-        finally:
-            await self.engine.resume()
-        pause_ms = (time.perf_counter() - t0) * 1000
-        # The host copy takes the same bytes, read back from the engine (no bucket reads).
-        path = self.staging / f"peer-{offer.identity}.safetensors"
-        self.staging.mkdir(parents=True, exist_ok=True)
-        await self.engine.save_weights(names_, path)
-        try:
-            received = await asyncio.to_thread(_read_raw, path)
-        finally:
-            path.unlink(missing_ok=True)
-        saved = self.host.save(names_)
-        self.host.restore(received)
-        got = self.host.checksums()
-        wrong = [n for n in names_ if got[n] != offer.expected_adler32[n]]
-        if wrong:
-            self.host.restore(saved)
-            raise EngineUpdateError(f"host copy differs after the transfer for {', '.join(wrong[:5])}")
-        chain_ids = self._commit_offer(offer, names_)
-        verified = await self.prove(names_)
-        return ApplySnapshotResult(
-            identity=offer.identity, engine_pid=self.engine.pid, tensors_loaded=len(names_),
-            bytes_read_from_bucket=0, pause_ms=pause_ms, source=f"peer:{offer.source_replica}",
-            verified_tensors=verified, links_applied=chain_ids,
-        )
-
     # ------------------------------------------------------------------ broadcast walk
     async def send_to_peers(self, offer: PeerOffer) -> int:
         """Broadcast the offered tensors (or delta files) from this engine to every receiver of
@@ -982,7 +926,7 @@ async def run_replica(
         client,
         task_queue=task_queue,
         activities=[
-            ReplicaActivities(runtime).apply_snapshot, peer.offer_to_peer, peer.send_to_peer, peer.receive_from_peer,
+            ReplicaActivities(runtime).apply_snapshot, peer.offer_to_peer,
             peer.send_to_peers, peer.stage_from_peer, peer.commit_peer_stage,
         ],
         # Heartbeats carry cancellation back: send them at least every second, not every 24 s.
