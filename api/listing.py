@@ -1,9 +1,8 @@
 """Hot-load reads answered from memory: listings newest first with stable page tokens, and
 closed operations by id; plus offset pages for short lists.
 
-Requests do not call Temporal for what it already told us (every listing request used to make
-two visibility calls, 8-14 ms p50 and 20-40 ms p99 each on a loaded machine, and re-encode every
-item; a GET of a closed operation was a describe: bench/list_latency.py):
+Requests do not call Temporal for what it already told us (bench/list_latency.py measures the
+read endpoints; its figures are in bench/README.md):
 
 - A closed hot-load never changes (its id cannot be reused): it is decoded once into a
   `Record` (wire object with its UI link, replicas ordered by zone then name, and its JSON
@@ -14,10 +13,9 @@ item; a GET of a closed operation was a describe: bench/list_latency.py):
   per change of membership, and a page is a slice of it). While any listing is being read
   (within `ACTIVE_S` of a read) one background task refreshes every loaded scope at once every
   `REFRESH_S`: one visibility call for the running hot-loads (by status, which is indexed; a
-  `CloseTime >=` query scans the whole history on SQLite, up to 1.5 s for 500 operations on a
-  loaded machine), decoding only rows some scope lists, then a describe of each
-  operation that left the running set (it closed) or that visibility does not show yet (an own
-  create). Every `VERIFY_S` a listing being read is counted (closed operations); if the count
+  `CloseTime >=` query scans the whole history on SQLite), decoding only rows some scope
+  lists, then a describe of each operation that left the running set (it closed) or that
+  visibility does not show yet (an own create). Every `VERIFY_S` a listing being read is counted (closed operations); if the count
   disagrees (an operation created elsewhere that ended between two refreshes, a late-visible
   one, history deleted by retention) the scope is read in full again. Reads and refreshes are
   single-flight: concurrent requests and the background task share one.
@@ -32,7 +30,7 @@ Freshness: an operation created through this process is listed as soon as its cr
 wins, closed beats open). Changes made elsewhere (another API process, a replica step, an
 operator terminating a workflow) are listed within about `REFRESH_S`; an operation created
 elsewhere that ends within one refresh period, within `VERIFY_S`. Memory: what has been
-listed (as before), plus up to `MAX_CLOSED_BY_ID` closed operations read only by id.
+listed, plus up to `MAX_CLOSED_BY_ID` closed operations read only by id.
 
 Records are keyed by workflow id (`hotLoads/ORG/ID`): hot-load ids are per organization.
 Order is newest first by `createdAt`, id breaking ties. Page tokens are keyset cursors (the last
