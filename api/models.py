@@ -137,7 +137,7 @@ class ModelSourceIn(ModelSource):
 
 
 class TrafficIn(Traffic):
-    # Checked where it comes in, not on the record: a state written before the bound still loads.
+    # The bound is checked on requests, not on the `Traffic` record: every stored state loads.
     weight: Annotated[int, Field(ge=0, le=100, strict=True)] = 100
 
 
