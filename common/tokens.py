@@ -224,8 +224,8 @@ def add_token(
 
 
 def grant_default_bucket(path: Path, organization_id: str, bucket: str) -> bool:
-    """Grant `bucket` to an organization that has no `buckets` entry at all (a file written before
-    grants existed); an explicit list, even empty, is left as it is. True if the file changed."""
+    """Grant `bucket` to an organization that has no `buckets` entry at all; an explicit list,
+    even empty, is left as it is. True if the file changed."""
     changed = False
 
     def change(doc: dict[str, Any]) -> bool:
