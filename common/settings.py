@@ -11,8 +11,8 @@ Engine secrets: every replica's vLLM server refuses requests that lack its secre
 stack's ``engine_key`` over the replica's deployment workflow id and its name, so the replica
 agent (which starts the engine) and the gateway (which sends it inference) both derive it from
 the settings and nothing secret crosses Temporal. The key is generated with the stack's other
-credentials and lives only in ``stack.json`` (mode 0600); a ``stack.json`` written before it
-existed gets one on its next load, which ``rollouts up`` saves before it starts anything.
+credentials and lives only in ``stack.json`` (mode 0600); a ``stack.json`` without one gets one
+on its next load, which ``rollouts up`` saves before it starts anything.
 """
 
 from __future__ import annotations
