@@ -20,7 +20,7 @@ because this is usually measured on a shared machine. Next to each wall-clock fi
 process's CPU cost (GB per CPU-second, all threads): other load on the machine barely moves it,
 so its ratios are what a quiet machine's throughput ratios would be when nothing waits on disk.
 
-    .venv/bin/python bench/delta_apply.py --size-mb 1024     # the issue's size (default)
+    .venv/bin/python bench/delta_apply.py --size-mb 1024     # a 1 GiB model (default)
     .venv/bin/python bench/delta_apply.py --size-mb 128      # a quick run
 """
 

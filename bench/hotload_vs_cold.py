@@ -14,7 +14,8 @@ starts the embedded stack in a temporary home, and creates a `--replicas` deploy
 
 Prints the medians, (b)/(a), the per-replica pause window and bytes read from the bucket per
 replica; `--timeline`: also when each activity of the last hot-load was scheduled, started and
-closed (from its Temporal history), to see where the walk waits. Figures on a shared 2-core machine are noisy: the ratio is the figure, not the seconds.
+closed (from its Temporal history), to see where the walk waits. Figures on a shared machine
+are noisy: the ratio is the figure, not the seconds (measured figures: bench/README.md).
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ so HTTP parsing by uvicorn is not included) for:
                                                           includes waiting behind the others)
 
 `--save` writes the figures as JSON; `--baseline` reads such a file (e.g. saved by this bench run
-on an earlier commit) and prints each figure's ratio to it (baseline / now: above 1 is faster).
-The issue asks for p99 under 50 ms with 500 hot-loads in history: this prints the figures; it
-is not a test threshold (the machine is shared).
+on another commit) and prints each figure's ratio to it (baseline / this run: above 1 is faster).
+The goal is a p99 under 50 ms with 500 hot-loads in history: this prints the figures; it is not
+a test threshold (the machine is shared). Measured figures: bench/README.md.
 """
 
 from __future__ import annotations
