@@ -1,5 +1,6 @@
 # rollouts — newcomer commands: `make demo` and `make test`. `make up` / `make down` run the
-# embedded stack for your own trainer. Every target installs what is missing first.
+# embedded stack for your own trainer; `make lint` and `make test-fast` check a change quickly.
+# Every target installs what is missing first.
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.installed
 CW_STAMP := $(CW_VENV)/.installed
 ROLLOUTS := $(VENV)/bin/rollouts
 
-.PHONY: install demo test up down status clean-data
+.PHONY: install demo lint test test-fast up down status clean-data
 
 install: $(STAMP) $(CW_STAMP)
 
@@ -40,8 +41,20 @@ status: $(STAMP)
 demo: install
 	$(ROLLOUTS) demo
 
+# Ruff (errors, import order, imports at module top), then import-linter: the layering and no
+# import cycles (both configured in pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-logo
+
+# The full suite: real Temporal, SeaweedFS and vLLM CPU replicas.
 test: install
 	$(VENV)/bin/python -m pytest -q -ra
+
+# Unit tests and workflow tests with fake replicas: nothing that starts the embedded stack or a
+# vLLM engine (tests/conftest.py marks those `stack` / `engine` from the fixtures they use).
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -ra -m "not stack and not engine"
 
 clean-data: down
 	rm -rf .rollouts
