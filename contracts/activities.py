@@ -71,7 +71,7 @@ class ApplySnapshotResult(WireModel):
 
 
 class PeerOfferInput(WireModel):
-    """Asks an updated replica what it would send to a peer that serves `target_identity`."""
+    """Asks the first replica what it would send to peers that serve `target_identity`."""
 
     hot_load_id: str
     identity: str
@@ -128,8 +128,3 @@ class StageFromPeerResult(WireModel):
     tensors_staged: int
     bytes_received: int
     stage_ms: float
-
-
-class ReceiveFromPeerInput(WireModel):
-    offer: PeerOffer
-    prompt_cache_policy: PromptCachePolicy = PromptCachePolicy.PRESERVE

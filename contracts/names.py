@@ -31,12 +31,11 @@ START_REPLICAS = "start_replicas"
 STOP_REPLICAS = "stop_replicas"
 CHECK_SNAPSHOT = "check_snapshot_files"
 # Activities on each replica's own queue (run by its agent, next to the engine).
+# An update from the bucket: stage, pause, swap and prove in place, resume.
 APPLY_SNAPSHOT = "apply_snapshot"
+# The broadcast: the first replica offers and sends to every other at once (each stages off the
+# serving path), then each receiver swaps its stage in, one at a time.
 OFFER_TO_PEER = "offer_to_peer"
-SEND_TO_PEER = "send_to_peer"
-RECEIVE_FROM_PEER = "receive_from_peer"
-# The broadcast walk: one updated replica sends to every other at once (staged, off the serving
-# path), then each receiver swaps its stage in, one at a time.
 SEND_TO_PEERS = "send_to_peers"
 STAGE_FROM_PEER = "stage_from_peer"
 COMMIT_PEER_STAGE = "commit_peer_stage"

@@ -277,7 +277,8 @@ class HotLoadInput(WireModel):
     hot_load_config: HotLoadConfig
     replicas: list[ReplicaEndpoint]
     deployment_workflow_id: str
-    # Replicas after the first take the weights from an updated peer instead of the bucket.
+    # True: replicas after the first stage from the first one's broadcast; False: every replica
+    # reads the bucket.
     peer_transfer: bool = True
 
 

@@ -21,6 +21,8 @@ from contracts import names
 from contracts.activities import ApplySnapshotInput, CheckSnapshotInput, StartReplicasInput, StopReplicasInput
 from contracts.errors import FAILED_PRECONDITION
 from contracts.records import SnapshotType
+from snapshots.errors import SnapshotError
+from snapshots.inspect import check_required_files
 from snapshots.storage import snapshot_uri
 
 
@@ -100,9 +102,6 @@ class ControlActivities:
     @activity.defn(name=names.CHECK_SNAPSHOT)
     def check_snapshot_files(self, inp: CheckSnapshotInput) -> list[str]:
         """Raises failed_precondition naming the missing files; returns [] when complete."""
-        from snapshots.errors import SnapshotError
-        from snapshots.inspect import check_required_files
-
         uri = snapshot_uri(inp.bucket, inp.path_prefix, inp.identity)
         kind = "full" if inp.type == SnapshotType.FULL else "delta"
         try:

@@ -20,9 +20,12 @@ several arrive in one workflow task their validators all run first, so the handl
 rules again; the losers fail with `already in progress`).
 
 The deployment learns that its hot-load ended twice over: the hot-load signals
-`hot_load_finished`, and the handler's watcher awaits the child's result. Either clears the
-active operation (idempotently), so a hot-load that is terminated, or whose signal is lost to a
-second cancel, can never block the deployment forever.
+`hot_load_finished` before it closes, and the handler's watcher awaits the child's close (the
+child is ABANDONed, never canceled, when the deployment closes). A COMPLETED hot-load returns its
+outcome, a FAILED one fails with the outcome as its failure's details, a CANCELED one is canceled:
+either way the watcher takes note idempotently, and a child that closed without an outcome
+(canceled, terminated) only clears the active operation, so no hot-load can block the
+deployment forever and none fails it.
 
 `update_config` (PATCH /deployments/{id}) changes `runtime.version`, `runtime.engineConfig` and
 `traffic`; it refuses an update that omits or changes the `hotLoad` section, and any update
@@ -49,7 +52,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, WorkflowIDReusePolicy
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ChildWorkflowError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
@@ -81,7 +84,8 @@ with workflow.unsafe.imports_passed_through():
         rfc3339,
     )
     from contracts.search import hot_load_attributes
-    from control.hot_load import HotLoadWorkflow
+    from control.hot_load.state import details as hot_load_details
+    from control.hot_load.state import summary as hot_load_summary
     from snapshots.chain import MAX_CHAIN_DELTAS as MAX_DELTAS_IN_CHAIN
     from snapshots.identity import identity_problem
 
@@ -92,13 +96,25 @@ SUPERVISE_EVERY = timedelta(seconds=10)
 # predecessor fell out of this window is refused like one never loaded (publish a full one).
 MAX_CHAINS_KEPT = 256
 SEEN_IDS_KEPT = 1024
-# Hot-load workflow ids carry the organization (contracts/names.py); histories from before
-# started and cancel hot-loads by their bare id.
+# Deprecated patches: the behaviour they once versioned is the only one now. Deployments stay
+# open across upgrades, and a history that recorded one of these markers replays only while
+# the workflow still names it (`workflow.deprecate_patch`); drop them once no open deployment
+# history holds one (`rollouts history check`).
 ORG_SCOPED_IDS = "org-scoped-ids"
+ADMISSION_CHECKS_REPLICAS = "admission-checks-replicas"
 # Statuses past creation in which the deployment watches its replica set (and restarts replicas).
 SUPERVISED = (ResourceStatus.READY, ResourceStatus.UPDATING, ResourceStatus.ERROR)
-# Versioned behaviour (workflow.patched): histories recorded before it replay without it.
-ADMISSION_CHECKS_REPLICAS = "admission-checks-replicas"
+
+
+def _outcome_of(exc: BaseException) -> HotLoadOutcome | None:
+    """The outcome a FAILED hot-load carries in its failure's details, if `exc` is that failure."""
+    cause = exc.cause if isinstance(exc, ChildWorkflowError) else None
+    if isinstance(cause, ApplicationError) and cause.details:
+        try:
+            return HotLoadOutcome.model_validate(cause.details[0])
+        except ValueError:
+            return None
+    return None
 
 
 @workflow.defn
@@ -116,11 +132,6 @@ class DeploymentWorkflow:
     @property
     def spec(self):
         return self.state.deployment.spec
-
-    def _hot_load_workflow_id(self, hot_load_id: str) -> str:
-        if workflow.patched(ORG_SCOPED_IDS):
-            return names.hot_load_workflow_id(self.spec.organization_id, hot_load_id)
-        return hot_load_id
 
     def _now(self) -> str:
         return rfc3339(workflow.now())
@@ -393,7 +404,7 @@ class DeploymentWorkflow:
         if self.state.active_hot_load_id:
             try:
                 await workflow.get_external_workflow_handle(
-                    self._hot_load_workflow_id(self.state.active_hot_load_id)
+                    names.hot_load_workflow_id(self.spec.organization_id, self.state.active_hot_load_id)
                 ).cancel()
             except Exception:  # noqa: BLE001 - it may have just finished
                 pass
@@ -555,12 +566,12 @@ class DeploymentWorkflow:
         hl_cfg = self.spec.hot_load
         assert hl_cfg is not None
         try:
-            if workflow.patched(ADMISSION_CHECKS_REPLICAS):
-                # READY is what the replicas last reported; a stack restart or a crash since may
-                # have taken them down unseen. Every replica process must run now (one that does
-                # not is restarted, and the deployment is UPDATING until it serves again).
-                if await self._restart_lost_replicas():
-                    raise rejected(FAILED_PRECONDITION, self._not_ready())
+            workflow.deprecate_patch(ADMISSION_CHECKS_REPLICAS)
+            # READY is what the replicas last reported; a stack restart or a crash since may have
+            # taken them down unseen. Every replica process must run now (one that does not is
+            # restarted, and the deployment is UPDATING until it serves again).
+            if await self._restart_lost_replicas():
+                raise rejected(FAILED_PRECONDITION, self._not_ready())
             # Every snapshot of the chain at once (a 64-link chain in one round trip); the first
             # failing link in chain order is the one reported.
             checks = await asyncio.gather(
@@ -598,15 +609,22 @@ class DeploymentWorkflow:
                     state=HotLoadState.PENDING, created_at=cmd.created_at, updated_at=cmd.created_at
                 ),
             )
+            inp = HotLoadInput(
+                hot_load=hot_load,
+                hot_load_config=hl_cfg,
+                replicas=list(self.state.replicas),
+                deployment_workflow_id=workflow.info().workflow_id,
+            )
+            workflow.deprecate_patch(ORG_SCOPED_IDS)
             child = await workflow.start_child_workflow(
-                HotLoadWorkflow.run,
-                HotLoadInput(
-                    hot_load=hot_load,
-                    hot_load_config=hl_cfg,
-                    replicas=list(self.state.replicas),
-                    deployment_workflow_id=workflow.info().workflow_id,
-                ),
-                id=self._hot_load_workflow_id(cmd.hot_load_id),
+                names.HOT_LOAD_WORKFLOW,
+                inp,
+                id=names.hot_load_workflow_id(self.spec.organization_id, cmd.hot_load_id),
+                result_type=HotLoadOutcome,
+                # What the Temporal UI shows of the operation before opening it.
+                static_summary=hot_load_summary(hot_load),
+                static_details=hot_load_details(inp),
+                # The hot-load goes on (and reports) whatever becomes of this workflow run.
                 parent_close_policy=ParentClosePolicy.ABANDON,
                 # A hot-load id names one operation forever, even after it closed.
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
@@ -633,15 +651,19 @@ class DeploymentWorkflow:
         return hot_load
 
     async def _watch(self, child: workflow.ChildWorkflowHandle, hot_load_id: str) -> None:
-        """Clears the active operation when the child closes, however it closes."""
+        """Takes note of the child's end however it closes: its outcome when it has one (the
+        result of a COMPLETED hot-load, the failure details of a FAILED one), else (canceled,
+        terminated, timed out) it only clears the active operation."""
         try:
             outcome = await child
-        except Exception as exc:  # noqa: BLE001 - terminated, timed out or failed at workflow level
-            workflow.logger.warning("hot-load %s closed without an outcome: %s", hot_load_id, exc)
-            if self.state.active_hot_load_id == hot_load_id:
-                self.state.active_hot_load_id = None
-                self._publish()
-            return
+        except Exception as exc:  # noqa: BLE001 - a failed child is an outcome, never this workflow's failure
+            outcome = _outcome_of(exc)
+            if outcome is None:
+                workflow.logger.warning("hot-load %s closed without an outcome: %s", hot_load_id, exc)
+                if self.state.active_hot_load_id == hot_load_id:
+                    self.state.active_hot_load_id = None
+                    self._publish()
+                return
         self._finish(outcome)
 
     @create_hot_load.validator

@@ -23,7 +23,7 @@ from contracts import names
 from control.activities import ControlActivities
 from control.deployment import DeploymentWorkflow
 from control.gateway import GatewayWorkflow
-from control.hot_load import HotLoadWorkflow
+from control.hot_load.workflow import HotLoadWorkflow
 
 WORKFLOWS = [DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow]
 RUNNING_DEPLOYMENTS = (

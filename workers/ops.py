@@ -176,7 +176,7 @@ async def rollback(http: httpx.AsyncClient, identity: str, deployment_id: str, *
 def workflow_classes() -> list[type]:
     from control.deployment import DeploymentWorkflow
     from control.gateway import GatewayWorkflow
-    from control.hot_load import HotLoadWorkflow
+    from control.hot_load.workflow import HotLoadWorkflow
 
     return [DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow]
 

@@ -21,7 +21,7 @@ from contracts import names
 from contracts.activities import CheckSnapshotInput, StartReplicasInput, StopReplicasInput
 from control.deployment import DeploymentWorkflow
 from control.gateway import GatewayWorkflow
-from control.hot_load import HotLoadWorkflow
+from control.hot_load.workflow import HotLoadWorkflow
 from tests.helpers.harness import check_local_snapshot
 
 

@@ -13,6 +13,7 @@ Temporal client, so a test drives exactly what a trainer drives.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +40,6 @@ from contracts.activities import (
     CommitPeerStageInput,
     PeerOffer,
     PeerOfferInput,
-    ReceiveFromPeerInput,
     StageFromPeerInput,
     StageFromPeerResult,
     StartReplicasInput,
@@ -51,7 +51,8 @@ from contracts.search import deployment_attributes
 from control.activities import snapshot_check_failure
 from control.deployment import DeploymentWorkflow
 from control.gateway import GatewayWorkflow
-from control.hot_load import HotLoadWorkflow
+from control.hot_load.workflow import HotLoadWorkflow
+from snapshots.inspect import check_required_files
 
 ADMIN = "admin-token"
 VIEWER = "viewer-token"
@@ -65,8 +66,6 @@ ApplyBehaviour = Callable[[str, ApplySnapshotInput], Awaitable[None]]
 
 def write_full(root: Path, identity: str, *, missing: tuple[str, ...] = ()) -> None:
     """A FULL snapshot's files (content irrelevant to admission; names and index matter)."""
-    import json
-
     d = root / identity
     d.mkdir(parents=True, exist_ok=True)
     files = {
@@ -82,8 +81,6 @@ def write_full(root: Path, identity: str, *, missing: tuple[str, ...] = ()) -> N
 
 
 def write_delta(root: Path, identity: str, base: str, *, missing: tuple[str, ...] = ()) -> None:
-    import json
-
     d = root / identity
     d.mkdir(parents=True, exist_ok=True)
     files = {
@@ -123,6 +120,8 @@ class Fleet:
     stopped: list[str] = field(default_factory=list)
     # name -> awaited before a broadcast stage reports success (raise to fail the stage).
     stage_behaviour: dict[str, Callable[[str], Awaitable[None]]] = field(default_factory=dict)
+    # name -> awaited when a receiver swaps its broadcast stage in (raise to fail the swap).
+    commit_behaviour: dict[str, Callable[[str], Awaitable[None]]] = field(default_factory=dict)
     # name -> awaited in an update from the bucket after its stage is ready, before the swap
     # (raise to fail the swap): the first replica's early offer answers in between.
     swap_behaviour: dict[str, Callable[[str], Awaitable[None]]] = field(default_factory=dict)
@@ -351,9 +350,9 @@ class Fleet:
         return check_local_snapshot(self.bucket_root, inp)
 
     def _replica_activities(self, replica: str) -> list:
-        """The replica step under its real names: from the bucket, or from an updated peer (the
-        broadcast's offer/send/stage/commit, or the older pairwise offer/send/receive); each
-        weight-changing step follows the test's behaviour for this replica."""
+        """The replica steps under their real names: the update from the bucket and the
+        broadcast's offer/send/stage/commit; each weight-changing step follows the test's
+        behaviour for this replica."""
 
         # hot-load id -> resolves True once this replica's update from the bucket staged, False
         # if it ended without (what an early offer waits for, as on the real agent).
@@ -406,18 +405,6 @@ class Fleet:
                 identity=inp.identity, chain=inp.chain, specs=[], expected_adler32={},
             )
 
-        @activity.defn(name=names.SEND_TO_PEER)
-        async def send_to_peer(offer: PeerOffer) -> None:
-            return None
-
-        @activity.defn(name=names.RECEIVE_FROM_PEER)
-        async def receive_from_peer(inp: ReceiveFromPeerInput) -> ApplySnapshotResult:
-            offer = inp.offer
-            as_apply = ApplySnapshotInput(
-                hot_load_id="peer", identity=offer.identity, chain=offer.chain, bucket="-", path_prefix="-",
-            )
-            return await step(as_apply, f"peer:{offer.source_replica}")
-
         staged: dict[str, PeerOffer] = {}
 
         @activity.defn(name=names.SEND_TO_PEERS)
@@ -437,13 +424,15 @@ class Fleet:
         async def commit_peer_stage(inp: CommitPeerStageInput) -> ApplySnapshotResult:
             self.peer_events.append((replica, "commit"))
             offer = staged.pop(inp.identity)
+            behaviour = self.commit_behaviour.get(replica)
+            if behaviour is not None:
+                await behaviour(replica)
             as_apply = ApplySnapshotInput(
                 hot_load_id="peer", identity=offer.identity, chain=offer.chain, bucket="-", path_prefix="-",
             )
             return await step(as_apply, f"peer:{offer.source_replica}")
 
-        return [apply_snapshot, offer_to_peer, send_to_peer, receive_from_peer, send_to_peers, stage_from_peer,
-                commit_peer_stage]
+        return [apply_snapshot, offer_to_peer, send_to_peers, stage_from_peer, commit_peer_stage]
 
     async def held(self, replica: str, inp: ApplySnapshotInput) -> None:
         """An apply that waits for `hold` (heartbeating), then succeeds; a cancel interrupts it
@@ -475,8 +464,6 @@ class Fleet:
 
 def check_local_snapshot(bucket_root: Path, inp: CheckSnapshotInput) -> list[str]:
     """The real admission file rules and error, against a directory standing in for the bucket."""
-    from snapshots.inspect import check_required_files
-
     location = bucket_root / inp.path_prefix / inp.identity
     kind = "full" if inp.type == SnapshotType.FULL else "delta"
     uri = f"s3://{inp.bucket}/{inp.path_prefix}/{inp.identity}/"
