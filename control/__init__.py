@@ -1,0 +1,1 @@
+"""The control worker's workflows (deployment, gateway, hot-load) and its activities."""
