@@ -1,15 +1,44 @@
-"""The broadcast walk on the real Temporal dev server with test replicas: after the first replica
+"""The walk's branches on the real Temporal dev server with test replicas: after the first replica
 (from the bucket), every receiver stages at once and commits as soon as its own stage is ready,
-in walk order, one at a time; a receiver whose stage fails reads the bucket instead."""
+in walk order, one at a time. For a delta the first replica offers from its checked stage
+before its swap (else after its commit); a receiver whose stage or commit fails reads the
+bucket; a replica that fails from the bucket too fails the walk (a failed workflow naming it)
+and leaves the replicas after it on their weights; without peer transfer every replica reads
+the bucket."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
-from tests.helpers.harness import ZONE, Fleet, write_delta
+from contracts import names
+from contracts.records import (
+    HotLoad,
+    HotLoadConfig,
+    HotLoadInput,
+    HotLoadSpec,
+    HotLoadState,
+    HotLoadStatus,
+    SnapshotRef,
+    SnapshotType,
+)
+from contracts.search import hot_load_attributes
+from control.hot_load.workflow import HotLoadWorkflow
+from tests.helpers.harness import ORG, ZONE, Fleet, write_delta, write_full
 from tests.helpers.workflow_checks import deployment_state
+
+
+async def _workflow_failure(f: Fleet, hot_load_id: str) -> str:
+    """The hot-load workflow's failure message, after checking that it closed FAILED."""
+    handle = f.client.get_workflow_handle(names.hot_load_workflow_id(ORG, hot_load_id))
+    with pytest.raises(WorkflowFailureError) as failed:
+        await handle.result()
+    assert (await handle.describe()).status == WorkflowExecutionStatus.FAILED
+    assert isinstance(failed.value.cause, ApplicationError)
+    return failed.value.cause.message
 
 
 async def test_receivers_commit_as_their_stages_finish_and_a_failed_stage_reads_the_bucket(temporal_env, tmp_path):
@@ -39,6 +68,9 @@ async def test_receivers_commit_as_their_stages_finish_and_a_failed_stage_reads_
         assert commits == ["replica-1", "replica-2"]
         assert f.peer_events.index(("replica-1", "commit")) < f.peer_events.index(("replica-2", "staged"))
         assert [name for name, _ in f.applied] == ["replica-0", "replica-1", "replica-2", "replica-3"]
+        # A full snapshot has no delta files to offer early: the offer came after the commit.
+        assert ("replica-0", "offered") not in f.peer_events
+        assert f.peer_events.index(("replica-0", "applied")) < f.peer_events.index(("replica-1", "staged"))
 
 
 DELTA = {"type": "SNAPSHOT_TYPE_INCREMENTAL", "incrementalSnapshotMetadata": {"previousSnapshotIdentity": "base"}}
@@ -109,6 +141,7 @@ async def test_a_first_replica_that_fails_its_swap_leaves_the_receivers_on_their
         assert {replicas[n]["state"] for n in ("replica-1", "replica-2")} == {"PENDING_UPDATE"}
         assert {replicas[n]["currentSnapshotIdentity"] for n in ("replica-1", "replica-2")} == {"base"}
         assert f.applied == []
+        assert "replica replica-0: engine: load_weights failed" in await _workflow_failure(f, "early-fail-1")
 
 
 async def test_without_an_early_offer_the_first_replica_broadcasts_after_its_commit(temporal_env, tmp_path):
@@ -121,3 +154,75 @@ async def test_without_an_early_offer_the_first_replica_broadcasts_after_its_com
         assert [replicas[f"replica-{i}"]["source"] for i in range(3)] == ["bucket"] + ["peer:replica-0"] * 2
         events = f.peer_events
         assert events.index(("replica-0", "applied")) < min(i for i, (_, e) in enumerate(events) if e == "staged")
+
+
+async def test_a_receiver_whose_commit_fails_reads_the_bucket(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await _on_base(f, "commit-fails", 3)
+
+        async def swap_fails(replica: str) -> None:
+            raise ApplicationError("engine: commit_staged refused the stage", non_retryable=True)
+
+        f.commit_behaviour = {"replica-1": swap_fails}
+        await f.completed(dep, "step-1", hotLoadId="commit-fails-1", **DELTA)
+        replicas = {r["name"]: r for r in await f.hot_load_replicas("commit-fails-1")}
+        assert [replicas[f"replica-{i}"]["source"] for i in range(3)] == ["bucket", "bucket", "peer:replica-0"]
+        assert all(r["state"] == "READY" and r["currentSnapshotIdentity"] == "step-1" for r in replicas.values())
+        assert [n for n, e in f.peer_events if e == "commit"] == ["replica-1", "replica-2"]
+
+
+async def test_a_receiver_failing_from_the_bucket_too_fails_the_walk_and_later_replicas_keep_theirs(
+    temporal_env, tmp_path
+):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await _on_base(f, "receiver-fails", 3)
+
+        async def stage_fails(replica: str) -> None:
+            raise RuntimeError("gloo: connection reset")
+
+        f.stage_behaviour = {"replica-1": stage_fails}
+        f.apply_behaviour = {"replica-1": f.broken}
+        write_delta(f.bucket_root / f"ckpt/{dep}", "step-1", "base")
+        r = await f.create_hot_load(dep, "step-1", hotLoadId="receiver-fails-1", **DELTA)
+        assert r.status_code == 200, r.text
+        hl = await f.wait_hot_load("receiver-fails-1")
+        assert hl["status"]["state"] == "HOT_LOAD_STATE_FAILED", hl["status"]
+        replicas = await f.hot_load_replicas("receiver-fails-1")
+        assert [(r["state"], r["currentSnapshotIdentity"]) for r in replicas] == [
+            ("READY", "step-1"), ("ERROR", "base"), ("PENDING_UPDATE", "base"),
+        ]
+        assert "Adler-32 mismatch" in replicas[1]["errorReason"]
+        # replica-2 had staged, but never committed: the walk stopped at replica-1.
+        assert ("replica-2", "staged") in f.peer_events and ("replica-2", "commit") not in f.peer_events
+        assert "replicas serving different snapshots: base, step-1" in hl["status"]["conditions"][-1]["message"]
+        message = await _workflow_failure(f, "receiver-fails-1")
+        assert message == "hot-load receiver-fails-1 failed: replica replica-1: tensor w: Adler-32 mismatch in step-1"
+
+
+async def test_without_peer_transfer_every_replica_reads_the_bucket(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        endpoints = f.replica_endpoints("no-peers", 3)
+        write_full(f.bucket_root / "ckpt/no-peers", "s1")
+        now = "2026-01-01T00:00:00.000000Z"
+        hot_load = HotLoad(
+            spec=HotLoadSpec(
+                id="no-peers-1", deployment_id="no-peers", organization_id=ORG, identity="s1",
+                type=SnapshotType.FULL,
+                snapshot_chain=[SnapshotRef(identity="s1", type=SnapshotType.FULL, hot_load_id="no-peers-1")],
+            ),
+            status=HotLoadStatus(state=HotLoadState.PENDING, created_at=now, updated_at=now),
+        )
+        # No deployment workflow: its signal fails, which the hot-load only logs.
+        outcome = await f.client.execute_workflow(
+            HotLoadWorkflow.run,
+            HotLoadInput(
+                hot_load=hot_load, hot_load_config=HotLoadConfig(bucket="rollouts", path_prefix="ckpt/no-peers"),
+                replicas=endpoints, deployment_workflow_id=names.deployment_workflow_id(ORG, "absent"),
+                peer_transfer=False,
+            ),
+            id=names.hot_load_workflow_id(ORG, "no-peers-1"), task_queue=f.task_queue,
+            search_attributes=hot_load_attributes(hot_load), memo={"hotLoad": hot_load.wire()},
+        )
+        assert outcome.state == HotLoadState.COMPLETED
+        assert [(r.name, r.source) for r in outcome.replicas] == [(f"replica-{i}", "bucket") for i in range(3)]
+        assert [e for _, e in f.peer_events] == ["applied"] * 3

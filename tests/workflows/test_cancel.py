@@ -3,15 +3,28 @@ state (CANCELED, canceledAt, a condition) and what each replica is reported to s
 
 A cancel stops the walk before the next replica even when the step in flight completes its
 all-or-nothing swap anyway, and a step given up before it changed its replica reports that
-replica PENDING_UPDATE, never UPDATING.
+replica PENDING_UPDATE, never UPDATING. The workflow closes CANCELED.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from tests.helpers.harness import OTHER_ORG, VIEWER, Fleet, write_full
-from tests.helpers.workflow_checks import error, every
+import pytest
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.exceptions import CancelledError
+
+from contracts import names
+from tests.helpers.harness import OTHER_ORG, VIEWER, ZONE, Fleet, write_delta, write_full
+from tests.helpers.workflow_checks import deployment_state, error, every
+
+
+async def assert_workflow_canceled(f: Fleet, hot_load_id: str) -> None:
+    handle = f.client.get_workflow_handle(names.hot_load_workflow_id("org-a", hot_load_id))
+    with pytest.raises(WorkflowFailureError) as ended:
+        await handle.result()
+    assert isinstance(ended.value.cause, CancelledError)
+    assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
 
 
 async def start_held(f: Fleet, behaviour) -> tuple[str, str]:
@@ -60,6 +73,7 @@ async def test_cancel_mid_step_ends_canceled_and_untouched_replicas_keep_their_w
         await f.wait_idle(dep)
         dep_view = (await f.call("GET", f"/deployments/{dep}")).json()["deployment"]
         assert dep_view["status"]["currentSnapshotIdentity"] == "initial"
+        await assert_workflow_canceled(f, hl)
 
 
 async def test_cancel_mid_step_leaves_no_replica_updating(temporal_env, tmp_path):
@@ -89,3 +103,40 @@ async def test_cancel_while_a_step_finishes_stops_before_the_next_replica(tempor
             ("READY", "s1"), ("PENDING_UPDATE", "initial"), ("PENDING_UPDATE", "initial"),
         ]
         assert "different snapshots" in end["status"]["conditions"][-1]["message"]
+        await assert_workflow_canceled(f, hl)
+
+
+async def test_cancel_while_a_receiver_commits_leaves_the_rest_on_their_weights(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        state = deployment_state("cancel-walk", zones=[ZONE])
+        state.replicas = f.replica_endpoints("cancel-walk", 3)
+        dep = await f.deployment_from_state(state)
+        await f.completed(dep, "base", hotLoadId="cancel-walk-base")
+        f.peer_events.clear()
+
+        async def held_commit(replica: str) -> None:
+            await f.held(replica, None)
+
+        f.commit_behaviour = {"replica-1": held_commit}
+        write_delta(f.bucket_root / f"ckpt/{dep}", "step-1", "base")
+        r = await f.create_hot_load(
+            dep, "step-1", hotLoadId="cancel-walk-1", type="SNAPSHOT_TYPE_INCREMENTAL",
+            incrementalSnapshotMetadata={"previousSnapshotIdentity": "base"},
+        )
+        assert r.status_code == 200, r.text
+        await asyncio.wait_for(f.started.wait(), 30)
+        assert ("replica-1", "commit") in f.peer_events  # the walk is at the second replica's commit
+        r = await f.call("POST", "/hotLoads/cancel-walk-1:cancel", json={})
+        assert r.status_code == 200, r.text
+        end = await f.wait_hot_load("cancel-walk-1")
+        assert end["status"]["state"] == "HOT_LOAD_STATE_CANCELED", end["status"]
+        replicas = await f.hot_load_replicas("cancel-walk-1")
+        assert [(r["state"], r["currentSnapshotIdentity"]) for r in replicas] == [
+            ("READY", "step-1"), ("PENDING_UPDATE", "base"), ("PENDING_UPDATE", "base"),
+        ]
+        assert [n for n, e in f.peer_events if e in ("commit", "applied")] == ["replica-0", "replica-1"]
+        await assert_workflow_canceled(f, "cancel-walk-1")
+        await f.wait_idle(dep)
+        f.commit_behaviour = {}
+        f.hold.set()
+        await f.completed(dep, "step-2", hotLoadId="cancel-walk-2")
