@@ -163,7 +163,7 @@ async def test_search_attributes_find_failed_loads(temporal_env, tmp_path):
         await f.completed(dep, "good")
         f.apply_behaviour = every(f.broken)
         write_full(f.bucket_root / f"ckpt/{dep}", "bad")
-        r = await f.create_hot_load(dep, "bad", hotLoadId=f"{dep}-bad")
+        assert (await f.create_hot_load(dep, "bad", hotLoadId=f"{dep}-bad")).status_code == 200
         assert (await f.wait_hot_load(f"{dep}-bad"))["status"]["state"] == "HOT_LOAD_STATE_FAILED"
         query = f'DeploymentId="{dep}" AND HotLoadState="HOT_LOAD_STATE_FAILED"'
 
@@ -180,6 +180,14 @@ async def test_search_attributes_find_failed_loads(temporal_env, tmp_path):
         completed = [wf async for wf in f.client.list_workflows(
             f'DeploymentId="{dep}" AND HotLoadState="HOT_LOAD_STATE_COMPLETED"')]
         assert len(completed) == 1
+
+        # The UI's own status filter (its Failures view) finds the failed load as well.
+        async def failed_workflows() -> list | None:
+            rows = [wf async for wf in f.client.list_workflows(f'DeploymentId="{dep}" AND ExecutionStatus="Failed"')]
+            return rows or None
+
+        rows = await poll(failed_workflows, 10, "visibility of the failed workflow")
+        assert [wf.id for wf in rows] == [names.hot_load_workflow_id(ORG, f"{dep}-bad")]
 
 
 class _NoTemporal:
