@@ -52,7 +52,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, WorkflowIDReusePolicy
-from temporalio.exceptions import ApplicationError, ChildWorkflowError
+from temporalio.exceptions import ApplicationError, ChildWorkflowError, is_cancelled_exception
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
@@ -659,7 +659,8 @@ class DeploymentWorkflow:
         except Exception as exc:  # noqa: BLE001 - a failed child is an outcome, never this workflow's failure
             outcome = _outcome_of(exc)
             if outcome is None:
-                workflow.logger.warning("hot-load %s closed without an outcome: %s", hot_load_id, exc)
+                if not is_cancelled_exception(exc):  # a canceled one reported by its signal
+                    workflow.logger.warning("hot-load %s closed without an outcome: %s", hot_load_id, exc)
                 if self.state.active_hot_load_id == hot_load_id:
                     self.state.active_hot_load_id = None
                     self._publish()
