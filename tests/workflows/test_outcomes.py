@@ -49,21 +49,21 @@ async def test_a_failed_hot_load_is_a_failed_workflow_naming_the_replica(tempora
         dep = await _deployment(f, "outcome-failed")
         f.apply_behaviour = {"replica-1": f.broken}
         write_full(f.bucket_root / f"ckpt/{dep}", "s1")
-        assert (await f.create_hot_load(dep, "s1", hotLoadId="failed-1")).status_code == 200
-        hl = await f.wait_hot_load("failed-1")
+        assert (await f.create_hot_load(dep, "s1", hotLoadId="outcome-failed-1")).status_code == 200
+        hl = await f.wait_hot_load("outcome-failed-1")
 
         # The API answers from the memo, as before.
         assert hl["status"]["state"] == "HOT_LOAD_STATE_FAILED", hl["status"]
         (cond,) = [c for c in hl["status"]["conditions"] if c["type"] == "Failed"]
         assert cond["reason"] == "ReplicaFailed" and "replica replica-1: tensor w: Adler-32 mismatch" in cond["message"]
-        replicas = await f.hot_load_replicas("failed-1")
+        replicas = await f.hot_load_replicas("outcome-failed-1")
         assert [(r["name"], r["state"]) for r in replicas] == [
             ("replica-0", "READY"), ("replica-1", "ERROR"), ("replica-2", "PENDING_UPDATE")
         ]
 
         # The workflow failed, and says which replica and why.
         # (The memo is final a moment before the workflow closes: it signals its deployment between.)
-        handle = _handle(f, "failed-1")
+        handle = _handle(f, "outcome-failed-1")
         with pytest.raises(WorkflowFailureError) as failed:
             await handle.result()
         desc = await handle.describe()
@@ -71,8 +71,8 @@ async def test_a_failed_hot_load_is_a_failed_workflow_naming_the_replica(tempora
         assert desc.typed_search_attributes.get(STATE) == HotLoadState.FAILED.value
         cause = failed.value.cause
         assert isinstance(cause, ApplicationError) and cause.non_retryable and cause.type == "ReplicaFailed"
-        assert cause.message == "hot-load failed-1 failed: replica replica-1: tensor w: Adler-32 mismatch in s1"
-        assert await desc.static_summary() == "hot-load failed-1: s1 (full) on outcome-failed"
+        assert cause.message == "hot-load outcome-failed-1 failed: replica replica-1: tensor w: Adler-32 mismatch in s1"
+        assert await desc.static_summary() == "hot-load outcome-failed-1: s1 (full) on outcome-failed"
         assert "replicas, in walk order: replica-0, replica-1, replica-2" in await desc.static_details()
 
         # The deployment learned what each replica serves (replica-0 moved) and goes on.
@@ -86,22 +86,22 @@ async def test_a_canceled_hot_load_is_a_canceled_workflow(temporal_env, tmp_path
         dep = await _deployment(f, "outcome-canceled")
         f.apply_behaviour = {"replica-0": f.held}
         write_full(f.bucket_root / f"ckpt/{dep}", "s1")
-        assert (await f.create_hot_load(dep, "s1", hotLoadId="canceled-1")).status_code == 200
+        assert (await f.create_hot_load(dep, "s1", hotLoadId="outcome-canceled-1")).status_code == 200
         await asyncio.wait_for(f.started.wait(), 30)
 
         # While it runs, the UI's details say where the walk is.
         details = await poll(
-            lambda: _details_if(f, "canceled-1", "replica-0 UPDATING"), 30, "live details name the replica in flight"
+            lambda: _details_if(f, "outcome-canceled-1", "replica-0 UPDATING"), 30, "live details name the replica in flight"
         )
         assert details == "IN_PROGRESS: 0/3 replicas READY; replica-0 UPDATING (from the bucket)"
 
-        r = await f.call("POST", "/hotLoads/canceled-1:cancel", json={})
+        r = await f.call("POST", "/hotLoads/outcome-canceled-1:cancel", json={})
         assert r.status_code == 200, r.text
-        hl = await f.wait_hot_load("canceled-1")
+        hl = await f.wait_hot_load("outcome-canceled-1")
         assert hl["status"]["state"] == "HOT_LOAD_STATE_CANCELED", hl["status"]
-        assert [r["state"] for r in await f.hot_load_replicas("canceled-1")] == ["PENDING_UPDATE"] * 3
+        assert [r["state"] for r in await f.hot_load_replicas("outcome-canceled-1")] == ["PENDING_UPDATE"] * 3
 
-        handle = _handle(f, "canceled-1")
+        handle = _handle(f, "outcome-canceled-1")
         with pytest.raises(WorkflowFailureError) as canceled:
             await handle.result()
         assert isinstance(canceled.value.cause, CancelledError)
@@ -119,9 +119,9 @@ async def _details_if(f: Fleet, hot_load_id: str, needle: str) -> str | None:
 async def test_a_completed_hot_load_returns_its_outcome_and_shows_it_done(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await _deployment(f, "outcome-completed", replicas=2)
-        await f.completed(dep, "s1", hotLoadId="completed-1")
-        handle = _handle(f, "completed-1")
+        await f.completed(dep, "s1", hotLoadId="outcome-completed-1")
+        handle = _handle(f, "outcome-completed-1")
         assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
         outcome = await handle.result()
         assert outcome["state"] == HotLoadState.COMPLETED.value
-        assert await _live_details(f, "completed-1") == "COMPLETED: 2/2 replicas READY"
+        assert await _live_details(f, "outcome-completed-1") == "COMPLETED: 2/2 replicas READY"
