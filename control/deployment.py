@@ -2,10 +2,10 @@
 
 It starts the deployment's replicas and waits for each to report ready (CREATING → READY, or
 FAILED with a condition), admits hot-loads through the `create_hot_load` Update (the validator
-applies the guide's admission rules without I/O; the handler makes sure every replica process
-runs, then checks the snapshot files in the bucket, as activities, then starts the hot-load as
-a child workflow), keeps the chain of completed snapshots, and tears the replicas down on
-`delete`.
+applies the guide's admission rules without I/O, control/admission.py; the handler makes sure
+every replica process runs, then checks the snapshot files in the bucket, as activities, then
+starts the hot-load as a child workflow), keeps the chain of completed snapshots, and tears the
+replicas down on `delete`.
 
 READY means every member replica serves the spec's runtime. Past creation the status follows
 the replica set (`_settle`): a replica whose process is gone (it reported its engine dead, the
@@ -43,6 +43,11 @@ so the file checks and the hot-load workflow it starts belong to the request's t
 per operation, rather than to the deployment's long-lived one (common/telemetry.py).
 
 Reads never query this workflow: it publishes the wire object in its memo on every change.
+
+Size: over 500 lines because it is one entity's workflow, whose Updates, signals and
+supervision loop share one state and one replica lock; what needs no workflow (the admission
+rules, the hot-load's summary and details) lives in control/admission.py and
+control/hot_load/state.py.
 """
 
 from __future__ import annotations
@@ -78,16 +83,13 @@ with workflow.unsafe.imports_passed_through():
         ReplicaEndpoint,
         ReplicaFailure,
         ResourceStatus,
-        SnapshotRef,
-        SnapshotType,
         UpdateDeploymentCommand,
         rfc3339,
     )
     from contracts.search import hot_load_attributes
+    from control import admission
     from control.hot_load.state import details as hot_load_details
     from control.hot_load.state import summary as hot_load_summary
-    from snapshots.chain import MAX_CHAIN_DELTAS as MAX_DELTAS_IN_CHAIN
-    from snapshots.identity import identity_problem
 
 REPLICA_START_TIMEOUT = timedelta(minutes=20)
 # How often the deployment checks that its replica processes are alive.
@@ -487,60 +489,10 @@ class DeploymentWorkflow:
         self._check_update(cmd)
 
     def _check_update(self, cmd: UpdateDeploymentCommand) -> None:
-        spec = self.spec
-        if spec.hot_load is not None and cmd.hot_load is None:
-            raise rejected(
-                INVALID_ARGUMENT,
-                "hotLoad: an update must include the deployment's hotLoad section unchanged "
-                "(it is immutable after creation)",
-            )
-        if spec.hot_load is None and cmd.hot_load is not None:
-            raise rejected(
-                INVALID_ARGUMENT,
-                "hotLoad: cannot be added to an existing deployment; create a new deployment with it",
-            )
-        if cmd.hot_load is not None and cmd.hot_load != spec.hot_load:
-            raise rejected(
-                INVALID_ARGUMENT,
-                "hotLoad: differs from the deployment's section, which is immutable after creation; "
-                "create a new deployment to change it",
-            )
-        fixed = {
-            "name": (cmd.name, spec.name),
-            "gatewayIds": (cmd.gateway_ids, spec.gateway_ids),
-            "resources": (cmd.resources, spec.resources),
-            "model": (cmd.model, spec.model),
-            "autoscaling": (cmd.autoscaling, spec.autoscaling),
-            "runtime.engine": (cmd.runtime.engine if cmd.runtime else None, spec.runtime.engine),
-        }
-        changed = [field for field, (new, old) in fixed.items() if new is not None and new != old]
-        if changed:
-            raise rejected(
-                INVALID_ARGUMENT,
-                f"{', '.join(changed)}: cannot be changed by an update (only runtime.version, "
-                "runtime.engineConfig and traffic can); create a new deployment",
-            )
-        if self.state.active_hot_load_id is not None:
-            raise rejected(
-                FAILED_PRECONDITION,
-                f"hot-load {self.state.active_hot_load_id} is already in progress on deployment {spec.id}; "
-                "configuration updates wait until it ends",
-            )
-        status = self.state.deployment.status.status
-        failed_update = status == ResourceStatus.ERROR and self.state.update_error is not None
-        if self.deleting or (status != ResourceStatus.READY and not failed_update):
-            raise rejected(FAILED_PRECONDITION, self._not_ready())
+        admission.check_update(self.state, cmd, deleting=self.deleting)
 
     def _not_ready(self) -> str:
-        """Why the deployment admits nothing now: its status and, if any, the reason."""
-        if self.deleting:
-            return f"deployment {self.spec.id} is STATUS_DELETING, not STATUS_READY"
-        st = self.state.deployment.status
-        why = f"deployment {self.spec.id} is {st.status.value}, not STATUS_READY"
-        blocking = [c for c in st.conditions if c.status == ConditionStatus.FALSE and c.message]
-        if blocking:
-            why += f" ({blocking[0].reason}: {blocking[0].message})"
-        return why
+        return admission.not_ready(self.state, deleting=self.deleting)
 
     # ------------------------------------------------------------------ hot-loads
     @workflow.update
@@ -562,7 +514,7 @@ class DeploymentWorkflow:
                 otel_context.detach(trace_token)
 
     async def _check_and_start(self, cmd: CreateHotLoadCommand) -> HotLoad:
-        chain = self._resolve_chain(cmd)
+        chain = admission.resolve_chain(self.state, cmd)
         hl_cfg = self.spec.hot_load
         assert hl_cfg is not None
         try:
@@ -672,76 +624,7 @@ class DeploymentWorkflow:
         self._admit(cmd)
 
     def _admit(self, cmd: CreateHotLoadCommand) -> None:
-        """The admission rules that need no I/O, each a clear error with its API code.
-
-        Order: what is wrong with the request itself (invalid_argument) before what is wrong
-        with the moment (failed_precondition), so a retry cannot succeed on a bad request.
-        """
-        spec = self.spec
-        if cmd.hot_load_id in self.state.seen_hot_load_ids:
-            raise rejected(ALREADY_EXISTS, f"hot-load {cmd.hot_load_id} already exists")
-        problem = identity_problem(cmd.identity)
-        if problem:
-            raise rejected(INVALID_ARGUMENT, problem)
-        meta = cmd.incremental_snapshot_metadata
-        if cmd.type == SnapshotType.FULL and meta is not None:
-            raise rejected(INVALID_ARGUMENT, "incrementalSnapshotMetadata must be omitted for SNAPSHOT_TYPE_FULL")
-        if cmd.type == SnapshotType.INCREMENTAL:
-            if meta is None:
-                raise rejected(INVALID_ARGUMENT, "incrementalSnapshotMetadata is required for SNAPSHOT_TYPE_INCREMENTAL")
-            problem = identity_problem(meta.previous_snapshot_identity, "incrementalSnapshotMetadata.previousSnapshotIdentity")
-            if problem:
-                raise rejected(INVALID_ARGUMENT, problem)
-            if meta.previous_snapshot_identity == cmd.identity:
-                raise rejected(INVALID_ARGUMENT, "a delta cannot be its own previousSnapshotIdentity")
-        if not cmd.organization_hot_load_enabled:
-            raise rejected(FAILED_PRECONDITION, "hot-load is not enabled for this organization")
-        if spec.hot_load is None:
-            raise rejected(
-                FAILED_PRECONDITION,
-                f"hot-load is not enabled on deployment {spec.id}: it was created without a hotLoad "
-                "section, which cannot be added later",
-            )
-        if spec.runtime.engine != names.HOT_LOAD_ENGINE:
-            raise rejected(FAILED_PRECONDITION, f"hot-load requires runtime.engine {names.HOT_LOAD_ENGINE!r}")
-        if self.state.active_hot_load_id is not None:
-            raise rejected(
-                FAILED_PRECONDITION,
-                f"hot-load {self.state.active_hot_load_id} is already in progress on deployment {spec.id}",
-            )
-        if self.state.deployment.status.status != ResourceStatus.READY or self.deleting:
-            raise rejected(FAILED_PRECONDITION, self._not_ready())
-        if len(set(self.state.gateway_zones)) > 1:
-            raise rejected(
-                FAILED_PRECONDITION,
-                "the deployment's gateways are in different zones "
-                f"({', '.join(sorted(set(self.state.gateway_zones)))}); hot-load needs them in one zone",
-            )
-        if meta is not None:
-            if meta.previous_snapshot_identity not in self.state.chains:
-                raise rejected(
-                    FAILED_PRECONDITION,
-                    f"previousSnapshotIdentity {meta.previous_snapshot_identity!r} has no completed hot-load "
-                    f"on deployment {spec.id}",
-                )
-            base_chain = self.state.chains[meta.previous_snapshot_identity]
-            deltas = sum(1 for link in base_chain if link.type == SnapshotType.INCREMENTAL) + 1
-            if deltas > MAX_DELTAS_IN_CHAIN:
-                raise rejected(
-                    FAILED_PRECONDITION,
-                    f"the chain would hold {deltas} deltas; at most {MAX_DELTAS_IN_CHAIN} are allowed, "
-                    "publish a full checkpoint to start a new chain",
-                )
-
-    def _resolve_chain(self, cmd: CreateHotLoadCommand) -> list[SnapshotRef]:
-        this = SnapshotRef(identity=cmd.identity, type=cmd.type, hot_load_id=cmd.hot_load_id)
-        if cmd.type == SnapshotType.FULL:
-            return [this]
-        meta = cmd.incremental_snapshot_metadata
-        assert meta is not None
-        this.compression_format = meta.compression_format
-        this.checksum_format = meta.checksum_format
-        return [link.model_copy() for link in self.state.chains[meta.previous_snapshot_identity]] + [this]
+        admission.admit(self.state, cmd, deleting=self.deleting)
 
     @workflow.signal
     def hot_load_finished(self, outcome: HotLoadOutcome) -> None:
