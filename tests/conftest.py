@@ -1,12 +1,131 @@
-"""Shared fixtures. The embedded stack is started once per test session, on free loopback
-ports in a temporary home, and stopped by pid at the end; vLLM replicas are expensive (about a
-minute each on two cores), so tests share deployments where they can."""
+"""Shared fixtures and the suite's rules.
+
+- The embedded stack is started once per test session, on free loopback ports in a temporary
+  home, and stopped by pid at the end.
+- Markers come from fixtures: a test that uses ``stack`` or ``seaweed`` (directly or through
+  another fixture) is marked ``stack``; one that uses an engine fixture (``ENGINE_FIXTURES``) is
+  marked ``engine``.
+  ``make test-fast`` deselects both. A test marked neither that still starts a vLLM engine or
+  SeaweedFS fails, naming the process (the watcher below attributes each new process to the test
+  running when it first saw it; both take seconds to start): a new test cannot slip into the fast
+  run by mistake.
+- At most three vLLM engines alive at once (tests/helpers/engines.py watches this session's
+  processes every second; the test running when a fourth appeared fails). The shared deployments
+  live in tests/helpers/deployments.py's pool, one at a time: each folder runs the modules that
+  use one pooled deployment together, and the pool is released before a module that starts
+  engines without it.
+"""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.helpers.deployments import POOL, POOLED_FIXTURES
+from tests.helpers.engines import EngineWatch, mark_session
 from tests.helpers.stack_fixtures import start_stack
+
+# Fixtures that start the embedded stack or its SeaweedFS (tests/snapshots/conftest.py).
+STACK_FIXTURES = frozenset({"stack", "seaweed"})
+# Fixtures that start a vLLM engine of their own (tests/replica/conftest.py, tests/gateway/test_weight_spans.py).
+ENGINE_FIXTURES = frozenset({"engine", "engine_b", "start_engine"})
+
+WATCH = EngineWatch()
+# module node id -> (the pooled fixtures its tests use, whether they start the stack or an engine)
+MODULES: dict[str, tuple[frozenset[str], bool]] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    mark_session()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    WATCH.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    WATCH.stop()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if WATCH.samples:
+        terminalreporter.write_line(
+            f"vLLM engines: at most {WATCH.peak} alive at once ({WATCH.samples} samples, "
+            f"{WATCH.sample_seconds:.2f} s spent sampling); shared deployments created: {POOL.created or 'none'}")
+
+
+def _module_id(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the markers added here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & STACK_FIXTURES:
+            item.add_marker(pytest.mark.stack)
+        if names & ENGINE_FIXTURES:
+            item.add_marker(pytest.mark.engine)
+    pooled: dict[str, set[str]] = {}
+    heavy: dict[str, bool] = {}
+    for item in items:
+        module = _module_id(item)
+        pooled.setdefault(module, set()).update(set(getattr(item, "fixturenames", ())) & set(POOLED_FIXTURES))
+        heavy[module] = heavy.get(module, False) or any(item.iter_markers("stack")) or any(item.iter_markers("engine"))
+    MODULES.update({m: (frozenset(pooled[m]), heavy[m]) for m in pooled})
+
+    # Within each folder: the modules using a pooled deployment first, grouped by it; the rest after.
+    folders: dict[str, int] = {}
+    for item in items:
+        folders.setdefault(str(item.path.parent), len(folders))
+
+    def key(indexed: tuple[int, pytest.Item]) -> tuple[int, int, int]:
+        index, item = indexed
+        used = [POOLED_FIXTURES.index(name) for name in pooled[_module_id(item)]]
+        return folders[str(item.path.parent)], min(used, default=len(POOLED_FIXTURES)), index
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_room(request: pytest.FixtureRequest) -> None:
+    """Before a module that starts engines without the live pooled deployment: release it."""
+    used, heavy = MODULES.get(request.node.nodeid, (frozenset(), False))
+    if POOL.key is not None and heavy and POOL.key not in used:
+        POOL.release()
+
+
+def _check(item: pytest.Item, phase: str) -> None:
+    if excess := WATCH.take_excess():
+        pytest.fail(excess, pytrace=False)
+    if phase != "teardown" and not any(item.iter_markers("stack")) and not any(item.iter_markers("engine")):
+        if started := WATCH.started_during(item.nodeid):
+            pytest.fail(f"{item.nodeid} is marked neither `stack` nor `engine` but started "
+                        + "; ".join(f"pid {p.pid}: {p.cmdline[:120]}" for p in started)
+                        + ": use the `stack` fixture or an engine fixture, or mark it", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    WATCH.enter(item.nodeid, "setup")
+    result = yield
+    _check(item, "setup")
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    WATCH.enter(item.nodeid, "call")
+    result = yield
+    _check(item, "call")
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    WATCH.enter(item.nodeid, "teardown")
+    result = yield
+    _check(item, "teardown")
+    return result
 
 
 @pytest.fixture(scope="session")
@@ -16,4 +135,7 @@ def stack(tmp_path_factory):
     try:
         yield settings
     finally:
-        stack.down(say=lambda line: print(line, flush=True))
+        try:
+            POOL.release()
+        finally:
+            stack.down(say=lambda line: print(line, flush=True))

@@ -12,7 +12,7 @@ from api.app import PREFIX, create_app
 from common.buckets import Grant, bucket_problem, grant_problem, path_problem
 from common.settings import Settings
 from common.tokens import add_token
-from tests.api.test_validation import NoTemporal
+from tests.helpers.no_temporal import NoTemporal
 
 
 @pytest.mark.parametrize(

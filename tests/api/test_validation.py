@@ -12,15 +12,10 @@ from temporalio.exceptions import ApplicationError
 
 from api.app import PREFIX, create_app
 from api.resources import page, update_error
+from common.errors import InvalidArgument
 from common.settings import Settings
 from common.tokens import add_token
-
-
-class NoTemporal:
-    """Stands in for the Temporal client: any use of it is a test failure."""
-
-    def __getattr__(self, name):
-        raise AssertionError(f"validation must fail before Temporal is used (called {name})")
+from tests.helpers.no_temporal import NoTemporal
 
 
 @pytest.fixture()
@@ -154,8 +149,6 @@ def test_pagination_tokens_walk_and_are_scoped():
     assert second == [3, 4, 5]
     last, token3 = page(items, 3, token2, "s")
     assert last == [6] and token3 is None
-    from common.errors import InvalidArgument
-
     with pytest.raises(InvalidArgument):
         page(items, 3, token, "other-filter")
     with pytest.raises(InvalidArgument):

@@ -1,8 +1,6 @@
 """Fixtures for the gateway tests: ONE 2-replica deployment (real vLLM CPU replicas) behind the
-stack's real gateway, shared by every test here, plus helpers to reach it.
-
-Tests that hot-load keep ``GatewayDeployment.served`` current (identity and local checkpoint
-directory of what the replicas serve), so the next test can write a delta against it.
+stack's real gateway, shared by every test here (tests/helpers/deployments.py's pool keeps it;
+tests/helpers/gateway.py has what the tests do with it).
 
 Development: ``ROLLOUTS_TEST_STACK_HOME=DIR`` (a stack started with ``rollouts up --home DIR``)
 and ``ROLLOUTS_TEST_DEPLOYMENT_ID=ID`` (a READY 2-replica deployment on it) reuse a running
@@ -11,31 +9,19 @@ stack and deployment instead of starting them; nothing is stopped at the end the
 
 from __future__ import annotations
 
-import asyncio
-import http.client
-import json
 import os
-import random
-import threading
 import time
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
-from common.processes import free_port
-from common.settings import Settings, temporal_client
-from contracts.names import deployment_workflow_id
-from gateway.routing import DeploymentView, Router, build_view
+from common.settings import Settings
+from tests.helpers.deployments import POOL, delete_deployment
+from tests.helpers.gateway import PREFIX, GatewayDeployment, Served
 from tests.helpers.stack_fixtures import Api, deployment_body
 
-PREFIX = "checkpoints/gateway"
-
+REPLICAS = 2
 
 if os.environ.get("ROLLOUTS_TEST_STACK_HOME"):
     # Development: reuse a running stack (see the docstring); otherwise tests/conftest.py's
@@ -45,271 +31,29 @@ if os.environ.get("ROLLOUTS_TEST_STACK_HOME"):
         return Settings.load(Path(os.environ["ROLLOUTS_TEST_STACK_HOME"]))
 
 
-@dataclass
-class Served:
-    identity: str = "initial"
-    checkpoint: Path | None = None  # local copy of what the replicas serve (None: unknown or the base)
-
-
-@dataclass
-class GatewayDeployment:
-    settings: Settings
-    api: Api
-    deployment: dict[str, Any]
-    served: Served = field(default_factory=Served)
-
-    @property
-    def id(self) -> str:
-        return self.deployment["spec"]["id"]
-
-    @property
-    def model(self) -> str:
-        return self.deployment["spec"]["model"]["name"]
-
-    @property
-    def url(self) -> str:
-        return self.settings.gateway_url
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.settings.admin_token}"}
-
-    @property
-    def base_model(self) -> Path:
-        return self.settings.home_path / "models" / "base"
-
-    def post(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
-             timeout: float = 300) -> httpx.Response:
-        return httpx.post(f"{self.url}{path}", json={"model": self.model, **body},
-                          headers={**self.headers, **(headers or {})}, timeout=timeout)
-
-    async def replicas(self) -> list[dict[str, Any]]:
-        """The running replicas as the deployment workflow lists them (name, engineUrl, ...)."""
-        return (await self.memo())["replicas"]
-
-    async def memo(self) -> dict[str, Any]:
-        client = await temporal_client(self.settings)
-        desc = await client.get_workflow_handle(deployment_workflow_id(self.settings.organization_id, self.id)).describe()
-        return await desc.memo()
-
-    async def view(self) -> DeploymentView:
-        view = build_view(await self.memo(), deployment_workflow_id(self.settings.organization_id, self.id), None)
-        assert view is not None
-        return view
-
-
-@pytest.fixture(scope="session")
-def gw(stack) -> Iterator[GatewayDeployment]:
+def _create(stack: Settings) -> GatewayDeployment:
     api = Api(stack)
-    reuse = os.environ.get("ROLLOUTS_TEST_DEPLOYMENT_ID")
-    if reuse:
-        dep = api.call("GET", f"/deployments/{reuse}").json()["deployment"]
-        # It may serve anything: tests that need known weights publish them first (serve_full).
-        yield GatewayDeployment(stack, api, dep, Served(dep["status"].get("currentSnapshotIdentity") or "initial"))
-        return
-    body = deployment_body(stack, "gwtest", replicas=2, path_prefix=PREFIX)
+    body = deployment_body(stack, "gwtest", replicas=REPLICAS, path_prefix=PREFIX)
     dep = api.call("POST", "/deployments", json=body).json()["deployment"]
     dep = api.wait_deployment(dep["spec"]["id"])
     assert dep["status"]["status"] == "STATUS_READY", dep["status"]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # the gateway reads the routing table every 0.5-2 s
         models = httpx.get(f"{stack.gateway_url}/v1/models", headers={"Authorization": f"Bearer {stack.admin_token}"}).json()
-        if any(m["id"] == dep["spec"]["model"]["name"] and len(m["replicas"]) == 2 for m in models["data"]):
+        if any(m["id"] == dep["spec"]["model"]["name"] and len(m["replicas"]) == REPLICAS for m in models["data"]):
             break
         time.sleep(0.5)
-    try:
-        yield GatewayDeployment(stack, api, dep)
-    finally:
-        api.call("DELETE", f"/deployments/{dep['spec']['id']}")
+    return GatewayDeployment(stack, api, dep)
 
 
-def random_prompt(n: int, seed: int | None = None) -> list[int]:
-    """Token ids no earlier request used (ids 10..2000 of the 2048-token vocabulary)."""
-    rng = random.Random(seed if seed is not None else time.time_ns())
-    return [rng.randrange(10, 2000) for _ in range(n)]
-
-
-class LocalGateway:
-    """The gateway app in this process on a free port, serving a routing table the test controls
-    (``router.views``): for fault injection without touching the shared deployment."""
-
-    def __init__(self, settings: Settings, router: Router) -> None:
-        from gateway.app import create_gateway_app
-
-        self.router = router
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_gateway_app(settings, refresh=False, router=router),
-                                host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> LocalGateway:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "local gateway did not start"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-class Connection:
-    """One keep-alive HTTP/1.1 connection to a gateway: every request must go over the same
-    socket (asserted: the server neither closed it nor was it replaced), and every answer is JSON."""
-
-    def __init__(self, url: str, token: str) -> None:
-        host, port = url.removeprefix("http://").split(":")
-        self.conn = http.client.HTTPConnection(host, int(port), timeout=300)
-        self.token = token
-        self.local: tuple | None = None
-        self.headers: dict[str, str] = {}  # of the last answer
-
-    def request(self, method: str, path: str, body: Any = None, token: str | None = None,
-                **kw: Any) -> tuple[int, dict]:
-        if body is not None and not isinstance(body, (bytes, Iterator)):
-            body = json.dumps(body).encode()
-        headers = {"Authorization": f"Bearer {token or self.token}", "Content-Type": "application/json",
-                   **kw.pop("headers", {})}
-        self.conn.request(method, path, body=body, headers=headers, **kw)
-        resp = self.conn.getresponse()
-        data = json.loads(resp.read())
-        self.headers = {k.lower(): v for k, v in resp.getheaders()}
-        assert not resp.will_close, "the gateway closed the connection"
-        local = self.conn.sock.getsockname()
-        assert self.local in (None, local), "the connection was replaced"
-        self.local = local
-        return resp.status, data
-
-    def post(self, path: str, body: Any, token: str | None = None, **kw: Any) -> tuple[int, dict]:
-        return self.request("POST", path, body, token, **kw)
-
-    def __enter__(self) -> Connection:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.conn.close()
-
-
-class ChaosProxy:
-    """A TCP proxy in front of a real replica that cuts both connections after ``limit`` bytes
-    of the replica's answer went through (0: accept, then close at once)."""
-
-    def __init__(self, upstream_port: int, limit: int) -> None:
-        self.upstream_port = upstream_port
-        self.limit = limit
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.server: asyncio.AbstractServer | None = None
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.limit == 0:
-            writer.close()
-            return
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-
-        async def pump_up() -> None:
-            try:
-                while data := await reader.read(65536):
-                    up_writer.write(data)
-                    await up_writer.drain()
-            except (ConnectionError, OSError):
-                pass
-
-        task = asyncio.ensure_future(pump_up())
-        sent = 0
-        try:
-            while sent < self.limit and (data := await up_reader.read(min(65536, self.limit - sent))):
-                writer.write(data)
-                await writer.drain()
-                sent += len(data)
-        finally:
-            task.cancel()
-            for w in (writer, up_writer):
-                w.transport.abort()  # a reset, as when a replica dies
-
-    def __enter__(self) -> ChaosProxy:
-        self.thread.start()
-        self.server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._handle, "127.0.0.1", self.port), self.loop
-        ).result(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.server is not None:
-            self.server.close()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-
-
-# ---------------------------------------------------------------------------- publishing
-def rollouts_client(gw: GatewayDeployment):
-    from rollouts.client import RolloutsClient
-
-    return RolloutsClient(gw.settings.api_url, gw.settings.admin_token)
-
-
-def publish(gw: GatewayDeployment, checkpoint: Path, identity: str, *, previous: str | None = None,
-            policy: str = "PROMPT_CACHE_POLICY_PRESERVE", wait: bool = True):
-    """Upload ``checkpoint`` (a delta of ``previous`` when given) and hot-load it; with ``wait``,
-    until it completed (asserted) and ``gw.served`` is updated. Returns the HotLoad."""
-    from rollouts.client import upload_checkpoint
-
-    hot = gw.deployment["spec"]["hotLoad"]
-    upload_checkpoint(gw.settings.s3_client(), checkpoint, hot["bucket"], hot["pathPrefix"], identity)
-    with rollouts_client(gw) as client:
-        hot_load = client.create_hot_load(gw.id, identity, previous_identity=previous, prompt_cache_policy=policy)
-        if not wait:
-            return hot_load
-        hot_load = client.wait_hot_load(hot_load.id)
-        assert hot_load.state == "HOT_LOAD_STATE_COMPLETED", hot_load.raw["status"]
-        client.wait_ready(hot_load.id, identity)
-    return hot_load
-
-
-def serve_full(gw: GatewayDeployment, checkpoint: Path, tag: str) -> str:
-    """Hot-load ``checkpoint`` as a FULL snapshot under a fresh identity; returns the identity."""
-    identity = f"{tag}-{uuid.uuid4().hex[:8]}"
-    publish(gw, checkpoint, identity)
-    gw.served = Served(identity, checkpoint)
-    return identity
-
-
-def serve_base(gw: GatewayDeployment) -> None:
-    """Make the replicas serve the base model (sampling tests need a model that is not peaked)."""
-    if gw.served.identity == "initial" or gw.served.checkpoint == gw.base_model:
-        return
-    serve_full(gw, gw.base_model, "base")
-
-
-def succession(prompt_last: int, ids: list[int], vocab: int = 2048) -> list[bool]:
-    """For each sampled token: did it follow the counting model's rule (previous token + 1)?"""
-    out, prev = [], prompt_last
-    for t in ids:
-        out.append(t == (prev + 1) % vocab)
-        prev = t
-    return out
-
-
-def check_spans(counts: list[bool], spans: list[dict[str, Any]], old: str, new: str, counting: str) -> None:
-    """One choice's ``nvext.weight_versions.spans`` against its tokens (``counts`` from
-    ``succession``), a hot-load from ``old`` to ``new`` with one of them the ``counting`` model:
-    the spans tile the tokens, old identity first; every token of the counting identity's span
-    follows the counting rule; the other model's tokens practically never do (1 in 2048 each),
-    and its span neither starts nor ends with a run of three that do (a boundary off by three
-    would put the counting model's tokens there)."""
-    assert [s["start"] for s in spans] == [0] + [s["end"] for s in spans[:-1]], spans
-    assert sum(s["end"] - s["start"] for s in spans) == len(counts), (spans, len(counts))
-    assert [s["identity"] for s in spans] in ([old], [new], [old, new]), spans
-    for s in spans:
-        inside = counts[s["start"]:s["end"]]
-        if s["identity"] == counting:
-            assert all(inside), (s, inside.index(False))
-        else:
-            assert sum(inside) < 8, (s, sum(inside))
-            assert len(inside) < 3 or not (all(inside[:3]) or all(inside[-3:])), (s, inside[:3], inside[-3:])
+@pytest.fixture(scope="module")
+def gw(stack) -> GatewayDeployment:
+    reuse = os.environ.get("ROLLOUTS_TEST_DEPLOYMENT_ID")
+    if reuse:
+        api = Api(stack)
+        dep = api.call("GET", f"/deployments/{reuse}").json()["deployment"]
+        # It may serve anything: tests that need known weights publish them first (serve_full).
+        return POOL.get("gw", 0, lambda: GatewayDeployment(stack, api, dep,
+                                                          Served(dep["status"].get("currentSnapshotIdentity") or "initial")),
+                        lambda _: None)
+    return POOL.get("gw", REPLICAS, lambda: _create(stack), lambda g: delete_deployment(g.api, g.id))

@@ -21,7 +21,7 @@ from common.settings import Settings
 from common.tokens import add_token
 from gateway.body import MAX_BODY_BYTES
 from gateway.routing import DeploymentView, ReplicaView, Router
-from tests.gateway.conftest import Connection, LocalGateway
+from tests.helpers.gateway import Connection, LocalGateway
 
 ADMIN, VIEWER = "admin-tok", "viewer-tok"
 GOOD = {"model": "m", "prompt": [1, 2], "max_tokens": 1}

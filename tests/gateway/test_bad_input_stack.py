@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gateway.conftest import Connection, random_prompt
+from tests.helpers.gateway import Connection, random_prompt
 
 pytestmark = pytest.mark.stack
 

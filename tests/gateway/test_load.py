@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from snapshots.writer import write_delta
-from tests.gateway.conftest import Served, publish, random_prompt, rollouts_client, serve_full
+from tests.helpers.gateway import Served, publish, random_prompt, rollouts_client, serve_full
 from tests.helpers.trainer import train_step
 
 pytestmark = pytest.mark.stack

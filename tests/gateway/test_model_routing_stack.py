@@ -22,7 +22,7 @@ import pytest
 from common.settings import temporal_client
 from contracts.names import deployment_workflow_id
 from gateway.routing import DeploymentView, Router, build_view
-from tests.gateway.conftest import GatewayDeployment, LocalGateway, random_prompt
+from tests.helpers.gateway import GatewayDeployment, LocalGateway, random_prompt
 from tests.helpers.stack_fixtures import deployment_body
 
 pytestmark = pytest.mark.stack

@@ -12,7 +12,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.gateway.conftest import random_prompt
+from tests.helpers.gateway import random_prompt
 
 pytestmark = pytest.mark.stack
 

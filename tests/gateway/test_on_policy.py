@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from rollouts.client import RESET_ALL, RoundGate, on_policy_round
-from tests.gateway.conftest import Served, random_prompt, rollouts_client, serve_full, succession
+from tests.helpers.gateway import Served, random_prompt, rollouts_client, serve_full, succession
 from workers.base_model import write_counting_model
 
 pytestmark = pytest.mark.stack

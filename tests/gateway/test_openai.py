@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import random_prompt, serve_base
+from tests.helpers.gateway import random_prompt, serve_base
 from tests.helpers.stack_fixtures import cwtrain_python
 
 pytestmark = pytest.mark.stack

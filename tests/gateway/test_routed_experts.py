@@ -22,7 +22,7 @@ from common.processes import free_port
 from common.settings import Settings
 from common.tokens import add_token
 from gateway.routing import DeploymentView, ReplicaView, Router
-from tests.gateway.conftest import LocalGateway
+from tests.helpers.gateway import LocalGateway
 
 PROMPT, COMPLETION, LAYERS, TOP_K = 5, 4, 3, 2
 ROUTES = np.arange((PROMPT + COMPLETION - 1) * LAYERS * TOP_K, dtype=np.uint8).reshape(PROMPT + COMPLETION - 1, LAYERS, TOP_K)

@@ -18,8 +18,8 @@ import pytest
 
 from common.processes import free_port
 from gateway.routing import ReplicaView, Router
-from replica.engine import EngineProcess
-from tests.gateway.conftest import ChaosProxy, LocalGateway, random_prompt
+from replica.agent.engine import EngineProcess
+from tests.helpers.gateway import ChaosProxy, LocalGateway, random_prompt
 
 pytestmark = pytest.mark.stack
 REPLICA = "x-rollouts-replica"

@@ -1,5 +1,5 @@
 """Exact token spans in ``nvext.weight_versions`` on a real vLLM CPU engine whose server reports
-vLLM's per-token weight versions on its OpenAI answers (``replica/vllm_server.py``, which every
+vLLM's per-token weight versions on its OpenAI answers (``replica/engine/server.py``, which every
 replica runs; see ``gateway/app.py``), behind the gateway app in this process.
 
 Requests run while the engine swaps the base model for the counting model (every token its
@@ -28,9 +28,10 @@ import pytest
 from common.settings import ENGINE_SECRET_HEADER, Settings
 from common.tokens import add_token
 from gateway.routing import DeploymentView, ReplicaView, Router
-from replica.engine import EngineProcess
-from tests.gateway.conftest import LocalGateway, check_spans, random_prompt, succession
-from workers.base_model import checkpoint_files, write_base_model, write_counting_model
+from replica.agent.engine import EngineProcess
+from tests.helpers import engine_weights
+from tests.helpers.gateway import LocalGateway, check_spans, random_prompt, succession
+from workers.base_model import write_base_model, write_counting_model
 
 pytestmark = pytest.mark.engine
 # Tokens per spanning request: the engine must still be generating them when the swap comes,
@@ -88,14 +89,11 @@ def gateway(engine, tmp_path_factory) -> Iterator[LocalGateway]:
 
 
 async def swap(engine: EngineProcess, model_dir: Path, identity: str) -> None:
-    """What ReplicaRuntime._swap_staged does under PRESERVE: weights and label change together
-    inside one pause that keeps running requests and their KV cache."""
-    await engine.pause(mode="keep", clear_cache=False)
-    try:
-        await engine.load_weights_from_files(checkpoint_files(model_dir))
-        await engine.set_weight_version(identity)
-    finally:
-        await engine.resume()
+    """What ReplicaRuntime._swap_staged does under PRESERVE: the checkpoint is staged while the
+    engine serves, then weights and label change together inside one pause that keeps running
+    requests and their KV cache."""
+    await engine_weights.stage(engine, model_dir, identity)
+    await engine_weights.swap_in_pause(engine, identity, version=identity)
 
 
 async def ask(client: httpx.AsyncClient, path: str, body: dict[str, Any],

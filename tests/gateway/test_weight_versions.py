@@ -20,7 +20,7 @@ import json
 import httpx
 import pytest
 
-from tests.gateway.conftest import check_spans, random_prompt, serve_full, succession
+from tests.helpers.gateway import check_spans, random_prompt, serve_full, succession
 from workers.base_model import write_counting_model
 
 pytestmark = pytest.mark.stack

@@ -13,10 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from common.processes import stop_pid
 from common.settings import Settings
 from snapshots.synthetic import make_checkpoint_pair
 from snapshots.writer import write_delta
 from tests.helpers.snapshot_helpers import FakeS3, copy_tree, cwtrain_python, mutate_checkpoint
+from tests.helpers.stack_fixtures import free_port_base
+from workers.stack import Stack, StackError
 
 
 @pytest.fixture(scope="session")
@@ -69,10 +72,6 @@ def fake_s3(tmp_path: Path) -> FakeS3:
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     """A real SeaweedFS S3 server (``weed mini`` on 127.0.0.1 only, on free ports, its bucket
     created), started the way the stack starts it and stopped by its pid at the end."""
-    from common.processes import stop_pid
-    from tests.helpers.stack_fixtures import free_port_base
-    from workers.stack import Stack, StackError
-
     for attempt in range(3):
         settings = Settings.create(tmp_path_factory.mktemp("seaweed"), free_port_base())
         stack = Stack(settings)

@@ -11,6 +11,9 @@ from common.settings import Settings
 from tests.helpers.stack_fixtures import free_port_base
 from workers.stack import Stack, StackError
 
+# It starts the stack's Temporal dev server and SeaweedFS itself, not through the `stack` fixture.
+pytestmark = pytest.mark.stack
+
 
 def test_up_is_idempotent_and_down_keeps_data(tmp_path):
     settings = Settings.create(tmp_path / "home", free_port_base())

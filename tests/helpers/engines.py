@@ -1,0 +1,152 @@
+"""The processes this test session started, found in /proc: vLLM engines and SeaweedFS servers.
+
+tests/conftest.py puts a marker (``ROLLOUTS_TEST_SESSION=<id>``) in the session's environment
+before any test runs; every process a test starts inherits it (the stack, the control worker, the
+replicas and their engines copy ``os.environ``). An engine is a process running
+``replica.launch.SERVER_MODULE`` whose parent is not one too (vLLM's own worker processes are children of
+it, and count with it as one engine).
+
+``EngineWatch`` samples them in a background thread: it remembers the first moment more than
+``MAX_ENGINES`` engines were alive at once (within a test as well as between two), and which test
+was running when each engine or SeaweedFS server first appeared.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from replica.launch import SERVER_MODULE
+
+SESSION_ENV = "ROLLOUTS_TEST_SESSION"
+# vLLM CPU engines take ~2-3 GiB each and the machine has 2 cores: a full run keeps at most three.
+MAX_ENGINES = 3
+ENGINE_MARK = SERVER_MODULE.encode()  # `python -m replica.engine.server ...`
+STACK_MARK = b"weed"  # SeaweedFS: only the embedded stack starts it
+
+
+def mark_session() -> str:
+    """Put this session's marker in the environment (idempotent); returns it."""
+    return os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    cmdline: str
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        return Path(path).read_bytes()
+    except OSError:  # gone, or not ours
+        return None
+
+
+def session_processes(*marks: bytes, session: str | None = None) -> dict[bytes, list[Proc]]:
+    """For each mark, the processes of this session whose command line contains it, without those
+    whose parent matches it too. One pass over /proc."""
+    tag = f"{SESSION_ENV}={session or os.environ.get(SESSION_ENV, '')}".encode()
+    found: dict[bytes, dict[int, tuple[int, bytes]]] = {mark: {} for mark in marks}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        cmdline = _read(f"/proc/{entry.name}/cmdline")
+        hits = [mark for mark in marks if cmdline and mark in cmdline]
+        if not hits:
+            continue
+        environ = _read(f"/proc/{entry.name}/environ")
+        stat = _read(f"/proc/{entry.name}/stat")
+        if not environ or not stat or tag not in environ.split(b"\0"):
+            continue
+        ppid = int(stat.rsplit(b")", 1)[1].split()[1])
+        for mark in hits:
+            found[mark][int(entry.name)] = (ppid, cmdline)
+    return {
+        mark: [Proc(pid, cmd.replace(b"\0", b" ").decode(errors="replace").strip())
+               for pid, (ppid, cmd) in sorted(procs.items()) if ppid not in procs]
+        for mark, procs in found.items()
+    }
+
+
+def engines() -> list[Proc]:
+    return session_processes(ENGINE_MARK)[ENGINE_MARK]
+
+
+def wait_engines_at_most(n: int, timeout: float = 300) -> None:
+    """Wait until at most ``n`` engines of this session are alive (a deleted deployment's replicas
+    stop a few seconds after its workflow ends)."""
+    deadline = time.monotonic() + timeout
+    while len(alive := engines()) > n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{len(alive)} vLLM engines still alive after {timeout:.0f}s, want <= {n}: "
+                                 + "; ".join(f"pid {p.pid}" for p in alive))
+        time.sleep(0.5)
+
+
+@dataclass
+class EngineWatch:
+    """Samples this session's engines and SeaweedFS servers every ``interval`` seconds in a
+    daemon thread. It remembers the first moment more than ``limit`` engines were alive, and for
+    each test (``enter``, called by tests/conftest.py) the processes first seen while it ran."""
+
+    interval: float = 1.0
+    limit: int = MAX_ENGINES
+    node: str = ""  # the test running (its node id) and the phase
+    phase: str = "collection"
+    peak: int = 0
+    samples: int = 0
+    sample_seconds: float = 0.0
+    excess: str | None = None
+    started_by: dict[str, list[Proc]] = field(default_factory=dict)  # test -> processes new while it ran
+    _seen: set[int] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        t0 = time.perf_counter()
+        procs = session_processes(ENGINE_MARK, STACK_MARK)
+        with self._lock:
+            self.sample_seconds += time.perf_counter() - t0
+            self.samples += 1
+            alive = procs[ENGINE_MARK]
+            self.peak = max(self.peak, len(alive))
+            if len(alive) > self.limit and self.excess is None:
+                self.excess = (f"{len(alive)} vLLM engines of this test session alive at once during {self.node} ({self.phase}) "
+                               f"(at most {self.limit}): "
+                               + "; ".join(f"pid {p.pid}: {p.cmdline[:160]}" for p in alive))
+            for proc in alive + procs[STACK_MARK]:
+                if proc.pid not in self._seen:
+                    self._seen.add(proc.pid)
+                    self.started_by.setdefault(self.node, []).append(proc)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def enter(self, nodeid: str, phase: str) -> None:
+        with self._lock:
+            self.node, self.phase = nodeid, phase
+
+    def take_excess(self) -> str | None:
+        with self._lock:
+            excess, self.excess = self.excess, None
+        return excess
+
+    def started_during(self, nodeid: str) -> list[Proc]:
+        with self._lock:
+            return list(self.started_by.get(nodeid, []))
