@@ -37,6 +37,7 @@ import uuid
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -66,6 +67,7 @@ from common.errors import (
     Unavailable,
 )
 from common.settings import Settings
+from common.settings import temporal_client as connect_temporal
 from common.telemetry import setup_tracing, temporal_interceptors
 from common.telemetry import tracer as telemetry_tracer
 from common.tokens import Principal, TokenStore
@@ -151,12 +153,10 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        from common.settings import temporal_client as connect
-
         client = temporal_client
         if client is None:
             setup_tracing("rollouts-api")
-            client = await connect(settings, interceptors=temporal_interceptors(request_tracer))
+            client = await connect_temporal(settings, interceptors=temporal_interceptors(request_tracer))
         resources = Resources(client, task_queue=task_queue, hot_load_view=hot_load_view)
         state["resources"] = app.state.resources = resources
         try:
@@ -255,8 +255,6 @@ def create_app(
         return state["resources"]
 
     def ui_link(workflow_id: str) -> str:
-        from urllib.parse import quote
-
         return f"{settings.temporal_ui_url}/namespaces/{settings.temporal_namespace}/workflows/{quote(workflow_id, safe='')}"
 
     def hot_load_view(hot_load: dict[str, Any]) -> dict[str, Any]:

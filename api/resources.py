@@ -26,7 +26,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from api.listing import HotLoadIndex, Record, page, quote
-from common.errors import AlreadyExists, NotFound, Unavailable, from_code
+from common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable, from_code
 from contracts import names
 from contracts.records import (
     CreateHotLoadCommand,
@@ -124,8 +124,6 @@ class Resources:
         await self.get_gateway(org, gateway_id)
         users = [d for d in await self.list_deployments(org) if gateway_id in d.spec.gateway_ids]
         if users:
-            from common.errors import FailedPrecondition
-
             raise FailedPrecondition(
                 f"gateway {gateway_id} is used by deployment(s) {', '.join(d.spec.id for d in users)}; delete them first"
             )

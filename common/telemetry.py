@@ -30,14 +30,14 @@ def setup_tracing(service_name: str) -> None:
     global _configured
     if _configured or not otlp_configured():
         return
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.resources import Resource  # noqa: PLC0415 - the OTLP SDK and exporter load only when an endpoint is configured
+    from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415 - the OTLP SDK and exporter load only when an endpoint is configured
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415 - the OTLP SDK and exporter load only when an endpoint is configured
 
     if os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "").startswith("grpc"):
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: PLC0415 - the OTLP SDK and exporter load only when an endpoint is configured
     else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # noqa: PLC0415 - the OTLP SDK and exporter load only when an endpoint is configured
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
@@ -50,6 +50,6 @@ def tracer(name: str = "rollouts") -> trace.Tracer:
 
 def temporal_interceptors(tr: trace.Tracer | None = None) -> list[Any]:
     """Interceptors for `Client.connect(..., interceptors=...)` (workers inherit them)."""
-    from temporalio.contrib.opentelemetry import TracingInterceptor
+    from temporalio.contrib.opentelemetry import TracingInterceptor  # noqa: PLC0415 - Temporal loads only in the processes that connect to it
 
     return [TracingInterceptor(tr)]

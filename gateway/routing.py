@@ -49,6 +49,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from temporalio.client import Client
+from temporalio.service import RPCError
+
+from common.settings import temporal_client
 from contracts.names import hot_load_workflow_id
 from gateway.split import WeightedSplit
 
@@ -374,11 +378,6 @@ class Router:
 
 async def refresh_loop(router: Router, settings: Any) -> None:
     """Keep ``router`` current from Temporal until cancelled; see the module docstring."""
-    from temporalio.client import Client
-    from temporalio.service import RPCError
-
-    from common.settings import temporal_client
-
     client: Client | None = None
     workflow_ids: list[str] = []  # the running deployment workflows (deployments/ORG/ID)
 

@@ -257,7 +257,7 @@ def upload_checkpoint(s3: Any, local_dir: Path | str, bucket: str, prefix: str, 
 
 def s3_client_from_env(environ: dict[str, str] | None = None) -> Any:
     """boto3 S3 client for ``AWS_ENDPOINT_URL_S3`` (or ``CW_S3_ENDPOINT``) with the AWS_* keys."""
-    import boto3
+    import boto3  # noqa: PLC0415 - boto3 loads only when uploading: the client is installed without the service
 
     env = os.environ if environ is None else environ
     return boto3.client(

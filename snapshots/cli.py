@@ -24,6 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from snapshots.errors import SnapshotError
+from snapshots.host import checkpoint_checksums, compare_checksums
+from snapshots.inspect import inspect_snapshot
+from snapshots.storage import s3_client_from_env
+from snapshots.stream import materialize_chain_report
+from snapshots.writer import write_delta
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,7 +57,6 @@ def _parser() -> argparse.ArgumentParser:
 
 class _LazyS3:
     """Builds the S3 client on first use, so local-only commands never import boto3."""
-
     def __init__(self) -> None:
         self._client: Any = None
 
@@ -60,8 +64,6 @@ class _LazyS3:
         if not any(str(loc).startswith("s3://") for loc in locations):
             return None
         if self._client is None:
-            from snapshots.storage import s3_client_from_env
-
             self._client = s3_client_from_env()
         return self._client
 
@@ -72,8 +74,6 @@ def _print_json(obj: Any) -> None:
 
 
 def _checksums_of(location: str, s3: _LazyS3) -> dict[str, str]:
-    from snapshots.host import checkpoint_checksums
-
     if location.endswith(".json") and Path(location).is_file():
         try:
             manifest = json.loads(Path(location).read_text())
@@ -89,22 +89,16 @@ def _checksums_of(location: str, s3: _LazyS3) -> dict[str, str]:
 def _run(args: argparse.Namespace) -> int:
     s3 = _LazyS3()
     if args.command == "inspect":
-        from snapshots.inspect import inspect_snapshot
-
         info = inspect_snapshot(args.location, s3=s3(args.location), previous_identity=args.previous_identity)
         _print_json(info.to_json())
         return 0
     if args.command == "delta":
-        from snapshots.writer import write_delta
-
         stats = write_delta(
             args.base, args.new, args.out, version=args.version, base_version=args.base_version, workers=args.workers
         )
         _print_json(stats.to_json())
         return 0
     if args.command == "apply":
-        from snapshots.stream import materialize_chain_report
-
         report = materialize_chain_report(
             args.base, args.deltas, args.out, s3=s3(args.base, *args.deltas), workers=args.workers
         )
@@ -120,8 +114,6 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 0
     if args.command == "verify":
-        from snapshots.host import compare_checksums
-
         problems = compare_checksums(_checksums_of(args.location, s3), _checksums_of(args.against, s3))
         if problems:
             shown = "; ".join(problems[:10]) + (f" (+{len(problems) - 10} more)" if len(problems) > 10 else "")

@@ -232,7 +232,7 @@ class HostWeights:
     def tensor(self, name: str) -> Any:
         """The tensor as a CPU ``torch.Tensor`` of its dtype and shape, sharing memory with the
         host copy (``.clone()`` it to keep a value across a later :meth:`apply_delta`)."""
-        import torch
+        import torch  # noqa: PLC0415 - torch loads only for torch tensors: the snapshot tools run on numpy
 
         info = self.info(name)
         dtype = getattr(torch, _TORCH_DTYPES[info.dtype])

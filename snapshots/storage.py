@@ -234,8 +234,8 @@ def s3_client_from_env() -> Any:
     credentials and region from boto3's usual chain (``AWS_ACCESS_KEY_ID`` ...). Path-style
     addressing is used, which every S3-compatible server accepts.
     """
-    import boto3
-    from botocore.config import Config
+    import boto3  # noqa: PLC0415 - boto3 loads only for s3:// locations
+    from botocore.config import Config  # noqa: PLC0415 - boto3 loads only for s3:// locations
 
     endpoint = (
         os.environ.get("AWS_ENDPOINT_URL_S3")

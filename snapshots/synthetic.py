@@ -85,7 +85,7 @@ def shape_for_size(size_mb: float) -> ModelShape:
 
 
 def _bf16_bytes(values: Any) -> np.ndarray:
-    import torch
+    import torch  # noqa: PLC0415 - torch loads only for the synthetic optimizer step
 
     return values.to(torch.bfloat16).contiguous().view(torch.uint8).numpy().reshape(-1)
 
@@ -103,7 +103,7 @@ def make_checkpoint_pair(
 
     Returns a summary: the shape, tensor bytes, and the fraction of elements that changed.
     """
-    import torch
+    import torch  # noqa: PLC0415 - torch loads only for the synthetic optimizer step
 
     shape = shape_for_size(size_mb)
     gen = torch.Generator().manual_seed(seed)

@@ -314,7 +314,7 @@ def to_tensor_spec(name: str, value: Any) -> TensorSpec:
         dtype = _TORCH_NAMES.get(str(value.dtype))
         if dtype is None:
             raise SnapshotError(f"torch dtype {value.dtype} has no safetensors equivalent", tensor=name)
-        import torch
+        import torch  # noqa: PLC0415 - torch (and the host copy) only for torch tensors or a checkpoint location
 
         flat = value.detach().to("cpu").contiguous().reshape(-1)
         raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
@@ -344,7 +344,7 @@ def write_full_snapshot(
     """
     out = Path(out_dir)
     if isinstance(tensors, (str, os.PathLike)):
-        from snapshots.host import HostWeights
+        from snapshots.host import HostWeights  # noqa: PLC0415 - torch (and the host copy) only for torch tensors or a checkpoint location
 
         weights = HostWeights.load(tensors, verify=True, workers=workers, mmap=True)
         written = weights.materialize(out)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 HIDDEN = 256
 HEADS = 4
@@ -159,8 +160,6 @@ def _corpus(rng: random.Random, n_lines: int = 6000) -> Iterator[str]:
 
 def train_tokenizer(seed: int = 0):
     """Train the byte-level BPE; returns a ``tokenizers.Tokenizer`` with exactly ``VOCAB`` ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     tok = Tokenizer(models.BPE())
     # Digits one by one (so arithmetic tokenizes digit-wise), then GPT-2 style byte-level.
     tok.pre_tokenizer = pre_tokenizers.Sequence(

@@ -41,9 +41,21 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tokenizers import Tokenizer
 
 from common.settings import Settings
+from snapshots.chain import MAX_CHAIN_DELTAS as MAX_DELTAS_IN_CHAIN
+from snapshots.writer import write_delta
+from workers.grpo import Policy, Rollout, digit_token_ids, digits_reward, group_advantages, make_prompts
 from workers.stack import Stack, StackError, load_or_create_settings, upload_dir
+
+try:  # the plot is optional: without matplotlib the demo prints its table only
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    plt = None
 
 # The table's before/after sample: a question the policy never trains on, greedy.
 SAMPLE_PROMPT = "12 + 34 ="
@@ -117,12 +129,7 @@ def format_step(r: StepRecord) -> str:
 
 def write_plot(records: list[StepRecord], path: Path, subtitle: str = "") -> Path | None:
     """Reward and hot-load seconds per step as a PNG; ``None`` when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if plt is None:
         return None
     trained = [r for r in records if r.reward is not None]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
@@ -206,8 +213,6 @@ class Client:
 
 def rollouts_for(client: Client, model: str, prompts: list[str], cfg: DemoConfig, digit_ids) -> tuple[list, int, float]:
     """Sample ``cfg.group`` completions per prompt through the gateway, all prompts at once."""
-    from workers.grpo import Rollout, digits_reward
-
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         responses = list(pool.map(
@@ -230,8 +235,6 @@ def rollouts_for(client: Client, model: str, prompts: list[str], cfg: DemoConfig
 
 
 def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = False, config: DemoConfig | None = None) -> int:
-    from snapshots.chain import MAX_CHAIN_DELTAS as MAX_DELTAS_IN_CHAIN
-
     cfg = config or DemoConfig()
     settings = load_or_create_settings(home, port_base)
     stack = Stack(settings)
@@ -260,9 +263,6 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
         say(f"deployment {dep_id}: starting {cfg.replicas} vLLM CPU replicas (about a minute each on 2 cores)...")
 
         # The trainer loads its copy while the replicas start.
-        from snapshots.writer import write_delta
-        from workers.grpo import Policy, digit_token_ids, group_advantages, make_prompts
-
         base_dir = settings.home_path / "models" / "base"
         t_load = time.monotonic()
         policy = Policy(base_dir, lr=cfg.lr, inner_steps=cfg.inner_steps, train=cfg.train, seed=cfg.seed)
@@ -426,8 +426,6 @@ _TOKENIZERS: dict[Path, Any] = {}
 
 
 def _decode(ids: list[int], model_dir: Path) -> str:
-    from tokenizers import Tokenizer
-
     tok = _TOKENIZERS.get(model_dir)
     if tok is None:
         tok = _TOKENIZERS[model_dir] = Tokenizer.from_file(str(model_dir / "tokenizer.json"))

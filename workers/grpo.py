@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from workers.base_model import INDEX_NAME, load_checkpoint, write_tensors
 
@@ -176,8 +177,6 @@ class Policy:
         train: str = "all",
         seed: int = 0,
     ) -> None:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
         self.model_dir = Path(model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
         cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "dtype")})

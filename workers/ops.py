@@ -31,6 +31,14 @@ from typing import Any, TextIO
 from urllib.parse import unquote
 
 import httpx
+from temporalio.client import WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
+
+from common.settings import Settings
+from control.deployment import DeploymentWorkflow
+from control.gateway import GatewayWorkflow
+from control.hot_load.workflow import HotLoadWorkflow
 
 TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
 PREFIX = "/v1alpha1/inference"
@@ -49,8 +57,6 @@ class ApiTarget:
     def from_environment(cls, home: Path | None = None) -> ApiTarget:
         url, token = os.environ.get("ROLLOUTS_API_URL"), os.environ.get("CW_API_TOKEN")
         if not (url and token):
-            from common.settings import Settings
-
             settings = Settings.load(home)
             url, token = url or settings.api_url, token or settings.admin_token
         return cls(url=url.rstrip("/"), token=token)
@@ -174,10 +180,6 @@ async def rollback(http: httpx.AsyncClient, identity: str, deployment_id: str, *
 
 # ---------------------------------------------------------------------- histories
 def workflow_classes() -> list[type]:
-    from control.deployment import DeploymentWorkflow
-    from control.gateway import GatewayWorkflow
-    from control.hot_load.workflow import HotLoadWorkflow
-
     return [DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow]
 
 
@@ -187,10 +189,6 @@ def workflow_id_of(path: Path) -> str:
 
 async def history_check(directory: Path, *, out: TextIO) -> int:
     """Replay every exported history in `directory`; 0 when all replay cleanly."""
-    from temporalio.client import WorkflowHistory
-    from temporalio.contrib.pydantic import pydantic_data_converter
-    from temporalio.worker import Replayer
-
     files = sorted(directory.glob("*.json"))
     if not files:
         raise OpsError(f"no *.json histories in {directory}")

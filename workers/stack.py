@@ -211,7 +211,7 @@ class Stack:
 
     def ensure_base_model(self) -> str:
         """Generate the base model locally (fixed seed) and upload it once."""
-        from workers.base_model import write_base_model
+        from workers.base_model import write_base_model  # noqa: PLC0415 - torch loads only when the base model must be generated, not for up/down/status
 
         s3 = self.s.s3_client()
         prefix = self.s.base_model_path.strip("/")
