@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from snapshots.inspect import read_full_layout
 from snapshots.writer import write_delta
-from workers.base_model import load_checkpoint, write_tensors
+from workers.base_model import load_checkpoint, train_tokenizer, write_tensors
 from workers.demo import StepRecord, format_step, reward_summary, write_plot
 from workers.grpo import (
     Policy,
@@ -24,6 +26,7 @@ from workers.grpo import (
     grpo_loss,
     make_prompts,
     same_layout,
+    trainable_names,
 )
 
 TINY = {
@@ -39,8 +42,6 @@ DIGITS = frozenset(range(10, 20))
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory) -> Path:
     """A tiny random Llama checkpoint in the base model's layout (BF16, two shards, index)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     out = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
     cfg = LlamaConfig(**{k: v for k, v in TINY.items() if k not in ("architectures", "torch_dtype")})
@@ -82,9 +83,6 @@ def test_digit_token_ids_reads_the_tokenizer(tiny_ckpt):
 
 
 def test_digit_token_ids_of_the_embedded_model_are_the_ten_digits(tmp_path):
-    from tokenizers import Tokenizer
-
-    from workers.base_model import train_tokenizer
 
     train_tokenizer().save(str(tmp_path / "tokenizer.json"))
     ids = digit_token_ids(tmp_path)
@@ -229,8 +227,6 @@ def test_progress_line_and_plot(tmp_path):
 
 
 def test_trainable_names_and_a_head_only_step_leaves_the_rest_untouched(tiny_ckpt, tmp_path):
-    from workers.grpo import trainable_names
-
     names = list(load_checkpoint(tiny_ckpt))
     assert trainable_names(names, "all") == frozenset(names)
     assert trainable_names(names, "head") == {"lm_head.weight", "model.norm.weight"}

@@ -19,6 +19,7 @@ import zstandard
 
 from snapshots.host import HostWeights
 from snapshots.safetensors_io import TensorSpec, write_safetensors
+from snapshots.writer import write_full_snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 INDEX = "model.safetensors.index.json"
@@ -52,7 +53,6 @@ def mutate_checkpoint(src: Path, dst: Path, *, seed: int, fraction: float = 0.02
             idx = rng.integers(0, data.size, max(1, int(data.size * fraction)))
             data[idx] ^= rng.integers(1, 256, idx.size, dtype=np.uint8)
         tensors[name] = TensorSpec(name, info.dtype, info.shape, data)
-    from snapshots.writer import write_full_snapshot
 
     write_full_snapshot(tensors, dst, src / "config.json")
     return dst

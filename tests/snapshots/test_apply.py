@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from snapshots import (
     HostWeights,
     SnapshotError,
     apply_delta,
+    inspect_snapshot,
     materialize_chain,
     materialize_chain_report,
     write_delta,
@@ -75,7 +77,6 @@ def test_chain_materializes_byte_identical(pair: tuple[Path, Path], delta: Path,
     # The materialized checkpoint records verified checksums, and keeps config and shard names.
     assert (out / "config.json").read_bytes() == (pair[0] / "config.json").read_bytes()
     assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(p.name for p in pair[0].glob("*.safetensors"))
-    from snapshots import inspect_snapshot
 
     info = inspect_snapshot(out)
     assert info.checksummed_tensors == info.tensors and info.metadata["checksum_format"] == "adler32"
@@ -165,8 +166,6 @@ def test_zstd_bomb_declared_size_is_refused_before_decompressing(weights: HostWe
 
 
 def test_zstd_bomb_without_declared_size_stops_at_the_tensor_size(weights: HostWeights, tmp_path: Path) -> None:
-    import resource
-
     a = _largest(weights)
     bomb = zero_bomb(declare_size=False)
     assert len(bomb) < 64 * 2**10 and zstandard.frame_content_size(bomb) == -1

@@ -15,6 +15,7 @@ from snapshots import (
     UnsupportedFormatError,
     check_required_files,
     inspect_snapshot,
+    write_full_snapshot,
 )
 from snapshots.errors import ChecksumError, HeaderError, IdentityError
 from tests.helpers.snapshot_helpers import INDEX, FakeS3, write_delta_dir
@@ -77,7 +78,6 @@ def test_full_index_must_not_be_empty(tmp_path: Path) -> None:
 
 def test_single_file_checkpoint_is_accepted(pair: tuple[Path, Path], tmp_path: Path) -> None:
     weights = HostWeights.load(pair[0])
-    from snapshots import write_full_snapshot
 
     write_full_snapshot({n: weights.tensor(n) for n in weights.names()}, tmp_path / "s", pair[0] / "config.json", shard_bytes=1 << 40)
     single = tmp_path / "single"

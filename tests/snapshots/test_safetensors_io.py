@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from snapshots import HeaderError, list_tensors, read_header, read_tensor_bytes
 from snapshots.safetensors_io import TensorSpec, write_safetensors
@@ -37,7 +38,6 @@ def test_round_trip(tmp_path: Path) -> None:
     assert read_tensor_bytes(tmp_path / "x.safetensors", header.tensors["a"]).tobytes() == a.tobytes()
     assert header.data_start % 8 == 0
     # The reference implementation reads what we write.
-    from safetensors.numpy import load_file
 
     assert np.array_equal(load_file(tmp_path / "x.safetensors")["b"], b)
 

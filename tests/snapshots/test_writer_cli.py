@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from snapshots import (
     ChecksumError,
@@ -79,8 +80,6 @@ def test_delta_refuses_shape_or_dtype_change(pair: tuple[Path, Path], tmp_path: 
 
 
 def test_full_snapshot_from_state_dict_round_trips(pair: tuple[Path, Path], tmp_path: Path) -> None:
-    import torch
-
     weights = HostWeights.load(pair[0])
     state = {n: weights.tensor(n).clone() for n in weights.names()}
     state["extra.f32"] = torch.arange(6, dtype=torch.float32).reshape(2, 3)
