@@ -48,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from snapshots.codec import default_workers, fill_from  # noqa: E402
+from snapshots.host import HostWeights  # noqa: E402
 from snapshots.inspect import read_delta_plan  # noqa: E402
 from snapshots.stream import CHUNK_BYTES  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
@@ -113,8 +114,6 @@ def raw_limit(base: Path, delta: Path, workers: int, chunk_bytes: int) -> list[d
     """Parallel zstd decompress + XOR + Adler-32 of every changed tensor, frames and base tensors
     already in memory: once a whole tensor per pass, once in cache-sized chunks (the way the
     streamed apply works). Either may be the faster; the bench takes the best as the limit."""
-    from snapshots.host import HostWeights
-
     weights = HostWeights.load(base)
     plan = read_delta_plan(delta)
     frames = {t.name: plan.source.read_range(t.file, t.begin, t.wire_bytes) for t in plan.tensors.values()}
