@@ -1,4 +1,4 @@
-"""Benchmark and check: the replica-to-replica broadcast (replica/engine_extension.PeerGroup).
+"""Benchmark and check: the replica-to-replica broadcast (replica/engine/peer_group.PeerGroup).
 
     .venv/bin/python bench/peer_broadcast.py [--size-mb 256] [--receivers 3] [--backends gloo,nccl]
 
@@ -50,7 +50,8 @@ def _member(rank: int, world: int, port: int, backend: str, size_mb: float, queu
     try:
         import torch
 
-        from replica.engine_extension import PeerGroup, adler32_hex, normalize_specs, spec_of
+        from replica.engine.peer_group import PeerGroup
+        from replica.engine.tensors import adler32_hex, normalize_specs, spec_of
 
         device = "cpu"
         if backend == "nccl":
@@ -101,11 +102,13 @@ def run(backend: str, world: int, size_mb: float) -> dict:
 
 
 def cuda_apply_check() -> str:
-    """The extension's in-place load on CUDA parameters: stage (roll-back copy), swap, bit
-    compare, Adler-32 of the served bytes, and the roll-back on a refused load."""
+    """The engine's update lifecycle on CUDA parameters: stage (roll-back copy), swap, read-back
+    (bit compare and Adler-32 of the served bytes), and the roll-back of a stage discarded after
+    its swap; a tensor of the wrong shape is refused at staging."""
     import torch
 
-    from replica.engine_extension import _stage, adler32_hex, apply_weights
+    from replica.engine.stage import StageSlot, take
+    from replica.engine.tensors import adler32_hex
 
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:
@@ -117,19 +120,23 @@ def cuda_apply_check() -> str:
             for name, t in weights:
                 params[name].data.copy_(t)
 
-    model = Tiny()
+    model, slot = Tiny(), StageSlot()
     new = torch.randn(64, 64).to(torch.bfloat16)
-    staged = _stage(model, "v1", [("proj.weight", new)], 0)
-    apply_weights(model, staged.tensors, verify=True, backup=staged.backup)
+    slot.put(take(model, "v1", [("proj.weight", new)]))
+    slot.swap(model, "v1")
+    assert slot.commit(model, "v1")["verified"] == 1, "the read-back differs after the swap"
     assert adler32_hex(model.proj.weight) == adler32_hex(new), "served bytes differ after the swap"
     before = adler32_hex(model.proj.weight)
+    slot.put(take(model, "v2", [("proj.weight", torch.randn(64, 64).to(torch.bfloat16))]))
+    slot.swap(model, "v2")
+    assert slot.discard(model)["rolled_back"] and adler32_hex(model.proj.weight) == before, "no roll-back"
     try:
-        apply_weights(model, [("proj.weight", torch.zeros(3, 3, dtype=torch.bfloat16))])
-        raise AssertionError("a wrong shape was loaded")
+        take(model, "v3", [("proj.weight", torch.zeros(3, 3, dtype=torch.bfloat16))])
+        raise AssertionError("a wrong shape was staged")
     except ValueError:
         pass
-    assert adler32_hex(model.proj.weight) == before, "a refused load changed the engine"
-    return "cuda apply check: staged swap, bit compare, checksums, refusal: ok"
+    assert adler32_hex(model.proj.weight) == before, "a refused stage changed the engine"
+    return "cuda check: stage, swap, read-back, discard's roll-back, refusal: ok"
 
 
 def main() -> int:

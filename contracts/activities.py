@@ -1,7 +1,7 @@
 """Activity contracts: each activity's name, task queue, input and output.
 
 The control worker's workflows schedule these; the control worker's own activities
-(control/activities.py) and each replica's agent (replica/activities.py) implement them. They are
+(control/activities.py) and each replica's agent (replica/agent/activities.py) implement them. They are
 Temporal payloads (JSON, camelCase), never REST wire objects.
 """
 

@@ -71,7 +71,7 @@ Contract:
 - What the replica must provide for spans: vLLM 0.32 writes ``CompletionOutput.weight_versions``
   only on its token API (``/inference/v1/generate``, off unless ``--enable-scale-out``), not on
   the OpenAI routes the gateway relays; the replica's server has to copy it onto each OpenAI
-  choice (contract in ``gateway/nvext.py``; ``replica/vllm_server.py`` does it on every
+  choice (contract in ``gateway/nvext.py``; ``replica/engine/server.py`` does it on every
   replica). The gateway does not generate through the token API itself: one call there cannot
   give an OpenAI answer (its text mode names no ids for top-logprob candidates, its tokens mode
   has no text), and vLLM's derender routes cost one call per streamed chunk.
@@ -338,7 +338,7 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
         for i, replica in enumerate(candidates):
             more = i + 1 < len(candidates)
             url = replica.engine_url
-            # The replica's engine answers only its agent and gateways (replica/engine_guard.py).
+            # The replica's engine answers only its agent and gateways (replica/engine/guard.py).
             upstream_headers = {"content-type": "application/json",
                                 **settings.engine_headers(view.workflow_id, replica.name)}
             router.acquire(url)

@@ -36,7 +36,7 @@ log = logging.getLogger("rollouts.replica.faults")
 # Where callers put a fault point.
 POINTS = (
     "apply_snapshot",  # a step from the bucket starts (before anything is read)
-    "stage_from_peer",  # a receiver's stage from the broadcast starts (it then reads the bucket)
+    "stage_from_peer",  # a receiver's stage from the broadcast, once the bytes arrived (dropped; it then reads the bucket)
     "commit_peer_stage",  # a receiver's swap of its broadcast stage starts (it then reads the bucket)
     "swap",  # inside the pause, after the stage was applied and before it is proven and committed
 )

@@ -109,7 +109,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_replica(args: argparse.Namespace) -> int:
-    from replica.agent import run_replica
+    from replica.agent.process import run_replica
 
     _logging()
     return asyncio.run(

@@ -16,15 +16,16 @@
 
 If anything fails, the host copy is restored and the engine is given back the tensors it had, so
 the replica serves exactly its previous weights; the error names the cause. Snapshot errors
-(checksum, missing file, bad format) are non-retryable. The step heartbeats while it stages, so a
-cancel or a lost agent is noticed within seconds.
+(checksum, missing file, bad format) are non-retryable (`NON_RETRYABLE_SNAPSHOT`), and so is a
+read-back inside the pause that differs from the snapshot (`READ_BACK_FAILED`, naming the
+tensors): the same snapshot would fail the same way. The step heartbeats, so a cancel or a lost
+agent is noticed within seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -39,10 +40,10 @@ from contracts.activities import (
     StageFromPeerInput,
     StageFromPeerResult,
 )
-from contracts.errors import NON_RETRYABLE_SNAPSHOT
-
-if TYPE_CHECKING:
-    from replica.agent import ReplicaRuntime
+from contracts.errors import NON_RETRYABLE_SNAPSHOT, READ_BACK_FAILED
+from replica.agent.runtime import ReplicaRuntime
+from replica.agent.staged import ReadBackFailed
+from snapshots.errors import SnapshotError
 
 
 class ReplicaActivities:
@@ -51,27 +52,30 @@ class ReplicaActivities:
 
     @activity.defn(name=names.APPLY_SNAPSHOT)
     async def apply_snapshot(self, inp: ApplySnapshotInput) -> ApplySnapshotResult:
-        return await _replica_step(self.runtime, lambda: self.runtime.apply_from_bucket(inp))
+        return await replica_step(self.runtime, lambda: self.runtime.apply_from_bucket(inp))
 
 
-async def _replica_step(rt: ReplicaRuntime, step: Callable[[], Awaitable[ApplySnapshotResult]]) -> ApplySnapshotResult:
+async def replica_step(rt: ReplicaRuntime, step: Callable[[], Awaitable[ApplySnapshotResult]]) -> ApplySnapshotResult:
     """Run one weight-changing step on this replica: one at a time, heartbeating, and to the end.
 
     A cancel arriving mid-step waits for the engine step to finish or roll back, so a replica
-    never stays paused or serves a mix of weights; the step then reports what the replica really
-    serves. A bad snapshot is a non-retryable error."""
-    from snapshots.errors import SnapshotError
-
+    never stays paused or serves a mix of weights (a fault point's hold ends then: `step_canceled`);
+    the step then reports what the replica really serves. A bad snapshot and a failed read-back
+    are non-retryable errors."""
     async with rt.lock:
+        rt.step_canceled.clear()
         heartbeat = asyncio.create_task(_heartbeat_forever())
         try:
             running = asyncio.ensure_future(step())
             try:
                 return await asyncio.shield(running)
             except asyncio.CancelledError:
+                rt.step_canceled.set()
                 return await running
         except SnapshotError as exc:
             raise ApplicationError(str(exc), type=NON_RETRYABLE_SNAPSHOT, non_retryable=True) from None
+        except ReadBackFailed as exc:
+            raise ApplicationError(str(exc), exc.tensors, type=READ_BACK_FAILED, non_retryable=True) from None
         finally:
             heartbeat.cancel()
 
@@ -93,11 +97,10 @@ class PeerActivities:
     checked them (`PeerOfferInput.from_stage`), so the receivers stage while it swaps; they
     commit only after it.
 
-    The sender streams the changed tensors from its engine (not from the bucket) over a
-    torch.distributed group between the two engine processes (gloo on CPU, NCCL on GPU). The
-    receiver checks every tensor's Adler-32 against the sender's verified host copy before its
-    engine changes, loads all-or-nothing inside one pause, then updates its own host copy from
-    what its engine now holds. It reads zero bytes from the bucket.
+    The sender streams the changed tensors (or a delta link's files) from its engine process
+    over a torch.distributed group to every receiver's engine process (gloo on CPU, NCCL on
+    GPU). Each receiver checks every tensor's (file's) Adler-32 against the sender's before it
+    stages anything; it reads zero bytes from the bucket (`replica.agent.peers`).
     """
 
     def __init__(self, runtime: ReplicaRuntime) -> None:
@@ -105,8 +108,6 @@ class PeerActivities:
 
     @activity.defn(name=names.OFFER_TO_PEER)
     async def offer_to_peer(self, inp: PeerOfferInput) -> PeerOffer:
-        from snapshots.errors import SnapshotError
-
         try:
             if inp.from_stage:
                 # Waits for this replica's own update to stage: heartbeat meanwhile.
@@ -130,8 +131,6 @@ class PeerActivities:
 
     @activity.defn(name=names.STAGE_FROM_PEER)
     async def stage_from_peer(self, inp: StageFromPeerInput) -> StageFromPeerResult:
-        from snapshots.errors import SnapshotError
-
         # Under the replica's lock: a stage must not interleave with another weight change.
         async with self.runtime.lock:
             heartbeat = asyncio.create_task(_heartbeat_forever())
@@ -144,6 +143,6 @@ class PeerActivities:
 
     @activity.defn(name=names.COMMIT_PEER_STAGE)
     async def commit_peer_stage(self, inp: CommitPeerStageInput) -> ApplySnapshotResult:
-        return await _replica_step(
+        return await replica_step(
             self.runtime, lambda: self.runtime.commit_peer_stage(inp.identity, inp.prompt_cache_policy)
         )

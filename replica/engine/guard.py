@@ -4,13 +4,13 @@ list of routes.
 A replica's vLLM server listens on loopback, where any local process can reach it. Its dev-mode
 routes pause the engine, relabel its weights or call any worker method, and its OpenAI routes
 answer without the gateway's organization checks. :class:`EngineGuard` (pure ASGI, installed by
-``replica/vllm_server.py`` as the outermost middleware of every engine) lets a request through
+``replica/engine/server.py`` as the outermost middleware of every engine) lets a request through
 only when
 
 1. it carries the engine's secret in the ``x-rollouts-engine-secret`` header (compared in
    constant time): missing -> 401 ``unauthenticated``, wrong -> 401 ``unauthenticated``; and
 2. its method and path are one of :data:`ALLOWED_ROUTES`: what the replica agent
-   (``replica/engine.py``) and the gateway use, plus ``/metrics``. Anything else -> 403
+   (``replica/agent/engine_rpc.py``) and the gateway use, plus ``/metrics``. Anything else -> 403
    ``permission_denied``, with the secret or without it, e.g. ``/sleep``, ``/wake_up``,
    ``/weight_checker`` (its ``reset`` action re-initialises the weights), ``/update_weights``
    and the other weight-transfer routes, ``/abort_requests``, ``/tokenize``, ``/v1/responses``.
@@ -22,7 +22,7 @@ Refusals are JSON in vLLM's error shape: ``{"error": {"message", "type", "code"}
 
 Who holds the secret: the engine reads it at start from the file named by
 ``ROLLOUTS_ENGINE_SECRET_FILE`` (:func:`read_secret_file`: the file must not be readable by group
-or others; it is never on a command line); ``replica.engine.EngineProcess`` writes that file and
+or others; it is never on a command line); ``replica.agent.engine.EngineProcess`` writes that file and
 sends the header; the stack derives each replica's secret from its settings
 (``common.settings.Settings.engine_secret``), so the agent and the gateway agree on it.
 """
@@ -38,8 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from common.settings import ENGINE_SECRET_HEADER
-
-SECRET_FILE_ENV = "ROLLOUTS_ENGINE_SECRET_FILE"
+from replica.launch import SECRET_FILE_ENV
 
 OPEN_ROUTES: frozenset[tuple[str, str]] = frozenset({("GET", "/health")})
 
@@ -49,7 +48,7 @@ ALLOWED_ROUTES: frozenset[tuple[str, str]] = frozenset({
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
     ("GET", "/metrics"),
-    # control (the replica agent: replica/engine.py)
+    # control (the replica agent: replica/agent/engine_rpc.py)
     ("POST", "/pause"),
     ("POST", "/resume"),
     ("GET", "/is_paused"),

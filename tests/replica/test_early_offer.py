@@ -13,7 +13,8 @@ import pytest
 
 from contracts.activities import PeerOfferInput
 from contracts.records import SnapshotRef, SnapshotType
-from replica.agent import ReplicaRuntime, StagedUpdate
+from replica.agent.runtime import ReplicaRuntime
+from replica.agent.staged import StagedUpdate
 from snapshots.errors import ChainError
 
 CHAIN = [SnapshotRef(identity="base", type=SnapshotType.FULL),

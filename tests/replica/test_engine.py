@@ -1,12 +1,14 @@
 """The engine side of a replica on a real vLLM CPU engine (one per module, see conftest.py).
 
 Covers: serving the generated base model; checkpoint-named checksums that equal the files';
-an in-place load of the counting model's changed tensors under pause(keep) with requests in
-flight (none lost, all switch to the new weights, pid unchanged); partial loads into fused
-layers; all-or-nothing refusals; weight transfer over gloo with the test process as the peer,
-and between two engines.
+a swap of the counting model's changed tensors under pause(keep) with requests in flight (none
+lost, all switch to the new weights, pid unchanged); partial loads into fused layers; refusals
+at staging that change nothing; the stage -> swap -> commit | discard lifecycle and its
+read-back proof; the broadcast over gloo with the test process as the peer, and between two
+engines.
 
-Each test first loads the full checkpoint it starts from, so the tests do not depend on order.
+Each test first loads the full checkpoint it starts from (stage, then swap and commit inside a
+pause: tests/helpers/engine_weights.py), so the tests do not depend on order.
 """
 
 from __future__ import annotations
@@ -26,8 +28,13 @@ import torch
 from safetensors.torch import load_file as load_checkpoint_file
 from safetensors.torch import save_file
 
-from replica.engine import EngineError, EngineProcess, EngineRequestError, free_port
-from replica.engine_extension import PeerGroup, adler32_hex, normalize_specs
+from replica.agent.engine import EngineError, EngineProcess, EngineRequestError, ReadBackError, free_port
+from replica.engine.peer_group import PeerGroup
+from replica.engine.plugin import DEFAULT_SPIN_S
+from replica.engine.tensors import adler32_hex, normalize_specs
+from replica.stage_arena import StageArena
+from snapshots.host import HostWeights
+from tests.helpers.engine_weights import load, stage, swap_in_pause
 from workers.base_model import COUNTING_CHANGED, VOCAB, checkpoint_files, load_checkpoint
 
 pytestmark = pytest.mark.engine
@@ -45,7 +52,7 @@ def consecutive(ids: list[int]) -> bool:
 
 
 async def load_full(engine: EngineProcess, model_dir: Path) -> dict[str, Any]:
-    return await engine.load_weights_from_files(checkpoint_files(model_dir))
+    return await load(engine, model_dir)
 
 
 async def greedy(engine: EngineProcess, prompt: list[int] = PROMPT, n: int = 8) -> list[int]:
@@ -59,16 +66,6 @@ async def greedy(engine: EngineProcess, prompt: list[int] = PROMPT, n: int = 8) 
     }
     resp = await engine.request("POST", "/v1/completions", json=body)
     return resp.json()["choices"][0]["token_ids"]
-
-
-async def commit_in_pause(engine: EngineProcess, label: str) -> dict[str, Any]:
-    """``commit_staged(label)`` the way a replica swaps: inside ``pause(keep)``, resumed whatever
-    happens; returns the commit's result."""
-    await engine.pause(mode="keep")
-    try:
-        return await engine.commit_staged(label)
-    finally:
-        await engine.resume()
 
 
 async def test_serves_completions_and_chat(engine: EngineProcess, model_dirs: dict[str, Path]) -> None:
@@ -107,8 +104,6 @@ async def test_engine_processes_run_our_vllm_plugin(engine: EngineProcess) -> No
     """The `vllm.general_plugins` entry point reached the worker: its idle busy-poll is capped
     and a logprobs request compiles nothing (vLLM's lazily compiled rank count stalled the whole
     engine for its g++ build, minutes on a busy 2-core host)."""
-    from replica.vllm_plugin import DEFAULT_SPIN_S
-
     worker = await engine._rpc1("engine_pid")
     assert worker["idle_spin_s"] == DEFAULT_SPIN_S and worker["logprob_ranks_eager"] is True
     r = await engine.request("POST", "/v1/completions", json={
@@ -176,11 +171,12 @@ async def _stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[
 
 
 async def _hot_load_under_traffic(engine: EngineProcess, model_dirs: dict[str, Path], max_tokens: int) -> dict[str, Any]:
-    """Start 6 requests on the base weights, pause(keep), load the counting tensors, resume."""
+    """Start 6 requests on the base weights, pause(keep), swap the staged counting tensors in and
+    commit them, resume."""
     await load_full(engine, model_dirs["base"])
-    counting_files = checkpoint_files(model_dirs["counting"])
     counting = load_checkpoint(model_dirs["counting"])
     expected_adler = {n: adler32_hex(counting[n]) for n in COUNTING_CHANGED}
+    await stage(engine, model_dirs["counting"], "v-counting", COUNTING_CHANGED, expected_adler)
     base_body = {"model": SERVED_NAME, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=engine.base_url, headers=engine.auth_headers, timeout=300) as client:
         started = [asyncio.Event() for _ in range(2)]
@@ -229,9 +225,8 @@ async def _hot_load_under_traffic(engine: EngineProcess, model_dirs: dict[str, P
                 )
             )
             t2 = time.perf_counter()
-            loaded = await engine.load_weights_from_files(
-                counting_files, COUNTING_CHANGED, expected_adler32=expected_adler
-            )
+            loaded = await engine.swap_staged("v-counting")
+            loaded.update(await engine.commit_staged("v-counting"))
             t3 = time.perf_counter()
         finally:
             await engine.resume()
@@ -271,12 +266,12 @@ async def test_hot_load_keeps_requests_and_pid(engine: EngineProcess, model_dirs
         print(f"\n[pause window] attempt {attempt}: only {run['in_flight']} of 6 requests in flight, again")
     t, loaded = run["times_ms"], run["loaded"]
     print(
-        f"\n[pause window] pause(keep) {t['pause']:.1f} ms, load {t['load']:.1f} ms "
-        f"(engine read {1e3 * loaded['read_s']:.1f} + apply {1e3 * loaded['apply_s']:.1f} ms, "
-        f"{loaded['bytes'] / 1e6:.2f} MB, {len(loaded['loaded'])} tensors), resume {t['resume']:.1f} ms; "
+        f"\n[pause window] pause(keep) {t['pause']:.1f} ms, swap + commit {t['load']:.1f} ms "
+        f"(engine copy {1e3 * loaded['copy_s']:.1f} + repack {1e3 * loaded['repack_s']:.1f} + read-back "
+        f"{1e3 * loaded['verify_s']:.1f} ms, {loaded['verified']} tensors), resume {t['resume']:.1f} ms; "
         f"window {t['window']:.1f} ms; {run['in_flight']} of 6 requests in flight at the pause"
     )
-    assert sorted(loaded["loaded"]) == sorted(COUNTING_CHANGED)
+    assert loaded["verified"] == len(COUNTING_CHANGED) and sorted(loaded["checksums"]) == sorted(COUNTING_CHANGED)
     assert run["in_flight"] == 6
 
     # Nothing lost or cut short, and every request switched weights mid-generation: it starts
@@ -301,13 +296,13 @@ async def test_hot_load_keeps_requests_and_pid(engine: EngineProcess, model_dirs
 
 
 async def test_full_load_timing(engine: EngineProcess, model_dirs: dict[str, Path]) -> None:
-    """A full-checkpoint load in place (all 39 tensors), for the figures."""
+    """A full-checkpoint stage and swap in place (all 39 tensors), for the figures."""
     t0 = time.perf_counter()
     r = await load_full(engine, model_dirs["counting"])
     dt = time.perf_counter() - t0
     print(
-        f"\n[full load] {len(r['loaded'])} tensors, {r['bytes'] / 1e6:.2f} MB in {1e3 * dt:.1f} ms "
-        f"(engine read {1e3 * r['read_s']:.1f} + apply {1e3 * r['apply_s']:.1f} ms)"
+        f"\n[full load] {r['verified']} tensors, {r['bytes'] / 1e6:.2f} MB in {1e3 * dt:.1f} ms "
+        f"(engine stage {1e3 * r['seconds']:.1f}, copy {1e3 * r['copy_s']:.1f}, read-back {1e3 * r['verify_s']:.1f} ms)"
     )
     assert await greedy(engine) == [103 + i for i in range(8)]
 
@@ -322,7 +317,7 @@ async def test_partial_load_into_fused_layer(
     path = tmp_path / "k.safetensors"
     save_file({name: new}, path)
 
-    await engine.load_weights_from_files([path], expected_adler32={name: adler32_hex(new)})
+    await load(engine, [path], expected={name: adler32_hex(new)})
     after = await engine.checksums()
     assert after[name] == adler32_hex(new) != before[name]
     # Only that slice of the fused qkv_proj changed; q and v (its neighbours) are intact.
@@ -339,7 +334,7 @@ async def test_save_weights_round_trip(engine: EngineProcess, model_dirs: dict[s
     assert sorted(r["saved"]) == sorted(counting)
     saved = load_checkpoint_file(path)
     assert all(torch.equal(saved[n], counting[n]) for n in counting)
-    await engine.load_weights_from_files([path])  # and it loads back as a checkpoint
+    await load(engine, [path])  # and it loads back as a checkpoint
     assert await engine.checksums() == file_checksums(model_dirs["counting"])
 
 
@@ -359,66 +354,74 @@ async def test_refused_loads_change_nothing(
     for case, tensors in cases.items():
         path = tmp_path / f"{case}.safetensors"
         save_file(tensors, path)
-        with pytest.raises(EngineRequestError) as err:
-            await engine.load_weights_from_files([path])
-        assert "refusing to load" in err.value.body, case
-    assert "dtype float16 != engine bfloat16" in err.value.body
-    # A checksum mismatch names the tensor and loads nothing.
-    with pytest.raises(EngineRequestError) as err:
-        await engine.load_weights_from_files(
-            checkpoint_files(model_dirs["counting"]),
-            COUNTING_CHANGED,
-            expected_adler32={good: "00000000"},
-        )
-    assert "checksum check failed" in err.value.body and good in err.value.body
+        with pytest.raises(EngineError, match="refusing to load"):
+            await stage(engine, [path], f"v-{case}")
+    with pytest.raises(EngineError, match="dtype float16 != engine bfloat16"):
+        await stage(engine, [tmp_path / "dtype.safetensors"], "v-dtype")
+    # A checksum mismatch names the tensor and stages nothing.
+    with pytest.raises(EngineError, match=f"checksum check failed.*{good}"):
+        await stage(engine, model_dirs["counting"], "v-sum", COUNTING_CHANGED, {good: "00000000"})
     # Names missing from the files.
-    with pytest.raises(EngineRequestError):
-        await engine.load_weights_from_files(checkpoint_files(model_dirs["counting"]), ["no.such.weight"])
+    with pytest.raises(EngineError, match="no.such.weight"):
+        await stage(engine, model_dirs["counting"], "v-name", ["no.such.weight"])
+    # Nothing staged: nothing to swap in.
+    with pytest.raises(EngineRequestError, match="nothing staged"):
+        await swap_in_pause(engine, "v-sum")
     assert await engine.checksums() == before
     assert not consecutive(PROMPT[-1:] + await greedy(engine))
 
 
-async def test_peer_transfer_with_test_process(engine: EngineProcess, model_dirs: dict[str, Path]) -> None:
-    """gloo both ways between the engine (rank 1) and this process (rank 0)."""
+async def test_broadcast_with_the_test_process_as_the_peer(engine: EngineProcess, model_dirs: dict[str, Path]) -> None:
+    """gloo both ways between the engine (a stage job) and this process (`PeerGroup`)."""
     await load_full(engine, model_dirs["counting"])
     base = load_checkpoint(model_dirs["base"])
+    # This process sends the base model's values of the changed tensors; the engine checks
+    # their Adler-32 and stages them; they serve only after its commit.
+    tensors = [(n, base[n]) for n in COUNTING_CHANGED]
+    specs = [[n, "bfloat16", list(t.shape)] for n, t in tensors]
     port = free_port()
-    init = asyncio.create_task(engine.peer_init("127.0.0.1", port, 1, 2, "gloo", 120))
-    group = await asyncio.to_thread(PeerGroup.create, "127.0.0.1", port, 0, 2, "gloo", 120)
+    await engine.start_peer_stage_receive("v-base", "127.0.0.1", port, 1, 2, specs,
+                                          {n: adler32_hex(t) for n, t in tensors}, timeout_s=60)
+    group = await asyncio.to_thread(PeerGroup.create, "127.0.0.1", port, 0, 2, "gloo", 60)
     try:
-        assert (await init)["rank"] == 1
-        # This process sends the base model's values of the changed tensors; the engine applies
-        # them after checking their Adler-32s.
-        tensors = [(n, base[n]) for n in COUNTING_CHANGED]
-        specs = [[n, "bfloat16", list(t.shape)] for n, t in tensors]
-        recv = asyncio.create_task(
-            engine.peer_receive(specs, src=0, expected_adler32={n: adler32_hex(t) for n, t in tensors})
-        )
         sent = await asyncio.to_thread(group.send, tensors, 0)
-        r = await recv
-        assert sorted(r["loaded"]) == sorted(COUNTING_CHANGED) and r["bytes"] == sent
-        assert await engine.checksums() == file_checksums(model_dirs["base"])
-        assert not consecutive(PROMPT[-1:] + await greedy(engine))
+    finally:
+        group.close()
+    got = await engine.wait_job("stage")
+    assert got["tensors"] == len(COUNTING_CHANGED) and got["bytes"] == sent
+    assert await engine.served_checksums() == file_checksums(model_dirs["counting"])
+    await swap_in_pause(engine, "v-base")
+    assert await engine.checksums() == file_checksums(model_dirs["base"])
+    assert not consecutive(PROMPT[-1:] + await greedy(engine))
 
-        # The engine sends from its own memory (fused qkv split back into q/k/v).
-        names = ["model.layers.2.self_attn.v_proj.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"]
-        specs = await engine.weight_specs(names)
-        send = asyncio.create_task(engine.peer_send(names, src=1))
-        got = await asyncio.to_thread(group.receive, normalize_specs(specs), 1)
-        assert (await send)["sent"] == names
-        assert all(torch.equal(t, base[n]) for n, t in got)
+    # The engine sends from its own memory (fused qkv split back into q/k/v).
+    names = ["model.layers.2.self_attn.v_proj.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"]
+    specs = await engine.weight_specs(names)
+    port = free_port()
+    await engine.start_peer_stage_send("127.0.0.1", port, 2, names, timeout_s=60)
+    group = await asyncio.to_thread(PeerGroup.create, "127.0.0.1", port, 1, 2, "gloo", 60)
+    try:
+        received = await asyncio.to_thread(group.receive, normalize_specs(specs), 0)
+    finally:
+        group.close()
+    assert (await engine.wait_job("send"))["sent"] == len(names)
+    assert all(torch.equal(t, base[n]) for n, t in received)
 
-        # Disagreeing specs fail on both sides at once (no hang) and load nothing.
-        before = await engine.checksums()
-        recv = asyncio.create_task(engine.peer_receive(specs[:2], src=0))
+    # Disagreeing specs fail on both sides at once (no hang) and stage nothing.
+    before = await engine.checksums()
+    port = free_port()
+    await engine.start_peer_stage_receive("v-short", "127.0.0.1", port, 1, 2, specs[:2], timeout_s=60)
+    group = await asyncio.to_thread(PeerGroup.create, "127.0.0.1", port, 0, 2, "gloo", 60)
+    try:
         with pytest.raises(ValueError, match="rejected"):
             await asyncio.to_thread(group.send, [(n, base[n]) for n in names], 0)
-        with pytest.raises(EngineRequestError, match="disagree"):
-            await recv
-        assert await engine.checksums() == before
     finally:
-        await engine.peer_close()
         group.close()
+    with pytest.raises(EngineError, match="disagree"):
+        await engine.wait_job("stage")
+    with pytest.raises(EngineRequestError, match="nothing staged"):
+        await engine.swap_staged("v-short")
+    assert await engine.checksums() == before
 
 
 @pytest.fixture(scope="module")
@@ -429,45 +432,6 @@ async def engine_b(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPat
         yield eng
     finally:
         await eng.stop()
-
-
-async def test_peer_transfer_between_engines(
-    engine: EngineProcess, engine_b: EngineProcess, model_dirs: dict[str, Path]
-) -> None:
-    """The rolling-update shape: A loads from files, B receives from A's memory over gloo."""
-    a, b = engine, engine_b
-    await load_full(a, model_dirs["base"])
-    await load_full(b, model_dirs["base"])
-    b_pids = await b.engine_pids()
-    counting = load_checkpoint(model_dirs["counting"])
-    expected = {n: adler32_hex(counting[n]) for n in COUNTING_CHANGED}
-    await a.load_weights_from_files(checkpoint_files(model_dirs["counting"]), COUNTING_CHANGED, expected_adler32=expected)
-
-    port = free_port()
-    t0 = time.perf_counter()
-    await asyncio.gather(a.peer_init("127.0.0.1", port, 0, 2), b.peer_init("127.0.0.1", port, 1, 2))
-    t1 = time.perf_counter()
-    try:
-        specs = await a.weight_specs(COUNTING_CHANGED)
-        tp = time.perf_counter()
-        await b.pause(mode="keep")
-        t2 = time.perf_counter()
-        sent, got = await asyncio.gather(
-            a.peer_send(COUNTING_CHANGED, src=0), b.peer_receive(specs, src=0, expected_adler32=expected)
-        )
-        t3 = time.perf_counter()
-        await b.resume()
-        t4 = time.perf_counter()
-    finally:
-        await asyncio.gather(a.peer_close(), b.peer_close())
-    print(
-        f"\n[peer a->b] init {1e3 * (t1 - t0):.1f} ms; transfer+apply {1e3 * (t3 - t2):.1f} ms "
-        f"({sent['bytes'] / 1e6:.2f} MB; b recv {1e3 * got['recv_s']:.1f} + apply {1e3 * got['apply_s']:.1f} ms); "
-        f"b's pause window (pause -> transfer+apply -> resume) {1e3 * (t4 - tp):.1f} ms"
-    )
-    assert await b.checksums() == await a.checksums() == file_checksums(model_dirs["counting"])
-    assert await greedy(b) == [103 + i for i in range(8)]
-    assert await b.engine_pids() == b_pids
 
 
 async def test_staged_update_from_files_changes_nothing_until_commit(
@@ -497,16 +461,26 @@ async def test_staged_update_from_files_changes_nothing_until_commit(
 
     with pytest.raises(EngineRequestError, match="nothing staged"):
         await engine.commit_staged("v-other")  # another label
-    await commit_in_pause(engine, "v1")
+    await swap_in_pause(engine, "v1")
     assert await engine.served_checksums() == file_checksums(model_dirs["counting"])
     assert await greedy(engine) == [103 + i for i in range(8)]
 
-    # A stage taken before another change of the weights is stale: refused, nothing changes.
+    # One stage at a time, through one lifecycle: a commit needs the stage swapped in; a stage
+    # swapped in refuses a new stage until it is committed or discarded; a discard rolls it back.
     await engine.stage_from_files("v2", checkpoint_files(model_dirs["base"]), COUNTING_CHANGED)
-    await load_full(engine, model_dirs["counting"])
-    with pytest.raises(EngineRequestError, match="stale"):
+    with pytest.raises(EngineRequestError, match="not yet swapped in"):
         await engine.commit_staged("v2")
+    await engine.pause(mode="keep")
+    try:
+        await engine.swap_staged("v2")
+        assert await engine.served_checksums() == file_checksums(model_dirs["base"])
+        with pytest.raises(EngineRequestError, match="swapped in: commit or discard it first"):
+            await engine.stage_from_files("v3", checkpoint_files(model_dirs["base"]), COUNTING_CHANGED)
+        assert await engine.discard_staged() == {"discarded": "v2", "rolled_back": True}
+    finally:
+        await engine.resume()
     assert await engine.served_checksums() == file_checksums(model_dirs["counting"])
+    assert await greedy(engine) == [103 + i for i in range(8)]
 
 
 async def test_a_job_its_caller_gave_up_on_delays_the_next_one_instead_of_failing_it(
@@ -528,15 +502,13 @@ async def test_a_job_its_caller_gave_up_on_delays_the_next_one_instead_of_failin
     staged = await engine.stage_from_files("v-after", checkpoint_files(model_dirs["counting"]), COUNTING_CHANGED,
                                            expected)
     assert staged["tensors"] == len(COUNTING_CHANGED)
-    assert await engine.discard_staged() == {"discarded": "v-after"}
+    assert await engine.discard_staged() == {"discarded": "v-after", "rolled_back": False}
     assert await engine.served_checksums() == file_checksums(model_dirs["base"])
 
 
 def _counting_in_arena(model_dirs: dict[str, Path], tmp_path: Path) -> tuple[Any, dict, list, dict[str, str]]:
     """The counting model's changed tensors laid out in a stage arena as the agent's decode
     leaves them: (arena, layout, stage entries, expected Adler-32)."""
-    from replica.stage_arena import StageArena
-
     counting = load_checkpoint(model_dirs["counting"])
     expected = {n: adler32_hex(counting[n]) for n in COUNTING_CHANGED}
     arena = StageArena(tmp_path)
@@ -551,8 +523,9 @@ async def _commit_of_a_changed_stage_fails(engine: EngineProcess, arena: Any, la
     """Flip one staged byte after the stage was checked: the commit's proof must refuse it."""
     first = COUNTING_CHANGED[0]
     arena.view(*layout[first])[0] ^= 1
-    with pytest.raises(EngineRequestError, match="different values after the load"):
-        await commit_in_pause(engine, label)
+    with pytest.raises(ReadBackError) as err:
+        await swap_in_pause(engine, label)
+    assert err.value.tensors == [first]
     arena.view(*layout[first])[0] ^= 1
 
 
@@ -561,7 +534,8 @@ async def test_stage_from_arena_is_checked_and_proven_inside_the_pause(
 ) -> None:
     """The agent's fast path: bytes decoded into shared memory are staged as views (checked
     against the expected Adler-32), served only after the commit, which returns the Adler-32 of
-    what the engine then holds; bytes that change under a stage fail the commit, nothing moves."""
+    what the engine then holds; bytes that change under a stage fail the commit's read-back,
+    which names them and rolls the engine back."""
     await load_full(engine, model_dirs["base"])
     base_sums = file_checksums(model_dirs["base"])
     arena, layout, entries, expected = _counting_in_arena(model_dirs, tmp_path)
@@ -580,7 +554,7 @@ async def test_stage_from_arena_is_checked_and_proven_inside_the_pause(
     assert await engine.served_checksums() == base_sums
 
     await engine.stage_from_arena("v2", arena.path, entries, expected)
-    swap = await commit_in_pause(engine, "v2")
+    swap = await swap_in_pause(engine, "v2")
     assert swap["checksums"] == expected
     assert await engine.served_checksums() == file_checksums(model_dirs["counting"])
     assert await greedy(engine) == [103 + i for i in range(8)]
@@ -592,9 +566,6 @@ async def test_a_stage_rolls_back_from_the_host_copy_in_shared_memory(
 ) -> None:
     """With the agent's host copy in shared memory, a stage takes its roll-back bytes as views
     of it (no copy of the parameters): a failed commit puts exactly those back."""
-    from replica.stage_arena import StageArena
-    from snapshots.host import HostWeights
-
     await load_full(engine, model_dirs["base"])
     base_sums = file_checksums(model_dirs["base"])
     host_arena = StageArena(tmp_path)
@@ -611,7 +582,7 @@ async def test_a_stage_rolls_back_from_the_host_copy_in_shared_memory(
     assert await engine.served_checksums() == base_sums
 
     await engine.stage_from_arena("v2", arena.path, entries, expected, backup=(host_arena.path, offsets))
-    await commit_in_pause(engine, "v2")
+    await swap_in_pause(engine, "v2")
     assert await engine.served_checksums() == file_checksums(model_dirs["counting"])
     assert host.checksums() == base_sums  # the engine read the host copy, never wrote it
     arena.close()
@@ -640,7 +611,7 @@ async def test_broadcast_stages_on_the_receiver_then_commits(
     on_disk = load_checkpoint_file(saved)
     assert {n: adler32_hex(t) for n, t in on_disk.items()} == expected
 
-    await commit_in_pause(b, "v1")
+    await swap_in_pause(b, "v1")
     assert await b.served_checksums() == file_checksums(model_dirs["counting"])
     assert await greedy(b) == [103 + i for i in range(8)]
 

@@ -1,4 +1,4 @@
-"""Engines answer only their agent and the gateway (replica/engine_guard.py), on the session's
+"""Engines answer only their agent and the gateway (replica/engine/guard.py), on the session's
 real vLLM CPU engine (conftest.py).
 
 Covers: every route but ``GET /health`` refuses a request without the secret or with a wrong
@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from common.settings import ENGINE_SECRET_HEADER
-from replica.engine import REPO_ROOT, EngineProcess
-from replica.engine_guard import SECRET_FILE_ENV
+from replica.agent.engine import REPO_ROOT, EngineProcess
+from replica.launch import SECRET_FILE_ENV, SERVER_MODULE
 
 pytestmark = pytest.mark.engine
 
@@ -123,7 +123,7 @@ def run_server(tmp_path: Path, env_update: dict[str, str]) -> subprocess.Complet
     env = {k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}
     env.update(env_update)
     env["PYTHONPATH"] = str(REPO_ROOT)
-    return subprocess.run([sys.executable, "-m", "replica.vllm_server", "--model", str(tmp_path)],
+    return subprocess.run([sys.executable, "-m", SERVER_MODULE, "--model", str(tmp_path)],
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
 

@@ -1,4 +1,4 @@
-"""Shared memory of dead engines is reclaimed, and only that (replica/shm_reclaim.py).
+"""Shared memory of dead engines is reclaimed, and only that (replica/agent/shm_reclaim.py).
 
 Covers: a ``psm_`` segment left by a killed process group (as a killed vLLM engine leaves its
 message queues: Python's resource tracker dies with it) is removed from ``/dev/shm``; segments a
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from replica.engine import EngineProcess
-from replica.shm_reclaim import DEV_SHM, reclaim_dead_segments
+from replica.agent.engine import EngineProcess
+from replica.agent.shm_reclaim import DEV_SHM, reclaim_dead_segments
 
 HOLDER = """
 import mmap, os, sys, time

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import gc
 import os
 import subprocess
 import sys
@@ -10,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from replica.stage_arena import ALIGN, StageArena
+from replica.engine import shared_memory
+from replica.stage_arena import ALIGN, StageArena, decode_turn_marker, host_decode_slot
 
 
 def test_layout_is_aligned_and_the_arena_grows(tmp_path: Path) -> None:
@@ -45,10 +49,6 @@ def test_another_process_sees_the_bytes(tmp_path: Path) -> None:
 
 
 async def test_decode_slot_is_held_by_one_at_a_time_and_a_canceled_waiter_leaves_it(tmp_path: Path) -> None:
-    import asyncio
-
-    from replica.stage_arena import host_decode_slot
-
     inside: list[str] = []
     log: list[str] = []
 
@@ -70,8 +70,6 @@ async def test_decode_slot_is_held_by_one_at_a_time_and_a_canceled_waiter_leaves
 
 def test_a_full_shm_dir_falls_back_to_the_temp_dir(tmp_path: Path, monkeypatch) -> None:
     """A tmpfs too small for the arena must not become a SIGBUS at the first write."""
-    import errno
-
     full = tmp_path / "shm"
     full.mkdir()
     spare = tmp_path / "tmp"
@@ -93,10 +91,6 @@ def test_a_full_shm_dir_falls_back_to_the_temp_dir(tmp_path: Path, monkeypatch) 
 
 
 async def test_decode_turns_go_in_position_order_and_dead_markers_are_ignored(tmp_path: Path) -> None:
-    import asyncio
-
-    from replica.stage_arena import decode_turn_marker, host_decode_slot
-
     order: list[int] = []
     # A marker left by a process that no longer exists holds nobody up.
     (tmp_path / "rollouts-turn-7-000000-999999999").touch()
@@ -128,33 +122,36 @@ def test_a_host_copy_allocated_in_an_arena_is_found_by_offset(tmp_path: Path) ->
     arena.close()
 
 
+def _file_key(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size
+
+
 def test_an_arena_let_go_closes_its_file_and_the_engine_forgets_its_mapping(tmp_path: Path) -> None:
     """A replaced host copy's arena must not pin its shared memory: dropping the arena closes
     its file, and the engine's next mapping forgets mappings of files that are gone."""
-    import gc
-
-    from replica import engine_extension
-
     kept, dropped = StageArena(tmp_path), StageArena(tmp_path)
     kept.reserve([("a", 128)])
     dropped.reserve([("a", 128)])
     kept_path, dropped_path = kept.path, dropped.path
-    engine_extension._map_shared(kept_path)
-    engine_extension._map_shared(dropped_path)
-    dropped_key = engine_extension._SHARED_MAPS[dropped_path][0]
+    shared_memory.map_shared(kept_path)
+    shared_memory.map_shared(dropped_path)
+    dropped_key = shared_memory.SHARED_MAPS[dropped_path][0]
     del dropped
     gc.collect()
-    assert not os.path.exists(dropped_path)  # the agent's fd is closed
+    # The agent's fd is closed: its number names no file, or (reused by another thread of this
+    # process meanwhile) another one.
+    assert not os.path.exists(dropped_path) or _file_key(dropped_path) != dropped_key
     # The next arena may or may not get the dropped one's fd number (its path): either way the
     # engine must map the new file, not hand back the old mapping, and forget the old one.
     newer = StageArena(tmp_path)
     newer.reserve([("a", 64)])
-    memory = engine_extension._map_shared(newer.path)
+    memory = shared_memory.map_shared(newer.path)
     assert memory.numel() == os.stat(newer.path).st_size
-    kept_key = engine_extension._SHARED_MAPS[kept_path][0]
-    keys = {key for key, _, _ in engine_extension._SHARED_MAPS.values()}
+    kept_key = shared_memory.SHARED_MAPS[kept_path][0]
+    keys = {key for key, _, _ in shared_memory.SHARED_MAPS.values()}
     assert dropped_key not in keys
-    assert set(engine_extension._SHARED_MAPS) == {kept_path, newer.path} and len(keys) == 2 and kept_key in keys
+    assert set(shared_memory.SHARED_MAPS) == {kept_path, newer.path} and len(keys) == 2 and kept_key in keys
     for arena in (kept, newer):
         arena.close()
-    engine_extension._SHARED_MAPS.clear()
+    shared_memory.SHARED_MAPS.clear()

@@ -1,11 +1,17 @@
-"""replica.vllm_plugin: the capped idle busy-poll and the eager logprob ranks (the engine side:
+"""replica.engine.plugin: the capped idle busy-poll and the eager logprob ranks (the engine side:
 tests/replica/test_engine.py)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+import zmq
+from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+from vllm.utils.network_utils import get_open_zmq_ipc_path
+from vllm.v1.sample import sampler
+from vllm.v1.sample.ops import logprobs
 
-from replica.vllm_plugin import (
+from replica.engine.plugin import (
     DEFAULT_SPIN_S,
     count_at_least,
     eager_logprob_ranks,
@@ -16,10 +22,6 @@ from replica.vllm_plugin import (
 
 
 def test_readers_stop_spinning_after_the_cap() -> None:
-    zmq = pytest.importorskip("zmq")
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-    from vllm.utils.network_utils import get_open_zmq_ipc_path
-
     assert shorten_idle_spin() is True  # a CPU platform here
     assert shorten_idle_spin() is True and idle_spin_cap() == DEFAULT_SPIN_S  # idempotent
     context = zmq.Context()
@@ -35,13 +37,8 @@ def test_readers_stop_spinning_after_the_cap() -> None:
     context.term()
 
 
-
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # vLLM's sampler imports torch.jit.script_method
 def test_the_sampler_counts_logprob_ranks_eagerly() -> None:
-    import torch
-    from vllm.v1.sample import sampler
-    from vllm.v1.sample.ops import logprobs
-
     assert eager_logprob_ranks() is True and eager_logprob_ranks() is True  # a CPU platform; idempotent
     assert logprob_ranks_eager()
     assert sampler.batched_count_greater_than is count_at_least is logprobs.batched_count_greater_than

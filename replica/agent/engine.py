@@ -1,0 +1,339 @@
+"""One vLLM OpenAI server process (the replica's engine), started or attached to.
+
+- ``EngineProcess(model_dir, work_dir=..., ...)`` describes an engine; ``await start()`` launches
+  ``python -m replica.engine.server`` (vLLM's OpenAI server with each choice's weight-version
+  spans) for ``model_dir`` on 127.0.0.1 with dev-mode routes on (``VLLM_SERVER_DEV_MODE=1``),
+  BF16, eager mode, a small KV cache (``VLLM_CPU_KVCACHE_SPACE``), ``--served-model-name``,
+  ``--max-model-len``, ``--max-num-seqs`` and our worker extension (`replica.launch`), then
+  waits until ``/health`` and ``/v1/models`` answer. A start that fails or times out raises
+  ``EngineStartError`` carrying the tail of the log, and stops what it started.
+- Every route but ``GET /health`` needs the engine's secret (`replica.engine.guard`). ``secret``
+  (default: a fresh random one; the replica agent passes ``Settings.engine_secret``) reaches the
+  server through a 0600 file in ``work_dir`` named by ``ROLLOUTS_ENGINE_SECRET_FILE`` (never its
+  command line), which ``start()`` removes once the server serves.
+- Everything the process writes goes under ``work_dir``: its log (``engine.log`` unless
+  ``log_path`` says otherwise) and, through ``TMPDIR`` / ``VLLM_CACHE_ROOT`` /
+  ``VLLM_CONFIG_ROOT`` / ``HF_HOME`` / ``XDG_*``, vLLM's IPC files and caches. Usage
+  statistics are off and Hugging Face is offline: nothing leaves the machine.
+- ``EngineProcess.attach(base_url, pid=None, secret=None)`` drives an engine someone else started
+  (without its secret only ``health()`` works); ``stop()`` on it signals ``pid`` if given (it
+  cannot reap it).
+- The control methods are `replica.agent.engine_rpc.EngineClient`'s.
+- ``stop()``: SIGTERM to the server, wait, then SIGKILL to its whole process group (the server,
+  the engine core and the worker: the server is started in a session of its own) on timeout.
+
+timings: bench/README.md
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+from common.processes import free_port
+from replica.agent.engine_rpc import EngineClient, EngineError, EngineRequestError, ReadBackError
+from replica.launch import EXTENSION_CLS, SECRET_FILE_ENV, SERVER_MODULE
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class EngineStartError(EngineError):
+    pass
+
+
+def _tail(path: Path | None, max_bytes: int = 6000) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    with path.open("rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - max_bytes))
+        return f.read().decode("utf-8", "replace")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+
+class EngineProcess(EngineClient):
+    """A vLLM OpenAI server for one model directory; see the module docstring."""
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        *,
+        work_dir: Path | str,
+        served_model_name: str = "model",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_path: Path | str | None = None,
+        max_model_len: int = 1024,
+        max_num_seqs: int = 32,
+        kv_cache_gib: int = 1,
+        dtype: str = "bfloat16",
+        worker_extension_cls: str | None = EXTENSION_CLS,
+        python: str = sys.executable,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        secret: str | None = None,
+    ) -> None:
+        super().__init__(secret=secret or secrets.token_urlsafe(32))
+        self.model_dir = Path(model_dir)
+        self.work_dir = Path(work_dir)
+        self.served_model_name = served_model_name
+        self.host = host
+        self.port = port
+        self.log_path = Path(log_path) if log_path else self.work_dir / "engine.log"
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.kv_cache_gib = kv_cache_gib
+        self.dtype = dtype
+        self.worker_extension_cls = worker_extension_cls
+        self.python = python
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.start_seconds: float | None = None
+
+    # -- identity ---------------------------------------------------------------------------
+
+    @classmethod
+    def attach(cls, base_url: str, *, pid: int | None = None, served_model_name: str | None = None,
+               secret: str | None = None) -> EngineProcess:
+        """An EngineProcess for an engine that is already running at ``base_url``; ``secret``:
+        that engine's (without it, the engine refuses everything but ``/health``)."""
+        self = cls("", work_dir=".", served_model_name=served_model_name or "")
+        self.secret = secret
+        self._base_url = base_url.rstrip("/")
+        self._pid = pid
+        return self
+
+    @property
+    def secret_path(self) -> Path:
+        """Where ``start()`` hands the secret to the server (removed once it serves)."""
+        return self.work_dir / "engine.secret"
+
+    @property
+    def owned(self) -> bool:
+        """True when this object started the process (and so may reap it)."""
+        return self._proc is not None
+
+    def command(self) -> list[str]:
+        assert self.port is not None
+        cmd = [
+            # vLLM's OpenAI server, plus each choice's per-token weight-version spans.
+            self.python, "-m", SERVER_MODULE,
+            "--model", str(self.model_dir),
+            "--served-model-name", self.served_model_name,
+            "--dtype", self.dtype,
+            "--enforce-eager",
+            "--host", self.host,
+            "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            # usage.prompt_tokens_details.cached_tokens: what trainers (cwtrain) read as cache hits.
+            "--enable-prompt-tokens-details",
+        ]  # fmt: skip
+        if self.worker_extension_cls:
+            cmd += ["--worker-extension-cls", self.worker_extension_cls]
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        tmp = self.work_dir / "tmp"
+        cache = self.work_dir / "cache"
+        env.update(
+            {
+                "VLLM_SERVER_DEV_MODE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+                # Keep every file the engine writes under work_dir, and nothing leaves the machine.
+                "TMPDIR": str(tmp),
+                "VLLM_CACHE_ROOT": str(cache / "vllm"),
+                "VLLM_CONFIG_ROOT": str(cache / "vllm-config"),
+                "HF_HOME": str(cache / "hf"),
+                "XDG_CACHE_HOME": str(cache),
+                "XDG_CONFIG_HOME": str(cache / "config"),
+                "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+                "TRITON_CACHE_DIR": str(cache / "triton"),
+                "VLLM_NO_USAGE_STATS": "1",
+                "VLLM_DO_NOT_TRACK": "1",
+                "DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1",
+                # Keep the control connection warm between calls (vLLM's default is 5 s).
+                "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",
+                # The worker imports our extension by name: make the repo importable.
+                "PYTHONPATH": os.pathsep.join(
+                    p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
+                ),
+            }
+        )
+        env.update(self.extra_env)
+        env[SECRET_FILE_ENV] = str(self.secret_path)
+        return env
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self, timeout: float = 600.0) -> EngineProcess:
+        """Launch the server and wait until it serves; raises EngineStartError."""
+        if self._proc is not None or self._base_url is not None:
+            raise EngineError("already started or attached")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        for sub in ("tmp", "cache"):
+            (self.work_dir / sub).mkdir(exist_ok=True)
+        if self.port is None:
+            self.port = free_port(self.host)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._write_secret()
+        t0 = time.monotonic()
+        with self.log_path.open("ab") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(self.command())}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                cwd=str(self.work_dir),
+                # A session of its own: stop() can kill the server, engine core and worker
+                # together by process group if SIGTERM is not enough.
+                start_new_session=True,
+            )
+        self._pid = self._proc.pid
+        self._base_url = f"http://{self.host}:{self.port}"
+        try:
+            await self.wait_ready(timeout)
+        except BaseException:
+            await self.stop()
+            raise
+        finally:
+            self.secret_path.unlink(missing_ok=True)  # the server read it before it served
+        self.start_seconds = time.monotonic() - t0
+        return self
+
+    def _write_secret(self) -> None:
+        if not self.secret:
+            raise EngineError("an engine needs a secret")
+        self.secret_path.unlink(missing_ok=True)
+        fd = os.open(self.secret_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.secret)
+
+    async def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient(timeout=5.0, headers=self.auth_headers) as client:
+            while True:
+                if self._proc is not None and self._proc.poll() is not None:
+                    raise EngineStartError(
+                        f"vLLM exited with code {self._proc.returncode} before it served "
+                        f"(log {self.log_path}):\n{_tail(self.log_path)}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    health = await client.get(self.base_url + "/health")
+                    if health.status_code == 200:
+                        models = await client.get(self.base_url + "/v1/models")
+                        if models.status_code == 200 and models.json().get("data"):
+                            return
+                if time.monotonic() > deadline:
+                    raise EngineStartError(
+                        f"vLLM at {self.base_url} not ready after {timeout:.0f}s "
+                        f"(log {self.log_path}):\n{_tail(self.log_path)}"
+                    )
+                await asyncio.sleep(0.5)
+
+    async def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, wait up to ``timeout``, then SIGKILL the process group. Returns the exit code
+        when this object started the process; None for an attached one."""
+        await self.aclose()
+        pid = self._pid
+        if pid is None:
+            return None
+        if self._proc is not None:
+            proc = self._proc
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + timeout
+                while proc.poll() is None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                await asyncio.to_thread(proc.wait)
+            # The engine core and worker share the server's process group; wait for them too.
+            await self._kill_group_leftovers(pid)
+            return proc.returncode
+        if pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while pid_alive(pid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            if pid_alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        return None
+
+    async def _kill_group_leftovers(self, pgid: int, grace: float = 10.0) -> None:
+        """Children that outlive the server (the engine core exits on its own after the
+        server's SIGTERM, but give it a bounded grace period) get SIGKILL."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            await asyncio.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+
+    async def __aenter__(self) -> EngineProcess:
+        if self._base_url is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def alive(self) -> bool:
+        """Whether the server process runs (a zombie counts as gone)."""
+        return self._pid is not None and pid_alive(self._pid)
+
+    def __repr__(self) -> str:
+        return f"EngineProcess(model_dir={str(self.model_dir)!r}, base_url={self._base_url!r}, pid={self._pid})"
+
+
+
+__all__ = [
+    "EXTENSION_CLS",
+    "EngineError",
+    "EngineProcess",
+    "EngineRequestError",
+    "EngineStartError",
+    "ReadBackError",
+    "free_port",
+]

@@ -1,0 +1,358 @@
+"""The agent's client of its engine: HTTP control routes and the worker extension's RPCs.
+
+:class:`EngineClient` drives an engine at ``base_url`` (every request carries the engine's secret,
+``auth_headers``; `replica.engine.guard`): vLLM's dev-mode routes (``pause``, ``resume``,
+``is_paused``, ``reset_prefix_cache``, the weight-version label) and the extension's methods over
+``/collective_rpc`` (`replica.engine.extension` documents their JSON): checksums, specs,
+``save_weights``, the background jobs (stages, broadcasts, the served-weights checksums) and the
+stage's lifecycle, ``swap_staged`` / ``commit_staged`` / ``discard_staged``. Non-2xx answers
+raise ``EngineRequestError`` with the status and body; a commit whose read-back differs raises
+``ReadBackError`` naming the tensors (the engine has rolled back).
+
+The connection is pooled for 60 s and the server keeps idle ones for 75 s (vLLM's default is
+5 s): a ``/pause`` over a new connection to a server busy streaming waits behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from common.settings import ENGINE_SECRET_HEADER
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class EngineStartError(EngineError):
+    pass
+
+
+class EngineRequestError(EngineError):
+    def __init__(self, method: str, path: str, status: int, body: str):
+        super().__init__(f"{method} {path} -> HTTP {status}: {body[:2000]}")
+        self.status = status
+        self.body = body
+
+
+class ReadBackError(EngineError):
+    """The engine's read-back after a swap differs from the stage for ``tensors``; the engine
+    rolled them back."""
+
+    def __init__(self, label: str, tensors: list[str]):
+        super().__init__(f"the read-back of {label!r} differs for {len(tensors)} tensor(s): {', '.join(tensors[:8])}")
+        self.tensors = tensors
+
+
+class EngineClient:
+    """An engine at ``base_url`` (module docstring)."""
+
+    def __init__(self, base_url: str | None = None, *, secret: str | None = None, pid: int | None = None) -> None:
+        self.secret = secret
+        self._base_url = None if base_url is None else base_url.rstrip("/")
+        self._pid = pid
+        self._job_results: dict[str, Path] = {}  # background job kind -> its result file
+        self._clients: dict[int, httpx.AsyncClient] = {}
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """The header that gets a request past the engine's guard (empty without a secret)."""
+        return {ENGINE_SECRET_HEADER: self.secret} if self.secret else {}
+
+    @property
+    def pid(self) -> int | None:
+        """The API server's pid (the engine core and worker are its children)."""
+        return self._pid
+
+    @property
+    def base_url(self) -> str:
+        if self._base_url is None:
+            raise EngineError("engine not started")
+        return self._base_url
+
+    # -- HTTP -------------------------------------------------------------------------------
+
+    def _client(self) -> httpx.AsyncClient:
+        # One client per event loop: an httpx.AsyncClient's pool is bound to the loop it ran on.
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(id(loop))
+        if client is None or client.is_closed:
+            client = httpx.AsyncClient(
+                base_url=self.base_url,
+                headers=self.auth_headers,
+                timeout=httpx.Timeout(600.0, connect=10.0),
+                # Below the server's keep-alive (75 s, set in environment()), so a pooled
+                # connection is never one the server has just closed.
+                limits=httpx.Limits(keepalive_expiry=60.0),
+            )
+            self._clients[id(loop)] = client
+        return client
+
+    async def aclose(self) -> None:
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        client = self._client()
+        resp = await client.request(method, path, **kwargs)
+        if resp.status_code // 100 != 2:
+            if resp.status_code >= 500:
+                # vLLM's server drops the keep-alive connection after an unhandled exception
+                # (e.g. a failing collective_rpc); a pooled connection would then fail the
+                # next request with ReadError. Start the next request on a fresh pool.
+                self._clients.pop(id(asyncio.get_running_loop()), None)
+                await client.aclose()
+            raise EngineRequestError(method, path, resp.status_code, resp.text)
+        return resp
+
+    async def health(self) -> bool:
+        try:
+            return (await self._client().get("/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def models(self) -> list[str]:
+        return [m["id"] for m in (await self.request("GET", "/v1/models")).json()["data"]]
+
+    # -- pause / resume / cache -------------------------------------------------------------
+
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        """Pause generation. ``keep`` freezes running requests in place (their KV cache kept) and
+        queues new ones until ``resume``; ``wait`` drains running requests; ``abort`` aborts them.
+
+        ``clear_cache`` (vLLM 0.32, checked in ``EngineCore._finish_pause``; its route's
+        docstring says keep ignores it, but the code does not): at the pause, preempt running
+        requests and drop the prefix cache, so after ``resume`` they are recomputed on whatever
+        weights the engine then holds. False keeps the KV cache: a frozen request continues over
+        its old KV with the new weights. Returns when the engine is paused.
+        """
+        await self.request(
+            "POST", "/pause", params={"mode": mode, "clear_cache": "true" if clear_cache else "false"}
+        )
+
+    async def resume(self) -> None:
+        await self.request("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self.request("GET", "/is_paused")).json()["is_paused"])
+
+    async def reset_prefix_cache(self) -> bool:
+        """True when vLLM reset the prefix cache (it refuses while requests hold blocks)."""
+        resp = await self.request("POST", "/reset_prefix_cache")
+        with contextlib.suppress(ValueError):
+            body = resp.json()
+            if isinstance(body, dict) and "success" in body:
+                return bool(body["success"])
+        return True
+
+    # -- the extension ----------------------------------------------------------------------
+
+    async def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call a worker method; returns one JSON result per worker (one at TP=1)."""
+        resp = await self.request(
+            "POST", "/collective_rpc", json={"method": method, "args": list(args), "kwargs": kwargs}
+        )
+        if not resp.content:
+            return []
+        return resp.json()["results"]
+
+    async def _rpc1(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        results = await self.collective_rpc(method, *args, **kwargs)
+        if len(results) != 1:
+            # More than one worker (TP/PP > 1): the caller must combine per-worker results.
+            raise EngineError(f"{method}: expected one worker result, got {len(results)}")
+        return results[0]
+
+    async def engine_pids(self) -> dict[str, int]:
+        """``{"server": API server pid (if known), "worker": ..., "worker_parent": ...}``."""
+        r = await self._rpc1("engine_pid")
+        out = {"worker": int(r["pid"]), "worker_parent": int(r["parent_pid"])}
+        if self._pid is not None:
+            out["server"] = self._pid
+        return out
+
+
+    async def checksums(self, names: Sequence[str] | None = None, algorithm: str = "adler32") -> dict[str, str]:
+        """Per-tensor digest of what the engine holds, by checkpoint name."""
+        r = await self._rpc1("weight_checksums", None if names is None else list(names), algorithm)
+        return dict(r["checksums"])
+
+    async def set_weight_version(self, version: str) -> None:
+        """Tag the weights the engine serves (vLLM labels outputs with it; `/weight_info` reads it)."""
+        await self.request("POST", "/update_weight_version", json={"new_version": version})
+
+    async def weight_version(self) -> str | None:
+        return (await self.request("GET", "/weight_info")).json().get("weight_version")
+
+    async def save_weights(self, names: Sequence[str] | None, path: Path | str) -> dict[str, Any]:
+        """Have the engine write what it holds for ``names`` (checkpoint names; all when None) to
+        a safetensors file at ``path`` (on the engine's machine)."""
+        return await self._rpc1("save_weights", None if names is None else list(names), str(path))
+
+    async def weight_specs(self, names: Sequence[str] | None = None) -> list[list[Any]]:
+        return (await self._rpc1("weight_specs", None if names is None else list(names)))["specs"]
+
+
+    # -- staged updates (the extension's background jobs) ---------------------------------
+
+    async def job_status(self) -> dict[str, Any]:
+        return await self._rpc1("job_status")
+
+    async def _start_job(self, method: str, *args: Any, previous_wait_s: float = 90.0) -> dict[str, Any]:
+        """Call an extension method that starts a background job; remember where it reports.
+
+        The engine runs one job at a time. A job whose caller stopped waiting (a canceled step)
+        still runs to its end, which is bounded (a peer group's join times out); a new job
+        waits up to ``previous_wait_s`` for it instead of failing the step."""
+        deadline = time.monotonic() + previous_wait_s
+        while True:
+            try:
+                started = await self._rpc1(method, *args)
+                break
+            except EngineRequestError as exc:
+                if "job is still running" not in exc.body or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.25)
+        if isinstance(started, dict) and started.get("result_path"):
+            self._job_results[str(started["kind"])] = Path(started["result_path"])
+        return started
+
+    async def wait_job(self, kind: str, timeout_s: float = 600.0, rpc_every_s: float = 5.0) -> dict[str, Any]:
+        """Wait for the extension's background ``kind`` job; returns its result or raises
+        EngineError with the job's error.
+
+        Watches the job's result file every 5 ms (no RPC: each one keeps vLLM's worker
+        busy-polling for a second) and asks the engine itself only every ``rpc_every_s`` (a job
+        that could not write its file, an engine that died); without a file, every 20 ms."""
+        deadline = time.monotonic() + timeout_s
+        path = self._job_results.pop(kind, None)
+        next_rpc = time.monotonic() + (rpc_every_s if path is not None else 0.0)
+        try:
+            while True:
+                st: dict[str, Any] | None = None
+                if path is not None and path.exists():
+                    with contextlib.suppress(ValueError):  # written atomically: a foreign file
+                        st = json.loads(path.read_text())
+                if st is None and time.monotonic() >= next_rpc:
+                    st = await self.job_status()
+                    if st["kind"] != kind:
+                        raise EngineError(f"no background {kind} job (the engine reports {st['kind']!r})")
+                    next_rpc = time.monotonic() + (rpc_every_s if path is not None else 0.02)
+                if st is not None and st["state"] == "done":
+                    return st["result"]
+                if st is not None and st["state"] == "failed":
+                    raise EngineError(f"background {kind} failed: {st['error']}")
+                if time.monotonic() > deadline:
+                    raise EngineError(f"background {kind} still running after {timeout_s:.0f} s")
+                await asyncio.sleep(0.005 if path is not None else 0.02)
+        finally:
+            if path is not None:
+                path.unlink(missing_ok=True)
+
+    async def stage_from_files(
+        self, label: str, paths: Sequence[Path | str], names: Sequence[str] | None = None,
+        expected_adler32: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """Read and check tensors off the serving path; ``commit_staged(label)`` swaps them in."""
+        await self._start_job(
+            "stage_from_files", label, [str(p) for p in paths], None if names is None else list(names),
+            None if expected_adler32 is None else dict(expected_adler32),
+        )
+        return await self.wait_job("stage")
+
+    async def stage_from_arena(
+        self, label: str, path: Path | str, entries: Sequence[Sequence[Any]], expected_adler32: Mapping[str, str],
+        verify: bool = True, backup: tuple[Path | str, Mapping[str, int]] | None = None,
+    ) -> dict[str, Any]:
+        """Stage tensors the agent decoded into shared memory (``replica.stage_arena``):
+        ``entries`` are ``[name, dtype, shape, offset]``, checked against ``expected_adler32``
+        off the serving path (``verify``) and again, on what the engine holds, by
+        ``commit_staged(label)``, which swaps them in. ``backup`` = (path, name -> offset): the
+        host copy in shared memory, holding what the engine serves now, which the commit rolls
+        back from (else the stage copies the engine's current values first)."""
+        backup_path, backup_offsets = (str(backup[0]), dict(backup[1])) if backup is not None else (None, None)
+        await self._start_job("stage_from_arena", label, str(path), [list(e) for e in entries],
+                              dict(expected_adler32), verify, backup_path, backup_offsets)
+        return await self.wait_job("stage")
+
+    async def start_peer_stage_send(
+        self, host: str, port: int, world_size: int, names: Sequence[str] | None = None,
+        backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
+    ) -> None:
+        """Start broadcasting ``names`` to ranks 1..world_size-1 (``wait_job("send")``).
+        ``external_store``: another process already hosts the rendezvous store at host:port."""
+        await self._start_job("peer_stage_send", host, port, world_size, None if names is None else list(names),
+                              backend, timeout_s, external_store)
+
+    async def start_peer_stage_receive(
+        self, label: str, host: str, port: int, rank: int, world_size: int, specs: Sequence[Sequence[Any]],
+        expected_adler32: Mapping[str, str] | None = None, save_path: Path | str | None = None,
+        backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
+    ) -> None:
+        """Start receiving a broadcast into a stage (``wait_job("stage")``)."""
+        await self._start_job(
+            "peer_stage_receive", label, host, port, rank, world_size, [list(s) for s in specs],
+            None if expected_adler32 is None else dict(expected_adler32),
+            None if save_path is None else str(save_path), backend, timeout_s, external_store,
+        )
+
+    async def start_peer_send_files(
+        self, host: str, port: int, world_size: int, paths: Sequence[Path | str], backend: str = "gloo",
+        timeout_s: float = 300.0, external_store: bool = False,
+    ) -> None:
+        """Start broadcasting whole files to ranks 1..world_size-1 (``wait_job("send")``)."""
+        await self._start_job("peer_send_files", host, port, world_size, [str(p) for p in paths], backend, timeout_s,
+                              external_store)
+
+    async def start_peer_receive_files(
+        self, host: str, port: int, rank: int, world_size: int, specs: Sequence[Sequence[Any]],
+        expected_adler32: Mapping[str, str], out_dir: Path | str, backend: str = "gloo",
+        timeout_s: float = 300.0, external_store: bool = False,
+    ) -> None:
+        """Start receiving broadcast files into ``out_dir`` (``wait_job("receive")``)."""
+        await self._start_job("peer_receive_files", host, port, rank, world_size, [list(s) for s in specs],
+                              dict(expected_adler32), str(out_dir), backend, timeout_s, external_store)
+
+    async def served_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """Adler-32 of what the engine serves, computed off the serving path (a background job)."""
+        await self._start_job("checksum_job", None if names is None else list(names))
+        return dict((await self.wait_job("checksums"))["checksums"])
+
+    async def swap_staged(self, label: str) -> dict[str, Any]:
+        """Load the stage ``label`` in place (call inside a pause); on a failure the engine has
+        restored its tensors. ``commit_staged`` or ``discard_staged`` must follow."""
+        return await self._rpc1("swap_staged", label)
+
+    async def commit_staged(self, label: str) -> dict[str, Any]:
+        """Prove the swapped stage (inside the same pause): the result's ``verified`` counts the
+        tensors read back and found equal to the stage's expected Adler-32 (``checksums``) or,
+        without those, to the bytes staged. A difference raises ReadBackError (rolled back)."""
+        result = await self._rpc1("commit_staged", label)
+        if result.get("read_back_failed"):
+            raise ReadBackError(label, list(result["read_back_failed"]))
+        return result
+
+    async def discard_staged(self) -> dict[str, Any]:
+        """Drop the stage; a swapped one is rolled back (``rolled_back``)."""
+        return await self._rpc1("discard_staged")
+
+    async def vllm_weight_checksums(self) -> dict[str, str]:
+        """vLLM's own per-parameter SHA-256s (its worker's ``compute_weight_checksums``, what its
+        ``/weight_checker`` route returns; that route is off here). Engine names, fused; see the
+        extension's docstring for why they are blind to linear layers on a CPU engine without
+        our patch."""
+        out: dict[str, str] = {}
+        for worker in await self.collective_rpc("compute_weight_checksums"):
+            out.update(worker)
+        return out
+

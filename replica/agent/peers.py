@@ -1,0 +1,306 @@
+"""Weights passed replica to replica: offers, the broadcast, and a receiver's stage and commit.
+
+The sender offers what receivers serving ``target_identity`` miss: a delta link's files as it
+fetched or decoded them (an early offer waits for its own update's checked stage, before its
+swap), else the changed tensors as its engine serves them, else everything. It then broadcasts
+them from its engine (`send_to_peers`) to every receiver at once over a torch.distributed group
+between the engine processes (gloo on CPU, NCCL on GPU), hosting the group's rendezvous store
+itself when asked, while every engine keeps serving. Each receiver checks what it got against the
+sender's Adler-32 and stages it (`stage_from_peer`: files are decoded and staged exactly like the
+bucket path; tensors are staged in the engine and held for the host copy), then, in walk order,
+swaps its stage in inside one short pause and proves it (`commit_peer_stage`). A receiver reads
+nothing from the bucket. `PeerSteps` is mixed into `replica.agent.runtime.ReplicaRuntime`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from torch.distributed import TCPStore
+
+from common.processes import free_port
+from contracts.activities import (
+    ApplySnapshotInput,
+    ApplySnapshotResult,
+    PeerOffer,
+    PeerOfferInput,
+    StageFromPeerResult,
+)
+from contracts.records import PromptCachePolicy
+from replica.agent.staged import (
+    EngineUpdateError,
+    PeerStage,
+    adler_mismatches,
+    file_adler32,
+    fmt,
+    ms_since,
+    one_line,
+    read_raw,
+)
+from replica.stage_arena import decode_turn_marker
+from snapshots.errors import ChainError
+
+log = logging.getLogger("rollouts.replica")
+# Joining a peer group blocks the engine until the other side joins: keep the wait short.
+PEER_JOIN_TIMEOUT_S = 30.0
+
+
+class PeerSteps:
+    """The peer steps of `ReplicaRuntime` (module docstring); they use its state and its swap."""
+
+    def make_offer(self, inp: PeerOfferInput) -> PeerOffer:
+        """What this replica would send to replicas serving `inp.target_identity`; with
+        `inp.host_store`, it also starts hosting the group's rendezvous store (until its send)."""
+        return self._hosting_store(inp, self._build_offer(inp))
+
+    def _hosting_store(self, inp: PeerOfferInput, offer: PeerOffer) -> PeerOffer:
+        """With `inp.host_store`, start hosting the offer's rendezvous store (until the send)."""
+        if not inp.host_store:
+            return offer
+        # Up before any engine connects: a TCPStore client that finds no master backs off for
+        # ~0.7 s, which every member of the group would then wait out.
+        self.peer_store = TCPStore(offer.host, offer.port, offer.world_size, is_master=True,
+                                   timeout=timedelta(seconds=PEER_JOIN_TIMEOUT_S), wait_for_workers=False)
+        return offer.model_copy(update={"store_hosted": True})
+
+    async def make_offer_from_stage(self, inp: PeerOfferInput, wait_s: float = 600.0) -> PeerOffer:
+        """The early offer (`inp.from_stage`): once this replica's update of `inp.hot_load_id`
+        from the bucket has decoded and checked the delta link's files, offer those files to
+        receivers that serve the link's base, before this replica swaps them in. Raises
+        ChainError when the update ends without such files (a new base, nothing to do, NCCL)."""
+        try:
+            staged = await asyncio.wait_for(asyncio.shield(self.update_stage(inp.hot_load_id)), wait_s)
+        except TimeoutError:
+            raise ChainError(f"replica {self.name} staged nothing for {inp.identity!r} in {wait_s:.0f} s") from None
+        chain_ids = [link.identity for link in inp.chain]
+        link_dir = staged.link_dirs.get(chain_ids[-1])
+        if not (inp.accept_files and self.peer_backend == "gloo" and staged.identity == inp.identity
+                and len(chain_ids) > 1 and inp.target_identity == chain_ids[-2] and staged.arena_offsets
+                and link_dir is not None and link_dir.is_dir()):
+            raise ChainError(f"replica {self.name}'s update to {inp.identity!r} holds no delta files for "
+                             f"replicas on {inp.target_identity!r} to take before its swap")
+        return self._hosting_store(inp, await asyncio.to_thread(self._files_offer, inp, link_dir))
+
+    def _files_offer(self, inp: PeerOfferInput, link_dir: Path) -> PeerOffer:
+        """Offer a delta link's files (checked by this replica's decode) as they are."""
+        files = sorted(f for f in link_dir.iterdir() if f.is_file())
+        offer = PeerOffer(
+            source_replica=self.name, host=self.peer_host, port=free_port(self.peer_host),
+            backend=self.peer_backend, base_identity=inp.target_identity, identity=inp.identity,
+            chain=inp.chain, specs=[[f.name, "uint8", [f.stat().st_size]] for f in files],
+            expected_adler32={f.name: file_adler32(f) for f in files}, world_size=inp.world_size,
+            mode="files",
+        )
+        self.offered_links = {offer.port: link_dir}  # only the latest offer is ever sent
+        return offer
+
+    def _build_offer(self, inp: PeerOfferInput) -> PeerOffer:
+        chain_ids = [link.identity for link in inp.chain]
+        if self.applied != chain_ids:
+            raise ChainError(f"replica {self.name} serves {self.current_identity!r}, not {inp.identity!r}")
+        link_dir = self.link_dirs.get(chain_ids[-1])
+        if (inp.accept_files and self.peer_backend == "gloo" and len(chain_ids) > 1
+                and inp.target_identity == chain_ids[-2] and link_dir is not None and link_dir.is_dir()):
+            # The receivers miss exactly the link this replica holds as files: send the delta
+            # itself (the changed tensors, XOR+zstd, ~5 % of their bytes for an RL step) rather
+            # than the tensors as served; each receiver decodes and checks it against its own copy.
+            return self._files_offer(inp, link_dir)
+        if inp.target_identity in chain_ids[:-1]:
+            missing = chain_ids[chain_ids.index(inp.target_identity) + 1 :]
+            known = [self.changed_by_link.get(i) for i in missing]
+            if all(k is not None for k in known):
+                names_ = sorted({n for k in known for n in k})  # type: ignore[union-attr]
+                base = inp.target_identity
+            else:
+                names_, base = self.host.names(), "*"
+        else:
+            names_, base = self.host.names(), "*"  # another base: send everything
+        checksums = self.host.checksums()
+        return PeerOffer(
+            source_replica=self.name, host=self.peer_host, port=free_port(self.peer_host),
+            backend=self.peer_backend, base_identity=base, identity=inp.identity, chain=inp.chain,
+            specs=[[n, str(self.host.tensor(n).dtype).removeprefix("torch."), list(self.host.info(n).shape)] for n in names_],
+            expected_adler32={n: checksums[n] for n in names_}, world_size=inp.world_size,
+        )
+
+    # ------------------------------------------------------------------ broadcast walk
+    async def send_to_peers(self, offer: PeerOffer) -> int:
+        """Broadcast the offered tensors (or delta files) from this engine to every receiver of
+        the offer's group (they join concurrently); the engine keeps serving while it sends."""
+        try:
+            if offer.mode == "files":
+                link_dir = self.offered_links.get(offer.port) or self.link_dirs[offer.identity]
+                await self.engine.start_peer_send_files(
+                    offer.host, offer.port, offer.world_size, [str(link_dir / s[0]) for s in offer.specs],
+                    offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S, external_store=offer.store_hosted,
+                )
+            else:
+                await self.engine.start_peer_stage_send(
+                    offer.host, offer.port, offer.world_size, [s[0] for s in offer.specs], offer.backend,
+                    timeout_s=PEER_JOIN_TIMEOUT_S, external_store=offer.store_hosted,
+                )
+            return int((await self.engine.wait_job("send"))["bytes"])
+        finally:
+            self.peer_store = None  # the group is formed (or failed): its store is done
+
+    async def drop_peer_stage(self) -> None:
+        """Undo a stage that was never committed (a canceled walk): the host copy goes back to
+        what the engine serves, and the engine drops its staged tensors. Waits for the host
+        copy to have adopted the last swap first (`settled`), so a step that starts here may
+        use the host copy and the stage arena."""
+        await self.settled()
+        stage, self.peer_stage = self.peer_stage, None
+        if stage is None:
+            return
+        if stage.staged is not None:
+            self.host.restore(stage.staged.backups)
+            if stage.staged.path is not None:
+                stage.staged.path.unlink(missing_ok=True)
+        with contextlib.suppress(Exception):
+            await self.engine.discard_staged()
+
+    async def stage_from_peer(self, offer: PeerOffer, rank: int) -> StageFromPeerResult:
+        """Join the offer's group as `rank`, receive and check the tensors into an engine stage
+        and a host-side copy; the engine keeps serving its current weights. The fault point
+        "stage_from_peer" fires once the bytes arrived, before they are kept (the group's other
+        members are not held up); its failure drops what was received."""
+        if offer.base_identity != "*" and self.current_identity != offer.base_identity:
+            raise ChainError(
+                f"replica {self.name} serves {self.current_identity!r}; the offer completes {offer.base_identity!r}"
+            )
+        t0 = time.perf_counter()
+        await self.drop_peer_stage()  # settles the host copy first
+        if offer.mode == "files":
+            return await self._stage_files_from_peer(offer, rank, t0)
+        self.staging.mkdir(parents=True, exist_ok=True)
+        path = self.staging / f"peer-{offer.identity}.safetensors"
+        try:
+            await self.engine.start_peer_stage_receive(
+                offer.identity, offer.host, offer.port, rank, offer.world_size, offer.specs,
+                expected_adler32=offer.expected_adler32, save_path=path, backend=offer.backend,
+                timeout_s=PEER_JOIN_TIMEOUT_S, external_store=offer.store_hosted,
+            )
+            got = await self.engine.wait_job("stage")
+            # The host copy takes the same bytes the engine checked (no bucket reads).
+            received = await asyncio.to_thread(read_raw, path)
+        except Exception as exc:
+            raise EngineUpdateError(f"receiving from {offer.source_replica} failed; previous weights kept: "
+                                    f"{one_line(exc)}") from None
+        finally:
+            path.unlink(missing_ok=True)
+        try:
+            await self.fault("stage_from_peer")
+            wrong = await asyncio.to_thread(adler_mismatches, received, offer.expected_adler32)
+            if wrong:
+                raise EngineUpdateError(f"received bytes differ from the sender's checksums for "
+                                        f"{', '.join(wrong[:5])}")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.engine.discard_staged()
+            raise
+        self.peer_stage = PeerStage(offer=offer, received=received)
+        return StageFromPeerResult(identity=offer.identity, tensors_staged=int(got["tensors"]),
+                                   bytes_received=int(got["bytes"]), stage_ms=ms_since(t0))
+
+    async def _stage_files_from_peer(self, offer: PeerOffer, rank: int, t0: float) -> StageFromPeerResult:
+        """Receive a delta link's files from a peer, then stage them exactly like the bucket
+        path does (host copy first, every changed tensor's Adler-32 checked, then the engine)."""
+        chain_ids = [link.identity for link in offer.chain]
+        if self.applied != chain_ids[:-1]:
+            raise ChainError(f"replica {self.name} serves {self.current_identity!r}; the delta from "
+                             f"{offer.source_replica} applies to {chain_ids[-2]!r}")
+        await asyncio.to_thread(self.clear_links)
+        link_dir = self.links_root / offer.identity
+        # Receivers on this host decode in rank order, the order they commit in.
+        turn = (str(offer.port), rank)
+        marker = decode_turn_marker(self.arena.directory, *turn)
+        try:
+            return await self._receive_and_stage_files(offer, rank, t0, link_dir, turn)
+        finally:
+            marker.unlink(missing_ok=True)
+
+    async def _receive_and_stage_files(
+        self, offer: PeerOffer, rank: int, t0: float, link_dir: Path, turn: tuple[str, int]
+    ) -> StageFromPeerResult:
+        try:
+            await self.engine.start_peer_receive_files(
+                offer.host, offer.port, rank, offer.world_size, offer.specs, offer.expected_adler32,
+                link_dir, offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S, external_store=offer.store_hosted,
+            )
+            got = await self.engine.wait_job("receive")
+        except Exception as exc:
+            raise EngineUpdateError(f"receiving from {offer.source_replica} failed; previous weights kept: "
+                                    f"{one_line(exc)}") from None
+        log.info("received %s's delta files from %s: %d bytes, joined in %.0f ms, transfer %.0f ms, %.0f ms "
+                 "since the step began", offer.identity, offer.source_replica, int(got["bytes"]),
+                 1000 * float(got.get("join_s", 0)), 1000 * float(got.get("transfer_s", 0)), ms_since(t0))
+        await self.fault("stage_from_peer")
+        inp = ApplySnapshotInput(hot_load_id="", identity=offer.identity, chain=offer.chain, bucket="", path_prefix="")
+        staged = await self.stage_update(inp, {offer.identity: link_dir}, turn)
+        self.peer_stage = PeerStage(offer=offer, received=None, staged=staged)
+        return StageFromPeerResult(identity=offer.identity, tensors_staged=len(staged.names),
+                                   bytes_received=int(got["bytes"]), stage_ms=ms_since(t0))
+
+    async def commit_peer_stage(self, identity: str, policy: PromptCachePolicy) -> ApplySnapshotResult:
+        """Swap a peer stage in (one short pause), then move the host copy and prove it."""
+        await self.settled()
+        stage = self.peer_stage
+        if stage is None or stage.offer.identity != identity:
+            await self.drop_peer_stage()
+            raise ChainError(f"replica {self.name} has no stage for {identity!r}")
+        self.peer_stage = None
+        offer = stage.offer
+        if offer.base_identity != "*" and self.current_identity != offer.base_identity:
+            self.peer_stage = stage
+            await self.drop_peer_stage()
+            raise ChainError(f"replica {self.name} serves {self.current_identity!r}; the stage completes "
+                             f"{offer.base_identity!r}")
+        try:
+            await self.fault("commit_peer_stage")
+        except BaseException:
+            self.peer_stage = stage
+            await self.drop_peer_stage()
+            raise
+        t0 = time.perf_counter()
+        if stage.staged is not None:  # a delta link received as files, staged like the bucket path
+            staged = stage.staged
+            pause_ms, prove_ms, verified = await self._swap_in(staged, [link.identity for link in offer.chain], policy)
+            log.info("applied %s from %s (delta files): %s", identity, offer.source_replica,
+                     fmt({"pause": pause_ms, "prove": prove_ms, "total": ms_since(t0)}))
+            return ApplySnapshotResult(
+                identity=identity, engine_pid=self.engine.pid, tensors_loaded=len(staged.names),
+                bytes_read_from_bucket=0, pause_ms=pause_ms, source=f"peer:{offer.source_replica}",
+                verified_tensors=verified, links_applied=staged.links,
+            )
+        names_ = [s[0] for s in offer.specs]
+        saved = self.host.save(names_)
+        self.host.restore(stage.received, checksums=offer.expected_adler32)  # verified at staging
+        pause_ms, swap = await self._swap_staged(identity, saved, names_, policy)
+        chain_ids = self._commit_offer(offer, names_)
+        verified = int(swap["verified"])
+        log.info("applied %s from %s: %s", identity, offer.source_replica,
+                 fmt({"pause": pause_ms, "total": ms_since(t0)}))
+        return ApplySnapshotResult(
+            identity=identity, engine_pid=self.engine.pid, tensors_loaded=len(names_),
+            bytes_read_from_bucket=0, pause_ms=pause_ms, source=f"peer:{offer.source_replica}",
+            verified_tensors=verified, links_applied=chain_ids,
+        )
+
+    def _commit_offer(self, offer: PeerOffer, names_: list[str]) -> list[str]:
+        """Record that this replica now serves the offer's chain, having taken `names_` from a
+        peer's tensors; returns the chain's identities."""
+        chain_ids = [link.identity for link in offer.chain]
+        missing = chain_ids if offer.base_identity == "*" else chain_ids[chain_ids.index(offer.base_identity) + 1 :]
+        # Per-link changes are known only when one link was missing (the usual rolling update).
+        changed: dict[str, list[str] | None] = {i: None for i in missing}
+        if len(missing) == 1 and offer.base_identity != "*":
+            changed[missing[0]] = names_
+        if offer.base_identity == "*":
+            self.changed_by_link = {}
+        self._commit(chain_ids, None, changed)
+        return chain_ids

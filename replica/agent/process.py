@@ -1,0 +1,174 @@
+"""One replica process: a vLLM engine, the host copy of its weights, and its Temporal agent.
+
+`run_replica` stops an engine a killed agent left behind, reclaims the shared memory of dead
+engines (`replica.agent.shm_reclaim`), downloads the deployment's model from the bucket, starts
+the engine (vLLM's OpenAI server with our worker extension, behind the replica's secret), loads
+the host copy of the weights (checkpoint format, what deltas apply to, in shared memory), catches
+up to the deployment's snapshot when asked, starts a Temporal worker on the replica's own task
+queue (running `replica.agent.activities`, fault points armed from the stack's home), and tells
+its deployment workflow it is ready. If the engine dies, the replica reports the failure to its
+deployment and exits; SIGTERM stops the engine and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import tempfile
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from temporalio.worker import Worker
+
+from common.processes import PidFile, free_port, stop_pid
+from common.settings import Settings, temporal_client
+from common.telemetry import setup_tracing, temporal_interceptors
+from contracts import names
+from contracts.activities import ApplySnapshotInput
+from contracts.records import ReplicaEndpoint, ReplicaFailure, rfc3339
+from replica.agent.activities import PeerActivities, ReplicaActivities
+from replica.agent.downloads import download_prefix
+from replica.agent.engine import EngineProcess
+from replica.agent.runtime import ReplicaRuntime
+from replica.agent.shm_reclaim import reclaim_dead_segments
+from replica.agent.staged import one_line
+from replica.stage_arena import StageArena
+from snapshots.host import HostWeights
+
+log = logging.getLogger("rollouts.replica")
+
+
+def engine_options(engine_config: dict[str, str]) -> dict[str, Any]:
+    """EngineProcess options from a deployment's runtime.engineConfig: the sizes it knows by
+    name, every other key as a vLLM flag (`--key value`, or `--key` for an empty value)."""
+    config = dict(engine_config)
+    options: dict[str, Any] = {}
+    if "max-model-len" in config:
+        options["max_model_len"] = int(config.pop("max-model-len"))
+    if "max-num-seqs" in config:
+        options["max_num_seqs"] = int(config.pop("max-num-seqs"))
+    extra: list[str] = []
+    for key, value in sorted(config.items()):
+        extra += [f"--{key}"] + ([value] if value else [])
+    if extra:
+        options["extra_args"] = extra
+    return options
+
+
+
+async def run_replica(
+    settings: Settings,
+    *,
+    deployment_id: str,
+    name: str,
+    workflow_id: str,
+    zone: str,
+    model_bucket: str,
+    model_path: str,
+    model_name: str,
+    catch_up: str | None = None,
+    engine_config: dict[str, str] | None = None,
+) -> int:
+    workdir = settings.home_path / "replicas" / deployment_id / name
+    setup_tracing("rollouts-replica")
+    client = await temporal_client(settings, interceptors=temporal_interceptors())
+    deployment = client.get_workflow_handle(workflow_id)
+    s3 = settings.s3_client()
+    engine = None
+    engine_pid_file = PidFile(workdir / "engine.pid")
+    leftover = engine_pid_file.alive_pid()
+    if leftover is not None:
+        # An engine orphaned by a killed agent: it may sit paused forever. Stop it first.
+        log.warning("stopping engine %d left by a previous run of %s", leftover, name)
+        stop_pid(leftover, timeout=20)
+    # Shared memory that killed engines (this replica's or others') left in /dev/shm.
+    await asyncio.to_thread(reclaim_dead_segments)
+    try:
+        model_dir = workdir / "model"
+        await asyncio.to_thread(download_prefix, s3, model_bucket, model_path, model_dir)
+        port = free_port()
+        engine = EngineProcess(
+            model_dir,
+            # vLLM binds IPC sockets under the engine's TMPDIR, and a socket path must stay under
+            # 108 bytes: keep it short, outside the (possibly deep) stack home.
+            work_dir=Path(tempfile.gettempdir()) / "rollouts-engines" / name,
+            served_model_name=model_name,
+            port=port,
+            log_path=workdir / "engine.log",
+            # What the gateway derives too: the engine answers only this agent and the gateway.
+            secret=settings.engine_secret(workflow_id, name),
+            **engine_options(engine_config or {}),
+        )
+        await engine.start()
+        engine_pid_file.write(engine.pid)
+        await engine.set_weight_version("initial")
+        # The host copy lives in shared memory: the engine takes its roll-back bytes from it.
+        host_arena = StageArena()
+        host = await asyncio.to_thread(lambda: HostWeights.load(model_dir, allocate=host_arena.allocate))
+        runtime = ReplicaRuntime(name=name, engine=engine, host=host, s3=s3, workdir=workdir, host_arena=host_arena,
+                                 faults_home=settings.home_path, deployment=deployment_id)
+        if catch_up:
+            # A replica (re)started after hot-loads serves their snapshot before it takes traffic.
+            inp = ApplySnapshotInput.model_validate_json(catch_up)
+            result = await runtime.apply_from_bucket(inp)
+            log.info("caught up to %s (%d tensors, %d bytes from the bucket)", inp.identity,
+                     result.tensors_loaded, result.bytes_read_from_bucket)
+    except Exception as exc:  # noqa: BLE001 - reported to the deployment, then exit
+        log.exception("replica %s failed to start", name)
+        await deployment.signal(
+            "replica_failed", ReplicaFailure(name=name, reason=f"start failed: {one_line(exc)}; log {workdir}")
+        )
+        if engine is not None:
+            await engine.stop()
+        return 1
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    task_queue = names.replica_task_queue(workflow_id, name)
+    peer = PeerActivities(runtime)
+    worker = Worker(
+        client,
+        task_queue=task_queue,
+        activities=[
+            ReplicaActivities(runtime).apply_snapshot, peer.offer_to_peer,
+            peer.send_to_peers, peer.stage_from_peer, peer.commit_peer_stage,
+        ],
+        # Heartbeats carry cancellation back: send them at least every second, not every 24 s.
+        max_heartbeat_throttle_interval=timedelta(seconds=1),
+    )
+    code = 0
+    async with worker:
+        now = rfc3339(datetime.now(UTC))
+        await deployment.signal(
+            "replica_ready",
+            ReplicaEndpoint(
+                name=name, zone=zone, task_queue=task_queue, engine_url=engine.base_url,
+                engine_pid=engine.pid, agent_pid=os.getpid(), current_snapshot_identity=runtime.current_identity,
+                started_at=now, transitioned_at=now,
+            ),
+        )
+        log.info("replica %s ready: engine %s (pid %d), queue %s", name, engine.base_url, engine.pid, task_queue)
+        while not stop.is_set():
+            if not engine.alive():
+                reason = f"engine process {engine.pid} exited; log {engine.log_path}"
+                log.error(reason)
+                try:
+                    await deployment.signal("replica_failed", ReplicaFailure(name=name, reason=reason))
+                except Exception:  # noqa: BLE001
+                    pass
+                code = 1
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+    await engine.stop()
+    engine_pid_file.remove()
+    shutil.rmtree(runtime.staging, ignore_errors=True)
+    return code

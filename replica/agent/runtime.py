@@ -1,0 +1,474 @@
+"""The replica's runtime: the all-or-nothing bookkeeping of every update of its engine.
+
+`ReplicaRuntime` holds the engine, the host copy of the weights and the chain it serves. An
+update is staged first, the engine serving (from the bucket here; from a peer's broadcast in
+`replica.agent.peers`), then swapped in inside one short pause and proven there, then committed.
+Delta links it fetched or received stay in `links_root` so that it can offer them to its peers.
+Fault points (`replica.faults`) sit where a real failure of a step could happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.torch import save_file
+from temporalio.exceptions import ApplicationError
+
+from contracts.activities import ApplySnapshotInput, ApplySnapshotResult
+from contracts.records import PromptCachePolicy, SnapshotRef, SnapshotType
+from replica import faults
+from replica.agent.downloads import download_prefix
+from replica.agent.engine_rpc import ReadBackError
+from replica.agent.peers import PeerSteps
+from replica.agent.staged import EngineUpdateError, PeerStage, ReadBackFailed, StagedUpdate, fmt, ms_since, one_line
+from replica.stage_arena import StageArena, host_decode_slot
+from snapshots.errors import ChainError
+from snapshots.host import HostWeights
+from snapshots.inspect import read_delta_plan
+from snapshots.storage import snapshot_uri
+
+log = logging.getLogger("rollouts.replica")
+
+
+class ReplicaRuntime(PeerSteps):
+    """State shared by the agent's activities: the engine, the host copy and what it serves.
+
+    Every update is staged first, the engine still serving: a delta chain is decoded once, by
+    the host copy, into the shared stage arena (`replica.stage_arena`; the host copy itself does
+    not change yet) and the engine stages views of those bytes; a new full base goes through a
+    staging file. A tensor whose name, shape or dtype differs from the engine's parameter is
+    refused there, before any pause. Then it is swapped in inside one short pause, where the
+    engine also reads back the Adler-32 of every swapped tensor against the snapshot's (the
+    proof): a difference rolls back the engine's tensors, the weight-version label and the host
+    copy, then resumes on the old weights. Only a proven swap commits the chain; the host copy
+    adopts the same bytes on a thread after the step returns, and every later step waits for
+    that first (`settled`). The host copy lives in shared memory and is the engine's roll-back
+    source for a delta stage. A failure at any point leaves the engine, its label and the host
+    copy exactly as they were, and the error says what was read back to show it.
+    """
+
+    def __init__(self, *, name: str, engine: Any, host: Any, s3: Any, workdir: Path,
+                 peer_host: str = "127.0.0.1", peer_backend: str = "gloo",
+                 host_arena: StageArena | None = None, faults_home: Path | None = None,
+                 deployment: str = "") -> None:
+        self.name = name
+        self.deployment = deployment
+        # Where `faults.json` may arm fault points (the stack's home); None: no fault points.
+        self.faults_home = faults_home
+        # Set when the running step's activity is canceled (`replica.agent.activities`): a
+        # fault point's hold ends then, as the step itself cannot be interrupted mid-swap.
+        self.step_canceled = asyncio.Event()
+        self.engine = engine
+        self.host = host
+        # The shared memory `host` lives in (None: private memory): the engine's roll-back
+        # copies of a delta stage are views of it (`replica.stage_arena`).
+        self.host_arena = host_arena
+        self.s3 = s3
+        self.workdir = workdir
+        self.staging = workdir / "staging"
+        self.peer_host = peer_host
+        self.peer_backend = peer_backend
+        # Identities of the chain the replica serves, full base first; ["initial"] at start.
+        self.applied: list[str] = ["initial"]
+        # Tensors each applied link changed (None: not known, so treat as all).
+        self.changed_by_link: dict[str, list[str] | None] = {}
+        self.peer_stage: PeerStage | None = None
+        self.link_dirs: dict[str, Path] = {}
+        self.lock = asyncio.Lock()
+        self.arena = StageArena()  # where delta updates are decoded for the engine
+        self.peer_store: Any = None  # the rendezvous store of the broadcast this replica sends
+        self._adopting: asyncio.Future[None] | None = None  # the host copy taking the last swap
+        # Per hot-load id: resolves with the bucket update's stage once it is checked (an early
+        # offer waits on it), or fails if the update ended without one.
+        self.update_stages: dict[str, asyncio.Future[StagedUpdate]] = {}
+        self.offered_links: dict[int, Path] = {}  # files offered to peers, by the offer's port
+
+    @property
+    def current_identity(self) -> str:
+        return self.applied[-1]
+
+    async def fault(self, point: str) -> None:
+        """Fire `point` if `faults.json` arms it for this replica (`replica.faults`): a "fail"
+        raises its non-retryable ApplicationError; a "hold" waits, and ends when the step is
+        canceled (then EngineUpdateError: the step stops where it stood)."""
+        if self.faults_home is None:
+            return
+        hit = asyncio.ensure_future(faults.hit(self.faults_home, point, replica=self.name, deployment=self.deployment))
+        canceled = asyncio.ensure_future(self.step_canceled.wait())
+        try:
+            await asyncio.wait({hit, canceled}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            canceled.cancel()
+            if not hit.done():
+                hit.cancel()
+        if not hit.done() or hit.cancelled():
+            raise EngineUpdateError(f"the step was canceled while held at the fault point {point}")
+        hit.result()
+
+    # ------------------------------------------------------------------ from the bucket
+    @property
+    def links_root(self) -> Path:
+        """Delta links this replica fetched or received, kept to offer them to peers."""
+        return self.staging / "links"
+
+    def clear_links(self) -> None:
+        shutil.rmtree(self.links_root, ignore_errors=True)
+        self.link_dirs = {}
+
+    def missing_links(self, inp: ApplySnapshotInput) -> list[SnapshotRef] | None:
+        """The delta links to apply on top of what this replica serves; None when it needs the
+        chain's full base (a new base, or a replica still on its initial weights)."""
+        wanted = [link.identity for link in inp.chain]
+        have = len(self.applied)
+        if have <= len(wanted) and self.applied == wanted[:have] and self.applied[0] != "initial":
+            return list(inp.chain[have:])
+        return None
+
+    def fetch_links(self, inp: ApplySnapshotInput, links: list[SnapshotRef]) -> tuple[dict[str, Path], int]:
+        """Download delta links' files into `links_root`; returns their directories and bytes."""
+        dirs: dict[str, Path] = {}
+        total = 0
+        for link in links:
+            dest = self.links_root / link.identity
+            prefix = "/".join(p for p in (inp.path_prefix.strip("/"), link.identity) if p)
+            total += download_prefix(self.s3, inp.bucket, prefix, dest)
+            dirs[link.identity] = dest
+        return dirs, total
+
+    async def stage_update(
+        self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None,
+        turn: tuple[str, int] | None = None,
+    ) -> StagedUpdate:
+        """Stage an update for the engine, off the serving path; the host copy is not changed.
+
+        Delta links held locally are decoded once, by the host copy, into the stage arena (every
+        changed tensor's Adler-32 checked there), and the engine stages views of those bytes
+        (`replica.stage_arena`); a new full base goes through a staging file the engine reads."""
+        todo = self.missing_links(inp)
+        local = local_links or {}
+        if todo and all(link.identity in local for link in todo):
+            t_wait = time.perf_counter()
+            async with host_decode_slot(self.arena.directory, turn):
+                t0 = time.perf_counter()
+                staged = await asyncio.to_thread(self.decode_links, inp, todo, local)
+                t1 = time.perf_counter()
+                entries = [[n, self.host.info(n).torch_dtype, list(self.host.info(n).shape), offset]
+                           for n, offset in staged.arena_offsets.items()]
+                try:
+                    # The decode just checked these bytes; the commit checks what the engine holds.
+                    job = await self.engine.stage_from_arena(staged.identity, self.arena.path, entries,
+                                                             staged.expected, verify=False,
+                                                             backup=self._host_backup(staged.names))
+                except Exception as exc:
+                    with contextlib.suppress(Exception):
+                        await self.engine.discard_staged()
+                    raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
+                                            f"weights: {one_line(exc)}") from None
+            log.info("staged %s: waited %.0f ms for the host's decode slot, decode %.0f ms, engine stage %.0f ms "
+                     "(%s)", staged.identity, (t0 - t_wait) * 1000, (t1 - t0) * 1000, ms_since(t1),
+                     fmt({k: 1000 * float(v) for k, v in job.items() if k.endswith("_s") or k == "seconds"}))
+            return staged
+        staged = await asyncio.to_thread(self.stage_chain, inp, local)
+        if staged.nothing_to_do:
+            return staged
+        try:
+            await self.engine.stage_from_files(
+                staged.identity, [str(staged.path)], staged.names, expected_adler32=staged.expected
+            )
+        except Exception as exc:
+            self.host.restore(staged.backups)
+            staged.path.unlink(missing_ok=True)  # type: ignore[union-attr]
+            raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
+                                    f"weights: {one_line(exc)}") from None
+        return staged
+
+    def _host_backup(self, names_: list[str]) -> tuple[str, dict[str, int]] | None:
+        """Where the engine finds its roll-back bytes for `names_`: the host copy, when it lives
+        in shared memory (it holds exactly what the engine serves until the commit returns)."""
+        if self.host_arena is None:
+            return None
+        try:
+            return self.host_arena.path, {n: self.host_arena.offset_of(self.host.raw(n)) for n in names_}
+        except ValueError:  # the host copy is not (all) in that arena: the engine copies instead
+            return None
+
+    def decode_links(self, inp: ApplySnapshotInput, todo: list[SnapshotRef], local: dict[str, Path]) -> StagedUpdate:
+        """Decode the missing delta links (local directories) into the stage arena, in chain
+        order, against the host copy (which does not change); each link's tensors are checked
+        against their recorded Adler-32. Raises SnapshotError naming file and tensor."""
+        plans = [read_delta_plan(local[link.identity]) for link in todo]
+        sizes: dict[str, int] = {}
+        for plan in plans:
+            for name in plan.tensors:
+                if name in self.host and name not in sizes:
+                    sizes[name] = self.host.info(name).nbytes
+        layout = self.arena.reserve(list(sizes.items()))
+        out = {n: self.arena.view(offset, nbytes) for n, (offset, nbytes) in layout.items()}
+        staged = StagedUpdate(identity=inp.identity)
+        decoded: set[str] = set()
+        for link, plan in zip(todo, plans):
+            report = self.host.decode_delta_into(plan, out, decoded)
+            decoded.update(report.changed)
+            staged.expected.update(report.checksums)
+            staged.changed_by_link[link.identity] = list(report.changed)
+            staged.links.append(link.identity)
+            staged.link_dirs[link.identity] = Path(local[link.identity])
+        staged.names = sorted(decoded)
+        staged.decoded = {n: out[n] for n in staged.names}
+        staged.arena_offsets = {n: layout[n][0] for n in staged.names}
+        return staged
+
+    def _adopt(self, staged: StagedUpdate) -> None:
+        """After the engine took an arena stage: the host copy takes the same checked bytes."""
+        if staged.decoded:
+            self.host.restore(staged.decoded, checksums=staged.expected)
+            staged.decoded = {}
+
+    def _adopt_later(self, staged: StagedUpdate) -> None:
+        """Adopt on a thread once the swap is proven, off the step's path: the walk's next
+        replica need not wait for this copy. Every later use of the host copy (and of the stage
+        arena, which the next decode reuses) waits for it first (`settled`)."""
+        if staged.decoded:
+            self._adopting = asyncio.ensure_future(asyncio.to_thread(self._adopt, staged))
+
+    async def settled(self) -> None:
+        """Wait until the host copy has adopted the last swapped update (`_adopt_later`)."""
+        adopting = self._adopting
+        if adopting is None:
+            return
+        try:
+            await asyncio.shield(adopting)
+        except asyncio.CancelledError:
+            if not adopting.done():
+                raise
+        except Exception as exc:
+            # The host copy is no longer what the engine serves: no later update may use it.
+            raise EngineUpdateError(f"the host copy could not take the last update: {one_line(exc)}; "
+                                    f"restart the replica") from None
+        if self._adopting is adopting:
+            self._adopting = None
+
+    def stage_chain(self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None) -> StagedUpdate:
+        """Apply the chain links this replica is missing to its host copy (or load a new full
+        base) and write the changed tensors to a staging file; the engine is not touched. (The
+        usual delta update takes `decode_links` instead, which leaves the host copy as it is.)
+
+        A delta link comes from `local_links` when given (received from a peer), else its files
+        are downloaded from the bucket into `links_root` first (a delta's files hold only the
+        changed tensors, so that is what a ranged read would fetch) and kept for peers."""
+        wanted = [link.identity for link in inp.chain]
+        if self.applied == wanted:
+            return StagedUpdate(nothing_to_do=True)
+        staged = StagedUpdate()
+        if not inp.chain or inp.chain[0].type != SnapshotType.FULL:
+            raise ChainError("the snapshot chain must start with a full snapshot")
+        have = len(self.applied)
+        incremental = have < len(wanted) and self.applied == wanted[:have] and self.applied[0] != "initial"
+        if incremental:
+            todo: list[SnapshotRef] = inp.chain[have:]
+            target = self.host
+        else:
+            base = inp.chain[0]
+            staged.new_host_arena = StageArena()
+            target = HostWeights.load(snapshot_uri(inp.bucket, inp.path_prefix, base.identity), s3=self.s3,
+                                      allocate=staged.new_host_arena.allocate)
+            staged.new_host = target
+            staged.bytes_read += target.total_bytes
+            staged.links.append(base.identity)
+            staged.changed_by_link[base.identity] = None
+            todo = inp.chain[1:]
+        changed: set[str] = set()
+        try:
+            for link in todo:
+                location = (local_links or {}).get(link.identity)
+                if location is None:
+                    location = self.links_root / link.identity
+                    prefix = "/".join(p for p in (inp.path_prefix.strip("/"), link.identity) if p)
+                    staged.bytes_read += download_prefix(self.s3, inp.bucket, prefix, location)
+                plan = read_delta_plan(location)
+                if staged.new_host is None:
+                    # Each delta is all-or-nothing; a chain of several is undone from these copies.
+                    fresh = [n for n in plan.tensors if n not in staged.backups and n in target]
+                    staged.backups.update(target.save(fresh))
+                link_changed = target.apply_delta(plan)
+                changed.update(link_changed)
+                staged.changed_by_link[link.identity] = list(link_changed)
+                staged.links.append(link.identity)
+                staged.link_dirs[link.identity] = Path(location)
+        except Exception:
+            self.host.restore(staged.backups)
+            raise
+        staged.identity = inp.identity
+        staged.names = sorted(target.names() if staged.new_host is not None else changed)
+        staged.expected = {n: c for n, c in target.checksums().items() if n in set(staged.names)}
+        staged.path = self._write_staging(target, staged.names, inp.identity)
+        return staged
+
+    def _write_staging(self, host: Any, names_: list[str], label: str) -> Path:
+        self.staging.mkdir(parents=True, exist_ok=True)
+        path = self.staging / f"{label}.safetensors"
+        save_file({n: host.tensor(n).contiguous() for n in names_}, str(path))
+        return path
+
+    def update_stage(self, hot_load_id: str, fresh: bool = False) -> asyncio.Future[StagedUpdate]:
+        """The future an early offer waits on for `hot_load_id`'s update from the bucket; `fresh`
+        (an update starting): a new one unless an offer is already waiting on the current one."""
+        current = self.update_stages.get(hot_load_id)
+        if current is None or (fresh and current.done()):
+            current = asyncio.get_running_loop().create_future()
+            self.update_stages.pop(hot_load_id, None)
+            self.update_stages[hot_load_id] = current
+            while len(self.update_stages) > 4:  # only the latest few hot-loads can still ask
+                stale = self.update_stages.pop(next(iter(self.update_stages)))
+                if not stale.done():
+                    stale.cancel()
+        return current
+
+    async def apply_from_bucket(self, inp: ApplySnapshotInput) -> ApplySnapshotResult:
+        ready = self.update_stage(inp.hot_load_id, fresh=True)
+        try:
+            return await self._apply_from_bucket(inp, ready)
+        finally:
+            if not ready.done():
+                ready.set_exception(ChainError(f"replica {self.name}'s update to {inp.identity} ended before it "
+                                               f"staged anything to offer"))
+                ready.exception()  # retrieved: nobody may be waiting
+
+    async def _apply_from_bucket(self, inp: ApplySnapshotInput, ready: asyncio.Future[StagedUpdate]) -> ApplySnapshotResult:
+        await self.fault("apply_snapshot")
+        t0 = time.perf_counter()
+        await self.drop_peer_stage()  # settles the host copy first
+        await asyncio.to_thread(self.clear_links)
+        todo = self.missing_links(inp) or []
+        local, fetched = await asyncio.to_thread(self.fetch_links, inp, todo)
+        timings = {"fetch": ms_since(t0)}
+        t1 = time.perf_counter()
+        staged = await self.stage_update(inp, local)
+        timings["stage"] = ms_since(t1)
+        if not ready.done():
+            ready.set_result(staged)  # checked and staged: peers may take its files from here on
+        if staged.nothing_to_do:
+            verified = await self.prove(self.host.names())
+            return ApplySnapshotResult(
+                identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=0, bytes_read_from_bucket=0,
+                pause_ms=0.0, stage_ms=timings["stage"], verified_tensors=verified,
+            )
+        pause_ms, prove_ms, verified = await self._swap_in(staged, [link.identity for link in inp.chain],
+                                                           inp.prompt_cache_policy)
+        timings.update(pause=pause_ms, prove=prove_ms, total=ms_since(t0))
+        log.info("applied %s from the bucket: %s", inp.identity, fmt(timings))
+        return ApplySnapshotResult(
+            identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=len(staged.names),
+            bytes_read_from_bucket=staged.bytes_read + fetched, pause_ms=pause_ms, links_applied=staged.links,
+            stage_ms=timings["fetch"] + timings["stage"], source="bucket", verified_tensors=verified,
+        )
+
+    async def _swap_in(self, staged: StagedUpdate, chain_ids: list[str],
+                       policy: PromptCachePolicy) -> tuple[float, float, int]:
+        """Swap a stage in and prove it (one pause), then commit the chain and start the host
+        copy's adoption; returns (pause ms, ms of the proof inside it, tensors proven)."""
+        try:
+            pause_ms, swap = await self._swap_staged(staged.identity, staged.backups, staged.names, policy)
+        finally:
+            if staged.path is not None:
+                staged.path.unlink(missing_ok=True)
+        self._adopt_later(staged)
+        self._commit(chain_ids, staged.new_host, staged.changed_by_link, staged.new_host_arena)
+        self.link_dirs = staged.link_dirs
+        return pause_ms, 1000 * float(swap.get("verify_s", 0.0)), int(swap["verified"])
+
+    async def _swap_staged(self, label: str, host_backups: dict[str, np.ndarray], names_: list[str],
+                           policy: PromptCachePolicy) -> tuple[float, dict[str, Any]]:
+        """Pause (keeping requests), swap the engine's stage in, prove it, resume; all or nothing.
+        Everything that can refuse the update runs inside the pause, before the replica serves a
+        token of it: the engine swaps the stage in (`swap_staged`), then reads back every swapped
+        tensor against the snapshot's Adler-32 (`commit_staged`) and rolls its tensors back on
+        any difference; a failure between the two (the "swap" fault point) rolls them back too
+        (`discard_staged`). Then the label goes back and the host copy is restored. Returns the
+        pause in ms and the engine's report (``verified``: tensors proven; ``checksums`` where
+        proven by Adler-32). A read-back that differs raises ReadBackFailed naming the tensors;
+        an injected fault keeps its ApplicationError type."""
+        # RESET_ALL: clear the KV cache at the pause, so paused requests are recomputed on the new
+        # weights after the resume and no prefix computed under the old ones is reused.
+        reset = policy == PromptCachePolicy.RESET_ALL
+        t0 = time.perf_counter()
+        previous = self.current_identity
+        try:
+            await self.engine.pause(mode="keep", clear_cache=reset)
+            try:
+                # Label first, then weights, both inside the pause (no step runs in between, so no
+                # token sees one without the other); a failed swap puts the old label back.
+                await self.engine.set_weight_version(label)
+                try:
+                    swap = await self.engine.swap_staged(label)
+                    await self.fault("swap")
+                    swap.update(await self.engine.commit_staged(label))
+                    if int(swap.get("verified", -1)) != len(names_):
+                        raise EngineUpdateError(f"the engine proved {swap.get('verified')} of {len(names_)} "
+                                                f"swapped tensor(s)")
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await self.engine.discard_staged()  # rolls back a stage still swapped in
+                    with contextlib.suppress(Exception):
+                        await self.engine.set_weight_version(previous)
+                    raise
+                log.info("swap of %d tensor(s) in the pause: %s", len(names_),
+                         fmt({k: 1000 * v for k, v in swap.items() if k.endswith("_s")}))
+            finally:
+                await self.engine.resume()
+        except Exception as exc:
+            # The engine's tensors are back (its swap is all-or-nothing); the host copy here.
+            self.host.restore(host_backups)
+            kept = await self._kept_previous(names_)
+            if isinstance(exc, ApplicationError):  # an injected fault: its type and retry policy stand
+                raise ApplicationError(f"{exc.message}; {kept}", type=exc.type, non_retryable=exc.non_retryable) from None
+            if isinstance(exc, ReadBackError):
+                raise ReadBackFailed(f"the engine's read-back inside the pause differs from the snapshot for "
+                                     f"{', '.join(exc.tensors[:8])}; {kept}", exc.tensors) from None
+            raise EngineUpdateError(f"loading {len(names_)} tensor(s) into the engine failed; {kept}: "
+                                    f"{one_line(exc)}") from None
+        return (time.perf_counter() - t0) * 1000, swap
+
+    async def _kept_previous(self, names_: list[str]) -> str:
+        """After a refused swap: read back what the engine serves (label and the swapped
+        tensors) against the host copy, and say so."""
+        try:
+            label = await self.engine.weight_version()
+            await self.prove(names_)
+        except Exception as exc:  # noqa: BLE001 - reported in the replica's error
+            return (f"the engine could not be shown to serve its previous weights ({one_line(exc, 200)}); "
+                    f"restart the replica")
+        if label != self.current_identity:
+            return f"the engine serves its previous weights but is labelled {label!r}; restart the replica"
+        return f"it serves its previous weights ({self.current_identity}, {len(names_)} tensor(s) read back)"
+
+    def _commit(self, chain_ids: list[str], new_host: Any, changed: dict[str, list[str] | None],
+                new_host_arena: StageArena | None = None) -> None:
+        if new_host is not None:
+            self.host = new_host
+            self.host_arena = new_host_arena
+            self.changed_by_link = {}
+        self.changed_by_link.update(changed)
+        self.applied = list(chain_ids)
+
+    async def prove(self, names_: list[str]) -> int:
+        """Compare the Adler-32 of what the engine serves for `names_` (computed now, on its
+        background thread) with the host copy's verified ones; EngineUpdateError naming the
+        tensors that differ. (A swap is proven inside its pause instead: `_swap_staged`.)"""
+        if not names_:
+            return 0
+        served = await self.engine.served_checksums(names_)
+        expected = self.host.checksums()
+        wrong = [n for n in names_ if served.get(n) != expected.get(n)]
+        if wrong:
+            raise EngineUpdateError(
+                f"served weights differ from the snapshot for {len(wrong)} tensor(s): {', '.join(wrong[:5])}"
+            )
+        return len(names_)

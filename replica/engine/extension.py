@@ -1,0 +1,187 @@
+"""rollouts' worker extension: the RPC surface of the code inside a replica's vLLM engine.
+
+vLLM starts with ``--worker-extension-cls replica.engine.extension.WeightLoaderExtension``
+(`replica.launch.EXTENSION_CLS`), mixes this class into its worker class, and with
+``VLLM_SERVER_DEV_MODE=1`` each public method is callable over HTTP::
+
+    POST /collective_rpc {"method": "<name>", "args": [...], "kwargs": {...}}
+    -> 200 {"results": [<one JSON value per worker>]}          (one worker at TP=1)
+
+Arguments and results travel as JSON (vLLM turns any result that is not a dict, list or None
+into ``str``), so every method takes JSON-able arguments and returns a dict. A method that
+raises answers HTTP 500 and changes nothing. Do not pass vLLM's own ``timeout`` field: when it
+fires, vLLM's executor stops waiting but the worker still runs the call and later queues its
+reply, which then answers the *next* RPC; waits are bounded inside the methods instead.
+
+Each method is a thin wrapper over free functions testable without vLLM (`stage`, `updates`,
+`views`, `tensors`); tensors are named as in the checkpoint (`views`). Methods (per worker):
+
+- ``engine_pid()`` -> ``{"pid", "parent_pid", "idle_spin_s", "logprob_ranks_eager"}``: this
+  worker, its engine core, and what `replica.engine.plugin` set in this process;
+- ``weight_checksums(names=None, algorithm="adler32")`` -> ``{"algorithm", "checksums":
+  {checkpoint name: hex}, "engine_checksums": {engine name: hex}}`` (Adler-32 as 8 hex digits,
+  the snapshot format's, or ``"sha256"``; ``engine_checksums``: parameters with no checkpoint
+  name, empty for Llama);
+- ``weight_specs(names=None)`` -> ``{"specs": [[name, dtype, shape], ...]}``;
+- ``save_weights(names, path)`` -> ``{"saved", "bytes", "path"}``: what the engine holds, as a
+  safetensors file;
+- background jobs (`jobs`: one at a time; each answers ``{"kind", "state": "running",
+  "result_path"}`` and ``job_status()`` reports it): ``stage_from_files``, ``stage_from_arena``,
+  ``peer_stage_receive`` (kind ``stage``), ``peer_stage_send``, ``peer_send_files`` (``send``),
+  ``peer_receive_files`` (``receive``), ``checksum_job`` (``checksums``);
+- the lifecycle of the stage (`stage`): ``swap_staged(label)`` and ``commit_staged(label)``
+  inside one pause (the commit answers ``verified`` or ``read_back_failed`` after rolling back),
+  ``discard_staged()`` (rolls a swapped stage back).
+
+Importing this module inside a vLLM process installs the CPU GEMM patch (`cpu_gemm`) before the
+worker loads the model; elsewhere (tests, benchmarks) it does not load vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from replica.engine import cpu_gemm, updates
+from replica.engine.files import plain_file_name, save_tensors
+from replica.engine.jobs import JobRunner
+from replica.engine.peer_group import PeerGroup
+from replica.engine.plugin import idle_spin_cap, logprob_ranks_eager
+from replica.engine.stage import Stage, StageSlot
+from replica.engine.tensors import ALGORITHMS, spec_of
+from replica.engine.views import checkpoint_views, select_views
+
+if "vllm" in sys.modules:  # the worker imports this module before it loads the model
+    cpu_gemm.install()
+
+
+def _jobs(worker: Any) -> JobRunner:
+    if worker._rollouts_jobs is None:
+        worker._rollouts_jobs = JobRunner()
+    return worker._rollouts_jobs
+
+
+def _slot(worker: Any) -> StageSlot:
+    if worker._rollouts_slot is None:
+        worker._rollouts_slot = StageSlot()
+    return worker._rollouts_slot
+
+
+def _start_stage(worker: Any, fn: Callable[[], tuple[Stage, dict[str, Any]]]) -> dict[str, Any]:
+    slot = _slot(worker)
+    slot.begin()
+
+    def run() -> dict[str, Any]:
+        stage, report = fn()
+        slot.put(stage)
+        return report
+
+    return _jobs(worker).start("stage", run)
+
+
+def _joiner(worker: Any, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
+            external_store: bool) -> Callable[[], PeerGroup]:
+    device = getattr(worker, "device", None) if backend == "nccl" else None
+    return functools.partial(PeerGroup.create, host, port, rank, world_size, backend=backend, timeout_s=timeout_s,
+                             device=device, external_store=external_store)
+
+
+class WeightLoaderExtension:
+    """Mixed into vLLM's worker class (module docstring). Every attribute here becomes a worker
+    attribute (vLLM asserts there is no clash) and every callable one an RPC method, so helpers
+    live at module level and the only state is the job runner and the stage slot."""
+
+    _rollouts_jobs: JobRunner | None = None
+    _rollouts_slot: StageSlot | None = None
+
+    def engine_pid(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "parent_pid": os.getppid(), "idle_spin_s": idle_spin_cap(),
+                "logprob_ranks_eager": logprob_ranks_eager()}
+
+    def weight_checksums(self, names: list[str] | None = None, algorithm: str = "adler32") -> dict[str, Any]:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}: one of {sorted(ALGORITHMS)}")
+        digest = ALGORITHMS[algorithm]
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        _, unmapped = checkpoint_views(model)
+        return {
+            "algorithm": algorithm,
+            "checksums": {n: digest(t) for n, t in select_views(model, names)},
+            "engine_checksums": {} if names is not None else {n: digest(t) for n, t in unmapped.items()},
+        }
+
+    def save_weights(self, names: list[str] | None, path: str) -> dict[str, Any]:
+        tensors = select_views(self.model_runner.model, names)  # type: ignore[attr-defined]
+        save_tensors(tensors, path)
+        return {"saved": [n for n, _ in tensors], "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+                "path": path}
+
+    def weight_specs(self, names: list[str] | None = None) -> dict[str, Any]:
+        return {"specs": [spec_of(n, t) for n, t in select_views(self.model_runner.model, names)]}  # type: ignore[attr-defined]
+
+    def job_status(self) -> dict[str, Any]:
+        return _jobs(self).status()
+
+    def stage_from_files(self, label: str, paths: list[str], names: list[str] | None = None,
+                         expected_adler32: dict[str, str] | None = None) -> dict[str, Any]:
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return _start_stage(self, lambda: updates.stage_from_files(model, label, paths, names, expected_adler32))
+
+    def stage_from_arena(
+        self, label: str, path: str, entries: list[list[Any]], expected_adler32: dict[str, str],
+        verify: bool = True, backup_path: str | None = None, backup_offsets: dict[str, int] | None = None,
+    ) -> dict[str, Any]:
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return _start_stage(self, lambda: updates.stage_from_arena(model, label, path, entries, expected_adler32,
+                                                                   verify, backup_path, backup_offsets))
+
+    def peer_stage_receive(
+        self, label: str, host: str, port: int, rank: int, world_size: int, specs: list[list[Any]],
+        expected_adler32: dict[str, str] | None = None, save_path: str | None = None,
+        backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
+    ) -> dict[str, Any]:
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        join = _joiner(self, host, port, rank, world_size, backend, timeout_s, external_store)
+        return _start_stage(self, lambda: updates.stage_from_peer(model, label, join, specs, expected_adler32,
+                                                                  save_path))
+
+    def peer_stage_send(
+        self, host: str, port: int, world_size: int, names: list[str] | None = None,
+        backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
+    ) -> dict[str, Any]:
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        join = _joiner(self, host, port, 0, world_size, backend, timeout_s, external_store)
+        return _jobs(self).start("send", lambda: updates.send_views(model, names, join))
+
+    def peer_send_files(
+        self, host: str, port: int, world_size: int, paths: list[str], backend: str = "gloo",
+        timeout_s: float = 300.0, external_store: bool = False,
+    ) -> dict[str, Any]:
+        join = _joiner(self, host, port, 0, world_size, backend, timeout_s, external_store)
+        return _jobs(self).start("send", lambda: updates.send_files(paths, join))
+
+    def peer_receive_files(
+        self, host: str, port: int, rank: int, world_size: int, specs: list[list[Any]],
+        expected_adler32: dict[str, str], out_dir: str, backend: str = "gloo", timeout_s: float = 300.0,
+        external_store: bool = False,
+    ) -> dict[str, Any]:
+        for spec in specs:
+            plain_file_name(str(spec[0]))
+        join = _joiner(self, host, port, rank, world_size, backend, timeout_s, external_store)
+        return _jobs(self).start("receive", lambda: updates.receive_files(specs, expected_adler32, out_dir, join))
+
+    def checksum_job(self, names: list[str] | None = None) -> dict[str, Any]:
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return _jobs(self).start("checksums", lambda: updates.served_checksums(model, names))
+
+    def swap_staged(self, label: str) -> dict[str, Any]:
+        return _slot(self).swap(self.model_runner.model, label)  # type: ignore[attr-defined]
+
+    def commit_staged(self, label: str) -> dict[str, Any]:
+        return _slot(self).commit(self.model_runner.model, label)  # type: ignore[attr-defined]
+
+    def discard_staged(self) -> dict[str, Any]:
+        return _slot(self).discard(self.model_runner.model)  # type: ignore[attr-defined]

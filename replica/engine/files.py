@@ -1,0 +1,73 @@
+"""Files the engine reads and writes: safetensors checkpoints, and whole files as byte tensors.
+
+Every write goes to a temporary name first and is renamed into place, so a reader never sees a
+half-written file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from replica.engine.tensors import tensor_bytes
+
+# Buffers some checkpoints carry that vLLM computes itself: skipped when a read takes every
+# tensor of a file (names=None).
+SKIP_NAMES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def read_safetensors(paths: Sequence[str], names: Sequence[str] | None) -> list[tuple[str, torch.Tensor]]:
+    """``names`` (in that order; every tensor but SKIP_NAMES when None) from safetensors files;
+    ValueError for a tensor missing or in more than one file."""
+    wanted = None if names is None else set(names)
+    found: dict[str, torch.Tensor] = {}
+    for path in paths:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if wanted is not None and key not in wanted:
+                    continue
+                if wanted is None and key.endswith(SKIP_NAMES):
+                    continue
+                if key in found:
+                    raise ValueError(f"tensor {key} appears in more than one file")
+                found[key] = f.get_tensor(key)
+    if wanted is not None:
+        missing = sorted(wanted - found.keys())
+        if missing:
+            raise ValueError(f"{len(missing)} tensor(s) not found in {list(paths)}: {missing[:8]}")
+        return [(n, found[n]) for n in names]  # the caller's order
+    return list(found.items())
+
+
+def save_tensors(tensors: list[tuple[str, torch.Tensor]], path: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors}, tmp, metadata={"format": "pt"})
+    os.replace(tmp, path)
+
+
+def read_file_tensor(path: str) -> torch.Tensor:
+    """A whole file as one uint8 tensor."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def plain_file_name(name: str) -> str:
+    """``name`` if it names a file directly inside a directory, else ValueError."""
+    if os.path.basename(name) != name or name in ("", ".", ".."):
+        raise ValueError(f"refusing file name {name!r}: not a plain file name")
+    return name
+
+
+def write_files(files: list[tuple[str, torch.Tensor]], out_dir: str) -> None:
+    """Write each ``(plain file name, uint8 tensor)`` into ``out_dir`` (created)."""
+    os.makedirs(out_dir, exist_ok=True)
+    for name, t in files:
+        path = os.path.join(out_dir, plain_file_name(name))
+        with open(f"{path}.part", "wb") as f:
+            f.write(tensor_bytes(t))
+        os.replace(f"{path}.part", path)

@@ -1,0 +1,108 @@
+"""Tensors as bytes: the one dtype table, the one checksum helper, and transfer specs.
+
+A tensor's checksum is the Adler-32 of its raw row-major bytes, 8 lowercase hex digits, the
+snapshot format's (`snapshots.codec.adler32`, zlib-ng's SIMD one when installed). A spec is
+``[name, dtype, shape]`` with the dtype as ``"bfloat16"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from snapshots.codec import adler32
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "f16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "f32": torch.float32,
+    "float": torch.float32,
+    "float64": torch.float64,
+    "f64": torch.float64,
+    "int8": torch.int8,
+    "i8": torch.int8,
+    "uint8": torch.uint8,
+    "u8": torch.uint8,
+    "int32": torch.int32,
+    "i32": torch.int32,
+    "int64": torch.int64,
+    "i64": torch.int64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "f8_e4m3": torch.float8_e4m3fn,
+}
+
+
+def dtype_from_str(name: str) -> torch.dtype:
+    key = name.lower().removeprefix("torch.")
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}")
+    return DTYPES[key]
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of ``t`` (row-major), as safetensors stores them."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def adler32_hex(t: torch.Tensor) -> str:
+    """Adler-32 of the tensor's raw bytes, 8 lowercase hex digits (the snapshot format's)."""
+    return "%08x" % (adler32(tensor_bytes(t)) & 0xFFFFFFFF)
+
+
+def sha256_hex(t: torch.Tensor) -> str:
+    return hashlib.sha256(tensor_bytes(t)).hexdigest()
+
+
+ALGORITHMS = {"adler32": adler32_hex, "sha256": sha256_hex}
+
+
+def check_expected(tensors: list[tuple[str, torch.Tensor]], expected: dict[str, str] | None) -> None:
+    """Compare each tensor's Adler-32 with ``expected`` (name -> 8 hex digits); ValueError naming
+    every tensor that differs or is missing. Called before anything changes."""
+    if not expected:
+        return
+    have = dict(tensors)
+    missing = sorted(set(expected) - have.keys())
+    bad = [
+        f"{n}: adler32 {adler32_hex(t)} != expected {expected[n].lower()}"
+        for n, t in tensors
+        if n in expected and adler32_hex(t) != expected[n].lower()
+    ]
+    if missing or bad:
+        raise ValueError(
+            "checksum check failed, nothing loaded: "
+            + "; ".join(bad[:8] + [f"{n}: expected but not given" for n in missing[:8]])
+        )
+
+
+def spec_of(name: str, t: torch.Tensor) -> list[Any]:
+    return [name, dtype_to_str(t.dtype), list(t.shape)]
+
+
+def normalize_specs(specs: Iterable[Sequence[Any]]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    out = []
+    for spec in specs:
+        name, dtype, shape = spec
+        out.append((str(name), dtype_from_str(str(dtype)), tuple(int(s) for s in shape)))
+    return out

@@ -1,0 +1,147 @@
+"""The bodies of the engine's background jobs (`replica.engine.jobs`), free of vLLM: each takes
+the model (any ``torch.nn.Module`` with vLLM's ``load_weights``) and returns a JSON-able report.
+
+Stages (each returns ``(Stage, report)``; the extension puts the stage in its slot):
+
+- :func:`stage_from_files`: tensors read from safetensors files, checked against the expected
+  Adler-32;
+- :func:`stage_from_arena`: zero-copy views of the agent's stage arena, checked (``verify``) and
+  in any case proven at the commit; roll-back copies from the agent's host copy when given;
+- :func:`stage_from_peer`: tensors received from a broadcast, checked against the sender's
+  Adler-32 and written to ``save_path`` for the agent's host copy.
+
+Transfers and checks: :func:`send_views` and :func:`send_files` (rank 0 of a broadcast),
+:func:`receive_files` (a delta link's files, checked, then written), :func:`served_checksums`.
+``join`` is a callable returning a joined `PeerGroup`; the group is closed whatever happens.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from replica.engine import stage as stages
+from replica.engine.files import plain_file_name, read_file_tensor, read_safetensors, save_tensors, write_files
+from replica.engine.peer_group import PeerGroup
+from replica.engine.shared_memory import map_shared, view_at
+from replica.engine.tensors import adler32_hex, check_expected, dtype_from_str, normalize_specs
+from replica.engine.views import select_views
+
+Join = Callable[[], PeerGroup]
+
+
+def _size(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.nbytes for _, t in tensors)
+
+
+def stage_from_files(model: torch.nn.Module, label: str, paths: list[str], names: list[str] | None,
+                     expected: dict[str, str] | None) -> tuple[stages.Stage, dict[str, Any]]:
+    tensors = read_safetensors(paths, names)
+    check_expected(tensors, expected)
+    stage = stages.take(model, label, tensors, expected_adler32=expected)
+    return stage, {"staged": label, "tensors": len(tensors), "bytes": _size(tensors)}
+
+
+def stage_from_arena(
+    model: torch.nn.Module, label: str, path: str, entries: list[list[Any]], expected: dict[str, str],
+    verify: bool, backup_path: str | None, backup_offsets: dict[str, int] | None,
+) -> tuple[stages.Stage, dict[str, Any]]:
+    """``entries`` are ``[name, dtype, shape, byte offset]`` in the file at ``path``; every one
+    needs an expected Adler-32. ``backup_path`` + ``backup_offsets`` (name -> offset): where the
+    agent's host copy holds each tensor as the engine serves it now."""
+    expected = {n: c.lower() for n, c in expected.items()}
+    t0 = time.perf_counter()
+    memory = map_shared(path)
+    tensors = [
+        (str(name), view_at(memory, str(name), int(offset), dtype_from_str(str(dtype)),
+                            tuple(int(x) for x in shape), "arena"))
+        for name, dtype, shape, offset in entries
+    ]
+    missing = [n for n, _ in tensors if n not in expected]
+    if missing:
+        raise ValueError(f"no expected Adler-32 for {missing[:8]}")
+    t1 = time.perf_counter()
+    if verify:
+        check_expected(tensors, expected)
+    t2 = time.perf_counter()
+    backup = None
+    if backup_path is not None:
+        offsets = backup_offsets or {}
+        missing_backup = [n for n, _ in tensors if n not in offsets]
+        if missing_backup:
+            raise ValueError(f"no roll-back bytes given for {missing_backup[:8]}")
+        host = map_shared(backup_path)
+        backup = {n: view_at(host, n, int(offsets[n]), t.dtype, tuple(t.shape), "host copy") for n, t in tensors}
+    stage = stages.take(model, label, tensors, backup, expected)
+    return stage, {"staged": label, "tensors": len(tensors), "bytes": _size(tensors),
+                   "map_s": round(t1 - t0, 6), "check_s": round(t2 - t1, 6),
+                   "backup_s": round(time.perf_counter() - t2, 6),
+                   "backup": "host copy" if backup_path is not None else "copied"}
+
+
+def stage_from_peer(model: torch.nn.Module, label: str, join: Join, specs: list[list[Any]],
+                    expected: dict[str, str] | None, save_path: str | None) -> tuple[stages.Stage, dict[str, Any]]:
+    wanted = normalize_specs(specs)
+    group = join()
+    try:
+        received = group.receive(wanted, 0)
+    finally:
+        group.close()
+    check_expected(received, expected)
+    if save_path:
+        save_tensors(received, save_path)
+    stage = stages.take(model, label, received, expected_adler32=expected)
+    return stage, {"staged": label, "tensors": len(received), "bytes": _size(received)}
+
+
+def send_views(model: torch.nn.Module, names: list[str] | None, join: Join) -> dict[str, Any]:
+    group = join()
+    try:
+        tensors = select_views(model, names)
+        sent = group.send(tensors, 0)
+    finally:
+        group.close()
+    return {"sent": len(tensors), "bytes": sent}
+
+
+def send_files(paths: list[str], join: Join) -> dict[str, Any]:
+    files = [(os.path.basename(p), read_file_tensor(p)) for p in paths]
+    group = join()
+    try:
+        sent = group.send(files, 0)
+    finally:
+        group.close()
+    return {"sent": len(files), "bytes": sent}
+
+
+def receive_files(specs: list[list[Any]], expected: dict[str, str], out_dir: str, join: Join) -> dict[str, Any]:
+    """Receive files, check each one's Adler-32, then write them all to ``out_dir``."""
+    wanted = normalize_specs(specs)
+    for name, _, _ in wanted:
+        plain_file_name(name)
+    t0 = time.perf_counter()
+    group = join()
+    t1 = time.perf_counter()
+    try:
+        received = group.receive(wanted, 0)
+    finally:
+        group.close()
+    t2 = time.perf_counter()
+    received = [(n, t.to("cpu")) for n, t in received]
+    check_expected(received, expected)
+    write_files(received, out_dir)
+    return {"files": len(received), "bytes": sum(t.numel() for _, t in received),
+            "join_s": round(t1 - t0, 6), "transfer_s": round(t2 - t1, 6)}
+
+
+def served_checksums(model: torch.nn.Module, names: list[str] | None) -> dict[str, Any]:
+    views = select_views(model, names)
+    # zlib releases the GIL on large buffers: a few threads read the weights in parallel.
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(lambda nt: adler32_hex(nt[1]), views))
+    return {"checksums": {n: d for (n, _), d in zip(views, digests)}}

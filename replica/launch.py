@@ -1,0 +1,11 @@
+"""What the agent and the engine agree on to start an engine (neither imports the other).
+
+The agent (`replica.agent.engine.EngineProcess`) runs ``python -m SERVER_MODULE`` with
+``--worker-extension-cls EXTENSION_CLS`` and hands the engine its secret through a 0600 file
+named by the environment variable ``SECRET_FILE_ENV``, which the engine
+(`replica.engine.guard.read_secret_file`) reads at start.
+"""
+
+SERVER_MODULE = "replica.engine.server"
+EXTENSION_CLS = "replica.engine.extension.WeightLoaderExtension"
+SECRET_FILE_ENV = "ROLLOUTS_ENGINE_SECRET_FILE"

@@ -1,0 +1,110 @@
+"""The engine's one update lifecycle, stage -> swap -> commit | discard (replica/engine/stage.py),
+as free functions on a small torch model with vLLM's ``load_weights`` interface: no vLLM, no
+engine process. The same functions run inside the engine (tests/replica/test_engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replica.engine.stage import StageSlot, take
+from replica.engine.tensors import adler32_hex, check_expected, dtype_from_str, dtype_to_str
+
+
+class Tiny(torch.nn.Module):
+    """Two layers, and vLLM's interface: ``load_weights`` takes (checkpoint name, tensor) pairs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, 16, bias=False, dtype=torch.bfloat16)
+        self.down = torch.nn.Linear(16, 8, bias=False, dtype=torch.bfloat16)
+        self.corrupt: str | None = None  # a name whose load writes other bytes (a faulty loader)
+
+    def load_weights(self, weights) -> None:
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            params[name].data.copy_(t)
+            if name == self.corrupt:
+                params[name].data.view(-1)[0] += 1
+
+
+def weights(model: Tiny) -> dict[str, str]:
+    return {n: adler32_hex(p) for n, p in model.named_parameters()}
+
+
+def new_values(seed: int) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [("up.weight", torch.randn(16, 8, generator=gen).to(torch.bfloat16)),
+            ("down.weight", torch.randn(8, 16, generator=gen).to(torch.bfloat16))]
+
+
+def test_a_committed_stage_is_served_and_proven_by_its_checksums() -> None:
+    model, slot = Tiny(), StageSlot()
+    tensors = new_values(1)
+    expected = {n: adler32_hex(t) for n, t in tensors}
+    before = weights(model)
+    slot.begin()
+    slot.put(take(model, "v1", tensors, expected_adler32=expected))
+    assert weights(model) == before  # staged, not served
+    slot.swap(model, "v1")
+    assert slot.commit(model, "v1")["checksums"] == expected
+    assert weights(model) == expected
+    assert slot.stage is None
+
+
+def test_a_read_back_that_differs_rolls_back_and_names_the_tensor() -> None:
+    model, slot = Tiny(), StageSlot()
+    before = weights(model)
+    tensors = new_values(2)
+    slot.put(take(model, "v1", tensors, expected_adler32={n: adler32_hex(t) for n, t in tensors}))
+    model.corrupt = "down.weight"
+    slot.swap(model, "v1")
+    assert slot.commit(model, "v1") == {"read_back_failed": ["down.weight"], "rolled_back": True}
+    assert weights(model) == before and slot.stage is None
+    # Without expected checksums the read-back compares bit for bit with the bytes staged.
+    slot.put(take(model, "v2", new_values(3)))
+    slot.swap(model, "v2")
+    assert slot.commit(model, "v2")["read_back_failed"] == ["down.weight"]
+    assert weights(model) == before
+
+
+def test_discard_rolls_a_swapped_stage_back_and_a_swapped_stage_blocks_the_next() -> None:
+    model, slot = Tiny(), StageSlot()
+    before = weights(model)
+    slot.put(take(model, "v1", new_values(4)))
+    with pytest.raises(RuntimeError, match="not yet swapped in"):
+        slot.commit(model, "v1")
+    slot.swap(model, "v1")
+    assert weights(model) != before
+    with pytest.raises(RuntimeError, match="swapped in: commit or discard it first"):
+        slot.begin()
+    with pytest.raises(RuntimeError, match="already swapped in"):
+        slot.swap(model, "v1")
+    assert slot.discard(model) == {"discarded": "v1", "rolled_back": True}
+    assert weights(model) == before
+    assert slot.discard(model) == {"discarded": None, "rolled_back": False}
+    with pytest.raises(RuntimeError, match="nothing staged for 'v1'"):
+        slot.swap(model, "v1")
+
+
+def test_what_cannot_load_in_place_is_refused_at_staging() -> None:
+    model = Tiny()
+    up = new_values(5)[0][1]
+    cases = {
+        "shape": [("up.weight", torch.zeros(3, 3, dtype=torch.bfloat16))],
+        "dtype": [("up.weight", up.view(torch.float16))],
+        "name": [("side.weight", up)],
+        "twice": [("up.weight", up), ("up.weight", up)],
+    }
+    for case, tensors in cases.items():
+        with pytest.raises(ValueError, match="refusing to load"):
+            take(model, case, tensors)
+    with pytest.raises(ValueError, match="up.weight: adler32 .* != expected 00000000"):
+        check_expected([("up.weight", up)], {"up.weight": "00000000"})
+
+
+def test_one_dtype_table() -> None:
+    assert dtype_from_str("bf16") is dtype_from_str("torch.bfloat16") is torch.bfloat16
+    assert dtype_to_str(torch.float8_e4m3fn) == "float8_e4m3fn"
+    with pytest.raises(ValueError, match="unknown dtype"):
+        dtype_from_str("complex32")
