@@ -7,7 +7,7 @@ values, so the same processes run against a real Temporal cluster and any S3 sto
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``ROLLOUTS_TOKENS_FILE``, ``ROLLOUTS_ENGINE_KEY``.
 
 Engine secrets: every replica's vLLM server refuses requests that lack its secret
-(``replica/engine_guard.py``). The secret is :meth:`Settings.engine_secret` = HMAC-SHA256 of the
+(``replica/engine/guard.py``). The secret is :meth:`Settings.engine_secret` = HMAC-SHA256 of the
 stack's ``engine_key`` over the replica's deployment workflow id and its name, so the replica
 agent (which starts the engine) and the gateway (which sends it inference) both derive it from
 the settings and nothing secret crosses Temporal. The key is generated with the stack's other
@@ -29,7 +29,7 @@ from typing import Any
 DEFAULT_HOME = Path(".rollouts")
 CONTROL_TASK_QUEUE = "rollouts-control"
 LOOPBACK = "127.0.0.1"
-# The header that carries a replica engine's secret (replica/engine_guard.py checks it).
+# The header that carries a replica engine's secret (replica/engine/guard.py checks it).
 ENGINE_SECRET_HEADER = "x-rollouts-engine-secret"
 
 # Offsets from the stack's port base. Replicas take free ports as they start.
