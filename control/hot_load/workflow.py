@@ -185,6 +185,10 @@ class HotLoadWorkflow:
             except Exception as exc:
                 if is_cancelled_exception(exc):
                     raise
+                if workflow.cancellation_reason() is not None:
+                    # Canceled while the commit failed (an agent may end a step it was asked to
+                    # give up with an error): the replica kept its weights, and no new step starts.
+                    raise asyncio.CancelledError() from exc
                 workflow.logger.warning("%s could not swap its stage in (%s): reading the bucket", replica.name,
                                         error_reason(exc))
                 self.walk.doing(replica, "from the bucket, its stage's swap failed")

@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
-from temporalio.exceptions import CancelledError
+from temporalio.exceptions import ApplicationError, CancelledError
 
 from contracts import names
 from tests.helpers.harness import OTHER_ORG, VIEWER, ZONE, Fleet, write_delta, write_full
@@ -140,3 +140,39 @@ async def test_cancel_while_a_receiver_commits_leaves_the_rest_on_their_weights(
         f.commit_behaviour = {}
         f.hold.set()
         await f.completed(dep, "step-2", hotLoadId="cancel-walk-2")
+
+
+async def test_a_receivers_commit_failing_after_a_cancel_reads_no_bucket(temporal_env, tmp_path):
+    """The replica agent may end a commit it was asked to give up with an error (a held fault
+    point does): the walk still stops there, without starting a step from the bucket."""
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        state = deployment_state("cancel-fail", zones=[ZONE])
+        state.replicas = f.replica_endpoints("cancel-fail", 3)
+        dep = await f.deployment_from_state(state)
+        await f.completed(dep, "base", hotLoadId="cancel-fail-base")
+        f.peer_events.clear()
+
+        async def held_then_fail(replica: str) -> None:
+            try:
+                await f.held(replica, None)
+            except asyncio.CancelledError:
+                raise ApplicationError(f"the step on {replica} was canceled while held") from None
+
+        f.commit_behaviour = {"replica-1": held_then_fail}
+        write_delta(f.bucket_root / f"ckpt/{dep}", "step-1", "base")
+        r = await f.create_hot_load(
+            dep, "step-1", hotLoadId="cancel-fail-1", type="SNAPSHOT_TYPE_INCREMENTAL",
+            incrementalSnapshotMetadata={"previousSnapshotIdentity": "base"},
+        )
+        assert r.status_code == 200, r.text
+        await asyncio.wait_for(f.started.wait(), 30)
+        r = await f.call("POST", "/hotLoads/cancel-fail-1:cancel", json={})
+        assert r.status_code == 200, r.text
+        end = await f.wait_hot_load("cancel-fail-1")
+        assert end["status"]["state"] == "HOT_LOAD_STATE_CANCELED", end["status"]
+        replicas = await f.hot_load_replicas("cancel-fail-1")
+        assert [(r["state"], r["currentSnapshotIdentity"]) for r in replicas] == [
+            ("READY", "step-1"), ("PENDING_UPDATE", "base"), ("PENDING_UPDATE", "base"),
+        ]
+        assert [n for n, e in f.peer_events if e in ("commit", "applied")] == ["replica-0", "replica-1"]
+        await assert_workflow_canceled(f, "cancel-fail-1")
