@@ -1,0 +1,54 @@
+"""`rollouts up | down | status` and `rollouts token add`: the embedded stack in a home."""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import sys
+
+from common.settings import Settings
+from common.tokens import add_token
+from workers.commands import settings_of
+from workers.stack import Stack, StackError, load_or_create_settings
+
+
+def up(args: argparse.Namespace) -> int:
+    try:
+        Stack(load_or_create_settings(args.home, args.port_base)).up()
+    except StackError as exc:
+        print(f"rollouts: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def down(args: argparse.Namespace) -> int:
+    if not (args.home / "stack.json").exists():
+        print(f"no stack at {args.home}; nothing to stop")
+        return 0
+    try:
+        Stack(Settings.load(args.home)).down()
+    except StackError as exc:
+        print(f"rollouts: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    stack = Stack(settings_of(args))
+    for name, pid in stack.status().items():
+        print(f"{name:<28} {'running (pid %d)' % pid if pid else 'stopped'}")
+    print(stack.describe())
+    return 0
+
+
+def token_add(args: argparse.Namespace) -> int:
+    settings = settings_of(args)
+    token = args.token or f"rk-{args.role}-{secrets.token_urlsafe(24)}"
+    try:
+        add_token(settings.tokens_file, token, args.role, args.org or settings.organization_id, args.name,
+                  hot_load_enabled=not args.hot_load_disabled, buckets=args.bucket)
+    except ValueError as exc:
+        print(f"rollouts token add: {exc}", file=sys.stderr)
+        return 2
+    print(token)  # the only time it is shown: tokens.json keeps its hash
+    return 0
