@@ -167,8 +167,8 @@ class Settings:
         )
 
     def s3_client(self) -> Any:
-        import boto3
-        from botocore.config import Config
+        import boto3  # noqa: PLC0415 - boto3 and Temporal load only where used: settings are read in every process, vLLM's included
+        from botocore.config import Config  # noqa: PLC0415 - boto3 and Temporal load only where used: settings are read in every process, vLLM's included
 
         return boto3.client(
             "s3",
@@ -206,8 +206,8 @@ class Settings:
 
 async def temporal_client(settings: Settings, **kwargs: Any) -> Any:
     """A Temporal client with the pydantic data converter (our wire objects are pydantic)."""
-    from temporalio.client import Client
-    from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.client import Client  # noqa: PLC0415 - boto3 and Temporal load only where used: settings are read in every process, vLLM's included
+    from temporalio.contrib.pydantic import pydantic_data_converter  # noqa: PLC0415 - boto3 and Temporal load only where used: settings are read in every process, vLLM's included
 
     return await Client.connect(
         settings.temporal_address,
