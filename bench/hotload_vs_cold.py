@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +41,7 @@ from replica.agent.engine import EngineProcess  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
 from tests.helpers.stack_fixtures import Api, start_stack  # noqa: E402
+from tests.helpers.temporal_server import TEMPORAL_BIN  # noqa: E402
 from workers.stack import upload_dir  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -83,8 +87,6 @@ async def cold_rolling_restart(settings, identity_prefix: str, replicas: int, mo
 
 
 def _step_seconds(replica: dict) -> float:
-    from datetime import datetime
-
     def at(key: str) -> float:
         return datetime.fromisoformat(replica[key].replace("Z", "+00:00")).timestamp()
 
@@ -94,11 +96,7 @@ def _step_seconds(replica: dict) -> float:
 def print_timeline(settings, workflow_id: str, created: float) -> None:
     """Each activity of a hot-load's workflow history: when it was scheduled, started and
     closed, in ms since the hot-load's create call (`created`, wall clock)."""
-    import json
-    import subprocess
-    from datetime import datetime
 
-    from tests.helpers.temporal_server import TEMPORAL_BIN
 
     out = subprocess.run([str(TEMPORAL_BIN), "workflow", "show", "-w", workflow_id, "-o", "json",
                           "--address", settings.temporal_address, "--namespace", settings.temporal_namespace],

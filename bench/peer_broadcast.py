@@ -24,13 +24,18 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.processes import free_port  # noqa: E402
+from replica.engine.peer_group import PeerGroup  # noqa: E402
+from replica.engine.stage import StageSlot, take  # noqa: E402
+from replica.engine.tensors import adler32_hex, normalize_specs, spec_of  # noqa: E402
+
 
 def _tensors(size_mb: float, device: str) -> list[tuple[str, "object"]]:
-    import torch
-
     gen = torch.Generator().manual_seed(0)
     hidden = 1024
     per_layer = 12 * hidden * hidden * 2  # q,k,v,o + gate,up,down at 2x hidden (bytes, BF16)
@@ -48,11 +53,6 @@ def _tensors(size_mb: float, device: str) -> list[tuple[str, "object"]]:
 
 def _member(rank: int, world: int, port: int, backend: str, size_mb: float, queue: "mp.Queue") -> None:
     try:
-        import torch
-
-        from replica.engine.peer_group import PeerGroup
-        from replica.engine.tensors import adler32_hex, normalize_specs, spec_of
-
         device = "cpu"
         if backend == "nccl":
             device = f"cuda:{rank % torch.cuda.device_count()}"
@@ -80,8 +80,6 @@ def _member(rank: int, world: int, port: int, backend: str, size_mb: float, queu
 
 
 def run(backend: str, world: int, size_mb: float) -> dict:
-    from common.processes import free_port
-
     ctx = mp.get_context("spawn")
     queue: mp.Queue = ctx.Queue()
     port = free_port()
@@ -105,10 +103,7 @@ def cuda_apply_check() -> str:
     """The engine's update lifecycle on CUDA parameters: stage (roll-back copy), swap, read-back
     (bit compare and Adler-32 of the served bytes), and the roll-back of a stage discarded after
     its swap; a tensor of the wrong shape is refused at staging."""
-    import torch
 
-    from replica.engine.stage import StageSlot, take
-    from replica.engine.tensors import adler32_hex
 
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:
@@ -145,7 +140,6 @@ def main() -> int:
     ap.add_argument("--receivers", type=int, default=3)
     ap.add_argument("--backends", default="gloo,nccl")
     args = ap.parse_args()
-    import torch
 
     backends = [b for b in args.backends.split(",") if b]
     if "nccl" in backends and not torch.cuda.is_available():
