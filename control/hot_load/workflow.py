@@ -126,15 +126,20 @@ class HotLoadWorkflow:
 
     async def _step(self, replica: Replica, how: str, run: Callable[[], Awaitable[ApplySnapshotResult]]) -> None:
         """One replica's update: UPDATING, then READY with what it serves, or ERROR (the walk
-        stops); a step given up before it changed the replica leaves it PENDING_UPDATE."""
+        stops); a step given up before it changed the replica leaves it PENDING_UPDATE, and so
+        does one that failed once a cancel was asked (an agent may end a step it was asked to
+        give up with an error; a failed step changed nothing): the walk ends CANCELED."""
         self.walk.moved(replica, ReplicaState.UPDATING, started_at=self.walk.now(), error_reason=None)
         self.walk.doing(replica, how)
         try:
             result = await run()
         except (Exception, asyncio.CancelledError) as exc:
-            if is_cancelled_exception(exc):
+            if is_cancelled_exception(exc) or workflow.cancellation_reason() is not None:
                 self.walk.moved(replica, ReplicaState.PENDING_UPDATE, finished_at=self.walk.now())
-                raise
+                if is_cancelled_exception(exc):
+                    raise
+                workflow.logger.warning("%s: its step failed after the cancel (%s)", replica.name, error_reason(exc))
+                raise asyncio.CancelledError() from exc
             reason = error_reason(exc)
             self.walk.moved(replica, ReplicaState.ERROR, error_reason=reason, finished_at=self.walk.now())
             raise ApplicationError(f"replica {replica.name}: {reason}", type=REPLICA_FAILED) from exc

@@ -176,3 +176,27 @@ async def test_a_receivers_commit_failing_after_a_cancel_reads_no_bucket(tempora
         ]
         assert [n for n, e in f.peer_events if e in ("commit", "applied")] == ["replica-0", "replica-1"]
         await assert_workflow_canceled(f, "cancel-fail-1")
+
+
+async def test_a_first_step_failing_after_a_cancel_ends_canceled_with_every_replica_on_its_weights(
+    temporal_env, tmp_path
+):
+    """The same for an update from the bucket: a step ended with an error once the cancel was
+    asked changed nothing (all or nothing), so the operation is CANCELED, not FAILED."""
+    async with Fleet(temporal_env.client, tmp_path, replicas_per_deployment=3) as f:
+
+        async def held_then_fail(replica: str, inp) -> None:
+            try:
+                await f.held(replica, inp)
+            except asyncio.CancelledError:
+                raise ApplicationError(f"the step on {replica} was canceled while held") from None
+
+        _, hl = await start_held(f, held_then_fail)
+        r = await f.call("POST", f"/hotLoads/{hl}:cancel", json={})
+        assert r.status_code == 200, r.text
+        end = await f.wait_hot_load(hl)
+        assert end["status"]["state"] == "HOT_LOAD_STATE_CANCELED", end["status"]
+        replicas = await f.hot_load_replicas(hl)
+        assert [(r["state"], r["currentSnapshotIdentity"]) for r in replicas] == [("PENDING_UPDATE", "initial")] * 3
+        assert f.applied == []
+        await assert_workflow_canceled(f, hl)
