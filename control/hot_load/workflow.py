@@ -17,7 +17,8 @@ replica's own task queue, run by its agent next to the engine:
 A failed step stops the walk: that replica is ERROR, the operation FAILED; replicas already moved
 keep the new weights, the rest keep theirs (if the first replica fails, the broadcast is
 abandoned and no other replica changed). A cancel stops before the next replica step; a step
-given up before it changed its replica reports it PENDING_UPDATE again.
+given up before it changed its replica, or one that failed once the cancel was asked, reports it
+PENDING_UPDATE again and the operation ends CANCELED.
 
 Ends. The memo, `HotLoadState` and the replica list are final first; then the workflow signals
 its deployment (`hot_load_finished`, whatever the outcome); then it closes as what the operation
