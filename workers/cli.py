@@ -14,8 +14,8 @@
 
 Every command exits non-zero with a one-line reason on failure. This module is the parser and
 the dispatch only: each command's handler is in workers/commands/ and is imported when that
-command runs (`COMMANDS`), so `rollouts --help` takes a tenth of a second instead of importing
-Temporal, FastAPI, torch and the replica's engine client.
+command runs (`COMMANDS`), so `rollouts --help` imports none of Temporal, FastAPI, torch or the
+replica's engine client (its start-up time is in bench/README.md).
 """
 
 from __future__ import annotations
