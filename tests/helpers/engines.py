@@ -73,8 +73,8 @@ def session_processes(*marks: bytes, session: str | None = None) -> dict[bytes, 
     }
 
 
-def engines() -> list[Proc]:
-    return session_processes(ENGINE_MARK)[ENGINE_MARK]
+def engines(session: str | None = None) -> list[Proc]:
+    return session_processes(ENGINE_MARK, session=session)[ENGINE_MARK]
 
 
 def wait_engines_at_most(n: int, timeout: float = 300) -> None:
@@ -96,6 +96,7 @@ class EngineWatch:
 
     interval: float = 1.0
     limit: int = MAX_ENGINES
+    session: str | None = None  # None: this session's marker
     node: str = ""  # the test running (its node id) and the phase
     phase: str = "collection"
     peak: int = 0
@@ -110,7 +111,7 @@ class EngineWatch:
 
     def sample(self) -> None:
         t0 = time.perf_counter()
-        procs = session_processes(ENGINE_MARK, STACK_MARK)
+        procs = session_processes(ENGINE_MARK, STACK_MARK, session=self.session)
         with self._lock:
             self.sample_seconds += time.perf_counter() - t0
             self.samples += 1
