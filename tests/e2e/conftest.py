@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.replicas import ROLLING_PREFIX
 from tests.helpers.stack_fixtures import Api, deployment_body
-
-PREFIX = "checkpoints/rolling"
 
 
 @pytest.fixture(scope="session")
 def rolling(stack):
     api = Api(stack)
-    body = deployment_body(stack, "rolling", replicas=3, path_prefix=PREFIX)
+    body = deployment_body(stack, "rolling", replicas=3, path_prefix=ROLLING_PREFIX)
     # Long generations, so a request is surely still running when its replica updates.
     body["runtime"]["engineConfig"] = {"max-model-len": "2048"}
     dep = api.call("POST", "/deployments", json=body).json()["deployment"]

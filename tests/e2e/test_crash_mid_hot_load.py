@@ -9,18 +9,15 @@ engine is left paused, and no engine restarted.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
 
 import pytest
 
-from replica.engine import EngineProcess
 from snapshots.host import checkpoint_checksums
 from snapshots.writer import write_delta
-from tests.e2e.conftest import PREFIX
-from tests.e2e.test_delta_rolling_update import engines, hot_load, served_checksums
+from tests.helpers.replicas import ROLLING_PREFIX, engines, hot_load, paused, served_checksums
 from tests.helpers.trainer import train_step
 from workers.stack import Stack, upload_dir
 
@@ -36,16 +33,6 @@ def kill9(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def paused(replica: dict) -> bool:
-    async def read() -> bool:
-        engine = EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"])
-        try:
-            return await engine.is_paused()
-        finally:
-            await engine.aclose()
-
-    return asyncio.run(read())
-
 
 @pytest.mark.parametrize("victim", ["worker", "temporal"])
 def test_crash_mid_walk_then_restart_completes(stack, rolling, tmp_path, victim):
@@ -54,12 +41,12 @@ def test_crash_mid_walk_then_restart_completes(stack, rolling, tmp_path, victim)
     s3 = stack.s3_client()
     base = stack.home_path / "models" / "base"
     full_id = f"crash-{victim}-000000"
-    upload_dir(s3, base, stack.bucket, f"{PREFIX}/{full_id}")
+    upload_dir(s3, base, stack.bucket, f"{ROLLING_PREFIX}/{full_id}")
     assert hot_load(api, dep_id, full_id, None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
     new_dir = train_step(base, tmp_path / "new", seed=21 if victim == "worker" else 22)
     identity = f"crash-{victim}-000001"
     write_delta(base, new_dir, tmp_path / identity, version="1", base_version="0")
-    upload_dir(s3, tmp_path / identity, stack.bucket, f"{PREFIX}/{identity}")
+    upload_dir(s3, tmp_path / identity, stack.bucket, f"{ROLLING_PREFIX}/{identity}")
     pids = {r["name"]: r["enginePid"] for r in engines(stack, dep_id)}
 
     services = Stack(stack)

@@ -1,70 +1,62 @@
-"""Delta hot-loads on a 3-replica deployment (real vLLM CPU replicas, real S3, real Temporal).
+"""Delta hot-loads on the shared 3-replica deployment (real vLLM CPU replicas, real S3, real
+Temporal).
 
-The first replica reads the chain from the bucket; the second and third receive the changed
-tensors from an updated peer (gloo between the engine processes) and read zero bytes from the
-bucket. After every hot-load, each replica's served weights (read back from its engine) equal a
-locally materialized checkpoint, and no engine restarted. Requests in flight across a hot-load
-all complete. A corrupted delta fails cleanly and changes nothing; a good one then completes.
+The first replica reads the chain from the bucket; the second and third stage the changed tensors
+from its broadcast (gloo between the engine processes) and read zero bytes from the bucket. After
+every hot-load, each replica's served weights (read back from its engine) equal a locally
+materialized checkpoint, each replica's entry says it proved exactly the tensors the step changed
+(``verifiedTensors``) inside a pause (``pauseMs`` > 0), and no engine restarted.
+
+Requests in flight across a hot-load: the first replica's swap is held inside its pause (fault
+point ``swap``, replica/faults.py) until the engine says which requests it froze there; each of
+those answers names both identities in its weight-version spans, and every request completes.
+A corrupted delta fails cleanly and changes nothing; a good one then completes. A replica killed
+mid-walk is restarted, catches up, and ends on the new weights.
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
+import os
+import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from contracts.names import deployment_workflow_id
-from replica.engine import EngineProcess
+from common.processes import PidFile
 from snapshots.host import checkpoint_checksums
+from snapshots.inspect import read_delta_plan
 from snapshots.writer import write_delta
-from tests.e2e.conftest import PREFIX
-from tests.helpers.stack_fixtures import Api, cwtrain_python
+from tests.helpers.replicas import (
+    ROLLING_PREFIX,
+    engines,
+    fault,
+    faults,
+    hot_load,
+    hot_load_replicas,
+    paused,
+    running_requests,
+    served_checksums,
+    start_hot_load,
+    walk_order,
+)
+from tests.helpers.stack_fixtures import cwtrain_python
 from tests.helpers.trainer import train_step
 from workers.stack import upload_dir
 
 pytestmark = pytest.mark.stack
+# Tokens per in-flight request (the deployment's max-model-len is 2048).
+LONG = 1900
 
 
-def engines(stack, dep_id: str) -> list[dict]:
-    """The deployment's replicas as its workflow lists them, each with its engine's secret
-    (``engineSecret``, derived from the stack's settings as the gateway does)."""
-    from tests.e2e.test_full_hot_load import replicas_of
-
-    workflow_id = deployment_workflow_id(stack.organization_id, dep_id)
-    replicas = [{**r, "engineSecret": stack.engine_secret(workflow_id, r["name"])} for r in replicas_of(stack, dep_id)]
-    return sorted(replicas, key=lambda r: r["name"])
-
-
-def served_checksums(replica: dict, names: list[str] | None = None) -> dict[str, str]:
-    async def read():
-        engine = EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"])
-        try:
-            return await engine.checksums(names)
-        finally:
-            await engine.aclose()
-
-    return asyncio.run(read())
-
-
-def hot_load(api: Api, dep_id: str, identity: str, previous: str | None, **extra) -> dict:
-    body = {"deploymentId": dep_id, "identity": identity, **extra}
-    if previous is None:
-        body["type"] = "SNAPSHOT_TYPE_FULL"
-    else:
-        body["type"] = "SNAPSHOT_TYPE_INCREMENTAL"
-        body["incrementalSnapshotMetadata"] = {
-            "previousSnapshotIdentity": previous,
-            "compressionFormat": "COMPRESSION_FORMAT_ZSTD",
-            "checksumFormat": "CHECKSUM_FORMAT_ADLER32",
-        }
-    r = api.call("POST", "/hotLoads", json=body)
-    assert r.status_code == 200, r.text
-    return api.wait_hot_load(r.json()["hotLoad"]["spec"]["id"])
+def changed_tensors(old: Path, new: Path) -> int:
+    """How many tensors differ between two checkpoints (what a delta between them carries)."""
+    a, b = checkpoint_checksums(old), checkpoint_checksums(new)
+    assert a.keys() == b.keys()
+    return sum(a[name] != b[name] for name in a)
 
 
 def cwtrain_write_delta(base: Path, new: Path, out: Path, version: str, base_version: str) -> None:
@@ -80,7 +72,7 @@ def publish_chain(stack, api, dep_id, tmp: Path, writer: str, tag: str, steps: i
     s3 = stack.s3_client()
     base = stack.home_path / "models" / "base"
     full_id = f"{tag}-000000"
-    upload_dir(s3, base, stack.bucket, f"{PREFIX}/{full_id}")
+    upload_dir(s3, base, stack.bucket, f"{ROLLING_PREFIX}/{full_id}")
     pids = {r["name"]: r["enginePid"] for r in engines(stack, dep_id)}
     hl = hot_load(api, dep_id, full_id, None)
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
@@ -94,14 +86,18 @@ def publish_chain(stack, api, dep_id, tmp: Path, writer: str, tag: str, steps: i
         else:
             stats = write_delta(prev_dir, new_dir, delta_dir, version=identity, base_version=prev_id)
             assert stats.changed > 0
-        upload_dir(s3, delta_dir, stack.bucket, f"{PREFIX}/{identity}")
+        upload_dir(s3, delta_dir, stack.bucket, f"{ROLLING_PREFIX}/{identity}")
         hl = hot_load(api, dep_id, identity, prev_id)
         assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
-        assert [l["identity"] for l in hl["spec"]["snapshotChain"]] == [full_id] + [
+        assert [link["identity"] for link in hl["spec"]["snapshotChain"]] == [full_id] + [
             f"{tag}-{i:06d}" for i in range(1, step + 1)
         ]
-        reps = api.call("GET", f"/hotLoads/{hl['spec']['id']}/replicas").json()["replicas"]
+        reps = hot_load_replicas(api, hl["spec"]["id"])
         assert [r["state"] for r in reps] == ["READY"] * 3
+        changed = changed_tensors(prev_dir, new_dir)
+        assert changed > 0
+        for r in reps:
+            assert r["verifiedTensors"] == changed and r["pauseMs"] > 0, (changed, r)
         assert reps[0]["source"] == "bucket" and reps[0]["bytesReadFromBucket"] > 0
         for r in reps[1:]:
             assert r["source"].startswith("peer:"), r
@@ -123,54 +119,99 @@ def test_chain_of_cwtrain_deltas_reaches_every_replica(stack, rolling, tmp_path)
     publish_chain(stack, api, dep["spec"]["id"], tmp_path, "cwtrain", "cw")
 
 
-def test_in_flight_requests_survive_a_delta_hot_load(stack, rolling, tmp_path):
+def long_request(stack, model: str, i: int, started: threading.Event, out: dict) -> None:
+    """One long greedy completion through the gateway (streamed for even `i`); `out` gets its
+    outcome, its token count and ``nvext.weight_versions``. `started` is set at a streamed
+    answer's first token; a non-streamed one sets it as it is sent (its answer comes at the end)."""
+    stream = i % 2 == 0
+    if not stream:
+        started.set()
+    body = {"model": model, "prompt": [5, 6 + i, 7], "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+            "stream": stream, "return_token_ids": True}
+    headers = {"Authorization": f"Bearer {stack.admin_token}"}
+    try:
+        with httpx.stream("POST", f"{stack.gateway_url}/v1/completions", json=body, headers=headers,
+                          timeout=900) as r:
+            if r.status_code != 200:
+                out["outcome"] = f"HTTP {r.status_code}: {r.read()!r}"
+                return
+            if not stream:
+                data = json.loads(r.read())
+                out.update(tokens=len(data["choices"][0]["token_ids"]), finish=data["choices"][0]["finish_reason"],
+                           weight_versions=data["nvext"]["weight_versions"])
+            else:
+                tokens, finish, nvext, done = 0, None, None, False
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        chunk = json.loads(line[6:])
+                        assert "error" not in chunk, chunk
+                        nvext = chunk.get("nvext") or nvext
+                        for c in chunk["choices"]:
+                            tokens += len(c.get("token_ids") or [])
+                            finish = c.get("finish_reason") or finish
+                        if tokens:
+                            started.set()
+                out.update(tokens=tokens, finish=finish if done else "no [DONE]",
+                           weight_versions=(nvext or {}).get("weight_versions"))
+            out["outcome"] = "ok" if (out["tokens"], out["finish"]) == (LONG, "length") else "truncated"
+    except Exception as exc:  # noqa: BLE001 - recorded, asserted below
+        out["outcome"] = repr(exc)
+    finally:
+        started.set()
+
+
+def test_in_flight_requests_span_a_pause_and_all_finish(stack, rolling, tmp_path):
     api, dep = rolling
     dep_id = dep["spec"]["id"]
     model = dep["spec"]["model"]["name"]
     s3 = stack.s3_client()
-    full_id = "inflight-000000"
-    upload_dir(s3, stack.home_path / "models" / "base", stack.bucket, f"{PREFIX}/{full_id}")
+    base = stack.home_path / "models" / "base"
+    full_id, delta_id = "inflight-000000", "inflight-000001"
+    upload_dir(s3, base, stack.bucket, f"{ROLLING_PREFIX}/{full_id}")
     assert hot_load(api, dep_id, full_id, None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
-    new_dir = train_step(stack.home_path / "models" / "base", tmp_path / "new", seed=77)
-    write_delta(stack.home_path / "models" / "base", new_dir, tmp_path / "inflight-000001", version="1", base_version="0")
-    upload_dir(s3, tmp_path / "inflight-000001", stack.bucket, f"{PREFIX}/inflight-000001")
+    new_dir = train_step(base, tmp_path / "new", seed=77)
+    write_delta(base, new_dir, tmp_path / delta_id, version=delta_id, base_version=full_id)
+    upload_dir(s3, tmp_path / delta_id, stack.bucket, f"{ROLLING_PREFIX}/{delta_id}")
+    first = walk_order(stack, dep_id)[0]
 
-    results: list[str] = []
-    lock = threading.Lock()
-
-    def client(i: int) -> None:
-        stream = i % 2 == 0
-        body = {"model": model, "prompt": [5, 6 + i, 7], "max_tokens": 48, "temperature": 0,
-                "ignore_eos": True, "stream": stream}
-        headers = {"Authorization": f"Bearer {stack.admin_token}"}
-        try:
-            with httpx.stream("POST", f"{stack.gateway_url}/v1/completions", json=body, headers=headers, timeout=300) as r:
-                if r.status_code != 200:
-                    outcome = f"HTTP {r.status_code}"
-                elif stream:
-                    events = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-                    done = events and events[-1] == "data: [DONE]"
-                    errors = [e for e in events if '"error"' in e]
-                    finished = [e for e in events if '"finish_reason":"length"' in e.replace(" ", "")]
-                    outcome = "ok" if done and not errors and finished else f"truncated stream ({len(events)} events)"
-                else:
-                    r.read()
-                    usage = r.json()["usage"]["completion_tokens"]
-                    outcome = "ok" if usage == 48 else f"truncated ({usage} tokens)"
-        except Exception as exc:  # noqa: BLE001 - recorded, asserted below
-            outcome = repr(exc)
-        with lock:
-            results.append(outcome)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    # Three requests per replica (the gateway sends each to the least loaded one), all generating
+    # on the old weights before the hot-load starts.
+    outs: list[dict] = [{} for _ in range(9)]
+    started = [threading.Event() for _ in outs]
+    threads = [threading.Thread(target=long_request, args=(stack, model, i, e, o))
+               for i, (e, o) in enumerate(zip(started, outs))]
+    hold = fault("swap", first["name"], "hold")
+    with faults(stack, hold):
+        for t in threads:
+            t.start()
+        assert all(e.wait(600) for e in started)
+        hl_id = start_hot_load(api, dep_id, delta_id, full_id)
+        hold.wait_fired(stack, dep_id)
+        # The first replica's engine is paused, its swap held: the requests it has not finished
+        # are frozen in the pause and resume on the new weights.
+        assert paused(first)
+        frozen = running_requests(first)
+        assert frozen >= 1, f"no request was running on {first['name']} when its pause began"
+    hl = api.wait_hot_load(hl_id)
     for t in threads:
-        t.start()
-    time.sleep(0.5)  # the requests are running when the hot-load starts
-    hl = hot_load(api, dep_id, "inflight-000001", full_id)
-    for t in threads:
-        t.join(timeout=300)
+        t.join(900)
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
-    assert results == ["ok"] * 16, results
+    assert [o.get("outcome") for o in outs] == ["ok"] * len(outs), outs
+
+    spanned = 0
+    for o in outs:
+        spans = o["weight_versions"]["spans"]
+        assert [s["start"] for s in spans] == [0] + [s["end"] for s in spans[:-1]], spans
+        assert spans[-1]["end"] == LONG, spans
+        identities = [s["identity"] for s in spans]
+        assert identities in ([full_id], [delta_id], [full_id, delta_id]), spans
+        spanned += identities == [full_id, delta_id]
+    assert spanned >= frozen, f"{frozen} request(s) were frozen in a pause, {spanned} answer(s) name both identities"
+    expected = checkpoint_checksums(new_dir)
+    for replica in engines(stack, dep_id):
+        assert served_checksums(replica) == expected
 
 
 def test_corrupted_delta_fails_cleanly_then_a_good_one_completes(stack, rolling, tmp_path):
@@ -179,22 +220,20 @@ def test_corrupted_delta_fails_cleanly_then_a_good_one_completes(stack, rolling,
     s3 = stack.s3_client()
     base = stack.home_path / "models" / "base"
     full_id = "corrupt-000000"
-    upload_dir(s3, base, stack.bucket, f"{PREFIX}/{full_id}")
+    upload_dir(s3, base, stack.bucket, f"{ROLLING_PREFIX}/{full_id}")
     assert hot_load(api, dep_id, full_id, None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
     before = {r["name"]: served_checksums(r) for r in engines(stack, dep_id)}
 
     new_dir = train_step(base, tmp_path / "new", seed=5)
     bad = tmp_path / "corrupt-000001"
     write_delta(base, new_dir, bad, version="1", base_version="0")
-    from snapshots.inspect import read_delta_plan
-
     plan = read_delta_plan(bad)
     victim = sorted(plan.tensors.values(), key=lambda t: t.name)[0]
     shard = bad / victim.file
     data = bytearray(shard.read_bytes())
     data[(victim.begin + victim.end) // 2] ^= 0x01  # one flipped bit inside the frame
     shard.write_bytes(bytes(data))
-    upload_dir(s3, bad, stack.bucket, f"{PREFIX}/corrupt-000001")
+    upload_dir(s3, bad, stack.bucket, f"{ROLLING_PREFIX}/corrupt-000001")
 
     hl = hot_load(api, dep_id, "corrupt-000001", full_id)
     assert hl["status"]["state"] == "HOT_LOAD_STATE_FAILED", hl["status"]
@@ -207,7 +246,7 @@ def test_corrupted_delta_fails_cleanly_then_a_good_one_completes(stack, rolling,
 
     good = tmp_path / "corrupt-000002"
     write_delta(base, new_dir, good, version="2", base_version="0")
-    upload_dir(s3, good, stack.bucket, f"{PREFIX}/corrupt-000002")
+    upload_dir(s3, good, stack.bucket, f"{ROLLING_PREFIX}/corrupt-000002")
     hl = hot_load(api, dep_id, "corrupt-000002", full_id)
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
     expected = checkpoint_checksums(new_dir)
@@ -216,21 +255,16 @@ def test_corrupted_delta_fails_cleanly_then_a_good_one_completes(stack, rolling,
 
 
 def test_replica_killed_mid_update_restarts_and_catches_up(stack, rolling, tmp_path):
-    import os
-    import signal
-
-    from common.processes import PidFile
-
     api, dep = rolling
     dep_id = dep["spec"]["id"]
     s3 = stack.s3_client()
     base = stack.home_path / "models" / "base"
     full_id = "kill-000000"
-    upload_dir(s3, base, stack.bucket, f"{PREFIX}/{full_id}")
+    upload_dir(s3, base, stack.bucket, f"{ROLLING_PREFIX}/{full_id}")
     assert hot_load(api, dep_id, full_id, None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
     new_dir = train_step(base, tmp_path / "new", seed=11)
     write_delta(base, new_dir, tmp_path / "kill-000001", version="1", base_version="0")
-    upload_dir(s3, tmp_path / "kill-000001", stack.bucket, f"{PREFIX}/kill-000001")
+    upload_dir(s3, tmp_path / "kill-000001", stack.bucket, f"{ROLLING_PREFIX}/kill-000001")
 
     victim = engines(stack, dep_id)[-1]  # updated last: killed while the walk is under way
     body = {

@@ -25,7 +25,7 @@ import pytest
 
 from common.processes import stop_pid
 from snapshots.host import checkpoint_checksums
-from tests.e2e.test_delta_rolling_update import engines, hot_load, served_checksums
+from tests.helpers.replicas import engines, hot_load, served_checksums
 from tests.helpers.stack_fixtures import Api, deployment_body, start_stack
 from tests.helpers.trainer import train_step
 from workers.stack import Stack, upload_dir

@@ -17,10 +17,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from replica.engine import EngineProcess
+from replica.agent.engine import EngineProcess
 from snapshots.host import checkpoint_checksums
-from tests.e2e.conftest import PREFIX
-from tests.e2e.test_delta_rolling_update import engines, hot_load, served_checksums
+from tests.helpers.replicas import ROLLING_PREFIX, engines, hot_load, served_checksums
 from workers.base_model import INDEX_NAME
 from workers.stack import upload_dir
 
@@ -67,7 +66,7 @@ def test_a_dtype_edited_full_snapshot_fails_and_every_replica_serves_its_previou
     s3 = stack.s3_client()
     base = stack.home_path / "models" / "base"
     good_id = "closed-000000"
-    upload_dir(s3, base, stack.bucket, f"{PREFIX}/{good_id}")
+    upload_dir(s3, base, stack.bucket, f"{ROLLING_PREFIX}/{good_id}")
     assert hot_load(api, dep_id, good_id, None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
     before = {r["name"]: (served_checksums(r), observe(r)) for r in engines(stack, dep_id)}
     assert all(seen["label"] == good_id for _, seen in before.values()), before
@@ -75,7 +74,7 @@ def test_a_dtype_edited_full_snapshot_fails_and_every_replica_serves_its_previou
     bad_id = "closed-000001"
     edited = with_dtype_edited(base, tmp_path / bad_id, EDITED)
     assert checkpoint_checksums(edited) == checkpoint_checksums(base)  # only the header differs
-    upload_dir(s3, edited, stack.bucket, f"{PREFIX}/{bad_id}")
+    upload_dir(s3, edited, stack.bucket, f"{ROLLING_PREFIX}/{bad_id}")
     hl = hot_load(api, dep_id, bad_id, None)
     assert hl["status"]["state"] == "HOT_LOAD_STATE_FAILED", hl["status"]
     reps = api.call("GET", f"/hotLoads/{hl['spec']['id']}/replicas").json()["replicas"]
@@ -87,7 +86,7 @@ def test_a_dtype_edited_full_snapshot_fails_and_every_replica_serves_its_previou
     assert after == before, "a refused snapshot changed what a replica serves or how it labels it"
 
     again = "closed-000002"
-    upload_dir(s3, base, stack.bucket, f"{PREFIX}/{again}")
+    upload_dir(s3, base, stack.bucket, f"{ROLLING_PREFIX}/{again}")
     assert hot_load(api, dep_id, again, None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
     for replica in engines(stack, dep_id):
         assert served_checksums(replica) == checkpoint_checksums(base)

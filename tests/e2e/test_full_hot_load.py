@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from tests.helpers.replicas import replicas_of
 from tests.helpers.stack_fixtures import Api, cwtrain, cwtrain_python, deployment_body, json_out
 from workers.base_model import write_counting_model
 
@@ -110,16 +111,3 @@ def test_cwtrain_publishes_full_checkpoint_and_every_replica_serves_it(stack, cw
     # Engineers inspect the operation in the Temporal UI: the link answers.
     assert httpx.get(wire["status"]["workflowUrl"], timeout=30).status_code == 200
 
-
-def replicas_of(settings, dep_id: str) -> list[dict]:
-    import asyncio
-
-    from common.settings import temporal_client
-    from contracts.names import deployment_workflow_id
-
-    async def read() -> list[dict]:
-        client = await temporal_client(settings)
-        desc = await client.get_workflow_handle(deployment_workflow_id(settings.organization_id, dep_id)).describe()
-        return (await desc.memo())["replicas"]
-
-    return asyncio.run(read())

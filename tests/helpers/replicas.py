@@ -1,0 +1,207 @@
+"""What the real-replica tests (tests/e2e/) read and drive on the running stack: hot-loads through
+the REST API, each replica's engine read back directly (with the engine secret the gateway
+derives), the Temporal workflow of an operation, and the fault points of ``replica/faults.py``.
+
+- ``hot_load`` / ``start_hot_load``: a FULL or INCREMENTAL hot-load (waited for, or only started);
+  ``hot_load_replicas``: its replica entries in walk order.
+- ``replicas_of`` (the deployment workflow's memo), ``engines`` (the same, each with its
+  ``engineSecret``, by name) and ``walk_order`` (by zone, then name: the hot-load's order).
+- ``served_checksums``, ``engine_label``, ``paused``, ``running_requests``: one engine's served
+  bytes, weight-version label, pause state, and the requests it was running after its last step
+  (``engine_running`` for an ``EngineProcess``; while it is paused with ``keep`` these are the
+  requests frozen in the pause).
+- ``hot_load_workflow_status``: how Temporal describes the operation's workflow.
+- ``faults``: a context that writes ``faults.json`` into the stack's home and removes it on exit;
+  ``Fault.fired`` says whether the named replica's agent logged the rule's firing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from temporalio.client import WorkflowExecutionStatus
+
+from common.settings import Settings, temporal_client
+from contracts.names import deployment_workflow_id, hot_load_workflow_id
+from replica.agent.engine import EngineProcess
+from replica.faults import FAULTS_FILE
+from tests.helpers.stack_fixtures import Api
+
+# The shared 3-replica deployment's hot-load path prefix (tests/e2e/conftest.py `rolling`).
+ROLLING_PREFIX = "checkpoints/rolling"
+TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
+
+
+# ------------------------------------------------------------------------------ hot-loads
+def hot_load_body(dep_id: str, identity: str, previous: str | None, **extra: Any) -> dict:
+    body = {"deploymentId": dep_id, "identity": identity, **extra}
+    if previous is None:
+        body["type"] = "SNAPSHOT_TYPE_FULL"
+    else:
+        body["type"] = "SNAPSHOT_TYPE_INCREMENTAL"
+        body["incrementalSnapshotMetadata"] = {
+            "previousSnapshotIdentity": previous,
+            "compressionFormat": "COMPRESSION_FORMAT_ZSTD",
+            "checksumFormat": "CHECKSUM_FORMAT_ADLER32",
+        }
+    return body
+
+
+def start_hot_load(api: Api, dep_id: str, identity: str, previous: str | None, **extra: Any) -> str:
+    """POST a hot-load; returns its id without waiting."""
+    r = api.call("POST", "/hotLoads", json=hot_load_body(dep_id, identity, previous, **extra))
+    assert r.status_code == 200, r.text
+    return r.json()["hotLoad"]["spec"]["id"]
+
+
+def hot_load(api: Api, dep_id: str, identity: str, previous: str | None, **extra: Any) -> dict:
+    """POST a hot-load and wait until it is terminal; returns the operation."""
+    return api.wait_hot_load(start_hot_load(api, dep_id, identity, previous, **extra))
+
+
+def hot_load_replicas(api: Api, hl_id: str) -> list[dict]:
+    r = api.call("GET", f"/hotLoads/{hl_id}/replicas")
+    assert r.status_code == 200, r.text
+    return r.json()["replicas"]
+
+
+def wait_replica_state(api: Api, hl_id: str, name: str, state: str, timeout: float = 600) -> list[dict]:
+    """Poll the operation's replica entries until `name` is in `state`; returns all entries."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reps = hot_load_replicas(api, hl_id)
+        if any(r["name"] == name and r["state"] == state for r in reps):
+            return reps
+        hl = api.call("GET", f"/hotLoads/{hl_id}").json()["hotLoad"]
+        assert hl["status"]["state"] not in TERMINAL, (f"{name} never {state}", hl["status"], reps)
+        assert time.monotonic() < deadline, f"{name} not {state} after {timeout:.0f}s: {reps}"
+        time.sleep(0.2)
+
+
+def hot_load_workflow_status(settings: Settings, hl_id: str) -> WorkflowExecutionStatus:
+    async def read() -> WorkflowExecutionStatus:
+        client = await temporal_client(settings)
+        desc = await client.get_workflow_handle(hot_load_workflow_id(settings.organization_id, hl_id)).describe()
+        return desc.status
+
+    return asyncio.run(read())
+
+
+# ------------------------------------------------------------------------------ replicas
+def replicas_of(settings: Settings, dep_id: str) -> list[dict]:
+    """The deployment's replicas as its workflow's memo lists them."""
+
+    async def read() -> list[dict]:
+        client = await temporal_client(settings)
+        desc = await client.get_workflow_handle(deployment_workflow_id(settings.organization_id, dep_id)).describe()
+        return (await desc.memo())["replicas"]
+
+    return asyncio.run(read())
+
+
+def engines(settings: Settings, dep_id: str) -> list[dict]:
+    """The deployment's replicas by name, each with its engine's secret (``engineSecret``,
+    derived from the stack's settings as the gateway does)."""
+    workflow_id = deployment_workflow_id(settings.organization_id, dep_id)
+    replicas = [
+        {**r, "engineSecret": settings.engine_secret(workflow_id, r["name"])} for r in replicas_of(settings, dep_id)
+    ]
+    return sorted(replicas, key=lambda r: r["name"])
+
+
+def walk_order(settings: Settings, dep_id: str) -> list[dict]:
+    """The replicas in the order a hot-load walks them: by zone, then name."""
+    return sorted(engines(settings, dep_id), key=lambda r: (r["zone"], r["name"]))
+
+
+def _with_engine(replica: dict, read: Any) -> Any:
+    async def run() -> Any:
+        engine = EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"])
+        try:
+            return await read(engine)
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(run())
+
+
+def served_checksums(replica: dict, names: list[str] | None = None) -> dict[str, str]:
+    """The Adler-32 of every tensor the engine serves, read back from its memory."""
+    return _with_engine(replica, lambda e: e.checksums(names))
+
+
+def engine_label(replica: dict) -> str | None:
+    """The engine's weight-version label (the identity its answers name)."""
+    return _with_engine(replica, lambda e: e.weight_version())
+
+
+def paused(replica: dict) -> bool:
+    return _with_engine(replica, lambda e: e.is_paused())
+
+
+async def engine_running(engine: EngineProcess) -> int:
+    """The requests the engine was running after its last step (vLLM's ``num_requests_running``
+    gauge): each has sampled at least one token and not finished. While the engine is paused with
+    ``keep``, these are the requests frozen in the pause."""
+    text = (await engine.request("GET", "/metrics")).text
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:num_requests_running{")))
+
+
+def running_requests(replica: dict) -> int:
+    return _with_engine(replica, engine_running)
+
+
+# ------------------------------------------------------------------------------ faults
+@dataclass(frozen=True)
+class Fault:
+    """One rule of ``faults.json`` (see replica/faults.py); ``id`` is unique per test run."""
+
+    point: str
+    replica: str
+    action: str
+    id: str = ""
+
+    def rule(self) -> dict[str, Any]:
+        return {"id": self.id, "point": self.point, "replica": self.replica, "action": self.action, "times": 1}
+
+    def fired(self, settings: Settings, dep_id: str) -> bool:
+        """Whether the replica's agent logged this rule firing (replica/faults.py `hit`)."""
+        log = settings.home_path / "replicas" / dep_id / self.replica / "replica.log"
+        return log.exists() and f"fault {self.id} fires at {self.point} on {self.replica}" in log.read_text()
+
+    def wait_fired(self, settings: Settings, dep_id: str, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.fired(settings, dep_id):
+            assert time.monotonic() < deadline, f"fault {self} did not fire in {timeout:.0f}s"
+            time.sleep(0.2)
+
+
+def fault(point: str, replica: str, action: str) -> Fault:
+    return Fault(point, replica, action, id=f"{point}-{uuid.uuid4().hex[:8]}")
+
+
+def write_faults(settings: Settings, rules: list[Fault]) -> None:
+    path: Path = settings.home_path / FAULTS_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rules": [f.rule() for f in rules]}))
+    tmp.replace(path)  # an agent reading it never sees half a file
+
+
+@contextlib.contextmanager
+def faults(settings: Settings, *rules: Fault) -> Iterator[None]:
+    """Arm `rules` for the duration of the block; the file is removed on exit, whatever happens
+    (which also releases a hold)."""
+    write_faults(settings, list(rules))
+    try:
+        yield
+    finally:
+        (settings.home_path / FAULTS_FILE).unlink(missing_ok=True)
