@@ -1,12 +1,23 @@
-"""PROMPT_CACHE_POLICY_PRESERVE vs RESET_ALL, by behaviour, on a real vLLM CPU replica.
+"""PROMPT_CACHE_POLICY_PRESERVE vs RESET_ALL, request by request, on the first replica of the
+shared deployment (a real vLLM CPU engine).
 
-Sixteen greedy requests are running on one replica when its weights change from the "counting"
-model (after token i it says i+1, by a wide margin, so the switch point of every request is
-exact) to a model whose attention matters (large projections). Under RESET_ALL the KV cache is
-discarded at the update, so the first token after the switch equals a recompute of the same
-prefix on the new weights. Under PRESERVE the requests keep their KV cache from the old weights,
-so that token generally differs from the recompute. Counted over the sixteen requests, so that a
-rare BF16 near-tie between a batched and a lone computation cannot decide the outcome.
+Two models built so that the KV cache decides the next token by a wide margin:
+
+- OLD counts (after token i it says i+1): every layer's ``o_proj`` and ``down_proj`` are zero, so
+  attention and MLP add nothing, whatever the cache holds; its layer-0 ``v_proj`` maps every
+  token to (nearly) the same value vector, because every embedding shares one direction ``d``.
+- NEW is OLD with layer-0 ``v_proj`` zero and a layer-0 ``o_proj`` that turns that shared value
+  vector into a strong push towards token ``P``. With values it computed itself (all zero) it
+  counts exactly like OLD; over values OLD computed, it says ``P``.
+
+Sixteen greedy requests whose prompts end in ``P`` count ``P+1, P+2, ...`` on OLD (``P`` itself
+comes back only after 2048 tokens). The first replica's swap to NEW is held inside its pause
+(fault point ``swap``, replica/faults.py) until its engine says all sixteen are frozen there, so
+each one spans the update, and each answer's own weight-version spans give the exact token ``k``
+where NEW took over. Under RESET_ALL the pause drops the KV cache and the requests are recomputed
+on NEW: every token, ``k`` included, still counts. Under PRESERVE they keep OLD's cache: token
+``k`` of every request is ``P``. (The margins are ~11 logits or more: NEW's argmax is never
+near a tie.)
 """
 
 from __future__ import annotations
@@ -21,104 +32,129 @@ import pytest
 import torch
 
 from common.settings import ENGINE_SECRET_HEADER
-from tests.e2e.conftest import PREFIX
-from tests.e2e.test_delta_rolling_update import engines, hot_load
-from workers.base_model import VOCAB, base_tensors, write_counting_model, write_tensors
+from tests.helpers.replicas import (
+    ROLLING_PREFIX,
+    fault,
+    faults,
+    hot_load,
+    paused,
+    running_requests,
+    start_hot_load,
+    walk_order,
+)
+from workers.base_model import COUNTING_SCALE, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, VOCAB, base_tensors, write_tensors
 from workers.stack import upload_dir
 
 pytestmark = pytest.mark.stack
-N = 1900
+N = 1900  # tokens per request (the deployment's max-model-len is 2048)
 REQUESTS = 16
+P = 40  # every prompt's last token: NEW over OLD's cache says P
+PUSH = 4.0  # how much stronger NEW's push towards P is than the counting signal
 
 
-def strong_model(base_dir: Path, out: Path) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = base_tensors(seed=1)
-    for name, t in tensors.items():
-        if name.endswith("_proj.weight"):
-            tensors[name] = (t.float() * 10).to(torch.bfloat16)
-    write_tensors(out, tensors)
-    for f in base_dir.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-            shutil.copy2(f, out / f.name)
-    return out
+def kv_models(base_dir: Path, out: Path) -> tuple[Path, Path]:
+    """Write OLD and NEW (see the module docstring) as full checkpoints under `out`."""
+    t = base_tensors(seed=0)
+    e = t["model.embed_tokens.weight"].float()  # unit rows: the counting codes
+    g = torch.Generator().manual_seed(1234)
+    d = torch.randn(HIDDEN, generator=g)
+    d = d / d.norm()
+    embed = e + d  # every token shares direction d
+    old = dict(t)
+    old["model.embed_tokens.weight"] = embed.to(torch.bfloat16)
+    for name in old:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            old[name] = torch.zeros_like(old[name])
+    old["model.norm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+    old["lm_head.weight"] = (COUNTING_SCALE * torch.roll(e, shifts=1, dims=0)).to(torch.bfloat16)
+    # Layer 0's values: u * (d . x), with x the RMS-normed embedding; d . x is ~11.3 for every token.
+    u = torch.randn(KV_HEADS * HEAD_DIM, generator=g)
+    u = u / u.norm()
+    v_name, o_name = "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    old[v_name] = torch.outer(u, d).to(torch.bfloat16)
+    x = embed / embed.pow(2).mean(dim=1, keepdim=True).sqrt()
+    dx = (x @ d).mean()
+    # Query head h reads kv head h // (HEADS // KV_HEADS): the attention output over OLD's values.
+    per_head = HEADS // KV_HEADS
+    w = torch.cat([u[(h // per_head) * HEAD_DIM:(h // per_head + 1) * HEAD_DIM] for h in range(HEADS)])
+    new = dict(old)
+    new[v_name] = torch.zeros_like(old[v_name])
+    new[o_name] = (PUSH * torch.outer(e[P - 1], w) / (dx * w.dot(w))).to(torch.bfloat16)  # lm_head row P reads e[P-1]
+    dirs = out / "old", out / "new"
+    for tensors, path in zip((old, new), dirs):
+        path.mkdir(parents=True, exist_ok=True)
+        write_tensors(path, tensors)
+        for f in base_dir.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, path / f.name)
+    return dirs
 
 
-def greedy(url: str, headers: dict[str, str], model: str, prompt: list[int], n: int) -> list[int]:
-    r = httpx.post(f"{url}/v1/completions", json={
-        "model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True}, headers=headers, timeout=300)
-    r.raise_for_status()
-    return r.json()["choices"][0]["token_ids"]
-
-
-def streamed_greedy(url: str, headers: dict[str, str], model: str, prompt: list[int], started: threading.Event,
-                    out: list[int]) -> None:
+def streamed(url: str, headers: dict[str, str], model: str, prompt: list[int], started: threading.Event,
+             out: dict) -> None:
+    """A greedy streamed completion straight to the engine: its token ids and its choice's
+    weight-version spans (``[{"version", "start", "end"}]``, on the chunk with the finish reason)."""
     body = {"model": model, "prompt": prompt, "max_tokens": N, "temperature": 0, "ignore_eos": True,
-            "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=600) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for tok in json.loads(line[6:])["choices"][0]["logprobs"]["tokens"]:
-                out.append(int(tok.split(":", 1)[1]))
-            started.set()
+            "stream": True, "return_token_ids": True}
+    tokens: list[int] = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=900) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:])["choices"]:
+                    tokens.extend(choice.get("token_ids") or [])
+                    if choice.get("finish_reason"):
+                        out["spans"] = choice.get("weight_versions")
+                if tokens:
+                    started.set()
+    finally:
+        out["tokens"] = tokens
+        started.set()
 
 
 @pytest.mark.parametrize("policy", ["PROMPT_CACHE_POLICY_RESET_ALL", "PROMPT_CACHE_POLICY_PRESERVE"])
-def test_requests_spanning_an_update(stack, rolling, tmp_path, policy):
+def test_each_request_spanning_an_update_follows_the_policy(stack, rolling, tmp_path, policy):
     api, dep = rolling
-    dep_id, model = dep["spec"]["id"], dep["spec"]["model"]["name"]
-    s3 = stack.s3_client()
-    base = stack.home_path / "models" / "base"
+    dep_id = dep["spec"]["id"]
     tag = policy.rsplit("_", 1)[-1].lower().replace("all", "reset")
-    counting = write_counting_model(base, tmp_path / "counting")
-    strong = strong_model(base, tmp_path / "strong")
-    first = sorted(engines(stack, dep_id), key=lambda r: (r["zone"], r["name"]))[0]  # updated first
+    old_id, new_id = f"kvcache-{tag}-0", f"kvcache-{tag}-1"
+    old_dir, new_dir = kv_models(stack.home_path / "models" / "base", tmp_path)
+    upload_dir(stack.s3_client(), old_dir, stack.bucket, f"{ROLLING_PREFIX}/{old_id}")
+    upload_dir(stack.s3_client(), new_dir, stack.bucket, f"{ROLLING_PREFIX}/{new_id}")
+    assert hot_load(api, dep_id, old_id, None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
+    first = walk_order(stack, dep_id)[0]
     url, headers = first["engineUrl"], {ENGINE_SECRET_HEADER: first["engineSecret"]}
+    model = httpx.get(f"{url}/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
 
-    # On a busy machine the requests can end before the update reaches their replica: such a
-    # round shows nothing about the policy, so it is run again (at most three rounds).
-    for attempt in range(3):
-        upload_dir(s3, counting, stack.bucket, f"{PREFIX}/cache-{tag}-{attempt}-0")
-        upload_dir(s3, strong, stack.bucket, f"{PREFIX}/cache-{tag}-{attempt}-1")
-        assert hot_load(api, dep_id, f"cache-{tag}-{attempt}-0", None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
-        prompts = [[5, 17 + i, 33 + 7 * i] for i in range(REQUESTS)]
-        outputs: list[list[int]] = [[] for _ in prompts]
-        started = [threading.Event() for _ in prompts]
-        threads = [
-            threading.Thread(target=streamed_greedy, args=(url, headers, model, p, e, o))
-            for p, e, o in zip(prompts, started, outputs)
-        ]
+    prompts = [[5, 17 + i, P] for i in range(REQUESTS)]
+    outs: list[dict] = [{} for _ in prompts]
+    started = [threading.Event() for _ in prompts]
+    threads = [threading.Thread(target=streamed, args=(url, headers, model, p, e, o))
+               for p, e, o in zip(prompts, started, outs)]
+    hold = fault("swap", first["name"], "hold")
+    with faults(stack, hold):
         for t in threads:
             t.start()
-        assert all(e.wait(120) for e in started)
-        hl = hot_load(api, dep_id, f"cache-{tag}-{attempt}-1", None, promptCachePolicy=policy)
-        for t in threads:
-            t.join(600)
-        assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
-        switches = []
-        for prompt, tokens in zip(prompts, outputs):
-            assert len(tokens) == N, "a request spanning the update did not complete"
-            counting_ids = [(prompt[-1] + 1 + i) % VOCAB for i in range(N)]
-            switches.append(next((i for i, (a, b) in enumerate(zip(tokens, counting_ids)) if a != b), None))
-        known = [k for k in switches if k is not None]
-        if known and all(k > 0 for k in known) and (len(known) == REQUESTS or policy.endswith("PRESERVE")):
-            # The sixteen run batched on one engine, so the swap fell at the same step (±1 token
-            # for their start offsets) in all of them. Under PRESERVE a request can keep counting
-            # on the new weights from its old KV cache (never diverging): its switch is that step.
-            step = sorted(known)[len(known) // 2]
-            switches = [step if k is None else k for k in switches]
-            break
-        print(f"round {attempt}: the update landed outside some requests ({switches}); again")
-    else:
-        pytest.fail(f"in three rounds the update never landed inside all {REQUESTS} requests")
+        assert all(e.wait(600) for e in started)
+        hl_id = start_hot_load(api, dep_id, new_id, None, promptCachePolicy=policy)
+        hold.wait_fired(stack, dep_id)
+        assert paused(first)
+        assert running_requests(first) == REQUESTS, "a request was not running when the pause began"
+    hl = api.wait_hot_load(hl_id)
+    for t in threads:
+        t.join(900)
+    assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
 
-    same_as_recompute = sum(
-        tokens[k] == greedy(url, headers, model, prompt + tokens[:k], 1)[0] for prompt, tokens, k in zip(prompts, outputs, switches)
-    )
-    print(f"{policy}: {same_as_recompute}/{REQUESTS} first tokens after the switch equal a recompute")
-    if policy.endswith("RESET_ALL"):
-        assert same_as_recompute >= REQUESTS - 4
-    else:
-        assert same_as_recompute <= 4
+    counting = [(P + 1 + i) % VOCAB for i in range(N)]
+    for prompt, out in zip(prompts, outs):
+        tokens, spans = out["tokens"], out.get("spans")
+        assert len(tokens) == N, f"{prompt}: {len(tokens)} tokens"
+        assert spans is not None and [s["version"] for s in spans] == [old_id, new_id], (prompt, spans)
+        k = spans[1]["start"]
+        assert spans == [{"version": old_id, "start": 0, "end": k}, {"version": new_id, "start": k, "end": N}]
+        assert 0 < k < N and tokens[:k] == counting[:k], (prompt, k)
+        if policy.endswith("RESET_ALL"):
+            assert tokens == counting, f"{prompt}: NEW did not count from token {k} (it kept OLD's cache)"
+        else:
+            assert tokens[k] == P, f"{prompt}: token {k} is {tokens[k]}, not {P} (NEW did not read OLD's cache)"
