@@ -3,18 +3,22 @@ vLLM's per-token weight versions on its OpenAI answers (``replica/engine/server.
 replica runs; see ``gateway/app.py``), behind the gateway app in this process.
 
 Requests run while the engine swaps the base model for the counting model (every token its
-predecessor + 1) exactly as a replica's PRESERVE swap does: ``pause(keep)`` without clearing the
-cache, load the weights, set the weight-version label to the new identity, resume. Each answer
-that spanned the swap must carry spans that tile its tokens, old identity first, new identity
-last, and every token inside the new identity's span must follow the counting rule (the first
-one too: the counting model looks only at the current token, whatever cache it runs over),
-while the old span looks like the base model. Streamed and non-streamed, completions and chat,
-n = 2.
+predecessor + 1) exactly as a replica's PRESERVE swap does: stage the weights while serving, then
+inside one ``pause(keep)`` that keeps the KV cache set the weight-version label to the new
+identity, swap the stage in and commit it, resume. The swap starts once every long request has
+streamed a token on every choice, and the engine must report all of their sequences running in
+the pause (vLLM's ``num_requests_running``: each sampled a token on the old weights and is frozen
+unfinished), so every one of them spans the swap. Each must carry spans that tile its tokens,
+old identity first, new identity last, and every token inside the new identity's span must follow
+the counting rule (the first one too: the counting model looks only at the current token,
+whatever cache it runs over), while the old span looks like the base model. Streamed completions
+and chat, n = 2; a non-streamed answer before and after names one identity.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import uuid
@@ -31,13 +35,14 @@ from gateway.routing import DeploymentView, ReplicaView, Router
 from replica.agent.engine import EngineProcess
 from tests.helpers import engine_weights
 from tests.helpers.gateway import LocalGateway, check_spans, random_prompt, succession
+from tests.helpers.replicas import engine_running
 from workers.base_model import write_base_model, write_counting_model
 
 pytestmark = pytest.mark.engine
 # Tokens per spanning request: the engine must still be generating them when the swap comes,
-# although the gateway and this client (one busy process) see its first token late under load
-# (in the full suite, 600 tokens of 5 requests were all done before the swap, three rounds in a row).
+# although the gateway and this client (one busy process) see their first tokens late under load.
 LONG = 1900
+SEQUENCES = 6  # the long requests' sequences in the engine: three completions, one chat, n = 2
 MAX_MODEL_LEN = 2048  # the generated model's max_position_embeddings
 TOKEN = "spans-test-token"
 WORKFLOW_ID, REPLICA = "deployments/org-spans/dep-spans", "spans-0"
@@ -88,18 +93,31 @@ def gateway(engine, tmp_path_factory) -> Iterator[LocalGateway]:
         yield gw
 
 
-async def swap(engine: EngineProcess, model_dir: Path, identity: str) -> None:
-    """What ReplicaRuntime._swap_staged does under PRESERVE: the checkpoint is staged while the
-    engine serves, then weights and label change together inside one pause that keeps running
-    requests and their KV cache."""
+async def swap(engine: EngineProcess, model_dir: Path, identity: str, frozen: int = 0) -> None:
+    """What a replica's swap does under PRESERVE: the checkpoint is staged while the engine
+    serves, then weights and label change together inside one pause that keeps running requests
+    and their KV cache. `frozen`: how many sequences the engine must have running in that pause."""
     await engine_weights.stage(engine, model_dir, identity)
-    await engine_weights.swap_in_pause(engine, identity, version=identity)
+    await engine.pause(mode="keep", clear_cache=False)
+    try:
+        running = await engine_running(engine)
+        try:
+            await engine.set_weight_version(identity)
+            await engine.swap_staged(identity)
+            await engine.commit_staged(identity)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await engine.discard_staged()
+            raise
+    finally:
+        await engine.resume()
+    assert running == frozen, f"{running} sequence(s) were running in the swap's pause, not {frozen}"
 
 
 async def ask(client: httpx.AsyncClient, path: str, body: dict[str, Any],
               started: asyncio.Event | None = None) -> dict[str, Any]:
     """One request through the gateway: ``{"choices": {index: [token ids]}, "prompt": [ids],
-    "weight_versions": ...}``; ``started`` is set once a streamed answer's first token arrived."""
+    "weight_versions": ...}``; ``started`` is set once every choice of a streamed answer has a token."""
     body = {**body, "return_token_ids": True, "temperature": body.get("temperature", 0), "ignore_eos": True}
     ids: dict[int, list[int]] = {}
     if not body.get("stream"):
@@ -125,7 +143,7 @@ async def ask(client: httpx.AsyncClient, path: str, body: dict[str, Any],
                 assert "weight_versions" not in c
                 prompt = prompt or c.get("prompt_token_ids")
                 ids.setdefault(c["index"], []).extend(c.get("token_ids") or [])
-                if ids[c["index"]] and started is not None:
+                if started is not None and sum(map(bool, ids.values())) == body.get("n", 1):
                     started.set()
     assert nvext is not None
     return {"choices": ids, "prompt": prompt, "weight_versions": nvext["weight_versions"]}
@@ -148,14 +166,15 @@ def check(answer: dict[str, Any], old: str, new: str) -> bool:
     return spanned
 
 
-async def one_round(engine: EngineProcess, gateway: LocalGateway, models: dict[str, Path], tag: str) -> int:
+async def test_spans_say_which_weights_sampled_each_token(engine, gateway, models):
+    tag = uuid.uuid4().hex[:6]
     old, new = f"base-{tag}", f"count-{tag}"
     await swap(engine, models["base"], old)  # nothing in flight: every answer starts on `old`
     model = engine.served_model_name
     async with httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": f"Bearer {TOKEN}"},
                                  timeout=900) as client:
         before = await ask(client, "/v1/completions", {"model": model, "prompt": random_prompt(6), "max_tokens": 8})
-        started = [asyncio.Event() for _ in range(4)]
+        started = [asyncio.Event() for _ in range(5)]
         streamed = [
             asyncio.ensure_future(ask(client, "/v1/completions", {"model": model, "prompt": random_prompt(6),
                                                                   "max_tokens": LONG, "stream": True}, ev))
@@ -166,26 +185,20 @@ async def one_round(engine: EngineProcess, gateway: LocalGateway, models: dict[s
             "max_tokens": LONG, "stream": True}, started[3]))
         # n = 2 with sampling: greedy refuses n > 1 (the counting model is just as peaked).
         pair = asyncio.ensure_future(ask(client, "/v1/completions", {
-            "model": model, "prompt": random_prompt(6), "max_tokens": LONG, "n": 2, "temperature": 1.0, "seed": 5}))
-        # Swap once every stream has delivered a token: each of them began on `old`.
+            "model": model, "prompt": random_prompt(6), "max_tokens": LONG, "n": 2, "temperature": 1.0, "seed": 5,
+            "stream": True}, started[4]))
+        # Swap once every sequence has streamed a token (each began on `old`); the swap checks
+        # that all of them are still running, frozen in its pause.
         await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), 600)
-        await swap(engine, models["counting"], new)
+        await swap(engine, models["counting"], new, frozen=SEQUENCES)
         answers = await asyncio.gather(*streamed, chat, pair)
         after = await ask(client, "/v1/completions", {"model": model, "prompt": random_prompt(6), "max_tokens": 8})
 
     assert before["weight_versions"]["identity"] == old and before["weight_versions"]["exact"] is True
     assert after["weight_versions"]["identity"] == new and after["weight_versions"]["exact"] is True
     assert check(before, old, new) is False and check(after, old, new) is False
-    return sum(check(a, old, new) for a in answers)
-
-
-async def test_spans_say_which_weights_sampled_each_token(engine, gateway, models):
-    spanned = 0
-    # A busy machine can finish every request before the swap; such a round proves nothing about
-    # spanning answers, so it is repeated (each round checks every answer it got).
-    for attempt in range(3):
-        spanned = await one_round(engine, gateway, models, f"{attempt}-{uuid.uuid4().hex[:6]}")
-        print(f"\nround {attempt}: {spanned}/5 answers spanned the swap (two spans each)")
-        if spanned:
-            break
-    assert spanned >= 1
+    for answer in answers:
+        assert check(answer, old, new) is True, answer["weight_versions"]
+        for index in answer["choices"]:
+            spans = [s for s in answer["weight_versions"]["spans"] if s["choice"] == index]
+            assert [s["identity"] for s in spans] == [old, new], answer["weight_versions"]
