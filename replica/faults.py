@@ -66,8 +66,9 @@ def _matches(rule: dict[str, Any], point: str, replica: str, deployment: str) ->
     )
 
 
-async def hit(home: Path, point: str, *, replica: str, deployment: str) -> None:
-    """Fire the first armed rule for `point` on this replica, if any (see the module docstring)."""
+async def hit(home: Path, point: str, *, replica: str, deployment: str, until: asyncio.Event | None = None) -> bool:
+    """Fire the first armed rule for `point` on this replica, if any (see the module docstring).
+    A "hold" also ends when `until` is set (the step was canceled); returns True then."""
     if point not in POINTS:
         raise ValueError(f"unknown fault point {point!r}; known: {', '.join(POINTS)}")
     for rule in _rules(home):
@@ -80,9 +81,12 @@ async def hit(home: Path, point: str, *, replica: str, deployment: str) -> None:
         if action == "hold":
             waited, limit = 0.0, float(rule.get("seconds", 3600))
             while waited < limit and any(str(r.get("id", "")) == rule_id for r in _rules(home)):
+                if until is not None and until.is_set():
+                    return True
                 await asyncio.sleep(0.2)
                 waited += 0.2
-            return
+            return False
         raise ApplicationError(
             f"injected fault {rule_id!r} at {point} on replica {replica}", type=INJECTED_FAULT, non_retryable=True
         )
+    return False

@@ -100,17 +100,9 @@ class ReplicaRuntime(PeerSteps):
         canceled (then EngineUpdateError: the step stops where it stood)."""
         if self.faults_home is None:
             return
-        hit = asyncio.ensure_future(faults.hit(self.faults_home, point, replica=self.name, deployment=self.deployment))
-        canceled = asyncio.ensure_future(self.step_canceled.wait())
-        try:
-            await asyncio.wait({hit, canceled}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            canceled.cancel()
-            if not hit.done():
-                hit.cancel()
-        if not hit.done() or hit.cancelled():
+        if await faults.hit(self.faults_home, point, replica=self.name, deployment=self.deployment,
+                            until=self.step_canceled):
             raise EngineUpdateError(f"the step was canceled while held at the fault point {point}")
-        hit.result()
 
     # ------------------------------------------------------------------ from the bucket
     @property
