@@ -35,7 +35,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -197,8 +197,10 @@ class EngineProcess(EngineClient):
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    async def start(self, timeout: float = 600.0) -> EngineProcess:
-        """Launch the server and wait until it serves; raises EngineStartError."""
+    async def start(self, timeout: float = 600.0, on_spawn: Callable[[int], object] | None = None) -> EngineProcess:
+        """Launch the server and wait until it serves; raises EngineStartError. ``on_spawn(pid)``
+        runs as soon as the process exists (the agent records its pid file there, so an engine
+        whose agent is killed while it starts is found and stopped)."""
         if self._proc is not None or self._base_url is not None:
             raise EngineError("already started or attached")
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -224,6 +226,8 @@ class EngineProcess(EngineClient):
                 start_new_session=True,
             )
         self._pid = self._proc.pid
+        if on_spawn is not None:
+            on_spawn(self._pid)
         self._base_url = f"http://{self.host}:{self.port}"
         try:
             await self.wait_ready(timeout)

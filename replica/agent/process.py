@@ -103,8 +103,7 @@ async def run_replica(
             secret=settings.engine_secret(workflow_id, name),
             **engine_options(engine_config or {}),
         )
-        await engine.start()
-        engine_pid_file.write(engine.pid)
+        await engine.start(on_spawn=engine_pid_file.write)
         await engine.set_weight_version("initial")
         # The host copy lives in shared memory: the engine takes its roll-back bytes from it.
         host_arena = StageArena()
