@@ -50,7 +50,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if WATCH.samples:
         terminalreporter.write_line(
             f"vLLM engines: at most {WATCH.peak} alive at once ({WATCH.samples} samples, "
-            f"{WATCH.sample_seconds:.2f} s spent sampling); shared deployments created: {POOL.created or 'none'}")
+            f"{WATCH.sample_seconds:.2f} s CPU spent sampling); shared deployments created: {POOL.created or 'none'}")
 
 
 def _module_id(item: pytest.Item) -> str:
