@@ -51,7 +51,9 @@ class Api:
     def wait_deployment(self, dep_id: str, timeout: float = 900) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            dep = self.call("GET", f"/deployments/{dep_id}").json()["deployment"]
+            r = self.call("GET", f"/deployments/{dep_id}")
+            assert r.status_code == 200, f"GET deployment {dep_id}: {r.status_code} {r.text}"
+            dep = r.json()["deployment"]
             if dep["status"]["status"] in ("STATUS_READY", "STATUS_FAILED"):
                 return dep
             time.sleep(2)
@@ -60,7 +62,9 @@ class Api:
     def wait_hot_load(self, hl_id: str, timeout: float = 900) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            hl = self.call("GET", f"/hotLoads/{hl_id}").json()["hotLoad"]
+            r = self.call("GET", f"/hotLoads/{hl_id}")
+            assert r.status_code == 200, f"GET hot-load {hl_id}: {r.status_code} {r.text}"
+            hl = r.json()["hotLoad"]
             if hl["status"]["state"] in ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED"):
                 return hl
             time.sleep(1)
