@@ -33,7 +33,6 @@ def kill9(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-
 @pytest.mark.parametrize("victim", ["worker", "temporal"])
 def test_crash_mid_walk_then_restart_completes(stack, rolling, tmp_path, victim):
     api, dep = rolling
