@@ -2,8 +2,8 @@
 ``gw``), one alive at a time, so that a full run never holds more than three vLLM engines.
 
 ``POOL.get(key, replicas, create, delete)`` returns the live deployment of ``key``, or deletes the
-live one of another key (``delete`` waits until it is gone) and creates this one once the engines
-have room. tests/conftest.py orders each folder's modules so that the users of one key run
+live one of another key (``delete`` waits until the API no longer knows it, then the pool until
+its engines exited) and creates this one once the engines have room. tests/conftest.py orders each folder's modules so that the users of one key run
 together, releases the pool before a module that starts engines without using it, and before the
 stack stops.
 """
@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tests.helpers.engines import MAX_ENGINES, wait_engines_at_most
+from tests.helpers.engines import MAX_ENGINES, engines, wait_engines_at_most
 from tests.helpers.stack_fixtures import Api
 
 # The fixtures whose deployments live in the pool (tests/e2e/conftest.py, tests/gateway/conftest.py).
@@ -25,6 +25,7 @@ class DeploymentPool:
     def __init__(self) -> None:
         self.key: str | None = None
         self.value: Any = None
+        self.replicas = 0
         self._delete: Callable[[Any], None] | None = None
         self.created: list[str] = []  # keys in creation order (a key twice: tests of it were not together)
 
@@ -34,17 +35,20 @@ class DeploymentPool:
         self.release()
         wait_engines_at_most(MAX_ENGINES - replicas)
         self.value = create()
-        self.key, self._delete = key, delete
+        self.key, self._delete, self.replicas = key, delete, replicas
         self.created.append(key)
         return self.value
 
     def release(self) -> None:
         if self.key is None:
             return
-        value, delete = self.value, self._delete
-        self.key, self.value, self._delete = None, None, None
+        value, delete, replicas = self.value, self._delete, self.replicas
+        self.key, self.value, self._delete, self.replicas = None, None, None, 0
         assert delete is not None
+        before = len(engines())
         delete(value)
+        # Its replicas' engines exit a moment after the API forgets the deployment.
+        wait_engines_at_most(max(0, before - replicas))
 
 
 POOL = DeploymentPool()
