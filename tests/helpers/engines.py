@@ -27,6 +27,12 @@ SESSION_ENV = "ROLLOUTS_TEST_SESSION"
 MAX_ENGINES = 3
 ENGINE_MARK = SERVER_MODULE.encode()  # `python -m replica.engine.server ...`
 STACK_MARK = b"weed"  # SeaweedFS: only the embedded stack starts it
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def uptime() -> float:
+    """Seconds since boot, the clock of a process's start time in /proc."""
+    return float(Path("/proc/uptime").read_text().split()[0])
 
 
 def mark_session() -> str:
@@ -38,6 +44,7 @@ def mark_session() -> str:
 class Proc:
     pid: int
     cmdline: str
+    started: float = 0.0  # seconds since boot
 
 
 def _read(path: str) -> bytes | None:
@@ -51,7 +58,7 @@ def session_processes(*marks: bytes, session: str | None = None) -> dict[bytes, 
     """For each mark, the processes of this session whose command line contains it, without those
     whose parent matches it too. One pass over /proc."""
     tag = f"{SESSION_ENV}={session or os.environ.get(SESSION_ENV, '')}".encode()
-    found: dict[bytes, dict[int, tuple[int, bytes]]] = {mark: {} for mark in marks}
+    found: dict[bytes, dict[int, tuple[int, bytes, float]]] = {mark: {} for mark in marks}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -63,12 +70,13 @@ def session_processes(*marks: bytes, session: str | None = None) -> dict[bytes, 
         stat = _read(f"/proc/{entry.name}/stat")
         if not environ or not stat or tag not in environ.split(b"\0"):
             continue
-        ppid = int(stat.rsplit(b")", 1)[1].split()[1])
+        fields = stat.rsplit(b")", 1)[1].split()  # from field 3 (state) on; see proc(5)
+        ppid, started = int(fields[1]), int(fields[19]) / CLOCK_TICKS
         for mark in hits:
-            found[mark][int(entry.name)] = (ppid, cmdline)
+            found[mark][int(entry.name)] = (ppid, cmdline, started)
     return {
-        mark: [Proc(pid, cmd.replace(b"\0", b" ").decode(errors="replace").strip())
-               for pid, (ppid, cmd) in sorted(procs.items()) if ppid not in procs]
+        mark: [Proc(pid, cmd.replace(b"\0", b" ").decode(errors="replace").strip(), started)
+               for pid, (ppid, cmd, started) in sorted(procs.items()) if ppid not in procs]
         for mark, procs in found.items()
     }
 
@@ -104,6 +112,7 @@ class EngineWatch:
     sample_seconds: float = 0.0  # CPU time spent sampling
     excess: str | None = None
     started_by: dict[str, list[Proc]] = field(default_factory=dict)  # test -> processes new while it ran
+    since: dict[str, float] = field(default_factory=dict)  # test -> uptime() when it began
     _seen: set[int] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -142,6 +151,7 @@ class EngineWatch:
     def enter(self, nodeid: str, phase: str) -> None:
         with self._lock:
             self.node, self.phase = nodeid, phase
+            self.since.setdefault(nodeid, uptime())
 
     def take_excess(self) -> str | None:
         with self._lock:
@@ -149,5 +159,8 @@ class EngineWatch:
         return excess
 
     def started_during(self, nodeid: str) -> list[Proc]:
+        """Processes first seen while ``nodeid`` ran that also started after it began (one a
+        previous test started just before it ended is not this test's)."""
         with self._lock:
-            return list(self.started_by.get(nodeid, []))
+            since = self.since.get(nodeid, 0.0)
+            return [proc for proc in self.started_by.get(nodeid, []) if proc.started >= since]

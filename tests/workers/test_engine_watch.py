@@ -1,7 +1,7 @@
 """The suite's engine guard (tests/helpers/engines.py) on stand-in processes: a process whose
 command line runs the engine's server module counts as an engine, its children do not count
-again, processes of another session are not counted, and more than three at once is recorded
-with the running test's name."""
+again, processes of another session are not counted, more than three at once is recorded with
+the running test's name, and a process is a test's only if it started while the test ran."""
 
 from __future__ import annotations
 
@@ -73,3 +73,14 @@ def test_more_than_three_at_once_is_recorded_with_the_test(stand_ins):
     excess = watch.take_excess()
     assert excess is not None and excess.startswith("4 vLLM engines of this test session alive at once during "
                                                     "tests/x.py::test_y (call) (at most 3)"), excess
+
+
+def test_a_process_started_before_a_test_began_is_not_that_tests(stand_ins):
+    session = uuid.uuid4().hex
+    stand_ins(session, 1)
+    wait_count(session, 1)
+    time.sleep(0.05)  # past the start-time clock's tick (10 ms)
+    watch = EngineWatch(session=session)
+    watch.enter("tests/x.py::test_later", "setup")
+    watch.sample()  # first seen now, but it started earlier
+    assert watch.started_by["tests/x.py::test_later"] and watch.started_during("tests/x.py::test_later") == []
