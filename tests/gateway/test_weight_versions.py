@@ -8,7 +8,7 @@ count, and an answer that spanned the swap is labelled inexact with both identit
 (its tokens count up to the swap, then stop counting).
 
 Spans: every replica's server reports vLLM's per-token weight versions
-(``replica/vllm_server.py``), so every answer carries ``spans``, each checked against the
+(``replica/engine/server.py``), so every answer carries ``spans``, each checked against the
 tokens (the counting identity's span counts, the base identity's does not).
 """
 
