@@ -35,6 +35,7 @@ from replica.engine.tensors import adler32_hex, normalize_specs
 from replica.stage_arena import StageArena
 from snapshots.host import HostWeights
 from tests.helpers.engine_weights import load, stage, swap_in_pause
+from tests.helpers.replicas import engine_running
 from workers.base_model import COUNTING_CHANGED, VOCAB, checkpoint_files, load_checkpoint
 
 pytestmark = pytest.mark.engine
@@ -170,6 +171,11 @@ async def _stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[
     return {"usage": usage, "finish_reason": finish}
 
 
+async def _until_running(engine: EngineProcess, n: int) -> None:
+    while await engine_running(engine) < n:
+        await asyncio.sleep(0.05)
+
+
 async def _hot_load_under_traffic(engine: EngineProcess, model_dirs: dict[str, Path], max_tokens: int) -> dict[str, Any]:
     """Start 6 requests on the base weights, pause(keep), swap the staged counting tensors in and
     commit them, resume."""
@@ -207,6 +213,9 @@ async def _hot_load_under_traffic(engine: EngineProcess, model_dirs: dict[str, P
         ]
         everything = [*streams, *plain, *chats]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=120)
+        # The pause lands once the engine runs all six (each has sampled a token and has ~1500
+        # to go); the test asserts below that all six were frozen in the pause.
+        await asyncio.wait_for(_until_running(engine, len(everything)), timeout=120)
         # Warm the control connection: a new TCP connection to a server busy streaming is what
         # makes a /pause slow (up to ~0.9 s seen here under load, versus ~30 ms).
         assert not await engine.is_paused()
@@ -217,6 +226,7 @@ async def _hot_load_under_traffic(engine: EngineProcess, model_dirs: dict[str, P
             t1 = time.perf_counter()
             in_flight = sum(not t.done() for t in everything)
             assert await engine.is_paused()
+            frozen = await engine_running(engine)
             # A request that arrives during the pause is queued, and must run on the new weights.
             queued = asyncio.create_task(
                 client.post(
@@ -234,6 +244,7 @@ async def _hot_load_under_traffic(engine: EngineProcess, model_dirs: dict[str, P
         await asyncio.gather(*everything, queued)
     return {
         "in_flight": in_flight,
+        "frozen": frozen,
         "loaded": loaded,
         "times_ms": {
             "pause": 1e3 * (t1 - t0),
@@ -256,14 +267,7 @@ async def test_hot_load_keeps_requests_and_pid(engine: EngineProcess, model_dirs
     # engine had generated up to ~600 (6 x 160 tokens take under a second here). The tests'
     # engines run with max-model-len 2048; the chat prompt is ~20 tokens.
     max_tokens = 1500
-    # The premise (all 6 requests still running when the pause lands) depends on that timing;
-    # a run where requests finished before the pause proves nothing, so it is repeated, at most
-    # twice. Every assertion below is about the last run.
-    for attempt in range(1, 4):
-        run = await _hot_load_under_traffic(engine, model_dirs, max_tokens)
-        if run["in_flight"] == 6:
-            break
-        print(f"\n[pause window] attempt {attempt}: only {run['in_flight']} of 6 requests in flight, again")
+    run = await _hot_load_under_traffic(engine, model_dirs, max_tokens)
     t, loaded = run["times_ms"], run["loaded"]
     print(
         f"\n[pause window] pause(keep) {t['pause']:.1f} ms, swap + commit {t['load']:.1f} ms "
@@ -272,7 +276,8 @@ async def test_hot_load_keeps_requests_and_pid(engine: EngineProcess, model_dirs
         f"window {t['window']:.1f} ms; {run['in_flight']} of 6 requests in flight at the pause"
     )
     assert loaded["verified"] == len(COUNTING_CHANGED) and sorted(loaded["checksums"]) == sorted(COUNTING_CHANGED)
-    assert run["in_flight"] == 6
+    # The premise: all six requests were in flight, and running in the engine, inside the pause.
+    assert run["in_flight"] == 6 and run["frozen"] == 6, (run["in_flight"], run["frozen"])
 
     # Nothing lost or cut short, and every request switched weights mid-generation: it starts
     # on the base weights (not counting) and ends on the counting weights.
