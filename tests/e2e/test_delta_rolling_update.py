@@ -183,20 +183,23 @@ def test_in_flight_requests_span_a_pause_and_all_finish(stack, rolling, tmp_path
     threads = [threading.Thread(target=long_request, args=(stack, model, i, e, o))
                for i, (e, o) in enumerate(zip(started, outs))]
     hold = fault("swap", first["name"], "hold")
-    with faults(stack, hold):
+    hl_id, frozen, was_paused = None, -1, False
+    try:
+        with faults(stack, hold):
+            for t in threads:
+                t.start()
+            assert all(e.wait(600) for e in started)
+            hl_id = start_hot_load(api, dep_id, delta_id, full_id)
+            hold.wait_fired(stack, dep_id)
+            # The first replica's engine is paused, its swap held: the requests it has not
+            # finished are frozen in the pause and resume on the new weights.
+            was_paused, frozen = paused(first), running_requests(first)
+    finally:
+        hl = api.wait_hot_load(hl_id) if hl_id else None  # the next test finds no hot-load open
         for t in threads:
-            t.start()
-        assert all(e.wait(600) for e in started)
-        hl_id = start_hot_load(api, dep_id, delta_id, full_id)
-        hold.wait_fired(stack, dep_id)
-        # The first replica's engine is paused, its swap held: the requests it has not finished
-        # are frozen in the pause and resume on the new weights.
-        assert paused(first)
-        frozen = running_requests(first)
-        assert frozen >= 1, f"no request was running on {first['name']} when its pause began"
-    hl = api.wait_hot_load(hl_id)
-    for t in threads:
-        t.join(900)
+            t.join(900)
+    assert was_paused, "the held swap was not inside a pause"
+    assert frozen >= 1, f"no request was running on {first['name']} when its pause began"
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
     assert [o.get("outcome") for o in outs] == ["ok"] * len(outs), outs
 

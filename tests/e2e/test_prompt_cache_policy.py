@@ -11,12 +11,14 @@ Two models built so that the KV cache decides the next token by a wide margin:
   counts exactly like OLD; over values OLD computed, it says ``P``.
 
 Sixteen greedy requests whose prompts end in ``P`` count ``P+1, P+2, ...`` on OLD (``P`` itself
-comes back only after 2048 tokens). The first replica's swap to NEW is held inside its pause
-(fault point ``swap``, replica/faults.py) until its engine says all sixteen are frozen there, so
-each one spans the update, and each answer's own weight-version spans give the exact token ``k``
-where NEW took over. Under RESET_ALL the pause drops the KV cache and the requests are recomputed
-on NEW: every token, ``k`` included, still counts. Under PRESERVE they keep OLD's cache: token
-``k`` of every request is ``P``. (The margins are ~11 logits or more: NEW's argmax is never
+comes back only after 2048 tokens), sent together straight to the first replica's engine. Its
+swap to NEW is held inside its pause (fault point ``swap``, replica/faults.py) while the test reads
+how many requests the engine froze there (vLLM's running gauge); exactly those answers carry two
+weight-version spans, and each one's spans give the exact token ``k`` where NEW took over. Under
+RESET_ALL the pause drops the KV cache and they are recomputed on NEW: every token, ``k``
+included, still counts. Under PRESERVE they keep OLD's cache: token ``k`` is ``P``. A request
+that was not frozen (it ended before the pause: the machine may start the sixteen unevenly)
+carries one span and counts throughout. (The margins are ~11 logits or more: NEW's argmax is never
 near a tie.)
 """
 
@@ -90,14 +92,15 @@ def kv_models(base_dir: Path, out: Path) -> tuple[Path, Path]:
     return dirs
 
 
-def streamed(url: str, headers: dict[str, str], model: str, prompt: list[int], started: threading.Event,
-             out: dict) -> None:
+def streamed(url: str, headers: dict[str, str], model: str, prompt: list[int], go: threading.Barrier,
+             started: threading.Event, out: dict) -> None:
     """A greedy streamed completion straight to the engine: its token ids and its choice's
     weight-version spans (``[{"version", "start", "end"}]``, on the chunk with the finish reason)."""
     body = {"model": model, "prompt": prompt, "max_tokens": N, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
     tokens: list[int] = []
     try:
+        go.wait(60)  # the sixteen are sent together
         with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=900) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -130,27 +133,37 @@ def test_each_request_spanning_an_update_follows_the_policy(stack, rolling, tmp_
     prompts = [[5, 17 + i, P] for i in range(REQUESTS)]
     outs: list[dict] = [{} for _ in prompts]
     started = [threading.Event() for _ in prompts]
-    threads = [threading.Thread(target=streamed, args=(url, headers, model, p, e, o))
+    go = threading.Barrier(REQUESTS)
+    threads = [threading.Thread(target=streamed, args=(url, headers, model, p, go, e, o))
                for p, e, o in zip(prompts, started, outs)]
     hold = fault("swap", first["name"], "hold")
-    with faults(stack, hold):
+    hl_id, frozen, was_paused = None, -1, False
+    try:
+        with faults(stack, hold):
+            for t in threads:
+                t.start()
+            assert all(e.wait(600) for e in started)
+            hl_id = start_hot_load(api, dep_id, new_id, None, promptCachePolicy=policy)
+            hold.wait_fired(stack, dep_id)
+            was_paused, frozen = paused(first), running_requests(first)
+    finally:
+        hl = api.wait_hot_load(hl_id) if hl_id else None  # the next test finds no hot-load open
         for t in threads:
-            t.start()
-        assert all(e.wait(600) for e in started)
-        hl_id = start_hot_load(api, dep_id, new_id, None, promptCachePolicy=policy)
-        hold.wait_fired(stack, dep_id)
-        assert paused(first)
-        assert running_requests(first) == REQUESTS, "a request was not running when the pause began"
-    hl = api.wait_hot_load(hl_id)
-    for t in threads:
-        t.join(900)
+            t.join(900)
+    assert was_paused, "the held swap was not inside a pause"
+    assert frozen >= 1, "no request was running when the pause began"
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
 
     counting = [(P + 1 + i) % VOCAB for i in range(N)]
+    spanning = 0
     for prompt, out in zip(prompts, outs):
         tokens, spans = out["tokens"], out.get("spans")
-        assert len(tokens) == N, f"{prompt}: {len(tokens)} tokens"
-        assert spans is not None and [s["version"] for s in spans] == [old_id, new_id], (prompt, spans)
+        assert len(tokens) == N and tokens[0] == counting[0], f"{prompt}: {len(tokens)} tokens"
+        assert spans is not None and spans[0]["start"] == 0 and spans[-1]["end"] == N, (prompt, spans)
+        if len(spans) == 1:  # not frozen in the pause: it ran on OLD alone
+            assert spans == [{"version": old_id, "start": 0, "end": N}] and tokens == counting, (prompt, spans)
+            continue
+        spanning += 1
         k = spans[1]["start"]
         assert spans == [{"version": old_id, "start": 0, "end": k}, {"version": new_id, "start": k, "end": N}]
         assert 0 < k < N and tokens[:k] == counting[:k], (prompt, k)
@@ -158,3 +171,4 @@ def test_each_request_spanning_an_update_follows_the_policy(stack, rolling, tmp_
             assert tokens == counting, f"{prompt}: NEW did not count from token {k} (it kept OLD's cache)"
         else:
             assert tokens[k] == P, f"{prompt}: token {k} is {tokens[k]}, not {P} (NEW did not read OLD's cache)"
+    assert spanning == frozen, f"{frozen} request(s) frozen in the pause, {spanning} answer(s) span the update"

@@ -90,15 +90,20 @@ def test_a_cancel_mid_walk_leaves_each_replica_on_one_whole_snapshot(stack, roll
     order = walk_order(stack, dep_id)
     first, second = order[0]["name"], order[1]["name"]
     hold = fault("commit_peer_stage", second, "hold")
-    with faults(stack, hold):
-        hl_id = start_hot_load(api, dep_id, delta_id, full_id)
-        wait_replica_state(api, hl_id, second, "UPDATING")
-        hold.wait_fired(stack, dep_id)
-        reps = {r["name"]: r for r in hot_load_replicas(api, hl_id)}
-        assert reps[first]["state"] == "READY" and reps[second]["state"] == "UPDATING", reps
-        r = api.call("POST", f"/hotLoads/{hl_id}:cancel")
-        assert r.status_code == 200, r.text
-        hl = api.wait_hot_load(hl_id, timeout=300)
+    hl_id = None
+    try:
+        with faults(stack, hold):
+            hl_id = start_hot_load(api, dep_id, delta_id, full_id)
+            wait_replica_state(api, hl_id, second, "UPDATING")
+            hold.wait_fired(stack, dep_id)
+            reps = {r["name"]: r for r in hot_load_replicas(api, hl_id)}
+            assert reps[first]["state"] == "READY" and reps[second]["state"] == "UPDATING", reps
+            r = api.call("POST", f"/hotLoads/{hl_id}:cancel")
+            assert r.status_code == 200, r.text
+            hl = api.wait_hot_load(hl_id, timeout=300)
+    finally:
+        if hl_id:
+            api.wait_hot_load(hl_id)  # released by now: the next test finds no hot-load open
     assert hl["status"]["state"] == "HOT_LOAD_STATE_CANCELED", hl["status"]
     assert hot_load_workflow_status(stack, hl_id) == WorkflowExecutionStatus.CANCELED
 
