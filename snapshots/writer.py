@@ -39,6 +39,7 @@ import zstandard
 
 from snapshots.codec import adler32_hex, default_workers
 from snapshots.errors import DeltaMismatchError, SnapshotError
+from snapshots.host import HostWeights
 from snapshots.inspect import CONFIG_FILE, INDEX_FILE, FullLayout, read_full_layout
 from snapshots.safetensors_io import DTYPE_SIZES, TensorSpec, write_safetensors
 from snapshots.storage import LocalSource, replacing_directory
@@ -314,7 +315,7 @@ def to_tensor_spec(name: str, value: Any) -> TensorSpec:
         dtype = _TORCH_NAMES.get(str(value.dtype))
         if dtype is None:
             raise SnapshotError(f"torch dtype {value.dtype} has no safetensors equivalent", tensor=name)
-        import torch  # noqa: PLC0415 - torch (and the host copy) only for torch tensors or a checkpoint location
+        import torch  # noqa: PLC0415 - torch loads only to write torch tensors
 
         flat = value.detach().to("cpu").contiguous().reshape(-1)
         raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
@@ -344,8 +345,6 @@ def write_full_snapshot(
     """
     out = Path(out_dir)
     if isinstance(tensors, (str, os.PathLike)):
-        from snapshots.host import HostWeights  # noqa: PLC0415 - torch (and the host copy) only for torch tensors or a checkpoint location
-
         weights = HostWeights.load(tensors, verify=True, workers=workers, mmap=True)
         written = weights.materialize(out)
         if config is not None:
