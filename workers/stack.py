@@ -245,13 +245,22 @@ class Stack:
         self.home.mkdir(parents=True, exist_ok=True)
         self.s.save()
         self.ensure_tokens()
-        for name in ("temporal", "s3"):
-            say(self.start(name))
-        self.keep_history()
-        say(self.ensure_base_model())
-        for name in ("worker", "api", "gateway"):
-            say(self.start(name, timeout=START_TIMEOUT_S.get(name, 90.0)))
-        say(self.ensure_default_gateway())
+        running_before = {name for name in SERVICE_ORDER if self.pid_file(name).alive_pid()}
+        try:
+            for name in ("temporal", "s3"):
+                say(self.start(name))
+            self.keep_history()
+            say(self.ensure_base_model())
+            for name in ("worker", "api", "gateway"):
+                say(self.start(name, timeout=START_TIMEOUT_S.get(name, 90.0)))
+            say(self.ensure_default_gateway())
+        except BaseException:
+            # A failed `up` stops what it started (those already running keep running), so a
+            # retry does not meet its own leftovers on the ports.
+            for name in reversed(SERVICE_ORDER):
+                if name not in running_before and self.pid_file(name).alive_pid():
+                    self._stop_service(name, say)
+            raise
         env_path = self.home / "stack.env"
         env_path.write_text("".join(f"{k}={v}\n" for k, v in self.s.stack_env().items()))
         env_path.chmod(0o600)

@@ -53,3 +53,22 @@ def test_a_taken_port_is_a_clear_error(tmp_path):
         assert "already in use" in str(err.value)
     finally:
         blocker.close()
+
+
+def test_a_failed_up_stops_what_it_started(tmp_path):
+    settings = Settings.create(tmp_path / "home", free_port_base())
+    stack = Stack(settings)
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", settings.ports["api"]))
+    blocker.listen()
+    lines: list[str] = []
+    try:
+        with pytest.raises(StackError, match=str(settings.ports["api"])):
+            stack.up(say=lines.append)
+        # Temporal, SeaweedFS and the control worker had started before the API's port was found
+        # taken: none of them is left running.
+        assert any(line.startswith("worker") and "started" in line for line in lines), lines
+        assert not any(stack.status().values()), stack.status()
+    finally:
+        blocker.close()
+        stack.down(say=lines.append)
