@@ -66,6 +66,11 @@ def _matches(rule: dict[str, Any], point: str, replica: str, deployment: str) ->
     )
 
 
+def armed(home: Path, point: str, *, replica: str, deployment: str) -> bool:
+    """Whether a rule for `point` would fire on this replica now (it fires only at `hit`)."""
+    return any(_matches(rule, point, replica, deployment) for rule in _rules(home))
+
+
 async def hit(home: Path, point: str, *, replica: str, deployment: str, until: asyncio.Event | None = None) -> bool:
     """Fire the first armed rule for `point` on this replica, if any (see the module docstring).
     A "hold" also ends when `until` is set (the step was canceled); returns True then."""

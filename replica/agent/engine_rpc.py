@@ -342,6 +342,15 @@ class EngineClient:
             raise ReadBackError(label, list(result["read_back_failed"]))
         return result
 
+    async def swap_and_commit_staged(self, label: str) -> dict[str, Any]:
+        """``swap_staged`` then ``commit_staged`` in one RPC (the pause's usual path): the
+        result carries both reports; a failed swap or read-back leaves the engine on its previous
+        tensors (ReadBackError names the tensors that differed)."""
+        result = await self._rpc1("swap_and_commit_staged", label)
+        if result.get("read_back_failed"):
+            raise ReadBackError(label, list(result["read_back_failed"]))
+        return result
+
     async def discard_staged(self) -> dict[str, Any]:
         """Drop the stage; a swapped one is rolled back (``rolled_back``)."""
         return await self._rpc1("discard_staged")

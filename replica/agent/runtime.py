@@ -94,6 +94,11 @@ class ReplicaRuntime(PeerSteps):
     def current_identity(self) -> str:
         return self.applied[-1]
 
+    def fault_armed(self, point: str) -> bool:
+        """Whether `faults.json` arms `point` for this replica (one `stat` when there is none)."""
+        return self.faults_home is not None and faults.armed(
+            self.faults_home, point, replica=self.name, deployment=self.deployment)
+
     async def fault(self, point: str) -> None:
         """Fire `point` if `faults.json` arms it for this replica (`replica.faults`): a "fail"
         raises its non-retryable ApplicationError; a "hold" waits, and ends when the step is
@@ -380,10 +385,11 @@ class ReplicaRuntime(PeerSteps):
                            policy: PromptCachePolicy) -> tuple[float, dict[str, Any]]:
         """Pause (keeping requests), swap the engine's stage in, prove it, resume; all or nothing.
         Everything that can refuse the update runs inside the pause, before the replica serves a
-        token of it: the engine swaps the stage in (`swap_staged`), then reads back every swapped
-        tensor against the snapshot's Adler-32 (`commit_staged`) and rolls its tensors back on
-        any difference; a failure between the two (the "swap" fault point) rolls them back too
-        (`discard_staged`). Then the label goes back and the host copy is restored. Returns the
+        token of it: the engine swaps the stage in, then reads back every swapped tensor against
+        the snapshot's Adler-32 and rolls its tensors back on any difference, in one call
+        (`swap_and_commit_staged`); with the "swap" fault point armed, as two calls
+        (`swap_staged`, `commit_staged`) with the fault between them, and a failure there rolls
+        the tensors back too (`discard_staged`). Then the label goes back and the host copy is restored. Returns the
         pause in ms and the engine's report (``verified``: tensors proven; ``checksums`` where
         proven by Adler-32). A read-back that differs raises ReadBackFailed naming the tensors;
         an injected fault keeps its ApplicationError type."""
@@ -399,9 +405,14 @@ class ReplicaRuntime(PeerSteps):
                 # token sees one without the other); a failed swap puts the old label back.
                 await self.engine.set_weight_version(label)
                 try:
-                    swap = await self.engine.swap_staged(label)
-                    await self.fault("swap")
-                    swap.update(await self.engine.commit_staged(label))
+                    if self.fault_armed("swap"):
+                        # A test armed the "swap" fault point: swap and proof as two calls, the
+                        # fault between them.
+                        swap = await self.engine.swap_staged(label)
+                        await self.fault("swap")
+                        swap.update(await self.engine.commit_staged(label))
+                    else:
+                        swap = await self.engine.swap_and_commit_staged(label)
                     if int(swap.get("verified", -1)) != len(names_):
                         raise EngineUpdateError(f"the engine proved {swap.get('verified')} of {len(names_)} "
                                                 f"swapped tensor(s)")

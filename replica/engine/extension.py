@@ -29,9 +29,10 @@ Each method is a thin wrapper over free functions testable without vLLM (`stage`
   "result_path"}`` and ``job_status()`` reports it): ``stage_from_files``, ``stage_from_arena``,
   ``peer_stage_receive`` (kind ``stage``), ``peer_stage_send``, ``peer_send_files`` (``send``),
   ``peer_receive_files`` (``receive``), ``checksum_job`` (``checksums``);
-- the lifecycle of the stage (`stage`): ``swap_staged(label)`` and ``commit_staged(label)``
-  inside one pause (the commit answers ``verified`` or ``read_back_failed`` after rolling back),
-  ``discard_staged()`` (rolls a swapped stage back).
+- the lifecycle of the stage (`stage`): ``swap_and_commit_staged(label)`` inside the pause
+  (load in place, then read back: ``verified``, or ``read_back_failed`` after rolling back), or
+  the same as two calls, ``swap_staged(label)`` and ``commit_staged(label)``, for a test that
+  injects a fault between them; ``discard_staged()`` (rolls a swapped stage back).
 
 Importing this module inside a vLLM process installs the CPU GEMM patch (`cpu_gemm`) before the
 worker loads the model; elsewhere (tests, benchmarks) it does not load vLLM.
@@ -182,6 +183,9 @@ class WeightLoaderExtension:
 
     def commit_staged(self, label: str) -> dict[str, Any]:
         return _slot(self).commit(self.model_runner.model, label)  # type: ignore[attr-defined]
+
+    def swap_and_commit_staged(self, label: str) -> dict[str, Any]:
+        return _slot(self).swap_and_commit(self.model_runner.model, label)  # type: ignore[attr-defined]
 
     def discard_staged(self) -> dict[str, Any]:
         return _slot(self).discard(self.model_runner.model)  # type: ignore[attr-defined]

@@ -217,6 +217,12 @@ class StageSlot:
         with BACKUP_LOCK:
             return commit(model, stage)
 
+    def swap_and_commit(self, model: torch.nn.Module, label: str) -> dict[str, Any]:
+        """:meth:`swap` then :meth:`commit` in one call (one RPC inside the pause)."""
+        result = self.swap(model, label)
+        result.update(self.commit(model, label))
+        return result
+
     def discard(self, model: torch.nn.Module) -> dict[str, Any]:
         stage, self.stage = self.stage, None
         if stage is None:

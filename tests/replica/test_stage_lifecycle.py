@@ -68,6 +68,23 @@ def test_a_read_back_that_differs_rolls_back_and_names_the_tensor() -> None:
     assert weights(model) == before
 
 
+def test_swap_and_commit_in_one_call_proves_or_rolls_back() -> None:
+    """The pause's usual path: the swap and its read-back in one call."""
+    model, slot = Tiny(), StageSlot()
+    tensors = new_values(6)
+    expected = {n: adler32_hex(t) for n, t in tensors}
+    slot.put(take(model, "v1", tensors, expected_adler32=expected))
+    result = slot.swap_and_commit(model, "v1")
+    assert result["verified"] == 2 and result["checksums"] == expected and "copy_s" in result
+    assert weights(model) == expected and slot.stage is None
+    tensors = new_values(7)
+    slot.put(take(model, "v2", tensors, expected_adler32={n: adler32_hex(t) for n, t in tensors}))
+    model.corrupt = "up.weight"
+    result = slot.swap_and_commit(model, "v2")
+    assert result["read_back_failed"] == ["up.weight"] and result["rolled_back"]
+    assert weights(model) == expected and slot.stage is None
+
+
 def test_discard_rolls_a_swapped_stage_back_and_a_swapped_stage_blocks_the_next() -> None:
     model, slot = Tiny(), StageSlot()
     before = weights(model)
