@@ -20,10 +20,23 @@ from workers.stack import Stack
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections take theirs there)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port_base() -> int:
-    """A base whose whole range (and SeaweedFS's gRPC ports at +10000) is free on 127.0.0.1."""
+    """A base whose whole range (and SeaweedFS's gRPC ports at +10000) is free on 127.0.0.1, and
+    below the kernel's ephemeral range where it can be: a port there can be taken by any outgoing
+    connection between this check and the service's bind (a stack starts its services over a
+    minute or more, uploading the base model meanwhile)."""
+    top = _ephemeral_low() - 10000 - max(PORT_OFFSETS.values()) - 1
+    low, high = (10000, top) if top > 12000 else (20000, 40000)
     for _ in range(200):
-        base = random.randrange(20000, 40000, 50)
+        base = random.randrange(low, high, 50)
         ports = [base + off for off in PORT_OFFSETS.values()]
         ports += [p + 10000 for p in ports]
         if not any(port_in_use(p) for p in ports):
