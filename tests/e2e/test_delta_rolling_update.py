@@ -42,6 +42,7 @@ from tests.helpers.replicas import (
     served_checksums,
     start_hot_load,
     walk_order,
+    write_faults,
 )
 from tests.helpers.stack_fixtures import cwtrain_python
 from tests.helpers.trainer import train_step
@@ -177,19 +178,23 @@ def test_in_flight_requests_span_a_pause_and_all_finish(stack, rolling, tmp_path
     first = walk_order(stack, dep_id)[0]
 
     # Three requests per replica (the gateway sends each to the least loaded one), all generating
-    # on the old weights before the hot-load starts.
+    # on the old weights. The first replica's step is held at its start until they all generate,
+    # so they are started seconds, not a whole staging, before its pause.
     outs: list[dict] = [{} for _ in range(9)]
     started = [threading.Event() for _ in outs]
     threads = [threading.Thread(target=long_request, args=(stack, model, i, e, o))
                for i, (e, o) in enumerate(zip(started, outs))]
+    at_start = fault("apply_snapshot", first["name"], "hold")
     hold = fault("swap", first["name"], "hold")
     hl_id, frozen, was_paused = None, -1, False
     try:
-        with faults(stack, hold):
+        with faults(stack, at_start, hold):
+            hl_id = start_hot_load(api, dep_id, delta_id, full_id)
+            at_start.wait_fired(stack, dep_id)
             for t in threads:
                 t.start()
             assert all(e.wait(600) for e in started)
-            hl_id = start_hot_load(api, dep_id, delta_id, full_id)
+            write_faults(stack, [hold])  # releases the step's start; its swap stays held
             hold.wait_fired(stack, dep_id)
             # The first replica's engine is paused, its swap held: the requests it has not
             # finished are frozen in the pause and resume on the new weights.
