@@ -43,6 +43,7 @@ from tests.helpers.replicas import (
     running_requests,
     start_hot_load,
     walk_order,
+    write_faults,
 )
 from workers.base_model import COUNTING_SCALE, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, VOCAB, base_tensors, write_tensors
 from workers.stack import upload_dir
@@ -136,14 +137,19 @@ def test_each_request_spanning_an_update_follows_the_policy(stack, rolling, tmp_
     go = threading.Barrier(REQUESTS)
     threads = [threading.Thread(target=streamed, args=(url, headers, model, p, go, e, o))
                for p, e, o in zip(prompts, started, outs)]
+    # The first replica's step is held at its start until the requests generate, then released
+    # to its swap, held in the pause: they start seconds before the pause, not a staging before.
+    at_start = fault("apply_snapshot", first["name"], "hold")
     hold = fault("swap", first["name"], "hold")
     hl_id, frozen, was_paused = None, -1, False
     try:
-        with faults(stack, hold):
+        with faults(stack, at_start, hold):
+            hl_id = start_hot_load(api, dep_id, new_id, None, promptCachePolicy=policy)
+            at_start.wait_fired(stack, dep_id)
             for t in threads:
                 t.start()
             assert all(e.wait(600) for e in started)
-            hl_id = start_hot_load(api, dep_id, new_id, None, promptCachePolicy=policy)
+            write_faults(stack, [hold])  # releases the step's start; its swap stays held
             hold.wait_fired(stack, dep_id)
             was_paused, frozen = paused(first), running_requests(first)
     finally:
