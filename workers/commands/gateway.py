@@ -1,4 +1,6 @@
-"""`rollouts gateway`: the OpenAI-compatible gateway (gateway/app.py) on the stack's gateway port."""
+"""`rollouts gateway`: the OpenAI-compatible gateway (gateway/app.py) on the settings' host and
+gateway port (``ROLLOUTS_HOST`` / ``ROLLOUTS_GATEWAY_PORT`` override stack.json's); a host that
+does not resolve is a one-line error naming it, before anything binds."""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ import argparse
 
 import uvicorn
 
+from common.addresses import check_bind_host
+from common.settings import HOST_ENV
 from gateway.app import create_gateway_app
 from workers.commands import service_logging, settings_of
 
@@ -13,5 +17,6 @@ from workers.commands import service_logging, settings_of
 def main(args: argparse.Namespace) -> int:
     service_logging()
     settings = settings_of(args)
-    uvicorn.run(create_gateway_app(settings), host="127.0.0.1", port=settings.ports["gateway"], log_level="warning")
+    host = check_bind_host(settings.host, f"the gateway's host ({HOST_ENV} or stack.json)")
+    uvicorn.run(create_gateway_app(settings), host=host, port=settings.ports["gateway"], log_level="warning")
     return 0
