@@ -4,8 +4,9 @@
   home, and stopped by pid at the end.
 - Markers come from fixtures: a test that uses ``stack`` or ``seaweed`` (directly or through
   another fixture) is marked ``stack``; one that uses an engine fixture (``ENGINE_FIXTURES``) is
-  marked ``engine``.
-  ``make test-fast`` deselects both. A test marked neither that still starts a vLLM engine or
+  marked ``engine``. One that uses the multi-host harness's ``cluster`` or ``make_cluster``
+  (tests/multihost/conftest.py) is marked ``multihost``.
+  ``make test-fast`` deselects ``stack`` and ``engine``. A test marked neither that still starts a vLLM engine or
   SeaweedFS fails, naming the process (the watcher below attributes each new process to the test
   running when it first saw it; both take seconds to start): a new test cannot slip into the fast
   run by mistake.
@@ -28,6 +29,8 @@ from tests.helpers.stack_fixtures import start_stack
 STACK_FIXTURES = frozenset({"stack", "seaweed"})
 # Fixtures that start a vLLM engine of their own (tests/replica/conftest.py, tests/gateway/test_weight_spans.py).
 ENGINE_FIXTURES = frozenset({"engine", "engine_b", "start_engine"})
+# Fixtures that make network-namespace hosts (tests/multihost/conftest.py).
+MULTIHOST_FIXTURES = frozenset({"cluster", "make_cluster"})
 
 WATCH = EngineWatch()
 # module node id -> (the pooled fixtures its tests use, whether they start the stack or an engine)
@@ -65,6 +68,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.stack)
         if names & ENGINE_FIXTURES:
             item.add_marker(pytest.mark.engine)
+        if names & MULTIHOST_FIXTURES:
+            item.add_marker(pytest.mark.multihost)
     pooled: dict[str, set[str]] = {}
     heavy: dict[str, bool] = {}
     for item in items:
