@@ -62,14 +62,22 @@ class PidFile:
         self.path.unlink(missing_ok=True)
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """Whether something accepts connections on ``host:port`` (``host``: an address of this
+    machine, IPv4 or IPv6)."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         s.settimeout(0.2)
         return s.connect_ex((host, port)) == 0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port free on ``host`` now (an address of this machine, or the wildcard ``0.0.0.0`` /
+    ``::``): the kernel's pick for a bind to port 0."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 

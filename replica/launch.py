@@ -3,9 +3,12 @@
 The agent (`replica.agent.engine.EngineProcess`) runs ``python -m SERVER_MODULE`` with
 ``--worker-extension-cls EXTENSION_CLS`` and hands the engine its secret through a 0600 file
 named by the environment variable ``SECRET_FILE_ENV``, which the engine
-(`replica.engine.guard.read_secret_file`) reads at start.
+(`replica.engine.guard.read_secret_file`) reads at start. ``NODE_ADDRESS_ENV`` carries the
+address other hosts reach this host at: the engine's peer broadcast binds its gloo device there
+(`replica.engine.peer_group`).
 """
 
 SERVER_MODULE = "replica.engine.server"
 EXTENSION_CLS = "replica.engine.extension.WeightLoaderExtension"
 SECRET_FILE_ENV = "ROLLOUTS_ENGINE_SECRET_FILE"
+NODE_ADDRESS_ENV = "ROLLOUTS_NODE_ADDRESS"

@@ -2,11 +2,23 @@
 
 - ``EngineProcess(model_dir, work_dir=..., ...)`` describes an engine; ``await start()`` launches
   ``python -m replica.engine.server`` (vLLM's OpenAI server with each choice's weight-version
-  spans) for ``model_dir`` on 127.0.0.1 with dev-mode routes on (``VLLM_SERVER_DEV_MODE=1``),
+  spans) for ``model_dir`` on ``host`` (the address it binds: 127.0.0.1 by default, ``0.0.0.0``
+  for every address of the host; one that does not resolve is an ``AddressError`` naming it,
+  before anything starts) and a free port, with dev-mode routes on (``VLLM_SERVER_DEV_MODE=1``),
   BF16, eager mode, a small KV cache (``VLLM_CPU_KVCACHE_SPACE``), ``--served-model-name``,
   ``--max-model-len``, ``--max-num-seqs`` and our worker extension (`replica.launch`), then
   waits until ``/health`` and ``/v1/models`` answer. A start that fails or times out raises
   ``EngineStartError`` carrying the tail of the log, and stops what it started.
+- Addresses: the agent drives its engine at ``base_url``, over loopback (``http://127.0.0.1:PORT``)
+  unless the engine binds one specific address, then at that address: the engine's control
+  routes answer only its own host (`replica.engine.guard`). ``public_url``
+  (``http://NODE_ADDRESS:PORT``) is where other hosts (the gateway) reach its inference routes;
+  ``node_address`` defaults to the bind address, or 127.0.0.1 for the wildcard. The engine gets
+  it as ``ROLLOUTS_NODE_ADDRESS``: its peer broadcast's gloo device binds it
+  (`replica.engine.peer_group`), and when a local interface holds that IPv4 address (not
+  loopback) and ``NCCL_SOCKET_IFNAME`` is not set, it is set to that interface for NCCL.
+  ``FORWARDED_ALLOW_IPS`` is pinned to loopback (uvicorn trusts ``X-Forwarded-For`` only from
+  there), so no other host can pose as the engine's own host to the guard.
 - Every route but ``GET /health`` needs the engine's secret (`replica.engine.guard`). ``secret``
   (default: a fresh random one; the replica agent passes ``Settings.engine_secret``) reaches the
   server through a 0600 file in ``work_dir`` named by ``ROLLOUTS_ENGINE_SECRET_FILE`` (never its
@@ -40,9 +52,10 @@ from pathlib import Path
 
 import httpx
 
+from common.addresses import AddressError, check_bind_host, host_port, interface_of, is_loopback, is_wildcard
 from common.processes import free_port
 from replica.agent.engine_rpc import EngineClient, EngineError, EngineRequestError, ReadBackError
-from replica.launch import EXTENSION_CLS, SECRET_FILE_ENV, SERVER_MODULE
+from replica.launch import EXTENSION_CLS, NODE_ADDRESS_ENV, SECRET_FILE_ENV, SERVER_MODULE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,6 +101,7 @@ class EngineProcess(EngineClient):
         served_model_name: str = "model",
         host: str = "127.0.0.1",
         port: int | None = None,
+        node_address: str | None = None,
         log_path: Path | str | None = None,
         max_model_len: int = 1024,
         max_num_seqs: int = 32,
@@ -103,7 +117,9 @@ class EngineProcess(EngineClient):
         self.model_dir = Path(model_dir)
         self.work_dir = Path(work_dir)
         self.served_model_name = served_model_name
-        self.host = host
+        self.host = host  # what the server binds
+        # Where other hosts reach it (the module docstring).
+        self.node_address = node_address or ("127.0.0.1" if is_wildcard(host) else host)
         self.port = port
         self.log_path = Path(log_path) if log_path else self.work_dir / "engine.log"
         self.max_model_len = max_model_len
@@ -129,6 +145,21 @@ class EngineProcess(EngineClient):
         self._base_url = base_url.rstrip("/")
         self._pid = pid
         return self
+
+    @property
+    def control_host(self) -> str:
+        """The address the agent drives the engine at: loopback unless it binds one address."""
+        if is_wildcard(self.host):
+            return "::1" if self.host == "::" else "127.0.0.1"
+        return self.host
+
+    @property
+    def public_url(self) -> str:
+        """``http://NODE_ADDRESS:PORT``: where other hosts (the gateway) reach the engine's
+        inference routes; for an attached engine, its ``base_url``."""
+        if self.port is None or self._proc is None:
+            return self.base_url
+        return f"http://{host_port(self.node_address, self.port)}"
 
     @property
     def secret_path(self) -> Path:
@@ -191,6 +222,14 @@ class EngineProcess(EngineClient):
                 ),
             }
         )
+        env[NODE_ADDRESS_ENV] = self.node_address
+        # uvicorn's default, pinned: only a client on this host may rename itself with
+        # X-Forwarded-For, so no other host can pass the guard's own-host check for control routes.
+        env["FORWARDED_ALLOW_IPS"] = "127.0.0.1,::1"
+        if "NCCL_SOCKET_IFNAME" not in env and not is_loopback(self.node_address):
+            interface = interface_of(self.node_address)
+            if interface:
+                env["NCCL_SOCKET_IFNAME"] = interface
         env.update(self.extra_env)
         env[SECRET_FILE_ENV] = str(self.secret_path)
         return env
@@ -203,11 +242,16 @@ class EngineProcess(EngineClient):
         whose agent is killed while it starts is found and stopped)."""
         if self._proc is not None or self._base_url is not None:
             raise EngineError("already started or attached")
+        check_bind_host(self.host, "the engine's bind address (--engine-bind)")
+        check_bind_host(self.node_address, "the engine's node address (--node-address)")
+        if is_wildcard(self.node_address):
+            raise AddressError(f"the engine's node address {self.node_address!r} is the wildcard: give the "
+                               "address other hosts reach this one at (--node-address)")
         self.work_dir.mkdir(parents=True, exist_ok=True)
         for sub in ("tmp", "cache"):
             (self.work_dir / sub).mkdir(exist_ok=True)
         if self.port is None:
-            self.port = free_port(self.host)
+            self.port = free_port(self.host or "0.0.0.0")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._write_secret()
         t0 = time.monotonic()
@@ -228,7 +272,7 @@ class EngineProcess(EngineClient):
         self._pid = self._proc.pid
         if on_spawn is not None:
             on_spawn(self._pid)
-        self._base_url = f"http://{self.host}:{self.port}"
+        self._base_url = f"http://{host_port(self.control_host, self.port)}"
         try:
             await self.wait_ready(timeout)
         except BaseException:

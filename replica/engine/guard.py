@@ -1,22 +1,31 @@
-"""The gate in front of every replica engine's HTTP routes: a per-replica secret and a short
-list of routes.
+"""The gate in front of every replica engine's HTTP routes: who may call which route.
 
-A replica's vLLM server listens on loopback, where any local process can reach it. Its dev-mode
-routes pause the engine, relabel its weights or call any worker method, and its OpenAI routes
-answer without the gateway's organization checks. :class:`EngineGuard` (pure ASGI, installed by
-``replica/engine/server.py`` as the outermost middleware of every engine) lets a request through
-only when
+A replica's vLLM server listens where its node agent says (``--engine-bind``: loopback on one
+machine, every address of the host on a multi-host install, so that the gateway on another host
+reaches it). Its dev-mode routes pause the engine, relabel its weights or call any worker method,
+and its OpenAI routes answer without the gateway's organization checks. :class:`EngineGuard`
+(pure ASGI, installed by ``replica/engine/server.py`` as the outermost middleware of every
+engine) lets a request through only when
 
-1. it carries the engine's secret in the ``x-rollouts-engine-secret`` header (compared in
+1. for a control route (:data:`CONTROL_ROUTES`: ``/pause``, ``/resume``, ``/is_paused``,
+   ``/reset_prefix_cache``, ``/collective_rpc``, ``/update_weight_version``, ``/weight_info``),
+   the client is on the engine's own host (:func:`is_local_client`): its address is loopback
+   (127.0.0.0/8, ``::1``) or the very address the connection arrived at (the agent of an engine
+   bound to one non-loopback address; Linux drops packets from another machine that claim a local
+   source address). Any other client -> 403 ``permission_denied`` ("engine control answers only
+   its own host's replica agent"), with the secret or without it;
+2. it carries the engine's secret in the ``x-rollouts-engine-secret`` header (compared in
    constant time): missing -> 401 ``unauthenticated``, wrong -> 401 ``unauthenticated``; and
-2. its method and path are one of :data:`ALLOWED_ROUTES`: what the replica agent
-   (``replica/agent/engine_rpc.py``) and the gateway use, plus ``/metrics``. Anything else -> 403
+3. its method and path are one of :data:`ALLOWED_ROUTES`: the control routes the replica agent
+   (``replica/agent/engine_rpc.py``) uses and the inference routes (:data:`INFERENCE_ROUTES`:
+   ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/metrics``), which answer any
+   client with the secret (the gateway, from any host). Anything else -> 403
    ``permission_denied``, with the secret or without it, e.g. ``/sleep``, ``/wake_up``,
-   ``/weight_checker`` (its ``reset`` action re-initialises the weights), ``/update_weights``
-   and the other weight-transfer routes, ``/abort_requests``, ``/tokenize``, ``/v1/responses``.
+   ``/weight_checker`` (its ``reset`` action re-initialises the weights), ``/update_weights`` and
+   the other weight-transfer routes, ``/abort_requests``, ``/tokenize``, ``/v1/responses``.
 
-``GET /health`` (:data:`OPEN_ROUTES`) answers without the secret: a liveness probe that says
-nothing but "up". WebSocket connections are closed (no engine route needs one).
+``GET /health`` (:data:`OPEN_ROUTES`) answers anyone without the secret: a liveness probe that
+says nothing but "up". WebSocket connections are closed (no engine route needs one).
 
 Refusals are JSON in vLLM's error shape: ``{"error": {"message", "type", "code"}}``.
 
@@ -30,6 +39,7 @@ sends the header; the stack derives each replica's secret from its settings
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import os
 import stat
@@ -42,13 +52,16 @@ from replica.launch import SECRET_FILE_ENV
 
 OPEN_ROUTES: frozenset[tuple[str, str]] = frozenset({("GET", "/health")})
 
-ALLOWED_ROUTES: frozenset[tuple[str, str]] = frozenset({
-    # inference (the gateway) and what serves it
+# Inference (the gateway, from any host) and what serves it.
+INFERENCE_ROUTES: frozenset[tuple[str, str]] = frozenset({
     ("GET", "/v1/models"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
     ("GET", "/metrics"),
-    # control (the replica agent: replica/agent/engine_rpc.py)
+})
+
+# Control (the replica agent on the engine's own host: replica/agent/engine_rpc.py).
+CONTROL_ROUTES: frozenset[tuple[str, str]] = frozenset({
     ("POST", "/pause"),
     ("POST", "/resume"),
     ("GET", "/is_paused"),
@@ -58,10 +71,37 @@ ALLOWED_ROUTES: frozenset[tuple[str, str]] = frozenset({
     ("GET", "/weight_info"),
 })
 
+ALLOWED_ROUTES: frozenset[tuple[str, str]] = INFERENCE_ROUTES | CONTROL_ROUTES
+
+NOT_LOCAL = "engine control answers only its own host's replica agent"
+
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def _ip(host: object) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(str(host).split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def is_local_client(scope: Scope) -> bool:
+    """Whether the connection of ``scope`` comes from the engine's own host: the client's
+    address is loopback, or equals the address the connection arrived at (module docstring).
+    No client address (a Unix socket, a test scope without one) is not local."""
+    client, server = scope.get("client"), scope.get("server")
+    ip = _ip(client[0]) if client else None
+    if ip is None:
+        return False
+    if ip.is_loopback:
+        return True
+    return bool(server) and _ip(server[0]) == ip
 
 
 class EngineSecretError(RuntimeError):
@@ -91,17 +131,19 @@ def read_secret_file(path: str | os.PathLike[str] | None = None) -> str:
 
 
 class EngineGuard:
-    """ASGI middleware: the secret and the route list (module docstring)."""
+    """ASGI middleware: the client's host for control routes, the secret, the route list (module docstring)."""
 
     def __init__(self, app: ASGIApp, secret: str,
                  allowed: frozenset[tuple[str, str]] = ALLOWED_ROUTES,
-                 open_routes: frozenset[tuple[str, str]] = OPEN_ROUTES) -> None:
+                 open_routes: frozenset[tuple[str, str]] = OPEN_ROUTES,
+                 local_only: frozenset[tuple[str, str]] = CONTROL_ROUTES) -> None:
         if not secret:
             raise EngineSecretError("EngineGuard needs a non-empty secret")
         self.app = app
         self._secret = secret.encode()
         self.allowed = allowed
         self.open_routes = open_routes
+        self.local_only = local_only
         self._header = ENGINE_SECRET_HEADER.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -115,6 +157,11 @@ class EngineGuard:
         route = (scope["method"].upper(), scope["path"])
         if route in self.open_routes:
             await self.app(scope, receive, send)
+            return
+        if route in self.local_only and not is_local_client(scope):
+            client = scope.get("client")
+            await _refuse(send, 403, "permission_denied", f"{route[0]} {route[1]} from "
+                          f"{client[0] if client else 'an unknown client'}: {NOT_LOCAL}")
             return
         given = next((v for k, v in scope.get("headers") or () if k.lower() == self._header), None)
         if given is None:

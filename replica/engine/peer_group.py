@@ -6,6 +6,15 @@ does: ``external_store``), outside torch.distributed's global state, so an engin
 has its own groups (vLLM's) can join any number of them, one after another. A test or trainer
 process can take part too.
 
+Addresses: ``host:port`` is the rendezvous store's (the sender's node address; a master store
+listens on every address of its host). Each gloo member binds its own transport device to
+``device_host``, by default ``$ROLLOUTS_NODE_ADDRESS`` (the node address its agent gives the
+engine, ``replica.launch.NODE_ADDRESS_ENV``), and publishes that address to the others: not
+whatever this machine's hostname resolves to, which in a network namespace (or with a hostname
+mapped to 127.0.1.1) is an address the other hosts cannot reach. Unset: torch's default device
+(the hostname's address, else loopback). NCCL picks its interface from ``NCCL_SOCKET_IFNAME``,
+which the agent sets at the engine's start (``replica.agent.engine``).
+
 The wire protocol: the sender broadcasts an int64 header ``[count, crc32(specs)]``; each member
 says whether it agrees (an all-reduce of failure flags), so a receiver whose specs differ from
 the sender's makes every member fail at once instead of misreading bytes or leaving the sender
@@ -17,6 +26,7 @@ travels as one uint8 tensor named by its base name.
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from replica.engine.tensors import dtype_to_str, nbytes
+from replica.launch import NODE_ADDRESS_ENV
 
 # One packed broadcast per this many bytes: few collective calls, bounded extra memory.
 PEER_CHUNK_BYTES = 256 * 1024 * 1024
@@ -52,18 +63,35 @@ def _spec_digest(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
+def gloo_options(timeout: Any, device_host: str | None = None) -> Any:
+    """Options of a gloo group whose one transport device binds ``device_host`` (default
+    ``$ROLLOUTS_NODE_ADDRESS``); None when neither is given (torch's default device)."""
+    device_host = device_host or os.environ.get(NODE_ADDRESS_ENV)
+    if not device_host:
+        return None
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=device_host)]
+    return options
+
+
 def stateless_group(
-    host: str, port: int, rank: int, world_size: int, backend: str, timeout: Any, external_store: bool = False
+    host: str, port: int, rank: int, world_size: int, backend: str, timeout: Any, external_store: bool = False,
+    device_host: str | None = None,
 ) -> Any:
     """A gloo or NCCL process group of ``world_size`` members that meet at ``host:port`` (rank
     0 hosts the rendezvous store, unless ``external_store``: another process already does),
     outside torch.distributed's global state, so an engine that already has its own groups
-    (vLLM's) can join any number of these, one after another."""
+    (vLLM's) can join any number of these, one after another. A gloo member's device binds
+    ``device_host`` (module docstring)."""
     master = rank == 0 and not external_store
     store = dist.TCPStore(host, port, world_size, is_master=master, timeout=timeout, wait_for_workers=False)
     prefixed = dist.PrefixStore(f"rollouts-peer/{host}:{port}", store)
     if backend == "gloo":
-        return _Owning(dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), store)
+        options = gloo_options(timeout, device_host)
+        if options is None:
+            return _Owning(dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), store)
+        return _Owning(dist.ProcessGroupGloo(prefixed, rank, world_size, options), store)
     nccl = dist.ProcessGroupNCCL  # only in CUDA builds of torch
     options = nccl.Options()
     options._timeout = timeout
@@ -109,6 +137,7 @@ class PeerGroup:
         timeout_s: float = 300.0,
         device: torch.device | None = None,
         external_store: bool = False,
+        device_host: str | None = None,
     ) -> PeerGroup:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"unknown peer backend {backend!r} (gloo or nccl)")
@@ -118,7 +147,7 @@ class PeerGroup:
         else:
             dev = torch.device("cpu")
         group = stateless_group(host, int(port), int(rank), int(world_size), backend, timedelta(seconds=timeout_s),
-                                external_store)
+                                external_store, device_host)
         return cls(backend, int(rank), int(world_size), group, dev)
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:

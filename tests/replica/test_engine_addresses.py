@@ -1,0 +1,83 @@
+"""Where a replica's engine binds, where its agent drives it, and the URL other hosts get
+(replica/agent/engine.py), without starting an engine: the command line, the environment and
+the URLs of EngineProcess objects, and a start refused on an address that does not resolve
+(looked up in a network namespace with no interface up: tests/helpers/no_network.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.addresses import AddressError
+from replica.agent.engine import EngineProcess
+from replica.launch import NODE_ADDRESS_ENV
+from tests.helpers.no_network import run_without_network
+
+
+def engine(tmp_path: Path, **kwargs: object) -> EngineProcess:
+    e = EngineProcess(tmp_path / "model", work_dir=tmp_path / "work", port=41234, **kwargs)
+    e._proc = object()  # type: ignore[assignment] # stands for a started server: public_url needs one
+    return e
+
+
+def flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_by_default_everything_is_loopback(tmp_path: Path) -> None:
+    e = engine(tmp_path)
+    assert flag(e.command(), "--host") == "127.0.0.1"
+    assert e.control_host == "127.0.0.1"
+    assert e.public_url == "http://127.0.0.1:41234"
+    assert e.environment()[NODE_ADDRESS_ENV] == "127.0.0.1"
+
+
+def test_a_wildcard_bind_is_driven_over_loopback_and_published_at_the_node_address(tmp_path: Path) -> None:
+    e = engine(tmp_path, host="0.0.0.0", node_address="10.40.0.2")
+    assert flag(e.command(), "--host") == "0.0.0.0"
+    assert e.control_host == "127.0.0.1"  # the guard's own-host rule lets the agent in
+    assert e.public_url == "http://10.40.0.2:41234"  # what the gateway routes to
+    env = e.environment()
+    assert env[NODE_ADDRESS_ENV] == "10.40.0.2"  # the engine's gloo device binds it
+    assert env["FORWARDED_ALLOW_IPS"] == "127.0.0.1,::1"
+    assert engine(tmp_path, host="::", node_address="fd00::2").public_url == "http://[fd00::2]:41234"
+    assert engine(tmp_path, host="::", node_address="fd00::2").control_host == "::1"
+
+
+def test_one_specific_bind_address_is_driven_there(tmp_path: Path) -> None:
+    e = engine(tmp_path, host="10.40.0.2")
+    assert e.control_host == "10.40.0.2" and e.node_address == "10.40.0.2"
+    assert e.public_url == "http://10.40.0.2:41234"
+
+
+def test_nccl_gets_the_interface_holding_the_node_address(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    # Loopback: nothing to choose (NCCL's own default).
+    assert "NCCL_SOCKET_IFNAME" not in engine(tmp_path, host="0.0.0.0", node_address="127.0.0.1").environment()
+    # An address no local interface holds (TEST-NET-3): left unset, not guessed.
+    assert "NCCL_SOCKET_IFNAME" not in engine(tmp_path, host="0.0.0.0", node_address="203.0.113.77").environment()
+    # An operator's choice is kept.
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    assert engine(tmp_path, host="0.0.0.0", node_address="203.0.113.77").environment()["NCCL_SOCKET_IFNAME"] == "ib0"
+
+
+async def test_a_wildcard_node_address_is_refused(tmp_path: Path) -> None:
+    e = EngineProcess(tmp_path / "model", work_dir=tmp_path / "work", host="0.0.0.0", node_address="0.0.0.0")
+    with pytest.raises(AddressError, match="wildcard"):
+        await e.start(timeout=1)
+    assert e.pid is None
+    assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("which", ["host", "node_address"])
+def test_a_bind_or_node_address_that_does_not_resolve_is_refused_before_the_start(tmp_path: Path, which: str) -> None:
+    code = ("import asyncio, sys; from replica.agent.engine import EngineProcess\n"
+            f"e = EngineProcess('m', work_dir={str(tmp_path / 'work')!r}, **{{{which!r}: 'no.such.host.invalid'}})\n"
+            "try:\n    asyncio.run(e.start(timeout=1))\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n")
+    proc = run_without_network([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("AddressError") and "'no.such.host.invalid' does not resolve" in proc.stdout, proc
+    assert ("--engine-bind" if which == "host" else "--node-address") in proc.stdout
+    assert not (tmp_path / "work").exists()  # nothing started
