@@ -10,6 +10,12 @@ sender's Adler-32 and stages it (`stage_from_peer`: files are decoded and staged
 bucket path; tensors are staged in the engine and held for the host copy), then, in walk order,
 swaps its stage in inside one short pause and proves it (`commit_peer_stage`). A receiver reads
 nothing from the bucket. `PeerSteps` is mixed into `replica.agent.runtime.ReplicaRuntime`.
+
+Addresses: an offer names the sender's ``peer_host`` (its node address, `run_replica`'s
+``node_address``) and a port free there; receivers on other hosts connect to that address. A
+rendezvous store the agent hosts (torch's TCPStore master) listens on every address of its host
+at that port, so it answers them whatever address they arrive at; each engine's gloo device binds
+its own node address (`replica.engine.peer_group`).
 """
 
 from __future__ import annotations

@@ -73,6 +73,7 @@ class ReplicaRuntime(PeerSteps):
         self.s3 = s3
         self.workdir = workdir
         self.staging = workdir / "staging"
+        # The node address: the host of this replica's peer offers, where receivers connect.
         self.peer_host = peer_host
         self.peer_backend = peer_backend
         # Identities of the chain the replica serves, full base first; ["initial"] at start.

@@ -1,6 +1,7 @@
 """The peer broadcast's gloo device binds the node address it is given (replica/engine/peer_group.py),
 not whatever this machine's hostname resolves to: two members in this process (threads), no
-engine, loopback addresses only.
+engine, loopback addresses only; and the rendezvous store an agent hosts answers at any of its host's
+addresses.
 
 Premise: the device's address is visible as the listening socket gloo opens for its pairs, so a
 group formed with a loopback address other than 127.0.0.1 (which the hostname may resolve to)
@@ -10,10 +11,12 @@ listens there and its members connect there; without the address, it does not.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import psutil
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 from common.processes import free_port
 from replica.engine.peer_group import PeerGroup
@@ -74,3 +77,13 @@ def test_without_a_node_address_the_default_device_is_used(monkeypatch: pytest.M
     monkeypatch.delenv(NODE_ADDRESS_ENV, raising=False)
     _, sockets = _form_and_broadcast(None)
     assert not {"127.0.0.2", "127.0.0.3"} & _gloo_addresses(sockets)
+
+
+def test_a_hosted_rendezvous_store_answers_at_any_address_of_its_host() -> None:
+    """The agent hosts the store at its offer's host and port (replica/agent/peers.py); receivers
+    may arrive at another of the host's addresses (here 127.0.0.2 for a store named 127.0.0.1)."""
+    port = free_port()
+    master = TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    client = TCPStore("127.0.0.2", port, 2, is_master=False, timeout=timedelta(seconds=30))
+    client.set("k", "from 127.0.0.2")
+    assert master.get("k") == b"from 127.0.0.2"
