@@ -4,7 +4,7 @@
 node) and records its pid; ``ROLLOUTS_BIN`` is a script that records its arguments, starts a
 "replica" in a session of its own with a pid file under its home (as replicas do), and waits. The
 tests check what the real script does on a node: it refuses to start without the control plane's
-settings, starts `rollouts node` with the node's name, address, home and ``--gpus`` from
+settings or with the job's GPUs not numbered from 0, starts `rollouts node` with the node's name, address, home and ``--gpus`` from
 ``SLURM_GPUS_ON_NODE`` (0 when Slurm allocated none), and on SIGTERM stops the agent, stops the recorded replica by its pid
 file and removes the node's scratch. Nothing reaches the network (the address is loopback's)."""
 
@@ -86,7 +86,17 @@ def test_it_refuses_to_start_without_the_control_plane_settings(fake):
     assert not (Path(fake["FAKE_DIR"]) / "args").exists()
 
 
-@pytest.mark.parametrize(("allocated", "gpus"), [({"SLURM_GPUS_ON_NODE": "2"}, "2"), ({}, "0")])
+def test_gpus_numbered_other_than_from_zero_are_refused(fake):
+    # The agent hands replicas device numbers counted from 0: physical numbers would be other jobs' GPUs.
+    env = {**fake, **CONTROL_PLANE, "SLURM_GPUS_ON_NODE": "2", "CUDA_VISIBLE_DEVICES": "4,5"}
+    done = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "CUDA_VISIBLE_DEVICES=4,5 is not 0..1" in done.stderr and "ConstrainDevices=yes" in done.stderr
+    assert not (Path(fake["FAKE_DIR"]) / "args").exists()
+
+
+@pytest.mark.parametrize(("allocated", "gpus"), [
+    ({"SLURM_GPUS_ON_NODE": "2"}, "2"), ({"SLURM_GPUS_ON_NODE": "2", "CUDA_VISIBLE_DEVICES": "0,1"}, "2"), ({}, "0")])
 def test_one_agent_per_node_with_its_gpus_and_a_clean_stop(fake, allocated, gpus):
     # Without allocated GPUs the agent is told 0, so it never takes a GPU outside the job.
     fake_dir = Path(fake["FAKE_DIR"])
