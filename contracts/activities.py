@@ -1,7 +1,8 @@
 """Activity contracts: each activity's name, task queue, input and output.
 
 The control worker's workflows schedule these; the control worker's own activities
-(control/activities.py) and each replica's agent (replica/agent/activities.py) implement them. They are
+(control/activities.py), each node agent (replica/node/activities.py: starting and stopping
+replica processes) and each replica's agent (replica/agent/activities.py) implement them. They are
 Temporal payloads (JSON, camelCase), never REST wire objects.
 """
 
@@ -14,6 +15,7 @@ from pydantic import Field
 from contracts.records import (
     HotLoadConfig,
     ModelSource,
+    Placement,
     PromptCachePolicy,
     SnapshotRef,
     SnapshotType,
@@ -33,6 +35,10 @@ class StartReplicasInput(WireModel):
     # after a hot-load began loads the target directly); None: the model's base weights.
     target_chain: list[SnapshotRef] | None = None
     hot_load_config: HotLoadConfig | None = None
+    # Where each named replica runs (the node agent that runs this activity), from the registry:
+    # its GPU devices become the replica's CUDA_VISIBLE_DEVICES. Empty in histories from before
+    # node agents.
+    placements: dict[str, Placement] = Field(default_factory=dict)
 
 
 class StopReplicasInput(WireModel):

@@ -5,7 +5,8 @@ Client-chosen ids (deployments, gateways, hot-loads) are unique per organization
 every workflow id built from one carries the organization, `KIND/ORG/ID` (`deployments/org-a/foo`,
 `gateways/org-a/gw`, `hotLoads/org-a/step-1-load`), so two organizations can each have their own
 `foo` and creating one reveals nothing about the other's. A client-chosen id has no '/', so the
-last segment is always the id. A replica's task queue hangs under its deployment's workflow id.
+last segment is always the id. A replica's task queue hangs under its deployment's workflow id;
+a node agent's is `nodes/NAME`.
 """
 
 CONTROL_TASK_QUEUE = "rollouts-control"
@@ -26,10 +27,25 @@ DESCRIBE = "describe"
 # The engine every hot-loadable deployment runs (the guide: hot-loading requires it).
 HOT_LOAD_ENGINE = "dynamo-vllm"
 
+# The node registry (one per control plane, on the control queue): node agents report to it by
+# signal; deployments place and release replicas through it (by activity: a workflow cannot call
+# another's Update).
+NODE_REGISTRY_WORKFLOW = "NodeRegistryWorkflow"
+NODE_REGISTRY_ID = "rollouts/nodes"
+NODE_HEARTBEAT = "node_heartbeat"
+PLACE = "place"
+RELEASE = "release"
+# The registry tells a deployment its replicas went with a lost node; the deployment tells its
+# running hot-load.
+REPLICAS_LOST = "replicas_lost"
+
 # Activities on the control queue.
+PLACE_REPLICAS = "place_replicas"
+RELEASE_REPLICAS = "release_replicas"
+CHECK_SNAPSHOT = "check_snapshot_files"
+# Activities on each node agent's own queue (`node_task_queue`): the replica processes it runs.
 START_REPLICAS = "start_replicas"
 STOP_REPLICAS = "stop_replicas"
-CHECK_SNAPSHOT = "check_snapshot_files"
 # Activities on each replica's own queue (run by its agent, next to the engine).
 # An update from the bucket: stage, pause, swap and prove in place, resume.
 APPLY_SNAPSHOT = "apply_snapshot"
@@ -51,6 +67,10 @@ def gateway_workflow_id(organization_id: str, gateway_id: str) -> str:
 
 def hot_load_workflow_id(organization_id: str, hot_load_id: str) -> str:
     return f"hotLoads/{organization_id}/{hot_load_id}"
+
+
+def node_task_queue(node: str) -> str:
+    return f"nodes/{node}"
 
 
 def replica_task_queue(deployment_workflow_id: str, replica_name: str) -> str:

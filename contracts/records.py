@@ -248,6 +248,8 @@ class Replica(WireModel):
     bytes_read_from_bucket: int | None = None
     pause_ms: float | None = None
     verified_tensors: int | None = None
+    # Beyond the guide: the node (host) the replica runs on.
+    node: str | None = None
 
 
 # --------------------------------------------------------------------------- internal
@@ -263,6 +265,17 @@ class ReplicaEndpoint(WireModel):
     current_snapshot_identity: str = "initial"
     started_at: str | None = None
     transitioned_at: str | None = None
+    # The node agent that runs it ("" in states from before node agents).
+    node: str = ""
+
+
+class Placement(WireModel):
+    """Where a replica runs: a node (contracts/nodes.py) and, for a GPU replica, its devices."""
+
+    node: str
+    address: str
+    # GPU device indices on that node (CUDA_VISIBLE_DEVICES); empty: a CPU slot.
+    devices: list[int] = Field(default_factory=list)
 
 
 class ReplicaFailure(WireModel):
@@ -358,3 +371,6 @@ class DeploymentInput(WireModel):
     seen_hot_load_ids: list[str] = Field(default_factory=list)
     active_hot_load_id: str | None = None
     replica_generation: int = 0
+    # Where each member runs (the node registry placed it); a member without one is placed
+    # before it starts. Empty in states from before node agents.
+    placements: dict[str, Placement] = Field(default_factory=dict)

@@ -1,29 +1,34 @@
-"""Control-plane activities (task queue `rollouts-control`): replica processes and bucket checks.
+"""Control-plane activities (task queue `rollouts-control`): placement and bucket checks.
 
-`start_replicas` launches each replica as a detached `rollouts replica` process on this machine
-(pid file under the stack home, so `rollouts down` stops it); the replica reports itself ready to
-its deployment workflow by signal. `check_snapshot_files` is the admission check that every
-snapshot of a resolved chain has its required files; a missing file is a `failed_precondition`
-naming the files, and is never retried.
+The control worker starts no process: node agents run the replicas (replica/node/). Here:
+`place_replicas` and `release_replicas` ask the node registry (control/nodes.py; a workflow cannot
+call another workflow's Update, an activity can). `check_snapshot_files` is the admission check
+that every snapshot of a resolved chain has its required files; a missing file is a
+`failed_precondition` naming the files, and is never retried. `start_replicas`/`stop_replicas`
+on this queue only answer deployments created before node agents, with a final error saying so.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-
 from temporalio import activity
+from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
-from common.processes import PidFile, spawn, stop_pid
 from common.settings import Settings
 from contracts import names
-from contracts.activities import ApplySnapshotInput, CheckSnapshotInput, StartReplicasInput, StopReplicasInput
+from contracts.activities import CheckSnapshotInput, StartReplicasInput, StopReplicasInput
 from contracts.errors import FAILED_PRECONDITION
-from contracts.records import SnapshotType
+from contracts.nodes import PlaceRequest, ReleaseRequest
+from contracts.records import Placement, SnapshotType
 from snapshots.errors import SnapshotError
 from snapshots.inspect import check_required_files
 from snapshots.storage import snapshot_uri
+
+LEGACY_MESSAGE = (
+    "deployment {deployment} was created before node agents and schedules its replica processes on "
+    "the control worker, which no longer runs any: recreate the deployment (docs/operations.md, "
+    "upgrading to node agents)"
+)
 
 
 def snapshot_check_failure(
@@ -39,65 +44,41 @@ def snapshot_check_failure(
 
 
 class ControlActivities:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, client: Client | None = None) -> None:
         self.settings = settings
+        self.client = client
 
-    def _replica_dir(self, deployment_id: str, name: str):
-        return self.settings.home_path / "replicas" / deployment_id / name
+    def _registry(self):
+        assert self.client is not None, "the placement activities need a Temporal client"
+        return self.client.get_workflow_handle(names.NODE_REGISTRY_ID)
+
+    @activity.defn(name=names.PLACE_REPLICAS)
+    async def place_replicas(self, req: PlaceRequest) -> dict[str, Placement]:
+        """The registry's placement of these replicas (all or none); not enough capacity is a
+        `failed_precondition` naming what is missing, never retried."""
+        try:
+            return await self._registry().execute_update(names.PLACE, req, result_type=dict[str, Placement])
+        except WorkflowUpdateFailedError as exc:
+            cause = exc.cause
+            if isinstance(cause, ApplicationError) and cause.type == FAILED_PRECONDITION:
+                raise ApplicationError(cause.message, type=FAILED_PRECONDITION, non_retryable=True) from None
+            raise
+
+    @activity.defn(name=names.RELEASE_REPLICAS)
+    async def release_replicas(self, req: ReleaseRequest) -> int:
+        return await self._registry().execute_update(names.RELEASE, req, result_type=int)
 
     @activity.defn(name=names.START_REPLICAS)
-    def start_replicas(self, inp: StartReplicasInput) -> list[str]:
-        """Start each named replica whose process is not running; returns the names started.
-
-        Idempotent: a retry, or the deployment's check of its replicas (periodic, at admission,
-        and `verify_replicas` when the control worker starts; one at a time per deployment),
-        starts nothing twice, so the names returned are the replicas that were gone. With
-        `target_chain`, a replica loads that chain from the bucket before it reports ready."""
-        started = []
-        for name in inp.names:
-            workdir = self._replica_dir(inp.deployment_id, name)
-            workdir.mkdir(parents=True, exist_ok=True)
-            pid_file = PidFile(workdir / "replica.pid")
-            pid = pid_file.alive_pid()
-            if pid is None:  # an activity retry must not start a second copy
-                argv = [
-                    sys.executable, "-m", "workers.cli", "replica",
-                    "--home", self.settings.home,
-                    "--deployment", inp.deployment_id,
-                    "--name", name,
-                    "--workflow-id", inp.deployment_workflow_id,
-                    "--zone", inp.zone,
-                    "--model-bucket", inp.model.bucket,
-                    "--model-path", inp.model.path,
-                    "--model-name", inp.model.name,
-                    "--engine-config", json.dumps(inp.engine_config),
-                ]
-                if inp.target_chain and inp.hot_load_config:
-                    catch_up = ApplySnapshotInput(
-                        hot_load_id="catch-up",
-                        identity=inp.target_chain[-1].identity,
-                        chain=inp.target_chain,
-                        bucket=inp.hot_load_config.bucket,
-                        path_prefix=inp.hot_load_config.path_prefix,
-                    )
-                    argv += ["--catch-up", catch_up.model_dump_json(by_alias=True)]
-                pid = spawn(argv, log_path=workdir / "replica.log", pid_file=pid_file)
-                activity.logger.info("started replica %s (pid %d)", name, pid)
-                started.append(name)
-        return started
+    def legacy_start_replicas(self, inp: StartReplicasInput) -> list[str]:
+        """Deployments created before node agents schedule replica starts here; the control
+        worker no longer runs replicas, so they get a clear, final error."""
+        raise ApplicationError(LEGACY_MESSAGE.format(deployment=inp.deployment_id), type=FAILED_PRECONDITION,
+                               non_retryable=True)
 
     @activity.defn(name=names.STOP_REPLICAS)
-    def stop_replicas(self, inp: StopReplicasInput) -> int:
-        stopped = 0
-        for name in inp.names:
-            pid_file = PidFile(self._replica_dir(inp.deployment_id, name) / "replica.pid")
-            pid = pid_file.alive_pid()
-            if pid is not None:
-                activity.heartbeat(name)
-                stop_pid(pid, timeout=30)
-                stopped += 1
-            pid_file.remove()
-        return stopped
+    def legacy_stop_replicas(self, inp: StopReplicasInput) -> int:
+        raise ApplicationError(LEGACY_MESSAGE.format(deployment=inp.deployment_id), type=FAILED_PRECONDITION,
+                               non_retryable=True)
 
     @activity.defn(name=names.CHECK_SNAPSHOT)
     def check_snapshot_files(self, inp: CheckSnapshotInput) -> list[str]:

@@ -7,6 +7,14 @@ every replica process runs, then checks the snapshot files in the bucket, as act
 starts the hot-load as a child workflow), keeps the chain of completed snapshots, and tears the
 replicas down on `delete`.
 
+Where replicas run: the node registry (control/nodes.py) places each member on a node agent's
+host (control/replica_set.py); the node agents start and stop the processes. A member whose node
+is lost (`replicas_lost`, from the registry) leaves rotation and its place; the running hot-load
+hears of it at once; once no hot-load runs, the supervision places it on another node, where it
+catches up to the current chain. Not enough capacity: at creation the deployment is
+STATUS_FAILED, afterwards STATUS_UPDATING; either way the condition's reason is
+`InsufficientCapacity` and its message says what is missing, node by node.
+
 READY means every member replica serves the spec's runtime. Past creation the status follows
 the replica set (`_settle`): a replica whose process is gone (it reported its engine dead, the
 periodic check or the admission check found no process, or the control worker's
@@ -65,8 +73,9 @@ with workflow.unsafe.imports_passed_through():
     from opentelemetry import propagate as otel_propagate
 
     from contracts import names
-    from contracts.activities import CheckSnapshotInput, StartReplicasInput, StopReplicasInput
+    from contracts.activities import CheckSnapshotInput, StartReplicasInput
     from contracts.errors import ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, UNAVAILABLE, rejected
+    from contracts.nodes import ReplicasLost
     from contracts.records import (
         CompletedLink,
         Condition,
@@ -87,7 +96,7 @@ with workflow.unsafe.imports_passed_through():
         rfc3339,
     )
     from contracts.search import hot_load_attributes
-    from control import admission
+    from control import admission, replica_set
     from control.hot_load.state import details as hot_load_details
     from control.hot_load.state import summary as hot_load_summary
 
@@ -129,6 +138,9 @@ class DeploymentWorkflow:
         # One replica-set change at a time: starting (which checks the pid files first) and
         # stopping replicas from the main loop, the admission check and `verify_replicas`.
         self.replica_lock = asyncio.Lock()
+        # Why the last placement failed (not enough capacity), shown as the condition while
+        # members wait for a place; None once they all have one.
+        self.placement_error: str | None = None
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -187,6 +199,15 @@ class DeploymentWorkflow:
                     f"still on the previous runtime, {len(serving)} serving",
                 ),
             )
+        elif down and self.placement_error:
+            self._set_status(
+                ResourceStatus.UPDATING,
+                self._condition(
+                    "ReplicasReady", False, "InsufficientCapacity",
+                    f"replica(s) {', '.join(down)} wait for a place: {self.placement_error}; "
+                    f"{n - len(down)} of {n} serving",
+                ),
+            )
         elif down:
             self._set_status(
                 ResourceStatus.UPDATING,
@@ -214,7 +235,16 @@ class DeploymentWorkflow:
             engine_config=self.spec.runtime.engine_config,
             target_chain=self.state.chains.get(latest) if latest else None,
             hot_load_config=self.spec.hot_load,
+            placements={n: self.state.placements[n] for n in names_ if n in self.state.placements},
         )
+
+    def _zone(self) -> str:
+        return self.state.gateway_zones[0] if self.state.gateway_zones else "LOCAL-1A"
+
+    async def _start(self, names_: list[str], timeout: timedelta) -> replica_set.StartOutcome:
+        """Start these replicas where they are placed (placing those without a place first);
+        raises `PlacementFailed` when they cannot all be placed."""
+        return await replica_set.start(self.state, names_, self._start_input, self._zone(), timeout)
 
     def _failure_of(self, name: str) -> str | None:
         return next((f.reason for f in self.failures if f.name == name), None)
@@ -263,20 +293,31 @@ class DeploymentWorkflow:
                     await self._restart_lost_replicas()
         await self._delete()
 
-    async def _restart_lost_replicas(self) -> list[str]:
-        """Start every member replica whose process is gone (the activity checks each pid file;
-        a live one is left alone); returns the names started. Each catches up to the current
-        chain before it reports ready; until then it is out of rotation and the deployment
-        says STATUS_UPDATING."""
+    async def _restart_lost_replicas(self, admitting: bool = False) -> list[str]:
+        """Start every member replica whose process is gone (each node agent checks its pid
+        files; a live one is left alone); returns the names started. Each catches up to the
+        current chain before it reports ready; until then it is out of rotation and the
+        deployment says STATUS_UPDATING. A member lost with its node is placed elsewhere, but
+        not while a hot-load runs (it would catch up to the chain before it): once it ends."""
         async with self.replica_lock:
             if not self.state.members or self.deleting:
                 return []
-            restarted: list[str] = await workflow.execute_activity(
-                names.START_REPLICAS,
-                self._start_input(list(self.state.members)),
-                start_to_close_timeout=timedelta(minutes=2),
-                retry_policy=RetryPolicy(maximum_attempts=3),
-            )
+            members = list(self.state.members)
+            if (
+                self.state.active_hot_load_id is not None and not admitting
+                and workflow.patched(replica_set.NODE_PLACEMENT)
+            ):
+                members = [m for m in members if m in self.state.placements]
+            try:
+                outcome = await self._start(members, timedelta(minutes=2))
+                self.placement_error = None
+            except replica_set.PlacementFailed as exc:
+                self.placement_error = str(exc)
+                self._settle()
+                return []
+            for node, why in outcome.failed.items():
+                workflow.logger.warning("starting replicas on node %s failed: %s", node, why)
+            restarted = outcome.started
             if restarted:
                 workflow.logger.warning("restarted lost replica(s) %s", ", ".join(restarted))
                 self.state.replicas = [r for r in self.state.replicas if r.name not in restarted]
@@ -300,12 +341,9 @@ class DeploymentWorkflow:
             failure: str | None = None
             try:
                 async with self.replica_lock:
-                    await workflow.execute_activity(
-                        names.START_REPLICAS,
-                        self._start_input([new]),
-                        start_to_close_timeout=timedelta(minutes=5),
-                        retry_policy=RetryPolicy(maximum_attempts=3),
-                    )
+                    outcome = await self._start([new], timedelta(minutes=5))
+                if outcome.failed:
+                    raise RuntimeError("; ".join(f"node {n}: {why}" for n, why in outcome.failed.items()))
                 await workflow.wait_condition(
                     lambda: new not in self.state.pending_replicas or self._failure_of(new) is not None
                     or self.deleting,
@@ -343,12 +381,7 @@ class DeploymentWorkflow:
         self._publish()
         async with self.replica_lock:
             try:
-                await workflow.execute_activity(
-                    names.STOP_REPLICAS,
-                    StopReplicasInput(deployment_id=self.spec.id, names=names_),
-                    start_to_close_timeout=timedelta(minutes=2),
-                    retry_policy=RetryPolicy(maximum_attempts=5),
-                )
+                await replica_set.stop(self.state, names_)
             except Exception as exc:  # noqa: BLE001 - logged; they are out of rotation either way
                 workflow.logger.warning("stopping replica(s) %s failed: %s", ", ".join(names_), exc)
 
@@ -361,12 +394,14 @@ class DeploymentWorkflow:
         self.state.members = list(names_)
         try:
             async with self.replica_lock:
-                await workflow.execute_activity(
-                    names.START_REPLICAS,
-                    self._start_input(names_),
-                    start_to_close_timeout=timedelta(minutes=5),
-                    retry_policy=RetryPolicy(maximum_attempts=3),
-                )
+                outcome = await self._start(names_, timedelta(minutes=5))
+            if outcome.failed:
+                raise RuntimeError("; ".join(f"node {n}: {why}" for n, why in outcome.failed.items()))
+        except replica_set.PlacementFailed as exc:
+            self._set_status(
+                ResourceStatus.FAILED, self._condition("ReplicasReady", False, "InsufficientCapacity", str(exc))
+            )
+            return
         except Exception as exc:  # noqa: BLE001 - reported as a condition, not a crash
             self._set_status(
                 ResourceStatus.FAILED,
@@ -413,12 +448,7 @@ class DeploymentWorkflow:
         all_names = list(
             dict.fromkeys([*self.state.members, *(r.name for r in self.state.replicas), *self.state.pending_replicas])
         )
-        await workflow.execute_activity(
-            names.STOP_REPLICAS,
-            StopReplicasInput(deployment_id=self.spec.id, names=all_names),
-            start_to_close_timeout=timedelta(minutes=2),
-            retry_policy=RetryPolicy(maximum_attempts=5),
-        )
+        await replica_set.stop(self.state, all_names)
         self.state.replicas = []
         self.state.pending_replicas = []
         self.state.members = []
@@ -445,6 +475,26 @@ class DeploymentWorkflow:
         self.state.replicas = [r for r in self.state.replicas if r.name != failure.name]
         self.state.pending_replicas = [n for n in self.state.pending_replicas if n != failure.name]
         self._settle()
+
+    @workflow.signal(name=names.REPLICAS_LOST)
+    async def replicas_lost(self, lost: ReplicasLost) -> None:
+        """The registry declared a node lost: its replicas here are out of rotation and lose
+        their place (the supervision places them elsewhere, and they catch up); a running
+        hot-load hears of it at once, so it does not wait out its timeouts for them."""
+        mine = [n for n in lost.names if n in self.state.members]
+        for name in mine:
+            placement = self.state.placements.get(name)
+            if placement is not None and placement.node == lost.node:
+                del self.state.placements[name]
+            self.replica_failed(ReplicaFailure(name=name, reason=lost.reason))
+        active = self.state.active_hot_load_id
+        if mine and active is not None:
+            try:
+                await workflow.get_external_workflow_handle(
+                    names.hot_load_workflow_id(self.spec.organization_id, active)
+                ).signal(names.REPLICAS_LOST, ReplicasLost(node=lost.node, names=mine, reason=lost.reason))
+            except Exception as exc:  # noqa: BLE001 - it may have just ended
+                workflow.logger.warning("could not tell hot-load %s of lost replicas: %s", active, exc)
 
     @workflow.update
     async def verify_replicas(self) -> str:
@@ -522,7 +572,7 @@ class DeploymentWorkflow:
             # READY is what the replicas last reported; a stack restart or a crash since may have
             # taken them down unseen. Every replica process must run now (one that does not is
             # restarted, and the deployment is UPDATING until it serves again).
-            if await self._restart_lost_replicas():
+            if await self._restart_lost_replicas(admitting=True):
                 raise rejected(FAILED_PRECONDITION, self._not_ready())
             # Every snapshot of the chain at once (a 64-link chain in one round trip); the first
             # failing link in chain order is the one reported.

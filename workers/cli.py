@@ -1,10 +1,12 @@
 """`rollouts`: the command line of the service.
 
-    rollouts up | down | status        the embedded stack on 127.0.0.1 (`make up` / `make down`)
+    rollouts up | down | status        the embedded stack, on 127.0.0.1 or `up --host ADDR` (`make up` / `make down`)
     rollouts demo [--steps N ...]      up, a 2-replica deployment, a tiny GRPO loop that learns
                                        through delta hot-loads, a plot and a table, down
     rollouts api | worker | gateway    one service process (what `up` starts)
-    rollouts replica ...               one replica (started by the control worker)
+    rollouts node [--name N --address A --slots N | --gpus N]   a node agent: runs replicas here
+    rollouts nodes [NAME]              the node agents the control plane knows, and their replicas
+    rollouts replica ...               one replica (started by its node agent)
     rollouts snapshot ...              inspect / delta / apply / verify checkpoints (snapshots/)
     rollouts token add ...             add an API token to the tokens file
     rollouts replay HOT_LOAD_ID        a new hot-load of the same snapshot, waited for (workers/ops.py)
@@ -38,6 +40,8 @@ COMMANDS: dict[str, str] = {
     "worker": "workers.commands.worker:main",
     "gateway": "workers.commands.gateway:main",
     "replica": "workers.commands.replica:main",
+    "node": "workers.commands.node:main",
+    "nodes": "workers.commands.node:list_nodes",
     "snapshot": "workers.commands.snapshot:main",
     "demo": "workers.commands.demo:main",
     "token": "workers.commands.stack:token_add",
@@ -53,6 +57,16 @@ def handler(command: str):
     return getattr(importlib.import_module(module), function)
 
 
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"{name}={value!r} is not an integer") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollouts", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--home", help="stack home (default $ROLLOUTS_HOME or ./.rollouts)")
@@ -65,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("up", "start the embedded stack")
     p.add_argument("--port-base", type=int, default=None, help="first port of the stack's range (default 17200)")
+    p.add_argument("--host", default=None, metavar="ADDR",
+                   help="IP address the stack's services bind and advertise (default $ROLLOUTS_HOST, else the "
+                        "home's recorded one, else 127.0.0.1)")
     add("down", "stop everything the stack started")
     add("status", "what runs")
     add("api", "run the API server")
@@ -75,6 +92,25 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, required=True)
     p.add_argument("--engine-config", default="{}", help="JSON runtime.engineConfig: vLLM flags")
     p.add_argument("--catch-up", default=None, help="JSON ApplySnapshotInput to load before reporting ready")
+    p.add_argument("--node-address", default=None, metavar="ADDR",
+                   help="address other hosts reach this replica at: its engine URL and peer broadcast "
+                        "(default: the settings' host)")
+    p.add_argument("--engine-bind", default=None, metavar="ADDR",
+                   help="address the engine binds (default: the node address; 0.0.0.0 for every address)")
+    p.add_argument("--node", default="", help="the node agent that started it (reported to its deployment)")
+    p = add("node", "run a node agent: report this machine, run the replicas placed on it")
+    p.add_argument("--name", default=os.environ.get("ROLLOUTS_NODE_NAME"), help="node name (default: hostname)")
+    p.add_argument("--address", default=os.environ.get("ROLLOUTS_NODE_ADDRESS"),
+                   help="the address other hosts reach this one at (default: the stack's host address)")
+    p.add_argument("--zone", default=os.environ.get("ROLLOUTS_NODE_ZONE"), help="zone (default: the stack's zone)")
+    p.add_argument("--gpus", type=int, default=_env_int("ROLLOUTS_NODE_GPUS"),
+                   help="GPUs replicas may use (default: the devices CUDA finds)")
+    p.add_argument("--slots", type=int, default=_env_int("ROLLOUTS_NODE_SLOTS"),
+                   help="replicas without GPUs this node runs (default: 1 on a host without GPUs, else 0)")
+    p.add_argument("--engine-bind", default=os.environ.get("ROLLOUTS_ENGINE_BIND"),
+                   help="address replica engines bind (default 0.0.0.0; 127.0.0.1 when the node address is loopback)")
+    p = add("nodes", "the node agents the control plane knows")
+    p.add_argument("name", nargs="?", help="one node")
     p = add("snapshot", "checkpoint tools: inspect, delta, apply, verify")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p = add("demo", "the main job, end to end")

@@ -1,7 +1,8 @@
 """The control-plane worker: runs the deployment, gateway and hot-load workflows and the
 control activities on the `rollouts-control` task queue.
 
-On start, before it reports ready (`run/worker.ready`, which `rollouts up` waits for before it
+On start it makes sure the node registry runs (control/nodes.py; a node is declared lost after
+`ROLLOUTS_NODE_LOST_AFTER_S` seconds without a heartbeat, 30 by default). Before it reports ready (`run/worker.ready`, which `rollouts up` waits for before it
 starts the API), it asks every running deployment to verify its replicas (`verify_replicas`):
 after a stack restart no replica process runs, and each deployment restarts them and says
 STATUS_UPDATING until they serve again, instead of the READY it last recorded.
@@ -11,21 +12,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
 from temporalio.client import Client
+from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from common.settings import Settings, temporal_client
 from common.telemetry import setup_tracing, temporal_interceptors
 from contracts import names
+from contracts.nodes import LOST_AFTER_S, RegistryState
+from contracts.search import KIND as RESOURCE_KIND
 from control.activities import ControlActivities
 from control.deployment import DeploymentWorkflow
 from control.gateway import GatewayWorkflow
 from control.hot_load.workflow import HotLoadWorkflow
+from control.nodes import NodeRegistryWorkflow
 
-WORKFLOWS = [DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow]
+WORKFLOWS = [DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow, NodeRegistryWorkflow]
 RUNNING_DEPLOYMENTS = (
     f"ResourceKind='deployment' AND ExecutionStatus='Running' AND TaskQueue='{names.CONTROL_TASK_QUEUE}'"
 )
@@ -34,9 +40,24 @@ VERIFY_TIMEOUT_S = 120.0
 log = logging.getLogger("rollouts.worker")
 
 
-def control_activities(settings: Settings) -> list:
-    acts = ControlActivities(settings)
-    return [acts.start_replicas, acts.stop_replicas, acts.check_snapshot_files]
+def control_activities(settings: Settings, client: Client | None = None) -> list:
+    acts = ControlActivities(settings, client)
+    return [
+        acts.place_replicas, acts.release_replicas, acts.check_snapshot_files,
+        acts.legacy_start_replicas, acts.legacy_stop_replicas,
+    ]
+
+
+async def ensure_node_registry(client: Client, lost_after_s: float = LOST_AFTER_S) -> None:
+    """Start the node registry if it does not run (node agents may have started it already)."""
+    await client.start_workflow(
+        NodeRegistryWorkflow.run,
+        RegistryState(lost_after_s=lost_after_s),
+        id=names.NODE_REGISTRY_ID,
+        task_queue=names.CONTROL_TASK_QUEUE,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        search_attributes=TypedSearchAttributes([SearchAttributePair(RESOURCE_KIND, "nodes")]),
+    )
 
 
 async def verify_deployments(client: Client, query: str = RUNNING_DEPLOYMENTS) -> dict[str, str]:
@@ -72,10 +93,11 @@ async def run_control_worker(settings: Settings) -> None:
             client,
             task_queue=names.CONTROL_TASK_QUEUE,
             workflows=WORKFLOWS,
-            activities=control_activities(settings),
+            activities=control_activities(settings, client),
             activity_executor=pool,
         )
         async with worker:
+            await ensure_node_registry(client, float(os.environ.get("ROLLOUTS_NODE_LOST_AFTER_S") or LOST_AFTER_S))
             try:
                 await verify_deployments(client)
             except Exception as exc:  # noqa: BLE001 - the periodic check still restarts them

@@ -14,6 +14,9 @@ replica's own task queue, run by its agent next to the engine:
 4. A replica whose stage or commit fails reads the bucket (`apply_snapshot`). With
    `peer_transfer=False` every replica reads the bucket.
 
+A replica whose node is declared lost (`replicas_lost`, from its deployment) fails its step at
+once, with the registry's reason, instead of waiting out the step's timeouts.
+
 A failed step stops the walk: that replica is ERROR, the operation FAILED; replicas already moved
 keep the new weights, the rest keep theirs (if the first replica fails, the broadcast is
 abandoned and no other replica changed). A cancel stops before the next replica step; a step
@@ -45,10 +48,13 @@ from control.hot_load.state import WalkState, error_reason, walk_order
 with workflow.unsafe.imports_passed_through():
     from contracts import names
     from contracts.activities import ApplySnapshotInput, ApplySnapshotResult, CommitPeerStageInput
+    from contracts.nodes import ReplicasLost
     from contracts.records import HotLoadInput, HotLoadOutcome, HotLoadState, Replica, ReplicaEndpoint, ReplicaState
 
 # The workflow's failure type when a replica step failed (the condition's reason too).
 REPLICA_FAILED = "ReplicaFailed"
+# A replica step given up because the replica's node was declared lost (the deployment says so).
+REPLICA_LOST = "ReplicaLost"
 NO_REPLICAS = "NoReplicas"
 
 
@@ -57,6 +63,13 @@ class HotLoadWorkflow:
     @workflow.init
     def __init__(self, inp: HotLoadInput) -> None:
         self.walk = WalkState(inp)
+        # Replicas that went with a lost node (from the deployment) -> why.
+        self.lost: dict[str, str] = {}
+
+    @workflow.signal(name=names.REPLICAS_LOST)
+    def replicas_lost(self, lost: ReplicasLost) -> None:
+        for name in lost.names:
+            self.lost.setdefault(name, lost.reason)
 
     @workflow.query
     def replicas_view(self) -> list[Replica]:
@@ -133,7 +146,7 @@ class HotLoadWorkflow:
         self.walk.moved(replica, ReplicaState.UPDATING, started_at=self.walk.now(), error_reason=None)
         self.walk.doing(replica, how)
         try:
-            result = await run()
+            result = await self._unless_lost(replica.name, run)
         except (Exception, asyncio.CancelledError) as exc:
             if is_cancelled_exception(exc) or workflow.cancellation_reason() is not None:
                 self.walk.moved(replica, ReplicaState.PENDING_UPDATE, finished_at=self.walk.now())
@@ -199,6 +212,25 @@ class HotLoadWorkflow:
                                         error_reason(exc))
                 self.walk.doing(replica, "from the bucket, its stage's swap failed")
         return await self._from_bucket(inp, endpoint, replica)
+
+    async def _unless_lost(self, name: str, run: Callable[[], Awaitable[ApplySnapshotResult]]) -> ApplySnapshotResult:
+        """`run()`, unless the replica goes with its node first: then the step fails at once
+        (no agent will run it) with the registry's reason. A cancel reaches the step as before:
+        it is awaited to its end."""
+        if name in self.lost:
+            raise ApplicationError(self.lost[name], type=REPLICA_LOST)
+        step = asyncio.ensure_future(run())
+        gone = asyncio.ensure_future(workflow.wait_condition(lambda: name in self.lost))
+        try:
+            await workflow.wait([step, gone], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            gone.cancel()
+            step.cancel()
+            return await step
+        if step.done():
+            gone.cancel()
+            return step.result()
+        raise ApplicationError(self.lost[name], type=REPLICA_LOST)
 
     @staticmethod
     def _raise_if_canceled() -> None:

@@ -8,6 +8,13 @@ up to the deployment's snapshot when asked, starts a Temporal worker on the repl
 queue (running `replica.agent.activities`, fault points armed from the stack's home), and tells
 its deployment workflow it is ready. If the engine dies, the replica reports the failure to its
 deployment and exits; SIGTERM stops the engine and exits.
+
+Addresses: ``node_address`` (default: the settings' host) is where other hosts reach this
+replica: the engine URL it reports (``http://NODE_ADDRESS:PORT``, where the gateway sends
+inference) and the host of its peer broadcast's offers. ``engine_bind`` (default: the node
+address; a node agent on a multi-host install passes 0.0.0.0) is what the engine binds; the
+agent drives it over loopback, or at that address when it is one specific address
+(`replica.agent.engine`).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any
 
 from temporalio.worker import Worker
 
-from common.processes import PidFile, free_port, stop_pid
+from common.processes import PidFile, stop_pid
 from common.settings import Settings, temporal_client
 from common.telemetry import setup_tracing, temporal_interceptors
 from contracts import names
@@ -72,7 +79,14 @@ async def run_replica(
     model_name: str,
     catch_up: str | None = None,
     engine_config: dict[str, str] | None = None,
+    node: str = "",
+    node_address: str | None = None,
+    engine_bind: str | None = None,
 ) -> int:
+    # Where other hosts reach this replica (its engine's inference routes, its peer broadcast),
+    # and what its engine binds (module docstring).
+    node_address = node_address or settings.host
+    engine_bind = engine_bind or node_address
     workdir = settings.home_path / "replicas" / deployment_id / name
     setup_tracing("rollouts-replica")
     client = await temporal_client(settings, interceptors=temporal_interceptors())
@@ -90,14 +104,14 @@ async def run_replica(
     try:
         model_dir = workdir / "model"
         await asyncio.to_thread(download_prefix, s3, model_bucket, model_path, model_dir)
-        port = free_port()
         engine = EngineProcess(
             model_dir,
             # vLLM binds IPC sockets under the engine's TMPDIR, and a socket path must stay under
             # 108 bytes: keep it short, outside the (possibly deep) stack home.
             work_dir=Path(tempfile.gettempdir()) / "rollouts-engines" / name,
             served_model_name=model_name,
-            port=port,
+            host=engine_bind,
+            node_address=node_address,
             log_path=workdir / "engine.log",
             # What the gateway derives too: the engine answers only this agent and the gateway.
             secret=settings.engine_secret(workflow_id, name),
@@ -109,7 +123,7 @@ async def run_replica(
         host_arena = StageArena()
         host = await asyncio.to_thread(lambda: HostWeights.load(model_dir, allocate=host_arena.allocate))
         runtime = ReplicaRuntime(name=name, engine=engine, host=host, s3=s3, workdir=workdir, host_arena=host_arena,
-                                 faults_home=settings.home_path, deployment=deployment_id)
+                                 faults_home=settings.home_path, deployment=deployment_id, peer_host=node_address)
         if catch_up:
             # A replica (re)started after hot-loads serves their snapshot before it takes traffic.
             inp = ApplySnapshotInput.model_validate_json(catch_up)
@@ -147,12 +161,12 @@ async def run_replica(
         await deployment.signal(
             "replica_ready",
             ReplicaEndpoint(
-                name=name, zone=zone, task_queue=task_queue, engine_url=engine.base_url,
+                name=name, zone=zone, task_queue=task_queue, node=node, engine_url=engine.public_url,
                 engine_pid=engine.pid, agent_pid=os.getpid(), current_snapshot_identity=runtime.current_identity,
                 started_at=now, transitioned_at=now,
             ),
         )
-        log.info("replica %s ready: engine %s (pid %d), queue %s", name, engine.base_url, engine.pid, task_queue)
+        log.info("replica %s ready: engine %s (pid %d), queue %s", name, engine.public_url, engine.pid, task_queue)
         while not stop.is_set():
             if not engine.alive():
                 reason = f"engine process {engine.pid} exited; log {engine.log_path}"

@@ -2,9 +2,10 @@
 server, with test activities registered under the real activity names.
 
 `Fleet` runs, on one test's own task queue, the deployment, gateway and hot-load workflows plus
-stand-ins for the control activities (`start_replicas` signals each replica ready at once;
+stand-ins for the control activities (`place_replicas` places every replica on one stand-in
+node, whose queue `start_replicas` serves: it signals each replica ready at once;
 `check_snapshot_files` runs the real file rules against a local directory tree standing in for
-the bucket) and, per replica, a worker on that replica's own queue whose `apply_snapshot` the
+the bucket; the node registry itself is tested in tests/workflows/test_nodes.py) and, per replica, a worker on that replica's own queue whose `apply_snapshot` the
 test scripts: succeed, fail with a snapshot error, or hold until released (heartbeating, so a
 cancel reaches it). `Fleet.api` is the FastAPI app in process (httpx ASGI transport) on the same
 Temporal client, so a test drives exactly what a trainer drives.
@@ -46,7 +47,8 @@ from contracts.activities import (
     StopReplicasInput,
 )
 from contracts.errors import NON_RETRYABLE_SNAPSHOT
-from contracts.records import DeploymentInput, ReplicaEndpoint, SnapshotType
+from contracts.nodes import PlaceRequest, ReleaseRequest
+from contracts.records import DeploymentInput, Placement, ReplicaEndpoint, SnapshotType
 from contracts.search import deployment_attributes
 from control.activities import snapshot_check_failure
 from control.deployment import DeploymentWorkflow
@@ -118,6 +120,9 @@ class Fleet:
     applied: list[tuple[str, str]] = field(default_factory=list)
     # The replica names `stop_replicas` was asked to stop, in order.
     stopped: list[str] = field(default_factory=list)
+    # The replica names placed and released (placement stand-ins), in order.
+    placed: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
     # name -> awaited before a broadcast stage reports success (raise to fail the stage).
     stage_behaviour: dict[str, Callable[[str], Awaitable[None]]] = field(default_factory=dict)
     # name -> awaited when a receiver swaps its broadcast stage in (raise to fail the swap).
@@ -157,10 +162,18 @@ class Fleet:
                     self.client,
                     task_queue=self.task_queue,
                     workflows=[DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow],
-                    activities=[self.start_replicas, self.stop_replicas, self.check_snapshot_files],
+                    activities=[self.place_replicas, self.release_replicas, self.check_snapshot_files],
                     activity_executor=self._pool,
                 )
             )
+        await self._stack.enter_async_context(
+            Worker(
+                self.client,
+                task_queue=names.node_task_queue(self.node),
+                activities=[self.start_replicas, self.stop_replicas],
+                activity_executor=self._pool,
+            )
+        )
         await self._stack.enter_async_context(self.app.router.lifespan_context(self.app))
         self.http = await self._stack.enter_async_context(
             httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url=f"http://api{PREFIX}", timeout=60)
@@ -308,7 +321,23 @@ class Fleet:
             ),
         )
 
+    @property
+    def node(self) -> str:
+        """The stand-in node every replica of this fleet is placed on (its own queue per fleet)."""
+        return f"fleet-{self.task_queue}"
+
     # ------------------------------------------------------------------ control activities
+    @activity.defn(name=names.PLACE_REPLICAS)
+    async def place_replicas(self, req: PlaceRequest) -> dict[str, Placement]:
+        self.placed.extend(req.replicas)
+        return {name: Placement(node=self.node, address="127.0.0.1") for name in req.replicas}
+
+    @activity.defn(name=names.RELEASE_REPLICAS)
+    async def release_replicas(self, req: ReleaseRequest) -> int:
+        self.released.extend(req.replicas)
+        return len(req.replicas)
+
+    # ------------------------------------------------------------------ the stand-in node agent
     @activity.defn(name=names.START_REPLICAS)
     async def start_replicas(self, inp: StartReplicasInput) -> list[str]:
         """Starts (once) a replica worker per name and reports it ready; returns the names started

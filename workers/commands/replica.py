@@ -1,4 +1,4 @@
-"""`rollouts replica ...`: one replica, its engine and agent (started by the control worker)."""
+"""`rollouts replica ...`: one replica, its engine and agent (started by its node agent)."""
 
 from __future__ import annotations
 
@@ -24,5 +24,8 @@ def main(args: argparse.Namespace) -> int:
             model_name=args.model_name,
             catch_up=args.catch_up,
             engine_config=json.loads(args.engine_config),
+            node=args.node,
+            node_address=args.node_address,
+            engine_bind=args.engine_bind,
         )
     )
