@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("up", "start the embedded stack")
+    p.add_argument("--node-slots", type=int, default=None, metavar="N",
+                   help="replicas the stack's own node agent runs (default 8; 0: no node agent here, replicas "
+                        "run on node agents started elsewhere with `rollouts node`)")
     p.add_argument("--port-base", type=int, default=None, help="first port of the stack's range (default 17200)")
     p.add_argument("--host", default=None, metavar="ADDR",
                    help="IP address the stack's services bind and advertise (default $ROLLOUTS_HOST, else the "

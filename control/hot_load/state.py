@@ -84,6 +84,7 @@ class WalkState:
                 current_snapshot_identity=r.current_snapshot_identity,
                 transitioned_at=r.transitioned_at or r.started_at,
                 updated_at=inp.hot_load.status.created_at,
+                node=r.node or None,
             )
             for r in walk_order(inp.replicas)
         ]

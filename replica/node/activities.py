@@ -3,7 +3,7 @@
 `start_replicas` launches each named replica as a detached `rollouts replica` process (pid file
 under the node's home, so a restarted node agent, and `rollouts down`, find it); the replica
 reports itself ready to its deployment workflow by signal. A GPU replica gets the devices its
-placement names as `CUDA_VISIBLE_DEVICES`; its engine binds the node's engine address and
+placement names as `CUDA_VISIBLE_DEVICES` (mapped through the agent's own); its engine binds the node's engine address and
 advertises the node's address. `stop_replicas` stops them by pid. Both are idempotent: a retry,
 or the deployment's periodic check, starts nothing twice and stops nothing twice.
 """
@@ -11,6 +11,7 @@ or the deployment's periodic check, starts nothing twice and stops nothing twice
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,15 @@ class NodeIdentity:
     zone: str
     engine_bind: str
     home: Path
+
+
+def visible_devices(devices: list[int], own: str | None = None) -> str:
+    """`CUDA_VISIBLE_DEVICES` for a replica given device indices counted from 0 as this node
+    agent sees them: through the agent's own `CUDA_VISIBLE_DEVICES` when it has one (Slurm or a
+    container runtime may hand it e.g. "4,5": index 0 is device 4)."""
+    own = os.environ.get("CUDA_VISIBLE_DEVICES") if own is None else own
+    mine = [d.strip() for d in own.split(",") if d.strip()] if own else []
+    return ",".join(mine[d] if d < len(mine) else str(d) for d in devices)
 
 
 def replica_dir(home: Path, deployment_id: str, name: str) -> Path:
@@ -93,7 +103,7 @@ class NodeActivities:
             env = {}
             placement = inp.placements.get(name)
             if placement is not None and placement.devices:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in placement.devices)
+                env["CUDA_VISIBLE_DEVICES"] = visible_devices(placement.devices)
             pid = spawn(self._argv(inp, name), log_path=workdir / "replica.log", pid_file=pid_file, env=env,
                         workflow_id=inp.deployment_workflow_id)
             activity.logger.info("started replica %s of %s (pid %d) on %s", name, inp.deployment_id, pid,

@@ -78,7 +78,13 @@ class NodeAgent:
             start_signal_args=[self.heartbeat()],
             rpc_timeout=RPC_TIMEOUT,
         )
-        placed = set(await handle.query("placements_of", self.node.name, result_type=list[str], rpc_timeout=RPC_TIMEOUT))
+        try:
+            placed = set(
+                await handle.query("placements_of", self.node.name, result_type=list[str], rpc_timeout=RPC_TIMEOUT)
+            )
+        except Exception as exc:  # noqa: BLE001 - no control worker answers yet: check next time
+            log.debug("placements of %s unknown: %s", self.node.name, exc)
+            return
         for key, (pid_file, pid) in self._running_keys().items():
             age = time.time() - pid_file.path.stat().st_mtime
             if key not in placed and age > ORPHAN_GRACE_S:

@@ -9,12 +9,13 @@ import sys
 from common.settings import Settings
 from common.tokens import add_token
 from workers.commands import settings_of
-from workers.stack import Stack, StackError, load_or_create_settings
+from workers.stack import DEFAULT_NODE_SLOTS, Stack, StackError, load_or_create_settings
 
 
 def up(args: argparse.Namespace) -> int:
     try:
-        Stack(load_or_create_settings(args.home, args.port_base, getattr(args, "host", None))).up()
+        slots = args.node_slots if args.node_slots is not None else DEFAULT_NODE_SLOTS
+        Stack(load_or_create_settings(args.home, args.port_base, getattr(args, "host", None)), node_slots=slots).up()
     except StackError as exc:
         print(f"rollouts: {exc}", file=sys.stderr)
         return 1
