@@ -46,7 +46,7 @@ from contracts.activities import (
     StartReplicasInput,
     StopReplicasInput,
 )
-from contracts.errors import NON_RETRYABLE_SNAPSHOT
+from contracts.errors import FAILED_PRECONDITION, NON_RETRYABLE_SNAPSHOT
 from contracts.nodes import PlaceRequest, ReleaseRequest
 from contracts.records import DeploymentInput, Placement, ReplicaEndpoint, SnapshotType
 from contracts.search import deployment_attributes
@@ -123,6 +123,9 @@ class Fleet:
     # The replica names placed and released (placement stand-ins), in order.
     placed: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
+    # Set: `place_replicas` fails with this message as the registry does when capacity is short
+    # (failed_precondition, not retried).
+    place_error: str | None = None
     # name -> awaited before a broadcast stage reports success (raise to fail the stage).
     stage_behaviour: dict[str, Callable[[str], Awaitable[None]]] = field(default_factory=dict)
     # name -> awaited when a receiver swaps its broadcast stage in (raise to fail the swap).
@@ -329,6 +332,8 @@ class Fleet:
     # ------------------------------------------------------------------ control activities
     @activity.defn(name=names.PLACE_REPLICAS)
     async def place_replicas(self, req: PlaceRequest) -> dict[str, Placement]:
+        if self.place_error is not None:
+            raise ApplicationError(self.place_error, type=FAILED_PRECONDITION, non_retryable=True)
         self.placed.extend(req.replicas)
         return {name: Placement(node=self.node, address="127.0.0.1") for name in req.replicas}
 
