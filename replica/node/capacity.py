@@ -58,8 +58,9 @@ def check_name(name: str) -> str:
     return name
 
 
-def resolve_address(address: str) -> str:
-    """The IP address `address` (an IP or a host name) stands for; a clear error if it does not resolve."""
+def resolve_address(address: str, what: str = "node address") -> str:
+    """The IP address `address` (an IP or a host name) stands for; a clear error naming `what`
+    (the setting it came from) if it does not resolve."""
     try:
         return str(ipaddress.ip_address(address))
     except ValueError:
@@ -67,8 +68,18 @@ def resolve_address(address: str) -> str:
     try:
         infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        raise NodeConfigError(f"node address {address!r} does not resolve: {exc.strerror}") from None
+        raise NodeConfigError(f"{what} {address!r} does not resolve: {exc.strerror}") from None
     return str(infos[0][4][0])
+
+
+def check_advertised(address: str) -> str:
+    """`address` (an IP) if other hosts can reach this node at it; the wildcard is refused."""
+    if ipaddress.ip_address(address).is_unspecified:
+        raise NodeConfigError(
+            f"node address {address!r} is the wildcard, which no other host can reach: give this host's "
+            "address (--address or ROLLOUTS_NODE_ADDRESS; --engine-bind 0.0.0.0 makes engines bind every address)"
+        )
+    return address
 
 
 def is_loopback(address: str) -> bool:

@@ -11,7 +11,7 @@ from common.settings import temporal_client
 from contracts import names
 from replica.node.activities import NodeIdentity
 from replica.node.agent import run_node
-from replica.node.capacity import capacity, check_name, is_loopback, resolve_address
+from replica.node.capacity import capacity, check_advertised, check_name, is_loopback, resolve_address
 from workers.commands import service_logging, settings_of
 
 
@@ -19,10 +19,12 @@ def main(args: argparse.Namespace) -> int:
     service_logging()
     settings = settings_of(args)
     name = check_name(args.name or socket.gethostname().split(".")[0])
-    address = resolve_address(args.address or settings.host)
+    address = check_advertised(resolve_address(
+        args.address or settings.host, "node address" + (" (--address)" if args.address else " (the stack's host: no --address given)")
+    ))
     gpus, slots = capacity(args.gpus, args.slots)
     bind = args.engine_bind or ("127.0.0.1" if is_loopback(address) else "0.0.0.0")
-    resolve_address(bind)
+    resolve_address(bind, "engine bind address (--engine-bind)")
     node = NodeIdentity(name=name, address=address, zone=args.zone or settings.zone, engine_bind=bind,
                         home=args.home)
     return asyncio.run(run_node(settings, node, gpus, slots))
