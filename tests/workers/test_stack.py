@@ -1,15 +1,18 @@
 """The embedded stack launcher: idempotent `up`, a clear error for a taken port, `down` by pid
-that keeps the data. Runs the real Temporal dev server and SeaweedFS (a few seconds)."""
+that keeps the data, `up --host` binding and publishing only that address. Runs the real
+Temporal dev server and SeaweedFS (a few seconds)."""
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
 
+from common.processes import port_in_use
 from common.settings import Settings
 from tests.helpers.stack_fixtures import free_port_base
-from workers.stack import Stack, StackError
+from workers.stack import Stack, StackError, load_or_create_settings
 
 # It starts the stack's Temporal dev server and SeaweedFS itself, not through the `stack` fixture.
 pytestmark = pytest.mark.stack
@@ -72,3 +75,35 @@ def test_a_failed_up_stops_what_it_started(tmp_path):
     finally:
         blocker.close()
         stack.down(say=lines.append)
+
+
+def test_up_on_another_host_binds_and_publishes_only_that_address(tmp_path):
+    """`up --host`: every service binds the stack's host (the API, the gateway and the Temporal
+    UI not 127.0.0.1; the Temporal frontend binds every address, SeaweedFS adds 127.0.0.1), and
+    every published URL names it. 127.0.0.2 is a loopback address of this machine that is not
+    127.0.0.1."""
+    host = "127.0.0.2"
+    settings = load_or_create_settings(tmp_path / "home", free_port_base(), host)
+    stack = Stack(settings)
+    lines: list[str] = []
+    try:
+        stack.up(say=lines.append)
+        assert json.loads((tmp_path / "home" / "stack.json").read_text())["host"] == host
+        env = dict(line.split("=", 1) for line in (tmp_path / "home" / "stack.env").read_text().splitlines())
+        for key in ("ROLLOUTS_API_URL", "ROLLOUTS_GATEWAY_URL", "AWS_ENDPOINT_URL_S3", "TEMPORAL_ADDRESS",
+                    "TEMPORAL_UI_URL"):
+            assert f"{host}:" in env[key] and "127.0.0.1" not in env[key], (key, env[key])
+        for name in ("api", "gateway", "temporal", "temporal_ui", "s3"):
+            port = settings.ports[name]
+            assert port_in_use(port, host), name
+            # The Temporal frontend binds every address (workers/stack.py, temporal_ip_flags), and
+            # SeaweedFS listens on 127.0.0.1 too, of its own accord.
+            if name not in ("temporal", "s3"):
+                assert not port_in_use(port, "127.0.0.1"), f"{name} also listens on 127.0.0.1:{port}"
+        # A later `up` elsewhere is refused while the stack runs, and changes nothing.
+        with pytest.raises(StackError, match="rollouts down"):
+            load_or_create_settings(tmp_path / "home", None, "127.0.0.1")
+        assert json.loads((tmp_path / "home" / "stack.json").read_text())["host"] == host
+    finally:
+        stack.down(say=lines.append)
+    assert not any(stack.status().values())
