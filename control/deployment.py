@@ -141,6 +141,8 @@ class DeploymentWorkflow:
         # Why the last placement failed (not enough capacity), shown as the condition while
         # members wait for a place; None once they all have one.
         self.placement_error: str | None = None
+        # The node agents that did not answer the last check of the replica processes -> why.
+        self.unanswered: dict[str, str] = {}
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -199,6 +201,15 @@ class DeploymentWorkflow:
                     f"still on the previous runtime, {len(serving)} serving",
                 ),
             )
+        elif self.unanswered:
+            self._set_status(
+                ResourceStatus.UPDATING,
+                self._condition(
+                    "ReplicasReady", False, "NodeUnreachable",
+                    "node agent(s) did not answer the last check of their replicas (cut off from the control "
+                    "plane?): " + "; ".join(f"{node}: {why}" for node, why in sorted(self.unanswered.items())),
+                ),
+            )
         elif down and self.placement_error:
             self._set_status(
                 ResourceStatus.UPDATING,
@@ -241,10 +252,12 @@ class DeploymentWorkflow:
     def _zone(self) -> str:
         return self.state.gateway_zones[0] if self.state.gateway_zones else "LOCAL-1A"
 
-    async def _start(self, names_: list[str], timeout: timedelta) -> replica_set.StartOutcome:
+    async def _start(
+        self, names_: list[str], timeout: timedelta, pickup: timedelta = replica_set.NODE_PICKUP
+    ) -> replica_set.StartOutcome:
         """Start these replicas where they are placed (placing those without a place first);
         raises `PlacementFailed` when they cannot all be placed."""
-        return await replica_set.start(self.state, names_, self._start_input, self._zone(), timeout)
+        return await replica_set.start(self.state, names_, self._start_input, self._zone(), timeout, pickup)
 
     def _failure_of(self, name: str) -> str | None:
         return next((f.reason for f in self.failures if f.name == name), None)
@@ -309,15 +322,22 @@ class DeploymentWorkflow:
             ):
                 members = [m for m in members if m in self.state.placements]
             try:
-                outcome = await self._start(members, timedelta(minutes=2))
+                outcome = await self._start(
+                    members, timedelta(minutes=2),
+                    replica_set.ADMISSION_PICKUP if admitting else replica_set.CHECK_PICKUP,
+                )
                 self.placement_error = None
             except replica_set.PlacementFailed as exc:
                 self.placement_error = str(exc)
                 self._settle()
                 return []
+            was = self.unanswered
+            self.unanswered = dict(outcome.failed)
             for node, why in outcome.failed.items():
                 workflow.logger.warning("starting replicas on node %s failed: %s", node, why)
             restarted = outcome.started
+            if self.unanswered != was and not restarted:
+                self._settle()
             if restarted:
                 workflow.logger.warning("restarted lost replica(s) %s", ", ".join(restarted))
                 self.state.replicas = [r for r in self.state.replicas if r.name not in restarted]
@@ -574,6 +594,10 @@ class DeploymentWorkflow:
             # restarted, and the deployment is UPDATING until it serves again).
             if await self._restart_lost_replicas(admitting=True):
                 raise rejected(FAILED_PRECONDITION, self._not_ready())
+            if self.unanswered:
+                # A node cut off from the control plane: its replicas could not take the update.
+                raise rejected(UNAVAILABLE, "node agent(s) did not answer the check of their replicas, try again: " + "; ".join(
+                    f"{node}: {why}" for node, why in sorted(self.unanswered.items())))
             # Every snapshot of the chain at once (a 64-link chain in one round trip); the first
             # failing link in chain order is the one reported.
             checks = await asyncio.gather(

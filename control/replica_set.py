@@ -33,8 +33,12 @@ with workflow.unsafe.imports_passed_through():
     from contracts.records import DeploymentInput, Placement
 
 NODE_PLACEMENT = "node-placement"
-# How long a start or stop waits for its node agent to pick it up.
+# How long a start or stop waits for its node agent to pick it up (a hot-load's admission waits
+# less: `ADMISSION_PICKUP`).
 NODE_PICKUP = timedelta(seconds=60)
+ADMISSION_PICKUP = timedelta(seconds=10)
+# The deployment's periodic check of its replica processes (it holds the replica lock meanwhile).
+CHECK_PICKUP = timedelta(seconds=15)
 
 
 class PlacementFailed(Exception):
@@ -86,7 +90,7 @@ async def place(state: DeploymentInput, names_: list[str], zone: str) -> None:
 
 async def start(
     state: DeploymentInput, names_: list[str], make_input: Callable[[list[str]], StartReplicasInput],
-    zone: str, timeout: timedelta,
+    zone: str, timeout: timedelta, pickup: timedelta = NODE_PICKUP,
 ) -> StartOutcome:
     if not workflow.patched(NODE_PLACEMENT):
         started = await workflow.execute_activity(
@@ -103,7 +107,7 @@ async def start(
                 make_input(group),
                 task_queue=names.node_task_queue(node),
                 start_to_close_timeout=timeout,
-                schedule_to_start_timeout=NODE_PICKUP,
+                schedule_to_start_timeout=pickup,
                 retry_policy=RetryPolicy(maximum_attempts=3),
                 summary=f"start {', '.join(group)} on node {node}",
             )

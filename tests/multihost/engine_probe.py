@@ -1,0 +1,46 @@
+"""Run inside a host (``python -m tests.multihost.engine_probe ...``): what an engine on THIS host
+serves, read over its loopback (engine control answers only its own host).
+
+    checksums PORT SECRET   -> JSON {tensor: adler32} of the served weights
+    label PORT SECRET       -> JSON the engine's weight-version label
+    call METHOD URL SECRET  -> JSON [status, body text] of one request (any host's engine)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import httpx
+
+from common.settings import ENGINE_SECRET_HEADER
+from replica.agent.engine import EngineProcess
+
+
+async def _read(port: str, secret: str, what: str) -> object:
+    engine = EngineProcess.attach(f"http://127.0.0.1:{port}", secret=secret)
+    try:
+        return await (engine.checksums() if what == "checksums" else engine.weight_version())
+    finally:
+        await engine.aclose()
+
+
+def main(argv: list[str]) -> int:
+    what = argv[0]
+    if what in ("checksums", "label"):
+        print(json.dumps(asyncio.run(_read(argv[1], argv[2], what))))
+        return 0
+    if what == "call":
+        method, url, secret = argv[1:4]
+        try:
+            r = httpx.request(method, url, headers={ENGINE_SECRET_HEADER: secret}, timeout=10, trust_env=False)
+            print(json.dumps([r.status_code, r.text[:500]]))
+        except httpx.HTTPError as exc:
+            print(json.dumps([0, f"{type(exc).__name__}: {exc}"]))
+        return 0
+    raise SystemExit(f"unknown probe {what!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
