@@ -303,9 +303,11 @@ async def temporal_client(settings: Settings, **kwargs: Any) -> Any:
     from temporalio.contrib.pydantic import pydantic_data_converter  # noqa: PLC0415 - boto3 and Temporal load only where used: settings are read in every process, vLLM's included
     from temporalio.service import KeepAliveConfig  # noqa: PLC0415 - boto3 and Temporal load only where used: settings are read in every process, vLLM's included
 
-    # HTTP/2 pings find a connection a partition killed within seconds, so a worker's poll is
-    # sent again on a new connection once the link heals, not after the dead one's retransmits.
-    kwargs.setdefault("keep_alive_config", KeepAliveConfig(interval_millis=5_000, timeout_millis=5_000))
+    # HTTP/2 pings find a connection a partition killed within 20 s, so a worker's poll is sent
+    # again on a new connection once the link heals, not after the dead one's retransmits. Not
+    # more often: the Temporal frontend closes connections that ping more than every 10 s
+    # (keepAliveMinTime), failing their calls with "transport error".
+    kwargs.setdefault("keep_alive_config", KeepAliveConfig(interval_millis=15_000, timeout_millis=5_000))
     return await Client.connect(
         settings.temporal_address,
         namespace=settings.temporal_namespace,

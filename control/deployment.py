@@ -101,6 +101,8 @@ with workflow.unsafe.imports_passed_through():
     from control.hot_load.state import summary as hot_load_summary
 
 REPLICA_START_TIMEOUT = timedelta(minutes=20)
+# How long a hot-load's admission waits for a replica check already in flight.
+ADMISSION_LOCK_WAIT = timedelta(seconds=25)
 # How often the deployment checks that its replica processes are alive.
 SUPERVISE_EVERY = timedelta(seconds=10)
 # Chains kept for later deltas to build on: the most recently completed identities. A delta whose
@@ -307,6 +309,16 @@ class DeploymentWorkflow:
         await self._delete()
 
     async def _restart_lost_replicas(self, admitting: bool = False) -> list[str]:
+        if admitting and self.replica_lock.locked():
+            # A check in flight (bounded by CHECK_TIMEOUT): wait for it, not longer.
+            try:
+                await workflow.wait_condition(lambda: not self.replica_lock.locked(), timeout=ADMISSION_LOCK_WAIT)
+            except asyncio.TimeoutError:
+                raise rejected(UNAVAILABLE, "the deployment is busy with its replicas (a start or a stop), "
+                                            "try again in a few seconds") from None
+        return await self._check_replicas(admitting)
+
+    async def _check_replicas(self, admitting: bool) -> list[str]:
         """Start every member replica whose process is gone (each node agent checks its pid
         files; a live one is left alone); returns the names started. Each catches up to the
         current chain before it reports ready; until then it is out of rotation and the
@@ -322,9 +334,9 @@ class DeploymentWorkflow:
             ):
                 members = [m for m in members if m in self.state.placements]
             try:
-                outcome = await self._start(
-                    members, timedelta(minutes=2),
-                    replica_set.ADMISSION_PICKUP if admitting else replica_set.CHECK_PICKUP,
+                outcome = await replica_set.start(
+                    self.state, members, self._start_input, self._zone(), replica_set.CHECK_TIMEOUT,
+                    replica_set.ADMISSION_PICKUP if admitting else replica_set.CHECK_PICKUP, attempts=1,
                 )
                 self.placement_error = None
             except replica_set.PlacementFailed as exc:

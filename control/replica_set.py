@@ -37,8 +37,11 @@ NODE_PLACEMENT = "node-placement"
 # less: `ADMISSION_PICKUP`).
 NODE_PICKUP = timedelta(seconds=60)
 ADMISSION_PICKUP = timedelta(seconds=10)
-# The deployment's periodic check of its replica processes (it holds the replica lock meanwhile).
+# The deployment's periodic check of its replica processes, and an admission's: one attempt of
+# at most CHECK_TIMEOUT per node (starting a process takes a second; the next check is the
+# retry), so the replica lock is never held long by a node that took the task and went silent.
 CHECK_PICKUP = timedelta(seconds=15)
+CHECK_TIMEOUT = timedelta(seconds=20)
 
 
 class PlacementFailed(Exception):
@@ -90,7 +93,7 @@ async def place(state: DeploymentInput, names_: list[str], zone: str) -> None:
 
 async def start(
     state: DeploymentInput, names_: list[str], make_input: Callable[[list[str]], StartReplicasInput],
-    zone: str, timeout: timedelta, pickup: timedelta = NODE_PICKUP,
+    zone: str, timeout: timedelta, pickup: timedelta = NODE_PICKUP, attempts: int = 3,
 ) -> StartOutcome:
     if not workflow.patched(NODE_PLACEMENT):
         started = await workflow.execute_activity(
@@ -108,7 +111,7 @@ async def start(
                 task_queue=names.node_task_queue(node),
                 start_to_close_timeout=timeout,
                 schedule_to_start_timeout=pickup,
-                retry_policy=RetryPolicy(maximum_attempts=3),
+                retry_policy=RetryPolicy(maximum_attempts=attempts),
                 summary=f"start {', '.join(group)} on node {node}",
             )
             for node, group in groups.items()

@@ -126,7 +126,7 @@ class HotLoadWorkflow:
             if broadcast is not None and not await broadcast.offered():
                 broadcast.start(from_stage=False)
             for replica, endpoint in receivers:
-                has_stage = broadcast is not None and await broadcast.ready(replica.name)
+                has_stage = broadcast is not None and await self._ready_unless_lost(broadcast, replica.name)
                 self._raise_if_canceled()
                 how = "commit of its broadcast stage" if has_stage else "from the bucket"
                 await self._step(replica, how, lambda: self._from_stage_or_bucket(inp, endpoint, replica, has_stage))
@@ -212,6 +212,14 @@ class HotLoadWorkflow:
                                         error_reason(exc))
                 self.walk.doing(replica, "from the bucket, its stage's swap failed")
         return await self._from_bucket(inp, endpoint, replica)
+
+    async def _ready_unless_lost(self, broadcast: Broadcast, name: str) -> bool:
+        """Whether the receiver holds a checked stage; False at once if it goes with its node."""
+        ready = asyncio.ensure_future(broadcast.ready(name))
+        gone = asyncio.ensure_future(workflow.wait_condition(lambda: name in self.lost))
+        await workflow.wait([ready, gone], return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        return ready.result() if ready.done() else False
 
     async def _unless_lost(self, name: str, run: Callable[[], Awaitable[ApplySnapshotResult]]) -> ApplySnapshotResult:
         """`run()`, unless the replica goes with its node first: then the step fails at once
