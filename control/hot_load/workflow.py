@@ -126,7 +126,7 @@ class HotLoadWorkflow:
             if broadcast is not None and not await broadcast.offered():
                 broadcast.start(from_stage=False)
             for replica, endpoint in receivers:
-                has_stage = broadcast is not None and await self._ready_unless_lost(broadcast, replica.name)
+                has_stage = broadcast is not None and await broadcast.ready(replica.name)
                 self._raise_if_canceled()
                 how = "commit of its broadcast stage" if has_stage else "from the bucket"
                 await self._step(replica, how, lambda: self._from_stage_or_bucket(inp, endpoint, replica, has_stage))
@@ -146,7 +146,9 @@ class HotLoadWorkflow:
         self.walk.moved(replica, ReplicaState.UPDATING, started_at=self.walk.now(), error_reason=None)
         self.walk.doing(replica, how)
         try:
-            result = await self._unless_lost(replica.name, run)
+            if replica.name in self.lost:
+                raise ApplicationError(self.lost[replica.name], type=REPLICA_LOST)
+            result = await run()
         except (Exception, asyncio.CancelledError) as exc:
             if is_cancelled_exception(exc) or workflow.cancellation_reason() is not None:
                 self.walk.moved(replica, ReplicaState.PENDING_UPDATE, finished_at=self.walk.now())
@@ -170,7 +172,7 @@ class HotLoadWorkflow:
 
     async def _from_bucket(self, inp: HotLoadInput, endpoint: ReplicaEndpoint, replica: Replica) -> ApplySnapshotResult:
         spec = self.walk.hot_load.spec
-        return await workflow.execute_activity(
+        return await self._unless_lost(replica.name, workflow.start_activity(
             names.APPLY_SNAPSHOT,
             ApplySnapshotInput(
                 hot_load_id=spec.id,
@@ -184,7 +186,7 @@ class HotLoadWorkflow:
             result_type=ApplySnapshotResult,
             summary=f"update {replica.name} to {spec.identity} from the bucket",
             **REPLICA_STEP,
-        )
+        ))
 
     async def _from_stage_or_bucket(
         self, inp: HotLoadInput, endpoint: ReplicaEndpoint, replica: Replica, has_stage: bool
@@ -193,14 +195,14 @@ class HotLoadWorkflow:
         if has_stage:
             spec = self.walk.hot_load.spec
             try:
-                return await workflow.execute_activity(
+                return await self._unless_lost(replica.name, workflow.start_activity(
                     names.COMMIT_PEER_STAGE,
                     CommitPeerStageInput(identity=spec.identity, prompt_cache_policy=spec.prompt_cache_policy),
                     task_queue=endpoint.task_queue,
                     result_type=ApplySnapshotResult,
                     summary=f"swap {spec.identity} into {replica.name} from its broadcast stage",
                     **PEER_STEP,
-                )
+                ))
             except Exception as exc:
                 if is_cancelled_exception(exc):
                     raise
@@ -213,21 +215,11 @@ class HotLoadWorkflow:
                 self.walk.doing(replica, "from the bucket, its stage's swap failed")
         return await self._from_bucket(inp, endpoint, replica)
 
-    async def _ready_unless_lost(self, broadcast: Broadcast, name: str) -> bool:
-        """Whether the receiver holds a checked stage; False at once if it goes with its node."""
-        ready = asyncio.ensure_future(broadcast.ready(name))
-        gone = asyncio.ensure_future(workflow.wait_condition(lambda: name in self.lost))
-        await workflow.wait([ready, gone], return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        return ready.result() if ready.done() else False
-
-    async def _unless_lost(self, name: str, run: Callable[[], Awaitable[ApplySnapshotResult]]) -> ApplySnapshotResult:
-        """`run()`, unless the replica goes with its node first: then the step fails at once
-        (no agent will run it) with the registry's reason. A cancel reaches the step as before:
-        it is awaited to its end."""
-        if name in self.lost:
-            raise ApplicationError(self.lost[name], type=REPLICA_LOST)
-        step = asyncio.ensure_future(run())
+    async def _unless_lost(self, name: str, step: workflow.ActivityHandle[ApplySnapshotResult]) -> ApplySnapshotResult:
+        """The replica step `step` (already scheduled: the walk's commands keep their order),
+        unless the replica goes with its node first: then the step fails at once (no agent will
+        run it) with the registry's reason. A cancel reaches the step as before: it is awaited to
+        its end."""
         gone = asyncio.ensure_future(workflow.wait_condition(lambda: name in self.lost))
         try:
             await workflow.wait([step, gone], return_when=asyncio.FIRST_COMPLETED)
