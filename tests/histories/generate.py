@@ -18,9 +18,11 @@ tests/helpers/harness.py and drives, through the API, one hot-load per path of t
 
 Each is exported with the Temporal CLI exactly as an operator would (`temporal workflow show -w
 ID -o json`), one file per workflow named by its id (`/` as `%2F`). The files whose names hold
-`previous-version` are not regenerated: histories recorded by the release before, kept to prove
-that deployment workflows (open across upgrades) replay on this code; drop them together with
-the deprecated patches in control/deployment.py.
+`previous-version` are not regenerated: deployment histories recorded by earlier releases
+(`previous-version-before-nodes-dep`: the release before node agents, whose branch the
+`node-placement` patch keeps; `previous-version-dep`: the one before), kept to prove that
+deployment workflows (open across upgrades) replay on this code; drop each together with the
+patches it needs in control/deployment.py and control/replica_set.py.
 
 Regenerate when a workflow change is meant to be incompatible with running histories (hot-loads
 are drained before an upgrade, docs/operations.md); `make test` replays these files to catch
