@@ -9,6 +9,8 @@ Names that must not resolve are looked up only in a network namespace with no in
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -16,7 +18,8 @@ import pytest
 
 from common.settings import Settings
 from contracts.activities import ApplySnapshotInput, StartReplicasInput
-from contracts.records import HotLoadConfig, ModelSource, SnapshotRef, SnapshotType
+from contracts.records import HotLoadConfig, ModelSource, Placement, SnapshotRef, SnapshotType
+from replica.node import activities as node_activities_module
 from replica.node import capacity as node_capacity
 from replica.node.activities import NodeActivities, NodeIdentity, visible_devices
 from replica.node.capacity import NodeConfigError, capacity, check_name, resolve_address
@@ -214,3 +217,33 @@ def test_rollouts_node_refuses_a_bad_name_and_capacity_in_process(
     line = one_line(capsys.readouterr().err)
     assert "no capacity" in line and "--slots 0" in line, line
     assert not (home / "run").exists()
+
+
+# --------------------------------------------------------------------------- starting replicas
+def test_each_gpu_replica_gets_its_placements_devices_and_a_cpu_replica_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`start_replicas` spawns one process per replica with the placement's devices as its
+    CUDA_VISIBLE_DEVICES (through the agent's own list), none for a CPU slot, and a retry starts
+    nothing twice (the spawn is recorded, not run)."""
+    spawned: list[tuple[str, dict]] = []
+
+    def fake_spawn(argv, *, log_path, pid_file, env, **extra):
+        spawned.append((argv[argv.index("--name") + 1], dict(env)))
+        pid_file.write(os.getpid(), **extra)  # "running": this test process
+        return os.getpid()
+
+    monkeypatch.setattr(node_activities_module, "spawn", fake_spawn)
+    monkeypatch.setattr(node_activities_module.activity, "logger", logging.getLogger("test"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    placements = {
+        "r0": Placement(node="n1", address="10.1.2.3", devices=[0, 1]),
+        "r1": Placement(node="n1", address="10.1.2.3", devices=[2, 3]),
+        "r2": Placement(node="n1", address="10.1.2.3"),
+    }
+    inp = start_input(placements=placements).model_copy(update={"names": ["r0", "r1", "r2"]})
+    acts = node_activities(tmp_path)
+    assert acts.start_replicas(inp) == ["r0", "r1", "r2"]
+    assert [(name, env.get("CUDA_VISIBLE_DEVICES")) for name, env in spawned] == [
+        ("r0", "4,5"), ("r1", "6,7"), ("r2", None)]
+    assert acts.start_replicas(inp) == [] and len(spawned) == 3
