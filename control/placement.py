@@ -72,6 +72,7 @@ def place(
         held = next((rec.placements[key] for n, rec in live.items() if key in rec.placements), None)
         if held is not None:
             result[replica] = held
+    held_names = set(result)
     if gpus and live and gpus > max(r.heartbeat.gpus for r in live.values()):
         most = max(live.values(), key=lambda r: r.heartbeat.gpus)
         raise PlacementError(
@@ -89,10 +90,12 @@ def place(
             room = {n: free_slots[n] for n in fits}
         if not fits:
             need = f"{gpus} GPU(s)" if gpus else "1 CPU slot"
+            asked = len([r for r in replicas if r not in held_names])
             missing = len([r for r in replicas if r not in result])
             raise PlacementError(
-                f"not enough capacity{' in zone ' + zone if zone else ''}: {missing} replica(s) "
-                f"each need {need}; nodes: {describe_nodes(nodes, zone)}"
+                f"not enough capacity{' in zone ' + zone if zone else ''}: {asked} replica(s) "
+                f"each need {need}, {missing} of them do not fit (none was placed); nodes: "
+                f"{describe_nodes(nodes, zone)}"
             )
         node = min(fits, key=lambda n: (mine[n], -room[n], n))
         if gpus:
