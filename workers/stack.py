@@ -52,6 +52,7 @@ LOCAL_NODE = "local"
 DEFAULT_NODE_SLOTS = 8
 # The worker reports ready after the deployments verified their replicas (workers/control_worker.py).
 START_TIMEOUT_S = {"worker": 240.0}
+PORT_SETTLE_S = 10.0
 HISTORY_RETENTION = "8760h"  # a year
 
 
@@ -192,6 +193,12 @@ class Stack:
         if pid:
             return f"{name:<9} already running (pid {pid})"
         taken = [port for port in self._ports_of(name) if port_in_use(port, self.s.host)]
+        # Right after a `down` a port can still answer for a moment (a stopped server's listener
+        # closing): look again for a few seconds before calling it taken.
+        settle = time.monotonic() + PORT_SETTLE_S
+        while taken and time.monotonic() < settle:
+            time.sleep(0.5)
+            taken = [port for port in taken if port_in_use(port, self.s.host)]
         if taken:
             raise StackError(
                 f"cannot start {name}: port(s) {', '.join(map(str, taken))} on {self.s.host} already in use "
