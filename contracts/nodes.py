@@ -20,8 +20,6 @@ from pydantic import Field
 
 from contracts.records import Placement, WireModel
 
-__all__ = ["Placement"]  # kept with the deployment's state (contracts/records.py)
-
 # How often a node agent reports, and how long the registry waits before it declares it lost.
 HEARTBEAT_EVERY_S = 5.0
 LOST_AFTER_S = 30.0

@@ -209,7 +209,7 @@ class DeploymentWorkflow:
                 self._condition(
                     "ReplicasReady", False, "NodeUnreachable",
                     "node agent(s) did not answer the last check of their replicas (cut off from the control "
-                    "plane?): " + "; ".join(f"{node}: {why}" for node, why in sorted(self.unanswered.items())),
+                    "plane?): " + self._unanswered_text(),
                 ),
             )
         elif down and self.placement_error:
@@ -255,11 +255,16 @@ class DeploymentWorkflow:
         return self.state.gateway_zones[0] if self.state.gateway_zones else "LOCAL-1A"
 
     async def _start(
-        self, names_: list[str], timeout: timedelta, pickup: timedelta = replica_set.NODE_PICKUP
+        self, names_: list[str], timeout: timedelta, pickup: timedelta = replica_set.NODE_PICKUP, attempts: int = 3
     ) -> replica_set.StartOutcome:
         """Start these replicas where they are placed (placing those without a place first);
         raises `PlacementFailed` when they cannot all be placed."""
-        return await replica_set.start(self.state, names_, self._start_input, self._zone(), timeout, pickup)
+        return await replica_set.start(
+            self.state, names_, self._start_input, self._zone(), timeout, pickup, attempts=attempts
+        )
+
+    def _unanswered_text(self) -> str:
+        return "; ".join(f"{node}: {why}" for node, why in sorted(self.unanswered.items()))
 
     def _failure_of(self, name: str) -> str | None:
         return next((f.reason for f in self.failures if f.name == name), None)
@@ -334,8 +339,8 @@ class DeploymentWorkflow:
             ):
                 members = [m for m in members if m in self.state.placements]
             try:
-                outcome = await replica_set.start(
-                    self.state, members, self._start_input, self._zone(), replica_set.CHECK_TIMEOUT,
+                outcome = await self._start(
+                    members, replica_set.CHECK_TIMEOUT,
                     replica_set.ADMISSION_PICKUP if admitting else replica_set.CHECK_PICKUP, attempts=1,
                 )
                 self.placement_error = None
@@ -375,7 +380,7 @@ class DeploymentWorkflow:
                 async with self.replica_lock:
                     outcome = await self._start([new], timedelta(minutes=5))
                 if outcome.failed:
-                    raise RuntimeError("; ".join(f"node {n}: {why}" for n, why in outcome.failed.items()))
+                    raise RuntimeError(outcome.failures())
                 await workflow.wait_condition(
                     lambda: new not in self.state.pending_replicas or self._failure_of(new) is not None
                     or self.deleting,
@@ -428,7 +433,7 @@ class DeploymentWorkflow:
             async with self.replica_lock:
                 outcome = await self._start(names_, timedelta(minutes=5))
             if outcome.failed:
-                raise RuntimeError("; ".join(f"node {n}: {why}" for n, why in outcome.failed.items()))
+                raise RuntimeError(outcome.failures())
         except replica_set.PlacementFailed as exc:
             self._set_status(
                 ResourceStatus.FAILED, self._condition("ReplicasReady", False, "InsufficientCapacity", str(exc))
@@ -608,8 +613,10 @@ class DeploymentWorkflow:
                 raise rejected(FAILED_PRECONDITION, self._not_ready())
             if self.unanswered:
                 # A node cut off from the control plane: its replicas could not take the update.
-                raise rejected(UNAVAILABLE, "node agent(s) did not answer the check of their replicas, try again: " + "; ".join(
-                    f"{node}: {why}" for node, why in sorted(self.unanswered.items())))
+                raise rejected(
+                    UNAVAILABLE,
+                    "node agent(s) did not answer the check of their replicas, try again: " + self._unanswered_text(),
+                )
             # Every snapshot of the chain at once (a 64-link chain in one round trip); the first
             # failing link in chain order is the one reported.
             checks = await asyncio.gather(

@@ -54,6 +54,10 @@ class StartOutcome:
     # node -> why its start failed
     failed: dict[str, str] = field(default_factory=dict)
 
+    def failures(self) -> str:
+        """Why each node's start failed, in one line ("node N: why; ...")."""
+        return "; ".join(f"node {n}: {why}" for n, why in self.failed.items())
+
 
 def _cause(exc: BaseException) -> str:
     cause = exc.cause if isinstance(exc, ActivityError) and exc.cause is not None else exc
