@@ -185,6 +185,11 @@ async def _hot_load_under_traffic(engine: EngineProcess, model_dirs: dict[str, P
     await stage(engine, model_dirs["counting"], "v-counting", COUNTING_CHANGED, expected_adler)
     base_body = {"model": SERVED_NAME, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=engine.base_url, headers=engine.auth_headers, timeout=300) as client:
+        # The six requests are sent while the engine is paused, so that they start in one engine
+        # step on resume and run side by side to the end. Sent to a running engine, they reached
+        # it one by one behind the API server's work on a busy 2-core machine (a CI run saw the
+        # first ones finish before the last ones started, so never six running at once).
+        await engine.pause(mode="keep", clear_cache=False)
         started = [asyncio.Event() for _ in range(2)]
         streams = [
             asyncio.create_task(
@@ -212,6 +217,10 @@ async def _hot_load_under_traffic(engine: EngineProcess, model_dirs: dict[str, P
             asyncio.create_task(_stream_chat(client, chat_body)),
         ]
         everything = [*streams, *plain, *chats]
+        # An idle API server hands a request to the paused engine in milliseconds; the premise is
+        # asserted below either way.
+        await asyncio.sleep(1.0)
+        await engine.resume()
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=120)
         # The pause lands once the engine runs all six (each has sampled a token and has ~1500
         # to go); the test asserts below that all six were frozen in the pause.
