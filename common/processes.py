@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -80,6 +81,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_port_below(limit: int, host: str = "127.0.0.1", low: int = 20000) -> int:
+    """A port in ``[low, limit]`` free on ``host`` now, for a server that cannot take the kernel's
+    picks (Dynamo reads ``DYN_SYSTEM_PORT`` as a signed 16-bit number: at most 32767)."""
+    for port in random.sample(range(low, limit + 1), 200):
+        with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {low}..{limit} on {host}")
 
 
 def spawn(

@@ -1,6 +1,7 @@
 """What the agent and the engine agree on to start an engine (neither imports the other).
 
-The agent (`replica.agent.engine.EngineProcess`) runs ``python -m SERVER_MODULE`` with
+The agent (`replica.agent.engine.EngineProcess`) runs ``python -m SERVER_MODULE`` (or
+``DYNAMO_WORKER_MODULE`` for Dynamo's worker, `replica.agent.dynamo.DynamoEngineProcess`) with
 ``--worker-extension-cls EXTENSION_CLS`` and hands the engine its secret through a 0600 file
 named by the environment variable ``SECRET_FILE_ENV``, which the engine
 (`replica.engine.guard.read_secret_file`) reads at start. ``NODE_ADDRESS_ENV`` carries the
@@ -9,6 +10,8 @@ address other hosts reach this host at: the engine's peer broadcast binds its gl
 """
 
 SERVER_MODULE = "replica.engine.server"
+# A dynamo-vllm replica's engine: Dynamo's vLLM worker with our routes (replica.agent.dynamo).
+DYNAMO_WORKER_MODULE = "replica.engine.dynamo_worker"
 EXTENSION_CLS = "replica.engine.extension.WeightLoaderExtension"
 SECRET_FILE_ENV = "ROLLOUTS_ENGINE_SECRET_FILE"
 NODE_ADDRESS_ENV = "ROLLOUTS_NODE_ADDRESS"

@@ -3,7 +3,7 @@
 tests/conftest.py puts a marker (``ROLLOUTS_TEST_SESSION=<id>``) in the session's environment
 before any test runs; every process a test starts inherits it (the stack, the control worker, the
 replicas and their engines copy ``os.environ``). An engine is a process running
-``replica.launch.SERVER_MODULE`` whose parent is not one too (vLLM's own worker processes are children of
+``replica.launch.SERVER_MODULE`` or ``DYNAMO_WORKER_MODULE`` whose parent is not one too (vLLM's own worker processes are children of
 it, and count with it as one engine).
 
 ``EngineWatch`` samples them in a background thread: it remembers the first moment more than
@@ -20,12 +20,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from replica.launch import SERVER_MODULE
+from replica.launch import DYNAMO_WORKER_MODULE, SERVER_MODULE
 
 SESSION_ENV = "ROLLOUTS_TEST_SESSION"
 # vLLM CPU engines take ~2-3 GiB each and the machine has 2 cores: a full run keeps at most three.
 MAX_ENGINES = 3
 ENGINE_MARK = SERVER_MODULE.encode()  # `python -m replica.engine.server ...`
+DYNAMO_MARK = DYNAMO_WORKER_MODULE.encode()  # `python -m replica.engine.dynamo_worker ...` (also an engine)
 STACK_MARK = b"weed"  # SeaweedFS: only the embedded stack starts it
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -82,7 +83,8 @@ def session_processes(*marks: bytes, session: str | None = None) -> dict[bytes, 
 
 
 def engines(session: str | None = None) -> list[Proc]:
-    return session_processes(ENGINE_MARK, session=session)[ENGINE_MARK]
+    procs = session_processes(ENGINE_MARK, DYNAMO_MARK, session=session)
+    return procs[ENGINE_MARK] + procs[DYNAMO_MARK]
 
 
 def wait_engines_at_most(n: int, timeout: float = 300) -> None:
@@ -120,11 +122,11 @@ class EngineWatch:
 
     def sample(self) -> None:
         t0 = time.thread_time()  # CPU, not wall: the thread waits on the GIL behind the tests
-        procs = session_processes(ENGINE_MARK, STACK_MARK, session=self.session)
+        procs = session_processes(ENGINE_MARK, DYNAMO_MARK, STACK_MARK, session=self.session)
         with self._lock:
             self.sample_seconds += time.thread_time() - t0
             self.samples += 1
-            alive = procs[ENGINE_MARK]
+            alive = procs[ENGINE_MARK] + procs[DYNAMO_MARK]
             self.peak = max(self.peak, len(alive))
             if len(alive) > self.limit and self.excess is None:
                 self.excess = (f"{len(alive)} vLLM engines of this test session alive at once during {self.node} ({self.phase}) "

@@ -1,0 +1,147 @@
+"""NVIDIA Dynamo's frontend (``python -m dynamo.frontend``), the router in front of a ``dynamo-vllm``
+deployment's workers.
+
+``DynamoFrontend(discovery_dir, ...)`` describes one frontend process: OpenAI HTTP on
+``host:port``, workers found in Dynamo's ``file`` discovery directory (``discovery_dir``, the one
+the workers register in; ``namespace`` limits it to one deployment's workers), request plane
+``tcp`` and event plane ``zmq`` (no etcd, no NATS), ``router_mode`` (``least-loaded`` by default;
+``kv`` routes by prefix-cache overlap and needs workers that publish KV events), and session
+affinity for ``X-Dynamo-Session-ID`` kept ``session_ttl_s``. ``await start()`` launches it and
+waits until its HTTP port answers (``/v1/models``); ``await wait_model(name)`` waits until a
+worker serving ``name`` has registered; ``await stop()`` ends it (SIGTERM, then SIGKILL of its
+process group). Its log is ``log_path``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from common.processes import free_port
+
+FRONTEND_MODULE = "dynamo.frontend"
+
+
+class DynamoFrontendError(RuntimeError):
+    pass
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+class DynamoFrontend:
+    """One Dynamo frontend process (module docstring)."""
+
+    def __init__(self, discovery_dir: Path | str, *, log_path: Path | str, namespace: str | None = None,
+                 host: str = "127.0.0.1", port: int | None = None, router_mode: str = "least-loaded",
+                 session_ttl_s: int = 600, python: str = sys.executable) -> None:
+        self.discovery_dir = Path(discovery_dir)
+        self.log_path = Path(log_path)
+        self.namespace = namespace
+        self.host = host
+        self.port = port
+        self.router_mode = router_mode
+        self.session_ttl_s = session_ttl_s
+        self.python = python
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise DynamoFrontendError("the Dynamo frontend is not started")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def command(self) -> list[str]:
+        cmd = [
+            self.python, "-m", FRONTEND_MODULE,
+            "--http-host", self.host, "--http-port", str(self.port),
+            "--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq",
+            "--router-mode", self.router_mode,
+            "--router-session-affinity-ttl-secs", str(self.session_ttl_s),
+        ]  # fmt: skip
+        if self.namespace:
+            cmd += ["--namespace", self.namespace]
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "DYN_DISCOVERY_BACKEND": "file",
+            "DYN_FILE_KV": str(self.discovery_dir),
+            "DYN_REQUEST_PLANE": "tcp",
+            "DYN_EVENT_PLANE": "zmq",
+            "DYN_TCP_RESPONSE_STREAM_HOST": self.host,
+            "DYN_EVENT_PLANE_HOST": self.host,
+            "DYN_TCP_RPC_HOST": self.host,
+            "HF_HUB_OFFLINE": "1",
+        })
+        return env
+
+    async def start(self, timeout: float = 120.0) -> DynamoFrontend:
+        if self._proc is not None:
+            raise DynamoFrontendError("already started")
+        self.discovery_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.port is None:
+            self.port = free_port(self.host)
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=self.environment(), start_new_session=True)
+        try:
+            await self._wait(lambda models: True, timeout, "answer")
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def models(self) -> list[str]:
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            resp = await client.get(self.url + "/v1/models")
+            resp.raise_for_status()
+            return [m["id"] for m in resp.json().get("data", [])]
+
+    async def wait_model(self, name: str, timeout: float = 120.0) -> None:
+        await self._wait(lambda models: name in models, timeout, f"serve {name!r}")
+
+    async def _wait(self, ok, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise DynamoFrontendError(f"the Dynamo frontend exited with code {self._proc.returncode} "
+                                          f"(log {self.log_path}):\n{_tail(self.log_path)}")
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                if ok(await self.models()):
+                    return
+            if time.monotonic() > deadline:
+                raise DynamoFrontendError(f"the Dynamo frontend at {self.url} did not {what} within {timeout:.0f}s "
+                                          f"(log {self.log_path}):\n{_tail(self.log_path)}")
+            await asyncio.sleep(0.25)
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await asyncio.to_thread(proc.wait)

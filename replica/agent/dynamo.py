@@ -1,0 +1,222 @@
+"""A replica engine that is NVIDIA Dynamo's vLLM worker (``runtime.engine: dynamo-vllm``).
+
+``DynamoEngineProcess`` is an :class:`replica.agent.engine.EngineProcess` whose process is
+``python -m replica.engine.dynamo_worker`` (Dynamo's ``dynamo.vllm`` worker with our control
+routes and weight-version spans; that module says what it adds) instead of vLLM's OpenAI server.
+Everything the agent does with an engine works unchanged on it:
+
+- **Control** goes to the worker's Dynamo system server (``DYN_SYSTEM_HOST``, always loopback:
+  only the replica's own host reaches it; ``DYN_SYSTEM_PORT`` = ``port``). The control requests
+  an :class:`~replica.agent.engine_rpc.EngineClient` makes (``/pause``, ``/resume``,
+  ``/is_paused``, ``/reset_prefix_cache``, ``/collective_rpc``, ``/update_weight_version``,
+  ``/weight_info``) become ``POST /engine/rollouts/<name>`` with the same arguments as JSON plus
+  the engine's secret; an answer ``{"error": {"code", "message"}}`` raises the same
+  ``EngineRequestError`` (status = code) a vLLM replica's HTTP error does. ``/metrics`` and
+  ``/health`` are the system server's own (vLLM's gauges are there, labelled with the worker).
+- **Inference** is Dynamo's: the worker registers in Dynamo discovery (``file`` backend:
+  ``discovery_dir``, shared with the deployment's Dynamo frontend; request plane ``tcp`` on
+  ``node_address``, event plane ``zmq``) under ``namespace``; clients reach it through that
+  frontend (``frontend_url``, where this object sends ``/v1/...`` requests when it has one).
+- **Pause keeps new requests off a paused worker**: ``pause()`` first takes the worker's
+  ``generate`` instance out of discovery (``leave``) when another instance of the namespace is
+  registered, so the frontend routes new requests to the others; ``resume()`` puts it back
+  (``join``). A lone worker stays registered: a request that reaches it during the pause waits
+  for the resume (the pause window), as on a vLLM replica, rather than failing for want of a
+  worker. A request the frontend routed before it saw the ``leave`` also waits for the resume.
+- **Readiness**: ``/health`` answers ``"status": "ready"`` and the worker's ``rollouts/instance``
+  route answers with its Dynamo worker id (``worker_id``), so a port some other process holds is
+  never taken for this worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import httpx
+
+from common.processes import free_port_below
+from replica.agent.engine import EngineProcess, EngineStartError, _tail
+from replica.agent.engine_rpc import EngineRequestError
+from replica.launch import DYNAMO_WORKER_MODULE
+
+ROUTE_PREFIX = "/engine/rollouts/"
+DYNAMO_COMPONENT = "backend"
+# Dynamo reads DYN_SYSTEM_PORT as a signed 16-bit number.
+SYSTEM_PORT_MAX = 32767
+# (method, vLLM dev route) -> our route on the Dynamo system server.
+CONTROL_ROUTES = {
+    ("POST", "/pause"): "pause",
+    ("POST", "/resume"): "resume",
+    ("GET", "/is_paused"): "is_paused",
+    ("POST", "/reset_prefix_cache"): "reset_prefix_cache",
+    ("POST", "/collective_rpc"): "collective_rpc",
+    ("POST", "/update_weight_version"): "update_weight_version",
+    ("GET", "/weight_info"): "weight_info",
+}
+
+
+def _flag(value: Any) -> Any:
+    return {"true": True, "false": False}.get(value, value) if isinstance(value, str) else value
+
+
+def registered_workers(discovery_dir: Path | str, namespace: str, component: str = DYNAMO_COMPONENT) -> list[str]:
+    """The worker ids registered for ``namespace``'s ``generate`` endpoint in a ``file`` discovery
+    directory (Dynamo keeps one file per instance, named by its URL-quoted key)."""
+    prefix = f"{namespace}/{component}/generate/"
+    folder = Path(discovery_dir) / "v1" / "instances"
+    with contextlib.suppress(FileNotFoundError):
+        return sorted(unquote(p.name)[len(prefix):] for p in folder.iterdir() if unquote(p.name).startswith(prefix))
+    return []
+
+
+def _as_id(name: str) -> int | None:
+    try:
+        return int(name, 16)
+    except ValueError:
+        return None
+
+
+class DynamoEngineProcess(EngineProcess):
+    """A Dynamo vLLM worker for one model directory (module docstring)."""
+
+    def __init__(self, model_dir: Path | str, *, discovery_dir: Path | str, namespace: str,
+                 frontend_url: str | None = None, **options: Any) -> None:
+        super().__init__(model_dir, **options)
+        self.discovery_dir = Path(discovery_dir)
+        self.namespace = namespace
+        self.frontend_url = frontend_url.rstrip("/") if frontend_url else None
+        self.worker_id: int | None = None
+        self.left = False
+
+    @property
+    def control_host(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def public_url(self) -> str:
+        """Other hosts reach a Dynamo worker only through the frontend; this is its control URL."""
+        return self.base_url
+
+    def command(self) -> list[str]:
+        cmd = [
+            self.python, "-m", DYNAMO_WORKER_MODULE,
+            "--model", str(self.model_dir),
+            "--served-model-name", self.served_model_name,
+            "--dtype", self.dtype,
+            "--enforce-eager",
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--namespace", self.namespace,
+            "--discovery-backend", "file",
+            "--request-plane", "tcp",
+            "--event-plane", "zmq",
+        ]  # fmt: skip
+        if self.worker_extension_cls:
+            cmd += ["--worker-extension-cls", self.worker_extension_cls]
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = super().environment()
+        env.update({
+            "DYN_DISCOVERY_BACKEND": "file",
+            "DYN_FILE_KV": str(self.discovery_dir),
+            "DYN_REQUEST_PLANE": "tcp",
+            "DYN_EVENT_PLANE": "zmq",
+            "DYN_SYSTEM_HOST": self.control_host,
+            "DYN_SYSTEM_PORT": str(self.port),
+            "DYN_TCP_RPC_HOST": self.node_address,
+            "DYN_EVENT_PLANE_HOST": self.node_address,
+        })
+        return env
+
+    async def start(self, timeout: float = 600.0, on_spawn: Any = None) -> DynamoEngineProcess:
+        if self.port is None:
+            self.port = free_port_below(SYSTEM_PORT_MAX, self.control_host)
+        self.discovery_dir.mkdir(parents=True, exist_ok=True)
+        await super().start(timeout, on_spawn)
+        return self
+
+    async def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            while True:
+                if self._proc is not None and self._proc.poll() is not None:
+                    raise EngineStartError(
+                        f"the Dynamo worker exited with code {self._proc.returncode} before it served "
+                        f"(log {self.log_path}):\n{_tail(self.log_path)}"
+                    )
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    health = await client.get(self.base_url + "/health")
+                    if health.status_code == 200 and health.json().get("status") == "ready":
+                        answer = (await client.post(self.base_url + ROUTE_PREFIX + "instance",
+                                                    json={"secret": self.secret})).json()
+                        if isinstance(answer.get("worker_id"), int):
+                            self.worker_id = answer["worker_id"]
+                            return
+                if time.monotonic() > deadline:
+                    raise EngineStartError(
+                        f"the Dynamo worker at {self.base_url} not ready after {timeout:.0f}s "
+                        f"(log {self.log_path}):\n{_tail(self.log_path)}"
+                    )
+                await asyncio.sleep(0.5)
+
+    async def control(self, route: str, body: dict[str, Any] | None = None, *, method: str = "POST",
+                      path: str | None = None) -> httpx.Response:
+        """``POST /engine/rollouts/<route>`` with ``body`` and the secret; an error answer raises
+        EngineRequestError naming ``method path`` (the vLLM route it stands for)."""
+        resp = await self._client().post(ROUTE_PREFIX + route, json={**(body or {}), "secret": self.secret})
+        shown = path or ROUTE_PREFIX + route
+        if resp.status_code // 100 != 2:
+            raise EngineRequestError(method, shown, resp.status_code, resp.text)
+        answer = resp.json()
+        error = answer.get("error") if isinstance(answer, dict) else None
+        if error is not None:
+            code = error.get("code", 500) if isinstance(error, dict) else 500
+            message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+            raise EngineRequestError(method, shown, int(code), message)
+        return resp
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        route = CONTROL_ROUTES.get((method, path))
+        if route is not None:
+            body = {k: _flag(v) for k, v in (kwargs.get("params") or {}).items()}
+            body.update(kwargs.get("json") or {})
+            return await self.control(route, body, method=method, path=path)
+        if path.startswith("/v1/") and self.frontend_url:
+            async with httpx.AsyncClient(base_url=self.frontend_url, timeout=httpx.Timeout(600.0, connect=10.0)) as c:
+                resp = await c.request(method, path, **kwargs)
+            if resp.status_code // 100 != 2:
+                raise EngineRequestError(method, path, resp.status_code, resp.text)
+            return resp
+        return await super().request(method, path, **kwargs)
+
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        others = [w for w in registered_workers(self.discovery_dir, self.namespace) if _as_id(w) != self.worker_id]
+        if others and not self.left:
+            await self.control("leave")
+            self.left = True
+        try:
+            await super().pause(mode, clear_cache)
+        except BaseException:
+            await self._join()
+            raise
+
+    async def resume(self) -> None:
+        await super().resume()
+        await self._join()
+
+    async def _join(self) -> None:
+        if self.left:
+            await self.control("join")
+            self.left = False
+
+    async def models(self) -> list[str]:
+        if not self.frontend_url:
+            return [self.served_model_name]
+        return await super().models()
+

