@@ -61,6 +61,7 @@ ENGINE_SECRET_HEADER = "x-rollouts-engine-secret"
 PORT_OFFSETS = {
     "api": 0,
     "gateway": 1,
+    "dynamo": 2,  # Dynamo's frontend (a dynamo stack: Settings.dynamo)
     "temporal": 10,
     "temporal_ui": 11,
     "temporal_http": 12,
@@ -77,6 +78,8 @@ DEFAULT_PORT_BASE = 17200
 HOST_ENV = "ROLLOUTS_HOST"
 # Ports a process may be told to listen on instead of its stack's.
 PORT_ENVS = {"api": "ROLLOUTS_API_PORT", "gateway": "ROLLOUTS_GATEWAY_PORT"}
+# "1": a dynamo stack (Settings.dynamo), for processes started without stack.json.
+DYNAMO_ENV = "ROLLOUTS_DYNAMO"
 # Plain string fields any process takes from ROLLOUTS_<FIELD_UPPER> when set.
 ENV_FIELDS = ("bucket", "zone", "organization_id", "gateway_id", "model_name", "base_model_path")
 # What a cluster install (no stack.json) must set: Settings.from_env.
@@ -132,6 +135,9 @@ class Settings:
     viewer_token: str = ""
     # Keys every replica engine's secret (engine_secret); never leaves stack.json.
     engine_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    # dynamo-vllm replicas run as NVIDIA Dynamo's vLLM workers behind Dynamo's frontend (the
+    # gateway in front of it), instead of vLLM's OpenAI server behind the gateway alone.
+    dynamo: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived
@@ -164,6 +170,17 @@ class Settings:
     @property
     def gateway_url(self) -> str:
         return os.environ.get("ROLLOUTS_GATEWAY_URL") or f"http://{host_port(self.host, self.ports['gateway'])}"
+
+    @property
+    def dynamo_frontend_url(self) -> str:
+        """Dynamo's frontend (a dynamo stack): where the gateway sends a deployment's requests."""
+        port = self.ports.get("dynamo") or self.ports["api"] + PORT_OFFSETS["dynamo"]
+        return os.environ.get("ROLLOUTS_DYNAMO_FRONTEND_URL") or f"http://{host_port(self.host, port)}"
+
+    @property
+    def dynamo_discovery_dir(self) -> Path:
+        """Dynamo's ``file`` discovery directory, shared by its frontend and every worker."""
+        return Path(os.environ.get("ROLLOUTS_DYNAMO_DISCOVERY_DIR") or self.home_path / "dynamo" / "discovery")
 
     @property
     def tokens_file(self) -> Path:
@@ -207,6 +224,8 @@ class Settings:
             )
         data = json.loads(path.read_text())
         data["home"] = str(home)
+        # A stack.json from before Dynamo's frontend had a port.
+        data["ports"].setdefault("dynamo", data["ports"]["api"] + PORT_OFFSETS["dynamo"])
         return cls(**data).with_env()
 
     @classmethod
@@ -244,6 +263,8 @@ class Settings:
             value = env.get(f"ROLLOUTS_{name.upper()}")
             if value:
                 setattr(self, name, value)
+        if env.get(DYNAMO_ENV):
+            self.dynamo = env[DYNAMO_ENV].strip().lower() in ("1", "true", "yes", "on")
         return self
 
     @classmethod
@@ -294,6 +315,7 @@ class Settings:
             "TEMPORAL_ADDRESS": self.temporal_address,
             "TEMPORAL_NAMESPACE": self.temporal_namespace,
             "TEMPORAL_UI_URL": self.temporal_ui_url,
+            **({"ROLLOUTS_DYNAMO_FRONTEND_URL": self.dynamo_frontend_url} if self.dynamo else {}),
         }
 
 

@@ -75,3 +75,16 @@ def node_task_queue(node: str) -> str:
 
 def replica_task_queue(deployment_workflow_id: str, replica_name: str) -> str:
     return f"{deployment_workflow_id}/replicas/{replica_name}"
+
+
+def dynamo_namespace(workflow_id: str) -> str:
+    """The Dynamo namespace of a deployment's workers (one per deployment: a worker counts its
+    siblings there; `replica.agent.dynamo`): ``rollouts-`` and the workflow id, every character
+    other than a lowercase letter or digit replaced by ``-``."""
+    return "rollouts-" + "".join(c if c.isascii() and (c.isdigit() or c.islower()) else "-" for c in workflow_id.lower())
+
+
+def dynamo_model(workflow_id: str) -> str:
+    """The model name a deployment's Dynamo workers register under (unique across deployments and
+    organizations; the gateway rewrites a request's ``model`` to it and the answer's back)."""
+    return workflow_id

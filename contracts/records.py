@@ -267,6 +267,10 @@ class ReplicaEndpoint(WireModel):
     transitioned_at: str | None = None
     # The node agent that runs it ("" in states from before node agents).
     node: str = ""
+    # A Dynamo worker's id in Dynamo's discovery (hex; "" for a vLLM server replica): the
+    # ``worker_id`` Dynamo's frontend reports. Its engine_url is then its control URL.
+    dynamo_worker: str = ""
+    dynamo_namespace: str = ""
 
 
 class Placement(WireModel):

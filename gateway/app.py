@@ -83,7 +83,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,6 +95,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from common.errors import ApiError, Internal, InvalidArgument, NotFound, Unavailable
 from common.settings import Settings
 from common.tokens import Principal, TokenStore
+from contracts.names import dynamo_model
+from gateway import dynamo
 from gateway.body import read_json_object
 from gateway.errors import error_response
 from gateway.nvext import (
@@ -135,6 +137,15 @@ class Attempt:
             self.first_token = now
         self.last_token = now
         self.token_events += 1
+
+
+@dataclass
+class Served:
+    """Who is serving a relayed stream: the replica (known from the start for a vLLM replica; for a
+    dynamo deployment, once Dynamo's frontend names its worker) and the URL whose load it counts."""
+
+    replica: ReplicaView
+    url: str
 
 
 def upstream_error(status: int, content: bytes, content_type: str | None) -> Response:
@@ -325,6 +336,8 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
             # A hot-load is (or was, in the cached view) under way: label against a current read.
             view = await router.fresh_view(view.workflow_id) or view
         attempt = Attempt(plan=plan, view=view)
+        if view.dynamo:
+            return await through_dynamo(attempt, path, session)
         # vLLM sends routes only on non-streamed answers: replay those as a stream.
         replay = plan.stream and "routed_experts" in plan.extra_fields
         upstream_body = plan.upstream
@@ -408,20 +421,86 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
             router.mark_ok(url)
             router.pin(session, replica.name)
             return StreamingResponse(
-                relay(attempt, replica, upstream, first, events),
+                relay(attempt, Served(replica, url), upstream, first, events),
                 status_code=200, media_type="text/event-stream", headers={REPLICA_HEADER: replica.name},
             )
         detail = "; ".join(failures[-4:]) or "no running replica"
         return error_response(Unavailable(f"no replica of {view.model_name} could take the request: {detail}"))
 
-    async def relay(attempt: Attempt, replica: ReplicaView, upstream: httpx.Response,
-                    first: str, events: AsyncIterator[str]) -> AsyncIterator[bytes]:
-        """Relay an SSE stream; nvext goes on the last chunk that carries a finish_reason."""
+    async def through_dynamo(attempt: Attempt, path: str, session: str | None):
+        """A dynamo deployment's request, through Dynamo's frontend (``gateway/dynamo.py``): its
+        router picks the worker (session affinity from ``X-Dynamo-Session-ID``); no retry here
+        (Dynamo migrates a request whose worker fails)."""
+        plan, view = attempt.plan, attempt.view
+        http: httpx.AsyncClient = state["http"]
+        url = settings.dynamo_frontend_url
+        headers = {"content-type": "application/json", **({SESSION_HEADER: session} if session else {})}
+        payload = json.dumps(dynamo.upstream_body(plan, dynamo_model(view.workflow_id))).encode()
+        workers = view.dynamo_workers()
+        served = Served(view.replicas[0], url)
+
+        def adapt(chunk: dict[str, Any]) -> None:
+            replica = dynamo.adopt(chunk, workers, view.model_name)
+            if replica is not None:
+                served.replica = replica
+
+        try:
+            upstream = await http.send(http.build_request("POST", f"{url}{path}", content=payload, headers=headers),
+                                       stream=True)
+        except httpx.TransportError as exc:
+            return error_response(Unavailable(f"Dynamo's frontend at {url} could not take the request for "
+                                              f"{view.model_name}: {type(exc).__name__}: {exc}"))
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            return upstream_error(upstream.status_code, content, upstream.headers.get("content-type"))
+        events = sse_events(upstream)
+        router.acquire(url)
+        if plan.stream:
+            try:
+                first = await anext(events)
+            except (httpx.HTTPError, StopAsyncIteration) as exc:
+                await upstream.aclose()
+                router.release(url)
+                return error_response(Unavailable(f"Dynamo's frontend stream for {view.model_name} failed before "
+                                                  f"its first event: {exc!r}"))
+            return StreamingResponse(relay(attempt, served, upstream, first, events, adapt),
+                                     status_code=200, media_type="text/event-stream")
+        assembler = dynamo.Assembler(plan.chat)
+        try:
+            async for data in events:
+                if data.strip() == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if isinstance(chunk, dict) and "error" in chunk:
+                    error = chunk["error"]
+                    message = error.get("message") if isinstance(error, dict) else str(error)
+                    return error_response(Unavailable(f"{view.model_name}: the answer broke off: {message}"))
+                adapt(chunk)
+                assembler.add(chunk)
+            else:
+                return error_response(Unavailable(f"{view.model_name}: Dynamo's frontend closed the answer before "
+                                                  "its end"))
+        except httpx.HTTPError as exc:
+            return error_response(Unavailable(f"{view.model_name}: the answer broke off: {exc!r}"))
+        finally:
+            await upstream.aclose()
+            router.release(url)
+        data = assembler.answer()
+        finish_answer(plan, data)
+        data["nvext"] = await response_nvext(attempt, served.replica, data)
+        return JSONResponse(data, headers={REPLICA_HEADER: served.replica.name})
+
+    async def relay(attempt: Attempt, served: Served, upstream: httpx.Response, first: str,
+                    events: AsyncIterator[str], adapt: Callable[[dict[str, Any]], None] | None = None
+                    ) -> AsyncIterator[bytes]:
+        """Relay an SSE stream; nvext goes on the last chunk that carries a finish_reason.
+        ``adapt`` (a dynamo deployment's) turns each chunk into a vLLM replica's first."""
         plan = attempt.plan
         held: dict[str, Any] | None = None  # a finish chunk, until we know whether it is the last
 
         async def with_nvext(chunk: dict[str, Any]) -> bytes:
-            chunk["nvext"] = {**(chunk.get("nvext") or {}), **(await response_nvext(attempt, replica, None))}
+            chunk["nvext"] = {**(chunk.get("nvext") or {}), **(await response_nvext(attempt, served.replica, None))}
             return sse(chunk)
 
         try:
@@ -448,6 +527,8 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
                 if not isinstance(chunk, dict) or "error" in chunk:
                     yield sse(chunk)  # vLLM's own error event: pass it on as it is
                     continue
+                if adapt is not None:
+                    adapt(chunk)
                 finish_chunk(plan, chunk)
                 if _has_tokens(chunk):
                     attempt.saw_tokens(time.monotonic())
@@ -466,12 +547,12 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
         except (httpx.HTTPError, StreamBroken) as exc:
             if held is not None:
                 yield sse(held)
-            log.warning("stream from %s broke: %r", replica.name, exc)
-            yield sse({"error": {"message": f"replica {replica.name} stream broke: {exc!r}; the answer is incomplete",
-                                 "type": "unavailable", "code": 503}})
+            log.warning("stream from %s broke: %r", served.replica.name, exc)
+            yield sse({"error": {"message": f"replica {served.replica.name} stream broke: {exc!r}; the answer is "
+                                            "incomplete", "type": "unavailable", "code": 503}})
         finally:
             await upstream.aclose()
-            router.release(replica.engine_url)
+            router.release(served.url)
 
     async def guarded(request: Request, path: str):
         # An exception escaping a handler makes the server drop the client's connection: answer it.

@@ -76,6 +76,8 @@ class ReplicaView:
     settled: bool = True
     # True when an active hot-load has not reached this replica yet (its weights are the old ones).
     pending: bool = False
+    # Its Dynamo worker id (hex) in a dynamo stack; "" for a vLLM server replica.
+    dynamo_worker: str = ""
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,15 @@ class DeploymentView:
 
     def describe(self) -> str:
         return f"{self.deployment_id} ({self.status}, {len(self.replicas)} running replica(s), weight {self.weight})"
+
+    @property
+    def dynamo(self) -> bool:
+        """Its replicas are Dynamo workers: requests go through Dynamo's frontend."""
+        return bool(self.replicas) and all(r.dynamo_worker for r in self.replicas)
+
+    def dynamo_workers(self) -> dict[int, ReplicaView]:
+        """Dynamo worker id -> replica."""
+        return {int(r.dynamo_worker, 16): r for r in self.replicas if r.dynamo_worker}
 
     def replica(self, name: str) -> ReplicaView | None:
         return next((r for r in self.replicas if r.name == name), None)
@@ -141,7 +152,8 @@ def build_view(
                 elif state == "PENDING_UPDATE":
                     pending = True
                 identity = step.get("currentSnapshotIdentity") or identity
-        replicas.append(ReplicaView(name, r.get("engineUrl", ""), identity, settled, pending))
+        replicas.append(ReplicaView(name, r.get("engineUrl", ""), identity, settled, pending,
+                                    str(r.get("dynamoWorker") or "")))
     return DeploymentView(
         deployment_id=spec["id"],
         model_name=(spec.get("model") or {}).get("name", spec["id"]),

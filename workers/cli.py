@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, metavar="ADDR",
                    help="IP address the stack's services bind and advertise (default $ROLLOUTS_HOST, else the "
                         "home's recorded one, else 127.0.0.1)")
+    p.add_argument("--dynamo", action="store_true",
+                   help="run dynamo-vllm replicas as NVIDIA Dynamo's vLLM workers behind Dynamo's frontend "
+                        "(recorded in the home: later `up`s keep it)")
     add("down", "stop everything the stack started")
     add("status", "what runs")
     add("api", "run the API server")

@@ -45,8 +45,9 @@ from common.addresses import AddressError, check_bind_host, host_port, is_wildca
 from common.processes import PidFile, port_in_use, spawn, stop_pid, tail
 from common.settings import DEFAULT_PORT_BASE, HOST_ENV, LOOPBACK, SEARCH_ATTRIBUTES, Settings
 from common.tokens import add_token, grant_default_bucket
+from gateway.dynamo_frontend import DynamoFrontend
 
-SERVICE_ORDER = ["temporal", "s3", "node", "worker", "api", "gateway"]
+SERVICE_ORDER = ["temporal", "s3", "dynamo", "node", "worker", "api", "gateway"]
 # The local node agent's name and how many replicas it runs (`up --node-slots`; 0: none here).
 LOCAL_NODE = "local"
 DEFAULT_NODE_SLOTS = 8
@@ -109,6 +110,7 @@ class Stack:
             "worker": [],
             "node": [],
             "gateway": [p["gateway"]],
+            "dynamo": [p["dynamo"]],
         }[name]
 
     # ---------------------------------------------------------------- services
@@ -144,10 +146,19 @@ class Stack:
             return [py, "-m", "workers.cli", "worker", *home]
         if name == "gateway":
             return [py, "-m", "workers.cli", "gateway", *home]
+        if name == "dynamo":
+            return self._dynamo_frontend().command()
         if name == "node":
             return [py, "-m", "workers.cli", "node", *home, "--name", LOCAL_NODE, "--address", self.s.host,
                     "--zone", self.s.zone, "--slots", str(self.node_slots), "--gpus", "0"]
         raise KeyError(name)
+
+    def _dynamo_frontend(self) -> DynamoFrontend:
+        return DynamoFrontend(self.s.dynamo_discovery_dir, log_path=self.log("dynamo"), host=self.s.host,
+                              port=self.s.ports["dynamo"])
+
+    def _env(self, name: str) -> dict[str, str] | None:
+        return self._dynamo_frontend().environment() if name == "dynamo" else None
 
     def _ready(self, name: str) -> Callable[[], bool]:
         p = self.s.ports
@@ -162,6 +173,8 @@ class Stack:
             return lambda: httpx.get(f"http://{host_port(self.s.host, p['api'])}/healthz", timeout=2).status_code == 200
         if name == "gateway":
             return lambda: httpx.get(f"http://{host_port(self.s.host, p['gateway'])}/healthz", timeout=2).status_code == 200
+        if name == "dynamo":
+            return lambda: httpx.get(f"{self.s.dynamo_frontend_url}/v1/models", timeout=2).status_code == 200
         if name == "worker":
             return lambda: (self.home / "run" / "worker.ready").exists()
         if name == "node":
@@ -206,7 +219,7 @@ class Stack:
                 f"on a fresh --home"
             )
         self._prepare(name)
-        pid = spawn(self._argv(name), log_path=self.log(name), pid_file=pf, cwd=self.home)
+        pid = spawn(self._argv(name), log_path=self.log(name), pid_file=pf, cwd=self.home, env=self._env(name))
         t0 = time.monotonic()
 
         def check() -> bool:
@@ -318,7 +331,9 @@ class Stack:
             say(self.ensure_base_model())
             # The node agent before the worker: the worker's check of the deployments restarts
             # their replicas through it.
-            services = (["node"] if self.node_slots else []) + ["worker", "api", "gateway"]
+            # Dynamo's frontend before the node agent: the replicas register with it.
+            services = (["dynamo"] if self.s.dynamo else []) + (["node"] if self.node_slots else []) + [
+                "worker", "api", "gateway"]
             for name in services:
                 say(self.start(name, timeout=START_TIMEOUT_S.get(name, 90.0)))
             say(self.ensure_default_gateway())
@@ -341,6 +356,8 @@ class Stack:
             "rollouts embedded stack is up:",
             f"  API            {s.api_url}/v1alpha1/inference",
             f"  gateway        {s.gateway_url}/v1  (id {s.gateway_id})",
+            *([f"  Dynamo         {s.dynamo_frontend_url}/v1  (the gateway's upstream; workers in "
+               f"{s.dynamo_discovery_dir})"] if s.dynamo else []),
             f"  Temporal       {s.temporal_address}  namespace {s.temporal_namespace}",
             f"  Temporal UI    {s.temporal_ui_url}",
             f"  S3 (SeaweedFS) {s.s3_endpoint}  bucket {s.bucket}",
@@ -397,13 +414,16 @@ def upload_dir(s3, local: Path, bucket: str, prefix: str) -> None:
         s3.upload_file(str(path), bucket, f"{prefix.strip('/')}/{path.name}")
 
 
-def load_or_create_settings(home: Path, port_base: int | None, host: str | None = None) -> Settings:
+def load_or_create_settings(home: Path, port_base: int | None, host: str | None = None,
+                            dynamo: bool = False) -> Settings:
     """The settings `up` starts from: the home's stack.json (its port base must match
     ``port_base`` when given), else a new configuration. ``host`` (``--host``; else
     ``ROLLOUTS_HOST``; else the recorded one; else 127.0.0.1) replaces the recorded host only
     while none of the stack's services runs."""
     if not (home / "stack.json").exists():
-        return Settings.create(home, port_base or DEFAULT_PORT_BASE, host or os.environ.get(HOST_ENV) or LOOPBACK)
+        settings = Settings.create(home, port_base or DEFAULT_PORT_BASE, host or os.environ.get(HOST_ENV) or LOOPBACK)
+        settings.dynamo = settings.dynamo or dynamo
+        return settings
     settings = Settings.load(home)
     if port_base is not None and settings.ports["api"] != port_base:
         raise StackError(
@@ -420,4 +440,5 @@ def load_or_create_settings(home: Path, port_base: int | None, host: str | None 
                 f"`rollouts up` on {wanted}"
             )
     settings.host = wanted
+    settings.dynamo = settings.dynamo or dynamo
     return settings

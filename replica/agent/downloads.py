@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,3 +28,26 @@ def download_prefix(s3: Any, bucket: str, prefix: str, dest: Path) -> int:
     if not any(dest.iterdir()):
         raise FileNotFoundError(f"no objects under s3://{bucket}/{prefix}")
     return total
+
+
+def download_shared(s3: Any, bucket: str, prefix: str, dest: Path) -> Path:
+    """``dest`` holding the objects under ``prefix/``, downloaded once for every replica of this
+    host that asks for the same ``dest``: each downloads into a directory of its own next to it
+    and renames it into place; when another replica's rename came first, the copy is dropped and
+    its ``dest`` used. Returns ``dest``. (The replicas of a dynamo deployment load their model from
+    one path: Dynamo's frontend admits workers of one model only with equal model cards, and a
+    card records the model's path.)"""
+    if dest.is_dir() and any(dest.iterdir()):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    mine = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    try:
+        download_prefix(s3, bucket, prefix, mine)
+        try:
+            mine.rename(dest)
+        except OSError:
+            if not (dest.is_dir() and any(dest.iterdir())):
+                raise
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)
+    return dest

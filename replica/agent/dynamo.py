@@ -93,6 +93,18 @@ class DynamoEngineProcess(EngineProcess):
         self.worker_id: int | None = None
         self.left = False
 
+    @classmethod
+    def attach(cls, base_url: str, *, pid: int | None = None, served_model_name: str | None = None,
+               secret: str | None = None, discovery_dir: Path | str = ".", namespace: str = ""
+               ) -> DynamoEngineProcess:
+        """A running worker whose system server is at ``base_url`` (its control URL)."""
+        self = cls("", work_dir=".", served_model_name=served_model_name or "", discovery_dir=discovery_dir,
+                   namespace=namespace)
+        self.secret = secret
+        self._base_url = base_url.rstrip("/")
+        self._pid = pid
+        return self
+
     @property
     def control_host(self) -> str:
         return "127.0.0.1"

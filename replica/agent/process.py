@@ -1,4 +1,5 @@
-"""One replica process: a vLLM engine, the host copy of its weights, and its Temporal agent.
+"""One replica process: a vLLM engine (or, in a dynamo stack, Dynamo's vLLM worker:
+`replica.agent.dynamo`), the host copy of its weights, and its Temporal agent.
 
 `run_replica` stops an engine a killed agent left behind, reclaims the shared memory of dead
 engines (`replica.agent.shm_reclaim`), downloads the deployment's model from the bucket, starts
@@ -20,6 +21,7 @@ agent drives it over loopback, or at that address when it is one specific addres
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import shutil
@@ -38,7 +40,8 @@ from contracts import names
 from contracts.activities import ApplySnapshotInput
 from contracts.records import ReplicaEndpoint, ReplicaFailure, rfc3339
 from replica.agent.activities import PeerActivities, ReplicaActivities
-from replica.agent.downloads import download_prefix
+from replica.agent.downloads import download_prefix, download_shared
+from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine import EngineProcess
 from replica.agent.runtime import ReplicaRuntime
 from replica.agent.shm_reclaim import reclaim_dead_segments
@@ -47,6 +50,13 @@ from replica.stage_arena import StageArena
 from snapshots.host import HostWeights
 
 log = logging.getLogger("rollouts.replica")
+
+
+def shared_model_dir(workflow_id: str, bucket: str, path: str) -> Path:
+    """Where a dynamo deployment's replicas on this host find its model: the same path on every
+    host (under the temporary directory, named by a digest of the deployment and the model)."""
+    digest = hashlib.sha256(f"{workflow_id}\n{bucket}\n{path}".encode()).hexdigest()[:24]
+    return Path(tempfile.gettempdir()) / "rollouts-models" / digest
 
 
 def engine_options(engine_config: dict[str, str]) -> dict[str, Any]:
@@ -102,14 +112,17 @@ async def run_replica(
     # Shared memory that killed engines (this replica's or others') left in /dev/shm.
     await asyncio.to_thread(reclaim_dead_segments)
     try:
-        model_dir = workdir / "model"
-        await asyncio.to_thread(download_prefix, s3, model_bucket, model_path, model_dir)
-        engine = EngineProcess(
-            model_dir,
+        if settings.dynamo:
+            # One path for every replica of the deployment on this host (replica.agent.downloads).
+            model_dir = await asyncio.to_thread(download_shared, s3, model_bucket, model_path,
+                                                shared_model_dir(workflow_id, model_bucket, model_path))
+        else:
+            model_dir = workdir / "model"
+            await asyncio.to_thread(download_prefix, s3, model_bucket, model_path, model_dir)
+        options = dict(
             # vLLM binds IPC sockets under the engine's TMPDIR, and a socket path must stay under
             # 108 bytes: keep it short, outside the (possibly deep) stack home.
             work_dir=Path(tempfile.gettempdir()) / "rollouts-engines" / name,
-            served_model_name=model_name,
             host=engine_bind,
             node_address=node_address,
             log_path=workdir / "engine.log",
@@ -117,6 +130,15 @@ async def run_replica(
             secret=settings.engine_secret(workflow_id, name),
             **engine_options(engine_config or {}),
         )
+        if settings.dynamo:
+            # Dynamo's vLLM worker, found by Dynamo's frontend through the shared discovery dir.
+            engine = DynamoEngineProcess(
+                model_dir, served_model_name=names.dynamo_model(workflow_id),
+                discovery_dir=settings.dynamo_discovery_dir, namespace=names.dynamo_namespace(workflow_id),
+                frontend_url=settings.dynamo_frontend_url, **options,
+            )
+        else:
+            engine = EngineProcess(model_dir, served_model_name=model_name, **options)
         await engine.start(on_spawn=engine_pid_file.write)
         await engine.set_weight_version("initial")
         # The host copy lives in shared memory: the engine takes its roll-back bytes from it.
@@ -164,6 +186,8 @@ async def run_replica(
                 name=name, zone=zone, task_queue=task_queue, node=node, engine_url=engine.public_url,
                 engine_pid=engine.pid, agent_pid=os.getpid(), current_snapshot_identity=runtime.current_identity,
                 started_at=now, transitioned_at=now,
+                dynamo_worker=f"{engine.worker_id:x}" if isinstance(engine, DynamoEngineProcess) else "",
+                dynamo_namespace=engine.namespace if isinstance(engine, DynamoEngineProcess) else "",
             ),
         )
         log.info("replica %s ready: engine %s (pid %d), queue %s", name, engine.public_url, engine.pid, task_queue)

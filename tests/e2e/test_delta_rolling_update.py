@@ -19,9 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
-from pathlib import Path
 
 import httpx
 import pytest
@@ -30,13 +28,13 @@ from common.processes import PidFile
 from snapshots.host import checkpoint_checksums
 from snapshots.inspect import read_delta_plan
 from snapshots.writer import write_delta
+from tests.helpers.chains import publish_chain
 from tests.helpers.replicas import (
     ROLLING_PREFIX,
     engines,
     fault,
     faults,
     hot_load,
-    hot_load_replicas,
     paused,
     running_requests,
     served_checksums,
@@ -44,7 +42,6 @@ from tests.helpers.replicas import (
     walk_order,
     write_faults,
 )
-from tests.helpers.stack_fixtures import cwtrain_python
 from tests.helpers.trainer import train_step
 from workers.stack import upload_dir
 
@@ -53,71 +50,14 @@ pytestmark = pytest.mark.stack
 LONG = 1900
 
 
-def changed_tensors(old: Path, new: Path) -> int:
-    """How many tensors differ between two checkpoints (what a delta between them carries)."""
-    a, b = checkpoint_checksums(old), checkpoint_checksums(new)
-    assert a.keys() == b.keys()
-    return sum(a[name] != b[name] for name in a)
-
-
-def cwtrain_write_delta(base: Path, new: Path, out: Path, version: str, base_version: str) -> None:
-    code = (
-        "import sys; from cwtrain.hotload.delta import write_delta; "
-        "write_delta(sys.argv[1], sys.argv[2], sys.argv[3], version=sys.argv[4], base_version=sys.argv[5])"
-    )
-    subprocess.run([str(cwtrain_python()), "-c", code, str(base), str(new), str(out), version, base_version], check=True)
-
-
-def publish_chain(stack, api, dep_id, tmp: Path, writer: str, tag: str, steps: int = 3) -> None:
-    """Full base, then `steps` deltas; after each, every replica serves exactly the trainer's weights."""
-    s3 = stack.s3_client()
-    base = stack.home_path / "models" / "base"
-    full_id = f"{tag}-000000"
-    upload_dir(s3, base, stack.bucket, f"{ROLLING_PREFIX}/{full_id}")
-    pids = {r["name"]: r["enginePid"] for r in engines(stack, dep_id)}
-    hl = hot_load(api, dep_id, full_id, None)
-    assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
-    prev_dir, prev_id = base, full_id
-    for step in range(1, steps + 1):
-        new_dir = train_step(prev_dir, tmp / f"{tag}-full-{step}", seed=step + (100 if writer == "cwtrain" else 0))
-        identity = f"{tag}-{step:06d}"
-        delta_dir = tmp / identity
-        if writer == "cwtrain":
-            cwtrain_write_delta(prev_dir, new_dir, delta_dir, identity, prev_id)
-        else:
-            stats = write_delta(prev_dir, new_dir, delta_dir, version=identity, base_version=prev_id)
-            assert stats.changed > 0
-        upload_dir(s3, delta_dir, stack.bucket, f"{ROLLING_PREFIX}/{identity}")
-        hl = hot_load(api, dep_id, identity, prev_id)
-        assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
-        assert [link["identity"] for link in hl["spec"]["snapshotChain"]] == [full_id] + [
-            f"{tag}-{i:06d}" for i in range(1, step + 1)
-        ]
-        reps = hot_load_replicas(api, hl["spec"]["id"])
-        assert [r["state"] for r in reps] == ["READY"] * 3
-        changed = changed_tensors(prev_dir, new_dir)
-        assert changed > 0
-        for r in reps:
-            assert r["verifiedTensors"] == changed and r["pauseMs"] > 0, (changed, r)
-        assert reps[0]["source"] == "bucket" and reps[0]["bytesReadFromBucket"] > 0
-        for r in reps[1:]:
-            assert r["source"].startswith("peer:"), r
-            assert r["bytesReadFromBucket"] == 0, r
-        expected = checkpoint_checksums(new_dir)
-        for replica in engines(stack, dep_id):
-            assert served_checksums(replica) == expected, f"{replica['name']} serves other weights"
-        prev_dir, prev_id = new_dir, identity
-    assert {r["name"]: r["enginePid"] for r in engines(stack, dep_id)} == pids
-
-
 def test_chain_of_our_deltas_reaches_every_replica(stack, rolling, tmp_path):
     api, dep = rolling
-    publish_chain(stack, api, dep["spec"]["id"], tmp_path, "ours", "ours")
+    publish_chain(stack, api, dep["spec"]["id"], tmp_path, "ours", "ours", prefix=ROLLING_PREFIX)
 
 
 def test_chain_of_cwtrain_deltas_reaches_every_replica(stack, rolling, tmp_path):
     api, dep = rolling
-    publish_chain(stack, api, dep["spec"]["id"], tmp_path, "cwtrain", "cw")
+    publish_chain(stack, api, dep["spec"]["id"], tmp_path, "cwtrain", "cw", prefix=ROLLING_PREFIX)
 
 
 def long_request(stack, model: str, i: int, started: threading.Event, out: dict) -> None:

@@ -31,6 +31,7 @@ from temporalio.client import WorkflowExecutionStatus
 
 from common.settings import Settings, temporal_client
 from contracts.names import deployment_workflow_id, hot_load_workflow_id
+from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine import EngineProcess
 from replica.faults import FAULTS_FILE
 from tests.helpers.stack_fixtures import Api
@@ -124,7 +125,8 @@ def walk_order(settings: Settings, dep_id: str) -> list[dict]:
 
 def _with_engine(replica: dict, read: Any) -> Any:
     async def run() -> Any:
-        engine = EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"])
+        kind = DynamoEngineProcess if replica.get("dynamoWorker") else EngineProcess
+        engine = kind.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"])
         try:
             return await read(engine)
         finally:

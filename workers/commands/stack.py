@@ -15,7 +15,9 @@ from workers.stack import DEFAULT_NODE_SLOTS, Stack, StackError, load_or_create_
 def up(args: argparse.Namespace) -> int:
     try:
         slots = args.node_slots if args.node_slots is not None else DEFAULT_NODE_SLOTS
-        Stack(load_or_create_settings(args.home, args.port_base, getattr(args, "host", None)), node_slots=slots).up()
+        settings = load_or_create_settings(args.home, args.port_base, getattr(args, "host", None),
+                                           dynamo=bool(getattr(args, "dynamo", False)))
+        Stack(settings, node_slots=slots).up()
     except StackError as exc:
         print(f"rollouts: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,136 @@
+"""Requests and answers between the gateway and Dynamo's frontend (a dynamo stack's deployments).
+
+Pure functions and one accumulator; ``gateway/app.py`` calls them around each upstream request.
+
+- ``upstream_body(plan, model)``: the body Dynamo's frontend gets: the planned body
+  (``gateway.nvext.plan_request`` validated it and applied the gateway's limits) with ``model``
+  set to the deployment's Dynamo model name (``contracts.names.dynamo_model``), the cache salt
+  back under ``nvext.cache_salt``, ``nvext.extra_fields`` = ``engine_data`` and ``worker_id``
+  (what the gateway needs; the client's own extra fields are the gateway's to answer), vLLM's
+  ``return_token_ids`` removed unless the client itself sent it (Dynamo refuses it: that 400 is
+  the client's), and always ``stream: true``: Dynamo reports each choice's ``engine_data`` (its
+  completion token ids and, from our worker, its per-token weight versions) on that choice's
+  finishing chunk, while a non-streamed answer carries one ``engine_data`` for all choices. A
+  client that did not ask for a stream gets the chunks assembled (:class:`Assembler`), with
+  ``usage`` (``stream_options.include_usage``).
+- ``adopt(chunk, workers, model)``: one chunk from Dynamo made into what the rest of the gateway
+  reads from a vLLM replica: ``nvext.engine_data`` goes onto the chunk's choice as
+  ``weight_versions`` and ``token_ids`` (``gateway.nvext`` takes them from there), Dynamo's
+  ``nvext`` is removed (the gateway writes its own), ``model`` becomes the client-facing name;
+  returns the replica that served it (``nvext.worker_id.decode_worker_id`` looked up in
+  ``workers``, Dynamo worker id -> replica), or None when the chunk does not say.
+- ``Assembler(chat)``: ``add(chunk)`` for each adopted chunk, then ``answer()``: the non-streamed
+  OpenAI answer (``text_completion`` / ``chat.completion``): per choice, text or message content
+  and logprobs concatenated in order, the last ``finish_reason`` / ``stop_reason``, the token ids
+  and weight versions of its finishing chunk; ``usage`` from the usage chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from gateway.nvext import RequestPlan
+
+GATEWAY_EXTRA_FIELDS = ["engine_data", "worker_id"]
+R = TypeVar("R")
+
+
+def upstream_body(plan: RequestPlan, model: str) -> dict[str, Any]:
+    body = dict(plan.upstream)
+    if not plan.client_token_ids:
+        body.pop("return_token_ids", None)
+    nvext: dict[str, Any] = {"extra_fields": list(GATEWAY_EXTRA_FIELDS)}
+    salt = body.pop("cache_salt", None)
+    if salt is not None:
+        nvext["cache_salt"] = salt
+    body.update(model=model, nvext=nvext, stream=True)
+    if not plan.stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def adopt(chunk: dict[str, Any], workers: Mapping[int, R], model: str) -> R | None:
+    nvext = chunk.pop("nvext", None)
+    nvext = nvext if isinstance(nvext, dict) else {}
+    if "model" in chunk:
+        chunk["model"] = model
+    engine_data = nvext.get("engine_data")
+    choices = chunk.get("choices") or []
+    if isinstance(engine_data, dict) and choices and isinstance(choices[0], dict):
+        if "weight_versions" in engine_data:
+            choices[0]["weight_versions"] = engine_data["weight_versions"]
+        if isinstance(engine_data.get("completion_token_ids"), list):
+            choices[0]["token_ids"] = engine_data["completion_token_ids"]
+    worker = nvext.get("worker_id")
+    worker = worker.get("decode_worker_id") if isinstance(worker, dict) else None
+    try:
+        return workers.get(int(worker)) if worker is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _extend(into: dict[str, Any], key: str, value: Any) -> None:
+    if isinstance(value, list):
+        into.setdefault(key, []).extend(value)
+
+
+class Assembler:
+    """Chunks of one streamed answer -> the non-streamed answer (module docstring)."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.head: dict[str, Any] = {}
+        self.choices: dict[int, dict[str, Any]] = {}
+        self.usage: Any = None
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        for key in ("id", "created", "model", "system_fingerprint"):
+            if key in chunk and key not in self.head:
+                self.head[key] = chunk[key]
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+        for part in chunk.get("choices") or []:
+            if isinstance(part, dict):
+                self._add_choice(part)
+
+    def _add_choice(self, part: dict[str, Any]) -> None:
+        index = int(part.get("index") or 0)
+        choice = self.choices.get(index)
+        if choice is None:
+            choice = {"index": index, "logprobs": None, "finish_reason": None}
+            choice.update({"message": {"role": "assistant", "content": ""}} if self.chat else {"text": ""})
+            self.choices[index] = choice
+        logprobs = part.get("logprobs")
+        if isinstance(logprobs, dict):
+            acc = choice["logprobs"] = choice["logprobs"] or {}
+            for key, value in logprobs.items():
+                if isinstance(value, list):
+                    _extend(acc, key, value)
+                else:
+                    acc.setdefault(key, value)
+        if self.chat:
+            delta = part.get("delta") or {}
+            message = choice["message"]
+            for key, value in delta.items():
+                if key == "content" or key == "reasoning_content":
+                    if value is not None:
+                        message[key] = (message.get(key) or "") + value
+                elif value is not None:
+                    message[key] = value
+        else:
+            choice["text"] += part.get("text") or ""
+        for key in ("finish_reason", "stop_reason"):
+            if part.get(key) is not None:
+                choice[key] = part[key]
+        for key in ("token_ids", "weight_versions"):
+            if key in part:
+                choice[key] = part[key]
+
+    def answer(self) -> dict[str, Any]:
+        return {
+            **self.head,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "choices": [self.choices[i] for i in sorted(self.choices)],
+            "usage": self.usage,
+        }
