@@ -1,0 +1,140 @@
+"""PROMPT_CACHE_POLICY_PRESERVE vs RESET_ALL on a Dynamo worker, request by request, through the
+gateway and Dynamo's frontend (the models and the reasoning: tests/e2e/test_prompt_cache_policy.py,
+tests/helpers/kv_models.py).
+
+The sixteen requests must run on the first worker of the walk: the other worker leaves Dynamo's
+routing pool (its ``leave`` route, as a pause does) while they are sent, and joins again once they
+all generate. The first worker's swap is held in its pause while the test reads how many requests
+it froze there; exactly those answers carry two spans, and each one's spans give the token ``k``
+where NEW took over: under RESET_ALL every token still counts, under PRESERVE token ``k`` is ``P``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+
+from replica.agent.dynamo import DynamoEngineProcess
+from tests.helpers.dynamo_stack import DYNAMO_PREFIX
+from tests.helpers.kv_models import REQUESTS, N, P, kv_models
+from tests.helpers.replicas import (
+    fault,
+    faults,
+    hot_load,
+    paused,
+    running_requests,
+    start_hot_load,
+    walk_order,
+    write_faults,
+)
+from workers.base_model import VOCAB
+from workers.stack import upload_dir
+
+pytestmark = pytest.mark.stack
+
+
+def streamed(settings, model: str, prompt: list[int], go: threading.Barrier, started: threading.Event,
+             out: dict) -> None:
+    """A greedy streamed completion through the gateway: its token ids, spans and replica."""
+    body = {"model": model, "prompt": prompt, "max_tokens": N, "temperature": 0, "ignore_eos": True, "stream": True,
+            "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]}}
+    headers = {"Authorization": f"Bearer {settings.admin_token}"}
+    try:
+        go.wait(60)
+        with httpx.stream("POST", f"{settings.gateway_url}/v1/completions", json=body, headers=headers,
+                          timeout=900) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if any(c.get("text") for c in chunk.get("choices") or []):
+                    started.set()
+                nvext = chunk.get("nvext")
+                if nvext:
+                    out["tokens"] = nvext["completion_token_ids"]
+                    out["spans"] = nvext["weight_versions"].get("spans")
+                    out["replica"] = nvext["worker_id"]["decode_worker_id"]
+    finally:
+        started.set()
+
+
+def _control(replica: dict, route: str) -> None:
+    async def run() -> None:
+        engine = DynamoEngineProcess.attach(replica["engineUrl"], secret=replica["engineSecret"])
+        try:
+            await engine.control(route)
+        finally:
+            await engine.aclose()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("policy", ["PROMPT_CACHE_POLICY_RESET_ALL", "PROMPT_CACHE_POLICY_PRESERVE"])
+def test_each_request_spanning_an_update_follows_the_policy_on_dynamo(dynamo_stack, dyn, tmp_path, policy):
+    api, dep = dyn
+    settings, dep_id, model = dynamo_stack, dep["spec"]["id"], dep["spec"]["model"]["name"]
+    tag = policy.rsplit("_", 1)[-1].lower().replace("all", "reset")
+    old_id, new_id = f"dynkv-{tag}-0", f"dynkv-{tag}-1"
+    old_dir, new_dir = kv_models(settings.home_path / "models" / "base", tmp_path)
+    upload_dir(settings.s3_client(), old_dir, settings.bucket, f"{DYNAMO_PREFIX}/{old_id}")
+    upload_dir(settings.s3_client(), new_dir, settings.bucket, f"{DYNAMO_PREFIX}/{new_id}")
+    assert hot_load(api, dep_id, old_id, None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
+    first, *others = walk_order(settings, dep_id)
+
+    prompts = [[5, 17 + i, P] for i in range(REQUESTS)]
+    outs: list[dict] = [{} for _ in prompts]
+    started = [threading.Event() for _ in prompts]
+    go = threading.Barrier(REQUESTS)
+    threads = [threading.Thread(target=streamed, args=(settings, model, p, go, e, o))
+               for p, e, o in zip(prompts, started, outs)]
+    at_start = fault("apply_snapshot", first["name"], "hold")
+    hold = fault("swap", first["name"], "hold")
+    hl_id, frozen, was_paused = None, -1, False
+    try:
+        with faults(settings, at_start, hold):
+            hl_id = start_hot_load(api, dep_id, new_id, None, promptCachePolicy=policy)
+            at_start.wait_fired(settings, dep_id)
+            for other in others:  # every request goes to the first worker
+                _control(other, "leave")
+            try:
+                for t in threads:
+                    t.start()
+                assert all(e.wait(600) for e in started)
+            finally:
+                for other in others:
+                    _control(other, "join")
+            write_faults(settings, [hold])
+            hold.wait_fired(settings, dep_id)
+            was_paused, frozen = paused(first), running_requests(first)
+    finally:
+        hl = api.wait_hot_load(hl_id) if hl_id else None
+        for t in threads:
+            t.join(900)
+    assert was_paused, "the held swap was not inside a pause"
+    assert frozen >= 1, "no request was running when the pause began"
+    assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
+    assert {o.get("replica") for o in outs} == {first["name"]}, [o.get("replica") for o in outs]
+
+    counting = [(P + 1 + i) % VOCAB for i in range(N)]
+    spanning = 0
+    for prompt, out in zip(prompts, outs):
+        tokens, spans = out["tokens"], out.get("spans")
+        assert len(tokens) == N and tokens[0] == counting[0], f"{prompt}: {len(tokens)} tokens"
+        assert spans is not None and spans[0]["start"] == 0 and spans[-1]["end"] == N, (prompt, spans)
+        if len(spans) == 1:
+            assert spans == [{"choice": 0, "identity": old_id, "start": 0, "end": N}] and tokens == counting
+            continue
+        spanning += 1
+        k = spans[1]["start"]
+        assert spans == [{"choice": 0, "identity": old_id, "start": 0, "end": k},
+                         {"choice": 0, "identity": new_id, "start": k, "end": N}]
+        assert 0 < k < N and tokens[:k] == counting[:k], (prompt, k)
+        if policy.endswith("RESET_ALL"):
+            assert tokens == counting, f"{prompt}: NEW did not count from token {k} (it kept OLD's cache)"
+        else:
+            assert tokens[k] == P, f"{prompt}: token {k} is {tokens[k]}, not {P} (NEW did not read OLD's cache)"
+    assert spanning == frozen, f"{frozen} request(s) frozen in the pause, {spanning} answer(s) span the update"
