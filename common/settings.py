@@ -138,6 +138,8 @@ class Settings:
     # dynamo-vllm replicas run as NVIDIA Dynamo's vLLM workers behind Dynamo's frontend (the
     # gateway in front of it), instead of vLLM's OpenAI server behind the gateway alone.
     dynamo: bool = False
+    # Dynamo's router: "least-loaded", or "kv" (by prefix-cache overlap; workers publish KV events).
+    dynamo_router_mode: str = "least-loaded"
     extra: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived
@@ -263,6 +265,8 @@ class Settings:
             value = env.get(f"ROLLOUTS_{name.upper()}")
             if value:
                 setattr(self, name, value)
+        if env.get("ROLLOUTS_DYNAMO_ROUTER_MODE"):
+            self.dynamo_router_mode = env["ROLLOUTS_DYNAMO_ROUTER_MODE"]
         if env.get(DYNAMO_ENV):
             self.dynamo = env[DYNAMO_ENV].strip().lower() in ("1", "true", "yes", "on")
         return self

@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dynamo", action="store_true",
                    help="run dynamo-vllm replicas as NVIDIA Dynamo's vLLM workers behind Dynamo's frontend "
                         "(recorded in the home: later `up`s keep it)")
+    p.add_argument("--dynamo-router-mode", choices=("least-loaded", "kv"), default=None,
+                   help="Dynamo's router in a dynamo stack: least-loaded (default) or kv (by prefix-cache overlap)")
     add("down", "stop everything the stack started")
     add("status", "what runs")
     add("api", "run the API server")

@@ -155,7 +155,7 @@ class Stack:
 
     def _dynamo_frontend(self) -> DynamoFrontend:
         return DynamoFrontend(self.s.dynamo_discovery_dir, log_path=self.log("dynamo"), host=self.s.host,
-                              port=self.s.ports["dynamo"])
+                              port=self.s.ports["dynamo"], router_mode=self.s.dynamo_router_mode)
 
     def _env(self, name: str) -> dict[str, str] | None:
         return self._dynamo_frontend().environment() if name == "dynamo" else None

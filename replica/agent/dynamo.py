@@ -23,6 +23,9 @@ Everything the agent does with an engine works unchanged on it:
   (``join``). A lone worker stays registered: a request that reaches it during the pause waits
   for the resume (the pause window), as on a vLLM replica, rather than failing for want of a
   worker. A request the frontend routed before it saw the ``leave`` also waits for the resume.
+- **KV events**: with ``kv_events`` (a stack whose Dynamo router mode is ``kv``) the worker
+  publishes its KV-cache events over ZMQ on ``node_address`` (a free port) for Dynamo's KV-aware
+  router.
 - **Readiness**: ``/health`` answers ``"status": "ready"`` and the worker's ``rollouts/instance``
   route answers with its Dynamo worker id (``worker_id``), so a port some other process holds is
   never taken for this worker.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +43,8 @@ from urllib.parse import unquote
 
 import httpx
 
-from common.processes import free_port_below
+from common.addresses import host_port
+from common.processes import free_port, free_port_below
 from replica.agent.engine import EngineProcess, EngineStartError, _tail
 from replica.agent.engine_rpc import EngineRequestError
 from replica.launch import DYNAMO_WORKER_MODULE
@@ -85,8 +90,11 @@ class DynamoEngineProcess(EngineProcess):
     """A Dynamo vLLM worker for one model directory (module docstring)."""
 
     def __init__(self, model_dir: Path | str, *, discovery_dir: Path | str, namespace: str,
-                 frontend_url: str | None = None, **options: Any) -> None:
+                 frontend_url: str | None = None, kv_events: bool = False, **options: Any) -> None:
         super().__init__(model_dir, **options)
+        # Publish KV-cache events (ZMQ, on the node address) for Dynamo's KV-aware router.
+        self.kv_events = kv_events
+        self.kv_events_port: int | None = None
         self.discovery_dir = Path(discovery_dir)
         self.namespace = namespace
         self.frontend_url = frontend_url.rstrip("/") if frontend_url else None
@@ -130,6 +138,12 @@ class DynamoEngineProcess(EngineProcess):
         ]  # fmt: skip
         if self.worker_extension_cls:
             cmd += ["--worker-extension-cls", self.worker_extension_cls]
+        if self.kv_events:
+            if self.kv_events_port is None:
+                self.kv_events_port = free_port(self.node_address)
+            cmd += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": f"tcp://{host_port(self.node_address, self.kv_events_port)}"})]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:

@@ -135,7 +135,8 @@ async def run_replica(
             engine = DynamoEngineProcess(
                 model_dir, served_model_name=names.dynamo_model(workflow_id),
                 discovery_dir=settings.dynamo_discovery_dir, namespace=names.dynamo_namespace(workflow_id),
-                frontend_url=settings.dynamo_frontend_url, **options,
+                frontend_url=settings.dynamo_frontend_url, kv_events=settings.dynamo_router_mode == "kv",
+                **options,
             )
         else:
             engine = EngineProcess(model_dir, served_model_name=model_name, **options)

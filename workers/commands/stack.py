@@ -17,6 +17,8 @@ def up(args: argparse.Namespace) -> int:
         slots = args.node_slots if args.node_slots is not None else DEFAULT_NODE_SLOTS
         settings = load_or_create_settings(args.home, args.port_base, getattr(args, "host", None),
                                            dynamo=bool(getattr(args, "dynamo", False)))
+        if getattr(args, "dynamo_router_mode", None):
+            settings.dynamo_router_mode = args.dynamo_router_mode
         Stack(settings, node_slots=slots).up()
     except StackError as exc:
         print(f"rollouts: {exc}", file=sys.stderr)
