@@ -19,6 +19,11 @@ Environment variables override single values in both cases:
 - where this process listens: ``ROLLOUTS_HOST`` (the :attr:`Settings.host` the embedded stack's
   services, the API and the gateway bind and advertise; default ``127.0.0.1``),
   ``ROLLOUTS_API_PORT``, ``ROLLOUTS_GATEWAY_PORT``;
+- a dynamo stack (:attr:`Settings.dynamo`: replicas are NVIDIA Dynamo's vLLM workers behind
+  Dynamo's frontend): ``ROLLOUTS_DYNAMO`` (``1`` turns it on), ``ROLLOUTS_DYNAMO_ROUTER_MODE``
+  (``least-loaded`` or ``kv``), ``ROLLOUTS_DYNAMO_FRONTEND_URL`` (default: the stack's host, port
+  base + 2), ``ROLLOUTS_DYNAMO_DISCOVERY_DIR`` (Dynamo's ``file`` discovery directory, shared by
+  the frontend and every worker; default ``HOME/dynamo/discovery``);
 - names: ``ROLLOUTS_BUCKET``, ``ROLLOUTS_ZONE``, ``ROLLOUTS_ORGANIZATION_ID``,
   ``ROLLOUTS_GATEWAY_ID``, ``ROLLOUTS_MODEL_NAME``, ``ROLLOUTS_BASE_MODEL_PATH`` (the field of
   the same name in lower case, :data:`ENV_FIELDS`).

@@ -1,0 +1,183 @@
+"""Unit tests: what the gateway sends Dynamo's frontend and how it reads the answers
+(gateway/dynamo.py), the worker side's routes and span stamping with stand-in engines
+(replica/engine/dynamo_routes.py), and the names a dynamo deployment's workers use. The real
+thing runs in tests/dynamo/ and tests/replica/test_dynamo_worker.py."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from urllib.parse import quote
+
+from contracts.names import dynamo_model, dynamo_namespace
+from gateway import dynamo
+from gateway.nvext import finish_choice, plan_request, version_spans
+from replica.agent.dynamo import registered_workers
+from replica.engine.dynamo_routes import SpanRecorder, control_routes
+
+
+def test_upstream_body_streams_asks_for_engine_data_and_moves_the_salt():
+    plan = plan_request({"model": "m", "prompt": [1, 2], "n": 2, "logprobs": 1,
+                         "nvext": {"cache_salt": "s1", "extra_fields": ["timing"]}}, "/v1/completions")
+    body = dynamo.upstream_body(plan, "deployments/org/x")
+    assert body["model"] == "deployments/org/x" and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["nvext"] == {"extra_fields": ["engine_data", "worker_id"], "cache_salt": "s1"}
+    assert "cache_salt" not in body and "return_token_ids" not in body
+    chat = plan_request({"model": "m", "messages": [], "logprobs": True, "stream": True,
+                         "stream_options": {"include_usage": False}}, "/v1/chat/completions")
+    body = dynamo.upstream_body(chat, "d")
+    assert "return_token_ids" not in body and body["stream_options"] == {"include_usage": False}
+    asked = plan_request({"model": "m", "prompt": [1], "return_token_ids": True}, "/v1/completions")
+    assert dynamo.upstream_body(asked, "d")["return_token_ids"] is True  # the client's: Dynamo answers it
+
+
+def _chunk(index: int, text: str, finish: str | None = None, engine_data: dict | None = None,
+           worker: int | None = None) -> dict:
+    chunk = {"id": "c1", "created": 5, "model": "deployments/org/x", "object": "text_completion",
+             "choices": [{"index": index, "text": text, **({"finish_reason": finish} if finish else {}),
+                          "logprobs": {"tokens": [f"token_id:{len(text)}"], "token_logprobs": [-1.0]}}]}
+    nvext = {}
+    if engine_data is not None:
+        nvext["engine_data"] = engine_data
+    if worker is not None:
+        nvext["worker_id"] = {"prefill_worker_id": worker, "decode_worker_id": worker}
+    if nvext:
+        chunk["nvext"] = nvext
+    return chunk
+
+
+def test_adopt_and_assemble_give_exact_spans_per_choice():
+    workers = {0xABC: "replica-a", 0xDEF: "replica-b"}
+    plan = plan_request({"model": "m", "prompt": [1], "n": 2}, "/v1/completions")
+    assembler = dynamo.Assembler(chat=False)
+    chunks = [
+        _chunk(0, "a"), _chunk(1, "x"),
+        _chunk(0, "b", "length", {"completion_token_ids": [7, 8], "weight_versions": [
+            {"version": "s1", "start": 0, "end": 1}, {"version": "s2", "start": 1, "end": 2}]}, 0xDEF),
+        _chunk(1, "y", "length", {"completion_token_ids": [9, 10],
+                                  "weight_versions": [{"version": "s2", "start": 0, "end": 2}]}, 0xDEF),
+        {"id": "c1", "created": 5, "model": "deployments/org/x", "choices": [],
+         "usage": {"prompt_tokens": 1, "completion_tokens": 4}},
+    ]
+    served = set()
+    for chunk in chunks:
+        replica = dynamo.adopt(chunk, workers, "my-model")
+        if replica is not None:
+            served.add(replica)
+        assert "nvext" not in chunk and chunk["model"] == "my-model"
+        assembler.add(chunk)
+    assert served == {"replica-b"}
+    answer = assembler.answer()
+    assert answer["object"] == "text_completion" and answer["usage"]["completion_tokens"] == 4
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]] == [(0, "ab", "length"),
+                                                                                      (1, "xy", "length")]
+    assert answer["choices"][0]["logprobs"]["tokens"] == ["token_id:1", "token_id:1"]
+    for choice in answer["choices"]:
+        finish_choice(plan, choice)
+    assert version_spans(plan) == [{"choice": 0, "identity": "s1", "start": 0, "end": 1},
+                                   {"choice": 0, "identity": "s2", "start": 1, "end": 2},
+                                   {"choice": 1, "identity": "s2", "start": 0, "end": 2}]
+    assert all("token_ids" not in c and "weight_versions" not in c for c in answer["choices"])
+
+
+def test_assembler_builds_a_chat_message():
+    assembler = dynamo.Assembler(chat=True)
+    for part in ({"role": "assistant", "content": "He"}, {"content": "llo"}):
+        assembler.add({"id": "c", "choices": [{"index": 0, "delta": part}]})
+    assembler.add({"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    answer = assembler.answer()
+    assert answer["object"] == "chat.completion"
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
+    assert answer["choices"][0]["finish_reason"] == "stop"
+
+
+def test_names_of_a_dynamo_deployment():
+    assert dynamo_namespace("deployments/Org_A/x.1") == "rollouts-deployments-org-a-x-1"
+    assert dynamo_model("deployments/org/x") == "deployments/org/x"
+
+
+def test_registered_workers_reads_the_file_discovery_directory(tmp_path):
+    folder = tmp_path / "v1" / "instances"
+    folder.mkdir(parents=True)
+    for key in ("ns-a/backend/generate/00ab", "ns-a/backend/generate/00cd", "ns-a/backend/rl/00ab",
+                "ns-b/backend/generate/0ef0"):
+        (folder / quote(key, safe="")).write_text("{}")
+    assert registered_workers(tmp_path, "ns-a") == ["00ab", "00cd"]
+    assert registered_workers(tmp_path / "missing", "ns-a") == []
+
+
+class _Engine:
+    """A stand-in for vLLM's AsyncLLM: records calls, fails where told."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        self.calls.append(("pause", mode, clear_cache))
+
+    async def collective_rpc(self, method: str, timeout, args, kwargs):
+        if method == "boom":
+            raise RuntimeError("worker failed")
+        return [{"method": method, "args": list(args)}, 3]
+
+
+class _Endpoint:
+    def __init__(self) -> None:
+        self.registered = True
+
+    async def unregister_endpoint_instance(self) -> None:
+        self.registered = False
+
+    async def register_endpoint_instance(self) -> None:
+        self.registered = True
+
+    def connection_id(self) -> int:
+        return 0xABC
+
+
+def test_control_routes_need_the_secret_and_answer_errors_in_the_body():
+    engine, endpoint = _Engine(), _Endpoint()
+    routes = control_routes(engine, endpoint, "s3cret")
+    run = asyncio.run
+    assert run(routes["pause"]({"mode": "keep"}))["error"]["code"] == 401
+    assert run(routes["pause"]({"secret": "nope", "mode": "keep"}))["error"]["code"] == 401
+    assert engine.calls == []
+    assert run(routes["pause"]({"secret": "s3cret", "mode": "keep", "clear_cache": True})) == {"status": "paused"}
+    assert engine.calls == [("pause", "keep", True)]
+    assert run(routes["collective_rpc"]({"secret": "s3cret", "method": "m", "args": [1]})) == {
+        "results": [{"method": "m", "args": [1]}, "3"]}
+    failed = run(routes["collective_rpc"]({"secret": "s3cret", "method": "boom"}))
+    assert failed["error"]["code"] == 500 and "worker failed" in failed["error"]["message"]
+    assert run(routes["collective_rpc"]({"secret": "s3cret"}))["error"]["code"] == 400
+    assert run(routes["leave"]({"secret": "s3cret"})) == {"status": "left"} and not endpoint.registered
+    assert run(routes["join"]({"secret": "s3cret"})) == {"status": "joined"} and endpoint.registered
+    assert run(routes["instance"]({"secret": "s3cret"})) == {"worker_id": 0xABC}
+
+
+def test_span_recorder_stamps_each_finishing_choice():
+    recorder = SpanRecorder()
+    span = SimpleNamespace(version="v2", start=0, end=2)
+
+    async def generate(prompt, params, request_id):
+        yield SimpleNamespace(outputs=[SimpleNamespace(index=0, finish_reason=None, weight_versions=None)])
+        yield SimpleNamespace(outputs=[SimpleNamespace(index=0, finish_reason="length", weight_versions=[span]),
+                                       SimpleNamespace(index=1, finish_reason="stop", weight_versions=None)])
+
+    recording = recorder.wrap_generate(generate)
+
+    async def generate_tokens(prompt, params, request_id):
+        async for _ in recording(prompt, params, request_id):
+            pass
+        yield {"index": 0, "token_ids": [1]}
+        yield {"index": 0, "token_ids": [2], "finish_reason": "length"}
+        yield {"index": 1, "token_ids": [3], "finish_reason": "stop"}
+
+    async def collect():
+        return [out async for out in recorder.wrap_tokens(generate_tokens)(None, None, "r1")]
+
+    outs = asyncio.run(collect())
+    assert "engine_data" not in outs[0]
+    assert outs[1]["engine_data"] == {"weight_versions": [{"version": "v2", "start": 0, "end": 2}]}
+    assert "engine_data" not in outs[2]  # vLLM reported no spans for it: nothing is made up
+    assert recorder.final == {}
