@@ -27,6 +27,10 @@ Contract:
   before its first event) is sent to the next replica. A stream that breaks after bytes reached
   the client ends with an SSE error event ``data: {"error": {...}}`` and no ``[DONE]``: never a
   silent truncation (a stream that ends without vLLM's ``[DONE]`` counts as broken).
+- A dynamo deployment (its replicas are Dynamo workers: a dynamo stack) is served through
+  Dynamo's frontend instead (``through_dynamo``; docs/design.md "Dynamo"): same auth, routing
+  table, 400s and ``nvext``; Dynamo's router picks the worker; a 503 before the answer began
+  (no worker registered at that moment) is asked again for up to ``DYNAMO_WAIT_S``.
 - During a replica's pause (``/pause?mode=keep`` while a hot-load swaps its weights) vLLM queues
   new requests itself; the gateway does not time them out (read timeout 600 s), so they wait.
 - Responses pass through as vLLM wrote them, plus: ``choices[].logprobs.content[].token_id`` on
@@ -113,6 +117,10 @@ from gateway.routing import DeploymentView, ReplicaView, Router, refresh_loop, w
 
 log = logging.getLogger("rollouts.gateway")
 SESSION_HEADER = "x-dynamo-session-id"
+# How long a dynamo deployment's request waits for Dynamo's frontend to have a worker (503), and
+# how often it asks again.
+DYNAMO_WAIT_S = 60.0
+DYNAMO_RETRY_S = 0.1
 REPLICA_HEADER = "x-rollouts-replica"
 
 
@@ -429,8 +437,9 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
 
     async def through_dynamo(attempt: Attempt, path: str, session: str | None):
         """A dynamo deployment's request, through Dynamo's frontend (``gateway/dynamo.py``): its
-        router picks the worker (session affinity from ``X-Dynamo-Session-ID``); no retry here
-        (Dynamo migrates a request whose worker fails)."""
+        router picks the worker (session affinity from ``X-Dynamo-Session-ID``). A 503 or a
+        refused connection before the answer began is asked again for up to ``DYNAMO_WAIT_S``;
+        nothing else is retried (Dynamo migrates a request whose worker fails)."""
         plan, view = attempt.plan, attempt.view
         http: httpx.AsyncClient = state["http"]
         url = settings.dynamo_frontend_url
@@ -444,15 +453,27 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
             if replica is not None:
                 served.replica = replica
 
-        try:
-            upstream = await http.send(http.build_request("POST", f"{url}{path}", content=payload, headers=headers),
-                                       stream=True)
-        except httpx.TransportError as exc:
-            return error_response(Unavailable(f"Dynamo's frontend at {url} could not take the request for "
-                                              f"{view.model_name}: {type(exc).__name__}: {exc}"))
-        if upstream.status_code != 200:
+        # Dynamo answers 503 while no worker of the model is registered (all of them paused, or
+        # between one leaving and another joining): nothing reached the client yet, so wait for
+        # one, as a request to a paused vLLM replica waits for its resume, up to DYNAMO_WAIT_S.
+        deadline = time.monotonic() + DYNAMO_WAIT_S
+        while True:
+            try:
+                upstream = await http.send(
+                    http.build_request("POST", f"{url}{path}", content=payload, headers=headers), stream=True)
+            except httpx.TransportError as exc:
+                if time.monotonic() < deadline:
+                    await asyncio.sleep(DYNAMO_RETRY_S)
+                    continue
+                return error_response(Unavailable(f"Dynamo's frontend at {url} could not take the request for "
+                                                  f"{view.model_name}: {type(exc).__name__}: {exc}"))
+            if upstream.status_code == 200:
+                break
             content = await upstream.aread()
             await upstream.aclose()
+            if upstream.status_code == 503 and time.monotonic() < deadline:
+                await asyncio.sleep(DYNAMO_RETRY_S)
+                continue
             return upstream_error(upstream.status_code, content, upstream.headers.get("content-type"))
         events = sse_events(upstream)
         router.acquire(url)

@@ -8,6 +8,8 @@ frontend and router, behind the gateway; real Temporal, S3, cwtrain and HTTP.
   first worker's pause carry both identities in exact per-token spans.
 - ``X-Dynamo-Session-ID`` keeps each trajectory on the worker its first turn went to, with
   Dynamo's router spreading the first turns over both workers.
+- A request that arrives while no worker is in Dynamo's routing pool (every one paused) waits
+  for one to return instead of failing.
 - The trainer-facing contract holds: tokens, the gateway's own 400s, Dynamo's 400s in the
   gateway's error shape.
 """
@@ -16,14 +18,16 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
 
+from contracts.names import deployment_workflow_id, dynamo_model
 from snapshots.host import checkpoint_checksums
 from snapshots.writer import write_delta
 from tests.helpers.chains import publish_chain
-from tests.helpers.dynamo_stack import DYNAMO_PREFIX, REPLICAS
+from tests.helpers.dynamo_stack import DYNAMO_PREFIX, REPLICAS, control
 from tests.helpers.replicas import (
     engines,
     fault,
@@ -67,6 +71,10 @@ def test_cwtrain_full_then_three_deltas_reach_every_dynamo_worker(dynamo_stack, 
     versions = r.json()["nvext"]["weight_versions"]
     assert versions["identity"] == "dyncw-000003" and versions["exact"], versions
     assert [(s["choice"], s["start"], s["end"]) for s in versions["spans"]] == [(0, 0, 4), (1, 0, 4)]
+
+
+def dynamo_model_of(settings, dep) -> str:
+    return dynamo_model(deployment_workflow_id(settings.organization_id, dep["spec"]["id"]))
 
 
 def long_request(settings, model: str, i: int, started: threading.Event, out: dict) -> None:
@@ -188,6 +196,31 @@ def test_session_affinity_keeps_each_trajectory_on_one_worker(dynamo_stack, dyn)
     for _ in range(2):
         for session in sessions:
             assert turn(session, 2) == first_turn[session], session
+
+
+def test_a_request_waits_while_no_worker_is_in_the_pool(dynamo_stack, dyn):
+    api, dep = dyn
+    settings, model = dynamo_stack, dep["spec"]["model"]["name"]
+    workers = engines(settings, dep["spec"]["id"])
+    body = {"model": model, "prompt": [4, 5, 6], "max_tokens": 3}
+    out: dict = {}
+    for w in workers:
+        control(w, "leave")
+    try:
+        # The premise: Dynamo's frontend itself now refuses the deployment's requests.
+        direct = httpx.post(f"{settings.dynamo_frontend_url}/v1/completions", timeout=30,
+                            json={**body, "model": dynamo_model_of(settings, dep)})
+        assert direct.status_code == 503, direct.text
+        sender = threading.Thread(target=lambda: out.update(r=httpx.post(
+            f"{settings.gateway_url}/v1/completions", json=body, headers=_headers(settings), timeout=120)))
+        sender.start()
+        time.sleep(2.0)
+        assert sender.is_alive(), "the request did not wait"
+    finally:
+        for w in workers:
+            control(w, "join")
+    sender.join(120)
+    assert out["r"].status_code == 200, out["r"].text
 
 
 def test_the_trainer_facing_contract_holds_on_dynamo(dynamo_stack, dyn):

@@ -11,15 +11,13 @@ where NEW took over: under RESET_ALL every token still counts, under PRESERVE to
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 
 import httpx
 import pytest
 
-from replica.agent.dynamo import DynamoEngineProcess
-from tests.helpers.dynamo_stack import DYNAMO_PREFIX
+from tests.helpers.dynamo_stack import DYNAMO_PREFIX, control
 from tests.helpers.kv_models import REQUESTS, N, P, kv_models
 from tests.helpers.replicas import (
     fault,
@@ -62,17 +60,6 @@ def streamed(settings, model: str, prompt: list[int], go: threading.Barrier, sta
         started.set()
 
 
-def _control(replica: dict, route: str) -> None:
-    async def run() -> None:
-        engine = DynamoEngineProcess.attach(replica["engineUrl"], secret=replica["engineSecret"])
-        try:
-            await engine.control(route)
-        finally:
-            await engine.aclose()
-
-    asyncio.run(run())
-
-
 @pytest.mark.parametrize("policy", ["PROMPT_CACHE_POLICY_RESET_ALL", "PROMPT_CACHE_POLICY_PRESERVE"])
 def test_each_request_spanning_an_update_follows_the_policy_on_dynamo(dynamo_stack, dyn, tmp_path, policy):
     api, dep = dyn
@@ -99,14 +86,14 @@ def test_each_request_spanning_an_update_follows_the_policy_on_dynamo(dynamo_sta
             hl_id = start_hot_load(api, dep_id, new_id, None, promptCachePolicy=policy)
             at_start.wait_fired(settings, dep_id)
             for other in others:  # every request goes to the first worker
-                _control(other, "leave")
+                control(other, "leave")
             try:
                 for t in threads:
                     t.start()
                 assert all(e.wait(600) for e in started)
             finally:
                 for other in others:
-                    _control(other, "join")
+                    control(other, "join")
             write_faults(settings, [hold])
             hold.wait_fired(settings, dep_id)
             was_paused, frozen = paused(first), running_requests(first)
