@@ -5,8 +5,8 @@
 For each router mode in turn, a dynamo stack (``rollouts up --dynamo --dynamo-router-mode MODE``,
 in a temporary home; one at a time) with a ``--replicas`` deployment of the embedded model. GRPO
 groups: ``--groups`` prompts of ``--prompt`` random tokens, each sampled ``--samples`` times as
-separate requests (16 tokens at temperature 1) sent together, ``--waves`` groups at once, through
-the gateway. Prints, per mode: the prefix-cache hit rate (cached prompt tokens / prompt tokens,
+separate requests (16 tokens at temperature 1): the first alone, then the others together
+(``--together``: all at once), ``--waves`` groups at once, through the gateway. Prints, per mode: the prefix-cache hit rate (cached prompt tokens / prompt tokens,
 from each answer's ``usage.prompt_tokens_details.cached_tokens``), the groups whose samples all
 ran on one worker, and the wall time; then kv / least-loaded. (One request with ``n`` samples
 always runs on one worker: this measures groups sent as separate requests.)
@@ -53,7 +53,10 @@ async def run_groups(settings: Settings, model: str, args: argparse.Namespace) -
 
         async def group(prompt: list[int]) -> None:
             nonlocal cached, prompt_tokens, one_worker
-            results = await asyncio.gather(*(sample(prompt) for _ in range(args.samples)))
+            # The first sample alone, then the rest together (--together: all at once): once one
+            # worker holds the prompt's blocks, a KV-aware router can send the rest there.
+            first = [] if args.together else [await sample(prompt)]
+            results = first + list(await asyncio.gather(*(sample(prompt) for _ in range(args.samples - len(first)))))
             prompt_tokens += sum(p for p, _, _ in results)
             cached += sum(c for _, c, _ in results)
             one_worker += len({w for _, _, w in results}) == 1
@@ -89,6 +92,7 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--prompt", type=int, default=400)
     p.add_argument("--waves", type=int, default=4)
+    p.add_argument("--together", action="store_true", help="send a group's samples all at once")
     args = p.parse_args()
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-kv-") as tmp:
@@ -97,7 +101,8 @@ def main() -> int:
             results[mode] = measure(mode, args, Path(tmp))
             print(f"[{mode}] {results[mode]}", flush=True)
     ll, kv = results["least-loaded"], results["kv"]
-    print(f"\n{args.groups} groups x {args.samples} samples of a {args.prompt}-token prompt, {args.waves} groups at once, "
+    print(f"\n{args.groups} groups x {args.samples} samples of a {args.prompt}-token prompt "
+          f"({'all at once' if args.together else 'the first alone, then the rest'}), {args.waves} groups at once, "
           f"{args.replicas} workers")
     print(f"{'':32}{'least-loaded':>14}{'kv':>10}{'kv/ll':>8}")
     print(f"{'prefix-cache hit rate':32}{ll['hit_rate']:14.3f}{kv['hit_rate']:10.3f}"
