@@ -1,6 +1,7 @@
 """The dynamo stack: an embedded stack whose dynamo-vllm replicas are NVIDIA Dynamo's vLLM workers
 behind Dynamo's frontend (``rollouts up --dynamo``), with one 2-replica deployment for the
-folder's tests. It is a second stack beside the suite's own (free ports of its own); the shared
+folder's tests. Both are package-scoped (this folder is a package: ``__init__.py``), so they stop
+once the folder's last test ran, before any other folder starts engines. It is a second stack beside the suite's own (free ports of its own); the shared
 deployments' pool is released before these tests (tests/conftest.py), so with the replica tests'
 engine at most three engines run."""
 
