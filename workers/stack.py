@@ -329,12 +329,10 @@ class Stack:
                 say(self.start(name))
             self.keep_history()
             say(self.ensure_base_model())
-            # The node agent before the worker: the worker's check of the deployments restarts
-            # their replicas through it.
-            # Dynamo's frontend before the node agent: the replicas register with it.
-            services = (["dynamo"] if self.s.dynamo else []) + (["node"] if self.node_slots else []) + [
-                "worker", "api", "gateway"]
-            for name in services:
+            # Dynamo's frontend before the node agent (the replicas register with it); the node
+            # agent before the worker: the worker's check of the deployments restarts their
+            # replicas through it (SERVICE_ORDER).
+            for name in self.services()[2:]:
                 say(self.start(name, timeout=START_TIMEOUT_S.get(name, 90.0)))
             say(self.ensure_default_gateway())
         except BaseException:
@@ -384,7 +382,7 @@ class Stack:
                 stop_pid(pid, timeout=20)
                 say(f"{pf.path.stem:<7} {pf.path.parent.name:<20} stopped (pid {pid})")
             pf.remove()
-        for name in reversed(SERVICE_ORDER):
+        for name in reversed(self.services()):
             if name not in ("worker", "node"):
                 self._stop_service(name, say)
         say(f"data kept in {self.home}")
@@ -399,8 +397,14 @@ class Stack:
             say(f"{name:<9} not running")
         pf.remove()
 
+    def services(self) -> list[str]:
+        """The services this stack runs, in start order: Dynamo's frontend only in a dynamo stack,
+        the local node agent only with node slots."""
+        return [name for name in SERVICE_ORDER
+                if (name != "dynamo" or self.s.dynamo) and (name != "node" or self.node_slots)]
+
     def status(self) -> dict[str, int | None]:
-        out: dict[str, int | None] = {name: self.pid_file(name).alive_pid() for name in SERVICE_ORDER}
+        out: dict[str, int | None] = {name: self.pid_file(name).alive_pid() for name in self.services()}
         for pf in self.replica_pid_files():
             out[f"{pf.path.stem} {pf.path.parent.name}"] = pf.alive_pid()
         return out
