@@ -106,12 +106,10 @@ class DynamoEngineProcess(EngineProcess):
                secret: str | None = None, discovery_dir: Path | str = ".", namespace: str = ""
                ) -> DynamoEngineProcess:
         """A running worker whose system server is at ``base_url`` (its control URL)."""
-        self = cls("", work_dir=".", served_model_name=served_model_name or "", discovery_dir=discovery_dir,
-                   namespace=namespace)
-        self.secret = secret
-        self._base_url = base_url.rstrip("/")
-        self._pid = pid
-        return self
+        engine = super().attach(base_url, pid=pid, served_model_name=served_model_name, secret=secret,
+                                discovery_dir=discovery_dir, namespace=namespace)
+        assert isinstance(engine, DynamoEngineProcess)
+        return engine
 
     @property
     def control_host(self) -> str:

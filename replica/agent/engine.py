@@ -49,6 +49,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -137,10 +138,11 @@ class EngineProcess(EngineClient):
 
     @classmethod
     def attach(cls, base_url: str, *, pid: int | None = None, served_model_name: str | None = None,
-               secret: str | None = None) -> EngineProcess:
+               secret: str | None = None, **options: Any) -> EngineProcess:
         """An EngineProcess for an engine that is already running at ``base_url``; ``secret``:
-        that engine's (without it, the engine refuses everything but ``/health``)."""
-        self = cls("", work_dir=".", served_model_name=served_model_name or "")
+        that engine's (without it, the engine refuses everything but ``/health``); ``options``:
+        what a subclass's constructor needs besides."""
+        self = cls("", work_dir=".", served_model_name=served_model_name or "", **options)
         self.secret = secret
         self._base_url = base_url.rstrip("/")
         self._pid = pid
