@@ -129,10 +129,10 @@ def test_in_flight_requests_through_dynamo_span_a_pause(dynamo_stack, dyn, tmp_p
     new_dir = train_step(base, tmp_path / "new", seed=78)
     write_delta(base, new_dir, tmp_path / delta_id, version=delta_id, base_version=full_id)
     upload_dir(s3, tmp_path / delta_id, settings.bucket, f"{DYNAMO_PREFIX}/{delta_id}")
-    first = walk_order(settings, dep_id)[0]
+    first, *others = walk_order(settings, dep_id)
 
-    # Three requests per worker, generating on the old weights when the first worker's step
-    # starts; its swap is then held inside its pause (fault point ``swap``).
+    # Three requests per worker's worth, generating on the old weights on the first worker when
+    # its step starts; its swap is then held inside its pause (fault point ``swap``).
     outs: list[dict] = [{} for _ in range(3 * REPLICAS)]
     started = [threading.Event() for _ in outs]
     threads = [threading.Thread(target=long_request, args=(settings, model, i, e, o))
@@ -144,9 +144,17 @@ def test_in_flight_requests_through_dynamo_span_a_pause(dynamo_stack, dyn, tmp_p
         with faults(settings, at_start, hold):
             hl_id = start_hot_load(api, dep_id, delta_id, full_id)
             at_start.wait_fired(settings, dep_id)
-            for t in threads:
-                t.start()
-            assert all(e.wait(600) for e in started)
+            # Dynamo's router decides where requests go; for some to be surely on the first
+            # worker when it pauses, the others are out of the pool while they are sent.
+            for other in others:
+                control(other, "leave")
+            try:
+                for t in threads:
+                    t.start()
+                assert all(e.wait(600) for e in started)
+            finally:
+                for other in others:
+                    control(other, "join")
             write_faults(settings, [hold])
             hold.wait_fired(settings, dep_id)
             was_paused, frozen = paused(first), running_requests(first)
