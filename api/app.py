@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import uuid
 from contextlib import asynccontextmanager
@@ -139,6 +140,20 @@ def require_granted(p: Principal, model: ModelSource | None, hot_load: HotLoadCo
             raise PermissionDenied(problem)
 
 
+# Engines whose deployments may hot-load, comma-separated: the guide's rule (dynamo-vllm alone) by
+# default; an operator comparing engines (bench/dynamo_vs_vllm.py) may add vllm.
+HOT_LOAD_ENGINES_ENV = "ROLLOUTS_HOT_LOAD_ENGINES"
+
+
+def allowed_hot_load_engines() -> tuple[str, ...]:
+    value = os.environ.get(HOT_LOAD_ENGINES_ENV, "").strip()
+    engines = tuple(e.strip() for e in value.split(",") if e.strip()) if value else (names.HOT_LOAD_ENGINE,)
+    unknown = [e for e in engines if e not in names.ENGINES]
+    if unknown:
+        raise SystemExit(f"{HOT_LOAD_ENGINES_ENV}: {', '.join(unknown)} is not an engine ({', '.join(names.ENGINES)})")
+    return engines
+
+
 def create_app(
     settings: Settings,
     *,
@@ -148,6 +163,7 @@ def create_app(
     tracer: Any = None,
 ) -> FastAPI:
     tokens = TokenStore(settings.tokens_file)
+    hot_load_engines = allowed_hot_load_engines()
     state: dict[str, Any] = {}
     request_tracer = tracer or telemetry_tracer("rollouts.api")
 
@@ -312,7 +328,8 @@ def create_app(
         gatewayIds: list[str] = Query(default=[]), p: Principal = Depends(principal)  # noqa: N803 - wire name
     ) -> dict[str, Any]:
         return {
-            "runtimes": [{"engine": names.HOT_LOAD_ENGINE, "versions": ["0.32.0"], "hotLoadSupported": True}],
+            "runtimes": [{"engine": engine, "versions": ["0.32.0"], "hotLoadSupported": engine in hot_load_engines}
+                         for engine in names.ENGINES],
             "engineConfigKeys": list(ENGINE_CONFIG_KEYS),
             "instanceTypes": [{"name": "cpu-local", "gpuCount": 0, "zones": [settings.zone]}],
             "zones": [settings.zone],
@@ -324,9 +341,10 @@ def create_app(
         if body.hot_load is not None:
             if not p.hot_load_enabled:
                 raise FailedPrecondition("hot-load is not enabled for this organization")
-            if body.runtime.engine != names.HOT_LOAD_ENGINE:
+            if body.runtime.engine not in hot_load_engines:
                 raise InvalidArgument(
-                    f"runtime.engine: hot-loading needs {names.HOT_LOAD_ENGINE!r}, got {body.runtime.engine!r}"
+                    f"runtime.engine: hot-loading needs {' or '.join(map(repr, hot_load_engines))}, "
+                    f"got {body.runtime.engine!r}"
                 )
         if body.autoscaling.max < body.autoscaling.min:
             raise InvalidArgument("autoscaling.max must be at least autoscaling.min")

@@ -13,6 +13,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, field_validator, mo
 
 from common.buckets import bucket_problem, normalize_path, path_problem
 from common.ids import resource_id_problem
+from contracts import names
 from contracts.records import (
     ENUM_NUMBERS,
     Autoscaling,
@@ -116,6 +117,13 @@ class RuntimeIn(Runtime):
     engine_config: dict[Annotated[str, Field(max_length=128)], Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=dict, max_length=64
     )
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, v: str) -> str:
+        if v not in names.ENGINES:
+            raise ValueError(f"unsupported engine {v!r}; supported: {', '.join(names.ENGINES)}")
+        return v
 
     @field_validator("engine_config")
     @classmethod

@@ -19,11 +19,12 @@ Environment variables override single values in both cases:
 - where this process listens: ``ROLLOUTS_HOST`` (the :attr:`Settings.host` the embedded stack's
   services, the API and the gateway bind and advertise; default ``127.0.0.1``),
   ``ROLLOUTS_API_PORT``, ``ROLLOUTS_GATEWAY_PORT``;
-- a dynamo stack (:attr:`Settings.dynamo`: replicas are NVIDIA Dynamo's vLLM workers behind
-  Dynamo's frontend): ``ROLLOUTS_DYNAMO`` (``1`` turns it on), ``ROLLOUTS_DYNAMO_ROUTER_MODE``
+- NVIDIA Dynamo (a ``dynamo-vllm`` deployment's replicas are Dynamo's vLLM workers behind
+  Dynamo's frontend): ``ROLLOUTS_DYNAMO_ROUTER_MODE``
   (``least-loaded`` or ``kv``), ``ROLLOUTS_DYNAMO_FRONTEND_URL`` (default: the stack's host, port
-  base + 2), ``ROLLOUTS_DYNAMO_DISCOVERY_DIR`` (Dynamo's ``file`` discovery directory, shared by
-  the frontend and every worker; default ``HOME/dynamo/discovery``);
+  base + 2), ``ROLLOUTS_DYNAMO_DISCOVERY`` (Dynamo's discovery backend: ``file``, the default, or
+  ``kubernetes`` on a Kubernetes install), ``ROLLOUTS_DYNAMO_DISCOVERY_DIR`` (the ``file``
+  backend's directory, shared by the frontend and every worker; default ``HOME/dynamo/discovery``);
 - names: ``ROLLOUTS_BUCKET``, ``ROLLOUTS_ZONE``, ``ROLLOUTS_ORGANIZATION_ID``,
   ``ROLLOUTS_GATEWAY_ID``, ``ROLLOUTS_MODEL_NAME``, ``ROLLOUTS_BASE_MODEL_PATH`` (the field of
   the same name in lower case, :data:`ENV_FIELDS`).
@@ -66,7 +67,7 @@ ENGINE_SECRET_HEADER = "x-rollouts-engine-secret"
 PORT_OFFSETS = {
     "api": 0,
     "gateway": 1,
-    "dynamo": 2,  # Dynamo's frontend (a dynamo stack: Settings.dynamo)
+    "dynamo": 2,  # Dynamo's frontend (dynamo-vllm deployments)
     "temporal": 10,
     "temporal_ui": 11,
     "temporal_http": 12,
@@ -83,8 +84,20 @@ DEFAULT_PORT_BASE = 17200
 HOST_ENV = "ROLLOUTS_HOST"
 # Ports a process may be told to listen on instead of its stack's.
 PORT_ENVS = {"api": "ROLLOUTS_API_PORT", "gateway": "ROLLOUTS_GATEWAY_PORT"}
-# "1": a dynamo stack (Settings.dynamo), for processes started without stack.json.
-DYNAMO_ENV = "ROLLOUTS_DYNAMO"
+# Dynamo's discovery backends (ROLLOUTS_DYNAMO_DISCOVERY): a directory the frontend and every
+# worker share, or the Kubernetes API (deploy/kubernetes).
+DYNAMO_DISCOVERY_BACKENDS = ("file", "kubernetes")
+# What Dynamo's kubernetes discovery reads to know the pod a process runs in (the downward API).
+DYNAMO_POD_ENV = ("POD_NAME", "POD_NAMESPACE", "POD_UID")
+
+
+def dynamo_pod_problem() -> str | None:
+    """Why this process cannot use Dynamo's kubernetes discovery (a pod variable unset), or None."""
+    missing = [name for name in DYNAMO_POD_ENV if not os.environ.get(name)]
+    if not missing:
+        return None
+    return (f"Dynamo's kubernetes discovery needs {', '.join(DYNAMO_POD_ENV)} from the downward API "
+            f"(deploy/kubernetes/base/dynamo.yaml); {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set")
 # Plain string fields any process takes from ROLLOUTS_<FIELD_UPPER> when set.
 ENV_FIELDS = ("bucket", "zone", "organization_id", "gateway_id", "model_name", "base_model_path")
 # What a cluster install (no stack.json) must set: Settings.from_env.
@@ -140,9 +153,6 @@ class Settings:
     viewer_token: str = ""
     # Keys every replica engine's secret (engine_secret); never leaves stack.json.
     engine_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
-    # dynamo-vllm replicas run as NVIDIA Dynamo's vLLM workers behind Dynamo's frontend (the
-    # gateway in front of it), instead of vLLM's OpenAI server behind the gateway alone.
-    dynamo: bool = False
     # Dynamo's router: "least-loaded", or "kv" (by prefix-cache overlap; workers publish KV events).
     dynamo_router_mode: str = "least-loaded"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -180,9 +190,17 @@ class Settings:
 
     @property
     def dynamo_frontend_url(self) -> str:
-        """Dynamo's frontend (a dynamo stack): where the gateway sends a deployment's requests."""
+        """Dynamo's frontend: where the gateway sends a dynamo-vllm deployment's requests."""
         port = self.ports.get("dynamo") or self.ports["api"] + PORT_OFFSETS["dynamo"]
         return os.environ.get("ROLLOUTS_DYNAMO_FRONTEND_URL") or f"http://{host_port(self.host, port)}"
+
+    @property
+    def dynamo_discovery_backend(self) -> str:
+        """Dynamo's discovery backend (``ROLLOUTS_DYNAMO_DISCOVERY``; default ``file``)."""
+        backend = os.environ.get("ROLLOUTS_DYNAMO_DISCOVERY") or "file"
+        if backend not in DYNAMO_DISCOVERY_BACKENDS:
+            raise SystemExit(f"ROLLOUTS_DYNAMO_DISCOVERY: {backend!r} is not one of {', '.join(DYNAMO_DISCOVERY_BACKENDS)}")
+        return backend
 
     @property
     def dynamo_discovery_dir(self) -> Path:
@@ -233,6 +251,8 @@ class Settings:
         data["home"] = str(home)
         # A stack.json from before Dynamo's frontend had a port.
         data["ports"].setdefault("dynamo", data["ports"]["api"] + PORT_OFFSETS["dynamo"])
+        # A stack.json from when Dynamo was a stack-wide switch (now runtime.engine's).
+        data.pop("dynamo", None)
         return cls(**data).with_env()
 
     @classmethod
@@ -272,8 +292,6 @@ class Settings:
                 setattr(self, name, value)
         if env.get("ROLLOUTS_DYNAMO_ROUTER_MODE"):
             self.dynamo_router_mode = env["ROLLOUTS_DYNAMO_ROUTER_MODE"]
-        if env.get(DYNAMO_ENV):
-            self.dynamo = env[DYNAMO_ENV].strip().lower() in ("1", "true", "yes", "on")
         return self
 
     @classmethod
@@ -324,7 +342,7 @@ class Settings:
             "TEMPORAL_ADDRESS": self.temporal_address,
             "TEMPORAL_NAMESPACE": self.temporal_namespace,
             "TEMPORAL_UI_URL": self.temporal_ui_url,
-            **({"ROLLOUTS_DYNAMO_FRONTEND_URL": self.dynamo_frontend_url} if self.dynamo else {}),
+            "ROLLOUTS_DYNAMO_FRONTEND_URL": self.dynamo_frontend_url,
         }
 
 

@@ -29,6 +29,8 @@ class StartReplicasInput(WireModel):
     names: list[str]
     zone: str
     model: ModelSource
+    # runtime.engine (contracts.names.ENGINES): Dynamo's vLLM worker, or vLLM's OpenAI server.
+    engine: str = "dynamo-vllm"
     # runtime.engineConfig: vLLM flags for the replica's engine (e.g. "max-model-len").
     engine_config: dict[str, str] = Field(default_factory=dict)
     # The snapshot a new replica must serve before it reports ready (a restart or a scale-up

@@ -24,8 +24,12 @@ REPLICA_READY = "replica_ready"
 REPLICA_FAILED = "replica_failed"
 HOT_LOAD_FINISHED = "hot_load_finished"
 DESCRIBE = "describe"
-# The engine every hot-loadable deployment runs (the guide: hot-loading requires it).
+# runtime.engine values. dynamo-vllm: each replica is NVIDIA Dynamo's vLLM worker behind Dynamo's
+# frontend; the only engine that hot-loads (the guide). vllm: vLLM's OpenAI server behind the gateway
+# alone; it serves, without hot-loading.
 HOT_LOAD_ENGINE = "dynamo-vllm"
+VLLM_ENGINE = "vllm"
+ENGINES = (HOT_LOAD_ENGINE, VLLM_ENGINE)
 
 # The node registry (one per control plane, on the control queue): node agents report to it by
 # signal; deployments place and release replicas through it (by activity: a workflow cannot call

@@ -10,7 +10,6 @@ snapshot chain an admitted create loads: the predecessor's completed chain plus 
 
 from __future__ import annotations
 
-from contracts import names
 from contracts.errors import ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, rejected
 from contracts.records import (
     ConditionStatus,
@@ -106,14 +105,14 @@ def admit(state: DeploymentInput, cmd: CreateHotLoadCommand, *, deleting: bool) 
             raise rejected(INVALID_ARGUMENT, "a delta cannot be its own previousSnapshotIdentity")
     if not cmd.organization_hot_load_enabled:
         raise rejected(FAILED_PRECONDITION, "hot-load is not enabled for this organization")
+    # The API admits a hotLoad section only on an engine that hot-loads (api/app.py: dynamo-vllm,
+    # or what ROLLOUTS_HOT_LOAD_ENGINES allows), so a deployment that has one may hot-load.
     if spec.hot_load is None:
         raise rejected(
             FAILED_PRECONDITION,
             f"hot-load is not enabled on deployment {spec.id}: it was created without a hotLoad "
             "section, which cannot be added later",
         )
-    if spec.runtime.engine != names.HOT_LOAD_ENGINE:
-        raise rejected(FAILED_PRECONDITION, f"hot-load requires runtime.engine {names.HOT_LOAD_ENGINE!r}")
     if state.active_hot_load_id is not None:
         raise rejected(
             FAILED_PRECONDITION,

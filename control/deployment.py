@@ -245,6 +245,7 @@ class DeploymentWorkflow:
             names=names_,
             zone=self.state.gateway_zones[0] if self.state.gateway_zones else "LOCAL-1A",
             model=self.spec.model,
+            engine=self.spec.runtime.engine,
             engine_config=self.spec.runtime.engine_config,
             target_chain=self.state.chains.get(latest) if latest else None,
             hot_load_config=self.spec.hot_load,

@@ -4,6 +4,7 @@
     rollouts demo [--steps N ...]      up, a 2-replica deployment, a tiny GRPO loop that learns
                                        through delta hot-loads, a plot and a table, down
     rollouts api | worker | gateway    one service process (what `up` starts)
+    rollouts dynamo-frontend           NVIDIA Dynamo's frontend, for a cluster install
     rollouts node [--name N --address A --slots N | --gpus N]   a node agent: runs replicas here
     rollouts nodes [NAME]              the node agents the control plane knows, and their replicas
     rollouts replica ...               one replica (started by its node agent)
@@ -29,6 +30,7 @@ import sys
 from pathlib import Path
 
 from common.settings import home_from_env
+from contracts import names
 
 # Each command's handler, "module:function" (workers/commands/), imported only when the command
 # runs: every process the stack starts and every operator command loads what it runs and no more.
@@ -39,6 +41,7 @@ COMMANDS: dict[str, str] = {
     "api": "workers.commands.api:main",
     "worker": "workers.commands.worker:main",
     "gateway": "workers.commands.gateway:main",
+    "dynamo-frontend": "workers.commands.dynamo:main",
     "replica": "workers.commands.replica:main",
     "node": "workers.commands.node:main",
     "nodes": "workers.commands.node:list_nodes",
@@ -85,19 +88,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, metavar="ADDR",
                    help="IP address the stack's services bind and advertise (default $ROLLOUTS_HOST, else the "
                         "home's recorded one, else 127.0.0.1)")
-    p.add_argument("--dynamo", action="store_true",
-                   help="run dynamo-vllm replicas as NVIDIA Dynamo's vLLM workers behind Dynamo's frontend "
-                        "(recorded in the home: later `up`s keep it)")
     p.add_argument("--dynamo-router-mode", choices=("least-loaded", "kv"), default=None,
-                   help="Dynamo's router in a dynamo stack: least-loaded (default) or kv (by prefix-cache overlap)")
+                   help="Dynamo's router for dynamo-vllm replicas: least-loaded (default) or kv (by prefix-cache "
+                        "overlap; recorded in the home: later `up`s keep it)")
     add("down", "stop everything the stack started")
     add("status", "what runs")
     add("api", "run the API server")
     add("worker", "run the control-plane worker")
     add("gateway", "run the gateway")
+    p = add("dynamo-frontend", "run NVIDIA Dynamo's frontend (a cluster install; `up` starts its own)")
+    p.add_argument("--port", type=int, default=_env_int("ROLLOUTS_DYNAMO_PORT"),
+                   help="HTTP port (default $ROLLOUTS_DYNAMO_PORT, else the stack's port base + 2)")
+    p.add_argument("--address", default=os.environ.get("ROLLOUTS_DYNAMO_ADDRESS"), metavar="ADDR",
+                   help="this host's address, where workers send answers back (default $ROLLOUTS_DYNAMO_ADDRESS, "
+                        "else the settings' host)")
     p = add("replica", "run one replica (engine + agent)")
     for flag in ("--deployment", "--name", "--workflow-id", "--zone", "--model-bucket", "--model-path", "--model-name"):
         p.add_argument(flag, required=True)
+    p.add_argument("--engine", choices=names.ENGINES, default=names.HOT_LOAD_ENGINE,
+                   help="runtime.engine: dynamo-vllm (Dynamo's vLLM worker) or vllm (vLLM's OpenAI server)")
     p.add_argument("--engine-config", default="{}", help="JSON runtime.engineConfig: vLLM flags")
     p.add_argument("--catch-up", default=None, help="JSON ApplySnapshotInput to load before reporting ready")
     p.add_argument("--node-address", default=None, metavar="ADDR",

@@ -354,8 +354,8 @@ class Stack:
             "rollouts embedded stack is up:",
             f"  API            {s.api_url}/v1alpha1/inference",
             f"  gateway        {s.gateway_url}/v1  (id {s.gateway_id})",
-            *([f"  Dynamo         {s.dynamo_frontend_url}/v1  (the gateway's upstream; workers in "
-               f"{s.dynamo_discovery_dir})"] if s.dynamo else []),
+            f"  Dynamo         {s.dynamo_frontend_url}/v1  (the gateway's upstream for dynamo-vllm; workers in "
+            f"{s.dynamo_discovery_dir})",
             f"  Temporal       {s.temporal_address}  namespace {s.temporal_namespace}",
             f"  Temporal UI    {s.temporal_ui_url}",
             f"  S3 (SeaweedFS) {s.s3_endpoint}  bucket {s.bucket}",
@@ -398,10 +398,8 @@ class Stack:
         pf.remove()
 
     def services(self) -> list[str]:
-        """The services this stack runs, in start order: Dynamo's frontend only in a dynamo stack,
-        the local node agent only with node slots."""
-        return [name for name in SERVICE_ORDER
-                if (name != "dynamo" or self.s.dynamo) and (name != "node" or self.node_slots)]
+        """The services this stack runs, in start order: the local node agent only with node slots."""
+        return [name for name in SERVICE_ORDER if name != "node" or self.node_slots]
 
     def status(self) -> dict[str, int | None]:
         out: dict[str, int | None] = {name: self.pid_file(name).alive_pid() for name in self.services()}
@@ -418,16 +416,13 @@ def upload_dir(s3, local: Path, bucket: str, prefix: str) -> None:
         s3.upload_file(str(path), bucket, f"{prefix.strip('/')}/{path.name}")
 
 
-def load_or_create_settings(home: Path, port_base: int | None, host: str | None = None,
-                            dynamo: bool = False) -> Settings:
+def load_or_create_settings(home: Path, port_base: int | None, host: str | None = None) -> Settings:
     """The settings `up` starts from: the home's stack.json (its port base must match
     ``port_base`` when given), else a new configuration. ``host`` (``--host``; else
     ``ROLLOUTS_HOST``; else the recorded one; else 127.0.0.1) replaces the recorded host only
     while none of the stack's services runs."""
     if not (home / "stack.json").exists():
-        settings = Settings.create(home, port_base or DEFAULT_PORT_BASE, host or os.environ.get(HOST_ENV) or LOOPBACK)
-        settings.dynamo = settings.dynamo or dynamo
-        return settings
+        return Settings.create(home, port_base or DEFAULT_PORT_BASE, host or os.environ.get(HOST_ENV) or LOOPBACK)
     settings = Settings.load(home)
     if port_base is not None and settings.ports["api"] != port_base:
         raise StackError(
@@ -444,5 +439,4 @@ def load_or_create_settings(home: Path, port_base: int | None, host: str | None 
                 f"`rollouts up` on {wanted}"
             )
     settings.host = wanted
-    settings.dynamo = settings.dynamo or dynamo
     return settings

@@ -1,9 +1,10 @@
-"""One replica process: a vLLM engine (or, in a dynamo stack, Dynamo's vLLM worker:
-`replica.agent.dynamo`), the host copy of its weights, and its Temporal agent.
+"""One replica process: its engine (``runtime.engine``: ``dynamo-vllm``, Dynamo's vLLM worker,
+`replica.agent.dynamo`; ``vllm``, vLLM's OpenAI server), the host copy of its weights, and its
+Temporal agent.
 
 `run_replica` stops an engine a killed agent left behind, reclaims the shared memory of dead
 engines (`replica.agent.shm_reclaim`), downloads the deployment's model from the bucket, starts
-the engine (vLLM's OpenAI server with our worker extension, behind the replica's secret), loads
+the engine (with our worker extension, behind the replica's secret), loads
 the host copy of the weights (checkpoint format, what deltas apply to, in shared memory), catches
 up to the deployment's snapshot when asked, starts a Temporal worker on the replica's own task
 queue (running `replica.agent.activities`, fault points armed from the stack's home), and tells
@@ -21,6 +22,7 @@ agent drives it over loopback, or at that address when it is one specific addres
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -40,7 +42,7 @@ from contracts import names
 from contracts.activities import ApplySnapshotInput
 from contracts.records import ReplicaEndpoint, ReplicaFailure, rfc3339
 from replica.agent.activities import PeerActivities, ReplicaActivities
-from replica.agent.downloads import download_prefix, download_shared
+from replica.agent.downloads import download_prefix, download_shared, shared_use
 from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine import EngineProcess
 from replica.agent.runtime import ReplicaRuntime
@@ -77,9 +79,18 @@ def engine_options(engine_config: dict[str, str]) -> dict[str, Any]:
 
 
 
-async def run_replica(
+async def run_replica(settings: Settings, **kwargs: Any) -> int:
+    """Run one replica until SIGTERM or its engine dies (module docstring); returns the exit
+    status. What it holds while it runs (a dynamo deployment's shared model directory) is let go
+    on every way out."""
+    with contextlib.ExitStack() as held:
+        return await _run_replica(settings, held=held, **kwargs)
+
+
+async def _run_replica(
     settings: Settings,
     *,
+    held: contextlib.ExitStack,
     deployment_id: str,
     name: str,
     workflow_id: str,
@@ -88,6 +99,7 @@ async def run_replica(
     model_path: str,
     model_name: str,
     catch_up: str | None = None,
+    runtime_engine: str = names.HOT_LOAD_ENGINE,
     engine_config: dict[str, str] | None = None,
     node: str = "",
     node_address: str | None = None,
@@ -102,6 +114,8 @@ async def run_replica(
     client = await temporal_client(settings, interceptors=temporal_interceptors())
     deployment = client.get_workflow_handle(workflow_id)
     s3 = settings.s3_client()
+    # runtime.engine: dynamo-vllm runs Dynamo's vLLM worker, vllm runs vLLM's OpenAI server.
+    dynamo = runtime_engine == names.HOT_LOAD_ENGINE
     engine = None
     engine_pid_file = PidFile(workdir / "engine.pid")
     leftover = engine_pid_file.alive_pid()
@@ -112,10 +126,12 @@ async def run_replica(
     # Shared memory that killed engines (this replica's or others') left in /dev/shm.
     await asyncio.to_thread(reclaim_dead_segments)
     try:
-        if settings.dynamo:
-            # One path for every replica of the deployment on this host (replica.agent.downloads).
-            model_dir = await asyncio.to_thread(download_shared, s3, model_bucket, model_path,
-                                                shared_model_dir(workflow_id, model_bucket, model_path))
+        if dynamo:
+            # One path for every replica of the deployment on this host, removed by the last one
+            # to leave (replica.agent.downloads).
+            shared = shared_model_dir(workflow_id, model_bucket, model_path)
+            await asyncio.to_thread(held.enter_context, shared_use(shared))
+            model_dir = await asyncio.to_thread(download_shared, s3, model_bucket, model_path, shared)
         else:
             model_dir = workdir / "model"
             await asyncio.to_thread(download_prefix, s3, model_bucket, model_path, model_dir)
@@ -130,12 +146,13 @@ async def run_replica(
             secret=settings.engine_secret(workflow_id, name),
             **engine_options(engine_config or {}),
         )
-        if settings.dynamo:
+        if dynamo:
             # Dynamo's vLLM worker, found by Dynamo's frontend through the shared discovery dir.
             engine = DynamoEngineProcess(
                 model_dir, served_model_name=names.dynamo_model(workflow_id),
                 discovery_dir=settings.dynamo_discovery_dir, namespace=names.dynamo_namespace(workflow_id),
                 frontend_url=settings.dynamo_frontend_url, kv_events=settings.dynamo_router_mode == "kv",
+                discovery_backend=settings.dynamo_discovery_backend,
                 **options,
             )
         else:

@@ -72,6 +72,7 @@ class NodeActivities:
             "--model-bucket", inp.model.bucket,
             "--model-path", inp.model.path,
             "--model-name", inp.model.name,
+            "--engine", inp.engine,
             "--engine-config", json.dumps(inp.engine_config),
             "--node", self.node.name,
             "--node-address", self.node.address,

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
-from api.app import PREFIX, create_app
+from api.app import PREFIX, allowed_hot_load_engines, create_app
 from api.resources import page, update_error
 from common.errors import InvalidArgument
 from common.settings import Settings
@@ -121,6 +121,20 @@ def test_deployment_hot_load_needs_enabled_org_and_engine(client):
     assert r.json()["message"] == "hot-load is not enabled for this organization"
     r = post(client, "/deployments", {**body, "runtime": {"engine": "vllm"}})
     assert r.status_code == 400 and "runtime.engine" in r.json()["message"]
+    assert "hot-loading needs 'dynamo-vllm'" in r.json()["message"]
+
+
+def test_the_engine_is_one_the_service_runs(client):
+    body = {
+        "name": "d", "gatewayIds": ["g"], "runtime": {"engine": "sglang"},
+        "model": {"name": "m", "bucket": "bkt", "path": "p"},
+    }
+    r = post(client, "/deployments", body)
+    assert r.status_code == 400
+    assert "runtime.engine" in r.json()["message"] and "'sglang'" in r.json()["message"]
+    assert "dynamo-vllm, vllm" in r.json()["message"]
+    r = client.get(f"{PREFIX}/deployments/parameters", headers={"Authorization": "Bearer admin-t"})
+    assert {rt["engine"]: rt["hotLoadSupported"] for rt in r.json()["runtimes"]} == {"dynamo-vllm": True, "vllm": False}
     r = post(client, "/deployments", {**body, "hotLoad": {"bucket": "bkt", "pathPrefix": "a/../b"}})
     assert r.status_code == 400 and "pathPrefix" in r.json()["message"]
 
@@ -261,3 +275,13 @@ def test_traffic_weight_is_an_integer_from_0_to_100(client, weight):
     r = client.patch(f"{PREFIX}/deployments/d1", json={"traffic": {"weight": weight}, "hotLoad": {"bucket": "bkt"}},
                      headers={"Authorization": "Bearer admin-t"})
     assert r.status_code == 400 and "traffic.weight" in r.json()["message"], r.text
+
+
+def test_an_operator_may_let_vllm_hot_load_and_nothing_unknown(monkeypatch):
+    monkeypatch.setenv("ROLLOUTS_HOT_LOAD_ENGINES", "dynamo-vllm,vllm")
+    assert allowed_hot_load_engines() == ("dynamo-vllm", "vllm")
+    monkeypatch.setenv("ROLLOUTS_HOT_LOAD_ENGINES", "dynamo-vllm,sglang")
+    with pytest.raises(SystemExit, match="ROLLOUTS_HOT_LOAD_ENGINES: sglang is not an engine"):
+        allowed_hot_load_engines()
+    monkeypatch.delenv("ROLLOUTS_HOT_LOAD_ENGINES")
+    assert allowed_hot_load_engines() == ("dynamo-vllm",)

@@ -19,7 +19,8 @@ ALL_ENV = (
     "ROLLOUTS_HOME", "TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE", "TEMPORAL_UI_URL", "AWS_ENDPOINT_URL_S3",
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "ROLLOUTS_TOKENS_FILE", "ROLLOUTS_ENGINE_KEY",
     "ROLLOUTS_API_URL", "ROLLOUTS_GATEWAY_URL", "ROLLOUTS_HOST", "ROLLOUTS_API_PORT", "ROLLOUTS_GATEWAY_PORT",
-    "ROLLOUTS_DYNAMO", "ROLLOUTS_DYNAMO_ROUTER_MODE", "ROLLOUTS_DYNAMO_FRONTEND_URL", "ROLLOUTS_DYNAMO_DISCOVERY_DIR",
+    "ROLLOUTS_DYNAMO_ROUTER_MODE", "ROLLOUTS_DYNAMO_FRONTEND_URL", "ROLLOUTS_DYNAMO_DISCOVERY_DIR",
+    "ROLLOUTS_DYNAMO_DISCOVERY",
     *(f"ROLLOUTS_{name.upper()}" for name in ENV_FIELDS),
 )
 
@@ -84,20 +85,27 @@ def test_a_stack_json_from_before_the_host_loads_as_loopback(tmp_path: Path) -> 
     assert Settings.load(tmp_path).host == "127.0.0.1"
 
 
-def test_a_dynamo_stack_from_stack_json_or_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dynamo_settings_from_stack_json_or_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = json.loads(json.dumps(Settings.create(tmp_path, port_base=24000).__dict__))
-    del data["ports"]["dynamo"], data["dynamo"], data["dynamo_router_mode"]  # a stack.json from before
+    del data["ports"]["dynamo"], data["dynamo_router_mode"]  # a stack.json from before Dynamo
     (tmp_path / "stack.json").write_text(json.dumps(data))
     loaded = Settings.load(tmp_path)
-    assert not loaded.dynamo and loaded.dynamo_router_mode == "least-loaded"
+    assert loaded.dynamo_router_mode == "least-loaded"
     assert loaded.dynamo_frontend_url == "http://127.0.0.1:24002"
     assert loaded.dynamo_discovery_dir == tmp_path / "dynamo" / "discovery"
-    assert "ROLLOUTS_DYNAMO_FRONTEND_URL" not in loaded.stack_env()
-    monkeypatch.setenv("ROLLOUTS_DYNAMO", "1")
+    assert loaded.stack_env()["ROLLOUTS_DYNAMO_FRONTEND_URL"] == "http://127.0.0.1:24002"
+    data["dynamo"] = True  # a stack.json from when Dynamo was a switch of the stack's
+    (tmp_path / "stack.json").write_text(json.dumps(data))
+    assert Settings.load(tmp_path).dynamo_router_mode == "least-loaded"
     monkeypatch.setenv("ROLLOUTS_DYNAMO_ROUTER_MODE", "kv")
     monkeypatch.setenv("ROLLOUTS_DYNAMO_DISCOVERY_DIR", "/shared/discovery")
     loaded = Settings.load(tmp_path)
-    assert loaded.dynamo and loaded.dynamo_router_mode == "kv"
+    assert loaded.dynamo_router_mode == "kv" and loaded.dynamo_discovery_backend == "file"
+    monkeypatch.setenv("ROLLOUTS_DYNAMO_DISCOVERY", "kubernetes")
+    assert Settings.load(tmp_path).dynamo_discovery_backend == "kubernetes"
+    monkeypatch.setenv("ROLLOUTS_DYNAMO_DISCOVERY", "etcd")
+    with pytest.raises(SystemExit, match="ROLLOUTS_DYNAMO_DISCOVERY: 'etcd'"):
+        Settings.load(tmp_path).dynamo_discovery_backend
     assert loaded.dynamo_discovery_dir == Path("/shared/discovery")
     assert loaded.stack_env()["ROLLOUTS_DYNAMO_FRONTEND_URL"] == "http://127.0.0.1:24002"
 

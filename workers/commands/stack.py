@@ -15,8 +15,7 @@ from workers.stack import DEFAULT_NODE_SLOTS, Stack, StackError, load_or_create_
 def up(args: argparse.Namespace) -> int:
     try:
         slots = args.node_slots if args.node_slots is not None else DEFAULT_NODE_SLOTS
-        settings = load_or_create_settings(args.home, args.port_base, getattr(args, "host", None),
-                                           dynamo=bool(getattr(args, "dynamo", False)))
+        settings = load_or_create_settings(args.home, args.port_base, getattr(args, "host", None))
         if getattr(args, "dynamo_router_mode", None):
             settings.dynamo_router_mode = args.dynamo_router_mode
         Stack(settings, node_slots=slots).up()
