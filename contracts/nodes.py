@@ -7,7 +7,8 @@ CPU `slots`: how many replicas without GPUs it runs), its free `/dev/shm` and th
 runs. The registry is the single writer of `Placement`s: a deployment asks it to place replicas
 (`PlaceRequest`: all-or-nothing) and to release them. A replica with `gpus` > 0 takes that many
 distinct devices of one node (`Placement.devices`, handed to the replica as
-`CUDA_VISIBLE_DEVICES`); a replica with none takes one CPU slot.
+`CUDA_VISIBLE_DEVICES`); a replica with none takes one CPU slot. A node with `max_replicas` runs
+no more replicas than that, whatever its capacity.
 
 A node whose heartbeat stops for `lost_after_s` is declared lost: its placements are released and
 each deployment with a replica there is told (`ReplicasLost`), and places it elsewhere.
@@ -31,6 +32,10 @@ class NodeHeartbeat(WireModel):
     zone: str
     gpus: int = 0
     slots: int = 0
+    # The most replicas it runs at once, whatever its GPUs or slots (0: no such limit). A node agent
+    # whose Dynamo workers register through Kubernetes discovery reports 1: Dynamo knows a worker
+    # by its pod, so a pod runs one.
+    max_replicas: int = 0
     shm_free_bytes: int = 0
     shm_total_bytes: int = 0
     # What the node agent runs now: "<deployment workflow id>/<replica name>".

@@ -1,7 +1,8 @@
 """Placement: which node runs each replica (pure; the node registry, control/nodes.py, calls it).
 
 A replica with `gpus` > 0 takes that many distinct GPU devices of one node (lowest free indices
-first); a replica without GPUs takes one CPU slot. Candidates are the live nodes of the
+first); a replica without GPUs takes one CPU slot; a node whose heartbeat has `max_replicas` takes
+no more replicas than that in all. Candidates are the live nodes of the
 deployment's zone (every live node when the zone is empty). Replicas spread: each goes to the
 node holding the fewest replicas of its deployment, then the one with the most free capacity,
 then by name, so placement is deterministic.
@@ -46,7 +47,8 @@ def describe_nodes(nodes: dict[str, NodeRecord], zone: str) -> str:
         elif zone and hb.zone != zone:
             parts.append(f"{name}: zone {hb.zone}")
         else:
-            parts.append(f"{name}: {len(devices)}/{hb.gpus} GPU(s), {slots}/{hb.slots} slot(s) used")
+            cap = f", {len(rec.placements)}/{hb.max_replicas} replica(s) at most" if hb.max_replicas else ""
+            parts.append(f"{name}: {len(devices)}/{hb.gpus} GPU(s), {slots}/{hb.slots} slot(s) used{cap}")
     return "; ".join(parts)
 
 
@@ -61,11 +63,14 @@ def place(
     # What each candidate has free, updated as this request takes capacity.
     free_devices: dict[str, list[int]] = {}
     free_slots: dict[str, int] = {}
+    # Replicas a node may still take under its max_replicas (None: no such limit).
+    free_count: dict[str, int | None] = {}
     mine: dict[str, int] = {}
     for name, rec in live.items():
         devices, slots = _used(rec)
         free_devices[name] = [d for d in range(rec.heartbeat.gpus) if d not in devices]
         free_slots[name] = rec.heartbeat.slots - slots
+        free_count[name] = rec.heartbeat.max_replicas - len(rec.placements) if rec.heartbeat.max_replicas else None
         mine[name] = sum(1 for k in rec.placements if k.startswith(deployment_workflow_id + "/"))
     for replica in replicas:
         key = placement_key(deployment_workflow_id, replica)
@@ -88,6 +93,8 @@ def place(
         else:
             fits = [n for n in live if free_slots[n] >= 1]
             room = {n: free_slots[n] for n in fits}
+        fits = [n for n in fits if free_count[n] is None or free_count[n] >= 1]
+        room = {n: room[n] if free_count[n] is None else min(room[n], free_count[n]) for n in fits}
         if not fits:
             need = f"{gpus} GPU(s)" if gpus else "1 CPU slot"
             asked = len([r for r in replicas if r not in held_names])
@@ -104,5 +111,7 @@ def place(
             devices = []
             free_slots[node] -= 1
         mine[node] += 1
+        if free_count[node] is not None:
+            free_count[node] -= 1
         result[replica] = Placement(node=node, address=live[node].heartbeat.address, devices=devices)
     return result

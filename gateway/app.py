@@ -27,7 +27,7 @@ Contract:
   before its first event) is sent to the next replica. A stream that breaks after bytes reached
   the client ends with an SSE error event ``data: {"error": {...}}`` and no ``[DONE]``: never a
   silent truncation (a stream that ends without vLLM's ``[DONE]`` counts as broken).
-- A dynamo deployment (its replicas are Dynamo workers: a dynamo stack) is served through
+- A dynamo deployment (`runtime.engine: dynamo-vllm`: its replicas are Dynamo workers) is served through
   Dynamo's frontend instead (``through_dynamo``; docs/design.md "Dynamo"): same auth, routing
   table, 400s and ``nvext``; Dynamo's router picks the worker; a 503 before the answer began
   (no worker registered at that moment) is asked again for up to ``DYNAMO_WAIT_S``.
@@ -157,11 +157,14 @@ class Served:
 
 
 def upstream_error(status: int, content: bytes, content_type: str | None) -> Response:
-    """A replica's error answer: a 400 in our shape with vLLM's message, anything else as is."""
+    """A replica's (or Dynamo's) error answer: a 400 in our shape with the engine's message
+    (Dynamo's ``details`` spelled out), anything else as is."""
     if status == 400:
         try:
             data = json.loads(content)
             message = data["error"]["message"] if isinstance(data.get("error"), dict) else data["message"]
+            if isinstance(data.get("details"), dict):
+                message = dynamo.explain(str(message), data["details"])
         except (ValueError, KeyError, TypeError, AttributeError):
             message = None
         if isinstance(message, str) and message:

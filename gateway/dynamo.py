@@ -13,6 +13,7 @@ Pure functions and one accumulator; ``gateway/app.py`` calls them around each up
   finishing chunk, while a non-streamed answer carries one ``engine_data`` for all choices. A
   client that did not ask for a stream gets the chunks assembled (:class:`Assembler`), with
   ``usage`` (``stream_options.include_usage``).
+- ``explain(message, details)``: Dynamo's 400 message with its ``details`` spelled out.
 - ``adopt(chunk, workers, model)``: one chunk from Dynamo made into what the rest of the gateway
   reads from a vLLM replica: ``nvext.engine_data`` goes onto the chunk's choice as
   ``weight_versions`` and ``token_ids`` (``gateway.nvext`` takes them from there), Dynamo's
@@ -34,6 +35,17 @@ from gateway.nvext import RequestPlan
 
 GATEWAY_EXTRA_FIELDS = ["engine_data", "worker_id"]
 R = TypeVar("R")
+
+
+def explain(message: str, details: Mapping[str, Any]) -> str:
+    """Dynamo's 400 message with its ``details`` in words (its message alone is often just
+    "Invalid request")."""
+    if details.get("type") == "context_length" and "limit" in details and "actual" in details:
+        return (f"{message}: the prompt's tokens plus max_tokens come to {details['actual']}, more than the "
+                f"model's context length {details['limit']}: lower max_tokens or shorten the prompt")
+    if not details:
+        return message
+    return f"{message} ({', '.join(f'{k}: {v}' for k, v in details.items())})"
 
 
 def upstream_body(plan: RequestPlan, model: str) -> dict[str, Any]:

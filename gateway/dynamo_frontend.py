@@ -2,9 +2,11 @@
 deployment's workers.
 
 ``DynamoFrontend(discovery_dir, ...)`` describes one frontend process: OpenAI HTTP on
-``host:port``, workers found in Dynamo's ``file`` discovery directory (``discovery_dir``, the one
-the workers register in; ``namespace`` limits it to one deployment's workers), request plane
-``tcp`` and event plane ``zmq`` (no etcd, no NATS), ``router_mode`` (``least-loaded`` by default;
+``host:port``, workers found through Dynamo's discovery (``discovery_backend``: ``file``, the
+directory ``discovery_dir`` the workers register in; or ``kubernetes``, the pod's namespace;
+``namespace`` limits it to one deployment's workers), request plane ``tcp`` (workers stream
+answers back to ``address``, default ``host``: the address they reach this process at) and
+event plane ``zmq`` (no etcd, no NATS), ``router_mode`` (``least-loaded`` by default;
 ``kv`` routes by prefix-cache overlap and needs workers that publish KV events), and session
 affinity for ``X-Dynamo-Session-ID`` kept ``session_ttl_s``. ``await start()`` launches it and
 waits until its HTTP port answers (``/v1/models``); ``await wait_model(name)`` waits until a
@@ -45,8 +47,11 @@ class DynamoFrontend:
 
     def __init__(self, discovery_dir: Path | str, *, log_path: Path | str, namespace: str | None = None,
                  host: str = "127.0.0.1", port: int | None = None, router_mode: str = "least-loaded",
-                 session_ttl_s: int = 600, python: str = sys.executable) -> None:
+                 session_ttl_s: int = 600, python: str = sys.executable, discovery_backend: str = "file",
+                 address: str | None = None) -> None:
         self.discovery_dir = Path(discovery_dir)
+        self.discovery_backend = discovery_backend
+        self.address = address or host
         self.log_path = Path(log_path)
         self.namespace = namespace
         self.host = host
@@ -70,7 +75,7 @@ class DynamoFrontend:
         cmd = [
             self.python, "-m", FRONTEND_MODULE,
             "--http-host", self.host, "--http-port", str(self.port),
-            "--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq",
+            "--discovery-backend", self.discovery_backend, "--request-plane", "tcp", "--event-plane", "zmq",
             "--router-mode", self.router_mode,
             "--router-session-affinity-ttl-secs", str(self.session_ttl_s),
         ]  # fmt: skip
@@ -79,15 +84,15 @@ class DynamoFrontend:
         return cmd
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k != "DYN_FILE_KV"}
         env.update({
-            "DYN_DISCOVERY_BACKEND": "file",
-            "DYN_FILE_KV": str(self.discovery_dir),
+            "DYN_DISCOVERY_BACKEND": self.discovery_backend,
+            **({"DYN_FILE_KV": str(self.discovery_dir)} if self.discovery_backend == "file" else {}),
             "DYN_REQUEST_PLANE": "tcp",
             "DYN_EVENT_PLANE": "zmq",
-            "DYN_TCP_RESPONSE_STREAM_HOST": self.host,
-            "DYN_EVENT_PLANE_HOST": self.host,
-            "DYN_TCP_RPC_HOST": self.host,
+            "DYN_TCP_RESPONSE_STREAM_HOST": self.address,
+            "DYN_EVENT_PLANE_HOST": self.address,
+            "DYN_TCP_RPC_HOST": self.address,
             "HF_HUB_OFFLINE": "1",
         })
         return env
@@ -95,7 +100,8 @@ class DynamoFrontend:
     async def start(self, timeout: float = 120.0) -> DynamoFrontend:
         if self._proc is not None:
             raise DynamoFrontendError("already started")
-        self.discovery_dir.mkdir(parents=True, exist_ok=True)
+        if self.discovery_backend == "file":
+            self.discovery_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self.port is None:
             self.port = free_port(self.host)

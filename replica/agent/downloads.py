@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,3 +54,23 @@ def download_shared(s3: Any, bucket: str, prefix: str, dest: Path) -> Path:
     finally:
         shutil.rmtree(mine, ignore_errors=True)
     return dest
+
+
+@contextlib.contextmanager
+def shared_use(dest: Path) -> Iterator[Path]:
+    """Hold the shared directory ``dest`` (``download_shared``) while this replica uses it: a shared
+    lock on ``dest``'s lock file beside it. On the way out, the last holder (the one whose lock
+    becomes exclusive without waiting) removes ``dest``; a replica that arrives meanwhile waits for
+    the removal, then downloads it again."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with (dest.parent / f"{dest.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        try:
+            yield dest
+        finally:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass  # another replica of this host still uses it
+            else:
+                shutil.rmtree(dest, ignore_errors=True)

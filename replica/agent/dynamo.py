@@ -13,13 +13,16 @@ Everything the agent does with an engine works unchanged on it:
   the engine's secret; an answer ``{"error": {"code", "message"}}`` raises the same
   ``EngineRequestError`` (status = code) a vLLM replica's HTTP error does. ``/metrics`` and
   ``/health`` are the system server's own (vLLM's gauges are there, labelled with the worker).
-- **Inference** is Dynamo's: the worker registers in Dynamo discovery (``file`` backend:
-  ``discovery_dir``, shared with the deployment's Dynamo frontend; request plane ``tcp`` on
-  ``node_address``, event plane ``zmq``) under ``namespace``; clients reach it through that
-  frontend (``frontend_url``, where this object sends ``/v1/...`` requests when it has one).
+- **Inference** is Dynamo's (a ``/v1/...`` request this object sends goes through the frontend
+  to this worker alone: ``nvext.backend_instance_id``): the worker registers in Dynamo discovery under ``namespace``
+  (``discovery_backend``: ``file``, in ``discovery_dir`` shared with the Dynamo frontend; or
+  ``kubernetes``, from the pod's ``POD_NAME`` / ``POD_UID`` / ``POD_NAMESPACE``, which the
+  process inherits: deploy/kubernetes); request plane ``tcp`` on ``node_address``, event plane
+  ``zmq``; clients reach it through that frontend (``frontend_url``, where this object sends
+  ``/v1/...`` requests when it has one).
 - **Pause keeps new requests off a paused worker**: ``pause()`` first takes the worker's
   ``generate`` instance out of discovery (``leave``) when another instance of the namespace is
-  registered, so the frontend routes new requests to the others; ``resume()`` puts it back
+  registered (the worker's ``instances`` route: what its own discovery client lists), so the frontend routes new requests to the others; ``resume()`` puts it back
   (``join``). A lone worker stays registered: a request that reaches it during the pause waits
   for the resume (the pause window), as on a vLLM replica, rather than failing for want of a
   worker. A request the frontend routed before it saw the ``leave`` also waits for the resume.
@@ -39,18 +42,18 @@ import json
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 import httpx
 
 from common.addresses import host_port
 from common.processes import free_port, free_port_below
+from common.settings import DYNAMO_DISCOVERY_BACKENDS as DISCOVERY_BACKENDS
+from common.settings import dynamo_pod_problem
 from replica.agent.engine import EngineProcess, EngineStartError, _tail
 from replica.agent.engine_rpc import EngineRequestError
 from replica.launch import DYNAMO_WORKER_MODULE
 
 ROUTE_PREFIX = "/engine/rollouts/"
-DYNAMO_COMPONENT = "backend"
 # Dynamo reads DYN_SYSTEM_PORT as a signed 16-bit number.
 SYSTEM_PORT_MAX = 32767
 # (method, vLLM dev route) -> our route on the Dynamo system server.
@@ -69,32 +72,19 @@ def _flag(value: Any) -> Any:
     return {"true": True, "false": False}.get(value, value) if isinstance(value, str) else value
 
 
-def registered_workers(discovery_dir: Path | str, namespace: str, component: str = DYNAMO_COMPONENT) -> list[str]:
-    """The worker ids registered for ``namespace``'s ``generate`` endpoint in a ``file`` discovery
-    directory (Dynamo keeps one file per instance, named by its URL-quoted key)."""
-    prefix = f"{namespace}/{component}/generate/"
-    folder = Path(discovery_dir) / "v1" / "instances"
-    with contextlib.suppress(FileNotFoundError):
-        return sorted(unquote(p.name)[len(prefix):] for p in folder.iterdir() if unquote(p.name).startswith(prefix))
-    return []
-
-
-def _as_id(name: str) -> int | None:
-    try:
-        return int(name, 16)
-    except ValueError:
-        return None
-
-
 class DynamoEngineProcess(EngineProcess):
     """A Dynamo vLLM worker for one model directory (module docstring)."""
 
     def __init__(self, model_dir: Path | str, *, discovery_dir: Path | str, namespace: str,
-                 frontend_url: str | None = None, kv_events: bool = False, **options: Any) -> None:
+                 frontend_url: str | None = None, kv_events: bool = False, discovery_backend: str = "file",
+                 **options: Any) -> None:
         super().__init__(model_dir, **options)
         # Publish KV-cache events (ZMQ, on the node address) for Dynamo's KV-aware router.
         self.kv_events = kv_events
         self.kv_events_port: int | None = None
+        if discovery_backend not in DISCOVERY_BACKENDS:
+            raise ValueError(f"discovery_backend: {discovery_backend!r} is not one of {', '.join(DISCOVERY_BACKENDS)}")
+        self.discovery_backend = discovery_backend
         self.discovery_dir = Path(discovery_dir)
         self.namespace = namespace
         self.frontend_url = frontend_url.rstrip("/") if frontend_url else None
@@ -103,12 +93,14 @@ class DynamoEngineProcess(EngineProcess):
 
     @classmethod
     def attach(cls, base_url: str, *, pid: int | None = None, served_model_name: str | None = None,
-               secret: str | None = None, discovery_dir: Path | str = ".", namespace: str = ""
-               ) -> DynamoEngineProcess:
-        """A running worker whose system server is at ``base_url`` (its control URL)."""
+               secret: str | None = None, discovery_dir: Path | str = ".", namespace: str = "",
+               worker_id: int | None = None, frontend_url: str | None = None) -> DynamoEngineProcess:
+        """A running worker whose system server is at ``base_url`` (its control URL); with
+        ``worker_id`` (its Dynamo id) and ``frontend_url``, ``/v1/...`` requests reach it."""
         engine = super().attach(base_url, pid=pid, served_model_name=served_model_name, secret=secret,
-                                discovery_dir=discovery_dir, namespace=namespace)
+                                discovery_dir=discovery_dir, namespace=namespace, frontend_url=frontend_url)
         assert isinstance(engine, DynamoEngineProcess)
+        engine.worker_id = worker_id
         return engine
 
     @property
@@ -130,7 +122,7 @@ class DynamoEngineProcess(EngineProcess):
             "--max-model-len", str(self.max_model_len),
             "--max-num-seqs", str(self.max_num_seqs),
             "--namespace", self.namespace,
-            "--discovery-backend", "file",
+            "--discovery-backend", self.discovery_backend,
             "--request-plane", "tcp",
             "--event-plane", "zmq",
         ]  # fmt: skip
@@ -146,9 +138,10 @@ class DynamoEngineProcess(EngineProcess):
 
     def environment(self) -> dict[str, str]:
         env = super().environment()
+        env.pop("DYN_FILE_KV", None)
         env.update({
-            "DYN_DISCOVERY_BACKEND": "file",
-            "DYN_FILE_KV": str(self.discovery_dir),
+            "DYN_DISCOVERY_BACKEND": self.discovery_backend,
+            **({"DYN_FILE_KV": str(self.discovery_dir)} if self.discovery_backend == "file" else {}),
             "DYN_REQUEST_PLANE": "tcp",
             "DYN_EVENT_PLANE": "zmq",
             "DYN_SYSTEM_HOST": self.control_host,
@@ -161,7 +154,10 @@ class DynamoEngineProcess(EngineProcess):
     async def start(self, timeout: float = 600.0, on_spawn: Any = None) -> DynamoEngineProcess:
         if self.port is None:
             self.port = free_port_below(SYSTEM_PORT_MAX, self.control_host)
-        self.discovery_dir.mkdir(parents=True, exist_ok=True)
+        if self.discovery_backend == "file":
+            self.discovery_dir.mkdir(parents=True, exist_ok=True)
+        elif problem := dynamo_pod_problem():
+            raise EngineStartError(problem)
         await super().start(timeout, on_spawn)
         return self
 
@@ -212,6 +208,7 @@ class DynamoEngineProcess(EngineProcess):
             body.update(kwargs.get("json") or {})
             return await self.control(route, body, method=method, path=path)
         if path.startswith("/v1/") and self.frontend_url:
+            kwargs = self._to_this_worker(kwargs)
             async with httpx.AsyncClient(base_url=self.frontend_url, timeout=httpx.Timeout(600.0, connect=10.0)) as c:
                 resp = await c.request(method, path, **kwargs)
             if resp.status_code // 100 != 2:
@@ -219,9 +216,28 @@ class DynamoEngineProcess(EngineProcess):
             return resp
         return await super().request(method, path, **kwargs)
 
+    def _to_this_worker(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A JSON body for Dynamo's frontend that only this worker serves
+        (``nvext.backend_instance_id``), with vLLM's top-level ``cache_salt`` where Dynamo reads it
+        (``nvext.cache_salt``)."""
+        body = kwargs.get("json")
+        if not isinstance(body, dict) or self.worker_id is None:
+            return kwargs
+        body = dict(body)
+        nvext = dict(body.get("nvext") or {})
+        nvext.setdefault("backend_instance_id", self.worker_id)
+        if "cache_salt" in body:
+            nvext.setdefault("cache_salt", body.pop("cache_salt"))
+        return {**kwargs, "json": {**body, "nvext": nvext}}
+
+    async def instances(self) -> list[int]:
+        """The Dynamo worker ids of every ``generate`` instance of the worker's namespace that
+        Dynamo's discovery lists now (its own while it is in the pool)."""
+        return list((await self.control("instances")).json()["worker_ids"])
+
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
-        others = [w for w in registered_workers(self.discovery_dir, self.namespace) if _as_id(w) != self.worker_id]
-        if others and not self.left:
+        others = [] if self.left else [w for w in await self.instances() if w != self.worker_id]
+        if others:
             await self.control("leave")
             self.left = True
         try:
@@ -240,7 +256,9 @@ class DynamoEngineProcess(EngineProcess):
             self.left = False
 
     async def models(self) -> list[str]:
-        if not self.frontend_url:
+        """The worker's model (its Dynamo name); for an attached worker told no name, what the
+        frontend lists."""
+        if self.served_model_name or not self.frontend_url:
             return [self.served_model_name]
         return await super().models()
 

@@ -13,7 +13,9 @@ touching Dynamo's or vLLM's files:
    ``weight_info``), and three of Dynamo's: ``leave`` / ``join`` take the worker out of the
    frontend's routing pool and put it back (its ``generate`` instance leaves discovery and
    returns: a paused replica gets no new request), ``instance`` answers its Dynamo worker id (the
-   ``worker_id`` Dynamo's frontend reports). Every call carries the engine's secret in its JSON body (``secret``; the
+   ``worker_id`` Dynamo's frontend reports), ``instances`` the ids of every ``generate`` instance
+   of its namespace that Dynamo's discovery lists now (whatever the discovery backend: ``file``
+   or ``kubernetes``), this worker's included while it is in the pool. Every call carries the engine's secret in its JSON body (``secret``; the
    system server passes a route only the body): a missing or wrong secret answers
    ``{"error": {"code": 401, ...}}``; any failure answers ``{"error": {"code": 500|400, "message"}}``
    (the system server always answers HTTP 200; ``replica.agent.dynamo.DynamoEngineClient`` turns
@@ -31,13 +33,17 @@ own host reaches it, as with a vLLM replica's control routes.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 ROUTE_PREFIX = "rollouts/"
 ROUTES = ("pause", "resume", "is_paused", "reset_prefix_cache", "collective_rpc", "update_weight_version",
-          "weight_info", "leave", "join", "instance")
+          "weight_info", "leave", "join", "instance", "instances")
+# How long the first ``instances`` call waits for the worker's discovery client to list any instance.
+INSTANCES_WAIT_S = 10.0
 
 
 # -- weight-version spans ------------------------------------------------------------------------
@@ -143,7 +149,18 @@ def control_routes(engine: Any, endpoint: Any, secret: str
     async def instance(body: dict[str, Any]) -> dict[str, Any]:
         return {"worker_id": int(endpoint.connection_id())}
 
-    handlers = {"leave": leave, "join": join, "instance": instance, "pause": pause, "resume": resume, "is_paused": is_paused, "reset_prefix_cache": reset_prefix_cache,
+    discovery: list[Any] = []  # the endpoint's discovery client, made on first use
+
+    async def instances(body: dict[str, Any]) -> dict[str, Any]:
+        if not discovery:
+            client = await endpoint.client()
+            # Its first listing arrives asynchronously; this worker is in it unless it left.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(client.wait_for_instances(), INSTANCES_WAIT_S)
+            discovery.append(client)
+        return {"worker_ids": sorted(int(i) for i in discovery[0].instance_ids())}
+
+    handlers = {"leave": leave, "join": join, "instance": instance, "instances": instances, "pause": pause, "resume": resume, "is_paused": is_paused, "reset_prefix_cache": reset_prefix_cache,
                 "collective_rpc": collective_rpc, "update_weight_version": update_weight_version,
                 "weight_info": weight_info}
 

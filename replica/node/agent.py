@@ -42,11 +42,12 @@ log = logging.getLogger("rollouts.node")
 
 
 class NodeAgent:
-    def __init__(self, client: Client, node: NodeIdentity, gpus: int, slots: int) -> None:
+    def __init__(self, client: Client, node: NodeIdentity, gpus: int, slots: int, max_replicas: int = 0) -> None:
         self.client = client
         self.node = node
         self.gpus = gpus
         self.slots = slots
+        self.max_replicas = max_replicas
         self.started_at = rfc3339(datetime.now(UTC))
         self.reachable = True
 
@@ -62,7 +63,7 @@ class NodeAgent:
         free, total = shm_bytes()
         return NodeHeartbeat(
             name=self.node.name, address=self.node.address, zone=self.node.zone, gpus=self.gpus,
-            slots=self.slots, shm_free_bytes=free, shm_total_bytes=total,
+            slots=self.slots, max_replicas=self.max_replicas, shm_free_bytes=free, shm_total_bytes=total,
             replicas=sorted(self._running_keys()), agent_pid=os.getpid(), started_at=self.started_at,
         )
 
@@ -111,7 +112,11 @@ class NodeAgent:
 
 async def run_node(settings: Settings, node: NodeIdentity, gpus: int, slots: int) -> int:
     client = await temporal_client(settings)
-    agent = NodeAgent(client, node, gpus, slots)
+    # Dynamo's Kubernetes discovery knows a worker by its pod: this pod runs one replica at a time.
+    max_replicas = 1 if settings.dynamo_discovery_backend == "kubernetes" else 0
+    if max_replicas:
+        log.info("Dynamo discovery through Kubernetes: this node agent runs one replica at a time")
+    agent = NodeAgent(client, node, gpus, slots, max_replicas)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

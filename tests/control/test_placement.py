@@ -19,8 +19,9 @@ SEEN = "2026-01-01T00:00:00.000000Z"
 
 
 def node(name: str, *, gpus: int = 0, slots: int = 0, zone: str = "Z1", lost: bool = False,
-         placements: dict[str, Placement] | None = None) -> NodeRecord:
-    hb = NodeHeartbeat(name=name, address=f"10.0.0.{len(name)}", zone=zone, gpus=gpus, slots=slots)
+         placements: dict[str, Placement] | None = None, max_replicas: int = 0) -> NodeRecord:
+    hb = NodeHeartbeat(name=name, address=f"10.0.0.{len(name)}", zone=zone, gpus=gpus, slots=slots,
+                       max_replicas=max_replicas)
     return NodeRecord(heartbeat=hb, last_seen=SEEN, lost=lost, placements=placements or {})
 
 
@@ -164,3 +165,19 @@ def test_no_node_at_all_says_no_node_agent_registered() -> None:
 def test_negative_gpus_is_refused() -> None:
     with pytest.raises(PlacementError, match=r"resources.gpuCount must be >= 0, got -1"):
         place(fleet(node("a", slots=1)), DEP, ["r0"], -1, "")
+
+
+def test_a_node_with_max_replicas_takes_no_more_whatever_its_capacity() -> None:
+    # A Kubernetes node-agent pod under Dynamo's pod-keyed discovery: one replica per pod.
+    nodes = fleet(node("pod-a", gpus=8, max_replicas=1), node("pod-b", gpus=8, max_replicas=1))
+    result = place(nodes, DEP, ["r1", "r2"], 1, "Z1")
+    assert per_node(result) == {"pod-a": ["r1"], "pod-b": ["r2"]}
+    held = fleet(node("pod-a", slots=4, max_replicas=1,
+                      placements={placement_key(OTHER, "x"): Placement(node="pod-a", address="a")}),
+                 node("pod-b", slots=4, max_replicas=1))
+    assert per_node(place(held, DEP, ["r1"], 0, "Z1")) == {"pod-b": ["r1"]}
+    before = snapshot(held)
+    with pytest.raises(PlacementError) as err:
+        place(held, DEP, ["r1", "r2"], 0, "Z1")
+    assert "pod-a: 0/0 GPU(s), 1/4 slot(s) used, 1/1 replica(s) at most" in str(err.value)
+    assert snapshot(held) == before

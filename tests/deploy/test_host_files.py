@@ -24,7 +24,7 @@ from tests.helpers.deploy_files import DEPLOY, REPO
 SYSTEMD = DEPLOY / "systemd"
 INSTALLED_ROLLOUTS = "/opt/rollouts/bin/rollouts"
 UNITS = {"rollouts-api.service": "api", "rollouts-worker.service": "worker", "rollouts-gateway.service": "gateway",
-         "rollouts-node.service": "node"}
+         "rollouts-node.service": "node", "rollouts-dynamo-frontend.service": "dynamo-frontend"}
 
 
 def test_there_is_one_unit_per_process_and_nothing_else():

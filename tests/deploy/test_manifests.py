@@ -110,7 +110,8 @@ def test_pods_run_non_root_read_only_without_capabilities_and_with_resources(tar
         pod, where = pod_spec(obj), f"{target}: {obj['kind']} {obj['metadata']['name']}"
         assert pod["securityContext"]["runAsNonRoot"] is True, where
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
-        assert pod["automountServiceAccountToken"] is False, where
+        # Only Dynamo's processes (its frontend, the node pods' workers) talk to the Kubernetes API.
+        assert pod["automountServiceAccountToken"] is (pod["serviceAccountName"] == "rollouts-dynamo"), where
         mounts = set()
         for c in containers(obj):
             ctx = c["securityContext"]
@@ -150,7 +151,7 @@ def test_every_reference_resolves_and_every_selector_selects(target):
     namespace = find(objects, "Namespace", "rollouts")["metadata"]["name"]
     workloads = [o for o in objects if pod_spec(o) is not None]
     for obj in objects:
-        if obj["kind"] != "Namespace":
+        if obj["kind"] not in kustomize_subset.CLUSTER_SCOPED:
             assert obj["metadata"]["namespace"] == namespace, (obj["kind"], obj["metadata"]["name"])
     for obj in workloads:
         pod = pod_spec(obj)
@@ -168,7 +169,7 @@ def test_every_reference_resolves_and_every_selector_selects(target):
     selectors = [(o["kind"], o["metadata"]["name"], o["spec"]["selector"]) for o in objects if o["kind"] == "Service"]
     selectors += [(o["kind"], o["metadata"]["name"], o["spec"]["selector"]["matchLabels"])
                   for o in objects if o["kind"] == "PodDisruptionBudget"]
-    assert len(selectors) == 5  # two Services, three budgets
+    assert len(selectors) == 7  # four Services (gateway, API, Dynamo's frontend and workers), three budgets
     for kind, name, labels in selectors:
         selected = [w for w in workloads if labels.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
         assert len(selected) == 1, f"{kind} {name} selects {len(selected)} workloads"
@@ -218,3 +219,45 @@ def test_the_subset_refuses_what_it_does_not_render(tmp_path):
     (tmp_path / "kustomization.yaml").write_text("resources: []\ncommonLabels: {a: b}\n")
     with pytest.raises(kustomize_subset.Unsupported, match="commonLabels"):
         kustomize_subset.render(tmp_path)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_dynamos_kubernetes_discovery_is_wired(target):
+    """What Dynamo 1.6.1's ``kubernetes`` discovery needs (dynamo.yaml): its CRD, a Role on it and on
+    EndpointSlices for Dynamo's processes alone, the node pods behind a Service carrying Dynamo's
+    discovery labels, and each Dynamo process told its pod by the downward API."""
+    objects = render(target)
+    crd = find(objects, "CustomResourceDefinition", "dynamoworkermetadatas.nvidia.com")
+    assert (crd["spec"]["group"], crd["spec"]["scope"], crd["spec"]["names"]["kind"]) == (
+        "nvidia.com", "Namespaced", "DynamoWorkerMetadata")
+    assert [v["name"] for v in crd["spec"]["versions"] if v["served"] and v["storage"]] == ["v1alpha1"]
+    role = find(objects, "Role", "rollouts-dynamo-discovery")
+    grants = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    assert grants[("discovery.k8s.io", "endpointslices")] >= {"get", "list", "watch"}
+    assert grants[("nvidia.com", "dynamoworkermetadatas")] >= {"create", "get", "list", "watch", "patch"}
+    bindings = [o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    assert [(b["roleRef"]["name"], [s["name"] for s in b["subjects"]]) for b in bindings] == [
+        ("rollouts-dynamo-discovery", ["rollouts-dynamo"])]  # no other identity gets API access
+    workers = find(objects, "Service", "rollouts-dynamo-workers")
+    assert {"nvidia.com/dynamo-discovery-backend": "kubernetes",
+            "nvidia.com/dynamo-discovery-enabled": "true"}.items() <= workers["metadata"]["labels"].items()
+    node = find(objects, "DaemonSet", "rollouts-node")
+    assert workers["spec"]["selector"].items() <= node["spec"]["template"]["metadata"]["labels"].items()
+    config = find(objects, "ConfigMap", "rollouts-config")["data"]
+    assert config["ROLLOUTS_DYNAMO_DISCOVERY"] == "kubernetes"
+    frontend = find(objects, "Deployment", "rollouts-dynamo-frontend")
+    (fc,) = frontend["spec"]["template"]["spec"]["containers"]
+    assert fc["args"] == ["dynamo-frontend"]
+    service = find(objects, "Service", "rollouts-dynamo-frontend")
+    assert config["ROLLOUTS_DYNAMO_FRONTEND_URL"] == (
+        f"http://rollouts-dynamo-frontend.rollouts.svc.cluster.local:{service['spec']['ports'][0]['port']}")
+    assert int(env_value(fc, "ROLLOUTS_DYNAMO_PORT")) == fc["ports"][0]["containerPort"]
+    for workload in (node, frontend):
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == "rollouts-dynamo" and pod["automountServiceAccountToken"] is True
+        (c,) = pod["containers"]
+        fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"] if "valueFrom" in e}
+        assert {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace",
+                "POD_UID": "metadata.uid"}.items() <= fields.items(), workload["metadata"]["name"]
+    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in fc["env"] if "valueFrom" in e}[
+        "ROLLOUTS_DYNAMO_ADDRESS"] == "status.podIP"

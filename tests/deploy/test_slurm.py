@@ -23,7 +23,8 @@ from tests.helpers.deploy_files import DEPLOY
 
 SBATCH = DEPLOY / "slurm" / "rollouts-nodes.sbatch"
 CONTROL_PLANE = {"TEMPORAL_ADDRESS": "127.0.0.1:7233", "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9000",
-                 "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "ROLLOUTS_ENGINE_KEY": "e"}
+                 "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "ROLLOUTS_ENGINE_KEY": "e",
+                 "ROLLOUTS_DYNAMO_DISCOVERY_DIR": "/shared/dynamo/discovery"}
 
 FAKE_SRUN = """#!/bin/bash
 # Slurm's srun, for one node: run the task here, in the foreground.
@@ -77,12 +78,13 @@ def fake(tmp_path: Path) -> dict[str, str]:
             "SLURM_JOB_ID": "4242"}
 
 
-def test_it_refuses_to_start_without_the_control_plane_settings(fake):
+@pytest.mark.parametrize("missing", ["ROLLOUTS_ENGINE_KEY", "ROLLOUTS_DYNAMO_DISCOVERY_DIR"])
+def test_it_refuses_to_start_without_the_control_plane_settings(fake, missing):
     env = {**fake, **CONTROL_PLANE}
-    del env["ROLLOUTS_ENGINE_KEY"]
+    del env[missing]
     done = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "ROLLOUTS_ENGINE_KEY is not set" in done.stderr
+    assert f"{missing} is not set" in done.stderr
     assert not (Path(fake["FAKE_DIR"]) / "args").exists()
 
 

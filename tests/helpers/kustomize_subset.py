@@ -6,7 +6,8 @@ with this subset alone. It implements exactly what deploy/kubernetes/ uses, and 
 ``Unsupported`` naming the field for anything else in a kustomization.yaml:
 
 - ``resources``: YAML files (several documents each) and directories holding a kustomization;
-- ``namespace``: set on every object but cluster-scoped kinds (``CLUSTER_SCOPED``);
+- ``namespace``: set on every object but cluster-scoped kinds (``CLUSTER_SCOPED``), and on the
+  ServiceAccount subjects of role bindings that name none;
 - ``labels``: ``pairs`` added to every object's ``metadata.labels`` and, with
   ``includeTemplates``, to pod templates' labels; ``includeSelectors: true`` is not supported;
 - ``images``: ``name`` → ``newName`` / ``newTag`` / ``digest`` in containers and init containers;
@@ -67,6 +68,10 @@ def render(directory: Path) -> list[dict[str, Any]]:
         for obj in objects:
             if obj["kind"] not in CLUSTER_SCOPED:
                 obj["metadata"]["namespace"] = spec["namespace"]
+            if obj["kind"] in ("RoleBinding", "ClusterRoleBinding"):
+                for subject in obj.get("subjects") or []:
+                    if subject.get("kind") == "ServiceAccount" and not subject.get("namespace"):
+                        subject["namespace"] = spec["namespace"]
     for label in spec.get("labels") or []:
         _add_labels(objects, label, path)
     for image in spec.get("images") or []:

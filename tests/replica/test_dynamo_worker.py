@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from gateway.dynamo_frontend import DynamoFrontend
-from replica.agent.dynamo import DynamoEngineProcess, registered_workers
+from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine_rpc import EngineRequestError
 from replica.engine.tensors import adler32_hex
 from tests.helpers.engine_weights import load, stage
@@ -145,7 +145,7 @@ async def test_requests_through_the_frontend_survive_a_hot_load_with_exact_spans
             in_flight = sum(not t.done() for t in requests)
             frozen = await engine_running(worker)
             # A lone worker stays registered while paused: the frontend still has it.
-            still_registered = registered_workers(worker.discovery_dir, NAMESPACE)
+            still_registered = await worker.instances()
             queued = asyncio.create_task(client.post("/v1/completions", json={
                 **body, "prompt": [600], "max_tokens": 12}))
             t0 = time.perf_counter()
@@ -160,7 +160,7 @@ async def test_requests_through_the_frontend_survive_a_hot_load_with_exact_spans
           f"in flight, {frozen} frozen")
     assert in_flight == len(requests) and frozen == len(requests), (in_flight, frozen)
     assert loaded["verified"] == len(COUNTING_CHANGED)
-    assert len(still_registered) == 1
+    assert still_registered == [worker.worker_id]
 
     engine_datas = [*results[:3], results[3].json()["nvext"]["engine_data"]]
     for data in engine_datas:

@@ -1,0 +1,38 @@
+"""`rollouts dynamo-frontend`: NVIDIA Dynamo's frontend for a cluster install (the embedded stack
+starts its own: `rollouts up`). It replaces itself with ``python -m dynamo.frontend`` configured
+from the settings (gateway/dynamo_frontend.py): HTTP on ``ROLLOUTS_HOST`` and ``--port`` (default
+the settings' Dynamo port), Dynamo's discovery backend (``ROLLOUTS_DYNAMO_DISCOVERY``: ``file`` in
+``ROLLOUTS_DYNAMO_DISCOVERY_DIR``, or ``kubernetes``), the router mode
+(``ROLLOUTS_DYNAMO_ROUTER_MODE``), and ``--address``, where workers send their answers back."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+from common.settings import dynamo_pod_problem
+from gateway.dynamo_frontend import DynamoFrontend
+from workers.commands import settings_of
+
+
+def main(args: argparse.Namespace) -> int:
+    settings = settings_of(args)
+    address = args.address or settings.host
+    if ipaddress.ip_address(address).is_unspecified:
+        print(f"rollouts dynamo-frontend: --address {address} is not one workers can reach: give this "
+              "host's own address (on Kubernetes the pod's IP)", file=sys.stderr)
+        return 2
+    frontend = DynamoFrontend(settings.dynamo_discovery_dir, log_path=os.devnull, host=settings.host,
+                              port=args.port or settings.ports["dynamo"], router_mode=settings.dynamo_router_mode,
+                              discovery_backend=settings.dynamo_discovery_backend, address=address)
+    if frontend.discovery_backend == "file":
+        frontend.discovery_dir.mkdir(parents=True, exist_ok=True)
+    elif problem := dynamo_pod_problem():
+        print(f"rollouts dynamo-frontend: {problem}", file=sys.stderr)
+        return 2
+    command = frontend.command()
+    sys.stdout.flush()
+    os.execve(command[0], command, frontend.environment())
+    return 0  # not reached
