@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/dynamo_kv_routing.py [--replicas 2] [--groups 16] [--samples 8] [--prompt 400] [--waves 4]
 
-For each router mode in turn, a dynamo stack (``rollouts up --dynamo --dynamo-router-mode MODE``,
+For each router mode in turn, an embedded stack (``rollouts up --dynamo-router-mode MODE``,
 in a temporary home; one at a time) with a ``--replicas`` deployment of the embedded model. GRPO
 groups: ``--groups`` prompts of ``--prompt`` random tokens, each sampled ``--samples`` times as
 separate requests (16 tokens at temperature 1): the first alone, then the others together
@@ -70,7 +70,7 @@ async def run_groups(settings: Settings, model: str, args: argparse.Namespace) -
 
 def measure(mode: str, args: argparse.Namespace, work: Path) -> dict:
     settings = Settings.create(work / mode, free_port_base())
-    settings.dynamo, settings.dynamo_router_mode = True, mode
+    settings.dynamo_router_mode = mode
     stack = Stack(settings)
     stack.up(say=lambda line: None)
     try:

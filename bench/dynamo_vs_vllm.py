@@ -1,10 +1,12 @@
-"""dynamo-vllm replicas as Dynamo's vLLM workers vs as vLLM's OpenAI servers, side by side in one run.
+"""``runtime.engine: dynamo-vllm`` (Dynamo's vLLM workers behind Dynamo's frontend) vs ``vllm``
+(vLLM's OpenAI servers behind the gateway alone), side by side in one run.
 
     .venv/bin/python bench/dynamo_vs_vllm.py [--replicas 2] [--runs 3] [--clients 16] [--window 8]
 
-For each engine in turn, an embedded stack in a temporary home (``rollouts up``, then
-``rollouts up --dynamo``; one at a time, so at most ``--replicas`` engines run) and a deployment
-of the embedded model with ``--replicas`` replicas: a FULL hot-load of the base (setup), then
+One embedded stack in a temporary home whose API lets both engines hot-load
+(``ROLLOUTS_HOT_LOAD_ENGINES=dynamo-vllm,vllm``: the guide lets only dynamo-vllm, which is the
+stack's default) and, for each engine in turn (one at a time, so at most ``--replicas`` engines
+run), a deployment of the embedded model with ``--replicas`` replicas: a FULL hot-load of the base (setup), then
 ``--runs`` delta hot-loads (one RL step each), each timed from create to COMPLETED through the
 REST API while ``--clients`` rollout clients (16-token prompts, 32 tokens at temperature 1,
 through the gateway) keep generating for ``--window`` seconds before and after it. Per engine:
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import sys
@@ -30,6 +33,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from api.app import HOT_LOAD_ENGINES_ENV  # noqa: E402
 from common.settings import Settings  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
 from tests.helpers.deployments import delete_deployment  # noqa: E402
@@ -93,28 +97,25 @@ def timed_hot_load(api: Api, dep_id: str, identity: str, previous: str | None) -
     return hl, time.monotonic() - t0
 
 
-async def measure(dynamo: bool, args: argparse.Namespace, work: Path) -> dict:
-    settings = Settings.create(work / ("dynamo" if dynamo else "vllm"), free_port_base())
-    settings.dynamo = dynamo
-    stack = Stack(settings)
-    stack.up(say=lambda line: None)
+async def measure(settings: Settings, engine: str, args: argparse.Namespace, work: Path) -> dict:
+    api = Api(settings)
+    prefix = f"{PREFIX}/{engine}"
+    body = deployment_body(settings, f"bench-{engine}", replicas=args.replicas, path_prefix=prefix)
+    body["runtime"]["engine"] = engine
+    dep = api.call("POST", "/deployments", json=body).json()["deployment"]
     try:
-        api = Api(settings)
-        body = deployment_body(settings, "bench", replicas=args.replicas, path_prefix=PREFIX)
-        dep = api.call("POST", "/deployments", json=body).json()["deployment"]
         dep_id, model = dep["spec"]["id"], dep["spec"]["model"]["name"]
         assert api.wait_deployment(dep_id)["status"]["status"] == "STATUS_READY"
         s3, base = settings.s3_client(), settings.home_path / "models" / "base"
-        upload_dir(s3, base, settings.bucket, f"{PREFIX}/full")
+        upload_dir(s3, base, settings.bucket, f"{prefix}/full")
         timed_hot_load(api, dep_id, "full", None)
         seconds, pauses, outside, during = [], [], [], []
         prev_dir, prev_id = base, "full"
         for run in range(1, args.runs + 1):
-            new_dir = train_step(prev_dir, work / f"{settings.dynamo}-{run}", seed=run)
+            new_dir = train_step(prev_dir, work / f"{engine}-{run}", seed=run)
             identity = f"step-{run}"
-            write_delta(prev_dir, new_dir, work / f"delta-{settings.dynamo}-{run}", version=identity,
-                        base_version=prev_id)
-            upload_dir(s3, work / f"delta-{settings.dynamo}-{run}", settings.bucket, f"{PREFIX}/{identity}")
+            write_delta(prev_dir, new_dir, work / f"delta-{engine}-{run}", version=identity, base_version=prev_id)
+            upload_dir(s3, work / f"delta-{engine}-{run}", settings.bucket, f"{prefix}/{identity}")
             stop, tokens, failures = asyncio.Event(), [], []
             load = asyncio.create_task(clients(settings, model, args.clients, stop, tokens, failures))
             await asyncio.sleep(args.window)
@@ -131,12 +132,11 @@ async def measure(dynamo: bool, args: argparse.Namespace, work: Path) -> dict:
             during.append(sum(1 for t in tokens if t0 <= t <= t1) / (t1 - t0))
             prev_dir, prev_id = new_dir, identity
         memory = [tree_pss_mib(r["enginePid"]) for r in await asyncio.to_thread(engines, settings, dep_id)]
-        delete_deployment(api, dep_id)
         return {"hot_load_s": statistics.median(seconds), "pause_ms": sorted(pauses),
                 "tokens_s_outside": statistics.median(outside), "tokens_s_during": statistics.median(during),
                 "memory_mib": memory}
     finally:
-        stack.down(say=lambda line: None)
+        delete_deployment(api, dep["spec"]["id"])
 
 
 def main() -> int:
@@ -146,12 +146,19 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--window", type=float, default=8.0)
     args = p.parse_args()
+    os.environ[HOT_LOAD_ENGINES_ENV] = "dynamo-vllm,vllm"  # the stack's API inherits it
     with tempfile.TemporaryDirectory(prefix="bench-engines-") as tmp:
+        settings = Settings.create(Path(tmp) / "home", free_port_base())
+        stack = Stack(settings)
+        stack.up(say=lambda line: None)
         results = {}
-        for name, dynamo in (("vllm", False), ("dynamo", True)):
-            print(f"[{name}] measuring ...", flush=True)
-            results[name] = asyncio.run(measure(dynamo, args, Path(tmp)))
-            print(f"[{name}] {results[name]}", flush=True)
+        try:
+            for name, engine in (("vllm", "vllm"), ("dynamo", "dynamo-vllm")):
+                print(f"[{name}] measuring ...", flush=True)
+                results[name] = asyncio.run(measure(settings, engine, args, Path(tmp)))
+                print(f"[{name}] {results[name]}", flush=True)
+        finally:
+            stack.down(say=lambda line: None)
     v, d = results["vllm"], results["dynamo"]
     rows = [
         ("delta hot-load, median s", v["hot_load_s"], d["hot_load_s"]),

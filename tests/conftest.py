@@ -25,9 +25,8 @@ from tests.helpers.deployments import POOL, POOLED_FIXTURES
 from tests.helpers.engines import EngineWatch, mark_session
 from tests.helpers.stack_fixtures import start_stack
 
-# Fixtures that start the embedded stack or its SeaweedFS (tests/snapshots/conftest.py), or the
-# dynamo stack (tests/dynamo/conftest.py).
-STACK_FIXTURES = frozenset({"stack", "seaweed", "dynamo_stack"})
+# Fixtures that start the embedded stack or its SeaweedFS (tests/snapshots/conftest.py).
+STACK_FIXTURES = frozenset({"stack", "seaweed"})
 # Fixtures that start a vLLM engine of their own (tests/replica/conftest.py, tests/gateway/test_weight_spans.py).
 ENGINE_FIXTURES = frozenset({"engine", "engine_b", "start_engine"})
 # Fixtures that make network-namespace hosts (tests/multihost/conftest.py).

@@ -4,9 +4,10 @@ Starts the stack (unless it already runs), creates a 2-replica deployment of the
 publishes the base as a FULL snapshot (``step-000000``), then loops:
 
 1. rollouts: a group of ``--group`` completions per prompt for ``--prompts`` arithmetic questions
-   (``"37 + 45 ="``), sampled through the gateway's ``/v1/completions`` at temperature 1 with
-   logprobs and token ids (one request per prompt with ``n = group``, all prompts at once, so
-   both replicas serve);
+   (``"37 + 45 ="``, sent as the tokenizer's ids), sampled through the gateway's
+   ``/v1/completions`` at temperature 1 with logprobs and the sampled ids as cwtrain asks for them
+   (``logprobs: 1``, ``return_tokens_as_token_ids``; one request per prompt with ``n = group``,
+   all prompts at once, so both replicas serve);
 2. reward: "answer with digits", the fraction of completion tokens that are a digit
    (``workers.grpo.digits_reward``; ~0.005 for the random-init model);
 3. a GRPO step on the trainer's own FP32 copy of the model (torch on the CPU,
@@ -169,12 +170,15 @@ class Client:
             raise StackError(f"{method} {path}: HTTP {r.status_code} {r.text}")
         return r.json()
 
-    def complete(self, model: str, prompt: str, *, n: int, max_tokens: int, temperature: float, **extra: Any) -> dict:
+    def complete(self, model: str, prompt: str | list[int], *, n: int, max_tokens: int, temperature: float,
+                 **extra: Any) -> dict:
+        """A completion with each sampled token's id and log-prob (``logprobs.tokens`` as
+        ``token_id:N``, ``logprobs.token_logprobs``), as cwtrain asks for rollouts."""
         r = self.http.post(
             f"{self.s.gateway_url}/v1/completions",
             headers=self.h,
             json={"model": model, "prompt": prompt, "n": n, "max_tokens": max_tokens, "temperature": temperature,
-                  "logprobs": 0, "return_token_ids": True, "ignore_eos": True, **extra},
+                  "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True, **extra},
         )
         if r.status_code != 200:
             raise StackError(f"gateway /v1/completions: HTTP {r.status_code} {r.text[:300]}")
@@ -211,8 +215,17 @@ class Client:
         return hl, reps, seconds
 
 
-def rollouts_for(client: Client, model: str, prompts: list[str], cfg: DemoConfig, digit_ids) -> tuple[list, int, float]:
-    """Sample ``cfg.group`` completions per prompt through the gateway, all prompts at once."""
+def token_id(token: str) -> int:
+    """A sampled token's id from ``logprobs.tokens`` under ``return_tokens_as_token_ids``."""
+    if not token.startswith("token_id:"):
+        raise StackError(f"gateway /v1/completions: logprobs token {token!r} is not 'token_id:N'")
+    return int(token.removeprefix("token_id:"))
+
+
+def rollouts_for(client: Client, model: str, prompts: list[list[int]], cfg: DemoConfig, digit_ids
+                 ) -> tuple[list, int, float]:
+    """Sample ``cfg.group`` completions per prompt (token ids) through the gateway, all prompts
+    at once."""
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         responses = list(pool.map(
@@ -223,10 +236,11 @@ def rollouts_for(client: Client, model: str, prompts: list[str], cfg: DemoConfig
     tokens = 0
     for g, resp in enumerate(responses):
         for choice in resp["choices"]:
-            ids = list(choice["token_ids"])
-            lps = (choice.get("logprobs") or {}).get("token_logprobs")
+            logprobs = choice.get("logprobs") or {}
+            ids = [token_id(t) for t in logprobs.get("tokens") or []]
+            lps = logprobs.get("token_logprobs")
             rollouts.append(Rollout(
-                group=g, prompt_ids=list(choice["prompt_token_ids"]), completion_ids=ids,
+                group=g, prompt_ids=list(prompts[g]), completion_ids=ids,
                 reward=digits_reward(ids, digit_ids),
                 sampler_logprobs=[float(x) for x in lps] if lps and None not in lps else None,
             ))
@@ -267,6 +281,7 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
         t_load = time.monotonic()
         policy = Policy(base_dir, lr=cfg.lr, inner_steps=cfg.inner_steps, train=cfg.train, seed=cfg.seed)
         digit_ids = digit_token_ids(base_dir)
+        tokenizer = Tokenizer.from_file(str(base_dir / "tokenizer.json"))
         n_train = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
         say(f"trainer: {sum(p.numel() for p in policy.model.parameters()) / 1e6:.2f}M parameters, {n_train / 1e6:.2f}M "
             f"trained ({cfg.train}: {len(policy.trainable)} of {len(policy.names)} tensors), FP32 masters, BF16 export; "
@@ -310,7 +325,7 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
             if time.monotonic() - loop_t0 > cfg.max_loop_s:
                 say(f"loop budget of {cfg.max_loop_s:.0f}s reached after {step - 1} steps")
                 break
-            prompts = make_prompts(cfg.prompts, seed=cfg.seed * 100_003 + step)
+            prompts = [tokenizer.encode(p).ids for p in make_prompts(cfg.prompts, seed=cfg.seed * 100_003 + step)]
             rollouts, tokens, rollout_s = rollouts_for(c, model, prompts, cfg, digit_ids)
             advantages = group_advantages([r.reward for r in rollouts], [r.group for r in rollouts])
             for r, a in zip(rollouts, advantages):

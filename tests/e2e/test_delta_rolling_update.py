@@ -1,4 +1,4 @@
-"""Delta hot-loads on the shared 3-replica deployment (real vLLM CPU replicas, real S3, real
+"""Delta hot-loads on the shared 3-replica deployment (real Dynamo vLLM workers on CPU, real S3, real
 Temporal).
 
 The first replica reads the chain from the bucket; the second and third stage the changed tensors
@@ -7,9 +7,11 @@ every hot-load, each replica's served weights (read back from its engine) equal 
 materialized checkpoint, each replica's entry says it proved exactly the tensors the step changed
 (``verifiedTensors``) inside a pause (``pauseMs`` > 0), and no engine restarted.
 
-Requests in flight across a hot-load: the first replica's swap is held inside its pause (fault
-point ``swap``, replica/faults.py) until the engine says which requests it froze there; each of
-those answers names both identities in its weight-version spans, and every request completes.
+Requests in flight across a hot-load, through the gateway and Dynamo's frontend: while they are
+sent, the other replicas are out of Dynamo's routing pool (as a pause takes a replica out), so
+they run on the first replica; its swap is held inside its pause (fault point ``swap``,
+replica/faults.py) until the engine says which requests it froze there; each of those answers
+names both identities in its weight-version spans, and every request completes.
 A corrupted delta fails cleanly and changes nothing; a good one then completes. A replica killed
 mid-walk is restarted, catches up, and ends on the new weights.
 """
@@ -31,6 +33,7 @@ from snapshots.writer import write_delta
 from tests.helpers.chains import publish_chain
 from tests.helpers.replicas import (
     ROLLING_PREFIX,
+    control,
     engines,
     fault,
     faults,
@@ -60,25 +63,27 @@ def test_chain_of_cwtrain_deltas_reaches_every_replica(stack, rolling, tmp_path)
     publish_chain(stack, api, dep["spec"]["id"], tmp_path, "cwtrain", "cw", prefix=ROLLING_PREFIX)
 
 
-def long_request(stack, model: str, i: int, started: threading.Event, out: dict) -> None:
-    """One long greedy completion through the gateway (streamed for even `i`); `out` gets its
-    outcome, its token count and ``nvext.weight_versions``. `started` is set at a streamed
-    answer's first token; a non-streamed one sets it as it is sent (its answer comes at the end)."""
+def _headers(settings) -> dict[str, str]:
+    return {"Authorization": f"Bearer {settings.admin_token}"}
+
+
+def long_request(settings, model: str, i: int, started: threading.Event, out: dict) -> None:
+    """One long greedy completion through the gateway (streamed for even ``i``); ``out`` gets its
+    outcome, token count (``usage``) and ``nvext.weight_versions``."""
     stream = i % 2 == 0
     if not stream:
         started.set()
     body = {"model": model, "prompt": [5, 6 + i, 7], "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
-            "stream": stream, "return_token_ids": True}
-    headers = {"Authorization": f"Bearer {stack.admin_token}"}
+            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
     try:
-        with httpx.stream("POST", f"{stack.gateway_url}/v1/completions", json=body, headers=headers,
+        with httpx.stream("POST", f"{settings.gateway_url}/v1/completions", json=body, headers=_headers(settings),
                           timeout=900) as r:
             if r.status_code != 200:
                 out["outcome"] = f"HTTP {r.status_code}: {r.read()!r}"
                 return
             if not stream:
                 data = json.loads(r.read())
-                out.update(tokens=len(data["choices"][0]["token_ids"]), finish=data["choices"][0]["finish_reason"],
+                out.update(tokens=data["usage"]["completion_tokens"], finish=data["choices"][0]["finish_reason"],
                            weight_versions=data["nvext"]["weight_versions"])
             else:
                 tokens, finish, nvext, done = 0, None, None, False
@@ -89,11 +94,11 @@ def long_request(stack, model: str, i: int, started: threading.Event, out: dict)
                         chunk = json.loads(line[6:])
                         assert "error" not in chunk, chunk
                         nvext = chunk.get("nvext") or nvext
+                        tokens = (chunk.get("usage") or {}).get("completion_tokens") or tokens
                         for c in chunk["choices"]:
-                            tokens += len(c.get("token_ids") or [])
                             finish = c.get("finish_reason") or finish
-                        if tokens:
-                            started.set()
+                            if c.get("text"):
+                                started.set()
                 out.update(tokens=tokens, finish=finish if done else "no [DONE]",
                            weight_versions=(nvext or {}).get("weight_versions"))
             out["outcome"] = "ok" if (out["tokens"], out["finish"]) == (LONG, "length") else "truncated"
@@ -105,49 +110,53 @@ def long_request(stack, model: str, i: int, started: threading.Event, out: dict)
 
 def test_in_flight_requests_span_a_pause_and_all_finish(stack, rolling, tmp_path):
     api, dep = rolling
-    dep_id = dep["spec"]["id"]
-    model = dep["spec"]["model"]["name"]
-    s3 = stack.s3_client()
-    base = stack.home_path / "models" / "base"
+    settings, dep_id, model = stack, dep["spec"]["id"], dep["spec"]["model"]["name"]
+    s3 = settings.s3_client()
+    base = settings.home_path / "models" / "base"
     full_id, delta_id = "inflight-000000", "inflight-000001"
-    upload_dir(s3, base, stack.bucket, f"{ROLLING_PREFIX}/{full_id}")
+    upload_dir(s3, base, settings.bucket, f"{ROLLING_PREFIX}/{full_id}")
     assert hot_load(api, dep_id, full_id, None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
     new_dir = train_step(base, tmp_path / "new", seed=77)
     write_delta(base, new_dir, tmp_path / delta_id, version=delta_id, base_version=full_id)
-    upload_dir(s3, tmp_path / delta_id, stack.bucket, f"{ROLLING_PREFIX}/{delta_id}")
-    first = walk_order(stack, dep_id)[0]
+    upload_dir(s3, tmp_path / delta_id, settings.bucket, f"{ROLLING_PREFIX}/{delta_id}")
+    first, *others = walk_order(settings, dep_id)
 
-    # Three requests per replica (the gateway sends each to the least loaded one), all generating
-    # on the old weights. The first replica's step is held at its start until they all generate,
-    # so they are started seconds, not a whole staging, before its pause.
+    # Nine requests, generating on the old weights on the first replica when its step starts
+    # (held there until they all generate, so they start seconds, not a whole staging, before
+    # its pause); its swap is then held inside its pause (fault point ``swap``).
     outs: list[dict] = [{} for _ in range(9)]
     started = [threading.Event() for _ in outs]
-    threads = [threading.Thread(target=long_request, args=(stack, model, i, e, o))
+    threads = [threading.Thread(target=long_request, args=(settings, model, i, e, o))
                for i, (e, o) in enumerate(zip(started, outs))]
     at_start = fault("apply_snapshot", first["name"], "hold")
     hold = fault("swap", first["name"], "hold")
     hl_id, frozen, was_paused = None, -1, False
     try:
-        with faults(stack, at_start, hold):
+        with faults(settings, at_start, hold):
             hl_id = start_hot_load(api, dep_id, delta_id, full_id)
-            at_start.wait_fired(stack, dep_id)
-            for t in threads:
-                t.start()
-            assert all(e.wait(600) for e in started)
-            write_faults(stack, [hold])  # releases the step's start; its swap stays held
-            hold.wait_fired(stack, dep_id)
-            # The first replica's engine is paused, its swap held: the requests it has not
-            # finished are frozen in the pause and resume on the new weights.
+            at_start.wait_fired(settings, dep_id)
+            # Dynamo's router decides where requests go; for some to be surely on the first
+            # worker when it pauses, the others are out of the pool while they are sent.
+            for other in others:
+                control(other, "leave")
+            try:
+                for t in threads:
+                    t.start()
+                assert all(e.wait(600) for e in started)
+            finally:
+                for other in others:
+                    control(other, "join")
+            write_faults(settings, [hold])
+            hold.wait_fired(settings, dep_id)
             was_paused, frozen = paused(first), running_requests(first)
     finally:
-        hl = api.wait_hot_load(hl_id) if hl_id else None  # the next test finds no hot-load open
+        hl = api.wait_hot_load(hl_id) if hl_id else None
         for t in threads:
             t.join(900)
     assert was_paused, "the held swap was not inside a pause"
     assert frozen >= 1, f"no request was running on {first['name']} when its pause began"
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
     assert [o.get("outcome") for o in outs] == ["ok"] * len(outs), outs
-
     spanned = 0
     for o in outs:
         spans = o["weight_versions"]["spans"]
@@ -158,7 +167,7 @@ def test_in_flight_requests_span_a_pause_and_all_finish(stack, rolling, tmp_path
         spanned += identities == [full_id, delta_id]
     assert spanned >= frozen, f"{frozen} request(s) were frozen in a pause, {spanned} answer(s) name both identities"
     expected = checkpoint_checksums(new_dir)
-    for replica in engines(stack, dep_id):
+    for replica in engines(settings, dep_id):
         assert served_checksums(replica) == expected
 
 

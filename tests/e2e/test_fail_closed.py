@@ -17,9 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from replica.agent.engine import EngineProcess
 from snapshots.host import checkpoint_checksums
-from tests.helpers.replicas import ROLLING_PREFIX, engines, hot_load, served_checksums
+from tests.helpers.replicas import ROLLING_PREFIX, attach, engines, hot_load, served_checksums
 from workers.base_model import INDEX_NAME
 from workers.stack import upload_dir
 
@@ -47,7 +46,7 @@ def observe(replica: dict) -> dict:
     completion (top 5 per token; a fresh cache salt, so nothing comes from the prefix cache)."""
 
     async def read() -> dict:
-        engine = EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"])
+        engine = attach(replica)
         try:
             body = {"model": (await engine.models())[0], "prompt": [100, 101, 102], "max_tokens": 6,
                     "temperature": 0, "ignore_eos": True, "logprobs": 5, "cache_salt": uuid.uuid4().hex}

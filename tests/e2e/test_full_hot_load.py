@@ -31,13 +31,12 @@ def greedy_ids(settings, model: str) -> list[int]:
         headers={"Authorization": f"Bearer {settings.admin_token}"},
         json={
             "model": model, "prompt": PROMPT_IDS, "max_tokens": GEN, "temperature": 0,
-            "return_token_ids": True, "logprobs": 1, "ignore_eos": True,
+            "logprobs": 1, "ignore_eos": True, "nvext": {"extra_fields": ["completion_token_ids"]},
         },
         timeout=120,
     )
     assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    return list(choice["token_ids"])
+    return list(r.json()["nvext"]["completion_token_ids"])
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """PROMPT_CACHE_POLICY_PRESERVE vs RESET_ALL, request by request, on the first replica of the
-shared deployment (a real vLLM CPU engine).
+shared deployment (a real Dynamo vLLM worker on CPU), through the gateway and Dynamo's frontend.
 
 Two models built so that the KV cache decides the next token by a wide margin:
 
@@ -11,7 +11,9 @@ Two models built so that the KV cache decides the next token by a wide margin:
   counts exactly like OLD; over values OLD computed, it says ``P``.
 
 Sixteen greedy requests whose prompts end in ``P`` count ``P+1, P+2, ...`` on OLD (``P`` itself
-comes back only after 2048 tokens), sent together straight to the first replica's engine. Its
+comes back only after 2048 tokens), sent together through the gateway while the other replicas
+are out of Dynamo's routing pool (their ``leave`` route, as a pause does), so all run on the
+first replica (each answer's ``worker_id`` says so). Its
 swap to NEW is held inside its pause (fault point ``swap``, replica/faults.py) while the test reads
 how many requests the engine froze there (vLLM's running gauge); exactly those answers carry two
 weight-version spans, and each one's spans give the exact token ``k`` where NEW took over. Under
@@ -30,10 +32,10 @@ import threading
 import httpx
 import pytest
 
-from common.settings import ENGINE_SECRET_HEADER
 from tests.helpers.kv_models import REQUESTS, N, P, kv_models
 from tests.helpers.replicas import (
     ROLLING_PREFIX,
+    control,
     fault,
     faults,
     hot_load,
@@ -49,72 +51,76 @@ from workers.stack import upload_dir
 pytestmark = pytest.mark.stack
 
 
-def streamed(url: str, headers: dict[str, str], model: str, prompt: list[int], go: threading.Barrier,
-             started: threading.Event, out: dict) -> None:
-    """A greedy streamed completion straight to the engine: its token ids and its choice's
-    weight-version spans (``[{"version", "start", "end"}]``, on the chunk with the finish reason)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": N, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
-    tokens: list[int] = []
+def streamed(settings, model: str, prompt: list[int], go: threading.Barrier, started: threading.Event,
+             out: dict) -> None:
+    """A greedy streamed completion through the gateway: its token ids, spans and replica."""
+    body = {"model": model, "prompt": prompt, "max_tokens": N, "temperature": 0, "ignore_eos": True, "stream": True,
+            "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]}}
+    headers = {"Authorization": f"Bearer {settings.admin_token}"}
     try:
-        go.wait(60)  # the sixteen are sent together
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=900) as r:
+        go.wait(60)
+        with httpx.stream("POST", f"{settings.gateway_url}/v1/completions", json=body, headers=headers,
+                          timeout=900) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                for choice in json.loads(line[6:])["choices"]:
-                    tokens.extend(choice.get("token_ids") or [])
-                    if choice.get("finish_reason"):
-                        out["spans"] = choice.get("weight_versions")
-                if tokens:
+                chunk = json.loads(line[6:])
+                if any(c.get("text") for c in chunk.get("choices") or []):
                     started.set()
+                nvext = chunk.get("nvext")
+                if nvext:
+                    out["tokens"] = nvext["completion_token_ids"]
+                    out["spans"] = nvext["weight_versions"].get("spans")
+                    out["replica"] = nvext["worker_id"]["decode_worker_id"]
     finally:
-        out["tokens"] = tokens
         started.set()
 
 
 @pytest.mark.parametrize("policy", ["PROMPT_CACHE_POLICY_RESET_ALL", "PROMPT_CACHE_POLICY_PRESERVE"])
 def test_each_request_spanning_an_update_follows_the_policy(stack, rolling, tmp_path, policy):
     api, dep = rolling
-    dep_id = dep["spec"]["id"]
+    settings, dep_id, model = stack, dep["spec"]["id"], dep["spec"]["model"]["name"]
     tag = policy.rsplit("_", 1)[-1].lower().replace("all", "reset")
     old_id, new_id = f"kvcache-{tag}-0", f"kvcache-{tag}-1"
-    old_dir, new_dir = kv_models(stack.home_path / "models" / "base", tmp_path)
-    upload_dir(stack.s3_client(), old_dir, stack.bucket, f"{ROLLING_PREFIX}/{old_id}")
-    upload_dir(stack.s3_client(), new_dir, stack.bucket, f"{ROLLING_PREFIX}/{new_id}")
+    old_dir, new_dir = kv_models(settings.home_path / "models" / "base", tmp_path)
+    upload_dir(settings.s3_client(), old_dir, settings.bucket, f"{ROLLING_PREFIX}/{old_id}")
+    upload_dir(settings.s3_client(), new_dir, settings.bucket, f"{ROLLING_PREFIX}/{new_id}")
     assert hot_load(api, dep_id, old_id, None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
-    first = walk_order(stack, dep_id)[0]
-    url, headers = first["engineUrl"], {ENGINE_SECRET_HEADER: first["engineSecret"]}
-    model = httpx.get(f"{url}/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
+    first, *others = walk_order(settings, dep_id)
 
     prompts = [[5, 17 + i, P] for i in range(REQUESTS)]
     outs: list[dict] = [{} for _ in prompts]
     started = [threading.Event() for _ in prompts]
     go = threading.Barrier(REQUESTS)
-    threads = [threading.Thread(target=streamed, args=(url, headers, model, p, go, e, o))
+    threads = [threading.Thread(target=streamed, args=(settings, model, p, go, e, o))
                for p, e, o in zip(prompts, started, outs)]
-    # The first replica's step is held at its start until the requests generate, then released
-    # to its swap, held in the pause: they start seconds before the pause, not a staging before.
     at_start = fault("apply_snapshot", first["name"], "hold")
     hold = fault("swap", first["name"], "hold")
     hl_id, frozen, was_paused = None, -1, False
     try:
-        with faults(stack, at_start, hold):
+        with faults(settings, at_start, hold):
             hl_id = start_hot_load(api, dep_id, new_id, None, promptCachePolicy=policy)
-            at_start.wait_fired(stack, dep_id)
-            for t in threads:
-                t.start()
-            assert all(e.wait(600) for e in started)
-            write_faults(stack, [hold])  # releases the step's start; its swap stays held
-            hold.wait_fired(stack, dep_id)
+            at_start.wait_fired(settings, dep_id)
+            for other in others:  # every request goes to the first worker
+                control(other, "leave")
+            try:
+                for t in threads:
+                    t.start()
+                assert all(e.wait(600) for e in started)
+            finally:
+                for other in others:
+                    control(other, "join")
+            write_faults(settings, [hold])
+            hold.wait_fired(settings, dep_id)
             was_paused, frozen = paused(first), running_requests(first)
     finally:
-        hl = api.wait_hot_load(hl_id) if hl_id else None  # the next test finds no hot-load open
+        hl = api.wait_hot_load(hl_id) if hl_id else None
         for t in threads:
             t.join(900)
     assert was_paused, "the held swap was not inside a pause"
     assert frozen >= 1, "no request was running when the pause began"
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
+    assert {o.get("replica") for o in outs} == {first["name"]}, [o.get("replica") for o in outs]
 
     counting = [(P + 1 + i) % VOCAB for i in range(N)]
     spanning = 0
@@ -122,12 +128,13 @@ def test_each_request_spanning_an_update_follows_the_policy(stack, rolling, tmp_
         tokens, spans = out["tokens"], out.get("spans")
         assert len(tokens) == N and tokens[0] == counting[0], f"{prompt}: {len(tokens)} tokens"
         assert spans is not None and spans[0]["start"] == 0 and spans[-1]["end"] == N, (prompt, spans)
-        if len(spans) == 1:  # not frozen in the pause: it ran on OLD alone
-            assert spans == [{"version": old_id, "start": 0, "end": N}] and tokens == counting, (prompt, spans)
+        if len(spans) == 1:
+            assert spans == [{"choice": 0, "identity": old_id, "start": 0, "end": N}] and tokens == counting
             continue
         spanning += 1
         k = spans[1]["start"]
-        assert spans == [{"version": old_id, "start": 0, "end": k}, {"version": new_id, "start": k, "end": N}]
+        assert spans == [{"choice": 0, "identity": old_id, "start": 0, "end": k},
+                         {"choice": 0, "identity": new_id, "start": k, "end": N}]
         assert 0 < k < N and tokens[:k] == counting[:k], (prompt, k)
         if policy.endswith("RESET_ALL"):
             assert tokens == counting, f"{prompt}: NEW did not count from token {k} (it kept OLD's cache)"

@@ -1,6 +1,8 @@
-"""Fixtures for the gateway tests: ONE 2-replica deployment (real vLLM CPU replicas) behind the
-stack's real gateway, shared by every test here (tests/helpers/deployments.py's pool keeps it;
-tests/helpers/gateway.py has what the tests do with it).
+"""Fixtures for the gateway tests: ONE 2-replica ``dynamo-vllm`` deployment (real Dynamo vLLM
+workers on CPU, behind Dynamo's frontend) behind the stack's real gateway, shared by every test
+here (``gw``), and, for the gateway's own routing, ONE 2-replica ``vllm`` deployment (vLLM's
+OpenAI servers, no hot-loads: ``vllm_gw``); tests/helpers/deployments.py's pool keeps one of them
+at a time (tests/helpers/gateway.py has what the tests do with them).
 
 Development: ``ROLLOUTS_TEST_STACK_HOME=DIR`` (a stack started with ``rollouts up --home DIR``)
 and ``ROLLOUTS_TEST_DEPLOYMENT_ID=ID`` (a READY 2-replica deployment on it) reuse a running
@@ -31,9 +33,13 @@ if os.environ.get("ROLLOUTS_TEST_STACK_HOME"):
         return Settings.load(Path(os.environ["ROLLOUTS_TEST_STACK_HOME"]))
 
 
-def _create(stack: Settings) -> GatewayDeployment:
+def _create(stack: Settings, engine: str = "dynamo-vllm") -> GatewayDeployment:
     api = Api(stack)
-    body = deployment_body(stack, "gwtest", replicas=REPLICAS, path_prefix=PREFIX)
+    body = deployment_body(stack, "gwtest" if engine == "dynamo-vllm" else "gwvllm", replicas=REPLICAS,
+                           path_prefix=PREFIX)
+    if engine != "dynamo-vllm":
+        body["runtime"]["engine"] = engine
+        del body["hotLoad"]  # only dynamo-vllm hot-loads
     dep = api.call("POST", "/deployments", json=body).json()["deployment"]
     dep = api.wait_deployment(dep["spec"]["id"])
     assert dep["status"]["status"] == "STATUS_READY", dep["status"]
@@ -57,3 +63,9 @@ def gw(stack) -> GatewayDeployment:
                                                           Served(dep["status"].get("currentSnapshotIdentity") or "initial")),
                         lambda _: None)
     return POOL.get("gw", REPLICAS, lambda: _create(stack), lambda g: delete_deployment(g.api, g.id))
+
+
+@pytest.fixture(scope="module")
+def vllm_gw(stack) -> GatewayDeployment:
+    """A ``runtime.engine: vllm`` deployment: the gateway routes to its replicas itself."""
+    return POOL.get("gw-vllm", REPLICAS, lambda: _create(stack, "vllm"), lambda g: delete_deployment(g.api, g.id))

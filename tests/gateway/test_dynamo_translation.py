@@ -1,18 +1,16 @@
 """Unit tests: what the gateway sends Dynamo's frontend and how it reads the answers
 (gateway/dynamo.py), the worker side's routes and span stamping with stand-in engines
 (replica/engine/dynamo_routes.py), and the names a dynamo deployment's workers use. The real
-thing runs in tests/dynamo/ and tests/replica/test_dynamo_worker.py."""
+thing runs in tests/gateway/, tests/e2e/ and tests/replica/test_dynamo_worker.py."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
-from urllib.parse import quote
 
 from contracts.names import dynamo_model, dynamo_namespace
 from gateway import dynamo
 from gateway.nvext import finish_choice, plan_request, version_spans
-from replica.agent.dynamo import registered_workers
 from replica.engine.dynamo_routes import SpanRecorder, control_routes
 
 
@@ -97,16 +95,6 @@ def test_names_of_a_dynamo_deployment():
     assert dynamo_model("deployments/org/x") == "deployments/org/x"
 
 
-def test_registered_workers_reads_the_file_discovery_directory(tmp_path):
-    folder = tmp_path / "v1" / "instances"
-    folder.mkdir(parents=True)
-    for key in ("ns-a/backend/generate/00ab", "ns-a/backend/generate/00cd", "ns-a/backend/rl/00ab",
-                "ns-b/backend/generate/0ef0"):
-        (folder / quote(key, safe="")).write_text("{}")
-    assert registered_workers(tmp_path, "ns-a") == ["00ab", "00cd"]
-    assert registered_workers(tmp_path / "missing", "ns-a") == []
-
-
 class _Engine:
     """A stand-in for vLLM's AsyncLLM: records calls, fails where told."""
 
@@ -135,6 +123,22 @@ class _Endpoint:
     def connection_id(self) -> int:
         return 0xABC
 
+    async def client(self) -> _Client:
+        return _Client(self)
+
+
+class _Client:
+    """A stand-in for Dynamo's discovery client of the endpoint: lists it while registered."""
+
+    def __init__(self, endpoint: _Endpoint) -> None:
+        self.endpoint = endpoint
+
+    async def wait_for_instances(self) -> list[int]:
+        return self.instance_ids()
+
+    def instance_ids(self) -> list[int]:
+        return [0x123, *([0xABC] if self.endpoint.registered else [])]
+
 
 def test_control_routes_need_the_secret_and_answer_errors_in_the_body():
     engine, endpoint = _Engine(), _Endpoint()
@@ -150,7 +154,9 @@ def test_control_routes_need_the_secret_and_answer_errors_in_the_body():
     failed = run(routes["collective_rpc"]({"secret": "s3cret", "method": "boom"}))
     assert failed["error"]["code"] == 500 and "worker failed" in failed["error"]["message"]
     assert run(routes["collective_rpc"]({"secret": "s3cret"}))["error"]["code"] == 400
+    assert run(routes["instances"]({"secret": "s3cret"})) == {"worker_ids": [0x123, 0xABC]}
     assert run(routes["leave"]({"secret": "s3cret"})) == {"status": "left"} and not endpoint.registered
+    assert run(routes["instances"]({"secret": "s3cret"})) == {"worker_ids": [0x123]}
     assert run(routes["join"]({"secret": "s3cret"})) == {"status": "joined"} and endpoint.registered
     assert run(routes["instance"]({"secret": "s3cret"})) == {"worker_id": 0xABC}
 
@@ -181,3 +187,11 @@ def test_span_recorder_stamps_each_finishing_choice():
     assert outs[1]["engine_data"] == {"weight_versions": [{"version": "v2", "start": 0, "end": 2}]}
     assert "engine_data" not in outs[2]  # vLLM reported no spans for it: nothing is made up
     assert recorder.final == {}
+
+
+def test_dynamos_400_details_are_spelled_out():
+    explained = dynamo.explain("Invalid request", {"type": "context_length", "limit": 1024, "actual": 100002})
+    assert explained == ("Invalid request: the prompt's tokens plus max_tokens come to 100002, more than the "
+                         "model's context length 1024: lower max_tokens or shorten the prompt")
+    assert dynamo.explain("Invalid request", {"type": "other", "field": "x"}) == "Invalid request (type: other, field: x)"
+    assert dynamo.explain("Bad temperature", {}) == "Bad temperature"

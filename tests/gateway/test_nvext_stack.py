@@ -65,16 +65,19 @@ async def test_cache_salt_isolates_prefix_cache_reuse(gw):
 def test_extra_fields_completion_token_ids_worker_id_timing(gw):
     body = {"prompt": random_prompt(6), "max_tokens": 5, "temperature": 1.0,
             "nvext": {"extra_fields": ["completion_token_ids", "worker_id", "timing"]}}
+    # The sampled ids, also as cwtrain reads them (logprobs tokens as "token_id:N").
+    as_ids = {"logprobs": 1, "return_tokens_as_token_ids": True}
     for stream in (False, True):
-        resp = gw.post("/v1/completions", {**body, "stream": stream, "return_token_ids": True})
+        resp = gw.post("/v1/completions", {**body, **as_ids, "stream": stream})
         assert resp.status_code == 200, resp.text
         if stream:
             chunks = [json.loads(ln[6:]) for ln in resp.text.splitlines() if ln.startswith("data: {")]
-            nvext = chunks[-1]["nvext"]
-            ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+            nvext = next(c["nvext"] for c in chunks if "nvext" in c)
+            tokens = [t for c in chunks for ch in c["choices"] for t in (ch.get("logprobs") or {}).get("tokens") or []]
         else:
             nvext = resp.json()["nvext"]
-            ids = resp.json()["choices"][0]["token_ids"]
+            tokens = resp.json()["choices"][0]["logprobs"]["tokens"]
+        ids = [int(t.removeprefix("token_id:")) for t in tokens]
         assert nvext["completion_token_ids"] == ids and len(ids) == 5
         assert nvext["worker_id"] == {"prefill_worker_id": resp.headers["x-rollouts-replica"],
                                       "decode_worker_id": resp.headers["x-rollouts-replica"]}

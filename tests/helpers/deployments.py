@@ -18,7 +18,7 @@ from tests.helpers.engines import MAX_ENGINES, engines, wait_engines_at_most
 from tests.helpers.stack_fixtures import Api
 
 # The fixtures whose deployments live in the pool (tests/e2e/conftest.py, tests/gateway/conftest.py).
-POOLED_FIXTURES = ("rolling", "gw")
+POOLED_FIXTURES = ("rolling", "gw", "vllm_gw")
 
 
 class DeploymentPool:

@@ -2,8 +2,8 @@
 logprobs with token ids, a cache salt; half streamed) keep requests going through the stack's
 gateway while a delta hot-load (PRESERVE) walks the 2 replicas. Every request must complete
 whole (0 failures). Printed: output tokens/s before, during and after the hot-load (gateway
-clock; no thresholds: the machine is shared). tests/gateway/test_load.py runs it on vLLM
-replicas, tests/dynamo/test_dynamo_load.py on Dynamo workers."""
+clock; no thresholds: the machine is shared). tests/gateway/test_load.py runs it on the gateway
+tests' Dynamo workers."""
 
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ derives), the Temporal workflow of an operation, and the fault points of ``repli
   ``hot_load_replicas``: its replica entries in walk order.
 - ``replicas_of`` (the deployment workflow's memo), ``engines`` (the same, each with its
   ``engineSecret``, by name) and ``walk_order`` (by zone, then name: the hot-load's order).
+- ``control``: a Dynamo worker's control route (``leave`` takes it out of Dynamo's routing pool).
+- ``attach`` (one replica's engine) and ``complete`` (a completion that engine alone serves).
 - ``served_checksums``, ``engine_label``, ``paused``, ``running_requests``: one engine's served
   bytes, weight-version label, pause state, and the requests it was running after its last step
   (``engine_running`` for an ``EngineProcess``; while it is paused with ``keep`` these are the
@@ -30,7 +32,7 @@ from typing import Any
 from temporalio.client import WorkflowExecutionStatus
 
 from common.settings import Settings, temporal_client
-from contracts.names import deployment_workflow_id, hot_load_workflow_id
+from contracts.names import deployment_workflow_id, dynamo_model, hot_load_workflow_id
 from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine import EngineProcess
 from replica.faults import FAULTS_FILE
@@ -110,10 +112,14 @@ def replicas_of(settings: Settings, dep_id: str) -> list[dict]:
 
 def engines(settings: Settings, dep_id: str) -> list[dict]:
     """The deployment's replicas by name, each with its engine's secret (``engineSecret``,
-    derived from the stack's settings as the gateway does)."""
+    derived from the stack's settings as the gateway does) and the stack's Dynamo frontend
+    (``dynamoFrontendUrl``, through which a Dynamo worker serves, and ``dynamoModel``, the
+    deployment's model there)."""
     workflow_id = deployment_workflow_id(settings.organization_id, dep_id)
     replicas = [
-        {**r, "engineSecret": settings.engine_secret(workflow_id, r["name"])} for r in replicas_of(settings, dep_id)
+        {**r, "engineSecret": settings.engine_secret(workflow_id, r["name"]),
+         "dynamoFrontendUrl": settings.dynamo_frontend_url, "dynamoModel": dynamo_model(workflow_id)}
+        for r in replicas_of(settings, dep_id)
     ]
     return sorted(replicas, key=lambda r: r["name"])
 
@@ -123,16 +129,36 @@ def walk_order(settings: Settings, dep_id: str) -> list[dict]:
     return sorted(engines(settings, dep_id), key=lambda r: (r["zone"], r["name"]))
 
 
+def attach(replica: dict) -> EngineProcess:
+    """The replica's engine, attached: a Dynamo worker (with its id and the frontend, so that
+    ``/v1/...`` requests reach it alone) or a vLLM server."""
+    if replica.get("dynamoWorker"):
+        return DynamoEngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"],
+                                          served_model_name=replica.get("dynamoModel"),
+                                          worker_id=int(replica["dynamoWorker"], 16),
+                                          frontend_url=replica.get("dynamoFrontendUrl"))
+    return EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"])
+
+
 def _with_engine(replica: dict, read: Any) -> Any:
     async def run() -> Any:
-        kind = DynamoEngineProcess if replica.get("dynamoWorker") else EngineProcess
-        engine = kind.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"])
+        engine = attach(replica)
         try:
             return await read(engine)
         finally:
             await engine.aclose()
 
     return asyncio.run(run())
+
+
+def complete(replica: dict, body: dict[str, Any], timeout: float = 120) -> dict:
+    """A completion (``body`` without ``model``) that this replica's engine alone serves."""
+
+    async def serve(engine: EngineProcess) -> dict:
+        model = (await engine.models())[0]
+        return (await engine.request("POST", "/v1/completions", json={"model": model, **body}, timeout=timeout)).json()
+
+    return _with_engine(replica, serve)
 
 
 def served_checksums(replica: dict, names: list[str] | None = None) -> dict[str, str]:
@@ -160,6 +186,11 @@ async def engine_running(engine: EngineProcess) -> int:
 
 def running_requests(replica: dict) -> int:
     return _with_engine(replica, engine_running)
+
+
+def control(replica: dict, route: str) -> None:
+    """Call a Dynamo worker's control route (``leave`` / ``join`` ...) as its agent does."""
+    _with_engine(replica, lambda e: e.control(route))
 
 
 # ------------------------------------------------------------------------------ faults

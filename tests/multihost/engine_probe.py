@@ -1,9 +1,11 @@
 """Run inside a host (``python -m tests.multihost.engine_probe ...``): what an engine on THIS host
-serves, read over its loopback (engine control answers only its own host).
+serves, read over its loopback (engine control answers only its own host). ``KIND``: ``dynamo``
+(a Dynamo worker, driven through its system server's control routes) or ``vllm``.
 
-    checksums PORT SECRET   -> JSON {tensor: adler32} of the served weights
-    label PORT SECRET       -> JSON the engine's weight-version label
-    call METHOD URL SECRET  -> JSON [status, body text] of one request (any host's engine)
+    checksums PORT SECRET KIND    -> JSON {tensor: adler32} of the served weights
+    label PORT SECRET KIND        -> JSON the engine's weight-version label
+    call METHOD URL SECRET [BODY] -> JSON [status, body text] of one request (any host; the secret
+                                     as vLLM's header; BODY: JSON sent as is)
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import sys
 import httpx
 
 from common.settings import ENGINE_SECRET_HEADER
+from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine import EngineProcess
 
 
-async def _read(port: str, secret: str, what: str) -> object:
-    engine = EngineProcess.attach(f"http://127.0.0.1:{port}", secret=secret)
+async def _read(port: str, secret: str, what: str, kind: str) -> object:
+    cls = DynamoEngineProcess if kind == "dynamo" else EngineProcess
+    engine = cls.attach(f"http://127.0.0.1:{port}", secret=secret)
     try:
         return await (engine.checksums() if what == "checksums" else engine.weight_version())
     finally:
@@ -29,13 +33,15 @@ async def _read(port: str, secret: str, what: str) -> object:
 def main(argv: list[str]) -> int:
     what = argv[0]
     if what in ("checksums", "label"):
-        print(json.dumps(asyncio.run(_read(argv[1], argv[2], what))))
+        print(json.dumps(asyncio.run(_read(argv[1], argv[2], what, argv[3]))))
         return 0
     if what == "call":
         method, url, secret = argv[1:4]
+        body = json.loads(argv[4]) if len(argv) > 4 else None
         try:
-            r = httpx.request(method, url, headers={ENGINE_SECRET_HEADER: secret}, timeout=10, trust_env=False)
-            print(json.dumps([r.status_code, r.text[:500]]))
+            r = httpx.request(method, url, headers={ENGINE_SECRET_HEADER: secret}, timeout=30, trust_env=False,
+                              json=body)
+            print(json.dumps([r.status_code, r.text[:4000]]))
         except httpx.HTTPError as exc:
             print(json.dumps([0, f"{type(exc).__name__}: {exc}"]))
         return 0

@@ -38,6 +38,9 @@ def node_env(settings: Settings, home: Path) -> dict[str, str]:
         "AWS_REGION": settings.s3_region,
         "ROLLOUTS_ENGINE_KEY": settings.engine_key,
         "ROLLOUTS_ZONE": settings.zone,
+        # Dynamo's file discovery: the control plane's directory, which every host here shares
+        # (a cluster shares it on a network filesystem, or uses Kubernetes discovery).
+        "ROLLOUTS_DYNAMO_DISCOVERY_DIR": str(settings.dynamo_discovery_dir),
     }
 
 

@@ -129,15 +129,17 @@ def served(plane: Plane, replica: dict) -> tuple[dict[str, str], str | None]:
     port = replica["engineUrl"].rsplit(":", 1)[1]
     out = {}
     for what in ("checksums", "label"):
-        r = host.run([sys.executable, "-m", "tests.multihost.engine_probe", what, port, replica["engineSecret"]],
+        kind = "dynamo" if replica.get("dynamoWorker") else "vllm"
+        r = host.run([sys.executable, "-m", "tests.multihost.engine_probe", what, port, replica["engineSecret"], kind],
                      timeout=120, cwd=REPO)
         assert r.returncode == 0, f"probe {what} on {host.name}: {r.stderr}"
         out[what] = json.loads(r.stdout)
     return out["checksums"], out["label"]
 
 
-def probe_call(source: Host, method: str, url: str, secret: str) -> tuple[int, str]:
-    r = source.run([sys.executable, "-m", "tests.multihost.engine_probe", "call", method, url, secret],
+def probe_call(source: Host, method: str, url: str, secret: str, body: dict | None = None) -> tuple[int, str]:
+    extra = [json.dumps(body)] if body is not None else []
+    r = source.run([sys.executable, "-m", "tests.multihost.engine_probe", "call", method, url, secret, *extra],
                    timeout=60, cwd=REPO)
     assert r.returncode == 0, r.stderr
     status, text = json.loads(r.stdout)
@@ -242,7 +244,8 @@ def test_three_hosts_full_then_three_deltas_cross_hosts(deployment: Plane, tmp_p
     nodes = [r["node"] for r in replicas]
     assert len(set(nodes)) == 3 and set(nodes) == set(plane.hosts), f"not spread over the 3 hosts: {nodes}"
     for r in replicas:
-        assert r["engineUrl"].startswith(f"http://{plane.host_of(r).address}:"), r
+        # A Dynamo worker's engine URL is its control server, on its own host's loopback only.
+        assert r["dynamoWorker"] and r["engineUrl"].startswith("http://127.0.0.1:"), r
 
     # FULL: a trained step, published with cwtrain.
     base = plane.settings.home_path / "models" / "base"
@@ -275,7 +278,7 @@ def test_three_hosts_full_then_three_deltas_cross_hosts(deployment: Plane, tmp_p
     assert set(served_ids.values()) == {"mh-000003"}
     print("hot-load seconds across 3 hosts:", ", ".join(f"{i} {s:.2f}" for i, s in plane.timings))
 
-    # The gateway (in the control host) reaches the replicas' inference routes across hosts.
+    # The gateway and Dynamo's frontend (in the control host) reach the workers across hosts.
     r = httpx.post(f"{plane.settings.gateway_url}/v1/completions", trust_env=False, timeout=120,
                    headers={"Authorization": f"Bearer {plane.settings.admin_token}"},
                    json={"model": "multihost-model", "prompt": [5, 100, 200], "max_tokens": 4, "temperature": 0})
@@ -289,15 +292,22 @@ def test_engine_control_is_unreachable_from_another_host(deployment: Plane) -> N
     for replica in replicas:
         own = plane.host_of(replica)
         other = next(h for n, h in plane.hosts.items() if n != replica["node"])
-        url, secret = replica["engineUrl"], replica["engineSecret"]
-        for method, path in (("POST", "/pause"), ("POST", "/collective_rpc"), ("GET", "/is_paused")):
-            status, text = probe_call(other, method, url + path, secret)
-            assert status in (0, 403), f"{other.name} reached {path} on {own.name}: {status} {text}"
-        status, _ = probe_call(other, "GET", url + "/v1/models", secret)
-        assert status == 200, "inference must answer across hosts"
-        port = url.rsplit(":", 1)[1]
-        status, text = probe_call(own, "GET", f"http://127.0.0.1:{port}/is_paused", secret)
-        assert status == 200 and "false" in text.lower(), (own.name, status, text)
+        secret, port = replica["engineSecret"], replica["engineUrl"].rsplit(":", 1)[1]
+        # The worker's control server, at its host's address, from another host: nothing answers.
+        url = f"http://{own.address}:{port}/engine/rollouts/"
+        for route in ("pause", "collective_rpc", "is_paused"):
+            status, text = probe_call(other, "POST", url + route, secret, {"secret": secret})
+            assert status in (0, 403), f"{other.name} reached {route} on {own.name}: {status} {text}"
+        # Inference answers across hosts, through Dynamo's frontend, from this worker alone.
+        body = {"model": replica["dynamoModel"], "prompt": [5, 6], "max_tokens": 2,
+                "nvext": {"backend_instance_id": int(replica["dynamoWorker"], 16), "extra_fields": ["worker_id"]}}
+        status, text = probe_call(other, "POST", f"{plane.settings.dynamo_frontend_url}/v1/completions", secret, body)
+        assert status == 200, f"inference must answer across hosts: {status} {text}"
+        assert json.loads(text)["nvext"]["worker_id"]["decode_worker_id"] == int(replica["dynamoWorker"], 16), text
+        # Its own host reaches the control routes over loopback.
+        status, text = probe_call(own, "POST", f"http://127.0.0.1:{port}/engine/rollouts/is_paused", secret,
+                                  {"secret": secret})
+        assert status == 200 and '"is_paused":false' in text.replace(" ", "").lower(), (own.name, status, text)
 
 
 # ------------------------------------------------------------------------------------ 3
