@@ -488,8 +488,13 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
                 router.release(url)
                 return error_response(Unavailable(f"Dynamo's frontend stream for {view.model_name} failed before "
                                                   f"its first event: {exc!r}"))
-            return StreamingResponse(relay(attempt, served, upstream, first, events, adapt),
-                                     status_code=200, media_type="text/event-stream")
+            # Dynamo names the worker on its first chunk: the header says which replica answers.
+            named = dynamo.served_by(first, workers)
+            if named is not None:
+                served.replica = named
+            return StreamingResponse(relay(attempt, served, upstream, first, events, adapt), status_code=200,
+                                     media_type="text/event-stream",
+                                     headers={REPLICA_HEADER: named.name} if named is not None else None)
         assembler = dynamo.Assembler(plan.chat)
         try:
             async for data in events:

@@ -20,6 +20,8 @@ Pure functions and one accumulator; ``gateway/app.py`` calls them around each up
   ``nvext`` is removed (the gateway writes its own), ``model`` becomes the client-facing name;
   returns the replica that served it (``nvext.worker_id.decode_worker_id`` looked up in
   ``workers``, Dynamo worker id -> replica), or None when the chunk does not say.
+- ``served_by(data, workers)``: the replica a stream's SSE payload names, the payload unchanged
+  (the gateway names it in ``x-rollouts-replica`` before it relays the stream).
 - ``Assembler(chat)``: ``add(chunk)`` for each adopted chunk, then ``answer()``: the non-streamed
   OpenAI answer (``text_completion`` / ``chat.completion``): per choice, text or message content
   and logprobs concatenated in order, the last ``finish_reason`` / ``stop_reason``, the token ids
@@ -28,6 +30,7 @@ Pure functions and one accumulator; ``gateway/app.py`` calls them around each up
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -74,6 +77,21 @@ def adopt(chunk: dict[str, Any], workers: Mapping[int, R], model: str) -> R | No
             choices[0]["weight_versions"] = engine_data["weight_versions"]
         if isinstance(engine_data.get("completion_token_ids"), list):
             choices[0]["token_ids"] = engine_data["completion_token_ids"]
+    return _worker(nvext, workers)
+
+
+def served_by(data: str, workers: Mapping[int, R]) -> R | None:
+    """The replica that serves a stream, from one of its SSE payloads (``data``) as Dynamo sent it,
+    without changing it: its ``nvext.worker_id``, or None when it does not say."""
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        return None
+    nvext = chunk.get("nvext") if isinstance(chunk, dict) else None
+    return _worker(nvext, workers) if isinstance(nvext, dict) else None
+
+
+def _worker(nvext: Mapping[str, Any], workers: Mapping[int, R]) -> R | None:
     worker = nvext.get("worker_id")
     worker = worker.get("decode_worker_id") if isinstance(worker, dict) else None
     try:

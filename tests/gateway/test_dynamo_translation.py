@@ -195,3 +195,12 @@ def test_dynamos_400_details_are_spelled_out():
                          "model's context length 1024: lower max_tokens or shorten the prompt")
     assert dynamo.explain("Invalid request", {"type": "other", "field": "x"}) == "Invalid request (type: other, field: x)"
     assert dynamo.explain("Bad temperature", {}) == "Bad temperature"
+
+
+def test_served_by_reads_the_worker_without_changing_the_payload():
+    workers = {0xAB: "replica-a"}
+    data = '{"choices": [], "nvext": {"worker_id": {"decode_worker_id": 171}}}'
+    assert dynamo.served_by(data, workers) == "replica-a"
+    assert dynamo.served_by('{"choices": []}', workers) is None
+    assert dynamo.served_by("[DONE]", workers) is None
+    assert dynamo.served_by('{"nvext": {"worker_id": {"decode_worker_id": 5}}}', workers) is None
