@@ -274,7 +274,7 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
         }
         t0 = time.monotonic()
         dep_id = c.call("POST", "/deployments", json=body)["deployment"]["spec"]["id"]
-        say(f"deployment {dep_id}: starting {cfg.replicas} vLLM CPU replicas (about a minute each on 2 cores)...")
+        say(f"deployment {dep_id}: starting {cfg.replicas} Dynamo vLLM workers on CPU (about a minute on 2 cores)...")
 
         # The trainer loads its copy while the replicas start.
         base_dir = settings.home_path / "models" / "base"
