@@ -138,7 +138,7 @@ def write_plot(records: list[StepRecord], path: Path, subtitle: str = "") -> Pat
     ax1.set_ylabel("mean reward\n(fraction of digit tokens)")
     ax1.set_ylim(-0.02, 1.02)
     ax1.grid(alpha=0.3)
-    ax1.set_title("rollouts demo: GRPO through hot-loads (2 vLLM CPU replicas)" + (f"\n{subtitle}" if subtitle else ""),
+    ax1.set_title("rollouts demo: GRPO through hot-loads (2 Dynamo vLLM workers on CPU)" + (f"\n{subtitle}" if subtitle else ""),
                   fontsize=10)
     colors = ["tab:orange" if r.kind == "FULL" else "tab:green" for r in records]
     ax2.bar([r.step for r in records], [r.hot_load_s for r in records], color=colors)
