@@ -1,5 +1,5 @@
 """A deployment's status tells the truth across a configuration update and a restart, on the real
-stack with a real vLLM CPU replica (one, to keep the cost at three engine starts).
+stack with a real Dynamo vLLM worker on CPU (one, to keep the cost at three engine starts).
 
 - `PATCH` of `runtime.engineConfig` rolls the replica onto it: the deployment leaves READY
   (a hot-load and another update are refused meanwhile), keeps a replica serving throughout,

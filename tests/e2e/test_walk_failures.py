@@ -1,5 +1,5 @@
-"""The hot-load walk's failure branches on the shared 3-replica deployment (real vLLM CPU
-replicas, real S3, real Temporal), each failure injected in the replica that has it through the
+"""The hot-load walk's failure branches on the shared 3-replica deployment (real Dynamo vLLM workers on CPU
+real S3, real Temporal), each failure injected in the replica that has it through the
 fault points of ``replica/faults.py`` (``faults.json`` in the stack's home, removed at the end).
 
 Every test starts its own chain (a FULL of the base model, then a delta of one training step)

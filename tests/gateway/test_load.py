@@ -1,4 +1,4 @@
-"""64 concurrent rollout clients across a delta hot-load on the gateway's vLLM replicas
+"""64 concurrent rollout clients across a delta hot-load on the gateway's Dynamo vLLM workers
 (tests/helpers/load.py says what is checked and printed)."""
 
 from __future__ import annotations

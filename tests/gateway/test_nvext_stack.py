@@ -1,4 +1,4 @@
-"""`nvext` through the stack's gateway on real vLLM CPU replicas: cache_salt isolates prefix-cache
+"""`nvext` through the stack's gateway on real Dynamo vLLM workers on CPU: cache_salt isolates prefix-cache
 reuse per value (by behaviour: the prompt tokens the engine served from its prefix cache),
 extra_fields (completion_token_ids, worker_id, timing), and clear 400s."""
 
