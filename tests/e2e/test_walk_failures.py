@@ -1,4 +1,4 @@
-"""The hot-load walk's failure branches on the shared 3-replica deployment (real Dynamo vLLM workers on CPU
+"""The hot-load walk's failure branches on the shared 3-replica deployment (real Dynamo vLLM workers on CPU,
 real S3, real Temporal), each failure injected in the replica that has it through the
 fault points of ``replica/faults.py`` (``faults.json`` in the stack's home, removed at the end).
 

@@ -1,4 +1,4 @@
-"""The gateway speaks OpenAI's API as the guide's "Generate rollouts" uses it, on real Dynamo vLLM workers on CPU
+"""The gateway speaks OpenAI's API as the guide's "Generate rollouts" uses it, on real Dynamo vLLM workers on CPU:
 chat and completions, streamed and not, token-id prompts, n > 1, logprobs with token
 ids, sampling parameters and stops passed through; the OpenAI Python SDK and cwtrain's rollout
 client work against it unmodified."""
