@@ -43,3 +43,13 @@ def test_kubernetes_discovery_without_the_pod_variables_is_refused(tmp_path: Pat
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2
     assert "POD_NAMESPACE, POD_UID are not set" in proc.stderr and "downward API" in proc.stderr
+
+
+def test_a_cluster_frontend_needs_no_keys(tmp_path: Path) -> None:
+    # No stack.json, a cluster's environment without S3 or engine keys: it gets as far as its own
+    # checks (here: the unreachable address), not "ROLLOUTS_ENGINE_KEY is not set".
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLOUTS_", "TEMPORAL_", "AWS_", "POD_"))}
+    env.update(TEMPORAL_ADDRESS="temporal.example:7233", ROLLOUTS_HOST="0.0.0.0", ROLLOUTS_DYNAMO_PORT="8000")
+    proc = subprocess.run([sys.executable, "-m", "workers.cli", "dynamo-frontend", "--home", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and "--address 0.0.0.0 is not one workers can reach" in proc.stderr, proc.stderr

@@ -3,7 +3,8 @@ starts its own: `rollouts up`). It replaces itself with ``python -m dynamo.front
 from the settings (gateway/dynamo_frontend.py): HTTP on ``ROLLOUTS_HOST`` and ``--port`` (default
 the settings' Dynamo port), Dynamo's discovery backend (``ROLLOUTS_DYNAMO_DISCOVERY``: ``file`` in
 ``ROLLOUTS_DYNAMO_DISCOVERY_DIR``, or ``kubernetes``), the router mode
-(``ROLLOUTS_DYNAMO_ROUTER_MODE``), and ``--address``, where workers send their answers back."""
+(``ROLLOUTS_DYNAMO_ROUTER_MODE``), and ``--address``, where workers send their answers back. It
+reads the home's stack.json when there is one, else the environment alone, and needs no keys."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import ipaddress
 import os
 import sys
 
-from common.settings import dynamo_pod_problem
+from common.settings import Settings, dynamo_pod_problem
 from gateway.dynamo_frontend import DynamoFrontend
 from workers.commands import settings_of
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = settings_of(args)
+    # It needs no keys: the home's stack.json when there is one, else the environment alone (a
+    # cluster install gives this pod no S3 or engine key).
+    settings = settings_of(args) if (args.home / "stack.json").exists() else Settings.create(args.home).with_env()
     address = args.address or settings.host
     if ipaddress.ip_address(address).is_unspecified:
         print(f"rollouts dynamo-frontend: --address {address} is not one workers can reach: give this "
