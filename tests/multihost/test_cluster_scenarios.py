@@ -1,12 +1,13 @@
 """The service across real hosts: three network-namespace hosts (tests/multihost/hosts.py), the
 control plane (`rollouts up --host`, with its own node agent) in the first, a node agent
-(`rollouts node`) in each of the others, real vLLM replicas, driven by cwtrain's CLI and the REST
-API from outside the hosts. One module, one deployment, in order:
+(`rollouts node`) in each of the others, real Dynamo vLLM workers (sharing the control host's
+Dynamo discovery directory), driven by cwtrain's CLI and the REST API from outside the hosts. One module, one deployment, in order:
 
 1. A 3-replica deployment lands on three hosts; a FULL and three deltas reach every replica, the
    first from the bucket and the others from it across hosts (0 bytes from the bucket); every
    replica serves exactly the trainer's weights (read on its own host); the gateway answers.
-2. From one host, another host's engine refuses its control routes (403), answers inference.
+2. From one host, another host's worker does not answer its control routes (its control server
+   is on its own loopback), and answers inference through Dynamo's frontend.
 3. A partition: a replica host's link is down ~20 s while the broadcast runs; the operation ends
    in a documented state, no replica serves a mix, and the deployment converges without a manual
    step (READY; a FAILED operation's snapshot reaches every replica when the trainer loads it
