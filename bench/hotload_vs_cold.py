@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.processes import free_port  # noqa: E402
+from contracts.names import hot_load_workflow_id  # noqa: E402
 from replica.agent.downloads import download_prefix  # noqa: E402
 from replica.agent.engine import EngineProcess  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
@@ -178,7 +179,7 @@ def main() -> int:
                   f"pause ms {[round(r['pauseMs'], 1) for r in reps]}; sources {[r['source'] for r in reps]}", flush=True)
 
         if args.timeline and args.runs:
-            print_timeline(settings, hl["spec"]["id"], created)
+            print_timeline(settings, hot_load_workflow_id(settings.organization_id, hl["spec"]["id"]), created)
 
         cold: list[float] = []
         for run in range(args.cold_runs):
