@@ -33,17 +33,12 @@ from snapshots.writer import write_delta
 from tests.helpers.chains import publish_chain
 from tests.helpers.replicas import (
     ROLLING_PREFIX,
-    control,
     engines,
-    fault,
-    faults,
     hot_load,
-    paused,
-    running_requests,
+    requests_frozen_in_first_pause,
     served_checksums,
     start_hot_load,
     walk_order,
-    write_faults,
 )
 from tests.helpers.trainer import train_step
 from workers.stack import upload_dir
@@ -119,7 +114,7 @@ def test_in_flight_requests_span_a_pause_and_all_finish(stack, rolling, tmp_path
     new_dir = train_step(base, tmp_path / "new", seed=77)
     write_delta(base, new_dir, tmp_path / delta_id, version=delta_id, base_version=full_id)
     upload_dir(s3, tmp_path / delta_id, settings.bucket, f"{ROLLING_PREFIX}/{delta_id}")
-    first, *others = walk_order(settings, dep_id)
+    first = walk_order(settings, dep_id)[0]
 
     # Nine requests, generating on the old weights on the first replica when its step starts
     # (held there until they all generate, so they start seconds, not a whole staging, before
@@ -128,31 +123,11 @@ def test_in_flight_requests_span_a_pause_and_all_finish(stack, rolling, tmp_path
     started = [threading.Event() for _ in outs]
     threads = [threading.Thread(target=long_request, args=(settings, model, i, e, o))
                for i, (e, o) in enumerate(zip(started, outs))]
-    at_start = fault("apply_snapshot", first["name"], "hold")
-    hold = fault("swap", first["name"], "hold")
-    hl_id, frozen, was_paused = None, -1, False
-    try:
-        with faults(settings, at_start, hold):
-            hl_id = start_hot_load(api, dep_id, delta_id, full_id)
-            at_start.wait_fired(settings, dep_id)
-            # Dynamo's router decides where requests go; for some to be surely on the first
-            # worker when it pauses, the others are out of the pool while they are sent.
-            for other in others:
-                control(other, "leave")
-            try:
-                for t in threads:
-                    t.start()
-                assert all(e.wait(600) for e in started)
-            finally:
-                for other in others:
-                    control(other, "join")
-            write_faults(settings, [hold])
-            hold.wait_fired(settings, dep_id)
-            was_paused, frozen = paused(first), running_requests(first)
-    finally:
-        hl = api.wait_hot_load(hl_id) if hl_id else None
-        for t in threads:
-            t.join(900)
+    # Dynamo's router decides where requests go; for some to be surely on the first worker when
+    # it pauses, the others are out of the pool while they are sent.
+    held = requests_frozen_in_first_pause(
+        settings, api, dep_id, lambda: start_hot_load(api, dep_id, delta_id, full_id), threads, started)
+    hl, was_paused, frozen = held.hot_load, held.was_paused, held.frozen
     assert was_paused, "the held swap was not inside a pause"
     assert frozen >= 1, f"no request was running on {first['name']} when its pause began"
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]

@@ -35,15 +35,10 @@ import pytest
 from tests.helpers.kv_models import REQUESTS, N, P, kv_models
 from tests.helpers.replicas import (
     ROLLING_PREFIX,
-    control,
-    fault,
-    faults,
     hot_load,
-    paused,
-    running_requests,
+    requests_frozen_in_first_pause,
     start_hot_load,
     walk_order,
-    write_faults,
 )
 from workers.base_model import VOCAB
 from workers.stack import upload_dir
@@ -86,7 +81,7 @@ def test_each_request_spanning_an_update_follows_the_policy(stack, rolling, tmp_
     upload_dir(settings.s3_client(), old_dir, settings.bucket, f"{ROLLING_PREFIX}/{old_id}")
     upload_dir(settings.s3_client(), new_dir, settings.bucket, f"{ROLLING_PREFIX}/{new_id}")
     assert hot_load(api, dep_id, old_id, None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
-    first, *others = walk_order(settings, dep_id)
+    first = walk_order(settings, dep_id)[0]
 
     prompts = [[5, 17 + i, P] for i in range(REQUESTS)]
     outs: list[dict] = [{} for _ in prompts]
@@ -94,29 +89,10 @@ def test_each_request_spanning_an_update_follows_the_policy(stack, rolling, tmp_
     go = threading.Barrier(REQUESTS)
     threads = [threading.Thread(target=streamed, args=(settings, model, p, go, e, o))
                for p, e, o in zip(prompts, started, outs)]
-    at_start = fault("apply_snapshot", first["name"], "hold")
-    hold = fault("swap", first["name"], "hold")
-    hl_id, frozen, was_paused = None, -1, False
-    try:
-        with faults(settings, at_start, hold):
-            hl_id = start_hot_load(api, dep_id, new_id, None, promptCachePolicy=policy)
-            at_start.wait_fired(settings, dep_id)
-            for other in others:  # every request goes to the first worker
-                control(other, "leave")
-            try:
-                for t in threads:
-                    t.start()
-                assert all(e.wait(600) for e in started)
-            finally:
-                for other in others:
-                    control(other, "join")
-            write_faults(settings, [hold])
-            hold.wait_fired(settings, dep_id)
-            was_paused, frozen = paused(first), running_requests(first)
-    finally:
-        hl = api.wait_hot_load(hl_id) if hl_id else None
-        for t in threads:
-            t.join(900)
+    held = requests_frozen_in_first_pause(
+        settings, api, dep_id, lambda: start_hot_load(api, dep_id, new_id, None, promptCachePolicy=policy),
+        threads, started)
+    hl, was_paused, frozen = held.hot_load, held.was_paused, held.frozen
     assert was_paused, "the held swap was not inside a pause"
     assert frozen >= 1, "no request was running when the pause began"
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]

@@ -13,6 +13,8 @@ derives), the Temporal workflow of an operation, and the fault points of ``repli
   (``engine_running`` for an ``EngineProcess``; while it is paused with ``keep`` these are the
   requests frozen in the pause).
 - ``hot_load_workflow_status``: how Temporal describes the operation's workflow.
+- ``requests_frozen_in_first_pause``: a hot-load whose first replica's swap is held in its pause
+  while requests sent through Dynamo (the other replicas out of its pool) run there.
 - ``faults``: a context that writes ``faults.json`` into the stack's home and removes it on exit;
   ``Fault.fired`` says whether the named replica's agent logged the rule's firing.
 """
@@ -238,3 +240,50 @@ def faults(settings: Settings, *rules: Fault) -> Iterator[None]:
         yield
     finally:
         (settings.home_path / FAULTS_FILE).unlink(missing_ok=True)
+
+
+@dataclass
+class HeldPause:
+    """What ``requests_frozen_in_first_pause`` saw: the hot-load once it ended, whether the first
+    replica was paused while its swap was held, and how many requests it had frozen there."""
+
+    hot_load: dict | None
+    was_paused: bool
+    frozen: int
+
+
+def requests_frozen_in_first_pause(settings: Settings, api: Api, dep_id: str, start: Any,
+                                   threads: list[Any], started: list[Any]) -> HeldPause:
+    """Requests under way on the first replica of the walk when its pause begins.
+
+    ``start()`` creates the hot-load and returns its id; its first replica's step is held at its
+    start. The other replicas leave Dynamo's routing pool (as a pause takes one out) while
+    ``threads`` (each sending a request) start, until every ``started`` event is set, so the
+    requests run on the first replica; the others then join again, the step goes on to its swap,
+    held inside the pause, and the engine says whether it is paused and how many requests it
+    froze. Every thread is joined before this returns."""
+    first, *others = walk_order(settings, dep_id)
+    at_start = fault("apply_snapshot", first["name"], "hold")
+    hold = fault("swap", first["name"], "hold")
+    hl_id, frozen, was_paused = None, -1, False
+    try:
+        with faults(settings, at_start, hold):
+            hl_id = start()
+            at_start.wait_fired(settings, dep_id)
+            for other in others:
+                control(other, "leave")
+            try:
+                for t in threads:
+                    t.start()
+                assert all(e.wait(600) for e in started)
+            finally:
+                for other in others:
+                    control(other, "join")
+            write_faults(settings, [hold])  # releases the step's start; its swap stays held
+            hold.wait_fired(settings, dep_id)
+            was_paused, frozen = paused(first), running_requests(first)
+    finally:
+        hl = api.wait_hot_load(hl_id) if hl_id else None  # the next test finds no hot-load open
+        for t in threads:
+            t.join(900)
+    return HeldPause(hl, was_paused, frozen)
