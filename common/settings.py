@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from common.addresses import host_port
+from common.dynamo_planes import DISCOVERY_BACKENDS
 
 DEFAULT_HOME = Path(".rollouts")
 CONTROL_TASK_QUEUE = "rollouts-control"
@@ -84,20 +85,6 @@ DEFAULT_PORT_BASE = 17200
 HOST_ENV = "ROLLOUTS_HOST"
 # Ports a process may be told to listen on instead of its stack's.
 PORT_ENVS = {"api": "ROLLOUTS_API_PORT", "gateway": "ROLLOUTS_GATEWAY_PORT"}
-# Dynamo's discovery backends (ROLLOUTS_DYNAMO_DISCOVERY): a directory the frontend and every
-# worker share, or the Kubernetes API (deploy/kubernetes).
-DYNAMO_DISCOVERY_BACKENDS = ("file", "kubernetes")
-# What Dynamo's kubernetes discovery reads to know the pod a process runs in (the downward API).
-DYNAMO_POD_ENV = ("POD_NAME", "POD_NAMESPACE", "POD_UID")
-
-
-def dynamo_pod_problem() -> str | None:
-    """Why this process cannot use Dynamo's kubernetes discovery (a pod variable unset), or None."""
-    missing = [name for name in DYNAMO_POD_ENV if not os.environ.get(name)]
-    if not missing:
-        return None
-    return (f"Dynamo's kubernetes discovery needs {', '.join(DYNAMO_POD_ENV)} from the downward API "
-            f"(deploy/kubernetes/base/dynamo.yaml); {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set")
 # Plain string fields any process takes from ROLLOUTS_<FIELD_UPPER> when set.
 ENV_FIELDS = ("bucket", "zone", "organization_id", "gateway_id", "model_name", "base_model_path")
 # What a cluster install (no stack.json) must set: Settings.from_env.
@@ -198,8 +185,8 @@ class Settings:
     def dynamo_discovery_backend(self) -> str:
         """Dynamo's discovery backend (``ROLLOUTS_DYNAMO_DISCOVERY``; default ``file``)."""
         backend = os.environ.get("ROLLOUTS_DYNAMO_DISCOVERY") or "file"
-        if backend not in DYNAMO_DISCOVERY_BACKENDS:
-            raise SystemExit(f"ROLLOUTS_DYNAMO_DISCOVERY: {backend!r} is not one of {', '.join(DYNAMO_DISCOVERY_BACKENDS)}")
+        if backend not in DISCOVERY_BACKENDS:
+            raise SystemExit(f"ROLLOUTS_DYNAMO_DISCOVERY: {backend!r} is not one of {', '.join(DISCOVERY_BACKENDS)}")
         return backend
 
     @property

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from common.dynamo_planes import discovery_problem, plane_args, plane_env
 from common.processes import free_port
 
 FRONTEND_MODULE = "dynamo.frontend"
@@ -75,7 +76,7 @@ class DynamoFrontend:
         cmd = [
             self.python, "-m", FRONTEND_MODULE,
             "--http-host", self.host, "--http-port", str(self.port),
-            "--discovery-backend", self.discovery_backend, "--request-plane", "tcp", "--event-plane", "zmq",
+            *plane_args(self.discovery_backend),
             "--router-mode", self.router_mode,
             "--router-session-affinity-ttl-secs", str(self.session_ttl_s),
         ]  # fmt: skip
@@ -84,12 +85,8 @@ class DynamoFrontend:
         return cmd
 
     def environment(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != "DYN_FILE_KV"}
+        env = plane_env(self.discovery_backend, self.discovery_dir, os.environ)
         env.update({
-            "DYN_DISCOVERY_BACKEND": self.discovery_backend,
-            **({"DYN_FILE_KV": str(self.discovery_dir)} if self.discovery_backend == "file" else {}),
-            "DYN_REQUEST_PLANE": "tcp",
-            "DYN_EVENT_PLANE": "zmq",
             "DYN_TCP_RESPONSE_STREAM_HOST": self.address,
             "DYN_EVENT_PLANE_HOST": self.address,
             "DYN_TCP_RPC_HOST": self.address,
@@ -100,8 +97,8 @@ class DynamoFrontend:
     async def start(self, timeout: float = 120.0) -> DynamoFrontend:
         if self._proc is not None:
             raise DynamoFrontendError("already started")
-        if self.discovery_backend == "file":
-            self.discovery_dir.mkdir(parents=True, exist_ok=True)
+        if problem := discovery_problem(self.discovery_backend, self.discovery_dir):
+            raise DynamoFrontendError(problem)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self.port is None:
             self.port = free_port(self.host)

@@ -46,9 +46,8 @@ from typing import Any
 import httpx
 
 from common.addresses import host_port
+from common.dynamo_planes import DISCOVERY_BACKENDS, discovery_problem, plane_args, plane_env
 from common.processes import free_port, free_port_below
-from common.settings import DYNAMO_DISCOVERY_BACKENDS as DISCOVERY_BACKENDS
-from common.settings import dynamo_pod_problem
 from replica.agent.engine import EngineProcess, EngineStartError, _tail
 from replica.agent.engine_rpc import EngineRequestError
 from replica.launch import DYNAMO_WORKER_MODULE
@@ -122,9 +121,7 @@ class DynamoEngineProcess(EngineProcess):
             "--max-model-len", str(self.max_model_len),
             "--max-num-seqs", str(self.max_num_seqs),
             "--namespace", self.namespace,
-            "--discovery-backend", self.discovery_backend,
-            "--request-plane", "tcp",
-            "--event-plane", "zmq",
+            *plane_args(self.discovery_backend),
         ]  # fmt: skip
         if self.worker_extension_cls:
             cmd += ["--worker-extension-cls", self.worker_extension_cls]
@@ -137,13 +134,8 @@ class DynamoEngineProcess(EngineProcess):
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
-        env = super().environment()
-        env.pop("DYN_FILE_KV", None)
+        env = plane_env(self.discovery_backend, self.discovery_dir, super().environment())
         env.update({
-            "DYN_DISCOVERY_BACKEND": self.discovery_backend,
-            **({"DYN_FILE_KV": str(self.discovery_dir)} if self.discovery_backend == "file" else {}),
-            "DYN_REQUEST_PLANE": "tcp",
-            "DYN_EVENT_PLANE": "zmq",
             "DYN_SYSTEM_HOST": self.control_host,
             "DYN_SYSTEM_PORT": str(self.port),
             "DYN_TCP_RPC_HOST": self.node_address,
@@ -154,9 +146,7 @@ class DynamoEngineProcess(EngineProcess):
     async def start(self, timeout: float = 600.0, on_spawn: Any = None) -> DynamoEngineProcess:
         if self.port is None:
             self.port = free_port_below(SYSTEM_PORT_MAX, self.control_host)
-        if self.discovery_backend == "file":
-            self.discovery_dir.mkdir(parents=True, exist_ok=True)
-        elif problem := dynamo_pod_problem():
+        if problem := discovery_problem(self.discovery_backend, self.discovery_dir):
             raise EngineStartError(problem)
         await super().start(timeout, on_spawn)
         return self

@@ -13,7 +13,8 @@ import ipaddress
 import os
 import sys
 
-from common.settings import Settings, dynamo_pod_problem
+from common.dynamo_planes import discovery_problem
+from common.settings import Settings
 from gateway.dynamo_frontend import DynamoFrontend
 from workers.commands import settings_of
 
@@ -30,9 +31,7 @@ def main(args: argparse.Namespace) -> int:
     frontend = DynamoFrontend(settings.dynamo_discovery_dir, log_path=os.devnull, host=settings.host,
                               port=args.port or settings.ports["dynamo"], router_mode=settings.dynamo_router_mode,
                               discovery_backend=settings.dynamo_discovery_backend, address=address)
-    if frontend.discovery_backend == "file":
-        frontend.discovery_dir.mkdir(parents=True, exist_ok=True)
-    elif problem := dynamo_pod_problem():
+    if problem := discovery_problem(frontend.discovery_backend, frontend.discovery_dir):
         print(f"rollouts dynamo-frontend: {problem}", file=sys.stderr)
         return 2
     command = frontend.command()

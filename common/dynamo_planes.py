@@ -1,0 +1,51 @@
+"""How our NVIDIA Dynamo processes find each other: the frontend (gateway/dynamo_frontend.py) and
+every worker (replica/agent/dynamo.py) run with the same discovery backend and planes.
+
+- Discovery (:data:`DISCOVERY_BACKENDS`): ``file``, a directory the frontend and every worker
+  share (``DYN_FILE_KV``), or ``kubernetes``, the Kubernetes API, which knows a process by its
+  pod (:data:`POD_ENV`, from the downward API: deploy/kubernetes/base/dynamo.yaml).
+- Request plane ``tcp``, event plane ``zmq``: no etcd, no NATS.
+
+``plane_args`` and ``plane_env`` are the command-line flags and environment of one such process;
+``discovery_problem`` readies the backend for a process about to start (the ``file`` directory
+made) or says why it cannot run (a pod variable unset).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+DISCOVERY_BACKENDS = ("file", "kubernetes")
+# What Dynamo's kubernetes discovery reads to know the pod a process runs in.
+POD_ENV = ("POD_NAME", "POD_NAMESPACE", "POD_UID")
+
+
+def plane_args(backend: str) -> list[str]:
+    return ["--discovery-backend", backend, "--request-plane", "tcp", "--event-plane", "zmq"]
+
+
+def plane_env(backend: str, discovery_dir: Path, env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with the discovery backend and planes set (``DYN_FILE_KV`` only for ``file``)."""
+    out = {k: v for k, v in env.items() if k != "DYN_FILE_KV"}
+    out.update({
+        "DYN_DISCOVERY_BACKEND": backend,
+        **({"DYN_FILE_KV": str(discovery_dir)} if backend == "file" else {}),
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_EVENT_PLANE": "zmq",
+    })
+    return out
+
+
+def discovery_problem(backend: str, discovery_dir: Path) -> str | None:
+    """Ready ``backend`` for a process about to start: ``file`` makes the directory; ``kubernetes``
+    needs :data:`POD_ENV`. Returns why it cannot run, or None."""
+    if backend == "file":
+        discovery_dir.mkdir(parents=True, exist_ok=True)
+        return None
+    missing = [name for name in POD_ENV if not os.environ.get(name)]
+    if not missing:
+        return None
+    return (f"Dynamo's kubernetes discovery needs {', '.join(POD_ENV)} from the downward API "
+            f"(deploy/kubernetes/base/dynamo.yaml); {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set")
