@@ -12,7 +12,11 @@ writes the delta once, then on the same files measures, in GB/s of changed tenso
   fsyncs again; once as shipped and once with ``os.fsync`` made a no-op, to compare like with like;
 * host: ``HostWeights.apply_delta`` on a base already loaded in memory (what a replica does), with
   its peak RSS (it holds the whole model);
+* CLI in place: ``rollouts snapshot apply BASE DELTA --out BASE``, the whole command timed from
+  outside (interpreter start and imports included) on a fresh copy of the base, against cwtrain's
+  ``apply_delta`` as shipped (fsync on both; cwtrain's start not counted);
 * raw: frames and base tensors already in memory, parallel zstd decompress + XOR + Adler-32
+  (the same zlib-ng Adler-32 as ours)
   (whole tensors, and in the streamed apply's chunk size: the faster is the limit).
 
 Every figure is the best of ``--repeat`` runs (the page cache is synced before each timed run),
@@ -36,7 +40,6 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -47,7 +50,7 @@ import zstandard
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from snapshots.codec import default_workers, fill_from  # noqa: E402
+from snapshots.codec import adler32, default_workers, fill_from  # noqa: E402
 from snapshots.host import HostWeights  # noqa: E402
 from snapshots.inspect import read_delta_plan  # noqa: E402
 from snapshots.stream import CHUNK_BYTES  # noqa: E402
@@ -133,17 +136,17 @@ def raw_limit(base: Path, delta: Path, workers: int, chunk_bytes: int) -> list[d
         with zstandard.ZstdDecompressor().stream_reader(frames[name]) as reader:
             fill_from(reader, memoryview(out))
         np.bitwise_xor(target, out, out=target)
-        zlib.adler32(target)
+        adler32(target)
 
     def chunked(name: str) -> None:
-        target, running = targets[name], zlib.adler32(b"")
+        target, running = targets[name], adler32(b"")
         with zstandard.ZstdDecompressor().stream_reader(frames[name]) as reader:
             for begin in range(0, target.nbytes, chunk_bytes):
                 part = target[begin : begin + chunk_bytes]
                 out = scratch(part.nbytes)
                 fill_from(reader, memoryview(out))
                 np.bitwise_xor(part, out, out=part)
-                running = zlib.adler32(part, running)
+                running = adler32(part, running)
 
     results = []
     for one in (whole, chunked):
@@ -156,6 +159,25 @@ def raw_limit(base: Path, delta: Path, workers: int, chunk_bytes: int) -> list[d
         cpu = usage.ru_utime + usage.ru_stime - cpu
         results.append({"seconds": seconds, "cpu": cpu, "bytes_changed": sum(t.nbytes for t in targets.values())})
     return results
+
+
+def run_cli_in_place(rollouts: str, base: Path, delta: Path, work: Path) -> dict[str, Any]:
+    """``rollouts snapshot apply WORK DELTA --out WORK`` on a fresh copy of the base, timed from
+    outside: what a user waits for, interpreter start included."""
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(base, work)
+    os.sync()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    run = subprocess.run([rollouts, "snapshot", "apply", str(work), str(delta), "--out", str(work)],
+                         capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if run.returncode:
+        raise SystemExit(f"rollouts snapshot apply failed:\n{run.stderr[-3000:]}")
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    # The same delta as the other runs: its changed bytes are theirs (filled in by main).
+    return {"seconds": seconds, "cpu": cpu, "changed_tensors": sum(d["changed"] for d in json.loads(run.stdout)["deltas"])}
 
 
 def run_json(argv: list[str]) -> dict[str, Any]:
@@ -191,6 +213,7 @@ def main() -> None:
         print(f"delta: {stats.changed}/{stats.tensors_total} tensors, {stats.wire_bytes / 1e6:.1f} MB on the wire "
               f"({100 * stats.ratio:.2f}% of full)", flush=True)
         have_cw = Path(args.cwtrain_python).exists()
+        rollouts = str(Path(py).parent / "rollouts")
         runs: dict[str, list[dict[str, Any]]] = {}
         for i in range(args.repeat):
             # Interleaved, so a burst of load elsewhere on the machine hits every contender alike.
@@ -203,11 +226,16 @@ def main() -> None:
                     subprocess.run([args.cwtrain_python, "-c", MIRROR_CREATE, str(base), str(mirror)], check=True, capture_output=True)
                     runs.setdefault(f"cwtrain fsync={fsync}", []).append(run_json([args.cwtrain_python, "-c", CWTRAIN, str(mirror), str(delta), fsync]))
                 shutil.rmtree(mirror, ignore_errors=True)
+            runs.setdefault("ours CLI in place", []).append(run_cli_in_place(rollouts, base, delta, root / "work"))
             runs.setdefault("host (in memory)", []).append(run_json([py, "-c", HOST, str(REPO), str(base), str(delta)]))
             runs.setdefault("raw", []).extend(raw_limit(base, delta, workers, CHUNK_BYTES))
             print(f"round {i + 1}/{args.repeat} done", flush=True)
     model_mb = summary["tensor_bytes"] / 2**20
     print(f"workers: {workers}; model tensor bytes: {model_mb:.0f} MiB; best of {args.repeat} runs each")
+    for r in runs["ours CLI in place"]:
+        if r["changed_tensors"] != stats.changed:
+            raise SystemExit(f"the CLI applied {r['changed_tensors']} changed tensors, the delta has {stats.changed}")
+        r["bytes_changed"] = runs["ours fsync=1"][0]["bytes_changed"]
     results = {name: best(r) for name, r in runs.items()}
     for name, r in results.items():
         r["gbps"] = r["bytes_changed"] / r["seconds"] / 1e9
@@ -221,8 +249,12 @@ def main() -> None:
             ours, theirs = results[f"ours fsync={fsync}"], results[f"cwtrain fsync={fsync}"]
             print(f"ours / cwtrain mirror, fsync={fsync}: {ours['gbps'] / theirs['gbps']:.1f}x; "
                   f"{ours['gb_per_cpu_s'] / theirs['gb_per_cpu_s']:.1f}x")
+    if "cwtrain fsync=1" in results:
+        ours, theirs = results["ours CLI in place"], results["cwtrain fsync=1"]
+        print(f"ours CLI in place (start included) / cwtrain apply_delta as shipped: "
+              f"{theirs['seconds'] / ours['seconds']:.1f}x ({ours['seconds']:.2f} s vs {theirs['seconds']:.2f} s)")
     raw = results["raw"]
-    for name in ("ours fsync=0", "ours fsync=1", "host (in memory)"):
+    for name in ("ours fsync=0", "ours fsync=1", "ours CLI in place", "host (in memory)"):
         r = results[name]
         print(f"{name} / raw limit: {100 * r['gbps'] / raw['gbps']:.0f}%; {100 * r['gb_per_cpu_s'] / raw['gb_per_cpu_s']:.0f}%")
 

@@ -6,6 +6,10 @@
                                                                        # DIR may be BASE: in place)
     rollouts snapshot verify DIR --against OTHER                       # per-tensor Adler-32
 
+``apply`` swaps the new checkpoint into DIR atomically and returns once it is there (and
+synced); the files it replaced are removed by a detached ``rm`` after it returns
+(snapshots/replace.py).
+
 ``OTHER`` may be a checkpoint (directory or ``s3://``) or a manifest JSON
 (``{"tensors": {name: adler32}}``, as in ``_manifests/IDENTITY.json``).
 
@@ -26,6 +30,7 @@ from typing import Any
 from snapshots.errors import SnapshotError
 from snapshots.host import checkpoint_checksums, compare_checksums
 from snapshots.inspect import inspect_snapshot
+from snapshots.replace import remove_in_background
 from snapshots.storage import s3_client_from_env
 from snapshots.stream import materialize_chain_report
 from snapshots.writer import write_delta
@@ -100,7 +105,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "apply":
         report = materialize_chain_report(
-            args.base, args.deltas, args.out, s3=s3(args.base, *args.deltas), workers=args.workers
+            args.base, args.deltas, args.out, s3=s3(args.base, *args.deltas), workers=args.workers,
+            discard=remove_in_background,
         )
         _print_json(
             {

@@ -43,8 +43,9 @@ from snapshots.inspect import (
     read_delta_plan,
     read_full_layout,
 )
+from snapshots.replace import replacing_directory
 from snapshots.safetensors_io import readinto_exact
-from snapshots.storage import LocalSource, replacing_directory
+from snapshots.storage import LocalSource
 from snapshots.stream import (
     full_index,
     full_shard_header,

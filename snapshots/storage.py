@@ -14,9 +14,6 @@ the CLI.
 from __future__ import annotations
 
 import os
-import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -261,34 +258,3 @@ __all__ = [
     "parse_s3_uri",
     "s3_client_from_env",
 ]
-
-
-@contextmanager
-def replacing_directory(out: Path, *, fsync: bool = False) -> Iterator[Path]:
-    """A fresh temporary sibling of ``out`` to write a checkpoint into. When the block ends
-    normally it replaces ``out`` whole; when it raises it is removed. So ``out`` never holds a
-    partial checkpoint. With ``fsync`` the rename is made durable too (the block must have
-    synced what it wrote)."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.replace(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if fsync:
-        fsync_path(out.parent)
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes renames in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-

@@ -49,7 +49,7 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,8 +77,9 @@ from snapshots.inspect import (
     read_delta_plan,
     read_full_layout,
 )
+from snapshots.replace import fsync_path, replacing_directory
 from snapshots.safetensors_io import encode_header, readinto_exact
-from snapshots.storage import LocalSource, S3Source, fsync_path, replacing_directory
+from snapshots.storage import LocalSource, S3Source
 
 #: Bytes of one tensor processed per step: small enough that the step's buffers stay in the CPU
 #: cache between decompress, XOR, Adler-32 and write; large enough that per-call overhead is noise.
@@ -460,6 +461,7 @@ def materialize_chain_report(
     workers: int | None = None,
     fsync: bool = True,
     chunk_bytes: int = CHUNK_BYTES,
+    discard: Callable[[Path], None] = shutil.rmtree,
 ) -> MaterializeReport:
     """Reconstruct ``base`` + ``deltas`` as a full checkpoint directory ``out_dir`` (module doc).
 
@@ -470,13 +472,15 @@ def materialize_chain_report(
         out_dir: Replaced whole on success; may be ``base`` itself (an in-place apply).
         s3: A boto3 S3 client for ``s3://`` locations.
         fsync: Make the new files durable before they replace ``out_dir``.
+        discard: Removes what ``out_dir`` held once the new checkpoint replaced it
+            (snapshots/replace.py; :func:`remove_in_background` returns at once).
 
     Raises:
         SnapshotError: naming file and tensor; ``out_dir`` is untouched.
     """
     layout, plans = _prepare(base, deltas, s3)
     out = Path(out_dir)
-    with replacing_directory(out, fsync=fsync) as tmp:
+    with replacing_directory(out, fsync=fsync, discard=discard) as tmp:
         report = _run(layout, plans, tmp, workers=workers or default_workers(), chunk_bytes=chunk_bytes, fsync=fsync)
         (tmp / INDEX_FILE).write_text(full_index(layout))
         copy_side_files(layout, tmp, fsync=fsync)

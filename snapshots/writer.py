@@ -41,8 +41,9 @@ from snapshots.codec import adler32_hex, default_workers
 from snapshots.errors import DeltaMismatchError, SnapshotError
 from snapshots.host import HostWeights
 from snapshots.inspect import CONFIG_FILE, INDEX_FILE, FullLayout, read_full_layout
+from snapshots.replace import replacing_directory
 from snapshots.safetensors_io import DTYPE_SIZES, TensorSpec, write_safetensors
-from snapshots.storage import LocalSource, replacing_directory
+from snapshots.storage import LocalSource
 
 SHARD_TARGET_BYTES = 2 * 2**30
 FULL_SHARD_TARGET_BYTES = 5 * 2**30

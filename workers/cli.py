@@ -55,7 +55,14 @@ COMMANDS: dict[str, str] = {
 }
 
 
+# Commands that use numpy but never its BLAS: one OpenBLAS thread, not one per core spinning at
+# start-up and taking CPU from the command's own workers (~7 % of `snapshot apply`'s CPU here).
+NO_BLAS_THREADS = {"snapshot"}
+
+
 def handler(command: str):
+    if command in NO_BLAS_THREADS:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     module, function = COMMANDS[command].split(":")
     return getattr(importlib.import_module(module), function)
 

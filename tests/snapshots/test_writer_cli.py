@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -139,3 +141,19 @@ def test_cli_errors_are_one_line(pair: tuple[Path, Path], tmp_path: Path, capsys
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
     assert "not a delta" in err[1]
     assert main(["bogus"]) == 2
+
+
+def test_cli_apply_in_place_swaps_the_new_checkpoint_in(pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`apply BASE DELTA --out BASE`: BASE holds the new checkpoint when the command returns; the
+    replaced files are removed after it (a detached rm), and nothing else is left beside BASE."""
+    d = tmp_path / "d"
+    assert main(["delta", str(pair[0]), str(pair[1]), str(d), "--version", "000001", "--base-version", "000000"]) == 0
+    work = tmp_path / "work"
+    shutil.copytree(pair[0], work)
+    assert main(["apply", str(work), str(d), "--out", str(work)]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(work), "--against", str(pair[1])]) == 0
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.iterdir())) > 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "work"]
