@@ -24,6 +24,9 @@ the replicas onto it one at a time: control/deployment.py); `name`, `gatewayIds`
 `autoscaling` and `runtime.engine` must be unchanged if given. While a hot-load runs or the
 deployment is not READY the update answers failed_precondition. Answers `{"deployment": Deployment}`.
 
+Outside `/v1alpha1/inference`, without a token: `GET /healthz`, and `GET /metrics`, the API's
+Prometheus metrics (api/metrics.py).
+
 Cancel: `POST /hotLoads/{id}:cancel` asks the operation to stop before its next replica step and
 waits (up to `cancel_wait_s`) for it to end, answering the operation as it then stands.
 """
@@ -34,6 +37,7 @@ import asyncio
 import logging
 import os
 import re
+import time
 import uuid
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -48,6 +52,7 @@ from opentelemetry.trace import SpanKind
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from temporalio.service import RPCError
 
+from api import metrics as api_metrics
 from api.listing import Record, dumps, page
 from api.models import (
     ENGINE_CONFIG_KEYS,
@@ -186,6 +191,7 @@ def create_app(
     # ------------------------------------------------------------------ errors
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        api_metrics.ERRORS.labels(code=exc.code).inc()
         return JSONResponse(exc.body(), status_code=exc.http_status)
 
     @app.exception_handler(RequestValidationError)
@@ -230,19 +236,22 @@ def create_app(
 
     # The outermost span of a trace: Temporal calls made while serving carry it on (the client's
     # TracingInterceptor), so a hot-load's workflow and activity spans join the request's trace.
+    # It also counts and times the request (api/metrics.py), by the same route template.
     async def _span(request: Request, call_next):
-        route = request.url.path
+        route = "unmatched"
         for r in app.router.routes:
             if getattr(r, "path_regex", None) is not None and r.path_regex.match(request.url.path):
                 route = r.path  # the template: one span name per endpoint, not per id
                 break
+        start = time.perf_counter()
         with request_tracer.start_as_current_span(
             f"{request.method} {route}", kind=SpanKind.SERVER,
             attributes={"http.request.method": request.method, "url.path": request.url.path},
         ) as span:
             response = await call_next(request)
             span.set_attribute("http.response.status_code", response.status_code)
-            return response
+        api_metrics.observe(request.method, route, response.status_code, time.perf_counter() - start)
+        return response
 
     # Added last, so it runs first: who asks, and may they write, before the body is looked at.
     @app.middleware("http")
@@ -285,6 +294,11 @@ def create_app(
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        body, content_type = api_metrics.exposition()
+        return Response(body, media_type=content_type)
 
     # ------------------------------------------------------------------ gateways
     @app.get(f"{PREFIX}/gateways/parameters")
@@ -440,7 +454,9 @@ def create_app(
             created_at=_now(),
         )
         otel_propagate.inject(cmd.trace_context)  # the request's span, for the operation's trace
-        return hot_load_response(await r.create_hot_load(p.organization_id, body.deployment_id, cmd))
+        created = await r.create_hot_load(p.organization_id, body.deployment_id, cmd)
+        api_metrics.HOT_LOADS_CREATED.inc()
+        return hot_load_response(created)
 
     @app.get(f"{PREFIX}/hotLoads")
     async def list_hot_loads(

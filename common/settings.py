@@ -18,7 +18,9 @@ Environment variables override single values in both cases:
   ``ROLLOUTS_API_URL``, ``ROLLOUTS_GATEWAY_URL``;
 - where this process listens: ``ROLLOUTS_HOST`` (the :attr:`Settings.host` the embedded stack's
   services, the API and the gateway bind and advertise; default ``127.0.0.1``),
-  ``ROLLOUTS_API_PORT``, ``ROLLOUTS_GATEWAY_PORT``;
+  ``ROLLOUTS_API_PORT``, ``ROLLOUTS_GATEWAY_PORT``, ``ROLLOUTS_WORKER_METRICS_PORT`` (the control
+  worker's Prometheus endpoint; default port base + 3), ``ROLLOUTS_REPLICA_METRICS_PORT`` (each
+  replica agent's; default any free port, reported as the replica's ``metricsUrl``);
 - NVIDIA Dynamo (a ``dynamo-vllm`` deployment's replicas are Dynamo's vLLM workers behind
   Dynamo's frontend): ``ROLLOUTS_DYNAMO_ROUTER_MODE``
   (``least-loaded`` or ``kv``), ``ROLLOUTS_DYNAMO_FRONTEND_URL`` (default: the stack's host, port
@@ -69,6 +71,7 @@ PORT_OFFSETS = {
     "api": 0,
     "gateway": 1,
     "dynamo": 2,  # Dynamo's frontend (dynamo-vllm deployments)
+    "worker_metrics": 3,  # the control worker's Prometheus endpoint (/metrics)
     "temporal": 10,
     "temporal_ui": 11,
     "temporal_http": 12,
@@ -84,7 +87,8 @@ DEFAULT_PORT_BASE = 17200
 # The address the embedded stack's services, the API and the gateway bind and advertise.
 HOST_ENV = "ROLLOUTS_HOST"
 # Ports a process may be told to listen on instead of its stack's.
-PORT_ENVS = {"api": "ROLLOUTS_API_PORT", "gateway": "ROLLOUTS_GATEWAY_PORT"}
+PORT_ENVS = {"api": "ROLLOUTS_API_PORT", "gateway": "ROLLOUTS_GATEWAY_PORT",
+             "worker_metrics": "ROLLOUTS_WORKER_METRICS_PORT"}
 # Plain string fields any process takes from ROLLOUTS_<FIELD_UPPER> when set.
 ENV_FIELDS = ("bucket", "zone", "organization_id", "gateway_id", "model_name", "base_model_path")
 # What a cluster install (no stack.json) must set: Settings.from_env.
@@ -195,6 +199,13 @@ class Settings:
         return Path(os.environ.get("ROLLOUTS_DYNAMO_DISCOVERY_DIR") or self.home_path / "dynamo" / "discovery")
 
     @property
+    def replica_metrics_port(self) -> int:
+        """The port of each replica agent's Prometheus endpoint (``ROLLOUTS_REPLICA_METRICS_PORT``;
+        default 0: any free port, reported in the replica's ``metrics_url``)."""
+        value = os.environ.get("ROLLOUTS_REPLICA_METRICS_PORT")
+        return _port("ROLLOUTS_REPLICA_METRICS_PORT", value) if value else 0
+
+    @property
     def tokens_file(self) -> Path:
         return Path(os.environ.get("ROLLOUTS_TOKENS_FILE") or self.home_path / "tokens.json")
 
@@ -238,6 +249,8 @@ class Settings:
         data["home"] = str(home)
         # A stack.json from before Dynamo's frontend had a port.
         data["ports"].setdefault("dynamo", data["ports"]["api"] + PORT_OFFSETS["dynamo"])
+        # ... and before the control worker served metrics.
+        data["ports"].setdefault("worker_metrics", data["ports"]["api"] + PORT_OFFSETS["worker_metrics"])
         # A stack.json from when Dynamo was a stack-wide switch (now runtime.engine's).
         data.pop("dynamo", None)
         return cls(**data).with_env()

@@ -271,6 +271,8 @@ class ReplicaEndpoint(WireModel):
     # ``worker_id`` Dynamo's frontend reports. Its engine_url is then its control URL.
     dynamo_worker: str = ""
     dynamo_namespace: str = ""
+    # The agent's Prometheus endpoint (`http://NODE_ADDRESS:PORT/metrics`; replica/agent/metrics.py).
+    metrics_url: str = ""
 
 
 class Placement(WireModel):

@@ -1,7 +1,8 @@
 """Shared fixtures and the suite's rules.
 
 - The embedded stack is started once per test session, on free loopback ports in a temporary
-  home, and stopped by pid at the end.
+  home, and stopped by pid at the end. Its processes (and the replicas they start) export their
+  spans over OTLP/HTTP to the session's real receiver (``otlp``, tests/helpers/otlp_receiver.py).
 - Markers come from fixtures: a test that uses ``stack`` or ``seaweed`` (directly or through
   another fixture) is marked ``stack``; one that uses an engine fixture (``ENGINE_FIXTURES``) is
   marked ``engine``. One that uses the multi-host harness's ``cluster`` or ``make_cluster``
@@ -23,6 +24,7 @@ import pytest
 
 from tests.helpers.deployments import POOL, POOLED_FIXTURES
 from tests.helpers.engines import EngineWatch, mark_session
+from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.stack_fixtures import start_stack
 
 # Fixtures that start the embedded stack or its SeaweedFS (tests/snapshots/conftest.py).
@@ -134,9 +136,26 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory):
+def otlp():
+    """A real OTLP/HTTP receiver that the stack's processes export their spans to."""
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+# What the stack's processes (and the replicas their node agent starts) inherit: export spans
+# over OTLP/HTTP to the session's receiver, in batches every half second.
+def _otlp_env(url: str) -> dict[str, str]:
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": url, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_BSP_SCHEDULE_DELAY": "500"}
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, otlp):
     home = tmp_path_factory.mktemp("rollouts-home")
-    stack, settings = start_stack(home)
+    with pytest.MonkeyPatch.context() as env:  # the stack's processes only, not this one
+        for name, value in _otlp_env(otlp.url).items():
+            env.setenv(name, value)
+        stack, settings = start_stack(home)
     try:
         yield settings
     finally:

@@ -20,6 +20,7 @@ from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
+from common.metrics import serve as serve_metrics
 from common.settings import Settings, temporal_client
 from common.telemetry import setup_tracing, temporal_interceptors
 from contracts import names
@@ -83,6 +84,7 @@ async def verify_deployments(client: Client, query: str = RUNNING_DEPLOYMENTS) -
 
 async def run_control_worker(settings: Settings) -> None:
     setup_tracing("rollouts-worker")
+    metrics_url = serve_metrics(settings.host, settings.ports["worker_metrics"])
     client = await temporal_client(settings, interceptors=temporal_interceptors())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -105,5 +107,5 @@ async def run_control_worker(settings: Settings) -> None:
             ready = settings.home_path / "run" / "worker.ready"
             ready.parent.mkdir(parents=True, exist_ok=True)
             ready.write_text("ok\n")
-            log.info("control worker polling %s", names.CONTROL_TASK_QUEUE)
+            log.info("control worker polling %s; metrics at %s", names.CONTROL_TASK_QUEUE, metrics_url)
             await stop.wait()

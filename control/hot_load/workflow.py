@@ -46,6 +46,9 @@ from control.hot_load.options import PEER_STEP, REPLICA_STEP
 from control.hot_load.state import WalkState, error_reason, walk_order
 
 with workflow.unsafe.imports_passed_through():
+    # `import X as Y`, not `from control import metrics`: the sandbox would import the module
+    # again (and register its metrics twice) through its own copy of the `control` package.
+    import control.metrics as hot_load_metrics
     from contracts import names
     from contracts.activities import ApplySnapshotInput, ApplySnapshotResult, CommitPeerStageInput
     from contracts.nodes import ReplicasLost
@@ -92,6 +95,12 @@ class HotLoadWorkflow:
         except asyncio.CancelledError:
             self.walk.canceled()
         outcome = self.walk.outcome()
+        if not workflow.unsafe.is_replaying():
+            hot_load_metrics.hot_load_ended(
+                self.walk.state.value.removeprefix("HOT_LOAD_STATE_"), failure.type if failure else "",
+                (workflow.now() - workflow.info().start_time).total_seconds(),
+                [r.error_reason or "" for r in self.walk.replicas if r.state == ReplicaState.ERROR],
+            )
         try:
             await workflow.get_external_workflow_handle(inp.deployment_workflow_id).signal(
                 names.HOT_LOAD_FINISHED, outcome

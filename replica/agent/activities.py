@@ -41,18 +41,36 @@ from contracts.activities import (
     StageFromPeerResult,
 )
 from contracts.errors import NON_RETRYABLE_SNAPSHOT, READ_BACK_FAILED
+from replica.agent.metrics import ReplicaMetrics
 from replica.agent.runtime import ReplicaRuntime
 from replica.agent.staged import ReadBackFailed
 from snapshots.errors import SnapshotError
 
 
+def metrics_of(runtime: ReplicaRuntime) -> ReplicaMetrics:
+    return ReplicaMetrics(runtime.deployment, runtime.name, "")
+
+
 class ReplicaActivities:
-    def __init__(self, runtime: ReplicaRuntime) -> None:
+    def __init__(self, runtime: ReplicaRuntime, metrics: ReplicaMetrics | None = None) -> None:
         self.runtime = runtime
+        self.metrics = metrics or metrics_of(runtime)
 
     @activity.defn(name=names.APPLY_SNAPSHOT)
     async def apply_snapshot(self, inp: ApplySnapshotInput) -> ApplySnapshotResult:
-        return await replica_step(self.runtime, lambda: self.runtime.apply_from_bucket(inp))
+        return await measured_step(self.metrics, names.APPLY_SNAPSHOT,
+                                   replica_step(self.runtime, lambda: self.runtime.apply_from_bucket(inp)))
+
+
+async def measured_step(metrics: ReplicaMetrics, name: str, step: Awaitable[ApplySnapshotResult]) -> ApplySnapshotResult:
+    """A weight-changing step, counted and timed (replica/agent/metrics.py): its pause, the bytes
+    it read from the bucket, the snapshot the replica serves after it."""
+    with metrics.step(name, changes_weights=True):
+        result = await step
+    metrics.paused(result.pause_ms)
+    metrics.took_in("bucket", result.bytes_read_from_bucket)
+    metrics.serving(result.identity)
+    return result
 
 
 async def replica_step(rt: ReplicaRuntime, step: Callable[[], Awaitable[ApplySnapshotResult]]) -> ApplySnapshotResult:
@@ -103,11 +121,16 @@ class PeerActivities:
     stages anything; it reads zero bytes from the bucket (`replica.agent.peers`).
     """
 
-    def __init__(self, runtime: ReplicaRuntime) -> None:
+    def __init__(self, runtime: ReplicaRuntime, metrics: ReplicaMetrics | None = None) -> None:
         self.runtime = runtime
+        self.metrics = metrics or metrics_of(runtime)
 
     @activity.defn(name=names.OFFER_TO_PEER)
     async def offer_to_peer(self, inp: PeerOfferInput) -> PeerOffer:
+        with self.metrics.step(names.OFFER_TO_PEER):
+            return await self._offer(inp)
+
+    async def _offer(self, inp: PeerOfferInput) -> PeerOffer:
         try:
             if inp.from_stage:
                 # Waits for this replica's own update to stage: heartbeat meanwhile.
@@ -125,12 +148,21 @@ class PeerActivities:
     async def send_to_peers(self, offer: PeerOffer) -> int:
         heartbeat = asyncio.create_task(_heartbeat_forever())
         try:
-            return await self.runtime.send_to_peers(offer)
+            with self.metrics.step(names.SEND_TO_PEERS):
+                sent = await self.runtime.send_to_peers(offer)
+            self.metrics.sent(sent)
+            return sent
         finally:
             heartbeat.cancel()
 
     @activity.defn(name=names.STAGE_FROM_PEER)
     async def stage_from_peer(self, inp: StageFromPeerInput) -> StageFromPeerResult:
+        with self.metrics.step(names.STAGE_FROM_PEER):
+            result = await self._stage(inp)
+        self.metrics.took_in("peer", result.bytes_received)
+        return result
+
+    async def _stage(self, inp: StageFromPeerInput) -> StageFromPeerResult:
         # Under the replica's lock: a stage must not interleave with another weight change.
         async with self.runtime.lock:
             heartbeat = asyncio.create_task(_heartbeat_forever())
@@ -143,6 +175,6 @@ class PeerActivities:
 
     @activity.defn(name=names.COMMIT_PEER_STAGE)
     async def commit_peer_stage(self, inp: CommitPeerStageInput) -> ApplySnapshotResult:
-        return await replica_step(
+        return await measured_step(self.metrics, names.COMMIT_PEER_STAGE, replica_step(
             self.runtime, lambda: self.runtime.commit_peer_stage(inp.identity, inp.prompt_cache_policy)
-        )
+        ))

@@ -35,6 +35,7 @@ from typing import Any
 
 from temporalio.worker import Worker
 
+from common.metrics import serve as serve_metrics
 from common.processes import PidFile, stop_pid
 from common.settings import Settings, temporal_client
 from common.telemetry import setup_tracing, temporal_interceptors
@@ -45,6 +46,7 @@ from replica.agent.activities import PeerActivities, ReplicaActivities
 from replica.agent.downloads import download_prefix, download_shared, shared_use
 from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine import EngineProcess
+from replica.agent.metrics import ReplicaMetrics
 from replica.agent.runtime import ReplicaRuntime
 from replica.agent.shm_reclaim import reclaim_dead_segments
 from replica.agent.staged import one_line
@@ -111,6 +113,8 @@ async def _run_replica(
     engine_bind = engine_bind or node_address
     workdir = settings.home_path / "replicas" / deployment_id / name
     setup_tracing("rollouts-replica")
+    metrics = ReplicaMetrics(deployment_id, name, runtime_engine)
+    metrics_url = serve_metrics(node_address, settings.replica_metrics_port)
     client = await temporal_client(settings, interceptors=temporal_interceptors())
     deployment = client.get_workflow_handle(workflow_id)
     s3 = settings.s3_client()
@@ -177,6 +181,7 @@ async def _run_replica(
         )
         if engine is not None:
             await engine.stop()
+        metrics.state("FAILED")
         return 1
 
     stop = asyncio.Event()
@@ -184,12 +189,12 @@ async def _run_replica(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     task_queue = names.replica_task_queue(workflow_id, name)
-    peer = PeerActivities(runtime)
+    peer = PeerActivities(runtime, metrics)
     worker = Worker(
         client,
         task_queue=task_queue,
         activities=[
-            ReplicaActivities(runtime).apply_snapshot, peer.offer_to_peer,
+            ReplicaActivities(runtime, metrics).apply_snapshot, peer.offer_to_peer,
             peer.send_to_peers, peer.stage_from_peer, peer.commit_peer_stage,
         ],
         # Heartbeats carry cancellation back: send them at least every second, not every 24 s.
@@ -206,13 +211,18 @@ async def _run_replica(
                 started_at=now, transitioned_at=now,
                 dynamo_worker=f"{engine.worker_id:x}" if isinstance(engine, DynamoEngineProcess) else "",
                 dynamo_namespace=engine.namespace if isinstance(engine, DynamoEngineProcess) else "",
+                metrics_url=metrics_url,
             ),
         )
-        log.info("replica %s ready: engine %s (pid %d), queue %s", name, engine.public_url, engine.pid, task_queue)
+        metrics.serving(runtime.current_identity)
+        metrics.state("READY")
+        log.info("replica %s ready: engine %s (pid %d), queue %s, metrics %s", name, engine.public_url, engine.pid,
+                 task_queue, metrics_url)
         while not stop.is_set():
             if not engine.alive():
                 reason = f"engine process {engine.pid} exited; log {engine.log_path}"
                 log.error(reason)
+                metrics.state("FAILED")
                 try:
                     await deployment.signal("replica_failed", ReplicaFailure(name=name, reason=reason))
                 except Exception:  # noqa: BLE001

@@ -138,10 +138,16 @@ def test_the_api_and_the_gateway_are_probed_on_healthz_and_the_worker_is_not(tar
         assert env_value(c, "ROLLOUTS_HOST") == "0.0.0.0"
         port_env = "ROLLOUTS_API_PORT" if command == "api" else "ROLLOUTS_GATEWAY_PORT"
         assert int(env_value(c, port_env)) == port["containerPort"]
-    # The worker serves no port (worker.yaml says why it has no probe).
+    # The worker serves only its metrics (worker.yaml says why it has no probe), on the port its
+    # environment names; the node pod's replica agent likewise.
     (worker,) = find(objects, "Deployment", "rollouts-worker")["spec"]["template"]["spec"]["containers"]
     assert worker["args"] == ["worker"]
-    assert not {"ports", "readinessProbe", "livenessProbe", "startupProbe"} & set(worker)
+    assert not {"readinessProbe", "livenessProbe", "startupProbe"} & set(worker)
+    (metrics,) = worker["ports"]
+    assert metrics["name"] == "metrics" and int(env_value(worker, "ROLLOUTS_WORKER_METRICS_PORT")) == metrics["containerPort"]
+    (node,) = find(objects, "DaemonSet", "rollouts-node")["spec"]["template"]["spec"]["containers"]
+    (metrics,) = node["ports"]
+    assert int(env_value(node, "ROLLOUTS_REPLICA_METRICS_PORT")) == metrics["containerPort"]
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -1,0 +1,29 @@
+"""Prometheus metrics, served with the standard client library (`prometheus_client`).
+
+Each process defines its own metrics at import, in the default registry, next to the code that
+observes them: the API (api/metrics.py: requests, admissions and refusals by reason), the control
+worker (control/metrics.py: hot-load durations and outcomes, replica step failures by reason),
+each replica agent (replica/agent/metrics.py: pauses, bytes from the bucket and from peers, its
+state, step failures by reason). The API serves them on its own port at `/metrics`; the worker
+and each agent, which serve nothing else over HTTP, start :func:`serve` on a port of their own.
+
+Names follow Prometheus' conventions: `rollouts_` prefix, base units (seconds, bytes), `_total`
+counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import start_http_server
+
+from common.addresses import host_port
+
+# Seconds: a pause is tens of ms to a few s; a hot-load a second to many minutes.
+PAUSE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+OPERATION_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+
+
+def serve(address: str, port: int) -> str:
+    """Serve the default registry at `http://ADDRESS:PORT/metrics` (port 0: any free port) from
+    a daemon thread; returns the URL."""
+    server, _ = start_http_server(port, addr=address)
+    return f"http://{host_port(address, server.server_port)}/metrics"

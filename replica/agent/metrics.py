@@ -1,0 +1,100 @@
+"""The replica agent's Prometheus metrics (common/metrics.py serves them): what this replica's
+updates cost and how they ended.
+
+- `rollouts_replica_pause_seconds` (histogram): each pause of the engine for a swap.
+- `rollouts_replica_bytes_total{source}` (counter): snapshot bytes this replica took in,
+  `source="bucket"` (read from object storage) or `"peer"` (received from a peer's broadcast).
+- `rollouts_replica_bytes_sent_total` (counter): bytes this replica broadcast to peers.
+- `rollouts_replica_steps_total{step}` and `rollouts_replica_step_seconds{step}`: every step
+  the control plane ran here (`apply_snapshot`, `stage_from_peer`, `commit_peer_stage`,
+  `send_to_peers`, `offer_to_peer`).
+- `rollouts_replica_step_failures_total{step, reason}` (counter): failed steps, by the error
+  type the control plane sees (`NonRetryableSnapshot`, `ReadBackFailed`, `PeerOfferRefused`,
+  `InjectedFault`, ... or the exception's class).
+- `rollouts_replica_state{state}` (gauge, 1 for the current state): `STARTING`, `READY`,
+  `UPDATING` (a step runs), `FAILED` (its engine died).
+- `rollouts_replica_info{deployment, replica, engine, snapshot}` (gauge, 1): who this is and
+  the snapshot it serves now.
+
+Every series also carries `deployment` and `replica` labels, so a host's agents aggregate
+without relabelling.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prometheus_client import Counter, Gauge, Histogram
+from temporalio.exceptions import ApplicationError
+
+from common.metrics import OPERATION_BUCKETS, PAUSE_BUCKETS
+
+STATES = ("STARTING", "READY", "UPDATING", "FAILED")
+_LABELS = ("deployment", "replica")
+
+PAUSE = Histogram("rollouts_replica_pause_seconds", "Engine pause per swap", _LABELS, buckets=PAUSE_BUCKETS)
+BYTES = Counter("rollouts_replica_bytes", "Snapshot bytes taken in, by source", (*_LABELS, "source"))
+BYTES_SENT = Counter("rollouts_replica_bytes_sent", "Bytes broadcast to peers", _LABELS)
+STEPS = Counter("rollouts_replica_steps", "Steps run", (*_LABELS, "step"))
+STEP_SECONDS = Histogram("rollouts_replica_step_seconds", "Step duration", (*_LABELS, "step"), buckets=OPERATION_BUCKETS)
+FAILURES = Counter("rollouts_replica_step_failures", "Failed steps, by reason", (*_LABELS, "step", "reason"))
+STATE = Gauge("rollouts_replica_state", "1 for the replica's current state", (*_LABELS, "state"))
+INFO = Gauge("rollouts_replica_info", "The replica and the snapshot it serves", (*_LABELS, "engine", "snapshot"))
+
+
+class ReplicaMetrics:
+    """The metrics of one replica (one agent process runs one replica)."""
+
+    def __init__(self, deployment: str, replica: str, engine: str) -> None:
+        self.labels = {"deployment": deployment, "replica": replica}
+        self.engine = engine
+        self._snapshot: str | None = None
+        self.state("STARTING")
+
+    def state(self, state: str) -> None:
+        for s in STATES:
+            STATE.labels(**self.labels, state=s).set(1 if s == state else 0)
+
+    def serving(self, snapshot: str) -> None:
+        if self._snapshot is not None and self._snapshot != snapshot:
+            INFO.remove(*self.labels.values(), self.engine, self._snapshot)
+        self._snapshot = snapshot
+        INFO.labels(**self.labels, engine=self.engine, snapshot=snapshot).set(1)
+
+    def paused(self, pause_ms: float) -> None:
+        PAUSE.labels(**self.labels).observe(pause_ms / 1000)
+
+    def took_in(self, source: str, nbytes: int) -> None:
+        if nbytes:
+            BYTES.labels(**self.labels, source=source).inc(nbytes)
+
+    def sent(self, nbytes: int) -> None:
+        BYTES_SENT.labels(**self.labels).inc(nbytes)
+
+    @contextmanager
+    def step(self, name: str, *, changes_weights: bool = False) -> Iterator[None]:
+        """Count and time one step; a failure is counted by reason and re-raised. A step that
+        changes weights shows the replica UPDATING while it runs."""
+        start = time.monotonic()
+        if changes_weights:
+            self.state("UPDATING")
+        try:
+            yield
+        except BaseException as exc:
+            FAILURES.labels(**self.labels, step=name, reason=reason_of(exc)).inc()
+            raise
+        finally:
+            STEPS.labels(**self.labels, step=name).inc()
+            STEP_SECONDS.labels(**self.labels, step=name).observe(time.monotonic() - start)
+            if changes_weights:
+                self.state("READY")
+
+
+def reason_of(exc: BaseException) -> str:
+    """The failure's reason as the control plane sees it: an ApplicationError's type, else the
+    exception's class."""
+    if isinstance(exc, ApplicationError) and exc.type:
+        return exc.type
+    return type(exc).__name__
