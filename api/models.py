@@ -149,9 +149,14 @@ class TrafficIn(Traffic):
     weight: Annotated[int, Field(ge=0, le=100, strict=True)] = 100
 
 
+# The most replicas one deployment may ask for: the hot-load walk is measured at this size with
+# simulated replicas (bench/scale.py).
+MAX_REPLICAS = 1024
+
+
 class AutoscalingIn(Autoscaling):
-    min: Annotated[int, Field(ge=1, le=16)] = 1
-    max: Annotated[int, Field(ge=1, le=16)] = 1
+    min: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] = 1
+    max: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] = 1
 
 
 class CreateDeploymentRequest(WireModel):

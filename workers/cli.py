@@ -7,6 +7,7 @@
     rollouts dynamo-frontend           NVIDIA Dynamo's frontend, for a cluster install
     rollouts node [--name N --address A --slots N | --gpus N]   a node agent: runs replicas here
     rollouts nodes [NAME]              the node agents the control plane knows, and their replicas
+    rollouts sim-node --name N --gpus K    a SIMULATED node agent (scale runs: bench/scale.py)
     rollouts replica ...               one replica (started by its node agent)
     rollouts snapshot ...              inspect / delta / apply / verify checkpoints (snapshots/)
     rollouts token add ...             add an API token to the tokens file
@@ -45,6 +46,7 @@ COMMANDS: dict[str, str] = {
     "replica": "workers.commands.replica:main",
     "node": "workers.commands.node:main",
     "nodes": "workers.commands.node:list_nodes",
+    "sim-node": "workers.commands.sim_node:main",
     "snapshot": "workers.commands.snapshot:main",
     "demo": "workers.commands.demo:main",
     "token": "workers.commands.stack:token_add",
@@ -122,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-bind", default=None, metavar="ADDR",
                    help="address the engine binds (default: the node address; 0.0.0.0 for every address)")
     p.add_argument("--node", default="", help="the node agent that started it (reported to its deployment)")
+    p = add("sim-node", "run a SIMULATED node agent: many simulated replicas (no engine) in one process, for scale runs")
+    p.add_argument("--name", required=True, help="node name")
+    p.add_argument("--slots", type=int, default=0, help="how many simulated replicas without GPUs it takes")
+    p.add_argument("--gpus", type=int, default=0,
+                   help="SIMULATED GPUs: replicas of a deployment with resources.gpuCount 1 (keeps it off real CPU nodes)")
+    p.add_argument("--zone", default=None, help="zone (default: the settings' zone)")
+    p.add_argument("--transfer-ms", type=float, default=50.0, help="simulated duration of one peer transfer")
+    p.add_argument("--pause-ms", type=float, default=0.0, help="simulated duration of a swap inside the pause")
+    p.add_argument("--state-bytes", type=int, default=4096, help="size of each replica's simulated weights")
     p = add("node", "run a node agent: report this machine, run the replicas placed on it")
     p.add_argument("--name", default=os.environ.get("ROLLOUTS_NODE_NAME"), help="node name (default: hostname)")
     p.add_argument("--address", default=os.environ.get("ROLLOUTS_NODE_ADDRESS"),

@@ -107,7 +107,7 @@ class Stack:
             "temporal": [p["temporal"], p["temporal_ui"], p["temporal_http"], p["temporal_metrics"]],
             "s3": [p["s3"], p["weed_master"], p["weed_volume"], p["weed_filer"], p["weed_admin"]],
             "api": [p["api"]],
-            "worker": [],
+            "worker": [p["worker_metrics"]],
             "node": [],
             "gateway": [p["gateway"]],
             "dynamo": [p["dynamo"]],

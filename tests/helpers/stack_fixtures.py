@@ -3,6 +3,7 @@ control worker, gateway) in a temporary home on free loopback ports, and helpers
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -14,7 +15,8 @@ from typing import Any
 import httpx
 
 from common.processes import port_in_use
-from common.settings import PORT_OFFSETS, Settings
+from common.settings import PORT_OFFSETS, Settings, temporal_client
+from contracts import names
 from workers.stack import Stack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,3 +114,15 @@ def cwtrain(settings: Settings, *args: str, timeout: float = 1200) -> subprocess
 def json_out(proc: subprocess.CompletedProcess) -> Any:
     assert proc.returncode == 0, f"cwtrain failed ({proc.returncode}):\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return json.loads(proc.stdout)
+
+
+def wait_registered(settings, node: str, timeout: float = 120) -> None:
+    """Until the node registry lists `node` (its first heartbeat arrived)."""
+    async def nodes() -> dict:
+        client = await temporal_client(settings)
+        return (await (await client.get_workflow_handle(names.NODE_REGISTRY_ID).describe()).memo()).get("nodes", {})
+
+    deadline = time.monotonic() + timeout
+    while node not in asyncio.run(nodes()):
+        assert time.monotonic() < deadline, f"node {node} did not register in {timeout:.0f}s"
+        time.sleep(0.5)

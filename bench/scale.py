@@ -1,0 +1,246 @@
+"""Benchmark: the control plane at scale, with SIMULATED replicas (replica/simulated/).
+
+The real embedded stack (Temporal dev server, SeaweedFS, API, control worker, gateway) without
+a real node agent; instead `--nodes` SIMULATED node agents (`rollouts sim-node`, many simulated
+replicas per process: no engine, they stage, swap, prove and report like an agent, and read the
+bucket for real when a step reads it). A deployment of `--replicas` replicas is created through
+the API, then a FULL hot-load and a delta hot-load run through the real workflows. For each it
+prints:
+
+- create → terminal state, seconds;
+- history events and bytes of the hot-load workflow (children included, if any), of the
+  deployment workflow and of the node registry;
+- the most activities pending at once in the hot-load workflow (sampled every 0.5 s);
+- API latency while it runs: p50/p99 of `GET /hotLoads/{id}` and of the list (first page),
+  from one client polling both back to back;
+- CPU seconds of the control-plane processes (Temporal, API, control worker) during it;
+- the replicas' sources (bucket / peer) and the largest pause.
+
+    .venv/bin/python bench/scale.py --replicas 100
+    .venv/bin/python bench/scale.py --replicas 1000 --nodes 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common.settings import Settings, temporal_client  # noqa: E402
+from contracts import names  # noqa: E402
+from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
+from snapshots.writer import write_delta  # noqa: E402
+from tests.helpers.stack_fixtures import free_port_base, wait_registered  # noqa: E402
+from workers.stack import Stack, upload_dir  # noqa: E402
+
+TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
+CONTROL_PLANE = ("temporal", "api", "worker")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def control_plane_cpu(stack: Stack) -> float:
+    return sum(cpu_seconds(pid) for name in CONTROL_PLANE if (pid := stack.pid_file(name).alive_pid()))
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+async def history(settings: Settings, workflow_id: str) -> tuple[int, int]:
+    client = await temporal_client(settings)
+    info = (await client.get_workflow_handle(workflow_id).describe()).raw_description.workflow_execution_info
+    return info.history_length, info.history_size_bytes
+
+
+async def pending_activities(settings: Settings, workflow_id: str) -> int:
+    client = await temporal_client(settings)
+    return len((await client.get_workflow_handle(workflow_id).describe()).raw_description.pending_activities)
+
+
+class Api:
+    def __init__(self, settings: Settings) -> None:
+        self.http = httpx.Client(base_url=f"{settings.api_url}/v1alpha1/inference", timeout=120,
+                                 headers={"Authorization": f"Bearer {settings.admin_token}"})
+
+    def call(self, method: str, path: str, **kw: Any) -> Any:
+        r = self.http.request(method, path, **kw)
+        if r.status_code != 200:
+            raise SystemExit(f"{method} {path}: {r.status_code} {r.text[:500]}")
+        return r.json()
+
+
+def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identity: str, previous: str | None) -> dict:
+    body: dict[str, Any] = {"deploymentId": dep_id, "identity": identity, "hotLoadId": identity,
+                            "type": "SNAPSHOT_TYPE_FULL" if previous is None else "SNAPSHOT_TYPE_INCREMENTAL"}
+    if previous is not None:
+        body["incrementalSnapshotMetadata"] = {"previousSnapshotIdentity": previous, "compressionFormat": "COMPRESSION_FORMAT_ZSTD",
+                                               "checksumFormat": "CHECKSUM_FORMAT_ADLER32"}
+    get_ms: list[float] = []
+    list_ms: list[float] = []
+    most_pending = 0
+    workflow_id = names.hot_load_workflow_id(settings.organization_id, identity)
+    done = threading.Event()
+
+    def sample_pending() -> None:
+        nonlocal most_pending
+        while not done.is_set():
+            try:
+                most_pending = max(most_pending, asyncio.run(pending_activities(settings, workflow_id)))
+            except Exception:  # noqa: BLE001 - not started yet, or closed
+                pass
+            done.wait(0.5)
+
+    cpu0, t0 = control_plane_cpu(stack), time.perf_counter()
+    api.call("POST", "/hotLoads", json=body)
+    sampler = threading.Thread(target=sample_pending, daemon=True)
+    sampler.start()
+    reader = Api(settings)
+    while True:
+        t = time.perf_counter()
+        hl = reader.call("GET", f"/hotLoads/{identity}")["hotLoad"]
+        get_ms.append((time.perf_counter() - t) * 1000)
+        t = time.perf_counter()
+        reader.call("GET", "/hotLoads", params={"parentDeploymentId": dep_id, "maxPageSize": 50})
+        list_ms.append((time.perf_counter() - t) * 1000)
+        if hl["status"]["state"] in TERMINAL:
+            break
+    seconds, cpu = time.perf_counter() - t0, control_plane_cpu(stack) - cpu0
+    done.set()
+    sampler.join()
+    replicas: list[dict] = []
+    token = None
+    while True:  # every page of the replica list
+        page = reader.call("GET", f"/hotLoads/{identity}/replicas",
+                           params={"maxPageSize": 1000, **({"pageToken": token} if token else {})})
+        replicas += page["replicas"]
+        if not (token := page.get("nextPageToken")):
+            break
+    events, size = asyncio.run(history(settings, workflow_id))
+    dep_events, dep_size = asyncio.run(history(settings, names.deployment_workflow_id(settings.organization_id, dep_id)))
+    reg_events, reg_size = asyncio.run(history(settings, names.NODE_REGISTRY_ID))
+    sources: dict[str, int] = {}
+    for r in replicas:
+        kind = (r.get("source") or "?").split(":")[0]
+        sources[kind] = sources.get(kind, 0) + 1
+    return {
+        "identity": identity, "state": hl["status"]["state"], "seconds": seconds, "replicas": len(replicas),
+        "ready": sum(r["state"] == "READY" for r in replicas),
+        "history_events": events, "history_bytes": size, "most_pending_activities": most_pending,
+        "deployment_history_events": dep_events, "deployment_history_bytes": dep_size,
+        "registry_history_events": reg_events, "registry_history_bytes": reg_size,
+        "api_get_p50_ms": pct(get_ms, 0.5), "api_get_p99_ms": pct(get_ms, 0.99),
+        "api_list_p50_ms": pct(list_ms, 0.5), "api_list_p99_ms": pct(list_ms, 0.99), "api_samples": len(get_ms),
+        "control_plane_cpu_s": cpu, "sources": sources,
+        "max_pause_ms": max((r.get("pauseMs") or 0 for r in replicas), default=0),
+        "condition": (hl["status"].get("conditions") or [{}])[-1].get("message", ""),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--replicas", type=int, default=100)
+    ap.add_argument("--nodes", type=int, default=2, help="SIMULATED node agent processes")
+    ap.add_argument("--transfer-ms", type=float, default=50.0, help="simulated peer transfer time")
+    ap.add_argument("--json", type=Path, help="write the figures here too")
+    ap.add_argument("--keep", action="store_true", help="keep the stack's home (logs) afterwards")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    settings = Settings.create(work / "home", free_port_base())
+    stack = Stack(settings, node_slots=0)
+    stack.up(say=lambda line: print(line, flush=True))
+    nodes: list[subprocess.Popen[bytes]] = []
+    try:
+        per_node = -(-args.replicas // args.nodes)
+        for i in range(args.nodes):
+            log = open(settings.home_path / "logs" / f"sim-node-{i}.log", "wb")  # noqa: SIM115 - lives as long as the process
+            nodes.append(subprocess.Popen(
+                [sys.executable, "-m", "workers.cli", "sim-node", "--home", str(settings.home_path), "--name", f"sim-{i}",
+                 "--gpus", str(per_node), "--transfer-ms", str(args.transfer_ms)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+            ))
+        base, new = work / "base", work / "new"
+        make_checkpoint_pair(base, new, size_mb=1, seed=0)
+        write_delta(base, new, work / "delta", version="delta-1", base_version="full-0")
+        s3 = settings.s3_client()
+        upload_dir(s3, base, settings.bucket, "scale/ckpt/full-0")
+        upload_dir(s3, work / "delta", settings.bucket, "scale/ckpt/delta-1")
+        api = Api(settings)
+        for i in range(args.nodes):
+            wait_registered(settings, f"sim-{i}")
+        t0 = time.perf_counter()
+        dep_id = api.call("POST", "/deployments", json={
+            "name": "scale", "gatewayIds": [settings.gateway_id],
+            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+            "model": {"name": "scale-model", "bucket": settings.bucket, "path": settings.base_model_path},
+            # One simulated GPU each: placement puts them on the simulated nodes only.
+            "resources": {"instanceType": "cpu-local", "gpuCount": 1},
+            "autoscaling": {"min": args.replicas, "max": args.replicas},
+            "hotLoad": {"bucket": settings.bucket, "pathPrefix": "scale/ckpt"},
+        })["deployment"]["spec"]["id"]
+        while True:
+            r = api.http.get(f"/deployments/{dep_id}")
+            if r.status_code != 200:  # the deployment workflow closed: say how
+                events, size = asyncio.run(history(settings, names.deployment_workflow_id(settings.organization_id, dep_id)))
+                print(f"deployment of {args.replicas} replicas: GET answers {r.status_code}; its workflow closed after "
+                      f"{events} history events, {size / 1e6:.1f} MB (Temporal ends a workflow past 50 MB / 51,200 events)")
+                return 1
+            dep = r.json()["deployment"]
+            if dep["status"]["status"] in ("STATUS_READY", "STATUS_FAILED"):
+                break
+            time.sleep(1)
+        print(f"deployment of {args.replicas} SIMULATED replicas on {args.nodes} simulated node(s): "
+              f"{dep['status']['status']} in {time.perf_counter() - t0:.1f} s", flush=True)
+        if dep["status"]["status"] != "STATUS_READY":
+            print(json.dumps(dep["status"], indent=1))
+            return 1
+        results = [run_hot_load(settings, stack, api, dep_id, "full-0", None),
+                   run_hot_load(settings, stack, api, dep_id, "delta-1", "full-0")]
+        for r in results:
+            print(f"\n{r['identity']}: {r['state']} in {r['seconds']:.1f} s; {r['ready']}/{r['replicas']} READY; "
+                  f"sources {r['sources']}; max pause {r['max_pause_ms']:.1f} ms")
+            print(f"  hot-load history      {r['history_events']} events, {r['history_bytes'] / 1e6:.2f} MB; "
+                  f"most pending activities {r['most_pending_activities']}")
+            print(f"  deployment history    {r['deployment_history_events']} events, {r['deployment_history_bytes'] / 1e6:.2f} MB")
+            print(f"  node registry history {r['registry_history_events']} events, {r['registry_history_bytes'] / 1e6:.2f} MB")
+            print(f"  API GET p50/p99 {r['api_get_p50_ms']:.1f}/{r['api_get_p99_ms']:.1f} ms, list p50/p99 "
+                  f"{r['api_list_p50_ms']:.1f}/{r['api_list_p99_ms']:.1f} ms ({r['api_samples']} samples)")
+            print(f"  control-plane CPU     {r['control_plane_cpu_s']:.1f} s (Temporal + API + worker)")
+            if r["state"] != "HOT_LOAD_STATE_COMPLETED":
+                print(f"  condition: {r['condition']}")
+        if args.json:
+            args.json.write_text(json.dumps({"replicas": args.replicas, "nodes": args.nodes, "results": results}, indent=1))
+        return 0 if all(r["state"] == "HOT_LOAD_STATE_COMPLETED" for r in results) else 1
+    finally:
+        for p in nodes:
+            p.terminate()
+        for p in nodes:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        stack.down(say=lambda line: None)
+        if args.keep:
+            print(f"home kept: {settings.home_path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
