@@ -1,7 +1,7 @@
 """``runtime.engine: dynamo-vllm`` (Dynamo's vLLM workers behind Dynamo's frontend) vs ``vllm``
 (vLLM's OpenAI servers behind the gateway alone), side by side in one run.
 
-    .venv/bin/python bench/dynamo_vs_vllm.py [--replicas 2] [--runs 3] [--clients 16] [--window 8]
+    .venv/bin/python bench/dynamo_vs_vllm.py [--replicas 2] [--runs 3] [--clients 16] [--window 8] [--only dynamo]
 
 One embedded stack in a temporary home whose API lets both engines hot-load
 (``ROLLOUTS_HOT_LOAD_ENGINES=dynamo-vllm,vllm``: the guide lets only dynamo-vllm, which is the
@@ -10,7 +10,9 @@ run), a deployment of the embedded model with ``--replicas`` replicas: a FULL ho
 ``--runs`` delta hot-loads (one RL step each), each timed from create to COMPLETED through the
 REST API while ``--clients`` rollout clients (16-token prompts, 32 tokens at temperature 1,
 through the gateway) keep generating for ``--window`` seconds before and after it. Per engine:
-the median hot-load seconds, each replica's pause (``pauseMs``), output tokens/s through the
+the median hot-load seconds, each replica's pause (``pauseMs``) and the medians of its parts
+(``pauseBreakdownMs``: until the engine stopped, label, swap call, swap and proof inside the
+engine, resume), output tokens/s through the
 gateway outside and during the hot-loads (gateway clock), and per-replica memory (PSS of the
 engine's process tree, from /proc, after the runs). Prints both and dynamo/vllm ratios. A shared
 2-core machine is noisy: compare the two columns of one run (figures: bench/README.md).
@@ -109,7 +111,7 @@ async def measure(settings: Settings, engine: str, args: argparse.Namespace, wor
         s3, base = settings.s3_client(), settings.home_path / "models" / "base"
         upload_dir(s3, base, settings.bucket, f"{prefix}/full")
         timed_hot_load(api, dep_id, "full", None)
-        seconds, pauses, outside, during = [], [], [], []
+        seconds, pauses, outside, during, parts = [], [], [], [], []
         prev_dir, prev_id = base, "full"
         for run in range(1, args.runs + 1):
             new_dir = train_step(prev_dir, work / f"{engine}-{run}", seed=run)
@@ -127,12 +129,15 @@ async def measure(settings: Settings, engine: str, args: argparse.Namespace, wor
             await load
             assert not failures, failures[:5]
             seconds.append(dt)
-            pauses += [r["pauseMs"] for r in hot_load_replicas(api, hl["spec"]["id"])]
+            replicas = hot_load_replicas(api, hl["spec"]["id"])
+            pauses += [r["pauseMs"] for r in replicas]
+            parts += [r.get("pauseBreakdownMs") or {} for r in replicas]
             outside.append(sum(1 for t in tokens if t < t0 or t > t1) / (2 * args.window))
             during.append(sum(1 for t in tokens if t0 <= t <= t1) / (t1 - t0))
             prev_dir, prev_id = new_dir, identity
         memory = [tree_pss_mib(r["enginePid"]) for r in await asyncio.to_thread(engines, settings, dep_id)]
-        return {"hot_load_s": statistics.median(seconds), "pause_ms": sorted(pauses),
+        breakdown = {k: statistics.median(p.get(k, 0.0) for p in parts) for k in sorted({k for p in parts for k in p})}
+        return {"hot_load_s": statistics.median(seconds), "pause_ms": sorted(pauses), "pause_breakdown_ms": breakdown,
                 "tokens_s_outside": statistics.median(outside), "tokens_s_during": statistics.median(during),
                 "memory_mib": memory}
     finally:
@@ -145,6 +150,7 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--window", type=float, default=8.0)
+    p.add_argument("--only", choices=("vllm", "dynamo"), help="measure one engine (no ratios)")
     args = p.parse_args()
     os.environ[HOT_LOAD_ENGINES_ENV] = "dynamo-vllm,vllm"  # the stack's API inherits it
     with tempfile.TemporaryDirectory(prefix="bench-engines-") as tmp:
@@ -154,11 +160,18 @@ def main() -> int:
         results = {}
         try:
             for name, engine in (("vllm", "vllm"), ("dynamo", "dynamo-vllm")):
+                if args.only and name != args.only:
+                    continue
                 print(f"[{name}] measuring ...", flush=True)
                 results[name] = asyncio.run(measure(settings, engine, args, Path(tmp)))
                 print(f"[{name}] {results[name]}", flush=True)
         finally:
             stack.down(say=lambda line: None)
+    for name, r in results.items():
+        print(f"{name}: pause median {statistics.median(r['pause_ms']):.1f} ms; its parts (medians, ms): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in r["pause_breakdown_ms"].items()))
+    if args.only:
+        return 0
     v, d = results["vllm"], results["dynamo"]
     rows = [
         ("delta hot-load, median s", v["hot_load_s"], d["hot_load_s"]),

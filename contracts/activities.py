@@ -76,6 +76,9 @@ class ApplySnapshotResult(WireModel):
     # Tensors whose served bytes were read back from the engine and matched the snapshot's
     # Adler-32 after the update: the served-weights proof behind READY.
     verified_tensors: int = 0
+    # Where the pause went, in ms: pause, label, swap (swap_in and prove inside it), resume
+    # (replica/agent/runtime.py `_swap_staged`). Empty when nothing was swapped.
+    pause_breakdown_ms: dict[str, float] = Field(default_factory=dict)
 
 
 class PeerOfferInput(WireModel):

@@ -247,6 +247,9 @@ class Replica(WireModel):
     source: str | None = None
     bytes_read_from_bucket: int | None = None
     pause_ms: float | None = None
+    # Where the pause went, in ms: pause (until the engine stopped), label, swap (with swap_in
+    # and prove, the engine's own part of it), resume.
+    pause_breakdown_ms: dict[str, float] | None = None
     verified_tensors: int | None = None
     # Beyond the guide: the node (host) the replica runs on.
     node: str | None = None

@@ -176,6 +176,7 @@ class HotLoadWorkflow:
             source=result.source,
             bytes_read_from_bucket=result.bytes_read_from_bucket,
             pause_ms=round(result.pause_ms, 3),
+            pause_breakdown_ms=result.pause_breakdown_ms or None,
             verified_tensors=result.verified_tensors,
         )
 

@@ -275,13 +275,14 @@ class PeerSteps:
         t0 = time.perf_counter()
         if stage.staged is not None:  # a delta link received as files, staged like the bucket path
             staged = stage.staged
-            pause_ms, prove_ms, verified = await self._swap_in(staged, [link.identity for link in offer.chain], policy)
+            pause_ms, prove_ms, verified, breakdown = await self._swap_in(
+                staged, [link.identity for link in offer.chain], policy)
             log.info("applied %s from %s (delta files): %s", identity, offer.source_replica,
                      fmt({"pause": pause_ms, "prove": prove_ms, "total": ms_since(t0)}))
             return ApplySnapshotResult(
                 identity=identity, engine_pid=self.engine.pid, tensors_loaded=len(staged.names),
                 bytes_read_from_bucket=0, pause_ms=pause_ms, source=f"peer:{offer.source_replica}",
-                verified_tensors=verified, links_applied=staged.links,
+                verified_tensors=verified, links_applied=staged.links, pause_breakdown_ms=breakdown,
             )
         names_ = [s[0] for s in offer.specs]
         saved = self.host.save(names_)
@@ -294,7 +295,7 @@ class PeerSteps:
         return ApplySnapshotResult(
             identity=identity, engine_pid=self.engine.pid, tensors_loaded=len(names_),
             bytes_read_from_bucket=0, pause_ms=pause_ms, source=f"peer:{offer.source_replica}",
-            verified_tensors=verified, links_applied=chain_ids,
+            verified_tensors=verified, links_applied=chain_ids, pause_breakdown_ms=swap["breakdown_ms"],
         )
 
     def _commit_offer(self, offer: PeerOffer, names_: list[str]) -> list[str]:

@@ -358,20 +358,22 @@ class ReplicaRuntime(PeerSteps):
                 identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=0, bytes_read_from_bucket=0,
                 pause_ms=0.0, stage_ms=timings["stage"], verified_tensors=verified,
             )
-        pause_ms, prove_ms, verified = await self._swap_in(staged, [link.identity for link in inp.chain],
-                                                           inp.prompt_cache_policy)
+        pause_ms, prove_ms, verified, breakdown = await self._swap_in(
+            staged, [link.identity for link in inp.chain], inp.prompt_cache_policy)
         timings.update(pause=pause_ms, prove=prove_ms, total=ms_since(t0))
         log.info("applied %s from the bucket: %s", inp.identity, fmt(timings))
         return ApplySnapshotResult(
             identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=len(staged.names),
             bytes_read_from_bucket=staged.bytes_read + fetched, pause_ms=pause_ms, links_applied=staged.links,
             stage_ms=timings["fetch"] + timings["stage"], source="bucket", verified_tensors=verified,
+            pause_breakdown_ms=breakdown,
         )
 
     async def _swap_in(self, staged: StagedUpdate, chain_ids: list[str],
-                       policy: PromptCachePolicy) -> tuple[float, float, int]:
+                       policy: PromptCachePolicy) -> tuple[float, float, int, dict[str, float]]:
         """Swap a stage in and prove it (one pause), then commit the chain and start the host
-        copy's adoption; returns (pause ms, ms of the proof inside it, tensors proven)."""
+        copy's adoption; returns (pause ms, ms of the proof inside it, tensors proven, where the
+        pause went)."""
         try:
             pause_ms, swap = await self._swap_staged(staged.identity, staged.backups, staged.names, policy)
         finally:
@@ -380,7 +382,7 @@ class ReplicaRuntime(PeerSteps):
         self._adopt_later(staged)
         self._commit(chain_ids, staged.new_host, staged.changed_by_link, staged.new_host_arena)
         self.link_dirs = staged.link_dirs
-        return pause_ms, 1000 * float(swap.get("verify_s", 0.0)), int(swap["verified"])
+        return pause_ms, 1000 * float(swap.get("verify_s", 0.0)), int(swap["verified"]), swap["breakdown_ms"]
 
     async def _swap_staged(self, label: str, host_backups: dict[str, np.ndarray], names_: list[str],
                            policy: PromptCachePolicy) -> tuple[float, dict[str, Any]]:
@@ -399,12 +401,26 @@ class ReplicaRuntime(PeerSteps):
         reset = policy == PromptCachePolicy.RESET_ALL
         t0 = time.perf_counter()
         previous = self.current_identity
+        # Where the pause goes, in ms (`pauseBreakdownMs`): `pause` (until the engine stopped at a
+        # step boundary), `label`, `swap` (the swap-and-prove call: the engine's own `swap_in`
+        # and `prove` inside it, the rest is the call's way there and back), `resume`.
+        breakdown: dict[str, float] = {}
+        mark = t0
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            breakdown[name] = round((now - mark) * 1000, 3)
+            mark = now
+
         try:
             await self.engine.pause(mode="keep", clear_cache=reset)
+            lap("pause")
             try:
                 # Label first, then weights, both inside the pause (no step runs in between, so no
                 # token sees one without the other); a failed swap puts the old label back.
                 await self.engine.set_weight_version(label)
+                lap("label")
                 try:
                     if self.fault_armed("swap"):
                         # A test armed the "swap" fault point: swap and proof as two calls, the
@@ -414,6 +430,9 @@ class ReplicaRuntime(PeerSteps):
                         swap.update(await self.engine.commit_staged(label))
                     else:
                         swap = await self.engine.swap_and_commit_staged(label)
+                    lap("swap")
+                    breakdown["swap_in"] = round(1000 * (float(swap.get("copy_s", 0.0)) + float(swap.get("repack_s", 0.0))), 3)
+                    breakdown["prove"] = round(1000 * float(swap.get("verify_s", 0.0)), 3)
                     if int(swap.get("verified", -1)) != len(names_):
                         raise EngineUpdateError(f"the engine proved {swap.get('verified')} of {len(names_)} "
                                                 f"swapped tensor(s)")
@@ -427,6 +446,7 @@ class ReplicaRuntime(PeerSteps):
                          fmt({k: 1000 * v for k, v in swap.items() if k.endswith("_s")}))
             finally:
                 await self.engine.resume()
+                lap("resume")
         except Exception as exc:
             # The engine's tensors are back (its swap is all-or-nothing); the host copy here.
             self.host.restore(host_backups)
@@ -438,6 +458,7 @@ class ReplicaRuntime(PeerSteps):
                                      f"{', '.join(exc.tensors[:8])}; {kept}", exc.tensors) from None
             raise EngineUpdateError(f"loading {len(names_)} tensor(s) into the engine failed; {kept}: "
                                     f"{one_line(exc)}") from None
+        swap["breakdown_ms"] = breakdown
         return (time.perf_counter() - t0) * 1000, swap
 
     async def _kept_previous(self, names_: list[str]) -> str:
