@@ -23,7 +23,9 @@ Everything the agent does with an engine works unchanged on it:
 - **Pause keeps new requests off a paused worker**: ``pause()`` first takes the worker's
   ``generate`` instance out of discovery (``leave``) when another instance of the namespace is
   registered (the worker's ``instances`` route: what its own discovery client lists), so the frontend routes new requests to the others; ``resume()`` puts it back
-  (``join``). A lone worker stays registered: a request that reaches it during the pause waits
+  (``join``). ``swap_in_pause`` does a whole swap in one call to the worker (pause, label, swap
+  and proof, resume: its route says how), leaving the pool before it and joining after, so the
+  pause holds no HTTP hop. A lone worker stays registered: a request that reaches it during the pause waits
   for the resume (the pause window), as on a vLLM replica, rather than failing for want of a
   worker. A request the frontend routed before it saw the ``leave`` also waits for the resume.
 - **KV events**: with ``kv_events`` (a stack whose Dynamo router mode is ``kv``) the worker
@@ -49,7 +51,7 @@ from common.addresses import host_port
 from common.dynamo_planes import DISCOVERY_BACKENDS, discovery_problem, plane_args, plane_env
 from common.processes import free_port, free_port_below
 from replica.agent.engine import EngineProcess, EngineStartError, _tail
-from replica.agent.engine_rpc import EngineRequestError
+from replica.agent.engine_rpc import EngineRequestError, ReadBackError
 from replica.launch import DYNAMO_WORKER_MODULE
 
 ROUTE_PREFIX = "/engine/rollouts/"
@@ -225,16 +227,42 @@ class DynamoEngineProcess(EngineProcess):
         Dynamo's discovery lists now (its own while it is in the pool)."""
         return list((await self.control("instances")).json()["worker_ids"])
 
-    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+    async def leave_pool(self) -> None:
+        """Out of the frontend's routing pool when another instance of the namespace is in it."""
         others = [] if self.left else [w for w in await self.instances() if w != self.worker_id]
         if others:
             await self.control("leave")
             self.left = True
+
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        await self.leave_pool()
         try:
             await super().pause(mode, clear_cache)
         except BaseException:
             await self._join()
             raise
+
+    # The agent swaps a stage in with one call (`swap_in_pause`) rather than four.
+    swaps_in_one_call = True
+
+    async def swap_in_pause(self, label: str, previous: str, *, clear_cache: bool, expected: int) -> dict[str, Any]:
+        """The whole swap inside the worker, in one call (its ``swap_in_pause`` route): pause,
+        label, swap and proof, resume, rolled back there on any failure. The worker leaves the
+        routing pool before and joins it after, outside the pause. Returns the extension's
+        result with the worker's ``timings_ms``; a read-back that differs raises ReadBackError."""
+        await self.leave_pool()
+        try:
+            answer = (await self.control(
+                "swap_in_pause", {"label": label, "previous": previous, "clear_cache": clear_cache, "expected": expected},
+                path="/swap_in_pause",
+            )).json()
+        finally:
+            await self._join()
+        result = dict(answer["result"])
+        if result.get("read_back_failed"):
+            raise ReadBackError(label, list(result["read_back_failed"]))
+        result["timings_ms"] = answer["timings_ms"]
+        return result
 
     async def resume(self) -> None:
         await super().resume()

@@ -15,7 +15,15 @@ touching Dynamo's or vLLM's files:
    returns: a paused replica gets no new request), ``instance`` answers its Dynamo worker id (the
    ``worker_id`` Dynamo's frontend reports), ``instances`` the ids of every ``generate`` instance
    of its namespace that Dynamo's discovery lists now (whatever the discovery backend: ``file``
-   or ``kubernetes``), this worker's included while it is in the pool. Every call carries the engine's secret in its JSON body (``secret``; the
+   or ``kubernetes``), this worker's included while it is in the pool. One more is ours alone:
+   ``swap_in_pause`` (label, previous, clear_cache, expected) is a whole swap in one call, inside the worker:
+   pause (keep), set the weight-version label, swap the stage in and prove it
+   (``swap_and_commit_staged`` on every worker), resume; a swap that fails, whose read-back
+   differs, or that proved other than ``expected`` tensors is rolled back (``discard_staged``) and the previous label restored before the
+   resume. It answers the extension's result (``read_back_failed`` when the proof differed) and
+   ``timings_ms`` measured here: ``pause``, ``label``, ``swap``, ``resume`` and ``window`` (from
+   the pause's start to the resume's end: how long the engine served nothing), so no HTTP hop
+   between the agent and the worker falls inside the pause. Every call carries the engine's secret in its JSON body (``secret``; the
    system server passes a route only the body): a missing or wrong secret answers
    ``{"error": {"code": 401, ...}}``; any failure answers ``{"error": {"code": 500|400, "message"}}``
    (the system server always answers HTTP 200; ``replica.agent.dynamo.DynamoEngineClient`` turns
@@ -36,12 +44,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 ROUTE_PREFIX = "rollouts/"
 ROUTES = ("pause", "resume", "is_paused", "reset_prefix_cache", "collective_rpc", "update_weight_version",
-          "weight_info", "leave", "join", "instance", "instances")
+          "weight_info", "leave", "join", "instance", "instances", "swap_in_pause")
 # How long the first ``instances`` call waits for the worker's discovery client to list any instance.
 INSTANCES_WAIT_S = 10.0
 
@@ -160,9 +169,50 @@ def control_routes(engine: Any, endpoint: Any, secret: str
             discovery.append(client)
         return {"worker_ids": sorted(int(i) for i in discovery[0].instance_ids())}
 
+    async def swap_in_pause(body: dict[str, Any]) -> dict[str, Any]:
+        label, previous = body.get("label"), body.get("previous")
+        if not isinstance(label, str) or not isinstance(previous, str):
+            return _error(400, "swap_in_pause: 'label' and 'previous' (strings) are required")
+        timings: dict[str, float] = {}
+        start = mark = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            timings[name] = round((now - mark) * 1000, 3)
+            mark = now
+
+        await engine.pause_generation(mode="keep", clear_cache=bool(body.get("clear_cache", False)))
+        lap("pause")
+        try:
+            await engine.update_weight_version(label)
+            lap("label")
+            try:
+                results = await engine.collective_rpc(method="swap_and_commit_staged", args=(label,))
+                lap("swap")
+                if len(results or []) != 1:
+                    raise RuntimeError(f"swap_and_commit_staged: expected one worker result, got {len(results or [])}")
+                result = results[0]
+                if result.get("read_back_failed"):  # the engine rolled its tensors back
+                    await engine.update_weight_version(previous)
+                elif "expected" in body and int(result.get("verified", -1)) != int(body["expected"]):
+                    raise RuntimeError(f"the engine proved {result.get('verified')} of {body['expected']} "
+                                       f"swapped tensor(s)")
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await engine.collective_rpc(method="discard_staged")
+                with contextlib.suppress(Exception):
+                    await engine.update_weight_version(previous)
+                raise
+        finally:
+            await engine.resume_generation()
+            lap("resume")
+            timings["window"] = round((time.perf_counter() - start) * 1000, 3)
+        return {"result": result, "timings_ms": timings}
+
     handlers = {"leave": leave, "join": join, "instance": instance, "instances": instances, "pause": pause, "resume": resume, "is_paused": is_paused, "reset_prefix_cache": reset_prefix_cache,
                 "collective_rpc": collective_rpc, "update_weight_version": update_weight_version,
-                "weight_info": weight_info}
+                "weight_info": weight_info, "swap_in_pause": swap_in_pause}
 
     def guarded(name: str, handler: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]):
         async def route(body: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,73 @@
+"""The Dynamo worker's `swap_in_pause` route (replica/engine/dynamo_routes.py): a whole swap in one
+call, against a stand-in for vLLM's AsyncLLM that records every call. Pause, label, swap and
+proof, resume, in that order; a read-back that differs, a proof of the wrong count or a failing
+swap restores the previous label (and discards the stage) before the resume, which always runs;
+the answer carries the worker's own timings, the window covering the rest."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from replica.engine.dynamo_routes import control_routes
+
+
+class Engine:
+    def __init__(self, swap: Any) -> None:
+        self.swap = swap  # what swap_and_commit_staged answers, or an exception to raise
+        self.calls: list[tuple] = []
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        self.calls.append(("pause", mode, clear_cache))
+
+    async def resume_generation(self) -> None:
+        self.calls.append(("resume",))
+
+    async def update_weight_version(self, version: str) -> None:
+        self.calls.append(("label", version))
+
+    async def collective_rpc(self, method: str, args: tuple = (), **kw: Any) -> list[Any]:
+        self.calls.append((method, *args))
+        if method == "swap_and_commit_staged" and isinstance(self.swap, Exception):
+            raise self.swap
+        return [self.swap] if method == "swap_and_commit_staged" else [{"discarded": "s2", "rolled_back": True}]
+
+
+def swap(engine: Engine, **extra: Any) -> dict[str, Any]:
+    route = control_routes(engine, None, "k")["swap_in_pause"]
+    return asyncio.run(route({"secret": "k", "label": "s2", "previous": "s1", "clear_cache": False, **extra}))
+
+
+def test_a_swap_in_one_call_pauses_labels_swaps_and_resumes_in_order() -> None:
+    engine = Engine({"verified": 3, "verify_s": 0.001, "copy_s": 0.002})
+    answer = swap(engine, expected=3)
+    assert engine.calls == [("pause", "keep", False), ("label", "s2"), ("swap_and_commit_staged", "s2"), ("resume",)]
+    assert answer["result"]["verified"] == 3
+    t = answer["timings_ms"]
+    assert set(t) == {"pause", "label", "swap", "resume", "window"}
+    assert t["window"] >= t["pause"] + t["label"] + t["swap"] + t["resume"] - 0.01
+
+
+def test_a_read_back_that_differs_puts_the_previous_label_back_before_the_resume() -> None:
+    engine = Engine({"verified": 0, "read_back_failed": ["w1"]})
+    answer = swap(engine, expected=3)
+    assert answer["result"]["read_back_failed"] == ["w1"]
+    assert engine.calls[-2:] == [("label", "s1"), ("resume",)]
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("copy failed"), None])
+def test_a_failed_swap_or_a_short_proof_is_discarded_and_the_label_restored(failure) -> None:
+    engine = Engine(failure if failure is not None else {"verified": 2})
+    answer = swap(engine, expected=3)
+    assert answer["error"]["code"] == 500
+    assert ("copy failed" if failure else "proved 2 of 3") in answer["error"]["message"]
+    assert engine.calls[-3:] == [("discard_staged",), ("label", "s1"), ("resume",)]
+
+
+def test_label_and_previous_are_required() -> None:
+    engine = Engine({"verified": 1})
+    route = control_routes(engine, None, "k")["swap_in_pause"]
+    assert asyncio.run(route({"secret": "k", "label": "s2"}))["error"]["code"] == 400
+    assert engine.calls == []
