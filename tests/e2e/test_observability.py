@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.chains import publish_chain
-from tests.helpers.replicas import ROLLING_PREFIX, engines, walk_order
+from tests.helpers.replicas import ROLLING_PREFIX, walk_order
 
 pytestmark = pytest.mark.stack
 
@@ -42,17 +42,26 @@ def value(samples: dict, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())
 
 
-def test_metrics_endpoints_count_a_hot_load(stack, rolling, tmp_path):
+@pytest.fixture(scope="module")
+def published(stack, rolling, otlp, tmp_path_factory) -> dict:
+    """One FULL and one delta hot-load, with every endpoint scraped and the receiver's span count
+    taken before them (both tests read this one chain)."""
     api, dep = rolling
     dep_id = dep["spec"]["id"]
     replicas = walk_order(stack, dep_id)
     assert all(r["metricsUrl"].startswith("http://") for r in replicas), replicas
-    worker_url = f"http://{stack.host}:{stack.ports['worker_metrics']}/metrics"
-    api_url = f"{stack.api_url}/metrics"
-    before = {r["name"]: scrape(r["metricsUrl"]) for r in replicas}
-    worker_before, api_before = scrape(worker_url), scrape(api_url)
+    urls = {"worker": f"http://{stack.host}:{stack.ports['worker_metrics']}/metrics", "api": f"{stack.api_url}/metrics"}
+    before = {r["name"]: scrape(r["metricsUrl"]) for r in replicas} | {k: scrape(u) for k, u in urls.items()}
+    seen = len(otlp.spans())
+    publish_chain(stack, api, dep_id, tmp_path_factory.mktemp("observed"), "ours", "observed",
+                  prefix=ROLLING_PREFIX, steps=1)
+    return {"dep_id": dep_id, "replicas": replicas, "urls": urls, "before": before, "seen": seen}
 
-    publish_chain(stack, api, dep_id, tmp_path, "ours", "metrics", prefix=ROLLING_PREFIX, steps=1)
+
+def test_metrics_endpoints_count_a_hot_load(published):
+    dep_id, replicas, before = published["dep_id"], published["replicas"], published["before"]
+    worker_url, api_url = published["urls"]["worker"], published["urls"]["api"]
+    worker_before, api_before = before["worker"], before["api"]
 
     for i, r in enumerate(replicas):
         now, was = scrape(r["metricsUrl"]), before[r["name"]]
@@ -60,7 +69,7 @@ def test_metrics_endpoints_count_a_hot_load(stack, rolling, tmp_path):
         assert value(now, "rollouts_replica_pause_seconds_count", **mine) - value(was, "rollouts_replica_pause_seconds_count", **mine) == 2
         assert value(now, "rollouts_replica_state", **mine, state="READY") == 1
         assert value(now, "rollouts_replica_state", **mine, state="UPDATING") == 0
-        assert value(now, "rollouts_replica_info", **mine, snapshot="metrics-000001") == 1
+        assert value(now, "rollouts_replica_info", **mine, snapshot="observed-000001") == 1
         bucket = value(now, "rollouts_replica_bytes_total", source="bucket") - value(was, "rollouts_replica_bytes_total", source="bucket")
         peer = value(now, "rollouts_replica_bytes_total", source="peer") - value(was, "rollouts_replica_bytes_total", source="peer")
         if i == 0:
@@ -82,12 +91,8 @@ def test_metrics_endpoints_count_a_hot_load(stack, rolling, tmp_path):
     assert value(api_now, "rollouts_hot_loads_created_total") - value(api_before, "rollouts_hot_loads_created_total") == 2
 
 
-def test_replica_agents_export_their_spans_over_otlp(stack, rolling, otlp, tmp_path):
-    api, dep = rolling
-    dep_id = dep["spec"]["id"]
-    replicas = len(engines(stack, dep_id))
-    seen = len(otlp.spans())
-    publish_chain(stack, api, dep_id, tmp_path, "ours", "traced", prefix=ROLLING_PREFIX, steps=1)
+def test_replica_agents_export_their_spans_over_otlp(published, otlp):
+    replicas, seen = len(published["replicas"]), published["seen"]
     # The API's span of each create roots its operation's trace; the agents' activity spans join
     # it. Spans are exported in batches: wait for them (the receiver's count, not a retry).
     deadline = time.monotonic() + 60

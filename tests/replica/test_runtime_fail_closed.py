@@ -99,7 +99,9 @@ class Replica:
 
     async def swaps_in_the_delta(self) -> None:
         staged = await self.runtime.stage_update(self.inp, {"v-next": self.delta})
-        _, _, verified = await self.runtime._swap_in(staged, CHAIN_IDS, PromptCachePolicy.PRESERVE)
+        _, _, verified, breakdown = await self.runtime._swap_in(staged, CHAIN_IDS, PromptCachePolicy.PRESERVE)
+        # A vLLM server swaps in four calls, each timed.
+        assert {"pause", "label", "swap", "swap_in", "prove", "resume"} <= breakdown.keys(), breakdown
         await self.runtime.settled()
         counting = checkpoint_checksums(self.model_dirs["counting"])
         assert verified == len(staged.names)
