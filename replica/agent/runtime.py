@@ -37,6 +37,15 @@ from snapshots.storage import snapshot_uri
 log = logging.getLogger("rollouts.replica")
 
 
+def engine_parts(swap: dict[str, Any]) -> dict[str, float]:
+    """The engine's own share of a swap, in ms, from its report: `swap_in` (copy and the CPU
+    kernels' repack) and `prove` (the read-back)."""
+    return {
+        "swap_in": round(1000 * (float(swap.get("copy_s", 0.0)) + float(swap.get("repack_s", 0.0))), 3),
+        "prove": round(1000 * float(swap.get("verify_s", 0.0)), 3),
+    }
+
+
 class ReplicaRuntime(PeerSteps):
     """State shared by the agent's activities: the engine, the host copy and what it serves.
 
@@ -425,8 +434,7 @@ class ReplicaRuntime(PeerSteps):
         t0 = time.perf_counter()
         swap = await self.engine.swap_in_pause(label, self.current_identity, clear_cache=reset, expected=len(names_))
         timings = dict(swap.pop("timings_ms"))
-        timings["swap_in"] = round(1000 * (float(swap.get("copy_s", 0.0)) + float(swap.get("repack_s", 0.0))), 3)
-        timings["prove"] = round(1000 * float(swap.get("verify_s", 0.0)), 3)
+        timings.update(engine_parts(swap))
         timings["call"] = round((time.perf_counter() - t0) * 1000, 3)
         log.info("swap of %d tensor(s) in the pause: %s", len(names_), fmt(timings))
         swap["breakdown_ms"] = timings
@@ -465,8 +473,7 @@ class ReplicaRuntime(PeerSteps):
                 else:
                     swap = await self.engine.swap_and_commit_staged(label)
                 lap("swap")
-                breakdown["swap_in"] = round(1000 * (float(swap.get("copy_s", 0.0)) + float(swap.get("repack_s", 0.0))), 3)
-                breakdown["prove"] = round(1000 * float(swap.get("verify_s", 0.0)), 3)
+                breakdown.update(engine_parts(swap))
                 if int(swap.get("verified", -1)) != len(names_):
                     raise EngineUpdateError(f"the engine proved {swap.get('verified')} of {len(names_)} "
                                             f"swapped tensor(s)")

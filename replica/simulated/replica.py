@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from contracts.activities import (
     StageFromPeerResult,
 )
 from replica import faults
+from snapshots.codec import adler32_hex
 
 ENGINE = "simulated"
 
@@ -53,10 +53,6 @@ def content(identity: str, nbytes: int) -> np.ndarray:
     """The simulated weights of snapshot `identity`: `nbytes` bytes derived from its name."""
     seed = int.from_bytes(hashlib.sha256(identity.encode()).digest()[:8], "little")
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-
-
-def adler(buf: np.ndarray) -> str:
-    return f"{zlib.adler32(buf) & 0xFFFFFFFF:08x}"
 
 
 @dataclass
@@ -113,7 +109,7 @@ class SimulatedReplica:
         self.served = staged.copy()
         if self.b.pause_ms:
             await asyncio.sleep(self.b.pause_ms / 1000)
-        got, want = adler(self.served), adler(content(identity, self.b.state_bytes))
+        got, want = adler32_hex(self.served), adler32_hex(content(identity, self.b.state_bytes))
         pause_ms = (time.perf_counter() - start) * 1000
         if got != want:
             raise ApplicationError(f"read-back of {self.name}: {got} != {want}", type="ReadBackFailed",
@@ -144,7 +140,7 @@ class SimulatedReplica:
         return PeerOffer(
             source_replica=self.name, host="simulated", port=0, backend="simulated",
             base_identity=inp.target_identity, identity=inp.identity, chain=inp.chain, specs=[],
-            expected_adler32={"state": adler(content(inp.identity, self.b.state_bytes))},
+            expected_adler32={"state": adler32_hex(content(inp.identity, self.b.state_bytes))},
             world_size=inp.world_size, mode="files" if inp.from_stage else "tensors",
         )
 
@@ -160,7 +156,7 @@ class SimulatedReplica:
             await asyncio.sleep(self.b.transfer_ms / 1000)
             await self._fault("stage_from_peer")
             data = content(inp.offer.identity, self.b.state_bytes)
-            if adler(data) != inp.offer.expected_adler32.get("state"):
+            if adler32_hex(data) != inp.offer.expected_adler32.get("state"):
                 raise ApplicationError(f"{self.name}: the offer's checksum does not match", type="PeerOfferRefused",
                                        non_retryable=True)
             self.staged = (inp.offer.identity, data)
