@@ -127,5 +127,4 @@ class SimulatedNode:
             log.info("SIMULATED node %s (%d slots, %d simulated GPUs) polling %s", self.name, self.slots, self.gpus,
                      names.node_task_queue(self.name))
             await self.report_forever(stop)
-        for running in list(self.running.values()):
-            await running.worker.shutdown()
+        await asyncio.gather(*(running.worker.shutdown() for running in self.running.values()))

@@ -41,6 +41,7 @@ def simulated(stack, tmp_path_factory):
             [sys.executable, "-m", "workers.cli", "sim-node", "--home", str(stack.home_path), "--name", "sim-test",
              "--gpus", str(REPLICAS), "--transfer-ms", "20"],
             stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2],
+            start_new_session=True,  # its own process group: stop_pid signals the group
         )
     api = Api(stack)
     dep_id = None
