@@ -56,6 +56,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from common.errors import InvalidArgument, Unavailable
 from contracts import names
+from contracts.memo import replica_list
 from contracts.search import DEPLOYMENT, ORG
 
 log = logging.getLogger("rollouts.api.listing")
@@ -167,7 +168,7 @@ class HotLoadIndex:
     def record(self, memo: dict[str, Any], closed: bool) -> Record:
         hot_load = self.view(memo["hotLoad"])
         spec, status = hot_load["spec"], hot_load["status"]
-        replicas = sorted(memo.get("replicas") or [], key=lambda r: (r.get("zone", ""), r.get("name", "")))
+        replicas = sorted(replica_list(memo), key=lambda r: (r.get("zone", ""), r.get("name", "")))
         workflow_id = names.hot_load_workflow_id(spec.get("organizationId", ""), spec["id"])
         return Record(
             id=workflow_id, key=(status["createdAt"], workflow_id), organization_id=spec.get("organizationId", ""),

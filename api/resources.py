@@ -28,6 +28,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from api.listing import HotLoadIndex, Record, page, quote
 from common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable, from_code
 from contracts import names
+from contracts.memo import replica_list
 from contracts.records import (
     CreateHotLoadCommand,
     Deployment,
@@ -271,7 +272,7 @@ def reconcile_hot_load(memo: dict[str, Any], status: WorkflowExecutionStatus | N
             "reason": f"Workflow{status.name.title().replace('_', '')}", "message": why, "lastUpdateTime": when,
         }
     )
-    for replica in memo.get("replicas") or []:
+    for replica in replica_list(memo):
         if replica.get("state") == "UPDATING":
             replica.update(
                 state="ERROR", finishedAt=when, transitionedAt=when, updatedAt=when,

@@ -14,6 +14,7 @@ CONTROL_TASK_QUEUE = "rollouts-control"
 # Workflow types (the class names the control worker registers) and what they answer.
 DEPLOYMENT_WORKFLOW = "DeploymentWorkflow"
 GATEWAY_WORKFLOW = "GatewayWorkflow"
+STAGE_GROUP_WORKFLOW = "StageGroupWorkflow"
 HOT_LOAD_WORKFLOW = "HotLoadWorkflow"
 # Deployment workflow updates, signals and queries.
 UPDATE_CONFIG = "update_config"
@@ -71,6 +72,11 @@ def gateway_workflow_id(organization_id: str, gateway_id: str) -> str:
 
 def hot_load_workflow_id(organization_id: str, hot_load_id: str) -> str:
     return f"hotLoads/{organization_id}/{hot_load_id}"
+
+
+def stage_group_workflow_id(hot_load_workflow_id: str, group: int) -> str:
+    """A hot-load's stage group J (a child workflow of a large hot-load)."""
+    return f"{hot_load_workflow_id}/stage-{group}"
 
 
 def node_task_queue(node: str) -> str:

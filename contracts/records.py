@@ -155,10 +155,24 @@ class Traffic(WireModel):
     weight: int = 100
 
 
+MAX_CONCURRENT_SWAPS = 256
+MAX_PEER_FAN_OUT = 64
+MAX_REPLICAS_PER_GROUP = 1000
+
+
 class HotLoadConfig(WireModel):
     bucket: str
     path_prefix: str = ""
     transition_mode: TransitionMode = TransitionMode.ASYNC
+    # Beyond the guide (docs/operations.md, "Large deployments"). How many replicas may swap at
+    # once: 1 is the guide's rolling walk; k > 1 commits up to k replicas together, in walk order.
+    max_concurrent_swaps: int = Field(default=1, ge=1, le=MAX_CONCURRENT_SWAPS)
+    # How many receivers one replica that holds the update passes it to at a time (each transfer
+    # is its own group of 1 + peerFanOut engines): N replicas are reached in O(log N) rounds.
+    peer_fan_out: int = Field(default=4, ge=1, le=MAX_PEER_FAN_OUT)
+    # Past this many replicas, a hot-load stages them in groups of this size, each in a child
+    # workflow (`hotLoads/ORG/ID/stage-J`), which keeps every workflow's history bounded.
+    replicas_per_group: int = Field(default=100, ge=2, le=MAX_REPLICAS_PER_GROUP)
 
 
 class DeploymentSpec(WireModel):
@@ -253,6 +267,9 @@ class Replica(WireModel):
     verified_tensors: int | None = None
     # Beyond the guide: the node (host) the replica runs on.
     node: str | None = None
+    # Beyond the guide: for a replica that staged from a peer, the transfer round that reached
+    # it (1: from the replica that read the bucket; n: from one reached in round n - 1).
+    peer_round: int | None = None
 
 
 # --------------------------------------------------------------------------- internal
@@ -302,6 +319,30 @@ class HotLoadInput(WireModel):
     # True: replicas after the first stage from the first one's broadcast; False: every replica
     # reads the bucket.
     peer_transfer: bool = True
+
+
+class StageGroupInput(WireModel):
+    """What a hot-load hands to one of its stage groups (a child workflow): pass the update from
+    `source` (which holds it) to every member, in walk order, `fan_out` receivers at a time."""
+
+    spec: HotLoadSpec
+    members: list[ReplicaEndpoint]
+    # The member names' snapshots as the hot-load saw them (a receiver's offer depends on them).
+    serving: dict[str, str]
+    source: ReplicaEndpoint
+    # The source holds a checked stage it has not swapped in yet (else it serves the update).
+    source_staged: bool
+    # The round in which the source itself was reached (0: the replica that read the bucket).
+    source_round: int
+    fan_out: int
+
+
+class StageGroupResult(WireModel):
+    """Which members of a stage group hold a checked stage, and the round that reached each;
+    every other member reads the bucket in its turn."""
+
+    staged: dict[str, int] = Field(default_factory=dict)
+    failed: dict[str, str] = Field(default_factory=dict)
 
 
 class HotLoadOutcome(WireModel):

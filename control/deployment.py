@@ -75,6 +75,7 @@ with workflow.unsafe.imports_passed_through():
     from contracts import names
     from contracts.activities import CheckSnapshotInput, StartReplicasInput
     from contracts.errors import ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, UNAVAILABLE, rejected
+    from contracts.memo import ChunkedList
     from contracts.nodes import ReplicasLost
     from contracts.records import (
         CompletedLink,
@@ -145,6 +146,8 @@ class DeploymentWorkflow:
         self.placement_error: str | None = None
         # The node agents that did not answer the last check of the replica processes -> why.
         self.unanswered: dict[str, str] = {}
+        # The replica list's memo chunks as last published (only the changed ones are upserted).
+        self._replica_memo = ChunkedList()
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -172,8 +175,9 @@ class DeploymentWorkflow:
         workflow.upsert_memo(
             {
                 "deployment": self.state.deployment.wire(),
-                # Internal routing facts for the gateway; not part of the wire object.
-                "replicas": [r.wire() for r in self.state.replicas],
+                # Internal routing facts for the gateway; not part of the wire object. In chunks
+                # (contracts/memo.py): a replica's change rewrites only its own.
+                **self._replica_memo.changes([r.wire() for r in self.state.replicas]),
             }
         )
 

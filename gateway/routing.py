@@ -53,6 +53,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from common.settings import temporal_client
+from contracts.memo import replica_list
 from contracts.names import hot_load_workflow_id
 from gateway.split import WeightedSplit
 
@@ -136,9 +137,9 @@ def build_view(
         return None
     status = dep.get("status") or {}
     active = status.get("activeHotLoadId")
-    steps = {r.get("name"): r for r in ((hot_load_memo or {}).get("replicas") or [])}
+    steps = {r.get("name"): r for r in replica_list(hot_load_memo or {})}
     replicas = []
-    for r in deployment_memo.get("replicas") or []:
+    for r in replica_list(deployment_memo):
         name, identity = r.get("name", ""), r.get("currentSnapshotIdentity") or "initial"
         settled, pending = True, False
         if active:

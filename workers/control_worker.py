@@ -29,10 +29,11 @@ from contracts.search import KIND as RESOURCE_KIND
 from control.activities import ControlActivities
 from control.deployment import DeploymentWorkflow
 from control.gateway import GatewayWorkflow
+from control.hot_load.group import StageGroupWorkflow
 from control.hot_load.workflow import HotLoadWorkflow
 from control.nodes import NodeRegistryWorkflow
 
-WORKFLOWS = [DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow, NodeRegistryWorkflow]
+WORKFLOWS = [DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow, NodeRegistryWorkflow, StageGroupWorkflow]
 RUNNING_DEPLOYMENTS = (
     f"ResourceKind='deployment' AND ExecutionStatus='Running' AND TaskQueue='{names.CONTROL_TASK_QUEUE}'"
 )

@@ -5,7 +5,7 @@ briefly unreachable, a storage hiccup); what the same snapshot would fail again 
 wrong snapshot (checksum, missing file, bad format), a swap whose in-pause read-back found the
 engine's bytes differ from the snapshot's, and an error injected by a test fault point.
 
-A peer step (offer, send, stage, commit of a broadcast stage) is tried once: on failure the
+A peer step (offer, send, stage, commit of a peer stage) is tried once: on failure the
 replica reads the bucket instead, which is the retry.
 
 Every step heartbeats and waits for its cancellation to complete, so a canceled step reports

@@ -3,12 +3,13 @@
 `WalkState` holds the hot-load wire object and one `Replica` per replica in walk order ((zone,
 name)). Every change is published at once, so reads need no worker:
 
-- the memo: `hotLoad` (the wire object) and `replicas` (the replica entries), read by the API;
+- the memo: `hotLoad` (the wire object) and the replica entries in chunks (`replicas.0`, ...;
+  contracts/memo.py), read by the API and the gateways; a change rewrites only its own chunk;
 - the search attribute `HotLoadState`, upserted on every state change (the API's and the UI's
   filters);
 - the workflow's current details (the Temporal UI): the state, how many replicas are READY and
   what the replica in flight does, e.g. `2/3 replicas READY; replica-2 UPDATING (commit of its
-  broadcast stage)`.
+  peer stage)`.
 
 The operation goes PENDING → IN_PROGRESS → COMPLETED | FAILED | CANCELED (each end with a
 condition); a replica PENDING_UPDATE → UPDATING → READY | ERROR, with `startedAt`, `finishedAt`,
@@ -23,6 +24,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from contracts.memo import ChunkedList
     from contracts.records import (
         Condition,
         ConditionStatus,
@@ -90,6 +92,7 @@ class WalkState:
         ]
         # replica name -> what its step in flight does (shown while it is UPDATING).
         self._doing: dict[str, str] = {}
+        self._memo = ChunkedList()
 
     @property
     def state(self) -> HotLoadState:
@@ -101,7 +104,7 @@ class WalkState:
 
     # ------------------------------------------------------------------ changes
     def publish(self) -> None:
-        workflow.upsert_memo({"hotLoad": self.hot_load.wire(), "replicas": [r.wire() for r in self.replicas]})
+        workflow.upsert_memo({"hotLoad": self.hot_load.wire(), **self._memo.changes([r.wire() for r in self.replicas])})
         workflow.set_current_details(self.progress())
 
     def set_state(self, state: HotLoadState, condition: Condition | None = None) -> None:

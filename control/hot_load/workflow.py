@@ -4,24 +4,27 @@
 replica's own task queue, run by its agent next to the engine:
 
 1. The first replica updates from the bucket (`apply_snapshot`: stage while serving; pause,
-   swap and prove in place; resume). For a delta it offers, from its checked stage and before
-   its swap, the link's files to every other replica (`Broadcast.start(from_stage=True)`); when
-   it cannot (no such files), it offers after its commit.
-2. The broadcast: every other replica stages from the first one while it serves
-   (control/hot_load/broadcast.py).
-3. Each other replica, in walk order, swaps its stage in (`commit_peer_stage`) as soon as its
-   own stage is ready, while later ones may still stage.
+   swap and prove in place; resume). For a delta it passes the link's files on from its checked
+   stage, before its swap; otherwise once it serves the update.
+2. The fan-out: replicas that hold the update pass it on, `hotLoad.peerFanOut` receivers at a
+   time, each receiver staging while it serves (control/hot_load/fanout.py); past
+   `hotLoad.replicasPerGroup` receivers, in stage groups, one child workflow each
+   (control/hot_load/stages.py, control/hot_load/group.py).
+3. Every other replica, in walk order, swaps its stage in (`commit_peer_stage`) once it holds
+   one, at most `hotLoad.maxConcurrentSwaps` at a time (1, the default, is one replica at a
+   time; control/hot_load/window.py), while later ones may still stage.
 4. A replica whose stage or commit fails reads the bucket (`apply_snapshot`). With
    `peer_transfer=False` every replica reads the bucket.
 
 A replica whose node is declared lost (`replicas_lost`, from its deployment) fails its step at
 once, with the registry's reason, instead of waiting out the step's timeouts.
 
-A failed step stops the walk: that replica is ERROR, the operation FAILED; replicas already moved
-keep the new weights, the rest keep theirs (if the first replica fails, the broadcast is
-abandoned and no other replica changed). A cancel stops before the next replica step; a step
-given up before it changed its replica, or one that failed once the cancel was asked, reports it
-PENDING_UPDATE again and the operation ends CANCELED.
+A failed step stops the walk: that replica is ERROR, the operation FAILED; no new step starts,
+the steps in flight end; replicas already moved keep the new weights, the rest keep theirs (if
+the first replica fails, the fan-out is abandoned and no other replica changed). A cancel stops
+before the next replica step and cancels the steps in flight; a step given up before it changed
+its replica, or one that failed once the cancel was asked, reports it PENDING_UPDATE again and
+the operation ends CANCELED.
 
 Ends. The memo, `HotLoadState` and the replica list are final first; then the workflow signals
 its deployment (`hot_load_finished`, whatever the outcome); then it closes as what the operation
@@ -41,9 +44,10 @@ from collections.abc import Awaitable, Callable
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError, is_cancelled_exception
 
-from control.hot_load.broadcast import Broadcast
 from control.hot_load.options import PEER_STEP, REPLICA_STEP
+from control.hot_load.stages import GroupedStages, NoStages, OneFanOut
 from control.hot_load.state import WalkState, error_reason, walk_order
+from control.hot_load.window import Window
 
 with workflow.unsafe.imports_passed_through():
     # `import X as Y`, not `from control import metrics`: the sandbox would import the module
@@ -118,36 +122,77 @@ class HotLoadWorkflow:
         return outcome
 
     async def _walk(self, inp: HotLoadInput) -> None:
-        """First replica from the bucket (offering early when it can), then every other one
-        from the broadcast, in walk order; raises what stopped it."""
+        """First replica from the bucket (passing the update on from its stage when it can),
+        then every other one in walk order, up to `maxConcurrentSwaps` at once, each from its
+        stage when it got one; raises what stopped it."""
         if not self.walk.replicas:
             raise ApplicationError("the deployment has no ready replicas", type=NO_REPLICAS)
         self.walk.set_state(HotLoadState.IN_PROGRESS)
         steps = list(zip(self.walk.replicas, walk_order(inp.replicas)))
-        (first, sender), receivers = steps[0], steps[1:]
-        spec = self.walk.hot_load.spec
-        broadcast = Broadcast(spec, sender, receivers) if receivers and inp.peer_transfer else None
+        (first, root), receivers = steps[0], steps[1:]
+        stages = self._stages(inp, [endpoint for _, endpoint in receivers])
+        delta = len(self.walk.hot_load.spec.snapshot_chain) > 1
         try:
-            if broadcast is not None and len(spec.snapshot_chain) > 1:
-                broadcast.start(from_stage=True)
-            await self._step(first, "from the bucket", lambda: self._from_bucket(inp, sender, first))
+            if delta:
+                stages.add_root(root, staged=True)
+            await self._step(first, "from the bucket", lambda: self._from_bucket(inp, root, first))
             self._raise_if_canceled()
-            if broadcast is not None and not await broadcast.offered():
-                broadcast.start(from_stage=False)
-            for replica, endpoint in receivers:
-                has_stage = broadcast is not None and await broadcast.ready(replica.name)
-                self._raise_if_canceled()
-                how = "commit of its broadcast stage" if has_stage else "from the bucket"
-                await self._step(replica, how, lambda: self._from_stage_or_bucket(inp, endpoint, replica, has_stage))
-                self._raise_if_canceled()
-            if broadcast is not None:
-                await broadcast.end()
+            stages.committed(root.name)
+            if not delta:
+                stages.add_root(root, staged=False)
+            await self._commit_all(inp, receivers, stages)
+            await stages.end()
         except BaseException:
-            if broadcast is not None:
-                broadcast.abandon()
+            stages.abandon()
             raise
 
-    async def _step(self, replica: Replica, how: str, run: Callable[[], Awaitable[ApplySnapshotResult]]) -> None:
+    def _stages(self, inp: HotLoadInput, receivers: list[ReplicaEndpoint]) -> NoStages | OneFanOut | GroupedStages:
+        """Where the receivers' stages come from (control/hot_load/stages.py)."""
+        if not receivers or not inp.peer_transfer:
+            return NoStages()
+        cfg = inp.hot_load_config
+        serving = {r.name: r.current_snapshot_identity for r in inp.replicas}
+        spec = self.walk.hot_load.spec
+        if len(receivers) <= cfg.replicas_per_group:
+            return OneFanOut(spec, receivers, serving, cfg.peer_fan_out)
+        return GroupedStages(spec, receivers, serving, fan_out=cfg.peer_fan_out, group_size=cfg.replicas_per_group,
+                             workflow_id=workflow.info().workflow_id)
+
+    async def _commit_all(
+        self, inp: HotLoadInput, receivers: list[tuple[Replica, ReplicaEndpoint]],
+        stages: NoStages | OneFanOut | GroupedStages,
+    ) -> None:
+        """Each receiver in walk order, from its stage or the bucket, at most `maxConcurrentSwaps`
+        at a time. A failed step stops the walk: no new step starts, the ones in flight end. A
+        cancel stops it too, and the steps in flight are canceled (each ends with its replica on
+        the old weights or the new ones)."""
+        window = Window(inp.hot_load_config.max_concurrent_swaps)
+        try:
+            for replica, endpoint in receivers:
+                await window.room()
+                self._raise_if_canceled()
+                has_stage = await stages.ready(replica.name)
+                self._raise_if_canceled()
+                how = "commit of its peer stage" if has_stage else "from the bucket"
+                window.start(self._receiver_step(inp, replica, endpoint, has_stage, how, stages))
+            await window.drain()
+        except BaseException as exc:
+            await window.stop(cancel=isinstance(exc, asyncio.CancelledError) or is_cancelled_exception(exc))
+            raise
+        self._raise_if_canceled()
+
+    async def _receiver_step(
+        self, inp: HotLoadInput, replica: Replica, endpoint: ReplicaEndpoint, has_stage: bool, how: str,
+        stages: NoStages | OneFanOut | GroupedStages,
+    ) -> None:
+        await self._step(replica, how, lambda: self._from_stage_or_bucket(inp, endpoint, replica, has_stage),
+                         peer_round=stages.round(replica.name))
+        stages.committed(replica.name)
+
+    async def _step(
+        self, replica: Replica, how: str, run: Callable[[], Awaitable[ApplySnapshotResult]], *,
+        peer_round: int | None = None,
+    ) -> None:
         """One replica's update: UPDATING, then READY with what it serves, or ERROR (the walk
         stops); a step given up before it changed the replica leaves it PENDING_UPDATE, and so
         does one that failed once a cancel was asked (an agent may end a step it was asked to
@@ -178,6 +223,7 @@ class HotLoadWorkflow:
             pause_ms=round(result.pause_ms, 3),
             pause_breakdown_ms=result.pause_breakdown_ms or None,
             verified_tensors=result.verified_tensors,
+            peer_round=peer_round if (result.source or "").startswith("peer:") else None,
         )
 
     async def _from_bucket(self, inp: HotLoadInput, endpoint: ReplicaEndpoint, replica: Replica) -> ApplySnapshotResult:
@@ -201,7 +247,7 @@ class HotLoadWorkflow:
     async def _from_stage_or_bucket(
         self, inp: HotLoadInput, endpoint: ReplicaEndpoint, replica: Replica, has_stage: bool
     ) -> ApplySnapshotResult:
-        """Swap the replica's broadcast stage in; without one, or if the swap fails, read the bucket."""
+        """Swap the replica's peer stage in; without one, or if the swap fails, read the bucket."""
         if has_stage:
             spec = self.walk.hot_load.spec
             try:
@@ -210,7 +256,7 @@ class HotLoadWorkflow:
                     CommitPeerStageInput(identity=spec.identity, prompt_cache_policy=spec.prompt_cache_policy),
                     task_queue=endpoint.task_queue,
                     result_type=ApplySnapshotResult,
-                    summary=f"swap {spec.identity} into {replica.name} from its broadcast stage",
+                    summary=f"swap {spec.identity} into {replica.name} from its peer stage",
                     **PEER_STEP,
                 ))
             except Exception as exc:

@@ -77,13 +77,28 @@ class PeerSteps:
     async def make_offer_from_stage(self, inp: PeerOfferInput, wait_s: float = 600.0) -> PeerOffer:
         """The early offer (`inp.from_stage`): once this replica's update of `inp.hot_load_id`
         from the bucket has decoded and checked the delta link's files, offer those files to
-        receivers that serve the link's base, before this replica swaps them in. Raises
-        ChainError when the update ends without such files (a new base, nothing to do, NCCL)."""
+        receivers that serve the link's base, before this replica swaps them in. A replica that
+        staged the link's files from a peer offers them the same way (the fan-out: it passes the
+        update on before its own turn), and one that already serves the update offers what it
+        serves. Raises ChainError when the update ends without such files (a new base, nothing
+        to do, NCCL)."""
+        chain_ids = [link.identity for link in inp.chain]
+        if self.applied == chain_ids:
+            return self.make_offer(inp)
+        # A stage being swapped in still passes on: its files stay until the next update.
+        stage = self.peer_stage or self.stage_passed_on
+        if stage is not None and stage.offer.identity == inp.identity:
+            link_dir = self.links_root / inp.identity
+            if not (stage.staged is not None and stage.offer.mode == "files" and inp.accept_files
+                    and self.peer_backend == "gloo" and len(chain_ids) > 1 and inp.target_identity == chain_ids[-2]
+                    and link_dir.is_dir()):
+                raise ChainError(f"replica {self.name}'s stage of {inp.identity!r} from a peer holds no delta "
+                                 f"files for replicas on {inp.target_identity!r}")
+            return self._hosting_store(inp, await asyncio.to_thread(self._files_offer, inp, link_dir))
         try:
             staged = await asyncio.wait_for(asyncio.shield(self.update_stage(inp.hot_load_id)), wait_s)
         except TimeoutError:
             raise ChainError(f"replica {self.name} staged nothing for {inp.identity!r} in {wait_s:.0f} s") from None
-        chain_ids = [link.identity for link in inp.chain]
         link_dir = staged.link_dirs.get(chain_ids[-1])
         if not (inp.accept_files and self.peer_backend == "gloo" and staged.identity == inp.identity
                 and len(chain_ids) > 1 and inp.target_identity == chain_ids[-2] and staged.arena_offsets
@@ -102,7 +117,7 @@ class PeerSteps:
             expected_adler32={f.name: file_adler32(f) for f in files}, world_size=inp.world_size,
             mode="files",
         )
-        self.offered_links = {offer.port: link_dir}  # only the latest offer is ever sent
+        self.offered_links[offer.port] = link_dir  # until its send
         return offer
 
     def _build_offer(self, inp: PeerOfferInput) -> PeerOffer:
@@ -140,7 +155,7 @@ class PeerSteps:
         the offer's group (they join concurrently); the engine keeps serving while it sends."""
         try:
             if offer.mode == "files":
-                link_dir = self.offered_links.get(offer.port) or self.link_dirs[offer.identity]
+                link_dir = self.offered_links.pop(offer.port, None) or self.link_dirs[offer.identity]
                 await self.engine.start_peer_send_files(
                     offer.host, offer.port, offer.world_size, [str(link_dir / s[0]) for s in offer.specs],
                     offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S, external_store=offer.store_hosted,
@@ -160,7 +175,7 @@ class PeerSteps:
         copy to have adopted the last swap first (`settled`), so a step that starts here may
         use the host copy and the stage arena."""
         await self.settled()
-        stage, self.peer_stage = self.peer_stage, None
+        stage, self.peer_stage, self.stage_passed_on = self.peer_stage, None, None
         if stage is None:
             return
         if stage.staged is not None:
@@ -248,7 +263,7 @@ class PeerSteps:
         await self.fault("stage_from_peer")
         inp = ApplySnapshotInput(hot_load_id="", identity=offer.identity, chain=offer.chain, bucket="", path_prefix="")
         staged = await self.stage_update(inp, {offer.identity: link_dir}, turn)
-        self.peer_stage = PeerStage(offer=offer, received=None, staged=staged)
+        self.peer_stage = self.stage_passed_on = PeerStage(offer=offer, received=None, staged=staged)
         return StageFromPeerResult(identity=offer.identity, tensors_staged=len(staged.names),
                                    bytes_received=int(got["bytes"]), stage_ms=ms_since(t0))
 

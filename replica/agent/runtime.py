@@ -99,6 +99,9 @@ class ReplicaRuntime(PeerSteps):
         # offer waits on it), or fails if the update ended without one.
         self.update_stages: dict[str, asyncio.Future[StagedUpdate]] = {}
         self.offered_links: dict[int, Path] = {}  # files offered to peers, by the offer's port
+        # The last delta link staged from a peer as files, kept through its commit: the replica
+        # passes it on (`make_offer_from_stage`) whether or not it swapped it in yet.
+        self.stage_passed_on: PeerStage | None = None
 
     @property
     def current_identity(self) -> str:

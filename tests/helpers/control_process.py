@@ -21,6 +21,7 @@ from contracts import names
 from contracts.activities import CheckSnapshotInput, StartReplicasInput, StopReplicasInput
 from control.deployment import DeploymentWorkflow
 from control.gateway import GatewayWorkflow
+from control.hot_load.group import StageGroupWorkflow
 from control.hot_load.workflow import HotLoadWorkflow
 from tests.helpers.harness import check_local_snapshot
 
@@ -41,7 +42,7 @@ async def main(address: str, task_queue: str, bucket_root: Path, ready: Path) ->
     client = await Client.connect(address, data_converter=pydantic_data_converter)
     with ThreadPoolExecutor(max_workers=4) as pool:
         async with Worker(
-            client, task_queue=task_queue, workflows=[DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow],
+            client, task_queue=task_queue, workflows=[DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow, StageGroupWorkflow],
             activities=[start_replicas, stop_replicas, check_snapshot_files], activity_executor=pool,
         ):
             ready.write_text("ok\n")

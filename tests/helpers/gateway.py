@@ -24,6 +24,7 @@ import uvicorn
 
 from common.processes import free_port
 from common.settings import Settings, temporal_client
+from contracts.memo import replica_list
 from contracts.names import deployment_workflow_id
 from gateway.app import create_gateway_app
 from gateway.routing import DeploymentView, Router, build_view
@@ -73,7 +74,7 @@ class GatewayDeployment:
 
     async def replicas(self) -> list[dict[str, Any]]:
         """The running replicas as the deployment workflow lists them (name, engineUrl, ...)."""
-        return (await self.memo())["replicas"]
+        return replica_list(await self.memo())
 
     async def memo(self) -> dict[str, Any]:
         client = await temporal_client(self.settings)

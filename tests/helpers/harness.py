@@ -53,6 +53,7 @@ from contracts.search import deployment_attributes
 from control.activities import snapshot_check_failure
 from control.deployment import DeploymentWorkflow
 from control.gateway import GatewayWorkflow
+from control.hot_load.group import StageGroupWorkflow
 from control.hot_load.workflow import HotLoadWorkflow
 from snapshots.inspect import check_required_files
 
@@ -164,7 +165,7 @@ class Fleet:
                 Worker(
                     self.client,
                     task_queue=self.task_queue,
-                    workflows=[DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow],
+                    workflows=[DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow, StageGroupWorkflow],
                     activities=[self.place_replicas, self.release_replicas, self.check_snapshot_files],
                     activity_executor=self._pool,
                 )
@@ -423,9 +424,14 @@ class Fleet:
         async def apply_snapshot(inp: ApplySnapshotInput) -> ApplySnapshotResult:
             return await step(inp, "bucket")
 
+        staged: dict[str, PeerOffer] = {}
+
         @activity.defn(name=names.OFFER_TO_PEER)
         async def offer_to_peer(inp: PeerOfferInput) -> PeerOffer:
-            if inp.from_stage:
+            if inp.from_stage and inp.identity in staged:
+                # a receiver passes its peer stage on, swapped in or not (as replica agents do)
+                self.peer_events.append((replica, "offered"))
+            elif inp.from_stage:
                 ready = bucket_stage(inp.hot_load_id)
                 while not ready.done():
                     activity.heartbeat()
@@ -438,8 +444,6 @@ class Fleet:
                 source_replica=replica, host="127.0.0.1", port=1, backend="test", base_identity=inp.target_identity,
                 identity=inp.identity, chain=inp.chain, specs=[], expected_adler32={},
             )
-
-        staged: dict[str, PeerOffer] = {}
 
         @activity.defn(name=names.SEND_TO_PEERS)
         async def send_to_peers(offer: PeerOffer) -> int:
@@ -457,7 +461,7 @@ class Fleet:
         @activity.defn(name=names.COMMIT_PEER_STAGE)
         async def commit_peer_stage(inp: CommitPeerStageInput) -> ApplySnapshotResult:
             self.peer_events.append((replica, "commit"))
-            offer = staged.pop(inp.identity)
+            offer = staged[inp.identity]
             behaviour = self.commit_behaviour.get(replica)
             if behaviour is not None:
                 await behaviour(replica)

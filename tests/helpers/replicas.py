@@ -34,6 +34,7 @@ from typing import Any
 from temporalio.client import WorkflowExecutionStatus
 
 from common.settings import Settings, temporal_client
+from contracts.memo import replica_list
 from contracts.names import deployment_workflow_id, dynamo_model, hot_load_workflow_id
 from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine import EngineProcess
@@ -107,7 +108,7 @@ def replicas_of(settings: Settings, dep_id: str) -> list[dict]:
     async def read() -> list[dict]:
         client = await temporal_client(settings)
         desc = await client.get_workflow_handle(deployment_workflow_id(settings.organization_id, dep_id)).describe()
-        return (await desc.memo())["replicas"]
+        return replica_list(await desc.memo())
 
     return asyncio.run(read())
 
