@@ -483,7 +483,7 @@ def create_app(
         p: Principal = Depends(principal),
         r: Resources = Depends(res),
     ):
-        rec = await r.hot_load(p.organization_id, hot_load_id)  # replicas ordered by (zone, name)
+        rec = await r.hot_load(p.organization_id, hot_load_id, replicas=True)  # ordered by (zone, name)
         chunk, token = page(rec.replicas, maxPageSize, pageToken, f"replicas:{hot_load_id}")
         out: dict[str, Any] = {"replicas": chunk}
         if token:

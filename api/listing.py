@@ -316,19 +316,27 @@ class HotLoadIndex:
                 s.open_ids, s.closed_ids, s.order = open_ids, closed_ids, None
             s.fresh_at = started
 
-    async def read(self, workflow_id: str) -> Record | None:
+    async def read(self, workflow_id: str, *, replicas: bool = True) -> Record | None:
         """Describes one operation (by workflow id) now (its memo, reconciled) and keeps what it
-        says; None: no such hot-load. Raises RPCError when Temporal is unreachable."""
+        says; None: no such hot-load. Raises RPCError when Temporal is unreachable. Without
+        `replicas`, a running operation's replica entries are not decoded (a large deployment's
+        are hundreds of KB) and the record carries none."""
         try:
             desc = await self.client.get_workflow_handle(workflow_id).describe()
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 return None
             raise
-        memo = await desc.memo()
+        closed = is_closed(desc.status, desc.close_time)
+        if replicas or closed:
+            memo = await desc.memo()
+        else:
+            try:
+                memo = {"hotLoad": await desc.memo_value("hotLoad")}
+            except KeyError:
+                return None
         if "hotLoad" not in memo:
             return None
-        closed = is_closed(desc.status, desc.close_time)
         return self.observed(self.reconcile(memo, desc.status, desc.close_time), closed)
 
     async def _verify(self, scope: _Scope) -> None:
@@ -363,7 +371,13 @@ class HotLoadIndex:
         if held is not None:
             self.records[wf.id] = held
             return held
-        memo = await wf.memo()
+        if closed:
+            memo = await wf.memo()
+        else:  # listings show no replica entries: a running one's are not decoded
+            try:
+                memo = {"hotLoad": await wf.memo_value("hotLoad")}
+            except KeyError:
+                return None
         if "hotLoad" not in memo:
             return None
         return self._store(self.record(self.reconcile(memo, wf.status, wf.close_time), closed), listed=True)

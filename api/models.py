@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, StrictInt, field_validator, model_validator
 
 from common.buckets import bucket_problem, normalize_path, path_problem
 from common.ids import resource_id_problem
 from contracts import names
 from contracts.records import (
     ENUM_NUMBERS,
+    MAX_CONCURRENT_SWAPS,
+    MAX_PEER_FAN_OUT,
+    MAX_REPLICAS_PER_GROUP,
     Autoscaling,
     ChecksumFormat,
     CompressionFormat,
@@ -97,9 +100,17 @@ class HotLoadConfigIn(WireModel):
     bucket: BucketName
     path_prefix: PathPrefix = ""
     transition_mode: TransitionModeIn = TransitionMode.ASYNC
+    # Beyond the guide (docs/operations.md, "Large deployments").
+    max_concurrent_swaps: StrictInt = Field(default=1, ge=1, le=MAX_CONCURRENT_SWAPS)
+    peer_fan_out: StrictInt = Field(default=4, ge=1, le=MAX_PEER_FAN_OUT)
+    replicas_per_group: StrictInt = Field(default=100, ge=2, le=MAX_REPLICAS_PER_GROUP)
 
     def to_record(self) -> HotLoadConfig:
-        return HotLoadConfig(bucket=self.bucket, path_prefix=self.path_prefix, transition_mode=self.transition_mode)
+        return HotLoadConfig(
+            bucket=self.bucket, path_prefix=self.path_prefix, transition_mode=self.transition_mode,
+            max_concurrent_swaps=self.max_concurrent_swaps, peer_fan_out=self.peer_fan_out,
+            replicas_per_group=self.replicas_per_group,
+        )
 
 
 # runtime.engineConfig keys a deployment may set, and whether each takes a positive integer.

@@ -214,13 +214,14 @@ class Resources:
             await asyncio.sleep(0.1)
         return False
 
-    async def hot_load(self, org: str, hot_load_id: str) -> Record:
-        """The operation as it stands: from memory once it closed, else described now."""
+    async def hot_load(self, org: str, hot_load_id: str, *, replicas: bool = False) -> Record:
+        """The operation as it stands: from memory once it closed, else described now (its
+        replica entries decoded only when asked for)."""
         workflow_id = names.hot_load_workflow_id(org, hot_load_id)
         rec = self.hot_loads.closed(workflow_id)
         if rec is None:
             try:
-                rec = await self.hot_loads.read(workflow_id)
+                rec = await self.hot_loads.read(workflow_id, replicas=replicas)
             except RPCError as exc:
                 raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc
         if rec is None or rec.organization_id != org:

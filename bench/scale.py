@@ -8,8 +8,10 @@ the API, then a FULL hot-load and a delta hot-load run through the real workflow
 prints:
 
 - create → terminal state, seconds;
-- history events and bytes of the hot-load workflow (children included, if any), of the
-  deployment workflow and of the node registry;
+- history events and bytes of the hot-load workflow, of its stage groups (child workflows, one
+  per `replicasPerGroup` receivers: their sum and the largest), of the deployment workflow and of
+  the node registry;
+- transfer rounds: the largest `peerRound` of any replica (the depth of the fan-out tree);
 - the most activities pending at once in the hot-load workflow (sampled every 0.5 s);
 - API latency while it runs: p50/p99 of `GET /hotLoads/{id}` and of the list (first page),
   from one client polling both back to back;
@@ -18,6 +20,10 @@ prints:
 
     .venv/bin/python bench/scale.py --replicas 100
     .venv/bin/python bench/scale.py --replicas 1000 --nodes 4
+    .venv/bin/python bench/scale.py --replicas 1000 --nodes 4 --max-concurrent-swaps 16
+
+`--fan-out`, `--group-size` and `--max-concurrent-swaps` set the deployment's `hotLoad.peerFanOut`,
+`replicasPerGroup` and `maxConcurrentSwaps`.
 """
 
 from __future__ import annotations
@@ -68,6 +74,40 @@ async def history(settings: Settings, workflow_id: str) -> tuple[int, int]:
     client = await temporal_client(settings)
     info = (await client.get_workflow_handle(workflow_id).describe()).raw_description.workflow_execution_info
     return info.history_length, info.history_size_bytes
+
+
+async def history_breakdown(settings: Settings, workflow_id: str, top: int = 6, run_id: str | None = None) -> str:
+    """Where a workflow's history bytes went: the event types (and for activities and signals, their
+    names) with the most bytes."""
+    client = await temporal_client(settings)
+    sizes: dict[str, list[int]] = {}
+    names_by_id: dict[int, str] = {}
+    async for event in client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history_events():
+        kind = event.WhichOneof("attributes").removesuffix("_event_attributes")
+        attrs = getattr(event, event.WhichOneof("attributes"))
+        if kind == "activity_task_scheduled":
+            names_by_id[event.event_id] = attrs.activity_type.name
+        name = (getattr(getattr(attrs, "activity_type", None), "name", "") or getattr(attrs, "signal_name", "")
+                or names_by_id.get(getattr(attrs, "scheduled_event_id", 0), ""))
+        key = f"{kind}:{name}" if name else kind
+        sizes.setdefault(key, [0, 0])
+        sizes[key][0] += 1
+        sizes[key][1] += event.ByteSize()
+    ranked = sorted(sizes.items(), key=lambda kv: -kv[1][1])[:top]
+    return ", ".join(f"{k} {n}x {b / 1e6:.2f} MB" for k, (n, b) in ranked)
+
+
+async def group_histories(settings: Settings, workflow_id: str) -> list[tuple[int, int]]:
+    """(events, bytes) of each stage group of the hot-load `workflow_id`, in group order."""
+    client = await temporal_client(settings)
+    out = []
+    while True:
+        try:
+            desc = await client.get_workflow_handle(names.stage_group_workflow_id(workflow_id, len(out))).describe()
+        except Exception:  # noqa: BLE001 - no such group: that was the last
+            return out
+        info = desc.raw_description.workflow_execution_info
+        out.append((info.history_length, info.history_size_bytes))
 
 
 async def pending_activities(settings: Settings, workflow_id: str) -> int:
@@ -134,6 +174,7 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
         if not (token := page.get("nextPageToken")):
             break
     events, size = asyncio.run(history(settings, workflow_id))
+    groups = asyncio.run(group_histories(settings, workflow_id))
     dep_events, dep_size = asyncio.run(history(settings, names.deployment_workflow_id(settings.organization_id, dep_id)))
     reg_events, reg_size = asyncio.run(history(settings, names.NODE_REGISTRY_ID))
     sources: dict[str, int] = {}
@@ -144,6 +185,10 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
         "identity": identity, "state": hl["status"]["state"], "seconds": seconds, "replicas": len(replicas),
         "ready": sum(r["state"] == "READY" for r in replicas),
         "history_events": events, "history_bytes": size, "most_pending_activities": most_pending,
+        "stage_groups": len(groups), "group_history_events_sum": sum(e for e, _ in groups),
+        "group_history_events_max": max((e for e, _ in groups), default=0),
+        "group_history_bytes_max": max((b for _, b in groups), default=0),
+        "transfer_rounds": max((r.get("peerRound") or 0 for r in replicas), default=0),
         "deployment_history_events": dep_events, "deployment_history_bytes": dep_size,
         "registry_history_events": reg_events, "registry_history_bytes": reg_size,
         "api_get_p50_ms": pct(get_ms, 0.5), "api_get_p99_ms": pct(get_ms, 0.99),
@@ -159,7 +204,11 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=100)
     ap.add_argument("--nodes", type=int, default=2, help="SIMULATED node agent processes")
     ap.add_argument("--transfer-ms", type=float, default=50.0, help="simulated peer transfer time")
+    ap.add_argument("--fan-out", type=int, default=4, help="hotLoad.peerFanOut")
+    ap.add_argument("--group-size", type=int, default=100, help="hotLoad.replicasPerGroup")
+    ap.add_argument("--max-concurrent-swaps", type=int, default=1, help="hotLoad.maxConcurrentSwaps")
     ap.add_argument("--json", type=Path, help="write the figures here too")
+    ap.add_argument("--deployment-only", action="store_true", help="create the deployment, report, and stop")
     ap.add_argument("--keep", action="store_true", help="keep the stack's home (logs) afterwards")
     args = ap.parse_args()
 
@@ -194,7 +243,8 @@ def main() -> int:
             # One simulated GPU each: placement puts them on the simulated nodes only.
             "resources": {"instanceType": "cpu-local", "gpuCount": 1},
             "autoscaling": {"min": args.replicas, "max": args.replicas},
-            "hotLoad": {"bucket": settings.bucket, "pathPrefix": "scale/ckpt"},
+            "hotLoad": {"bucket": settings.bucket, "pathPrefix": "scale/ckpt", "peerFanOut": args.fan_out,
+                        "replicasPerGroup": args.group_size, "maxConcurrentSwaps": args.max_concurrent_swaps},
         })["deployment"]["spec"]["id"]
         while True:
             r = api.http.get(f"/deployments/{dep_id}")
@@ -202,6 +252,8 @@ def main() -> int:
                 events, size = asyncio.run(history(settings, names.deployment_workflow_id(settings.organization_id, dep_id)))
                 print(f"deployment of {args.replicas} replicas: GET answers {r.status_code}; its workflow closed after "
                       f"{events} history events, {size / 1e6:.1f} MB (Temporal ends a workflow past 50 MB / 51,200 events)")
+                print("  " + asyncio.run(history_breakdown(
+                    settings, names.deployment_workflow_id(settings.organization_id, dep_id))))
                 return 1
             dep = r.json()["deployment"]
             if dep["status"]["status"] in ("STATUS_READY", "STATUS_FAILED"):
@@ -209,6 +261,18 @@ def main() -> int:
             time.sleep(1)
         print(f"deployment of {args.replicas} SIMULATED replicas on {args.nodes} simulated node(s): "
               f"{dep['status']['status']} in {time.perf_counter() - t0:.1f} s", flush=True)
+        dep_wf = names.deployment_workflow_id(settings.organization_id, dep_id)
+        events, size = asyncio.run(history(settings, dep_wf))
+        print(f"  deployment history {events} events, {size / 1e6:.2f} MB: {asyncio.run(history_breakdown(settings, dep_wf))}",
+              flush=True)
+        if args.deployment_only:
+            async def runs() -> list[str]:
+                client = await temporal_client(settings)
+                return [wf.run_id async for wf in client.list_workflows(f"WorkflowId = '{dep_wf}'")]
+
+            for run in asyncio.run(runs()):
+                print(f"  run {run}: {asyncio.run(history_breakdown(settings, dep_wf, run_id=run))}")
+            return 0
         if dep["status"]["status"] != "STATUS_READY":
             print(json.dumps(dep["status"], indent=1))
             return 1
@@ -219,6 +283,9 @@ def main() -> int:
                   f"sources {r['sources']}; max pause {r['max_pause_ms']:.1f} ms")
             print(f"  hot-load history      {r['history_events']} events, {r['history_bytes'] / 1e6:.2f} MB; "
                   f"most pending activities {r['most_pending_activities']}")
+            print(f"  stage groups          {r['stage_groups']}: {r['group_history_events_sum']} events in all, at most "
+                  f"{r['group_history_events_max']} ({r['group_history_bytes_max'] / 1e6:.2f} MB) in one")
+            print(f"  transfer rounds       {r['transfer_rounds']} (fan-out {args.fan_out}, k = {args.max_concurrent_swaps})")
             print(f"  deployment history    {r['deployment_history_events']} events, {r['deployment_history_bytes'] / 1e6:.2f} MB")
             print(f"  node registry history {r['registry_history_events']} events, {r['registry_history_bytes'] / 1e6:.2f} MB")
             print(f"  API GET p50/p99 {r['api_get_p50_ms']:.1f}/{r['api_get_p99_ms']:.1f} ms, list p50/p99 "
@@ -227,7 +294,9 @@ def main() -> int:
             if r["state"] != "HOT_LOAD_STATE_COMPLETED":
                 print(f"  condition: {r['condition']}")
         if args.json:
-            args.json.write_text(json.dumps({"replicas": args.replicas, "nodes": args.nodes, "results": results}, indent=1))
+            args.json.write_text(json.dumps({"replicas": args.replicas, "nodes": args.nodes, "fan_out": args.fan_out,
+                                             "group_size": args.group_size, "k": args.max_concurrent_swaps,
+                                             "results": results}, indent=1))
         return 0 if all(r["state"] == "HOT_LOAD_STATE_COMPLETED" for r in results) else 1
     finally:
         for p in nodes:

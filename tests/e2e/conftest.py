@@ -20,6 +20,9 @@ def _create(stack) -> tuple[Api, dict]:
     body = deployment_body(stack, "rolling", replicas=REPLICAS, path_prefix=ROLLING_PREFIX)
     # Long generations, so a request is surely still running when its replica updates.
     body["runtime"]["engineConfig"] = {"max-model-len": "2048"}
+    # One receiver per sender: the third replica stages from the second, which passes its own
+    # stage on (the fan-out's relay, on real engines).
+    body["hotLoad"]["peerFanOut"] = 1
     dep = api.call("POST", "/deployments", json=body).json()["deployment"]
     dep = api.wait_deployment(dep["spec"]["id"])
     assert dep["status"]["status"] == "STATUS_READY", dep["status"]

@@ -1,8 +1,9 @@
 """Delta hot-loads on the shared 3-replica deployment (real Dynamo vLLM workers on CPU, real S3, real
 Temporal).
 
-The first replica reads the chain from the bucket; the second and third stage the changed tensors
-from its broadcast (gloo between the engine processes) and read zero bytes from the bucket. After
+The first replica reads the chain from the bucket; the second stages the delta's files from it and
+the third from the second (the deployment's `peerFanOut` is 1: a replica that staged passes its
+stage on; gloo between the engine processes); both read zero bytes from the bucket. After
 every hot-load, each replica's served weights (read back from its engine) equal a locally
 materialized checkpoint, each replica's entry says it proved exactly the tensors the step changed
 (``verifiedTensors``) inside a pause (``pauseMs`` > 0), and no engine restarted.
@@ -50,12 +51,12 @@ LONG = 1900
 
 def test_chain_of_our_deltas_reaches_every_replica(stack, rolling, tmp_path):
     api, dep = rolling
-    publish_chain(stack, api, dep["spec"]["id"], tmp_path, "ours", "ours", prefix=ROLLING_PREFIX)
+    publish_chain(stack, api, dep["spec"]["id"], tmp_path, "ours", "ours", prefix=ROLLING_PREFIX, relay=True)
 
 
 def test_chain_of_cwtrain_deltas_reaches_every_replica(stack, rolling, tmp_path):
     api, dep = rolling
-    publish_chain(stack, api, dep["spec"]["id"], tmp_path, "cwtrain", "cw", prefix=ROLLING_PREFIX)
+    publish_chain(stack, api, dep["spec"]["id"], tmp_path, "cwtrain", "cw", prefix=ROLLING_PREFIX, relay=True)
 
 
 def _headers(settings) -> dict[str, str]:

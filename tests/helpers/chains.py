@@ -29,11 +29,14 @@ def cwtrain_write_delta(base: Path, new: Path, out: Path, version: str, base_ver
     subprocess.run([str(cwtrain_python()), "-c", code, str(base), str(new), str(out), version, base_version], check=True)
 
 
-def publish_chain(stack, api, dep_id, tmp: Path, writer: str, tag: str, *, prefix: str, steps: int = 3) -> None:
+def publish_chain(stack, api, dep_id, tmp: Path, writer: str, tag: str, *, prefix: str, steps: int = 3,
+                  relay: bool = False) -> None:
     """Full base, then `steps` deltas (ours or cwtrain's, by ``writer``) under the deployment's
     hot-load ``prefix``; after each, every replica is READY, proved exactly the changed tensors in
     a pause, the first read the bucket and the others 0 bytes from it (their update came from a
-    peer), and every replica serves exactly the trainer's weights; no engine restarted."""
+    peer, one fan-out round after their sender's), and every replica serves exactly the trainer's
+    weights; no engine restarted. ``relay`` (a deployment with `peerFanOut` 1): the third replica
+    staged the delta from the second, which passed its own stage on."""
     s3 = stack.s3_client()
     base = stack.home_path / "models" / "base"
     full_id = f"{tag}-000000"
@@ -64,9 +67,13 @@ def publish_chain(stack, api, dep_id, tmp: Path, writer: str, tag: str, *, prefi
         for r in reps:
             assert r["verifiedTensors"] == changed and r["pauseMs"] > 0, (changed, r)
         assert reps[0]["source"] == "bucket" and reps[0]["bytesReadFromBucket"] > 0
+        rounds = {r["name"]: r.get("peerRound") or 0 for r in reps}
         for r in reps[1:]:
             assert r["source"].startswith("peer:"), r
             assert r["bytesReadFromBucket"] == 0, r
+            assert r["peerRound"] == 1 + rounds[r["source"].removeprefix("peer:")], r
+        if relay:
+            assert reps[2]["source"] == f"peer:{reps[1]['name']}", reps
         expected = checkpoint_checksums(new_dir)
         for replica in engines(stack, dep_id):
             assert served_checksums(replica) == expected, f"{replica['name']} serves other weights"
