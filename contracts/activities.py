@@ -100,6 +100,11 @@ class PeerOfferInput(WireModel):
     # it commits, and commit only after it is READY. Waits for that stage; refused (no offer)
     # when the update holds no such files.
     from_stage: bool = False
+    # With `from_stage`: the sender is a receiver passing on the stage it got from a peer (the
+    # fan-out), not the replica updating from the bucket: it offers that stage's delta files, or
+    # what it serves once it swapped the update in, and never waits for an update of its own;
+    # refused (no offer) when it holds neither (a stage of tensors not yet swapped in).
+    peer_stage: bool = False
 
 
 class PeerOffer(WireModel):

@@ -54,6 +54,8 @@ class _Sender:
     endpoint: ReplicaEndpoint
     staged: bool
     round: int
+    # It staged the update from a peer (a receiver passing it on), not from the bucket.
+    from_peer: bool = False
 
 
 class FanOut:
@@ -79,8 +81,8 @@ class FanOut:
         self._loop: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------------ the walk's side
-    def add(self, sender: ReplicaEndpoint, *, staged: bool, round: int = 0) -> None:
-        self.free.append(_Sender(sender, staged, round))
+    def add(self, sender: ReplicaEndpoint, *, staged: bool, round: int = 0, from_peer: bool = False) -> None:
+        self.free.append(_Sender(sender, staged, round, from_peer))
         if self._loop is None:
             self._loop = asyncio.ensure_future(self._run())
 
@@ -194,6 +196,7 @@ class FanOut:
                     # Receivers on different snapshots get every tensor ("" is no identity).
                     target_identity=serving.pop() if len(serving) == 1 else "",
                     world_size=1 + len(batch), accept_files=True, host_store=True, from_stage=from_stage,
+                    peer_stage=from_stage and sender.from_peer,
                 ),
                 task_queue=sender.endpoint.task_queue,
                 result_type=PeerOffer,
@@ -228,4 +231,4 @@ class FanOut:
             return
         self.rounds[receiver.name] = sender.round + 1
         self._settle(receiver.name, True)
-        self.free.append(_Sender(receiver, staged=True, round=sender.round + 1))
+        self.free.append(_Sender(receiver, staged=True, round=sender.round + 1, from_peer=True))

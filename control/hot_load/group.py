@@ -37,7 +37,7 @@ class StageGroupWorkflow:
     @workflow.run
     async def run(self, inp: StageGroupInput) -> StageGroupResult:
         fan = self.fan
-        fan.add(inp.source, staged=inp.source_staged, round=inp.source_round)
+        fan.add(inp.source, staged=inp.source_staged, round=inp.source_round, from_peer=inp.source_round > 0)
         fan.close()
         total = len(inp.members)
         try:

@@ -96,9 +96,7 @@ class GroupedStages:
                 cancellation_type=ChildWorkflowCancellationType.TRY_CANCEL,
                 parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
             )
-        except Exception as exc:  # its members read the bucket
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+        except Exception as exc:  # noqa: BLE001 - its members read the bucket (a cancel is not an Exception)
             workflow.logger.warning("stage group %d of %s failed (%s): its replicas read the bucket", j,
                                     self.spec.id, exc)
             return None

@@ -1,11 +1,15 @@
-"""Weights passed replica to replica: offers, the broadcast, and a receiver's stage and commit.
+"""Weights passed replica to replica: offers, the send to a transfer group, and a receiver's stage
+and commit.
 
 The sender offers what receivers serving ``target_identity`` miss: a delta link's files as it
 fetched or decoded them (an early offer waits for its own update's checked stage, before its
-swap), else the changed tensors as its engine serves them, else everything. It then broadcasts
-them from its engine (`send_to_peers`) to every receiver at once over a torch.distributed group
-between the engine processes (gloo on CPU, NCCL on GPU), hosting the group's rendezvous store
-itself when asked, while every engine keeps serving. Each receiver checks what it got against the
+swap; a replica that staged the link's files from a peer offers them too, swapped in or not,
+which is how the fan-out passes the update on), else the changed tensors as its engine serves
+them, else everything. It then broadcasts them from its engine (`send_to_peers`) to every
+receiver of the offer's group at once over a torch.distributed group between the engine
+processes (gloo on CPU, NCCL on GPU), hosting the group's rendezvous store itself when asked,
+while every engine keeps serving. A sender may hold several offers (one per group) until each
+is sent. Each receiver checks what it got against the
 sender's Adler-32 and stages it (`stage_from_peer`: files are decoded and staged exactly like the
 bucket path; tensors are staged in the engine and held for the host copy), then, in walk order,
 swaps its stage in inside one short pause and proves it (`commit_peer_stage`). A receiver reads
@@ -95,6 +99,9 @@ class PeerSteps:
                 raise ChainError(f"replica {self.name}'s stage of {inp.identity!r} from a peer holds no delta "
                                  f"files for replicas on {inp.target_identity!r}")
             return self._hosting_store(inp, await asyncio.to_thread(self._files_offer, inp, link_dir))
+        if inp.peer_stage:
+            raise ChainError(f"replica {self.name} holds no stage of {inp.identity!r} from a peer to pass on "
+                             f"(it serves {self.current_identity!r})")
         try:
             staged = await asyncio.wait_for(asyncio.shield(self.update_stage(inp.hot_load_id)), wait_s)
         except TimeoutError:

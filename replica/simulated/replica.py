@@ -132,6 +132,10 @@ class SimulatedReplica:
 
     @activity.defn(name=names.OFFER_TO_PEER)
     async def offer_to_peer(self, inp: PeerOfferInput) -> PeerOffer:
+        holds = self.serving == inp.identity or (self.staged is not None and self.staged[0] == inp.identity)
+        if inp.peer_stage and not holds:
+            raise ApplicationError(f"{self.name} holds no stage of {inp.identity} from a peer", type="PeerOfferRefused",
+                                   non_retryable=True)
         if inp.from_stage:
             # The real sender offers a delta's files once its own stage checked them.
             while self.serving != inp.identity and (self.staged is None or self.staged[0] != inp.identity):

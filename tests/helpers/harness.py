@@ -431,6 +431,9 @@ class Fleet:
             if inp.from_stage and inp.identity in staged:
                 # a receiver passes its peer stage on, swapped in or not (as replica agents do)
                 self.peer_events.append((replica, "offered"))
+            elif inp.peer_stage:
+                raise ApplicationError(f"{replica} holds no stage of {inp.identity} from a peer",
+                                       type="PeerOfferRefused", non_retryable=True)
             elif inp.from_stage:
                 ready = bucket_stage(inp.hot_load_id)
                 while not ready.done():
