@@ -277,6 +277,21 @@ def test_traffic_weight_is_an_integer_from_0_to_100(client, weight):
     assert r.status_code == 400 and "traffic.weight" in r.json()["message"], r.text
 
 
+@pytest.mark.parametrize(("field", "value"), [
+    ("maxConcurrentSwaps", 0), ("maxConcurrentSwaps", 257), ("maxConcurrentSwaps", "2"), ("peerFanOut", 0),
+    ("peerFanOut", 65), ("peerFanOut", 1.5), ("replicasPerGroup", 1), ("replicasPerGroup", 1001),
+    ("replicasPerGroup", True),
+])
+def test_large_deployment_settings_are_bounded_integers(client, field, value):
+    body = {
+        "name": "d", "gatewayIds": ["g"], "runtime": {"engine": "dynamo-vllm"},
+        "model": {"name": "m", "bucket": "bkt", "path": "p"}, "hotLoad": {"bucket": "bkt", field: value},
+    }
+    r = post(client, "/deployments", body)
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text
+    assert f"hotLoad.{field}" in r.json()["message"], r.text
+
+
 def test_an_operator_may_let_vllm_hot_load_and_nothing_unknown(monkeypatch):
     monkeypatch.setenv("ROLLOUTS_HOT_LOAD_ENGINES", "dynamo-vllm,vllm")
     assert allowed_hot_load_engines() == ("dynamo-vllm", "vllm")
