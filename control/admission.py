@@ -15,6 +15,7 @@ from contracts.records import (
     ConditionStatus,
     CreateHotLoadCommand,
     DeploymentInput,
+    HotLoadConfig,
     ResourceStatus,
     SnapshotRef,
     SnapshotType,
@@ -22,6 +23,19 @@ from contracts.records import (
 )
 from snapshots.chain import MAX_CHAIN_DELTAS as MAX_DELTAS_IN_CHAIN
 from snapshots.identity import identity_problem
+
+
+def same_hot_load(given: HotLoadConfig, spec: HotLoadConfig) -> bool:
+    """Whether an update's hotLoad section is the deployment's. The guide's fields must match; a
+    large-deployment setting (beyond the guide) that the update leaves at its default keeps the
+    deployment's, so a client that sends only the guide's fields is not refused."""
+    defaults = HotLoadConfig(bucket=spec.bucket)
+    for name in ("max_concurrent_swaps", "peer_fan_out", "replicas_per_group"):
+        value = getattr(given, name)
+        if value != getattr(defaults, name) and value != getattr(spec, name):
+            return False
+    guide = ("bucket", "path_prefix", "transition_mode")
+    return all(getattr(given, name) == getattr(spec, name) for name in guide)
 
 
 def check_update(state: DeploymentInput, cmd: UpdateDeploymentCommand, *, deleting: bool) -> None:
@@ -37,7 +51,7 @@ def check_update(state: DeploymentInput, cmd: UpdateDeploymentCommand, *, deleti
             INVALID_ARGUMENT,
             "hotLoad: cannot be added to an existing deployment; create a new deployment with it",
         )
-    if cmd.hot_load is not None and cmd.hot_load != spec.hot_load:
+    if cmd.hot_load is not None and spec.hot_load is not None and not same_hot_load(cmd.hot_load, spec.hot_load):
         raise rejected(
             INVALID_ARGUMENT,
             "hotLoad: differs from the deployment's section, which is immutable after creation; "

@@ -9,8 +9,11 @@ updates cost and how they ended.
   the control plane ran here (`apply_snapshot`, `stage_from_peer`, `commit_peer_stage`,
   `send_to_peers`, `offer_to_peer`).
 - `rollouts_replica_step_failures_total{step, reason}` (counter): failed steps, by the error
-  type the control plane sees (`NonRetryableSnapshot`, `ReadBackFailed`, `PeerOfferRefused`,
-  `InjectedFault`, ... or the exception's class).
+  type the control plane sees (`NonRetryableSnapshot`, `ReadBackFailed`, `InjectedFault`, ...
+  or the exception's class).
+- `rollouts_replica_offers_refused_total` (counter): offers this replica declined, a normal
+  answer in the fan-out (it holds nothing to pass on yet: a stage of tensors not swapped in);
+  not a failure.
 - `rollouts_replica_state{state}` (gauge, 1 for the current state): `STARTING`, `READY`,
   `UPDATING` (a step runs), `FAILED` (its engine died).
 - `rollouts_replica_info{deployment, replica, engine, snapshot}` (gauge, 1): who this is and
@@ -40,6 +43,9 @@ BYTES_SENT = Counter("rollouts_replica_bytes_sent", "Bytes broadcast to peers", 
 STEPS = Counter("rollouts_replica_steps", "Steps run", (*_LABELS, "step"))
 STEP_SECONDS = Histogram("rollouts_replica_step_seconds", "Step duration", (*_LABELS, "step"), buckets=OPERATION_BUCKETS)
 FAILURES = Counter("rollouts_replica_step_failures", "Failed steps, by reason", (*_LABELS, "step", "reason"))
+REFUSED = Counter("rollouts_replica_offers_refused", "Offers declined (nothing to pass on yet)", _LABELS)
+# The error type of a declined offer (replica/agent/activities.py): an answer, not a failure.
+OFFER_REFUSED = "PeerOfferRefused"
 STATE = Gauge("rollouts_replica_state", "1 for the replica's current state", (*_LABELS, "state"))
 INFO = Gauge("rollouts_replica_info", "The replica and the snapshot it serves", (*_LABELS, "engine", "snapshot"))
 
@@ -83,7 +89,10 @@ class ReplicaMetrics:
         try:
             yield
         except BaseException as exc:
-            FAILURES.labels(**self.labels, step=name, reason=reason_of(exc)).inc()
+            if reason_of(exc) == OFFER_REFUSED:
+                REFUSED.labels(**self.labels).inc()
+            else:
+                FAILURES.labels(**self.labels, step=name, reason=reason_of(exc)).inc()
             raise
         finally:
             STEPS.labels(**self.labels, step=name).inc()

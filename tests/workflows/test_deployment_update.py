@@ -39,7 +39,9 @@ async def test_update_changes_engine_config_and_traffic(temporal_env, tmp_path):
         assert got["spec"]["traffic"] == {"weight": 40}
         assert got["spec"]["runtime"]["engineConfig"] == {"enable-return-routed-experts": ""}
         assert got["status"]["readyReplicas"] == 2
-        assert got["spec"]["hotLoad"] == hot_load_section(dep)
+        # The section as sent, with the large-deployment settings (beyond the guide) at their defaults.
+        assert got["spec"]["hotLoad"] == {**hot_load_section(dep), "maxConcurrentSwaps": 1, "peerFanOut": 4,
+                                          "replicasPerGroup": 100}
         after = (await f.deployment_state(dep)).members
         assert len(after) == 2 and not set(after) & set(before) and f.stopped == before
         # Traffic alone needs no new replicas: none is replaced, the deployment stays READY.
