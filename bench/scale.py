@@ -214,7 +214,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     settings = Settings.create(work / "home", free_port_base())
-    stack = Stack(settings, node_slots=0)
+    stack = Stack(settings, node_slots=0, many_pollers=True)
     stack.up(say=lambda line: print(line, flush=True))
     nodes: list[subprocess.Popen[bytes]] = []
     try:

@@ -95,9 +95,12 @@ def temporal_ip_flags(host: str) -> list[str]:
 
 
 class Stack:
-    def __init__(self, settings: Settings, node_slots: int = DEFAULT_NODE_SLOTS):
+    def __init__(self, settings: Settings, node_slots: int = DEFAULT_NODE_SLOTS, *, many_pollers: bool = False):
         self.s = settings
         self.node_slots = node_slots
+        # Raise the dev server's per-namespace limits (DEV_SERVER_LIMITS): bench/scale.py's
+        # hundreds of simulated agents each poll their own task queue.
+        self.many_pollers = many_pollers
         self.home = settings.home_path
         self.logs = self.home / "logs"
         self.pids = self.home / "pids"
@@ -133,7 +136,7 @@ class Stack:
                 "--namespace", self.s.namespace, "--log-level", "warn",
                 # Every replica agent long-polls its own task queue: the dev server's per-namespace
                 # limits (1,200 concurrent polls, 2,400 requests/s) would refuse a large deployment's.
-                *DEV_SERVER_LIMITS,
+                *(DEV_SERVER_LIMITS if self.many_pollers else []),
             ]
             for attr, kind in SEARCH_ATTRIBUTES.items():
                 argv += ["--search-attribute", f"{attr}={kind}"]
