@@ -20,7 +20,7 @@ from contracts.records import (
     Runtime,
     SnapshotRef,
 )
-from tests.helpers.harness import Fleet, poll
+from tests.helpers.harness import ZONE, Fleet, poll
 from tests.helpers.temporal_server import REPO
 
 
@@ -52,6 +52,20 @@ def deployment_state(dep_id: str, *, zones: list[str], chains: dict[str, list[Sn
         status=DeploymentStatus(status=ResourceStatus.READY, created_at="2026-01-01T00:00:00Z", updated_at="2026-01-01T00:00:00Z"),
     )
     return DeploymentInput(deployment=dep, gateway_zones=zones, chains=chains or {})
+
+async def on_base(f: Fleet, name: str, replicas: int, **hot_load: int) -> str:
+    """A deployment of `replicas` whose replicas all serve the full snapshot "base", with these
+    `hotLoad` settings (HotLoadConfig field names); the fleet's recorded events are cleared."""
+    state = deployment_state(name, zones=[ZONE])
+    for key, value in hot_load.items():
+        setattr(state.deployment.spec.hot_load, key, value)
+    state.replicas = f.replica_endpoints(name, replicas)
+    dep = await f.deployment_from_state(state)
+    await f.completed(dep, "base", hotLoadId=f"{name}-base")
+    f.peer_events.clear()
+    f.applied.clear()
+    return dep
+
 
 class every(dict):
     """Every replica behaves the same."""

@@ -28,7 +28,7 @@ from contracts.records import (
 from contracts.search import hot_load_attributes
 from control.hot_load.workflow import HotLoadWorkflow
 from tests.helpers.harness import ORG, ZONE, Fleet, write_delta, write_full
-from tests.helpers.workflow_checks import deployment_state
+from tests.helpers.workflow_checks import deployment_state, on_base
 
 
 async def _workflow_failure(f: Fleet, hot_load_id: str) -> str:
@@ -76,17 +76,6 @@ async def test_receivers_commit_as_their_stages_finish_and_a_failed_stage_reads_
 DELTA = {"type": "SNAPSHOT_TYPE_INCREMENTAL", "incrementalSnapshotMetadata": {"previousSnapshotIdentity": "base"}}
 
 
-async def _on_base(f: Fleet, name: str, replicas: int) -> str:
-    """A deployment of `replicas` whose replicas all serve the full snapshot "base"."""
-    state = deployment_state(name, zones=[ZONE])
-    state.replicas = f.replica_endpoints(name, replicas)
-    dep = await f.deployment_from_state(state)
-    await f.completed(dep, "base", hotLoadId=f"{name}-base")
-    f.peer_events.clear()
-    f.applied.clear()
-    return dep
-
-
 async def _all_staged(f: Fleet, receivers: int, timeout: float = 20.0) -> bool:
     """True once `receivers` broadcast stages were seen (False after `timeout`)."""
     for _ in range(int(timeout / 0.05)):
@@ -98,7 +87,7 @@ async def _all_staged(f: Fleet, receivers: int, timeout: float = 20.0) -> bool:
 
 async def test_receivers_stage_while_the_first_replica_swaps_and_commit_after_it(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
-        dep = await _on_base(f, "early", 4)
+        dep = await on_base(f, "early", 4)
 
         async def swap_once_all_staged(replica: str) -> None:
             # Only an offer made from replica-0's stage, before its swap, lets this return.
@@ -121,7 +110,7 @@ async def test_receivers_stage_while_the_first_replica_swaps_and_commit_after_it
 
 async def test_a_first_replica_that_fails_its_swap_leaves_the_receivers_on_their_weights(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
-        dep = await _on_base(f, "early-fail", 3)
+        dep = await on_base(f, "early-fail", 3)
 
         async def swap_fails(replica: str) -> None:
             await _all_staged(f, 2)
@@ -146,7 +135,7 @@ async def test_a_first_replica_that_fails_its_swap_leaves_the_receivers_on_their
 
 async def test_without_an_early_offer_the_first_replica_broadcasts_after_its_commit(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
-        dep = await _on_base(f, "late", 3)
+        dep = await on_base(f, "late", 3)
         f.refuse_early_offer = True
         hl = await f.completed(dep, "step-1", hotLoadId="late-1", **DELTA)
         assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
@@ -158,7 +147,7 @@ async def test_without_an_early_offer_the_first_replica_broadcasts_after_its_com
 
 async def test_a_receiver_whose_commit_fails_reads_the_bucket(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
-        dep = await _on_base(f, "commit-fails", 3)
+        dep = await on_base(f, "commit-fails", 3)
 
         async def swap_fails(replica: str) -> None:
             raise ApplicationError("engine: commit_staged refused the stage", non_retryable=True)
@@ -175,7 +164,7 @@ async def test_a_receiver_failing_from_the_bucket_too_fails_the_walk_and_later_r
     temporal_env, tmp_path
 ):
     async with Fleet(temporal_env.client, tmp_path) as f:
-        dep = await _on_base(f, "receiver-fails", 3)
+        dep = await on_base(f, "receiver-fails", 3)
 
         async def stage_fails(replica: str) -> None:
             raise RuntimeError("gloo: connection reset")

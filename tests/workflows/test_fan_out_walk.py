@@ -17,23 +17,10 @@ import asyncio
 from temporalio import activity
 
 from contracts import names
-from tests.helpers.harness import ORG, ZONE, Fleet, write_delta
-from tests.helpers.workflow_checks import deployment_state, every
+from tests.helpers.harness import ORG, Fleet, write_delta
+from tests.helpers.workflow_checks import every, on_base
 
 DELTA = {"type": "SNAPSHOT_TYPE_INCREMENTAL", "incrementalSnapshotMetadata": {"previousSnapshotIdentity": "base"}}
-
-
-async def _on_base(f: Fleet, name: str, replicas: int, **hot_load: int) -> str:
-    """A deployment of `replicas` on the full snapshot "base", with these hotLoad settings."""
-    state = deployment_state(name, zones=[ZONE])
-    for key, value in hot_load.items():
-        setattr(state.deployment.spec.hot_load, key, value)
-    state.replicas = f.replica_endpoints(name, replicas)
-    dep = await f.deployment_from_state(state)
-    await f.completed(dep, "base", hotLoadId=f"{name}-base")
-    f.peer_events.clear()
-    f.applied.clear()
-    return dep
 
 
 def _by_name(replicas: list[dict]) -> dict[str, dict]:
@@ -42,7 +29,7 @@ def _by_name(replicas: list[dict]) -> dict[str, dict]:
 
 async def test_the_update_fans_out_in_rounds_and_a_failed_receiver_reads_the_bucket(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
-        dep = await _on_base(f, "tree", 8, peer_fan_out=2)
+        dep = await on_base(f, "tree", 8, peer_fan_out=2)
 
         async def broken(replica: str) -> None:
             raise RuntimeError("gloo: connection reset")
@@ -71,7 +58,7 @@ async def test_the_update_fans_out_in_rounds_and_a_failed_receiver_reads_the_buc
 
 async def test_a_hot_load_larger_than_a_group_stages_in_child_workflows(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
-        dep = await _on_base(f, "groups", 10, peer_fan_out=2, replicas_per_group=3)
+        dep = await on_base(f, "groups", 10, peer_fan_out=2, replicas_per_group=3)
         hl = await f.completed(dep, "step-1", hotLoadId="groups-1", **DELTA)
         assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
         replicas = await f.hot_load_replicas("groups-1")
@@ -96,7 +83,7 @@ async def test_a_hot_load_larger_than_a_group_stages_in_child_workflows(temporal
 
 async def test_up_to_k_replicas_swap_at_once(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
-        dep = await _on_base(f, "waves", 7, max_concurrent_swaps=3)
+        dep = await on_base(f, "waves", 7, max_concurrent_swaps=3)
         in_flight, most = 0, 0
 
         async def overlapping(replica: str) -> None:
@@ -122,7 +109,7 @@ async def test_up_to_k_replicas_swap_at_once(temporal_env, tmp_path):
 
 async def test_a_cancel_during_a_wave_stops_it_with_every_replica_on_old_or_new_weights(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
-        dep = await _on_base(f, "wave-cancel", 7, max_concurrent_swaps=3)
+        dep = await on_base(f, "wave-cancel", 7, max_concurrent_swaps=3)
         in_flight: set[str] = set()
 
         async def held(replica: str) -> None:
