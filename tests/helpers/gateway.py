@@ -254,6 +254,17 @@ def succession(prompt_last: int, ids: list[int], vocab: int = 2048) -> list[bool
     return out
 
 
+def runs(counts: list[bool]) -> list[tuple[int, int]]:
+    """Where ``counts`` holds runs of True, as (start, end) index pairs: what an assertion shows."""
+    out: list[tuple[int, int]] = []
+    for i, c in enumerate(counts):
+        if c and out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        elif c:
+            out.append((i, i + 1))
+    return out
+
+
 def check_spans(counts: list[bool], spans: list[dict[str, Any]], old: str, new: str, counting: str) -> None:
     """One choice's ``nvext.weight_versions.spans`` against its tokens (``counts`` from
     ``succession``), a hot-load from ``old`` to ``new`` with one of them the ``counting`` model:
@@ -269,5 +280,5 @@ def check_spans(counts: list[bool], spans: list[dict[str, Any]], old: str, new: 
         if s["identity"] == counting:
             assert all(inside), (s, inside.index(False))
         else:
-            assert sum(inside) < 8, (s, sum(inside))
+            assert sum(inside) < 8, (s, sum(inside), runs(inside))
             assert len(inside) < 3 or not (all(inside[:3]) or all(inside[-3:])), (s, inside[:3], inside[-3:])
