@@ -38,6 +38,7 @@ POINTS = (
     "apply_snapshot",  # a step from the bucket starts (before anything is read)
     "stage_from_peer",  # a receiver's stage from the broadcast, once the bytes arrived (dropped; it then reads the bucket)
     "commit_peer_stage",  # a receiver's swap of its broadcast stage starts (it then reads the bucket)
+    "pause",  # a stage is ready and its pause is about to begin (nothing of it is in the engine yet)
     "swap",  # inside the pause, after the stage was applied and before it is proven and committed
 )
 FAULTS_FILE = "faults.json"

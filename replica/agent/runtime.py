@@ -413,6 +413,7 @@ class ReplicaRuntime(PeerSteps):
         # weights after the resume and no prefix computed under the old ones is reused.
         reset = policy == PromptCachePolicy.RESET_ALL
         try:
+            await self.fault("pause")
             if getattr(self.engine, "swaps_in_one_call", False) and not self.fault_armed("swap"):
                 pause_ms, swap = await self._swap_in_one_call(label, names_, reset)
             else:

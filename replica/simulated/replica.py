@@ -104,6 +104,7 @@ class SimulatedReplica:
             raise ApplicationError(f"replica {self.name} holds no stage of {identity}", type="NoStage",
                                    non_retryable=True)
         start = time.perf_counter()
+        await self._fault("pause")
         await self._fault("swap")
         staged = self.staged[1]
         self.served = staged.copy()

@@ -117,9 +117,9 @@ def test_in_flight_requests_span_a_pause_and_all_finish(stack, rolling, tmp_path
     upload_dir(s3, tmp_path / delta_id, settings.bucket, f"{ROLLING_PREFIX}/{delta_id}")
     first = walk_order(settings, dep_id)[0]
 
-    # Nine requests, generating on the old weights on the first replica when its step starts
-    # (held there until they all generate, so they start seconds, not a whole staging, before
-    # its pause); its swap is then held inside its pause (fault point ``swap``).
+    # Nine requests, generating on the old weights on the first replica when its stage is ready
+    # (held there, at fault point ``pause``, until they all generate, so its pause begins moments
+    # after they start); its swap is then held inside its pause (fault point ``swap``).
     outs: list[dict] = [{} for _ in range(9)]
     started = [threading.Event() for _ in outs]
     threads = [threading.Thread(target=long_request, args=(settings, model, i, e, o))

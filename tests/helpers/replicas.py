@@ -257,20 +257,22 @@ def requests_frozen_in_first_pause(settings: Settings, api: Api, dep_id: str, st
                                    threads: list[Any], started: list[Any]) -> HeldPause:
     """Requests under way on the first replica of the walk when its pause begins.
 
-    ``start()`` creates the hot-load and returns its id; its first replica's step is held at its
-    start. The other replicas leave Dynamo's routing pool (as a pause takes one out) while
-    ``threads`` (each sending a request) start, until every ``started`` event is set, so the
-    requests run on the first replica; the others then join again, the step goes on to its swap,
-    held inside the pause, and the engine says whether it is paused and how many requests it
-    froze. Every thread is joined before this returns."""
+    ``start()`` creates the hot-load and returns its id; its first replica's step stages the
+    update and is held just before its pause (fault point ``pause``). The other replicas leave
+    Dynamo's routing pool (as a pause takes one out) while ``threads`` (each sending a request)
+    start, until every ``started`` event is set, so the requests run on the first replica; the
+    others then join again, the step goes on into its pause at once (its stage is ready, so the
+    requests need only outlast a file poll) and is held again inside it, at its swap, where the
+    engine says whether it is paused and how many requests it froze. Every thread is joined
+    before this returns."""
     first, *others = walk_order(settings, dep_id)
-    at_start = fault("apply_snapshot", first["name"], "hold")
+    before_pause = fault("pause", first["name"], "hold")
     hold = fault("swap", first["name"], "hold")
     hl_id, frozen, was_paused = None, -1, False
     try:
-        with faults(settings, at_start, hold):
+        with faults(settings, before_pause, hold):
             hl_id = start()
-            at_start.wait_fired(settings, dep_id)
+            before_pause.wait_fired(settings, dep_id)
             for other in others:
                 control(other, "leave")
             try:
@@ -280,7 +282,7 @@ def requests_frozen_in_first_pause(settings: Settings, api: Api, dep_id: str, st
             finally:
                 for other in others:
                     control(other, "join")
-            write_faults(settings, [hold])  # releases the step's start; its swap stays held
+            write_faults(settings, [hold])  # releases the step into its pause; its swap stays held
             hold.wait_fired(settings, dep_id)
             was_paused, frozen = paused(first), running_requests(first)
     finally:
