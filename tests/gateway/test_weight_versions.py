@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
 
 from snapshots.host import checkpoint_checksums
 from tests.helpers.gateway import check_spans, random_prompt, serve_full, succession
-from tests.helpers.replicas import engines, served_checksums
+from tests.helpers.replicas import engines, fault, faults, running_requests, served_checksums, walk_order
 from workers.base_model import write_counting_model
 
 pytestmark = pytest.mark.stack
@@ -43,17 +44,19 @@ async def long_stream(client: httpx.AsyncClient, gw, prompt: list[int], max_toke
 
 async def test_labels_match_the_weights_that_produced_the_tokens(gw, tmp_path_factory):
     counting = write_counting_model(gw.base_model, tmp_path_factory.mktemp("wv") / "counting")
-    inexact = 0
-    # Every round keeps long requests in flight until the hot-load has completed, so each
-    # replica's pause should find some under way; a round where none spanned it (a replica that
-    # got no request) proves nothing about spanning answers, so try again (each round checks
-    # every label).
-    for attempt in range(3):
-        inexact, answered = await one_round(gw, counting, attempt)
-        print(f"\nround {attempt}: {inexact}/{answered} answers spanned the hot-load (labelled inexact, both identities)")
-        if inexact:
-            break
+    inexact, answered = await one_round(gw, counting)
+    print(f"\n{inexact}/{answered} answers spanned the hot-load (labelled inexact, both identities)")
+    # The first replica's pause began while it was generating a long answer (one_round holds it
+    # until then), so at least that answer spans the swap.
     assert inexact >= 1
+
+
+async def until_generating(replica: dict, timeout: float = 300) -> None:
+    """Until the replica's engine is generating a request (vLLM's ``num_requests_running``)."""
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(running_requests, replica):
+        assert time.monotonic() < deadline, f"{replica['name']} ran no request in {timeout:.0f}s"
+        await asyncio.sleep(0.1)
 
 
 def assert_every_replica_serves(gw, checkpoint) -> None:
@@ -66,10 +69,12 @@ def assert_every_replica_serves(gw, checkpoint) -> None:
         assert not wrong, f"{replica['name']} serves {len(wrong)} tensor(s) not of {checkpoint.name}: {wrong[:8]}"
 
 
-async def one_round(gw, counting, attempt: int) -> tuple[int, int]:
+async def one_round(gw, counting) -> tuple[int, int]:
     """Serve ``counting``, then hot-load the base model while IN_FLIGHT long requests run back to
-    back; returns (answers labelled inexact, answers that ran during the hot-load)."""
-    old = await asyncio.to_thread(serve_full, gw, counting, f"wv-count-{attempt}")
+    back, the first replica of the walk held just before its pause (fault point ``pause``) until
+    it is generating one of them; returns (answers labelled inexact, answers that ran during the
+    hot-load)."""
+    old = await asyncio.to_thread(serve_full, gw, counting, "wv-count")
     await asyncio.to_thread(assert_every_replica_serves, gw, counting)
     first, last = random_prompt(6), random_prompt(6)
     spanning: list[tuple[list[int], tuple[list[int], dict]]] = []
@@ -86,8 +91,14 @@ async def one_round(gw, counting, attempt: int) -> tuple[int, int]:
         before = await long_stream(client, gw, first, 16)
         streams = [asyncio.ensure_future(back_to_back()) for _ in range(IN_FLIGHT)]
         await asyncio.sleep(1.0)  # under way when the hot-load starts
+        first_replica = (await asyncio.to_thread(walk_order, gw.settings, gw.id))[0]
+        before_pause = fault("pause", first_replica["name"], "hold")
         try:
-            new = await asyncio.to_thread(serve_full, gw, gw.base_model, f"wv-base-{attempt}")
+            with faults(gw.settings, before_pause):
+                hot_load = asyncio.ensure_future(asyncio.to_thread(serve_full, gw, gw.base_model, "wv-base"))
+                await asyncio.to_thread(before_pause.wait_fired, gw.settings, gw.id)
+                await until_generating(first_replica)
+            new = await hot_load  # the hold ended with the file: the pause begins within a poll
         finally:
             loaded.set()
         await asyncio.gather(*streams)
