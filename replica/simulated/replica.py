@@ -103,8 +103,8 @@ class SimulatedReplica:
         if self.staged is None or self.staged[0] != identity:
             raise ApplicationError(f"replica {self.name} holds no stage of {identity}", type="NoStage",
                                    non_retryable=True)
+        await self._fault("pause")  # before the pause: a hold here is not part of it
         start = time.perf_counter()
-        await self._fault("pause")
         await self._fault("swap")
         staged = self.staged[1]
         self.served = staged.copy()

@@ -34,6 +34,7 @@ from snapshots.writer import write_delta
 from tests.helpers.chains import publish_chain
 from tests.helpers.replicas import (
     ROLLING_PREFIX,
+    assert_every_replica_serves,
     engines,
     hot_load,
     requests_frozen_in_first_pause,
@@ -142,9 +143,7 @@ def test_in_flight_requests_span_a_pause_and_all_finish(stack, rolling, tmp_path
         assert identities in ([full_id], [delta_id], [full_id, delta_id]), spans
         spanned += identities == [full_id, delta_id]
     assert spanned >= frozen, f"{frozen} request(s) were frozen in a pause, {spanned} answer(s) name both identities"
-    expected = checkpoint_checksums(new_dir)
-    for replica in engines(settings, dep_id):
-        assert served_checksums(replica) == expected
+    assert_every_replica_serves(settings, dep_id, new_dir)
 
 
 def test_corrupted_delta_fails_cleanly_then_a_good_one_completes(stack, rolling, tmp_path):
@@ -182,9 +181,7 @@ def test_corrupted_delta_fails_cleanly_then_a_good_one_completes(stack, rolling,
     upload_dir(s3, good, stack.bucket, f"{ROLLING_PREFIX}/corrupt-000002")
     hl = hot_load(api, dep_id, "corrupt-000002", full_id)
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
-    expected = checkpoint_checksums(new_dir)
-    for replica in engines(stack, dep_id):
-        assert served_checksums(replica) == expected
+    assert_every_replica_serves(stack, dep_id, new_dir)
 
 
 def test_replica_killed_mid_update_restarts_and_catches_up(stack, rolling, tmp_path):

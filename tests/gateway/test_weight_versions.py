@@ -21,9 +21,8 @@ import time
 import httpx
 import pytest
 
-from snapshots.host import checkpoint_checksums
 from tests.helpers.gateway import check_spans, random_prompt, serve_full, succession
-from tests.helpers.replicas import engines, fault, faults, running_requests, served_checksums, walk_order
+from tests.helpers.replicas import assert_every_replica_serves, fault, faults, running_requests, walk_order
 from workers.base_model import write_counting_model
 
 pytestmark = pytest.mark.stack
@@ -59,23 +58,13 @@ async def until_generating(replica: dict, timeout: float = 300) -> None:
         await asyncio.sleep(0.1)
 
 
-def assert_every_replica_serves(gw, checkpoint) -> None:
-    """Every tensor of every replica's engine, read back, is ``checkpoint``'s: the labels are
-    judged against two models, so neither may be served mixed with anything else."""
-    expected = checkpoint_checksums(checkpoint)
-    for replica in engines(gw.settings, gw.id):
-        served = served_checksums(replica)
-        wrong = sorted(n for n in expected.keys() | served.keys() if served.get(n) != expected.get(n))
-        assert not wrong, f"{replica['name']} serves {len(wrong)} tensor(s) not of {checkpoint.name}: {wrong[:8]}"
-
-
 async def one_round(gw, counting) -> tuple[int, int]:
     """Serve ``counting``, then hot-load the base model while IN_FLIGHT long requests run back to
     back, the first replica of the walk held just before its pause (fault point ``pause``) until
     it is generating one of them; returns (answers labelled inexact, answers that ran during the
     hot-load)."""
     old = await asyncio.to_thread(serve_full, gw, counting, "wv-count")
-    await asyncio.to_thread(assert_every_replica_serves, gw, counting)
+    await asyncio.to_thread(assert_every_replica_serves, gw.settings, gw.id, counting)
     first, last = random_prompt(6), random_prompt(6)
     spanning: list[tuple[list[int], tuple[list[int], dict]]] = []
     loaded = asyncio.Event()
@@ -103,7 +92,7 @@ async def one_round(gw, counting) -> tuple[int, int]:
             loaded.set()
         await asyncio.gather(*streams)
         after = await long_stream(client, gw, last, 16)
-    await asyncio.to_thread(assert_every_replica_serves, gw, gw.base_model)
+    await asyncio.to_thread(assert_every_replica_serves, gw.settings, gw.id, gw.base_model)
 
     assert before[1] == {**before[1], "identity": old, "exact": True} and all(succession(first[-1], before[0]))
     assert after[1] == {**after[1], "identity": new, "exact": True} and sum(succession(last[-1], after[0])) < 4

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from snapshots.host import checkpoint_checksums
 from snapshots.writer import write_delta
-from tests.helpers.replicas import engines, hot_load, hot_load_replicas, served_checksums
+from tests.helpers.replicas import assert_every_replica_serves, engines, hot_load, hot_load_replicas
 from tests.helpers.stack_fixtures import cwtrain_python
 from tests.helpers.trainer import train_step
 from workers.stack import upload_dir
@@ -74,8 +74,6 @@ def publish_chain(stack, api, dep_id, tmp: Path, writer: str, tag: str, *, prefi
             assert r["peerRound"] == 1 + rounds[r["source"].removeprefix("peer:")], r
         if relay:
             assert reps[2]["source"] == f"peer:{reps[1]['name']}", reps
-        expected = checkpoint_checksums(new_dir)
-        for replica in engines(stack, dep_id):
-            assert served_checksums(replica) == expected, f"{replica['name']} serves other weights"
+        assert_every_replica_serves(stack, dep_id, new_dir)
         prev_dir, prev_id = new_dir, identity
     assert {r["name"]: r["enginePid"] for r in engines(stack, dep_id)} == pids

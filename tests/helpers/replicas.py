@@ -12,6 +12,7 @@ derives), the Temporal workflow of an operation, and the fault points of ``repli
   bytes, weight-version label, pause state, and the requests it was running after its last step
   (``engine_running`` for an ``EngineProcess``; while it is paused with ``keep`` these are the
   requests frozen in the pause).
+- ``assert_every_replica_serves``: every replica's engine serves exactly a checkpoint's tensors.
 - ``hot_load_workflow_status``: how Temporal describes the operation's workflow.
 - ``requests_frozen_in_first_pause``: a hot-load whose first replica's swap is held in its pause
   while requests sent through Dynamo (the other replicas out of its pool) run there.
@@ -39,6 +40,7 @@ from contracts.names import deployment_workflow_id, dynamo_model, hot_load_workf
 from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine import EngineProcess
 from replica.faults import FAULTS_FILE
+from snapshots.host import checkpoint_checksums
 from tests.helpers.stack_fixtures import Api
 
 # The shared 3-replica deployment's hot-load path prefix (tests/e2e/conftest.py `rolling`).
@@ -167,6 +169,16 @@ def complete(replica: dict, body: dict[str, Any], timeout: float = 120) -> dict:
 def served_checksums(replica: dict, names: list[str] | None = None) -> dict[str, str]:
     """The Adler-32 of every tensor the engine serves, read back from its memory."""
     return _with_engine(replica, lambda e: e.checksums(names))
+
+
+def assert_every_replica_serves(settings: Settings, dep_id: str, checkpoint: Path) -> None:
+    """Every tensor of every replica's engine, read back, is ``checkpoint``'s (no replica serves
+    a mix); a failure names the replica and the tensors that differ."""
+    expected = checkpoint_checksums(checkpoint)
+    for replica in engines(settings, dep_id):
+        served = served_checksums(replica)
+        wrong = sorted(n for n in expected.keys() | served.keys() if served.get(n) != expected.get(n))
+        assert not wrong, f"{replica['name']} serves {len(wrong)} tensor(s) not of {checkpoint.name}: {wrong[:8]}"
 
 
 def engine_label(replica: dict) -> str | None:
