@@ -32,6 +32,11 @@ from rollouts.client import RolloutsClient, upload_checkpoint
 from tests.helpers.stack_fixtures import Api
 
 PREFIX = "checkpoints/gateway"
+# The base model, greedy, settles into loops, and a loop that holds one +1 step repeats it: it
+# counts in many isolated tokens (3 of 480 answers of 900 tokens had 12 to 35; one CI answer had
+# 19, every third token from 368 to 423) but never two in a row (bench/base_counting.py). The
+# counting model counts at every token, so a span's claim is judged by runs, not by how many count.
+CHANCE_RUN = 3
 
 
 @dataclass
@@ -265,13 +270,18 @@ def runs(counts: list[bool]) -> list[tuple[int, int]]:
     return out
 
 
+def longest_run(counts: list[bool]) -> int:
+    """The most tokens in a row that follow the counting rule."""
+    return max((end - start for start, end in runs(counts)), default=0)
+
+
 def check_spans(counts: list[bool], spans: list[dict[str, Any]], old: str, new: str, counting: str) -> None:
     """One choice's ``nvext.weight_versions.spans`` against its tokens (``counts`` from
     ``succession``), a hot-load from ``old`` to ``new`` with one of them the ``counting`` model:
     the spans tile the tokens, old identity first; every token of the counting identity's span
-    follows the counting rule; the other model's tokens practically never do (1 in 2048 each),
-    and its span neither starts nor ends with a run of three that do (a boundary off by three
-    would put the counting model's tokens there)."""
+    follows the counting rule; the other model's span holds no ``CHANCE_RUN`` tokens in a row that
+    do, anywhere (the counting model's tokens come in runs: a boundary off by three, or the
+    counting weights serving inside the other span, would put such a run there)."""
     assert [s["start"] for s in spans] == [0] + [s["end"] for s in spans[:-1]], spans
     assert sum(s["end"] - s["start"] for s in spans) == len(counts), (spans, len(counts))
     assert [s["identity"] for s in spans] in ([old], [new], [old, new]), spans
@@ -280,5 +290,4 @@ def check_spans(counts: list[bool], spans: list[dict[str, Any]], old: str, new: 
         if s["identity"] == counting:
             assert all(inside), (s, inside.index(False))
         else:
-            assert sum(inside) < 8, (s, sum(inside), runs(inside))
-            assert len(inside) < 3 or not (all(inside[:3]) or all(inside[-3:])), (s, inside[:3], inside[-3:])
+            assert longest_run(inside) < CHANCE_RUN, (s, runs(inside))
