@@ -95,6 +95,7 @@ class StepRecord:
     publish_s: float = 0.0  # export + delta + upload
     mismatch: float | None = None
     sample: str = ""
+    pause_ms: float | None = None  # the longest pause (pauseMs) among the hot-load's replicas
 
     @property
     def tok_per_s(self) -> float:
@@ -110,8 +111,8 @@ def reward_summary(rewards: list[float], k: int = 5) -> tuple[float, float]:
 
 
 HEADER = (
-    f"{'step':>4}  {'identity':<12} {'type':<5} {'reward':>6}  {'delta':>7}  {'hot-load':>8}  {'READY':>5}  "
-    f"{'tok/s':>6}  {'train':>6}  {'|Δlogp|':>7}  sample"
+    f"{'step':>4}  {'identity':<12} {'type':<5} {'reward':>6}  {'delta':>7}  {'hot-load':>8}  {'pause':>7}  "
+    f"{'READY':>5}  {'tok/s':>6}  {'train':>6}  {'|Δlogp|':>7}  sample"
 )
 
 
@@ -122,8 +123,9 @@ def format_step(r: StepRecord) -> str:
     train = f"{r.train_s:5.2f}s" if r.train_s else f"{'—':>6}"
     mismatch = f"{r.mismatch:7.4f}" if r.mismatch is not None else f"{'—':>7}"
     sample = repr(r.sample) if r.sample else ""
+    pause = f"{r.pause_ms:5.0f}ms" if r.pause_ms is not None else f"{'—':>7}"
     return (
-        f"{r.step:>4}  {r.identity:<12} {r.kind:<5} {reward}  {delta}  {r.hot_load_s:7.2f}s  "
+        f"{r.step:>4}  {r.identity:<12} {r.kind:<5} {reward}  {delta}  {r.hot_load_s:7.2f}s  {pause}  "
         f"{r.ready}/{r.replicas:<3}  {tps}  {train}  {mismatch}  {sample}"
     )
 
@@ -310,7 +312,7 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
             publish_s = time.monotonic() - t_pub
             hl, reps, secs = c.hot_load(dep_id, identity, None)
             return StepRecord(step, identity, "FULL", None, None, secs, _ready(reps, identity), len(reps),
-                              hl["status"]["state"], publish_s=publish_s)
+                              hl["status"]["state"], publish_s=publish_s, pause_ms=_longest_pause(reps))
 
         say(f"GRPO: {cfg.prompts} prompts x {cfg.group} completions x {cfg.max_tokens} tokens per step, "
             f"reward = fraction of digit tokens, up to {cfg.steps} steps / {cfg.max_loop_s:.0f}s")
@@ -356,7 +358,7 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
                 publish_s = time.monotonic() - t_pub
                 hl, reps, secs = c.hot_load(dep_id, identity, prev_id)
                 rec = StepRecord(step, identity, "DELTA", None, 100.0 * dstats.ratio, secs, _ready(reps, identity),
-                                 len(reps), hl["status"]["state"], publish_s=publish_s)
+                                 len(reps), hl["status"]["state"], publish_s=publish_s, pause_ms=_longest_pause(reps))
                 shutil.rmtree(delta_dir, ignore_errors=True)
                 deltas_in_chain += 1
             rec.reward, rec.tokens, rec.rollout_s, rec.train_s = mean_reward, tokens, rollout_s, train_s
@@ -383,6 +385,7 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
                           f"{_mean(r.delta_pct for r in deltas):.1f}% of full; delta hot-load mean "
                           f"{_mean(r.hot_load_s for r in deltas):.2f}s")
         last = records[-1]
+        pauses = [r.pause_ms for r in deltas if r.pause_ms is not None]
         rows = [
             ("steps", f"{len(trained)} GRPO steps in {loop_s:.0f}s of loop ({len(deltas)} deltas, "
                       f"{sum(1 for r in records if r.kind == 'FULL')} full)"),
@@ -392,6 +395,8 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
             ("hot-load create → COMPLETED", f"full {records[0].hot_load_s:.2f}s; deltas mean "
                                             f"{_mean(r.hot_load_s for r in deltas):.2f}s, max "
                                             f"{max((r.hot_load_s for r in deltas), default=0):.2f}s"),
+            ("pause per delta (longest replica)", f"median {statistics.median(pauses):.0f} ms, max {max(pauses):.0f} ms"
+                                                  if pauses else "—"),
             ("rollout tokens/s (median)", f"{statistics.median(r.tok_per_s for r in trained):.0f}" if trained else "—"),
             ("before", f"{SAMPLE_PROMPT!r} → {before!r}"),
             ("after", f"{SAMPLE_PROMPT!r} → {after!r}"),
@@ -425,6 +430,10 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
 
 def _ready(reps: list[dict], identity: str) -> int:
     return sum(1 for r in reps if r.get("state") == "READY" and r.get("currentSnapshotIdentity") == identity)
+
+
+def _longest_pause(reps: list[dict]) -> float | None:
+    return max((float(r["pauseMs"]) for r in reps if r.get("pauseMs") is not None), default=None)
 
 
 def _check(rec: StepRecord) -> None:

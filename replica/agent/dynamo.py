@@ -25,7 +25,8 @@ Everything the agent does with an engine works unchanged on it:
   registered (the worker's ``instances`` route: what its own discovery client lists), so the frontend routes new requests to the others; ``resume()`` puts it back
   (``join``). ``swap_in_pause`` can do a whole swap in one call to the worker (pause, label, swap
   and proof, resume: its route says how), leaving the pool before it and joining after, so the
-  pause holds no HTTP hop; the agent does not use it yet (``swaps_in_one_call``). A lone worker stays registered: a request that reaches it during the pause waits
+  pause holds no HTTP hop; the agent swaps that way (``swaps_in_one_call``) unless a test arms
+  its ``swap`` fault point, which needs the four calls. A lone worker stays registered: a request that reaches it during the pause waits
   for the resume (the pause window), as on a vLLM replica, rather than failing for want of a
   worker. A request the frontend routed before it saw the ``leave`` also waits for the resume.
 - **KV events**: with ``kv_events`` (a stack whose Dynamo router mode is ``kv``) the worker
@@ -242,12 +243,11 @@ class DynamoEngineProcess(EngineProcess):
             await self._join()
             raise
 
-    # Whether the agent swaps a stage in with one call (`swap_in_pause`) rather than four. Off:
-    # with it on, two gateway tests (weight-version spans, 64 clients across a hot-load) found
-    # tokens of the new weights inside spans labelled with the old identity (53 of 900), so the
-    # label and the swap inside the one call are not yet ordered against the tokens the way the
-    # four calls are (docs/field-notes.md). The route stays, tested, for that investigation.
-    swaps_in_one_call = False
+    # The agent swaps a stage in with one call (`swap_in_pause`) rather than four: under load the
+    # worker's control callbacks wait on its busy event loop, so each call inside the pause costs
+    # tens to hundreds of ms (docs/field-notes.md). The label is set after the engine core stops
+    # and before the swap, inside the worker, as the four calls set it.
+    swaps_in_one_call = True
 
     async def swap_in_pause(self, label: str, previous: str, *, clear_cache: bool, expected: int) -> dict[str, Any]:
         """The whole swap inside the worker, in one call (its ``swap_in_pause`` route): pause,

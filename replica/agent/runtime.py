@@ -402,7 +402,7 @@ class ReplicaRuntime(PeerSteps):
         Everything that can refuse the update runs inside the pause, before the replica serves a
         token of it: the engine swaps the stage in, then reads back every swapped tensor against
         the snapshot's Adler-32 and rolls its tensors back on any difference. An engine that can
-        (``swaps_in_one_call``; off for now, replica/agent/dynamo.py says why) does the whole of it in one call, inside its own
+        (``swaps_in_one_call``: a Dynamo worker) does the whole of it in one call, inside its own
         process (`_swap_in_one_call`); otherwise, and whenever the "swap" fault point is armed,
         the agent makes the calls one by one (`_swap_in_steps`). On a failure the label goes back
         and the host copy is restored. Returns the pause in ms and the engine's report

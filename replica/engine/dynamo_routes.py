@@ -17,7 +17,7 @@ touching Dynamo's or vLLM's files:
    of its namespace that Dynamo's discovery lists now (whatever the discovery backend: ``file``
    or ``kubernetes``), this worker's included while it is in the pool. One more is ours alone:
    ``swap_in_pause`` (label, previous, clear_cache, expected) is a whole swap in one call, inside the worker:
-   pause (keep), set the weight-version label, swap the stage in and prove it
+   pause (keep; :func:`pause_at_once`), set the weight-version label, swap the stage in and prove it
    (``swap_and_commit_staged`` on every worker), resume; a swap that fails, whose read-back
    differs, or that proved other than ``expected`` tensors is rolled back (``discard_staged``) and the previous label restored before the
    resume. It answers the extension's result (``read_back_failed`` when the proof differed) and
@@ -105,6 +105,21 @@ class SpanRecorder:
 
 # -- control routes -------------------------------------------------------------------------------
 
+async def pause_at_once(engine: Any, clear_cache: bool) -> None:
+    """``engine.pause_generation(mode="keep")`` without the 20 ms sleep vLLM 0.32's AsyncLLM ends it
+    with (so that in-flight requests' last outputs reach their streams first, "not required for
+    correctness", its comment says): the engine core's pause itself returns once no step is in
+    flight, and the label every output carries is attached there, in step order, so the sleep
+    orders nothing a label depends on. An engine without that core call pauses the usual way."""
+    core = getattr(engine, "engine_core", None)
+    if not hasattr(core, "pause_scheduler_async") or not hasattr(engine, "renderer"):
+        await engine.pause_generation(mode="keep", clear_cache=clear_cache)
+        return
+    if clear_cache:
+        await engine.renderer.clear_mm_cache_async()
+    await core.pause_scheduler_async(mode="keep", clear_cache=clear_cache)
+
+
 def _error(code: int, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
 
@@ -182,7 +197,7 @@ def control_routes(engine: Any, endpoint: Any, secret: str
             timings[name] = round((now - mark) * 1000, 3)
             mark = now
 
-        await engine.pause_generation(mode="keep", clear_cache=bool(body.get("clear_cache", False)))
+        await pause_at_once(engine, bool(body.get("clear_cache", False)))
         lap("pause")
         try:
             await engine.update_weight_version(label)

@@ -213,10 +213,10 @@ def test_progress_line_and_plot(tmp_path):
     recs = [
         StepRecord(0, "step-000000", "FULL", None, None, 3.2, 2, 2, "HOT_LOAD_STATE_COMPLETED"),
         StepRecord(1, "step-000001", "DELTA", 0.004, 12.5, 1.1, 2, 2, "HOT_LOAD_STATE_COMPLETED",
-                   tokens=1024, rollout_s=2.0, train_s=0.5, mismatch=0.01, sample="abc"),
+                   tokens=1024, rollout_s=2.0, train_s=0.5, mismatch=0.01, sample="abc", pause_ms=31.6),
     ]
     line = format_step(recs[1])
-    for part in ("step-000001", "0.004", "12.50%", "1.10s", "2/2", "512", "0.0100"):
+    for part in ("step-000001", "0.004", "12.50%", "1.10s", "32ms", "2/2", "512", "0.0100"):
         assert part in line, (part, line)
     assert "full" in format_step(recs[0])
     skipped = StepRecord(2, "step-000001", "NONE", 0.0, None, 0.0, 2, 2, "HOT_LOAD_STATE_COMPLETED", tokens=64, rollout_s=1.0)

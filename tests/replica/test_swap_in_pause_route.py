@@ -71,3 +71,31 @@ def test_label_and_previous_are_required() -> None:
     route = control_routes(engine, None, "k")["swap_in_pause"]
     assert asyncio.run(route({"secret": "k", "label": "s2"}))["error"]["code"] == 400
     assert engine.calls == []
+
+
+class Core:
+    def __init__(self, calls: list[tuple]) -> None:
+        self.calls = calls
+
+    async def pause_scheduler_async(self, mode: str, clear_cache: bool) -> None:
+        self.calls.append(("core pause", mode, clear_cache))
+
+
+class Renderer:
+    def __init__(self, calls: list[tuple]) -> None:
+        self.calls = calls
+
+    async def clear_mm_cache_async(self) -> None:
+        self.calls.append(("clear mm cache",))
+
+
+@pytest.mark.parametrize("clear_cache", [False, True])
+def test_an_async_llm_is_paused_through_its_engine_core_without_the_closing_sleep(clear_cache: bool) -> None:
+    """vLLM's AsyncLLM.pause_generation ends with a 20 ms sleep inside the pause; the route calls
+    what it wraps (the engine core's pause, and the renderer's cache clear when asked) instead."""
+    engine = Engine({"verified": 1})
+    engine.engine_core, engine.renderer = Core(engine.calls), Renderer(engine.calls)
+    route = control_routes(engine, None, "k")["swap_in_pause"]
+    asyncio.run(route({"secret": "k", "label": "s2", "previous": "s1", "clear_cache": clear_cache, "expected": 1}))
+    pause = [("clear mm cache",)] if clear_cache else []
+    assert engine.calls[:len(pause) + 2] == [*pause, ("core pause", "keep", clear_cache), ("label", "s2")]
