@@ -29,25 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-from workers.base_model import write_base_model  # noqa: E402
-
-VOCAB = 2048
-
-
-def succession(prev: int, ids: list[int]) -> list[bool]:
-    out = []
-    for t in ids:
-        out.append(t == (prev + 1) % VOCAB)
-        prev = t
-    return out
-
-
-def longest_run(counts: list[bool]) -> int:
-    best = cur = 0
-    for c in counts:
-        cur = cur + 1 if c else 0
-        best = max(best, cur)
-    return best
+from tests.helpers.gateway import CHANCE_RUN, longest_run, succession  # noqa: E402
+from workers.base_model import VOCAB, write_base_model  # noqa: E402
 
 
 def main() -> int:
@@ -77,7 +60,7 @@ def main() -> int:
     print(f"answers by tokens that count: {dict(sorted(collections.Counter(sums).items()))}")
     print(f"answers by longest run: {dict(sorted(collections.Counter(longest).items()))}")
     print(f"a check of 'fewer than 8 count' fails {sum(s >= 8 for s in sums)} of {args.answers}; "
-          f"of 'no 3 in a row' {sum(r >= 3 for r in longest)} of {args.answers}")
+          f"of 'no {CHANCE_RUN} in a row' {sum(r >= CHANCE_RUN for r in longest)} of {args.answers}")
     return 0
 
 

@@ -1,10 +1,10 @@
 """`nvext.weight_versions` on the real stack: which snapshot produced each answer.
 
 Requests run while a PRESERVE hot-load swaps the counting model (every token is its predecessor
-+ 1) for the base model (which practically never does that three tokens in a row). The tokens themselves then show
-which weights produced them, so each label can be checked: an answer labelled exactly with the
-counting identity counts all the way, one labelled exactly with the base identity does not
-count, and an answer that spanned the swap is labelled inexact with both identities, old first
++ 1) for the base model (which never does that ``CHANCE_RUN`` tokens in a row). The tokens
+themselves then show which weights produced them, so each label can be checked: an answer
+labelled exactly with the counting identity counts all the way, one labelled exactly with the
+base identity does not count, and an answer that spanned the swap is labelled inexact with both identities, old first
 (its tokens count up to the swap, then stop counting).
 
 Spans: every replica's server reports vLLM's per-token weight versions

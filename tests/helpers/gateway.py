@@ -30,6 +30,7 @@ from gateway.app import create_gateway_app
 from gateway.routing import DeploymentView, Router, build_view
 from rollouts.client import RolloutsClient, upload_checkpoint
 from tests.helpers.stack_fixtures import Api
+from workers.base_model import VOCAB
 
 PREFIX = "checkpoints/gateway"
 # The base model, greedy, settles into loops, and a loop that holds one +1 step repeats it: it
@@ -250,7 +251,7 @@ def serve_base(gw: GatewayDeployment) -> None:
     serve_full(gw, gw.base_model, "base")
 
 
-def succession(prompt_last: int, ids: list[int], vocab: int = 2048) -> list[bool]:
+def succession(prompt_last: int, ids: list[int], vocab: int = VOCAB) -> list[bool]:
     """For each sampled token: did it follow the counting model's rule (previous token + 1)?"""
     out, prev = [], prompt_last
     for t in ids:
