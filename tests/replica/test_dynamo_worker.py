@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +90,10 @@ async def test_control_over_the_system_server(dynamo: tuple[DynamoEngineProcess,
                                  "vllm.v1.engine.utils.get_engine_zmq_addresses"}
 
 
-async def _stream(client: httpx.AsyncClient, path: str, body: dict[str, Any], started: asyncio.Event
-                  ) -> dict[str, Any]:
-    """A streamed request through the frontend: its finishing chunk's ``nvext.engine_data``."""
+async def _stream(client: httpx.AsyncClient, path: str, body: dict[str, Any], started: asyncio.Event,
+                  chunks: list[int]) -> dict[str, Any]:
+    """A streamed request through the frontend: its finishing chunk's ``nvext.engine_data``.
+    ``chunks`` (one slot) counts the chunks received so far; a chunk that carries an error fails."""
     engine_data: dict[str, Any] = {}
     async with client.stream("POST", path, json={**body, "stream": True}) as r:
         assert r.status_code == 200, await r.aread()
@@ -100,9 +101,30 @@ async def _stream(client: httpx.AsyncClient, path: str, body: dict[str, Any], st
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
             started.set()
+            chunks[0] += 1
             engine_data = (chunk.get("nvext") or {}).get("engine_data") or engine_data
     return engine_data
+
+
+async def arrived(worker: DynamoEngineProcess) -> int:
+    """Requests the worker's ``generate`` endpoint holds (Dynamo's own gauge, counted on arrival,
+    before the engine runs them)."""
+    text = (await worker.request("GET", "/metrics")).text
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("dynamo_component_inflight_requests{") and 'dynamo_endpoint="generate"' in line))
+
+
+def outcome(task: asyncio.Task) -> str:
+    """What one request task came to, for a failure message."""
+    if not task.done():
+        return "running"
+    if task.exception() is not None:
+        return repr(task.exception())
+    result = task.result()
+    data = result.json().get("nvext", {}).get("engine_data", {}) if isinstance(result, httpx.Response) else result
+    return f"{len(data.get('completion_token_ids', []))} tokens, spans {data.get('weight_versions')}"
 
 
 async def test_requests_through_the_frontend_survive_a_hot_load_with_exact_spans(
@@ -122,27 +144,35 @@ async def test_requests_through_the_frontend_survive_a_hot_load_with_exact_spans
         # step in tests/replica/test_engine.py).
         await worker.pause(mode="keep")
         started = [asyncio.Event() for _ in range(3)]
+        chunks = [[0] for _ in range(3)]
         requests = [
             asyncio.create_task(_stream(client, "/v1/completions", {**body, "prompt": [200 + i, 7, 300 + i]},
-                                        started[i])) for i in range(2)
+                                        started[i], chunks[i])) for i in range(2)
         ] + [
             asyncio.create_task(_stream(client, "/v1/chat/completions",
                                         {**body, "messages": [{"role": "user", "content": "Count with me"}]},
-                                        started[2])),
+                                        started[2], chunks[2])),
             asyncio.create_task(client.post("/v1/completions", json={**body, "prompt": [400, 9, 500]})),
         ]
-        await asyncio.sleep(1.0)
-        await worker.resume()
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=120)
 
-        async def running(n: int) -> None:
-            while await engine_running(worker) < n:
+        async def until(count: Callable[[DynamoEngineProcess], Awaitable[int]], n: int) -> None:
+            while await count(worker) < n:
                 await asyncio.sleep(0.05)
 
-        await asyncio.wait_for(running(len(requests)), timeout=120)
+        # All four at the worker (and so queued in its paused engine) before the resume.
+        await asyncio.wait_for(until(arrived, len(requests)), timeout=120)
+        await worker.resume()
+        t_resume = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=120)
+        await asyncio.wait_for(until(engine_running, len(requests)), timeout=120)
+        all_ran_s = time.perf_counter() - t_resume
+        seen = [c[0] for c in chunks]
+        t_pause = time.perf_counter()
         await worker.pause(mode="keep")
+        pause_s = time.perf_counter() - t_pause
         try:
             in_flight = sum(not t.done() for t in requests)
+            outcomes = [outcome(t) for t in requests]
             frozen = await engine_running(worker)
             # A lone worker stays registered while paused: the frontend still has it.
             still_registered = await worker.instances()
@@ -158,7 +188,11 @@ async def test_requests_through_the_frontend_survive_a_hot_load_with_exact_spans
         results = await asyncio.gather(*requests, queued)
     print(f"\n[dynamo pause window] relabel + swap + commit {swap_ms:.1f} ms; {in_flight} of {len(requests)} "
           f"in flight, {frozen} frozen")
-    assert in_flight == len(requests) and frozen == len(requests), (in_flight, frozen)
+    # The premise: all four were running when the pause began, and it froze them.
+    assert in_flight == len(requests) and frozen == len(requests), (
+        f"{in_flight} of {len(requests)} in flight and {frozen} frozen at the pause; all ran {all_ran_s:.2f} s after "
+        f"the resume, the streams had {seen} chunks then, the pause call took {pause_s:.2f} s; "
+        f"at the pause: {outcomes}")
     assert loaded["verified"] == len(COUNTING_CHANGED)
     assert still_registered == [worker.worker_id]
 
