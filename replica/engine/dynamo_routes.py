@@ -7,7 +7,8 @@ touching Dynamo's or vLLM's files:
 2. **Our control routes**, registered through Dynamo's runtime on its system server (the
    ``DYN_SYSTEM_HOST``:``DYN_SYSTEM_PORT`` HTTP server, ``/engine/<name>``) next to Dynamo's own:
    ``/engine/rollouts/<route>`` for each of :data:`ROUTES`, with the meaning and answers of the
-   vLLM dev routes of the same names that a plain vLLM replica serves (``pause`` (mode, clear_cache),
+   vLLM dev routes of the same names that a plain vLLM replica serves (``pause`` (mode, clear_cache;
+   without AsyncLLM's closing sleep: :func:`pause_at_once`),
    ``resume``, ``is_paused``, ``reset_prefix_cache``, ``collective_rpc`` (which returns every
    worker's result: Dynamo's own RL routes drop them), ``update_weight_version``,
    ``weight_info``), and three of Dynamo's: ``leave`` / ``join`` take the worker out of the
@@ -105,19 +106,19 @@ class SpanRecorder:
 
 # -- control routes -------------------------------------------------------------------------------
 
-async def pause_at_once(engine: Any, clear_cache: bool) -> None:
-    """``engine.pause_generation(mode="keep")`` without the 20 ms sleep vLLM 0.32's AsyncLLM ends it
+async def pause_at_once(engine: Any, clear_cache: bool, mode: str = "keep") -> None:
+    """``engine.pause_generation(mode=mode)`` without the 20 ms sleep vLLM 0.32's AsyncLLM ends it
     with (so that in-flight requests' last outputs reach their streams first, "not required for
     correctness", its comment says): the engine core's pause itself returns once no step is in
     flight, and the label every output carries is attached there, in step order, so the sleep
     orders nothing a label depends on. An engine without that core call pauses the usual way."""
     core = getattr(engine, "engine_core", None)
     if not hasattr(core, "pause_scheduler_async") or not hasattr(engine, "renderer"):
-        await engine.pause_generation(mode="keep", clear_cache=clear_cache)
+        await engine.pause_generation(mode=mode, clear_cache=clear_cache)
         return
     if clear_cache:
         await engine.renderer.clear_mm_cache_async()
-    await core.pause_scheduler_async(mode="keep", clear_cache=clear_cache)
+    await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
 
 
 def _error(code: int, message: str) -> dict[str, Any]:
@@ -130,7 +131,7 @@ def control_routes(engine: Any, endpoint: Any, secret: str
     (an ``AsyncLLM``) and the worker's Dynamo ``generate`` endpoint."""
 
     async def pause(body: dict[str, Any]) -> dict[str, Any]:
-        await engine.pause_generation(mode=body.get("mode", "keep"), clear_cache=bool(body.get("clear_cache", False)))
+        await pause_at_once(engine, bool(body.get("clear_cache", False)), str(body.get("mode", "keep")))
         return {"status": "paused"}
 
     async def resume(body: dict[str, Any]) -> dict[str, Any]:

@@ -99,3 +99,12 @@ def test_an_async_llm_is_paused_through_its_engine_core_without_the_closing_slee
     asyncio.run(route({"secret": "k", "label": "s2", "previous": "s1", "clear_cache": clear_cache, "expected": 1}))
     pause = [("clear mm cache",)] if clear_cache else []
     assert engine.calls[:len(pause) + 2] == [*pause, ("core pause", "keep", clear_cache), ("label", "s2")]
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_the_pause_route_pauses_the_engine_core_in_the_mode_asked(mode: str) -> None:
+    engine = Engine({"verified": 1})
+    engine.engine_core, engine.renderer = Core(engine.calls), Renderer(engine.calls)
+    route = control_routes(engine, None, "k")["pause"]
+    assert asyncio.run(route({"secret": "k", "mode": mode})) == {"status": "paused"}
+    assert engine.calls == [("core pause", mode, False)]
