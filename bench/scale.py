@@ -23,7 +23,9 @@ prints:
     .venv/bin/python bench/scale.py --replicas 1000 --nodes 4 --max-concurrent-swaps 16
 
 `--fan-out`, `--group-size` and `--max-concurrent-swaps` set the deployment's `hotLoad.peerFanOut`,
-`replicasPerGroup` and `maxConcurrentSwaps`.
+`replicasPerGroup` and `maxConcurrentSwaps`. In a real deployment every replica agent runs on its
+own host, not beside the control plane; `--sim-nice 19` runs the simulated agents at the lowest
+CPU priority so that, on one machine, they take only what the control plane leaves.
 """
 
 from __future__ import annotations
@@ -207,6 +209,9 @@ def main() -> int:
     ap.add_argument("--fan-out", type=int, default=4, help="hotLoad.peerFanOut")
     ap.add_argument("--group-size", type=int, default=100, help="hotLoad.replicasPerGroup")
     ap.add_argument("--max-concurrent-swaps", type=int, default=1, help="hotLoad.maxConcurrentSwaps")
+    ap.add_argument("--sim-nice", type=int, default=0,
+                    help="run the SIMULATED node agents at this niceness (19: they take only the CPU the control "
+                         "plane leaves, as agents on their own hosts would)")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     ap.add_argument("--deployment-only", action="store_true", help="create the deployment, report, and stop")
     ap.add_argument("--keep", action="store_true", help="keep the stack's home (logs) afterwards")
@@ -222,7 +227,8 @@ def main() -> int:
         for i in range(args.nodes):
             log = open(settings.home_path / "logs" / f"sim-node-{i}.log", "wb")  # noqa: SIM115 - lives as long as the process
             nodes.append(subprocess.Popen(
-                [sys.executable, "-m", "workers.cli", "sim-node", "--home", str(settings.home_path), "--name", f"sim-{i}",
+                ["nice", "-n", str(args.sim_nice), sys.executable, "-m", "workers.cli", "sim-node",
+                 "--home", str(settings.home_path), "--name", f"sim-{i}",
                  "--gpus", str(per_node), "--transfer-ms", str(args.transfer_ms)],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
             ))
@@ -259,8 +265,8 @@ def main() -> int:
             if dep["status"]["status"] in ("STATUS_READY", "STATUS_FAILED"):
                 break
             time.sleep(1)
-        print(f"deployment of {args.replicas} SIMULATED replicas on {args.nodes} simulated node(s): "
-              f"{dep['status']['status']} in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"deployment of {args.replicas} SIMULATED replicas on {args.nodes} simulated node(s) (nice "
+              f"{args.sim_nice}): {dep['status']['status']} in {time.perf_counter() - t0:.1f} s", flush=True)
         dep_wf = names.deployment_workflow_id(settings.organization_id, dep_id)
         events, size = asyncio.run(history(settings, dep_wf))
         print(f"  deployment history {events} events, {size / 1e6:.2f} MB: {asyncio.run(history_breakdown(settings, dep_wf))}",
@@ -296,6 +302,7 @@ def main() -> int:
         if args.json:
             args.json.write_text(json.dumps({"replicas": args.replicas, "nodes": args.nodes, "fan_out": args.fan_out,
                                              "group_size": args.group_size, "k": args.max_concurrent_swaps,
+                                             "sim_nice": args.sim_nice,
                                              "results": results}, indent=1))
         return 0 if all(r["state"] == "HOT_LOAD_STATE_COMPLETED" for r in results) else 1
     finally:
