@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, StrictInt, field_va
 from common.buckets import bucket_problem, normalize_path, path_problem
 from common.ids import resource_id_problem
 from contracts import names
+from contracts.autoscaling import MAX_AFTER_S, MAX_TARGET_IN_FLIGHT
 from contracts.records import (
     ENUM_NUMBERS,
     MAX_CONCURRENT_SWAPS,
@@ -168,6 +169,10 @@ MAX_REPLICAS = 1024
 class AutoscalingIn(Autoscaling):
     min: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] = 1
     max: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] = 1
+    # Beyond the guide (docs/operations.md, "Autoscaling"); unset: contracts/autoscaling.py's defaults.
+    target_in_flight: Annotated[StrictInt, Field(ge=1, le=MAX_TARGET_IN_FLIGHT)] | None = None
+    scale_out_after_seconds: Annotated[StrictInt, Field(ge=0, le=MAX_AFTER_S)] | None = None
+    scale_in_after_seconds: Annotated[StrictInt, Field(ge=0, le=MAX_AFTER_S)] | None = None
 
 
 class CreateDeploymentRequest(WireModel):

@@ -41,11 +41,21 @@ class StartReplicasInput(WireModel):
     # its GPU devices become the replica's CUDA_VISIBLE_DEVICES. Empty in histories from before
     # node agents.
     placements: dict[str, Placement] = Field(default_factory=dict)
+    # A scale-out's new replica (control/autoscaler.py): it stays out of its engine's routing pool
+    # (a Dynamo worker leaves discovery) until the deployment makes it a member (`serve_replica`).
+    joining: bool = False
 
 
 class StopReplicasInput(WireModel):
     deployment_id: str
     names: list[str]
+
+
+class DrainInput(WireModel):
+    """Scale-in of one replica: how long routers get to notice it left before its engine stops
+    taking requests and finishes those it holds."""
+
+    grace_seconds: float = 2.0
 
 
 class CheckSnapshotInput(WireModel):

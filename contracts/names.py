@@ -43,6 +43,8 @@ RELEASE = "release"
 # The registry tells a deployment its replicas went with a lost node; the deployment tells its
 # running hot-load.
 REPLICAS_LOST = "replicas_lost"
+# A gateway's judgement of a deployment's load (contracts/autoscaling.py).
+LOAD_REPORT = "load_report"
 
 # Activities on the control queue.
 PLACE_REPLICAS = "place_replicas"
@@ -60,6 +62,10 @@ OFFER_TO_PEER = "offer_to_peer"
 SEND_TO_PEERS = "send_to_peers"
 STAGE_FROM_PEER = "stage_from_peer"
 COMMIT_PEER_STAGE = "commit_peer_stage"
+# Scale-in: the replica leaves its engine's routing pool, then waits for the requests it holds.
+DRAIN_REPLICA = "drain_replica"
+# Scale-out: a joining replica enters its engine's routing pool as it becomes a member.
+SERVE_REPLICA = "serve_replica"
 
 
 def deployment_workflow_id(organization_id: str, deployment_id: str) -> str:

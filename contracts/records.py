@@ -146,6 +146,13 @@ class ModelSource(WireModel):
 class Autoscaling(WireModel):
     min: int = 1
     max: int = 1
+    # Beyond the guide (docs/operations.md, "Autoscaling"; contracts/autoscaling.py): unset means
+    # the default there. Requests in flight per serving replica, as a gateway sees them, that
+    # make the deployment busy; how long busy lasts before one replica is added, and how long
+    # idle lasts before one is removed.
+    target_in_flight: int | None = None
+    scale_out_after_seconds: int | None = None
+    scale_in_after_seconds: int | None = None
 
 
 class Traffic(WireModel):
@@ -424,3 +431,6 @@ class DeploymentInput(WireModel):
     # Where each member runs (the node registry placed it); a member without one is placed
     # before it starts. Empty in states from before node agents.
     placements: dict[str, Placement] = Field(default_factory=dict)
+    # When the last autoscaling step ended (RFC 3339; None: none yet). The next step's load must
+    # hold from then on (contracts/autoscaling.py).
+    scaled_at: str | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from contracts.errors import ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, rejected
 from contracts.records import (
+    Autoscaling,
     ConditionStatus,
     CreateHotLoadCommand,
     DeploymentInput,
@@ -36,6 +37,14 @@ def same_hot_load(given: HotLoadConfig, spec: HotLoadConfig) -> bool:
             return False
     guide = ("bucket", "path_prefix", "transition_mode")
     return all(getattr(given, name) == getattr(spec, name) for name in guide)
+
+
+def same_autoscaling(given: Autoscaling, spec: Autoscaling) -> bool:
+    """Whether an update's autoscaling section is the deployment's: `min` and `max` must match;
+    a field beyond the guide that the update leaves out keeps the deployment's."""
+    extension = ("target_in_flight", "scale_out_after_seconds", "scale_in_after_seconds")
+    return (given.min, given.max) == (spec.min, spec.max) and all(
+        getattr(given, name) is None or getattr(given, name) == getattr(spec, name) for name in extension)
 
 
 def check_update(state: DeploymentInput, cmd: UpdateDeploymentCommand, *, deleting: bool) -> None:
@@ -65,7 +74,8 @@ def check_update(state: DeploymentInput, cmd: UpdateDeploymentCommand, *, deleti
         "autoscaling": (cmd.autoscaling, spec.autoscaling),
         "runtime.engine": (cmd.runtime.engine if cmd.runtime else None, spec.runtime.engine),
     }
-    changed = [field for field, (new, old) in fixed.items() if new is not None and new != old]
+    changed = [field for field, (new, old) in fixed.items()
+               if new is not None and not (same_autoscaling(new, old) if field == "autoscaling" else new == old)]
     if changed:
         raise rejected(
             INVALID_ARGUMENT,

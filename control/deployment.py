@@ -46,6 +46,11 @@ runtime. A new replica that fails to start stops the roll: STATUS_ERROR (reason 
 naming the replica and why), the replicas not yet replaced keep serving, and another update
 (a fixed or the previous runtime) rolls again.
 
+Autoscaling (control/autoscaler.py, mixed in): with `autoscaling.max` above `min`, the main loop
+adds or removes one replica at a time on the gateways' `load_report` signals, only while READY
+with no hot-load running and no roll due; a new replica joins the members between hot-loads, one
+leaving is out of the replica list before it drains and stops.
+
 The create handler runs in the API request's trace context (`CreateHotLoadCommand.trace_context`),
 so the file checks and the hot-load workflow it starts belong to the request's trace, one trace
 per operation, rather than to the deployment's long-lived one (common/telemetry.py).
@@ -74,6 +79,7 @@ with workflow.unsafe.imports_passed_through():
 
     from contracts import names
     from contracts.activities import CheckSnapshotInput, StartReplicasInput
+    from contracts.autoscaling import LoadReport
     from contracts.errors import ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, UNAVAILABLE, rejected
     from contracts.memo import ChunkedList
     from contracts.nodes import ReplicasLost
@@ -98,6 +104,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from contracts.search import hot_load_attributes
     from control import admission, replica_set
+    from control.autoscaler import Autoscaler, joined_message
     from control.hot_load.state import details as hot_load_details
     from control.hot_load.state import summary as hot_load_summary
 
@@ -132,10 +139,11 @@ def _outcome_of(exc: BaseException) -> HotLoadOutcome | None:
 
 
 @workflow.defn
-class DeploymentWorkflow:
+class DeploymentWorkflow(Autoscaler):
     @workflow.init
     def __init__(self, state: DeploymentInput) -> None:
         self.state = state
+        self._init_autoscaler()
         self.failures: list[ReplicaFailure] = []
         self.deleting = False
         # One replica-set change at a time: starting (which checks the pid files first) and
@@ -236,12 +244,13 @@ class DeploymentWorkflow:
         else:
             self._set_status(
                 ResourceStatus.READY,
-                self._condition("ReplicasReady", True, "AllReplicasReady", f"{n} replica(s) serving"),
+                self._condition("ReplicasReady", True, "AllReplicasReady", joined_message(n, len(self.joining))),
             )
 
-    def _start_input(self, names_: list[str]) -> StartReplicasInput:
+    def _start_input(self, names_: list[str], joining: bool = False) -> StartReplicasInput:
         """Start these replicas on the spec's runtime; each catches up to the latest completed
-        snapshot chain (if any) before it reports ready."""
+        snapshot chain (if any) before it reports ready; `joining`: a scale-out's, out of its
+        engine's routing pool until it becomes a member."""
         latest = self.state.completed[-1].identity if self.state.completed else None
         return StartReplicasInput(
             deployment_id=self.spec.id,
@@ -254,18 +263,21 @@ class DeploymentWorkflow:
             target_chain=self.state.chains.get(latest) if latest else None,
             hot_load_config=self.spec.hot_load,
             placements={n: self.state.placements[n] for n in names_ if n in self.state.placements},
+            joining=joining,
         )
 
     def _zone(self) -> str:
         return self.state.gateway_zones[0] if self.state.gateway_zones else "LOCAL-1A"
 
     async def _start(
-        self, names_: list[str], timeout: timedelta, pickup: timedelta = replica_set.NODE_PICKUP, attempts: int = 3
+        self, names_: list[str], timeout: timedelta, pickup: timedelta = replica_set.NODE_PICKUP, attempts: int = 3,
+        joining: bool = False,
     ) -> replica_set.StartOutcome:
         """Start these replicas where they are placed (placing those without a place first);
         raises `PlacementFailed` when they cannot all be placed."""
         return await replica_set.start(
-            self.state, names_, self._start_input, self._zone(), timeout, pickup, attempts=attempts
+            self.state, names_, lambda group: self._start_input(group, joining), self._zone(), timeout, pickup,
+            attempts=attempts,
         )
 
     def _unanswered_text(self) -> str:
@@ -309,9 +321,13 @@ class DeploymentWorkflow:
             if roll_due():
                 await self._roll()
                 continue
+            if (direction := self._scale_step()) != 0:
+                await (self._scale_out() if direction > 0 else self._scale_in())
+                continue
             try:
                 await workflow.wait_condition(
-                    lambda: self.deleting or may_continue_as_new() or roll_due(), timeout=SUPERVISE_EVERY
+                    lambda: self.deleting or may_continue_as_new() or roll_due() or self._scale_step() != 0,
+                    timeout=SUPERVISE_EVERY,
                 )
             except asyncio.TimeoutError:
                 if self.state.deployment.status.status in SUPERVISED:
@@ -487,9 +503,9 @@ class DeploymentWorkflow:
                 ).cancel()
             except Exception:  # noqa: BLE001 - it may have just finished
                 pass
-        all_names = list(
-            dict.fromkeys([*self.state.members, *(r.name for r in self.state.replicas), *self.state.pending_replicas])
-        )
+        all_names = list(dict.fromkeys([
+            *self.state.members, *(r.name for r in self.state.replicas), *self.state.pending_replicas, *self.joining,
+        ]))
         await replica_set.stop(self.state, all_names)
         self.state.replicas = []
         self.state.pending_replicas = []
@@ -499,6 +515,9 @@ class DeploymentWorkflow:
     # ------------------------------------------------------------------ replicas report in
     @workflow.signal
     def replica_ready(self, endpoint: ReplicaEndpoint) -> None:
+        if endpoint.name in self.joining and not self.deleting:
+            self.joining[endpoint.name] = endpoint  # it becomes a member between hot-loads (control/autoscaler.py)
+            return
         if endpoint.name not in self.state.members or self.deleting:
             # A replica taken out of the deployment (replaced, or deleted) that reported late.
             workflow.logger.warning("ignoring ready from %s: not a replica of this deployment", endpoint.name)
@@ -517,6 +536,11 @@ class DeploymentWorkflow:
         self.state.replicas = [r for r in self.state.replicas if r.name != failure.name]
         self.state.pending_replicas = [n for n in self.state.pending_replicas if n != failure.name]
         self._settle()
+
+    @workflow.signal(name=names.LOAD_REPORT)
+    def load_report(self, report: LoadReport) -> None:
+        """A gateway's judgement of the deployment's load (contracts/autoscaling.py)."""
+        self._hear(report)
 
     @workflow.signal(name=names.REPLICAS_LOST)
     async def replicas_lost(self, lost: ReplicasLost) -> None:

@@ -103,6 +103,7 @@ from contracts.names import dynamo_model
 from gateway import dynamo
 from gateway.body import read_json_object
 from gateway.errors import error_response
+from gateway.load import LoadMeter, report_loop, temporal_signal
 from gateway.nvext import (
     RequestError,
     RequestPlan,
@@ -219,6 +220,7 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
     The router serves the deployments that list ``settings.gateway_id`` unless it names a gateway."""
     tokens = TokenStore(settings.tokens_file)
     router = router or Router()
+    meter = LoadMeter()
     if router.gateway_id is None:
         router.gateway_id = settings.gateway_id
     state: dict[str, Any] = {}
@@ -232,14 +234,16 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
             # reusing one it just closed would look like a replica failure.
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=4.0),
         )
-        task = asyncio.create_task(refresh_loop(router, settings)) if refresh else None
+        tasks = [asyncio.create_task(refresh_loop(router, settings)),
+                 asyncio.create_task(report_loop(router, meter, temporal_signal(settings)))] if refresh else []
         yield
-        if task:
+        for task in tasks:
             task.cancel()
         await state["http"].aclose()
 
     app = FastAPI(title="rollouts gateway", lifespan=lifespan)
     app.state.router = router
+    app.state.load = meter
 
     def authorized(request: Request, action: str | None = None) -> Principal | JSONResponse:
         """The caller; with ``action``, one that may run it (admin)."""
@@ -339,6 +343,16 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
                 f"no replica of {named[0].model_name} could take the request: no running replica of a deployment "
                 f"that takes traffic: {states}"
             ))
+        meter.begin(view.workflow_id)
+        try:
+            response = await forward(body, path, view, session)
+        except BaseException:
+            meter.end(view.workflow_id)
+            raise
+        return meter.track(view.workflow_id, response)
+
+    async def forward(body: dict[str, Any], path: str, view: DeploymentView, session: str | None):
+        """The request to the chosen deployment's replicas (or its Dynamo frontend) and the answer."""
         try:
             plan = plan_request(body, path, view.engine_config)
         except RequestError as exc:

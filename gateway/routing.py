@@ -53,8 +53,10 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from common.settings import temporal_client
+from contracts.autoscaling import TARGET_IN_FLIGHT, policy
 from contracts.memo import replica_list
 from contracts.names import hot_load_workflow_id
+from contracts.records import Autoscaling
 from gateway.split import WeightedSplit
 
 log = logging.getLogger("rollouts.gateway")
@@ -96,6 +98,10 @@ class DeploymentView:
     gateway_ids: tuple[str, ...] = ()  # spec.gatewayIds: the gateways that serve it
     weight: int = 100  # spec.traffic.weight: its share among deployments of the same model name
     status: str = "STATUS_READY"  # status.status
+    # spec.autoscaling: whether it scales (max > min), and the requests in flight per serving
+    # replica that make it busy (gateway/load.py reports its load).
+    scales: bool = False
+    target_in_flight: int = TARGET_IN_FLIGHT
 
     @property
     def takes_traffic(self) -> bool:
@@ -168,7 +174,16 @@ def build_view(
         gateway_ids=tuple(g for g in spec.get("gatewayIds") or [] if isinstance(g, str)),
         weight=_weight(spec),
         status=str(status.get("status") or "STATUS_CREATING"),
+        **_autoscaling(spec),
     )
+
+
+def _autoscaling(spec: dict[str, Any]) -> dict[str, Any]:
+    try:
+        p = policy(Autoscaling.model_validate(spec.get("autoscaling") or {}))
+    except ValueError:
+        return {}
+    return {"scales": p.scales, "target_in_flight": p.target_in_flight}
 
 
 def _weight(spec: dict[str, Any]) -> int:

@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="runtime.engine: dynamo-vllm (Dynamo's vLLM worker) or vllm (vLLM's OpenAI server)")
     p.add_argument("--engine-config", default="{}", help="JSON runtime.engineConfig: vLLM flags")
     p.add_argument("--catch-up", default=None, help="JSON ApplySnapshotInput to load before reporting ready")
+    p.add_argument("--joining", action="store_true",
+                   help="a scale-out's new replica: out of the engine's routing pool until the deployment serves it")
     p.add_argument("--node-address", default=None, metavar="ADDR",
                    help="address other hosts reach this replica at: its engine URL and peer broadcast "
                         "(default: the settings' host)")

@@ -25,6 +25,7 @@ agent is noticed within seconds.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 from temporalio import activity
@@ -35,6 +36,7 @@ from contracts.activities import (
     ApplySnapshotInput,
     ApplySnapshotResult,
     CommitPeerStageInput,
+    DrainInput,
     PeerOffer,
     PeerOfferInput,
     StageFromPeerInput,
@@ -60,6 +62,33 @@ class ReplicaActivities:
     async def apply_snapshot(self, inp: ApplySnapshotInput) -> ApplySnapshotResult:
         return await measured_step(self.metrics, names.APPLY_SNAPSHOT,
                                    replica_step(self.runtime, lambda: self.runtime.apply_from_bucket(inp)))
+
+    @activity.defn(name=names.SERVE_REPLICA)
+    async def serve_replica(self) -> None:
+        """Scale-out: the deployment makes this joining replica a member. A Dynamo worker enters
+        its frontend's routing pool (a vLLM server is routed to by the gateway's replica list)."""
+        serve = getattr(self.runtime.engine, "serve", None)
+        if serve is not None:
+            await serve()
+
+    @activity.defn(name=names.DRAIN_REPLICA)
+    async def drain_replica(self, inp: DrainInput) -> float:
+        """Scale-in: this replica is out of the deployment's rotation. A Dynamo worker leaves its
+        frontend's routing pool; after `grace_seconds` for routers to notice, the engine pauses
+        with ``mode=wait``: it takes no new request and returns once every request it held has
+        finished. Returns the seconds that took; the deployment then stops the replica."""
+        heartbeat = asyncio.create_task(_heartbeat_forever())
+        try:
+            async with self.runtime.lock:  # no weight change is under way (none is started after)
+                start = time.perf_counter()
+                leave = getattr(self.runtime.engine, "leave_pool", None)
+                if leave is not None:
+                    await leave()
+                await asyncio.sleep(inp.grace_seconds)
+                await self.runtime.engine.pause(mode="wait")
+                return time.perf_counter() - start
+        finally:
+            heartbeat.cancel()
 
 
 async def measured_step(metrics: ReplicaMetrics, name: str, step: Awaitable[ApplySnapshotResult]) -> ApplySnapshotResult:

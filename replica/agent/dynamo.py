@@ -29,6 +29,11 @@ Everything the agent does with an engine works unchanged on it:
   its ``swap`` fault point, which needs the four calls. A lone worker stays registered: a request that reaches it during the pause waits
   for the resume (the pause window), as on a vLLM replica, rather than failing for want of a
   worker. A request the frontend routed before it saw the ``leave`` also waits for the resume.
+- **Gate and hold-out**: an agent starts its worker ``gated``: Dynamo puts a worker in
+  discovery as soon as it serves, so its frontend may route there before the agent has loaded
+  the deployment's weights and label; such requests wait at the worker's gate until
+  ``open_gate``. A scale-out's new replica is also held out of the pool (``hold_out``: no swap's
+  resume puts it back) until its deployment makes it a member (``serve``).
 - **KV events**: with ``kv_events`` (a stack whose Dynamo router mode is ``kv``) the worker
   publishes its KV-cache events over ZMQ on ``node_address`` (a free port) for Dynamo's KV-aware
   router.
@@ -79,8 +84,10 @@ class DynamoEngineProcess(EngineProcess):
 
     def __init__(self, model_dir: Path | str, *, discovery_dir: Path | str, namespace: str,
                  frontend_url: str | None = None, kv_events: bool = False, discovery_backend: str = "file",
-                 **options: Any) -> None:
+                 gated: bool = False, **options: Any) -> None:
         super().__init__(model_dir, **options)
+        # Start with the worker's gate closed: requests wait until `open_gate` (module docstring).
+        self.gated = gated
         # Publish KV-cache events (ZMQ, on the node address) for Dynamo's KV-aware router.
         self.kv_events = kv_events
         self.kv_events_port: int | None = None
@@ -92,6 +99,8 @@ class DynamoEngineProcess(EngineProcess):
         self.frontend_url = frontend_url.rstrip("/") if frontend_url else None
         self.worker_id: int | None = None
         self.left = False
+        # Out of the routing pool until `serve` (a joining replica): no swap puts it back.
+        self.held_out = False
 
     @classmethod
     def attach(cls, base_url: str, *, pid: int | None = None, served_model_name: str | None = None,
@@ -144,6 +153,8 @@ class DynamoEngineProcess(EngineProcess):
             "DYN_TCP_RPC_HOST": self.node_address,
             "DYN_EVENT_PLANE_HOST": self.node_address,
         })
+        if self.gated:
+            env["ROLLOUTS_GATED"] = "1"
         return env
 
     async def start(self, timeout: float = 600.0, on_spawn: Any = None) -> DynamoEngineProcess:
@@ -273,9 +284,25 @@ class DynamoEngineProcess(EngineProcess):
         await self._join()
 
     async def _join(self) -> None:
-        if self.left:
+        if self.left and not self.held_out:
             await self.control("join")
             self.left = False
+
+    async def open_gate(self) -> None:
+        """Let requests reach the engine (a worker started ``gated``)."""
+        await self.control("open")
+
+    async def hold_out(self) -> None:
+        """Out of the frontend's routing pool, whatever else is in it, until `serve`."""
+        self.held_out = True
+        if not self.left:
+            await self.control("leave")
+            self.left = True
+
+    async def serve(self) -> None:
+        """Into the routing pool: the deployment made this replica a member."""
+        self.held_out = False
+        await self._join()
 
     async def models(self) -> list[str]:
         """The worker's model (its Dynamo name); for an attached worker told no name, what the

@@ -101,6 +101,7 @@ async def _run_replica(
     model_path: str,
     model_name: str,
     catch_up: str | None = None,
+    joining: bool = False,
     runtime_engine: str = names.HOT_LOAD_ENGINE,
     engine_config: dict[str, str] | None = None,
     node: str = "",
@@ -157,11 +158,15 @@ async def _run_replica(
                 discovery_dir=settings.dynamo_discovery_dir, namespace=names.dynamo_namespace(workflow_id),
                 frontend_url=settings.dynamo_frontend_url, kv_events=settings.dynamo_router_mode == "kv",
                 discovery_backend=settings.dynamo_discovery_backend,
+                # Requests wait at the worker's gate until it holds the deployment's weights.
+                gated=True,
                 **options,
             )
         else:
             engine = EngineProcess(model_dir, served_model_name=model_name, **options)
         await engine.start(on_spawn=engine_pid_file.write)
+        if joining and isinstance(engine, DynamoEngineProcess):
+            await engine.hold_out()  # no new request until the deployment serves it (`serve_replica`)
         await engine.set_weight_version("initial")
         # The host copy lives in shared memory: the engine takes its roll-back bytes from it.
         host_arena = StageArena()
@@ -174,6 +179,8 @@ async def _run_replica(
             result = await runtime.apply_from_bucket(inp)
             log.info("caught up to %s (%d tensors, %d bytes from the bucket)", inp.identity,
                      result.tensors_loaded, result.bytes_read_from_bucket)
+        if isinstance(engine, DynamoEngineProcess):
+            await engine.open_gate()  # it holds the deployment's weights and their label
     except Exception as exc:  # noqa: BLE001 - reported to the deployment, then exit
         log.exception("replica %s failed to start", name)
         await deployment.signal(
@@ -190,11 +197,12 @@ async def _run_replica(
         loop.add_signal_handler(sig, stop.set)
     task_queue = names.replica_task_queue(workflow_id, name)
     peer = PeerActivities(runtime, metrics)
+    replica_acts = ReplicaActivities(runtime, metrics)
     worker = Worker(
         client,
         task_queue=task_queue,
         activities=[
-            ReplicaActivities(runtime, metrics).apply_snapshot, peer.offer_to_peer,
+            replica_acts.apply_snapshot, replica_acts.serve_replica, replica_acts.drain_replica, peer.offer_to_peer,
             peer.send_to_peers, peer.stage_from_peer, peer.commit_peer_stage,
         ],
         # Heartbeats carry cancellation back: send them at least every second, not every 24 s.

@@ -16,8 +16,9 @@ touching Dynamo's or vLLM's files:
    returns: a paused replica gets no new request), ``instance`` answers its Dynamo worker id (the
    ``worker_id`` Dynamo's frontend reports), ``instances`` the ids of every ``generate`` instance
    of its namespace that Dynamo's discovery lists now (whatever the discovery backend: ``file``
-   or ``kubernetes``), this worker's included while it is in the pool. One more is ours alone:
-   ``swap_in_pause`` (label, previous, clear_cache, expected) is a whole swap in one call, inside the worker:
+   or ``kubernetes``), this worker's included while it is in the pool. Two more are ours alone:
+   ``open`` opens the gate (3). ``swap_in_pause`` (label, previous, clear_cache, expected) is a
+   whole swap in one call, inside the worker:
    pause (keep; :func:`pause_at_once`), set the weight-version label, swap the stage in and prove it
    (``swap_and_commit_staged`` on every worker), resume; a swap that fails, whose read-back
    differs, or that proved other than ``expected`` tensors is rolled back (``discard_staged``) and the previous label restored before the
@@ -29,7 +30,13 @@ touching Dynamo's or vLLM's files:
    ``{"error": {"code": 401, ...}}``; any failure answers ``{"error": {"code": 500|400, "message"}}``
    (the system server always answers HTTP 200; ``replica.agent.dynamo.DynamoEngineClient`` turns
    these into the errors a vLLM replica raises).
-3. **Per-token weight versions**: every finished choice carries vLLM's weight-version spans in
+3. **Gate** (a worker started with ``gated``, as a replica agent starts it): no request reaches
+   the engine until the agent opens the gate (its ``open`` route), which it does once the engine
+   holds the deployment's weights and their label. Dynamo registers a worker in discovery as
+   soon as it serves, so its frontend may route a request there before that; such a request
+   waits at the gate, then runs on the weights the agent put in. Dynamo's own health probe
+   passes (the worker reports ready only once one succeeds).
+4. **Per-token weight versions**: every finished choice carries vLLM's weight-version spans in
    Dynamo's ``engine_data`` pass-through (``engine_data.weight_versions`` =
    ``[{"version", "start", "end"}, ...]`` over completion-token indices, the token API's shape),
    which Dynamo's frontend returns as ``nvext.engine_data`` when a request names ``engine_data``
@@ -51,7 +58,7 @@ from typing import Any
 
 ROUTE_PREFIX = "rollouts/"
 ROUTES = ("pause", "resume", "is_paused", "reset_prefix_cache", "collective_rpc", "update_weight_version",
-          "weight_info", "leave", "join", "instance", "instances", "swap_in_pause")
+          "weight_info", "leave", "join", "instance", "instances", "swap_in_pause", "open")
 # How long the first ``instances`` call waits for the worker's discovery client to list any instance.
 INSTANCES_WAIT_S = 10.0
 
@@ -65,12 +72,34 @@ def _spans(output: Any) -> list[dict[str, Any]] | None:
     return [{"version": s.version, "start": s.start, "end": s.end} for s in spans]
 
 
+class Gate:
+    """Open, or closed until ``open()``: what every request waits for before the engine (module
+    docstring, 3)."""
+
+    def __init__(self, closed: bool) -> None:
+        self._open = asyncio.Event()
+        if not closed:
+            self._open.set()
+
+    def open(self) -> None:
+        self._open.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    async def wait(self) -> None:
+        await self._open.wait()
+
+
 class SpanRecorder:
     """Keeps, per request id and choice index, the spans of each finished choice as vLLM's outputs
-    pass to Dynamo's handler, and stamps them on the handler's finishing chunk."""
+    pass to Dynamo's handler, and stamps them on the handler's finishing chunk; a request first
+    passes the gate (`wrap_handler`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate: Gate | None = None) -> None:
         self.final: dict[str, dict[int, list[dict[str, Any]] | None]] = {}
+        self.gate = gate or Gate(closed=False)
 
     def wrap_generate(self, generate: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
         final = self.final
@@ -83,6 +112,21 @@ class SpanRecorder:
                 yield res
 
         return recording
+
+    def wrap_handler(self, generate: Callable[..., AsyncIterator[Any]], probe: Callable[[Any], bool]
+                     ) -> Callable[..., AsyncIterator[Any]]:
+        """The handler's ``generate(request, context)`` behind the gate; Dynamo's own health
+        probe (``probe(request)``) passes, or the worker would never report ready. The signature
+        is the handler's own: Dynamo passes ``context`` only to a handler that names it."""
+        gate = self.gate
+
+        async def gated(request: Any, context: Any):
+            if not gate.is_open and not probe(request):
+                await gate.wait()
+            async for out in generate(request, context):
+                yield out
+
+        return gated
 
     def wrap_tokens(self, generate_tokens: Callable[..., AsyncIterator[dict[str, Any]]]
                     ) -> Callable[..., AsyncIterator[dict[str, Any]]]:
@@ -125,7 +169,7 @@ def _error(code: int, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
 
 
-def control_routes(engine: Any, endpoint: Any, secret: str
+def control_routes(engine: Any, endpoint: Any, secret: str, gate: Gate | None = None
                    ) -> dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]]:
     """``name -> async handler(body) -> answer`` for :data:`ROUTES` over vLLM's ``engine``
     (an ``AsyncLLM``) and the worker's Dynamo ``generate`` endpoint."""
@@ -226,7 +270,12 @@ def control_routes(engine: Any, endpoint: Any, secret: str
             timings["window"] = round((time.perf_counter() - start) * 1000, 3)
         return {"result": result, "timings_ms": timings}
 
-    handlers = {"leave": leave, "join": join, "instance": instance, "instances": instances, "pause": pause, "resume": resume, "is_paused": is_paused, "reset_prefix_cache": reset_prefix_cache,
+    async def open_gate(body: dict[str, Any]) -> dict[str, Any]:
+        if gate is not None:
+            gate.open()
+        return {"status": "open"}
+
+    handlers = {"open": open_gate, "leave": leave, "join": join, "instance": instance, "instances": instances, "pause": pause, "resume": resume, "is_paused": is_paused, "reset_prefix_cache": reset_prefix_cache,
                 "collective_rpc": collective_rpc, "update_weight_version": update_weight_version,
                 "weight_info": weight_info, "swap_in_pause": swap_in_pause}
 
@@ -248,20 +297,27 @@ def control_routes(engine: Any, endpoint: Any, secret: str
     return {name: guarded(name, handlers[name]) for name in ROUTES}
 
 
-def install(worker_factory: Any, secret: str) -> SpanRecorder:
+def install(worker_factory: Any, secret: str, gated: bool = False) -> SpanRecorder:
     """Hook Dynamo's ``WorkerFactory`` (``dynamo.vllm.worker_factory``) so that, when it registers
     a worker's engine routes, ours are registered too and the handler's outputs carry
-    weight-version spans."""
+    weight-version spans; ``gated``: requests wait at a closed gate until ``open``."""
+    from dynamo.common.backend.health_check import is_probe  # noqa: PLC0415 - only inside the worker
+
     WorkerFactory = worker_factory  # noqa: N806
-    recorder = SpanRecorder()
+    recorder = SpanRecorder(Gate(closed=gated))
+
+    def probe(request: Any) -> bool:
+        return isinstance(request, dict) and is_probe(request)
     register = WorkerFactory.register_engine_routes
 
     def register_engine_routes(self: Any, runtime: Any, generate_endpoint: Any, handler: Any, *args: Any, **kwargs: Any):
         register(self, runtime, generate_endpoint, handler, *args, **kwargs)
         engine = handler.engine_client
-        for name, route in control_routes(engine, generate_endpoint, secret).items():
+        for name, route in control_routes(engine, generate_endpoint, secret, recorder.gate).items():
             runtime.register_engine_route(ROUTE_PREFIX + name, route)
         engine.generate = recorder.wrap_generate(engine.generate)
+        # Before Dynamo serves the endpoint with it (serve_endpoint comes after this hook).
+        handler.generate = recorder.wrap_handler(handler.generate, probe)
         handler.generate_tokens = recorder.wrap_tokens(handler.generate_tokens)
 
     WorkerFactory.register_engine_routes = register_engine_routes

@@ -7,7 +7,8 @@ runs ``dynamo.vllm``'s own ``main()`` (ai-dynamo 1.6.1) after ``replica.engine.d
 control routes on Dynamo's system server and per-token weight-version spans in its answers) and
 ``replica.engine.dynamo_card.install`` (its model card's files in the shared discovery directory,
 where a frontend on any host reads them), with the engine's secret read from
-``$ROLLOUTS_ENGINE_SECRET_FILE``.
+``$ROLLOUTS_ENGINE_SECRET_FILE``; ``ROLLOUTS_GATED=1`` starts it with its gate closed (requests
+wait until the agent opens it: ``replica.engine.dynamo_routes``).
 
 Everything is imported under the ``__main__`` guard: vLLM starts its engine core and worker by
 spawn, which imports this module again (as ``__mp_main__``), and those processes must not import
@@ -21,9 +22,11 @@ if __name__ == "__main__":
     import dynamo.vllm.main as worker_main
     from dynamo.vllm.worker_factory import WorkerFactory
     # isort: on
+    import os
+
     from replica.engine import dynamo_card, dynamo_routes
     from replica.engine.guard import read_secret_file
 
-    dynamo_routes.install(WorkerFactory, read_secret_file())
+    dynamo_routes.install(WorkerFactory, read_secret_file(), gated=os.environ.get("ROLLOUTS_GATED") == "1")
     dynamo_card.install(worker_main)
     worker_main.main()

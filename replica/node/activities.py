@@ -87,6 +87,8 @@ class NodeActivities:
                 path_prefix=inp.hot_load_config.path_prefix,
             )
             argv += ["--catch-up", catch_up.model_dump_json(by_alias=True)]
+        if inp.joining:
+            argv.append("--joining")
         return argv
 
     @activity.defn(name=names.START_REPLICAS)

@@ -38,6 +38,7 @@ from contracts.activities import (
     ApplySnapshotInput,
     ApplySnapshotResult,
     CommitPeerStageInput,
+    DrainInput,
     PeerOffer,
     PeerOfferInput,
     StageFromPeerInput,
@@ -81,7 +82,7 @@ class SimulatedReplica:
 
     def activities(self) -> list[Any]:
         return [self.apply_snapshot, self.offer_to_peer, self.send_to_peers, self.stage_from_peer,
-                self.commit_peer_stage]
+                self.commit_peer_stage, self.serve_replica, self.drain_replica]
 
     async def _fault(self, point: str) -> None:
         if self.b.faults_home is not None:
@@ -171,6 +172,16 @@ class SimulatedReplica:
                 bytes_received=self.b.link_bytes.get(inp.offer.identity, self.b.state_bytes),
                 stage_ms=(time.perf_counter() - start) * 1000,
             )
+
+    @activity.defn(name=names.SERVE_REPLICA)
+    async def serve_replica(self) -> None:
+        """A SIMULATED replica is routed to by no one: nothing to join."""
+
+    @activity.defn(name=names.DRAIN_REPLICA)
+    async def drain_replica(self, inp: DrainInput) -> float:
+        """A SIMULATED replica serves no request: it has nothing to drain."""
+        async with self.lock:
+            return 0.0
 
     @activity.defn(name=names.COMMIT_PEER_STAGE)
     async def commit_peer_stage(self, inp: CommitPeerStageInput) -> ApplySnapshotResult:

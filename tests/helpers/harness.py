@@ -39,6 +39,7 @@ from contracts.activities import (
     ApplySnapshotResult,
     CheckSnapshotInput,
     CommitPeerStageInput,
+    DrainInput,
     PeerOffer,
     PeerOfferInput,
     StageFromPeerInput,
@@ -121,6 +122,8 @@ class Fleet:
     applied: list[tuple[str, str]] = field(default_factory=list)
     # The replica names `stop_replicas` was asked to stop, in order.
     stopped: list[str] = field(default_factory=list)
+    # The replica names whose `drain_replica` ran (scale-in), in order.
+    drained: list[str] = field(default_factory=list)
     # The replica names placed and released (placement stand-ins), in order.
     placed: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
@@ -137,7 +140,7 @@ class Fleet:
     # True: an early offer (`from_stage`) is refused, as by a replica without delta files.
     refuse_early_offer: bool = False
     # (replica, event) in the order the replicas' activities saw them: "applied", "offered"
-    # (an early offer answered), "staged", "commit".
+    # (an early offer answered), "staged", "commit", "served", "drained", "stopped".
     peer_events: list[tuple[str, str]] = field(default_factory=list)
     hold: asyncio.Event = field(default_factory=asyncio.Event)
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -197,7 +200,7 @@ class Fleet:
 
     async def ready_deployment(
         self, name: str | None = None, *, hot_load: bool = True, replicas: int | None = None,
-        token: str = ADMIN, wait: bool = True,
+        token: str = ADMIN, wait: bool = True, autoscaling: dict[str, int] | None = None,
     ) -> str:
         """A gateway and a READY deployment (through the API, as `token`); returns the id."""
         gw = f"gw-{uuid.uuid4().hex[:6]}"
@@ -210,7 +213,8 @@ class Fleet:
             "gatewayIds": [gw],
             "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
             "model": {"name": "m", "bucket": "rollouts", "path": "models/base"},
-            "autoscaling": {"min": replicas or self.replicas_per_deployment, "max": replicas or self.replicas_per_deployment},
+            "autoscaling": autoscaling or {"min": replicas or self.replicas_per_deployment,
+                                           "max": replicas or self.replicas_per_deployment},
         }
         if hot_load:
             body["hotLoad"] = {"bucket": "rollouts", "pathPrefix": f"ckpt/{name}"}
@@ -378,6 +382,7 @@ class Fleet:
     @activity.defn(name=names.STOP_REPLICAS)
     async def stop_replicas(self, inp: StopReplicasInput) -> int:
         self.stopped.extend(inp.names)
+        self.peer_events.extend((name, "stopped") for name in inp.names)
         return len(inp.names)
 
     @activity.defn(name=names.CHECK_SNAPSHOT)
@@ -473,7 +478,18 @@ class Fleet:
             )
             return await step(as_apply, f"peer:{offer.source_replica}")
 
-        return [apply_snapshot, offer_to_peer, send_to_peers, stage_from_peer, commit_peer_stage]
+        @activity.defn(name=names.SERVE_REPLICA)
+        async def serve_replica() -> None:
+            self.peer_events.append((replica, "served"))
+
+        @activity.defn(name=names.DRAIN_REPLICA)
+        async def drain_replica(inp: DrainInput) -> float:
+            self.drained.append(replica)
+            self.peer_events.append((replica, "drained"))
+            return 0.0
+
+        return [apply_snapshot, offer_to_peer, send_to_peers, stage_from_peer, commit_peer_stage, serve_replica,
+                drain_replica]
 
     async def held(self, replica: str, inp: ApplySnapshotInput) -> None:
         """An apply that waits for `hold` (heartbeating), then succeeds; a cancel interrupts it

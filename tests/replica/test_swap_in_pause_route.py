@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from replica.engine.dynamo_routes import control_routes
+from replica.engine.dynamo_routes import Gate, SpanRecorder, control_routes
 
 
 class Engine:
@@ -108,3 +108,29 @@ def test_the_pause_route_pauses_the_engine_core_in_the_mode_asked(mode: str) -> 
     route = control_routes(engine, None, "k")["pause"]
     assert asyncio.run(route({"secret": "k", "mode": mode})) == {"status": "paused"}
     assert engine.calls == [("core pause", mode, False)]
+
+
+def test_a_closed_gate_holds_every_request_until_the_open_route() -> None:
+    """A worker started gated (replica.engine.dynamo_routes, 3): a request the frontend routes
+    before the agent loaded the deployment's weights waits, then runs."""
+    gate = Gate(closed=True)
+    recorder = SpanRecorder(gate)
+    ran: list[str] = []
+
+    async def generate(request, context):
+        ran.append(request["id"])
+        yield "out"
+
+    handler = recorder.wrap_handler(generate, lambda request: request.get("probe") is True)
+
+    async def run() -> None:
+        # Dynamo's health probe passes (the worker could not report ready otherwise).
+        assert await asyncio.wait_for(anext(handler({"id": "probe", "probe": True}, None)), 5) == "out"
+        request = asyncio.ensure_future(anext(handler({"id": "r1"}, None)))
+        await asyncio.sleep(0.05)
+        assert not request.done() and ran == ["probe"]
+        route = control_routes(Engine({"verified": 1}), None, "k", gate)["open"]
+        assert await route({"secret": "k"}) == {"status": "open"}
+        assert await asyncio.wait_for(request, 5) == "out" and ran == ["probe", "r1"]
+
+    asyncio.run(run())

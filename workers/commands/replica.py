@@ -23,6 +23,7 @@ def main(args: argparse.Namespace) -> int:
             model_path=args.model_path,
             model_name=args.model_name,
             catch_up=args.catch_up,
+            joining=args.joining,
             runtime_engine=args.engine,
             engine_config=json.loads(args.engine_config),
             node=args.node,

@@ -1,0 +1,202 @@
+"""Autoscaling of a deployment between `autoscaling.min` and `max` (contracts/autoscaling.py has
+the load reports and the rule); mixed into the deployment workflow (control/deployment.py), whose
+state, replica lock and status it uses.
+
+Scale-out adds one replica without taking any out of service or holding back a hot-load. The
+new replica *joins*: it is started on the spec's runtime and catches up to the chain the
+deployment served at its start, but it is not a member yet: no request and no hot-load reaches
+it, and the deployment stays READY. It becomes a member only between hot-loads, under the
+replica lock (so a hot-load's admission waits for it, up to its lock wait): if hot-loads
+completed while it started, it first steps to the current snapshot from the bucket
+(`apply_snapshot`, the same all-or-nothing step a hot-load runs), then it enters the replica
+list, serving exactly the deployment's current snapshot. A joiner that fails to start or to
+catch up is stopped; the next try waits out the cool-down.
+
+Scale-in removes the newest member, never while a hot-load runs (so never one a hot-load walks):
+it leaves the replica list first (the gateways stop routing to it within their refresh), then
+drains (`drain_replica`: a Dynamo worker leaves its frontend's routing pool; after a grace for
+routers to notice, its engine pauses with `mode=wait`, finishing every request it holds), then
+stops.
+
+Both steps start only when the deployment is READY, no hot-load runs and no rolling update is
+due; the time a step ends is `scaled_at`, from which the next step's load must hold again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+
+with workflow.unsafe.imports_passed_through():
+    from contracts import names
+    from contracts.activities import ApplySnapshotInput, ApplySnapshotResult, DrainInput
+    from contracts.autoscaling import LEVELS, Heard, LoadReport, policy, step
+    from contracts.records import DeploymentInput, ReplicaEndpoint, ResourceStatus
+    from control import metrics, replica_set
+    from control.hot_load.options import REPLICA_STEP
+
+# How long a joiner may take to start and report ready, and a drain to finish.
+JOIN_TIMEOUT = timedelta(minutes=20)
+DRAIN_TIMEOUT = timedelta(minutes=30)
+# How long routers get to stop sending a leaving replica requests (the gateway re-reads every
+# deployment twice a second; Dynamo's frontend watches its discovery).
+DRAIN_GRACE_S = 2.0
+
+
+class Autoscaler:
+    """The deployment workflow's autoscaling (module docstring). The workflow provides `state`,
+    `spec`, `deleting`, `replica_lock`, `failures`, `_start`, `_settle` and `_now`."""
+
+    state: DeploymentInput
+
+    def _init_autoscaler(self) -> None:
+        # Each gateway's reports (gateway id -> what it says and since when); not carried across
+        # continue-as-new: a gateway reports again within its heartbeat.
+        self.heard: dict[str, Heard] = {}
+        # Replicas a scale-out started that are not members yet -> their endpoint once ready.
+        self.joining: dict[str, ReplicaEndpoint | None] = {}
+
+    def _hear(self, report: LoadReport) -> None:
+        if report.level not in LEVELS or not report.gateway_id:
+            return
+        now = workflow.now()
+        before = self.heard.get(report.gateway_id)
+        since = before.since if before is not None and before.level == report.level else now
+        self.heard[report.gateway_id] = Heard(report.level, since, now)
+
+    def _scale_step(self) -> int:
+        """+1 (one replica more), -1 (one fewer) or 0, by the rule, when a step may start."""
+        st = self.state
+        if (
+            not self.heard or self.deleting or st.active_hot_load_id is not None or st.outdated
+            or st.update_error is not None or st.deployment.status.status != ResourceStatus.READY
+        ):
+            return 0
+        scaled = datetime.fromisoformat(st.scaled_at) if st.scaled_at else None
+        return step(policy(self.spec.autoscaling), len(st.members), self.heard, workflow.now(), scaled)
+
+    def _current_identity(self) -> str:
+        return self.state.completed[-1].identity if self.state.completed else "initial"
+
+    async def _scale_out(self) -> None:
+        new = f"replica-{str(workflow.uuid4())[:8]}"
+        self.joining[new] = None
+        workflow.logger.info("scaling out: %s joins %d member(s)", new, len(self.state.members))
+        self._settle()
+        failure: str | None = None
+        try:
+            async with self.replica_lock:
+                outcome = await self._start([new], timedelta(minutes=5), joining=True)
+            if outcome.failed:
+                raise RuntimeError(outcome.failures())
+            await workflow.wait_condition(
+                lambda: self.joining.get(new) is not None or self._failure_of(new) is not None or self.deleting,
+                timeout=JOIN_TIMEOUT,
+            )
+            failure = self._failure_of(new)
+            while failure is None and not self.deleting:
+                await workflow.wait_condition(lambda: self.state.active_hot_load_id is None or self.deleting)
+                if self.deleting:
+                    break
+                async with self.replica_lock:
+                    if self.state.active_hot_load_id is not None:
+                        continue  # one was admitted while the lock was taken: after it ends
+                    await self._join(new)
+                    return
+        except asyncio.TimeoutError:
+            failure = f"did not report ready within {JOIN_TIMEOUT}"
+        except replica_set.PlacementFailed as exc:
+            failure = f"no place for it: {exc}"
+        except Exception as exc:  # noqa: BLE001 - the start or the catch-up failed: reported, not a crash
+            failure = f"{exc.__cause__ or exc}"
+        if self.deleting:
+            return  # `_delete` stops it with the rest (it is still in `joining`)
+        self.joining.pop(new, None)
+        workflow.logger.warning("scale-out stopped: new replica %s failed: %s", new, failure)
+        async with self.replica_lock:
+            try:
+                await replica_set.stop(self.state, [new])
+            except Exception as exc:  # noqa: BLE001 - logged; it never served
+                workflow.logger.warning("stopping replica %s failed: %s", new, exc)
+        self.failures = [f for f in self.failures if f.name != new]
+        self.state.scaled_at = self._now()  # the next try waits out the cool-down
+        self._count("out", "failed")
+        self._settle()
+
+    async def _join(self, new: str) -> None:
+        """Under the replica lock, no hot-load running: the joiner steps to the current snapshot
+        if it started on an earlier one, then becomes a member and serves."""
+        endpoint = self.joining[new]
+        assert endpoint is not None
+        current = self._current_identity()
+        hot_load = self.spec.hot_load
+        if endpoint.current_snapshot_identity != current and hot_load is not None:
+            result = await workflow.execute_activity(
+                names.APPLY_SNAPSHOT,
+                ApplySnapshotInput(
+                    hot_load_id=f"join-{new}", identity=current, chain=self.state.chains[current],
+                    bucket=hot_load.bucket, path_prefix=hot_load.path_prefix,
+                ),
+                task_queue=endpoint.task_queue,
+                result_type=ApplySnapshotResult,
+                summary=f"bring joining replica {new} to {current} from the bucket",
+                **REPLICA_STEP,
+            )
+            endpoint = endpoint.model_copy(update={"current_snapshot_identity": result.identity,
+                                                   "transitioned_at": self._now()})
+        if endpoint.current_snapshot_identity != current:
+            raise RuntimeError(f"it serves {endpoint.current_snapshot_identity}, the deployment {current}")
+        await workflow.execute_activity(
+            names.SERVE_REPLICA, task_queue=endpoint.task_queue, summary=f"{new} enters the routing pool",
+            start_to_close_timeout=timedelta(minutes=1), retry_policy=RetryPolicy(maximum_attempts=3),
+        )
+        del self.joining[new]
+        self.state.members.append(new)
+        self.state.replicas = sorted([*self.state.replicas, endpoint], key=lambda r: (r.zone, r.name))
+        self.state.scaled_at = self._now()
+        workflow.logger.info("scaled out: %s serves %s; %d member(s)", new, current, len(self.state.members))
+        self._count("out", "joined")
+        self._settle()
+
+    async def _scale_in(self) -> None:
+        name = self.state.members[-1]  # the newest
+        endpoint = next((r for r in self.state.replicas if r.name == name), None)
+        # Out of the replica list first: no gateway routes to it and no hot-load walks it.
+        self.state.replicas = [r for r in self.state.replicas if r.name != name]
+        self.state.members = [n for n in self.state.members if n != name]
+        self.state.pending_replicas = [n for n in self.state.pending_replicas if n != name]
+        self._settle()
+        workflow.logger.info("scaling in: %s drains; %d member(s) left", name, len(self.state.members))
+        if endpoint is not None:
+            try:
+                await workflow.execute_activity(
+                    names.DRAIN_REPLICA, DrainInput(grace_seconds=DRAIN_GRACE_S),
+                    task_queue=endpoint.task_queue, result_type=float,
+                    summary=f"drain {name}: out of rotation, finish the requests it holds",
+                    start_to_close_timeout=DRAIN_TIMEOUT, schedule_to_start_timeout=timedelta(minutes=1),
+                    heartbeat_timeout=timedelta(seconds=30), retry_policy=RetryPolicy(maximum_attempts=1),
+                )
+            except Exception as exc:  # noqa: BLE001 - its process may be gone: stopped either way
+                workflow.logger.warning("draining %s failed: %s; stopping it", name, exc)
+        async with self.replica_lock:
+            try:
+                await replica_set.stop(self.state, [name])
+            except Exception as exc:  # noqa: BLE001 - logged; it is out of the deployment either way
+                workflow.logger.warning("stopping replica %s failed: %s", name, exc)
+        self.state.scaled_at = self._now()
+        self._count("in", "removed")
+        self._settle()
+
+    @staticmethod
+    def _count(direction: str, outcome: str) -> None:
+        if not workflow.unsafe.is_replaying():
+            metrics.scaled(direction, outcome)
+
+
+def joined_message(serving: int, joining: int) -> str:
+    """The READY condition's message while a scale-out runs."""
+    text = f"{serving} replica(s) serving"
+    return f"{text}; {joining} joining (autoscaling)" if joining else text
