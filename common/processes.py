@@ -140,18 +140,18 @@ def stop_pid(pid: int, *, timeout: float = 15.0, group: bool = True) -> bool:
     _send(signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not alive(pid):
             return True
         time.sleep(0.1)
     _send(signal.SIGKILL)
     for _ in range(50):
-        if not _alive(pid):
+        if not alive(pid):
             break
         time.sleep(0.1)
     return True
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         # Reap it if it is our child; otherwise this raises ChildProcessError.
         os.waitpid(pid, os.WNOHANG)

@@ -3,14 +3,23 @@ the load reports and the rule); mixed into the deployment workflow (control/depl
 state, replica lock and status it uses.
 
 Scale-out adds one replica without taking any out of service or holding back a hot-load. The
-new replica *joins*: it is started on the spec's runtime and catches up to the chain the
-deployment served at its start, but it is not a member yet: no request and no hot-load reaches
-it, and the deployment stays READY. It becomes a member only between hot-loads, under the
-replica lock (so a hot-load's admission waits for it, up to its lock wait): if hot-loads
-completed while it started, it first steps to the current snapshot from the bucket
-(`apply_snapshot`, the same all-or-nothing step a hot-load runs), then it enters the replica
-list, serving exactly the deployment's current snapshot. A joiner that fails to start or to
-catch up is stopped; the next try waits out the cool-down.
+new replica *joins*: it is started on the spec's runtime, but it is not a member yet: no request
+and no hot-load reaches it, and the deployment stays READY. It becomes a member only between
+hot-loads, under the replica lock (so a hot-load's admission waits for it, up to its lock wait),
+once it serves exactly the deployment's current snapshot:
+
+- from a serving peer (when a member serves the current snapshot): the joiner starts on the model's base weights, reading nothing from the bucket;
+  then a member offers what it serves (`offer_to_peer`; every tensor, since the joiner serves
+  another base), sends it (`send_to_peers`) while it keeps serving, the joiner checks every
+  tensor against the member's Adler-32 and stages it (`stage_from_peer`), and swaps it in and
+  proves it (`commit_peer_stage`), the same steps and checks as a hot-load's fan-out;
+- from the bucket otherwise, or when any of those steps fails (the joiner still serves what it
+  served: all-or-nothing): `apply_snapshot` of the current chain, the step a hot-load's first
+  replica runs. (Deployments whose scale-out started before peer joins existed started their
+  joiner on the chain the deployment served then and step from there by the bucket.)
+
+Then `serve_replica` puts it into its engine's routing pool and it enters the replica list. A
+joiner that fails to start or to catch up is stopped; the next try waits out the cool-down.
 
 Scale-in removes the newest member, never while a hot-load runs (so never one a hot-load walks):
 it leaves the replica list first (the gateways stop routing to it within their refresh), then
@@ -21,7 +30,6 @@ stops.
 Both steps start only when the deployment is READY, no hot-load runs and no rolling update is
 due; the time a step ends is `scaled_at`, from which the next step's load must hold again.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -32,15 +40,27 @@ from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from contracts import names
-    from contracts.activities import ApplySnapshotInput, ApplySnapshotResult, DrainInput
+    from contracts.activities import (
+        ApplySnapshotInput,
+        ApplySnapshotResult,
+        CommitPeerStageInput,
+        DrainInput,
+        PeerOffer,
+        PeerOfferInput,
+        StageFromPeerInput,
+        StageFromPeerResult,
+    )
     from contracts.autoscaling import LEVELS, Heard, LoadReport, policy, step
     from contracts.records import DeploymentInput, ReplicaEndpoint, ResourceStatus
     from control import metrics, replica_set
-    from control.hot_load.options import REPLICA_STEP
+    from control.hot_load.options import PEER_STEP, REPLICA_STEP
 
 # How long a joiner may take to start and report ready, and a drain to finish.
 JOIN_TIMEOUT = timedelta(minutes=20)
 DRAIN_TIMEOUT = timedelta(minutes=30)
+# The workflow patch under which a joiner starts on the base weights and takes the current
+# snapshot from a serving peer (before it: from the bucket chain).
+PEER_JOIN = "autoscaling-peer-join"
 # How long routers get to stop sending a leaving replica requests (the gateway re-reads every
 # deployment twice a second; Dynamo's frontend watches its discovery).
 DRAIN_GRACE_S = 2.0
@@ -89,7 +109,8 @@ class Autoscaler:
         failure: str | None = None
         try:
             async with self.replica_lock:
-                outcome = await self._start([new], timedelta(minutes=5), joining=True)
+                base = workflow.patched(PEER_JOIN) and self._peer_source(self._current_identity()) is not None
+                outcome = await self._start([new], timedelta(minutes=5), joining=True, base=base)
             if outcome.failed:
                 raise RuntimeError(outcome.failures())
             await workflow.wait_condition(
@@ -128,25 +149,18 @@ class Autoscaler:
 
     async def _join(self, new: str) -> None:
         """Under the replica lock, no hot-load running: the joiner steps to the current snapshot
-        if it started on an earlier one, then becomes a member and serves."""
+        (from a serving peer, else from the bucket) if it serves another, then becomes a member
+        and serves."""
         endpoint = self.joining[new]
         assert endpoint is not None
         current = self._current_identity()
-        hot_load = self.spec.hot_load
-        if endpoint.current_snapshot_identity != current and hot_load is not None:
-            result = await workflow.execute_activity(
-                names.APPLY_SNAPSHOT,
-                ApplySnapshotInput(
-                    hot_load_id=f"join-{new}", identity=current, chain=self.state.chains[current],
-                    bucket=hot_load.bucket, path_prefix=hot_load.path_prefix,
-                ),
-                task_queue=endpoint.task_queue,
-                result_type=ApplySnapshotResult,
-                summary=f"bring joining replica {new} to {current} from the bucket",
-                **REPLICA_STEP,
-            )
+        if endpoint.current_snapshot_identity != current and self.spec.hot_load is not None:
+            result = await self._catch_up_from_peer(endpoint, current) if workflow.patched(PEER_JOIN) else None
+            if result is None:
+                result = await self._catch_up_from_bucket(endpoint, current)
             endpoint = endpoint.model_copy(update={"current_snapshot_identity": result.identity,
                                                    "transitioned_at": self._now()})
+            workflow.logger.info("joining replica %s holds %s (from %s)", new, result.identity, result.source)
         if endpoint.current_snapshot_identity != current:
             raise RuntimeError(f"it serves {endpoint.current_snapshot_identity}, the deployment {current}")
         await workflow.execute_activity(
@@ -160,6 +174,72 @@ class Autoscaler:
         workflow.logger.info("scaled out: %s serves %s; %d member(s)", new, current, len(self.state.members))
         self._count("out", "joined")
         self._settle()
+
+    def _peer_source(self, current: str) -> ReplicaEndpoint | None:
+        """The member a joiner takes `current` from: the first in walk order that serves it."""
+        hot_load = self.spec.hot_load
+        if hot_load is None or current == "initial":
+            return None
+        members = set(self.state.members)
+        return next((r for r in self.state.replicas if r.name in members and r.current_snapshot_identity == current),
+                    None)
+
+    async def _catch_up_from_peer(self, joiner: ReplicaEndpoint, current: str) -> ApplySnapshotResult | None:
+        """The joiner takes `current` from a serving member: offer, send and stage (the member
+        keeps serving; the joiner checks every tensor against the member's checksums), then the
+        joiner swaps it in and proves it. None when there is no such member or a step failed
+        (the joiner serves what it served; the caller reads the bucket)."""
+        sender = self._peer_source(current)
+        if sender is None:
+            return None
+        chain = self.state.chains[current]
+        try:
+            offer = await workflow.execute_activity(
+                names.OFFER_TO_PEER,
+                PeerOfferInput(
+                    hot_load_id=f"join-{joiner.name}", identity=current, chain=chain,
+                    target_identity=joiner.current_snapshot_identity, world_size=2, accept_files=True,
+                    host_store=True,
+                ),
+                task_queue=sender.task_queue, result_type=PeerOffer,
+                summary=f"offer {current} from {sender.name} to joining replica {joiner.name}", **PEER_STEP,
+            )
+            send = asyncio.ensure_future(workflow.execute_activity(
+                names.SEND_TO_PEERS, offer, task_queue=sender.task_queue, result_type=int,
+                summary=f"send {current} ({offer.mode}) to joining replica {joiner.name}", **PEER_STEP,
+            ))
+            try:
+                await workflow.execute_activity(
+                    names.STAGE_FROM_PEER, StageFromPeerInput(offer=offer, rank=1), task_queue=joiner.task_queue,
+                    result_type=StageFromPeerResult, summary=f"stage {current} from {sender.name} on {joiner.name}",
+                    **PEER_STEP,
+                )
+            finally:
+                await asyncio.gather(send, return_exceptions=True)
+            return await workflow.execute_activity(
+                names.COMMIT_PEER_STAGE, CommitPeerStageInput(identity=current), task_queue=joiner.task_queue,
+                result_type=ApplySnapshotResult, summary=f"joining replica {joiner.name} swaps in {current}",
+                **REPLICA_STEP,
+            )
+        except Exception as exc:  # noqa: BLE001 - the bucket is the fallback (a cancel is not an Exception)
+            workflow.logger.warning("joining replica %s did not take %s from %s (%s): it reads the bucket",
+                                    joiner.name, current, sender.name, exc.__cause__ or exc)
+            return None
+
+    async def _catch_up_from_bucket(self, joiner: ReplicaEndpoint, current: str) -> ApplySnapshotResult:
+        hot_load = self.spec.hot_load
+        assert hot_load is not None
+        return await workflow.execute_activity(
+            names.APPLY_SNAPSHOT,
+            ApplySnapshotInput(
+                hot_load_id=f"join-{joiner.name}", identity=current, chain=self.state.chains[current],
+                bucket=hot_load.bucket, path_prefix=hot_load.path_prefix,
+            ),
+            task_queue=joiner.task_queue,
+            result_type=ApplySnapshotResult,
+            summary=f"bring joining replica {joiner.name} to {current} from the bucket",
+            **REPLICA_STEP,
+        )
 
     async def _scale_in(self) -> None:
         name = self.state.members[-1]  # the newest

@@ -247,11 +247,12 @@ class DeploymentWorkflow(Autoscaler):
                 self._condition("ReplicasReady", True, "AllReplicasReady", joined_message(n, len(self.joining))),
             )
 
-    def _start_input(self, names_: list[str], joining: bool = False) -> StartReplicasInput:
+    def _start_input(self, names_: list[str], joining: bool = False, base: bool = False) -> StartReplicasInput:
         """Start these replicas on the spec's runtime; each catches up to the latest completed
-        snapshot chain (if any) before it reports ready; `joining`: a scale-out's, out of its
-        engine's routing pool until it becomes a member."""
-        latest = self.state.completed[-1].identity if self.state.completed else None
+        snapshot chain (if any) before it reports ready, or stays on the model's base weights
+        (`base`: a joiner that takes the snapshot from a serving peer); `joining`: a scale-out's,
+        out of its engine's routing pool until it becomes a member."""
+        latest = self.state.completed[-1].identity if self.state.completed and not base else None
         return StartReplicasInput(
             deployment_id=self.spec.id,
             deployment_workflow_id=workflow.info().workflow_id,
@@ -271,12 +272,12 @@ class DeploymentWorkflow(Autoscaler):
 
     async def _start(
         self, names_: list[str], timeout: timedelta, pickup: timedelta = replica_set.NODE_PICKUP, attempts: int = 3,
-        joining: bool = False,
+        joining: bool = False, base: bool = False,
     ) -> replica_set.StartOutcome:
         """Start these replicas where they are placed (placing those without a place first);
         raises `PlacementFailed` when they cannot all be placed."""
         return await replica_set.start(
-            self.state, names_, lambda group: self._start_input(group, joining), self._zone(), timeout, pickup,
+            self.state, names_, lambda group: self._start_input(group, joining, base), self._zone(), timeout, pickup,
             attempts=attempts,
         )
 

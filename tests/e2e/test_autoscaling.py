@@ -4,9 +4,10 @@ the gateway's judgement of its 10 s window at once) serving a trained snapshot.
 
 - Load beyond one replica (CLIENTS clients, each sending request after request): the gateway
   judges the deployment BUSY and a second replica starts; the load pauses while it starts (a
-  second engine barely starts on two cores beside a busy one); the new replica catches up to the
-  deployment's current snapshot and joins, and the load, sent again, is answered by both
-  replicas, each answer labelled with that snapshot.
+  second engine barely starts on two cores beside a busy one) on the base weights; it takes the
+  deployment's current snapshot from the serving replica (its agent counts bytes from a peer
+  and none from the bucket; the serving one counts them sent), joins, and the load, sent
+  again, is answered by both replicas, each answer labelled with that snapshot.
 - The load stops: once the gateway's window is empty it reports IDLE, and SCALE_IN_AFTER_S
   later the newest replica
   leaves the replica list, drains and stops; the deployment is READY on one replica again.
@@ -15,14 +16,15 @@ the gateway's judgement of its 10 s window at once) serving a trained snapshot.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import httpx
 import pytest
 
+from common.processes import alive
 from tests.helpers.deployments import delete_deployment
+from tests.helpers.prometheus import scrape, value
 from tests.helpers.replicas import engines, hot_load
 from tests.helpers.stack_fixtures import Api, deployment_body
 from tests.helpers.trainer import train_step
@@ -36,14 +38,6 @@ CLIENTS = 3
 MAX_TOKENS = 48
 # Idle this long after the new replica joined (and after the load ends) before it is removed.
 SCALE_IN_AFTER_S = 30
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _ask(stack, model: str, i: int) -> tuple[int, str, str | None, str | None]:
@@ -104,6 +98,11 @@ def test_load_scales_out_to_a_replica_on_the_current_snapshot_and_idle_scales_ba
         (new,) = [r for r in engines(stack, dep_id) if r["name"] != first]
         joined = new["name"]
         marks["joined"] = time.monotonic()
+        serving = next(r for r in engines(stack, dep_id) if r["name"] == first)
+        took, gave = scrape(new["metricsUrl"]), scrape(serving["metricsUrl"])
+        assert value(took, "rollouts_replica_bytes_total", source="peer") > 0, "the new replica took nothing from its peer"
+        assert value(took, "rollouts_replica_bytes_total", source="bucket") == 0
+        assert value(gave, "rollouts_replica_bytes_sent_total") == value(took, "rollouts_replica_bytes_total", source="peer")
         stops = [threading.Event() for _ in range(CLIENTS)]  # the load again, within SCALE_IN_AFTER_S
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(CLIENTS)]
         for t in threads:

@@ -126,6 +126,8 @@ class Fleet:
     drained: list[str] = field(default_factory=list)
     # The replica names placed and released (placement stand-ins), in order.
     placed: list[str] = field(default_factory=list)
+    # Every `start_replicas` input, in order (what each start asked the node agent for).
+    start_inputs: list[StartReplicasInput] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     # Set: `place_replicas` fails with this message as the registry does when capacity is short
     # (failed_precondition, not retried).
@@ -140,7 +142,7 @@ class Fleet:
     # True: an early offer (`from_stage`) is refused, as by a replica without delta files.
     refuse_early_offer: bool = False
     # (replica, event) in the order the replicas' activities saw them: "applied", "offered"
-    # (an early offer answered), "staged", "commit", "served", "drained", "stopped".
+    # (an early offer answered), "sent", "staged", "commit", "served", "drained", "stopped".
     peer_events: list[tuple[str, str]] = field(default_factory=list)
     hold: asyncio.Event = field(default_factory=asyncio.Event)
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -352,6 +354,7 @@ class Fleet:
     async def start_replicas(self, inp: StartReplicasInput) -> list[str]:
         """Starts (once) a replica worker per name and reports it ready; returns the names started
         now (the deployment also calls this periodically to restart lost replicas: none here)."""
+        self.start_inputs.append(inp)
         handle = activity.client().get_workflow_handle(inp.deployment_workflow_id)
         started: list[str] = []
         for i, name in enumerate(inp.names):
@@ -455,6 +458,7 @@ class Fleet:
 
         @activity.defn(name=names.SEND_TO_PEERS)
         async def send_to_peers(offer: PeerOffer) -> int:
+            self.peer_events.append((replica, "sent"))
             return 0
 
         @activity.defn(name=names.STAGE_FROM_PEER)

@@ -4,8 +4,10 @@ sent as a gateway sends them (the gateway's side: tests/gateway/test_load_report
 
 - BUSY adds one replica, which joins without holding back a hot-load: the deployment stays
   READY and admits one while the new replica starts; the new replica becomes a member only
-  after that hot-load ended, first stepping to the current snapshot (it started on the one
-  before). IDLE then removes the newest member: out of the replica list, drained, stopped.
+  after that hot-load ended, first taking the current snapshot from the serving member (it
+  started on the base weights: offer, send, stage, commit), then entering the pool. IDLE then
+  removes the newest member: out of the replica list, drained, stopped.
+- A joiner whose peer stage fails reads the current snapshot from the bucket instead, and joins.
 - Never past `max`, never below `min`, and no scale-in while a hot-load runs: it waits for the
   hot-load's end.
 """
@@ -13,6 +15,8 @@ sent as a gateway sends them (the gateway's side: tests/gateway/test_load_report
 from __future__ import annotations
 
 import asyncio
+
+from temporalio.exceptions import ApplicationError
 
 from contracts import names
 from contracts.autoscaling import BUSY, IDLE, LoadReport
@@ -62,8 +66,12 @@ async def test_busy_adds_a_replica_that_joins_between_hot_loads_and_idle_removes
 
         replicas = await poll(joined, 30, "the new replica a member")
         assert {r.name: r.current_snapshot_identity for r in replicas} == {first: "s2", joiner: "s2"}
-        assert f.applied[-1] == (joiner, "s2")  # stepped to the current snapshot before it joined
-        assert [e for n, e in f.peer_events if n == joiner] == ["applied", "served"]  # then entered the pool
+        [start] = [s for s in f.start_inputs if s.names == [joiner]]
+        assert start.joining and start.target_chain is None  # on the base weights: nothing from the bucket
+        assert f.applied[-1] == (joiner, "s2")  # took the current snapshot before it joined
+        # From the member, as a hot-load's fan-out passes it on, then into the pool.
+        assert [e for n, e in f.peer_events if n == joiner] == ["staged", "commit", "applied", "served"]
+        assert (first, "sent") in f.peer_events
         st = await status(f, dep)
         assert st["status"] == "STATUS_READY" and st["readyReplicas"] == 2, st
         assert "joining" not in st["conditions"][0]["message"]
@@ -78,6 +86,29 @@ async def test_busy_adds_a_replica_that_joins_between_hot_loads_and_idle_removes
         st = await status(f, dep)
         assert st["status"] == "STATUS_READY" and st["readyReplicas"] == 1, st
         assert [r.name for r in (await f.deployment_state(dep)).replicas] == [first]
+
+
+async def test_a_joiner_whose_peer_stage_fails_reads_the_bucket(temporal_env, tmp_path):
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment(autoscaling={"min": 1, "max": 2, "scaleOutAfterSeconds": 0,
+                                                    "scaleInAfterSeconds": 600})
+        [first] = await members(f, dep)
+        await f.completed(dep, "s1")
+        f.report_ready = False
+        await report(f, dep, BUSY)
+        joiner = await poll(lambda: _new_placement(f, first), 30, "a new replica placed")
+
+        async def refuse(replica: str) -> None:
+            raise ApplicationError(f"{replica}: received bytes differ from the sender's checksums",
+                                   type="EngineUpdateError", non_retryable=True)
+
+        f.stage_behaviour[joiner] = refuse
+        await f.signal_ready(dep, joiner)
+        await poll(lambda: _count(f, dep, 2), 30, "the new replica a member")
+        state = await f.deployment_state(dep)
+        assert {r.name: r.current_snapshot_identity for r in state.replicas} == {first: "s1", joiner: "s1"}
+        assert [e for n, e in f.peer_events if n == joiner] == ["applied", "served"]  # from the bucket
+        assert (first, "sent") in f.peer_events  # the peer transfer was tried
 
 
 async def test_no_step_past_max_or_min_and_no_scale_in_while_a_hot_load_runs(temporal_env, tmp_path):
