@@ -18,9 +18,18 @@ prints:
 - CPU seconds of the control-plane processes (Temporal, API, control worker) during it;
 - the replicas' sources (bucket / peer) and the largest pause.
 
+`--autoscale N` then scales the deployment out by N replicas and back in (its `autoscaling.max`
+is `--replicas` + N, both durations 0): the bench signals the deployment workflow `load_report`
+BUSY, then IDLE, as a gateway does, from a SIMULATED gateway (`bench-simulated-load`: no request
+reaches a SIMULATED replica, so no real gateway could judge its load). It prints each step's time
+(BUSY to one more replica serving; IDLE to one fewer), how each joiner took the current snapshot
+(the deployment's `stage_from_peer` / `commit_peer_stage` against `apply_snapshot` activities) and
+the deployment's history growth.
+
     .venv/bin/python bench/scale.py --replicas 100
     .venv/bin/python bench/scale.py --replicas 1000 --nodes 4
     .venv/bin/python bench/scale.py --replicas 1000 --nodes 4 --max-concurrent-swaps 16
+    .venv/bin/python bench/scale.py --replicas 1000 --nodes 4 --autoscale 3
 
 `--fan-out`, `--group-size` and `--max-concurrent-swaps` set the deployment's `hotLoad.peerFanOut`,
 `replicasPerGroup` and `maxConcurrentSwaps`. In a real deployment every replica agent runs on its
@@ -49,11 +58,16 @@ sys.path.insert(0, str(REPO))
 
 from common.settings import Settings, temporal_client  # noqa: E402
 from contracts import names  # noqa: E402
+from contracts.autoscaling import BUSY, IDLE, LoadReport  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
 from tests.helpers.stack_fixtures import free_port_base, wait_registered  # noqa: E402
 from workers.stack import Stack, upload_dir  # noqa: E402
 
+SIMULATED_GATEWAY = "bench-simulated-load"
+# The activities a joiner's catch-up runs on the deployment workflow (control/autoscaler.py).
+JOIN_STEPS = (names.STAGE_FROM_PEER, names.COMMIT_PEER_STAGE, names.APPLY_SNAPSHOT, names.SERVE_REPLICA,
+              names.DRAIN_REPLICA)
 TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
 CONTROL_PLANE = ("temporal", "api", "worker")
 
@@ -127,6 +141,59 @@ class Api:
         if r.status_code != 200:
             raise SystemExit(f"{method} {path}: {r.status_code} {r.text[:500]}")
         return r.json()
+
+
+async def activity_counts(settings: Settings, workflow_id: str, types: tuple[str, ...]) -> dict[str, int]:
+    """How many activities of each type the workflow's current run scheduled."""
+    client = await temporal_client(settings)
+    counts = dict.fromkeys(types, 0)
+    async for event in client.get_workflow_handle(workflow_id).fetch_history_events():
+        if event.HasField("activity_task_scheduled_event_attributes"):
+            kind = event.activity_task_scheduled_event_attributes.activity_type.name
+            if kind in counts:
+                counts[kind] += 1
+    return counts
+
+
+def run_autoscale(settings: Settings, api: Api, dep_id: str, low: int, high: int) -> dict:
+    """Scale from `low` to `high` serving replicas on BUSY reports, then back on IDLE ones, from
+    the SIMULATED gateway; each step's seconds (a direction that stalls 10 min gives up), and how
+    the joiners caught up."""
+    workflow_id = names.deployment_workflow_id(settings.organization_id, dep_id)
+    events0, _ = asyncio.run(history(settings, workflow_id))
+
+    async def say(level: str) -> None:
+        client = await temporal_client(settings)
+        await client.get_workflow_handle(workflow_id).signal(
+            names.LOAD_REPORT, LoadReport(gateway_id=SIMULATED_GATEWAY, level=level))
+
+    def steps(level: str, goal: int) -> list[float]:
+        asyncio.run(say(level))
+        took: list[float] = []
+        t = said = time.perf_counter()
+        deadline = t + 600
+        serving = ready_replicas(api, dep_id)
+        while serving != goal and time.perf_counter() < deadline:
+            if time.perf_counter() - said > 20:  # a gateway's heartbeat: a report older than 90 s counts for nothing
+                asyncio.run(say(level))
+                said = time.perf_counter()
+            time.sleep(0.2)
+            now = ready_replicas(api, dep_id)
+            if now != serving:
+                took.append(time.perf_counter() - t)
+                t, serving = time.perf_counter(), now
+        return took
+
+    out_s = steps(BUSY, high)
+    in_s = steps(IDLE, low)
+    counts = asyncio.run(activity_counts(settings, workflow_id, JOIN_STEPS))
+    events1, size1 = asyncio.run(history(settings, workflow_id))
+    return {"out_s": out_s, "in_s": in_s, "activities": counts, "history_events_added": events1 - events0,
+            "deployment_history_bytes": size1}
+
+
+def ready_replicas(api: Api, dep_id: str) -> int:
+    return int(api.call("GET", f"/deployments/{dep_id}")["deployment"]["status"].get("readyReplicas") or 0)
 
 
 def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identity: str, previous: str | None) -> dict:
@@ -212,6 +279,8 @@ def main() -> int:
     ap.add_argument("--sim-nice", type=int, default=0,
                     help="run the SIMULATED node agents at this niceness (19: they take only the CPU the control "
                          "plane leaves, as agents on their own hosts would)")
+    ap.add_argument("--autoscale", type=int, default=0,
+                    help="after the hot-loads, scale out by this many replicas and back in (SIMULATED load reports)")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     ap.add_argument("--deployment-only", action="store_true", help="create the deployment, report, and stop")
     ap.add_argument("--keep", action="store_true", help="keep the stack's home (logs) afterwards")
@@ -223,7 +292,7 @@ def main() -> int:
     stack.up(say=lambda line: print(line, flush=True))
     nodes: list[subprocess.Popen[bytes]] = []
     try:
-        per_node = -(-args.replicas // args.nodes)
+        per_node = -(-(args.replicas + args.autoscale) // args.nodes)
         for i in range(args.nodes):
             log = open(settings.home_path / "logs" / f"sim-node-{i}.log", "wb")  # noqa: SIM115 - lives as long as the process
             nodes.append(subprocess.Popen(
@@ -248,7 +317,8 @@ def main() -> int:
             "model": {"name": "scale-model", "bucket": settings.bucket, "path": settings.base_model_path},
             # One simulated GPU each: placement puts them on the simulated nodes only.
             "resources": {"instanceType": "cpu-local", "gpuCount": 1},
-            "autoscaling": {"min": args.replicas, "max": args.replicas},
+            "autoscaling": {"min": args.replicas, "max": args.replicas + args.autoscale,
+                            **({"scaleOutAfterSeconds": 0, "scaleInAfterSeconds": 0} if args.autoscale else {})},
             "hotLoad": {"bucket": settings.bucket, "pathPrefix": "scale/ckpt", "peerFanOut": args.fan_out,
                         "replicasPerGroup": args.group_size, "maxConcurrentSwaps": args.max_concurrent_swaps},
         })["deployment"]["spec"]["id"]
@@ -299,12 +369,23 @@ def main() -> int:
             print(f"  control-plane CPU     {r['control_plane_cpu_s']:.1f} s (Temporal + API + worker)")
             if r["state"] != "HOT_LOAD_STATE_COMPLETED":
                 print(f"  condition: {r['condition']}")
+        scaled: dict | None = None
+        if args.autoscale and all(r["state"] == "HOT_LOAD_STATE_COMPLETED" for r in results):
+            scaled = run_autoscale(settings, api, dep_id, args.replicas, args.replicas + args.autoscale)
+            print(f"\nautoscaling {args.replicas} -> {args.replicas + args.autoscale} -> {args.replicas} "
+                  f"(SIMULATED gateway load reports)")
+            print("  scale-out steps (BUSY to one more serving), s: " + ", ".join(f"{x:.1f}" for x in scaled["out_s"]))
+            print("  scale-in steps (IDLE to one fewer), s:        " + ", ".join(f"{x:.1f}" for x in scaled["in_s"]))
+            print(f"  deployment activities {scaled['activities']}")
+            print(f"  deployment history +{scaled['history_events_added']} events "
+                  f"({scaled['deployment_history_bytes'] / 1e6:.2f} MB now)")
         if args.json:
             args.json.write_text(json.dumps({"replicas": args.replicas, "nodes": args.nodes, "fan_out": args.fan_out,
                                              "group_size": args.group_size, "k": args.max_concurrent_swaps,
-                                             "sim_nice": args.sim_nice,
+                                             "sim_nice": args.sim_nice, "autoscale": scaled,
                                              "results": results}, indent=1))
-        return 0 if all(r["state"] == "HOT_LOAD_STATE_COMPLETED" for r in results) else 1
+        scaled_ok = not args.autoscale or (scaled is not None and len(scaled["out_s"]) == args.autoscale)
+        return 0 if all(r["state"] == "HOT_LOAD_STATE_COMPLETED" for r in results) and scaled_ok else 1
     finally:
         for p in nodes:
             p.terminate()
