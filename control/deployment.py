@@ -189,6 +189,10 @@ class DeploymentWorkflow(Autoscaler):
             }
         )
 
+    def _published_memo(self) -> dict:
+        """The memo as `_publish` last left it: the deployment and every replica chunk."""
+        return {"deployment": self.state.deployment.wire(), **self._replica_memo.published}
+
     def _settle(self) -> None:
         """Status from the replica set, past creation: READY only when every member serves the
         spec's runtime; publishes either way (one memo update)."""
@@ -318,7 +322,10 @@ class DeploymentWorkflow(Autoscaler):
 
         while not self.deleting:
             if may_continue_as_new():
-                workflow.continue_as_new(self.state)
+                # With the memo as last published: a new run starts with the memo given here
+                # (else the first run's start memo: CREATING, no replicas) until its first
+                # upsert, and the API and every gateway read it meanwhile.
+                workflow.continue_as_new(self.state, memo=self._published_memo())
             if roll_due():
                 await self._roll()
                 continue

@@ -55,15 +55,20 @@ class NodeRegistryWorkflow:
     def _now(self) -> str:
         return rfc3339(workflow.now())
 
+    def _memo(self) -> dict:
+        return {"nodes": {n: r.wire() for n, r in sorted(self.state.nodes.items())}}
+
     def _publish(self) -> None:
-        workflow.upsert_memo({"nodes": {n: r.wire() for n, r in sorted(self.state.nodes.items())}})
+        workflow.upsert_memo(self._memo())
 
     @workflow.run
     async def run(self, state: RegistryState) -> None:
         self._publish()
         while True:
             if workflow.info().is_continue_as_new_suggested() and workflow.all_handlers_finished():
-                workflow.continue_as_new(self.state)
+                # With its memo as it stands: a new run starts with the memo given here (else the
+                # first run's start memo) until its first upsert, and readers see it meanwhile.
+                workflow.continue_as_new(self.state, memo=self._memo())
             await workflow.sleep(CHECK_EVERY)
             await self._declare_lost()
 
