@@ -1,6 +1,7 @@
 """Delta hot-load vs a cold rolling restart, side by side in one run, on the real stack.
 
     .venv/bin/python bench/hotload_vs_cold.py [--size-mb 256] [--replicas 4] [--runs 3] [--cold-runs 1] [--timeline]
+        [--max-concurrent-swaps K]
 
 Builds a Llama-shaped BF16 model of about `--size-mb` MiB and one realistic RL step of it (fp32
 master, one Adam step at lr 1e-6: a few percent of elements change; `snapshots.synthetic`),
@@ -8,7 +9,8 @@ starts the embedded stack in a temporary home, and creates a `--replicas` deploy
 
 (a) hot-load: per run, a FULL hot-load of the base (setup, not timed), then the INCREMENTAL
     delta of the step, timed from create to COMPLETED through the REST API; the first replica
-    reads the bucket, the others receive from a peer.
+    reads the bucket, the others receive from a peer. `--max-concurrent-swaps` sets the
+    deployment's `hotLoad.maxConcurrentSwaps` (1, the default: one replica at a time).
 (b) cold path: per run, for each replica in turn (a rolling restart), stop a vLLM engine, fetch
     the new full checkpoint from the bucket, start vLLM on it and wait until it serves.
 
@@ -132,6 +134,7 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cold-runs", type=int, default=1)
+    ap.add_argument("--max-concurrent-swaps", type=int, default=1, help="hotLoad.maxConcurrentSwaps")
     ap.add_argument("--keep", action="store_true", help="keep the stack's home (logs) afterwards")
     ap.add_argument("--timeline", action="store_true", help="print the last hot-load's activities in time")
     args = ap.parse_args()
@@ -157,7 +160,8 @@ def main() -> int:
             "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
             "model": {"name": "bench-model", "bucket": settings.bucket, "path": "bench/model"},
             "autoscaling": {"min": args.replicas, "max": args.replicas},
-            "hotLoad": {"bucket": settings.bucket, "pathPrefix": "bench/ckpt"},
+            "hotLoad": {"bucket": settings.bucket, "pathPrefix": "bench/ckpt",
+                        "maxConcurrentSwaps": args.max_concurrent_swaps},
         }
         dep_id = api.call("POST", "/deployments", json=body).json()["deployment"]["spec"]["id"]
         dep = api.wait_deployment(dep_id, timeout=1800)
@@ -190,7 +194,7 @@ def main() -> int:
         a = statistics.median(hot)
         b = statistics.median(cold) if cold else float("nan")
         print()
-        print(f"replicas                         {args.replicas}")
+        print(f"replicas                         {args.replicas} (maxConcurrentSwaps {args.max_concurrent_swaps})")
         print(f"(a) delta hot-load, median       {a:.2f} s  ({args.runs} runs)")
         print(f"(b) cold rolling restart, median {b:.1f} s  ({args.cold_runs} runs)")
         print(f"(b)/(a)                          {b / a:.1f}x")

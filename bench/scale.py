@@ -14,15 +14,16 @@ prints:
 - transfer rounds: the largest `peerRound` of any replica (the depth of the fan-out tree);
 - the most activities pending at once in the hot-load workflow (sampled every 0.5 s);
 - API latency while it runs: p50/p99 of `GET /hotLoads/{id}` and of the list (first page),
-  from one client polling both back to back;
-- CPU seconds of the control-plane processes (Temporal, API, control worker) during it;
+  from one client polling both back to back; `--describe-baseline`: beside it, Temporal's own
+  describe of the hot-load (what the API's GET of a running one calls), back to back;
+- CPU seconds of each control-plane process (Temporal, API, control worker) during it;
 - the replicas' sources (bucket / peer) and the largest pause.
 
 `--autoscale N` then scales the deployment out by N replicas and back in (its `autoscaling.max`
 is `--replicas` + N, both durations 0): the bench signals the deployment workflow `load_report`
 BUSY, then IDLE, as a gateway does, from a SIMULATED gateway (`bench-simulated-load`: no request
-reaches a SIMULATED replica, so no real gateway could judge its load). It prints each step's time
-(BUSY to one more replica serving; IDLE to one fewer), how each joiner took the current snapshot
+reaches a SIMULATED replica, so no real gateway could judge its load). It prints the serving count
+as it changed (polled every 0.2 s, so two quick steps may show as one change), how each joiner took the current snapshot
 (the deployment's `stage_from_peer` / `commit_peer_stage` against `apply_snapshot` activities) and
 the deployment's history growth.
 
@@ -77,8 +78,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def control_plane_cpu(stack: Stack) -> float:
-    return sum(cpu_seconds(pid) for name in CONTROL_PLANE if (pid := stack.pid_file(name).alive_pid()))
+def control_plane_cpu(stack: Stack) -> dict[str, float]:
+    """CPU seconds so far of each control-plane process."""
+    return {name: cpu_seconds(pid) for name in CONTROL_PLANE if (pid := stack.pid_file(name).alive_pid())}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -167,9 +169,12 @@ def run_autoscale(settings: Settings, api: Api, dep_id: str, low: int, high: int
         await client.get_workflow_handle(workflow_id).signal(
             names.LOAD_REPORT, LoadReport(gateway_id=SIMULATED_GATEWAY, level=level))
 
+    trace: list[tuple[str, float, int]] = []  # (level, seconds since it was first said, ready replicas)
+
     def steps(level: str, goal: int) -> list[float]:
         asyncio.run(say(level))
         took: list[float] = []
+        first = time.perf_counter()
         t = said = time.perf_counter()
         deadline = t + 600
         serving = ready_replicas(api, dep_id)
@@ -180,6 +185,7 @@ def run_autoscale(settings: Settings, api: Api, dep_id: str, low: int, high: int
             time.sleep(0.2)
             now = ready_replicas(api, dep_id)
             if now != serving:
+                trace.append((level, round(time.perf_counter() - first, 2), now))
                 took.append(time.perf_counter() - t)
                 t, serving = time.perf_counter(), now
         return took
@@ -188,7 +194,7 @@ def run_autoscale(settings: Settings, api: Api, dep_id: str, low: int, high: int
     in_s = steps(IDLE, low)
     counts = asyncio.run(activity_counts(settings, workflow_id, JOIN_STEPS))
     events1, size1 = asyncio.run(history(settings, workflow_id))
-    return {"out_s": out_s, "in_s": in_s, "activities": counts, "history_events_added": events1 - events0,
+    return {"out_s": out_s, "in_s": in_s, "trace": trace, "activities": counts, "history_events_added": events1 - events0,
             "deployment_history_bytes": size1}
 
 
@@ -196,7 +202,25 @@ def ready_replicas(api: Api, dep_id: str) -> int:
     return int(api.call("GET", f"/deployments/{dep_id}")["deployment"]["status"].get("readyReplicas") or 0)
 
 
-def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identity: str, previous: str | None) -> dict:
+def time_describes(settings: Settings, workflow_id: str, done: threading.Event, out: list[float]) -> None:
+    """Temporal's own describe of the workflow, back to back until `done`, in ms: what the API's
+    GET of a running hot-load costs at Temporal (the baseline beside the API's figure)."""
+    async def run() -> None:
+        handle = (await temporal_client(settings)).get_workflow_handle(workflow_id)
+        while not done.is_set():
+            t = time.perf_counter()
+            try:
+                await handle.describe()
+            except Exception:  # noqa: BLE001 - not started yet
+                await asyncio.sleep(0.05)
+                continue
+            out.append((time.perf_counter() - t) * 1000)
+
+    asyncio.run(run())
+
+
+def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identity: str, previous: str | None,
+                 describe_baseline: bool = False) -> dict:
     body: dict[str, Any] = {"deploymentId": dep_id, "identity": identity, "hotLoadId": identity,
                             "type": "SNAPSHOT_TYPE_FULL" if previous is None else "SNAPSHOT_TYPE_INCREMENTAL"}
     if previous is not None:
@@ -221,6 +245,10 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
     api.call("POST", "/hotLoads", json=body)
     sampler = threading.Thread(target=sample_pending, daemon=True)
     sampler.start()
+    describe_ms: list[float] = []
+    describer = threading.Thread(target=time_describes, args=(settings, workflow_id, done, describe_ms), daemon=True)
+    if describe_baseline:
+        describer.start()
     reader = Api(settings)
     while True:
         t = time.perf_counter()
@@ -231,9 +259,12 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
         list_ms.append((time.perf_counter() - t) * 1000)
         if hl["status"]["state"] in TERMINAL:
             break
-    seconds, cpu = time.perf_counter() - t0, control_plane_cpu(stack) - cpu0
+    seconds, cpu1 = time.perf_counter() - t0, control_plane_cpu(stack)
+    cpu = {name: cpu1[name] - cpu0.get(name, 0.0) for name in cpu1}
     done.set()
     sampler.join()
+    if describe_baseline:
+        describer.join()
     replicas: list[dict] = []
     token = None
     while True:  # every page of the replica list
@@ -262,7 +293,9 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
         "registry_history_events": reg_events, "registry_history_bytes": reg_size,
         "api_get_p50_ms": pct(get_ms, 0.5), "api_get_p99_ms": pct(get_ms, 0.99),
         "api_list_p50_ms": pct(list_ms, 0.5), "api_list_p99_ms": pct(list_ms, 0.99), "api_samples": len(get_ms),
-        "control_plane_cpu_s": cpu, "sources": sources,
+        "describe_p50_ms": pct(describe_ms, 0.5), "describe_p99_ms": pct(describe_ms, 0.99),
+        "describe_samples": len(describe_ms),
+        "control_plane_cpu_s": sum(cpu.values()), "cpu_s_by_process": cpu, "sources": sources,
         "max_pause_ms": max((r.get("pauseMs") or 0 for r in replicas), default=0),
         "condition": (hl["status"].get("conditions") or [{}])[-1].get("message", ""),
     }
@@ -281,6 +314,8 @@ def main() -> int:
                          "plane leaves, as agents on their own hosts would)")
     ap.add_argument("--autoscale", type=int, default=0,
                     help="after the hot-loads, scale out by this many replicas and back in (SIMULATED load reports)")
+    ap.add_argument("--describe-baseline", action="store_true",
+                    help="also time Temporal's own describe of the hot-load back to back (adds that load)")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     ap.add_argument("--deployment-only", action="store_true", help="create the deployment, report, and stop")
     ap.add_argument("--keep", action="store_true", help="keep the stack's home (logs) afterwards")
@@ -352,8 +387,8 @@ def main() -> int:
         if dep["status"]["status"] != "STATUS_READY":
             print(json.dumps(dep["status"], indent=1))
             return 1
-        results = [run_hot_load(settings, stack, api, dep_id, "full-0", None),
-                   run_hot_load(settings, stack, api, dep_id, "delta-1", "full-0")]
+        results = [run_hot_load(settings, stack, api, dep_id, "full-0", None, args.describe_baseline),
+                   run_hot_load(settings, stack, api, dep_id, "delta-1", "full-0", args.describe_baseline)]
         for r in results:
             print(f"\n{r['identity']}: {r['state']} in {r['seconds']:.1f} s; {r['ready']}/{r['replicas']} READY; "
                   f"sources {r['sources']}; max pause {r['max_pause_ms']:.1f} ms")
@@ -366,7 +401,11 @@ def main() -> int:
             print(f"  node registry history {r['registry_history_events']} events, {r['registry_history_bytes'] / 1e6:.2f} MB")
             print(f"  API GET p50/p99 {r['api_get_p50_ms']:.1f}/{r['api_get_p99_ms']:.1f} ms, list p50/p99 "
                   f"{r['api_list_p50_ms']:.1f}/{r['api_list_p99_ms']:.1f} ms ({r['api_samples']} samples)")
-            print(f"  control-plane CPU     {r['control_plane_cpu_s']:.1f} s (Temporal + API + worker)")
+            if r["describe_samples"]:
+                print(f"  Temporal describe p50/p99 {r['describe_p50_ms']:.1f}/{r['describe_p99_ms']:.1f} ms "
+                      f"({r['describe_samples']} samples, beside the API's)")
+            print(f"  control-plane CPU     {r['control_plane_cpu_s']:.1f} s ("
+                  + ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_s_by_process"].items()) + f") in {r['seconds']:.0f} s")
             if r["state"] != "HOT_LOAD_STATE_COMPLETED":
                 print(f"  condition: {r['condition']}")
         scaled: dict | None = None
@@ -374,8 +413,9 @@ def main() -> int:
             scaled = run_autoscale(settings, api, dep_id, args.replicas, args.replicas + args.autoscale)
             print(f"\nautoscaling {args.replicas} -> {args.replicas + args.autoscale} -> {args.replicas} "
                   f"(SIMULATED gateway load reports)")
-            print("  scale-out steps (BUSY to one more serving), s: " + ", ".join(f"{x:.1f}" for x in scaled["out_s"]))
-            print("  scale-in steps (IDLE to one fewer), s:        " + ", ".join(f"{x:.1f}" for x in scaled["in_s"]))
+            print("  scale-out, s between changes of the serving count: " + ", ".join(f"{x:.1f}" for x in scaled["out_s"]))
+            print("  scale-in, s between changes of the serving count:  " + ", ".join(f"{x:.1f}" for x in scaled["in_s"]))
+            print(f"  ready replicas as they changed (level, s, count): {scaled['trace']}")
             print(f"  deployment activities {scaled['activities']}")
             print(f"  deployment history +{scaled['history_events_added']} events "
                   f"({scaled['deployment_history_bytes'] / 1e6:.2f} MB now)")
@@ -384,7 +424,9 @@ def main() -> int:
                                              "group_size": args.group_size, "k": args.max_concurrent_swaps,
                                              "sim_nice": args.sim_nice, "autoscale": scaled,
                                              "results": results}, indent=1))
-        scaled_ok = not args.autoscale or (scaled is not None and len(scaled["out_s"]) == args.autoscale)
+        scaled_ok = not args.autoscale or (
+            scaled is not None and max(n for _, _, n in scaled["trace"]) == args.replicas + args.autoscale
+            and scaled["trace"][-1][2] == args.replicas)
         return 0 if all(r["state"] == "HOT_LOAD_STATE_COMPLETED" for r in results) and scaled_ok else 1
     finally:
         for p in nodes:
