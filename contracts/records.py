@@ -406,6 +406,14 @@ class UpdateDeploymentCommand(WireModel):
     updated_at: str
 
 
+class HeardLoad(WireModel):
+    """One gateway's load reports as a deployment keeps them (contracts/autoscaling.py `Heard`)."""
+
+    level: str
+    since: datetime
+    at: datetime
+
+
 class DeploymentInput(WireModel):
     """The deployment workflow's input, also what it carries across continue-as-new."""
 
@@ -434,3 +442,6 @@ class DeploymentInput(WireModel):
     # When the last autoscaling step ended (RFC 3339; None: none yet). The next step's load must
     # hold from then on (contracts/autoscaling.py).
     scaled_at: str | None = None
+    # Each gateway's load reports as the last run heard them (gateway id -> level, since, last
+    # report), handed over at continue-as-new so a step does not wait for the next report.
+    load_heard: dict[str, HeardLoad] = Field(default_factory=dict)

@@ -51,7 +51,7 @@ with workflow.unsafe.imports_passed_through():
         StageFromPeerResult,
     )
     from contracts.autoscaling import LEVELS, Heard, LoadReport, policy, step
-    from contracts.records import DeploymentInput, ReplicaEndpoint, ResourceStatus
+    from contracts.records import DeploymentInput, HeardLoad, ReplicaEndpoint, ResourceStatus
     from control import metrics, replica_set
     from control.hot_load.options import PEER_STEP, REPLICA_STEP
 
@@ -73,9 +73,11 @@ class Autoscaler:
     state: DeploymentInput
 
     def _init_autoscaler(self) -> None:
-        # Each gateway's reports (gateway id -> what it says and since when); not carried across
-        # continue-as-new: a gateway reports again within its heartbeat.
-        self.heard: dict[str, Heard] = {}
+        # Each gateway's reports (gateway id -> what it says and since when), handed over at
+        # continue-as-new (`heard_for_next_run`).
+        self.heard: dict[str, Heard] = {
+            gateway: Heard(h.level, h.since, h.at) for gateway, h in self.state.load_heard.items()
+        }
         # Replicas a scale-out started that are not members yet -> their endpoint once ready.
         self.joining: dict[str, ReplicaEndpoint | None] = {}
 
@@ -86,6 +88,9 @@ class Autoscaler:
         before = self.heard.get(report.gateway_id)
         since = before.since if before is not None and before.level == report.level else now
         self.heard[report.gateway_id] = Heard(report.level, since, now)
+
+    def heard_for_next_run(self) -> dict[str, HeardLoad]:
+        return {gateway: HeardLoad(level=h.level, since=h.since, at=h.at) for gateway, h in self.heard.items()}
 
     def _scale_step(self) -> int:
         """+1 (one replica more), -1 (one fewer) or 0, by the rule, when a step may start."""

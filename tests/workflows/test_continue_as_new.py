@@ -1,7 +1,8 @@
 """A workflow that continues as new hands its next run the memo as it stands (control/deployment.py,
 control/nodes.py): Temporal starts the new run with the memo its continue-as-new gives (without
 one, the first run's start memo: a deployment CREATING with no replicas), and the API and every
-gateway read that memo until the new run's first upsert.
+gateway read that memo until the new run's first upsert. A deployment also hands over the load
+reports it heard (control/autoscaler.py), so an autoscaling step does not wait for the next one.
 
 Its own dev server, which suggests continue-as-new after a few events, so a deployment does it
 within a couple of hot-loads.
@@ -16,6 +17,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from common.settings import SEARCH_ATTRIBUTES
+from contracts import names
+from contracts.autoscaling import STEADY, LoadReport
 from contracts.memo import replica_list
 from tests.helpers.harness import Fleet, poll
 from tests.helpers.temporal_server import TEMPORAL_BIN
@@ -43,6 +46,7 @@ async def test_a_deployment_continues_as_new_with_its_replicas_and_status_in_the
         dep = await f.ready_deployment(replicas=2)
         handle = f.deployment_handle(dep)
         first_run = (await handle.describe()).run_id
+        await handle.signal(names.LOAD_REPORT, LoadReport(gateway_id="gw-heard", level=STEADY))
         await f.completed(dep, "s1")
 
         async def next_run() -> str | None:
@@ -62,5 +66,6 @@ async def test_a_deployment_continues_as_new_with_its_replicas_and_status_in_the
         assert memo["deployment"]["status"]["status"] == "STATUS_READY", memo["deployment"]["status"]
         assert memo["deployment"]["status"]["readyReplicas"] == 2
         assert memo["deployment"]["status"]["currentSnapshotIdentity"] == "s1"
-        assert sorted(r["name"] for r in replica_list(memo)) == sorted(
-            r.name for r in (await f.deployment_state(dep)).replicas)
+        state = await f.deployment_state(dep)
+        assert sorted(r["name"] for r in replica_list(memo)) == sorted(r.name for r in state.replicas)
+        assert {g: h.level for g, h in state.load_heard.items()} == {"gw-heard": STEADY}
