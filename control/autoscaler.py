@@ -8,11 +8,12 @@ and no hot-load reaches it, and the deployment stays READY. It becomes a member 
 hot-loads, under the replica lock (so a hot-load's admission waits for it, up to its lock wait),
 once it serves exactly the deployment's current snapshot:
 
-- from a serving peer (when a member serves the current snapshot): the joiner starts on the model's base weights, reading nothing from the bucket;
-  then a member offers what it serves (`offer_to_peer`; every tensor, since the joiner serves
-  another base), sends it (`send_to_peers`) while it keeps serving, the joiner checks every
-  tensor against the member's Adler-32 and stages it (`stage_from_peer`), and swaps it in and
-  proves it (`commit_peer_stage`), the same steps and checks as a hot-load's fan-out;
+- from a serving peer (when a member serves the current snapshot): the joiner starts on the
+  model's base weights, reading nothing from the bucket; then a member offers what it serves
+  (`offer_to_peer`; every tensor, since the joiner serves another base), sends it
+  (`send_to_peers`) while it keeps serving, the joiner checks every tensor against the
+  member's Adler-32 and stages it (`stage_from_peer`), and swaps it in and proves it
+  (`commit_peer_stage`): the steps and checks of a hot-load's fan-out;
 - from the bucket otherwise, or when any of those steps fails (the joiner still serves what it
   served: all-or-nothing): `apply_snapshot` of the current chain, the step a hot-load's first
   replica runs. (Deployments whose scale-out started before peer joins existed started their
@@ -30,6 +31,7 @@ stops.
 Both steps start only when the deployment is READY, no hot-load runs and no rolling update is
 due; the time a step ends is `scaled_at`, from which the next step's load must hold again.
 """
+
 from __future__ import annotations
 
 import asyncio
