@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from contracts.records import Autoscaling, WireModel
+from contracts.records import Autoscaling, Heard, WireModel
 
 BUSY, STEADY, IDLE = "BUSY", "STEADY", "IDLE"
 LEVELS = (BUSY, STEADY, IDLE)
@@ -87,15 +87,6 @@ def judge(samples: list[int], replicas: int, target_in_flight: int) -> str:
     if replicas > 0 and sum(samples) / len(samples) / replicas >= target_in_flight:
         return BUSY
     return STEADY
-
-
-@dataclass(frozen=True)
-class Heard:
-    """The deployment's record of one gateway's reports."""
-
-    level: str
-    since: datetime  # when this gateway began to report this level
-    at: datetime  # its last report
 
 
 def step(p: Policy, replicas: int, heard: dict[str, Heard], now: datetime, scaled_at: datetime | None) -> int:

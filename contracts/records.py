@@ -7,6 +7,7 @@ Nothing here talks to Temporal, HTTP or storage.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import Enum
 from typing import Any
@@ -406,12 +407,13 @@ class UpdateDeploymentCommand(WireModel):
     updated_at: str
 
 
-class HeardLoad(WireModel):
-    """One gateway's load reports as a deployment keeps them (contracts/autoscaling.py `Heard`)."""
+@dataclass(frozen=True)
+class Heard:
+    """A deployment's record of one gateway's load reports (contracts/autoscaling.py)."""
 
     level: str
-    since: datetime
-    at: datetime
+    since: datetime  # when this gateway began to report this level
+    at: datetime  # its last report
 
 
 class DeploymentInput(WireModel):
@@ -442,6 +444,6 @@ class DeploymentInput(WireModel):
     # When the last autoscaling step ended (RFC 3339; None: none yet). The next step's load must
     # hold from then on (contracts/autoscaling.py).
     scaled_at: str | None = None
-    # Each gateway's load reports as the last run heard them (gateway id -> level, since, last
-    # report), handed over at continue-as-new so a step does not wait for the next report.
-    load_heard: dict[str, HeardLoad] = Field(default_factory=dict)
+    # Each gateway's load reports as heard (gateway id -> level, since, last report), kept
+    # across continue-as-new so a step does not wait for the next report.
+    load_heard: dict[str, Heard] = Field(default_factory=dict)

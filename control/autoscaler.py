@@ -52,8 +52,8 @@ with workflow.unsafe.imports_passed_through():
         StageFromPeerInput,
         StageFromPeerResult,
     )
-    from contracts.autoscaling import LEVELS, Heard, LoadReport, policy, step
-    from contracts.records import DeploymentInput, HeardLoad, ReplicaEndpoint, ResourceStatus
+    from contracts.autoscaling import LEVELS, LoadReport, policy, step
+    from contracts.records import DeploymentInput, Heard, ReplicaEndpoint, ResourceStatus
     from control import metrics, replica_set
     from control.hot_load.options import PEER_STEP, REPLICA_STEP
 
@@ -75,11 +75,6 @@ class Autoscaler:
     state: DeploymentInput
 
     def _init_autoscaler(self) -> None:
-        # Each gateway's reports (gateway id -> what it says and since when), handed over at
-        # continue-as-new (`heard_for_next_run`).
-        self.heard: dict[str, Heard] = {
-            gateway: Heard(h.level, h.since, h.at) for gateway, h in self.state.load_heard.items()
-        }
         # Replicas a scale-out started that are not members yet -> their endpoint once ready.
         self.joining: dict[str, ReplicaEndpoint | None] = {}
 
@@ -87,23 +82,22 @@ class Autoscaler:
         if report.level not in LEVELS or not report.gateway_id:
             return
         now = workflow.now()
-        before = self.heard.get(report.gateway_id)
+        # Kept in the state (gateway id -> what it says and since when): it survives continue-as-new.
+        heard = self.state.load_heard
+        before = heard.get(report.gateway_id)
         since = before.since if before is not None and before.level == report.level else now
-        self.heard[report.gateway_id] = Heard(report.level, since, now)
-
-    def heard_for_next_run(self) -> dict[str, HeardLoad]:
-        return {gateway: HeardLoad(level=h.level, since=h.since, at=h.at) for gateway, h in self.heard.items()}
+        heard[report.gateway_id] = Heard(report.level, since, now)
 
     def _scale_step(self) -> int:
         """+1 (one replica more), -1 (one fewer) or 0, by the rule, when a step may start."""
         st = self.state
         if (
-            not self.heard or self.deleting or st.active_hot_load_id is not None or st.outdated
+            not st.load_heard or self.deleting or st.active_hot_load_id is not None or st.outdated
             or st.update_error is not None or st.deployment.status.status != ResourceStatus.READY
         ):
             return 0
         scaled = datetime.fromisoformat(st.scaled_at) if st.scaled_at else None
-        return step(policy(self.spec.autoscaling), len(st.members), self.heard, workflow.now(), scaled)
+        return step(policy(self.spec.autoscaling), len(st.members), st.load_heard, workflow.now(), scaled)
 
     def _current_identity(self) -> str:
         return self.state.completed[-1].identity if self.state.completed else "initial"

@@ -325,7 +325,6 @@ class DeploymentWorkflow(Autoscaler):
                 # With the memo as last published: a new run starts with the memo given here
                 # (else the first run's start memo: CREATING, no replicas) until its first
                 # upsert, and the API and every gateway read it meanwhile.
-                self.state.load_heard = self.heard_for_next_run()
                 workflow.continue_as_new(self.state, memo=self._published_memo())
             if roll_due():
                 await self._roll()
