@@ -174,8 +174,7 @@ def run_autoscale(settings: Settings, api: Api, dep_id: str, low: int, high: int
     def steps(level: str, goal: int) -> list[float]:
         asyncio.run(say(level))
         took: list[float] = []
-        first = time.perf_counter()
-        t = said = time.perf_counter()
+        first = t = said = time.perf_counter()
         deadline = t + 600
         serving = ready_replicas(api, dep_id)
         while serving != goal and time.perf_counter() < deadline:

