@@ -17,7 +17,8 @@ Contract:
 - :func:`host_decode_slot`: one decode at a time per host. A decode already uses every core
   (its threads), so replicas sharing a host that decode together only finish together, later
   than the first of them would alone; one after another, the first receiver of a broadcast is
-  ready to swap while the others still decode.
+  ready to swap while the others still decode (and they copy its checked result rather than
+  decode the same update again: ``replica.agent.host_decodes``).
 - One update at a time: :meth:`reserve` hands out the whole arena again, so a stage not yet
   committed must be abandoned first (the agent's lock and ``drop_peer_stage`` see to that). The
   engine checks what it commits against the verified Adler-32 anyway.

@@ -26,6 +26,7 @@ from contracts.records import PromptCachePolicy, SnapshotRef, SnapshotType
 from replica import faults
 from replica.agent.downloads import download_prefix
 from replica.agent.engine_rpc import ReadBackError
+from replica.agent.host_decodes import Publication, copy_published, decode_key, publish
 from replica.agent.peers import PeerSteps
 from replica.agent.staged import EngineUpdateError, PeerStage, ReadBackFailed, StagedUpdate, fmt, ms_since, one_line
 from replica.stage_arena import StageArena, host_decode_slot
@@ -93,6 +94,8 @@ class ReplicaRuntime(PeerSteps):
         self.link_dirs: dict[str, Path] = {}
         self.lock = asyncio.Lock()
         self.arena = StageArena()  # where delta updates are decoded for the engine
+        # The record that offers the arena's last decode to the host's other replicas.
+        self.decode_published: Publication | None = None
         self.peer_store: Any = None  # the rendezvous store of the broadcast this replica sends
         self._adopting: asyncio.Future[None] | None = None  # the host copy taking the last swap
         # Per hot-load id: resolves with the bucket update's stage once it is checked (an early
@@ -181,8 +184,9 @@ class ReplicaRuntime(PeerSteps):
                         await self.engine.discard_staged()
                     raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
                                             f"weights: {one_line(exc)}") from None
-            log.info("staged %s: waited %.0f ms for the host's decode slot, decode %.0f ms, engine stage %.0f ms "
-                     "(%s)", staged.identity, (t0 - t_wait) * 1000, (t1 - t0) * 1000, ms_since(t1),
+            log.info("staged %s: waited %.0f ms for the host's decode slot, %s %.0f ms, engine stage %.0f ms "
+                     "(%s)", staged.identity, (t0 - t_wait) * 1000,
+                     "copy of the host's decode" if staged.copied_from else "decode", (t1 - t0) * 1000, ms_since(t1),
                      fmt({k: 1000 * float(v) for k, v in job.items() if k.endswith("_s") or k == "seconds"}))
             return staged
         staged = await asyncio.to_thread(self.stage_chain, inp, local)
@@ -219,21 +223,52 @@ class ReplicaRuntime(PeerSteps):
             for name in plan.tensors:
                 if name in self.host and name not in sizes:
                     sizes[name] = self.host.info(name).nbytes
+        if self.decode_published is not None:
+            self.decode_published.withdraw()  # before the arena is written again
+            self.decode_published = None
         layout = self.arena.reserve(list(sizes.items()))
         out = {n: self.arena.view(offset, nbytes) for n, (offset, nbytes) in layout.items()}
         staged = StagedUpdate(identity=inp.identity)
-        decoded: set[str] = set()
-        for link, plan in zip(todo, plans):
-            report = self.host.decode_delta_into(plan, out, decoded)
-            decoded.update(report.changed)
-            staged.expected.update(report.checksums)
-            staged.changed_by_link[link.identity] = list(report.changed)
+        key = decode_key(self.applied, [link.identity for link in todo], plans)
+        if self._copy_host_decode(key, plans, todo, out, staged):
+            decoded = set(staged.expected)
+        else:
+            decoded = set()
+            for link, plan in zip(todo, plans):
+                report = self.host.decode_delta_into(plan, out, decoded)
+                decoded.update(report.changed)
+                staged.expected.update(report.checksums)
+                staged.changed_by_link[link.identity] = list(report.changed)
+            self.decode_published = publish(self.arena.directory, key, self.arena.path, self.arena.size,
+                                            {n: layout[n] for n in decoded})
+        for link in todo:
             staged.links.append(link.identity)
             staged.link_dirs[link.identity] = Path(local[link.identity])
         staged.names = sorted(decoded)
         staged.decoded = {n: out[n] for n in staged.names}
         staged.arena_offsets = {n: layout[n][0] for n in staged.names}
         return staged
+
+    def _copy_host_decode(self, key: str, plans: list[Any], todo: list[SnapshotRef],
+                          out: dict[str, np.ndarray], staged: StagedUpdate) -> bool:
+        """Fill `out` with another replica's checked decode of the same update on the same
+        weights, when this host has one (`replica.agent.host_decodes`); False: decode here."""
+        expected: dict[str, str] = {}
+        for plan in plans:
+            if any(name not in out for name in plan.tensors):
+                return False  # a tensor the base lacks: the decode names it
+            expected.update({t.name: t.checksum for t in plan.tensors.values()})
+        t0 = time.perf_counter()
+        source = copy_published(self.arena.directory, key, out, expected, workers=self.host.workers)
+        if source is None:
+            return False
+        staged.expected.update(expected)
+        for link, plan in zip(todo, plans):
+            staged.changed_by_link[link.identity] = list(plan.tensors)
+        staged.copied_from = source
+        log.info("%s: copied this host's decode of %s from %s and checked it: %d tensors, %.0f ms",
+                 self.name, staged.identity, source, len(expected), ms_since(t0))
+        return True
 
     def _adopt(self, staged: StagedUpdate) -> None:
         """After the engine took an arena stage: the host copy takes the same checked bytes."""

@@ -55,6 +55,7 @@ class StagedUpdate:
     new_host_arena: StageArena | None = None  # the shared memory `new_host` lives in
     identity: str = ""
     link_dirs: dict[str, Path] = field(default_factory=dict)  # local files of each delta link
+    copied_from: str = ""  # the arena of another replica's decode it was copied from, if so
 
 
 @dataclass

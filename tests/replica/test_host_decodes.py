@@ -1,0 +1,140 @@
+"""One decode per host: a replica copies a sibling's checked decode of the same update, and
+decodes itself whenever that copy cannot be trusted (replica.agent.host_decodes).
+
+Two replica runtimes in this process stand in for two agents of one host: each has its own host
+copy and its own stage arena (a file another process opens through /proc/PID/fd/FD, as here),
+and the arenas' directory is the test's own, so no other test's records are seen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from contracts.activities import ApplySnapshotInput
+from contracts.records import SnapshotRef, SnapshotType
+from replica.agent import host_decodes
+from replica.agent.runtime import ReplicaRuntime
+from snapshots.errors import SnapshotError
+from snapshots.host import HostWeights, checkpoint_checksums
+from snapshots.synthetic import make_checkpoint_pair
+from snapshots.writer import write_delta
+
+CHAIN = [SnapshotRef(identity="v-base", type=SnapshotType.FULL),
+         SnapshotRef(identity="v-next", type=SnapshotType.INCREMENTAL)]
+INP = ApplySnapshotInput(hot_load_id="hl", identity="v-next", chain=CHAIN, bucket="", path_prefix="")
+
+
+@pytest.fixture
+def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    monkeypatch.setenv("ROLLOUTS_SHM_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    make_checkpoint_pair(tmp_path / "base", tmp_path / "new", size_mb=2, lr=1e-2)
+    write_delta(tmp_path / "base", tmp_path / "new", tmp_path / "delta", version="v-next", base_version="v-base")
+    return {"root": tmp_path, "base": tmp_path / "base", "new": tmp_path / "new", "delta": tmp_path / "delta"}
+
+
+def runtime(paths: dict[str, Path], name: str) -> ReplicaRuntime:
+    rt = ReplicaRuntime(name=name, engine=None, host=HostWeights.load(paths["base"]), s3=None,
+                        workdir=paths["root"] / name)
+    rt.applied = ["v-base"]
+    return rt
+
+
+def decoded_sums(staged) -> dict[str, str]:
+    return {n: host_decodes._copy_checked(a, np.empty_like(a)) for n, a in staged.decoded.items()}
+
+
+def forbid_decode(rt: ReplicaRuntime) -> None:
+    def refuse(*_a, **_k):
+        raise AssertionError("decoded again although a sibling's decode was published")
+    rt.host.decode_delta_into = refuse
+
+
+def test_the_second_replica_copies_the_first_ones_decode(setup) -> None:
+    first, second = runtime(setup, "r1"), runtime(setup, "r2")
+    staged1 = first.decode_links(INP, CHAIN[1:], {"v-next": setup["delta"]})
+    assert staged1.copied_from == "" and staged1.names
+    forbid_decode(second)
+    staged2 = second.decode_links(INP, CHAIN[1:], {"v-next": setup["delta"]})
+    assert staged2.copied_from == first.arena.path
+    assert staged2.names == staged1.names and staged2.expected == staged1.expected
+    assert staged2.changed_by_link == staged1.changed_by_link and staged2.links == ["v-next"]
+    new = checkpoint_checksums(setup["new"])
+    assert decoded_sums(staged2) == {n: new[n] for n in staged2.names}
+    # Its own arena, not a view of the first one's.
+    assert set(staged2.arena_offsets) == set(staged2.names)
+    assert all(second.arena.offset_of(a) >= 0 for a in staged2.decoded.values())
+
+
+def test_a_withdrawn_or_other_update_is_decoded_again(setup) -> None:
+    first, second = runtime(setup, "r1"), runtime(setup, "r2")
+    first.decode_links(INP, CHAIN[1:], {"v-next": setup["delta"]})
+    first.decode_published.withdraw()
+    assert second.decode_links(INP, CHAIN[1:], {"v-next": setup["delta"]}).copied_from == ""
+    # Other weights underneath (another applied chain): another key, so a decode of its own.
+    third = runtime(setup, "r3")
+    third.applied = ["v-other"]
+    assert third.decode_links(INP, CHAIN[1:], {"v-next": setup["delta"]}).copied_from == ""
+
+
+def test_nothing_unchecked_is_copied(setup) -> None:
+    first = runtime(setup, "r1")
+    staged = first.decode_links(INP, CHAIN[1:], {"v-next": setup["delta"]})
+    key = host_decodes.record_path(first.arena.directory, "x").parent.glob("rollouts-decoded-*.json")
+    key = next(iter(key)).name.removeprefix("rollouts-decoded-").removesuffix(".json")
+    out = {n: np.empty_like(a) for n, a in staged.decoded.items()}
+    directory = first.arena.directory
+    assert host_decodes.copy_published(directory, key, out, staged.expected) == first.arena.path
+
+    # A byte of the published arena changes: its Adler-32 differs from the delta's record.
+    victim = staged.names[0]
+    staged.decoded[victim][0] ^= 1
+    assert host_decodes.copy_published(directory, key, out, staged.expected) is None
+    staged.decoded[victim][0] ^= 1
+
+    # The record is replaced while the copy runs (its arena reused and published again).
+    copy = host_decodes._copy_checked
+    calls = []
+
+    def republish(src, dst):
+        if not calls:
+            calls.append(host_decodes.publish(directory, key, first.arena.path, first.arena.size,
+                                              {n: (first.arena.offset_of(a), a.nbytes)
+                                               for n, a in staged.decoded.items()}))
+        return copy(src, dst)
+
+    host_decodes._copy_checked = republish
+    try:
+        assert host_decodes.copy_published(directory, key, out, staged.expected) is None
+    finally:
+        host_decodes._copy_checked = copy
+
+    # Other tensors or sizes than the caller's delta names.
+    assert host_decodes.copy_published(directory, key, {victim: out[victim]}, staged.expected) is None
+    assert host_decodes.copy_published(directory, key, {victim: out[victim][:-1]}, {victim: "0"}) is None
+
+    # The publishing agent is gone: its descriptor no longer opens, and the next publish on
+    # the host removes its record.
+    record = host_decodes.record_path(directory, key)
+    record.write_text(record.read_text().replace(first.arena.path, "/proc/999999999/fd/3"))
+    assert host_decodes.copy_published(directory, key, out, staged.expected) is None
+    host_decodes.publish(directory, "other", first.arena.path, first.arena.size, {})
+    assert not record.exists()
+
+
+def test_a_corrupt_delta_is_refused_and_nothing_is_published(setup) -> None:
+    second = runtime(setup, "r2")
+    bad = setup["root"] / "bad"
+    bad.mkdir()
+    for f in setup["delta"].iterdir():
+        data = bytearray(f.read_bytes())
+        if f.name.endswith(".safetensors"):
+            data[-10] ^= 0xFF  # inside the last tensor's frame
+        (bad / f.name).write_bytes(bytes(data))
+    with pytest.raises(SnapshotError):
+        second.decode_links(INP, CHAIN[1:], {"v-next": bad})
+    assert second.decode_published is None
+    assert not list(second.arena.directory.glob("rollouts-decoded-*"))
