@@ -66,7 +66,9 @@ control/hot_load/state.py.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, WorkflowIDReusePolicy
@@ -99,6 +101,7 @@ with workflow.unsafe.imports_passed_through():
         ReplicaEndpoint,
         ReplicaFailure,
         ResourceStatus,
+        SnapshotRef,
         UpdateDeploymentCommand,
         rfc3339,
     )
@@ -123,6 +126,10 @@ SEEN_IDS_KEPT = 1024
 # history holds one (`rollouts history check`).
 ORG_SCOPED_IDS = "org-scoped-ids"
 ADMISSION_CHECKS_REPLICAS = "admission-checks-replicas"
+# Versioned: a hot-load's admission checks its replicas and its snapshot files at once (one
+# round trip through Temporal instead of two); histories without the marker replay one after
+# the other.
+ADMISSION_AT_ONCE = "admission-checks-at-once"
 # Statuses past creation in which the deployment watches its replica set (and restarts replicas).
 SUPERVISED = (ResourceStatus.READY, ResourceStatus.UPDATING, ResourceStatus.ERROR)
 
@@ -637,42 +644,56 @@ class DeploymentWorkflow(Autoscaler):
             if trace_token is not None:
                 otel_context.detach(trace_token)
 
+    def _admit_replicas(self, restarted: list[str]) -> None:
+        """A hot-load is admitted only if every replica process ran at admission: READY is what
+        the replicas last reported, and a stack restart or a crash since may have taken them
+        down unseen (one that does not run was just restarted, and the deployment is UPDATING
+        until it serves again)."""
+        if restarted:
+            raise rejected(FAILED_PRECONDITION, self._not_ready())
+        if self.unanswered:
+            # A node cut off from the control plane: its replicas could not take the update.
+            raise rejected(
+                UNAVAILABLE,
+                "node agent(s) did not answer the check of their replicas, try again: " + self._unanswered_text(),
+            )
+
+    def _check_snapshots(self, chain: list[SnapshotRef]) -> list[Awaitable[Any]]:
+        """One check of each snapshot of the chain (a 64-link chain in one round trip); the
+        caller reports the first failing link in chain order."""
+        hl_cfg = self.spec.hot_load
+        assert hl_cfg is not None
+        return [
+            workflow.execute_activity(
+                names.CHECK_SNAPSHOT,
+                CheckSnapshotInput(
+                    bucket=hl_cfg.bucket, path_prefix=hl_cfg.path_prefix, identity=link.identity, type=link.type,
+                ),
+                start_to_close_timeout=timedelta(seconds=60),
+                retry_policy=RetryPolicy(maximum_attempts=3, non_retryable_error_types=[FAILED_PRECONDITION]),
+            )
+            for link in chain
+        ]
+
     async def _check_and_start(self, cmd: CreateHotLoadCommand) -> HotLoad:
         chain = admission.resolve_chain(self.state, cmd)
         hl_cfg = self.spec.hot_load
         assert hl_cfg is not None
         try:
             workflow.deprecate_patch(ADMISSION_CHECKS_REPLICAS)
-            # READY is what the replicas last reported; a stack restart or a crash since may have
-            # taken them down unseen. Every replica process must run now (one that does not is
-            # restarted, and the deployment is UPDATING until it serves again).
-            if await self._restart_lost_replicas(admitting=True):
-                raise rejected(FAILED_PRECONDITION, self._not_ready())
-            if self.unanswered:
-                # A node cut off from the control plane: its replicas could not take the update.
-                raise rejected(
-                    UNAVAILABLE,
-                    "node agent(s) did not answer the check of their replicas, try again: " + self._unanswered_text(),
+            if workflow.patched(ADMISSION_AT_ONCE):
+                # The replica check and the snapshot checks run together; their verdicts are
+                # read in the order below, so the error a caller sees is the same.
+                replicas, *checks = await asyncio.gather(
+                    self._restart_lost_replicas(admitting=True), *self._check_snapshots(chain),
+                    return_exceptions=True,
                 )
-            # Every snapshot of the chain at once (a 64-link chain in one round trip); the first
-            # failing link in chain order is the one reported.
-            checks = await asyncio.gather(
-                *(
-                    workflow.execute_activity(
-                        names.CHECK_SNAPSHOT,
-                        CheckSnapshotInput(
-                            bucket=hl_cfg.bucket, path_prefix=hl_cfg.path_prefix,
-                            identity=link.identity, type=link.type,
-                        ),
-                        start_to_close_timeout=timedelta(seconds=60),
-                        retry_policy=RetryPolicy(
-                            maximum_attempts=3, non_retryable_error_types=[FAILED_PRECONDITION]
-                        ),
-                    )
-                    for link in chain
-                ),
-                return_exceptions=True,
-            )
+                if isinstance(replicas, BaseException):
+                    raise replicas
+                self._admit_replicas(replicas)
+            else:
+                self._admit_replicas(await self._restart_lost_replicas(admitting=True))
+                checks = await asyncio.gather(*self._check_snapshots(chain), return_exceptions=True)
             for outcome in checks:
                 if isinstance(outcome, BaseException):
                     raise outcome

@@ -232,3 +232,38 @@ async def test_viewer_and_other_org_cannot_create(temporal_env, tmp_path):
         assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
 
 
+
+
+async def test_the_replica_check_and_the_snapshot_checks_run_at_once(temporal_env, tmp_path):
+    """Admission is one round trip through Temporal: the replica check and every snapshot check
+    are scheduled by the same workflow task."""
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        await f.completed(dep, "s1", hotLoadId="h1")
+        await f.completed(dep, "s2", hotLoadId="h2", **delta_body("s1"))
+        scheduled: list[tuple[str, int]] = []
+        admissions: list[list[tuple[str, int]]] = []  # each hot-load's, up to its start
+        async for event in f.deployment_handle(dep).fetch_history_events():
+            if event.HasField("workflow_execution_update_accepted_event_attributes"):
+                scheduled = []
+            attrs = event.activity_task_scheduled_event_attributes
+            if event.HasField("activity_task_scheduled_event_attributes"):
+                scheduled.append((attrs.activity_type.name, attrs.workflow_task_completed_event_id))
+            if event.HasField("start_child_workflow_execution_initiated_event_attributes"):
+                admissions.append(scheduled)
+        assert len(admissions) == 2, admissions
+        for scheduled in admissions:
+            assert sorted({name for name, _ in scheduled}) == [names.CHECK_SNAPSHOT, names.START_REPLICAS], scheduled
+            assert len({task for _, task in scheduled}) == 1, scheduled
+
+
+async def test_a_lost_replica_is_reported_before_a_missing_snapshot(temporal_env, tmp_path):
+    """Both checks fail at once: the caller sees the replica's, as when they ran in turn."""
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        members = (await f.deployment_state(dep)).members
+        f.report_ready = False
+        await f.lose(dep, members[1])
+        write_full(f.bucket_root / f"ckpt/{dep}", "s1", missing=("config.json",))
+        error(await f.create_hot_load(dep, "s1"), 412, "failed_precondition", "STATUS_UPDATING", members[1])
+        await no_hot_load_started(f, dep)
