@@ -230,7 +230,7 @@ class ReplicaRuntime(PeerSteps):
         out = {n: self.arena.view(offset, nbytes) for n, (offset, nbytes) in layout.items()}
         staged = StagedUpdate(identity=inp.identity)
         key = decode_key(self.applied, [link.identity for link in todo], plans)
-        if self._copy_host_decode(key, plans, todo, out, staged):
+        if out and self._copy_host_decode(key, plans, todo, out, staged):
             decoded = set(staged.expected)
         else:
             decoded = set()
@@ -239,8 +239,9 @@ class ReplicaRuntime(PeerSteps):
                 decoded.update(report.changed)
                 staged.expected.update(report.checksums)
                 staged.changed_by_link[link.identity] = list(report.changed)
-            self.decode_published = publish(self.arena.directory, key, self.arena.path, self.arena.size,
-                                            {n: layout[n] for n in decoded})
+            if decoded:
+                self.decode_published = publish(self.arena.directory, key, self.arena.path, self.arena.size,
+                                                {n: layout[n] for n in decoded})
         for link in todo:
             staged.links.append(link.identity)
             staged.link_dirs[link.identity] = Path(local[link.identity])
