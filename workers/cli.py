@@ -164,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-loop-seconds", type=float, default=300.0,
                    help="start no new step after this many seconds of loop (default 300)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replicas", type=int, default=2, help="replicas of the deployment (autoscaling.min; default 2)")
+    p.add_argument("--max-replicas", type=int, default=None,
+                   help="autoscaling.max: above --replicas, the deployment scales on the demo's own load "
+                        "(e.g. --replicas 1 --max-replicas 2; default: --replicas)")
     p = add("token", "add an API token: rollouts token add --role viewer")
     p.add_argument("action", choices=["add"])
     p.add_argument("--role", choices=["admin", "viewer"], required=True)

@@ -28,6 +28,12 @@ the trainer published). At the end: a PNG of reward and hot-load seconds per ste
 the figures) under ``HOME/demo/``, a table with the first-5 and last-5 mean reward and a greedy
 sample completion before and after, then the deployment is deleted and what the demo started
 is stopped. Exit status 0 when every hot-load completed and the reward rose.
+
+With ``--max-replicas`` above ``--replicas`` (e.g. ``--replicas 1 --max-replicas 2``) the
+deployment autoscales on the demo's own load (``targetInFlight`` 2, out after 10 s busy, in
+after 20 s idle): each change of its serving replicas is printed with the step it followed, and
+after the loop the demo waits for the scale-in before it deletes the deployment. A scale-out
+starts a second engine on the same 2 cores, so such a run takes longer than the default one.
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ except ImportError:
 
 # The table's before/after sample: a question the policy never trains on, greedy.
 SAMPLE_PROMPT = "12 + 34 ="
+# How long a hot-load create answered `unavailable` (503) is tried again.
+UNAVAILABLE_RETRY_S = 120.0
 TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
 
 
@@ -73,7 +81,11 @@ class DemoConfig:
     train: str = "head"  # which tensors the trainer updates: head | last | all (workers.grpo)
     inner_steps: int = 1
     max_loop_s: float = 300.0  # stop starting new steps after this many seconds of loop
-    replicas: int = 2
+    replicas: int = 2  # autoscaling.min
+    max_replicas: int | None = None  # autoscaling.max; above `replicas`, the deployment autoscales
+    target_in_flight: int = 2  # autoscaling.targetInFlight when it autoscales
+    scale_out_after_s: int = 10  # autoscaling.scaleOutAfterSeconds
+    scale_in_after_s: int = 20  # autoscaling.scaleInAfterSeconds
     seed: int = 0
     max_deltas: int | None = None  # deltas per chain before a FULL; None: the service's limit (63)
 
@@ -206,7 +218,16 @@ class Client:
                 "checksumFormat": "CHECKSUM_FORMAT_ADLER32",
             }
         t0 = time.monotonic()
-        hl_id = self.call("POST", "/hotLoads", json=body)["hotLoad"]["spec"]["id"]
+        while True:
+            r = self.http.post(f"{self.api}/hotLoads", headers=self.h, json=body)
+            # `unavailable` says "try again": the deployment was busy with its replicas (a
+            # replica joining after a scale-out takes the snapshot from a peer meanwhile).
+            if r.status_code != 503 or time.monotonic() - t0 > UNAVAILABLE_RETRY_S:
+                break
+            time.sleep(2)
+        if r.status_code >= 400:
+            raise StackError(f"POST /hotLoads: HTTP {r.status_code} {r.text}")
+        hl_id = r.json()["hotLoad"]["spec"]["id"]
         while True:
             hl = self.call("GET", f"/hotLoads/{hl_id}")["hotLoad"]
             if hl["status"]["state"] in TERMINAL:
@@ -270,13 +291,14 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
             "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
             "resources": {"instanceType": "cpu-local", "gpuCount": 0},
             "model": {"name": settings.model_name, "bucket": settings.bucket, "path": settings.base_model_path},
-            "autoscaling": {"min": cfg.replicas, "max": cfg.replicas}, "traffic": {"weight": 100},
+            "autoscaling": _autoscaling(cfg), "traffic": {"weight": 100},
             "hotLoad": {"bucket": settings.bucket, "pathPrefix": f"checkpoints/{name}",
                         "transitionMode": "TRANSITION_MODE_ASYNC"},
         }
         t0 = time.monotonic()
         dep_id = c.call("POST", "/deployments", json=body)["deployment"]["spec"]["id"]
         say(f"deployment {dep_id}: starting {cfg.replicas} Dynamo vLLM workers on CPU (about a minute on 2 cores)...")
+        scale = ScaleLog(cfg, say) if _autoscales(cfg) else None
 
         # The trainer loads its copy while the replicas start.
         base_dir = settings.home_path / "models" / "base"
@@ -366,11 +388,15 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
             records.append(rec)
             say(format_step(rec))
             _check(rec)
+            if scale is not None:
+                scale.seen(c.call("GET", f"/deployments/{dep_id}")["deployment"], step, time.monotonic() - loop_t0)
             if prev_dir != base_dir:
                 shutil.rmtree(prev_dir, ignore_errors=True)
             prev_dir, prev_id = new_dir, rec.identity
         loop_s = time.monotonic() - loop_t0
         after = c.sample(model)
+        if scale is not None:
+            scale.until_scaled_in(lambda: c.call("GET", f"/deployments/{dep_id}")["deployment"])
 
         trained = [r for r in records if r.reward is not None]
         first5, last5 = reward_summary([r.reward for r in trained])
@@ -400,6 +426,7 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
             ("rollout tokens/s (median)", f"{statistics.median(r.tok_per_s for r in trained):.0f}" if trained else "—"),
             ("before", f"{SAMPLE_PROMPT!r} → {before!r}"),
             ("after", f"{SAMPLE_PROMPT!r} → {after!r}"),
+            *([("autoscaling", scale.summary())] if scale is not None else []),
             ("stack up", f"{up_s:.1f} s"),
             ("deployment ready", f"{ready_s:.1f} s"),
             ("plot", str(plot) if plot else "matplotlib is not installed: no PNG (pip install matplotlib)"),
@@ -426,6 +453,64 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
         c.close()
         if not was_running and not keep_running:
             stack.down(say=say)
+
+
+def _autoscales(cfg: DemoConfig) -> bool:
+    return cfg.max_replicas is not None and cfg.max_replicas > cfg.replicas
+
+
+def _autoscaling(cfg: DemoConfig) -> dict[str, int]:
+    """The deployment's `autoscaling` section: a fixed size, or (`--max-replicas` above
+    `--replicas`) thresholds the demo's own load crosses: its rollouts keep `prompts` requests in
+    flight for a few seconds per step, then training and the hot-load send none."""
+    if not _autoscales(cfg):
+        return {"min": cfg.replicas, "max": cfg.replicas}
+    return {"min": cfg.replicas, "max": int(cfg.max_replicas or cfg.replicas), "targetInFlight": cfg.target_in_flight,
+            "scaleOutAfterSeconds": cfg.scale_out_after_s, "scaleInAfterSeconds": cfg.scale_in_after_s}
+
+
+class ScaleLog:
+    """What the demo shows of autoscaling: each change of the deployment's serving replicas
+    (`readyReplicas`), with the step and the loop's seconds, and the scale-in once the load stops."""
+
+    def __init__(self, cfg: DemoConfig, say: Any) -> None:
+        self.cfg, self.say = cfg, say
+        self.serving = cfg.replicas
+        self.events: list[str] = []
+        self.idle_s: float | None = None
+
+    def seen(self, dep: dict, step: int, loop_s: float) -> None:
+        serving = int(dep["status"].get("readyReplicas", 0))
+        if serving != self.serving:
+            what = f"{self.serving} → {serving} serving replicas after step {step} ({loop_s:.0f} s into the loop)"
+            self.events.append(what)
+            self.say(f"autoscaling: {what}")
+            self.serving = serving
+
+    def until_scaled_in(self, get: Any) -> None:
+        """After the loop, no request is sent: wait for the deployment to come back to `min`."""
+        if self.serving <= self.cfg.replicas:
+            return
+        self.say(f"autoscaling: the load stopped; waiting for the scale-in (idle for {self.cfg.scale_in_after_s} s "
+                 f"per replica removed)...")
+        t0 = time.monotonic()
+        deadline = t0 + (self.serving - self.cfg.replicas) * (self.cfg.scale_in_after_s + 30) + 30
+        while time.monotonic() < deadline:
+            serving = int(get()["status"].get("readyReplicas", 0))
+            if serving != self.serving:
+                what = f"{self.serving} → {serving} serving replicas {time.monotonic() - t0:.0f} s after the load stopped"
+                self.events.append(what)
+                self.say(f"autoscaling: {what}")
+                self.serving = serving
+            if serving <= self.cfg.replicas:
+                return
+            time.sleep(1)
+        self.say(f"autoscaling: still {self.serving} serving replicas {time.monotonic() - t0:.0f} s after the load "
+                 f"stopped")
+
+    def summary(self) -> str:
+        bounds = f"min {self.cfg.replicas}, max {self.cfg.max_replicas}"
+        return f"{bounds}: " + ("; ".join(self.events) if self.events else "no scale step")
 
 
 def _ready(reps: list[dict], identity: str) -> int:
