@@ -82,7 +82,7 @@ def publish(directory: Path, key: str, arena_path: str, arena_size: int,
     _remove_stale(directory)
     generation = uuid.uuid4().hex
     path = record_path(directory, key)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.{generation}")  # unique: publishers never share it
     tmp.write_text(json.dumps({"arena": arena_path, "size": arena_size, "generation": generation,
                                "tensors": {n: list(v) for n, v in tensors.items()}}))
     tmp.replace(path)

@@ -8,6 +8,7 @@ and the arenas' directory is the test's own, so no other test's records are seen
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -98,12 +99,14 @@ def test_nothing_unchecked_is_copied(setup) -> None:
     # The record is replaced while the copy runs (its arena reused and published again).
     copy = host_decodes._copy_checked
     calls = []
+    once = threading.Lock()  # the copy runs on several threads
 
     def republish(src, dst):
-        if not calls:
-            calls.append(host_decodes.publish(directory, key, first.arena.path, first.arena.size,
-                                              {n: (first.arena.offset_of(a), a.nbytes)
-                                               for n, a in staged.decoded.items()}))
+        with once:
+            if not calls:
+                calls.append(host_decodes.publish(directory, key, first.arena.path, first.arena.size,
+                                                  {n: (first.arena.offset_of(a), a.nbytes)
+                                                   for n, a in staged.decoded.items()}))
         return copy(src, dst)
 
     host_decodes._copy_checked = republish
