@@ -459,13 +459,13 @@ def _autoscales(cfg: DemoConfig) -> bool:
     return cfg.max_replicas is not None and cfg.max_replicas > cfg.replicas
 
 
-def _autoscaling(cfg: DemoConfig) -> dict[str, int]:
+def _autoscaling(cfg: DemoConfig) -> dict[str, int | None]:
     """The deployment's `autoscaling` section: a fixed size, or (`--max-replicas` above
     `--replicas`) thresholds the demo's own load crosses: its rollouts keep `prompts` requests in
     flight for a few seconds per step, then training and the hot-load send none."""
     if not _autoscales(cfg):
         return {"min": cfg.replicas, "max": cfg.replicas}
-    return {"min": cfg.replicas, "max": int(cfg.max_replicas or cfg.replicas), "targetInFlight": cfg.target_in_flight,
+    return {"min": cfg.replicas, "max": cfg.max_replicas, "targetInFlight": cfg.target_in_flight,
             "scaleOutAfterSeconds": cfg.scale_out_after_s, "scaleInAfterSeconds": cfg.scale_in_after_s}
 
 
@@ -477,15 +477,19 @@ class ScaleLog:
         self.cfg, self.say = cfg, say
         self.serving = cfg.replicas
         self.events: list[str] = []
-        self.idle_s: float | None = None
 
-    def seen(self, dep: dict, step: int, loop_s: float) -> None:
+    def _note(self, dep: dict, when: str) -> int:
+        """Tell (and keep) a change of the serving replicas; returns how many serve now."""
         serving = int(dep["status"].get("readyReplicas", 0))
         if serving != self.serving:
-            what = f"{self.serving} → {serving} serving replicas after step {step} ({loop_s:.0f} s into the loop)"
+            what = f"{self.serving} → {serving} serving replicas {when}"
             self.events.append(what)
             self.say(f"autoscaling: {what}")
             self.serving = serving
+        return serving
+
+    def seen(self, dep: dict, step: int, loop_s: float) -> None:
+        self._note(dep, f"after step {step} ({loop_s:.0f} s into the loop)")
 
     def until_scaled_in(self, get: Any) -> None:
         """After the loop, no request is sent: wait for the deployment to come back to `min`."""
@@ -496,13 +500,7 @@ class ScaleLog:
         t0 = time.monotonic()
         deadline = t0 + (self.serving - self.cfg.replicas) * (self.cfg.scale_in_after_s + 30) + 30
         while time.monotonic() < deadline:
-            serving = int(get()["status"].get("readyReplicas", 0))
-            if serving != self.serving:
-                what = f"{self.serving} → {serving} serving replicas {time.monotonic() - t0:.0f} s after the load stopped"
-                self.events.append(what)
-                self.say(f"autoscaling: {what}")
-                self.serving = serving
-            if serving <= self.cfg.replicas:
+            if self._note(get(), f"{time.monotonic() - t0:.0f} s after the load stopped") <= self.cfg.replicas:
                 return
             time.sleep(1)
         self.say(f"autoscaling: still {self.serving} serving replicas {time.monotonic() - t0:.0f} s after the load "
