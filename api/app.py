@@ -183,6 +183,7 @@ def create_app(
         try:
             yield
         finally:
+            await resources.open_reads.close()
             await resources.hot_loads.close()
 
     app = FastAPI(title="rollouts", version="v1alpha1", lifespan=lifespan)
@@ -493,7 +494,7 @@ def create_app(
     @app.post(f"{PREFIX}/hotLoads/{{hot_load_id}}:cancel")
     async def cancel_hot_load(hot_load_id: str, p: Principal = Depends(principal), r: Resources = Depends(res)):
         p.require_admin("canceling a hot-load")
-        state = (await r.hot_load(p.organization_id, hot_load_id)).hot_load["status"]["state"]
+        state = (await r.hot_load(p.organization_id, hot_load_id, fresh=True)).hot_load["status"]["state"]
         if state in TERMINAL_STATES:
             raise FailedPrecondition(f"hot-load {hot_load_id} already ended ({state})")
         rec = await r.cancel_hot_load(p.organization_id, hot_load_id)
@@ -504,7 +505,7 @@ def create_app(
             if asyncio.get_running_loop().time() >= deadline:
                 break
             await asyncio.sleep(0.1)
-            rec = await r.hot_load(p.organization_id, hot_load_id)
+            rec = await r.hot_load(p.organization_id, hot_load_id, fresh=True)
         return hot_load_response(rec)
 
     return app

@@ -199,6 +199,13 @@ class HotLoadIndex:
         rec = self._known(workflow_id)
         return rec if rec is not None and rec.closed else None
 
+    def latest(self, rec: Record) -> Record:
+        """`rec`, or what the index holds of the same operation if that is newer."""
+        cur = self._known(rec.id)
+        if cur is not None and not rec.closed and (cur.closed or cur.updated_at > rec.updated_at):
+            return cur
+        return rec
+
     def observed(self, memo: dict[str, Any], closed: bool) -> Record:
         """A fresh read of one operation (a describe): listings show it from now on."""
         return self._store(self.record(memo, closed), listed=False)

@@ -9,7 +9,8 @@ is checked again). Reads use describe/list (visibility),
 never a query, so they work with no worker running and for closed operations; a hot-load whose
 workflow closed without recording an end (terminated, timed out) reads as FAILED/CANCELED with a
 condition (`reconcile_hot_load`). Hot-loads are read as `Record`s (api/listing.py): a closed one
-is served from memory, listings are cached per filter. Writes are workflow starts and Updates;
+is served from memory, listings are cached per filter, an open one read by id is answered from a
+describe at most `MAX_STALE_S` old (api/open_reads.py; a cancel here reads afresh). Writes are workflow starts and Updates;
 an Update's `ApplicationError` type is the API error code.
 """
 
@@ -26,6 +27,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from api.listing import HotLoadIndex, Record, page, quote
+from api.open_reads import OpenReads
 from common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable, from_code
 from contracts import names
 from contracts.memo import replica_list
@@ -65,6 +67,7 @@ class Resources:
         self.task_queue = task_queue
         # `hot_load_view` completes a hot-load's wire object (its UI link) once per record.
         self.hot_loads = HotLoadIndex(client, reconcile_hot_load, hot_load_view)
+        self.open_reads = OpenReads(self.hot_loads)
 
     # ------------------------------------------------------------------ plumbing
     async def memo(self, workflow_id: str, *, running_only: bool = False) -> dict[str, Any] | None:
@@ -214,14 +217,18 @@ class Resources:
             await asyncio.sleep(0.1)
         return False
 
-    async def hot_load(self, org: str, hot_load_id: str, *, replicas: bool = False) -> Record:
-        """The operation as it stands: from memory once it closed, else described now (its
-        replica entries decoded only when asked for)."""
+    async def hot_load(self, org: str, hot_load_id: str, *, replicas: bool = False, fresh: bool = False) -> Record:
+        """The operation as it stands: from memory once it closed, else as described at most
+        `MAX_STALE_S` ago (api/open_reads.py), or described now when `fresh` (its replica entries
+        decoded only when asked for)."""
         workflow_id = names.hot_load_workflow_id(org, hot_load_id)
         rec = self.hot_loads.closed(workflow_id)
         if rec is None:
             try:
-                rec = await self.hot_loads.read(workflow_id, replicas=replicas)
+                if fresh:
+                    rec = await self.hot_loads.read(workflow_id, replicas=replicas)
+                else:
+                    rec = await self.open_reads.read(workflow_id, replicas=replicas)
             except RPCError as exc:
                 raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc
         if rec is None or rec.organization_id != org:
@@ -236,12 +243,15 @@ class Resources:
         return await self.hot_loads.page(org, deployment_id, max_page_size, page_token)
 
     async def cancel_hot_load(self, org: str, hot_load_id: str) -> Record:
-        rec = await self.hot_load(org, hot_load_id)
+        workflow_id = names.hot_load_workflow_id(org, hot_load_id)
+        rec = await self.hot_load(org, hot_load_id, fresh=True)
         try:
-            await self.client.get_workflow_handle(names.hot_load_workflow_id(org, hot_load_id)).cancel()
+            await self.client.get_workflow_handle(workflow_id).cancel()
         except RPCError as exc:
             if exc.status != RPCStatusCode.NOT_FOUND:  # NOT_FOUND: it closed meanwhile
                 raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc
+        finally:
+            self.open_reads.forget(workflow_id)  # reads from now on show the cancel's effect
         return rec
 
 

@@ -15,7 +15,9 @@ prints:
 - the most activities pending at once in the hot-load workflow (sampled every 0.5 s);
 - API latency while it runs: p50/p99 of `GET /hotLoads/{id}` and of the list (first page),
   from one client polling both back to back; `--describe-baseline`: beside it, Temporal's own
-  describe of the hot-load (what the API's GET of a running one calls), back to back;
+  describe of the hot-load, back to back (what the API's GET of a running one cost before it
+  was answered from a recent describe, api/open_reads.py); and how long after the hot-load's
+  `finishedAt` the polling client's GET showed its end (what that answer from memory may delay);
 - CPU seconds of each control-plane process (Temporal, API, control worker) during it;
 - the replicas' sources (bucket / peer) and the largest pause.
 
@@ -49,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -257,8 +260,10 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
         reader.call("GET", "/hotLoads", params={"parentDeploymentId": dep_id, "maxPageSize": 50})
         list_ms.append((time.perf_counter() - t) * 1000)
         if hl["status"]["state"] in TERMINAL:
+            seen_end = datetime.now(timezone.utc)
             break
     seconds, cpu1 = time.perf_counter() - t0, control_plane_cpu(stack)
+    finished = datetime.fromisoformat(hl["status"]["finishedAt"].replace("Z", "+00:00"))
     cpu = {name: cpu1[name] - cpu0.get(name, 0.0) for name in cpu1}
     done.set()
     sampler.join()
@@ -294,6 +299,7 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
         "api_list_p50_ms": pct(list_ms, 0.5), "api_list_p99_ms": pct(list_ms, 0.99), "api_samples": len(get_ms),
         "describe_p50_ms": pct(describe_ms, 0.5), "describe_p99_ms": pct(describe_ms, 0.99),
         "describe_samples": len(describe_ms),
+        "end_seen_after_ms": (seen_end - finished).total_seconds() * 1000,
         "control_plane_cpu_s": sum(cpu.values()), "cpu_s_by_process": cpu, "sources": sources,
         "max_pause_ms": max((r.get("pauseMs") or 0 for r in replicas), default=0),
         "condition": (hl["status"].get("conditions") or [{}])[-1].get("message", ""),
@@ -400,6 +406,7 @@ def main() -> int:
             print(f"  node registry history {r['registry_history_events']} events, {r['registry_history_bytes'] / 1e6:.2f} MB")
             print(f"  API GET p50/p99 {r['api_get_p50_ms']:.1f}/{r['api_get_p99_ms']:.1f} ms, list p50/p99 "
                   f"{r['api_list_p50_ms']:.1f}/{r['api_list_p99_ms']:.1f} ms ({r['api_samples']} samples)")
+            print(f"  its end shown by GET  {r['end_seen_after_ms']:.0f} ms after the hot-load's finishedAt")
             if r["describe_samples"]:
                 print(f"  Temporal describe p50/p99 {r['describe_p50_ms']:.1f}/{r['describe_p99_ms']:.1f} ms "
                       f"({r['describe_samples']} samples, beside the API's)")
