@@ -14,10 +14,11 @@ prints:
 - transfer rounds: the largest `peerRound` of any replica (the depth of the fan-out tree);
 - the most activities pending at once in the hot-load workflow (sampled every 0.5 s);
 - API latency while it runs: p50/p99 of `GET /hotLoads/{id}` and of the list (first page),
-  from one client polling both back to back; `--describe-baseline`: beside it, Temporal's own
-  describe of the hot-load, back to back (what the API's GET of a running one cost before it
-  was answered from a recent describe, api/open_reads.py); and how long after the hot-load's
-  `finishedAt` the polling client's GET showed its end (what that answer from memory may delay);
+  from one client polling both every `--poll-s` (a dashboard's cadence; back to back, a faster
+  API would only mean more load); `--describe-baseline`: beside it, at the same cadence,
+  Temporal's own describe of the hot-load (what the API's GET of a running one cost when each
+  GET described it, before api/open_reads.py); and how long after the hot-load's `finishedAt`
+  the GET showed its end, and the describe (what answering from memory may delay);
 - CPU seconds of each control-plane process (Temporal, API, control worker) during it;
 - the replicas' sources (bucket / peer) and the largest pause.
 
@@ -204,25 +205,31 @@ def ready_replicas(api: Api, dep_id: str) -> int:
     return int(api.call("GET", f"/deployments/{dep_id}")["deployment"]["status"].get("readyReplicas") or 0)
 
 
-def time_describes(settings: Settings, workflow_id: str, done: threading.Event, out: list[float]) -> None:
-    """Temporal's own describe of the workflow, back to back until `done`, in ms: what the API's
-    GET of a running hot-load costs at Temporal (the baseline beside the API's figure)."""
+def time_describes(settings: Settings, workflow_id: str, done: threading.Event, out: list[float],
+                   seen_end: list[datetime], interval_s: float) -> None:
+    """Temporal's own describe of the workflow at the reader's cadence until `done`, in ms: what
+    the API's GET of a running hot-load cost when each GET described it (the baseline beside the
+    API's figure); `seen_end` gets the time a describe first showed the hot-load's end."""
     async def run() -> None:
         handle = (await temporal_client(settings)).get_workflow_handle(workflow_id)
         while not done.is_set():
             t = time.perf_counter()
             try:
-                await handle.describe()
+                desc = await handle.describe()
             except Exception:  # noqa: BLE001 - not started yet
                 await asyncio.sleep(0.05)
                 continue
+            state = (await desc.memo_value("hotLoad"))["status"]["state"]
             out.append((time.perf_counter() - t) * 1000)
+            if state in TERMINAL and not seen_end:
+                seen_end.append(datetime.now(timezone.utc))
+            await asyncio.sleep(max(0.0, interval_s - (time.perf_counter() - t)))
 
     asyncio.run(run())
 
 
 def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identity: str, previous: str | None,
-                 describe_baseline: bool = False) -> dict:
+                 describe_baseline: bool = False, poll_s: float = 0.05) -> dict:
     body: dict[str, Any] = {"deploymentId": dep_id, "identity": identity, "hotLoadId": identity,
                             "type": "SNAPSHOT_TYPE_FULL" if previous is None else "SNAPSHOT_TYPE_INCREMENTAL"}
     if previous is not None:
@@ -248,12 +255,14 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
     sampler = threading.Thread(target=sample_pending, daemon=True)
     sampler.start()
     describe_ms: list[float] = []
-    describer = threading.Thread(target=time_describes, args=(settings, workflow_id, done, describe_ms), daemon=True)
+    describe_end: list[datetime] = []
+    describer = threading.Thread(target=time_describes, daemon=True,
+                                 args=(settings, workflow_id, done, describe_ms, describe_end, poll_s))
     if describe_baseline:
         describer.start()
     reader = Api(settings)
     while True:
-        t = time.perf_counter()
+        t = begun = time.perf_counter()
         hl = reader.call("GET", f"/hotLoads/{identity}")["hotLoad"]
         get_ms.append((time.perf_counter() - t) * 1000)
         t = time.perf_counter()
@@ -262,13 +271,14 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
         if hl["status"]["state"] in TERMINAL:
             seen_end = datetime.now(timezone.utc)
             break
+        time.sleep(max(0.0, poll_s - (time.perf_counter() - begun)))  # a client polling at a cadence
     seconds, cpu1 = time.perf_counter() - t0, control_plane_cpu(stack)
     finished = datetime.fromisoformat(hl["status"]["finishedAt"].replace("Z", "+00:00"))
     cpu = {name: cpu1[name] - cpu0.get(name, 0.0) for name in cpu1}
     done.set()
     sampler.join()
     if describe_baseline:
-        describer.join()
+        describer.join(timeout=30)
     replicas: list[dict] = []
     token = None
     while True:  # every page of the replica list
@@ -300,6 +310,7 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
         "describe_p50_ms": pct(describe_ms, 0.5), "describe_p99_ms": pct(describe_ms, 0.99),
         "describe_samples": len(describe_ms),
         "end_seen_after_ms": (seen_end - finished).total_seconds() * 1000,
+        "describe_end_seen_after_ms": (describe_end[0] - finished).total_seconds() * 1000 if describe_end else None,
         "control_plane_cpu_s": sum(cpu.values()), "cpu_s_by_process": cpu, "sources": sources,
         "max_pause_ms": max((r.get("pauseMs") or 0 for r in replicas), default=0),
         "condition": (hl["status"].get("conditions") or [{}])[-1].get("message", ""),
@@ -321,6 +332,8 @@ def main() -> int:
                     help="after the hot-loads, scale out by this many replicas and back in (SIMULATED load reports)")
     ap.add_argument("--describe-baseline", action="store_true",
                     help="also time Temporal's own describe of the hot-load back to back (adds that load)")
+    ap.add_argument("--poll-s", type=float, default=0.05,
+                    help="the reader's cadence: a GET and a list every this many seconds (start to start)")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     ap.add_argument("--deployment-only", action="store_true", help="create the deployment, report, and stop")
     ap.add_argument("--keep", action="store_true", help="keep the stack's home (logs) afterwards")
@@ -392,8 +405,8 @@ def main() -> int:
         if dep["status"]["status"] != "STATUS_READY":
             print(json.dumps(dep["status"], indent=1))
             return 1
-        results = [run_hot_load(settings, stack, api, dep_id, "full-0", None, args.describe_baseline),
-                   run_hot_load(settings, stack, api, dep_id, "delta-1", "full-0", args.describe_baseline)]
+        results = [run_hot_load(settings, stack, api, dep_id, "full-0", None, args.describe_baseline, args.poll_s),
+                   run_hot_load(settings, stack, api, dep_id, "delta-1", "full-0", args.describe_baseline, args.poll_s)]
         for r in results:
             print(f"\n{r['identity']}: {r['state']} in {r['seconds']:.1f} s; {r['ready']}/{r['replicas']} READY; "
                   f"sources {r['sources']}; max pause {r['max_pause_ms']:.1f} ms")
@@ -408,8 +421,10 @@ def main() -> int:
                   f"{r['api_list_p50_ms']:.1f}/{r['api_list_p99_ms']:.1f} ms ({r['api_samples']} samples)")
             print(f"  its end shown by GET  {r['end_seen_after_ms']:.0f} ms after the hot-load's finishedAt")
             if r["describe_samples"]:
+                end = r["describe_end_seen_after_ms"]
                 print(f"  Temporal describe p50/p99 {r['describe_p50_ms']:.1f}/{r['describe_p99_ms']:.1f} ms "
-                      f"({r['describe_samples']} samples, beside the API's)")
+                      f"({r['describe_samples']} samples, beside the API's); its end shown by describe "
+                      + (f"{end:.0f} ms after finishedAt" if end is not None else "never"))
             print(f"  control-plane CPU     {r['control_plane_cpu_s']:.1f} s ("
                   + ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_s_by_process"].items()) + f") in {r['seconds']:.0f} s")
             if r["state"] != "HOT_LOAD_STATE_COMPLETED":

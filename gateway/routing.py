@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from temporalio.client import Client
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from common.settings import temporal_client
 from contracts.autoscaling import TARGET_IN_FLIGHT, policy
@@ -428,7 +428,10 @@ async def refresh_loop(router: Router, settings: Any) -> None:
                 org = memo["deployment"]["spec"]["organizationId"]
                 hot_memo = await (await client.get_workflow_handle(hot_load_workflow_id(org, active)).describe()).memo()
             except RPCError as exc:
-                log.warning("reading hot-load %s failed: %s", active, exc)
+                # Not found: the deployment marks it active while its admission still runs (the
+                # workflow starts after); held unreadable until it exists, which is expected.
+                not_yet = exc.status == RPCStatusCode.NOT_FOUND
+                (log.debug if not_yet else log.warning)("reading hot-load %s failed: %s", active, exc)
                 readable = False
         epoch = router.epoch_for(wf_id, active)
         return build_view(memo, wf_id, hot_memo, hot_load_readable=readable, epoch=epoch, read_at=started)
