@@ -11,6 +11,10 @@ updates cost and how they ended.
 - `rollouts_replica_step_failures_total{step, reason}` (counter): failed steps, by the error
   type the control plane sees (`NonRetryableSnapshot`, `ReadBackFailed`, `InjectedFault`, ...
   or the exception's class).
+- `rollouts_replica_delta_stages_total{how}` (counter): delta updates staged here, by how the
+  new tensors were made: `how="decoded"` (this agent decoded the delta links) or `"copied"`
+  (it copied and checked another agent's decode of the same update on this host,
+  replica/agent/host_decodes.py).
 - `rollouts_replica_offers_refused_total` (counter): offers this replica declined, a normal
   answer in the fan-out (it holds nothing to pass on yet: a stage of tensors not swapped in);
   not a failure.
@@ -43,6 +47,8 @@ BYTES_SENT = Counter("rollouts_replica_bytes_sent", "Bytes broadcast to peers", 
 STEPS = Counter("rollouts_replica_steps", "Steps run", (*_LABELS, "step"))
 STEP_SECONDS = Histogram("rollouts_replica_step_seconds", "Step duration", (*_LABELS, "step"), buckets=OPERATION_BUCKETS)
 FAILURES = Counter("rollouts_replica_step_failures", "Failed steps, by reason", (*_LABELS, "step", "reason"))
+DELTA_STAGES = Counter("rollouts_replica_delta_stages", "Delta updates staged, decoded here or copied from "
+                       "this host's decode", (*_LABELS, "how"))
 REFUSED = Counter("rollouts_replica_offers_refused", "Offers declined (nothing to pass on yet)", _LABELS)
 # The error type of a declined offer (replica/agent/activities.py): an answer, not a failure.
 OFFER_REFUSED = "PeerOfferRefused"
@@ -99,6 +105,11 @@ class ReplicaMetrics:
             STEP_SECONDS.labels(**self.labels, step=name).observe(time.monotonic() - start)
             if changes_weights:
                 self.state("READY")
+
+
+def delta_staged(deployment: str, replica: str, *, copied: bool) -> None:
+    """One delta update staged by `replica`: decoded here, or `copied` from this host's decode."""
+    DELTA_STAGES.labels(deployment=deployment, replica=replica, how="copied" if copied else "decoded").inc()
 
 
 def reason_of(exc: BaseException) -> str:

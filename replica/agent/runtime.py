@@ -27,6 +27,7 @@ from replica import faults
 from replica.agent.downloads import download_prefix
 from replica.agent.engine_rpc import ReadBackError
 from replica.agent.host_decodes import Publication, copy_published, decode_key, publish
+from replica.agent.metrics import delta_staged
 from replica.agent.peers import PeerSteps
 from replica.agent.staged import EngineUpdateError, PeerStage, ReadBackFailed, StagedUpdate, fmt, ms_since, one_line
 from replica.stage_arena import StageArena, host_decode_slot
@@ -232,6 +233,7 @@ class ReplicaRuntime(PeerSteps):
         key = decode_key(self.applied, [link.identity for link in todo], plans)
         if out and self._copy_host_decode(key, plans, todo, out, staged):
             decoded = set(staged.expected)
+            delta_staged(self.deployment, self.name, copied=True)
         else:
             decoded = set()
             for link, plan in zip(todo, plans):
@@ -239,6 +241,8 @@ class ReplicaRuntime(PeerSteps):
                 decoded.update(report.changed)
                 staged.expected.update(report.checksums)
                 staged.changed_by_link[link.identity] = list(report.changed)
+            if out:
+                delta_staged(self.deployment, self.name, copied=False)
             if decoded:
                 self.decode_published = publish(self.arena.directory, key, self.arena.path, self.arena.size,
                                                 {n: layout[n] for n in decoded})

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from contracts.activities import ApplySnapshotInput
 from contracts.records import SnapshotRef, SnapshotType
@@ -54,13 +55,23 @@ def forbid_decode(rt: ReplicaRuntime) -> None:
     rt.host.decode_delta_into = refuse
 
 
+def stages(replica: str, how: str) -> float:
+    """`rollouts_replica_delta_stages_total` of `replica` (replica/agent/metrics.py)."""
+    labels = {"deployment": "", "replica": replica, "how": how}
+    return REGISTRY.get_sample_value("rollouts_replica_delta_stages_total", labels) or 0.0
+
+
 def test_the_second_replica_copies_the_first_ones_decode(setup) -> None:
     first, second = runtime(setup, "r1"), runtime(setup, "r2")
+    before = {(r, how): stages(r, how) for r in ("r1", "r2") for how in ("decoded", "copied")}
     staged1 = first.decode_links(INP, CHAIN[1:], {"v-next": setup["delta"]})
     assert staged1.copied_from == "" and staged1.names
     forbid_decode(second)
     staged2 = second.decode_links(INP, CHAIN[1:], {"v-next": setup["delta"]})
     assert staged2.copied_from == first.arena.path
+    # The metric says which stage was decoded and which copied.
+    assert {k: stages(*k) - v for k, v in before.items()} == {
+        ("r1", "decoded"): 1, ("r1", "copied"): 0, ("r2", "decoded"): 0, ("r2", "copied"): 1}
     assert staged2.names == staged1.names and staged2.expected == staged1.expected
     assert staged2.changed_by_link == staged1.changed_by_link and staged2.links == ["v-next"]
     new = checkpoint_checksums(setup["new"])
