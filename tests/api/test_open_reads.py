@@ -3,7 +3,8 @@ whose describes the test releases one by one and a clock the test moves: a fresh
 describe, an aging one is answered and refreshed behind the read (once, however many read), a
 too-old one waits for a describe, a cancel's `forget` makes the next read describe, a failed
 refresh is answered from what is kept until that is too old, a closed operation is not kept, and
-replica entries older than what the index holds are described again."""
+replica entries older than what the index holds are described again; the close of the workflow
+is described at once, and nobody reading ends the wait for it."""
 
 from __future__ import annotations
 
@@ -57,9 +58,21 @@ class Clock:
 
 
 @pytest.fixture
-def setup() -> tuple[FakeIndex, Clock, OpenReads]:
+def closed() -> asyncio.Event:
+    """Set: the hot-load's workflow closed (what the long poll waits for)."""
+    return asyncio.Event()
+
+
+@pytest.fixture
+async def setup(closed: asyncio.Event):
     index, clock = FakeIndex(), Clock()
-    return index, clock, OpenReads(index, revalidate_s=0.25, max_stale_s=2.0, clock=clock)  # type: ignore[arg-type]
+
+    async def closes(workflow_id: str) -> None:
+        await closed.wait()
+
+    reads = OpenReads(index, revalidate_s=0.25, max_stale_s=2.0, clock=clock, closes=closes)  # type: ignore[arg-type]
+    yield index, clock, reads
+    await reads.close()
 
 
 async def answer(index: FakeIndex, *answers: Record | None | Exception) -> None:
@@ -173,3 +186,31 @@ async def test_entries_older_than_what_the_index_holds_are_described_again(setup
     assert not entries.done(), "replica entries older than an answer already given were served"
     await answer(index, record(2, replicas=[{"name": "r0", "state": "READY"}]))
     assert (await entries).replicas == [{"name": "r0", "state": "READY"}]
+
+
+async def test_the_close_is_described_at_once_and_nothing_of_it_is_kept(setup, closed) -> None:
+    index, clock, reads = setup
+    await answer(index, record(1))
+    await reads.read(WF, replicas=False)
+    await answer(index, record(1, replicas=[{"name": "r0", "state": "UPDATING"}]))
+    await reads.read(WF, replicas=True)
+    assert len(index.calls) == 2
+    closed.set()  # the workflow ends; no read comes, no time passes
+    await settle()
+    assert index.calls[-1] == (WF, False) and len(index.calls) == 3  # described at once
+    await answer(index, record(2, closed=True))
+    await settle()
+    assert reads._kept == {} and reads._watches == {}  # the index answers it from now on
+
+
+async def test_the_wait_for_the_close_ends_when_nobody_reads(setup) -> None:
+    index, clock, reads = setup
+    reads.watch_s = 0.02
+    await answer(index, record(1))
+    await reads.read(WF, replicas=False)
+    assert WF in reads._watches
+    await asyncio.sleep(0.05)
+    assert WF in reads._watches  # read within watch_s (the clock has not moved)
+    clock.now += 1.0
+    await asyncio.sleep(0.1)
+    assert WF not in reads._watches and len(index.calls) == 1
