@@ -8,6 +8,9 @@
   body's `code` (`invalid_argument`, `failed_precondition`, `already_exists`, `unavailable`, ...).
 - `rollouts_hot_loads_created_total` (counter): hot-load creates the API answered with the
   operation (a create repeated with the same id counts again).
+- `rollouts_api_open_hot_load_reads_total{answer}` (counter): reads of an open hot-load by id
+  (api/open_reads.py), `answer="described"` (its describe, waited for) or `"kept"` (that
+  describe was late: the previous describe's answer).
 
 How hot-loads end (durations, outcomes, replica failures) is counted where they run: the control
 worker's endpoint (control/metrics.py); pauses and bytes per replica on each replica agent's
@@ -25,6 +28,7 @@ REQUEST_SECONDS = Histogram("rollouts_api_request_seconds", "API request duratio
                             buckets=REQUEST_BUCKETS)
 ERRORS = Counter("rollouts_api_errors", "API error answers, by code", ("code",))
 HOT_LOADS_CREATED = Counter("rollouts_hot_loads_created", "Hot-loads admitted by the API")
+OPEN_READS = Counter("rollouts_api_open_hot_load_reads", "Reads of an open hot-load by id, by answer", ("answer",))
 
 
 def observe(method: str, route: str, status: int, seconds: float) -> None:

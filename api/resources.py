@@ -9,8 +9,8 @@ is checked again). Reads use describe/list (visibility),
 never a query, so they work with no worker running and for closed operations; a hot-load whose
 workflow closed without recording an end (terminated, timed out) reads as FAILED/CANCELED with a
 condition (`reconcile_hot_load`). Hot-loads are read as `Record`s (api/listing.py): a closed one
-is served from memory, listings are cached per filter, an open one read by id is answered from a
-describe at most `MAX_STALE_S` old (api/open_reads.py; a cancel here reads afresh). Writes are workflow starts and Updates;
+is served from memory, listings are cached per filter, an open one read by id is described and,
+when that is late, answered from the last describe (api/open_reads.py; a cancel reads afresh). Writes are workflow starts and Updates;
 an Update's `ApplicationError` type is the API error code.
 """
 
@@ -218,9 +218,9 @@ class Resources:
         return False
 
     async def hot_load(self, org: str, hot_load_id: str, *, replicas: bool = False, fresh: bool = False) -> Record:
-        """The operation as it stands: from memory once it closed, else as described at most
-        `MAX_STALE_S` ago (api/open_reads.py), or described now when `fresh` (its replica entries
-        decoded only when asked for)."""
+        """The operation as it stands: from memory once it closed, else described now, or from
+        the last describe when this one is late (api/open_reads.py), waited for when `fresh` (its
+        replica entries decoded only when asked for)."""
         workflow_id = names.hot_load_workflow_id(org, hot_load_id)
         rec = self.hot_loads.closed(workflow_id)
         if rec is None:

@@ -68,6 +68,8 @@ def hot_load(api: Api, dep_id: str, identity: str, previous: str | None) -> tupl
             break
         time.sleep(0.05)
     elapsed = time.monotonic() - t0
+    finished = datetime.fromisoformat(hl["status"]["finishedAt"].replace("Z", "+00:00")).timestamp()
+    hl["_shownAfterMs"] = (time.time() - finished) * 1000  # how long after its end the GET showed it
     if hl["status"]["state"] != "HOT_LOAD_STATE_COMPLETED":
         raise SystemExit(f"hot-load {identity} ended {hl['status']['state']}: {hl['status'].get('conditions')}")
     return hl, elapsed, created
@@ -180,7 +182,8 @@ def main() -> int:
             pauses += [r["pauseMs"] for r in reps]
             bytes_per_replica.append([r["bytesReadFromBucket"] for r in reps])
             print(f"  hot-load run {run}: {seconds:.2f} s; step s {[round(_step_seconds(r), 2) for r in reps]}; "
-                  f"pause ms {[round(r['pauseMs'], 1) for r in reps]}; sources {[r['source'] for r in reps]}", flush=True)
+                  f"pause ms {[round(r['pauseMs'], 1) for r in reps]}; sources {[r['source'] for r in reps]}; "
+                  f"end shown by GET {hl['_shownAfterMs']:.0f} ms after finishedAt", flush=True)
 
         if args.timeline and args.runs:
             print_timeline(settings, hot_load_workflow_id(settings.organization_id, hl["spec"]["id"]), created)

@@ -17,8 +17,9 @@ prints:
   from one client polling both every `--poll-s` (a dashboard's cadence; back to back, a faster
   API would only mean more load); `--describe-baseline`: beside it, at the same cadence,
   Temporal's own describe of the hot-load (what the API's GET of a running one cost when each
-  GET described it, before api/open_reads.py); and how long after the hot-load's `finishedAt`
-  the GET showed its end, and the describe (what answering from memory may delay);
+  GET waited for its describe, before api/open_reads.py); how many GETs were answered from the
+  last describe because theirs was late; and how long after the hot-load's `finishedAt` the GET
+  showed its end, and the describe;
 - CPU seconds of each control-plane process (Temporal, API, control worker) during it;
 - the replicas' sources (bucket / peer) and the largest pause.
 
@@ -80,6 +81,17 @@ CONTROL_PLANE = ("temporal", "api", "worker")
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def open_reads(settings: Settings) -> dict[str, float]:
+    """The API's `rollouts_api_open_hot_load_reads_total` by answer (api/metrics.py)."""
+    text = httpx.get(f"{settings.api_url}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("rollouts_api_open_hot_load_reads_total{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('answer="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
 
 
 def control_plane_cpu(stack: Stack) -> dict[str, float]:
@@ -250,6 +262,7 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
                 pass
             done.wait(0.5)
 
+    reads0 = open_reads(settings)
     cpu0, t0 = control_plane_cpu(stack), time.perf_counter()
     api.call("POST", "/hotLoads", json=body)
     sampler = threading.Thread(target=sample_pending, daemon=True)
@@ -273,6 +286,7 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
             break
         time.sleep(max(0.0, poll_s - (time.perf_counter() - begun)))  # a client polling at a cadence
     seconds, cpu1 = time.perf_counter() - t0, control_plane_cpu(stack)
+    reads = {k: v - reads0.get(k, 0.0) for k, v in open_reads(settings).items()}
     finished = datetime.fromisoformat(hl["status"]["finishedAt"].replace("Z", "+00:00"))
     cpu = {name: cpu1[name] - cpu0.get(name, 0.0) for name in cpu1}
     done.set()
@@ -310,6 +324,7 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
         "describe_p50_ms": pct(describe_ms, 0.5), "describe_p99_ms": pct(describe_ms, 0.99),
         "describe_samples": len(describe_ms),
         "end_seen_after_ms": (seen_end - finished).total_seconds() * 1000,
+        "gets_described": reads.get("described", 0.0), "gets_kept": reads.get("kept", 0.0),
         "describe_end_seen_after_ms": (describe_end[0] - finished).total_seconds() * 1000 if describe_end else None,
         "control_plane_cpu_s": sum(cpu.values()), "cpu_s_by_process": cpu, "sources": sources,
         "max_pause_ms": max((r.get("pauseMs") or 0 for r in replicas), default=0),
@@ -419,7 +434,8 @@ def main() -> int:
             print(f"  node registry history {r['registry_history_events']} events, {r['registry_history_bytes'] / 1e6:.2f} MB")
             print(f"  API GET p50/p99 {r['api_get_p50_ms']:.1f}/{r['api_get_p99_ms']:.1f} ms, list p50/p99 "
                   f"{r['api_list_p50_ms']:.1f}/{r['api_list_p99_ms']:.1f} ms ({r['api_samples']} samples)")
-            print(f"  its end shown by GET  {r['end_seen_after_ms']:.0f} ms after the hot-load's finishedAt")
+            print(f"  its end shown by GET  {r['end_seen_after_ms']:.0f} ms after the hot-load's finishedAt; GETs "
+                  f"answered by their describe {r['gets_described']:.0f}, from the last one (theirs late) {r['gets_kept']:.0f}")
             if r["describe_samples"]:
                 end = r["describe_end_seen_after_ms"]
                 print(f"  Temporal describe p50/p99 {r['describe_p50_ms']:.1f}/{r['describe_p99_ms']:.1f} ms "

@@ -1,10 +1,9 @@
-"""Reads of an open hot-load from a recent describe (api/open_reads.py), against a fake index
-whose describes the test releases one by one and a clock the test moves: a fresh answer costs no
-describe, an aging one is answered and refreshed behind the read (once, however many read), a
-too-old one waits for a describe, a cancel's `forget` makes the next read describe, a failed
-refresh is answered from what is kept until that is too old, a closed operation is not kept, and
-replica entries older than what the index holds are described again; the close of the workflow
-is described at once, and nobody reading ends the wait for it."""
+"""Reads of an open hot-load (api/open_reads.py), against a fake index whose describes the test
+releases one by one and a clock the test moves: a describe in time is the answer, a late one is
+replaced by the kept answer and kept for the next reads (one describe in flight however many
+read), a too-old answer is not given, a cancel's `forget` makes the next read wait for a describe
+of its own, a failed describe is replaced by what is kept until that is too old, a closed
+operation is not kept, and replica entries older than what the index holds are waited for."""
 
 from __future__ import annotations
 
@@ -58,19 +57,9 @@ class Clock:
 
 
 @pytest.fixture
-def closed() -> asyncio.Event:
-    """Set: the hot-load's workflow closed (what the long poll waits for)."""
-    return asyncio.Event()
-
-
-@pytest.fixture
-async def setup(closed: asyncio.Event):
+async def setup():
     index, clock = FakeIndex(), Clock()
-
-    async def closes(workflow_id: str) -> None:
-        await closed.wait()
-
-    reads = OpenReads(index, revalidate_s=0.25, max_stale_s=2.0, clock=clock, closes=closes)  # type: ignore[arg-type]
+    reads = OpenReads(index, wait_s=0.01, max_stale_s=2.0, clock=clock)  # type: ignore[arg-type]
     yield index, clock, reads
     await reads.close()
 
@@ -87,130 +76,90 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-async def test_fresh_answers_cost_no_describe_and_aging_ones_refresh_once(setup):
+def version(rec: Record | None) -> int:
+    assert rec is not None
+    return int(rec.updated_at[-3:-1])
+
+
+async def test_a_describe_in_time_is_the_answer_and_a_late_one_is_kept_for_the_next(setup) -> None:
     index, clock, reads = setup
     first = asyncio.create_task(reads.read(WF, replicas=False))
-    await settle()
-    assert len(index.calls) == 1 and not first.done()  # the first read waits for its describe
+    await asyncio.sleep(0.05)
+    assert not first.done()  # nothing kept: the first read waits for its describe, however long
     await answer(index, record(1))
-    assert (await first).updated_at.endswith("01Z")
-    clock.now += 0.2
-    assert (await reads.read(WF, replicas=False)).updated_at.endswith("01Z")
-    assert len(index.calls) == 1  # fresh: from memory
-    clock.now += 0.1  # 0.3 s old: answered at once, refreshed behind the read, once for many reads
-    for _ in range(5):
-        assert (await reads.read(WF, replicas=False)).updated_at.endswith("01Z")
+    assert version(await first) == 1
+    await answer(index, record(2))  # the next describe answers at once
+    assert version(await reads.read(WF, replicas=False)) == 2 and reads.kept_answers == 0
+    # A late describe: the kept answer, after wait_s; reads meanwhile join the same describe.
+    assert [version(await reads.read(WF, replicas=False)) for _ in range(3)] == [2, 2, 2]
+    assert reads.describes == 3 and reads.kept_answers == 3
+    await answer(index, record(3))  # the late describe ends: kept for the next reads
     await settle()
-    assert len(index.calls) == 2
-    await answer(index, record(2))
-    await settle()
-    assert (await reads.read(WF, replicas=False)).updated_at.endswith("02Z")
-    assert len(index.calls) == 2 and reads.describes == 2
+    assert version(await reads.read(WF, replicas=False)) == 3  # its own describe is late: the kept one
+    assert reads.describes == 4
 
 
-async def test_too_old_waits_for_a_describe(setup):
+async def test_too_old_is_not_given(setup) -> None:
     index, clock, reads = setup
     await answer(index, record(1))
     await reads.read(WF, replicas=False)
     clock.now += 2.5
     late = asyncio.create_task(reads.read(WF, replicas=False))
-    await settle()
+    await asyncio.sleep(0.05)
     assert not late.done(), "an answer older than max_stale_s was given"
     await answer(index, record(2))
-    assert (await late).updated_at.endswith("02Z")
+    assert version(await late) == 2
 
 
-async def test_forget_makes_the_next_read_describe_and_an_older_describe_lands_nowhere(setup):
+async def test_after_forget_a_read_waits_for_a_describe_of_its_own(setup) -> None:
     index, clock, reads = setup
     await answer(index, record(1))
     await reads.read(WF, replicas=False)
-    clock.now += 0.3
-    await reads.read(WF, replicas=False)  # starts a refresh; it is still in flight at the forget
-    await settle()
+    assert version(await reads.read(WF, replicas=False)) == 1  # kept; its describe is still in flight
     assert len(index.calls) == 2
     reads.forget(WF)
     after = asyncio.create_task(reads.read(WF, replicas=False))
-    await settle()
-    assert len(index.calls) == 3 and not after.done()  # its own describe, not the older one's
-    await answer(index, record(2))  # the refresh started before the forget
+    await asyncio.sleep(0.05)
+    assert len(index.calls) == 3 and not after.done()  # not the older describe, and no kept answer
+    await answer(index, record(2))  # the describe started before the forget
     await settle()
     assert not after.done()
     await answer(index, record(3))
-    assert (await after).updated_at.endswith("03Z")
-    assert (await reads.read(WF, replicas=False)).updated_at.endswith("03Z")
+    assert version(await after) == 3
 
 
-async def test_a_failed_refresh_is_answered_from_what_is_kept_until_too_old(setup):
+async def test_a_failed_describe_is_replaced_by_what_is_kept_until_too_old(setup) -> None:
     index, clock, reads = setup
     await answer(index, record(1))
     await reads.read(WF, replicas=False)
-    clock.now += 0.5
-    await reads.read(WF, replicas=False)
     await answer(index, RPCError("down", RPCStatusCode.UNAVAILABLE, b""))
-    await settle()
-    assert (await reads.read(WF, replicas=False)).updated_at.endswith("01Z")
-    clock.now += 2.0
-    late = asyncio.create_task(reads.read(WF, replicas=False))
-    await settle()
+    assert version(await reads.read(WF, replicas=False)) == 1
+    clock.now += 2.5
     await answer(index, RPCError("down", RPCStatusCode.UNAVAILABLE, b""))
     with pytest.raises(RPCError):
-        await late
+        await reads.read(WF, replicas=False)
 
 
-async def test_closed_and_missing_operations_are_not_kept(setup):
+async def test_closed_and_missing_operations_are_not_kept(setup) -> None:
     index, clock, reads = setup
     await answer(index, record(1, closed=True))
     assert (await reads.read(WF, replicas=False)).closed
-    again = asyncio.create_task(reads.read(WF, replicas=False))
-    await settle()
-    assert len(index.calls) == 2  # not answered from here: the index answers closed ones
+    assert reads._kept == {}
     await answer(index, None)
-    assert await again is None
-    nothing = asyncio.create_task(reads.read(WF, replicas=False))
-    await settle()
-    assert len(index.calls) == 3
-    await answer(index, None)
-    assert await nothing is None
+    assert await reads.read(WF, replicas=False) is None
+    assert reads._kept == {}
 
 
-async def test_entries_older_than_what_the_index_holds_are_described_again(setup):
+async def test_entries_older_than_what_the_index_holds_are_waited_for(setup) -> None:
     index, clock, reads = setup
     await answer(index, record(1, replicas=[{"name": "r0", "state": "UPDATING"}]))
     await reads.read(WF, replicas=True)
     await answer(index, record(1))
     await reads.read(WF, replicas=False)
     index.known = record(2)  # e.g. a GET of the operation alone, or a listing, saw a newer state
-    assert (await reads.read(WF, replicas=False)).updated_at.endswith("02Z")  # the operation: the index's
+    assert version(await reads.read(WF, replicas=False)) == 2  # late describe: the index's answer
     entries = asyncio.create_task(reads.read(WF, replicas=True))
-    await settle()
-    assert not entries.done(), "replica entries older than an answer already given were served"
-    await answer(index, record(2, replicas=[{"name": "r0", "state": "READY"}]))
-    assert (await entries).replicas == [{"name": "r0", "state": "READY"}]
-
-
-async def test_the_close_is_described_at_once_and_nothing_of_it_is_kept(setup, closed) -> None:
-    index, clock, reads = setup
-    await answer(index, record(1))
-    await reads.read(WF, replicas=False)
-    await answer(index, record(1, replicas=[{"name": "r0", "state": "UPDATING"}]))
-    await reads.read(WF, replicas=True)
-    assert len(index.calls) == 2
-    closed.set()  # the workflow ends; no read comes, no time passes
-    await settle()
-    assert index.calls[-1] == (WF, False) and len(index.calls) == 3  # described at once
-    await answer(index, record(2, closed=True))
-    await settle()
-    assert reads._kept == {} and reads._watches == {}  # the index answers it from now on
-
-
-async def test_the_wait_for_the_close_ends_when_nobody_reads(setup) -> None:
-    index, clock, reads = setup
-    reads.watch_s = 0.02
-    await answer(index, record(1))
-    await reads.read(WF, replicas=False)
-    assert WF in reads._watches
     await asyncio.sleep(0.05)
-    assert WF in reads._watches  # read within watch_s (the clock has not moved)
-    clock.now += 1.0
-    await asyncio.sleep(0.1)
-    assert WF not in reads._watches and len(index.calls) == 1
+    assert not entries.done(), "replica entries older than an answer already given were served"
+    await answer(index, record(2), record(2, replicas=[{"name": "r0", "state": "READY"}]))
+    assert (await entries).replicas == [{"name": "r0", "state": "READY"}]
