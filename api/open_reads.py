@@ -33,7 +33,7 @@ from api.metrics import OPEN_READS
 
 log = logging.getLogger(__name__)
 
-WAIT_S = 0.025  # how long a read with a usable kept answer waits for the describe in flight
+WAIT_S = 0.015  # how long a read with a usable kept answer waits for the describe in flight
 MAX_STALE_S = 2.0  # a kept answer older than this is not given: the read waits for a describe
 MAX_KEPT = 1024  # answers kept; past this, those too old to be given are dropped
 
