@@ -67,6 +67,7 @@ from contracts import names  # noqa: E402
 from contracts.autoscaling import BUSY, IDLE, LoadReport  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
+from tests.helpers.prometheus import scrape  # noqa: E402
 from tests.helpers.stack_fixtures import free_port_base, wait_registered  # noqa: E402
 from workers.stack import Stack, upload_dir  # noqa: E402
 
@@ -85,13 +86,12 @@ def cpu_seconds(pid: int) -> float:
 
 def open_reads(settings: Settings) -> dict[str, float]:
     """The API's `rollouts_api_open_hot_load_reads_total` by answer (api/metrics.py)."""
-    text = httpx.get(f"{settings.api_url}/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("rollouts_api_open_hot_load_reads_total{"):
-            labels, value = line.rsplit(" ", 1)
-            out[labels.split('answer="', 1)[1].split('"', 1)[0]] = float(value)
-    return out
+    samples = scrape(f"{settings.api_url}/metrics")
+    return {
+        dict(labels)["answer"]: v
+        for (name, labels), v in samples.items()
+        if name == "rollouts_api_open_hot_load_reads_total"
+    }
 
 
 def control_plane_cpu(stack: Stack) -> dict[str, float]:
