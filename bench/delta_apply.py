@@ -15,6 +15,9 @@ writes the delta once, then on the same files measures, in GB/s of changed tenso
 * CLI in place: ``rollouts snapshot apply BASE DELTA --out BASE``, the whole command timed from
   outside (interpreter start and imports included) on a fresh copy of the base, against cwtrain's
   ``apply_delta`` as shipped (fsync on both; cwtrain's start not counted);
+* disk: the new checkpoint's bytes written and fsynced, once as a new file (what a writer of a
+  new checkpoint pays) and once over the blocks of an existing file (the least any apply that
+  leaves the checkpoint on disk can pay here): the device's floor, beside the ratios it bounds;
 * raw: frames and base tensors already in memory, parallel zstd decompress + XOR + Adler-32
   (the same zlib-ng Adler-32 as ours)
   (whole tensors, and in the streamed apply's chunk size: the faster is the limit).
@@ -161,6 +164,25 @@ def raw_limit(base: Path, delta: Path, workers: int, chunk_bytes: int) -> list[d
     return results
 
 
+def disk_floor(path: Path, nbytes: int) -> list[dict[str, float]]:
+    """Seconds to write ``nbytes`` and fsync them: into a new file, then over that file's blocks."""
+    block = np.random.default_rng(0).integers(0, 256, 8 * 2**20, dtype=np.uint8).tobytes()
+    results = []
+    for flags in (os.O_CREAT | os.O_EXCL, 0):
+        os.sync()
+        start = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | flags, 0o644)
+        try:
+            for offset in range(0, nbytes, len(block)):
+                os.pwrite(fd, block[: nbytes - offset], offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        results.append({"seconds": time.perf_counter() - start, "cpu": 0.0, "bytes_changed": nbytes})
+    path.unlink()
+    return results
+
+
 def run_cli_in_place(rollouts: str, base: Path, delta: Path, work: Path) -> dict[str, Any]:
     """``rollouts snapshot apply WORK DELTA --out WORK`` on a fresh copy of the base, timed from
     outside: what a user waits for, interpreter start included."""
@@ -229,6 +251,9 @@ def main() -> None:
             runs.setdefault("ours CLI in place", []).append(run_cli_in_place(rollouts, base, delta, root / "work"))
             runs.setdefault("host (in memory)", []).append(run_json([py, "-c", HOST, str(REPO), str(base), str(delta)]))
             runs.setdefault("raw", []).extend(raw_limit(base, delta, workers, CHUNK_BYTES))
+            new_file, over_file = disk_floor(root / "disk", summary["tensor_bytes"])
+            runs.setdefault("disk, new file", []).append(new_file)
+            runs.setdefault("disk, overwrite", []).append(over_file)
             print(f"round {i + 1}/{args.repeat} done", flush=True)
     model_mb = summary["tensor_bytes"] / 2**20
     print(f"workers: {workers}; model tensor bytes: {model_mb:.0f} MiB; best of {args.repeat} runs each")
@@ -239,6 +264,9 @@ def main() -> None:
     results = {name: best(r) for name, r in runs.items()}
     for name, r in results.items():
         r["gbps"] = r["bytes_changed"] / r["seconds"] / 1e9
+        if name.startswith("disk"):
+            print(f"{name:18s} {r['seconds']:7.3f}s  {r['bytes_changed'] / r['seconds'] / 1e9:6.3f} GB/s written and fsynced")
+            continue
         r["gb_per_cpu_s"] = r["bytes_changed"] / min(x["cpu"] for x in runs[name]) / 1e9
         extra = f", peak RSS {r['peak_rss_mb']:.0f} MiB ({100 * r['peak_rss_mb'] / model_mb:.0f}% of the model)" if "peak_rss_mb" in r else ""
         print(f"{name:18s} {r['seconds']:7.3f}s  {r['gbps']:6.3f} GB/s of changed bytes; "
@@ -253,6 +281,10 @@ def main() -> None:
         ours, theirs = results["ours CLI in place"], results["cwtrain fsync=1"]
         print(f"ours CLI in place (start included) / cwtrain apply_delta as shipped: "
               f"{theirs['seconds'] / ours['seconds']:.1f}x ({ours['seconds']:.2f} s vs {theirs['seconds']:.2f} s)")
+        floor = results["disk, overwrite"]["seconds"]
+        print(f"the disk's floor: any apply that leaves the checkpoint on disk takes at least {floor:.2f} s here "
+              f"(the bytes written over existing blocks and fsynced): at most {theirs['seconds'] / floor:.1f}x "
+              f"cwtrain as shipped, before decoding or starting anything")
     raw = results["raw"]
     for name in ("ours fsync=0", "ours fsync=1", "ours CLI in place", "host (in memory)"):
         r = results[name]
