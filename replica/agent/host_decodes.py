@@ -14,7 +14,8 @@ that and is checked the same way. The contract:
   recorded tensor checksums: only the same update on the same weights finds the record.
 - **Withdraw.** The record is unlinked (:meth:`Publication.withdraw`) before its arena is written
   again; a dead agent's record names a descriptor that no longer opens, and the next
-  :func:`publish` on the host removes it.
+  :func:`publish` on the host, or the next replica agent to start there
+  (:func:`remove_stale`), removes it.
 - **Copy, checked.** :func:`copy_published` copies the record's tensors into the caller's own
   buffers, computing each copy's Adler-32 and comparing it with the checksums the caller's own
   delta files record (the proof a decode gives), then reads the record again: it must still
@@ -79,7 +80,7 @@ def publish(directory: Path, key: str, arena_path: str, arena_size: int,
             tensors: dict[str, tuple[int, int]]) -> Publication:
     """Record that ``arena_path`` holds, at ``tensors`` (name -> (offset, nbytes)), the checked
     decode named ``key``; the record replaces any earlier one of the same key atomically."""
-    _remove_stale(directory)
+    remove_stale(directory)
     generation = uuid.uuid4().hex
     path = record_path(directory, key)
     tmp = path.with_name(f".{path.name}.{generation}")  # unique: publishers never share it
@@ -89,14 +90,18 @@ def publish(directory: Path, key: str, arena_path: str, arena_size: int,
     return Publication(path, generation)
 
 
-def _remove_stale(directory: Path) -> None:
-    """Remove the records of agents that are gone (their arena's process no longer exists)."""
+def remove_stale(directory: Path) -> list[Path]:
+    """Remove the records of agents that are gone (their arena's process no longer exists);
+    returns what was removed."""
+    removed = []
     for path in directory.glob("rollouts-decoded-*.json"):
         record = _read_record(path)
         arena = str(record.get("arena", "")) if record else ""
         parts = arena.split("/")  # /proc/PID/fd/FD
         if len(parts) == 5 and parts[1] == "proc" and not Path("/proc", parts[2]).exists():
             path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:

@@ -46,11 +46,12 @@ from replica.agent.activities import PeerActivities, ReplicaActivities
 from replica.agent.downloads import download_prefix, download_shared, shared_use
 from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine import EngineProcess
+from replica.agent.host_decodes import remove_stale as remove_stale_decodes
 from replica.agent.metrics import ReplicaMetrics
 from replica.agent.runtime import ReplicaRuntime
 from replica.agent.shm_reclaim import reclaim_dead_segments
 from replica.agent.staged import one_line
-from replica.stage_arena import StageArena
+from replica.stage_arena import StageArena, shm_dir
 from snapshots.host import HostWeights
 
 log = logging.getLogger("rollouts.replica")
@@ -128,8 +129,11 @@ async def _run_replica(
         # An engine orphaned by a killed agent: it may sit paused forever. Stop it first.
         log.warning("stopping engine %d left by a previous run of %s", leftover, name)
         stop_pid(leftover, timeout=20)
-    # Shared memory that killed engines (this replica's or others') left in /dev/shm.
+    # Shared memory that killed engines (this replica's or others') left in /dev/shm, and the
+    # decode records of killed agents.
     await asyncio.to_thread(reclaim_dead_segments)
+    for record in await asyncio.to_thread(remove_stale_decodes, shm_dir()):
+        log.info("removed %s, the decode record of an agent that is gone", record)
     try:
         if dynamo:
             # One path for every replica of the deployment on this host, removed by the last one

@@ -8,6 +8,8 @@ and the arenas' directory is the test's own, so no other test's records are seen
 
 from __future__ import annotations
 
+import os
+import subprocess
 import threading
 from pathlib import Path
 
@@ -152,3 +154,14 @@ def test_a_corrupt_delta_is_refused_and_nothing_is_published(setup) -> None:
         second.decode_links(INP, CHAIN[1:], {"v-next": bad})
     assert second.decode_published is None
     assert not list(second.arena.directory.glob("rollouts-decoded-*"))
+
+
+def test_records_of_agents_that_are_gone_are_removed_and_no_others(tmp_path: Path) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    live = host_decodes.publish(tmp_path, "live", f"/proc/{os.getpid()}/fd/3", 8, {"t": (0, 8)})
+    dead = host_decodes.publish(tmp_path, "dead", f"/proc/{gone.pid}/fd/3", 8, {"t": (0, 8)})  # last
+    other = tmp_path / "rollouts-decoded-unreadable.json"
+    other.write_text("not json")
+    assert host_decodes.remove_stale(tmp_path) == [dead.path]
+    assert not dead.path.exists() and live.path.exists() and other.exists()
