@@ -16,17 +16,12 @@
   live in tests/helpers/deployments.py's pool, one at a time: each folder runs the modules that
   use one pooled deployment together, and the pool is released before a module that starts
   engines without it.
-- At the end, the decode records that killed replica agents left in the stage arenas' directory
-  (replica/agent/host_decodes.py; the next agent to start would remove them) are removed, and
-  counted in the summary.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from replica.agent.host_decodes import remove_stale
-from replica.stage_arena import shm_dir
 from tests.helpers.deployments import POOL, POOLED_FIXTURES
 from tests.helpers.engines import EngineWatch, mark_session
 from tests.helpers.otlp_receiver import OtlpReceiver
@@ -42,8 +37,6 @@ MULTIHOST_FIXTURES = frozenset({"cluster", "make_cluster"})
 WATCH = EngineWatch()
 # module node id -> (the pooled fixtures its tests use, whether they start the stack or an engine)
 MODULES: dict[str, tuple[frozenset[str], bool]] = {}
-# Decode records of killed agents removed at the end of the session.
-STALE_DECODES: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -56,7 +49,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     WATCH.stop()
-    STALE_DECODES.extend(path.name for path in remove_stale(shm_dir()))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -64,8 +56,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line(
             f"vLLM engines: at most {WATCH.peak} alive at once ({WATCH.samples} samples, "
             f"{WATCH.sample_seconds:.2f} s CPU spent sampling); shared deployments created: {POOL.created or 'none'}")
-    if STALE_DECODES:
-        terminalreporter.write_line(f"decode records of killed replica agents removed: {STALE_DECODES}")
 
 
 def _module_id(item: pytest.Item) -> str:
