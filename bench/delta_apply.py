@@ -265,7 +265,7 @@ def main() -> None:
     for name, r in results.items():
         r["gbps"] = r["bytes_changed"] / r["seconds"] / 1e9
         if name.startswith("disk"):
-            print(f"{name:18s} {r['seconds']:7.3f}s  {r['bytes_changed'] / r['seconds'] / 1e9:6.3f} GB/s written and fsynced")
+            print(f"{name:18s} {r['seconds']:7.3f}s  {r['gbps']:6.3f} GB/s written and fsynced")
             continue
         r["gb_per_cpu_s"] = r["bytes_changed"] / min(x["cpu"] for x in runs[name]) / 1e9
         extra = f", peak RSS {r['peak_rss_mb']:.0f} MiB ({100 * r['peak_rss_mb'] / model_mb:.0f}% of the model)" if "peak_rss_mb" in r else ""
