@@ -148,6 +148,32 @@ async def ask(client: httpx.AsyncClient, path: str, body: dict[str, Any],
     return {"choices": ids, "prompt": prompt, "weight_versions": nvext["weight_versions"]}
 
 
+async def all_started(engine: EngineProcess, requests: list[tuple[asyncio.Event, asyncio.Future[Any]]],
+                      timeout: float) -> None:
+    """Wait until every request's event is set (each choice streamed a token). A request that
+    ends first fails here with its own error, not after the timeout; the timeout names how many
+    requests had not started, what the engine was running and waiting on, and its log's end."""
+    try:
+        async with asyncio.timeout(timeout):
+            for event, request in requests:
+                waiter = asyncio.ensure_future(event.wait())
+                try:
+                    await asyncio.wait({waiter, request}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                if not event.is_set():
+                    answer = request.result()  # raises the request's own error
+                    raise AssertionError(f"a long request ended before every choice streamed a token: {answer}")
+    except TimeoutError:
+        waiting = sum(not event.is_set() for event, _ in requests)
+        metrics = (await engine.request("GET", "/metrics")).text.splitlines()
+        queues = [line for line in metrics
+                  if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))]
+        log = "\n".join(engine.log_path.read_text(errors="replace").splitlines()[-30:])
+        raise AssertionError(f"{waiting} of {len(requests)} long requests streamed no token in {timeout} s; "
+                             f"engine: {queues}; its log ends:\n{log}") from None
+
+
 def check(answer: dict[str, Any], old: str, new: str) -> bool:
     """Every span claim against the tokens; True when the answer spanned the swap."""
     label = answer["weight_versions"]
@@ -188,7 +214,7 @@ async def test_spans_say_which_weights_sampled_each_token(engine, gateway, model
             "stream": True}, started[4]))
         # Swap once every sequence has streamed a token (each began on `old`); the ones still
         # running are frozen in its pause and finish on `new`.
-        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), 600)
+        await all_started(engine, list(zip(started, [*streamed, chat, pair], strict=True)), timeout=600)
         frozen = await swap(engine, models["counting"], new)
         answers = await asyncio.gather(*streamed, chat, pair)
         after = await ask(client, "/v1/completions", {"model": model, "prompt": random_prompt(6), "max_tokens": 8})
