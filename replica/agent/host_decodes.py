@@ -13,7 +13,7 @@ that and is checked the same way. The contract:
   weights decoded against (the replica's applied chain) and of every link's identity and
   recorded tensor checksums: only the same update on the same weights finds the record.
 - **Withdraw.** The record is unlinked (:meth:`Publication.withdraw`) before its arena is written
-  again; a dead agent's record names a descriptor that no longer opens, and the next
+  again and when its agent stops; a killed agent's record names a descriptor that no longer opens, and the next
   :func:`publish` on the host, or the next replica agent to start there
   (:func:`remove_stale`), removes it.
 - **Copy, checked.** :func:`copy_published` copies the record's tensors into the caller's own
@@ -90,13 +90,22 @@ def publish(directory: Path, key: str, arena_path: str, arena_size: int,
     return Publication(path, generation)
 
 
+def read_records(directory: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """Every readable decode record in ``directory``, with its path."""
+    records = []
+    for path in directory.glob("rollouts-decoded-*.json"):
+        record = _read_record(path)
+        if record is not None:
+            records.append((path, record))
+    return records
+
+
 def remove_stale(directory: Path) -> list[Path]:
     """Remove the records of agents that are gone (their arena's process no longer exists);
     returns what was removed."""
     removed = []
-    for path in directory.glob("rollouts-decoded-*.json"):
-        record = _read_record(path)
-        arena = str(record.get("arena", "")) if record else ""
+    for path, record in read_records(directory):
+        arena = str(record.get("arena", ""))
         parts = arena.split("/")  # /proc/PID/fd/FD
         if len(parts) == 5 and parts[1] == "proc" and not Path("/proc", parts[2]).exists():
             path.unlink(missing_ok=True)

@@ -245,6 +245,7 @@ async def _run_replica(
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
             except asyncio.TimeoutError:
                 pass
+    runtime.withdraw_decode()  # its arena goes with this process
     await engine.stop()
     engine_pid_file.remove()
     shutil.rmtree(runtime.staging, ignore_errors=True)

@@ -214,6 +214,13 @@ class ReplicaRuntime(PeerSteps):
         except ValueError:  # the host copy is not (all) in that arena: the engine copies instead
             return None
 
+    def withdraw_decode(self) -> None:
+        """Stop offering the arena's last decode to the host's other replicas: before the arena
+        is written again, and when the agent stops."""
+        if self.decode_published is not None:
+            self.decode_published.withdraw()
+            self.decode_published = None
+
     def decode_links(self, inp: ApplySnapshotInput, todo: list[SnapshotRef], local: dict[str, Path]) -> StagedUpdate:
         """Decode the missing delta links (local directories) into the stage arena, in chain
         order, against the host copy (which does not change); each link's tensors are checked
@@ -224,9 +231,7 @@ class ReplicaRuntime(PeerSteps):
             for name in plan.tensors:
                 if name in self.host and name not in sizes:
                     sizes[name] = self.host.info(name).nbytes
-        if self.decode_published is not None:
-            self.decode_published.withdraw()  # before the arena is written again
-            self.decode_published = None
+        self.withdraw_decode()  # before the arena is written again
         layout = self.arena.reserve(list(sizes.items()))
         out = {n: self.arena.view(offset, nbytes) for n, (offset, nbytes) in layout.items()}
         staged = StagedUpdate(identity=inp.identity)

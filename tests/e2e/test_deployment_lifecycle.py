@@ -5,10 +5,12 @@ stack with a real Dynamo vLLM worker on CPU (one, to keep the cost at three engi
   (a hot-load and another update are refused meanwhile), keeps a replica serving throughout,
   and is READY again on a new engine whose command line carries the new flag and which caught
   up to the deployment's current snapshot before it served.
-- Replica processes stopped as `rollouts down` stops them (the control worker first, then the
-  replicas), then the worker started again as `rollouts up` does: the deployment reads
+- A delta hot-load, then replica processes stopped as `rollouts down` stops them (the control
+  worker first, then the replicas): the stopped agent withdrew the record that offered its
+  decode of the delta to the host's other replicas (it existed before the stop). The worker
+  started again as `rollouts up` does: the deployment reads
   STATUS_UPDATING, not the READY it last recorded, and refuses a hot-load with
-  failed_precondition until its replica serves again (caught up), then admits one.
+  failed_precondition until its replica serves again (caught up through the delta), then admits one.
 - A whole `rollouts down` then `rollouts up` (a stack of its own; Temporal's data survives):
   from the moment the API answers again, every read says STATUS_UPDATING until the replica
   serves, then READY; a hot-load asked for right after `up` is refused.
@@ -24,7 +26,10 @@ import httpx
 import pytest
 
 from common.processes import stop_pid
+from replica.agent.host_decodes import read_records
+from replica.stage_arena import shm_dir
 from snapshots.host import checkpoint_checksums
+from snapshots.writer import write_delta
 from tests.helpers.replicas import engines, hot_load, served_checksums
 from tests.helpers.stack_fixtures import Api, deployment_body, start_stack
 from tests.helpers.trainer import train_step
@@ -34,12 +39,13 @@ pytestmark = pytest.mark.stack
 
 PREFIX = "checkpoints/lifecycle"
 TRAINED = "life-000001"
+DELTA = "life-000002"
 
 
 @pytest.fixture(scope="module")
 def lifecycle(stack, tmp_path_factory):
     """A 1-replica deployment serving TRAINED (a FULL hot-load of weights that differ from the
-    base), and those weights' checksums."""
+    base), those weights' checksums, and their directory."""
     api = Api(stack)
     body = deployment_body(stack, "lifecycle", replicas=1, path_prefix=PREFIX)
     dep = api.call("POST", "/deployments", json=body).json()["deployment"]
@@ -48,7 +54,7 @@ def lifecycle(stack, tmp_path_factory):
     trained = train_step(stack.home_path / "models" / "base", tmp_path_factory.mktemp("trained") / TRAINED, seed=41)
     upload_dir(stack.s3_client(), trained, stack.bucket, f"{PREFIX}/{TRAINED}")
     assert hot_load(api, dep["spec"]["id"], TRAINED, None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
-    yield api, dep, body, checkpoint_checksums(trained)
+    yield api, dep, body, checkpoint_checksums(trained), trained
     api.call("DELETE", f"/deployments/{dep['spec']['id']}")
 
 
@@ -75,7 +81,7 @@ def answers(stack, model: str) -> None:
 
 
 def test_engine_config_update_rolls_the_replica_onto_it(stack, lifecycle):
-    api, dep, body, expected = lifecycle
+    api, dep, body, expected, _ = lifecycle
     dep_id = dep["spec"]["id"]
     (old,) = engines(stack, dep_id)
     assert flag(old["enginePid"], "--max-num-seqs") == "32"
@@ -117,12 +123,26 @@ def test_engine_config_update_rolls_the_replica_onto_it(stack, lifecycle):
     answers(stack, body["model"]["name"])
 
 
-def test_replicas_stopped_by_down_are_not_ready_and_refuse_hot_loads(stack, lifecycle):
-    api, dep, body, expected = lifecycle
+def decode_records_of(agent_pid: int) -> list[Path]:
+    """This host's decode records whose arena is in process `agent_pid`."""
+    return [path for path, record in read_records(shm_dir())
+            if str(record.get("arena", "")).startswith(f"/proc/{agent_pid}/")]
+
+
+def test_replicas_stopped_by_down_are_not_ready_and_refuse_hot_loads(stack, lifecycle, tmp_path):
+    api, dep, body, trained_checksums, trained = lifecycle
     dep_id = dep["spec"]["id"]
     dep = api.wait_deployment(dep_id)
     assert dep["status"]["status"] == "STATUS_READY"
+    # A delta on top: the replica decodes it and offers the decode to the host's replicas.
+    new = train_step(trained, tmp_path / "new", seed=42)
+    assert write_delta(trained, new, tmp_path / DELTA, version=DELTA, base_version=TRAINED).changed > 0
+    upload_dir(stack.s3_client(), tmp_path / DELTA, stack.bucket, f"{PREFIX}/{DELTA}")
+    assert hot_load(api, dep_id, DELTA, TRAINED)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
+    expected = checkpoint_checksums(new)
+    assert expected != trained_checksums
     (before,) = engines(stack, dep_id)
+    assert decode_records_of(before["agentPid"]), "the replica offered no decode of the delta"
     max_num_seqs = dep["spec"]["runtime"].get("engineConfig", {}).get("max-num-seqs", "32")
     publish_base(stack, "life-restart")
     services = Stack(stack)
@@ -140,6 +160,7 @@ def test_replicas_stopped_by_down_are_not_ready_and_refuse_hot_loads(stack, life
                 stopped += 1
             pf.remove()
     assert stopped >= 1
+    assert not decode_records_of(before["agentPid"]), "the stopped agent left its decode record"
     # `rollouts up`: the worker reports ready once every deployment checked its replicas.
     print(services.start("worker", timeout=240))
 
@@ -156,7 +177,7 @@ def test_replicas_stopped_by_down_are_not_ready_and_refuse_hot_loads(stack, life
     assert after["name"] == before["name"] and after["enginePid"] != before["enginePid"]
     # Restarted on the deployment's runtime, caught up to its snapshot.
     assert flag(after["enginePid"], "--max-num-seqs") == max_num_seqs
-    assert after["currentSnapshotIdentity"] == TRAINED and served_checksums(after) == expected
+    assert after["currentSnapshotIdentity"] == DELTA and served_checksums(after) == expected
     hl = hot_load(api, dep_id, "life-restart", None)
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
     answers(stack, body["model"]["name"])

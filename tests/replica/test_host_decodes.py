@@ -86,7 +86,8 @@ def test_the_second_replica_copies_the_first_ones_decode(setup) -> None:
 def test_a_withdrawn_or_other_update_is_decoded_again(setup) -> None:
     first, second = runtime(setup, "r1"), runtime(setup, "r2")
     first.decode_links(INP, CHAIN[1:], {"v-next": setup["delta"]})
-    first.decode_published.withdraw()
+    first.withdraw_decode()  # as its agent does before the arena is written again, and as it stops
+    assert first.decode_published is None and not host_decodes.read_records(first.arena.directory)
     assert second.decode_links(INP, CHAIN[1:], {"v-next": setup["delta"]}).copied_from == ""
     # Other weights underneath (another applied chain): another key, so a decode of its own.
     third = runtime(setup, "r3")
