@@ -279,13 +279,14 @@ async def test_a_hot_load_created_the_moment_the_last_one_reads_completed_is_adm
         dep = await f.ready_deployment()
         for i in range(6):
             write_full(f.bucket_root / f"ckpt/{dep}", f"s{i}")
-        r = await f.create_hot_load(dep, "s0", hotLoadId="h0")
+        ids = [f"{dep}-h{i}" for i in range(6)]  # hot-load ids are unique in an organization forever
+        r = await f.create_hot_load(dep, "s0", hotLoadId=ids[0])
         for i in range(1, 6):
             assert r.status_code == 200, r.text
             hl = {"status": {"state": ""}}
             while hl["status"]["state"] not in TERMINAL:  # no pause: the create follows the first read that says so
-                hl = (await f.call("GET", f"/hotLoads/h{i - 1}")).json()["hotLoad"]
+                hl = (await f.call("GET", f"/hotLoads/{ids[i - 1]}")).json()["hotLoad"]
             assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl
-            r = await f.create_hot_load(dep, f"s{i}", hotLoadId=f"h{i}")
+            r = await f.create_hot_load(dep, f"s{i}", hotLoadId=ids[i])
             assert r.status_code == 200, (i, r.text)
-        assert (await f.wait_hot_load("h5"))["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
+        assert (await f.wait_hot_load(ids[5]))["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
