@@ -1,11 +1,9 @@
 """The deployment entity workflow: one per deployment, the single writer of its state.
 
 It starts the deployment's replicas and waits for each to report ready (CREATING → READY, or
-FAILED with a condition), admits hot-loads through the `create_hot_load` Update (the validator
-applies the guide's admission rules without I/O, control/admission.py; the handler makes sure
-every replica process runs, then checks the snapshot files in the bucket, as activities, then
-starts the hot-load as a child workflow), keeps the chain of completed snapshots, and tears the
-replicas down on `delete`.
+FAILED with a condition), admits hot-loads through the `create_hot_load` Update and keeps the
+chain of completed snapshots (control/deployment_hot_loads.py, mixed in), and tears the replicas
+down on `delete`.
 
 Where replicas run: the node registry (control/nodes.py) places each member on a node agent's
 host (control/replica_set.py); the node agents start and stop the processes. A member whose node
@@ -22,18 +20,11 @@ periodic check or the admission check found no process, or the control worker's
 snapshot chain and reports ready again; until then the deployment is STATUS_UPDATING with the
 condition `ReplicasReady` False, reason `ReplicasRestarting`, and admits no hot-load.
 
-Serialization: workflow code runs one handler step at a time, so the handler marks the hot-load
-active before its first await. Two concurrent creates can therefore never both be admitted (when
-several arrive in one workflow task their validators all run first, so the handler applies the
-rules again; the losers fail with `already in progress`).
-
-The deployment learns that its hot-load ended twice over: the hot-load signals
-`hot_load_finished` before it closes, and the handler's watcher awaits the child's close (the
-child is ABANDONed, never canceled, when the deployment closes). A COMPLETED hot-load returns its
-outcome, a FAILED one fails with the outcome as its failure's details, a CANCELED one is canceled:
-either way the watcher takes note idempotently, and a child that closed without an outcome
-(canceled, terminated) only clears the active operation, so no hot-load can block the
-deployment forever and none fails it.
+Serialization: workflow code runs one handler step at a time, so the create handler marks the
+hot-load active before its first await. Two concurrent creates can therefore never both be
+admitted (the losers fail with `already in progress`), and a hot-load's end is noted twice over
+(its signal and the child's close), idempotently, so none can block the deployment forever and
+none fails it.
 
 `update_config` (PATCH /deployments/{id}) changes `runtime.version`, `runtime.engineConfig` and
 `traffic`; it refuses an update that omits or changes the `hotLoad` section, and any update
@@ -51,102 +42,54 @@ adds or removes one replica at a time on the gateways' `load_report` signals, on
 with no hot-load running and no roll due; a new replica joins the members between hot-loads, one
 leaving is out of the replica list before it drains and stops.
 
-The create handler runs in the API request's trace context (`CreateHotLoadCommand.trace_context`),
-so the file checks and the hot-load workflow it starts belong to the request's trace, one trace
-per operation, rather than to the deployment's long-lived one (common/telemetry.py).
-
 Reads never query this workflow: it publishes the wire object in its memo on every change.
 
-Size: over 500 lines because it is one entity's workflow, whose Updates, signals and
-supervision loop share one state and one replica lock; what needs no workflow (the admission
-rules, the hot-load's summary and details) lives in control/admission.py and
-control/hot_load/state.py.
+One entity's workflow whose Updates, signals and supervision loop share one state and one
+replica lock: its concerns are mixins on it (control/autoscaler.py, control/deployment_hot_loads.py),
+and what needs no workflow (the admission rules, the hot-load's summary and details) lives in
+control/admission.py and control/hot_load/state.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
 from datetime import timedelta
-from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, WorkflowIDReusePolicy
-from temporalio.exceptions import ApplicationError, ChildWorkflowError, is_cancelled_exception
-from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
-    from opentelemetry import context as otel_context
-    from opentelemetry import propagate as otel_propagate
-
     from contracts import names
-    from contracts.activities import CheckSnapshotInput, StartReplicasInput
+    from contracts.activities import StartReplicasInput
     from contracts.autoscaling import LoadReport
-    from contracts.errors import ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, UNAVAILABLE, rejected
+    from contracts.errors import UNAVAILABLE, rejected
     from contracts.memo import ChunkedList
     from contracts.nodes import ReplicasLost
     from contracts.records import (
-        CompletedLink,
         Condition,
         ConditionStatus,
-        CreateHotLoadCommand,
         Deployment,
         DeploymentInput,
-        HotLoad,
-        HotLoadInput,
-        HotLoadOutcome,
-        HotLoadSpec,
-        HotLoadState,
-        HotLoadStatus,
         ReplicaEndpoint,
         ReplicaFailure,
         ResourceStatus,
-        SnapshotRef,
         UpdateDeploymentCommand,
         rfc3339,
     )
-    from contracts.search import hot_load_attributes
     from control import admission, replica_set
     from control.autoscaler import Autoscaler, joined_message
-    from control.hot_load.state import details as hot_load_details
-    from control.hot_load.state import summary as hot_load_summary
+    from control.deployment_hot_loads import HotLoads
 
 REPLICA_START_TIMEOUT = timedelta(minutes=20)
 # How long a hot-load's admission waits for a replica check already in flight.
 ADMISSION_LOCK_WAIT = timedelta(seconds=25)
 # How often the deployment checks that its replica processes are alive.
 SUPERVISE_EVERY = timedelta(seconds=10)
-# Chains kept for later deltas to build on: the most recently completed identities. A delta whose
-# predecessor fell out of this window is refused like one never loaded (publish a full one).
-MAX_CHAINS_KEPT = 256
-SEEN_IDS_KEPT = 1024
-# Deprecated patches: the behaviour they once versioned is the only one now. Deployments stay
-# open across upgrades, and a history that recorded one of these markers replays only while
-# the workflow still names it (`workflow.deprecate_patch`); drop them once no open deployment
-# history holds one (`rollouts history check`).
-ORG_SCOPED_IDS = "org-scoped-ids"
-ADMISSION_CHECKS_REPLICAS = "admission-checks-replicas"
-# Versioned: a hot-load's admission checks its replicas and its snapshot files at once (one
-# round trip through Temporal instead of two); histories without the marker replay one after
-# the other.
-ADMISSION_AT_ONCE = "admission-checks-at-once"
 # Statuses past creation in which the deployment watches its replica set (and restarts replicas).
 SUPERVISED = (ResourceStatus.READY, ResourceStatus.UPDATING, ResourceStatus.ERROR)
 
 
-def _outcome_of(exc: BaseException) -> HotLoadOutcome | None:
-    """The outcome a FAILED hot-load carries in its failure's details, if `exc` is that failure."""
-    cause = exc.cause if isinstance(exc, ChildWorkflowError) else None
-    if isinstance(cause, ApplicationError) and cause.details:
-        try:
-            return HotLoadOutcome.model_validate(cause.details[0])
-        except ValueError:
-            return None
-    return None
-
-
 @workflow.defn
-class DeploymentWorkflow(Autoscaler):
+class DeploymentWorkflow(Autoscaler, HotLoads):
     @workflow.init
     def __init__(self, state: DeploymentInput) -> None:
         self.state = state
@@ -625,189 +568,7 @@ class DeploymentWorkflow(Autoscaler):
     def _not_ready(self) -> str:
         return admission.not_ready(self.state, deleting=self.deleting)
 
-    # ------------------------------------------------------------------ hot-loads
-    @workflow.update
-    async def create_hot_load(self, cmd: CreateHotLoadCommand) -> HotLoad:
-        self._admit(cmd)  # again, synchronously: the state may have changed since the validator
-        self.state.active_hot_load_id = cmd.hot_load_id
-        self.state.seen_hot_load_ids.append(cmd.hot_load_id)
-        # Bounded: ids older than this are refused by the child's REJECT_DUPLICATE id policy and
-        # by the API's existence check; the list only guards creates racing each other.
-        del self.state.seen_hot_load_ids[:-SEEN_IDS_KEPT]
-        self._publish()
-        # What this handler starts (file checks, the hot-load workflow) carries the API request's
-        # trace, so each operation is one trace; without tracing this changes nothing.
-        trace_token = otel_context.attach(otel_propagate.extract(cmd.trace_context)) if cmd.trace_context else None
-        try:
-            return await self._check_and_start(cmd)
-        finally:
-            if trace_token is not None:
-                otel_context.detach(trace_token)
-
-    def _admit_replicas(self, restarted: list[str]) -> None:
-        """A hot-load is admitted only if every replica process ran at admission: READY is what
-        the replicas last reported, and a stack restart or a crash since may have taken them
-        down unseen (one that does not run was just restarted, and the deployment is UPDATING
-        until it serves again)."""
-        if restarted:
-            raise rejected(FAILED_PRECONDITION, self._not_ready())
-        if self.unanswered:
-            # A node cut off from the control plane: its replicas could not take the update.
-            raise rejected(
-                UNAVAILABLE,
-                "node agent(s) did not answer the check of their replicas, try again: " + self._unanswered_text(),
-            )
-
-    def _check_snapshots(self, chain: list[SnapshotRef]) -> list[Awaitable[Any]]:
-        """One check of each snapshot of the chain (a 64-link chain in one round trip); the
-        caller reports the first failing link in chain order."""
-        hl_cfg = self.spec.hot_load
-        assert hl_cfg is not None
-        return [
-            workflow.execute_activity(
-                names.CHECK_SNAPSHOT,
-                CheckSnapshotInput(
-                    bucket=hl_cfg.bucket, path_prefix=hl_cfg.path_prefix, identity=link.identity, type=link.type,
-                ),
-                start_to_close_timeout=timedelta(seconds=60),
-                retry_policy=RetryPolicy(maximum_attempts=3, non_retryable_error_types=[FAILED_PRECONDITION]),
-            )
-            for link in chain
-        ]
-
-    async def _check_and_start(self, cmd: CreateHotLoadCommand) -> HotLoad:
-        chain = admission.resolve_chain(self.state, cmd)
-        hl_cfg = self.spec.hot_load
-        assert hl_cfg is not None
-        try:
-            workflow.deprecate_patch(ADMISSION_CHECKS_REPLICAS)
-            if workflow.patched(ADMISSION_AT_ONCE):
-                # The replica check and the snapshot checks run together; their verdicts are
-                # read in the order below, so the error a caller sees is the same.
-                replicas, *checks = await asyncio.gather(
-                    self._restart_lost_replicas(admitting=True), *self._check_snapshots(chain),
-                    return_exceptions=True,
-                )
-                if isinstance(replicas, BaseException):
-                    raise replicas
-                self._admit_replicas(replicas)
-            else:
-                self._admit_replicas(await self._restart_lost_replicas(admitting=True))
-                checks = await asyncio.gather(*self._check_snapshots(chain), return_exceptions=True)
-            for outcome in checks:
-                if isinstance(outcome, BaseException):
-                    raise outcome
-            hot_load = HotLoad(
-                spec=HotLoadSpec(
-                    id=cmd.hot_load_id,
-                    deployment_id=self.spec.id,
-                    organization_id=self.spec.organization_id,
-                    identity=cmd.identity,
-                    type=cmd.type,
-                    incremental_snapshot_metadata=cmd.incremental_snapshot_metadata,
-                    prompt_cache_policy=cmd.prompt_cache_policy,
-                    snapshot_chain=chain,
-                ),
-                status=HotLoadStatus(
-                    state=HotLoadState.PENDING, created_at=cmd.created_at, updated_at=cmd.created_at
-                ),
-            )
-            inp = HotLoadInput(
-                hot_load=hot_load,
-                hot_load_config=hl_cfg,
-                replicas=list(self.state.replicas),
-                deployment_workflow_id=workflow.info().workflow_id,
-            )
-            workflow.deprecate_patch(ORG_SCOPED_IDS)
-            child = await workflow.start_child_workflow(
-                names.HOT_LOAD_WORKFLOW,
-                inp,
-                id=names.hot_load_workflow_id(self.spec.organization_id, cmd.hot_load_id),
-                result_type=HotLoadOutcome,
-                # What the Temporal UI shows of the operation before opening it.
-                static_summary=hot_load_summary(hot_load),
-                static_details=hot_load_details(inp),
-                # The hot-load goes on (and reports) whatever becomes of this workflow run.
-                parent_close_policy=ParentClosePolicy.ABANDON,
-                # A hot-load id names one operation forever, even after it closed.
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                search_attributes=hot_load_attributes(hot_load),
-                memo={"hotLoad": hot_load.wire()},
-            )
-        except Exception as exc:
-            # Not admitted: the id stays free for a retry once the cause is fixed.
-            self.state.active_hot_load_id = None
-            if cmd.hot_load_id in self.state.seen_hot_load_ids:
-                self.state.seen_hot_load_ids.remove(cmd.hot_load_id)
-            self._publish()
-            cause = exc.__cause__ if exc.__cause__ is not None else exc
-            if isinstance(cause, ApplicationError) and cause.type in (FAILED_PRECONDITION, INVALID_ARGUMENT):
-                raise rejected(cause.type, cause.message) from None
-            if type(exc).__name__ == "WorkflowAlreadyStartedError":
-                raise rejected(ALREADY_EXISTS, f"hot-load {cmd.hot_load_id} already exists") from None
-            if isinstance(cause, ApplicationError) or type(cause).__name__ == "TimeoutError":
-                raise rejected(
-                    UNAVAILABLE, f"checking the snapshot files failed, try again: {cause}"
-                ) from None
-            raise
-        asyncio.create_task(self._watch(child, cmd.hot_load_id))  # deterministic: the workflow loop
-        return hot_load
-
-    async def _watch(self, child: workflow.ChildWorkflowHandle, hot_load_id: str) -> None:
-        """Takes note of the child's end however it closes: its outcome when it has one (the
-        result of a COMPLETED hot-load, the failure details of a FAILED one), else (canceled,
-        terminated, timed out) it only clears the active operation."""
-        try:
-            outcome = await child
-        except Exception as exc:  # noqa: BLE001 - a failed child is an outcome, never this workflow's failure
-            outcome = _outcome_of(exc)
-            if outcome is None:
-                if not is_cancelled_exception(exc):  # a canceled one reported by its signal
-                    workflow.logger.warning("hot-load %s closed without an outcome: %s", hot_load_id, exc)
-                if self.state.active_hot_load_id == hot_load_id:
-                    self.state.active_hot_load_id = None
-                    self._publish()
-                return
-        self._finish(outcome)
-
-    @create_hot_load.validator
-    def _validate_create(self, cmd: CreateHotLoadCommand) -> None:
-        self._admit(cmd)
-
-    def _admit(self, cmd: CreateHotLoadCommand) -> None:
-        admission.admit(self.state, cmd, deleting=self.deleting)
-
-    @workflow.signal
-    def hot_load_finished(self, outcome: HotLoadOutcome) -> None:
-        self._finish(outcome)
-
-    def _finish(self, outcome: HotLoadOutcome) -> None:
-        """Take note of an ended hot-load; idempotent (the signal and the watcher both call it)."""
-        if self.state.active_hot_load_id == outcome.hot_load_id:
-            self.state.active_hot_load_id = None
-        served = {r.name: r.current_snapshot_identity for r in outcome.replicas}
-        for r in self.state.replicas:
-            if served.get(r.name):
-                r.current_snapshot_identity = served[r.name]
-        already = any(link.hot_load_id == outcome.hot_load_id for link in self.state.completed)
-        if outcome.state == HotLoadState.COMPLETED and outcome.chain and not already:
-            # Re-inserted last, so the dict's order is completion order (oldest first).
-            self.state.chains.pop(outcome.identity, None)
-            self.state.chains[outcome.identity] = outcome.chain
-            while len(self.state.chains) > MAX_CHAINS_KEPT:
-                del self.state.chains[next(iter(self.state.chains))]
-            self.state.completed.append(
-                CompletedLink(
-                    identity=outcome.identity,
-                    type=outcome.chain[-1].type,
-                    hot_load_id=outcome.hot_load_id,
-                    previous_identity=outcome.chain[-2].identity if len(outcome.chain) > 1 else None,
-                )
-            )
-            # Any chain needs at most 64 links; older completions only make the state bigger.
-            self.state.completed = self.state.completed[-64:]
-        self._publish()
-
+    # ------------------------------------------------------------------ reads
     @workflow.query
     def describe(self) -> DeploymentInput:
         return self.state

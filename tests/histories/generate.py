@@ -22,7 +22,7 @@ ID -o json`), one file per workflow named by its id (`/` as `%2F`). The files wh
 (`previous-version-before-nodes-dep`: the release before node agents, whose branch the
 `node-placement` patch keeps; `previous-version-dep`: the one before), kept to prove that
 deployment workflows (open across upgrades) replay on this code; drop each together with the
-patches it needs in control/deployment.py and control/replica_set.py.
+patches it needs in control/deployment_hot_loads.py and control/replica_set.py.
 
 Regenerate when a workflow change is meant to be incompatible with running histories (hot-loads
 are drained before an upgrade, docs/operations.md); `make test` replays these files to catch
