@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from contracts.records import PromptCachePolicy, SnapshotRef, SnapshotType
 from replica import faults
 from replica.agent.activities import replica_step
 from replica.agent.engine import EngineProcess
+from replica.agent.host_decodes import read_records
 from replica.agent.runtime import ReplicaRuntime
 from replica.agent.staged import EngineUpdateError, ReadBackFailed
 from replica.stage_arena import StageArena
@@ -113,10 +115,13 @@ class Replica:
 
 
 @pytest.fixture
-async def replica(engine: EngineProcess, model_dirs: dict[str, Path], tmp_path: Path) -> Replica:
+async def replica(engine: EngineProcess, model_dirs: dict[str, Path], tmp_path: Path) -> AsyncIterator[Replica]:
     r = Replica(engine, model_dirs, tmp_path)
     await r.start()
-    return r
+    yield r
+    # As an agent does when it stops: its decode record in /dev/shm does not outlive it.
+    r.runtime.withdraw_decode()
+    assert not [p for p, rec in read_records(r.runtime.arena.directory) if rec.get("arena") == r.runtime.arena.path]
 
 
 async def test_a_swap_whose_read_back_differs_rolls_back_weights_label_and_host_copy(replica: Replica) -> None:
