@@ -14,7 +14,7 @@ from contracts.records import (
     SnapshotType,
 )
 from snapshots.chain import MAX_CHAIN_DELTAS as MAX_DELTAS_IN_CHAIN
-from tests.helpers.harness import DISABLED_ORG, ORG, TERMINAL, VIEWER, ZONE, Fleet, write_delta, write_full
+from tests.helpers.harness import DISABLED_ORG, ORG, VIEWER, ZONE, Fleet, write_delta, write_full
 from tests.helpers.workflow_checks import delta_body, deployment_state, error, every
 
 
@@ -267,26 +267,3 @@ async def test_a_lost_replica_is_reported_before_a_missing_snapshot(temporal_env
         write_full(f.bucket_root / f"ckpt/{dep}", "s1", missing=("config.json",))
         error(await f.create_hot_load(dep, "s1"), 412, "failed_precondition", "STATUS_UPDATING", members[1])
         await no_hot_load_started(f, dep)
-
-
-
-async def test_a_hot_load_created_the_moment_the_last_one_reads_completed_is_admitted(temporal_env, tmp_path):
-    """A trainer that creates its next hot-load as soon as GET says the last one COMPLETED is
-    admitted every time (cwtrain would otherwise wait its poll interval, 5 s, and try again): the
-    operation's record says COMPLETED in the same workflow task that tells the deployment, which
-    takes note of it before the operation's workflow closes."""
-    async with Fleet(temporal_env.client, tmp_path) as f:
-        dep = await f.ready_deployment()
-        for i in range(6):
-            write_full(f.bucket_root / f"ckpt/{dep}", f"s{i}")
-        ids = [f"{dep}-h{i}" for i in range(6)]  # hot-load ids are unique in an organization forever
-        r = await f.create_hot_load(dep, "s0", hotLoadId=ids[0])
-        for i in range(1, 6):
-            assert r.status_code == 200, r.text
-            hl = {"status": {"state": ""}}
-            while hl["status"]["state"] not in TERMINAL:  # no pause: the create follows the first read that says so
-                hl = (await f.call("GET", f"/hotLoads/{ids[i - 1]}")).json()["hotLoad"]
-            assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl
-            r = await f.create_hot_load(dep, f"s{i}", hotLoadId=ids[i])
-            assert r.status_code == 200, (i, r.text)
-        assert (await f.wait_hot_load(ids[5]))["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
