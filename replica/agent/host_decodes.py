@@ -100,14 +100,21 @@ def read_records(directory: Path) -> list[tuple[Path, dict[str, Any]]]:
     return records
 
 
+def arena_pid(record: dict[str, Any]) -> int | None:
+    """The process whose arena a record names (``/proc/PID/fd/FD``); None if it names no such path."""
+    parts = str(record.get("arena", "")).split("/")
+    if len(parts) == 5 and parts[1] == "proc" and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
 def remove_stale(directory: Path) -> list[Path]:
     """Remove the records of agents that are gone (their arena's process no longer exists);
     returns what was removed."""
     removed = []
     for path, record in read_records(directory):
-        arena = str(record.get("arena", ""))
-        parts = arena.split("/")  # /proc/PID/fd/FD
-        if len(parts) == 5 and parts[1] == "proc" and not Path("/proc", parts[2]).exists():
+        pid = arena_pid(record)
+        if pid is not None and not Path("/proc", str(pid)).exists():
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from common.processes import stop_pid
-from replica.agent.host_decodes import read_records
+from replica.agent.host_decodes import arena_pid, read_records
 from replica.stage_arena import shm_dir
 from snapshots.host import checkpoint_checksums
 from snapshots.writer import write_delta
@@ -125,8 +125,7 @@ def test_engine_config_update_rolls_the_replica_onto_it(stack, lifecycle):
 
 def decode_records_of(agent_pid: int) -> list[Path]:
     """This host's decode records whose arena is in process `agent_pid`."""
-    return [path for path, record in read_records(shm_dir())
-            if str(record.get("arena", "")).startswith(f"/proc/{agent_pid}/")]
+    return [path for path, record in read_records(shm_dir()) if arena_pid(record) == agent_pid]
 
 
 def test_replicas_stopped_by_down_are_not_ready_and_refuse_hot_loads(stack, lifecycle, tmp_path):
