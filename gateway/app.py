@@ -333,7 +333,7 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
         if model is not None and not isinstance(model, str):
             return error_response(InvalidArgument("model must be a string: a deployment's model.name or id"))
         session = request.headers.get(SESSION_HEADER)
-        named, view = router.route(model, principal.organization_id, session)
+        named, view = await router.fresh_route(model, principal.organization_id, session)
         if not named:
             known = sorted({v.model_name for v in router.models(principal.organization_id)})
             return error_response(NotFound(f"model {model!r} is not served here; models: {', '.join(known) or 'none'}"))

@@ -32,7 +32,11 @@ Contract:
   visibility store) every ``REFRESH_S``. Views are keyed by workflow id
   (``deployments/ORG/ID``: a deployment id is unique only within its organization).
   ``fresh_view(workflow_id)`` returns a view whose read began after the call (concurrent
-  callers share one read), which is what a weight-version label needs.
+  callers share one read), which is what a weight-version label needs. ``fresh_route`` is
+  ``route`` for a request: when no deployment can take it, it reads the named deployments'
+  views (or, naming none, the list of running deployments) afresh before the app answers 503 or
+  404, so a deployment the API has reported READY is served at once, whatever the refresh
+  period.
 - ``weight_versions(before, after, ..., spans)`` labels a response from the views taken before
   it was sent and after it finished, or, when the replica reported which weights sampled each
   token (``spans``, see ``gateway/nvext.py``), from those; see the function for exactly what is
@@ -253,11 +257,30 @@ def _load_order(spans: list[dict[str, Any]]) -> list[str]:
 
 
 @dataclass
-class _Reads:
-    """At most one read in progress per deployment, and at most one queued behind it."""
+class _AfterCall:
+    """Single-flight reads that start after their caller arrived: at most one read in progress
+    and at most one queued behind it. A caller that arrives while a read is in progress joins the
+    read queued behind it (which starts when the current one ends), never the current one, which
+    began too early."""
 
-    current: asyncio.Future[DeploymentView | None] | None = None
-    queued: asyncio.Future[DeploymentView | None] | None = None
+    current: asyncio.Future[Any] | None = None
+    queued: asyncio.Future[Any] | None = None
+
+    async def read(self, start: Callable[[], Awaitable[Any]]) -> Any:
+        if self.queued is not None:
+            return await asyncio.shield(self.queued)
+        if self.current is None or self.current.done():
+            self.current = asyncio.ensure_future(start())
+            return await asyncio.shield(self.current)
+        previous = self.current
+
+        async def after_previous() -> Any:
+            await asyncio.wait([previous])
+            self.current, self.queued = self.queued, None  # from here on, late callers queue anew
+            return await start()
+
+        self.queued = asyncio.ensure_future(after_previous())
+        return await asyncio.shield(self.queued)
 
 
 @dataclass
@@ -273,7 +296,10 @@ class Router:
     split: WeightedSplit = field(default_factory=WeightedSplit)
     # Set by refresh_loop: reads one deployment's view now, by workflow id (None: the workflow is gone).
     reader: Callable[[str], Awaitable[DeploymentView | None]] | None = None
-    _reads: dict[str, _Reads] = field(default_factory=dict)
+    # Set by refresh_loop: lists the running deployments now and reads the views of new ones.
+    discoverer: Callable[[], Awaitable[None]] | None = None
+    _reads: dict[str, _AfterCall] = field(default_factory=dict)
+    _discovery: _AfterCall = field(default_factory=_AfterCall)
     _last_active: dict[str, str | None] = field(default_factory=dict)
     _epochs: dict[str, int] = field(default_factory=dict)
 
@@ -371,28 +397,26 @@ class Router:
         return self._epochs.get(workflow_id, 0)
 
     async def fresh_view(self, workflow_id: str) -> DeploymentView | None:
-        """A view whose read started after this call; concurrent callers share one read.
-
-        A caller that arrives while a read is in progress joins the read queued behind it (which
-        starts when the current one ends), never the current one, which began too early.
-        """
+        """A view whose read started after this call; concurrent callers share one read (``_AfterCall``)."""
         if self.reader is None:
             return self.views.get(workflow_id)
-        st = self._reads.setdefault(workflow_id, _Reads())
-        if st.queued is not None:
-            return await asyncio.shield(st.queued)
-        if st.current is None or st.current.done():
-            st.current = asyncio.ensure_future(self._read(workflow_id))
-            return await asyncio.shield(st.current)
-        previous = st.current
+        return await self._reads.setdefault(workflow_id, _AfterCall()).read(lambda: self._read(workflow_id))
 
-        async def after_previous() -> DeploymentView | None:
-            await asyncio.wait([previous])
-            st.current, st.queued = st.queued, None  # from here on, late callers queue anew
-            return await self._read(workflow_id)
-
-        st.queued = asyncio.ensure_future(after_previous())
-        return await asyncio.shield(st.queued)
+    async def fresh_route(self, model: str | None, organization_id: str | None = None,
+                          session: str | None = None) -> tuple[list[DeploymentView], DeploymentView | None]:
+        """``route``, but a request that finds no deployment to take it reads afresh first: the
+        views of the deployments it names (none takes traffic), or the list of running
+        deployments (it names none: one created since the last discovery), each read started
+        after this call. What the API has answered (READY, running replicas) is then what the
+        gateway routes by."""
+        named, chosen = self.route(model, organization_id, session)
+        if chosen is not None:
+            return named, chosen
+        if named:
+            await asyncio.gather(*(self.fresh_view(v.workflow_id) for v in named))
+        elif self.discoverer is not None:
+            await self._discovery.read(self.discoverer)
+        return self.route(model, organization_id, session)
 
     async def _read(self, workflow_id: str) -> DeploymentView | None:
         assert self.reader is not None
@@ -436,22 +460,29 @@ async def refresh_loop(router: Router, settings: Any) -> None:
         epoch = router.epoch_for(wf_id, active)
         return build_view(memo, wf_id, hot_memo, hot_load_readable=readable, epoch=epoch, read_at=started)
 
+    async def discover() -> None:
+        nonlocal workflow_ids, last_discovery
+        assert client is not None
+        found: list[str] = []
+        async for wf in client.list_workflows("ResourceKind='deployment' AND ExecutionStatus='Running'",
+                                              page_size=1000):
+            found.append(wf.id)  # deployments/ORG/ID (contracts/names.py)
+        for gone in set(router.views) - set(found):
+            router.drop(gone)
+        new = [wf_id for wf_id in found if wf_id not in router.views]
+        workflow_ids = found
+        last_discovery = time.monotonic()
+        await asyncio.gather(*(router.fresh_view(d) for d in new), return_exceptions=True)
+
     last_discovery = 0.0
     while True:
         try:
             if client is None:
                 client = await temporal_client(settings)
                 router.reader = read
+                router.discoverer = discover
             if time.monotonic() - last_discovery > DISCOVER_S:
-                found: list[str] = []
-                async for wf in client.list_workflows(
-                    "ResourceKind='deployment' AND ExecutionStatus='Running'", page_size=1000
-                ):
-                    found.append(wf.id)  # deployments/ORG/ID (contracts/names.py)
-                for gone in set(router.views) - set(found):
-                    router.drop(gone)
-                workflow_ids = found
-                last_discovery = time.monotonic()
+                await router._discovery.read(discover)
             await asyncio.gather(*(router.fresh_view(d) for d in list(workflow_ids)), return_exceptions=True)
         except asyncio.CancelledError:
             raise
