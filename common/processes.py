@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,10 +103,12 @@ def spawn(
     log_path: Path,
     pid_file: PidFile,
     env: dict[str, str] | None = None,
+    base_env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
     **extra: object,
 ) -> int:
-    """Start `argv` in its own session (it outlives the caller), output appended to `log_path`."""
+    """Start `argv` in its own session (it outlives the caller), output appended to `log_path`;
+    its environment is `env` laid over `base_env` (default this process's)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
@@ -113,7 +116,7 @@ def spawn(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env={**(os.environ if base_env is None else base_env), **(env or {})},
             cwd=cwd,
             start_new_session=True,
         )

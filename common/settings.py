@@ -10,7 +10,22 @@ Two sources, one per install:
   ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and
   ``ROLLOUTS_ENGINE_KEY`` are required (a missing one is a SystemExit naming each).
 
-Environment variables override single values in both cases:
+Two readers of the same home:
+
+- a client (a `rollouts` command pointed at an existing stack, a trainer's code, cwtrain's
+  shell): :meth:`Settings.load`, where the environment variables below override single values
+  of either source, so a shell that sourced a ``stack.env`` reaches that stack;
+- the stack a home owns (``rollouts up --home``, ``make test``'s stack, the benches', the
+  multi-host tests'): :meth:`Settings.owned` and :meth:`Settings.create`, the ``stack.json`` as
+  written, the environment overriding nothing (:attr:`Settings.owned`). Every process it starts
+  (API, control worker, gateway, node agent, replica agents, Dynamo's frontend and workers, the
+  Temporal CLI) gets :meth:`Settings.process_env`: this process's environment without any
+  variable that locates a stack (:func:`without_stack_env`: :data:`STACK_ENV` and every
+  ``TEMPORAL_*``, ``AWS_*`` and ``CW_*``), with ``ROLLOUTS_HOME`` set to the home, so its own
+  :meth:`Settings.load` reads the ``stack.json`` alone. Another stack's variables in the shell
+  that starts a stack (a sourced ``stack.env``) therefore never redirect it.
+
+Environment variables override single values for a client in both cases:
 
 - where the rest is: ``ROLLOUTS_HOME`` (the home, default ``./.rollouts``), ``TEMPORAL_ADDRESS``,
   ``TEMPORAL_NAMESPACE``, ``TEMPORAL_UI_URL``, ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``,
@@ -53,6 +68,7 @@ import hmac
 import json
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +111,19 @@ ENV_FIELDS = ("bucket", "zone", "organization_id", "gateway_id", "model_name", "
 REQUIRED_ENV = ("TEMPORAL_ADDRESS", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                 "ROLLOUTS_ENGINE_KEY")
 
+# What locates a stack or names its parts: what the settings read from the environment (all but
+# ROLLOUTS_REPLICA_METRICS_PORT, a per-process port), what stack.env writes, and
+# `rollouts dynamo-frontend`'s port and address. A process a stack starts gets none of them, nor
+# any variable with a prefix of STACK_ENV_PREFIXES (without_stack_env): the temporal CLI, boto3
+# and cwtrain read those.
+STACK_ENV = (
+    "ROLLOUTS_HOME", "ROLLOUTS_API_URL", "ROLLOUTS_GATEWAY_URL", "ROLLOUTS_DYNAMO_FRONTEND_URL",
+    "ROLLOUTS_TOKENS_FILE", "ROLLOUTS_ENGINE_KEY", "ROLLOUTS_VIEWER_TOKEN", HOST_ENV, *PORT_ENVS.values(),
+    *(f"ROLLOUTS_{name.upper()}" for name in ENV_FIELDS), "ROLLOUTS_DYNAMO_ROUTER_MODE",
+    "ROLLOUTS_DYNAMO_DISCOVERY", "ROLLOUTS_DYNAMO_DISCOVERY_DIR", "ROLLOUTS_DYNAMO_PORT", "ROLLOUTS_DYNAMO_ADDRESS",
+)
+STACK_ENV_PREFIXES = ("TEMPORAL_", "AWS_", "CW_")
+
 # Search attributes the workflows set; registered when the dev server starts.
 SEARCH_ATTRIBUTES = {
     "OrganizationId": "Keyword",
@@ -109,6 +138,13 @@ SEARCH_ATTRIBUTES = {
 
 def home_from_env() -> Path:
     return Path(os.environ.get("ROLLOUTS_HOME") or DEFAULT_HOME).absolute()
+
+
+def without_stack_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without any variable that locates a stack (:data:`STACK_ENV`, and every name with a
+    prefix of :data:`STACK_ENV_PREFIXES`); the rest (``PATH``, ``OTEL_*``, ``CUDA_VISIBLE_DEVICES``,
+    ``ROLLOUTS_HOT_LOAD_ENGINES``...) is kept."""
+    return {k: v for k, v in env.items() if k not in STACK_ENV and not k.startswith(STACK_ENV_PREFIXES)}
 
 
 def _port(name: str, value: str) -> int:
@@ -147,6 +183,9 @@ class Settings:
     # Dynamo's router: "least-loaded", or "kv" (by prefix-cache overlap; workers publish KV events).
     dynamo_router_mode: str = "least-loaded"
     extra: dict[str, Any] = field(default_factory=dict)
+    # The settings of the stack a home owns (Settings.owned, Settings.create): the environment
+    # overrides nothing. False: a client's (Settings.load, with_env), where it does. Never saved.
+    owned: bool = field(default=False, repr=False, compare=False)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -154,41 +193,53 @@ class Settings:
         return Path(self.home)
 
     @property
+    def env(self) -> Mapping[str, str]:
+        """The environment the values below may come from: none for :attr:`owned` settings, else
+        this process's."""
+        return {} if self.owned else os.environ
+
+    def process_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment of a process this stack starts: ``base`` (default this process's)
+        without another stack's variables (:func:`without_stack_env`), ``ROLLOUTS_HOME`` this
+        home; its :meth:`load` then reads this home's ``stack.json`` alone."""
+        return {**without_stack_env(os.environ if base is None else base), "ROLLOUTS_HOME": self.home}
+
+    @property
     def temporal_address(self) -> str:
-        return os.environ.get("TEMPORAL_ADDRESS") or host_port(self.host, self.ports["temporal"])
+        return self.env.get("TEMPORAL_ADDRESS") or host_port(self.host, self.ports["temporal"])
 
     @property
     def temporal_namespace(self) -> str:
-        return os.environ.get("TEMPORAL_NAMESPACE") or self.namespace
+        return self.env.get("TEMPORAL_NAMESPACE") or self.namespace
 
     @property
     def temporal_ui_url(self) -> str:
-        return os.environ.get("TEMPORAL_UI_URL") or f"http://{host_port(self.host, self.ports['temporal_ui'])}"
+        return self.env.get("TEMPORAL_UI_URL") or f"http://{host_port(self.host, self.ports['temporal_ui'])}"
 
     @property
     def s3_endpoint(self) -> str:
         # An IP, not a name (`rollouts up --host` takes IPs only): boto3 then uses path-style
         # addressing, where a name makes it try bucket.NAME (docs/field-notes.md).
-        return os.environ.get("AWS_ENDPOINT_URL_S3") or f"http://{host_port(self.host, self.ports['s3'])}"
+        return self.env.get("AWS_ENDPOINT_URL_S3") or f"http://{host_port(self.host, self.ports['s3'])}"
 
     @property
     def api_url(self) -> str:
-        return os.environ.get("ROLLOUTS_API_URL") or f"http://{host_port(self.host, self.ports['api'])}"
+        return self.env.get("ROLLOUTS_API_URL") or f"http://{host_port(self.host, self.ports['api'])}"
 
     @property
     def gateway_url(self) -> str:
-        return os.environ.get("ROLLOUTS_GATEWAY_URL") or f"http://{host_port(self.host, self.ports['gateway'])}"
+        return self.env.get("ROLLOUTS_GATEWAY_URL") or f"http://{host_port(self.host, self.ports['gateway'])}"
 
     @property
     def dynamo_frontend_url(self) -> str:
         """Dynamo's frontend: where the gateway sends a dynamo-vllm deployment's requests."""
         port = self.ports.get("dynamo") or self.ports["api"] + PORT_OFFSETS["dynamo"]
-        return os.environ.get("ROLLOUTS_DYNAMO_FRONTEND_URL") or f"http://{host_port(self.host, port)}"
+        return self.env.get("ROLLOUTS_DYNAMO_FRONTEND_URL") or f"http://{host_port(self.host, port)}"
 
     @property
     def dynamo_discovery_backend(self) -> str:
         """Dynamo's discovery backend (``ROLLOUTS_DYNAMO_DISCOVERY``; default ``file``)."""
-        backend = os.environ.get("ROLLOUTS_DYNAMO_DISCOVERY") or "file"
+        backend = self.env.get("ROLLOUTS_DYNAMO_DISCOVERY") or "file"
         if backend not in DISCOVERY_BACKENDS:
             raise SystemExit(f"ROLLOUTS_DYNAMO_DISCOVERY: {backend!r} is not one of {', '.join(DISCOVERY_BACKENDS)}")
         return backend
@@ -196,23 +247,23 @@ class Settings:
     @property
     def dynamo_discovery_dir(self) -> Path:
         """Dynamo's ``file`` discovery directory, shared by its frontend and every worker."""
-        return Path(os.environ.get("ROLLOUTS_DYNAMO_DISCOVERY_DIR") or self.home_path / "dynamo" / "discovery")
+        return Path(self.env.get("ROLLOUTS_DYNAMO_DISCOVERY_DIR") or self.home_path / "dynamo" / "discovery")
 
     @property
     def replica_metrics_port(self) -> int:
         """The port of each replica agent's Prometheus endpoint (``ROLLOUTS_REPLICA_METRICS_PORT``;
         default 0: any free port, reported in the replica's ``metrics_url``)."""
-        value = os.environ.get("ROLLOUTS_REPLICA_METRICS_PORT")
+        value = self.env.get("ROLLOUTS_REPLICA_METRICS_PORT")
         return _port("ROLLOUTS_REPLICA_METRICS_PORT", value) if value else 0
 
     @property
     def tokens_file(self) -> Path:
-        return Path(os.environ.get("ROLLOUTS_TOKENS_FILE") or self.home_path / "tokens.json")
+        return Path(self.env.get("ROLLOUTS_TOKENS_FILE") or self.home_path / "tokens.json")
 
     def engine_secret(self, deployment_workflow_id: str, replica: str) -> str:
         """The secret of replica ``replica`` of the deployment whose workflow id is given: what
         its engine requires in ``ENGINE_SECRET_HEADER`` (module docstring)."""
-        key = os.environ.get("ROLLOUTS_ENGINE_KEY") or self.engine_key
+        key = self.env.get("ROLLOUTS_ENGINE_KEY") or self.engine_key
         if not key:
             raise ValueError("engine_key is empty: set it in stack.json or ROLLOUTS_ENGINE_KEY")
         message = f"{deployment_workflow_id}\n{replica}".encode()
@@ -227,33 +278,47 @@ class Settings:
         path = self.home_path / "stack.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        data = asdict(self)
+        del data["owned"]
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
         os.chmod(tmp, 0o600)
         tmp.replace(path)
 
     @classmethod
     def load(cls, home: Path | None = None) -> Settings:
-        """The settings of ``home`` (default: ``$ROLLOUTS_HOME``): its ``stack.json``, else, when
-        ``TEMPORAL_ADDRESS`` is set, the environment alone (:meth:`from_env`); the environment's
-        values override either (module docstring)."""
+        """A client's settings of ``home`` (default: ``$ROLLOUTS_HOME``): its ``stack.json``, else,
+        when ``TEMPORAL_ADDRESS`` is set, the environment alone (:meth:`from_env`); the
+        environment's values override either (module docstring)."""
         home = (home or home_from_env()).absolute()
         path = home / "stack.json"
+        if not path.exists() and os.environ.get("TEMPORAL_ADDRESS"):
+            return cls.from_env(home)
+        return cls._read(home, ", or set TEMPORAL_ADDRESS and the rest of a cluster install's environment "
+                               "(docs/operations.md)").with_env()
+
+    @classmethod
+    def owned(cls, home: Path) -> Settings:
+        """The settings of the stack ``home`` owns: its ``stack.json`` as written, the environment
+        overriding nothing, now or when a value is read (module docstring)."""
+        return cls._read(home.absolute())
+
+    @classmethod
+    def _read(cls, home: Path, missing_hint: str = "") -> Settings:
+        """``home``'s ``stack.json``, :attr:`owned`; SystemExit naming the path when it is missing."""
+        path = home / "stack.json"
         if not path.exists():
-            if os.environ.get("TEMPORAL_ADDRESS"):
-                return cls.from_env(home)
-            raise SystemExit(
-                f"no stack configuration at {path}: run `make up` (or `rollouts up --home {home}`) first, "
-                "or set TEMPORAL_ADDRESS and the rest of a cluster install's environment (docs/operations.md)"
-            )
+            raise SystemExit(f"no stack configuration at {path}: run `make up` (or `rollouts up --home {home}`) "
+                             f"first{missing_hint}")
         data = json.loads(path.read_text())
         data["home"] = str(home)
+        data.pop("owned", None)
         # A stack.json from before Dynamo's frontend had a port.
         data["ports"].setdefault("dynamo", data["ports"]["api"] + PORT_OFFSETS["dynamo"])
         # ... and before the control worker served metrics.
         data["ports"].setdefault("worker_metrics", data["ports"]["api"] + PORT_OFFSETS["worker_metrics"])
         # A stack.json from when Dynamo was a stack-wide switch (now runtime.engine's).
         data.pop("dynamo", None)
-        return cls(**data).with_env()
+        return cls(**data, owned=True)
 
     @classmethod
     def from_env(cls, home: Path | None = None) -> Settings:
@@ -277,9 +342,10 @@ class Settings:
         ).with_env()
 
     def with_env(self) -> Settings:
-        """These settings with the environment's ``ROLLOUTS_HOST``, ``ROLLOUTS_API_PORT``,
-        ``ROLLOUTS_GATEWAY_PORT`` and ``ROLLOUTS_<FIELD>`` (:data:`ENV_FIELDS`) applied; the
-        other variables are read where they are used (the properties above)."""
+        """These settings as a client's (not :attr:`owned`), with the environment's ``ROLLOUTS_HOST``,
+        ``ROLLOUTS_API_PORT``, ``ROLLOUTS_GATEWAY_PORT`` and ``ROLLOUTS_<FIELD>`` (:data:`ENV_FIELDS`)
+        applied; the other variables are read where they are used (the properties above)."""
+        self.owned = False
         env = os.environ
         self.host = env.get(HOST_ENV) or self.host
         self.ports = dict(self.ports)
@@ -296,7 +362,7 @@ class Settings:
 
     @classmethod
     def create(cls, home: Path, port_base: int = DEFAULT_PORT_BASE, host: str = LOOPBACK) -> Settings:
-        """A new configuration with fresh credentials; written once, reused by every `up`."""
+        """A new configuration with fresh credentials, :attr:`owned`; written once, reused by every `up`."""
         return cls(
             home=str(home.absolute()),
             ports={name: port_base + off for name, off in PORT_OFFSETS.items()},
@@ -305,18 +371,27 @@ class Settings:
             s3_secret_key=secrets.token_urlsafe(24),
             admin_token="rk-admin-" + secrets.token_urlsafe(24),
             viewer_token="rk-viewer-" + secrets.token_urlsafe(24),
+            owned=True,
         )
 
     def s3_client(self) -> Any:
+        """A boto3 client of the S3 store; for :attr:`owned` settings one whose session reads no
+        ``AWS_*`` variable either (``AWS_PROFILE``, ``AWS_CA_BUNDLE``...: botocore's session
+        variables with their environment names removed)."""
         import boto3  # noqa: PLC0415 - boto3 and Temporal load only where used: settings are read in every process, vLLM's included
+        import botocore.session  # noqa: PLC0415 - boto3 and Temporal load only where used: settings are read in every process, vLLM's included
         from botocore.config import Config  # noqa: PLC0415 - boto3 and Temporal load only where used: settings are read in every process, vLLM's included
 
-        return boto3.client(
+        no_env = {name: (config, None, default, convert)
+                  for name, (config, _, default, convert) in botocore.session.Session.SESSION_VARIABLES.items()}
+        session = boto3.session.Session(
+            botocore_session=botocore.session.Session(session_vars=no_env) if self.owned else None)
+        return session.client(
             "s3",
             endpoint_url=self.s3_endpoint,
-            aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID") or self.s3_access_key,
-            aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY") or self.s3_secret_key,
-            region_name=os.environ.get("AWS_REGION") or self.s3_region,
+            aws_access_key_id=self.env.get("AWS_ACCESS_KEY_ID") or self.s3_access_key,
+            aws_secret_access_key=self.env.get("AWS_SECRET_ACCESS_KEY") or self.s3_secret_key,
+            region_name=self.env.get("AWS_REGION") or self.s3_region,
             config=Config(retries={"max_attempts": 5, "mode": "standard"}, max_pool_connections=32),
         )
 
