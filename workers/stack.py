@@ -23,6 +23,14 @@ replicas live under `replicas/` there. The worker comes
 before the API: it reports ready only after every existing deployment has checked its replicas
 (none runs after a `down`), so the API never shows a deployment READY on replicas that are gone.
 
+The stack is its home's: ``Stack`` takes owned settings (``Settings.owned`` / ``create``;
+``load_or_create_settings``), and every process it starts, and the temporal CLI it runs, gets
+``Settings.process_env``: no ``ROLLOUTS_*`` address, name or key, ``TEMPORAL_*``, ``AWS_*`` or
+``CW_*`` of the shell that started it (another stack's ``stack.env``, say), ``ROLLOUTS_HOME`` its
+home. The node agent passes that environment on to replica agents and Dynamo's workers. Only
+``ROLLOUTS_HOST`` and ``ROLLOUTS_DYNAMO_ROUTER_MODE`` still reach ``up`` from the environment, as
+its ``--host`` and ``--dynamo-router-mode``, and ``stack.json`` records them.
+
 It is idempotent: what already runs is reported, not restarted. `down` stops, by pid, everything
 that `up` and the local node agent started (replicas included) and leaves the data on disk.
 """
@@ -47,6 +55,8 @@ from common.settings import DEFAULT_PORT_BASE, HOST_ENV, LOOPBACK, SEARCH_ATTRIB
 from common.tokens import add_token, grant_default_bucket
 from gateway.dynamo_frontend import DynamoFrontend
 
+# `up`'s --dynamo-router-mode from the environment (recorded in stack.json).
+ROUTER_MODE_ENV = "ROLLOUTS_DYNAMO_ROUTER_MODE"
 SERVICE_ORDER = ["temporal", "s3", "dynamo", "node", "worker", "api", "gateway"]
 # The local node agent's name and how many replicas it runs (`up --node-slots`; 0: none here).
 LOCAL_NODE = "local"
@@ -104,6 +114,9 @@ def temporal_ip_flags(host: str) -> list[str]:
 
 class Stack:
     def __init__(self, settings: Settings, node_slots: int = DEFAULT_NODE_SLOTS, *, many_pollers: bool = False):
+        if not settings.owned:
+            raise ValueError("Stack(settings): settings.owned is False (a client's, which the environment "
+                             "redirects): pass Settings.owned(home) or Settings.create(...)")
         self.s = settings
         self.node_slots = node_slots
         # Raise the dev server's per-namespace limits (DEV_SERVER_LIMITS): bench/scale.py's
@@ -179,15 +192,17 @@ class Stack:
         return DynamoFrontend(self.s.dynamo_discovery_dir, log_path=self.log("dynamo"), host=self.s.host,
                               port=self.s.ports["dynamo"], router_mode=self.s.dynamo_router_mode)
 
-    def _env(self, name: str) -> dict[str, str] | None:
-        return self._dynamo_frontend().environment() if name == "dynamo" else None
+    def _env(self, name: str) -> dict[str, str]:
+        """The environment of service ``name``: this stack's (``Settings.process_env``), with
+        Dynamo's discovery and planes for its frontend."""
+        return self.s.process_env(self._dynamo_frontend().environment() if name == "dynamo" else None)
 
     def _ready(self, name: str) -> Callable[[], bool]:
         p = self.s.ports
         if name == "temporal":
             return lambda: subprocess.run(
                 [_bin("temporal"), "operator", "cluster", "health", "--address", self.s.temporal_address],
-                capture_output=True, timeout=5,
+                capture_output=True, timeout=5, env=self.s.process_env(),
             ).returncode == 0
         if name == "s3":
             return lambda: self.s.s3_client().head_bucket(Bucket=self.s.bucket) is not None
@@ -241,7 +256,7 @@ class Stack:
                 f"on a fresh --home"
             )
         self._prepare(name)
-        pid = spawn(self._argv(name), log_path=self.log(name), pid_file=pf, cwd=self.home, env=self._env(name))
+        pid = spawn(self._argv(name), log_path=self.log(name), pid_file=pf, cwd=self.home, base_env=self._env(name))
         t0 = time.monotonic()
 
         def check() -> bool:
@@ -273,7 +288,7 @@ class Stack:
         subprocess.run(
             [_bin("temporal"), "operator", "namespace", "update", "--address", self.s.temporal_address,
              "--retention", HISTORY_RETENTION, self.s.temporal_namespace],
-            capture_output=True, timeout=30,
+            capture_output=True, timeout=30, env=self.s.process_env(),
         )
 
     def ensure_tokens(self) -> None:
@@ -439,20 +454,23 @@ def upload_dir(s3, local: Path, bucket: str, prefix: str) -> None:
 
 
 def load_or_create_settings(home: Path, port_base: int | None, host: str | None = None) -> Settings:
-    """The settings `up` starts from: the home's stack.json (its port base must match
-    ``port_base`` when given), else a new configuration. ``host`` (``--host``; else
-    ``ROLLOUTS_HOST``; else the recorded one; else 127.0.0.1) replaces the recorded host only
-    while none of the stack's services runs."""
+    """The settings `up` starts from, owned (module docstring): the home's stack.json (its port
+    base must match ``port_base`` when given), else a new configuration. ``host`` (``--host``;
+    else ``ROLLOUTS_HOST``; else the recorded one; else 127.0.0.1) replaces the recorded host
+    only while none of the stack's services runs; ``ROLLOUTS_DYNAMO_ROUTER_MODE``, when set,
+    replaces the recorded router mode (``up --dynamo-router-mode`` comes after it)."""
     if not (home / "stack.json").exists():
-        return Settings.create(home, port_base or DEFAULT_PORT_BASE, host or os.environ.get(HOST_ENV) or LOOPBACK)
-    settings = Settings.load(home)
+        settings = Settings.create(home, port_base or DEFAULT_PORT_BASE, host or os.environ.get(HOST_ENV) or LOOPBACK)
+        settings.dynamo_router_mode = os.environ.get(ROUTER_MODE_ENV) or settings.dynamo_router_mode
+        return settings
+    settings = Settings.owned(home)
     if port_base is not None and settings.ports["api"] != port_base:
         raise StackError(
             f"{home} was created with port base {settings.ports['api']}; "
             f"use another --home for port base {port_base}"
         )
-    recorded = json.loads((home / "stack.json").read_text()).get("host", LOOPBACK)
-    wanted = host or settings.host
+    recorded = settings.host
+    wanted = host or os.environ.get(HOST_ENV) or recorded
     if wanted != recorded:
         running = sorted(name for name, pid in Stack(settings).status().items() if pid)
         if running:
@@ -461,4 +479,5 @@ def load_or_create_settings(home: Path, port_base: int | None, host: str | None 
                 f"`rollouts up` on {wanted}"
             )
     settings.host = wanted
+    settings.dynamo_router_mode = os.environ.get(ROUTER_MODE_ENV) or settings.dynamo_router_mode
     return settings

@@ -15,21 +15,11 @@ from pathlib import Path
 import pytest
 
 from common.settings import STACK_ENV, Settings, without_stack_env
+from tests.helpers.other_stack import other_stack_env
 
 # Unrelated variables a stack's processes must still inherit.
 KEPT = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "ROLLOUTS_HOT_LOAD_ENGINES": "dynamo-vllm,vllm",
         "ROLLOUTS_TEST_SESSION": "s1", "CUDA_VISIBLE_DEVICES": "0"}
-
-
-def other_stack_env(tmp_path: Path) -> dict[str, str]:
-    """What a shell that sourced another stack's stack.env holds, and the rest of what a cluster
-    install's shell could set (its tokens file, engine key, discovery, TLS for the temporal CLI)."""
-    other = Settings.create(tmp_path / "other", 18000, host="10.9.9.9")
-    other.namespace, other.bucket, other.gateway_id = "other-ns", "other-bucket", "gw-other"
-    return {**other.stack_env(), "ROLLOUTS_TOKENS_FILE": "/other/tokens.json", "ROLLOUTS_ENGINE_KEY": "other-key",
-            "ROLLOUTS_DYNAMO_DISCOVERY_DIR": "/other/discovery", "ROLLOUTS_DYNAMO_DISCOVERY": "kubernetes",
-            "ROLLOUTS_DYNAMO_ROUTER_MODE": "kv", "ROLLOUTS_API_PORT": "18080", "ROLLOUTS_HOST": "10.9.9.9",
-            "TEMPORAL_TLS_CERT": "/other/cert.pem", "AWS_PROFILE": "other"}
 
 
 @pytest.fixture

@@ -1,16 +1,19 @@
-"""The embedded stack launcher: idempotent `up`, a clear error for a taken port, `down` by pid
-that keeps the data, `up --host` binding and publishing only that address. Runs the real
-Temporal dev server and SeaweedFS (a few seconds)."""
+"""The embedded stack launcher: idempotent `up` (in a shell holding another stack's variables,
+which redirect neither it nor its processes), a clear error for a taken port, `down` by pid that
+keeps the data, `up --host` binding and publishing only that address. Runs the real Temporal dev
+server and SeaweedFS (a few seconds)."""
 
 from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import pytest
 
 from common.processes import port_in_use
-from common.settings import Settings
+from common.settings import STACK_ENV, Settings
+from tests.helpers.other_stack import other_stack_env
 from tests.helpers.stack_fixtures import free_port_base
 from workers.stack import SERVICE_ORDER, Stack, StackError, load_or_create_settings
 
@@ -18,18 +21,34 @@ from workers.stack import SERVICE_ORDER, Stack, StackError, load_or_create_setti
 pytestmark = pytest.mark.stack
 
 
-def test_up_is_idempotent_and_down_keeps_data(tmp_path):
+def environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_up_is_idempotent_and_down_keeps_data(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    # Another stack's stack.env sourced in this shell: its addresses (nothing listens at 10.9.9.9)
+    # must redirect neither `up` (its checks, the default gateway) nor the processes it starts.
+    other = other_stack_env(tmp_path)
+    del other["ROLLOUTS_HOST"], other["ROLLOUTS_DYNAMO_ROUTER_MODE"]  # `up`'s own inputs
+    for name, value in other.items():
+        monkeypatch.setenv(name, value)
     settings = Settings.create(tmp_path / "home", free_port_base())
     stack = Stack(settings)
     lines: list[str] = []
     try:
         stack.up(say=lines.append)
+        for name in stack.services():
+            env = environ_of(stack.pid_file(name).alive_pid())
+            leaked = {k for k in env if k in STACK_ENV or k.startswith(("TEMPORAL_", "AWS_", "CW_"))} - {"ROLLOUTS_HOME"}
+            assert not leaked and env["ROLLOUTS_HOME"] == str(tmp_path / "home"), (name, leaked)
         env = (tmp_path / "home" / "stack.env").read_text()
         for key in ("ROLLOUTS_API_URL", "CW_API_TOKEN", "ROLLOUTS_VIEWER_TOKEN", "AWS_ACCESS_KEY_ID",
                     "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "CW_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3",
                     "ROLLOUTS_BUCKET", "ROLLOUTS_BASE_MODEL_PATH", "ROLLOUTS_GATEWAY_ID", "TEMPORAL_ADDRESS",
                     "TEMPORAL_UI_URL"):
             assert f"\n{key}=" in "\n" + env, key
+        assert f"\nROLLOUTS_API_URL={settings.api_url}\n" in "\n" + env  # the home's, not the shell's
         pids = stack.status()
         assert all(pids[n] for n in ("temporal", "s3", "api", "worker", "gateway"))
         again: list[str] = []

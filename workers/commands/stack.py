@@ -1,4 +1,9 @@
-"""`rollouts up | down | status` and `rollouts token add`: the embedded stack in a home."""
+"""`rollouts up | down | status` and `rollouts token add`: the embedded stack in a home.
+
+`up`, `down` and `status` act on the stack the home owns, with its ``stack.json`` as written
+(``Settings.owned``): another stack's variables in the shell (a sourced ``stack.env``) neither
+redirect them nor the processes `up` starts (workers/stack.py). `token add` is a client's: the
+environment's ``ROLLOUTS_TOKENS_FILE`` and names apply (``Settings.load``)."""
 
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ def down(args: argparse.Namespace) -> int:
         print(f"no stack at {args.home}; nothing to stop")
         return 0
     try:
-        Stack(Settings.load(args.home)).down()
+        Stack(Settings.owned(args.home)).down()
     except StackError as exc:
         print(f"rollouts: {exc}", file=sys.stderr)
         return 1
@@ -38,7 +43,7 @@ def down(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    stack = Stack(settings_of(args))
+    stack = Stack(Settings.owned(args.home))
     for name, pid in stack.status().items():
         print(f"{name:<28} {'running (pid %d)' % pid if pid else 'stopped'}")
     print(stack.describe())
