@@ -367,7 +367,7 @@ def main() -> int:
                 ["nice", "-n", str(args.sim_nice), sys.executable, "-m", "workers.cli", "sim-node",
                  "--home", str(settings.home_path), "--name", f"sim-{i}",
                  "--gpus", str(per_node), "--transfer-ms", str(args.transfer_ms)],
-                stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=settings.process_env(),
             ))
         base, new = work / "base", work / "new"
         make_checkpoint_pair(base, new, size_mb=1, seed=0)

@@ -1,7 +1,10 @@
 """Shared fixtures and the suite's rules.
 
 - The embedded stack is started once per test session, on free loopback ports in a temporary
-  home, and stopped by pid at the end. Its processes (and the replicas they start) export their
+  home, and stopped by pid at the end. The session starts without another stack's variables
+  (``common.settings.without_stack_env``: a ``stack.env`` sourced in the runner's shell), so the
+  tests' own clients (``Settings.load``, ``rollouts`` commands, cwtrain) reach the session's
+  stack; the stack itself needs no such help (workers/stack.py). Its processes (and the replicas they start) export their
   spans over OTLP/HTTP to the session's real receiver (``otlp``, tests/helpers/otlp_receiver.py).
 - Markers come from fixtures: a test that uses ``stack`` or ``seaweed`` (directly or through
   another fixture) is marked ``stack``; one that uses an engine fixture (``ENGINE_FIXTURES``) is
@@ -20,7 +23,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from common.settings import without_stack_env
 
 from tests.helpers.deployments import POOL, POOLED_FIXTURES
 from tests.helpers.engines import EngineWatch, mark_session
@@ -40,6 +47,8 @@ MODULES: dict[str, tuple[frozenset[str], bool]] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    for name in set(os.environ) - set(without_stack_env(os.environ)):
+        del os.environ[name]
     mark_session()
 
 

@@ -22,7 +22,9 @@ The root namespace is on the bridge too: the test process reaches ``host.address
 ``Host``: ``name`` (``host1``...), ``address``, ``netns``, ``veth`` (root end), ``home`` and ``logs``
 (directories on the machine's file system, under the cluster's ``base_dir``; ``home`` is ``$HOME``
 of the host's processes), ``shm`` (its ``/dev/shm`` seen from the root namespace), ``spawn`` (a
-detached process group logging to a file; env merged onto ``os.environ``), ``run`` (a short command,
+detached process group logging to a file; env merged onto ``os.environ`` without another
+stack's variables, ``common.settings.without_stack_env``: a host is another machine, where the
+runner's sourced ``stack.env`` is not), ``run`` (a short command,
 output captured), ``pids``, ``kill_all`` (kill -9 every process in the namespace, holder included:
 a host death, its ``/dev/shm`` gone), ``boot`` (a fresh holder after a death: an empty ``/dev/shm``),
 ``link_down`` / ``link_up`` (the root-end veth: a partition from every other host and the root).
@@ -40,6 +42,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+from common.settings import without_stack_env
 from tests.multihost.iproute import (
     IprouteError,
     ip,
@@ -184,7 +187,7 @@ class Host:
         return ["nsenter", "-t", str(self.holder_pid), "-m", "-n", f"--wd={cwd or self.home}", "--", *map(str, argv)]
 
     def _env(self, env: Mapping[str, str] | None) -> dict[str, str]:
-        return {**os.environ, "HOME": str(self.home), **(env or {})}
+        return {**without_stack_env(os.environ), "HOME": str(self.home), **(env or {})}
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None = None, log_path: Path | str | None = None,
               cwd: Path | str | None = None) -> subprocess.Popen:
