@@ -461,7 +461,10 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
         http: httpx.AsyncClient = state["http"]
         url = settings.dynamo_frontend_url
         headers = {"content-type": "application/json", **({SESSION_HEADER: session} if session else {})}
-        payload = json.dumps(dynamo.upstream_body(plan, dynamo_model(view.workflow_id))).encode()
+        try:
+            payload = json.dumps(dynamo.upstream_body(plan, dynamo_model(view.workflow_id))).encode()
+        except RequestError as exc:  # a field Dynamo cannot do (gateway/dynamo_fields.py)
+            return error_response(InvalidArgument(str(exc)))
         workers = view.dynamo_workers()
         served = Served(view.replicas[0], url)
 

@@ -3,12 +3,14 @@
 Pure functions and one accumulator; ``gateway/app.py`` calls them around each upstream request.
 
 - ``upstream_body(plan, model)``: the body Dynamo's frontend gets: the planned body
-  (``gateway.nvext.plan_request`` validated it and applied the gateway's limits) with ``model``
+  (``gateway.nvext.plan_request`` validated it and applied the gateway's limits) as
+  ``gateway.dynamo_fields.dynamo_request`` makes it for Dynamo (``return_token_ids`` removed: it
+  is answered from ``engine_data``; vLLM fields Dynamo cannot do raise ``RequestError``, a 400
+  naming the field), with ``model``
   set to the deployment's Dynamo model name (``contracts.names.dynamo_model``), the cache salt
   back under ``nvext.cache_salt``, ``nvext.extra_fields`` = ``engine_data`` and ``worker_id``
-  (what the gateway needs; the client's own extra fields are the gateway's to answer), vLLM's
-  ``return_token_ids`` removed unless the client itself sent it (Dynamo refuses it: that 400 is
-  the client's), and always ``stream: true``: Dynamo reports each choice's ``engine_data`` (its
+  (what the gateway needs; the client's own extra fields are the gateway's to answer), and always
+  ``stream: true``: Dynamo reports each choice's ``engine_data`` (its
   completion token ids and, from our worker, its per-token weight versions) on that choice's
   finishing chunk, while a non-streamed answer carries one ``engine_data`` for all choices. A
   client that did not ask for a stream gets the chunks assembled (:class:`Assembler`), with
@@ -16,7 +18,10 @@ Pure functions and one accumulator; ``gateway/app.py`` calls them around each up
 - ``explain(message, details)``: Dynamo's 400 message with its ``details`` spelled out.
 - ``adopt(chunk, workers, model)``: one chunk from Dynamo made into what the rest of the gateway
   reads from a vLLM replica: ``nvext.engine_data`` goes onto the chunk's choice as
-  ``weight_versions`` and ``token_ids`` (``gateway.nvext`` takes them from there), Dynamo's
+  ``weight_versions`` and ``token_ids`` (``gateway.nvext`` takes them from there), and its
+  ``prompt_token_ids`` and ``prompt_logprobs`` where vLLM writes them (on the choice of a
+  completion, at the top of a chat chunk; ``prompt_logprobs`` entries as vLLM's
+  ``{id: {"logprob", "rank", "decoded_token"}}``, null where Dynamo's worker does not say), Dynamo's
   ``nvext`` is removed (the gateway writes its own), ``model`` becomes the client-facing name;
   returns the replica that served it (``nvext.worker_id.decode_worker_id`` looked up in
   ``workers``, Dynamo worker id -> replica), or None when the chunk does not say.
@@ -24,8 +29,14 @@ Pure functions and one accumulator; ``gateway/app.py`` calls them around each up
   (the gateway names it in ``x-rollouts-replica`` before it relays the stream).
 - ``Assembler(chat)``: ``add(chunk)`` for each adopted chunk, then ``answer()``: the non-streamed
   OpenAI answer (``text_completion`` / ``chat.completion``): per choice, text or message content
-  and logprobs concatenated in order, the last ``finish_reason`` / ``stop_reason``, the token ids
-  and weight versions of its finishing chunk; ``usage`` from the usage chunk.
+  and logprobs concatenated in order, the last ``finish_reason`` / ``stop_reason``, the token ids,
+  prompt ids, prompt logprobs and weight versions of its finishing chunk (a chat answer's prompt
+  ids and logprobs at its top); ``usage`` from the usage chunk.
+
+On a stream, Dynamo reports a choice's ids on its finishing chunk only: a client that asked for
+``return_token_ids`` gets that choice's ``token_ids`` (all of them) and ``prompt_token_ids``
+there, where vLLM spreads ``token_ids`` over the chunks and sends the prompt's on the first; the
+concatenation over a choice's chunks is the same.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from gateway.dynamo_fields import dynamo_request
 from gateway.nvext import RequestPlan
 
 GATEWAY_EXTRA_FIELDS = ["engine_data", "worker_id"]
@@ -52,9 +64,7 @@ def explain(message: str, details: Mapping[str, Any]) -> str:
 
 
 def upstream_body(plan: RequestPlan, model: str) -> dict[str, Any]:
-    body = dict(plan.upstream)
-    if not plan.client_token_ids:
-        body.pop("return_token_ids", None)
+    body = dynamo_request(plan.upstream, plan.chat, plan.stream)
     nvext: dict[str, Any] = {"extra_fields": list(GATEWAY_EXTRA_FIELDS)}
     salt = body.pop("cache_salt", None)
     if salt is not None:
@@ -73,11 +83,27 @@ def adopt(chunk: dict[str, Any], workers: Mapping[int, R], model: str) -> R | No
     engine_data = nvext.get("engine_data")
     choices = chunk.get("choices") or []
     if isinstance(engine_data, dict) and choices and isinstance(choices[0], dict):
+        choice = choices[0]
         if "weight_versions" in engine_data:
-            choices[0]["weight_versions"] = engine_data["weight_versions"]
+            choice["weight_versions"] = engine_data["weight_versions"]
         if isinstance(engine_data.get("completion_token_ids"), list):
-            choices[0]["token_ids"] = engine_data["completion_token_ids"]
+            choice["token_ids"] = engine_data["completion_token_ids"]
+        # vLLM's places: on each choice of a completion, at the top of a chat answer.
+        prompt_at = chunk if str(chunk.get("object", "")).startswith("chat.") else choice
+        if isinstance(engine_data.get("prompt_token_ids"), list):
+            prompt_at["prompt_token_ids"] = engine_data["prompt_token_ids"]
+        if isinstance(engine_data.get("prompt_logprobs"), list):
+            prompt_at["prompt_logprobs"] = [_prompt_logprob(p) for p in engine_data["prompt_logprobs"]]
     return _worker(nvext, workers)
+
+
+def _prompt_logprob(position: Any) -> Any:
+    """One prompt position's logprobs as vLLM writes them: ``{token id: {"logprob", "rank",
+    "decoded_token"}}`` (Dynamo's worker leaves out what it does not know: null here), or None."""
+    if not isinstance(position, dict):
+        return None
+    return {str(token): {"logprob": e.get("logprob"), "rank": e.get("rank"), "decoded_token": e.get("decoded_token")}
+            for token, e in position.items() if isinstance(e, dict)}
 
 
 def served_by(data: str, workers: Mapping[int, R]) -> R | None:
@@ -115,7 +141,7 @@ class Assembler:
         self.usage: Any = None
 
     def add(self, chunk: dict[str, Any]) -> None:
-        for key in ("id", "created", "model", "system_fingerprint"):
+        for key in ("id", "created", "model", "system_fingerprint", "prompt_token_ids", "prompt_logprobs"):
             if key in chunk and key not in self.head:
                 self.head[key] = chunk[key]
         if chunk.get("usage") is not None:
@@ -153,7 +179,7 @@ class Assembler:
         for key in ("finish_reason", "stop_reason"):
             if part.get(key) is not None:
                 choice[key] = part[key]
-        for key in ("token_ids", "weight_versions"):
+        for key in ("token_ids", "weight_versions", "prompt_token_ids", "prompt_logprobs"):
             if key in part:
                 choice[key] = part[key]
 

@@ -26,8 +26,9 @@ def test_upstream_body_streams_asks_for_engine_data_and_moves_the_salt():
                          "stream_options": {"include_usage": False}}, "/v1/chat/completions")
     body = dynamo.upstream_body(chat, "d")
     assert "return_token_ids" not in body and body["stream_options"] == {"include_usage": False}
+    # Dynamo refuses return_token_ids: the gateway answers it from engine_data instead.
     asked = plan_request({"model": "m", "prompt": [1], "return_token_ids": True}, "/v1/completions")
-    assert dynamo.upstream_body(asked, "d")["return_token_ids"] is True  # the client's: Dynamo answers it
+    assert "return_token_ids" not in dynamo.upstream_body(asked, "d") and asked.client_token_ids
 
 
 def _chunk(index: int, text: str, finish: str | None = None, engine_data: dict | None = None,
