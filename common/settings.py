@@ -16,7 +16,7 @@ Two readers of the same home:
   shell): :meth:`Settings.load`, where the environment variables below override single values
   of either source, so a shell that sourced a ``stack.env`` reaches that stack;
 - the stack a home owns (``rollouts up --home``, ``make test``'s stack, the benches', the
-  multi-host tests'): :meth:`Settings.owned` and :meth:`Settings.create`, the ``stack.json`` as
+  multi-host tests'): :meth:`Settings.own` and :meth:`Settings.create`, the ``stack.json`` as
   written, the environment overriding nothing (:attr:`Settings.owned`). Every process it starts
   (API, control worker, gateway, node agent, replica agents, Dynamo's frontend and workers, the
   Temporal CLI) gets :meth:`Settings.process_env`: this process's environment without any
@@ -183,7 +183,7 @@ class Settings:
     # Dynamo's router: "least-loaded", or "kv" (by prefix-cache overlap; workers publish KV events).
     dynamo_router_mode: str = "least-loaded"
     extra: dict[str, Any] = field(default_factory=dict)
-    # The settings of the stack a home owns (Settings.owned, Settings.create): the environment
+    # The settings of the stack a home owns (Settings.own, Settings.create): the environment
     # overrides nothing. False: a client's (Settings.load, with_env), where it does. Never saved.
     owned: bool = field(default=False, repr=False, compare=False)
 
@@ -297,7 +297,7 @@ class Settings:
                                "(docs/operations.md)").with_env()
 
     @classmethod
-    def owned(cls, home: Path) -> Settings:
+    def own(cls, home: Path) -> Settings:
         """The settings of the stack ``home`` owns: its ``stack.json`` as written, the environment
         overriding nothing, now or when a value is read (module docstring)."""
         return cls._read(home.absolute())

@@ -28,7 +28,6 @@ import os
 import pytest
 
 from common.settings import without_stack_env
-
 from tests.helpers.deployments import POOL, POOLED_FIXTURES
 from tests.helpers.engines import EngineWatch, mark_session
 from tests.helpers.otlp_receiver import OtlpReceiver

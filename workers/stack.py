@@ -23,7 +23,7 @@ replicas live under `replicas/` there. The worker comes
 before the API: it reports ready only after every existing deployment has checked its replicas
 (none runs after a `down`), so the API never shows a deployment READY on replicas that are gone.
 
-The stack is its home's: ``Stack`` takes owned settings (``Settings.owned`` / ``create``;
+The stack is its home's: ``Stack`` takes owned settings (``Settings.own`` / ``create``;
 ``load_or_create_settings``), and every process it starts, and the temporal CLI it runs, gets
 ``Settings.process_env``: no ``ROLLOUTS_*`` address, name or key, ``TEMPORAL_*``, ``AWS_*`` or
 ``CW_*`` of the shell that started it (another stack's ``stack.env``, say), ``ROLLOUTS_HOME`` its
@@ -116,7 +116,7 @@ class Stack:
     def __init__(self, settings: Settings, node_slots: int = DEFAULT_NODE_SLOTS, *, many_pollers: bool = False):
         if not settings.owned:
             raise ValueError("Stack(settings): settings.owned is False (a client's, which the environment "
-                             "redirects): pass Settings.owned(home) or Settings.create(...)")
+                             "redirects): pass Settings.own(home) or Settings.create(...)")
         self.s = settings
         self.node_slots = node_slots
         # Raise the dev server's per-namespace limits (DEV_SERVER_LIMITS): bench/scale.py's
@@ -463,7 +463,7 @@ def load_or_create_settings(home: Path, port_base: int | None, host: str | None 
         settings = Settings.create(home, port_base or DEFAULT_PORT_BASE, host or os.environ.get(HOST_ENV) or LOOPBACK)
         settings.dynamo_router_mode = os.environ.get(ROUTER_MODE_ENV) or settings.dynamo_router_mode
         return settings
-    settings = Settings.owned(home)
+    settings = Settings.own(home)
     if port_base is not None and settings.ports["api"] != port_base:
         raise StackError(
             f"{home} was created with port base {settings.ports['api']}; "

@@ -1,4 +1,4 @@
-"""Another stack's environment (common/settings.py): a home's own settings (``Settings.owned``,
+"""Another stack's environment (common/settings.py): a home's own settings (``Settings.own``,
 ``Settings.create``) and the environment of the processes its stack starts
 (``Settings.process_env``) ignore another stack's variables, which a client's settings
 (``Settings.load``) still honour.
@@ -41,8 +41,9 @@ def addresses(settings: Settings) -> tuple:
 
 
 def test_a_homes_own_settings_ignore_another_stacks_environment(home: Path) -> None:
-    own = Settings.owned(home)
+    own = Settings.own(home)
     assert own.owned and not own.env
+    assert not Settings(home=str(home), ports={}).owned  # any other is a client's
     key = own.engine_key.encode()
     assert addresses(own) == (
         "http://127.0.0.1:21000", "http://127.0.0.1:21001", "127.0.0.1:21010", "default", "http://127.0.0.1:21011",
@@ -67,11 +68,11 @@ def test_a_client_still_reads_the_environment(home: Path, monkeypatch: pytest.Mo
     assert (client.temporal_namespace, client.bucket, client.gateway_id) == ("other-ns", "other-bucket", "gw-other")
     assert client.tokens_file == Path("/other/tokens.json")
     assert client.s3_client()._request_signer._credentials.access_key == os.environ["AWS_ACCESS_KEY_ID"]
-    assert addresses(client) != addresses(Settings.owned(home))
+    assert addresses(client) != addresses(Settings.own(home))
 
 
 def test_the_stacks_processes_get_their_homes_environment(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    own = Settings.owned(home)
+    own = Settings.own(home)
     env = own.process_env()
     leaked = {k for k in env if k in STACK_ENV or k.startswith(("TEMPORAL_", "AWS_", "CW_"))} - {"ROLLOUTS_HOME"}
     assert not leaked, leaked

@@ -30,7 +30,7 @@ if os.environ.get("ROLLOUTS_TEST_STACK_HOME"):
     # session stack, shared with every other suite of the run.
     @pytest.fixture(scope="session")
     def stack():
-        return Settings.owned(Path(os.environ["ROLLOUTS_TEST_STACK_HOME"]))
+        return Settings.own(Path(os.environ["ROLLOUTS_TEST_STACK_HOME"]))
 
 
 def _create(stack: Settings, engine: str = "dynamo-vllm") -> GatewayDeployment:

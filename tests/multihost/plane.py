@@ -2,7 +2,7 @@
 what the multi-host scenarios (test_cluster_scenarios.py) and bench/multihost_hot_load.py start.
 
 - `start_control_plane(host, node_slots)`: `rollouts up --host ADDRESS --node-slots N` in that
-  host (its own node agent, named `local`); returns its home's settings (``Settings.owned``: a
+  host (its own node agent, named `local`); returns its home's settings (``Settings.own``: a
   sourced stack.env in the runner's shell does not redirect them), every URL naming the host's
   address.
 - `start_node(host, settings, slots)`: `rollouts node` in that host, configured from the
@@ -58,7 +58,7 @@ def start_control_plane(host: Host, node_slots: int) -> Settings:
                    "--node-slots", str(node_slots)], timeout=600, cwd=REPO)
     if up.returncode != 0:
         raise RuntimeError(f"rollouts up in {host.name} failed:\n{up.stdout}\n{up.stderr}")
-    settings = Settings.owned(stack_home(host))
+    settings = Settings.own(stack_home(host))
     assert settings.api_url.startswith(f"http://{host.address}:"), settings.api_url
     return settings
 

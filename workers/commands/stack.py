@@ -1,7 +1,7 @@
 """`rollouts up | down | status` and `rollouts token add`: the embedded stack in a home.
 
 `up`, `down` and `status` act on the stack the home owns, with its ``stack.json`` as written
-(``Settings.owned``): another stack's variables in the shell (a sourced ``stack.env``) neither
+(``Settings.own``): another stack's variables in the shell (a sourced ``stack.env``) neither
 redirect them nor the processes `up` starts (workers/stack.py). `token add` is a client's: the
 environment's ``ROLLOUTS_TOKENS_FILE`` and names apply (``Settings.load``)."""
 
@@ -35,7 +35,7 @@ def down(args: argparse.Namespace) -> int:
         print(f"no stack at {args.home}; nothing to stop")
         return 0
     try:
-        Stack(Settings.owned(args.home)).down()
+        Stack(Settings.own(args.home)).down()
     except StackError as exc:
         print(f"rollouts: {exc}", file=sys.stderr)
         return 1
@@ -43,7 +43,7 @@ def down(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    stack = Stack(Settings.owned(args.home))
+    stack = Stack(Settings.own(args.home))
     for name, pid in stack.status().items():
         print(f"{name:<28} {'running (pid %d)' % pid if pid else 'stopped'}")
     print(stack.describe())
