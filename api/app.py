@@ -69,6 +69,7 @@ from common.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PayloadTooLarge,
     PermissionDenied,
     Unavailable,
 )
@@ -229,10 +230,8 @@ def create_app(
     async def _limit_body(request: Request, call_next):
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return JSONResponse(
-                {"code": "invalid_argument", "message": f"request body larger than {MAX_BODY_BYTES} bytes", "details": []},
-                status_code=413,
-            )
+            err = PayloadTooLarge(f"request body larger than {MAX_BODY_BYTES} bytes")
+            return JSONResponse(err.body(), status_code=err.http_status)
         return await call_next(request)
 
     # The outermost span of a trace: Temporal calls made while serving carry it on (the client's

@@ -2,7 +2,9 @@
 
 The codes and statuses are the ones cwtrain maps (docs/wire.md): invalid_argument 400,
 unauthenticated 401, permission_denied 403, not_found 404, already_exists 409,
-failed_precondition 412, unimplemented 501, unavailable 503, internal 500.
+failed_precondition 412, unimplemented 501, unavailable 503, internal 500; and
+payload_too_large 413 (a request body over the API's or the gateway's cap; HTTP's own status for
+it, which cwtrain, like any HTTP client, does not retry).
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ class FailedPrecondition(ApiError):
     code = "failed_precondition"
 
 
+class PayloadTooLarge(ApiError):
+    code = "payload_too_large"
+
+
 class Unavailable(ApiError):
     code = "unavailable"
 
@@ -80,7 +86,7 @@ BY_CODE: dict[str, type[ApiError]] = {
     cls.code: cls
     for cls in (
         InvalidArgument, Unauthenticated, PermissionDenied, NotFound, AlreadyExists,
-        FailedPrecondition, Unavailable, Unimplemented, Internal,
+        FailedPrecondition, PayloadTooLarge, Unavailable, Unimplemented, Internal,
     )
 }
 

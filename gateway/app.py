@@ -9,8 +9,9 @@ Contract:
   Inference Admin role); a ``viewer`` token only reads: ``GET /v1/models`` lists for it, and an
   inference request answers 403 ``permission_denied``.
 - Errors (``gateway/errors.py``) carry the API's ``{"code", "message", "details"}`` and OpenAI's
-  ``{"error": {"message", "type", "code"}}`` in one body: 401, 403, 404 (unknown model), 400
-  ``invalid_argument`` for any malformed body (``gateway/body.py``: size over 8 MiB, not UTF-8,
+  ``{"error": {"message", "type", "code"}}`` in one body: 401, 403, 404 (unknown model), 413
+  ``payload_too_large`` for a body over 8 MiB, 400
+  ``invalid_argument`` for any malformed body (``gateway/body.py``: not UTF-8,
   not JSON, nested over 64 levels, not an object), a ``model`` that is not a string, the
   gateway's own field checks (``gateway/nvext.py``: ``n`` at most 64 sequences per request ...)
   and vLLM's own 400s (their message kept); 503 (no replica could take the request); 500
@@ -96,7 +97,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from common.errors import ApiError, Internal, InvalidArgument, NotFound, Unavailable
+from common.errors import ApiError, Internal, InvalidArgument, NotFound, PayloadTooLarge, Unavailable
 from common.settings import Settings
 from common.tokens import Principal, TokenStore
 from contracts.names import dynamo_model
@@ -327,7 +328,7 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
             return principal
         try:
             body = await read_json_object(request)
-        except InvalidArgument as exc:
+        except (InvalidArgument, PayloadTooLarge) as exc:
             return error_response(exc)
         model = body.get("model")
         if model is not None and not isinstance(model, str):

@@ -1,10 +1,11 @@
 """Reading a client's request body: bounded in size, UTF-8, JSON, an object, not deeply nested.
 
 Contract: ``await read_json_object(request)`` returns the body as a dict, or raises
-``common.errors.InvalidArgument`` (HTTP 400) whose message names the problem:
+``common.errors.PayloadTooLarge`` (HTTP 413 ``payload_too_large``) for a body over the cap, or
+``common.errors.InvalidArgument`` (HTTP 400) for a malformed one, whose message names the problem:
 
-- more than ``MAX_BODY_BYTES`` (8 MiB): refused from ``Content-Length`` before anything is read,
-  or as soon as a body without one (chunked) grows past the cap;
+- more than ``MAX_BODY_BYTES`` (8 MiB; 413): refused from ``Content-Length`` before anything is
+  read, or as soon as a body without one (chunked) grows past the cap;
 - empty, or not UTF-8 (the offset of the first bad byte);
 - not JSON (the parser's reason and offset), or ``NaN``/``Infinity``, which JSON does not have;
 - arrays/objects nested more than ``MAX_JSON_DEPTH`` (64) levels: a body nested past the
@@ -22,7 +23,7 @@ from typing import Any, NoReturn
 
 from fastapi import Request
 
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, PayloadTooLarge
 
 MAX_BODY_BYTES = 8 << 20
 MAX_JSON_DEPTH = 64
@@ -33,7 +34,7 @@ _JSON_TYPE = {dict: "an object", list: "an array", str: "a string", int: "a numb
 
 def _too_large(size: int | None) -> NoReturn:
     what = f"{size} bytes" if size is not None else "larger"
-    raise InvalidArgument(f"request body is {what}; the gateway accepts at most {MAX_BODY_BYTES} bytes "
+    raise PayloadTooLarge(f"request body is {what}; the gateway accepts at most {MAX_BODY_BYTES} bytes "
                           f"({MAX_BODY_BYTES >> 20} MiB)")
 
 

@@ -8,7 +8,8 @@ it::
      "error": {"message": "...", "type": "invalid_argument", "code": "invalid_argument"}}
 
 ``code`` is one of ``common.errors.HTTP_STATUS``'s codes (``invalid_argument`` 400,
-``unauthenticated`` 401, ``permission_denied`` 403, ``not_found`` 404, ``unavailable`` 503,
+``unauthenticated`` 401, ``permission_denied`` 403, ``not_found`` 404, ``payload_too_large``
+413, ``unavailable`` 503,
 ``internal`` 500). vLLM's own error answers are relayed as vLLM wrote them, not through here.
 """
 

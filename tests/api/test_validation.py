@@ -108,6 +108,7 @@ def test_oversized_body_is_refused(client):
         headers={"Authorization": "Bearer admin-t", "content-type": "application/json"},
     )
     assert r.status_code == 413
+    assert r.json() == {"code": "payload_too_large", "message": "request body larger than 1048576 bytes", "details": []}
 
 
 def test_deployment_hot_load_needs_enabled_org_and_engine(client):

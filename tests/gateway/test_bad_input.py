@@ -1,6 +1,6 @@
 """Malformed requests through the gateway app (in this process, in front of a fake replica that
-records what reaches it): each shape is a 400 ``invalid_argument`` naming the problem, in the
-API's error shape, that reaches no replica and leaves the keep-alive connection usable; a
+records what reaches it): each shape is a 400 ``invalid_argument`` naming the problem (a body
+over the cap: 413 ``payload_too_large``), in the API's error shape, that reaches no replica and leaves the keep-alive connection usable; a
 viewer token may list models but not run inference; a replica's own 400 keeps its message in our
 shape. The same on the real stack: ``test_bad_input_stack.py``."""
 
@@ -75,6 +75,15 @@ def invalid(status_body: tuple[int, dict], message: str) -> None:
     assert message in body["message"], body["message"]
 
 
+def too_large(status_body: tuple[int, dict], message: str) -> None:
+    """HTTP's own answer to a body over the cap: 413 ``payload_too_large``, in both shapes."""
+    status, body = status_body
+    assert status == 413, body
+    assert body["code"] == "payload_too_large" and body["details"] == [], body
+    assert body["error"] == {"message": body["message"], "type": "payload_too_large", "code": "payload_too_large"}
+    assert message in body["message"], body["message"]
+
+
 def chunks(total: int, size: int = 1 << 20) -> Iterator[bytes]:
     yield b'{"prompt": "'
     sent = 12
@@ -123,10 +132,10 @@ def test_a_body_over_the_cap_is_refused_with_or_without_a_length(local):
     before = len(seen)
     with Connection(gateway.url, ADMIN) as conn:
         big = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
-        invalid(conn.post("/v1/completions", big), f"request body is {len(big)} bytes; the gateway accepts at most "
-                                                   f"{MAX_BODY_BYTES} bytes (8 MiB)")
-        invalid(conn.post("/v1/completions", chunks(MAX_BODY_BYTES + 1), encode_chunked=True),
-                "request body is larger; the gateway accepts at most")
+        too_large(conn.post("/v1/completions", big), f"request body is {len(big)} bytes; the gateway accepts at "
+                                                     f"most {MAX_BODY_BYTES} bytes (8 MiB)")
+        too_large(conn.post("/v1/completions", chunks(MAX_BODY_BYTES + 1), encode_chunked=True),
+                  "request body is larger; the gateway accepts at most")
         assert len(seen) == before
         assert conn.post("/v1/completions", GOOD)[0] == 200
         # Just under the cap (chunked) is read whole and reaches the replica.
