@@ -15,6 +15,7 @@ A snapshot is the set of immediate children of ``DIR/`` or ``s3://BUCKET/PREFIX/
   may hold slime's ``000001`` counters.
 
 :func:`check_required_files` is the cheap admission check (one listing + the index);
+:func:`verify_required_files` is the same check returning the snapshot's fingerprint too;
 :func:`inspect_snapshot` also validates every shard header (one or two ranged reads per shard).
 :func:`read_delta_plan` and :func:`read_full_layout` return the validated layout that the apply,
 materialize and write paths work from.
@@ -22,6 +23,7 @@ materialize and write paths work from.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -191,14 +193,40 @@ def check_required_files(
             is of the other type (a delta's index submitted as full, or the reverse), or a
             delta's metadata names an unsupported format.
     """
+    return verify_required_files(location, snapshot_type, s3=s3).missing
+
+
+@dataclass(frozen=True)
+class RequiredFiles:
+    """What :func:`verify_required_files` found: the required files missing, and the snapshot's
+    fingerprint, a digest of each required file present (name, size, version: the S3 ETag, a
+    local file's mtime), so that the same check later tells a rewritten or removed file apart."""
+
+    missing: list[str]
+    fingerprint: str
+
+
+def verify_required_files(
+    location: str | os.PathLike[str] | SnapshotSource, snapshot_type: str, *, s3: Any = None
+) -> RequiredFiles:
+    """:func:`check_required_files` (same cost, same errors) with the snapshot's fingerprint."""
     snapshot_type = normalize_type(snapshot_type)
     source = open_location(location, s3=s3)
-    files = source.list_files()
+    versions = source.list_versions()
+    files = {name: size for name, (size, _) in versions.items()}
     if INDEX_FILE not in files and not (snapshot_type == FULL and SINGLE_FILE in files):
-        return sorted(_required(None, snapshot_type))
+        return RequiredFiles(sorted(_required(None, snapshot_type)), fingerprint(versions, []))
     index = _read_index(source, files)
     _check_type(index, snapshot_type, source)
-    return sorted(n for n in _required(index, snapshot_type) if n not in files)
+    required = _required(index, snapshot_type)
+    return RequiredFiles(sorted(n for n in required if n not in files), fingerprint(versions, required))
+
+
+def fingerprint(versions: dict[str, tuple[int, str]], names: list[str]) -> str:
+    """A digest of these files' names, sizes and versions (those of `names` that `versions`
+    lists), in name order."""
+    lines = (f"{name}\t{versions[name][0]}\t{versions[name][1]}\n" for name in sorted(set(names)) if name in versions)
+    return hashlib.sha256("".join(lines).encode()).hexdigest()[:32]
 
 
 def _check_type(index: Index, snapshot_type: str, source: SnapshotSource) -> None:
@@ -429,13 +457,16 @@ __all__ = [
     "FullLayout",
     "INDEX_FILE",
     "Index",
+    "RequiredFiles",
     "SINGLE_FILE",
     "SnapshotInfo",
     "check_delta_metadata",
     "check_required_files",
+    "fingerprint",
     "inspect_snapshot",
     "normalize_type",
     "parse_index",
     "read_delta_plan",
     "read_full_layout",
+    "verify_required_files",
 ]

@@ -2,7 +2,8 @@
 
 A snapshot is the set of *immediate children* of one directory or one ``s3://bucket/prefix/``
 (the service never reads nested entries). :func:`open_location` turns a path or an ``s3://`` URI
-into a :class:`SnapshotSource`, which can list those files with their sizes and read byte ranges
+into a :class:`SnapshotSource`, which can list those files with their sizes (and with a version
+that changes when a file is rewritten: the S3 ETag, a local file's mtime) and read byte ranges
 of them. S3 reads are ranged GETs, so inspecting a snapshot costs a listing plus a few KiB per
 shard header, and applying a delta fetches only the changed tensors' frames.
 
@@ -31,6 +32,11 @@ class SnapshotSource(Protocol):
         """Every immediate child file, by name, with its size in bytes."""
         ...
 
+    def list_versions(self) -> dict[str, tuple[int, str]]:
+        """Every immediate child file, by name, with its size and a version that changes when
+        the file is rewritten (the S3 ETag; a local file's mtime in nanoseconds)."""
+        ...
+
     def read_range(self, name: str, offset: int, length: int) -> bytes:
         """``length`` bytes of file ``name`` from ``offset``; short only at end of file."""
         ...
@@ -52,13 +58,17 @@ class LocalSource:
         self.uri = str(self.root)
 
     def list_files(self) -> dict[str, int]:
+        return {name: size for name, (size, _) in self.list_versions().items()}
+
+    def list_versions(self) -> dict[str, tuple[int, str]]:
         if not self.root.is_dir():
             raise LayoutError("snapshot location is not a directory", file=self.uri)
-        files: dict[str, int] = {}
+        files: dict[str, tuple[int, str]] = {}
         with os.scandir(self.root) as entries:
             for entry in entries:
                 if entry.is_file():
-                    files[entry.name] = entry.stat().st_size
+                    st = entry.stat()
+                    files[entry.name] = (st.st_size, str(st.st_mtime_ns))
         return files
 
     def path(self, name: str) -> Path:
@@ -124,7 +134,10 @@ class S3Source:
         self.uri = self.location.uri
 
     def list_files(self) -> dict[str, int]:
-        files: dict[str, int] = {}
+        return {name: size for name, (size, _) in self.list_versions().items()}
+
+    def list_versions(self) -> dict[str, tuple[int, str]]:
+        files: dict[str, tuple[int, str]] = {}
         token: str | None = None
         seen: set[str] = set()
         while True:
@@ -140,7 +153,7 @@ class S3Source:
             for obj in page.get("Contents") or []:
                 name = obj["Key"][len(self.location.prefix) :]
                 if name and "/" not in name:
-                    files[name] = int(obj.get("Size", 0))
+                    files[name] = (int(obj.get("Size", 0)), str(obj.get("ETag", "")))
             if not page.get("IsTruncated"):
                 return files
             token = page.get("NextContinuationToken")

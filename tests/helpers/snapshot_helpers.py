@@ -5,6 +5,7 @@ Everything here is a few MB at most; the realistic large generator is for bench/
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -106,8 +107,8 @@ class FakeS3Error(Exception):
 class FakeS3:
     """The slice of boto3's S3 client the package uses, over a local ``root/BUCKET/KEY`` tree.
 
-    It answers like S3: listings are paginated (``page_size`` keys a page) and honour
-    ``Delimiter``; ``Range`` reads return exactly the asked bytes; a missing key raises an error
+    It answers like S3: listings are paginated (``page_size`` keys a page), honour
+    ``Delimiter`` and give each object's ETag (the MD5 of its bytes, as a single-part upload's); ``Range`` reads return exactly the asked bytes; a missing key raises an error
     whose ``response`` carries ``NoSuchKey``. Every call is logged in ``calls``.
     """
 
@@ -127,7 +128,8 @@ class FakeS3:
             if Delimiter and Delimiter in rest:
                 prefixes.add(Prefix + rest.split(Delimiter)[0] + Delimiter)
             else:
-                contents.append({"Key": key, "Size": (base / key).stat().st_size})
+                data = (base / key).read_bytes()
+                contents.append({"Key": key, "Size": len(data), "ETag": f'"{hashlib.md5(data).hexdigest()}"'})
         start = int(ContinuationToken or 0)
         page = contents[start : start + self.page_size]
         answer: dict[str, Any] = {"Contents": page, "CommonPrefixes": [{"Prefix": p} for p in sorted(prefixes)]}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from snapshots import (
     write_full_snapshot,
 )
 from snapshots.errors import ChecksumError, HeaderError, IdentityError
+from snapshots.inspect import verify_required_files
 from tests.helpers.snapshot_helpers import INDEX, FakeS3, write_delta_dir
 
 
@@ -164,6 +166,36 @@ def test_inspect_on_s3_uses_ranged_reads(pair: tuple[Path, Path], delta: Path, f
     assert check_required_files(base_uri, "full", s3=fake_s3) == []
     (fake_s3.root / "bucket" / "prefix" / "base" / "config.json").unlink()
     assert check_required_files(base_uri, "full", s3=fake_s3) == ["config.json"]
+
+
+def test_the_fingerprint_tells_a_rewritten_or_removed_required_file(
+    delta: Path, fake_s3: FakeS3, tmp_path: Path
+) -> None:
+    """What admission keeps of a snapshot it verified: the same files give the same fingerprint
+    (a file that is not required changes nothing); a required file rewritten (on S3 its ETag, a
+    local file's mtime) or removed gives another."""
+    uri = _upload(delta, fake_s3, "p/d1")
+    first = verify_required_files(uri, "delta", s3=fake_s3)
+    assert first.missing == [] and verify_required_files(uri, "delta", s3=fake_s3) == first
+    objects = fake_s3.root / "bucket" / "p" / "d1"
+    (objects / "notes.txt").write_text("not part of the snapshot")
+    assert verify_required_files(uri, "delta", s3=fake_s3) == first
+    shard = next(objects.glob("*.safetensors"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # the same size, other bytes: another ETag
+    assert verify_required_files(uri, "delta", s3=fake_s3).fingerprint != first.fingerprint
+    shard.write_bytes(data)  # the same bytes again: the same ETag
+    assert verify_required_files(uri, "delta", s3=fake_s3) == first
+    shard.unlink()
+    gone = verify_required_files(uri, "delta", s3=fake_s3)
+    assert gone.missing == [shard.name] and gone.fingerprint != first.fingerprint
+
+    local = shutil.copytree(delta, tmp_path / "d1")
+    first = verify_required_files(local, "delta")
+    shard = next(local.glob("*.safetensors"))
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # a local file rewritten
+    assert verify_required_files(local, "delta").fingerprint != first.fingerprint
 
 
 def test_apply_from_s3(pair: tuple[Path, Path], delta: Path, fake_s3: FakeS3) -> None:
