@@ -59,10 +59,16 @@ class DrainInput(WireModel):
 
 
 class CheckSnapshotInput(WireModel):
+    """One snapshot's admission check; it answers `[fingerprint]` (snapshots/inspect.py:
+    `verify_required_files`), or `[]` from a worker older than fingerprints."""
+
     bucket: str
     path_prefix: str
     identity: str
     type: SnapshotType
+    # The fingerprint this snapshot had when it joined the deployment's chain: the check also
+    # refuses it if its files changed since. None: a snapshot checked for the first time.
+    verified: str | None = None
 
 
 class ApplySnapshotInput(WireModel):

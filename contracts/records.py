@@ -435,6 +435,10 @@ class DeploymentInput(WireModel):
     update_error: str | None = None
     completed: list[CompletedLink] = Field(default_factory=list)
     chains: dict[str, list[SnapshotRef]] = Field(default_factory=dict)
+    # Each snapshot of the kept chains as admission verified it (identity -> its fingerprint,
+    # snapshots/inspect.py): a later hot-load checks again only a snapshot it reads, and refuses
+    # it if its files changed since (control/admission.py: `links_to_check`).
+    verified_snapshots: dict[str, str] = Field(default_factory=dict)
     seen_hot_load_ids: list[str] = Field(default_factory=list)
     active_hot_load_id: str | None = None
     replica_generation: int = 0

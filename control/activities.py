@@ -3,12 +3,17 @@
 The control worker starts no process: node agents run the replicas (replica/node/). Here:
 `place_replicas` and `release_replicas` ask the node registry (control/nodes.py; a workflow cannot
 call another workflow's Update, an activity can). `check_snapshot_files` is the admission check
-that every snapshot of a resolved chain has its required files; a missing file is a
-`failed_precondition` naming the files, and is never retried. `start_replicas`/`stop_replicas`
+of one snapshot of a resolved chain: its required files are there (a missing one is a
+`failed_precondition` naming the files, never retried) and, for a snapshot verified before, its
+fingerprint is the one it had then (a rewritten or removed file is a `failed_precondition` too);
+it answers `[fingerprint]`. One S3 client serves every check. `start_replicas`/`stop_replicas`
 on this queue only answer deployments created before node agents, with a final error saying so.
 """
 
 from __future__ import annotations
+
+import threading
+from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client, WorkflowUpdateFailedError
@@ -21,7 +26,7 @@ from contracts.errors import FAILED_PRECONDITION
 from contracts.nodes import PlaceRequest, ReleaseRequest
 from contracts.records import Placement, SnapshotType
 from snapshots.errors import SnapshotError
-from snapshots.inspect import check_required_files
+from snapshots.inspect import verify_required_files
 from snapshots.storage import snapshot_uri
 
 LEGACY_MESSAGE = (
@@ -43,10 +48,46 @@ def snapshot_check_failure(
     return ApplicationError(message, type=FAILED_PRECONDITION, non_retryable=True)
 
 
+def snapshot_changed(identity: str, uri: str) -> ApplicationError:
+    """The admission error for a snapshot whose files changed since it joined the chain."""
+    return ApplicationError(
+        f"snapshot {identity!r} ({uri}) changed since it joined this deployment's chain (a required file "
+        "was rewritten or its size changed): a replica that reads it now would not serve what the others "
+        "serve; publish a full checkpoint to start a new chain",
+        type=FAILED_PRECONDITION, non_retryable=True,
+    )
+
+
+def check_snapshot(inp: CheckSnapshotInput, location: Any, s3: Any = None) -> list[str]:
+    """The admission check of one snapshot at `location` (its `s3://` URI, or a directory):
+    `[fingerprint]`, or failed_precondition naming what is missing or that it changed."""
+    uri = snapshot_uri(inp.bucket, inp.path_prefix, inp.identity)
+    kind = "full" if inp.type == SnapshotType.FULL else "delta"
+    try:
+        found = verify_required_files(location, kind, s3=s3)
+    except SnapshotError as exc:
+        raise snapshot_check_failure(inp.identity, uri, exc=exc) from None
+    if found.missing:
+        raise snapshot_check_failure(inp.identity, uri, missing=found.missing)
+    if inp.verified is not None and found.fingerprint != inp.verified:
+        raise snapshot_changed(inp.identity, uri)
+    return [found.fingerprint]
+
+
 class ControlActivities:
     def __init__(self, settings: Settings, client: Client | None = None) -> None:
         self.settings = settings
         self.client = client
+        self._s3: Any = None
+        self._s3_lock = threading.Lock()
+
+    def s3(self) -> Any:
+        """One S3 client for every check (a boto3 client is thread-safe once built; building one
+        costs more than a check's listing)."""
+        with self._s3_lock:
+            if self._s3 is None:
+                self._s3 = self.settings.s3_client()
+            return self._s3
 
     def _registry(self):
         assert self.client is not None, "the placement activities need a Temporal client"
@@ -82,13 +123,5 @@ class ControlActivities:
 
     @activity.defn(name=names.CHECK_SNAPSHOT)
     def check_snapshot_files(self, inp: CheckSnapshotInput) -> list[str]:
-        """Raises failed_precondition naming the missing files; returns [] when complete."""
-        uri = snapshot_uri(inp.bucket, inp.path_prefix, inp.identity)
-        kind = "full" if inp.type == SnapshotType.FULL else "delta"
-        try:
-            missing = check_required_files(uri, kind, s3=self.settings.s3_client())
-        except SnapshotError as exc:
-            raise snapshot_check_failure(inp.identity, uri, exc=exc) from None
-        if missing:
-            raise snapshot_check_failure(inp.identity, uri, missing=missing)
-        return []
+        """`[fingerprint]`; failed_precondition naming the missing files, or saying it changed."""
+        return check_snapshot(inp, snapshot_uri(inp.bucket, inp.path_prefix, inp.identity), s3=self.s3())

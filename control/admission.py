@@ -5,7 +5,9 @@ The deployment workflow (control/deployment.py) applies them in its Updates' val
 in the handlers (several Updates in one workflow task all validate first). Order: what is wrong
 with the request itself (invalid_argument) before what is wrong with the moment
 (failed_precondition), so a retry cannot succeed on a bad request. `resolve_chain` is the
-snapshot chain an admitted create loads: the predecessor's completed chain plus the new link.
+snapshot chain an admitted create loads: the predecessor's completed chain plus the new link;
+`links_to_check` the links of it that admission checks in the bucket (the new one, and those a
+replica will read because it does not serve them yet).
 """
 
 from __future__ import annotations
@@ -165,6 +167,25 @@ def admit(state: DeploymentInput, cmd: CreateHotLoadCommand, *, deleting: bool) 
                 f"the chain would hold {deltas} deltas; at most {MAX_DELTAS_IN_CHAIN} are allowed, "
                 "publish a full checkpoint to start a new chain",
             )
+
+def links_to_check(state: DeploymentInput, chain: list[SnapshotRef]) -> list[SnapshotRef]:
+    """The links of a resolved chain that admission checks in the bucket: the new one (the last),
+    and each earlier one that a replica will read in this hot-load, in chain order.
+
+    A replica serving a link of the chain applies only the links after it (replica/agent/
+    runtime.py: `missing_links`); one serving anything else (`initial`, another chain, not
+    known) rebuilds from the chain's full base. A link every replica already applied is read by
+    no one: it was checked when it joined the chain, and it is checked again (against the
+    fingerprint then, `state.verified_snapshots`) by the first hot-load that reads it. So the
+    check of a delta on top of what every replica serves is one link, however long the chain."""
+    ids = [link.identity for link in chain]
+    first = len(chain) - 1
+    for replica in state.replicas:
+        served = replica.current_snapshot_identity
+        at = len(ids) - 1 - ids[::-1].index(served) if served in ids else -1
+        first = min(first, at + 1)
+    return chain[first:]
+
 
 def resolve_chain(state: DeploymentInput, cmd: CreateHotLoadCommand) -> list[SnapshotRef]:
     this = SnapshotRef(identity=cmd.identity, type=cmd.type, hot_load_id=cmd.hot_load_id)

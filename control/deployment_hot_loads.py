@@ -5,8 +5,12 @@ Admission: the `create_hot_load` Update's validator applies the guide's rules wi
 (control/admission.py); the handler applies them again (several Updates in one workflow task all
 validate first), marks the operation active before its first await, then checks at once that
 every replica process runs (one that does not is restarted and the create is refused with
-failed_precondition) and every snapshot file of the chain is in the bucket (as activities), and
-starts the hot-load as a child workflow, ABANDONed when the deployment closes, its id refused
+failed_precondition) and that the snapshots this hot-load reads are in the bucket (as activities,
+one per snapshot): the new one, and each earlier link of the chain that a replica does not serve
+yet (`admission.links_to_check`), which must still have the fingerprint it had when admission
+first verified it (`state.verified_snapshots`, carried across continue-as-new, pruned to the
+kept chains). A delta on top of what every replica serves is one check, however long the chain.
+Then it starts the hot-load as a child workflow, ABANDONed when the deployment closes, its id refused
 forever after (REJECT_DUPLICATE). A create that is not admitted leaves its id free and the
 deployment as it was. What the handler starts carries the API request's trace
 (`CreateHotLoadCommand.trace_context`): one trace per operation.
@@ -68,6 +72,10 @@ ADMISSION_CHECKS_REPLICAS = "admission-checks-replicas"
 # round trip through Temporal instead of two); histories without the marker replay one after
 # the other.
 ADMISSION_AT_ONCE = "admission-checks-at-once"
+# Versioned: admission checks only the snapshots this hot-load reads (the new one, and those a
+# replica does not serve yet: `admission.links_to_check`), each against the fingerprint it had
+# when it joined the chain; histories without the marker check every link of the chain.
+SNAPSHOTS_CHECKED_ONCE = "snapshot-checks-once"
 
 
 class HotLoads:
@@ -109,9 +117,10 @@ class HotLoads:
                 "node agent(s) did not answer the check of their replicas, try again: " + self._unanswered_text(),
             )
 
-    def _check_snapshots(self, chain: list[SnapshotRef]) -> list[Awaitable[Any]]:
-        """One check of each snapshot of the chain (a 64-link chain in one round trip); the
-        caller reports the first failing link in chain order."""
+    def _check_snapshots(self, links: list[SnapshotRef], new: SnapshotRef | None = None) -> list[Awaitable[Any]]:
+        """One check of each of these snapshots (up to a 64-link chain in one round trip); the
+        caller reports the first failing link in chain order. With `new` (the chain's new link),
+        each other link that admission verified before is checked against its fingerprint then."""
         hl_cfg = self.spec.hot_load
         assert hl_cfg is not None
         return [
@@ -119,12 +128,20 @@ class HotLoads:
                 names.CHECK_SNAPSHOT,
                 CheckSnapshotInput(
                     bucket=hl_cfg.bucket, path_prefix=hl_cfg.path_prefix, identity=link.identity, type=link.type,
+                    verified=None if new is None or link is new else self.state.verified_snapshots.get(link.identity),
                 ),
                 start_to_close_timeout=timedelta(seconds=60),
                 retry_policy=RetryPolicy(maximum_attempts=3, non_retryable_error_types=[FAILED_PRECONDITION]),
             )
-            for link in chain
+            for link in links
         ]
+
+    def _verified(self, links: list[SnapshotRef], checks: list[Any]) -> None:
+        """Keep each checked link's fingerprint (a check by a worker older than fingerprints
+        answers [], and leaves the link unverified)."""
+        for link, answer in zip(links, checks, strict=True):
+            if isinstance(answer, list) and answer and isinstance(answer[0], str):
+                self.state.verified_snapshots[link.identity] = answer[0]
 
     async def _check_and_start(self, cmd: CreateHotLoadCommand) -> HotLoad:
         chain = admission.resolve_chain(self.state, cmd)
@@ -132,11 +149,15 @@ class HotLoads:
         assert hl_cfg is not None
         try:
             workflow.deprecate_patch(ADMISSION_CHECKS_REPLICAS)
+            links, new = chain, None
             if workflow.patched(ADMISSION_AT_ONCE):
+                if workflow.patched(SNAPSHOTS_CHECKED_ONCE):
+                    # Chosen before the first await: from what the replicas serve as admitted.
+                    links, new = admission.links_to_check(self.state, chain), chain[-1]
                 # The replica check and the snapshot checks run together; their verdicts are
                 # read in the order below, so the error a caller sees is the same.
                 replicas, *checks = await asyncio.gather(
-                    self._restart_lost_replicas(admitting=True), *self._check_snapshots(chain),
+                    self._restart_lost_replicas(admitting=True), *self._check_snapshots(links, new),
                     return_exceptions=True,
                 )
                 if isinstance(replicas, BaseException):
@@ -148,6 +169,8 @@ class HotLoads:
             for outcome in checks:
                 if isinstance(outcome, BaseException):
                     raise outcome
+            if new is not None:
+                self._verified(links, checks)
             hot_load = HotLoad(
                 spec=HotLoadSpec(
                     id=cmd.hot_load_id,
@@ -257,6 +280,11 @@ class HotLoads:
             )
             # Any chain needs at most 64 links; older completions only make the state bigger.
             self.state.completed = self.state.completed[-64:]
+            # Fingerprints only of snapshots a kept chain holds (a failed hot-load's new one
+            # goes too); only here, where no other hot-load can have been admitted since.
+            kept = {link.identity for chain in self.state.chains.values() for link in chain}
+            for identity in [i for i in self.state.verified_snapshots if i not in kept]:
+                del self.state.verified_snapshots[identity]
         self._publish()
 
 

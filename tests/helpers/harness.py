@@ -4,7 +4,7 @@ server, with test activities registered under the real activity names.
 `Fleet` runs, on one test's own task queue, the deployment, gateway and hot-load workflows plus
 stand-ins for the control activities (`place_replicas` places every replica on one stand-in
 node, whose queue `start_replicas` serves: it signals each replica ready at once;
-`check_snapshot_files` runs the real file rules against a local directory tree standing in for
+`check_snapshot_files` runs the real check against a local directory tree standing in for
 the bucket; the node registry itself is tested in tests/workflows/test_nodes.py) and, per replica, a worker on that replica's own queue whose `apply_snapshot` the
 test scripts: succeed, fail with a snapshot error, or hold until released (heartbeating, so a
 cancel reaches it). `Fleet.api` is the FastAPI app in process (httpx ASGI transport) on the same
@@ -49,14 +49,13 @@ from contracts.activities import (
 )
 from contracts.errors import FAILED_PRECONDITION, NON_RETRYABLE_SNAPSHOT
 from contracts.nodes import PlaceRequest, ReleaseRequest
-from contracts.records import DeploymentInput, Placement, ReplicaEndpoint, SnapshotType
+from contracts.records import DeploymentInput, Placement, ReplicaEndpoint
 from contracts.search import deployment_attributes
-from control.activities import snapshot_check_failure
+from control.activities import check_snapshot
 from control.deployment import DeploymentWorkflow
 from control.gateway import GatewayWorkflow
 from control.hot_load.group import StageGroupWorkflow
 from control.hot_load.workflow import HotLoadWorkflow
-from snapshots.inspect import check_required_files
 
 ADMIN = "admin-token"
 VIEWER = "viewer-token"
@@ -524,17 +523,9 @@ class Fleet:
 
 
 def check_local_snapshot(bucket_root: Path, inp: CheckSnapshotInput) -> list[str]:
-    """The real admission file rules and error, against a directory standing in for the bucket."""
-    location = bucket_root / inp.path_prefix / inp.identity
-    kind = "full" if inp.type == SnapshotType.FULL else "delta"
-    uri = f"s3://{inp.bucket}/{inp.path_prefix}/{inp.identity}/"
-    try:
-        missing = check_required_files(location, kind)
-    except Exception as exc:  # noqa: BLE001 - same mapping as the real activity
-        raise snapshot_check_failure(inp.identity, uri, exc=exc) from None
-    if missing:
-        raise snapshot_check_failure(inp.identity, uri, missing=missing)
-    return []
+    """The real admission check (control/activities.py: its file rules, fingerprint and errors),
+    against a directory standing in for the bucket (a file's version is its mtime)."""
+    return check_snapshot(inp, bucket_root / inp.path_prefix / inp.identity)
 
 
 TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
