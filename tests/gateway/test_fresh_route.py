@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.gateway.test_deployment_choice import router, view
+from tests.helpers.views import router, view
 
 
 async def test_no_running_replica_in_the_table_reads_the_deployment_again_before_503():
