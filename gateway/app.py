@@ -3,7 +3,8 @@
 Contract:
 
 - ``POST /v1/chat/completions`` and ``POST /v1/completions`` (text or token-id prompts, ``n``
-  choices, streamed as SSE or not), ``GET /v1/models``, with ``Authorization: Bearer <token>``
+  choices, streamed as SSE or not), ``GET /v1/models`` (each model name once:
+  ``gateway/listing.py``), with ``Authorization: Bearer <token>``
   from the stack's tokens file; a deployment of another organization, or one that does not list
   this gateway in ``gatewayIds``, is not found. Inference needs an ``admin`` token (the guide's
   Inference Admin role); a ``viewer`` token only reads: ``GET /v1/models`` lists for it, and an
@@ -104,6 +105,7 @@ from contracts.names import dynamo_model
 from gateway import dynamo
 from gateway.body import read_json_object
 from gateway.errors import error_response
+from gateway.listing import model_list
 from gateway.load import LoadMeter, report_loop, temporal_signal
 from gateway.nvext import (
     RequestError,
@@ -265,20 +267,7 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
         principal = authorized(request)
         if isinstance(principal, JSONResponse):
             return principal
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": v.model_name, "object": "model", "owned_by": "rollouts", "root": v.model_name,
-                    # Beyond OpenAI: the deployment, whether it takes traffic here, its share of
-                    # its model name's requests, and the snapshot identity each running replica serves.
-                    "deployment_id": v.deployment_id, "status": v.status, "takes_traffic": v.takes_traffic,
-                    "weight": v.weight,
-                    "replicas": [{"name": r.name, "identity": r.identity, "settled": r.settled} for r in v.replicas],
-                }
-                for v in router.models(principal.organization_id)
-            ],
-        }
+        return model_list(router.models(principal.organization_id))
 
     async def response_nvext(attempt: Attempt, replica: ReplicaView, data: dict[str, Any] | None) -> dict[str, Any]:
         """The ``nvext`` object of an answer that has finished (reads a fresh view: see routing)."""

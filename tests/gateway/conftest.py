@@ -46,7 +46,8 @@ def _create(stack: Settings, engine: str = "dynamo-vllm") -> GatewayDeployment:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # the gateway reads the routing table every 0.5-2 s
         models = httpx.get(f"{stack.gateway_url}/v1/models", headers={"Authorization": f"Bearer {stack.admin_token}"}).json()
-        if any(m["id"] == dep["spec"]["model"]["name"] and len(m["replicas"]) == REPLICAS for m in models["data"]):
+        if any(d["deployment_id"] == dep["spec"]["id"] and len(d["replicas"]) == REPLICAS
+               for m in models["data"] for d in m["deployments"]):
             break
         time.sleep(0.5)
     return GatewayDeployment(stack, api, dep)

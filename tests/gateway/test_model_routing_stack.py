@@ -38,9 +38,13 @@ class Extra:
 
 
 def models(gw: GatewayDeployment) -> list[dict[str, Any]]:
+    """The deployments ``/v1/models`` lists, each with its model name as ``id`` (the listing
+    names each model once, its deployments under it: gateway/listing.py)."""
     r = httpx.get(f"{gw.url}/v1/models", headers=gw.headers, timeout=30)
     assert r.status_code == 200, r.text
-    return r.json()["data"]
+    data = r.json()["data"]
+    assert len({m["id"] for m in data}) == len(data), data  # each model name once
+    return [{"id": m["id"], **d} for m in data for d in m["deployments"]]
 
 
 def wait_listed(gw: GatewayDeployment, dep_id: str, ok, what: str, timeout: float = 60) -> dict[str, Any]:
