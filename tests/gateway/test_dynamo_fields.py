@@ -110,7 +110,10 @@ def test_chat_stream_carries_ids_on_the_finishing_chunk_at_vllms_places():
                         "/v1/chat/completions")
     first = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "a"}}]}
     last = _finishing(True, 0, [7, 8], {"completion_token_ids": [7, 8], "prompt_token_ids": [1, 4, 2]})
-    chunks = [finish_chunk(plan, c) for c in (first, last) if dynamo.adopt(c, {}, "m") is None]
+    chunks = []
+    for chunk in (first, last):
+        dynamo.adopt(chunk, {}, "m")
+        chunks.append(finish_chunk(plan, chunk))
     # ChatCompletionStreamResponse: prompt_token_ids at the top, token_ids on the choice; the
     # concatenation over the chunks is the choice's completion ids.
     assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == [7, 8]

@@ -8,6 +8,9 @@ real Dynamo vLLM workers behind Dynamo's frontend and router, behind the gateway
 - A request that arrives while no worker is in Dynamo's routing pool (every one paused) waits
   for one to return instead of failing.
 - Dynamo's own 400s reach the client in the gateway's error shape.
+- vLLM's ``return_token_ids`` (which Dynamo's frontend refuses) and ``prompt_logprobs`` are
+  answered in vLLM's shape, streamed or not, on completions and chat: the ids decode to the text
+  and are the ones the logprobs name; ``echo``, which Dynamo would ignore, is a 400.
 
 The rest of the trainer-facing contract (tokens, nvext, spans, the gateway's 400s, the load test)
 runs on these same workers in the other modules of this folder; hot-loads on Dynamo workers are
@@ -16,14 +19,16 @@ tests/e2e's.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import httpx
 import pytest
+from tokenizers import Tokenizer
 
 from contracts.names import deployment_workflow_id, dynamo_model
-from tests.helpers.gateway import GatewayDeployment
+from tests.helpers.gateway import GatewayDeployment, random_prompt
 from tests.helpers.replicas import control, engines
 
 pytestmark = pytest.mark.stack
@@ -100,3 +105,62 @@ def test_dynamos_own_400_comes_in_the_gateways_shape(gw: GatewayDeployment):
                    json={"model": gw.model, "prompt": [1, 2], "max_tokens": 2, "temperature": -1})
     assert r.status_code == 400, r.text
     assert r.json()["code"] == "invalid_argument" and "emperature" in r.json()["message"], r.json()
+
+
+def _sse(resp: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+
+
+def test_vllms_return_token_ids_and_prompt_logprobs_are_answered_in_vllms_shape(gw: GatewayDeployment):
+    """Dynamo's frontend refuses ``return_token_ids`` (the premise); through the gateway it is
+    answered as vLLM answers it, and the ids are the sampled ones: they decode to the text and are
+    the ids the logprobs name."""
+    settings = gw.settings
+    tokenizer = Tokenizer.from_file(str(gw.base_model / "tokenizer.json"))
+    prompt = random_prompt(5)
+    asked = {"max_tokens": 6, "ignore_eos": True, "return_token_ids": True, "logprobs": 1}
+    direct = httpx.post(f"{settings.dynamo_frontend_url}/v1/completions", timeout=60,
+                        json={"model": _dynamo_model(gw), "prompt": prompt, "max_tokens": 2, "return_token_ids": True})
+    assert direct.status_code == 400 and "return_token_ids" in direct.text, direct.text
+    for stream in (False, True):
+        r = gw.post("/v1/completions", {**asked, "prompt": prompt, "n": 2, "stream": stream,
+                                        "return_tokens_as_token_ids": True})
+        assert r.status_code == 200, r.text
+        if stream:
+            choices: dict[int, dict] = {}
+            for chunk in _sse(r):
+                for ch in chunk["choices"]:
+                    c = choices.setdefault(ch["index"], {"text": "", "token_ids": [], "tokens": []})
+                    c["text"] += ch.get("text") or ""
+                    c["token_ids"] += ch.get("token_ids") or []
+                    c["tokens"] += (ch.get("logprobs") or {}).get("tokens") or []
+                    c.setdefault("prompt_token_ids", ch.get("prompt_token_ids"))
+                    c["prompt_token_ids"] = c["prompt_token_ids"] or ch.get("prompt_token_ids")
+            got = [choices[i] for i in sorted(choices)]
+        else:
+            got = [{**c, "tokens": c["logprobs"]["tokens"]} for c in r.json()["choices"]]
+        assert len(got) == 2
+        for c in got:
+            assert len(c["token_ids"]) == 6 and c["prompt_token_ids"] == prompt, c
+            assert [f"token_id:{t}" for t in c["token_ids"]] == c["tokens"], c
+            assert tokenizer.decode(c["token_ids"]) == c["text"], c
+    chat = {"messages": [{"role": "user", "content": "tell me"}], **asked, "logprobs": True}
+    r = gw.post("/v1/chat/completions", {**chat, "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    choice = data["choices"][0]
+    assert [e["token_id"] for e in choice["logprobs"]["content"]] == choice["token_ids"] and len(choice["token_ids"]) == 6
+    assert tokenizer.decode(choice["token_ids"]) == choice["message"]["content"]
+    prompt_ids = data["prompt_token_ids"]
+    assert tokenizer.decode(prompt_ids).find("tell me") >= 0, prompt_ids
+    # vLLM's prompt_logprobs: none for the first prompt token, then the prompt's own token among each position's.
+    assert len(data["prompt_logprobs"]) == len(prompt_ids) and data["prompt_logprobs"][0] is None
+    assert all(str(t) in pos for t, pos in zip(prompt_ids[1:], data["prompt_logprobs"][1:])), data["prompt_logprobs"]
+    r = gw.post("/v1/chat/completions", {**chat, "stream": True})
+    chunks = _sse(r)
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []] == [
+        e["token_id"] for c in chunks for ch in c["choices"] for e in (ch.get("logprobs") or {}).get("content") or []]
+    assert [c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids")] == [prompt_ids]
+    # What Dynamo would take without doing it is refused, naming the field.
+    r = gw.post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "echo": True})
+    assert r.status_code == 400 and r.json()["message"].startswith("echo: "), r.text
