@@ -1,0 +1,188 @@
+"""Benchmark: does a delta hot-load get slower as its snapshot chain grows?
+
+The real embedded stack (Temporal dev server, SeaweedFS, API, control worker) with one SIMULATED
+node agent (`rollouts sim-node`, replica/simulated/: no engine; each replica reads the new link
+from the bucket for real, stages, swaps and reports like an agent). One deployment of
+`--replicas` replicas; `--chains` times over on it, a FULL hot-load then `--deltas` deltas, each on
+the one before (chain positions 1..N; every delta is the same small real delta, uploaded under
+its own identity). Each hot-load is created through the REST API and polled until COMPLETED.
+
+It prints create → COMPLETED per chain position (the median over the chains), the medians of
+each block of ten positions, position N against position 2 (the side-by-side baseline: same
+deployment, same run) and the last five positions against positions 2–6, and how many snapshot
+checks (`check_snapshot_files` activities) the deployment's admission scheduled at positions 1,
+2, N/2 and N (read from every run of the deployment workflow's history at the end).
+
+    .venv/bin/python bench/chain_length.py --deltas 60 --chains 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common.settings import Settings, temporal_client  # noqa: E402
+from contracts import names  # noqa: E402
+from snapshots.chain import MAX_CHAIN_DELTAS  # noqa: E402
+from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
+from snapshots.writer import write_delta  # noqa: E402
+from tests.helpers.stack_fixtures import free_port_base, wait_registered  # noqa: E402
+from workers.stack import Stack, upload_dir  # noqa: E402
+
+TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
+PREFIX = "chain/ckpt"
+
+
+class Api:
+    def __init__(self, settings: Settings) -> None:
+        self.http = httpx.Client(base_url=f"{settings.api_url}/v1alpha1/inference", timeout=120,
+                                 headers={"Authorization": f"Bearer {settings.admin_token}"})
+
+    def call(self, method: str, path: str, **kw: Any) -> Any:
+        r = self.http.request(method, path, **kw)
+        if r.status_code != 200:
+            raise SystemExit(f"{method} {path}: {r.status_code} {r.text[:500]}")
+        return r.json()
+
+
+async def checks_by_hot_load(settings: Settings, dep_id: str) -> dict[str, int]:
+    """hot-load id -> the `check_snapshot_files` activities its admission scheduled, from every
+    run of the deployment workflow (it continues as new as its history grows)."""
+    client = await temporal_client(settings)
+    workflow_id = names.deployment_workflow_id(settings.organization_id, dep_id)
+    counts: dict[str, int] = {}
+    async for run in client.list_workflows(f"WorkflowId = '{workflow_id}'"):
+        current: str | None = None
+        async for event in client.get_workflow_handle(workflow_id, run_id=run.run_id).fetch_history_events():
+            if event.HasField("workflow_execution_update_accepted_event_attributes"):
+                request = event.workflow_execution_update_accepted_event_attributes.accepted_request
+                if request.input.name == "create_hot_load":
+                    current = json.loads(request.input.args.payloads[0].data)["hotLoadId"]
+                    counts[current] = 0
+            elif (current is not None and event.HasField("activity_task_scheduled_event_attributes")
+                  and event.activity_task_scheduled_event_attributes.activity_type.name == names.CHECK_SNAPSHOT):
+                counts[current] += 1
+    return counts
+
+
+def hot_load(api: Api, dep_id: str, identity: str, previous: str | None, poll_s: float) -> float:
+    """create → COMPLETED seconds of one hot-load, through the API."""
+    body: dict[str, Any] = {"deploymentId": dep_id, "identity": identity, "hotLoadId": identity,
+                            "type": "SNAPSHOT_TYPE_FULL" if previous is None else "SNAPSHOT_TYPE_INCREMENTAL"}
+    if previous is not None:
+        body["incrementalSnapshotMetadata"] = {"previousSnapshotIdentity": previous,
+                                               "compressionFormat": "COMPRESSION_FORMAT_ZSTD",
+                                               "checksumFormat": "CHECKSUM_FORMAT_ADLER32"}
+    t0 = time.perf_counter()
+    api.call("POST", "/hotLoads", json=body)
+    while True:
+        hl = api.call("GET", f"/hotLoads/{identity}")["hotLoad"]
+        if hl["status"]["state"] in TERMINAL:
+            break
+        time.sleep(poll_s)
+    seconds = time.perf_counter() - t0
+    if hl["status"]["state"] != "HOT_LOAD_STATE_COMPLETED":
+        raise SystemExit(f"{identity}: {hl['status']['state']}: {hl['status'].get('conditions')}")
+    # The deployment takes note of the end a moment after the GET shows it; the next create waits.
+    while api.call("GET", f"/deployments/{dep_id}")["deployment"]["status"].get("activeHotLoadId"):
+        time.sleep(poll_s)
+    return seconds
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--deltas", type=int, default=60, help=f"chain positions 1..N (N <= {MAX_CHAIN_DELTAS})")
+    ap.add_argument("--chains", type=int, default=3, help="chains hot-loaded one after the other (medians over them)")
+    ap.add_argument("--replicas", type=int, default=1, help="SIMULATED replicas of the deployment")
+    ap.add_argument("--poll-s", type=float, default=0.02, help="the client's GET cadence")
+    ap.add_argument("--keep", action="store_true", help="keep the stack's home (logs) afterwards")
+    args = ap.parse_args()
+    if not 2 <= args.deltas <= MAX_CHAIN_DELTAS:
+        raise SystemExit(f"--deltas must be 2..{MAX_CHAIN_DELTAS}")
+
+    work = Path(tempfile.mkdtemp(prefix="bench-chain-"))
+    settings = Settings.create(work / "home", free_port_base())
+    stack = Stack(settings, node_slots=0)
+    stack.up(say=lambda line: print(line, flush=True))
+    node: subprocess.Popen[bytes] | None = None
+    try:
+        log = open(settings.home_path / "logs" / "sim-node.log", "wb")  # noqa: SIM115 - lives as long as the process
+        node = subprocess.Popen([sys.executable, "-m", "workers.cli", "sim-node", "--home", str(settings.home_path),
+                                 "--name", "sim-0", "--gpus", str(args.replicas)],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        base, new = work / "base", work / "new"
+        make_checkpoint_pair(base, new, size_mb=1, seed=0)
+        write_delta(base, new, work / "delta", version="d", base_version="full")
+        s3 = settings.s3_client()
+        for c in range(args.chains):
+            upload_dir(s3, base, settings.bucket, f"{PREFIX}/c{c}-full")
+            for i in range(1, args.deltas + 1):
+                upload_dir(s3, work / "delta", settings.bucket, f"{PREFIX}/c{c}-d{i}")
+        api = Api(settings)
+        wait_registered(settings, "sim-0")
+        dep_id = api.call("POST", "/deployments", json={
+            "name": "chain", "gatewayIds": [settings.gateway_id],
+            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+            "model": {"name": "chain-model", "bucket": settings.bucket, "path": settings.base_model_path},
+            "resources": {"instanceType": "cpu-local", "gpuCount": 1},
+            "autoscaling": {"min": args.replicas, "max": args.replicas},
+            "hotLoad": {"bucket": settings.bucket, "pathPrefix": PREFIX},
+        })["deployment"]["spec"]["id"]
+        while (status := api.call("GET", f"/deployments/{dep_id}")["deployment"]["status"]["status"]) != "STATUS_READY":
+            if status == "STATUS_FAILED":
+                raise SystemExit("the deployment FAILED")
+            time.sleep(0.5)
+        # seconds[c][p]: chain c, position p (0: the full base).
+        seconds: list[list[float]] = []
+        for c in range(args.chains):
+            row = []
+            for p in range(args.deltas + 1):
+                identity = f"c{c}-full" if p == 0 else f"c{c}-d{p}"
+                previous = None if p == 0 else (f"c{c}-full" if p == 1 else f"c{c}-d{p - 1}")
+                row.append(hot_load(api, dep_id, identity, previous, args.poll_s))
+            seconds.append(row)
+            print(f"chain {c + 1}/{args.chains}: position 2 {row[2]:.3f} s, position {args.deltas} "
+                  f"{row[args.deltas]:.3f} s", flush=True)
+        median = [statistics.median(seconds[c][p] for c in range(args.chains)) for p in range(args.deltas + 1)]
+        n = args.deltas
+        print(f"\n{args.replicas} SIMULATED replica(s), {args.chains} chain(s) of 1 full + {n} deltas on one "
+              "deployment; create → COMPLETED, median over the chains:")
+        print("  per position: " + ", ".join(f"{p}: {median[p]:.3f}" for p in range(1, n + 1)))
+        for lo in range(1, n + 1, 10):
+            hi = min(n, lo + 9)
+            print(f"  positions {lo:>2}–{hi:<2}  median {statistics.median(median[lo:hi + 1]):.3f} s")
+        print(f"  position {n} {median[n]:.3f} s vs position 2 {median[2]:.3f} s: ratio {median[n] / median[2]:.3f}")
+        tail, head = statistics.median(median[n - 4:n + 1]), statistics.median(median[2:7])
+        print(f"  positions {n - 4}–{n} median {tail:.3f} s vs positions 2–6 {head:.3f} s: ratio {tail / head:.3f}")
+        counts = asyncio.run(checks_by_hot_load(settings, dep_id))
+        per_position = [[counts.get(f"c{c}-d{p}") for c in range(args.chains)] for p in range(n + 1)]
+        print("  snapshot checks per admission (each chain): " + ", ".join(
+            f"position {p}: {per_position[p]}" for p in (1, 2, n // 2, n)))
+        return 0
+    finally:
+        if node is not None:
+            node.terminate()
+            try:
+                node.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                node.kill()
+        stack.down(say=lambda line: None)
+        if args.keep:
+            print(f"home kept: {settings.home_path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
