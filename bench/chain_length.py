@@ -9,7 +9,8 @@ its own identity). Each hot-load is created through the REST API and polled unti
 
 It prints create → COMPLETED per chain position (the median over the chains), the medians of
 each block of ten positions, position N against position 2 (the side-by-side baseline: same
-deployment, same run) and the last five positions against positions 2–6, and how many snapshot
+deployment, same run), the least-squares slope over all positions, the last five positions
+against positions 2–6, and how many snapshot
 checks (`check_snapshot_files` activities) the deployment's admission scheduled at positions 1,
 2, N/2 and N (read from every run of the deployment workflow's history at the end).
 
@@ -165,6 +166,9 @@ def main() -> int:
             hi = min(n, lo + 9)
             print(f"  positions {lo:>2}–{hi:<2}  median {statistics.median(median[lo:hi + 1]):.3f} s")
         print(f"  position {n} {median[n]:.3f} s vs position 2 {median[2]:.3f} s: ratio {median[n] / median[2]:.3f}")
+        slope, _ = statistics.linear_regression(range(1, n + 1), median[1:])
+        print(f"  least-squares slope over positions 1–{n}: {slope * 1000:+.2f} ms per position "
+              f"({slope * (n - 2) / median[2]:+.1%} of position 2 from 2 to {n})")
         tail, head = statistics.median(median[n - 4:n + 1]), statistics.median(median[2:7])
         print(f"  positions {n - 4}–{n} median {tail:.3f} s vs positions 2–6 {head:.3f} s: ratio {tail / head:.3f}")
         counts = asyncio.run(checks_by_hot_load(settings, dep_id))
