@@ -243,8 +243,23 @@ def _take_weight_versions(plan: RequestPlan, choice: dict[str, Any], final: bool
         plan.weight_versions.setdefault(index, None)
 
 
+def _trim_top_logprobs(plan: RequestPlan, choice: dict[str, Any]) -> None:
+    """A chat choice's ``top_logprobs`` hold the ``top_logprobs`` asked for, as vLLM's chat server
+    gives them: the first k of the engine's list (the sampled token, then the most likely), where
+    Dynamo's frontend passes the whole list (one more entry when the sampled token is not among
+    the k most likely)."""
+    k = plan.upstream.get("top_logprobs")
+    content = (choice.get("logprobs") or {}).get("content") if plan.chat else None
+    if not isinstance(k, int) or isinstance(k, bool) or not isinstance(content, list):
+        return
+    for entry in content:
+        if isinstance(entry, dict) and isinstance(entry.get("top_logprobs"), list):
+            entry["top_logprobs"] = entry["top_logprobs"][:k]
+
+
 def finish_choice(plan: RequestPlan, choice: dict[str, Any]) -> dict[str, Any]:
     """A non-streamed choice as the client expects it; remembers its token ids in ``plan``."""
+    _trim_top_logprobs(plan, choice)
     _fill_token_ids(plan, choice)
     _take_weight_versions(plan, choice, final=True)
     return choice
@@ -254,6 +269,7 @@ def finish_chunk(plan: RequestPlan, chunk: dict[str, Any]) -> dict[str, Any]:
     """One streamed chunk as the client expects it; accumulates token ids in ``plan``."""
     for choice in chunk.get("choices") or []:
         if isinstance(choice, dict):
+            _trim_top_logprobs(plan, choice)
             _fill_token_ids(plan, choice)
             _take_weight_versions(plan, choice, final=choice.get("finish_reason") is not None)
     strip_prompt_ids(plan, chunk)

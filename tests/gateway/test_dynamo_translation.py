@@ -6,11 +6,12 @@ thing runs in tests/gateway/, tests/e2e/ and tests/replica/test_dynamo_worker.py
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 from contracts.names import dynamo_model, dynamo_namespace
 from gateway import dynamo
-from gateway.nvext import finish_choice, plan_request, version_spans
+from gateway.nvext import finish_choice, finish_chunk, plan_request, version_spans
 from replica.engine.dynamo_routes import SpanRecorder, control_routes
 
 
@@ -205,3 +206,21 @@ def test_served_by_reads_the_worker_without_changing_the_payload():
     assert dynamo.served_by('{"choices": []}', workers) is None
     assert dynamo.served_by("[DONE]", workers) is None
     assert dynamo.served_by('{"nvext": {"worker_id": {"decode_worker_id": 5}}}', workers) is None
+
+
+def test_chat_top_logprobs_are_the_first_k_of_the_engines_list_as_vllm_gives_them():
+    """Dynamo passes the engine's whole list (the sampled token first, then the k most likely:
+    k + 1 entries when the sampled one is not among them); vLLM's chat server gives its first k."""
+    plan = plan_request({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
+                        "/v1/chat/completions", {})
+    entry = {"token": "a", "logprob": -7.9, "top_logprobs": [
+        {"token": "a", "logprob": -7.9}, {"token": "b", "logprob": -6.4}, {"token": "c", "logprob": -6.5}]}
+    for finish in (lambda c: finish_chunk(plan, {"choices": [c]}), lambda c: finish_choice(plan, c)):
+        choice = {"index": 0, "logprobs": {"content": [json.loads(json.dumps(entry))]}}
+        finish(choice)
+        assert [t["token"] for t in choice["logprobs"]["content"][0]["top_logprobs"]] == ["a", "b"]
+    # Completions keep the list as the engine gives it (OpenAI: up to logprobs + 1 entries).
+    plan = plan_request({"prompt": [1, 2], "logprobs": 2}, "/v1/completions", {})
+    choice = {"index": 0, "logprobs": {"top_logprobs": [{"a": -1.0, "b": -2.0, "c": -3.0}]}}
+    finish_choice(plan, choice)
+    assert len(choice["logprobs"]["top_logprobs"][0]) == 3
