@@ -41,7 +41,9 @@ Environment variables override single values for a client in both cases:
   (``least-loaded`` or ``kv``), ``ROLLOUTS_DYNAMO_FRONTEND_URL`` (default: the stack's host, port
   base + 2), ``ROLLOUTS_DYNAMO_DISCOVERY`` (Dynamo's discovery backend: ``file``, the default, or
   ``kubernetes`` on a Kubernetes install), ``ROLLOUTS_DYNAMO_DISCOVERY_DIR`` (the ``file``
-  backend's directory, shared by the frontend and every worker; default ``HOME/dynamo/discovery``);
+  backend's directory, shared by the frontend and every worker; default ``HOME/dynamo/discovery``),
+  ``ROLLOUTS_DYNAMO_TLS_DIR`` (the stack's Dynamo TLS certificates, ``common/dynamo_tls.py``;
+  default ``HOME/dynamo/tls``: the frontend's URL is ``https://`` when they exist);
 - names: ``ROLLOUTS_BUCKET``, ``ROLLOUTS_ZONE``, ``ROLLOUTS_ORGANIZATION_ID``,
   ``ROLLOUTS_GATEWAY_ID``, ``ROLLOUTS_MODEL_NAME``, ``ROLLOUTS_BASE_MODEL_PATH`` (the field of
   the same name in lower case, :data:`ENV_FIELDS`).
@@ -73,8 +75,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common import dynamo_tls
 from common.addresses import host_port
 from common.dynamo_planes import DISCOVERY_BACKENDS
+from common.dynamo_tls import DynamoTls
 
 DEFAULT_HOME = Path(".rollouts")
 CONTROL_TASK_QUEUE = "rollouts-control"
@@ -121,6 +125,7 @@ STACK_ENV = (
     "ROLLOUTS_TOKENS_FILE", "ROLLOUTS_ENGINE_KEY", "ROLLOUTS_VIEWER_TOKEN", HOST_ENV, *PORT_ENVS.values(),
     *(f"ROLLOUTS_{name.upper()}" for name in ENV_FIELDS), "ROLLOUTS_DYNAMO_ROUTER_MODE",
     "ROLLOUTS_DYNAMO_DISCOVERY", "ROLLOUTS_DYNAMO_DISCOVERY_DIR", "ROLLOUTS_DYNAMO_PORT", "ROLLOUTS_DYNAMO_ADDRESS",
+    "ROLLOUTS_DYNAMO_TLS_DIR",
 )
 STACK_ENV_PREFIXES = ("TEMPORAL_", "AWS_", "CW_")
 
@@ -232,9 +237,26 @@ class Settings:
 
     @property
     def dynamo_frontend_url(self) -> str:
-        """Dynamo's frontend: where the gateway sends a dynamo-vllm deployment's requests."""
+        """Dynamo's frontend: where the gateway sends a dynamo-vllm deployment's requests (HTTPS
+        when the stack's Dynamo TLS certificates exist: :meth:`dynamo_tls`)."""
         port = self.ports.get("dynamo") or self.ports["api"] + PORT_OFFSETS["dynamo"]
-        return self.env.get("ROLLOUTS_DYNAMO_FRONTEND_URL") or f"http://{host_port(self.host, port)}"
+        scheme = "https" if self.dynamo_tls() is not None else "http"
+        return self.env.get("ROLLOUTS_DYNAMO_FRONTEND_URL") or f"{scheme}://{host_port(self.host, port)}"
+
+    @property
+    def dynamo_tls_dir(self) -> Path:
+        """The stack's Dynamo TLS certificates (``common/dynamo_tls.py``): ``ROLLOUTS_DYNAMO_TLS_DIR``,
+        default ``HOME/dynamo/tls``; a node agent of a cluster install is given the control
+        plane's copy."""
+        return Path(self.env.get("ROLLOUTS_DYNAMO_TLS_DIR") or self.home_path / "dynamo" / "tls")
+
+    def dynamo_tls(self) -> DynamoTls | None:
+        """The stack's Dynamo TLS certificates, or None where there are none (SystemExit naming
+        the directory when some are missing)."""
+        try:
+            return dynamo_tls.load(self.dynamo_tls_dir)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
 
     @property
     def dynamo_discovery_backend(self) -> str:

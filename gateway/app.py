@@ -237,12 +237,22 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
             # reusing one it just closed would look like a replica failure.
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=4.0),
         )
+        # Dynamo's frontend: mutual TLS with the stack's client certificate when the stack has
+        # its certificates (common/dynamo_tls.py), so only a gateway reaches a model through it.
+        tls = settings.dynamo_tls()
+        state["dynamo_url"] = settings.dynamo_frontend_url
+        state["dynamo"] = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=5, read=600, write=60, pool=60),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=4.0),
+            verify=tls.ssl_context() if tls else True,
+        )
         tasks = [asyncio.create_task(refresh_loop(router, settings)),
                  asyncio.create_task(report_loop(router, meter, temporal_signal(settings)))] if refresh else []
         yield
         for task in tasks:
             task.cancel()
         await state["http"].aclose()
+        await state["dynamo"].aclose()
 
     app = FastAPI(title="rollouts gateway", lifespan=lifespan)
     app.state.router = router
@@ -448,8 +458,8 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
         refused connection before the answer began is asked again for up to ``DYNAMO_WAIT_S``;
         nothing else is retried (Dynamo migrates a request whose worker fails)."""
         plan, view = attempt.plan, attempt.view
-        http: httpx.AsyncClient = state["http"]
-        url = settings.dynamo_frontend_url
+        http: httpx.AsyncClient = state["dynamo"]
+        url = state["dynamo_url"]
         headers = {"content-type": "application/json", **({SESSION_HEADER: session} if session else {})}
         try:
             payload = json.dumps(dynamo.upstream_body(plan, dynamo_model(view.workflow_id))).encode()

@@ -11,7 +11,9 @@ event plane ``zmq`` (no etcd, no NATS), ``router_mode`` (``least-loaded`` by def
 affinity for ``X-Dynamo-Session-ID`` kept ``session_ttl_s``. ``await start()`` launches it and
 waits until its HTTP port answers (``/v1/models``); ``await wait_model(name)`` waits until a
 worker serving ``name`` has registered; ``await stop()`` ends it (SIGTERM, then SIGKILL of its
-process group). Its log is ``log_path``.
+process group). Its log is ``log_path``. With ``tls`` (the stack's certificates,
+``common/dynamo_tls.py``) it serves HTTPS to clients holding the stack's client certificate
+only, and its TCP planes speak mutual TLS with the workers; ``url`` is then ``https://``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from common.dynamo_planes import discovery_problem, plane_args, plane_env
+from common.dynamo_tls import DynamoTls
 from common.processes import free_port
 
 FRONTEND_MODULE = "dynamo.frontend"
@@ -49,8 +52,9 @@ class DynamoFrontend:
     def __init__(self, discovery_dir: Path | str, *, log_path: Path | str, namespace: str | None = None,
                  host: str = "127.0.0.1", port: int | None = None, router_mode: str = "least-loaded",
                  session_ttl_s: int = 600, python: str = sys.executable, discovery_backend: str = "file",
-                 address: str | None = None) -> None:
+                 address: str | None = None, tls: DynamoTls | None = None) -> None:
         self.discovery_dir = Path(discovery_dir)
+        self.tls = tls
         self.discovery_backend = discovery_backend
         self.address = address or host
         self.log_path = Path(log_path)
@@ -66,7 +70,7 @@ class DynamoFrontend:
     def url(self) -> str:
         if self.port is None:
             raise DynamoFrontendError("the Dynamo frontend is not started")
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -82,6 +86,8 @@ class DynamoFrontend:
         ]  # fmt: skip
         if self.namespace:
             cmd += ["--namespace", self.namespace]
+        if self.tls:
+            cmd += self.tls.frontend_args()
         return cmd
 
     def environment(self) -> dict[str, str]:
@@ -91,6 +97,7 @@ class DynamoFrontend:
             "DYN_EVENT_PLANE_HOST": self.address,
             "DYN_TCP_RPC_HOST": self.address,
             "HF_HUB_OFFLINE": "1",
+            **(self.tls.plane_env() if self.tls else {}),
         })
         return env
 
@@ -113,7 +120,7 @@ class DynamoFrontend:
         return self
 
     async def models(self) -> list[str]:
-        async with httpx.AsyncClient(timeout=5.0) as client:
+        async with httpx.AsyncClient(timeout=5.0, verify=self.tls.ssl_context() if self.tls else True) as client:
             resp = await client.get(self.url + "/v1/models")
             resp.raise_for_status()
             return [m["id"] for m in resp.json().get("data", [])]

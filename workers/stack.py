@@ -49,6 +49,7 @@ from pathlib import Path
 
 import httpx
 
+from common import dynamo_tls
 from common.addresses import AddressError, check_bind_host, host_port, is_wildcard
 from common.processes import PidFile, port_in_use, spawn, stop_pid, tail
 from common.settings import DEFAULT_PORT_BASE, HOST_ENV, LOOPBACK, SEARCH_ATTRIBUTES, Settings
@@ -190,7 +191,8 @@ class Stack:
 
     def _dynamo_frontend(self) -> DynamoFrontend:
         return DynamoFrontend(self.s.dynamo_discovery_dir, log_path=self.log("dynamo"), host=self.s.host,
-                              port=self.s.ports["dynamo"], router_mode=self.s.dynamo_router_mode)
+                              port=self.s.ports["dynamo"], router_mode=self.s.dynamo_router_mode,
+                              tls=self.s.dynamo_tls())
 
     def _env(self, name: str) -> dict[str, str]:
         """The environment of service ``name``: this stack's (``Settings.process_env``), with
@@ -211,7 +213,9 @@ class Stack:
         if name == "gateway":
             return lambda: httpx.get(f"http://{host_port(self.s.host, p['gateway'])}/healthz", timeout=2).status_code == 200
         if name == "dynamo":
-            return lambda: httpx.get(f"{self.s.dynamo_frontend_url}/v1/models", timeout=2).status_code == 200
+            tls = self.s.dynamo_tls()
+            return lambda: httpx.get(f"{self.s.dynamo_frontend_url}/v1/models", timeout=2,
+                                     verify=tls.ssl_context() if tls else True).status_code == 200
         if name == "worker":
             return lambda: (self.home / "run" / "worker.ready").exists()
         if name == "node":
@@ -360,6 +364,8 @@ class Stack:
         self.home.mkdir(parents=True, exist_ok=True)
         self.s.save()
         self.ensure_tokens()
+        # The certificates the stack's Dynamo processes and gateway speak mutual TLS with.
+        dynamo_tls.ensure(self.s.dynamo_tls_dir, (self.s.host,))
         running_before = {name for name in SERVICE_ORDER if self.pid_file(name).alive_pid()}
         try:
             for name in ("temporal", "s3"):

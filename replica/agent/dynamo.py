@@ -19,7 +19,9 @@ Everything the agent does with an engine works unchanged on it:
   ``kubernetes``, from the pod's ``POD_NAME`` / ``POD_UID`` / ``POD_NAMESPACE``, which the
   process inherits: deploy/kubernetes); request plane ``tcp`` on ``node_address``, event plane
   ``zmq``; clients reach it through that frontend (``frontend_url``, where this object sends
-  ``/v1/...`` requests when it has one).
+  ``/v1/...`` requests when it has one). With ``tls`` (the stack's certificates,
+  ``common/dynamo_tls.py``) its request plane takes only callers holding the stack's client
+  certificate, and this object reaches the frontend with it.
 - **Pause keeps new requests off a paused worker**: ``pause()`` first takes the worker's
   ``generate`` instance out of discovery (``leave``) when another instance of the namespace is
   registered (the worker's ``instances`` route: what its own discovery client lists), so the frontend routes new requests to the others; ``resume()`` puts it back
@@ -55,6 +57,7 @@ import httpx
 
 from common.addresses import host_port
 from common.dynamo_planes import DISCOVERY_BACKENDS, discovery_problem, plane_args, plane_env
+from common.dynamo_tls import DynamoTls
 from common.processes import free_port, free_port_below
 from replica.agent.engine import EngineProcess, EngineStartError, _tail
 from replica.agent.engine_rpc import EngineRequestError, ReadBackError
@@ -84,8 +87,10 @@ class DynamoEngineProcess(EngineProcess):
 
     def __init__(self, model_dir: Path | str, *, discovery_dir: Path | str, namespace: str,
                  frontend_url: str | None = None, kv_events: bool = False, discovery_backend: str = "file",
-                 gated: bool = False, **options: Any) -> None:
+                 gated: bool = False, tls: DynamoTls | None = None, **options: Any) -> None:
         super().__init__(model_dir, **options)
+        # The stack's Dynamo certificates: the worker's request plane speaks mutual TLS.
+        self.tls = tls
         # Start with the worker's gate closed: requests wait until `open_gate` (module docstring).
         self.gated = gated
         # Publish KV-cache events (ZMQ, on the node address) for Dynamo's KV-aware router.
@@ -105,13 +110,15 @@ class DynamoEngineProcess(EngineProcess):
     @classmethod
     def attach(cls, base_url: str, *, pid: int | None = None, served_model_name: str | None = None,
                secret: str | None = None, discovery_dir: Path | str = ".", namespace: str = "",
-               worker_id: int | None = None, frontend_url: str | None = None) -> DynamoEngineProcess:
+               worker_id: int | None = None, frontend_url: str | None = None,
+               tls: DynamoTls | None = None) -> DynamoEngineProcess:
         """A running worker whose system server is at ``base_url`` (its control URL); with
         ``worker_id`` (its Dynamo id) and ``frontend_url``, ``/v1/...`` requests reach it."""
         engine = super().attach(base_url, pid=pid, served_model_name=served_model_name, secret=secret,
                                 discovery_dir=discovery_dir, namespace=namespace, frontend_url=frontend_url)
         assert isinstance(engine, DynamoEngineProcess)
         engine.worker_id = worker_id
+        engine.tls = tls
         return engine
 
     @property
@@ -152,6 +159,10 @@ class DynamoEngineProcess(EngineProcess):
             "DYN_SYSTEM_PORT": str(self.port),
             "DYN_TCP_RPC_HOST": self.node_address,
             "DYN_EVENT_PLANE_HOST": self.node_address,
+            # The response-stream server the worker opens as a request-plane client (its
+            # `instances` route): else on the address the machine's hostname resolves to.
+            "DYN_TCP_RESPONSE_STREAM_HOST": self.node_address,
+            **(self.tls.plane_env() if self.tls else {}),
         })
         if self.gated:
             env["ROLLOUTS_GATED"] = "1"
@@ -213,7 +224,8 @@ class DynamoEngineProcess(EngineProcess):
             return await self.control(route, body, method=method, path=path)
         if path.startswith("/v1/") and self.frontend_url:
             kwargs = self._to_this_worker(kwargs)
-            async with httpx.AsyncClient(base_url=self.frontend_url, timeout=httpx.Timeout(600.0, connect=10.0)) as c:
+            async with httpx.AsyncClient(base_url=self.frontend_url, timeout=httpx.Timeout(600.0, connect=10.0),
+                                         verify=self.tls.ssl_context() if self.tls else True) as c:
                 resp = await c.request(method, path, **kwargs)
             if resp.status_code // 100 != 2:
                 raise EngineRequestError(method, path, resp.status_code, resp.text)

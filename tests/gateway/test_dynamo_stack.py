@@ -8,6 +8,8 @@ real Dynamo vLLM workers behind Dynamo's frontend and router, behind the gateway
 - A request that arrives while no worker is in Dynamo's routing pool (every one paused) waits
   for one to return instead of failing.
 - Dynamo's own 400s reach the client in the gateway's error shape.
+- Dynamo's frontend and workers answer no one without the stack's client certificate
+  (common/dynamo_tls.py): only the gateway, which checks the caller's token, reaches a model.
 - vLLM's ``return_token_ids`` (which Dynamo's frontend refuses) and ``prompt_logprobs`` are
   answered in vLLM's shape, streamed or not, on completions and chat: the ids decode to the text
   and are the ones the logprobs name; ``echo``, which Dynamo would ignore, is a 400.
@@ -20,6 +22,8 @@ tests/e2e's.
 from __future__ import annotations
 
 import json
+import socket
+import ssl
 import threading
 import time
 
@@ -27,6 +31,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
+from common import dynamo_tls
 from contracts.names import deployment_workflow_id, dynamo_model
 from tests.helpers.gateway import GatewayDeployment, random_prompt
 from tests.helpers.replicas import control, engines
@@ -43,8 +48,81 @@ def test_replicas_are_dynamo_workers(gw: GatewayDeployment):
     assert len(replicas) == 2
     assert all(r["dynamoWorker"] and r["dynamoNamespace"] for r in replicas), replicas
     # The frontend knows the deployment's model by its Dynamo name; the gateway maps it.
-    models = httpx.get(f"{gw.settings.dynamo_frontend_url}/v1/models", timeout=10).json()["data"]
+    models = _frontend(gw.settings).get("/v1/models", timeout=10).json()["data"]
     assert any(m["id"] == _dynamo_model(gw) for m in models), models
+
+
+def _frontend(settings) -> httpx.Client:
+    """Dynamo's frontend as the gateway reaches it: the stack's client certificate."""
+    tls = settings.dynamo_tls()
+    assert tls is not None and settings.dynamo_frontend_url.startswith("https://"), settings.dynamo_frontend_url
+    return httpx.Client(base_url=settings.dynamo_frontend_url, verify=tls.ssl_context())
+
+
+def test_dynamos_frontend_answers_no_one_without_the_stacks_client_certificate(gw: GatewayDeployment):
+    """Only the gateway (which checks the caller's token) reaches a model: a local process that
+    calls Dynamo's frontend gets no model list and no completion, whether it speaks plain HTTP
+    (curl), HTTPS trusting the stack's CA but holding no client certificate, or HTTPS with a
+    certificate of its own making; nor does one that calls a worker's request plane."""
+    settings = gw.settings
+    url = settings.dynamo_frontend_url
+    plain = "http://" + url.removeprefix("https://")
+    body = {"model": _dynamo_model(gw), "prompt": [1, 2], "max_tokens": 2}
+    ca_only = ssl.create_default_context(cafile=str(settings.dynamo_tls_dir / "ca.pem"))
+    ca_only.check_hostname = False
+    stranger = dynamo_tls.ensure(settings.home_path / "stranger-tls").ssl_context()  # another CA's certificate
+    stranger.load_verify_locations(str(settings.dynamo_tls_dir / "ca.pem"))
+    for name, base, verify in (("plain HTTP", plain, True), ("no client certificate", url, ca_only),
+                               ("another CA's certificate", url, stranger)):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
+            try:
+                r = httpx.request(method, base + path, json=body if method == "POST" else None, verify=verify,
+                                  timeout=10, trust_env=False)
+            except httpx.HTTPError as exc:
+                assert isinstance(exc, httpx.TransportError), exc  # refused before any HTTP answer
+                continue
+            assert r.status_code != 200 and _dynamo_model(gw) not in r.text, (name, method, path, r.status_code, r.text)
+    # The premise: with the stack's client certificate the same calls are answered.
+    with _frontend(settings) as client:
+        assert client.post("/v1/completions", json=body, timeout=60).status_code == 200
+    # Each worker's request plane (its address from Dynamo's discovery) takes no caller without
+    # the certificate either: the TLS session ends at its first read; with it, it stays open.
+    planes = _request_planes(settings, _dynamo_namespace(gw))
+    assert len(planes) == 2, planes
+    for host, port in planes:
+        assert _tls_session_survives(host, port, ca_only) is False, (host, port)
+        assert _tls_session_survives(host, port, settings.dynamo_tls().ssl_context()) is True, (host, port)
+
+
+def _dynamo_namespace(gw: GatewayDeployment) -> str:
+    return engines(gw.settings, gw.id)[0]["dynamoNamespace"]
+
+
+def _request_planes(settings, namespace: str) -> list[tuple[str, int]]:
+    """The TCP request planes of the ``generate`` endpoints Dynamo's file discovery lists."""
+    out = []
+    for path in (settings.dynamo_discovery_dir / "v1" / "instances").iterdir():
+        record = json.loads(path.read_text())
+        if record.get("namespace") == namespace and record.get("endpoint") == "generate":
+            host, port = record["transport"]["tcp"].split("/", 1)[0].rsplit(":", 1)
+            out.append((host, int(port)))
+    return sorted(out)
+
+
+def _tls_session_survives(host: str, port: int, ctx: ssl.SSLContext) -> bool:
+    """Whether a TLS session with ``ctx`` to ``host:port`` is still open after a moment (a server
+    that requires a client certificate ends it, in TLS 1.3 after the handshake)."""
+    ctx.check_hostname = False
+    try:
+        with socket.create_connection((host, port), timeout=5) as raw, \
+                ctx.wrap_socket(raw, server_hostname=dynamo_tls.SERVER_NAME) as tls:
+            tls.settimeout(1.0)
+            try:
+                return tls.recv(1) != b""  # the server sends nothing first: a timeout means open
+            except TimeoutError:
+                return True
+    except (ssl.SSLError, OSError):
+        return False
 
 
 def _dynamo_model(gw: GatewayDeployment) -> str:
@@ -85,8 +163,7 @@ def test_a_request_waits_while_no_worker_is_in_the_pool(gw: GatewayDeployment):
         control(w, "leave")
     try:
         # The premise: Dynamo's frontend itself now refuses the deployment's requests.
-        direct = httpx.post(f"{settings.dynamo_frontend_url}/v1/completions", timeout=30,
-                            json={**body, "model": _dynamo_model(gw)})
+        direct = _frontend(settings).post("/v1/completions", timeout=30, json={**body, "model": _dynamo_model(gw)})
         assert direct.status_code == 503, direct.text
         sender = threading.Thread(target=lambda: out.update(r=httpx.post(
             f"{settings.gateway_url}/v1/completions", json=body, headers=_headers(settings), timeout=120)))
@@ -119,8 +196,8 @@ def test_vllms_return_token_ids_and_prompt_logprobs_are_answered_in_vllms_shape(
     tokenizer = Tokenizer.from_file(str(gw.base_model / "tokenizer.json"))
     prompt = random_prompt(5)
     asked = {"max_tokens": 6, "ignore_eos": True, "return_token_ids": True, "logprobs": 1}
-    direct = httpx.post(f"{settings.dynamo_frontend_url}/v1/completions", timeout=60,
-                        json={"model": _dynamo_model(gw), "prompt": prompt, "max_tokens": 2, "return_token_ids": True})
+    direct = _frontend(settings).post("/v1/completions", timeout=60, json={
+        "model": _dynamo_model(gw), "prompt": prompt, "max_tokens": 2, "return_token_ids": True})
     assert direct.status_code == 400 and "return_token_ids" in direct.text, direct.text
     for stream in (False, True):
         r = gw.post("/v1/completions", {**asked, "prompt": prompt, "n": 2, "stream": stream,

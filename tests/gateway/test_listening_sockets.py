@@ -66,11 +66,11 @@ def test_every_socket_of_our_processes_binds_the_configured_host(hot_loaded: Gat
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "Dynamo 1.6.1 binds its TCP request plane and ZMQ event plane on 0.0.0.0 (it only advertises "
-    "DYN_TCP_RPC_HOST / DYN_EVENT_PLANE_HOST), the frontend its TCP response server likewise, and "
-    "each worker one more socket on the host's own address; no setting found to bind them "
-    "(issue 30, open). Strict: this test fails the run once they bind the configured host, so "
-    "the mark comes off."))
+    "Dynamo 1.6.1 binds its ZMQ event-plane publishers (the workers' kv_metrics and "
+    "active_sequences_events, the frontend's session_affinity_events) on tcp://0.0.0.0, hard-coded: "
+    "no setting binds them; its broker mode (DYN_ZMQ_BROKER_URL, a relay on unix sockets) would "
+    "(issue 30, open). Strict: this test fails the run once they bind the configured host, so the "
+    "mark comes off."))
 def test_every_socket_of_dynamos_processes_binds_the_configured_host(hot_loaded: GatewayDeployment):
     wrong = _off_host(hot_loaded, dynamo=True)
     assert not wrong, f"sockets not on {hot_loaded.settings.host}:\n" + "\n".join(wrong)

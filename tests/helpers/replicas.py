@@ -118,12 +118,13 @@ def replicas_of(settings: Settings, dep_id: str) -> list[dict]:
 def engines(settings: Settings, dep_id: str) -> list[dict]:
     """The deployment's replicas by name, each with its engine's secret (``engineSecret``,
     derived from the stack's settings as the gateway does) and the stack's Dynamo frontend
-    (``dynamoFrontendUrl``, through which a Dynamo worker serves, and ``dynamoModel``, the
-    deployment's model there)."""
+    (``dynamoFrontendUrl``, through which a Dynamo worker serves, ``dynamoModel``, the
+    deployment's model there, and ``dynamoTls``, the stack's certificates it is reached with)."""
     workflow_id = deployment_workflow_id(settings.organization_id, dep_id)
     replicas = [
         {**r, "engineSecret": settings.engine_secret(workflow_id, r["name"]),
-         "dynamoFrontendUrl": settings.dynamo_frontend_url, "dynamoModel": dynamo_model(workflow_id)}
+         "dynamoFrontendUrl": settings.dynamo_frontend_url, "dynamoModel": dynamo_model(workflow_id),
+         "dynamoTls": settings.dynamo_tls()}
         for r in replicas_of(settings, dep_id)
     ]
     return sorted(replicas, key=lambda r: r["name"])
@@ -141,7 +142,7 @@ def attach(replica: dict) -> EngineProcess:
         return DynamoEngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"],
                                           served_model_name=replica.get("dynamoModel"),
                                           worker_id=int(replica["dynamoWorker"], 16),
-                                          frontend_url=replica.get("dynamoFrontendUrl"))
+                                          frontend_url=replica.get("dynamoFrontendUrl"), tls=replica.get("dynamoTls"))
     return EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"])
 
 
@@ -265,13 +266,27 @@ class HeldPause:
     frozen: int
 
 
+def _wait_alone_in_pool(replica: dict, timeout: float = 60.0) -> bool:
+    """Whether, within ``timeout``, the Dynamo discovery of ``replica``'s worker lists only its
+    own ``generate`` instance."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ids = _with_engine(replica, lambda e: e.instances())
+        if len(ids) == 1:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
 def requests_frozen_in_first_pause(settings: Settings, api: Api, dep_id: str, start: Any,
                                    threads: list[Any], started: list[Any]) -> HeldPause:
     """Requests under way on the first replica of the walk when its pause begins.
 
     ``start()`` creates the hot-load and returns its id; its first replica's step stages the
     update and is held just before its pause (fault point ``pause``). The other replicas leave
-    Dynamo's routing pool (as a pause takes one out) while ``threads`` (each sending a request)
+    Dynamo's routing pool (as a pause takes one out; waited for until the first replica's own
+    discovery lists it alone) while ``threads`` (each sending a request)
     start, until every ``started`` event is set, so the requests run on the first replica; the
     others then join again, the step goes on into its pause at once (its stage is ready, so the
     requests need only outlast a file poll) and is held again inside it, at its swap, where the
@@ -287,6 +302,11 @@ def requests_frozen_in_first_pause(settings: Settings, api: Api, dep_id: str, st
             before_pause.wait_fired(settings, dep_id)
             for other in others:
                 control(other, "leave")
+            # Dynamo's discovery (the frontend's as the worker's: both watch the same directory)
+            # learns of the leaves a moment later; requests sent before would still go to the
+            # others, so wait until the first replica's own view lists it alone.
+            alone = _wait_alone_in_pool(first)
+            assert alone, f"the others left Dynamo's pool but {first['name']}'s discovery still lists them"
             try:
                 for t in threads:
                     t.start()

@@ -42,6 +42,8 @@ def node_env(settings: Settings, home: Path) -> dict[str, str]:
         # Dynamo's file discovery: the control plane's directory, which every host here shares
         # (a cluster shares it on a network filesystem, or uses Kubernetes discovery).
         "ROLLOUTS_DYNAMO_DISCOVERY_DIR": str(settings.dynamo_discovery_dir),
+        # The stack's Dynamo TLS certificates (a cluster copies them to every node).
+        "ROLLOUTS_DYNAMO_TLS_DIR": str(settings.dynamo_tls_dir),
     }
 
 

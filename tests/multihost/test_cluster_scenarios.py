@@ -139,8 +139,9 @@ def served(plane: Plane, replica: dict) -> tuple[dict[str, str], str | None]:
     return out["checksums"], out["label"]
 
 
-def probe_call(source: Host, method: str, url: str, secret: str, body: dict | None = None) -> tuple[int, str]:
-    extra = [json.dumps(body)] if body is not None else []
+def probe_call(source: Host, method: str, url: str, secret: str, body: dict | None = None,
+               tls: Path | None = None) -> tuple[int, str]:
+    extra = ([json.dumps(body)] if body is not None else []) + ([f"--tls={tls}"] if tls else [])
     r = source.run([sys.executable, "-m", "tests.multihost.engine_probe", "call", method, url, secret, *extra],
                    timeout=60, cwd=REPO)
     assert r.returncode == 0, r.stderr
@@ -303,8 +304,15 @@ def test_engine_control_is_unreachable_from_another_host(deployment: Plane) -> N
         # Inference answers across hosts, through Dynamo's frontend, from this worker alone.
         body = {"model": replica["dynamoModel"], "prompt": [5, 6], "max_tokens": 2,
                 "nvext": {"backend_instance_id": int(replica["dynamoWorker"], 16), "extra_fields": ["worker_id"]}}
-        status, text = probe_call(other, "POST", f"{plane.settings.dynamo_frontend_url}/v1/completions", secret, body)
+        frontend = f"{plane.settings.dynamo_frontend_url}/v1/completions"
+        status, text = probe_call(other, "POST", frontend, secret, body, tls=plane.settings.dynamo_tls_dir)
         assert status == 200, f"inference must answer across hosts: {status} {text}"
+        # Without the stack's client certificate, Dynamo's frontend answers nothing (plain HTTP,
+        # as curl would send it, or HTTPS trusting nothing): only the gateway reaches a model.
+        assert frontend.startswith("https://"), frontend
+        for url in (frontend, "http://" + frontend.removeprefix("https://")):
+            status, text = probe_call(other, "POST", url, secret, body)
+            assert status != 200, f"{other.name} got a completion from Dynamo's frontend without a certificate: {text}"
         assert json.loads(text)["nvext"]["worker_id"]["decode_worker_id"] == int(replica["dynamoWorker"], 16), text
         # Its own host reaches the control routes over loopback.
         status, text = probe_call(own, "POST", f"http://127.0.0.1:{port}/engine/rollouts/is_paused", secret,

@@ -3,8 +3,9 @@ starts its own: `rollouts up`). It replaces itself with ``python -m dynamo.front
 from the settings (gateway/dynamo_frontend.py): HTTP on ``ROLLOUTS_HOST`` and ``--port`` (default
 the settings' Dynamo port), Dynamo's discovery backend (``ROLLOUTS_DYNAMO_DISCOVERY``: ``file`` in
 ``ROLLOUTS_DYNAMO_DISCOVERY_DIR``, or ``kubernetes``), the router mode
-(``ROLLOUTS_DYNAMO_ROUTER_MODE``), and ``--address``, where workers send their answers back. It
-reads the home's stack.json when there is one, else the environment alone, and needs no keys."""
+(``ROLLOUTS_DYNAMO_ROUTER_MODE``), and ``--address``, where workers send their answers back, and mutual TLS with the certificates in
+``ROLLOUTS_DYNAMO_TLS_DIR`` when it holds them (common/dynamo_tls.py). It reads the home's
+stack.json when there is one, else the environment alone, and needs no keys."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     frontend = DynamoFrontend(settings.dynamo_discovery_dir, log_path=os.devnull, host=settings.host,
                               port=args.port or settings.ports["dynamo"], router_mode=settings.dynamo_router_mode,
-                              discovery_backend=settings.dynamo_discovery_backend, address=address)
+                              discovery_backend=settings.dynamo_discovery_backend, address=address,
+                              tls=settings.dynamo_tls())
     if problem := discovery_problem(frontend.discovery_backend, frontend.discovery_dir):
         print(f"rollouts dynamo-frontend: {problem}", file=sys.stderr)
         return 2
