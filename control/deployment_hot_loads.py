@@ -76,6 +76,11 @@ ADMISSION_AT_ONCE = "admission-checks-at-once"
 # replica does not serve yet: `admission.links_to_check`), each against the fingerprint it had
 # when it joined the chain; histories without the marker check every link of the chain.
 SNAPSHOTS_CHECKED_ONCE = "snapshot-checks-once"
+# Versioned: a hot-load's outcome sets the replicas' served identities only when it is first
+# noted (the signal or the watcher, whichever comes first); the second note left a replica that
+# had reported ready on other weights in between named as serving the outcome's identity.
+# Histories without the marker apply every note.
+OUTCOME_NOTED_ONCE = "outcome-noted-once"
 
 
 class HotLoads:
@@ -257,12 +262,14 @@ class HotLoads:
 
     def _finish(self, outcome: HotLoadOutcome) -> None:
         """Take note of an ended hot-load; idempotent (the signal and the watcher both call it)."""
-        if self.state.active_hot_load_id == outcome.hot_load_id:
+        first = self.state.active_hot_load_id == outcome.hot_load_id
+        if first:
             self.state.active_hot_load_id = None
-        served = {r.name: r.current_snapshot_identity for r in outcome.replicas}
-        for r in self.state.replicas:
-            if served.get(r.name):
-                r.current_snapshot_identity = served[r.name]
+        if first or not workflow.patched(OUTCOME_NOTED_ONCE):
+            served = {r.name: r.current_snapshot_identity for r in outcome.replicas}
+            for r in self.state.replicas:
+                if served.get(r.name):
+                    r.current_snapshot_identity = served[r.name]
         already = any(link.hot_load_id == outcome.hot_load_id for link in self.state.completed)
         if outcome.state == HotLoadState.COMPLETED and outcome.chain and not already:
             # Re-inserted last, so the dict's order is completion order (oldest first).

@@ -95,6 +95,15 @@ async def test_an_earlier_link_removed_or_rewritten_is_refused_when_a_replica_re
         away.mkdir()
         (root / "s1" / SHARD).rename(away / SHARD)  # a rename keeps the file's version (mtime)
         await f.completed(dep, "s3", hotLoadId=f"{dep}-s3", **delta_body("s2"))
+
+        async def noted() -> bool | None:
+            state = await f.deployment_state(dep)
+            return True if state.active_hot_load_id is None and all(
+                r.current_snapshot_identity == "s3" for r in state.replicas) else None
+
+        # The deployment takes note of a hot-load's end in its own next workflow task: a ready
+        # signal before that would be overwritten by the note (s3), not kept.
+        await poll(noted, 60, "the deployment took note of s3's end")
         # A replica that no longer serves the chain: it reports ready on the base weights.
         replica = (await f.deployment_state(dep)).members[-1]
         await f.signal_ready(dep, replica)
