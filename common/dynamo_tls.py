@@ -1,27 +1,27 @@
-"""Mutual TLS between our NVIDIA Dynamo processes: the gateway, Dynamo's frontend and every worker.
+"""Mutual TLS between the gateway and NVIDIA Dynamo's frontend.
 
-Dynamo's frontend answers OpenAI requests on HTTP and its workers take requests on a TCP request
-plane; neither checks who calls. So that only the gateway reaches a model (it checks the
-caller's bearer token), a stack's Dynamo processes speak mutual TLS with a certificate authority
-of their own, made once per stack by :func:`ensure` in a directory only its user reads
-(``Settings.dynamo_tls_dir``, 0700; keys 0600):
+Dynamo's frontend answers OpenAI requests on HTTP and checks no token. So that only the gateway
+reaches a model through it (the gateway checks the caller's bearer token), the frontend serves
+HTTPS to holders of a client certificate of the stack's own certificate authority, made once
+per stack by :func:`ensure` in a directory only its user reads (``Settings.dynamo_tls_dir``,
+0700; keys 0600):
 
 - ``ca.pem``: the stack's CA (its key is not kept: nothing else is ever signed by it);
-- ``server.pem`` / ``server.key``: what every Dynamo process presents as a server (the
-  frontend's HTTP port and its response-stream server, each worker's request plane);
-- ``client.pem`` / ``client.key``: what the gateway presents to the frontend, and each Dynamo
-  process to the others' TCP servers.
+- ``server.pem`` / ``server.key``: what the frontend presents;
+- ``client.pem`` / ``client.key``: what the gateway (and a replica agent, for its own probes
+  through the frontend) presents.
 
-Peers verify the chain against ``ca.pem`` (a private CA that signed only these two
-certificates), not a host name: Dynamo's TCP clients are told the server name ``SERVER_NAME``,
-which the server certificate carries beside ``localhost``, so a worker on any address is
-verified the same way. A process without the client certificate is refused at the handshake:
-no model list, no completion, no request-plane call.
+The client verifies the chain against ``ca.pem`` (a private CA that signed only these two
+certificates), not a host name, so a frontend on any address is verified the same way (the
+server certificate also names ``SERVER_NAME``, ``localhost`` and the stack's host). A process
+without the client certificate is refused at the handshake: no model list, no completion.
+Dynamo's TCP request plane is not covered: its mutual TLS (``DYN_TCP_TLS_*``) opens one TLS
+connection per request back to the frontend, and those handshakes timed out under nine
+concurrent requests here (docs/field-notes.md).
 
-:class:`DynamoTls` gives each process what it needs: the frontend's flags
-(``frontend_args``), the planes' environment (``plane_env``), and the gateway's client
-``ssl_context``. ``load`` returns None when the directory holds no certificates (a cluster
-install that did not distribute them: its NetworkPolicies are then the only fence).
+:class:`DynamoTls` gives each process what it needs: the frontend's flags (``frontend_args``)
+and a client's ``ssl_context``. ``load`` returns None when the directory holds no certificates
+(a cluster install that did not distribute them: its NetworkPolicies are then the only fence).
 """
 
 from __future__ import annotations
@@ -54,19 +54,6 @@ class DynamoTls:
         """Dynamo frontend flags: HTTPS, and a client certificate signed by the stack's CA required."""
         return ["--tls-cert-path", self.path("server.pem"), "--tls-key-path", self.path("server.key"),
                 "--tls-client-ca-cert-path", self.path("ca.pem")]
-
-    def plane_env(self) -> dict[str, str]:
-        """The TCP planes' mutual TLS, both roles (each Dynamo process is a server to some and a
-        client of others)."""
-        return {
-            "DYN_TCP_TLS_CERT_PATH": self.path("server.pem"),
-            "DYN_TCP_TLS_KEY_PATH": self.path("server.key"),
-            "DYN_TCP_TLS_CLIENT_CA_CERT_PATH": self.path("ca.pem"),
-            "DYN_TCP_TLS_CA_CERT_PATH": self.path("ca.pem"),
-            "DYN_TCP_TLS_CLIENT_CERT_PATH": self.path("client.pem"),
-            "DYN_TCP_TLS_CLIENT_KEY_PATH": self.path("client.key"),
-            "DYN_TCP_TLS_SERVER_NAME": SERVER_NAME,
-        }
 
     def ssl_context(self) -> ssl.SSLContext:
         """A client context for the frontend's HTTPS: trusts the stack's CA only, presents the

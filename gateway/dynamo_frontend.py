@@ -13,7 +13,7 @@ waits until its HTTP port answers (``/v1/models``); ``await wait_model(name)`` w
 worker serving ``name`` has registered; ``await stop()`` ends it (SIGTERM, then SIGKILL of its
 process group). Its log is ``log_path``. With ``tls`` (the stack's certificates,
 ``common/dynamo_tls.py``) it serves HTTPS to clients holding the stack's client certificate
-only, and its TCP planes speak mutual TLS with the workers; ``url`` is then ``https://``.
+only; ``url`` is then ``https://``.
 """
 
 from __future__ import annotations
@@ -97,7 +97,6 @@ class DynamoFrontend:
             "DYN_EVENT_PLANE_HOST": self.address,
             "DYN_TCP_RPC_HOST": self.address,
             "HF_HUB_OFFLINE": "1",
-            **(self.tls.plane_env() if self.tls else {}),
         })
         return env
 

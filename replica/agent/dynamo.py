@@ -20,8 +20,8 @@ Everything the agent does with an engine works unchanged on it:
   process inherits: deploy/kubernetes); request plane ``tcp`` on ``node_address``, event plane
   ``zmq``; clients reach it through that frontend (``frontend_url``, where this object sends
   ``/v1/...`` requests when it has one). With ``tls`` (the stack's certificates,
-  ``common/dynamo_tls.py``) its request plane takes only callers holding the stack's client
-  certificate, and this object reaches the frontend with it.
+  ``common/dynamo_tls.py``) this object reaches that frontend with the stack's client
+  certificate.
 - **Pause keeps new requests off a paused worker**: ``pause()`` first takes the worker's
   ``generate`` instance out of discovery (``leave``) when another instance of the namespace is
   registered (the worker's ``instances`` route: what its own discovery client lists), so the frontend routes new requests to the others; ``resume()`` puts it back
@@ -89,7 +89,7 @@ class DynamoEngineProcess(EngineProcess):
                  frontend_url: str | None = None, kv_events: bool = False, discovery_backend: str = "file",
                  gated: bool = False, tls: DynamoTls | None = None, **options: Any) -> None:
         super().__init__(model_dir, **options)
-        # The stack's Dynamo certificates: the worker's request plane speaks mutual TLS.
+        # The stack's Dynamo certificates: what this object reaches the frontend with.
         self.tls = tls
         # Start with the worker's gate closed: requests wait until `open_gate` (module docstring).
         self.gated = gated
@@ -162,7 +162,6 @@ class DynamoEngineProcess(EngineProcess):
             # The response-stream server the worker opens as a request-plane client (its
             # `instances` route): else on the address the machine's hostname resolves to.
             "DYN_TCP_RESPONSE_STREAM_HOST": self.node_address,
-            **(self.tls.plane_env() if self.tls else {}),
         })
         if self.gated:
             env["ROLLOUTS_GATED"] = "1"

@@ -131,7 +131,6 @@ def test_in_flight_requests_span_a_pause_and_all_finish(stack, rolling, tmp_path
         settings, api, dep_id, lambda: start_hot_load(api, dep_id, delta_id, full_id), threads, started)
     hl, was_paused, frozen = held.hot_load, held.was_paused, held.frozen
     assert was_paused, "the held swap was not inside a pause"
-    assert frozen >= 1, f"no request was running on {first['name']} when its pause began"
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
     assert [o.get("outcome") for o in outs] == ["ok"] * len(outs), outs
     spanned = 0
@@ -142,6 +141,10 @@ def test_in_flight_requests_span_a_pause_and_all_finish(stack, rolling, tmp_path
         identities = [s["identity"] for s in spans]
         assert identities in ([full_id], [delta_id], [full_id, delta_id]), spans
         spanned += identities == [full_id, delta_id]
+    # The premise, from the answers: a request whose tokens come from both identities was in
+    # flight across the swap, inside the pause (the engine's running gauge, ``frozen``, may lag).
+    assert spanned >= 1, (f"no answer names both identities: nothing was in flight on {first['name']} across "
+                          f"its swap (its running gauge read {frozen} in the pause)")
     assert spanned >= frozen, f"{frozen} request(s) were frozen in a pause, {spanned} answer(s) name both identities"
     assert_every_replica_serves(settings, dep_id, new_dir)
 

@@ -8,7 +8,7 @@ real Dynamo vLLM workers behind Dynamo's frontend and router, behind the gateway
 - A request that arrives while no worker is in Dynamo's routing pool (every one paused) waits
   for one to return instead of failing.
 - Dynamo's own 400s reach the client in the gateway's error shape.
-- Dynamo's frontend and workers answer no one without the stack's client certificate
+- Dynamo's frontend answers no one without the stack's client certificate
   (common/dynamo_tls.py): only the gateway, which checks the caller's token, reaches a model.
 - vLLM's ``return_token_ids`` (which Dynamo's frontend refuses) and ``prompt_logprobs`` are
   answered in vLLM's shape, streamed or not, on completions and chat: the ids decode to the text
@@ -22,7 +22,6 @@ tests/e2e's.
 from __future__ import annotations
 
 import json
-import socket
 import ssl
 import threading
 import time
@@ -63,7 +62,7 @@ def test_dynamos_frontend_answers_no_one_without_the_stacks_client_certificate(g
     """Only the gateway (which checks the caller's token) reaches a model: a local process that
     calls Dynamo's frontend gets no model list and no completion, whether it speaks plain HTTP
     (curl), HTTPS trusting the stack's CA but holding no client certificate, or HTTPS with a
-    certificate of its own making; nor does one that calls a worker's request plane."""
+    certificate of its own making."""
     settings = gw.settings
     url = settings.dynamo_frontend_url
     plain = "http://" + url.removeprefix("https://")
@@ -85,44 +84,6 @@ def test_dynamos_frontend_answers_no_one_without_the_stacks_client_certificate(g
     # The premise: with the stack's client certificate the same calls are answered.
     with _frontend(settings) as client:
         assert client.post("/v1/completions", json=body, timeout=60).status_code == 200
-    # Each worker's request plane (its address from Dynamo's discovery) takes no caller without
-    # the certificate either: the TLS session ends at its first read; with it, it stays open.
-    planes = _request_planes(settings, _dynamo_namespace(gw))
-    assert len(planes) == 2, planes
-    for host, port in planes:
-        assert _tls_session_survives(host, port, ca_only) is False, (host, port)
-        assert _tls_session_survives(host, port, settings.dynamo_tls().ssl_context()) is True, (host, port)
-
-
-def _dynamo_namespace(gw: GatewayDeployment) -> str:
-    return engines(gw.settings, gw.id)[0]["dynamoNamespace"]
-
-
-def _request_planes(settings, namespace: str) -> list[tuple[str, int]]:
-    """The TCP request planes of the ``generate`` endpoints Dynamo's file discovery lists."""
-    out = []
-    for path in (settings.dynamo_discovery_dir / "v1" / "instances").iterdir():
-        record = json.loads(path.read_text())
-        if record.get("namespace") == namespace and record.get("endpoint") == "generate":
-            host, port = record["transport"]["tcp"].split("/", 1)[0].rsplit(":", 1)
-            out.append((host, int(port)))
-    return sorted(out)
-
-
-def _tls_session_survives(host: str, port: int, ctx: ssl.SSLContext) -> bool:
-    """Whether a TLS session with ``ctx`` to ``host:port`` is still open after a moment (a server
-    that requires a client certificate ends it, in TLS 1.3 after the handshake)."""
-    ctx.check_hostname = False
-    try:
-        with socket.create_connection((host, port), timeout=5) as raw, \
-                ctx.wrap_socket(raw, server_hostname=dynamo_tls.SERVER_NAME) as tls:
-            tls.settimeout(1.0)
-            try:
-                return tls.recv(1) != b""  # the server sends nothing first: a timeout means open
-            except TimeoutError:
-                return True
-    except (ssl.SSLError, OSError):
-        return False
 
 
 def _dynamo_model(gw: GatewayDeployment) -> str:
