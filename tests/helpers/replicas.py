@@ -288,10 +288,10 @@ def requests_frozen_in_first_pause(settings: Settings, api: Api, dep_id: str, st
     Dynamo's routing pool (as a pause takes one out; waited for until the first replica's own
     discovery lists it alone) while ``threads`` (each sending a request)
     start, until every ``started`` event is set, so the requests run on the first replica; the
-    others then join again, the step goes on into its pause at once (its stage is ready, so the
-    requests need only outlast a file poll) and is held again inside it, at its swap, where the
-    engine says whether it is paused and how many requests it froze. Every thread is joined
-    before this returns."""
+    step then goes on into its pause at once (its stage is ready, so the requests need only
+    outlast a file poll) and is held again inside it, at its swap, where the others join again
+    and the engine says whether it is paused and how many requests it froze. Every thread is
+    joined before this returns."""
     first, *others = walk_order(settings, dep_id)
     before_pause = fault("pause", first["name"], "hold")
     hold = fault("swap", first["name"], "hold")
@@ -311,11 +311,14 @@ def requests_frozen_in_first_pause(settings: Settings, api: Api, dep_id: str, st
                 for t in threads:
                     t.start()
                 assert all(e.wait(600) for e in started)
+                # Into the pause at once (its swap stays held): the requests generate fast here
+                # (1,900 tokens in about 9 s), and the others' joins can take seconds each while
+                # they serve, so they come after.
+                write_faults(settings, [hold])
+                hold.wait_fired(settings, dep_id)
             finally:
                 for other in others:
                     control(other, "join")
-            write_faults(settings, [hold])  # releases the step into its pause; its swap stays held
-            hold.wait_fired(settings, dep_id)
             was_paused, frozen = paused(first), running_requests(first)
     finally:
         hl = api.wait_hot_load(hl_id) if hl_id else None  # the next test finds no hot-load open
