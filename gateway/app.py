@@ -240,7 +240,6 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
         # Dynamo's frontend: mutual TLS with the stack's client certificate when the stack has
         # its certificates (common/dynamo_tls.py), so only a gateway reaches a model through it.
         tls = settings.dynamo_tls()
-        state["dynamo_url"] = settings.dynamo_frontend_url
         state["dynamo"] = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=5, read=600, write=60, pool=60),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=4.0),
@@ -459,6 +458,8 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
         nothing else is retried (Dynamo migrates a request whose worker fails)."""
         plan, view = attempt.plan, attempt.view
         http: httpx.AsyncClient = state["dynamo"]
+        if "dynamo_url" not in state:  # read once, when first needed (a gateway may serve no dynamo deployment)
+            state["dynamo_url"] = settings.dynamo_frontend_url
         url = state["dynamo_url"]
         headers = {"content-type": "application/json", **({SESSION_HEADER: session} if session else {})}
         try:

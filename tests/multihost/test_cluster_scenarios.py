@@ -305,15 +305,15 @@ def test_engine_control_is_unreachable_from_another_host(deployment: Plane) -> N
         body = {"model": replica["dynamoModel"], "prompt": [5, 6], "max_tokens": 2,
                 "nvext": {"backend_instance_id": int(replica["dynamoWorker"], 16), "extra_fields": ["worker_id"]}}
         frontend = f"{plane.settings.dynamo_frontend_url}/v1/completions"
-        status, text = probe_call(other, "POST", frontend, secret, body, tls=plane.settings.dynamo_tls_dir)
-        assert status == 200, f"inference must answer across hosts: {status} {text}"
+        status, answer = probe_call(other, "POST", frontend, secret, body, tls=plane.settings.dynamo_tls_dir)
+        assert status == 200, f"inference must answer across hosts: {status} {answer}"
         # Without the stack's client certificate, Dynamo's frontend answers nothing (plain HTTP,
         # as curl would send it, or HTTPS trusting nothing): only the gateway reaches a model.
         assert frontend.startswith("https://"), frontend
         for url in (frontend, "http://" + frontend.removeprefix("https://")):
             status, text = probe_call(other, "POST", url, secret, body)
             assert status != 200, f"{other.name} got a completion from Dynamo's frontend without a certificate: {text}"
-        assert json.loads(text)["nvext"]["worker_id"]["decode_worker_id"] == int(replica["dynamoWorker"], 16), text
+        assert json.loads(answer)["nvext"]["worker_id"]["decode_worker_id"] == int(replica["dynamoWorker"], 16), answer
         # Its own host reaches the control routes over loopback.
         status, text = probe_call(own, "POST", f"http://127.0.0.1:{port}/engine/rollouts/is_paused", secret,
                                   {"secret": secret})
