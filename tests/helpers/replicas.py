@@ -28,6 +28,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -317,8 +318,9 @@ def requests_frozen_in_first_pause(settings: Settings, api: Api, dep_id: str, st
                 write_faults(settings, [hold])
                 hold.wait_fired(settings, dep_id)
             finally:
-                for other in others:
-                    control(other, "join")
+                # At once: each join waits on a worker that is serving (seconds), inside the hold.
+                with ThreadPoolExecutor(max(1, len(others))) as pool:
+                    list(pool.map(lambda other: control(other, "join"), others))
             was_paused, frozen = paused(first), running_requests(first)
     finally:
         hl = api.wait_hot_load(hl_id) if hl_id else None  # the next test finds no hot-load open
