@@ -40,6 +40,7 @@ from contracts import names  # noqa: E402
 from snapshots.chain import MAX_CHAIN_DELTAS  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
+from tests.helpers.sim_nodes import start_sim_node, stop_sim_nodes  # noqa: E402
 from tests.helpers.stack_fixtures import free_port_base, wait_registered  # noqa: E402
 from workers.stack import Stack, upload_dir  # noqa: E402
 
@@ -118,12 +119,9 @@ def main() -> int:
     settings = Settings.create(work / "home", free_port_base())
     stack = Stack(settings, node_slots=0)
     stack.up(say=lambda line: print(line, flush=True))
-    node: subprocess.Popen[bytes] | None = None
+    nodes: list[subprocess.Popen[bytes]] = []
     try:
-        log = open(settings.home_path / "logs" / "sim-node.log", "wb")  # noqa: SIM115 - lives as long as the process
-        node = subprocess.Popen([sys.executable, "-m", "workers.cli", "sim-node", "--home", str(settings.home_path),
-                                 "--name", "sim-0", "--gpus", str(args.replicas)],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        nodes.append(start_sim_node(settings, "sim-0", args.replicas))
         base, new = work / "base", work / "new"
         make_checkpoint_pair(base, new, size_mb=1, seed=0)
         write_delta(base, new, work / "delta", version="d", base_version="full")
@@ -177,12 +175,7 @@ def main() -> int:
             f"position {p}: {per_position[p]}" for p in (1, 2, n // 2, n)))
         return 0
     finally:
-        if node is not None:
-            node.terminate()
-            try:
-                node.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                node.kill()
+        stop_sim_nodes(nodes)
         stack.down(say=lambda line: None)
         if args.keep:
             print(f"home kept: {settings.home_path}")

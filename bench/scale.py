@@ -68,6 +68,7 @@ from contracts.autoscaling import BUSY, IDLE, LoadReport  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
 from tests.helpers.prometheus import scrape  # noqa: E402
+from tests.helpers.sim_nodes import start_sim_node, stop_sim_nodes  # noqa: E402
 from tests.helpers.stack_fixtures import free_port_base, wait_registered  # noqa: E402
 from workers.stack import Stack, upload_dir  # noqa: E402
 
@@ -362,13 +363,8 @@ def main() -> int:
     try:
         per_node = -(-(args.replicas + args.autoscale) // args.nodes)
         for i in range(args.nodes):
-            log = open(settings.home_path / "logs" / f"sim-node-{i}.log", "wb")  # noqa: SIM115 - lives as long as the process
-            nodes.append(subprocess.Popen(
-                ["nice", "-n", str(args.sim_nice), sys.executable, "-m", "workers.cli", "sim-node",
-                 "--home", str(settings.home_path), "--name", f"sim-{i}",
-                 "--gpus", str(per_node), "--transfer-ms", str(args.transfer_ms)],
-                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=settings.process_env(),
-            ))
+            nodes.append(start_sim_node(settings, f"sim-{i}", per_node, "--transfer-ms", str(args.transfer_ms),
+                                        nice=args.sim_nice))
         base, new = work / "base", work / "new"
         make_checkpoint_pair(base, new, size_mb=1, seed=0)
         write_delta(base, new, work / "delta", version="delta-1", base_version="full-0")
@@ -466,13 +462,7 @@ def main() -> int:
             and scaled["trace"][-1][2] == args.replicas)
         return 0 if all(r["state"] == "HOT_LOAD_STATE_COMPLETED" for r in results) and scaled_ok else 1
     finally:
-        for p in nodes:
-            p.terminate()
-        for p in nodes:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_sim_nodes(nodes)
         stack.down(say=lambda line: None)
         if args.keep:
             print(f"home kept: {settings.home_path}")
