@@ -32,7 +32,9 @@ Each method is a thin wrapper over free functions testable without vLLM (`stage`
 - the lifecycle of the stage (`stage`): ``swap_and_commit_staged(label)`` inside the pause
   (load in place, then read back: ``verified``, or ``read_back_failed`` after rolling back), or
   the same as two calls, ``swap_staged(label)`` and ``commit_staged(label)``, for a test that
-  injects a fault between them; ``discard_staged()`` (rolls a swapped stage back).
+  injects a fault between them; ``discard_staged()`` (rolls a swapped stage back);
+- ``set_step_delay(seconds)`` -> ``{"step_delay_s"}``: every engine step first sleeps that long
+  (0: none), for a test that needs requests to stay in flight (`step_delay`).
 
 Importing this module inside a vLLM process installs the CPU GEMM patch (`cpu_gemm`) before the
 worker loads the model; elsewhere (tests, benchmarks) it does not load vLLM.
@@ -52,6 +54,7 @@ from replica.engine.jobs import JobRunner
 from replica.engine.peer_group import PeerGroup
 from replica.engine.plugin import idle_spin_cap, logprob_ranks_eager
 from replica.engine.stage import Stage, StageSlot
+from replica.engine.step_delay import set_step_delay
 from replica.engine.tensors import ALGORITHMS, spec_of
 from replica.engine.views import checkpoint_views, select_views
 
@@ -189,3 +192,6 @@ class WeightLoaderExtension:
 
     def discard_staged(self) -> dict[str, Any]:
         return _slot(self).discard(self.model_runner.model)  # type: ignore[attr-defined]
+
+    def set_step_delay(self, seconds: float) -> dict[str, Any]:
+        return set_step_delay(self, seconds)

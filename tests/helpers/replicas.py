@@ -47,6 +47,8 @@ from tests.helpers.stack_fixtures import Api
 # The shared 3-replica deployment's hot-load path prefix (tests/e2e/conftest.py `rolling`).
 ROLLING_PREFIX = "checkpoints/rolling"
 TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
+# Each engine step's delay while requests must stay in flight across a pause (step_delay).
+STEP_DELAY_S = 0.025
 
 
 # ------------------------------------------------------------------------------ hot-loads
@@ -145,6 +147,11 @@ def attach(replica: dict) -> EngineProcess:
                                           worker_id=int(replica["dynamoWorker"], 16),
                                           frontend_url=replica.get("dynamoFrontendUrl"), tls=replica.get("dynamoTls"))
     return EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"])
+
+
+def step_delay(replica: dict, seconds: float) -> None:
+    """Slow each step of the replica's engine by ``seconds`` (0: full speed again)."""
+    _with_engine(replica, lambda e: e.collective_rpc("set_step_delay", seconds))
 
 
 def _with_engine(replica: dict, read: Any) -> Any:
@@ -288,7 +295,8 @@ def requests_frozen_in_first_pause(settings: Settings, api: Api, dep_id: str, st
     update and is held just before its pause (fault point ``pause``). The other replicas leave
     Dynamo's routing pool (as a pause takes one out; waited for until the first replica's own
     discovery lists it alone) while ``threads`` (each sending a request)
-    start, until every ``started`` event is set, so the requests run on the first replica; the
+    start, until every ``started`` event is set, so the requests run on the first replica, its
+    engine's steps slowed (``step_delay``) until the pause holds; the
     step then goes on into its pause at once (its stage is ready, so the requests need only
     outlast a file poll) and is held again inside it, at its swap, where the others join again
     and the engine says whether it is paused and how many requests it froze. Every thread is
@@ -308,16 +316,20 @@ def requests_frozen_in_first_pause(settings: Settings, api: Api, dep_id: str, st
             # others, so wait until the first replica's own view lists it alone.
             alone = _wait_alone_in_pool(first)
             assert alone, f"the others left Dynamo's pool but {first['name']}'s discovery still lists them"
+            # Its engine's steps slowed until the pause holds (replica/engine/step_delay.py):
+            # the requests (1,900 tokens in about 9 s at full speed) then outlast any stall of
+            # this machine before the pause reaches the engine; the callers check that they did.
+            step_delay(first, STEP_DELAY_S)
             try:
                 for t in threads:
                     t.start()
                 assert all(e.wait(600) for e in started)
-                # Into the pause at once (its swap stays held): the requests generate fast here
-                # (1,900 tokens in about 9 s), and the others' joins can take seconds each while
-                # they serve, so they come after.
+                # Into the pause at once (its swap stays held); the others' joins can take
+                # seconds each while they serve, so they come after.
                 write_faults(settings, [hold])
                 hold.wait_fired(settings, dep_id)
             finally:
+                step_delay(first, 0)
                 # At once: each join waits on a worker that is serving (seconds), inside the hold.
                 with ThreadPoolExecutor(max(1, len(others))) as pool:
                     list(pool.map(lambda other: control(other, "join"), others))

@@ -37,6 +37,8 @@ from workers.base_model import COUNTING_CHANGED, VOCAB, load_checkpoint
 pytestmark = pytest.mark.engine
 
 SERVED_NAME = "base"
+# Each engine step's delay while requests must stay in flight: 1,500 tokens then take about 40 s.
+STEP_DELAY_S = 0.025
 NAMESPACE = "rollouts-test"
 
 
@@ -159,8 +161,12 @@ async def test_requests_through_the_frontend_survive_a_hot_load_with_exact_spans
             while await count(worker) < n:
                 await asyncio.sleep(0.05)
 
-        # All four at the worker (and so queued in its paused engine) before the resume.
+        # All four at the worker (and so queued in its paused engine) before the resume. Its
+        # steps are slowed until the pause (replica/engine/step_delay.py): the requests then
+        # outlast any stall of this machine between them running and the pause reaching the
+        # engine, which the assertion below checks.
         await asyncio.wait_for(until(arrived, len(requests)), timeout=120)
+        await worker.collective_rpc("set_step_delay", STEP_DELAY_S)
         await worker.resume()
         t_resume = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=120)
@@ -184,6 +190,7 @@ async def test_requests_through_the_frontend_survive_a_hot_load_with_exact_spans
             loaded = await worker.commit_staged("v-counting")
             swap_ms = 1e3 * (time.perf_counter() - t0)
         finally:
+            await worker.collective_rpc("set_step_delay", 0)
             await worker.resume()
         results = await asyncio.gather(*requests, queued)
     print(f"\n[dynamo pause window] relabel + swap + commit {swap_ms:.1f} ms; {in_flight} of {len(requests)} "
