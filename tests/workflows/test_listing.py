@@ -284,10 +284,24 @@ async def test_an_open_hot_load_read_while_temporal_is_late_answers_what_it_kept
         f.apply_behaviour = every(f.held)
         assert (await f.create_hot_load(dep, "s0", hotLoadId="polled")).status_code == 200
         await asyncio.wait_for(f.started.wait(), 30)
-        for _ in range(5):
+        hl = (await f.call("GET", "/hotLoads/polled")).json()["hotLoad"]  # nothing kept yet: waited for
+        assert hl["status"]["state"] == "HOT_LOAD_STATE_IN_PROGRESS"
+        # Temporal late for certain: each describe from here waits until `late` is set (with
+        # wait_s 0, one that came back within a read's own event-loop turn was taken instead).
+        late, describe = asyncio.Event(), reads.index.read
+
+        async def late_read(*args, **kwargs):
+            await late.wait()
+            return await describe(*args, **kwargs)
+
+        reads.index.read = late_read
+        kept = reads.kept_answers
+        for _ in range(4):
             hl = (await f.call("GET", "/hotLoads/polled")).json()["hotLoad"]
             assert hl["status"]["state"] == "HOT_LOAD_STATE_IN_PROGRESS"
-        assert reads.kept_answers >= 4  # the premise: answered from what was kept, not waited for
+        assert reads.kept_answers == kept + 4  # the premise: answered from what was kept, not waited for
+        reads.index.read = describe
+        late.set()
         f.hold.set()
         hl = await f.wait_hot_load("polled", timeout=30)
         assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
