@@ -4,7 +4,10 @@ every worker (replica/agent/dynamo.py) run with the same discovery backend and p
 - Discovery (:data:`DISCOVERY_BACKENDS`): ``file``, a directory the frontend and every worker
   share (``DYN_FILE_KV``), or ``kubernetes``, the Kubernetes API, which knows a process by its
   pod (:data:`POD_ENV`, from the downward API: deploy/kubernetes/base/dynamo.yaml).
-- Request plane ``tcp``, event plane ``zmq``: no etcd, no NATS.
+- Request plane ``tcp``, event plane ``zmq``: no etcd, no NATS. With an ``event_broker``
+  (:func:`broker_url`: the embedded stack's relay, gateway/dynamo_events.py) every process
+  publishes and subscribes through it (``DYN_ZMQ_BROKER_URL``) and binds no ZMQ socket of its
+  own; without one, Dynamo's direct mode (each publisher binds ``tcp://0.0.0.0``).
 
 ``plane_args`` and ``plane_env`` are the command-line flags and environment of one such process;
 ``discovery_problem`` readies the backend for a process about to start (the ``file`` directory
@@ -17,6 +20,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from common.addresses import host_port
+
 DISCOVERY_BACKENDS = ("file", "kubernetes")
 # What Dynamo's kubernetes discovery reads to know the pod a process runs in.
 POD_ENV = ("POD_NAME", "POD_NAMESPACE", "POD_UID")
@@ -26,9 +31,19 @@ def plane_args(backend: str) -> list[str]:
     return ["--discovery-backend", backend, "--request-plane", "tcp", "--event-plane", "zmq"]
 
 
-def plane_env(backend: str, discovery_dir: Path, env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` with the discovery backend and planes set (``DYN_FILE_KV`` only for ``file``)."""
-    out = {k: v for k, v in env.items() if k != "DYN_FILE_KV"}
+def broker_url(host: str, inbound_port: int, outbound_port: int) -> str:
+    """``DYN_ZMQ_BROKER_URL`` for a relay on ``host``: publishers to ``inbound`` (its XSUB),
+    subscribers to ``outbound`` (its XPUB)."""
+    return f"xsub=tcp://{host_port(host, inbound_port)} , xpub=tcp://{host_port(host, outbound_port)}"
+
+
+def plane_env(backend: str, discovery_dir: Path, env: Mapping[str, str], event_broker: str | None = None
+              ) -> dict[str, str]:
+    """``env`` with the discovery backend and planes set (``DYN_FILE_KV`` only for ``file``,
+    ``DYN_ZMQ_BROKER_URL`` only with ``event_broker``)."""
+    out = {k: v for k, v in env.items() if k not in ("DYN_FILE_KV", "DYN_ZMQ_BROKER_URL")}
+    if event_broker:
+        out["DYN_ZMQ_BROKER_URL"] = event_broker
     out.update({
         "DYN_DISCOVERY_BACKEND": backend,
         **({"DYN_FILE_KV": str(discovery_dir)} if backend == "file" else {}),

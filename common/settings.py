@@ -43,7 +43,9 @@ Environment variables override single values for a client in both cases:
   ``kubernetes`` on a Kubernetes install), ``ROLLOUTS_DYNAMO_DISCOVERY_DIR`` (the ``file``
   backend's directory, shared by the frontend and every worker; default ``HOME/dynamo/discovery``),
   ``ROLLOUTS_DYNAMO_TLS_DIR`` (the stack's Dynamo TLS certificates, ``common/dynamo_tls.py``;
-  default ``HOME/dynamo/tls``: the frontend's URL is ``https://`` when they exist);
+  default ``HOME/dynamo/tls``: the frontend's URL is ``https://`` when they exist),
+  ``ROLLOUTS_DYNAMO_EVENT_BROKER`` (``DYN_ZMQ_BROKER_URL`` for every Dynamo process; default, for
+  the embedded stack, its relay on port base + 4 and + 5: :attr:`Settings.dynamo_event_broker`);
 - names: ``ROLLOUTS_BUCKET``, ``ROLLOUTS_ZONE``, ``ROLLOUTS_ORGANIZATION_ID``,
   ``ROLLOUTS_GATEWAY_ID``, ``ROLLOUTS_MODEL_NAME``, ``ROLLOUTS_BASE_MODEL_PATH`` (the field of
   the same name in lower case, :data:`ENV_FIELDS`).
@@ -77,7 +79,7 @@ from typing import Any
 
 from common import dynamo_tls
 from common.addresses import host_port
-from common.dynamo_planes import DISCOVERY_BACKENDS
+from common.dynamo_planes import DISCOVERY_BACKENDS, broker_url
 from common.dynamo_tls import DynamoTls
 
 DEFAULT_HOME = Path(".rollouts")
@@ -92,6 +94,8 @@ PORT_OFFSETS = {
     "gateway": 1,
     "dynamo": 2,  # Dynamo's frontend (dynamo-vllm deployments)
     "worker_metrics": 3,  # the control worker's Prometheus endpoint (/metrics)
+    "dynamo_events_in": 4,  # the relay of Dynamo's event plane: publishers connect here (XSUB)
+    "dynamo_events_out": 5,  # ... and subscribers here (XPUB): gateway/dynamo_events.py
     "temporal": 10,
     "temporal_ui": 11,
     "temporal_http": 12,
@@ -125,7 +129,7 @@ STACK_ENV = (
     "ROLLOUTS_TOKENS_FILE", "ROLLOUTS_ENGINE_KEY", "ROLLOUTS_VIEWER_TOKEN", HOST_ENV, *PORT_ENVS.values(),
     *(f"ROLLOUTS_{name.upper()}" for name in ENV_FIELDS), "ROLLOUTS_DYNAMO_ROUTER_MODE",
     "ROLLOUTS_DYNAMO_DISCOVERY", "ROLLOUTS_DYNAMO_DISCOVERY_DIR", "ROLLOUTS_DYNAMO_PORT", "ROLLOUTS_DYNAMO_ADDRESS",
-    "ROLLOUTS_DYNAMO_TLS_DIR",
+    "ROLLOUTS_DYNAMO_TLS_DIR", "ROLLOUTS_DYNAMO_EVENT_BROKER",
 )
 STACK_ENV_PREFIXES = ("TEMPORAL_", "AWS_", "CW_")
 
@@ -259,6 +263,19 @@ class Settings:
             raise SystemExit(str(exc)) from None
 
     @property
+    def dynamo_event_broker(self) -> str | None:
+        """``DYN_ZMQ_BROKER_URL`` for every Dynamo process of this stack
+        (``common.dynamo_planes``): ``ROLLOUTS_DYNAMO_EVENT_BROKER``; else, where the home holds
+        a stack.json (the embedded stack, which runs the relay: gateway/dynamo_events.py), its
+        relay on this host's ``dynamo_events_in`` / ``dynamo_events_out`` ports; else None
+        (a cluster install without a relay: Dynamo's direct mode)."""
+        if value := self.env.get("ROLLOUTS_DYNAMO_EVENT_BROKER"):
+            return value
+        if not (self.home_path / "stack.json").exists():
+            return None
+        return broker_url(self.host, self.ports["dynamo_events_in"], self.ports["dynamo_events_out"])
+
+    @property
     def dynamo_discovery_backend(self) -> str:
         """Dynamo's discovery backend (``ROLLOUTS_DYNAMO_DISCOVERY``; default ``file``)."""
         backend = self.env.get("ROLLOUTS_DYNAMO_DISCOVERY") or "file"
@@ -336,8 +353,9 @@ class Settings:
         data.pop("owned", None)
         # A stack.json from before Dynamo's frontend had a port.
         data["ports"].setdefault("dynamo", data["ports"]["api"] + PORT_OFFSETS["dynamo"])
-        # ... and before the control worker served metrics.
-        data["ports"].setdefault("worker_metrics", data["ports"]["api"] + PORT_OFFSETS["worker_metrics"])
+        # ... and before the control worker served metrics, or Dynamo's events had a relay.
+        for name in ("worker_metrics", "dynamo_events_in", "dynamo_events_out"):
+            data["ports"].setdefault(name, data["ports"]["api"] + PORT_OFFSETS[name])
         # A stack.json from when Dynamo was a stack-wide switch (now runtime.engine's).
         data.pop("dynamo", None)
         return cls(**data, owned=True)

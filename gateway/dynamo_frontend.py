@@ -6,7 +6,8 @@ deployment's workers.
 directory ``discovery_dir`` the workers register in; or ``kubernetes``, the pod's namespace;
 ``namespace`` limits it to one deployment's workers), request plane ``tcp`` (workers stream
 answers back to ``address``, default ``host``: the address they reach this process at) and
-event plane ``zmq`` (no etcd, no NATS), ``router_mode`` (``least-loaded`` by default;
+event plane ``zmq`` (no etcd, no NATS; through the relay ``event_broker`` when given:
+``common.dynamo_planes``), ``router_mode`` (``least-loaded`` by default;
 ``kv`` routes by prefix-cache overlap and needs workers that publish KV events), and session
 affinity for ``X-Dynamo-Session-ID`` kept ``session_ttl_s``. ``await start()`` launches it and
 waits until its HTTP port answers (``/v1/models``); ``await wait_model(name)`` waits until a
@@ -52,8 +53,9 @@ class DynamoFrontend:
     def __init__(self, discovery_dir: Path | str, *, log_path: Path | str, namespace: str | None = None,
                  host: str = "127.0.0.1", port: int | None = None, router_mode: str = "least-loaded",
                  session_ttl_s: int = 600, python: str = sys.executable, discovery_backend: str = "file",
-                 address: str | None = None, tls: DynamoTls | None = None) -> None:
+                 address: str | None = None, tls: DynamoTls | None = None, event_broker: str | None = None) -> None:
         self.discovery_dir = Path(discovery_dir)
+        self.event_broker = event_broker
         self.tls = tls
         self.discovery_backend = discovery_backend
         self.address = address or host
@@ -91,7 +93,7 @@ class DynamoFrontend:
         return cmd
 
     def environment(self) -> dict[str, str]:
-        env = plane_env(self.discovery_backend, self.discovery_dir, os.environ)
+        env = plane_env(self.discovery_backend, self.discovery_dir, os.environ, self.event_broker)
         env.update({
             "DYN_TCP_RESPONSE_STREAM_HOST": self.address,
             "DYN_EVENT_PLANE_HOST": self.address,

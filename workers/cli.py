@@ -5,6 +5,7 @@
                                        through delta hot-loads, a plot and a table, down
     rollouts api | worker | gateway    one service process (what `up` starts)
     rollouts dynamo-frontend           NVIDIA Dynamo's frontend, for a cluster install
+    rollouts dynamo-events             the relay of Dynamo's event plane (`up` starts it)
     rollouts node [--name N --address A --slots N | --gpus N]   a node agent: runs replicas here
     rollouts nodes [NAME]              the node agents the control plane knows, and their replicas
     rollouts sim-node --name N --gpus K    a SIMULATED node agent (scale runs: bench/scale.py)
@@ -43,6 +44,7 @@ COMMANDS: dict[str, str] = {
     "worker": "workers.commands.worker:main",
     "gateway": "workers.commands.gateway:main",
     "dynamo-frontend": "workers.commands.dynamo:main",
+    "dynamo-events": "workers.commands.dynamo_events:main",
     "replica": "workers.commands.replica:main",
     "node": "workers.commands.node:main",
     "nodes": "workers.commands.node:list_nodes",
@@ -111,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=os.environ.get("ROLLOUTS_DYNAMO_ADDRESS"), metavar="ADDR",
                    help="this host's address, where workers send answers back (default $ROLLOUTS_DYNAMO_ADDRESS, "
                         "else the settings' host)")
+    add("dynamo-events", "run the relay of Dynamo's event plane (`up` starts it)")
     p = add("replica", "run one replica (engine + agent)")
     for flag in ("--deployment", "--name", "--workflow-id", "--zone", "--model-bucket", "--model-path", "--model-name"):
         p.add_argument(flag, required=True)

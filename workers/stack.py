@@ -58,7 +58,7 @@ from gateway.dynamo_frontend import DynamoFrontend
 
 # `up`'s --dynamo-router-mode from the environment (recorded in stack.json).
 ROUTER_MODE_ENV = "ROLLOUTS_DYNAMO_ROUTER_MODE"
-SERVICE_ORDER = ["temporal", "s3", "dynamo", "node", "worker", "api", "gateway"]
+SERVICE_ORDER = ["temporal", "s3", "dynamo_events", "dynamo", "node", "worker", "api", "gateway"]
 # The local node agent's name and how many replicas it runs (`up --node-slots`; 0: none here).
 LOCAL_NODE = "local"
 DEFAULT_NODE_SLOTS = 8
@@ -144,6 +144,7 @@ class Stack:
             "node": [],
             "gateway": [p["gateway"]],
             "dynamo": [p["dynamo"]],
+            "dynamo_events": [p["dynamo_events_in"], p["dynamo_events_out"]],
         }[name]
 
     # ---------------------------------------------------------------- services
@@ -184,6 +185,8 @@ class Stack:
             return [py, "-m", "workers.cli", "gateway", *home]
         if name == "dynamo":
             return self._dynamo_frontend().command()
+        if name == "dynamo_events":
+            return [py, "-m", "workers.cli", "dynamo-events", *home]
         if name == "node":
             return [py, "-m", "workers.cli", "node", *home, "--name", LOCAL_NODE, "--address", self.s.host,
                     "--zone", self.s.zone, "--slots", str(self.node_slots), "--gpus", "0"]
@@ -192,7 +195,7 @@ class Stack:
     def _dynamo_frontend(self) -> DynamoFrontend:
         return DynamoFrontend(self.s.dynamo_discovery_dir, log_path=self.log("dynamo"), host=self.s.host,
                               port=self.s.ports["dynamo"], router_mode=self.s.dynamo_router_mode,
-                              tls=self.s.dynamo_tls())
+                              tls=self.s.dynamo_tls(), event_broker=self.s.dynamo_event_broker)
 
     def _env(self, name: str) -> dict[str, str]:
         """The environment of service ``name``: this stack's (``Settings.process_env``), with
@@ -216,6 +219,8 @@ class Stack:
             tls = self.s.dynamo_tls()
             return lambda: httpx.get(f"{self.s.dynamo_frontend_url}/v1/models", timeout=2,
                                      verify=tls.ssl_context() if tls else True).status_code == 200
+        if name == "dynamo_events":
+            return lambda: all(port_in_use(port, self.s.host) for port in self._ports_of(name))
         if name == "worker":
             return lambda: (self.home / "run" / "worker.ready").exists()
         if name == "node":
@@ -399,6 +404,7 @@ class Stack:
             f"  gateway        {s.gateway_url}/v1  (id {s.gateway_id})",
             f"  Dynamo         {s.dynamo_frontend_url}/v1  (the gateway's upstream for dynamo-vllm; workers in "
             f"{s.dynamo_discovery_dir})",
+            f"  Dynamo events  {s.dynamo_event_broker}  (the relay every Dynamo process publishes to and reads from)",
             f"  Temporal       {s.temporal_address}  namespace {s.temporal_namespace}",
             f"  Temporal UI    {s.temporal_ui_url}",
             f"  S3 (SeaweedFS) {s.s3_endpoint}  bucket {s.bucket}",

@@ -18,7 +18,8 @@ Everything the agent does with an engine works unchanged on it:
   (``discovery_backend``: ``file``, in ``discovery_dir`` shared with the Dynamo frontend; or
   ``kubernetes``, from the pod's ``POD_NAME`` / ``POD_UID`` / ``POD_NAMESPACE``, which the
   process inherits: deploy/kubernetes); request plane ``tcp`` on ``node_address``, event plane
-  ``zmq``; clients reach it through that frontend (``frontend_url``, where this object sends
+  ``zmq`` (through the stack's relay, ``event_broker``, when it has one: the worker then binds
+  no ZMQ socket of its own); clients reach it through that frontend (``frontend_url``, where this object sends
   ``/v1/...`` requests when it has one). With ``tls`` (the stack's certificates,
   ``common/dynamo_tls.py``) this object reaches that frontend with the stack's client
   certificate.
@@ -87,8 +88,11 @@ class DynamoEngineProcess(EngineProcess):
 
     def __init__(self, model_dir: Path | str, *, discovery_dir: Path | str, namespace: str,
                  frontend_url: str | None = None, kv_events: bool = False, discovery_backend: str = "file",
-                 gated: bool = False, tls: DynamoTls | None = None, **options: Any) -> None:
+                 gated: bool = False, tls: DynamoTls | None = None, event_broker: str | None = None,
+                 **options: Any) -> None:
         super().__init__(model_dir, **options)
+        # The stack's relay of Dynamo's event plane (common.dynamo_planes), if it has one.
+        self.event_broker = event_broker
         # The stack's Dynamo certificates: what this object reaches the frontend with.
         self.tls = tls
         # Start with the worker's gate closed: requests wait until `open_gate` (module docstring).
@@ -153,7 +157,7 @@ class DynamoEngineProcess(EngineProcess):
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
-        env = plane_env(self.discovery_backend, self.discovery_dir, super().environment())
+        env = plane_env(self.discovery_backend, self.discovery_dir, super().environment(), self.event_broker)
         env.update({
             "DYN_SYSTEM_HOST": self.control_host,
             "DYN_SYSTEM_PORT": str(self.port),

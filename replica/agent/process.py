@@ -162,6 +162,7 @@ async def _run_replica(
                 discovery_dir=settings.dynamo_discovery_dir, namespace=names.dynamo_namespace(workflow_id),
                 frontend_url=settings.dynamo_frontend_url, kv_events=settings.dynamo_router_mode == "kv",
                 discovery_backend=settings.dynamo_discovery_backend, tls=settings.dynamo_tls(),
+                event_broker=settings.dynamo_event_broker,
                 # Requests wait at the worker's gate until it holds the deployment's weights.
                 gated=True,
                 **options,

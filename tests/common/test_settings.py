@@ -20,6 +20,7 @@ ALL_ENV = (
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "ROLLOUTS_TOKENS_FILE", "ROLLOUTS_ENGINE_KEY",
     "ROLLOUTS_API_URL", "ROLLOUTS_GATEWAY_URL", "ROLLOUTS_HOST", "ROLLOUTS_API_PORT", "ROLLOUTS_GATEWAY_PORT",
     "ROLLOUTS_DYNAMO_ROUTER_MODE", "ROLLOUTS_DYNAMO_FRONTEND_URL", "ROLLOUTS_DYNAMO_DISCOVERY_DIR", "ROLLOUTS_DYNAMO_TLS_DIR",
+    "ROLLOUTS_DYNAMO_EVENT_BROKER",
     "ROLLOUTS_DYNAMO_DISCOVERY", "ROLLOUTS_WORKER_METRICS_PORT", "ROLLOUTS_REPLICA_METRICS_PORT",
     *(f"ROLLOUTS_{name.upper()}" for name in ENV_FIELDS),
 )
@@ -88,9 +89,12 @@ def test_a_stack_json_from_before_the_host_loads_as_loopback(tmp_path: Path) -> 
 def test_dynamo_settings_from_stack_json_or_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = json.loads(json.dumps(Settings.create(tmp_path, port_base=24000).__dict__))
     del data["ports"]["dynamo"], data["dynamo_router_mode"]  # a stack.json from before Dynamo
+    del data["ports"]["dynamo_events_in"], data["ports"]["dynamo_events_out"]  # ... and its relay
     (tmp_path / "stack.json").write_text(json.dumps(data))
     loaded = Settings.load(tmp_path)
     assert loaded.dynamo_router_mode == "least-loaded"
+    # The embedded stack runs the relay of Dynamo's event plane: every Dynamo process uses it.
+    assert loaded.dynamo_event_broker == "xsub=tcp://127.0.0.1:24004 , xpub=tcp://127.0.0.1:24005"
     assert loaded.dynamo_frontend_url == "http://127.0.0.1:24002"
     assert loaded.dynamo_discovery_dir == tmp_path / "dynamo" / "discovery"
     assert loaded.stack_env()["ROLLOUTS_DYNAMO_FRONTEND_URL"] == "http://127.0.0.1:24002"
@@ -108,6 +112,8 @@ def test_dynamo_settings_from_stack_json_or_the_environment(tmp_path: Path, monk
         Settings.load(tmp_path).dynamo_discovery_backend
     assert loaded.dynamo_discovery_dir == Path("/shared/discovery")
     assert loaded.stack_env()["ROLLOUTS_DYNAMO_FRONTEND_URL"] == "http://127.0.0.1:24002"
+    monkeypatch.setenv("ROLLOUTS_DYNAMO_EVENT_BROKER", "xsub=tcp://10.0.0.1:1 , xpub=tcp://10.0.0.1:2")
+    assert Settings.load(tmp_path).dynamo_event_broker == "xsub=tcp://10.0.0.1:1 , xpub=tcp://10.0.0.1:2"
 
 
 def test_a_port_that_is_not_one_names_its_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,6 +150,7 @@ def test_a_cluster_install_builds_the_settings_from_the_environment(tmp_path: Pa
     assert settings.tokens_file == Path("/etc/rollouts/tokens.json")
     assert (settings.host, settings.ports["api"]) == ("0.0.0.0", 8080)
     assert settings.api_url == "http://api.rollouts.svc:8080"
+    assert settings.dynamo_event_broker is None  # no relay unless the install names one: Dynamo's direct mode
     for name in ENV_FIELDS:
         assert getattr(settings, name) == f"value-of-{name}", name
     # Every process of the install derives the same engine secret from the shared key.

@@ -3,16 +3,21 @@ shared Dynamo deployment has taken a hot-load, the listening TCP sockets and bou
 every process this test session started (the stack's services, its Temporal and SeaweedFS, the
 node agents, replica agents, Dynamo's frontend and workers, and vLLM's engine processes inside
 them) are on ``stack.host`` (127.0.0.1) and nowhere else: not 0.0.0.0, not ::, not the machine's
-own addresses. The failure names each process, its command line and the address. Dynamo's own
-sockets do not yet (the second test says which and why; it is a strict xfail)."""
+own addresses. The failure names each process, its command line and the address. Dynamo's
+processes bind no ZMQ publisher of their own (Dynamo's direct mode binds each on tcp://0.0.0.0):
+they publish and subscribe through the stack's relay (gateway/dynamo_events.py), and the last
+test reads the workers' events there."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import time
 
+import httpx
 import psutil
 import pytest
+import zmq
 
 from tests.helpers.gateway import GatewayDeployment, serve_full
 
@@ -65,12 +70,28 @@ def test_every_socket_of_our_processes_binds_the_configured_host(hot_loaded: Gat
     assert not wrong, f"sockets not on {hot_loaded.settings.host}:\n" + "\n".join(wrong)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Dynamo 1.6.1 binds its ZMQ event-plane publishers (the workers' kv_metrics and "
-    "active_sequences_events, the frontend's session_affinity_events) on tcp://0.0.0.0, hard-coded: "
-    "no setting binds them; its broker mode (DYN_ZMQ_BROKER_URL, a relay on unix sockets) would "
-    "(issue 30, open). Strict: this test fails the run once they bind the configured host, so the "
-    "mark comes off."))
 def test_every_socket_of_dynamos_processes_binds_the_configured_host(hot_loaded: GatewayDeployment):
     wrong = _off_host(hot_loaded, dynamo=True)
     assert not wrong, f"sockets not on {hot_loaded.settings.host}:\n" + "\n".join(wrong)
+
+
+def test_dynamos_events_pass_through_the_stacks_relay(hot_loaded: GatewayDeployment):
+    """A subscriber of the relay's outbound (XPUB) socket receives the events Dynamo's processes
+    publish while a deployment serves: the relay is where they go, not merely a socket that binds."""
+    settings = hot_loaded.settings
+    context = zmq.Context.instance()
+    sub = context.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://{settings.host}:{settings.ports['dynamo_events_out']}")
+        topics: set[bytes] = set()
+        deadline = time.monotonic() + 120
+        while not topics and time.monotonic() < deadline:
+            r = httpx.post(f"{hot_loaded.url}/v1/completions", headers=hot_loaded.headers, timeout=120,
+                           json={"model": hot_loaded.model, "prompt": [5, 6, 7], "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            while sub.poll(2000):
+                topics.add(sub.recv_multipart()[0][:80])
+        assert topics, "no event reached the relay's subscribers while the deployment served"
+    finally:
+        sub.close(linger=0)

@@ -44,6 +44,8 @@ def node_env(settings: Settings, home: Path) -> dict[str, str]:
         "ROLLOUTS_DYNAMO_DISCOVERY_DIR": str(settings.dynamo_discovery_dir),
         # The stack's Dynamo TLS certificates (a cluster copies them to every node).
         "ROLLOUTS_DYNAMO_TLS_DIR": str(settings.dynamo_tls_dir),
+        # The control plane's relay of Dynamo's event plane (gateway/dynamo_events.py).
+        "ROLLOUTS_DYNAMO_EVENT_BROKER": settings.dynamo_event_broker or "",
     }
 
 

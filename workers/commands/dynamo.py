@@ -4,7 +4,8 @@ from the settings (gateway/dynamo_frontend.py): HTTP on ``ROLLOUTS_HOST`` and ``
 the settings' Dynamo port), Dynamo's discovery backend (``ROLLOUTS_DYNAMO_DISCOVERY``: ``file`` in
 ``ROLLOUTS_DYNAMO_DISCOVERY_DIR``, or ``kubernetes``), the router mode
 (``ROLLOUTS_DYNAMO_ROUTER_MODE``), and ``--address``, where workers send their answers back, and mutual TLS with the certificates in
-``ROLLOUTS_DYNAMO_TLS_DIR`` when it holds them (common/dynamo_tls.py). It reads the home's
+``ROLLOUTS_DYNAMO_TLS_DIR`` when it holds them (common/dynamo_tls.py), and Dynamo's event plane
+through ``ROLLOUTS_DYNAMO_EVENT_BROKER`` when set (else Dynamo's direct mode). It reads the home's
 stack.json when there is one, else the environment alone, and needs no keys."""
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def main(args: argparse.Namespace) -> int:
     frontend = DynamoFrontend(settings.dynamo_discovery_dir, log_path=os.devnull, host=settings.host,
                               port=args.port or settings.ports["dynamo"], router_mode=settings.dynamo_router_mode,
                               discovery_backend=settings.dynamo_discovery_backend, address=address,
-                              tls=settings.dynamo_tls())
+                              tls=settings.dynamo_tls(), event_broker=settings.dynamo_event_broker)
     if problem := discovery_problem(frontend.discovery_backend, frontend.discovery_dir):
         print(f"rollouts dynamo-frontend: {problem}", file=sys.stderr)
         return 2
