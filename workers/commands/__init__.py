@@ -10,6 +10,14 @@ import logging
 
 from common.settings import Settings
 
+# How long the API and the gateway keep an idle client connection open (uvicorn's default is 5 s).
+# Clients pool connections and reuse them; httpx drops its own idle ones after 5 s. With the
+# server's limit at the client's, a request sent on a pooled connection as the server closes it
+# meets a reset (ECONNRESET: the request's bytes were unread when the socket closed), and a
+# client stalled a few seconds (docs/field-notes.md) finds every connection at that edge. Longer
+# than any common client's idle expiry: the client closes first.
+KEEP_ALIVE_S = 75
+
 
 def settings_of(args: argparse.Namespace) -> Settings:
     return Settings.load(args.home)

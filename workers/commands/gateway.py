@@ -11,12 +11,13 @@ import uvicorn
 from common.addresses import check_bind_host
 from common.settings import HOST_ENV
 from gateway.app import create_gateway_app
-from workers.commands import service_logging, settings_of
+from workers.commands import KEEP_ALIVE_S, service_logging, settings_of
 
 
 def main(args: argparse.Namespace) -> int:
     service_logging()
     settings = settings_of(args)
     host = check_bind_host(settings.host, f"the gateway's host ({HOST_ENV} or stack.json)")
-    uvicorn.run(create_gateway_app(settings), host=host, port=settings.ports["gateway"], log_level="warning")
+    uvicorn.run(create_gateway_app(settings), host=host, port=settings.ports["gateway"], log_level="warning",
+                timeout_keep_alive=KEEP_ALIVE_S)
     return 0
