@@ -35,7 +35,7 @@ from gateway.routing import DeploymentView, ReplicaView, Router
 from replica.agent.engine import EngineProcess
 from tests.helpers import engine_weights
 from tests.helpers.gateway import LocalGateway, check_spans, random_prompt, succession
-from tests.helpers.replicas import engine_running
+from tests.helpers.replicas import STEP_DELAY_S, engine_running
 from workers.base_model import write_base_model, write_counting_model
 
 pytestmark = pytest.mark.engine
@@ -199,6 +199,10 @@ async def test_spans_say_which_weights_sampled_each_token(engine, gateway, model
     async with httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": f"Bearer {TOKEN}"},
                                  timeout=900) as client:
         before = await ask(client, "/v1/completions", {"model": model, "prompt": random_prompt(6), "max_tokens": 8})
+        # The engine's steps slowed until the swap (replica/engine/step_delay.py): the long
+        # requests then outlast any stall of this machine before the pause reaches the engine
+        # (docs/field-notes.md); `frozen` below checks that they did.
+        await engine.collective_rpc("set_step_delay", STEP_DELAY_S)
         started = [asyncio.Event() for _ in range(5)]
         streamed = [
             asyncio.ensure_future(ask(client, "/v1/completions", {"model": model, "prompt": random_prompt(6),
@@ -214,8 +218,11 @@ async def test_spans_say_which_weights_sampled_each_token(engine, gateway, model
             "stream": True}, started[4]))
         # Swap once every sequence has streamed a token (each began on `old`); the ones still
         # running are frozen in its pause and finish on `new`.
-        await all_started(engine, list(zip(started, [*streamed, chat, pair], strict=True)), timeout=600)
-        frozen = await swap(engine, models["counting"], new)
+        try:
+            await all_started(engine, list(zip(started, [*streamed, chat, pair], strict=True)), timeout=600)
+            frozen = await swap(engine, models["counting"], new)
+        finally:
+            await engine.collective_rpc("set_step_delay", 0)
         answers = await asyncio.gather(*streamed, chat, pair)
         after = await ask(client, "/v1/completions", {"model": model, "prompt": random_prompt(6), "max_tokens": 8})
 
