@@ -31,14 +31,12 @@ from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine_rpc import EngineRequestError
 from replica.engine.tensors import adler32_hex
 from tests.helpers.engine_weights import load, stage
-from tests.helpers.replicas import engine_running
+from tests.helpers.replicas import STEP_DELAY_S, engine_running
 from workers.base_model import COUNTING_CHANGED, VOCAB, load_checkpoint
 
 pytestmark = pytest.mark.engine
 
 SERVED_NAME = "base"
-# Each engine step's delay while requests must stay in flight: 1,500 tokens then take about 40 s.
-STEP_DELAY_S = 0.025
 NAMESPACE = "rollouts-test"
 
 
