@@ -9,6 +9,13 @@ every worker (replica/agent/dynamo.py) run with the same discovery backend and p
   publishes and subscribes through it (``DYN_ZMQ_BROKER_URL``) and binds no ZMQ socket of its
   own; without one, Dynamo's direct mode (each publisher binds ``tcp://0.0.0.0``).
 
+The request plane has no authentication of its own: any process that reaches a worker's TCP
+port and speaks Dynamo's protocol could ask it for a completion. So every inference request a
+worker of ours serves must carry its deployment's request-plane secret
+(``Settings.dynamo_request_secret``) as one of Dynamo's ``annotations``
+(:func:`request_annotation`, sent by the gateway in ``nvext.annotations``, which Dynamo's frontend
+passes to the worker untouched); the worker refuses any other (replica/engine/dynamo_routes.py).
+
 ``plane_args`` and ``plane_env`` are the command-line flags and environment of one such process;
 ``discovery_problem`` readies the backend for a process about to start (the ``file`` directory
 made) or says why it cannot run (a pod variable unset).
@@ -25,6 +32,12 @@ from common.addresses import host_port
 DISCOVERY_BACKENDS = ("file", "kubernetes")
 # What Dynamo's kubernetes discovery reads to know the pod a process runs in.
 POD_ENV = ("POD_NAME", "POD_NAMESPACE", "POD_UID")
+# The annotation that carries a request's request-plane secret (module docstring).
+REQUEST_SECRET_PREFIX = "rollouts-request-secret:"
+
+
+def request_annotation(secret: str) -> str:
+    return REQUEST_SECRET_PREFIX + secret
 
 
 def plane_args(backend: str) -> list[str]:

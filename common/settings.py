@@ -59,7 +59,10 @@ Engine secrets: every replica's vLLM server refuses requests that lack its secre
 (``replica/engine/guard.py``). The secret is :meth:`Settings.engine_secret` = HMAC-SHA256 of the
 stack's ``engine_key`` over the replica's deployment workflow id and its name, so the replica
 agent (which starts the engine) and the gateway (which sends it inference) both derive it from
-the settings and nothing secret crosses Temporal. The embedded stack generates the key with its
+the settings and nothing secret crosses Temporal. A ``dynamo-vllm`` deployment's workers also
+share one request-plane secret (:meth:`Settings.dynamo_request_secret`, the same HMAC over the
+workflow id and a name no replica has) that every inference request carries to them
+(``common/dynamo_planes.py``). The embedded stack generates the key with its
 other credentials and keeps it only in ``stack.json`` (mode 0600); a ``stack.json`` without one
 gets one on its next load, which ``rollouts up`` saves before it starts anything. A cluster
 install gives every process the same ``ROLLOUTS_ENGINE_KEY``.
@@ -307,6 +310,11 @@ class Settings:
             raise ValueError("engine_key is empty: set it in stack.json or ROLLOUTS_ENGINE_KEY")
         message = f"{deployment_workflow_id}\n{replica}".encode()
         return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
+
+    def dynamo_request_secret(self, deployment_workflow_id: str) -> str:
+        """The request-plane secret of every Dynamo worker of that deployment: what each inference
+        request carries (``common.dynamo_planes.request_annotation``) and the worker checks."""
+        return self.engine_secret(deployment_workflow_id, "\0dynamo-request-plane")
 
     def engine_headers(self, deployment_workflow_id: str, replica: str) -> dict[str, str]:
         """The header that lets a request through that replica's engine guard."""

@@ -463,7 +463,8 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
         url = state["dynamo_url"]
         headers = {"content-type": "application/json", **({SESSION_HEADER: session} if session else {})}
         try:
-            payload = json.dumps(dynamo.upstream_body(plan, dynamo_model(view.workflow_id))).encode()
+            payload = json.dumps(dynamo.upstream_body(plan, dynamo_model(view.workflow_id),
+                                                      settings.dynamo_request_secret(view.workflow_id))).encode()
         except RequestError as exc:  # a field Dynamo cannot do (gateway/dynamo_fields.py)
             return error_response(InvalidArgument(str(exc)))
         workers = view.dynamo_workers()

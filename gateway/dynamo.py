@@ -2,14 +2,16 @@
 
 Pure functions and one accumulator; ``gateway/app.py`` calls them around each upstream request.
 
-- ``upstream_body(plan, model)``: the body Dynamo's frontend gets: the planned body
+- ``upstream_body(plan, model, request_secret)``: the body Dynamo's frontend gets: the planned body
   (``gateway.nvext.plan_request`` validated it and applied the gateway's limits) as
   ``gateway.dynamo_fields.dynamo_request`` makes it for Dynamo (``return_token_ids`` removed: it
   is answered from ``engine_data``; vLLM fields Dynamo cannot do raise ``RequestError``, a 400
   naming the field), with ``model``
   set to the deployment's Dynamo model name (``contracts.names.dynamo_model``), the cache salt
   back under ``nvext.cache_salt``, ``nvext.extra_fields`` = ``engine_data`` and ``worker_id``
-  (what the gateway needs; the client's own extra fields are the gateway's to answer), and always
+  (what the gateway needs; the client's own extra fields are the gateway's to answer),
+  ``nvext.annotations`` = the deployment's request-plane secret (``Settings.dynamo_request_secret``,
+  ``common.dynamo_planes.request_annotation``: its workers serve no request without it), and always
   ``stream: true``: Dynamo reports each choice's ``engine_data`` (its
   completion token ids and, from our worker, its per-token weight versions) on that choice's
   finishing chunk, while a non-streamed answer carries one ``engine_data`` for all choices. A
@@ -45,6 +47,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from common.dynamo_planes import request_annotation
 from gateway.dynamo_fields import dynamo_request
 from gateway.nvext import RequestPlan
 
@@ -63,9 +66,10 @@ def explain(message: str, details: Mapping[str, Any]) -> str:
     return f"{message} ({', '.join(f'{k}: {v}' for k, v in details.items())})"
 
 
-def upstream_body(plan: RequestPlan, model: str) -> dict[str, Any]:
+def upstream_body(plan: RequestPlan, model: str, request_secret: str) -> dict[str, Any]:
     body = dynamo_request(plan.upstream, plan.chat, plan.stream)
-    nvext: dict[str, Any] = {"extra_fields": list(GATEWAY_EXTRA_FIELDS)}
+    nvext: dict[str, Any] = {"extra_fields": list(GATEWAY_EXTRA_FIELDS),
+                             "annotations": [request_annotation(request_secret)]}
     salt = body.pop("cache_salt", None)
     if salt is not None:
         nvext["cache_salt"] = salt

@@ -4,7 +4,8 @@ The agent (`replica.agent.engine.EngineProcess`) runs ``python -m SERVER_MODULE`
 ``DYNAMO_WORKER_MODULE`` for Dynamo's worker, `replica.agent.dynamo.DynamoEngineProcess`) with
 ``--worker-extension-cls EXTENSION_CLS`` and hands the engine its secret through a 0600 file
 named by the environment variable ``SECRET_FILE_ENV``, which the engine
-(`replica.engine.guard.read_secret_file`) reads at start. ``NODE_ADDRESS_ENV`` carries the
+(`replica.engine.guard.read_secret_file`) reads at start. A Dynamo worker gets its deployment's
+request-plane secret the same way, through ``REQUEST_SECRET_FILE_ENV``. ``NODE_ADDRESS_ENV`` carries the
 address other hosts reach this host at: the engine's peer broadcast binds its gloo device there
 (`replica.engine.peer_group`).
 """
@@ -14,4 +15,7 @@ SERVER_MODULE = "replica.engine.server"
 DYNAMO_WORKER_MODULE = "replica.engine.dynamo_worker"
 EXTENSION_CLS = "replica.engine.extension.WeightLoaderExtension"
 SECRET_FILE_ENV = "ROLLOUTS_ENGINE_SECRET_FILE"
+# A Dynamo worker's request-plane secret (the same for every replica of its deployment): the
+# annotation every inference request must carry (common.dynamo_planes.request_annotation).
+REQUEST_SECRET_FILE_ENV = "ROLLOUTS_REQUEST_SECRET_FILE"
 NODE_ADDRESS_ENV = "ROLLOUTS_NODE_ADDRESS"

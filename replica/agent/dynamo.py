@@ -22,7 +22,10 @@ Everything the agent does with an engine works unchanged on it:
   no ZMQ socket of its own); clients reach it through that frontend (``frontend_url``, where this object sends
   ``/v1/...`` requests when it has one). With ``tls`` (the stack's certificates,
   ``common/dynamo_tls.py``) this object reaches that frontend with the stack's client
-  certificate.
+  certificate. Every inference request the worker serves must carry its deployment's
+  request-plane secret (``request_secret``, ``common/dynamo_planes.py``; the agent passes
+  ``Settings.dynamo_request_secret``): the worker gets it at start in a 0600 file named by
+  ``ROLLOUTS_REQUEST_SECRET_FILE``, and this object's own ``/v1/...`` requests carry it.
 - **Pause keeps new requests off a paused worker**: ``pause()`` first takes the worker's
   ``generate`` instance out of discovery (``leave``) when another instance of the namespace is
   registered (the worker's ``instances`` route: what its own discovery client lists), so the frontend routes new requests to the others; ``resume()`` puts it back
@@ -50,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -57,12 +61,12 @@ from typing import Any
 import httpx
 
 from common.addresses import host_port
-from common.dynamo_planes import DISCOVERY_BACKENDS, discovery_problem, plane_args, plane_env
+from common.dynamo_planes import DISCOVERY_BACKENDS, discovery_problem, plane_args, plane_env, request_annotation
 from common.dynamo_tls import DynamoTls
 from common.processes import free_port, free_port_below
 from replica.agent.engine import EngineProcess, EngineStartError, _tail
 from replica.agent.engine_rpc import EngineRequestError, ReadBackError
-from replica.launch import DYNAMO_WORKER_MODULE
+from replica.launch import DYNAMO_WORKER_MODULE, REQUEST_SECRET_FILE_ENV
 
 ROUTE_PREFIX = "/engine/rollouts/"
 # Dynamo reads DYN_SYSTEM_PORT as a signed 16-bit number.
@@ -89,8 +93,10 @@ class DynamoEngineProcess(EngineProcess):
     def __init__(self, model_dir: Path | str, *, discovery_dir: Path | str, namespace: str,
                  frontend_url: str | None = None, kv_events: bool = False, discovery_backend: str = "file",
                  gated: bool = False, tls: DynamoTls | None = None, event_broker: str | None = None,
-                 **options: Any) -> None:
+                 request_secret: str | None = None, **options: Any) -> None:
         super().__init__(model_dir, **options)
+        # What every inference request must carry to the worker (default: a fresh random one).
+        self.request_secret = request_secret or secrets.token_urlsafe(32)
         # The stack's relay of Dynamo's event plane (common.dynamo_planes), if it has one.
         self.event_broker = event_broker
         # The stack's Dynamo certificates: what this object reaches the frontend with.
@@ -115,7 +121,7 @@ class DynamoEngineProcess(EngineProcess):
     def attach(cls, base_url: str, *, pid: int | None = None, served_model_name: str | None = None,
                secret: str | None = None, discovery_dir: Path | str = ".", namespace: str = "",
                worker_id: int | None = None, frontend_url: str | None = None,
-               tls: DynamoTls | None = None) -> DynamoEngineProcess:
+               tls: DynamoTls | None = None, request_secret: str | None = None) -> DynamoEngineProcess:
         """A running worker whose system server is at ``base_url`` (its control URL); with
         ``worker_id`` (its Dynamo id) and ``frontend_url``, ``/v1/...`` requests reach it."""
         engine = super().attach(base_url, pid=pid, served_model_name=served_model_name, secret=secret,
@@ -123,6 +129,7 @@ class DynamoEngineProcess(EngineProcess):
         assert isinstance(engine, DynamoEngineProcess)
         engine.worker_id = worker_id
         engine.tls = tls
+        engine.request_secret = request_secret
         return engine
 
     @property
@@ -169,7 +176,15 @@ class DynamoEngineProcess(EngineProcess):
         })
         if self.gated:
             env["ROLLOUTS_GATED"] = "1"
+        env[REQUEST_SECRET_FILE_ENV] = str(self.request_secret_path)
         return env
+
+    @property
+    def request_secret_path(self) -> Path:
+        return self.work_dir / "request.secret"
+
+    def secret_files(self) -> dict[Path, str]:
+        return {**super().secret_files(), self.request_secret_path: self.request_secret or ""}
 
     async def start(self, timeout: float = 600.0, on_spawn: Any = None) -> DynamoEngineProcess:
         if self.port is None:
@@ -237,7 +252,7 @@ class DynamoEngineProcess(EngineProcess):
 
     def _to_this_worker(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """A JSON body for Dynamo's frontend that only this worker serves
-        (``nvext.backend_instance_id``), with vLLM's top-level ``cache_salt`` where Dynamo reads it
+        (``nvext.backend_instance_id``), carrying the request-plane secret, with vLLM's top-level ``cache_salt`` where Dynamo reads it
         (``nvext.cache_salt``)."""
         body = kwargs.get("json")
         if not isinstance(body, dict) or self.worker_id is None:
@@ -245,6 +260,8 @@ class DynamoEngineProcess(EngineProcess):
         body = dict(body)
         nvext = dict(body.get("nvext") or {})
         nvext.setdefault("backend_instance_id", self.worker_id)
+        if self.request_secret:
+            nvext["annotations"] = [*(nvext.get("annotations") or []), request_annotation(self.request_secret)]
         if "cache_salt" in body:
             nvext.setdefault("cache_salt", body.pop("cache_salt"))
         return {**kwargs, "json": {**body, "nvext": nvext}}

@@ -255,7 +255,7 @@ class EngineProcess(EngineClient):
         if self.port is None:
             self.port = free_port(self.host or "0.0.0.0")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._write_secret()
+        self._write_secrets()
         t0 = time.monotonic()
         with self.log_path.open("ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(self.command())}\n".encode())
@@ -281,17 +281,23 @@ class EngineProcess(EngineClient):
             await self.stop()
             raise
         finally:
-            self.secret_path.unlink(missing_ok=True)  # the server read it before it served
+            for path in self.secret_files():  # the server read them before it served
+                path.unlink(missing_ok=True)
         self.start_seconds = time.monotonic() - t0
         return self
 
-    def _write_secret(self) -> None:
-        if not self.secret:
-            raise EngineError("an engine needs a secret")
-        self.secret_path.unlink(missing_ok=True)
-        fd = os.open(self.secret_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.secret)
+    def secret_files(self) -> dict[Path, str]:
+        """What ``start()`` hands the server in 0600 files, removed once it serves: path -> secret."""
+        return {self.secret_path: self.secret or ""}
+
+    def _write_secrets(self) -> None:
+        for path, secret in self.secret_files().items():
+            if not secret:
+                raise EngineError(f"an engine needs its secrets: none for {path.name}")
+            path.unlink(missing_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secret)
 
     async def wait_ready(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout

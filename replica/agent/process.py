@@ -163,6 +163,9 @@ async def _run_replica(
                 frontend_url=settings.dynamo_frontend_url, kv_events=settings.dynamo_router_mode == "kv",
                 discovery_backend=settings.dynamo_discovery_backend, tls=settings.dynamo_tls(),
                 event_broker=settings.dynamo_event_broker,
+                # What the gateway puts on every request for this deployment: no other caller
+                # of the worker's request plane gets an answer.
+                request_secret=settings.dynamo_request_secret(workflow_id),
                 # Requests wait at the worker's gate until it holds the deployment's weights.
                 gated=True,
                 **options,

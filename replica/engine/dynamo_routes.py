@@ -42,9 +42,23 @@ touching Dynamo's or vLLM's files:
    which Dynamo's frontend returns as ``nvext.engine_data`` when a request names ``engine_data``
    in ``nvext.extra_fields``; the gateway turns them into ``nvext.weight_versions``.
 
-The system server must bind loopback (``DYN_SYSTEM_HOST=127.0.0.1``): it has no authentication of
-its own and carries Dynamo's control routes (sleep, profiling) beside ours, so only the replica's
-own host reaches it, as with a vLLM replica's control routes.
+5. **The request plane's secret**: Dynamo's request plane (TCP) has no authentication, so every
+   request must carry the deployment's request-plane secret as one of its ``annotations``
+   (``common/dynamo_planes.py``; the gateway sends it in ``nvext.annotations``, Dynamo's frontend
+   passes it on); one without it fails with :data:`REFUSED` before it reaches the gate or the
+   engine, and the secret's annotation is removed from every request. Dynamo's own health canary
+   (its probe marker, one prompt token, one generated token) passes without it.
+
+6. **Dynamo's own engine routes behind the secret**: the routes Dynamo's worker registers on the
+   same system server (``control/sleep``, ``control/wake_up``, profiling, and its RL routes:
+   ``pause_generation``, ``update_weights_from_disk``, ...) answer only a body that carries the
+   engine's secret, as ours do (:class:`GuardedRuntime`): no local process pauses the engine or
+   loads weights into it behind the agent's back.
+
+The system server must bind loopback (``DYN_SYSTEM_HOST=127.0.0.1``): its routes answer a 401 in
+the body without the secret, and only the replica's own host reaches it, as with a vLLM
+replica's control routes (``/health``, ``/live`` and ``/metrics`` are Dynamo's, unguarded, and
+say only whether it is up and how busy).
 """
 
 from __future__ import annotations
@@ -55,6 +69,8 @@ import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+
+from common.dynamo_planes import REQUEST_SECRET_PREFIX, request_annotation
 
 ROUTE_PREFIX = "rollouts/"
 ROUTES = ("pause", "resume", "is_paused", "reset_prefix_cache", "collective_rpc", "update_weight_version",
@@ -113,15 +129,19 @@ class SpanRecorder:
 
         return recording
 
-    def wrap_handler(self, generate: Callable[..., AsyncIterator[Any]], probe: Callable[[Any], bool]
-                     ) -> Callable[..., AsyncIterator[Any]]:
-        """The handler's ``generate(request, context)`` behind the gate; Dynamo's own health
-        probe (``probe(request)``) passes, or the worker would never report ready. The signature
+    def wrap_handler(self, generate: Callable[..., AsyncIterator[Any]], probe: Callable[[Any], bool],
+                     request_secret: str | None = None) -> Callable[..., AsyncIterator[Any]]:
+        """The handler's ``generate(request, context)`` behind the request-plane secret (with
+        ``request_secret``: :func:`carries_secret`) and the gate; Dynamo's own health probe
+        (``probe(request)``) passes both, or the worker would never report ready. The signature
         is the handler's own: Dynamo passes ``context`` only to a handler that names it."""
         gate = self.gate
 
         async def gated(request: Any, context: Any):
-            if not gate.is_open and not probe(request):
+            is_probe = probe(request)
+            if request_secret is not None and not is_probe and not carries_secret(request, request_secret):
+                raise PermissionError(REFUSED)
+            if not gate.is_open and not is_probe:
                 await gate.wait()
             async for out in generate(request, context):
                 yield out
@@ -146,6 +166,40 @@ class SpanRecorder:
                 final.pop(request_id, None)
 
         return stamping
+
+
+# -- the request plane's secret --------------------------------------------------------------------
+
+REFUSED = ("refused: the request carries no valid rollouts request secret (an nvext.annotations "
+           "entry only the stack's gateway sends); inference reaches this worker only through the gateway")
+
+
+def carries_secret(request: Any, secret: str) -> bool:
+    """Whether Dynamo's preprocessed ``request`` carries ``secret`` among its ``annotations``
+    (``common.dynamo_planes.request_annotation``); the secret's annotation is removed from the
+    request either way, so nothing after this sees it."""
+    if not isinstance(request, dict):
+        return False
+    annotations = request.get("annotations")
+    if not isinstance(annotations, list):
+        return False
+    given = [a for a in annotations if isinstance(a, str) and a.startswith(REQUEST_SECRET_PREFIX)]
+    if not given:
+        return False
+    request["annotations"] = [a for a in annotations if a not in given]
+    expected = request_annotation(secret).encode()
+    return len(given) == 1 and hmac.compare_digest(given[0].encode(), expected)
+
+
+def is_canary(request: Any, marked: Callable[[Any], bool]) -> bool:
+    """Dynamo's health canary: marked as its probe (``marked``) and no more than one prompt token
+    and one generated token, so the marker gets no caller a completion of their own."""
+    if not isinstance(request, dict) or not marked(request):
+        return False
+    stop = request.get("stop_conditions") if isinstance(request.get("stop_conditions"), dict) else {}
+    tokens = request.get("token_ids")
+    return (stop.get("max_tokens") == 1 and isinstance(tokens, list) and len(tokens) <= 1
+            and not request.get("prompt") and not request.get("messages"))
 
 
 # -- control routes -------------------------------------------------------------------------------
@@ -279,12 +333,8 @@ def control_routes(engine: Any, endpoint: Any, secret: str, gate: Gate | None = 
                 "collective_rpc": collective_rpc, "update_weight_version": update_weight_version,
                 "weight_info": weight_info, "swap_in_pause": swap_in_pause}
 
-    def guarded(name: str, handler: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]):
+    def answering(name: str, handler: Route) -> Route:
         async def route(body: dict[str, Any]) -> dict[str, Any]:
-            body = body if isinstance(body, dict) else {}
-            given = body.get("secret")
-            if not isinstance(given, str) or not hmac.compare_digest(given.encode(), secret.encode()):
-                return _error(401, "the engine's secret is missing or wrong")
             try:
                 return await handler(body)
             except ValueError as exc:
@@ -294,30 +344,65 @@ def control_routes(engine: Any, endpoint: Any, secret: str, gate: Gate | None = 
 
         return route
 
-    return {name: guarded(name, handlers[name]) for name in ROUTES}
+    return {name: needs_secret(answering(name, handlers[name]), secret) for name in ROUTES}
 
 
-def install(worker_factory: Any, secret: str, gated: bool = False) -> SpanRecorder:
+Route = Callable[[dict[str, Any]], Awaitable[Any]]
+
+
+def needs_secret(handler: Route, secret: str) -> Route:
+    """``handler`` answering only a body that carries the engine's ``secret`` (removed from the
+    body it gets); any other body answers a 401 in the body."""
+
+    async def route(body: Any) -> Any:
+        body = dict(body) if isinstance(body, dict) else {}
+        given = body.pop("secret", None)
+        if not isinstance(given, str) or not hmac.compare_digest(given.encode(), secret.encode()):
+            return _error(401, "the engine's secret is missing or wrong")
+        return await handler(body)
+
+    return route
+
+
+class GuardedRuntime:
+    """Dynamo's ``DistributedRuntime`` as Dynamo's own route registration sees it: every engine
+    route it registers (sleep, wake_up, profiling, its RL routes: pause, weights from disk, ...)
+    answers only a body with the engine's secret (:func:`needs_secret`); all else is the runtime's."""
+
+    def __init__(self, runtime: Any, secret: str) -> None:
+        self._runtime = runtime
+        self._secret = secret
+
+    def register_engine_route(self, name: str, callback: Route) -> Any:
+        return self._runtime.register_engine_route(name, needs_secret(callback, self._secret))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runtime, name)
+
+
+def install(worker_factory: Any, secret: str, gated: bool = False, request_secret: str | None = None
+            ) -> SpanRecorder:
     """Hook Dynamo's ``WorkerFactory`` (``dynamo.vllm.worker_factory``) so that, when it registers
     a worker's engine routes, ours are registered too and the handler's outputs carry
-    weight-version spans; ``gated``: requests wait at a closed gate until ``open``."""
+    weight-version spans; ``gated``: requests wait at a closed gate until ``open``;
+    ``request_secret``: every request but Dynamo's canary must carry it (5)."""
     from dynamo.common.backend.health_check import is_probe  # noqa: PLC0415 - only inside the worker
 
     WorkerFactory = worker_factory  # noqa: N806
     recorder = SpanRecorder(Gate(closed=gated))
 
     def probe(request: Any) -> bool:
-        return isinstance(request, dict) and is_probe(request)
+        return is_canary(request, is_probe)
     register = WorkerFactory.register_engine_routes
 
     def register_engine_routes(self: Any, runtime: Any, generate_endpoint: Any, handler: Any, *args: Any, **kwargs: Any):
-        register(self, runtime, generate_endpoint, handler, *args, **kwargs)
+        register(self, GuardedRuntime(runtime, secret), generate_endpoint, handler, *args, **kwargs)
         engine = handler.engine_client
         for name, route in control_routes(engine, generate_endpoint, secret, recorder.gate).items():
             runtime.register_engine_route(ROUTE_PREFIX + name, route)
         engine.generate = recorder.wrap_generate(engine.generate)
         # Before Dynamo serves the endpoint with it (serve_endpoint comes after this hook).
-        handler.generate = recorder.wrap_handler(handler.generate, probe)
+        handler.generate = recorder.wrap_handler(handler.generate, probe, request_secret)
         handler.generate_tokens = recorder.wrap_tokens(handler.generate_tokens)
 
     WorkerFactory.register_engine_routes = register_engine_routes

@@ -7,7 +7,8 @@ runs ``dynamo.vllm``'s own ``main()`` (ai-dynamo 1.6.1) after ``replica.engine.d
 control routes on Dynamo's system server and per-token weight-version spans in its answers) and
 ``replica.engine.dynamo_card.install`` (its model card's files in the shared discovery directory,
 where a frontend on any host reads them), with the engine's secret read from
-``$ROLLOUTS_ENGINE_SECRET_FILE``; ``ROLLOUTS_GATED=1`` starts it with its gate closed (requests
+``$ROLLOUTS_ENGINE_SECRET_FILE`` and its deployment's request-plane secret (what every inference
+request must carry) from ``$ROLLOUTS_REQUEST_SECRET_FILE``; ``ROLLOUTS_GATED=1`` starts it with its gate closed (requests
 wait until the agent opens it: ``replica.engine.dynamo_routes``).
 
 Everything is imported under the ``__main__`` guard: vLLM starts its engine core and worker by
@@ -26,7 +27,9 @@ if __name__ == "__main__":
 
     from replica.engine import dynamo_card, dynamo_routes
     from replica.engine.guard import read_secret_file
+    from replica.launch import REQUEST_SECRET_FILE_ENV
 
-    dynamo_routes.install(WorkerFactory, read_secret_file(), gated=os.environ.get("ROLLOUTS_GATED") == "1")
+    dynamo_routes.install(WorkerFactory, read_secret_file(), gated=os.environ.get("ROLLOUTS_GATED") == "1",
+                          request_secret=read_secret_file(env=REQUEST_SECRET_FILE_ENV))
     dynamo_card.install(worker_main)
     worker_main.main()

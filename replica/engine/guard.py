@@ -108,25 +108,26 @@ class EngineSecretError(RuntimeError):
     """The engine's secret is missing or stored unsafely; the engine must not start."""
 
 
-def read_secret_file(path: str | os.PathLike[str] | None = None) -> str:
-    """The secret in ``path`` (default: ``$ROLLOUTS_ENGINE_SECRET_FILE``), stripped.
+def read_secret_file(path: str | os.PathLike[str] | None = None, env: str = SECRET_FILE_ENV) -> str:
+    """The secret in ``path`` (default: the file the environment variable ``env`` names, the
+    engine's secret unless told otherwise), stripped.
 
     Raises EngineSecretError when no file is named, it cannot be read, it is empty, or group or
     others may read it."""
     if path is None:
-        path = os.environ.get(SECRET_FILE_ENV)
+        path = os.environ.get(env)
     if not path:
-        raise EngineSecretError(f"{SECRET_FILE_ENV} is not set: a rollouts engine needs its secret")
+        raise EngineSecretError(f"{env} is not set: a rollouts engine needs this secret")
     path = Path(path)
     try:
         mode = path.stat().st_mode
         secret = path.read_text().strip()
     except OSError as exc:
-        raise EngineSecretError(f"{SECRET_FILE_ENV}={path}: cannot read the engine secret: {exc}") from exc
+        raise EngineSecretError(f"{env}={path}: cannot read the secret: {exc}") from exc
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise EngineSecretError(f"{SECRET_FILE_ENV}={path}: mode {stat.S_IMODE(mode):o} lets others read it (use 0600)")
+        raise EngineSecretError(f"{env}={path}: mode {stat.S_IMODE(mode):o} lets others read it (use 0600)")
     if not secret:
-        raise EngineSecretError(f"{SECRET_FILE_ENV}={path}: the file is empty")
+        raise EngineSecretError(f"{env}={path}: the file is empty")
     return secret
 
 

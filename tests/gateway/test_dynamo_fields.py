@@ -32,7 +32,7 @@ def test_rl_clients_vllm_extras_are_taken(path):
     chat = path.endswith("chat/completions")
     prompt = {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": [1, 2, 3]}
     plan = plan_request({"model": "m", **prompt, **RL_EXTRAS}, path)
-    body = dynamo.upstream_body(plan, "deployments/o/d")
+    body = dynamo.upstream_body(plan, "deployments/o/d", "s3cret")
     assert not REMOVED & set(body)
     # Everything else reaches Dynamo as the client sent it (Dynamo honours these).
     assert {k: body[k] for k in set(RL_EXTRAS) - REMOVED} == {k: RL_EXTRAS[k] for k in set(RL_EXTRAS) - REMOVED}
@@ -64,7 +64,7 @@ def test_rl_clients_vllm_extras_are_taken(path):
 def test_what_dynamo_cannot_do_is_a_400_naming_the_field(field, value, why):
     plan = plan_request({"model": "m", "prompt": [1], field: value}, "/v1/completions")
     with pytest.raises(RequestError) as err:
-        dynamo.upstream_body(plan, "d")
+        dynamo.upstream_body(plan, "d", "s")
     assert str(err.value).startswith(f"{field}: ") and "dynamo-vllm deployment" in str(err.value)
     assert why in str(err.value)
 
@@ -73,7 +73,7 @@ def test_tables_do_not_overlap_and_prompt_logprobs_on_a_stream_is_refused():
     assert not set(PASSED) & (set(IGNORED) | set(REFUSED))
     plan = plan_request({"model": "m", "prompt": [1], "prompt_logprobs": 1, "stream": True}, "/v1/completions")
     with pytest.raises(RequestError, match="^prompt_logprobs: not available when stream is true"):
-        dynamo.upstream_body(plan, "d")
+        dynamo.upstream_body(plan, "d", "s")
     assert dynamo_request({"prompt_logprobs": 0}, chat=False, stream=True) == {"prompt_logprobs": 0}
 
 

@@ -9,7 +9,9 @@ real Dynamo vLLM workers behind Dynamo's frontend and router, behind the gateway
   for one to return instead of failing.
 - Dynamo's own 400s reach the client in the gateway's error shape.
 - Dynamo's frontend answers no one without the stack's client certificate
-  (common/dynamo_tls.py): only the gateway, which checks the caller's token, reaches a model.
+  (common/dynamo_tls.py), and a worker serves no request without its deployment's request-plane
+  secret (common/dynamo_planes.py), whether it came through the frontend or straight to the
+  worker's TCP request plane: only the gateway, which checks the caller's token, reaches a model.
 - vLLM's ``return_token_ids`` (which Dynamo's frontend refuses) and ``prompt_logprobs`` are
   answered in vLLM's shape, streamed or not, on completions and chat: the ids decode to the text
   and are the ones the logprobs name; ``echo``, which Dynamo would ignore, is a 400.
@@ -23,19 +25,24 @@ from __future__ import annotations
 
 import json
 import ssl
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from tokenizers import Tokenizer
 
 from common import dynamo_tls
-from contracts.names import deployment_workflow_id, dynamo_model
+from common.dynamo_planes import request_annotation
+from contracts.names import deployment_workflow_id, dynamo_model, dynamo_namespace
 from tests.helpers.gateway import GatewayDeployment, random_prompt
 from tests.helpers.replicas import control, engines
 
 pytestmark = pytest.mark.stack
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _headers(settings, session: str | None = None) -> dict[str, str]:
@@ -81,9 +88,53 @@ def test_dynamos_frontend_answers_no_one_without_the_stacks_client_certificate(g
                 assert isinstance(exc, httpx.TransportError), exc  # refused before any HTTP answer
                 continue
             assert r.status_code != 200 and _dynamo_model(gw) not in r.text, (name, method, path, r.status_code, r.text)
-    # The premise: with the stack's client certificate the same calls are answered.
+    # The premise: with the stack's client certificate and the request-plane secret the same
+    # calls are answered; with the certificate alone the workers refuse the completion.
     with _frontend(settings) as client:
-        assert client.post("/v1/completions", json=body, timeout=60).status_code == 200
+        refused = client.post("/v1/completions", json=body, timeout=60)
+        assert refused.status_code != 200 and "choices" not in refused.text, refused.text
+        secret = settings.dynamo_request_secret(deployment_workflow_id(settings.organization_id, gw.id))
+        r = client.post("/v1/completions", timeout=60,
+                        json={**body, "nvext": {"annotations": [request_annotation(secret)]}})
+        assert r.status_code == 200 and r.json()["choices"], r.text
+
+
+def test_dynamos_own_engine_routes_need_the_engines_secret(gw: GatewayDeployment):
+    """Dynamo's routes on each worker's system server (sleep, profiling, its RL routes that pause
+    the engine or load weights from disk) answer a local process without the engine's secret
+    with a 401 and do nothing; the premise: with the secret, a harmless one answers."""
+    for replica in engines(gw.settings, gw.id):
+        url = replica["engineUrl"] + "/engine/"
+        for route in ("control/sleep", "control/start_profile", "pause_generation", "update_weights_from_disk",
+                      "get_weight_version"):
+            for body in ({}, {"secret": "guessed"}):
+                r = httpx.post(url + route, json=body, timeout=30, trust_env=False)
+                error = r.json().get("error") if r.status_code == 200 else None
+                assert isinstance(error, dict) and error.get("code") == 401, (replica["name"], route, r.status_code, r.text)
+        r = httpx.post(url + "get_weight_version", json={"secret": replica["engineSecret"]}, timeout=30, trust_env=False)
+        assert r.status_code == 200 and "error" not in r.json(), r.text
+        assert not r.json().get("is_paused", False), r.text
+
+
+def test_a_local_process_on_the_request_plane_gets_no_completion(gw: GatewayDeployment):
+    """A process on the machine that reads the discovery directory and speaks Dynamo's request
+    plane to each worker's TCP port (no gateway, no frontend) gets no token without the
+    deployment's request-plane secret, and tokens with it (the premise: it reached every worker)."""
+    settings = gw.settings
+    workflow_id = deployment_workflow_id(settings.organization_id, gw.id)
+    workers = {int(r["dynamoWorker"], 16) for r in engines(settings, gw.id)}
+    secret = request_annotation(settings.dynamo_request_secret(workflow_id))
+    for given, served in (([], False), ([request_annotation("guessed")], False), ([secret], True)):
+        proc = subprocess.run([sys.executable, "-m", "tests.helpers.request_plane_caller",
+                               str(settings.dynamo_discovery_dir), dynamo_namespace(workflow_id), *given],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+        results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert {r["instance"] for r in results} == workers, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+        for r in results:
+            if served:
+                assert r["tokens"] and "error" not in r, r
+            else:
+                assert not r["tokens"] and "error" in r, f"a stranger on the request plane got tokens: {r}"
 
 
 def _dynamo_model(gw: GatewayDeployment) -> str:

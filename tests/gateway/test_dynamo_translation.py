@@ -9,27 +9,40 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from contracts.names import dynamo_model, dynamo_namespace
 from gateway import dynamo
-from gateway.nvext import finish_choice, finish_chunk, plan_request, version_spans
-from replica.engine.dynamo_routes import SpanRecorder, control_routes
+from gateway.nvext import RequestError, finish_choice, finish_chunk, plan_request, version_spans
+from replica.engine.dynamo_routes import (
+    REFUSED,
+    GuardedRuntime,
+    SpanRecorder,
+    carries_secret,
+    control_routes,
+    is_canary,
+)
 
 
-def test_upstream_body_streams_asks_for_engine_data_and_moves_the_salt():
+def test_upstream_body_streams_asks_for_engine_data_moves_the_salt_and_carries_the_secret():
+    # A client names no annotation of its own (a 400 naming the field): the secret's is the only one.
+    with pytest.raises(RequestError, match="nvext: unsupported field.s. annotations"):
+        plan_request({"model": "m", "prompt": [1], "nvext": {"annotations": ["x"]}}, "/v1/completions")
     plan = plan_request({"model": "m", "prompt": [1, 2], "n": 2, "logprobs": 1,
                          "nvext": {"cache_salt": "s1", "extra_fields": ["timing"]}}, "/v1/completions")
-    body = dynamo.upstream_body(plan, "deployments/org/x")
+    body = dynamo.upstream_body(plan, "deployments/org/x", "s3cret")
     assert body["model"] == "deployments/org/x" and body["stream"] is True
     assert body["stream_options"] == {"include_usage": True}
-    assert body["nvext"] == {"extra_fields": ["engine_data", "worker_id"], "cache_salt": "s1"}
+    assert body["nvext"] == {"extra_fields": ["engine_data", "worker_id"], "cache_salt": "s1",
+                             "annotations": ["rollouts-request-secret:s3cret"]}
     assert "cache_salt" not in body and "return_token_ids" not in body
     chat = plan_request({"model": "m", "messages": [], "logprobs": True, "stream": True,
                          "stream_options": {"include_usage": False}}, "/v1/chat/completions")
-    body = dynamo.upstream_body(chat, "d")
+    body = dynamo.upstream_body(chat, "d", "s")
     assert "return_token_ids" not in body and body["stream_options"] == {"include_usage": False}
     # Dynamo refuses return_token_ids: the gateway answers it from engine_data instead.
     asked = plan_request({"model": "m", "prompt": [1], "return_token_ids": True}, "/v1/completions")
-    assert "return_token_ids" not in dynamo.upstream_body(asked, "d") and asked.client_token_ids
+    assert "return_token_ids" not in dynamo.upstream_body(asked, "d", "s") and asked.client_token_ids
 
 
 def _chunk(index: int, text: str, finish: str | None = None, engine_data: dict | None = None,
@@ -161,6 +174,74 @@ def test_control_routes_need_the_secret_and_answer_errors_in_the_body():
     assert run(routes["instances"]({"secret": "s3cret"})) == {"worker_ids": [0x123]}
     assert run(routes["join"]({"secret": "s3cret"})) == {"status": "joined"} and endpoint.registered
     assert run(routes["instance"]({"secret": "s3cret"})) == {"worker_id": 0xABC}
+
+
+def _preprocessed(annotations=None, max_tokens=8, token_ids=(5, 6), probe=False) -> dict:
+    request = {"token_ids": list(token_ids), "stop_conditions": {"max_tokens": max_tokens}}
+    if annotations is not None:
+        request["annotations"] = list(annotations)
+    if probe:
+        request["probe"] = True
+    return request
+
+
+def test_the_worker_serves_only_requests_that_carry_the_request_plane_secret():
+    good = "rollouts-request-secret:s3cret"
+    request = _preprocessed([good, "other"])
+    assert carries_secret(request, "s3cret") and request["annotations"] == ["other"]  # removed
+    for given in (None, [], ["rollouts-request-secret:wrong"], ["other"], [good, good + "x"],
+                  ["rollouts-request-secret:"]):
+        assert not carries_secret(_preprocessed(given), "s3cret"), given
+    assert not carries_secret("not a dict", "s3cret") and not carries_secret({"annotations": "x"}, "s3cret")
+
+    marked = lambda r: r.get("probe") is True  # noqa: E731 - Dynamo's marker, in miniature
+    assert is_canary(_preprocessed(max_tokens=1, token_ids=(1,), probe=True), marked)
+    # The marker alone gets no completion: more prompt or more tokens than Dynamo's canary is refused.
+    assert not is_canary(_preprocessed(max_tokens=1, token_ids=(1,)), marked)
+    assert not is_canary(_preprocessed(max_tokens=2, token_ids=(1,), probe=True), marked)
+    assert not is_canary(_preprocessed(max_tokens=1, token_ids=(1, 2), probe=True), marked)
+
+    served: list[dict] = []
+
+    async def generate(request, context):
+        served.append(request)
+        yield {"token_ids": [7]}
+
+    handler = SpanRecorder().wrap_handler(generate, lambda r: is_canary(r, marked), "s3cret")
+
+    async def run(request):
+        return [out async for out in handler(request, None)]
+
+    with pytest.raises(PermissionError, match="no valid rollouts request secret"):
+        asyncio.run(run(_preprocessed(["rollouts-request-secret:wrong"])))
+    assert served == [] and "gateway" in REFUSED
+    assert asyncio.run(run(_preprocessed([good]))) == [{"token_ids": [7]}]
+    assert asyncio.run(run(_preprocessed(max_tokens=1, token_ids=(1,), probe=True))) == [{"token_ids": [7]}]
+    assert len(served) == 2 and served[0]["annotations"] == []
+
+
+def test_dynamos_own_engine_routes_answer_only_the_engines_secret():
+    """What Dynamo's worker registers through our GuardedRuntime (its sleep, pause_generation,
+    update_weights_from_disk, ...) runs only for a body with the engine's secret, which it never
+    sees; everything else of the runtime is the runtime's own."""
+    registered: dict = {}
+    runtime = SimpleNamespace(register_engine_route=lambda name, cb: registered.__setitem__(name, cb),
+                              namespace=lambda: "ns")
+    guarded = GuardedRuntime(runtime, "s3cret")
+    calls: list[dict] = []
+
+    async def update_weights_from_disk(body):
+        calls.append(body)
+        return {"status": "ok"}
+
+    guarded.register_engine_route("update_weights_from_disk", update_weights_from_disk)
+    assert guarded.namespace() == "ns"
+    route = registered["update_weights_from_disk"]
+    for body in ({}, {"path": "/x"}, {"path": "/x", "secret": "wrong"}, None):
+        assert asyncio.run(route(body))["error"]["code"] == 401, body
+    assert calls == []
+    assert asyncio.run(route({"path": "/x", "secret": "s3cret"})) == {"status": "ok"}
+    assert calls == [{"path": "/x"}]
 
 
 def test_span_recorder_stamps_each_finishing_choice():

@@ -122,12 +122,13 @@ def engines(settings: Settings, dep_id: str) -> list[dict]:
     """The deployment's replicas by name, each with its engine's secret (``engineSecret``,
     derived from the stack's settings as the gateway does) and the stack's Dynamo frontend
     (``dynamoFrontendUrl``, through which a Dynamo worker serves, ``dynamoModel``, the
-    deployment's model there, and ``dynamoTls``, the stack's certificates it is reached with)."""
+    deployment's model there, ``dynamoTls``, the stack's certificates it is reached with, and
+    ``dynamoRequestSecret``, what every inference request for its workers carries)."""
     workflow_id = deployment_workflow_id(settings.organization_id, dep_id)
     replicas = [
         {**r, "engineSecret": settings.engine_secret(workflow_id, r["name"]),
          "dynamoFrontendUrl": settings.dynamo_frontend_url, "dynamoModel": dynamo_model(workflow_id),
-         "dynamoTls": settings.dynamo_tls()}
+         "dynamoTls": settings.dynamo_tls(), "dynamoRequestSecret": settings.dynamo_request_secret(workflow_id)}
         for r in replicas_of(settings, dep_id)
     ]
     return sorted(replicas, key=lambda r: r["name"])
@@ -145,7 +146,8 @@ def attach(replica: dict) -> EngineProcess:
         return DynamoEngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"],
                                           served_model_name=replica.get("dynamoModel"),
                                           worker_id=int(replica["dynamoWorker"], 16),
-                                          frontend_url=replica.get("dynamoFrontendUrl"), tls=replica.get("dynamoTls"))
+                                          frontend_url=replica.get("dynamoFrontendUrl"), tls=replica.get("dynamoTls"),
+                                          request_secret=replica.get("dynamoRequestSecret"))
     return EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"])
 
 

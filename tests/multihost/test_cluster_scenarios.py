@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.dynamo_planes import request_annotation
 from common.settings import Settings, temporal_client
 from contracts.names import hot_load_workflow_id
 from replica.engine.dynamo_card import FILES_DIR
@@ -303,7 +304,8 @@ def test_engine_control_is_unreachable_from_another_host(deployment: Plane) -> N
             assert status in (0, 403), f"{other.name} reached {route} on {own.name}: {status} {text}"
         # Inference answers across hosts, through Dynamo's frontend, from this worker alone.
         body = {"model": replica["dynamoModel"], "prompt": [5, 6], "max_tokens": 2,
-                "nvext": {"backend_instance_id": int(replica["dynamoWorker"], 16), "extra_fields": ["worker_id"]}}
+                "nvext": {"backend_instance_id": int(replica["dynamoWorker"], 16), "extra_fields": ["worker_id"],
+                          "annotations": [request_annotation(replica["dynamoRequestSecret"])]}}
         frontend = f"{plane.settings.dynamo_frontend_url}/v1/completions"
         status, answer = probe_call(other, "POST", frontend, secret, body, tls=plane.settings.dynamo_tls_dir)
         assert status == 200, f"inference must answer across hosts: {status} {answer}"

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
+from common.dynamo_planes import request_annotation
 from gateway.dynamo_frontend import DynamoFrontend
 from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine_rpc import EngineRequestError
@@ -138,7 +139,7 @@ async def test_requests_through_the_frontend_survive_a_hot_load_with_exact_spans
     await stage(worker, model_dirs["counting"], "v-counting", COUNTING_CHANGED, expected)
     max_tokens = 1500
     body = {"model": SERVED_NAME, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "nvext": {"extra_fields": ["engine_data"]}}
+            "nvext": {"extra_fields": ["engine_data"], "annotations": [request_annotation(worker.request_secret)]}}
     async with httpx.AsyncClient(base_url=frontend.url, timeout=300) as client:
         # Sent while the worker is paused, so that all start together on resume (see the same
         # step in tests/replica/test_engine.py).
