@@ -28,6 +28,7 @@ import os
 import pytest
 
 from common.settings import without_stack_env
+from tests.helpers import ready
 from tests.helpers.deployments import POOL, POOLED_FIXTURES
 from tests.helpers.engines import EngineWatch, mark_session
 from tests.helpers.otlp_receiver import OtlpReceiver
@@ -64,6 +65,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line(
             f"vLLM engines: at most {WATCH.peak} alive at once ({WATCH.samples} samples, "
             f"{WATCH.sample_seconds:.2f} s CPU spent sampling); shared deployments created: {POOL.created or 'none'}")
+    if line := ready.tally():
+        terminalreporter.write_line(line)
 
 
 def _module_id(item: pytest.Item) -> str:

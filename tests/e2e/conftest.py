@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.deployments import POOL, delete_deployment
+from tests.helpers.ready import first_requests_served
 from tests.helpers.replicas import ROLLING_PREFIX
 from tests.helpers.stack_fixtures import Api, deployment_body
 
@@ -26,6 +27,7 @@ def _create(stack) -> tuple[Api, dict]:
     dep = api.call("POST", "/deployments", json=body).json()["deployment"]
     dep = api.wait_deployment(dep["spec"]["id"])
     assert dep["status"]["status"] == "STATUS_READY", dep["status"]
+    first_requests_served(stack, dep["spec"]["id"])
     return api, dep
 
 

@@ -30,6 +30,7 @@ from replica.agent.host_decodes import arena_pid, read_records
 from replica.stage_arena import shm_dir
 from snapshots.host import checkpoint_checksums
 from snapshots.writer import write_delta
+from tests.helpers.ready import first_requests_served
 from tests.helpers.replicas import engines, hot_load, served_checksums
 from tests.helpers.stack_fixtures import Api, deployment_body, start_stack
 from tests.helpers.trainer import train_step
@@ -51,6 +52,7 @@ def lifecycle(stack, tmp_path_factory):
     dep = api.call("POST", "/deployments", json=body).json()["deployment"]
     dep = api.wait_deployment(dep["spec"]["id"])
     assert dep["status"]["status"] == "STATUS_READY", dep["status"]
+    first_requests_served(stack, dep["spec"]["id"])
     trained = train_step(stack.home_path / "models" / "base", tmp_path_factory.mktemp("trained") / TRAINED, seed=41)
     upload_dir(stack.s3_client(), trained, stack.bucket, f"{PREFIX}/{TRAINED}")
     assert hot_load(api, dep["spec"]["id"], TRAINED, None)["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"

@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from tests.helpers.ready import first_requests_served
 from tests.helpers.replicas import replicas_of
 from tests.helpers.stack_fixtures import Api, cwtrain, cwtrain_python, deployment_body, json_out
 from workers.base_model import write_counting_model
@@ -49,6 +50,8 @@ def cw_deployment(stack, tmp_path_factory):
     t0 = time.monotonic()
     out = json_out(cwtrain(stack, "deployment", "create", "--file", str(path), "--wait", "--timeout", "1200"))
     print(f"deployment ready in {time.monotonic() - t0:.1f}s")
+    # A trainer's next step after `create --wait`: rollouts, at once.
+    first_requests_served(stack, out["id"])
     yield out
     # Free the two replicas for the tests that follow (cwtrain waits until it is gone).
     json_out(cwtrain(stack, "deployment", "delete", out["id"], "--wait"))

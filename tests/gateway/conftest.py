@@ -3,7 +3,8 @@ workers on CPU, behind Dynamo's frontend) behind the stack's real gateway, share
 here (``gw``), and, for the gateway's own routing, ONE 2-replica ``vllm`` deployment (vLLM's
 OpenAI servers, no hot-loads: ``vllm_gw``); tests/helpers/deployments.py's pool keeps one of them
 at a time (tests/helpers/gateway.py has what the tests do with them). Each is created as a
-trainer would: created, waited for READY, then 16 requests sent at once, each answered 200.
+trainer would: created, waited for READY, then 16 requests sent at once, each answered 200
+(tests/helpers/ready.py).
 
 Development: ``ROLLOUTS_TEST_STACK_HOME=DIR`` (a stack started with ``rollouts up --home DIR``)
 and ``ROLLOUTS_TEST_DEPLOYMENT_ID=ID`` (a READY 2-replica deployment on it) reuse a running
@@ -13,7 +14,6 @@ stack and deployment instead of starting them; nothing is stopped at the end the
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -22,10 +22,10 @@ import pytest
 from common.settings import Settings
 from tests.helpers.deployments import POOL, delete_deployment
 from tests.helpers.gateway import PREFIX, GatewayDeployment, Served
+from tests.helpers.ready import first_requests_served
 from tests.helpers.stack_fixtures import Api, deployment_body
 
 REPLICAS = 2
-FIRST_REQUESTS = 16
 
 if os.environ.get("ROLLOUTS_TEST_STACK_HOME"):
     # Development: reuse a running stack (see the docstring); otherwise tests/conftest.py's
@@ -45,17 +45,8 @@ def _create(stack: Settings, engine: str = "dynamo-vllm") -> GatewayDeployment:
     dep = api.call("POST", "/deployments", json=body).json()["deployment"]
     dep = api.wait_deployment(dep["spec"]["id"])
     assert dep["status"]["status"] == "STATUS_READY", dep["status"]
-    # Once the API has answered READY the gateway serves it: 16 requests sent at once, right
-    # away, are all answered 200 (a request that finds no running replica in the gateway's table
-    # reads the deployment afresh before it would answer 503: Router.fresh_route).
+    first_requests_served(stack, dep["spec"]["id"])  # the gateway serves what the API called READY
     headers = {"Authorization": f"Bearer {stack.admin_token}"}
-    body = {"model": dep["spec"]["model"]["name"], "prompt": [1, 2, 3], "max_tokens": 2}
-    with ThreadPoolExecutor(FIRST_REQUESTS) as pool:
-        answers = list(pool.map(lambda _: httpx.post(f"{stack.gateway_url}/v1/completions", json=body,
-                                                     headers=headers, timeout=300),
-                                range(FIRST_REQUESTS)))
-    refused = [f"{r.status_code}: {r.text[:300]}" for r in answers if r.status_code != 200]
-    assert not refused, f"right after READY, {len(refused)} of {FIRST_REQUESTS} requests were refused: {refused[:3]}"
     models = httpx.get(f"{stack.gateway_url}/v1/models", headers=headers).json()
     assert any(d["deployment_id"] == dep["spec"]["id"] and len(d["replicas"]) == REPLICAS
                for m in models["data"] for d in m["deployments"]), models

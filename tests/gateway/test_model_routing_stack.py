@@ -23,6 +23,7 @@ from common.settings import temporal_client
 from contracts.names import deployment_workflow_id
 from gateway.routing import DeploymentView, Router, build_view
 from tests.helpers.gateway import GatewayDeployment, LocalGateway, random_prompt
+from tests.helpers.ready import first_requests_served
 from tests.helpers.stack_fixtures import deployment_body
 
 pytestmark = pytest.mark.stack
@@ -160,6 +161,7 @@ def test_a_deployment_of_another_gateway_is_not_served_here(gw, extra):
 def test_two_ready_deployments_sharing_the_name_split_ninety_ten(gw, extra):
     dep = gw.api.wait_deployment(extra.split, timeout=900)
     assert dep["status"]["status"] == "STATUS_READY", dep["status"]
+    assert gw.id in first_requests_served(gw.settings, extra.split).beside  # the premise: another beside
     entry = wait_listed(gw, extra.split, lambda m: m["takes_traffic"] and len(m["replicas"]) == 1, "serving")
     split_replica = entry["replicas"][0]["name"]
     shared = wait_listed(gw, gw.id, lambda m: m["takes_traffic"] and len(m["replicas"]) == 2 and m["weight"] == 10,

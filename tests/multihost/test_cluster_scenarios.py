@@ -42,6 +42,7 @@ from replica.engine.dynamo_card import FILES_DIR
 from replica.faults import FAULTS_FILE
 from snapshots.host import checkpoint_checksums
 from snapshots.writer import write_delta
+from tests.helpers.ready import first_requests_served
 from tests.helpers.replicas import engines, hot_load, hot_load_body, hot_load_replicas, walk_order
 from tests.helpers.stack_fixtures import Api, cwtrain, cwtrain_python, deployment_body, json_out
 from tests.helpers.trainer import train_step
@@ -122,6 +123,7 @@ def deployment(plane: Plane, tmp_path_factory) -> Plane:
     t0 = time.monotonic()
     out = json_out(cwtrain(plane.settings, "deployment", "create", "--file", str(path), "--wait", "--timeout", "1200"))
     print(f"3 replicas on 3 hosts ready in {time.monotonic() - t0:.1f}s")
+    first_requests_served(plane.settings, out["id"])
     plane.dep_id = out["id"]
     return plane
 
