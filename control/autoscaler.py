@@ -56,13 +56,11 @@ with workflow.unsafe.imports_passed_through():
     from contracts.records import DeploymentInput, Heard, ReplicaEndpoint, ResourceStatus
     from control import metrics, replica_set
     from control.hot_load.options import PEER_STEP, REPLICA_STEP
+    from control.patches import PEER_JOIN
 
 # How long a joiner may take to start and report ready, and a drain to finish.
 JOIN_TIMEOUT = timedelta(minutes=20)
 DRAIN_TIMEOUT = timedelta(minutes=30)
-# The workflow patch under which a joiner starts on the base weights and takes the current
-# snapshot from a serving peer (before it: from the bucket chain).
-PEER_JOIN = "autoscaling-peer-join"
 # How long routers get to stop sending a leaving replica requests (the gateway re-reads every
 # deployment twice a second; Dynamo's frontend watches its discovery).
 DRAIN_GRACE_S = 2.0

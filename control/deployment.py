@@ -78,6 +78,7 @@ with workflow.unsafe.imports_passed_through():
     from control import admission, replica_set
     from control.autoscaler import Autoscaler, joined_message
     from control.deployment_hot_loads import HotLoads
+    from control.patches import NODE_PLACEMENT
 
 REPLICA_START_TIMEOUT = timedelta(minutes=20)
 # How long a hot-load's admission waits for a replica check already in flight.
@@ -314,7 +315,7 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
             members = list(self.state.members)
             if (
                 self.state.active_hot_load_id is not None and not admitting
-                and workflow.patched(replica_set.NODE_PLACEMENT)
+                and workflow.patched(NODE_PLACEMENT)
             ):
                 members = [m for m in members if m in self.state.placements]
             try:

@@ -57,30 +57,19 @@ with workflow.unsafe.imports_passed_through():
     from control import admission
     from control.hot_load.state import details as hot_load_details
     from control.hot_load.state import summary as hot_load_summary
+    from control.patches import (
+        ADMISSION_AT_ONCE,
+        ADMISSION_CHECKS_REPLICAS,
+        ORG_SCOPED_IDS,
+        OUTCOME_NOTED_ONCE,
+        SNAPSHOTS_CHECKED_ONCE,
+    )
 
 # Chains kept for later deltas to build on: the most recently completed identities. A delta whose
 # predecessor fell out of this window is refused like one never loaded (publish a full one).
 MAX_CHAINS_KEPT = 256
 SEEN_IDS_KEPT = 1024
-# Deprecated patches: the behaviour they once versioned is the only one now. Deployments stay
-# open across upgrades, and a history that recorded one of these markers replays only while
-# the workflow still names it (`workflow.deprecate_patch`); drop them once no open deployment
-# history holds one (`rollouts history check`).
-ORG_SCOPED_IDS = "org-scoped-ids"
-ADMISSION_CHECKS_REPLICAS = "admission-checks-replicas"
-# Versioned: a hot-load's admission checks its replicas and its snapshot files at once (one
-# round trip through Temporal instead of two); histories without the marker replay one after
-# the other.
-ADMISSION_AT_ONCE = "admission-checks-at-once"
-# Versioned: admission checks only the snapshots this hot-load reads (the new one, and those a
-# replica does not serve yet: `admission.links_to_check`), each against the fingerprint it had
-# when it joined the chain; histories without the marker check every link of the chain.
-SNAPSHOTS_CHECKED_ONCE = "snapshot-checks-once"
-# Versioned: a hot-load's outcome sets the replicas' served identities only when it is first
-# noted (the signal or the watcher, whichever comes first); the second note left a replica that
-# had reported ready on other weights in between named as serving the outcome's identity.
-# Histories without the marker apply every note.
-OUTCOME_NOTED_ONCE = "outcome-noted-once"
+# The workflow patches used here: control/patches.py (their stages and proofs).
 
 
 class HotLoads:

@@ -31,8 +31,8 @@ with workflow.unsafe.imports_passed_through():
     from contracts.errors import FAILED_PRECONDITION
     from contracts.nodes import PlaceRequest, ReleaseRequest
     from contracts.records import DeploymentInput, Placement
+    from control.patches import NODE_PLACEMENT
 
-NODE_PLACEMENT = "node-placement"
 # How long a start or stop waits for its node agent to pick it up (a hot-load's admission waits
 # less: `ADMISSION_PICKUP`).
 NODE_PICKUP = timedelta(seconds=60)
