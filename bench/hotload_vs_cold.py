@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 from common.processes import free_port  # noqa: E402
 from contracts.names import hot_load_workflow_id  # noqa: E402
 from replica.agent.downloads import download_prefix  # noqa: E402
-from replica.agent.engine import EngineProcess  # noqa: E402
+from replica.agent.engine_process import EngineProcess  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
 from tests.helpers.stack_fixtures import Api, start_stack  # noqa: E402

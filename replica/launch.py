@@ -1,6 +1,6 @@
 """What the agent and the engine agree on to start an engine (neither imports the other).
 
-The agent (`replica.agent.engine.EngineProcess`) runs ``python -m SERVER_MODULE`` (or
+The agent (`replica.agent.engine_process.EngineProcess`) runs ``python -m SERVER_MODULE`` (or
 ``DYNAMO_WORKER_MODULE`` for Dynamo's worker, `replica.agent.dynamo.DynamoEngineProcess`) with
 ``--worker-extension-cls EXTENSION_CLS`` and hands the engine its secret through a 0600 file
 named by the environment variable ``SECRET_FILE_ENV``, which the engine

@@ -43,9 +43,9 @@ from contracts.activities import (
     StageFromPeerResult,
 )
 from contracts.errors import NON_RETRYABLE_SNAPSHOT, READ_BACK_FAILED
+from replica.agent.engine_rpc import ReadBackFailed
 from replica.agent.metrics import ReplicaMetrics
 from replica.agent.runtime import ReplicaRuntime
-from replica.agent.staged import ReadBackFailed
 from snapshots.errors import SnapshotError
 
 

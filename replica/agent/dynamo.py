@@ -1,6 +1,6 @@
 """A replica engine that is NVIDIA Dynamo's vLLM worker (``runtime.engine: dynamo-vllm``).
 
-``DynamoEngineProcess`` is an :class:`replica.agent.engine.EngineProcess` whose process is
+``DynamoEngineProcess`` is an :class:`replica.agent.engine_process.EngineProcess` whose process is
 ``python -m replica.engine.dynamo_worker`` (Dynamo's ``dynamo.vllm`` worker with our control
 routes and weight-version spans; that module says what it adds) instead of vLLM's OpenAI server.
 Everything the agent does with an engine works unchanged on it:
@@ -64,8 +64,8 @@ from common.addresses import host_port
 from common.dynamo_planes import DISCOVERY_BACKENDS, discovery_problem, plane_args, plane_env, request_annotation
 from common.dynamo_tls import DynamoTls
 from common.processes import free_port, free_port_below
-from replica.agent.engine import EngineProcess, EngineStartError, _tail
-from replica.agent.engine_rpc import EngineRequestError, ReadBackError
+from replica.agent.engine_process import EngineProcess, EngineStartError, _tail
+from replica.agent.engine_rpc import EngineRequestError, ReadBackFailed
 from replica.launch import DYNAMO_WORKER_MODULE, REQUEST_SECRET_FILE_ENV
 
 ROUTE_PREFIX = "/engine/rollouts/"
@@ -296,7 +296,7 @@ class DynamoEngineProcess(EngineProcess):
         """The whole swap inside the worker, in one call (its ``swap_in_pause`` route): pause,
         label, swap and proof, resume, rolled back there on any failure. The worker leaves the
         routing pool before and joins it after, outside the pause. Returns the extension's
-        result with the worker's ``timings_ms``; a read-back that differs raises ReadBackError."""
+        result with the worker's ``timings_ms``; a read-back that differs raises ReadBackFailed."""
         await self.leave_pool()
         try:
             answer = (await self.control(
@@ -307,7 +307,7 @@ class DynamoEngineProcess(EngineProcess):
             await self._join()
         result = dict(answer["result"])
         if result.get("read_back_failed"):
-            raise ReadBackError(label, list(result["read_back_failed"]))
+            raise ReadBackFailed.of(label, list(result["read_back_failed"]))
         result["timings_ms"] = answer["timings_ms"]
         return result
 

@@ -7,7 +7,7 @@
 ``save_weights``, the background jobs (stages, broadcasts, the served-weights checksums) and the
 stage's lifecycle, ``swap_staged`` / ``commit_staged`` / ``discard_staged``. Non-2xx answers
 raise ``EngineRequestError`` with the status and body; a commit whose read-back differs raises
-``ReadBackError`` naming the tensors (the engine has rolled back).
+``ReadBackFailed`` naming the tensors (the engine has rolled back).
 
 The connection is pooled for 60 s and the server keeps idle ones for 75 s (vLLM's default is
 5 s): a ``/pause`` over a new connection to a server busy streaming waits behind it.
@@ -33,7 +33,7 @@ class EngineError(RuntimeError):
 
 
 class EngineStartError(EngineError):
-    pass
+    """The engine did not come up (it exited, or did not serve in time)."""
 
 
 class EngineRequestError(EngineError):
@@ -43,13 +43,19 @@ class EngineRequestError(EngineError):
         self.body = body
 
 
-class ReadBackError(EngineError):
-    """The engine's read-back after a swap differs from the stage for ``tensors``; the engine
-    rolled them back."""
+class ReadBackFailed(EngineError):
+    """The engine's read-back inside the pause differs from what was staged for ``tensors``: the
+    engine rolled them back (the replica's runtime then restores the label and the host copy and
+    raises it again saying what was kept). Its name is the activity failure type the control plane
+    sees and does not retry (``contracts.errors.READ_BACK_FAILED``)."""
 
-    def __init__(self, label: str, tensors: list[str]):
-        super().__init__(f"the read-back of {label!r} differs for {len(tensors)} tensor(s): {', '.join(tensors[:8])}")
+    def __init__(self, message: str, tensors: list[str]) -> None:
+        super().__init__(message)
         self.tensors = tensors
+
+    @classmethod
+    def of(cls, label: str, tensors: list[str]) -> ReadBackFailed:
+        return cls(f"the read-back of {label!r} differs for {len(tensors)} tensor(s): {', '.join(tensors[:8])}", tensors)
 
 
 class EngineClient:
@@ -336,19 +342,19 @@ class EngineClient:
     async def commit_staged(self, label: str) -> dict[str, Any]:
         """Prove the swapped stage (inside the same pause): the result's ``verified`` counts the
         tensors read back and found equal to the stage's expected Adler-32 (``checksums``) or,
-        without those, to the bytes staged. A difference raises ReadBackError (rolled back)."""
+        without those, to the bytes staged. A difference raises ReadBackFailed (rolled back)."""
         result = await self._rpc1("commit_staged", label)
         if result.get("read_back_failed"):
-            raise ReadBackError(label, list(result["read_back_failed"]))
+            raise ReadBackFailed.of(label, list(result["read_back_failed"]))
         return result
 
     async def swap_and_commit_staged(self, label: str) -> dict[str, Any]:
         """``swap_staged`` then ``commit_staged`` in one RPC (the pause's usual path): the
         result carries both reports; a failed swap or read-back leaves the engine on its previous
-        tensors (ReadBackError names the tensors that differed)."""
+        tensors (ReadBackFailed names the tensors that differed)."""
         result = await self._rpc1("swap_and_commit_staged", label)
         if result.get("read_back_failed"):
-            raise ReadBackError(label, list(result["read_back_failed"]))
+            raise ReadBackFailed.of(label, list(result["read_back_failed"]))
         return result
 
     async def discard_staged(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ replica: the engine URL it reports (``http://NODE_ADDRESS:PORT``, where the gate
 inference) and the host of its peer broadcast's offers. ``engine_bind`` (default: the node
 address; a node agent on a multi-host install passes 0.0.0.0) is what the engine binds; the
 agent drives it over loopback, or at that address when it is one specific address
-(`replica.agent.engine`).
+(`replica.agent.engine_process`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from contracts.records import ReplicaEndpoint, ReplicaFailure, rfc3339
 from replica.agent.activities import PeerActivities, ReplicaActivities
 from replica.agent.downloads import download_prefix, download_shared, shared_use
 from replica.agent.dynamo import DynamoEngineProcess
-from replica.agent.engine import EngineProcess
+from replica.agent.engine_process import EngineProcess
 from replica.agent.host_decodes import remove_stale as remove_stale_decodes
 from replica.agent.metrics import ReplicaMetrics
 from replica.agent.runtime import ReplicaRuntime

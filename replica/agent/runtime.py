@@ -25,11 +25,11 @@ from contracts.activities import ApplySnapshotInput, ApplySnapshotResult
 from contracts.records import PromptCachePolicy, SnapshotRef, SnapshotType
 from replica import faults
 from replica.agent.downloads import download_prefix
-from replica.agent.engine_rpc import ReadBackError
+from replica.agent.engine_rpc import ReadBackFailed
 from replica.agent.host_decodes import Publication, copy_published, decode_key, publish
 from replica.agent.metrics import delta_staged
 from replica.agent.peers import PeerSteps
-from replica.agent.staged import EngineUpdateError, PeerStage, ReadBackFailed, StagedUpdate, fmt, ms_since, one_line
+from replica.agent.staged import EngineUpdateError, PeerStage, StagedUpdate, fmt, ms_since, one_line
 from replica.stage_arena import StageArena, host_decode_slot
 from snapshots.errors import ChainError
 from snapshots.host import HostWeights
@@ -469,7 +469,7 @@ class ReplicaRuntime(PeerSteps):
             kept = await self._kept_previous(names_)
             if isinstance(exc, ApplicationError):  # an injected fault: its type and retry policy stand
                 raise ApplicationError(f"{exc.message}; {kept}", type=exc.type, non_retryable=exc.non_retryable) from None
-            if isinstance(exc, ReadBackError):
+            if isinstance(exc, ReadBackFailed):
                 raise ReadBackFailed(f"the engine's read-back inside the pause differs from the snapshot for "
                                      f"{', '.join(exc.tensors[:8])}; {kept}", exc.tensors) from None
             raise EngineUpdateError(f"loading {len(names_)} tensor(s) into the engine failed; {kept}: "

@@ -3,8 +3,7 @@
 - :class:`StagedUpdate`: an update staged off the serving path (the host copy unchanged, the
   engine's stage taken); :class:`PeerStage`: one received from a peer's broadcast.
 - :class:`EngineUpdateError`: the engine could not take an update and serves exactly its
-  previous weights; :class:`ReadBackFailed`: the proof inside the pause found the engine's bytes
-  differ from the snapshot's for ``tensors`` (rolled back; the same snapshot would fail again).
+  previous weights (a read-back that differs is ``replica.agent.engine_rpc.ReadBackFailed``).
 - helpers: a one-line error, the Adler-32 of files and host arrays, a safetensors file read as
   the host copy's flat byte arrays.
 """
@@ -70,15 +69,6 @@ class PeerStage:
 
 class EngineUpdateError(RuntimeError):
     """The engine could not take an update; it serves exactly its previous weights."""
-
-
-class ReadBackFailed(EngineUpdateError):
-    """The read-back inside the pause differs from the snapshot for ``tensors``; the engine, its
-    label and the host copy were rolled back."""
-
-    def __init__(self, message: str, tensors: list[str]) -> None:
-        super().__init__(message)
-        self.tensors = tensors
 
 
 def ms_since(t0: float) -> float:

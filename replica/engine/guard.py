@@ -31,7 +31,7 @@ Refusals are JSON in vLLM's error shape: ``{"error": {"message", "type", "code"}
 
 Who holds the secret: the engine reads it at start from the file named by
 ``ROLLOUTS_ENGINE_SECRET_FILE`` (:func:`read_secret_file`: the file must not be readable by group
-or others; it is never on a command line); ``replica.agent.engine.EngineProcess`` writes that file and
+or others; it is never on a command line); ``replica.agent.engine_process.EngineProcess`` writes that file and
 sends the header; the stack derives each replica's secret from its settings
 (``common.settings.Settings.engine_secret``), so the agent and the gateway agree on it.
 """

@@ -13,7 +13,7 @@ engine, ``replica.launch.NODE_ADDRESS_ENV``), and publishes that address to the 
 whatever this machine's hostname resolves to, which in a network namespace (or with a hostname
 mapped to 127.0.1.1) is an address the other hosts cannot reach. Unset: torch's default device
 (the hostname's address, else loopback). NCCL picks its interface from ``NCCL_SOCKET_IFNAME``,
-which the agent sets at the engine's start (``replica.agent.engine``).
+which the agent sets at the engine's start (``replica.agent.engine_process``).
 
 The wire protocol: the sender broadcasts an int64 header ``[count, crc32(specs)]``; each member
 says whether it agrees (an all-reduce of failure flags), so a receiver whose specs differ from

@@ -1,5 +1,5 @@
 """vLLM 0.32's OpenAI server that also writes each choice's weight-version spans (every replica
-engine runs it: ``replica.agent.engine.EngineProcess``).
+engine runs it: ``replica.agent.engine_process.EngineProcess``).
 
 vLLM records, for every finished completion output, which weight-version label was current at
 the engine step that sampled each output token (``CompletionOutput.weight_versions``: a list of

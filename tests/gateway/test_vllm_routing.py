@@ -20,7 +20,7 @@ import pytest
 
 from common.processes import free_port
 from gateway.routing import ReplicaView, Router
-from replica.agent.engine import EngineProcess
+from replica.agent.engine_process import EngineProcess
 from tests.helpers.gateway import ChaosProxy, LocalGateway, random_prompt
 from tests.helpers.replicas import engines, hot_load_body
 

@@ -32,7 +32,7 @@ import pytest
 from common.settings import ENGINE_SECRET_HEADER, Settings
 from common.tokens import add_token
 from gateway.routing import DeploymentView, ReplicaView, Router
-from replica.agent.engine import EngineProcess
+from replica.agent.engine_process import EngineProcess
 from tests.helpers import engine_weights
 from tests.helpers.gateway import LocalGateway, check_spans, random_prompt, succession
 from tests.helpers.replicas import STEP_DELAY_S, engine_running

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from replica.agent.engine import EngineProcess
+from replica.agent.engine_process import EngineProcess
 from workers.base_model import checkpoint_files
 
 _LABELS = itertools.count(1)

@@ -39,7 +39,7 @@ from common.settings import Settings, temporal_client
 from contracts.memo import replica_list
 from contracts.names import deployment_workflow_id, dynamo_model, hot_load_workflow_id
 from replica.agent.dynamo import DynamoEngineProcess
-from replica.agent.engine import EngineProcess
+from replica.agent.engine_process import EngineProcess
 from replica.faults import FAULTS_FILE
 from snapshots.host import checkpoint_checksums
 from tests.helpers.stack_fixtures import Api

@@ -22,7 +22,7 @@ import httpx
 from common import dynamo_tls
 from common.settings import ENGINE_SECRET_HEADER
 from replica.agent.dynamo import DynamoEngineProcess
-from replica.agent.engine import EngineProcess
+from replica.agent.engine_process import EngineProcess
 
 
 async def _read(port: str, secret: str, what: str, kind: str) -> object:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from common.settings import ENGINE_SECRET_HEADER
-from replica.agent.engine import EngineProcess
+from replica.agent.engine_process import EngineProcess
 from replica.launch import NODE_ADDRESS_ENV
 from tests.multihost.hosts import Cluster, Host
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from replica.agent.engine import EngineProcess
+from replica.agent.engine_process import EngineProcess
 from workers.base_model import write_base_model, write_counting_model
 
 SERVED_NAME = "base"

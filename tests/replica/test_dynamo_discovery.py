@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from replica.agent.dynamo import DynamoEngineProcess
-from replica.agent.engine import EngineStartError
+from replica.agent.engine_process import EngineStartError
 
 
 def worker(tmp_path: Path, backend: str) -> DynamoEngineProcess:

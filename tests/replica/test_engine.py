@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file as load_checkpoint_file
 from safetensors.torch import save_file
 
-from replica.agent.engine import EngineError, EngineProcess, EngineRequestError, ReadBackError, free_port
+from replica.agent.engine_process import EngineError, EngineProcess, EngineRequestError, ReadBackFailed, free_port
 from replica.engine.peer_group import PeerGroup
 from replica.engine.plugin import DEFAULT_SPIN_S
 from replica.engine.tensors import adler32_hex, normalize_specs
@@ -537,7 +537,7 @@ async def _commit_of_a_changed_stage_fails(engine: EngineProcess, arena: Any, la
     """Flip one staged byte after the stage was checked: the commit's proof must refuse it."""
     first = COUNTING_CHANGED[0]
     arena.view(*layout[first])[0] ^= 1
-    with pytest.raises(ReadBackError) as err:
+    with pytest.raises(ReadBackFailed) as err:
         await swap_in_pause(engine, label)
     assert err.value.tensors == [first]
     arena.view(*layout[first])[0] ^= 1

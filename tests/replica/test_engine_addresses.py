@@ -1,5 +1,5 @@
 """Where a replica's engine binds, where its agent drives it, and the URL other hosts get
-(replica/agent/engine.py), without starting an engine: the command line, the environment and
+(replica/agent/engine_process.py), without starting an engine: the command line, the environment and
 the URLs of EngineProcess objects, and a start refused on an address that does not resolve
 (looked up in a network namespace with no interface up: tests/helpers/no_network.py)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common.addresses import AddressError
-from replica.agent.engine import EngineProcess
+from replica.agent.engine_process import EngineProcess
 from replica.launch import NODE_ADDRESS_ENV
 from tests.helpers.no_network import run_without_network
 
@@ -73,7 +73,7 @@ async def test_a_wildcard_node_address_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("which", ["host", "node_address"])
 def test_a_bind_or_node_address_that_does_not_resolve_is_refused_before_the_start(tmp_path: Path, which: str) -> None:
-    code = ("import asyncio, sys; from replica.agent.engine import EngineProcess\n"
+    code = ("import asyncio, sys; from replica.agent.engine_process import EngineProcess\n"
             f"e = EngineProcess('m', work_dir={str(tmp_path / 'work')!r}, **{{{which!r}: 'no.such.host.invalid'}})\n"
             "try:\n    asyncio.run(e.start(timeout=1))\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n")
     proc = run_without_network([sys.executable, "-c", code])

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from common.settings import ENGINE_SECRET_HEADER
-from replica.agent.engine import REPO_ROOT, EngineProcess
+from replica.agent.engine_process import REPO_ROOT, EngineProcess
 from replica.launch import SECRET_FILE_ENV, SERVER_MODULE
 
 pytestmark = pytest.mark.engine

@@ -32,10 +32,11 @@ from contracts.errors import INJECTED_FAULT, READ_BACK_FAILED
 from contracts.records import PromptCachePolicy, SnapshotRef, SnapshotType
 from replica import faults
 from replica.agent.activities import replica_step
-from replica.agent.engine import EngineProcess
+from replica.agent.engine_process import EngineProcess
+from replica.agent.engine_rpc import ReadBackFailed
 from replica.agent.host_decodes import read_records
 from replica.agent.runtime import ReplicaRuntime
-from replica.agent.staged import EngineUpdateError, ReadBackFailed
+from replica.agent.staged import EngineUpdateError
 from replica.stage_arena import StageArena
 from snapshots.host import HostWeights, checkpoint_checksums
 from snapshots.writer import write_delta

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from replica.agent.engine import EngineProcess
+from replica.agent.engine_process import EngineProcess
 from replica.agent.shm_reclaim import DEV_SHM, reclaim_dead_segments
 
 HOLDER = """

@@ -55,14 +55,10 @@ import httpx
 
 from common.addresses import AddressError, check_bind_host, host_port, interface_of, is_loopback, is_wildcard
 from common.processes import free_port
-from replica.agent.engine_rpc import EngineClient, EngineError, EngineRequestError, ReadBackError
+from replica.agent.engine_rpc import EngineClient, EngineError, EngineRequestError, EngineStartError, ReadBackFailed
 from replica.launch import EXTENSION_CLS, NODE_ADDRESS_ENV, SECRET_FILE_ENV, SERVER_MODULE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-class EngineStartError(EngineError):
-    pass
 
 
 def _tail(path: Path | None, max_bytes: int = 6000) -> str:
@@ -390,6 +386,6 @@ __all__ = [
     "EngineProcess",
     "EngineRequestError",
     "EngineStartError",
-    "ReadBackError",
+    "ReadBackFailed",
     "free_port",
 ]
