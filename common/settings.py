@@ -36,6 +36,9 @@ Environment variables override single values for a client in both cases:
   ``ROLLOUTS_API_PORT``, ``ROLLOUTS_GATEWAY_PORT``, ``ROLLOUTS_WORKER_METRICS_PORT`` (the control
   worker's Prometheus endpoint; default port base + 3), ``ROLLOUTS_REPLICA_METRICS_PORT`` (each
   replica agent's; default any free port, reported as the replica's ``metricsUrl``);
+- the control worker's node registry: ``ROLLOUTS_NODE_LOST_AFTER_S`` (seconds without a
+  heartbeat before a node is declared lost; default ``contracts.nodes.LOST_AFTER_S``, read as
+  :attr:`Settings.node_lost_after_s`, None when unset);
 - NVIDIA Dynamo (a ``dynamo-vllm`` deployment's replicas are Dynamo's vLLM workers behind
   Dynamo's frontend): ``ROLLOUTS_DYNAMO_ROUTER_MODE``
   (``least-loaded`` or ``kv``), ``ROLLOUTS_DYNAMO_FRONTEND_URL`` (default: the stack's host, port
@@ -86,7 +89,6 @@ from common.dynamo_planes import DISCOVERY_BACKENDS, broker_url
 from common.dynamo_tls import DynamoTls
 
 DEFAULT_HOME = Path(".rollouts")
-CONTROL_TASK_QUEUE = "rollouts-control"
 LOOPBACK = "127.0.0.1"
 # The header that carries a replica engine's secret (replica/engine/guard.py checks it).
 ENGINE_SECRET_HEADER = "x-rollouts-engine-secret"
@@ -290,6 +292,20 @@ class Settings:
     def dynamo_discovery_dir(self) -> Path:
         """Dynamo's ``file`` discovery directory, shared by its frontend and every worker."""
         return Path(self.env.get("ROLLOUTS_DYNAMO_DISCOVERY_DIR") or self.home_path / "dynamo" / "discovery")
+
+    @property
+    def node_lost_after_s(self) -> float | None:
+        """``ROLLOUTS_NODE_LOST_AFTER_S``: a positive number of seconds, or None when unset."""
+        value = self.env.get("ROLLOUTS_NODE_LOST_AFTER_S")
+        if not value:
+            return None
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise ValueError(f"ROLLOUTS_NODE_LOST_AFTER_S={value!r} is not a number of seconds") from None
+        if not seconds > 0:
+            raise ValueError(f"ROLLOUTS_NODE_LOST_AFTER_S={value!r} must be more than 0")
+        return seconds
 
     @property
     def replica_metrics_port(self) -> int:

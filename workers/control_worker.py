@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -100,7 +99,7 @@ async def run_control_worker(settings: Settings) -> None:
             activity_executor=pool,
         )
         async with worker:
-            await ensure_node_registry(client, float(os.environ.get("ROLLOUTS_NODE_LOST_AFTER_S") or LOST_AFTER_S))
+            await ensure_node_registry(client, settings.node_lost_after_s or LOST_AFTER_S)
             try:
                 await verify_deployments(client)
             except Exception as exc:  # noqa: BLE001 - the periodic check still restarts them

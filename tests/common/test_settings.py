@@ -21,7 +21,7 @@ ALL_ENV = (
     "ROLLOUTS_API_URL", "ROLLOUTS_GATEWAY_URL", "ROLLOUTS_HOST", "ROLLOUTS_API_PORT", "ROLLOUTS_GATEWAY_PORT",
     "ROLLOUTS_DYNAMO_ROUTER_MODE", "ROLLOUTS_DYNAMO_FRONTEND_URL", "ROLLOUTS_DYNAMO_DISCOVERY_DIR", "ROLLOUTS_DYNAMO_TLS_DIR",
     "ROLLOUTS_DYNAMO_EVENT_BROKER",
-    "ROLLOUTS_DYNAMO_DISCOVERY", "ROLLOUTS_WORKER_METRICS_PORT", "ROLLOUTS_REPLICA_METRICS_PORT",
+    "ROLLOUTS_DYNAMO_DISCOVERY", "ROLLOUTS_WORKER_METRICS_PORT", "ROLLOUTS_REPLICA_METRICS_PORT", "ROLLOUTS_NODE_LOST_AFTER_S",
     *(f"ROLLOUTS_{name.upper()}" for name in ENV_FIELDS),
 )
 
@@ -166,3 +166,15 @@ def test_a_cluster_install_missing_variables_names_each(tmp_path: Path, monkeypa
     missing_clause = str(err.value).split(" are not set")[0]
     named = set(re.findall(r"[A-Z][A-Z0-9_]+", missing_clause))
     assert named == set(REQUIRED_ENV) - {"TEMPORAL_ADDRESS", "AWS_ACCESS_KEY_ID"}, str(err.value)
+
+
+def test_the_node_registrys_lost_after_is_read_by_the_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    Settings.create(tmp_path, port_base=24000).save()
+    monkeypatch.delenv("ROLLOUTS_NODE_LOST_AFTER_S", raising=False)
+    assert Settings.load(tmp_path).node_lost_after_s is None  # the registry's default
+    monkeypatch.setenv("ROLLOUTS_NODE_LOST_AFTER_S", "4.5")
+    assert Settings.load(tmp_path).node_lost_after_s == 4.5
+    for bad in ("soon", "0", "-1"):
+        monkeypatch.setenv("ROLLOUTS_NODE_LOST_AFTER_S", bad)
+        with pytest.raises(ValueError, match="ROLLOUTS_NODE_LOST_AFTER_S"):
+            _ = Settings.load(tmp_path).node_lost_after_s
