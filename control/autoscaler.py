@@ -53,8 +53,9 @@ with workflow.unsafe.imports_passed_through():
         StageFromPeerResult,
     )
     from contracts.autoscaling import LEVELS, LoadReport, policy, step
-    from contracts.records import DeploymentInput, Heard, ReplicaEndpoint, ResourceStatus
+    from contracts.records import Heard, ReplicaEndpoint, ResourceStatus
     from control import metrics, replica_set
+    from control.deployment_host import MixinBase
     from control.hot_load.options import PEER_STEP, REPLICA_STEP
     from control.patches import PEER_JOIN
 
@@ -66,11 +67,9 @@ DRAIN_TIMEOUT = timedelta(minutes=30)
 DRAIN_GRACE_S = 2.0
 
 
-class Autoscaler:
-    """The deployment workflow's autoscaling (module docstring). The workflow provides `state`,
-    `spec`, `deleting`, `replica_lock`, `failures`, `_start`, `_settle` and `_now`."""
-
-    state: DeploymentInput
+class Autoscaler(MixinBase):
+    """The deployment workflow's autoscaling (module docstring); the workflow is its host
+    (control/deployment_host.py)."""
 
     def _init_autoscaler(self) -> None:
         # Replicas a scale-out started that are not members yet -> their endpoint once ready.

@@ -44,7 +44,6 @@ with workflow.unsafe.imports_passed_through():
     from contracts.records import (
         CompletedLink,
         CreateHotLoadCommand,
-        DeploymentInput,
         HotLoad,
         HotLoadInput,
         HotLoadOutcome,
@@ -55,6 +54,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from contracts.search import hot_load_attributes
     from control import admission
+    from control.deployment_host import MixinBase
     from control.hot_load.state import details as hot_load_details
     from control.hot_load.state import summary as hot_load_summary
     from control.patches import (
@@ -72,12 +72,9 @@ SEEN_IDS_KEPT = 1024
 # The workflow patches used here: control/patches.py (their stages and proofs).
 
 
-class HotLoads:
-    """The deployment workflow's hot-loads (module docstring). The workflow provides `state`,
-    `spec`, `deleting`, `unanswered`, `_publish`, `_restart_lost_replicas`, `_not_ready` and
-    `_unanswered_text`."""
-
-    state: DeploymentInput
+class HotLoads(MixinBase):
+    """The deployment workflow's hot-loads (module docstring); the workflow is its host
+    (control/deployment_host.py)."""
 
     @workflow.update
     async def create_hot_load(self, cmd: CreateHotLoadCommand) -> HotLoad:

@@ -11,13 +11,14 @@
   group. A member's stage is known when its group's child returns. The hot-load's history holds
   a few events per group, not per transfer.
 
-All three answer the walk the same way: `add_root`, `ready`, `round`, `committed`, `abandon`,
-`end`.
+All three answer the walk the same way, the `Stages` protocol: `add_root`, `ready`, `round`,
+`committed`, `abandon`, `end`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
 from temporalio import workflow
 from temporalio.workflow import ChildWorkflowCancellationType, ParentClosePolicy
@@ -27,6 +28,26 @@ from control.hot_load.fanout import FanOut
 with workflow.unsafe.imports_passed_through():
     from contracts import names
     from contracts.records import HotLoadSpec, ReplicaEndpoint, StageGroupInput, StageGroupResult
+
+
+class Stages(Protocol):
+    def add_root(self, root: ReplicaEndpoint, *, staged: bool) -> None:
+        """A replica that holds the update now (the first, or one that committed) can send it."""
+
+    async def ready(self, name: str) -> bool:
+        """Whether `name` holds a stage to commit (False: it reads the bucket)."""
+
+    def round(self, name: str) -> int | None:
+        """The fan-out round `name`'s stage came in, if it came from a peer."""
+
+    def committed(self, name: str) -> None:
+        """`name` committed: its stage is spent."""
+
+    def abandon(self) -> None:
+        """The walk stops: no more transfers start."""
+
+    async def end(self) -> None:
+        """Wait for what is still running to finish."""
 
 
 class NoStages:

@@ -45,7 +45,7 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError, is_cancelled_exception
 
 from control.hot_load.options import PEER_STEP, REPLICA_STEP
-from control.hot_load.stages import GroupedStages, NoStages, OneFanOut
+from control.hot_load.stages import GroupedStages, NoStages, OneFanOut, Stages
 from control.hot_load.state import WalkState, error_reason, walk_order
 from control.hot_load.window import Window
 
@@ -146,7 +146,7 @@ class HotLoadWorkflow:
             stages.abandon()
             raise
 
-    def _stages(self, inp: HotLoadInput, receivers: list[ReplicaEndpoint]) -> NoStages | OneFanOut | GroupedStages:
+    def _stages(self, inp: HotLoadInput, receivers: list[ReplicaEndpoint]) -> Stages:
         """Where the receivers' stages come from (control/hot_load/stages.py)."""
         if not receivers or not inp.peer_transfer:
             return NoStages()
@@ -160,7 +160,7 @@ class HotLoadWorkflow:
 
     async def _commit_all(
         self, inp: HotLoadInput, receivers: list[tuple[Replica, ReplicaEndpoint]],
-        stages: NoStages | OneFanOut | GroupedStages,
+        stages: Stages,
     ) -> None:
         """Each receiver in walk order, from its stage or the bucket, at most `maxConcurrentSwaps`
         at a time. A failed step stops the walk: no new step starts, the ones in flight end. A
@@ -183,7 +183,7 @@ class HotLoadWorkflow:
 
     async def _receiver_step(
         self, inp: HotLoadInput, replica: Replica, endpoint: ReplicaEndpoint, has_stage: bool, how: str,
-        stages: NoStages | OneFanOut | GroupedStages,
+        stages: Stages,
     ) -> None:
         await self._step(replica, how, lambda: self._from_stage_or_bucket(inp, endpoint, replica, has_stage),
                          peer_round=stages.round(replica.name))

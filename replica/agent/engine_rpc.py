@@ -59,7 +59,10 @@ class ReadBackFailed(EngineError):
 
 
 class EngineClient:
-    """An engine at ``base_url`` (module docstring)."""
+    """An engine at ``base_url`` (module docstring); an ``EngineControl``
+    (replica/agent/engine_control.py) that swaps call by call."""
+
+    swaps_in_one_call = False
 
     def __init__(self, base_url: str | None = None, *, secret: str | None = None, pid: int | None = None) -> None:
         self.secret = secret

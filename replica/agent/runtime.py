@@ -25,6 +25,7 @@ from contracts.activities import ApplySnapshotInput, ApplySnapshotResult
 from contracts.records import PromptCachePolicy, SnapshotRef, SnapshotType
 from replica import faults
 from replica.agent.downloads import download_prefix
+from replica.agent.engine_control import EngineControl
 from replica.agent.engine_rpc import ReadBackFailed
 from replica.agent.host_decodes import Publication, copy_published, decode_key, publish
 from replica.agent.metrics import delta_staged
@@ -65,7 +66,7 @@ class ReplicaRuntime(PeerSteps):
     copy exactly as they were, and the error says what was read back to show it.
     """
 
-    def __init__(self, *, name: str, engine: Any, host: Any, s3: Any, workdir: Path,
+    def __init__(self, *, name: str, engine: EngineControl, host: Any, s3: Any, workdir: Path,
                  peer_host: str = "127.0.0.1", peer_backend: str = "gloo",
                  host_arena: StageArena | None = None, faults_home: Path | None = None,
                  deployment: str = "") -> None:
@@ -459,7 +460,7 @@ class ReplicaRuntime(PeerSteps):
         reset = policy == PromptCachePolicy.RESET_ALL
         try:
             await self.fault("pause")
-            if getattr(self.engine, "swaps_in_one_call", False) and not self.fault_armed("swap"):
+            if self.engine.swaps_in_one_call and not self.fault_armed("swap"):
                 pause_ms, swap = await self._swap_in_one_call(label, names_, reset)
             else:
                 pause_ms, swap = await self._swap_in_steps(label, names_, reset)
