@@ -2,7 +2,8 @@
 
 Each process defines its own metrics at import, in the default registry, next to the code that
 observes them: the API (api/metrics.py: requests, admissions and refusals by reason), the control
-worker (control/metrics.py: hot-load durations and outcomes, replica step failures by reason),
+worker (control/metrics.py: hot-load durations and outcomes, replica step failures by reason,
+recorded by the workflows through Temporal's metric meter and mirrored into the registry),
 each replica agent (replica/agent/metrics.py: pauses, bytes from the bucket and from peers, its
 state, step failures by reason). The API serves them on its own port at `/metrics`; the worker
 and each agent, which serve nothing else over HTTP, start :func:`serve` on a port of their own.

@@ -25,6 +25,7 @@ from common.telemetry import setup_tracing, temporal_interceptors
 from contracts import names
 from contracts.nodes import LOST_AFTER_S, RegistryState
 from contracts.search import KIND as RESOURCE_KIND
+from control import metrics
 from control.activities import ControlActivities
 from control.deployment import DeploymentWorkflow
 from control.gateway import GatewayWorkflow
@@ -84,8 +85,10 @@ async def verify_deployments(client: Client, query: str = RUNNING_DEPLOYMENTS) -
 
 async def run_control_worker(settings: Settings) -> None:
     setup_tracing("rollouts-worker")
+    runtime, buffer = metrics.buffered_runtime()  # the workflows' metrics, mirrored into Prometheus
+    metrics.TemporalMirror(buffer).start()
     metrics_url = serve_metrics(settings.host, settings.ports["worker_metrics"])
-    client = await temporal_client(settings, interceptors=temporal_interceptors())
+    client = await temporal_client(settings, interceptors=temporal_interceptors(), runtime=runtime)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -99,12 +99,11 @@ class HotLoadWorkflow:
         except asyncio.CancelledError:
             self.walk.canceled()
         outcome = self.walk.outcome()
-        if not workflow.unsafe.is_replaying():
-            hot_load_metrics.hot_load_ended(
-                self.walk.state.value.removeprefix("HOT_LOAD_STATE_"), failure.type if failure else "",
-                (workflow.now() - workflow.info().start_time).total_seconds(),
-                [r.error_reason or "" for r in self.walk.replicas if r.state == ReplicaState.ERROR],
-            )
+        hot_load_metrics.hot_load_ended(  # not while replaying: workflow.metric_meter()
+            self.walk.state.value.removeprefix("HOT_LOAD_STATE_"), failure.type if failure else "",
+            (workflow.now() - workflow.info().start_time).total_seconds(),
+            [r.error_reason or "" for r in self.walk.replicas if r.state == ReplicaState.ERROR],
+        )
         try:
             await workflow.get_external_workflow_handle(inp.deployment_workflow_id).signal(
                 names.HOT_LOAD_FINISHED, outcome
