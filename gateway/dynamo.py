@@ -1,6 +1,7 @@
 """Requests and answers between the gateway and Dynamo's frontend (a dynamo stack's deployments).
 
-Pure functions and one accumulator; ``gateway/app.py`` calls them around each upstream request.
+Pure functions and one accumulator; ``gateway/dynamo_proxy.py`` calls them around each upstream request
+(``explain``: ``gateway/upstream.py``, on an error answer).
 
 - ``upstream_body(plan, model, request_secret)``: the body Dynamo's frontend gets: the planned body
   (``gateway.nvext.plan_request`` validated it and applied the gateway's limits) as

@@ -1,6 +1,7 @@
 """Request and response translation between the guide's OpenAI + `nvext` dialect and vLLM.
 
-Contract (pure functions, no I/O; `gateway/app.py` calls them around each upstream request):
+Contract (pure functions, no I/O; `gateway/proxy.py` and `gateway/relay.py` call them around each
+upstream request):
 
 - ``plan_request(body, path, engine_config)`` validates a client body and returns a
   ``RequestPlan``: the body to send to vLLM and what to add to the answer. It raises
@@ -35,7 +36,7 @@ Contract (pure functions, no I/O; `gateway/app.py` calls them around each upstre
   ``dtype`` ``uint8`` (at most 256 experts) or ``uint16``.
 
 The response-side ``nvext`` object (``worker_id``, ``timing``, ``completion_token_ids``,
-``routed_experts``, ``weight_versions``) is assembled in ``gateway/app.py``, which knows the
+``routed_experts``, ``weight_versions``) is assembled in ``gateway/relay.py``, which knows the
 replica and the clock.
 
 Per-token weight versions from the replica: a choice may carry ``weight_versions``, a list of

@@ -10,7 +10,6 @@ import json
 import numpy as np
 import pytest
 
-from gateway.app import as_chunks
 from gateway.nvext import (
     RequestError,
     finish_choice,
@@ -21,6 +20,7 @@ from gateway.nvext import (
     version_spans,
 )
 from gateway.routing import ReplicaView, build_view, weight_versions
+from gateway.sse import as_chunks
 
 MOE = {"enable-return-routed-experts": ""}
 
