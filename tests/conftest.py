@@ -33,6 +33,7 @@ from tests.helpers.deployments import POOL, POOLED_FIXTURES
 from tests.helpers.engines import EngineWatch, mark_session
 from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.stack_fixtures import start_stack
+from tests.helpers.temporal_server import temporal_env  # noqa: F401 - one dev server for every suite that needs one
 
 # Fixtures that start the embedded stack or its SeaweedFS (tests/snapshots/conftest.py).
 STACK_FIXTURES = frozenset({"stack", "seaweed"})

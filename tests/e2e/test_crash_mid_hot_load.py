@@ -1,5 +1,5 @@
 """Crashes in the middle of a real multi-replica delta hot-load (real Dynamo vLLM workers on CPU, real S3,
-real Temporal dev server; tests/workflows/test_durability.py covers the same with test replicas).
+real Temporal dev server; tests/control/test_durability.py covers the same with test replicas).
 
 While a delta hot-load walks the 3-replica deployment, kill -9 the control worker, or the
 Temporal dev server (restarted on the same SQLite file), then restart it. The operation ends

@@ -189,7 +189,7 @@ async def test_missing_required_files_are_named(temporal_env, tmp_path):
         write_full(root, "s1")
         await f.completed(dep, "s1", hotLoadId="retry-me")  # the refused id is free again
         # A delta without its index. (An earlier link of the chain that lost a file is refused
-        # when a replica will read it: tests/workflows/test_chain_checks.py.)
+        # when a replica will read it: tests/control/test_chain_checks.py.)
         write_delta(root, "s3", "s1", missing=("model.safetensors.index.json",))
         error(await f.create_hot_load(dep, "s3", **delta_body("s1")), 412, "failed_precondition",
               "snapshot 's3'", "model.safetensors.index.json")
