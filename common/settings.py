@@ -53,6 +53,13 @@ Environment variables override single values for a client in both cases:
   ``ROLLOUTS_GATEWAY_ID``, ``ROLLOUTS_MODEL_NAME``, ``ROLLOUTS_BASE_MODEL_PATH`` (the field of
   the same name in lower case, :data:`ENV_FIELDS`).
 
+One variable is this process's own, read from its environment even for :attr:`Settings.owned`
+settings (it locates nothing; :func:`without_stack_env` keeps it for the processes a stack
+starts): ``ROLLOUTS_HOT_LOAD_ENGINES`` (:data:`HOT_LOAD_ENGINES_ENV`), the API's engines whose
+deployments may hot-load, comma-separated (read as :attr:`Settings.hot_load_engines`, None when
+unset or blank: the API then allows the guide's ``dynamo-vllm`` alone, and an operator comparing
+engines, bench/dynamo_vs_vllm.py, adds ``vllm``; the API refuses a name that is not an engine).
+
 Every URL the settings advertise (:attr:`Settings.temporal_address`, ``temporal_ui_url``,
 ``s3_endpoint``, ``api_url``, ``gateway_url``) is on :attr:`Settings.host` unless its own
 variable says otherwise. Nothing here resolves or contacts an address: a process checks the
@@ -118,6 +125,8 @@ HOST_ENV = "ROLLOUTS_HOST"
 # Ports a process may be told to listen on instead of its stack's.
 PORT_ENVS = {"api": "ROLLOUTS_API_PORT", "gateway": "ROLLOUTS_GATEWAY_PORT",
              "worker_metrics": "ROLLOUTS_WORKER_METRICS_PORT"}
+# Engines whose deployments may hot-load, comma-separated (Settings.hot_load_engines).
+HOT_LOAD_ENGINES_ENV = "ROLLOUTS_HOT_LOAD_ENGINES"
 # Plain string fields any process takes from ROLLOUTS_<FIELD_UPPER> when set.
 ENV_FIELDS = ("bucket", "zone", "organization_id", "gateway_id", "model_name", "base_model_path")
 # What a cluster install (no stack.json) must set: Settings.from_env.
@@ -313,6 +322,13 @@ class Settings:
         default 0: any free port, reported in the replica's ``metrics_url``)."""
         value = self.env.get("ROLLOUTS_REPLICA_METRICS_PORT")
         return _port("ROLLOUTS_REPLICA_METRICS_PORT", value) if value else 0
+
+    @property
+    def hot_load_engines(self) -> tuple[str, ...] | None:
+        """The engines ``ROLLOUTS_HOT_LOAD_ENGINES`` names, or None when it is unset or blank; read
+        from this process's environment whether or not the settings are :attr:`owned`."""
+        value = os.environ.get(HOT_LOAD_ENGINES_ENV, "").strip()
+        return tuple(e.strip() for e in value.split(",") if e.strip()) if value else None
 
     @property
     def tokens_file(self) -> Path:

@@ -1,7 +1,7 @@
 """OpenTelemetry for rollouts processes: one trace per hot-load, from the API request through the
 deployment's Update, the hot-load workflow and its activities.
 
-The API opens a server span per request (api/app.py); Temporal clients and workers created with
+The API opens a server span per request (api/middleware.py); Temporal clients and workers created with
 `temporal_interceptors()` carry the span context in Temporal headers (temporalio's
 `TracingInterceptor`), so the workflow and activity spans join the request's trace. A worker
 built from such a client inherits the interceptor.

@@ -293,11 +293,18 @@ def test_large_deployment_settings_are_bounded_integers(client, field, value):
     assert f"hotLoad.{field}" in r.json()["message"], r.text
 
 
-def test_an_operator_may_let_vllm_hot_load_and_nothing_unknown(monkeypatch):
+def test_an_operator_may_let_vllm_hot_load_and_nothing_unknown(monkeypatch, tmp_path):
+    settings = Settings.create(tmp_path, 30000)  # owned: the variable is still this process's
     monkeypatch.setenv("ROLLOUTS_HOT_LOAD_ENGINES", "dynamo-vllm,vllm")
-    assert allowed_hot_load_engines() == ("dynamo-vllm", "vllm")
+    assert settings.hot_load_engines == ("dynamo-vllm", "vllm")
+    assert allowed_hot_load_engines(settings) == ("dynamo-vllm", "vllm")
     monkeypatch.setenv("ROLLOUTS_HOT_LOAD_ENGINES", "dynamo-vllm,sglang")
     with pytest.raises(SystemExit, match="ROLLOUTS_HOT_LOAD_ENGINES: sglang is not an engine"):
-        allowed_hot_load_engines()
+        allowed_hot_load_engines(settings)
+    with pytest.raises(SystemExit, match="ROLLOUTS_HOT_LOAD_ENGINES: sglang is not an engine"):
+        create_app(settings, temporal_client=NoTemporal())
+    monkeypatch.setenv("ROLLOUTS_HOT_LOAD_ENGINES", "  ")
+    assert settings.hot_load_engines is None
     monkeypatch.delenv("ROLLOUTS_HOT_LOAD_ENGINES")
-    assert allowed_hot_load_engines() == ("dynamo-vllm",)
+    assert settings.hot_load_engines is None
+    assert allowed_hot_load_engines(settings) == ("dynamo-vllm",)

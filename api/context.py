@@ -1,0 +1,50 @@
+"""What every route of the API shares, per app: one `ApiContext` on `app.state.context`.
+
+Routes reach it with the dependency `context` (`Depends(context)`), and the Temporal-backed reads
+and writes with `resources` (`Depends(resources)`), which answers unavailable ("the API is
+starting") until the app's lifespan has connected them. `resources` and `cancel_wait_s` live on
+`app.state` itself, where api/app.py sets them and tests and benches read or change them; the
+context reads them there on each use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Depends, Request
+from starlette.datastructures import State
+
+from api.resources import Resources
+from common.errors import Unavailable
+from common.settings import Settings
+from common.tokens import TokenStore
+
+
+@dataclass(frozen=True)
+class ApiContext:
+    settings: Settings
+    tokens: TokenStore
+    # Engines whose deployments may hot-load (api/app.py: allowed_hot_load_engines).
+    hot_load_engines: tuple[str, ...]
+    # The app's state: `resources` once started, `cancel_wait_s`.
+    app_state: State
+
+    @property
+    def resources(self) -> Resources:
+        resources = getattr(self.app_state, "resources", None)
+        if resources is None:
+            raise Unavailable("the API is starting")
+        return resources
+
+    @property
+    def cancel_wait_s(self) -> float:
+        """How long a cancel waits for its hot-load to end before answering (api/routes/hot_loads.py)."""
+        return self.app_state.cancel_wait_s
+
+
+def context(request: Request) -> ApiContext:
+    return request.app.state.context
+
+
+def resources(ctx: ApiContext = Depends(context)) -> Resources:
+    return ctx.resources

@@ -1,0 +1,148 @@
+"""Deployments, below `/v1alpha1/inference`: `GET /deployments/parameters`, create, get, update,
+list (optionally by `parentGatewayId`) and delete.
+
+Create: a `hotLoad` section needs an organization with hot-load enabled (else
+failed_precondition) and an engine that hot-loads (`ApiContext.hot_load_engines`: the guide's
+`dynamo-vllm`, or what `ROLLOUTS_HOT_LOAD_ENGINES` allows; else invalid_argument). A malformed
+`model.bucket`/`model.path` or `hotLoad.bucket`/`hotLoad.pathPrefix` is invalid_argument (400,
+api/models.py); a bucket or path not granted to the caller's organization is permission_denied
+(403), naming the field (api/auth.py: `require_granted`). Names are unique per organization, ids
+too (contracts/names.py).
+
+Update (not called by cwtrain; the guide: "include the same hotLoad section"):
+`PATCH /deployments/{id}` with any of the create body's fields (no `id`). Each field given replaces
+the current one. `hotLoad` must be present and equal to the deployment's (it is immutable; an
+update that omits or changes it is invalid_argument), and may not be added to a deployment
+created without it. `runtime.version`, `runtime.engineConfig` and `traffic` may change (a new runtime rolls
+the replicas onto it one at a time: control/deployment.py); `name`, `gatewayIds`, `resources`, `model`,
+`autoscaling` and `runtime.engine` must be unchanged if given. While a hot-load runs or the
+deployment is not READY the update answers failed_precondition. Answers `{"deployment": Deployment}`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query
+
+from api.auth import principal, require_granted
+from api.clock import now
+from api.context import ApiContext, context, resources
+from api.models import ENGINE_CONFIG_KEYS, CreateDeploymentRequest, UpdateDeploymentRequest
+from api.resources import Resources
+from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from common.tokens import Principal
+from contracts import names
+from contracts.records import (
+    Condition,
+    ConditionStatus,
+    Deployment,
+    DeploymentInput,
+    DeploymentSpec,
+    DeploymentStatus,
+    ResourceStatus,
+    UpdateDeploymentCommand,
+)
+
+router = APIRouter()
+
+
+def _fields(body: CreateDeploymentRequest | UpdateDeploymentRequest) -> dict[str, Any]:
+    """What a create and an update both carry, as the records take it (an update's absent field: None)."""
+    return {
+        "name": body.name, "gateway_ids": body.gateway_ids, "runtime": body.runtime, "resources": body.resources,
+        "model": body.model, "autoscaling": body.autoscaling, "traffic": body.traffic,
+        "hot_load": body.hot_load.to_record() if body.hot_load else None,
+    }
+
+
+@router.get("/deployments/parameters")
+async def deployment_parameters(
+    gatewayIds: list[str] = Query(default=[]), p: Principal = Depends(principal),  # noqa: N803 - wire name
+    ctx: ApiContext = Depends(context),
+) -> dict[str, Any]:
+    settings = ctx.settings
+    return {
+        "runtimes": [{"engine": engine, "versions": ["0.32.0"], "hotLoadSupported": engine in ctx.hot_load_engines}
+                     for engine in names.ENGINES],
+        "engineConfigKeys": list(ENGINE_CONFIG_KEYS),
+        "instanceTypes": [{"name": "cpu-local", "gpuCount": 0, "zones": [settings.zone]}],
+        "zones": [settings.zone],
+    }
+
+
+@router.post("/deployments")
+async def create_deployment(
+    body: CreateDeploymentRequest, p: Principal = Depends(principal), r: Resources = Depends(resources),
+    ctx: ApiContext = Depends(context),
+):
+    p.require_admin("creating a deployment")
+    if body.hot_load is not None:
+        if not p.hot_load_enabled:
+            raise FailedPrecondition("hot-load is not enabled for this organization")
+        if body.runtime.engine not in ctx.hot_load_engines:
+            raise InvalidArgument(
+                f"runtime.engine: hot-loading needs {' or '.join(map(repr, ctx.hot_load_engines))}, "
+                f"got {body.runtime.engine!r}"
+            )
+    if body.autoscaling.max < body.autoscaling.min:
+        raise InvalidArgument("autoscaling.max must be at least autoscaling.min")
+    require_granted(p, body.model, body.hot_load)
+    zones = []
+    for gid in body.gateway_ids:
+        try:
+            zones.extend((await r.get_gateway(p.organization_id, gid)).spec.zones)
+        except NotFound:
+            raise InvalidArgument(f"gatewayIds: gateway {gid} not found") from None
+    dep_id = body.id or str(uuid.uuid4())
+    if await r.memo(names.deployment_workflow_id(p.organization_id, dep_id)) is not None:
+        raise AlreadyExists(f"deployment {dep_id} already exists")
+    if any(d.spec.name == body.name for d in await r.list_deployments(p.organization_id)):
+        raise AlreadyExists(f"a deployment named {body.name!r} already exists in this organization")
+    created = now()
+    dep = Deployment(
+        spec=DeploymentSpec(id=dep_id, organization_id=p.organization_id, **_fields(body)),
+        status=DeploymentStatus(
+            status=ResourceStatus.CREATING,
+            created_at=created,
+            updated_at=created,
+            conditions=[
+                Condition(
+                    type="ReplicasReady", status=ConditionStatus.UNKNOWN, reason="Creating",
+                    message=f"starting {body.autoscaling.min} replica(s)", last_update_time=created,
+                )
+            ],
+        ),
+    )
+    await r.create_deployment(DeploymentInput(deployment=dep, gateway_zones=zones))
+    return {"deployment": dep.wire()}
+
+
+@router.get("/deployments/{deployment_id}")
+async def get_deployment(deployment_id: str, p: Principal = Depends(principal), r: Resources = Depends(resources)):
+    return {"deployment": (await r.get_deployment(p.organization_id, deployment_id)).wire()}
+
+
+@router.patch("/deployments/{deployment_id}")
+async def update_deployment(
+    deployment_id: str, body: UpdateDeploymentRequest, p: Principal = Depends(principal),
+    r: Resources = Depends(resources),
+):
+    p.require_admin("updating a deployment")
+    cmd = UpdateDeploymentCommand(**_fields(body), updated_at=now())
+    return {"deployment": (await r.update_deployment(p.organization_id, deployment_id, cmd)).wire()}
+
+
+@router.get("/deployments")
+async def list_deployments(
+    parentGatewayId: str | None = None, p: Principal = Depends(principal), r: Resources = Depends(resources),  # noqa: N803
+):
+    return {"items": [d.wire() for d in await r.list_deployments(p.organization_id, parentGatewayId)]}
+
+
+@router.delete("/deployments/{deployment_id}")
+async def delete_deployment(deployment_id: str, p: Principal = Depends(principal), r: Resources = Depends(resources)):
+    p.require_admin("deleting a deployment")
+    await r.delete_deployment(p.organization_id, deployment_id)
+    return {}
