@@ -10,7 +10,7 @@ router per resource (api/routes/), the resources' under `PREFIX`.
 Every request under `PREFIX` is authenticated (Bearer token → organization and role) before
 anything else is looked at (api/auth.py). Another organization's resource answers not_found. Every
 error is `{"code", "message", "details"}` with the HTTP status of its code, never a traceback: an
-`ApiError` (common/errors.py) as it says, a body or parameter that fails validation as
+`ApiError` (contracts/errors.py) as it says, a body or parameter that fails validation as
 invalid_argument naming the field (bodies are validated strictly: api/models.py), an unknown path
 or method as not_found / method_not_allowed, Temporal unreachable as unavailable, anything else as
 internal.
@@ -42,13 +42,13 @@ from api.context import ApiContext
 from api.middleware import limit_body, server_span
 from api.resources import Resources
 from api.routes import deployments, gateways, hot_loads, service
-from common.errors import ApiError, InvalidArgument, Unavailable
 from common.settings import HOT_LOAD_ENGINES_ENV, Settings
 from common.settings import temporal_client as connect_temporal
 from common.telemetry import setup_tracing, temporal_interceptors
 from common.telemetry import tracer as telemetry_tracer
-from common.tokens import TokenStore
 from contracts import names
+from contracts.errors import ApiError, InvalidArgument, Unavailable, code_for_status
+from contracts.tokens import TokenStore
 
 log = logging.getLogger("rollouts.api")
 
@@ -103,7 +103,7 @@ async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
 
 
 async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "invalid_argument")
+    code = code_for_status(exc.status_code)
     return JSONResponse({"code": code, "message": str(exc.detail), "details": []}, status_code=exc.status_code)
 
 

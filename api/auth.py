@@ -2,7 +2,7 @@
 else is looked at.
 
 `authenticate` (an HTTP middleware) maps the Bearer token to a `Principal` (organization and
-role: common/tokens.py): a missing or unknown token answers unauthenticated, and a viewer's write
+role: contracts/tokens.py): a missing or unknown token answers unauthenticated, and a viewer's write
 answers permission_denied naming the write (`write_action`), even when its body is invalid or
 oversized. Routes take the principal with `Depends(principal)`.
 
@@ -19,9 +19,9 @@ from fastapi.responses import JSONResponse
 
 from api.context import ApiContext, context
 from common.buckets import grant_problem
-from common.errors import ApiError, PermissionDenied
-from common.tokens import Principal
+from contracts.errors import ApiError, PermissionDenied
 from contracts.records import HotLoadConfig, ModelSource
+from contracts.tokens import Principal
 
 # The resources' routes (api/app.py mounts them here); every request under it takes a token.
 PREFIX = "/v1alpha1/inference"

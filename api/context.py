@@ -15,9 +15,9 @@ from fastapi import Depends, Request
 from starlette.datastructures import State
 
 from api.resources import Resources
-from common.errors import Unavailable
 from common.settings import Settings
-from common.tokens import TokenStore
+from contracts.errors import Unavailable
+from contracts.tokens import TokenStore
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,8 @@ from typing import Any
 from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from common.errors import InvalidArgument, Unavailable
 from contracts import names
+from contracts.errors import InvalidArgument, Unavailable
 from contracts.memo import replica_list
 from contracts.search import DEPLOYMENT, ORG
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from opentelemetry.trace import SpanKind
 
 from api import metrics as api_metrics
-from common.errors import PayloadTooLarge
+from contracts.errors import PayloadTooLarge
 
 MAX_BODY_BYTES = 1 << 20
 

@@ -28,8 +28,8 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from api.listing import HotLoadIndex, Record, page, quote
 from api.open_reads import OpenReads
-from common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable, from_code
 from contracts import names
+from contracts.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable, from_code
 from contracts.memo import replica_list
 from contracts.records import (
     CreateHotLoadCommand,

@@ -46,7 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from api.app import PREFIX, create_app  # noqa: E402
 from common.settings import SEARCH_ATTRIBUTES, Settings  # noqa: E402
-from common.tokens import add_token  # noqa: E402
 from contracts import names  # noqa: E402
 from contracts.activities import ApplySnapshotInput, ApplySnapshotResult  # noqa: E402
 from contracts.records import (  # noqa: E402
@@ -62,6 +61,7 @@ from contracts.records import (  # noqa: E402
     rfc3339,
 )
 from contracts.search import hot_load_attributes  # noqa: E402
+from contracts.tokens import add_token  # noqa: E402
 from control.hot_load.workflow import HotLoadWorkflow  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

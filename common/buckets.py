@@ -10,7 +10,7 @@
 
 A malformed value is invalid_argument (400) naming the field (api/models.py).
 
-Each organization is granted buckets in the tokens file (common/tokens.py): an entry `"rollouts"`
+Each organization is granted buckets in the tokens file (contracts/tokens.py): an entry `"rollouts"`
 grants the whole bucket, `"shared/team-b"` only keys under `team-b/` (whole path segments:
 `team-b` and `team-b/…`, not `team-b2`). A deployment whose `model` or `hotLoad` names a bucket
 or path its organization is not granted is permission_denied (403) naming the field; hot-loads

@@ -3,7 +3,7 @@
 This module wires the app: its lifespan (the proxy's HTTP clients; with ``refresh``, the routing
 refresh and the load report), authentication, ``GET /v1/models`` and ``/healthz``, the inference
 routes (``gateway/proxy.py``: ``Proxy``; a dynamo deployment's path: ``gateway/dynamo_proxy.py``),
-and one exception handler that answers every ``common.errors.ApiError`` a route raises with
+and one exception handler that answers every ``contracts.errors.ApiError`` a route raises with
 ``gateway.errors.error_response``; any other exception of an inference route is logged and
 answered 500 ``internal``.
 
@@ -100,9 +100,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from common.errors import ApiError, Internal
 from common.settings import Settings
-from common.tokens import Principal, TokenStore
+from contracts.errors import ApiError, Internal
+from contracts.tokens import Principal, TokenStore
 from gateway.errors import error_response
 from gateway.listing import model_list
 from gateway.load import LoadMeter, report_loop, temporal_signal

@@ -1,8 +1,8 @@
 """Reading a client's request body: bounded in size, UTF-8, JSON, an object, not deeply nested.
 
 Contract: ``await read_json_object(request)`` returns the body as a dict, or raises
-``common.errors.PayloadTooLarge`` (HTTP 413 ``payload_too_large``) for a body over the cap, or
-``common.errors.InvalidArgument`` (HTTP 400) for a malformed one, whose message names the problem:
+``contracts.errors.PayloadTooLarge`` (HTTP 413 ``payload_too_large``) for a body over the cap, or
+``contracts.errors.InvalidArgument`` (HTTP 400) for a malformed one, whose message names the problem:
 
 - more than ``MAX_BODY_BYTES`` (8 MiB; 413): refused from ``Content-Length`` before anything is
   read, or as soon as a body without one (chunked) grows past the cap;
@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 from fastapi import Request
 
-from common.errors import InvalidArgument, PayloadTooLarge
+from contracts.errors import InvalidArgument, PayloadTooLarge
 
 MAX_BODY_BYTES = 8 << 20
 MAX_JSON_DEPTH = 64

@@ -35,8 +35,8 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from common.errors import InvalidArgument, Unavailable
 from common.settings import Settings
+from contracts.errors import InvalidArgument, Unavailable
 from contracts.names import dynamo_model
 from gateway import dynamo
 from gateway.attempt import REPLICA_HEADER, SESSION_HEADER, Attempt, Served

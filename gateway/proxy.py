@@ -7,7 +7,7 @@ Contract of ``Proxy(settings, router, meter)``:
   replicas, and the Dynamo path's (``gateway/dynamo_proxy.py``). The app opens them in its
   lifespan and closes them after.
 - ``serve(request, path, organization_id)``: the answer to ``POST path`` from a caller of that
-  organization. It raises ``common.errors.ApiError`` for the gateway's own refusals: the body's
+  organization. It raises ``contracts.errors.ApiError`` for the gateway's own refusals: the body's
   (``gateway/body.py``: 400, 413), a ``model`` that is not a string (400), a model not served to
   that organization (404 ``not_found``, naming the models it may use), none of the named
   deployments taking traffic, even after a fresh read (503), a field the plan refuses
@@ -40,8 +40,8 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from common.errors import InvalidArgument, NotFound, Unavailable
 from common.settings import Settings
+from contracts.errors import InvalidArgument, NotFound, Unavailable
 from gateway.attempt import REPLICA_HEADER, SESSION_HEADER, Attempt, Served
 from gateway.body import read_json_object
 from gateway.dynamo_proxy import DynamoProxy

@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from contracts.errors import Unavailable
 from gateway.attempt import Attempt, Served
 from gateway.nvext import (
     RequestPlan,
@@ -158,7 +159,7 @@ class Relay:
                 yield sse(held)
             log.warning("stream from %s broke: %r", served.replica.name, exc)
             yield sse({"error": {"message": f"replica {served.replica.name} stream broke: {exc!r}; the answer is "
-                                            "incomplete", "type": "unavailable", "code": 503}})
+                                            "incomplete", "type": Unavailable.code, "code": 503}})
         finally:
             await upstream.aclose()
             self.router.release(served.url)

@@ -21,7 +21,7 @@ import ssl
 import httpx
 from fastapi.responses import Response
 
-from common.errors import InvalidArgument
+from contracts.errors import InvalidArgument
 from gateway import dynamo
 from gateway.errors import error_response
 

@@ -53,7 +53,7 @@ from common import dynamo_tls
 from common.addresses import AddressError, check_bind_host, host_port, is_wildcard
 from common.processes import PidFile, port_in_use, spawn, stop_pid, tail
 from common.settings import DEFAULT_PORT_BASE, HOST_ENV, LOOPBACK, SEARCH_ATTRIBUTES, Settings
-from common.tokens import add_token, grant_default_bucket
+from contracts.tokens import add_token, grant_default_bucket
 from gateway.dynamo_frontend import DynamoFrontend
 
 # `up`'s --dynamo-router-mode from the environment (recorded in stack.json).

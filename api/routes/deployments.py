@@ -31,9 +31,8 @@ from api.clock import now
 from api.context import ApiContext, context, resources
 from api.models import ENGINE_CONFIG_KEYS, CreateDeploymentRequest, UpdateDeploymentRequest
 from api.resources import Resources
-from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from common.tokens import Principal
 from contracts import names
+from contracts.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from contracts.records import (
     Condition,
     ConditionStatus,
@@ -44,6 +43,7 @@ from contracts.records import (
     ResourceStatus,
     UpdateDeploymentCommand,
 )
+from contracts.tokens import Principal
 
 router = APIRouter()
 

@@ -14,9 +14,9 @@ from api.clock import now
 from api.context import ApiContext, context, resources
 from api.models import CreateGatewayRequest
 from api.resources import Resources
-from common.errors import AlreadyExists, InvalidArgument
-from common.tokens import Principal
+from contracts.errors import AlreadyExists, InvalidArgument
 from contracts.records import Gateway, GatewaySpec, GatewayStatus, ResourceStatus
+from contracts.tokens import Principal
 
 router = APIRouter()
 

@@ -27,9 +27,9 @@ from api.context import ApiContext, context, resources
 from api.listing import Record, dumps, page
 from api.models import CreateHotLoadRequest
 from api.resources import TERMINAL_STATES, Resources
-from common.errors import FailedPrecondition
-from common.tokens import Principal
+from contracts.errors import FailedPrecondition
 from contracts.records import CreateHotLoadCommand, PromptCachePolicy
+from contracts.tokens import Principal
 
 router = APIRouter()
 

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from api.app import PREFIX, create_app
 from common.buckets import Grant, bucket_problem, grant_problem, path_problem
 from common.settings import Settings
-from common.tokens import add_token
+from contracts.tokens import add_token
 from tests.helpers.no_temporal import NoTemporal
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from common.tokens import add_token
+from contracts.tokens import add_token
 from tests.helpers.stack_fixtures import Api, deployment_body
 
 SECOND_ORG = "org-second"

@@ -1,4 +1,4 @@
-"""Tokens at rest (common/tokens.py): the file keeps only salted hashes, a plain-text file is
+"""Tokens at rest (contracts/tokens.py): the file keeps only salted hashes, a plain-text file is
 rewritten hashed on its first read (no restart), `rollouts token add` prints the new token once,
 and organizations carry their bucket grants."""
 
@@ -11,9 +11,9 @@ import stat
 import pytest
 
 from common.buckets import Grant
-from common.errors import Unauthenticated
 from common.settings import Settings
-from common.tokens import TokenStore, add_token, grant_default_bucket, hash_token
+from contracts.errors import Unauthenticated
+from contracts.tokens import TokenStore, add_token, grant_default_bucket, hash_token
 from workers.cli import main as cli_main
 
 

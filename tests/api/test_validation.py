@@ -12,9 +12,9 @@ from temporalio.exceptions import ApplicationError
 
 from api.app import PREFIX, allowed_hot_load_engines, create_app
 from api.resources import page, update_error
-from common.errors import InvalidArgument
 from common.settings import Settings
-from common.tokens import add_token
+from contracts.errors import InvalidArgument
+from contracts.tokens import add_token
 from tests.helpers.no_temporal import NoTemporal
 
 

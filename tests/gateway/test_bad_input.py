@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 
 from common.processes import free_port
 from common.settings import Settings
-from common.tokens import add_token
+from contracts.tokens import add_token
 from gateway.body import MAX_BODY_BYTES
 from gateway.routing import DeploymentView, ReplicaView, Router
 from tests.helpers.gateway import Connection, LocalGateway

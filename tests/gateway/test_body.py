@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from common.errors import InvalidArgument
+from contracts.errors import InvalidArgument
 from gateway.body import MAX_JSON_DEPTH, json_depth, parse_json_object
 
 

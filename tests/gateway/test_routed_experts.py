@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 
 from common.processes import free_port
 from common.settings import Settings
-from common.tokens import add_token
+from contracts.tokens import add_token
 from gateway.routing import DeploymentView, ReplicaView, Router
 from tests.helpers.gateway import LocalGateway
 

@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from common.settings import ENGINE_SECRET_HEADER, Settings
-from common.tokens import add_token
+from contracts.tokens import add_token
 from gateway.routing import DeploymentView, ReplicaView, Router
 from replica.agent.engine_process import EngineProcess
 from tests.helpers import engine_weights

@@ -32,7 +32,6 @@ from temporalio.worker import Worker
 
 from api.app import PREFIX, create_app
 from common.settings import Settings
-from common.tokens import add_token
 from contracts import names
 from contracts.activities import (
     ApplySnapshotInput,
@@ -51,6 +50,7 @@ from contracts.errors import FAILED_PRECONDITION, NON_RETRYABLE_SNAPSHOT
 from contracts.nodes import PlaceRequest, ReleaseRequest
 from contracts.records import DeploymentInput, Placement, ReplicaEndpoint
 from contracts.search import deployment_attributes
+from contracts.tokens import add_token
 from control.activities import check_snapshot
 from control.deployment import DeploymentWorkflow
 from control.gateway import GatewayWorkflow

@@ -12,7 +12,7 @@ import secrets
 import sys
 
 from common.settings import Settings
-from common.tokens import add_token
+from contracts.tokens import add_token
 from workers.commands import settings_of
 from workers.stack import DEFAULT_NODE_SLOTS, Stack, StackError, load_or_create_settings
 

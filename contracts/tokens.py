@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from common.buckets import Grant
-from common.errors import PermissionDenied, Unauthenticated
 from common.ids import resource_id_problem
+from contracts.errors import PermissionDenied, Unauthenticated
 
 ROLES = ("admin", "viewer")
 log = logging.getLogger("rollouts.tokens")
