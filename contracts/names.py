@@ -23,6 +23,7 @@ DELETE = "delete"  # also the gateway workflow's
 VERIFY_REPLICAS = "verify_replicas"
 REPLICA_READY = "replica_ready"
 REPLICA_FAILED = "replica_failed"
+REPLICA_RETRYING = "replica_retrying"
 HOT_LOAD_FINISHED = "hot_load_finished"
 DESCRIBE = "describe"
 # runtime.engine values. dynamo-vllm: each replica is NVIDIA Dynamo's vLLM worker behind Dynamo's

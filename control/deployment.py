@@ -487,6 +487,18 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
             self.state.pending_replicas.remove(endpoint.name)
         self._settle()
 
+    @workflow.signal(name=names.REPLICA_RETRYING)
+    def replica_retrying(self, retry: ReplicaFailure) -> None:
+        """A replica's start met an error that may pass (an S3 read: replica/agent/retries.py)
+        and tries again after a backoff: while the deployment is creating or updating its
+        replicas, its condition says so (reason `ReplicaStartRetrying`) until the replica is
+        ready or reports its start failed."""
+        status = self.state.deployment.status.status
+        if self.deleting or status not in (ResourceStatus.CREATING, ResourceStatus.UPDATING):
+            return
+        self._set_status(status, self._condition("ReplicasReady", False, "ReplicaStartRetrying",
+                                                  f"{retry.name}: {retry.reason}"))
+
     @workflow.signal
     def replica_failed(self, failure: ReplicaFailure) -> None:
         """A replica reports its engine dead or its start failed: out of rotation; during

@@ -10,7 +10,8 @@ point (one `stat` when it is absent), so a test arms and disarms a fault while t
 - `point`: one of `POINTS` (where `hit` is called; see each caller);
 - `replica`: the replica name, or "*" (any); `deployment`: optional deployment id;
 - `action`: "fail" raises a non-retryable `InjectedFault` ApplicationError naming the point and
-  the replica; "hold" waits `seconds` (default 3600) or until the rule is removed from the file
+  the replica; "s3_error" raises the error an S3 server's failure gives botocore
+  (`ClientError` InternalError, HTTP 500: what replica/agent/retries.py retries); "hold" waits `seconds` (default 3600) or until the rule is removed from the file
   (checked every 0.2 s), whichever comes first; a cancel of the step ends the wait;
 - `times`: how many times the rule fires in one agent process (default 1), counted by `id`.
 
@@ -27,6 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 
 from contracts.errors import INJECTED_FAULT
@@ -40,6 +42,7 @@ POINTS = (
     "commit_peer_stage",  # a receiver's swap of its broadcast stage starts (it then reads the bucket)
     "pause",  # a stage is ready and its pause is about to begin (nothing of it is in the engine yet)
     "swap",  # inside the pause, after the stage was applied and before it is proven and committed
+    "model_download",  # a replica's start reads its model from the bucket (each attempt)
 )
 FAULTS_FILE = "faults.json"
 _fired: Counter[str] = Counter()
@@ -92,6 +95,9 @@ async def hit(home: Path, point: str, *, replica: str, deployment: str, until: a
                 await asyncio.sleep(0.2)
                 waited += 0.2
             return False
+        if action == "s3_error":
+            raise ClientError({"Error": {"Code": "InternalError", "Message": f"injected fault {rule_id!r} at {point}"},
+                               "ResponseMetadata": {"HTTPStatusCode": 500}}, "GetObject")
         raise ApplicationError(
             f"injected fault {rule_id!r} at {point} on replica {replica}", type=INJECTED_FAULT, non_retryable=True
         )

@@ -42,12 +42,14 @@ from common.telemetry import setup_tracing, temporal_interceptors
 from contracts import names
 from contracts.activities import ApplySnapshotInput
 from contracts.records import ReplicaEndpoint, ReplicaFailure, rfc3339
+from replica import faults
 from replica.agent.activities import PeerActivities, ReplicaActivities
 from replica.agent.downloads import download_prefix, download_shared, shared_use
 from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine_process import EngineProcess
 from replica.agent.host_decodes import remove_stale as remove_stale_decodes
 from replica.agent.metrics import ReplicaMetrics
+from replica.agent.retries import DELAYS_S, retrying
 from replica.agent.runtime import ReplicaRuntime
 from replica.agent.shm_reclaim import reclaim_dead_segments
 from replica.agent.staged import one_line
@@ -135,15 +137,27 @@ async def _run_replica(
     for record in await asyncio.to_thread(remove_stale_decodes, shm_dir()):
         log.info("removed %s, the decode record of an agent that is gone", record)
     try:
+        async def download() -> Path:
+            await faults.hit(settings.home_path, "model_download", replica=name, deployment=deployment_id)
+            if dynamo:
+                return await asyncio.to_thread(download_shared, s3, model_bucket, model_path, shared)
+            await asyncio.to_thread(download_prefix, s3, model_bucket, model_path, workdir / "model")
+            return workdir / "model"
+
+        async def retry_said(attempt: int, delay: float, exc: BaseException) -> None:
+            why = (f"reading its model s3://{model_bucket}/{model_path} failed ({one_line(exc)}); "
+                   f"attempt {attempt + 1} of {len(DELAYS_S) + 1} in {delay:g} s")
+            log.warning("%s: %s", name, why)
+            with contextlib.suppress(Exception):  # the retry goes on whether or not the deployment heard
+                await deployment.signal(names.REPLICA_RETRYING, ReplicaFailure(name=name, reason=why))
+
         if dynamo:
             # One path for every replica of the deployment on this host, removed by the last one
             # to leave (replica.agent.downloads).
             shared = shared_model_dir(workflow_id, model_bucket, model_path)
             await asyncio.to_thread(held.enter_context, shared_use(shared))
-            model_dir = await asyncio.to_thread(download_shared, s3, model_bucket, model_path, shared)
-        else:
-            model_dir = workdir / "model"
-            await asyncio.to_thread(download_prefix, s3, model_bucket, model_path, model_dir)
+        # An S3 error that may pass is tried again (replica.agent.retries), the deployment told.
+        model_dir = await retrying(download, retry_said)
         options = dict(
             # vLLM binds IPC sockets under the engine's TMPDIR, and a socket path must stay under
             # 108 bytes: keep it short, outside the (possibly deep) stack home.

@@ -1,6 +1,11 @@
 """A deployment's status tells the truth across a configuration update and a restart, on the real
 stack with a real Dynamo vLLM worker on CPU (one, to keep the cost at three engine starts).
 
+- Created while S3 fails the replica's model read twice (the error SeaweedFS gives botocore when
+  it cannot read a chunk, injected at the `model_download` fault point): the replica's start
+  tries again with backoff, the deployment says why meanwhile (`ReplicaStartRetrying`, naming
+  the error), and it is READY once the read succeeds.
+
 - `PATCH` of `runtime.engineConfig` rolls the replica onto it: the deployment leaves READY
   (a hot-load and another update are refused meanwhile), keeps a replica serving throughout,
   and is READY again on a new engine whose command line carries the new flag and which caught
@@ -31,7 +36,7 @@ from replica.stage_arena import shm_dir
 from snapshots.host import checkpoint_checksums
 from snapshots.writer import write_delta
 from tests.helpers.ready import first_requests_served
-from tests.helpers.replicas import engines, hot_load, served_checksums
+from tests.helpers.replicas import engines, fault, faults, hot_load, served_checksums
 from tests.helpers.stack_fixtures import Api, deployment_body, start_stack
 from tests.helpers.trainer import train_step
 from workers.stack import Stack, upload_dir
@@ -43,15 +48,34 @@ TRAINED = "life-000001"
 DELTA = "life-000002"
 
 
+def _wait_ready_noting_conditions(api: Api, dep_id: str, timeout: float = 900) -> tuple[dict, list[tuple[str, str]]]:
+    """Poll until READY or FAILED; every (reason, message) of a condition seen on the way."""
+    said: list[tuple[str, str]] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        dep = api.call("GET", f"/deployments/{dep_id}").json()["deployment"]
+        for c in dep["status"].get("conditions", []):
+            if (c.get("reason"), c.get("message")) not in said:
+                said.append((c.get("reason"), c.get("message")))
+        if dep["status"]["status"] in ("STATUS_READY", "STATUS_FAILED"):
+            return dep, said
+        assert time.monotonic() < deadline, f"deployment {dep_id} not ready after {timeout:.0f}s: {said}"
+        time.sleep(0.3)
+
+
 @pytest.fixture(scope="module")
 def lifecycle(stack, tmp_path_factory):
     """A 1-replica deployment serving TRAINED (a FULL hot-load of weights that differ from the
     base), those weights' checksums, and their directory."""
     api = Api(stack)
     body = deployment_body(stack, "lifecycle", replicas=1, path_prefix=PREFIX)
-    dep = api.call("POST", "/deployments", json=body).json()["deployment"]
-    dep = api.wait_deployment(dep["spec"]["id"])
+    # The replica's first two reads of its model fail as a flaky S3 server fails them.
+    with faults(stack, fault("model_download", "*", "s3_error"), fault("model_download", "*", "s3_error")):
+        dep = api.call("POST", "/deployments", json=body).json()["deployment"]
+        dep, said = _wait_ready_noting_conditions(api, dep["spec"]["id"])
     assert dep["status"]["status"] == "STATUS_READY", dep["status"]
+    retrying = [m for reason, m in said if reason == "ReplicaStartRetrying"]
+    assert retrying and "InternalError" in retrying[0] and "model" in retrying[0], said
     first_requests_served(stack, dep["spec"]["id"])
     trained = train_step(stack.home_path / "models" / "base", tmp_path_factory.mktemp("trained") / TRAINED, seed=41)
     upload_dir(stack.s3_client(), trained, stack.bucket, f"{PREFIX}/{TRAINED}")
