@@ -114,9 +114,11 @@ class Proxy:
         router = self.router
         # vLLM sends routes only on non-streamed answers: replay those as a stream.
         replay = plan.stream and "routed_experts" in plan.extra_fields
-        upstream_body = plan.upstream
+        # The replicas serve the deployment's model name, whether the client named it or the
+        # deployment's id.
+        upstream_body = {**plan.upstream, "model": view.model_name}
         if replay:
-            upstream_body = {k: v for k, v in plan.upstream.items() if k != "stream_options"}
+            upstream_body = {k: v for k, v in upstream_body.items() if k != "stream_options"}
             upstream_body["stream"] = False
         payload = json.dumps(upstream_body).encode()
         http = self.http

@@ -171,3 +171,11 @@ def test_unknown_model_and_no_traffic_use_the_same_shape(local):
     with Connection(gateway.url, ADMIN) as conn:
         status, body = conn.post("/v1/completions", {**GOOD, "model": "nope"})
         assert status == 404 and body["code"] == "not_found" and body["message"].startswith("model 'nope' is not served")
+
+
+def test_a_deployment_addressed_by_its_id_reaches_its_replicas_under_its_model_name(local):
+    gateway, seen = local
+    with Connection(gateway.url, ADMIN) as conn:
+        status, body = conn.post("/v1/completions", {**GOOD, "model": "dep"})  # the deployment's id
+    assert status == 200, body
+    assert seen[-1]["model"] == "m"  # what its vLLM replicas serve
