@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.deployments import POOL, delete_deployment
-from tests.helpers.ready import first_requests_served
+from tests.helpers.ready import served_or_deleted
 from tests.helpers.replicas import ROLLING_PREFIX
 from tests.helpers.stack_fixtures import Api, deployment_body
 
@@ -27,7 +27,7 @@ def _create(stack) -> tuple[Api, dict]:
     dep = api.call("POST", "/deployments", json=body).json()["deployment"]
     dep = api.wait_deployment(dep["spec"]["id"])
     assert dep["status"]["status"] == "STATUS_READY", dep["status"]
-    first_requests_served(stack, dep["spec"]["id"])
+    served_or_deleted(stack, api, dep["spec"]["id"])
     return api, dep
 
 

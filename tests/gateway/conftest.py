@@ -22,7 +22,7 @@ import pytest
 from common.settings import Settings
 from tests.helpers.deployments import POOL, delete_deployment
 from tests.helpers.gateway import PREFIX, GatewayDeployment, Served
-from tests.helpers.ready import first_requests_served
+from tests.helpers.ready import served_or_deleted
 from tests.helpers.stack_fixtures import Api, deployment_body
 
 REPLICAS = 2
@@ -45,7 +45,7 @@ def _create(stack: Settings, engine: str = "dynamo-vllm") -> GatewayDeployment:
     dep = api.call("POST", "/deployments", json=body).json()["deployment"]
     dep = api.wait_deployment(dep["spec"]["id"])
     assert dep["status"]["status"] == "STATUS_READY", dep["status"]
-    first_requests_served(stack, dep["spec"]["id"])  # the gateway serves what the API called READY
+    served_or_deleted(stack, api, dep["spec"]["id"])  # the gateway serves what the API called READY
     headers = {"Authorization": f"Bearer {stack.admin_token}"}
     models = httpx.get(f"{stack.gateway_url}/v1/models", headers=headers).json()
     assert any(d["deployment_id"] == dep["spec"]["id"] and len(d["replicas"]) == REPLICAS

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
 from common.settings import Settings
+from tests.helpers.deployments import delete_deployment
 
 FIRST_REQUESTS = 16
 
@@ -49,6 +51,16 @@ def first_requests_served(settings: Settings, dep_id: str, token: str | None = N
     trial = Trial(dep_id, beside)
     TRIALS.append(trial)
     return trial
+
+
+def served_or_deleted(settings: Settings, api: Any, dep_id: str) -> Trial:
+    """`first_requests_served`, and the deployment deleted when it fails: a pooled deployment
+    whose creation fails is in no pool, and its engines would outlive the test."""
+    try:
+        return first_requests_served(settings, dep_id)
+    except BaseException:
+        delete_deployment(api, dep_id)
+        raise
 
 
 def tally() -> str | None:
