@@ -15,7 +15,9 @@ Contract of ``Proxy(settings, router, meter)``:
   (503, naming the last four failures). The request counts on ``meter`` for its deployment from
   the routing until its answer is over (``LoadMeter.track``).
 - A vLLM deployment's request (``forward`` then ``through_replicas``): before it is planned, a
-  view that shows a hot-load (under way, or a replica not settled) is read afresh. The replicas
+  view that shows a hot-load (under way, or a replica not settled) is read afresh. The body goes
+  with ``model`` set to the deployment's model name (what its replicas serve; the client may have
+  named the deployment's id). The replicas
   are tried in ``Router.candidates`` order (the session's pinned replica first, then the least
   loaded, those whose connection just failed last), each with its engine guard's header
   (``Settings.engine_headers``) and one request in flight on the router while it runs. A
