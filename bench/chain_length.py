@@ -7,6 +7,11 @@ from the bucket for real, stages, swaps and reports like an agent). One deployme
 the one before (chain positions 1..N; every delta is the same small real delta, uploaded under
 its own identity). Each hot-load is created through the REST API and polled until COMPLETED.
 
+With `--engine`, the replica is a real Dynamo vLLM worker on CPU (the stack's own node agent, its
+generated base model) and the chain is real: each delta is one training step on the one before
+(`tests/helpers/trainer.train_step`, four tensors), written with our delta writer, so every
+hot-load stages, swaps and proves real bytes.
+
 It prints create → COMPLETED per chain position (the median over the chains), the medians of
 each block of ten positions, position N against position 2 (the side-by-side baseline: same
 deployment, same run), the least-squares slope over all positions, the last five positions
@@ -15,6 +20,7 @@ checks (`check_snapshot_files` activities) the deployment's admission scheduled 
 2, N/2 and N (read from every run of the deployment workflow's history at the end).
 
     .venv/bin/python bench/chain_length.py --deltas 60 --chains 3
+    .venv/bin/python bench/chain_length.py --deltas 60 --chains 2 --engine
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
 from tests.helpers.sim_nodes import start_sim_node, stop_sim_nodes  # noqa: E402
 from tests.helpers.stack_fixtures import free_port_base, wait_registered  # noqa: E402
-from workers.stack import Stack, upload_dir  # noqa: E402
+from tests.helpers.trainer import train_step  # noqa: E402
+from workers.stack import LOCAL_NODE, Stack, upload_dir  # noqa: E402
 
 TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
 PREFIX = "chain/ckpt"
@@ -104,6 +111,23 @@ def hot_load(api: Api, dep_id: str, identity: str, previous: str | None, poll_s:
     return seconds
 
 
+def publish_real_chains(settings: Settings, work: Path, chains: int, deltas: int) -> None:
+    """Training steps from the stack's base model, each a delta on the one before, uploaded as
+    chain c's `c{c}-full` (the base) and `c{c}-d{i}` (the same steps, written under each chain's
+    own identities)."""
+    s3 = settings.s3_client()
+    steps = [settings.home_path / "models" / "base"]
+    for i in range(1, deltas + 1):
+        steps.append(train_step(steps[-1], work / f"step-{i}", seed=1000 + i))
+    for c in range(chains):
+        upload_dir(s3, steps[0], settings.bucket, f"{PREFIX}/c{c}-full")
+        for i in range(1, deltas + 1):
+            out = work / f"c{c}-d{i}"
+            write_delta(steps[i - 1], steps[i], out, version=f"c{c}-d{i}",
+                        base_version=f"c{c}-full" if i == 1 else f"c{c}-d{i - 1}")
+            upload_dir(s3, out, settings.bucket, f"{PREFIX}/c{c}-d{i}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--deltas", type=int, default=60, help=f"chain positions 1..N (N <= {MAX_CHAIN_DELTAS})")
@@ -111,32 +135,37 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=1, help="SIMULATED replicas of the deployment")
     ap.add_argument("--poll-s", type=float, default=0.02, help="the client's GET cadence")
     ap.add_argument("--keep", action="store_true", help="keep the stack's home (logs) afterwards")
+    ap.add_argument("--engine", action="store_true",
+                    help="real Dynamo vLLM replica(s) on the stack's own node agent, and a real chain of training steps")
     args = ap.parse_args()
     if not 2 <= args.deltas <= MAX_CHAIN_DELTAS:
         raise SystemExit(f"--deltas must be 2..{MAX_CHAIN_DELTAS}")
 
     work = Path(tempfile.mkdtemp(prefix="bench-chain-"))
     settings = Settings.create(work / "home", free_port_base())
-    stack = Stack(settings, node_slots=0)
+    stack = Stack(settings, node_slots=args.replicas if args.engine else 0)
     stack.up(say=lambda line: print(line, flush=True))
     nodes: list[subprocess.Popen[bytes]] = []
     try:
-        nodes.append(start_sim_node(settings, "sim-0", args.replicas))
-        base, new = work / "base", work / "new"
-        make_checkpoint_pair(base, new, size_mb=1, seed=0)
-        write_delta(base, new, work / "delta", version="d", base_version="full")
         s3 = settings.s3_client()
-        for c in range(args.chains):
-            upload_dir(s3, base, settings.bucket, f"{PREFIX}/c{c}-full")
-            for i in range(1, args.deltas + 1):
-                upload_dir(s3, work / "delta", settings.bucket, f"{PREFIX}/c{c}-d{i}")
+        if args.engine:
+            publish_real_chains(settings, work, args.chains, args.deltas)
+        else:
+            nodes.append(start_sim_node(settings, "sim-0", args.replicas))
+            base, new = work / "base", work / "new"
+            make_checkpoint_pair(base, new, size_mb=1, seed=0)
+            write_delta(base, new, work / "delta", version="d", base_version="full")
+            for c in range(args.chains):
+                upload_dir(s3, base, settings.bucket, f"{PREFIX}/c{c}-full")
+                for i in range(1, args.deltas + 1):
+                    upload_dir(s3, work / "delta", settings.bucket, f"{PREFIX}/c{c}-d{i}")
         api = Api(settings)
-        wait_registered(settings, "sim-0")
+        wait_registered(settings, LOCAL_NODE if args.engine else "sim-0")
         dep_id = api.call("POST", "/deployments", json={
             "name": "chain", "gatewayIds": [settings.gateway_id],
             "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
             "model": {"name": "chain-model", "bucket": settings.bucket, "path": settings.base_model_path},
-            "resources": {"instanceType": "cpu-local", "gpuCount": 1},
+            "resources": {"instanceType": "cpu-local", "gpuCount": 0 if args.engine else 1},
             "autoscaling": {"min": args.replicas, "max": args.replicas},
             "hotLoad": {"bucket": settings.bucket, "pathPrefix": PREFIX},
         })["deployment"]["spec"]["id"]
@@ -157,7 +186,8 @@ def main() -> int:
                   f"{row[args.deltas]:.3f} s", flush=True)
         median = [statistics.median(seconds[c][p] for c in range(args.chains)) for p in range(args.deltas + 1)]
         n = args.deltas
-        print(f"\n{args.replicas} SIMULATED replica(s), {args.chains} chain(s) of 1 full + {n} deltas on one "
+        kind = "real Dynamo vLLM" if args.engine else "SIMULATED"
+        print(f"\n{args.replicas} {kind} replica(s), {args.chains} chain(s) of 1 full + {n} deltas on one "
               "deployment; create → COMPLETED, median over the chains:")
         print("  per position: " + ", ".join(f"{p}: {median[p]:.3f}" for p in range(1, n + 1)))
         for lo in range(1, n + 1, 10):
