@@ -24,6 +24,7 @@ namespace, task queue and workflow type, are dropped; its SDK metrics are not mi
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,8 +146,8 @@ class TemporalMirror:
         REGISTRY.register(self)
 
         def drain_forever() -> None:
-            stop = threading.Event()
-            while not stop.wait(DRAIN_EVERY_S):
+            while True:
+                time.sleep(DRAIN_EVERY_S)
                 self.drain()
 
         threading.Thread(target=drain_forever, name="temporal-metrics", daemon=True).start()

@@ -86,7 +86,6 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-
 class EngineProcess(EngineClient):
     """A vLLM OpenAI server for one model directory; see the module docstring."""
 
