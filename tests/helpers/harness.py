@@ -103,6 +103,11 @@ def write_delta(root: Path, identity: str, base: str, *, missing: tuple[str, ...
             (d / name).write_text(text)
 
 
+def fleet_node(task_queue: str) -> str:
+    """The stand-in node every replica of a fleet is placed on (its own queue per fleet)."""
+    return f"fleet-{task_queue}"
+
+
 @dataclass
 class Fleet:
     client: Client
@@ -332,8 +337,7 @@ class Fleet:
 
     @property
     def node(self) -> str:
-        """The stand-in node every replica of this fleet is placed on (its own queue per fleet)."""
-        return f"fleet-{self.task_queue}"
+        return fleet_node(self.task_queue)
 
     # ------------------------------------------------------------------ control activities
     @activity.defn(name=names.PLACE_REPLICAS)
