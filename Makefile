@@ -50,14 +50,19 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-logo
 
-# The full suite: real Temporal, SeaweedFS and vLLM CPU replicas.
+# The full suite: real Temporal, SeaweedFS and vLLM CPU replicas. Two pytest-xdist workers, each a
+# session with its own stack and at most three engines: most of a test's time is spent waiting on
+# an engine or a workflow, and a 2-core machine runs two such tests in the time of one
+# (tests/helpers/parallel.py: what runs together and in which order). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 test: install
-	$(VENV)/bin/python -m pytest -q -ra
+	$(VENV)/bin/python -m pytest -q -ra $(PYTEST_PARALLEL)
 
 # Unit tests and workflow tests with fake replicas: nothing that starts the embedded stack or a
 # vLLM engine (tests/conftest.py marks those `stack` / `engine` from the fixtures they use).
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -ra -m "not stack and not engine"
+	$(VENV)/bin/python -m pytest -q -ra $(PYTEST_PARALLEL) -m "not stack and not engine"
 
 clean-data: down
 	rm -rf .rollouts

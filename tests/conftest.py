@@ -32,6 +32,7 @@ from tests.helpers import ready
 from tests.helpers.deployments import POOL, POOLED_FIXTURES
 from tests.helpers.engines import EngineWatch, mark_session
 from tests.helpers.otlp_receiver import OtlpReceiver
+from tests.helpers.parallel import is_controller, unit_of, unit_rank, worker
 from tests.helpers.stack_fixtures import start_stack
 from tests.helpers.temporal_server import temporal_env  # noqa: F401 - one dev server for every suite that needs one
 
@@ -45,28 +46,50 @@ MULTIHOST_FIXTURES = frozenset({"cluster", "make_cluster"})
 WATCH = EngineWatch()
 # module node id -> (the pooled fixtures its tests use, whether they start the stack or an engine)
 MODULES: dict[str, tuple[frozenset[str], bool]] = {}
+# Under xdist, the controller's copy of each worker's summary (engines, pool, READY checks).
+SUMMARY_KEY = "rollouts_summary"
+SUMMARIES: dict[str, dict] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for name in set(os.environ) - set(without_stack_env(os.environ)):
         del os.environ[name]
-    mark_session()
+    mark_session(worker())
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    WATCH.start()
+    if not is_controller(session.config):  # the controller of xdist's workers runs no test
+        WATCH.start()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     WATCH.stop()
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput[SUMMARY_KEY] = _summary()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """The controller keeps each worker's summary (pytest-xdist's hook)."""
+    if summary := getattr(node, "workeroutput", {}).get(SUMMARY_KEY):
+        SUMMARIES[node.gateway.id] = summary
+
+
+def _summary() -> dict:
+    return {"peak": WATCH.peak, "samples": WATCH.samples, "sampling_s": WATCH.sample_seconds,
+            "created": POOL.created, "ready": ready.counts()}
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    if WATCH.samples:
-        terminalreporter.write_line(
-            f"vLLM engines: at most {WATCH.peak} alive at once ({WATCH.samples} samples, "
-            f"{WATCH.sample_seconds:.2f} s CPU spent sampling); shared deployments created: {POOL.created or 'none'}")
-    if line := ready.tally():
+    summaries = dict(SUMMARIES) if is_controller(config) else {"": _summary()}
+    for name, summary in sorted(summaries.items()):
+        who = f"{name}: " if name else ""
+        if summary["samples"]:
+            terminalreporter.write_line(
+                f"{who}vLLM engines: at most {summary['peak']} alive at once ({summary['samples']} samples, "
+                f"{summary['sampling_s']:.2f} s CPU spent sampling); shared deployments created: "
+                f"{summary['created'] or 'none'}")
+    if line := ready.tally([summary["ready"] for summary in summaries.values()]):
         terminalreporter.write_line(line)
 
 
@@ -92,17 +115,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         heavy[module] = heavy.get(module, False) or any(item.iter_markers("stack")) or any(item.iter_markers("engine"))
     MODULES.update({m: (frozenset(pooled[m]), heavy[m]) for m in pooled})
 
-    # Within each folder: the modules using a pooled deployment first, grouped by it; the rest after.
+    # Whole units (tests/helpers/parallel.py): the multi-host modules, then each pooled deployment's
+    # modules together, then the other modules that start the stack or engines, then the rest.
     folders: dict[str, int] = {}
     for item in items:
         folders.setdefault(str(item.path.parent), len(folders))
+    multihost = {_module_id(item) for item in items if any(item.iter_markers("multihost"))}
+    units = {m: unit_of(m, pooled[m], m in multihost, POOLED_FIXTURES) for m in pooled}
+    grouped = config.pluginmanager.hasplugin("xdist")
 
-    def key(indexed: tuple[int, pytest.Item]) -> tuple[int, int, int]:
+    def key(indexed: tuple[int, pytest.Item]) -> tuple[int, int, int, int]:
         index, item = indexed
-        used = [POOLED_FIXTURES.index(name) for name in pooled[_module_id(item)]]
-        return folders[str(item.path.parent)], min(used, default=len(POOLED_FIXTURES)), index
+        module = _module_id(item)
+        used = [POOLED_FIXTURES.index(name) for name in pooled[module]]
+        return (unit_rank(units[module], heavy[module]), min(used, default=len(POOLED_FIXTURES)),
+                folders[str(item.path.parent)], index)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+    if grouped:
+        for item in items:
+            if unit := units[_module_id(item)]:
+                item.add_marker(pytest.mark.xdist_group(unit))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -36,9 +36,14 @@ def uptime() -> float:
     return float(Path("/proc/uptime").read_text().split()[0])
 
 
-def mark_session() -> str:
-    """Put this session's marker in the environment (idempotent); returns it."""
-    return os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
+def mark_session(worker: str = "") -> str:
+    """Put this session's marker in the environment (idempotent); returns it. An xdist worker
+    (``worker``: gw0, gw1, ...) is a session of its own: it inherits the controller's marker and
+    adds its name, so each worker watches only the engines that its own tests started."""
+    mark = os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
+    if worker and not mark.endswith(f"-{worker}"):
+        mark = os.environ[SESSION_ENV] = f"{mark}-{worker}"
+    return mark
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ answered 200 (the gateway reads a deployment afresh before it would answer 503:
 Every test that creates a deployment and waits for READY (as ``cwtrain deployment create
 --wait`` does) calls :func:`first_requests_served`, so each run checks it once per deployment
 it creates; :data:`TRIALS` keeps every check of the session with the deployments the API listed
-READY beside it at that moment, and tests/conftest.py prints the tally after the run.
+READY beside it at that moment, and tests/conftest.py prints the tally after the run (every
+worker's checks together).
 """
 
 from __future__ import annotations
@@ -63,9 +64,15 @@ def served_or_deleted(settings: Settings, api: Any, dep_id: str) -> Trial:
         raise
 
 
-def tally() -> str | None:
-    if not TRIALS:
+def counts() -> tuple[int, int]:
+    """(deployments checked, those checked with another deployment READY beside) in this process."""
+    return len(TRIALS), sum(1 for t in TRIALS if t.beside)
+
+
+def tally(per_process: list[tuple[int, int]]) -> str | None:
+    """One line for the run, from each process's :func:`counts` (one, or one per xdist worker)."""
+    checked, with_others = (sum(n) for n in zip(*per_process)) if per_process else (0, 0)
+    if not checked:
         return None
-    with_others = sum(1 for t in TRIALS if t.beside)
-    return (f"READY, then {FIRST_REQUESTS} requests at once: {len(TRIALS)} deployment(s), every request "
+    return (f"READY, then {FIRST_REQUESTS} requests at once: {checked} deployment(s), every request "
             f"answered 200 ({with_others} with another deployment READY beside)")

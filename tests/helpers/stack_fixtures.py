@@ -17,6 +17,7 @@ import httpx
 from common.processes import port_in_use
 from common.settings import PORT_OFFSETS, Settings, temporal_client
 from contracts import names
+from tests.helpers.parallel import worker_slot
 from workers.stack import Stack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,9 +35,13 @@ def free_port_base() -> int:
     """A base whose whole range (and SeaweedFS's gRPC ports at +10000) is free on 127.0.0.1, and
     below the kernel's ephemeral range where it can be: a port there can be taken by any outgoing
     connection between this check and the service's bind (a stack starts its services over a
-    minute or more, uploading the base model meanwhile)."""
+    minute or more, uploading the base model meanwhile). Each xdist worker draws from a slice
+    of its own, so two workers' stacks never pick the same range at the same moment."""
     top = _ephemeral_low() - 10000 - max(PORT_OFFSETS.values()) - 1
     low, high = (10000, top) if top > 12000 else (20000, 40000)
+    index, count = worker_slot()
+    span = (high - low) // count // 50 * 50
+    low, high = low + index * span, low + (index + 1) * span
     for _ in range(200):
         base = random.randrange(low, high, 50)
         ports = [base + off for off in PORT_OFFSETS.values()]
