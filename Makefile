@@ -55,14 +55,16 @@ lint: $(STAMP)
 # an engine or a workflow, and a 2-core machine runs two such tests in the time of one
 # (tests/helpers/parallel.py: what runs together and in which order). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+PYTEST_UNITS := --dist loadscope --no-loadscope-reorder
 test: install
-	$(VENV)/bin/python -m pytest -q -ra $(PYTEST_PARALLEL)
+	$(VENV)/bin/python -m pytest -q -ra -n $(TEST_WORKERS) $(PYTEST_UNITS)
 
 # Unit tests and workflow tests with fake replicas: nothing that starts the embedded stack or a
 # vLLM engine (tests/conftest.py marks those `stack` / `engine` from the fixtures they use).
+# They wait on Temporal timers more than they compute: four workers.
+FAST_WORKERS ?= 4
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -ra $(PYTEST_PARALLEL) -m "not stack and not engine"
+	$(VENV)/bin/python -m pytest -q -ra -n $(FAST_WORKERS) $(PYTEST_UNITS) -m "not stack and not engine"
 
 clean-data: down
 	rm -rf .rollouts

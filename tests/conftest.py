@@ -1,5 +1,8 @@
 """Shared fixtures and the suite's rules.
 
+- `make test` runs two pytest-xdist workers, each a test session of its own (its stack, its
+  engines, its pool); tests/helpers/parallel.py says which tests run together and in which order.
+  Everything below holds per session, that is per worker.
 - The embedded stack is started once per test session, on free loopback ports in a temporary
   home, and stopped by pid at the end. The session starts without another stack's variables
   (``common.settings.without_stack_env``: a ``stack.env`` sourced in the runner's shell), so the
@@ -16,9 +19,9 @@
   run by mistake.
 - At most three vLLM engines alive at once (tests/helpers/engines.py watches this session's
   processes every second; the test running when a fourth appeared fails). The shared deployments
-  live in tests/helpers/deployments.py's pool, one at a time: each folder runs the modules that
-  use one pooled deployment together, and the pool is released before a module that starts
-  engines without it.
+  live in tests/helpers/deployments.py's pool, one at a time: the modules that use one pooled
+  deployment run together, and the pool is released before a module that starts engines
+  without it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,16 @@ from tests.helpers import ready
 from tests.helpers.deployments import POOL, POOLED_FIXTURES
 from tests.helpers.engines import EngineWatch, mark_session
 from tests.helpers.otlp_receiver import OtlpReceiver
-from tests.helpers.parallel import is_controller, unit_of, unit_rank, worker
+from tests.helpers.parallel import (
+    UnitScheduling,
+    forget_units,
+    is_controller,
+    publish_units,
+    share_units,
+    unit_of,
+    unit_rank,
+    worker,
+)
 from tests.helpers.stack_fixtures import start_stack
 from tests.helpers.temporal_server import temporal_env  # noqa: F401 - one dev server for every suite that needs one
 
@@ -55,6 +67,14 @@ def pytest_configure(config: pytest.Config) -> None:
     for name in set(os.environ) - set(without_stack_env(os.environ)):
         del os.environ[name]
     mark_session(worker())
+    if is_controller(config):
+        share_units()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> UnitScheduling | None:
+    """Whole units, in collection order (tests/helpers/parallel.py), for ``--dist loadscope``."""
+    return UnitScheduling(config, log) if config.getvalue("dist") == "loadscope" else None
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -64,6 +84,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     WATCH.stop()
+    if is_controller(session.config):
+        forget_units()
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput[SUMMARY_KEY] = _summary()
 
@@ -121,8 +143,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         folders.setdefault(str(item.path.parent), len(folders))
     multihost = {_module_id(item) for item in items if any(item.iter_markers("multihost"))}
-    units = {m: unit_of(m, pooled[m], m in multihost, POOLED_FIXTURES) for m in pooled}
-    grouped = config.pluginmanager.hasplugin("xdist")
+    units = {m: unit_of(m, pooled[m], m in multihost, heavy[m], POOLED_FIXTURES) for m in pooled}
 
     def key(indexed: tuple[int, pytest.Item]) -> tuple[int, int, int, int]:
         index, item = indexed
@@ -132,10 +153,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 folders[str(item.path.parent)], index)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
-    if grouped:
-        for item in items:
-            if unit := units[_module_id(item)]:
-                item.add_marker(pytest.mark.xdist_group(unit))
+    publish_units(units)
 
 
 @pytest.fixture(scope="module", autouse=True)
