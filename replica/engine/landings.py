@@ -1,0 +1,178 @@
+"""Where each checkpoint tensor lands in the engine's parameters, as vLLM's own loader puts it.
+
+``observe(model, specs)`` calls the model's ``load_weights`` once per checkpoint tensor with an
+uninitialised *probe* of the tensor's shape and dtype, under a ``TorchDispatchMode`` that sees
+every op the loader runs and executes none that would write a parameter. Every ``copy_`` into a
+parameter's storage is recorded as a :class:`Landing`: the region of the parameter written (its
+size, stride and offset in the parameter's storage) and the region of the checkpoint tensor
+read (the same, in the probe's storage). vLLM decides everything: the stacked and packed
+mappings (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, or a checkpoint that ships
+them fused), per-expert tensors into the fused expert parameters, this rank's tensor-parallel
+slice, the unpadded rows of a vocabulary, a tied embedding's second name (no landing). Nothing
+is written: the engine keeps serving what it serves.
+
+A write the map cannot describe is a *problem*, named with its tensor: a copy from anything but
+a strided view of the probe (an arithmetic op on it, a gather), any other op writing into a
+parameter (``fill_``, ``index_put_``, ...), or a loader that raises. A tensor with problems gets
+no landings: it cannot be hot-loaded in place (views.py says so, naming it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+# Writes of a constant into a parameter (a vocabulary's padding rows zeroed): nothing of the
+# checkpoint lands there, and the parameter already holds it.
+CONSTANT_FILLS = (aten.fill_.Scalar, aten.zero_.default)
+
+
+@dataclass(frozen=True)
+class Region:
+    """Elements of a storage, as ``as_strided`` takes them (in elements of the tensor's dtype)."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @staticmethod
+    def of(t: torch.Tensor) -> Region:
+        return Region(tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.size:
+            n *= s
+        return n
+
+    def view(self, base: torch.Tensor) -> torch.Tensor:
+        """This region of ``base``'s storage (``base`` a parameter, or a checkpoint tensor laid out
+        as the probe was: contiguous)."""
+        return base.as_strided(self.size, self.stride, self.offset)
+
+
+@dataclass(frozen=True)
+class Landing:
+    param: str  # the engine parameter's name
+    dst: Region  # written, in the parameter's storage
+    src: Region  # read, in the checkpoint tensor (contiguous, row-major)
+    src_dtype: torch.dtype  # the checkpoint's dtype (the loader may widen into the parameter's)
+
+
+@dataclass
+class TensorMap:
+    """What observe() learned of one checkpoint tensor."""
+
+    name: str
+    landings: list[Landing] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _is_write(func) -> bool:
+    """An in-place or out= op: its first argument (or ``out``) is written."""
+    schema = func._schema
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+class _Observer(TorchDispatchMode):
+    def __init__(self, params: dict[int, str], probe: torch.Tensor, result: TensorMap) -> None:
+        super().__init__()
+        self.params = params  # storage key -> parameter name
+        self.probe_key = _storage_key(probe)
+        self.probe_dtype = probe.dtype
+        # storage key of a value-preserving copy of a probe region -> that region
+        self.copies: dict[int, tuple[Region, torch.Size]] = {}
+        self.result = result
+
+    def _src_region(self, src: torch.Tensor) -> Region | None:
+        key = _storage_key(src)
+        if key == self.probe_key:
+            return Region.of(src)
+        if key in self.copies:  # a dtype-converted or contiguous copy, used whole
+            region, shape = self.copies[key]
+            if src.shape == shape and src.is_contiguous() and src.storage_offset() == 0:
+                return region
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in args if isinstance(a, torch.Tensor)] + [
+            v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        written = [t for t in tensors[:1] if _is_write(func)] + (
+            [kwargs["out"]] if isinstance(kwargs.get("out"), torch.Tensor) else [])
+        owners = [self.params[_storage_key(t)] for t in written if _storage_key(t) in self.params]
+        if owners:
+            if func is aten.copy_.default:
+                dst, src = args[0], args[1]
+                region = self._src_region(src)
+                if region is None:
+                    self.result.problems.append(f"{owners[0]}: written from a value that is not a view of the tensor")
+                elif region.numel() != dst.numel():
+                    self.result.problems.append(f"{owners[0]}: {dst.numel()} elements written from {region.numel()}")
+                else:
+                    self.result.landings.append(Landing(owners[0], Region.of(dst), region, self.probe_dtype))
+            elif func not in CONSTANT_FILLS:  # (a padding filled with zeros holds no checkpoint value)
+                self.result.problems.append(f"{owners[0]}: written by {func}")
+            return written[0]  # the parameter is left as it is
+        out = func(*args, **kwargs)
+        # A value-preserving copy of a probe region (a dtype change, a contiguous copy): a later
+        # copy_ from it whole still reads that region.
+        if func in (aten._to_copy.default, aten.clone.default) and isinstance(out, torch.Tensor) and args:
+            region = self._src_region(args[0])
+            if region is not None:
+                self.copies[_storage_key(out)] = (region, out.shape)
+        return out
+
+
+def observe(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, TensorMap]:
+    """For each checkpoint tensor ``(name, shape, dtype)``, where vLLM's loader of ``model``
+    would put it on this rank. Writes nothing into the model."""
+    params: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if p.numel():  # (a tied parameter keeps its first name: the embedding's)
+            params.setdefault(_storage_key(p), n)
+    out: dict[str, TensorMap] = {}
+    for name, shape, dtype in specs:
+        result = out[name] = TensorMap(name)
+        probe = torch.empty(shape, dtype=dtype)  # never written: its pages are never touched
+        try:
+            with _Observer(params, probe, result):
+                model.load_weights([(name, probe)])
+        except Exception as exc:  # the loader refused this name: say why, keep going
+            result.problems.append(f"the engine's loader refused it: {type(exc).__name__}: {exc}"[:300])
+    return out
+
+
+def unproven(model: torch.nn.Module, maps: dict[str, TensorMap], read) -> dict[str, str]:
+    """The mapped tensors whose landings do not hold the checkpoint's values now, by name, with
+    why: call it on an engine just loaded from that checkpoint (``read(name)`` gives its tensor).
+    A landing holds them when its region of the parameter equals its region of the tensor, the
+    tensor's dtype converted to the parameter's (vLLM's loader widens with the same ``copy_``).
+    What fails here is transformed after loading (repacked, padded, quantised): vLLM computes on
+    other bytes than its loader wrote, and an in-place write by this map would not reach them."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out: dict[str, str] = {}
+    for name, tmap in maps.items():
+        if tmap.problems or not tmap.landings:
+            continue
+        tensor = read(name).contiguous()
+        for landing in tmap.landings:
+            param = params[landing.param]
+            try:
+                held = landing.dst.view(param.data)
+            except RuntimeError as exc:  # the parameter was replaced by a smaller one
+                out[name] = f"{landing.param} no longer has the region its loader wrote ({exc})"[:300]
+                break
+            want = landing.src.view(tensor).to(held.dtype)
+            if held.shape != want.shape or not torch.equal(held, want):
+                out[name] = f"{landing.param} does not hold what its loader wrote (transformed after loading)"
+                break
+    return out

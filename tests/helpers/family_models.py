@@ -1,0 +1,123 @@
+"""Small random checkpoints of the model families RL labs train, written with ``transformers``
+(no download), BF16, as ``save_pretrained`` lays them out (per-expert tensors for MoE), with the
+embedded stack's tokenizer.
+
+    python -m tests.helpers.family_models OUT_DIR BASE_MODEL_DIR FAMILY [FAMILY ...]
+
+``observe`` (run in a process of its own: it imports vLLM and initialises its distributed
+state) builds vLLM's model class for each checkpoint at tensor-parallel size 1 in this process,
+as an engine does (``replica.engine.cpu_gemm`` installed: linear weights kept as parameters),
+loads the checkpoint, and prints per family what ``replica.engine.landings`` makes of it, as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import transformers as T
+from safetensors import safe_open
+
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 128, 256, 2, 512
+_COMMON = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=64, vocab_size=VOCAB, max_position_embeddings=512)
+# family -> (config class, model class, what differs from _COMMON)
+FAMILIES = {
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),  # q/k/v biases
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"tie_word_embeddings": True}),
+    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1}),
+    "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {"pad_token_id": 0, "head_dim": None}),  # ships qkv/gate_up fused
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, {}),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def write_family(out: Path, base_model: Path, family: str) -> Path:
+    """Write ``family``'s checkpoint to ``out/family`` (once); returns the directory."""
+    target = out / family
+    if (target / "config.json").exists():
+        return target
+    config_cls, model_cls, extra = FAMILIES[family]
+    kwargs = {k: v for k, v in {**_COMMON, **extra}.items() if v is not None}
+    torch.manual_seed(0)
+    model_cls(config_cls(**kwargs)).to(torch.bfloat16).save_pretrained(target)
+    for name in TOKENIZER_FILES:
+        (target / name).write_bytes((base_model / name).read_bytes())
+    return target
+
+
+def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def observe(model_dirs: list[Path]) -> dict[str, dict]:
+    """What ``landings`` makes of each checkpoint on vLLM's model class (see the docstring)."""
+    # vLLM, only in this process of its own.
+    from vllm.config import set_current_vllm_config  # noqa: PLC0415
+    from vllm.distributed import (  # noqa: PLC0415
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
+    from vllm.model_executor.model_loader import get_model  # noqa: PLC0415
+
+    from replica.engine import cpu_gemm  # noqa: PLC0415
+    from replica.engine.landings import observe as observe_landings  # noqa: PLC0415
+    from replica.engine.landings import unproven  # noqa: PLC0415
+
+    cpu_gemm.install()
+    torch.accelerator.empty_cache = lambda: None  # no accelerator here (vLLM's CPU worker does the same)
+    report: dict[str, dict] = {}
+    for i, model_dir in enumerate(model_dirs):
+        config = EngineArgs(model=str(model_dir), enforce_eager=True, dtype="bfloat16", max_model_len=256).create_engine_config()
+        with set_current_vllm_config(config):
+            if i == 0:
+                init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                             distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+            else:
+                destroy_model_parallel()  # the groups follow the model's config (MoE: an expert group)
+            initialize_model_parallel(1, 1)
+            model = get_model(vllm_config=config)
+            tensors = checkpoint_tensors(model_dir)
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            maps = observe_landings(model, [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
+            changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
+            report[model_dir.name] = {
+                "tensors": len(tensors),
+                "landings": {n: [[ld.param, list(ld.dst.size), ld.dst.offset, list(ld.src.size), ld.src.offset]
+                                 for ld in m.landings] for n, m in maps.items()},
+                "problems": {n: m.problems for n, m in maps.items() if m.problems},
+                "unproven": unproven(model, maps, tensors.__getitem__),
+                "params_changed_by_observe": changed,
+            }
+    return report
+
+
+def main(argv: list[str]) -> int:
+    out, base = Path(argv[0]), Path(argv[1])
+    dirs = [write_family(out, base, family) for family in argv[2:]]
+    print(json.dumps(observe(dirs)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
