@@ -2,17 +2,21 @@
 (no download), BF16, as ``save_pretrained`` lays them out (per-expert tensors for MoE), with the
 embedded stack's tokenizer.
 
-    python -m tests.helpers.family_models OUT_DIR BASE_MODEL_DIR FAMILY [FAMILY ...]
+    python -m tests.helpers.family_models OUT_DIR BASE_MODEL_DIR [--tp N] FAMILY [FAMILY ...]
 
 ``observe`` (run in a process of its own: it imports vLLM and initialises its distributed
 state) builds vLLM's model class for each checkpoint at tensor-parallel size 1 in this process,
 as an engine does (``replica.engine.cpu_gemm`` installed: linear weights kept as parameters),
 loads the checkpoint, and prints per family what ``replica.engine.landings`` makes of it, as JSON.
+With ``--tp N`` it starts N rank processes over gloo (vLLM's CPU backend), each building its
+shard of the model, and prints ``{family: {rank: report}}``.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import socket
 import sys
 from pathlib import Path
@@ -68,8 +72,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def observe(model_dirs: list[Path]) -> dict[str, dict]:
-    """What ``landings`` makes of each checkpoint on vLLM's model class (see the docstring)."""
+def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0) -> dict[str, dict]:
+    """What ``landings`` makes of each checkpoint on vLLM's model class (see the docstring), on
+    ``rank`` of ``world`` tensor-parallel ranks."""
     # vLLM, only in this process of its own.
     from vllm.config import set_current_vllm_config  # noqa: PLC0415
     from vllm.distributed import (  # noqa: PLC0415
@@ -88,14 +93,15 @@ def observe(model_dirs: list[Path]) -> dict[str, dict]:
     torch.accelerator.empty_cache = lambda: None  # no accelerator here (vLLM's CPU worker does the same)
     report: dict[str, dict] = {}
     for i, model_dir in enumerate(model_dirs):
-        config = EngineArgs(model=str(model_dir), enforce_eager=True, dtype="bfloat16", max_model_len=256).create_engine_config()
+        config = EngineArgs(model=str(model_dir), enforce_eager=True, dtype="bfloat16", max_model_len=256,
+                            tensor_parallel_size=world).create_engine_config()
         with set_current_vllm_config(config):
             if i == 0:
-                init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                             distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                             distributed_init_method=f"tcp://127.0.0.1:{port or _free_port()}")
             else:
                 destroy_model_parallel()  # the groups follow the model's config (MoE: an expert group)
-            initialize_model_parallel(1, 1)
+            initialize_model_parallel(world, 1)
             model = get_model(vllm_config=config)
             tensors = checkpoint_tensors(model_dir)
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -112,10 +118,32 @@ def observe(model_dirs: list[Path]) -> dict[str, dict]:
     return report
 
 
+def _rank(model_dirs: list[Path], world: int, rank: int, port: int, out: Path) -> None:
+    out.write_text(json.dumps(observe(model_dirs, world, rank, port)))
+
+
+def observe_ranks(model_dirs: list[Path], world: int, scratch: Path) -> dict[str, dict[int, dict]]:
+    """``observe`` on ``world`` rank processes; every rank's report per family."""
+    port = _free_port()
+    os.environ["VLLM_DIST_IDENT"] = f"landings-{port}"  # vLLM's CPU communicator: one name for the group
+    spawn = multiprocessing.get_context("spawn")
+    ranks = [spawn.Process(target=_rank, args=(model_dirs, world, r, port, scratch / f"rank{r}.json"))
+             for r in range(world)]
+    for proc in ranks:
+        proc.start()
+    for proc in ranks:
+        proc.join()
+    reports = [json.loads((scratch / f"rank{r}.json").read_text()) for r in range(world)]
+    return {d.name: {r: reports[r][d.name] for r in range(world)} for d in model_dirs}
+
+
 def main(argv: list[str]) -> int:
-    out, base = Path(argv[0]), Path(argv[1])
-    dirs = [write_family(out, base, family) for family in argv[2:]]
-    print(json.dumps(observe(dirs)))
+    out, base, rest = Path(argv[0]), Path(argv[1]), argv[2:]
+    world = 1
+    if rest[:1] == ["--tp"]:
+        world, rest = int(rest[1]), rest[2:]
+    dirs = [write_family(out, base, family) for family in rest]
+    print(json.dumps(observe(dirs) if world == 1 else observe_ranks(dirs, world, out)))
     return 0
 
 

@@ -13,8 +13,13 @@ embedding). On the CPU backend the MoE families' expert tensors are *not* held w
 wrote them (vLLM prepacks ``w13_weight``/``w2_weight`` after loading): this is the fact that keeps
 MoE hot-loads out of reach until the packed copy is rebuilt from an update (docs/field-notes.md).
 
-Not an engine process, but vLLM's model classes in a subprocess: marked ``engine`` (it costs
-what an engine start costs, ~10 s, and make test-fast leaves it out).
+At tensor-parallel size 2 (Qwen2 and Qwen3-MoE, two rank processes over gloo as vLLM's CPU
+backend runs them): each rank's landings read its own slice of the checkpoint (column-parallel
+rows, row-parallel columns, vocabulary rows; a KV head replicated to both) and hold it after
+loading, experts again excepted.
+
+Not an engine process, but vLLM's model classes in subprocesses: marked ``engine`` (it costs
+what an engine start costs, ~30 s in all, and make test-fast leaves it out).
 """
 
 from __future__ import annotations
@@ -38,10 +43,17 @@ MOE = ("qwen3_moe", "mixtral")
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+def families_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the checkpoints are written (and the base model whose tokenizer they take)."""
     root = tmp_path_factory.mktemp("families")
-    base = write_base_model(root / "base")
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.family_models", str(root), str(base), *FAMILIES],
+    write_base_model(root / "base")
+    return root
+
+
+@pytest.fixture(scope="module")
+def report(families_root: Path) -> dict[str, dict]:
+    root = families_root
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.family_models", str(root), str(root / "base"), *FAMILIES],
                           cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -91,3 +103,40 @@ def test_cpu_moe_experts_are_not_held_where_their_loader_wrote_them(report, fami
     experts = {n for n in r["landings"] if ".experts." in n}
     assert experts and set(r["unproven"]) == experts, sorted(set(r["unproven"]) ^ experts)[:4]
     assert all("transformed after loading" in why for why in r["unproven"].values())
+
+
+@pytest.fixture(scope="module")
+def tp2(families_root: Path) -> dict[str, dict[str, dict]]:
+    """Qwen2 (dense) and Qwen3-MoE at tensor-parallel size 2: two rank processes over gloo, each
+    building its shard."""
+    root = families_root
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.family_models", str(root), str(root / "base"),
+                           "--tp", "2", "qwen2", "qwen3_moe"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_each_tp_rank_lands_its_shard_from_the_same_slice_of_the_checkpoint(tp2):
+    for family in ("qwen2", "qwen3_moe"):
+        ranks = tp2[family]
+        assert set(ranks) == {"0", "1"}
+        for rank, r in ranks.items():
+            assert r["problems"] == {} and r["params_changed_by_observe"] == [], (family, rank)
+            # What holds the checkpoint's bytes at TP 1 holds this rank's slice of them at TP 2.
+            assert set(r["unproven"]) == {n for n in r["landings"] if ".experts." in n}, (family, rank)
+        q = "model.layers.0.self_attn.q_proj.weight"
+        # Column-parallel: each rank takes its half of q's 128 rows (64 rows x 128 = 8192 elements).
+        assert [ranks[r]["landings"][q] for r in "01"] == [
+            [["model.layers.0.self_attn.qkv_proj.weight", [64, 128], 0, [64, 128], 0]],
+            [["model.layers.0.self_attn.qkv_proj.weight", [64, 128], 0, [64, 128], 8192]]]
+        # Row-parallel: o_proj's columns 0-63 on rank 0, 64-127 on rank 1.
+        o = "model.layers.0.self_attn.o_proj.weight"
+        assert [ranks[r]["landings"][o][0][4] for r in "01"] == [0, 64]
+        # One KV head, two ranks: k is replicated, both read all of it.
+        k = "model.layers.0.self_attn.k_proj.weight"
+        assert [ranks[r]["landings"][k][0][3:] for r in "01"] == [[[64, 128], 0]] * 2
+        # The vocabulary is split by rows: 256 each.
+        e = "model.embed_tokens.weight"
+        assert [ranks[r]["landings"][e][0][3:] for r in "01"] == [[[256, 128], 0], [[256, 128], 256 * 128]]
