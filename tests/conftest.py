@@ -149,7 +149,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         index, item = indexed
         module = _module_id(item)
         used = [POOLED_FIXTURES.index(name) for name in pooled[module]]
-        return (unit_rank(units[module], heavy[module]), min(used, default=len(POOLED_FIXTURES)),
+        return (unit_rank(units[module]), min(used, default=len(POOLED_FIXTURES)),
                 folders[str(item.path.parent)], index)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]

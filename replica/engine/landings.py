@@ -13,8 +13,9 @@ is written: the engine keeps serving what it serves.
 
 A write the map cannot describe is a *problem*, named with its tensor: a copy from anything but
 a strided view of the probe (an arithmetic op on it, a gather), any other op writing into a
-parameter (``fill_``, ``index_put_``, ...), or a loader that raises. A tensor with problems gets
-no landings: it cannot be hot-loaded in place (views.py says so, naming it).
+parameter (``fill_``, ``index_put_``, ...), or a loader that raises. A tensor with a problem
+cannot be written in place through its landings (``unproven`` skips it). Nothing calls this
+module yet: staging still uses views.py's hand-written map (issue 32).
 """
 
 from __future__ import annotations
@@ -76,10 +77,16 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _is_write(func) -> bool:
-    """An in-place or out= op: its first argument (or ``out``) is written."""
-    schema = func._schema
-    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func`` writes: the arguments its schema marks mutable (``self`` of an
+    in-place op, ``out``)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+    return out
 
 
 class _Observer(TorchDispatchMode):
@@ -104,10 +111,7 @@ class _Observer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [a for a in args if isinstance(a, torch.Tensor)] + [
-            v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-        written = [t for t in tensors[:1] if _is_write(func)] + (
-            [kwargs["out"]] if isinstance(kwargs.get("out"), torch.Tensor) else [])
+        written = _written(func, args, kwargs)
         owners = [self.params[_storage_key(t)] for t in written if _storage_key(t) in self.params]
         if owners:
             if func is aten.copy_.default:

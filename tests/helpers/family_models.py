@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
 import transformers as T
-from safetensors import safe_open
+
+from common.processes import free_port
+from replica.engine.files import read_safetensors
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 128, 256, 2, 512
 _COMMON = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=2,
@@ -40,7 +41,6 @@ FAMILIES = {
     "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, {}),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 def write_family(out: Path, base_model: Path, family: str) -> Path:
@@ -58,18 +58,9 @@ def write_family(out: Path, base_model: Path, family: str) -> Path:
 
 
 def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    return tensors
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Every tensor of the checkpoint, read as the engine reads files (``save_pretrained`` writes
+    no index for a model this small)."""
+    return dict(read_safetensors(sorted(str(p) for p in model_dir.glob("*.safetensors")), None))
 
 
 def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0) -> dict[str, dict]:
@@ -98,7 +89,7 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
         with set_current_vllm_config(config):
             if i == 0:
                 init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
-                                             distributed_init_method=f"tcp://127.0.0.1:{port or _free_port()}")
+                                             distributed_init_method=f"tcp://127.0.0.1:{port or free_port()}")
             else:
                 destroy_model_parallel()  # the groups follow the model's config (MoE: an expert group)
             initialize_model_parallel(world, 1)
@@ -124,7 +115,7 @@ def _rank(model_dirs: list[Path], world: int, rank: int, port: int, out: Path) -
 
 def observe_ranks(model_dirs: list[Path], world: int, scratch: Path) -> dict[str, dict[int, dict]]:
     """``observe`` on ``world`` rank processes; every rank's report per family."""
-    port = _free_port()
+    port = free_port()
     os.environ["VLLM_DIST_IDENT"] = f"landings-{port}"  # vLLM's CPU communicator: one name for the group
     spawn = multiprocessing.get_context("spawn")
     ranks = [spawn.Process(target=_rank, args=(model_dirs, world, r, port, scratch / f"rank{r}.json"))

@@ -66,14 +66,14 @@ def unit_of(module: str, pooled: frozenset[str], multihost: bool, heavy: bool, p
     return module if heavy else ""
 
 
-def unit_rank(unit: str, heavy: bool) -> int:
+def unit_rank(unit: str) -> int:
     """Lower runs first: the multi-host hosts, then the pooled deployments, then other modules
-    that start the stack or engines, then the rest."""
+    that start the stack or engines, then the rest (one test each: ``unit`` is "")."""
     if unit == MULTIHOST_UNIT:
         return 0
     if unit.startswith("pool:"):
         return 1
-    return 2 if heavy else 3
+    return 2 if unit else 3
 
 
 def share_units() -> None:
