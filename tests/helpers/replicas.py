@@ -13,7 +13,7 @@ derives), the Temporal workflow of an operation, and the fault points of ``repli
   (``engine_running`` for an ``EngineProcess``; while it is paused with ``keep`` these are the
   requests frozen in the pause).
 - ``assert_every_replica_serves``: every replica's engine serves exactly a checkpoint's tensors.
-- ``hot_load_workflow_status``: how Temporal describes the operation's workflow.
+- ``hot_load_workflow_status``: how Temporal describes the operation's workflow once it closed.
 - ``requests_frozen_in_first_pause``: a hot-load whose first replica's swap is held in its pause
   while requests sent through Dynamo (the other replicas out of its pool) run there.
 - ``faults``: a context that writes ``faults.json`` into the stack's home and removes it on exit;
@@ -97,11 +97,18 @@ def wait_replica_state(api: Api, hl_id: str, name: str, state: str, timeout: flo
         time.sleep(0.2)
 
 
-def hot_load_workflow_status(settings: Settings, hl_id: str) -> WorkflowExecutionStatus:
+def hot_load_workflow_status(settings: Settings, hl_id: str, timeout: float = 60) -> WorkflowExecutionStatus:
+    """How Temporal describes the operation's workflow once it has closed: the API shows the
+    operation's final state a moment before its workflow returns (RUNNING after ``timeout``)."""
     async def read() -> WorkflowExecutionStatus:
         client = await temporal_client(settings)
-        desc = await client.get_workflow_handle(hot_load_workflow_id(settings.organization_id, hl_id)).describe()
-        return desc.status
+        handle = client.get_workflow_handle(hot_load_workflow_id(settings.organization_id, hl_id))
+        deadline = time.monotonic() + timeout
+        while (status := (await handle.describe()).status) == WorkflowExecutionStatus.RUNNING:
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        return status
 
     return asyncio.run(read())
 
