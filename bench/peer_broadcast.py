@@ -33,6 +33,7 @@ from common.processes import free_port  # noqa: E402
 from replica.engine.peer_group import PeerGroup  # noqa: E402
 from replica.engine.stage import StageSlot, take  # noqa: E402
 from replica.engine.tensors import adler32_hex, normalize_specs, spec_of  # noqa: E402
+from replica.engine.weight_map import WeightMap  # noqa: E402
 
 
 def _tensors(size_mb: float, device: str) -> list[tuple[str, "object"]]:
@@ -115,22 +116,24 @@ def cuda_apply_check() -> str:
             for name, t in weights:
                 params[name].data.copy_(t)
 
-    model, slot = Tiny(), StageSlot()
+    net, slot = Tiny(), StageSlot()
+    base = {"proj.weight": net.proj.weight.detach().to("cpu").clone()}
+    model = WeightMap.build(net, [(n, tuple(t.shape), t.dtype) for n, t in base.items()], base.__getitem__)
     new = torch.randn(64, 64).to(torch.bfloat16)
     slot.put(take(model, "v1", [("proj.weight", new)]))
     slot.swap(model, "v1")
     assert slot.commit(model, "v1")["verified"] == 1, "the read-back differs after the swap"
-    assert adler32_hex(model.proj.weight) == adler32_hex(new), "served bytes differ after the swap"
-    before = adler32_hex(model.proj.weight)
+    assert adler32_hex(net.proj.weight) == adler32_hex(new), "served bytes differ after the swap"
+    before = adler32_hex(net.proj.weight)
     slot.put(take(model, "v2", [("proj.weight", torch.randn(64, 64).to(torch.bfloat16))]))
     slot.swap(model, "v2")
-    assert slot.discard(model)["rolled_back"] and adler32_hex(model.proj.weight) == before, "no roll-back"
+    assert slot.discard(model)["rolled_back"] and adler32_hex(net.proj.weight) == before, "no roll-back"
     try:
         take(model, "v3", [("proj.weight", torch.zeros(3, 3, dtype=torch.bfloat16))])
         raise AssertionError("a wrong shape was staged")
     except ValueError:
         pass
-    assert adler32_hex(model.proj.weight) == before, "a refused stage changed the engine"
+    assert adler32_hex(net.proj.weight) == before, "a refused stage changed the engine"
     return "cuda check: stage, swap, read-back, discard's roll-back, refusal: ok"
 
 

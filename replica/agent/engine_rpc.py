@@ -191,6 +191,11 @@ class EngineClient:
         return out
 
 
+    async def weight_map(self) -> dict[str, Any]:
+        """Have the engine build its map of the checkpoint's tensors to its parameters now (else
+        the first stage does); what it holds in place and what it refuses, and why."""
+        return await self._rpc1("weight_map")
+
     async def checksums(self, names: Sequence[str] | None = None, algorithm: str = "adler32") -> dict[str, str]:
         """Per-tensor digest of what the engine holds, by checkpoint name."""
         r = await self._rpc1("weight_checksums", None if names is None else list(names), algorithm)

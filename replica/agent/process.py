@@ -190,6 +190,12 @@ async def _run_replica(
         if joining and isinstance(engine, DynamoEngineProcess):
             await engine.hold_out()  # no new request until the deployment serves it (`serve_replica`)
         await engine.set_weight_version("initial")
+        mapped = await engine.weight_map()  # built now, not inside the first hot-load
+        log.info("%s: %d of %d checkpoint tensors load in place (map built in %.2f s)", name, mapped["held"],
+                 mapped["tensors"], mapped["build_s"])
+        if mapped["refused_count"]:
+            log.warning("%s: %d checkpoint tensor(s) cannot be hot-loaded: %s", name, mapped["refused_count"],
+                        "; ".join(f"{n}: {why}" for n, why in list(mapped["refused"].items())[:4]))
         # The host copy lives in shared memory: the engine takes its roll-back bytes from it.
         host_arena = StageArena()
         host = await asyncio.to_thread(lambda: HostWeights.load(model_dir, allocate=host_arena.allocate))

@@ -14,14 +14,19 @@ fires, vLLM's executor stops waiting but the worker still runs the call and late
 reply, which then answers the *next* RPC; waits are bounded inside the methods instead.
 
 Each method is a thin wrapper over free functions testable without vLLM (`stage`, `updates`,
-`views`, `tensors`); tensors are named as in the checkpoint (`views`). Methods (per worker):
+`weight_map`, `tensors`); tensors are named as in the checkpoint the engine was started on, and
+every method that reads or writes them goes through this worker's `weight_map.WeightMap`, built
+on first use (the engine still holds that checkpoint then: every update is staged through it
+first). Methods (per worker):
 
+- ``weight_map()`` -> ``{"tensors", "held", "refused": {name: why} (the first 16), "refused_count",
+  "build_s"}``: builds the map if it is not built yet (the agent calls it once the engine serves);
 - ``engine_pid()`` -> ``{"pid", "parent_pid", "idle_spin_s", "logprob_ranks_eager"}``: this
   worker, its engine core, and what `replica.engine.plugin` set in this process;
 - ``weight_checksums(names=None, algorithm="adler32")`` -> ``{"algorithm", "checksums":
   {checkpoint name: hex}, "engine_checksums": {engine name: hex}}`` (Adler-32 as 8 hex digits,
-  the snapshot format's, or ``"sha256"``; ``engine_checksums``: parameters with no checkpoint
-  name, empty for Llama);
+  the snapshot format's, or ``"sha256"``; ``engine_checksums``: parameters no checkpoint tensor
+  lands in, empty for Llama);
 - ``weight_specs(names=None)`` -> ``{"specs": [[name, dtype, shape], ...]}``;
 - ``save_weights(names, path)`` -> ``{"saved", "bytes", "path"}``: what the engine holds, as a
   safetensors file;
@@ -36,8 +41,8 @@ Each method is a thin wrapper over free functions testable without vLLM (`stage`
 - ``set_step_delay(seconds)`` -> ``{"step_delay_s"}``: every engine step first sleeps that long
   (0: none), for a test that needs requests to stay in flight (`step_delay`).
 
-Importing this module inside a vLLM process installs the CPU GEMM patch (`cpu_gemm`) before the
-worker loads the model; elsewhere (tests, benchmarks) it does not load vLLM.
+Importing this module inside a vLLM process installs the CPU patches that keep what the loader
+wrote (`cpu_gemm` for linear layers, `cpu_moe` for fused experts) before the worker loads the model; elsewhere (tests, benchmarks) it does not load vLLM.
 """
 
 from __future__ import annotations
@@ -45,21 +50,40 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-from replica.engine import cpu_gemm, updates
-from replica.engine.files import plain_file_name, save_tensors
+from replica.engine import cpu_gemm, cpu_moe, updates
+from replica.engine.files import Checkpoint, plain_file_name, save_tensors
 from replica.engine.jobs import JobRunner
 from replica.engine.peer_group import PeerGroup
 from replica.engine.plugin import idle_spin_cap, logprob_ranks_eager
 from replica.engine.stage import Stage, StageSlot
 from replica.engine.step_delay import set_step_delay
-from replica.engine.tensors import ALGORITHMS, spec_of
-from replica.engine.views import checkpoint_views, select_views
+from replica.engine.tensors import ALGORITHMS, dtype_to_str
+from replica.engine.weight_map import WeightMap
 
 if "vllm" in sys.modules:  # the worker imports this module before it loads the model
     cpu_gemm.install()
+    cpu_moe.install()
+
+_MAP_LOCK = threading.Lock()
+
+
+def _weight_map(worker: Any) -> WeightMap:
+    """This worker's map, built on the RPC thread the first time (no forward pass runs there
+    meanwhile: `WeightMap.build`), under a lock all the same."""
+    with _MAP_LOCK:
+        if worker._rollouts_map is None:
+            t0 = time.perf_counter()
+            config = worker.model_config
+            checkpoint = Checkpoint(config.model)
+            worker._rollouts_map = WeightMap.build(worker.model_runner.model, checkpoint.specs, checkpoint.read,
+                                                   getattr(config, "quantization", None))
+            worker._rollouts_map_build_s = round(time.perf_counter() - t0, 3)
+        return worker._rollouts_map
 
 
 def _jobs(worker: Any) -> JobRunner:
@@ -100,6 +124,14 @@ class WeightLoaderExtension:
 
     _rollouts_jobs: JobRunner | None = None
     _rollouts_slot: StageSlot | None = None
+    _rollouts_map: WeightMap | None = None
+    _rollouts_map_build_s: float = 0.0
+
+    def weight_map(self) -> dict[str, Any]:
+        wmap = _weight_map(self)
+        refused = {n: e.refused for n, e in wmap.entries.items() if e.refused is not None}
+        return {"tensors": len(wmap.entries), "held": len(wmap.names()), "refused": dict(list(refused.items())[:16]),
+                "refused_count": len(refused), "build_s": self._rollouts_map_build_s}
 
     def engine_pid(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "parent_pid": os.getppid(), "idle_spin_s": idle_spin_cap(),
@@ -109,37 +141,38 @@ class WeightLoaderExtension:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}: one of {sorted(ALGORITHMS)}")
         digest = ALGORITHMS[algorithm]
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        _, unmapped = checkpoint_views(model)
+        wmap = _weight_map(self)
         return {
             "algorithm": algorithm,
-            "checksums": {n: digest(t) for n, t in select_views(model, names)},
-            "engine_checksums": {} if names is not None else {n: digest(t) for n, t in unmapped.items()},
+            "checksums": {n: digest(t) for n, t in wmap.select(names)},
+            "engine_checksums": {} if names is not None else {n: digest(t) for n, t in wmap.unmapped().items()},
         }
 
     def save_weights(self, names: list[str] | None, path: str) -> dict[str, Any]:
-        tensors = select_views(self.model_runner.model, names)  # type: ignore[attr-defined]
+        tensors = _weight_map(self).select(names)
         save_tensors(tensors, path)
         return {"saved": [n for n, _ in tensors], "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
                 "path": path}
 
     def weight_specs(self, names: list[str] | None = None) -> dict[str, Any]:
-        return {"specs": [spec_of(n, t) for n, t in select_views(self.model_runner.model, names)]}  # type: ignore[attr-defined]
+        wmap = _weight_map(self)
+        entries = [wmap.entry(n) for n in (wmap.names() if names is None else names)]
+        return {"specs": [[e.name, dtype_to_str(e.dtype), list(e.shape)] for e in entries]}
 
     def job_status(self) -> dict[str, Any]:
         return _jobs(self).status()
 
     def stage_from_files(self, label: str, paths: list[str], names: list[str] | None = None,
                          expected_adler32: dict[str, str] | None = None) -> dict[str, Any]:
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        return _start_stage(self, lambda: updates.stage_from_files(model, label, paths, names, expected_adler32))
+        wmap = _weight_map(self)
+        return _start_stage(self, lambda: updates.stage_from_files(wmap, label, paths, names, expected_adler32))
 
     def stage_from_arena(
         self, label: str, path: str, entries: list[list[Any]], expected_adler32: dict[str, str],
         verify: bool = True, backup_path: str | None = None, backup_offsets: dict[str, int] | None = None,
     ) -> dict[str, Any]:
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        return _start_stage(self, lambda: updates.stage_from_arena(model, label, path, entries, expected_adler32,
+        wmap = _weight_map(self)
+        return _start_stage(self, lambda: updates.stage_from_arena(wmap, label, path, entries, expected_adler32,
                                                                    verify, backup_path, backup_offsets))
 
     def peer_stage_receive(
@@ -147,18 +180,18 @@ class WeightLoaderExtension:
         expected_adler32: dict[str, str] | None = None, save_path: str | None = None,
         backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
     ) -> dict[str, Any]:
-        model = self.model_runner.model  # type: ignore[attr-defined]
+        wmap = _weight_map(self)
         join = _joiner(self, host, port, rank, world_size, backend, timeout_s, external_store)
-        return _start_stage(self, lambda: updates.stage_from_peer(model, label, join, specs, expected_adler32,
+        return _start_stage(self, lambda: updates.stage_from_peer(wmap, label, join, specs, expected_adler32,
                                                                   save_path))
 
     def peer_stage_send(
         self, host: str, port: int, world_size: int, names: list[str] | None = None,
         backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
     ) -> dict[str, Any]:
-        model = self.model_runner.model  # type: ignore[attr-defined]
+        wmap = _weight_map(self)
         join = _joiner(self, host, port, 0, world_size, backend, timeout_s, external_store)
-        return _jobs(self).start("send", lambda: updates.send_views(model, names, join))
+        return _jobs(self).start("send", lambda: updates.send_views(wmap, names, join))
 
     def peer_send_files(
         self, host: str, port: int, world_size: int, paths: list[str], backend: str = "gloo",
@@ -178,20 +211,20 @@ class WeightLoaderExtension:
         return _jobs(self).start("receive", lambda: updates.receive_files(specs, expected_adler32, out_dir, join))
 
     def checksum_job(self, names: list[str] | None = None) -> dict[str, Any]:
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        return _jobs(self).start("checksums", lambda: updates.served_checksums(model, names))
+        wmap = _weight_map(self)
+        return _jobs(self).start("checksums", lambda: updates.served_checksums(wmap, names))
 
     def swap_staged(self, label: str) -> dict[str, Any]:
-        return _slot(self).swap(self.model_runner.model, label)  # type: ignore[attr-defined]
+        return _slot(self).swap(_weight_map(self), label)
 
     def commit_staged(self, label: str) -> dict[str, Any]:
-        return _slot(self).commit(self.model_runner.model, label)  # type: ignore[attr-defined]
+        return _slot(self).commit(_weight_map(self), label)
 
     def swap_and_commit_staged(self, label: str) -> dict[str, Any]:
-        return _slot(self).swap_and_commit(self.model_runner.model, label)  # type: ignore[attr-defined]
+        return _slot(self).swap_and_commit(_weight_map(self), label)
 
     def discard_staged(self) -> dict[str, Any]:
-        return _slot(self).discard(self.model_runner.model)  # type: ignore[attr-defined]
+        return _slot(self).discard(_weight_map(self))
 
     def set_step_delay(self, seconds: float) -> dict[str, Any]:
         return set_step_delay(self, seconds)

@@ -1,5 +1,8 @@
 """Files the engine reads and writes: safetensors checkpoints, and whole files as byte tensors.
 
+:class:`Checkpoint` is the checkpoint an engine was started on: every tensor's name, shape and
+dtype from the headers of its ``*.safetensors`` files, and each tensor read on demand.
+
 Every write goes to a temporary name first and is renamed into place, so a reader never sees a
 half-written file.
 """
@@ -8,12 +11,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from replica.engine.tensors import tensor_bytes
+from replica.engine.tensors import dtype_from_str, tensor_bytes
 
 # Buffers some checkpoints carry that vLLM computes itself: skipped when a read takes every
 # tensor of a file (names=None).
@@ -41,6 +45,34 @@ def read_safetensors(paths: Sequence[str], names: Sequence[str] | None) -> list[
             raise ValueError(f"{len(missing)} tensor(s) not found in {list(paths)}: {missing[:8]}")
         return [(n, found[n]) for n in names]  # the caller's order
     return list(found.items())
+
+
+class Checkpoint:
+    """The safetensors files of a checkpoint directory (module docstring); tensors named in
+    SKIP_NAMES are left out. ValueError naming the file for a tensor in two files or of a dtype
+    the engine does not know."""
+
+    def __init__(self, model_dir: str | os.PathLike[str]) -> None:
+        self.files: dict[str, str] = {}  # tensor -> file
+        self.specs: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        for path in sorted(Path(model_dir).glob("*.safetensors")):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if key.endswith(SKIP_NAMES):
+                        continue
+                    if key in self.files:
+                        raise ValueError(f"tensor {key} appears in {self.files[key]} and {path}")
+                    piece = f.get_slice(key)
+                    try:
+                        dtype = dtype_from_str(piece.get_dtype())
+                    except ValueError as exc:
+                        raise ValueError(f"{path}: tensor {key}: {exc}") from None
+                    self.files[key] = str(path)
+                    self.specs.append((key, tuple(piece.get_shape()), dtype))
+
+    def read(self, name: str) -> torch.Tensor:
+        with safe_open(self.files[name], framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
 
 
 def save_tensors(tensors: list[tuple[str, torch.Tensor]], path: str) -> None:

@@ -14,8 +14,8 @@ is written: the engine keeps serving what it serves.
 A write the map cannot describe is a *problem*, named with its tensor: a copy from anything but
 a strided view of the probe (an arithmetic op on it, a gather), any other op writing into a
 parameter (``fill_``, ``index_put_``, ...), or a loader that raises. A tensor with a problem
-cannot be written in place through its landings (``unproven`` skips it). Nothing calls this
-module yet: staging still uses views.py's hand-written map (issue 32).
+cannot be written in place through its landings (``unproven`` skips it). `weight_map` builds
+the engine's map from both.
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ class Region:
 
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    offset: int
+    offset: int  # from the first element of the parameter or tensor
 
     @staticmethod
-    def of(t: torch.Tensor) -> Region:
-        return Region(tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    def of(t: torch.Tensor, base_offset: int = 0) -> Region:
+        """``t`` as a region of a tensor whose first element is at ``base_offset`` in its storage."""
+        return Region(tuple(t.shape), tuple(t.stride()), t.storage_offset() - base_offset)
 
     def numel(self) -> int:
         n = 1
@@ -51,9 +52,9 @@ class Region:
         return n
 
     def view(self, base: torch.Tensor) -> torch.Tensor:
-        """This region of ``base``'s storage (``base`` a parameter, or a checkpoint tensor laid out
-        as the probe was: contiguous)."""
-        return base.as_strided(self.size, self.stride, self.offset)
+        """This region of ``base`` (a parameter, or a checkpoint tensor laid out as the probe was:
+        contiguous), its offset counted from ``base``'s first element."""
+        return base.as_strided(self.size, self.stride, base.storage_offset() + self.offset)
 
 
 @dataclass(frozen=True)
@@ -90,9 +91,9 @@ def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 class _Observer(TorchDispatchMode):
-    def __init__(self, params: dict[int, str], probe: torch.Tensor, result: TensorMap) -> None:
+    def __init__(self, params: dict[int, tuple[str, int]], probe: torch.Tensor, result: TensorMap) -> None:
         super().__init__()
-        self.params = params  # storage key -> parameter name
+        self.params = params  # storage key -> (parameter name, its storage offset)
         self.probe_key = _storage_key(probe)
         self.probe_dtype = probe.dtype
         # storage key of a value-preserving copy of a probe region -> that region
@@ -112,7 +113,8 @@ class _Observer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         written = _written(func, args, kwargs)
-        owners = [self.params[_storage_key(t)] for t in written if _storage_key(t) in self.params]
+        owned = [self.params[_storage_key(t)] for t in written if _storage_key(t) in self.params]
+        owners = [name for name, _ in owned]
         if owners:
             if func is aten.copy_.default:
                 dst, src = args[0], args[1]
@@ -122,7 +124,8 @@ class _Observer(TorchDispatchMode):
                 elif region.numel() != dst.numel():
                     self.result.problems.append(f"{owners[0]}: {dst.numel()} elements written from {region.numel()}")
                 else:
-                    self.result.landings.append(Landing(owners[0], Region.of(dst), region, self.probe_dtype))
+                    self.result.landings.append(Landing(owners[0], Region.of(dst, owned[0][1]), region,
+                                                        self.probe_dtype))
             elif func not in CONSTANT_FILLS:  # (a padding filled with zeros holds no checkpoint value)
                 self.result.problems.append(f"{owners[0]}: written by {func}")
             return written[0]  # the parameter is left as it is
@@ -139,10 +142,10 @@ class _Observer(TorchDispatchMode):
 def observe(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, TensorMap]:
     """For each checkpoint tensor ``(name, shape, dtype)``, where vLLM's loader of ``model``
     would put it on this rank. Writes nothing into the model."""
-    params: dict[int, str] = {}
+    params: dict[int, tuple[str, int]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         if p.numel():  # (a tied parameter keeps its first name: the embedding's)
-            params.setdefault(_storage_key(p), n)
+            params.setdefault(_storage_key(p), (n, p.storage_offset()))
     out: dict[str, TensorMap] = {}
     for name, shape, dtype in specs:
         result = out[name] = TensorMap(name)
@@ -175,7 +178,7 @@ def unproven(model: torch.nn.Module, maps: dict[str, TensorMap], read) -> dict[s
             except RuntimeError as exc:  # the parameter was replaced by a smaller one
                 out[name] = f"{landing.param} no longer has the region its loader wrote ({exc})"[:300]
                 break
-            want = landing.src.view(tensor).to(held.dtype)
+            want = landing.src.view(tensor).to(device=held.device, dtype=held.dtype)
             if held.shape != want.shape or not torch.equal(held, want):
                 out[name] = f"{landing.param} does not hold what its loader wrote (transformed after loading)"
                 break

@@ -1,5 +1,5 @@
 """The bodies of the engine's background jobs (`replica.engine.jobs`), free of vLLM: each takes
-the model (any ``torch.nn.Module`` with vLLM's ``load_weights``) and returns a JSON-able report.
+the engine's `weight_map.WeightMap` and returns a JSON-able report.
 
 Stages (each returns ``(Stage, report)``; the extension puts the stage in its slot):
 
@@ -30,7 +30,7 @@ from replica.engine.files import plain_file_name, read_file_tensor, read_safeten
 from replica.engine.peer_group import PeerGroup
 from replica.engine.shared_memory import map_shared, view_at
 from replica.engine.tensors import adler32_hex, check_expected, dtype_from_str, normalize_specs
-from replica.engine.views import select_views
+from replica.engine.weight_map import WeightMap
 
 Join = Callable[[], PeerGroup]
 
@@ -39,16 +39,16 @@ def _size(tensors: list[tuple[str, torch.Tensor]]) -> int:
     return sum(t.nbytes for _, t in tensors)
 
 
-def stage_from_files(model: torch.nn.Module, label: str, paths: list[str], names: list[str] | None,
+def stage_from_files(wmap: WeightMap, label: str, paths: list[str], names: list[str] | None,
                      expected: dict[str, str] | None) -> tuple[stages.Stage, dict[str, Any]]:
     tensors = read_safetensors(paths, names)
     check_expected(tensors, expected)
-    stage = stages.take(model, label, tensors, expected_adler32=expected)
+    stage = stages.take(wmap, label, tensors, expected_adler32=expected)
     return stage, {"staged": label, "tensors": len(tensors), "bytes": _size(tensors)}
 
 
 def stage_from_arena(
-    model: torch.nn.Module, label: str, path: str, entries: list[list[Any]], expected: dict[str, str],
+    wmap: WeightMap, label: str, path: str, entries: list[list[Any]], expected: dict[str, str],
     verify: bool, backup_path: str | None, backup_offsets: dict[str, int] | None,
 ) -> tuple[stages.Stage, dict[str, Any]]:
     """``entries`` are ``[name, dtype, shape, byte offset]`` in the file at ``path``; every one
@@ -77,14 +77,14 @@ def stage_from_arena(
             raise ValueError(f"no roll-back bytes given for {missing_backup[:8]}")
         host = map_shared(backup_path)
         backup = {n: view_at(host, n, int(offsets[n]), t.dtype, tuple(t.shape), "host copy") for n, t in tensors}
-    stage = stages.take(model, label, tensors, backup, expected)
+    stage = stages.take(wmap, label, tensors, backup, expected)
     return stage, {"staged": label, "tensors": len(tensors), "bytes": _size(tensors),
                    "map_s": round(t1 - t0, 6), "check_s": round(t2 - t1, 6),
                    "backup_s": round(time.perf_counter() - t2, 6),
                    "backup": "host copy" if backup_path is not None else "copied"}
 
 
-def stage_from_peer(model: torch.nn.Module, label: str, join: Join, specs: list[list[Any]],
+def stage_from_peer(wmap: WeightMap, label: str, join: Join, specs: list[list[Any]],
                     expected: dict[str, str] | None, save_path: str | None) -> tuple[stages.Stage, dict[str, Any]]:
     wanted = normalize_specs(specs)
     group = join()
@@ -95,14 +95,14 @@ def stage_from_peer(model: torch.nn.Module, label: str, join: Join, specs: list[
     check_expected(received, expected)
     if save_path:
         save_tensors(received, save_path)
-    stage = stages.take(model, label, received, expected_adler32=expected)
+    stage = stages.take(wmap, label, received, expected_adler32=expected)
     return stage, {"staged": label, "tensors": len(received), "bytes": _size(received)}
 
 
-def send_views(model: torch.nn.Module, names: list[str] | None, join: Join) -> dict[str, Any]:
+def send_views(wmap: WeightMap, names: list[str] | None, join: Join) -> dict[str, Any]:
     group = join()
     try:
-        tensors = select_views(model, names)
+        tensors = wmap.select(names)
         sent = group.send(tensors, 0)
     finally:
         group.close()
@@ -139,8 +139,8 @@ def receive_files(specs: list[list[Any]], expected: dict[str, str], out_dir: str
             "join_s": round(t1 - t0, 6), "transfer_s": round(t2 - t1, 6)}
 
 
-def served_checksums(model: torch.nn.Module, names: list[str] | None) -> dict[str, Any]:
-    views = select_views(model, names)
+def served_checksums(wmap: WeightMap, names: list[str] | None) -> dict[str, Any]:
+    views = wmap.select(names)
     # zlib releases the GIL on large buffers: a few threads read the weights in parallel.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         digests = list(pool.map(lambda nt: adler32_hex(nt[1]), views))

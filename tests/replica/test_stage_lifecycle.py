@@ -1,6 +1,7 @@
 """The engine's one update lifecycle, stage -> swap -> commit | discard (replica/engine/stage.py),
-as free functions on a small torch model with vLLM's ``load_weights`` interface: no vLLM, no
-engine process. The same functions run inside the engine (tests/replica/test_engine.py)."""
+as free functions on a small torch model with vLLM's ``load_weights`` interface and its
+`WeightMap`: no vLLM, no engine process. The same functions run inside the engine
+(tests/replica/test_engine.py)."""
 
 from __future__ import annotations
 
@@ -9,27 +10,43 @@ import torch
 
 from replica.engine.stage import StageSlot, take
 from replica.engine.tensors import adler32_hex, check_expected, dtype_from_str, dtype_to_str
+from replica.engine.weight_map import WeightMap
 
 
-class Tiny(torch.nn.Module):
+class TinyModel(torch.nn.Module):
     """Two layers, and vLLM's interface: ``load_weights`` takes (checkpoint name, tensor) pairs."""
 
     def __init__(self) -> None:
         super().__init__()
         self.up = torch.nn.Linear(8, 16, bias=False, dtype=torch.bfloat16)
         self.down = torch.nn.Linear(16, 8, bias=False, dtype=torch.bfloat16)
-        self.corrupt: str | None = None  # a name whose load writes other bytes (a faulty loader)
 
     def load_weights(self, weights) -> None:
         params = dict(self.named_parameters())
         for name, t in weights:
             params[name].data.copy_(t)
-            if name == self.corrupt:
-                params[name].data.view(-1)[0] += 1
+
+
+class Tiny(WeightMap):
+    """The map of a TinyModel, built as in an engine; ``corrupt`` names a tensor whose next write
+    leaves other bytes (a fault between the write and the read-back)."""
+
+    def __init__(self) -> None:
+        model = TinyModel()
+        loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
+        built = WeightMap.build(model, [(n, tuple(t.shape), t.dtype) for n, t in loaded.items()], loaded.__getitem__)
+        super().__init__(model, built.entries)
+        self.corrupt: str | None = None
+
+    def write(self, tensors) -> None:
+        super().write(tensors)
+        if self.corrupt in dict(tensors):
+            self.params[self.corrupt].data.view(-1)[0] += 1
+            self.corrupt = None
 
 
 def weights(model: Tiny) -> dict[str, str]:
-    return {n: adler32_hex(p) for n, p in model.named_parameters()}
+    return {n: adler32_hex(p) for n, p in model.model.named_parameters()}
 
 
 def new_values(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -63,6 +80,7 @@ def test_a_read_back_that_differs_rolls_back_and_names_the_tensor() -> None:
     assert weights(model) == before and slot.stage is None
     # Without expected checksums the read-back compares bit for bit with the bytes staged.
     slot.put(take(model, "v2", new_values(3)))
+    model.corrupt = "down.weight"
     slot.swap(model, "v2")
     assert slot.commit(model, "v2")["read_back_failed"] == ["down.weight"]
     assert weights(model) == before

@@ -1,0 +1,87 @@
+"""CPU engines keep each fused-MoE layer's experts as the loader wrote them, so an update can change them.
+
+After loading, vLLM's CPU MoE kernel pads the experts' intermediate dimension and prepacks
+``w13_weight`` / ``w2_weight`` into its own layout (``CPUUnquantizedExperts
+.process_weights_after_loading``), replacing both parameters: a copy of a checkpoint tensor into
+the parameter would then land in the wrong place, and nothing rebuilds the packed copy.
+
+:func:`install` (run with `cpu_gemm`'s, before the model loads) patches that method to keep a
+copy of both parameters in the loader's layout first (:func:`loaded`: parameter attribute name ->
+tensor). An update writes there (`weight_map` swaps the copies in while vLLM's loader is
+observed, so the landings are theirs), then :func:`rebuild` runs vLLM's own padding and prepack
+from those copies on a scratch module and copies the result into the layer's parameters in
+place. :func:`packed_from_loaded` is the proof that the kernel's weights are the prepack of
+what the loader's copies hold. Cost: expert weights are held twice in CPU memory. GPU
+platforms, zentorch kernels (which compute on the loader's layout) and processes without vLLM
+are left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_LOADED = "_rollouts_loaded"  # layer.__dict__ key: {"w13_weight": tensor, "w2_weight": tensor}
+_EXPERTS = "_rollouts_experts"  # layer.__dict__ key: the kernel object that packed them
+_WEIGHTS = ("w13_weight", "w2_weight")
+_ORIGINAL: Any = None
+
+
+def install() -> None:
+    """Patch vLLM's CPU MoE post-load step to keep the loader's layout (idempotent)."""
+    global _ORIGINAL
+    try:
+        # vLLM only inside its own processes: importing it elsewhere would start its platform.
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (  # noqa: PLC0415 - vLLM processes only
+            CPUUnquantizedExperts,
+        )
+        from vllm.platforms import current_platform  # noqa: PLC0415 - vLLM processes only
+    except Exception:  # pragma: no cover - vLLM absent (or another version): nothing to patch
+        return
+    if not current_platform.is_cpu():
+        return
+    original = CPUUnquantizedExperts.process_weights_after_loading
+    if getattr(original, "_rollouts_keeps_loaded", False):
+        return
+
+    def keep_loaded(self: Any, layer: torch.nn.Module) -> None:
+        loaded = {n: getattr(layer, n).detach().clone() for n in _WEIGHTS}
+        original(self, layer)
+        if not getattr(self, "_use_zentorch", False) and not hasattr(layer, "w13_bias"):
+            # Plain attributes, not registered: vLLM must not see a second set of parameters.
+            layer.__dict__[_LOADED] = loaded
+            layer.__dict__[_EXPERTS] = self
+
+    keep_loaded._rollouts_keeps_loaded = True  # type: ignore[attr-defined]
+    _ORIGINAL = original
+    CPUUnquantizedExperts.process_weights_after_loading = keep_loaded
+
+
+def loaded(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The loader-layout copies of a CPU MoE layer's expert weights (empty for any other module)."""
+    return module.__dict__.get(_LOADED, {})
+
+
+def _packed(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """vLLM's padding and prepack of the module's loader-layout copies, on a scratch module."""
+    scratch = torch.nn.Module()
+    for name, t in loaded(module).items():
+        scratch.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
+    _ORIGINAL(module.__dict__[_EXPERTS], scratch)
+    return {name: getattr(scratch, name).detach() for name in _WEIGHTS}
+
+
+def rebuild(module: torch.nn.Module) -> None:
+    """Re-pack a CPU MoE layer's kernel weights from its loader-layout copies, in place."""
+    if not loaded(module):
+        return
+    for name, t in _packed(module).items():
+        getattr(module, name).data.copy_(t)
+
+
+def packed_from_loaded(module: torch.nn.Module) -> bool:
+    """Whether the layer's kernel weights are exactly the prepack of its loader-layout copies."""
+    if not loaded(module):
+        return True
+    return all(torch.equal(getattr(module, n).detach(), t) for n, t in _packed(module).items())

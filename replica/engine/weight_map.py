@@ -1,0 +1,272 @@
+"""The engine's map from checkpoint tensors to the bytes it computes on, as vLLM's loader puts them.
+
+:meth:`WeightMap.build` runs once per worker, on the model just loaded from its checkpoint: for
+each checkpoint tensor (name, shape, dtype, from the checkpoint's headers) it observes where
+vLLM's own loader puts it (`landings.observe`: fused q/k/v and gate/up, a checkpoint that ships
+them fused, per-expert tensors in fused expert parameters, this rank's slice, a vocabulary's
+unpadded rows) and checks that the engine holds the checkpoint's values there now
+(`landings.unproven`). A CPU MoE layer's landings are in its loader-layout copies
+(`cpu_moe`). A tensor the engine cannot take in place is kept with the reason, named at
+staging: its loader does more than copy it, nothing of it lands (a tied second name), the engine
+converts it other than by a lossless widening (BF16/FP16 into a float32 parameter), or it is
+transformed after loading. A quantized engine (FP8, ...) takes none.
+
+All by checkpoint name, in the checkpoint's layout and dtype:
+
+- :meth:`check` refuses (ValueError naming each tensor) what cannot load in place byte for byte:
+  unknown or refused names, duplicates, another shape or dtype than the checkpoint's;
+- :meth:`held` is what the engine holds for a tensor: a view of the parameter when the tensor
+  lands whole in one region of its dtype (:meth:`whole`), else a copy assembled from its
+  landings (narrowed back from a wider parameter);
+- :meth:`write` copies tensors into their landings; :meth:`rebuild` then rebuilds the kernel
+  copies of the layers written (`cpu_gemm.redispatch`, `cpu_moe.rebuild`);
+- the proof: :meth:`holds` (every landing holds its region of the tensor bit for bit, widened
+  where the parameter is wider) and :meth:`unpacked` (a rebuilt MoE layer is the prepack of its
+  loader-layout copies).
+
+A rank of a tensor-parallel engine maps its own slice: :meth:`held` of a sliced tensor is refused
+(nothing in one rank holds it whole), while :meth:`write` and :meth:`holds` work per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from replica.engine import cpu_gemm, cpu_moe
+from replica.engine.landings import Landing, TensorMap, observe, unproven
+from replica.engine.tensors import dtype_to_str
+
+Spec = tuple[str, tuple[int, ...], torch.dtype]
+# Conversions vLLM's loader makes that lose nothing (a copy_ into a wider float parameter).
+LOSSLESS = {
+    (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float64), (torch.float16, torch.float64), (torch.float32, torch.float64),
+}
+
+
+@dataclass
+class Entry:
+    """One checkpoint tensor: where it lands, or why the engine cannot take it in place."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    landings: list[Landing] = field(default_factory=list)
+    refused: str | None = None
+
+
+@contextlib.contextmanager
+def loader_layout(model: torch.nn.Module) -> Iterator[None]:
+    """Within: each CPU MoE layer's expert parameters hold its loader-layout copies (`cpu_moe`),
+    so what vLLM's loader is seen to write lands there."""
+    swapped: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    try:
+        for module in model.modules():
+            for name, copy in cpu_moe.loaded(module).items():
+                param = getattr(module, name)
+                swapped.append((param, param.data))
+                param.data = copy
+        yield
+    finally:
+        for param, data in swapped:
+            param.data = data
+
+
+class WeightMap:
+    def __init__(self, model: torch.nn.Module, entries: dict[str, Entry]) -> None:
+        self.model = model
+        self.entries = entries
+        self.modules = dict(model.named_modules())
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.covered = {ld.param for e in entries.values() for ld in e.landings}
+
+    # -- building -------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, specs: Iterable[Spec], read: Callable[[str], torch.Tensor],
+              quantization: str | None = None) -> WeightMap:
+        """The map of ``model`` (just loaded from the checkpoint whose tensors ``specs`` lists and
+        ``read(name)`` returns). Run it where no forward pass runs at the same time (an engine's
+        RPC): while vLLM's loader is observed, MoE layers hold their loader-layout copies."""
+        specs = list(specs)
+        if quantization:
+            why = (f"the engine runs a {quantization}-quantized checkpoint: rollouts hot-loads "
+                   "BF16, FP16 and FP32 checkpoints only")
+            return cls(model, {n: Entry(n, tuple(s), d, refused=why) for n, s, d in specs})
+        with loader_layout(model):
+            maps = observe(model, specs)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        entries: dict[str, Entry] = {}
+        for name, shape, dtype in specs:
+            tmap = maps[name]
+            entries[name] = Entry(name, tuple(shape), dtype, tmap.landings, cls._why_refused(params, tmap, dtype))
+        mapped = {n: maps[n] for n, e in entries.items() if e.refused is None}
+        with loader_layout(model):
+            for name, why in unproven(model, mapped, read).items():
+                entries[name].refused = f"cannot be written in place: {why}"
+                entries[name].landings = []
+        return cls(model, entries)
+
+    @staticmethod
+    def _why_refused(params: dict[str, torch.nn.Parameter], tmap: TensorMap, dtype: torch.dtype) -> str | None:
+        if tmap.problems:
+            return f"the engine's loader does more than copy it ({'; '.join(tmap.problems[:2])})"
+        if not tmap.landings:
+            return "the engine's loader keeps none of it (a tied or unused tensor)"
+        for ld in tmap.landings:
+            held = params[ld.param].dtype
+            if held != dtype and (dtype, held) not in LOSSLESS:
+                return f"the engine converts it {dtype_to_str(dtype)} -> {dtype_to_str(held)} ({ld.param}), not losslessly"
+        return None
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        """Every checkpoint tensor the engine holds in place."""
+        return [n for n, e in self.entries.items() if e.refused is None]
+
+    def unmapped(self) -> dict[str, torch.Tensor]:
+        """Engine parameters no checkpoint tensor lands in, by engine name (not empty ones)."""
+        seen: set[int] = set()
+        out = {}
+        for n, p in self.model.named_parameters():
+            if n not in self.covered and p.numel() and id(p) not in seen:
+                seen.add(id(p))
+                out[n] = p.data
+        return out
+
+    def _target(self, param: str) -> torch.Tensor:
+        """The tensor a landing in ``param`` writes: a CPU MoE layer's loader-layout copy, else
+        the parameter."""
+        module, _, attr = param.rpartition(".")
+        return cpu_moe.loaded(self.modules[module]).get(attr, self.params[param].data)
+
+    def entry(self, name: str) -> Entry:
+        e = self.entries.get(name)
+        if e is None:
+            raise ValueError(f"{name}: no such tensor in the engine's checkpoint")
+        if e.refused is not None:
+            raise ValueError(f"{name}: {e.refused}")
+        return e
+
+    def whole(self, name: str) -> torch.Tensor | None:
+        """A view of the one region holding ``name`` whole in its own dtype and shape, if there is one."""
+        e = self.entry(name)
+        if len(e.landings) != 1:
+            return None
+        ld = e.landings[0]
+        numel = 1
+        for s in e.shape:
+            numel *= s
+        if ld.src.offset != 0 or ld.src.numel() != numel or ld.src.stride != _contiguous(ld.src.size):
+            return None
+        dst = ld.dst.view(self._target(ld.param))
+        if dst.dtype != e.dtype or not dst.is_contiguous():
+            return None
+        return dst.view(e.shape)
+
+    def held(self, name: str) -> torch.Tensor:
+        """What the engine holds for ``name`` (module docstring); ValueError for a tensor this rank
+        holds only a slice of."""
+        whole = self.whole(name)
+        if whole is not None:
+            return whole
+        e = self.entry(name)
+        out = torch.empty(e.shape, dtype=e.dtype)
+        written = 0
+        for ld in e.landings:
+            ld.src.view(out).copy_(ld.dst.view(self._target(ld.param)))
+            written += ld.src.numel()
+        if written < out.numel():
+            raise ValueError(f"{name}: this rank holds only a slice of it ({written} of {out.numel()} elements)")
+        return out
+
+    def select(self, names: Sequence[str] | None) -> list[tuple[str, torch.Tensor]]:
+        """``(name, held)`` for ``names`` in that order (every tensor held when None)."""
+        return [(n, self.held(n)) for n in (self.names() if names is None else names)]
+
+    # -- staging, writing, proving ------------------------------------------------------------
+
+    def check(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Refuse (ValueError, naming each tensor) what cannot load in place byte for byte."""
+        problems = []
+        seen: set[str] = set()
+        for name, t in tensors:
+            e = self.entries.get(name)
+            if name in seen:
+                problems.append(f"{name}: given twice")
+            elif e is None:
+                problems.append(f"{name}: no such tensor in the engine's checkpoint")
+            elif e.refused is not None:
+                problems.append(f"{name}: {e.refused}")
+            elif tuple(t.shape) != e.shape:
+                problems.append(f"{name}: shape {tuple(t.shape)} != engine {e.shape}")
+            elif t.dtype != e.dtype:
+                problems.append(f"{name}: dtype {dtype_to_str(t.dtype)} != engine {dtype_to_str(e.dtype)}")
+            seen.add(name)
+        if problems:
+            raise ValueError(f"refusing to load ({len(problems)} problem(s)): " + "; ".join(problems[:8]))
+
+    def layers(self, names: Iterable[str]) -> list[torch.nn.Module]:
+        """The modules whose parameters the tensors ``names`` land in."""
+        out: dict[int, torch.nn.Module] = {}
+        for n in names:
+            for ld in self.entries[n].landings:
+                module = self.modules[ld.param.rpartition(".")[0]]
+                out[id(module)] = module
+        return list(out.values())
+
+    def write(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Copy each tensor into its landings (:meth:`rebuild` the layers next)."""
+        with torch.no_grad():
+            for name, t in tensors:
+                src = t.contiguous()
+                for ld in self.entry(name).landings:
+                    ld.dst.view(self._target(ld.param)).copy_(ld.src.view(src))
+
+    def rebuild(self, names: Iterable[str]) -> None:
+        """Rebuild the kernel copies of the layers the tensors ``names`` land in."""
+        with torch.no_grad():
+            for module in self.layers(names):
+                cpu_gemm.redispatch(module)
+                cpu_moe.rebuild(module)
+
+    def holds(self, name: str, t: torch.Tensor) -> bool:
+        """Whether every landing of ``name`` holds its region of ``t`` bit for bit (widened to the
+        parameter's dtype where it is wider)."""
+        src = t.contiguous()
+        for ld in self.entry(name).landings:
+            held = ld.dst.view(self._target(ld.param))
+            want = ld.src.view(src).to(device=held.device, dtype=held.dtype)
+            if not torch.equal(_bits(held), _bits(want)):
+                return False
+        return True
+
+    def unpacked(self, names: Iterable[str]) -> list[str]:
+        """Of ``names``, those landing in a MoE layer whose kernel weights are not the prepack of
+        its loader-layout copies (one check per layer)."""
+        names = list(names)
+        bad = {id(m) for m in self.layers(names) if not cpu_moe.packed_from_loaded(m)}
+        if not bad:
+            return []
+        return [n for n in names if any(id(m) in bad for m in self.layers([n]))]
+
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same width: equal exactly when the bits are."""
+    return t.view(_INT[t.element_size()])
+
+
+def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for s in reversed(size):
+        out.append(stride)
+        stride *= s
+    return tuple(reversed(out))

@@ -1,0 +1,141 @@
+"""The engine's weight map (replica/engine/weight_map.py) on small torch models whose
+``load_weights`` does what vLLM's loaders do (fused rows, a widened bias, a tied second name) or
+what cannot be written in place (arithmetic on the tensor, a parameter transformed after
+loading, a quantized engine): no vLLM. The families' real loaders: tests/replica/test_landings.py
+and the engine tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replica.engine.tensors import adler32_hex
+from replica.engine.weight_map import WeightMap
+
+BF16 = torch.bfloat16
+
+
+class Fused(torch.nn.Module):
+    """q and k land in rows of one fused parameter, as vLLM's ``qkv_proj``; a float32 bias is
+    loaded from the checkpoint's BF16 (widened); ``lm_head`` is tied to ``embed``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = torch.nn.Parameter(torch.zeros(12, 4, dtype=BF16), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(12, dtype=torch.float32), requires_grad=False)
+        self.embed = torch.nn.Parameter(torch.zeros(6, 4, dtype=BF16), requires_grad=False)
+        self.scaled = torch.nn.Parameter(torch.zeros(4, dtype=BF16), requires_grad=False)
+
+    def load_weights(self, weights) -> None:
+        rows = {"q": (0, 8), "k": (8, 4)}
+        for name, t in weights:
+            if name in ("q.weight", "k.weight"):
+                start, n = rows[name[0]]
+                self.qk.data.narrow(0, start, n).copy_(t)
+            elif name == "qk.bias":
+                self.bias.data.copy_(t)
+            elif name == "embed.weight":
+                self.embed.data.copy_(t)
+            elif name == "lm_head.weight":
+                pass  # tied: vLLM's loader skips it
+            elif name == "scaled.weight":
+                self.scaled.data.copy_(t * 2)  # not a copy of the checkpoint's bytes
+            else:
+                raise KeyError(name)
+
+
+def checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "q.weight": torch.randn(8, 4, generator=gen).to(BF16),
+        "k.weight": torch.randn(4, 4, generator=gen).to(BF16),
+        "qk.bias": torch.randn(12, generator=gen).to(BF16),
+        "embed.weight": torch.randn(6, 4, generator=gen).to(BF16),
+        "lm_head.weight": torch.randn(6, 4, generator=gen).to(BF16),
+        "scaled.weight": torch.randn(4, generator=gen).to(BF16),
+    }
+
+
+def loaded(model: torch.nn.Module, tensors: dict[str, torch.Tensor], quantization: str | None = None) -> WeightMap:
+    model.load_weights(list(tensors.items()))
+    return WeightMap.build(model, [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], tensors.__getitem__,
+                           quantization)
+
+
+def test_fused_rows_a_widened_bias_and_what_cannot_be_taken() -> None:
+    base = checkpoint(0)
+    wmap = loaded(Fused(), base)
+    assert sorted(wmap.names()) == ["embed.weight", "k.weight", "q.weight", "qk.bias"]
+    refused = {n: e.refused for n, e in wmap.entries.items() if e.refused}
+    assert "keeps none of it" in refused["lm_head.weight"]
+    assert "does more than copy it" in refused["scaled.weight"]
+    # What the engine holds reads back as the checkpoint's bytes, in its dtype (the bias narrowed back).
+    for name in wmap.names():
+        assert adler32_hex(wmap.held(name)) == adler32_hex(base[name]), name
+    assert wmap.whole("q.weight") is not None and wmap.whole("qk.bias") is None  # a view / a copy
+
+    new = checkpoint(1)
+    update = [(n, new[n]) for n in wmap.names()]
+    wmap.check(update)
+    wmap.write(update)
+    assert all(wmap.holds(n, t) for n, t in update)
+    assert torch.equal(wmap.model.qk[8:].float(), new["k.weight"].float())
+    assert torch.equal(wmap.model.bias, new["qk.bias"].to(torch.float32))
+    assert not wmap.holds("q.weight", base["q.weight"])
+
+
+def test_staging_refuses_by_name_what_cannot_load_in_place() -> None:
+    wmap = loaded(Fused(), checkpoint(0))
+    new = checkpoint(1)
+    cases = {
+        "lm_head.weight: the engine's loader keeps none of it": [("lm_head.weight", new["lm_head.weight"])],
+        "scaled.weight: the engine's loader does more than copy it": [("scaled.weight", new["scaled.weight"])],
+        "v.weight: no such tensor in the engine's checkpoint": [("v.weight", new["k.weight"])],
+        r"k.weight: shape \(8, 4\) != engine \(4, 4\)": [("k.weight", new["q.weight"])],
+        # A bias the engine holds in float32 still takes only the checkpoint's BF16 (no relabelling).
+        "qk.bias: dtype float32 != engine bfloat16": [("qk.bias", new["qk.bias"].float())],
+        "q.weight: given twice": [("q.weight", new["q.weight"])] * 2,
+    }
+    for message, tensors in cases.items():
+        with pytest.raises(ValueError, match=f"refusing to load .*{message}"):
+            wmap.check(tensors)
+
+
+def test_a_narrowing_a_transform_after_loading_and_a_quantized_engine_are_refused() -> None:
+    base = checkpoint(0)
+    narrowed = dict(base, **{"qk.bias": base["qk.bias"].to(torch.float64)})
+    wmap = loaded(Fused(), narrowed)
+    assert "converts it float64 -> float32 (bias), not losslessly" in wmap.entries["qk.bias"].refused
+
+    model = Fused()
+    model.load_weights(list(base.items()))
+    model.embed.data.mul_(2)  # transformed after loading (a repack): a copy into it would be wrong
+    wmap = WeightMap.build(model, [(n, tuple(t.shape), t.dtype) for n, t in base.items()], base.__getitem__)
+    assert "cannot be written in place: embed does not hold what its loader wrote" in wmap.entries["embed.weight"].refused
+    assert "q.weight" in wmap.names()
+
+    wmap = loaded(Fused(), base, quantization="fp8")
+    assert wmap.names() == []
+    with pytest.raises(ValueError, match="q.weight: the engine runs a fp8-quantized checkpoint"):
+        wmap.check([("q.weight", base["q.weight"])])
+
+
+def test_a_rank_holding_a_slice_writes_and_proves_it_but_cannot_read_the_tensor_whole() -> None:
+    class Rank1(torch.nn.Module):
+        """Rank 1 of 2: the second half of the rows (a column-parallel layer's shard)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4, 4, dtype=BF16), requires_grad=False)
+
+        def load_weights(self, weights) -> None:
+            for _, t in weights:
+                self.w.data.copy_(t.narrow(0, 4, 4))
+
+    full = torch.randn(8, 4).to(BF16)
+    wmap = loaded(Rank1(), {"w.weight": full})
+    with pytest.raises(ValueError, match="w.weight: this rank holds only a slice of it"):
+        wmap.held("w.weight")
+    new = torch.randn(8, 4).to(BF16)
+    wmap.write([("w.weight", new)])
+    assert wmap.holds("w.weight", new) and torch.equal(wmap.model.w, new[4:])
