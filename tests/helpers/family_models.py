@@ -1,13 +1,15 @@
 """Small random checkpoints of the model families RL labs train, written with ``transformers``
-(no download), BF16, as ``save_pretrained`` lays them out (per-expert tensors for MoE), with the
-embedded stack's tokenizer.
+(no download), BF16, as ``save_pretrained`` lays them out (per-expert tensors for MoE) plus the
+index of a sharded checkpoint, with the embedded stack's tokenizer.
 
     python -m tests.helpers.family_models OUT_DIR BASE_MODEL_DIR [--tp N] FAMILY [FAMILY ...]
 
 ``observe`` (run in a process of its own: it imports vLLM and initialises its distributed
 state) builds vLLM's model class for each checkpoint at tensor-parallel size 1 in this process,
-as an engine does (``replica.engine.cpu_gemm`` installed: linear weights kept as parameters),
-loads the checkpoint, and prints per family what ``replica.engine.landings`` makes of it, as JSON.
+as an engine does (``replica.engine.cpu_gemm`` and ``cpu_moe`` installed: what the loader wrote
+is kept), loads the checkpoint, builds the engine's ``replica.engine.weight_map`` of it, writes a
+second checkpoint of the family (another seed) through that map and compares every parameter
+with a model loaded from that second checkpoint; it prints per family what it found, as JSON.
 With ``--tp N`` it starts N rank processes over gloo (vLLM's CPU backend), each building its
 shard of the model, and prints ``{family: {rank: report}}``.
 """
@@ -22,13 +24,15 @@ from pathlib import Path
 
 import torch
 import transformers as T
+from safetensors import safe_open
 
 from common.processes import free_port
 from replica.engine.files import read_safetensors
 
-HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 128, 256, 2, 512
+HIDDEN, INTERMEDIATE, LAYERS = 128, 256, 2
+VOCAB = 2048  # the embedded stack's tokenizer's (workers.base_model)
 _COMMON = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=2,
-               num_key_value_heads=1, head_dim=64, vocab_size=VOCAB, max_position_embeddings=512)
+               num_key_value_heads=1, head_dim=64, vocab_size=VOCAB, max_position_embeddings=4096)
 # family -> (config class, model class, what differs from _COMMON)
 FAMILIES = {
     "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
@@ -43,29 +47,34 @@ FAMILIES = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def write_family(out: Path, base_model: Path, family: str) -> Path:
-    """Write ``family``'s checkpoint to ``out/family`` (once); returns the directory."""
-    target = out / family
+def write_family(out: Path, base_model: Path, family: str, seed: int = 0) -> Path:
+    """Write ``family``'s checkpoint (random weights from ``seed``) to ``out/family`` (seed 0) or
+    ``out/family-sN`` (once); returns the directory."""
+    target = out / (family if seed == 0 else f"{family}-s{seed}")
     if (target / "config.json").exists():
         return target
     config_cls, model_cls, extra = FAMILIES[family]
     kwargs = {k: v for k, v in {**_COMMON, **extra}.items() if v is not None}
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model_cls(config_cls(**kwargs)).to(torch.bfloat16).save_pretrained(target)
+    # The index a sharded checkpoint carries (save_pretrained writes none for one this small).
+    with safe_open(str(target / "model.safetensors"), framework="pt") as f:
+        weight_map = {name: "model.safetensors" for name in f.keys()}
+    (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     for name in TOKENIZER_FILES:
         (target / name).write_bytes((base_model / name).read_bytes())
     return target
 
 
 def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, read as the engine reads files (``save_pretrained`` writes
-    no index for a model this small)."""
+    """Every tensor of the checkpoint, read as the engine reads files."""
     return dict(read_safetensors(sorted(str(p) for p in model_dir.glob("*.safetensors")), None))
 
 
 def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0) -> dict[str, dict]:
-    """What ``landings`` makes of each checkpoint on vLLM's model class (see the docstring), on
-    ``rank`` of ``world`` tensor-parallel ranks."""
+    """What ``weight_map`` makes of each checkpoint on vLLM's model class (see the docstring), on
+    ``rank`` of ``world`` tensor-parallel ranks; then the checkpoint's ``-s1`` twin written
+    through the map, compared with a model loaded from the twin."""
     # vLLM, only in this process of its own.
     from vllm.config import set_current_vllm_config  # noqa: PLC0415
     from vllm.distributed import (  # noqa: PLC0415
@@ -76,14 +85,23 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
     from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
     from vllm.model_executor.model_loader import get_model  # noqa: PLC0415
 
-    from replica.engine import cpu_gemm  # noqa: PLC0415
-    from replica.engine.landings import observe as observe_landings  # noqa: PLC0415
-    from replica.engine.landings import unproven  # noqa: PLC0415
+    from replica.engine import cpu_gemm, cpu_moe  # noqa: PLC0415
+    from replica.engine.files import Checkpoint  # noqa: PLC0415
+    from replica.engine.weight_map import WeightMap  # noqa: PLC0415
 
     cpu_gemm.install()
+    cpu_moe.install()
     torch.accelerator.empty_cache = lambda: None  # no accelerator here (vLLM's CPU worker does the same)
     report: dict[str, dict] = {}
     for i, model_dir in enumerate(model_dirs):
+        twin = model_dir.parent / f"{model_dir.name}-s1"
+
+        def load(directory: Path) -> torch.nn.Module:
+            config = EngineArgs(model=str(directory), enforce_eager=True, dtype="bfloat16", max_model_len=256,
+                                tensor_parallel_size=world).create_engine_config()
+            with set_current_vllm_config(config):
+                return get_model(vllm_config=config)
+
         config = EngineArgs(model=str(model_dir), enforce_eager=True, dtype="bfloat16", max_model_len=256,
                             tensor_parallel_size=world).create_engine_config()
         with set_current_vllm_config(config):
@@ -94,17 +112,33 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
                 destroy_model_parallel()  # the groups follow the model's config (MoE: an expert group)
             initialize_model_parallel(world, 1)
             model = get_model(vllm_config=config)
-            tensors = checkpoint_tensors(model_dir)
-            before = {n: p.detach().clone() for n, p in model.named_parameters()}
-            maps = observe_landings(model, [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
-            changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
-            report[model_dir.name] = {
-                "tensors": len(tensors),
-                "landings": {n: [[ld.param, list(ld.dst.size), ld.dst.offset, list(ld.src.size), ld.src.offset]
-                                 for ld in m.landings] for n, m in maps.items()},
-                "problems": {n: m.problems for n, m in maps.items() if m.problems},
-                "unproven": unproven(model, maps, tensors.__getitem__),
-                "params_changed_by_observe": changed,
+        checkpoint = Checkpoint(model_dir)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        wmap = WeightMap.build(model, checkpoint.specs, checkpoint.read)
+        changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
+        r = report[model_dir.name] = {
+            "tensors": len(checkpoint.specs),
+            "landings": {n: [[ld.param, list(ld.dst.size), ld.dst.offset, list(ld.src.size), ld.src.offset]
+                             for ld in e.landings] for n, e in wmap.entries.items()},
+            "refused": {n: e.refused for n, e in wmap.entries.items() if e.refused},
+            "params_changed_by_observe": changed,
+            "moe_layers_with_loader_copies": sum(1 for m in model.modules() if cpu_moe.loaded(m)),
+        }
+        if twin.exists():
+            new = checkpoint_tensors(twin)
+            update = [(n, new[n]) for n in wmap.names()]
+            wmap.write(update)
+            wmap.rebuild(n for n, _ in update)
+            with set_current_vllm_config(config):
+                fresh = load(twin)
+            fresh_params = dict(fresh.named_parameters())
+            r["update"] = {
+                "written": len(update),
+                "not_held": [n for n, t in update if not wmap.holds(n, t)],
+                "unpacked": wmap.unpacked(n for n, _ in update),
+                # Every parameter, kernel layouts included, as vLLM's loader makes them from the twin.
+                "params_differ_from_fresh": [n for n, p in model.named_parameters()
+                                             if not torch.equal(p.detach(), fresh_params[n].detach())],
             }
     return report
 
@@ -134,6 +168,8 @@ def main(argv: list[str]) -> int:
     if rest[:1] == ["--tp"]:
         world, rest = int(rest[1]), rest[2:]
     dirs = [write_family(out, base, family) for family in rest]
+    for family in rest:
+        write_family(out, base, family, seed=1)
     print(json.dumps(observe(dirs) if world == 1 else observe_ranks(dirs, world, out)))
     return 0
 
