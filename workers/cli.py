@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-loop-seconds", type=float, default=300.0,
                    help="start no new step after this many seconds of loop (default 300)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", choices=["llama", "qwen3-moe"], default="llama",
+                   help="the embedded Llama model (default), or a small random checkpoint of that family written "
+                        "locally (qwen3-moe: 8 experts, top 2)")
     p.add_argument("--replicas", type=int, default=2, help="replicas of the deployment (autoscaling.min; default 2)")
     p.add_argument("--max-replicas", type=int, default=None,
                    help="autoscaling.max: above --replicas, the deployment scales on the demo's own load "

@@ -21,6 +21,12 @@ publishes the base as a FULL snapshot (``step-000000``), then loops:
    with every replica READY on the identity, so the next rollouts are strictly on-policy.
    A chain holds at most 63 deltas: at that point the step publishes a FULL snapshot instead.
 
+``--model qwen3-moe`` runs the same loop on a small random Qwen3-MoE (8 experts, top 2;
+`workers.families`, written once under ``HOME/models/`` and uploaded to the bucket): the trainer
+is transformers' Qwen3-MoE and each delta lands in the engines through vLLM's fused-MoE loader.
+Routed experts (``nvext.routed_experts``) are not returned here: vLLM needs its Model Runner V2,
+hence Triton, which has no CPU backend (docs/field-notes.md).
+
 Each step prints one line: identity, mean reward, delta size as % of the full checkpoint,
 seconds from create to COMPLETED, replicas READY, rollout tokens per second, trainer seconds and
 the mean |trainer − sampler| log-prob of the sampled tokens (small while the replicas serve what
@@ -53,6 +59,7 @@ from tokenizers import Tokenizer
 from common.settings import Settings
 from snapshots.chain import MAX_CHAIN_DELTAS as MAX_DELTAS_IN_CHAIN
 from snapshots.writer import write_delta
+from workers.families import write_family
 from workers.grpo import Policy, Rollout, digit_token_ids, digits_reward, group_advantages, make_prompts
 from workers.stack import Stack, StackError, load_or_create_settings, upload_dir
 
@@ -88,6 +95,24 @@ class DemoConfig:
     scale_in_after_s: int = 20  # autoscaling.scaleInAfterSeconds
     seed: int = 0
     max_deltas: int | None = None  # deltas per chain before a FULL; None: the service's limit (63)
+    model: str = "llama"  # the embedded Llama model, or a family of workers.families (MODELS)
+
+
+# --model: the embedded model, or a small random checkpoint of a family written locally.
+MODELS = {"llama": None, "qwen3-moe": "qwen3_moe"}
+
+
+def demo_model(settings: Settings, cfg: DemoConfig) -> tuple[Path, str]:
+    """The checkpoint the demo deploys and trains (local directory, path in the bucket): the
+    embedded model, or ``cfg.model``'s family checkpoint written once under the home and uploaded."""
+    family = MODELS[cfg.model]
+    models = settings.home_path / "models"
+    if family is None:
+        return models / "base", settings.base_model_path
+    local = write_family(models, models / "base", family)
+    path = f"models/{family}"
+    upload_dir(settings.s3_client(), local, settings.bucket, path)
+    return local, path
 
 
 @dataclass
@@ -286,11 +311,12 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
     work = settings.home_path / "demo" / name
     records: list[StepRecord] = []
     try:
+        base_dir, model_path = demo_model(settings, cfg)
         body = {
             "name": name, "gatewayIds": [settings.gateway_id],
             "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
             "resources": {"instanceType": "cpu-local", "gpuCount": 0},
-            "model": {"name": settings.model_name, "bucket": settings.bucket, "path": settings.base_model_path},
+            "model": {"name": settings.model_name, "bucket": settings.bucket, "path": model_path},
             "autoscaling": _autoscaling(cfg), "traffic": {"weight": 100},
             "hotLoad": {"bucket": settings.bucket, "pathPrefix": f"checkpoints/{name}",
                         "transitionMode": "TRANSITION_MODE_ASYNC"},
@@ -301,7 +327,6 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
         scale = ScaleLog(cfg, say) if _autoscales(cfg) else None
 
         # The trainer loads its copy while the replicas start.
-        base_dir = settings.home_path / "models" / "base"
         t_load = time.monotonic()
         policy = Policy(base_dir, lr=cfg.lr, inner_steps=cfg.inner_steps, train=cfg.train, seed=cfg.seed)
         digit_ids = digit_token_ids(base_dir)

@@ -12,7 +12,7 @@ Contract:
 - :func:`grpo_loss`: the clipped surrogate, token-level mean over every completion token of the
   batch (no KL term): ``-mean(min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A))`` with
   ``ratio = exp(logp - logp_old)``.
-- :class:`Policy`: the trainer's own copy of the model (``transformers``' ``LlamaForCausalLM``,
+- :class:`Policy`: the trainer's own copy of the model (``transformers``' class its config names,
   FP32 master weights, Adam over the tensors :func:`trainable_names` picks: ``all``, ``head``
   or ``last``), loaded from a full checkpoint. ``step(rollouts)`` takes one GRPO
   update (``inner_steps`` optimizer steps on the batch, ``logp_old`` taken before the first);
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from workers.base_model import INDEX_NAME, load_checkpoint, write_tensors
 
@@ -164,7 +164,8 @@ class StepStats:
 
 
 class Policy:
-    """The trainer's model: FP32 master weights of a Llama checkpoint, Adam, BF16 export."""
+    """The trainer's model: FP32 master weights of a checkpoint (the class its config.json names:
+    the embedded Llama, or a family of `workers.families`), Adam, BF16 export."""
 
     def __init__(
         self,
@@ -179,18 +180,19 @@ class Policy:
     ) -> None:
         self.model_dir = Path(model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
-        cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "dtype")})
         torch.manual_seed(seed)
-        self.model = LlamaForCausalLM(cfg).to(torch.float32)
-        state = load_checkpoint(self.model_dir)
-        self.names = list(state)  # the checkpoint's index order, kept for export
-        missing, unexpected = self.model.load_state_dict({n: t.float() for n, t in state.items()}, strict=False)
-        if unexpected or any(not n.endswith("rotary_emb.inv_freq") for n in missing):
-            raise ValueError(f"{model_dir}: checkpoint does not match LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
+        # transformers reads the checkpoint's own layout (per-expert tensors into its fused experts).
+        self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+        self.base = load_checkpoint(self.model_dir)  # BF16 as published: what the trainer leaves alone
+        self.names = list(self.base)  # the checkpoint's index order, kept for export
         params = dict(self.model.named_parameters())
-        if set(params) != set(self.names):
-            raise ValueError(f"{model_dir}: parameters and checkpoint tensors differ: {sorted(set(params) ^ set(self.names))[:3]}")
         self.trainable = trainable_names(self.names, train)
+        # A tensor trained must be a parameter under its checkpoint name (an MoE's experts are
+        # fused in transformers' model: trained, they would need its per-expert export).
+        indirect = sorted(self.trainable - params.keys())
+        if indirect:
+            raise ValueError(f"{model_dir}: --train {train} trains {indirect[:3]}, which {type(self.model).__name__} "
+                             "does not hold under their checkpoint names; train the head")
         for n, p in params.items():
             p.requires_grad_(n in self.trainable)
         self.model.train()
@@ -262,8 +264,11 @@ class Policy:
 
     # -- export
     def bf16_state(self) -> dict[str, torch.Tensor]:
+        """Every checkpoint tensor in BF16: the trained ones from the FP32 masters, the others as
+        published."""
         params = dict(self.model.named_parameters())
-        return {n: params[n].detach().to(torch.bfloat16).contiguous() for n in self.names}
+        return {n: params[n].detach().to(torch.bfloat16).contiguous() if n in self.trainable else self.base[n]
+                for n in self.names}
 
     def export(self, out_dir: Path) -> Path:
         """Write the current weights as a BF16 full checkpoint in the base layout; returns ``out_dir``."""

@@ -17,6 +17,7 @@ from snapshots.inspect import read_full_layout
 from snapshots.writer import write_delta
 from workers.base_model import load_checkpoint, train_tokenizer, write_tensors
 from workers.demo import StepRecord, format_step, reward_summary, write_plot
+from workers.families import write_family
 from workers.grpo import (
     Policy,
     Rollout,
@@ -240,3 +241,25 @@ def test_trainable_names_and_a_head_only_step_leaves_the_rest_untouched(tiny_ckp
     stats = write_delta(tiny_ckpt, policy.export(tmp_path / "h1"), tmp_path / "dh", version="h1", base_version="base")
     index = json.loads((tmp_path / "dh" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == {"lm_head.weight", "model.norm.weight"} and stats.changed == 2
+
+
+def test_a_qwen3_moe_trainer_reads_per_expert_tensors_and_exports_them_untouched(tmp_path):
+    """`rollouts demo --model qwen3-moe`'s trainer: transformers' Qwen3-MoE reads the checkpoint's
+    per-expert tensors into its fused experts; a head-only step exports a checkpoint whose delta
+    holds the head alone, every expert tensor as published; training the experts is refused
+    (transformers does not hold them under their checkpoint names)."""
+    tokenizer_from = tmp_path / "tok"
+    tokenizer_from.mkdir()
+    train_tokenizer().save(str(tokenizer_from / "tokenizer.json"))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        (tokenizer_from / name).write_text("{}")
+    moe = write_family(tmp_path, tokenizer_from, "qwen3_moe")
+    policy = Policy(moe, lr=1e-2, train="head")
+    assert type(policy.model).__name__ == "Qwen3MoeForCausalLM"
+    assert any(".experts.7.down_proj." in n for n in policy.names)
+    policy.step(batch())
+    stats = write_delta(moe, policy.export(tmp_path / "m1"), tmp_path / "dm", version="m1", base_version="base")
+    index = json.loads((tmp_path / "dm" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {"lm_head.weight", "model.norm.weight"} and stats.changed == 2
+    with pytest.raises(ValueError, match=r"--train all trains .*experts"):
+        Policy(moe, train="all")

@@ -30,10 +30,10 @@ from replica.agent.engine_process import EngineProcess
 from snapshots.inspect import read_delta_plan
 from tests.helpers.chains import changed_tensors, cwtrain_write_delta
 from tests.helpers.deployments import delete_deployment
-from tests.helpers.family_models import write_family
 from tests.helpers.replicas import assert_every_replica_serves, engines, hot_load, hot_load_replicas
 from tests.helpers.stack_fixtures import Api, deployment_body
 from tests.helpers.trainer import train_step
+from workers.families import write_family
 from workers.stack import upload_dir
 
 pytestmark = pytest.mark.stack

@@ -1,6 +1,5 @@
-"""Small random checkpoints of the model families RL labs train, written with ``transformers``
-(no download), BF16, as ``save_pretrained`` lays them out (per-expert tensors for MoE) plus the
-index of a sharded checkpoint, with the embedded stack's tokenizer.
+"""vLLM's model classes of the model families RL labs train, on the small random checkpoints
+`workers.families` writes, as an engine builds and loads them.
 
     python -m tests.helpers.family_models OUT_DIR BASE_MODEL_DIR [--tp N] FAMILY [FAMILY ...]
 
@@ -23,47 +22,10 @@ import sys
 from pathlib import Path
 
 import torch
-import transformers as T
-from safetensors import safe_open
 
 from common.processes import free_port
 from replica.engine.files import read_safetensors
-
-HIDDEN, INTERMEDIATE, LAYERS = 128, 256, 2
-VOCAB = 2048  # the embedded stack's tokenizer's (workers.base_model)
-_COMMON = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=2,
-               num_key_value_heads=1, head_dim=64, vocab_size=VOCAB, max_position_embeddings=4096)
-# family -> (config class, model class, what differs from _COMMON)
-FAMILIES = {
-    "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
-    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),  # q/k/v biases
-    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"tie_word_embeddings": True}),
-    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,
-                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1}),
-    "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {"pad_token_id": 0, "head_dim": None}),  # ships qkv/gate_up fused
-    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, {}),
-}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def write_family(out: Path, base_model: Path, family: str, seed: int = 0) -> Path:
-    """Write ``family``'s checkpoint (random weights from ``seed``) to ``out/family`` (seed 0) or
-    ``out/family-sN`` (once); returns the directory."""
-    target = out / (family if seed == 0 else f"{family}-s{seed}")
-    if (target / "config.json").exists():
-        return target
-    config_cls, model_cls, extra = FAMILIES[family]
-    kwargs = {k: v for k, v in {**_COMMON, **extra}.items() if v is not None}
-    torch.manual_seed(seed)
-    model_cls(config_cls(**kwargs)).to(torch.bfloat16).save_pretrained(target)
-    # The index a sharded checkpoint carries (save_pretrained writes none for one this small).
-    with safe_open(str(target / "model.safetensors"), framework="pt") as f:
-        weight_map = {name: "model.safetensors" for name in f.keys()}
-    (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    for name in TOKENIZER_FILES:
-        (target / name).write_bytes((base_model / name).read_bytes())
-    return target
+from workers.families import FAMILIES, write_family
 
 
 def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -167,6 +129,9 @@ def main(argv: list[str]) -> int:
     world = 1
     if rest[:1] == ["--tp"]:
         world, rest = int(rest[1]), rest[2:]
+    unknown = [f for f in rest if f not in FAMILIES]
+    if unknown:
+        raise SystemExit(f"unknown families {unknown}: one of {sorted(FAMILIES)}")
     dirs = [write_family(out, base, family) for family in rest]
     for family in rest:
         write_family(out, base, family, seed=1)

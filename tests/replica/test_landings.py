@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.family_models import FAMILIES
 from workers.base_model import write_base_model
+from workers.families import FAMILIES
 
 pytestmark = pytest.mark.engine
 

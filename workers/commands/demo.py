@@ -13,7 +13,7 @@ def main(args: argparse.Namespace) -> int:
     config = DemoConfig(
         steps=args.steps, prompts=args.prompts, group=args.group, max_tokens=args.max_tokens,
         lr=args.lr, train=args.train, inner_steps=args.inner_steps, max_loop_s=args.max_loop_seconds, seed=args.seed,
-        replicas=args.replicas, max_replicas=args.max_replicas,
+        replicas=args.replicas, max_replicas=args.max_replicas, model=args.model,
     )
     try:
         return run_demo(args.home, port_base=args.port_base, keep_running=args.keep_running, config=config)

@@ -1,0 +1,59 @@
+"""Small random checkpoints of the model families RL labs train, written locally with
+``transformers`` (no model hub), BF16, as ``save_pretrained`` lays them out (per-expert tensors
+for MoE, q/k/v and gate/up shipped fused for Phi-3) in the shards and index of
+`workers.base_model.write_tensors`, with
+the embedded stack's tokenizer (`workers.base_model`). The demo's ``--model qwen3-moe`` and the
+family tests use them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers as T
+from safetensors.torch import load_file
+
+from workers.base_model import write_tensors
+
+HIDDEN, INTERMEDIATE, LAYERS = 128, 256, 2
+VOCAB = 2048  # the embedded stack's tokenizer's (workers.base_model)
+_COMMON = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=64, vocab_size=VOCAB, max_position_embeddings=4096)
+# family -> (config class, model class, what differs from _COMMON)
+FAMILIES = {
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),  # q/k/v biases
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"tie_word_embeddings": True}),
+    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1}),
+    "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {"pad_token_id": 0, "head_dim": None}),  # ships qkv/gate_up fused
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, {}),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def write_family(out: Path, base_model: Path, family: str, seed: int = 0) -> Path:
+    """Write ``family``'s checkpoint (random weights from ``seed``) to ``out/family`` (seed 0) or
+    ``out/family-sN`` (once); returns the directory."""
+    target = out / (family if seed == 0 else f"{family}-s{seed}")
+    if (target / "config.json").exists():
+        return target
+    config_cls, model_cls, extra = FAMILIES[family]
+    kwargs = {k: v for k, v in {**_COMMON, **extra}.items() if v is not None}
+    torch.manual_seed(seed)
+    with tempfile.TemporaryDirectory(prefix="family-") as tmp:
+        model_cls(config_cls(**kwargs)).to(torch.bfloat16).save_pretrained(tmp)
+        # Names as save_pretrained writes them; shards and index as a trainer's sharded export
+        # (workers.base_model's layout, which the demo's trainer writes back).
+        target.mkdir(parents=True, exist_ok=True)
+        write_tensors(target, load_file(str(Path(tmp) / "model.safetensors")))
+        for side in ("config.json", "generation_config.json"):
+            if (Path(tmp) / side).exists():
+                shutil.copy2(Path(tmp) / side, target / side)
+    for name in TOKENIZER_FILES:
+        (target / name).write_bytes((base_model / name).read_bytes())
+    return target
