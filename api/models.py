@@ -15,6 +15,7 @@ from common.buckets import bucket_problem, normalize_path, path_problem
 from common.ids import resource_id_problem
 from contracts import names
 from contracts.autoscaling import MAX_AFTER_S, MAX_TARGET_IN_FLIGHT
+from contracts.engine_config import tensor_parallel_problem
 from contracts.records import (
     ENUM_NUMBERS,
     MAX_CONCURRENT_SWAPS,
@@ -120,6 +121,8 @@ ENGINE_CONFIG_KEYS: dict[str, bool] = {
     "max-model-len": True,
     "max-num-seqs": True,
     "enable-return-routed-experts": False,
+    "tensor-parallel-size": True,
+    "enable-expert-parallel": False,
 }
 
 
@@ -193,6 +196,12 @@ class CreateDeploymentRequest(WireModel):
             raise ValueError(p)
         return v
 
+    @model_validator(mode="after")
+    def _gpus_fit_tensor_parallel(self) -> CreateDeploymentRequest:
+        if p := tensor_parallel_problem(self.runtime, self.resources):
+            raise ValueError(p)
+        return self
+
 
 class UpdateDeploymentRequest(WireModel):
     """PATCH /deployments/{id}: any field of the create body but `id`; `hotLoad` must repeat the
@@ -208,6 +217,13 @@ class UpdateDeploymentRequest(WireModel):
     autoscaling: AutoscalingIn | None = None
     traffic: TrafficIn | None = None
     hot_load: HotLoadConfigIn | None = None
+
+    @model_validator(mode="after")
+    def _gpus_fit_tensor_parallel(self) -> UpdateDeploymentRequest:
+        # Both given: checked here; runtime alone: against the deployment's (control/admission.py).
+        if p := tensor_parallel_problem(self.runtime, self.resources):
+            raise ValueError(p)
+        return self
 
 
 class IncrementalSnapshotMetadataIn(WireModel):

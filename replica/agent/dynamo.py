@@ -300,7 +300,8 @@ class DynamoEngineProcess(EngineProcess):
         await self.leave_pool()
         try:
             answer = (await self.control(
-                "swap_in_pause", {"label": label, "previous": previous, "clear_cache": clear_cache, "expected": expected},
+                "swap_in_pause", {"label": label, "previous": previous, "clear_cache": clear_cache, "expected": expected,
+                                  "ranks": self.ranks},
                 path="/swap_in_pause",
             )).json()
         finally:

@@ -15,9 +15,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from snapshots.regions import ServedWeights
+
 
 class EngineControl(Protocol):
     swaps_in_one_call: bool
+    ranks: int  # tensor-parallel ranks: each holds a shard, and answers for it
 
     @property
     def pid(self) -> int | None: ...
@@ -44,7 +47,7 @@ class EngineControl(Protocol):
     async def commit_staged(self, label: str) -> dict[str, Any]: ...
     async def swap_and_commit_staged(self, label: str) -> dict[str, Any]: ...
     async def swap_in_pause(self, label: str, previous: str, *, clear_cache: bool, expected: int) -> dict[str, Any]: ...
-    async def served_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]: ...
+    async def served_checksums(self, names: Sequence[str] | None = None) -> ServedWeights: ...
 
     # -- peers (jobs inside the engine, awaited with wait_job)
     async def start_peer_stage_send(

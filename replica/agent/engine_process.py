@@ -108,8 +108,9 @@ class EngineProcess(EngineClient):
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         secret: str | None = None,
+        ranks: int = 1,
     ) -> None:
-        super().__init__(secret=secret or secrets.token_urlsafe(32))
+        super().__init__(secret=secret or secrets.token_urlsafe(32), ranks=ranks)
         self.model_dir = Path(model_dir)
         self.work_dir = Path(work_dir)
         self.served_model_name = served_model_name

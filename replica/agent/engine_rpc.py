@@ -26,6 +26,8 @@ from typing import Any
 import httpx
 
 from common.settings import ENGINE_SECRET_HEADER
+from contracts.engine_ranks import combine_map, combine_swap, slowest
+from snapshots.regions import ServedWeights
 
 
 class EngineError(RuntimeError):
@@ -64,11 +66,13 @@ class EngineClient:
 
     swaps_in_one_call = False
 
-    def __init__(self, base_url: str | None = None, *, secret: str | None = None, pid: int | None = None) -> None:
+    def __init__(self, base_url: str | None = None, *, secret: str | None = None, pid: int | None = None,
+                 ranks: int = 1) -> None:
         self.secret = secret
+        self.ranks = ranks  # tensor-parallel ranks of the engine: one answer each
         self._base_url = None if base_url is None else base_url.rstrip("/")
         self._pid = pid
-        self._job_results: dict[str, Path] = {}  # background job kind -> its result file
+        self._job_results: dict[str, list[Path | None]] = {}  # background job kind -> each rank's result file
         self._clients: dict[int, httpx.AsyncClient] = {}
 
     @property
@@ -176,11 +180,18 @@ class EngineClient:
         return resp.json()["results"]
 
     async def _rpc1(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A method whose answer is the same on every rank (or rank 0's is the one asked for)."""
         results = await self.collective_rpc(method, *args, **kwargs)
-        if len(results) != 1:
-            # More than one worker (TP/PP > 1): the caller must combine per-worker results.
-            raise EngineError(f"{method}: expected one worker result, got {len(results)}")
+        if not results:
+            raise EngineError(f"{method}: no worker answered")
         return results[0]
+
+    async def _rpc_ranks(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Every rank's answer (one per tensor-parallel rank, in rank order)."""
+        results = await self.collective_rpc(method, *args, **kwargs)
+        if not results:
+            raise EngineError(f"{method}: no worker answered")
+        return results
 
     async def engine_pids(self) -> dict[str, int]:
         """``{"server": API server pid (if known), "worker": ..., "worker_parent": ...}``."""
@@ -194,12 +205,22 @@ class EngineClient:
     async def weight_map(self) -> dict[str, Any]:
         """Have the engine build its map of the checkpoint's tensors to its parameters now (else
         the first stage does); what it holds in place and what it refuses, and why."""
-        return await self._rpc1("weight_map")
+        return combine_map(await self._rpc_ranks("weight_map"))
 
     async def checksums(self, names: Sequence[str] | None = None, algorithm: str = "adler32") -> dict[str, str]:
-        """Per-tensor digest of what the engine holds, by checkpoint name."""
-        r = await self._rpc1("weight_checksums", None if names is None else list(names), algorithm)
-        return dict(r["checksums"])
+        """Per-tensor digest of what the engine holds, by checkpoint name; EngineError for a
+        tensor that no rank holds whole (a tensor-parallel shard: `served_weights`)."""
+        results = await self._rpc_ranks("weight_checksums", None if names is None else list(names), algorithm)
+        served = ServedWeights.combine(results)
+        if served.regions:
+            raise EngineError(f"the engine's ranks hold shards of {len(served.regions)} tensor(s) "
+                              f"({', '.join(sorted(served.regions)[:3])}): read them with served_weights")
+        return served.checksums
+
+    async def served_weights(self, names: Sequence[str] | None = None) -> ServedWeights:
+        """What every rank holds for ``names`` (all when None): checksums of the tensors a rank
+        holds whole, regions of the shards (`snapshots.regions`)."""
+        return ServedWeights.combine(await self._rpc_ranks("weight_checksums", None if names is None else list(names)))
 
     async def set_weight_version(self, version: str) -> None:
         """Tag the weights the engine serves (vLLM labels outputs with it; `/weight_info` reads it)."""
@@ -231,47 +252,62 @@ class EngineClient:
         deadline = time.monotonic() + previous_wait_s
         while True:
             try:
-                started = await self._rpc1(method, *args)
+                started = await self._rpc_ranks(method, *args)
                 break
             except EngineRequestError as exc:
                 if "job is still running" not in exc.body or time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.25)
-        if isinstance(started, dict) and started.get("result_path"):
-            self._job_results[str(started["kind"])] = Path(started["result_path"])
-        return started
+        first = started[0]
+        if isinstance(first, dict) and first.get("kind"):
+            self._job_results[str(first["kind"])] = [
+                Path(r["result_path"]) if isinstance(r, dict) and r.get("result_path") else None for r in started]
+        return first
 
     async def wait_job(self, kind: str, timeout_s: float = 600.0, rpc_every_s: float = 5.0) -> dict[str, Any]:
-        """Wait for the extension's background ``kind`` job; returns its result or raises
-        EngineError with the job's error.
+        """:meth:`wait_job_ranks`, rank 0's result."""
+        return (await self.wait_job_ranks(kind, timeout_s, rpc_every_s))[0]
 
-        Watches the job's result file every 5 ms (no RPC: each one keeps vLLM's worker
+    async def wait_job_ranks(self, kind: str, timeout_s: float = 600.0, rpc_every_s: float = 5.0) -> list[dict[str, Any]]:
+        """Wait for the extension's background ``kind`` job on every rank; returns each rank's
+        result or raises EngineError with the job's error (naming the rank of a TP engine).
+
+        Watches each rank's result file every 5 ms (no RPC: each one keeps vLLM's workers
         busy-polling for a second) and asks the engine itself only every ``rpc_every_s`` (a job
         that could not write its file, an engine that died); without a file, every 20 ms."""
         deadline = time.monotonic() + timeout_s
-        path = self._job_results.pop(kind, None)
-        next_rpc = time.monotonic() + (rpc_every_s if path is not None else 0.0)
+        paths = self._job_results.pop(kind, None) or [None]
         try:
-            while True:
-                st: dict[str, Any] | None = None
-                if path is not None and path.exists():
-                    with contextlib.suppress(ValueError):  # written atomically: a foreign file
-                        st = json.loads(path.read_text())
-                if st is None and time.monotonic() >= next_rpc:
-                    st = await self.job_status()
-                    if st["kind"] != kind:
-                        raise EngineError(f"no background {kind} job (the engine reports {st['kind']!r})")
-                    next_rpc = time.monotonic() + (rpc_every_s if path is not None else 0.02)
-                if st is not None and st["state"] == "done":
-                    return st["result"]
-                if st is not None and st["state"] == "failed":
-                    raise EngineError(f"background {kind} failed: {st['error']}")
-                if time.monotonic() > deadline:
-                    raise EngineError(f"background {kind} still running after {timeout_s:.0f} s")
-                await asyncio.sleep(0.005 if path is not None else 0.02)
+            results = [await self._wait_rank(kind, rank, len(paths), path, deadline, timeout_s, rpc_every_s)
+                       for rank, path in enumerate(paths)]
         finally:
-            if path is not None:
-                path.unlink(missing_ok=True)
+            for path in paths:
+                if path is not None:
+                    path.unlink(missing_ok=True)
+        return results
+
+    async def _wait_rank(self, kind: str, rank: int, ranks: int, path: Path | None, deadline: float,
+                         timeout_s: float, rpc_every_s: float) -> dict[str, Any]:
+        who = f"background {kind}" + (f" on rank {rank}" if ranks > 1 else "")
+        next_rpc = time.monotonic() + (rpc_every_s if path is not None else 0.0)
+        while True:
+            st: dict[str, Any] | None = None
+            if path is not None and path.exists():
+                with contextlib.suppress(ValueError):  # written atomically: a foreign file
+                    st = json.loads(path.read_text())
+            if st is None and time.monotonic() >= next_rpc:
+                statuses = await self._rpc_ranks("job_status")
+                st = statuses[rank] if rank < len(statuses) else {"kind": None}
+                if st["kind"] != kind:
+                    raise EngineError(f"no {who} job (the engine reports {st['kind']!r})")
+                next_rpc = time.monotonic() + (rpc_every_s if path is not None else 0.02)
+            if st is not None and st["state"] == "done":
+                return st["result"]
+            if st is not None and st["state"] == "failed":
+                raise EngineError(f"{who} failed: {st['error']}")
+            if time.monotonic() > deadline:
+                raise EngineError(f"{who} still running after {timeout_s:.0f} s")
+            await asyncio.sleep(0.005 if path is not None else 0.02)
 
     async def stage_from_files(
         self, label: str, paths: Sequence[Path | str], names: Sequence[str] | None = None,
@@ -337,37 +373,66 @@ class EngineClient:
         await self._start_job("peer_receive_files", host, port, rank, world_size, [list(s) for s in specs],
                               dict(expected_adler32), str(out_dir), backend, timeout_s, external_store)
 
-    async def served_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
-        """Adler-32 of what the engine serves, computed off the serving path (a background job)."""
+    async def served_checksums(self, names: Sequence[str] | None = None) -> ServedWeights:
+        """What the engine serves (`served_weights`), computed off the serving path (a
+        background job on every rank)."""
         await self._start_job("checksum_job", None if names is None else list(names))
-        return dict((await self.wait_job("checksums"))["checksums"])
+        return ServedWeights.combine(await self.wait_job_ranks("checksums"))
 
     async def swap_staged(self, label: str) -> dict[str, Any]:
-        """Load the stage ``label`` in place (call inside a pause); on a failure the engine has
-        restored its tensors. ``commit_staged`` or ``discard_staged`` must follow."""
-        return await self._rpc1("swap_staged", label)
+        """Load the stage ``label`` in place on every rank (call inside a pause); on a failure
+        every rank is back on its tensors. ``commit_staged`` or ``discard_staged`` must follow."""
+        try:
+            return slowest(await self._rpc_ranks("swap_staged", label))
+        except EngineRequestError:
+            if self.ranks > 1:  # the ranks that swapped roll back
+                with contextlib.suppress(Exception):
+                    await self.discard_staged()
+            raise
 
     async def commit_staged(self, label: str) -> dict[str, Any]:
         """Prove the swapped stage (inside the same pause): the result's ``verified`` counts the
         tensors read back and found equal to the stage's expected Adler-32 (``checksums``) or,
-        without those, to the bytes staged. A difference raises ReadBackFailed (rolled back)."""
-        result = await self._rpc1("commit_staged", label)
-        if result.get("read_back_failed"):
-            raise ReadBackFailed.of(label, list(result["read_back_failed"]))
-        return result
+        without those, to the bytes staged. A difference raises ReadBackFailed (rolled back, on
+        every rank)."""
+        return await self._prove_ranks("commit_staged", label)
 
     async def swap_and_commit_staged(self, label: str) -> dict[str, Any]:
         """``swap_staged`` then ``commit_staged`` in one RPC (the pause's usual path): the
         result carries both reports; a failed swap or read-back leaves the engine on its previous
-        tensors (ReadBackFailed names the tensors that differed)."""
-        result = await self._rpc1("swap_and_commit_staged", label)
+        tensors, every rank (ReadBackFailed names the tensors that differed)."""
+        return await self._prove_ranks("swap_and_commit_staged", label)
+
+    async def _prove_ranks(self, method: str, label: str) -> dict[str, Any]:
+        """One engine answer for a commit: at TP 1 the rank's; at TP > 1 every rank holds its
+        proven stage until all proved (then releases it), and any rank's failure discards the
+        stage on every rank (`contracts.engine_ranks`)."""
+        if self.ranks == 1:
+            results = await self._rpc_ranks(method, label)
+            if len(results) != 1:  # a TP engine driven as one rank: undo, say so
+                with contextlib.suppress(Exception):
+                    await self.discard_staged()
+                raise EngineError(f"{method}: {len(results)} ranks answered; this client drives {self.ranks}")
+            result = results[0]
+        else:
+            try:
+                result = combine_swap(await self._rpc_ranks(method, label, True))
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self.discard_staged()
+                raise
+            if result.get("read_back_failed"):
+                await self.discard_staged()
+            else:
+                await self._rpc_ranks("release_staged", label)
         if result.get("read_back_failed"):
             raise ReadBackFailed.of(label, list(result["read_back_failed"]))
         return result
 
     async def discard_staged(self) -> dict[str, Any]:
-        """Drop the stage; a swapped one is rolled back (``rolled_back``)."""
-        return await self._rpc1("discard_staged")
+        """Drop the stage on every rank; a swapped one is rolled back (``rolled_back``)."""
+        results = await self._rpc_ranks("discard_staged")
+        return {"discarded": results[0].get("discarded"), "rolled_back": any(r.get("rolled_back") for r in results)}
 
     async def vllm_weight_checksums(self) -> dict[str, str]:
         """vLLM's own per-parameter SHA-256s (its worker's ``compute_weight_checksums``, what its

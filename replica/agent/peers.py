@@ -138,6 +138,10 @@ class PeerSteps:
             # itself (the changed tensors, XOR+zstd, ~5 % of their bytes for an RL step) rather
             # than the tensors as served; each receiver decodes and checks it against its own copy.
             return self._files_offer(inp, link_dir)
+        if self.engine.ranks > 1:
+            # Each rank holds a shard: the tensors as served are in no one place to send.
+            raise ChainError(f"replica {self.name}'s engine runs {self.engine.ranks} tensor-parallel ranks: it "
+                             f"offers a delta's files only, and replicas on {inp.target_identity!r} read the bucket")
         if inp.target_identity in chain_ids[:-1]:
             missing = chain_ids[chain_ids.index(inp.target_identity) + 1 :]
             known = [self.changed_by_link.get(i) for i in missing]

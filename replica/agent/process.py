@@ -41,6 +41,7 @@ from common.settings import Settings, temporal_client
 from common.telemetry import setup_tracing, temporal_interceptors
 from contracts import names
 from contracts.activities import ApplySnapshotInput
+from contracts.engine_config import TP_KEY
 from contracts.records import ReplicaEndpoint, ReplicaFailure, rfc3339
 from replica import faults
 from replica.agent.activities import PeerActivities, ReplicaActivities
@@ -66,11 +67,26 @@ def shared_model_dir(workflow_id: str, bucket: str, path: str) -> Path:
     return Path(tempfile.gettempdir()) / "rollouts-models" / digest
 
 
+def cpu_binding(ranks: int, cores: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks on ``cores`` cores: ``"0|1"`` for two on
+    two, ``"0-1|2-3"`` for two on four; ranks share cores when there are fewer cores than ranks."""
+    if cores < ranks:
+        return "|".join(str(r % cores) for r in range(ranks))
+    share = cores // ranks
+    return "|".join(f"{r * share}" if share == 1 else f"{r * share}-{r * share + share - 1}" for r in range(ranks))
+
+
 def engine_options(engine_config: dict[str, str]) -> dict[str, Any]:
     """EngineProcess options from a deployment's runtime.engineConfig: the sizes it knows by
     name, every other key as a vLLM flag (`--key value`, or `--key` for an empty value)."""
     config = dict(engine_config)
     options: dict[str, Any] = {}
+    ranks = int(config.get(TP_KEY, "1") or 1)
+    if ranks > 1:
+        options["ranks"] = ranks
+        # vLLM's CPU backend binds each rank's OpenMP threads to cores ("auto" wants a NUMA node
+        # per rank): one share of this host's cores each. GPU platforms ignore it.
+        options["env"] = {"VLLM_CPU_OMP_THREADS_BIND": cpu_binding(ranks, os.cpu_count() or 1)}
     if "max-model-len" in config:
         options["max_model_len"] = int(config.pop("max-model-len"))
     if "max-num-seqs" in config:

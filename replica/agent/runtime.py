@@ -570,8 +570,8 @@ class ReplicaRuntime(PeerSteps):
         if not names_:
             return 0
         served = await self.engine.served_checksums(names_)
-        expected = self.host.checksums()
-        wrong = [n for n in names_ if served.get(n) != expected.get(n)]
+        # A tensor-parallel engine's shards are compared with the same regions of the host copy.
+        wrong = served.differing(names_, self.host.checksums(), self.host.tensor)
         if wrong:
             raise EngineUpdateError(
                 f"served weights differ from the snapshot for {len(wrong)} tensor(s): {', '.join(wrong[:5])}"

@@ -71,6 +71,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from common.dynamo_planes import REQUEST_SECRET_PREFIX, request_annotation
+from contracts.engine_ranks import combine_swap
 
 ROUTE_PREFIX = "rollouts/"
 ROUTES = ("pause", "resume", "is_paused", "reset_prefix_cache", "collective_rpc", "update_weight_version",
@@ -284,9 +285,11 @@ def control_routes(engine: Any, endpoint: Any, secret: str, gate: Gate | None = 
         return {"worker_ids": sorted(int(i) for i in discovery[0].instance_ids())}
 
     async def swap_in_pause(body: dict[str, Any]) -> dict[str, Any]:
-        label, previous = body.get("label"), body.get("previous")
+        label, previous, ranks = body.get("label"), body.get("previous"), body.get("ranks", 1)
         if not isinstance(label, str) or not isinstance(previous, str):
             return _error(400, "swap_in_pause: 'label' and 'previous' (strings) are required")
+        if not isinstance(ranks, int) or ranks < 1:
+            return _error(400, "swap_in_pause: 'ranks' must be a positive integer")
         timings: dict[str, float] = {}
         start = mark = time.perf_counter()
 
@@ -302,12 +305,17 @@ def control_routes(engine: Any, endpoint: Any, secret: str, gate: Gate | None = 
             await engine.update_weight_version(label)
             lap("label")
             try:
-                results = await engine.collective_rpc(method="swap_and_commit_staged", args=(label,))
+                # A tensor-parallel engine's ranks hold their proven stages until all proved.
+                args = (label, True) if ranks > 1 else (label,)
+                results = await engine.collective_rpc(method="swap_and_commit_staged", args=args)
                 lap("swap")
-                if len(results or []) != 1:
-                    raise RuntimeError(f"swap_and_commit_staged: expected one worker result, got {len(results or [])}")
-                result = results[0]
-                if result.get("read_back_failed"):  # the engine rolled its tensors back
+                if len(results or []) != ranks:
+                    raise RuntimeError(f"swap_and_commit_staged: expected {ranks} worker result(s), "
+                                       f"got {len(results or [])}")
+                result = combine_swap(results)
+                if result.get("read_back_failed"):  # every rank rolls its tensors back
+                    if ranks > 1:
+                        await engine.collective_rpc(method="discard_staged")
                     await engine.update_weight_version(previous)
                 elif "expected" in body and int(result.get("verified", -1)) != int(body["expected"]):
                     raise RuntimeError(f"the engine proved {result.get('verified')} of {body['expected']} "
@@ -322,6 +330,8 @@ def control_routes(engine: Any, endpoint: Any, secret: str, gate: Gate | None = 
             await engine.resume_generation()
             lap("resume")
             timings["window"] = round((time.perf_counter() - start) * 1000, 3)
+        if ranks > 1 and "verified" in result:  # every rank proved its shard: the stage is committed
+            await engine.collective_rpc(method="release_staged", args=(label,))
         return {"result": result, "timings_ms": timings}
 
     async def open_gate(body: dict[str, Any]) -> dict[str, Any]:

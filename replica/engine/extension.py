@@ -7,8 +7,10 @@ vLLM starts with ``--worker-extension-cls replica.engine.extension.WeightLoaderE
     POST /collective_rpc {"method": "<name>", "args": [...], "kwargs": {...}}
     -> 200 {"results": [<one JSON value per worker>]}          (one worker at TP=1)
 
-Arguments and results travel as JSON (vLLM turns any result that is not a dict, list or None
-into ``str``), so every method takes JSON-able arguments and returns a dict. A method that
+At tensor-parallel size N every method runs on each of the N workers and the answer holds one
+result per worker (the caller combines them: `contracts.engine_ranks`); each rank maps, stages,
+swaps and proves its own shard. Arguments and results travel as JSON (vLLM turns any result that
+is not a dict, list or None into ``str``), so every method takes JSON-able arguments and returns a dict. A method that
 raises answers HTTP 500 and changes nothing. Do not pass vLLM's own ``timeout`` field: when it
 fires, vLLM's executor stops waiting but the worker still runs the call and later queues its
 reply, which then answers the *next* RPC; waits are bounded inside the methods instead.
@@ -21,23 +23,30 @@ first). Methods (per worker):
 
 - ``weight_map()`` -> ``{"tensors", "held", "refused": {name: why} (the first 16), "refused_count",
   "build_s"}``: builds the map if it is not built yet (the agent calls it once the engine serves);
-- ``engine_pid()`` -> ``{"pid", "parent_pid", "idle_spin_s", "logprob_ranks_eager"}``: this
-  worker, its engine core, and what `replica.engine.plugin` set in this process;
+- ``engine_pid()`` -> ``{"pid", "parent_pid", "idle_spin_s", "logprob_ranks_eager", "rank",
+  "ranks"}``: this worker, its engine core, what `replica.engine.plugin` set in this process, its
+  tensor-parallel rank and size;
 - ``weight_checksums(names=None, algorithm="adler32")`` -> ``{"algorithm", "checksums":
-  {checkpoint name: hex}, "engine_checksums": {engine name: hex}}`` (Adler-32 as 8 hex digits,
-  the snapshot format's, or ``"sha256"``; ``engine_checksums``: parameters no checkpoint tensor
-  lands in, empty for Llama);
+  {checkpoint name: hex}, "regions": {checkpoint name: [[size], [stride], offset, hex], ...},
+  "engine_checksums": {engine name: hex}}`` (Adler-32 as 8 hex digits, the snapshot format's, or
+  ``"sha256"``; ``checksums``: the tensors this rank holds whole; ``regions``: those it holds a
+  shard of, region by region (`snapshots.regions`); ``engine_checksums``: parameters no checkpoint
+  tensor lands in, empty for Llama);
 - ``weight_specs(names=None)`` -> ``{"specs": [[name, dtype, shape], ...]}``;
 - ``save_weights(names, path)`` -> ``{"saved", "bytes", "path"}``: what the engine holds, as a
   safetensors file;
 - background jobs (`jobs`: one at a time; each answers ``{"kind", "state": "running",
   "result_path"}`` and ``job_status()`` reports it): ``stage_from_files``, ``stage_from_arena``,
   ``peer_stage_receive`` (kind ``stage``), ``peer_stage_send``, ``peer_send_files`` (``send``),
-  ``peer_receive_files`` (``receive``), ``checksum_job`` (``checksums``);
+  ``peer_receive_files`` (``receive``), ``checksum_job`` (``checksums``); the engines' tensor
+  broadcast needs tensor-parallel size 1, and only rank 0 moves a delta's files (the other ranks'
+  jobs answer ``{"skipped"}``);
 - the lifecycle of the stage (`stage`): ``swap_and_commit_staged(label)`` inside the pause
   (load in place, then read back: ``verified``, or ``read_back_failed`` after rolling back), or
   the same as two calls, ``swap_staged(label)`` and ``commit_staged(label)``, for a test that
-  injects a fault between them; ``discard_staged()`` (rolls a swapped stage back);
+  injects a fault between them; ``discard_staged()`` (rolls a swapped stage back); with
+  ``hold=True`` (a tensor-parallel engine) a proven stage stays swapped in until
+  ``release_staged(label)``, so a discard can still roll it back when another rank failed;
 - ``set_step_delay(seconds)`` -> ``{"step_delay_s"}``: every engine step first sleeps that long
   (0: none), for a test that needs requests to stay in flight (`step_delay`).
 
@@ -117,6 +126,19 @@ def _joiner(worker: Any, host: str, port: int, rank: int, world_size: int, backe
                              device=device, external_store=external_store)
 
 
+def _rank(worker: Any) -> tuple[int, int]:
+    """(this worker's tensor-parallel rank, the engine's tensor-parallel size)."""
+    config = getattr(worker, "parallel_config", None)
+    return int(getattr(worker, "rank", 0) or 0), int(getattr(config, "tensor_parallel_size", 1) or 1)
+
+
+def _one_rank_only(worker: Any, what: str) -> None:
+    rank, ranks = _rank(worker)
+    if ranks > 1:
+        raise ValueError(f"{what} needs a tensor-parallel size of 1 (this engine runs {ranks} ranks, each holding "
+                         "a shard): its peers take the delta's files or read the bucket")
+
+
 class WeightLoaderExtension:
     """Mixed into vLLM's worker class (module docstring). Every attribute here becomes a worker
     attribute (vLLM asserts there is no clash) and every callable one an RPC method, so helpers
@@ -134,17 +156,20 @@ class WeightLoaderExtension:
                 "refused_count": len(refused), "build_s": self._rollouts_map_build_s}
 
     def engine_pid(self) -> dict[str, Any]:
+        rank, ranks = _rank(self)
         return {"pid": os.getpid(), "parent_pid": os.getppid(), "idle_spin_s": idle_spin_cap(),
-                "logprob_ranks_eager": logprob_ranks_eager()}
+                "logprob_ranks_eager": logprob_ranks_eager(), "rank": rank, "ranks": ranks}
 
     def weight_checksums(self, names: list[str] | None = None, algorithm: str = "adler32") -> dict[str, Any]:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}: one of {sorted(ALGORITHMS)}")
-        digest = ALGORITHMS[algorithm]
         wmap = _weight_map(self)
+        whole, regions = updates.split_sliced(wmap, names)
+        digest = ALGORITHMS[algorithm]
         return {
             "algorithm": algorithm,
-            "checksums": {n: digest(t) for n, t in wmap.select(names)},
+            "checksums": {n: digest(t) for n, t in wmap.select(whole)},
+            "regions": {n: updates.region_digests(wmap, n, digest) for n in regions},
             "engine_checksums": {} if names is not None else {n: digest(t) for n, t in wmap.unmapped().items()},
         }
 
@@ -180,6 +205,7 @@ class WeightLoaderExtension:
         expected_adler32: dict[str, str] | None = None, save_path: str | None = None,
         backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
     ) -> dict[str, Any]:
+        _one_rank_only(self, "receiving a stage from a peer engine")
         wmap = _weight_map(self)
         join = _joiner(self, host, port, rank, world_size, backend, timeout_s, external_store)
         return _start_stage(self, lambda: updates.stage_from_peer(wmap, label, join, specs, expected_adler32,
@@ -189,6 +215,7 @@ class WeightLoaderExtension:
         self, host: str, port: int, world_size: int, names: list[str] | None = None,
         backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
     ) -> dict[str, Any]:
+        _one_rank_only(self, "sending this engine's tensors to peers")
         wmap = _weight_map(self)
         join = _joiner(self, host, port, 0, world_size, backend, timeout_s, external_store)
         return _jobs(self).start("send", lambda: updates.send_views(wmap, names, join))
@@ -197,6 +224,8 @@ class WeightLoaderExtension:
         self, host: str, port: int, world_size: int, paths: list[str], backend: str = "gloo",
         timeout_s: float = 300.0, external_store: bool = False,
     ) -> dict[str, Any]:
+        if _rank(self)[0]:  # files are the agent's: one rank of the engine moves them
+            return _jobs(self).start("send", lambda: {"skipped": f"rank {_rank(self)[0]}"})
         join = _joiner(self, host, port, 0, world_size, backend, timeout_s, external_store)
         return _jobs(self).start("send", lambda: updates.send_files(paths, join))
 
@@ -207,6 +236,8 @@ class WeightLoaderExtension:
     ) -> dict[str, Any]:
         for spec in specs:
             plain_file_name(str(spec[0]))
+        if _rank(self)[0]:
+            return _jobs(self).start("receive", lambda: {"skipped": f"rank {_rank(self)[0]}"})
         join = _joiner(self, host, port, rank, world_size, backend, timeout_s, external_store)
         return _jobs(self).start("receive", lambda: updates.receive_files(specs, expected_adler32, out_dir, join))
 
@@ -217,11 +248,14 @@ class WeightLoaderExtension:
     def swap_staged(self, label: str) -> dict[str, Any]:
         return _slot(self).swap(_weight_map(self), label)
 
-    def commit_staged(self, label: str) -> dict[str, Any]:
-        return _slot(self).commit(_weight_map(self), label)
+    def commit_staged(self, label: str, hold: bool = False) -> dict[str, Any]:
+        return _slot(self).commit(_weight_map(self), label, hold)
 
-    def swap_and_commit_staged(self, label: str) -> dict[str, Any]:
-        return _slot(self).swap_and_commit(_weight_map(self), label)
+    def swap_and_commit_staged(self, label: str, hold: bool = False) -> dict[str, Any]:
+        return _slot(self).swap_and_commit(_weight_map(self), label, hold)
+
+    def release_staged(self, label: str) -> dict[str, Any]:
+        return _slot(self).release(label)
 
     def discard_staged(self) -> dict[str, Any]:
         return _slot(self).discard(_weight_map(self))

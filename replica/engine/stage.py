@@ -15,6 +15,10 @@
   tensors; otherwise ``verified`` counts the tensors proven.
 - **discard**: drop the stage; a swapped one is rolled back first.
 
+A rank of a tensor-parallel engine commits with ``hold``: its proven stage stays swapped in
+until every rank proved its own shard (:meth:`StageSlot.release`), and a failure on any rank
+discards the stage on every rank, so each rolls back (the caller combines the ranks' answers).
+
 :class:`StageSlot` holds the engine's one stage: a new stage replaces one not yet swapped, and
 is refused while one is swapped in (commit or discard it first). Every swap takes the slot's
 stage, so a stage's roll-back copy is always of the weights the engine serves.
@@ -35,7 +39,7 @@ from typing import Any
 
 import torch
 
-from replica.engine.tensors import adler32_hex
+from replica.engine.tensors import adler32_hex, nbytes
 from replica.engine.weight_map import WeightMap
 
 logger = logging.getLogger("rollouts.engine.stage")
@@ -55,22 +59,22 @@ class Stage:
     backup: dict[str, torch.Tensor]
     expected_adler32: dict[str, str] | None = None  # proven again after the swap
     swapped: bool = False
+    held: bool = False  # proven and kept swapped in until released (a rank of a TP engine)
 
 
 def _backup_copies(wmap: WeightMap, names: list[str]) -> dict[str, torch.Tensor]:
     global _BACKUP_POOL
-    held = [wmap.held(n) for n in names]
-    sizes = [t.numel() * t.element_size() for t in held]
+    entries = [wmap.entry(n) for n in names]
+    sizes = [nbytes(e.dtype, e.shape) for e in entries]
     total = sum(-(-size // _ALIGN) * _ALIGN for size in sizes)
     if _BACKUP_POOL is None or _BACKUP_POOL.numel() < total:
         _BACKUP_POOL = None  # let the old one go before the new one is allocated
         _BACKUP_POOL = torch.empty(max(total, _ALIGN), dtype=torch.uint8)
     out: dict[str, torch.Tensor] = {}
     offset = 0
-    for name, src, size in zip(names, held, sizes):
-        dst = _BACKUP_POOL[offset : offset + size].view(src.dtype).reshape(src.shape)
-        dst.copy_(src.detach())
-        out[name] = dst
+    for e, size in zip(entries, sizes):
+        # What this rank holds of the tensor (all of it, or its shard's regions): what it restores.
+        out[e.name] = wmap.read_into(e.name, _BACKUP_POOL[offset : offset + size].view(e.dtype).reshape(e.shape))
         offset += -(-size // _ALIGN) * _ALIGN
     return out
 
@@ -177,13 +181,15 @@ class StageSlot:
     def put(self, stage: Stage) -> None:
         self.stage = stage
 
-    def _get(self, label: str, swapped: bool) -> Stage:
+    def _get(self, label: str, swapped: bool, held: bool = False) -> Stage:
         stage = self.stage
         if stage is None or stage.label != label:
             have = None if stage is None else stage.label
             raise RuntimeError(f"nothing staged for {label!r} (staged: {have!r})")
         if stage.swapped != swapped:
             raise RuntimeError(f"the stage {label!r} is {'already' if stage.swapped else 'not yet'} swapped in")
+        if stage.held != held:
+            raise RuntimeError(f"the stage {label!r} is {'already' if stage.held else 'not'} proven and held")
         return stage
 
     def swap(self, wmap: WeightMap, label: str) -> dict[str, Any]:
@@ -195,17 +201,30 @@ class StageSlot:
             self.stage = None
             raise
 
-    def commit(self, wmap: WeightMap, label: str) -> dict[str, Any]:
+    def commit(self, wmap: WeightMap, label: str, hold: bool = False) -> dict[str, Any]:
+        """Prove the swapped stage (:func:`commit`). ``hold``: a proven stage stays swapped in, so
+        that :meth:`discard` can still roll it back (another rank of the engine failed its proof)
+        until :meth:`release` drops it; a stage that failed is rolled back and dropped either way."""
         stage = self._get(label, swapped=True)
-        self.stage = None
         with BACKUP_LOCK:
-            return commit(wmap, stage)
+            result = commit(wmap, stage)
+        if hold and "verified" in result:
+            stage.held = True
+        else:
+            self.stage = None
+        return result
 
-    def swap_and_commit(self, wmap: WeightMap, label: str) -> dict[str, Any]:
+    def swap_and_commit(self, wmap: WeightMap, label: str, hold: bool = False) -> dict[str, Any]:
         """:meth:`swap` then :meth:`commit` in one call (one RPC inside the pause)."""
         result = self.swap(wmap, label)
-        result.update(self.commit(wmap, label))
+        result.update(self.commit(wmap, label, hold))
         return result
+
+    def release(self, label: str) -> dict[str, Any]:
+        """Drop a proven stage held by :meth:`commit` (every rank proved it): it is committed."""
+        self._get(label, swapped=True, held=True)
+        self.stage = None
+        return {"released": label}
 
     def discard(self, wmap: WeightMap) -> dict[str, Any]:
         stage, self.stage = self.stage, None

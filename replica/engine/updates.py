@@ -139,9 +139,26 @@ def receive_files(specs: list[list[Any]], expected: dict[str, str], out_dir: str
             "join_s": round(t1 - t0, 6), "transfer_s": round(t2 - t1, 6)}
 
 
+def split_sliced(wmap: WeightMap, names: list[str] | None) -> tuple[list[str], list[str]]:
+    """``names`` (every tensor held when None) as (held whole by this rank, held in part)."""
+    order = wmap.names() if names is None else list(names)
+    sliced = {n for n in order if wmap.sliced(n)}
+    return [n for n in order if n not in sliced], [n for n in order if n in sliced]
+
+
+def region_digests(wmap: WeightMap, name: str, digest: Callable[[torch.Tensor], str] = adler32_hex) -> list[list[Any]]:
+    """``[[size], [stride], offset, digest], ...]``: each region of ``name`` this rank holds (in
+    elements of the checkpoint tensor, row-major) with the digest of what the engine holds there."""
+    return [[list(r.size), list(r.stride), r.offset, digest(t)] for r, t in wmap.pieces(name)]
+
+
 def served_checksums(wmap: WeightMap, names: list[str] | None) -> dict[str, Any]:
-    views = wmap.select(names)
+    """``{"checksums": {name: adler32}}`` of the tensors this rank holds whole, ``"regions"``
+    (:func:`region_digests`) of those it holds a shard of."""
+    whole, sliced = split_sliced(wmap, names)
+    views = wmap.select(whole)
     # zlib releases the GIL on large buffers: a few threads read the weights in parallel.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         digests = list(pool.map(lambda nt: adler32_hex(nt[1]), views))
-    return {"checksums": {n: d for (n, _), d in zip(views, digests)}}
+    return {"checksums": {n: d for (n, _), d in zip(views, digests)},
+            "regions": {n: region_digests(wmap, n) for n in sliced}}

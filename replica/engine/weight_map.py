@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from replica.engine import cpu_gemm, cpu_moe
-from replica.engine.landings import Landing, TensorMap, observe, unproven
+from replica.engine.landings import Landing, Region, TensorMap, observe, unproven
 from replica.engine.tensors import dtype_to_str
 
 Spec = tuple[str, tuple[int, ...], torch.dtype]
@@ -176,14 +176,34 @@ class WeightMap:
         if whole is not None:
             return whole
         e = self.entry(name)
-        out = torch.empty(e.shape, dtype=e.dtype)
-        written = 0
-        for ld in e.landings:
+        if self.sliced(name):
+            raise ValueError(f"{name}: this rank holds only a slice of it")
+        return self.read_into(name, torch.empty(e.shape, dtype=e.dtype))
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """Copy what this rank holds of ``name`` into the same regions of ``out`` (a tensor of the
+        checkpoint's shape and dtype; a shard's other regions are left as they are)."""
+        for ld in self.entry(name).landings:
             ld.src.view(out).copy_(ld.dst.view(self._target(ld.param)))
-            written += ld.src.numel()
-        if written < out.numel():
-            raise ValueError(f"{name}: this rank holds only a slice of it ({written} of {out.numel()} elements)")
         return out
+
+    def sliced(self, name: str) -> bool:
+        """Whether this rank holds only part of ``name`` (a tensor-parallel shard)."""
+        e = self.entry(name)
+        numel = 1
+        for size in e.shape:
+            numel *= size
+        return sum(region.numel() for region in {ld.src for ld in e.landings}) < numel
+
+    def pieces(self, name: str) -> list[tuple[Region, torch.Tensor]]:
+        """Each region of ``name`` this rank holds (once, in the checkpoint's layout) with what the
+        engine holds there, in the checkpoint's dtype."""
+        e = self.entry(name)
+        out: dict[Region, torch.Tensor] = {}
+        for ld in e.landings:
+            if ld.src not in out:
+                out[ld.src] = ld.dst.view(self._target(ld.param)).to(device="cpu", dtype=e.dtype).contiguous()
+        return list(out.items())
 
     def select(self, names: Sequence[str] | None) -> list[tuple[str, torch.Tensor]]:
         """``(name, held)`` for ``names`` in that order (every tensor held when None)."""

@@ -308,3 +308,19 @@ def test_an_operator_may_let_vllm_hot_load_and_nothing_unknown(monkeypatch, tmp_
     monkeypatch.delenv("ROLLOUTS_HOT_LOAD_ENGINES")
     assert settings.hot_load_engines is None
     assert allowed_hot_load_engines(settings) == ("dynamo-vllm",)
+
+
+def test_tensor_parallel_is_accepted_and_the_gpus_must_fit_it(client):
+    body = {
+        "name": "d", "gatewayIds": ["g"], "model": {"name": "m", "bucket": "bkt", "path": "p"},
+        "runtime": {"engine": "dynamo-vllm", "engineConfig": {"tensor-parallel-size": "2", "enable-expert-parallel": ""}},
+        "resources": {"instanceType": "gpu", "gpuCount": 3},
+    }
+    r = post(client, "/deployments", body)
+    assert r.status_code == 400, r.text
+    assert "resources.gpuCount (3) must be a multiple of runtime.engineConfig tensor-parallel-size (2)" in r.json()["message"]
+    body["runtime"]["engineConfig"]["tensor-parallel-size"] = "0"
+    r = post(client, "/deployments", body)
+    assert r.status_code == 400 and "tensor-parallel-size must be a positive integer" in r.json()["message"]
+    r = client.get(f"{PREFIX}/deployments/parameters", headers={"Authorization": "Bearer admin-t"})
+    assert {"tensor-parallel-size", "enable-expert-parallel"} <= set(r.json()["engineConfigKeys"])

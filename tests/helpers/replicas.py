@@ -42,7 +42,9 @@ from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine_process import EngineProcess
 from replica.faults import FAULTS_FILE
 from snapshots.host import checkpoint_checksums
+from snapshots.regions import ServedWeights
 from tests.helpers.stack_fixtures import Api
+from workers.base_model import load_checkpoint
 
 # The shared 3-replica deployment's hot-load path prefix (tests/e2e/conftest.py `rolling`).
 ROLLING_PREFIX = "checkpoints/rolling"
@@ -189,13 +191,21 @@ def served_checksums(replica: dict, names: list[str] | None = None) -> dict[str,
     return _with_engine(replica, lambda e: e.checksums(names))
 
 
+def served_weights(replica: dict) -> ServedWeights:
+    """What every rank of the replica's engine serves (`snapshots.regions`): read back from memory."""
+    return _with_engine(replica, lambda e: e.served_weights())
+
+
 def assert_every_replica_serves(settings: Settings, dep_id: str, checkpoint: Path) -> None:
     """Every tensor of every replica's engine, read back, is ``checkpoint``'s (no replica serves
-    a mix); a failure names the replica and the tensors that differ."""
+    a mix; a tensor-parallel engine's shards against the same regions of the checkpoint's
+    tensors); a failure names the replica and the tensors that differ."""
     expected = checkpoint_checksums(checkpoint)
+    tensors = load_checkpoint(checkpoint)
     for replica in engines(settings, dep_id):
-        served = served_checksums(replica)
-        wrong = sorted(n for n in expected.keys() | served.keys() if served.get(n) != expected.get(n))
+        served = served_weights(replica)
+        extra = sorted((served.checksums.keys() | served.regions.keys()) - expected.keys())
+        wrong = served.differing(sorted(expected), expected, tensors.__getitem__) + extra
         assert not wrong, f"{replica['name']} serves {len(wrong)} tensor(s) not of {checkpoint.name}: {wrong[:8]}"
 
 
