@@ -13,7 +13,7 @@ from replica.agent.process import cpu_binding
 from replica.engine.stage import StageSlot, take
 from replica.engine.tensors import adler32_hex
 from snapshots.regions import ServedWeights, region_checksum
-from tests.replica.test_stage_lifecycle import Tiny, new_values, weights
+from tests.helpers.tiny_model import Tiny, new_values, weights
 
 
 def test_a_swap_is_verified_only_when_every_rank_proved_its_shard():
