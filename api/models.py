@@ -122,7 +122,8 @@ ENGINE_CONFIG_KEYS: dict[str, bool] = {
     "max-num-seqs": True,
     "enable-return-routed-experts": False,
     "tensor-parallel-size": True,
-    "enable-expert-parallel": False,
+    # Not "enable-expert-parallel": a rank then holds no part of the experts it does not own, and
+    # its weight map would refuse them (untested; docs/design.md, "Tensor parallel").
 }
 
 
