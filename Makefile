@@ -11,7 +11,7 @@ ROLLOUTS := $(VENV)/bin/rollouts
 # NVIDIA Dynamo, without its dependencies (pyproject.toml says why; the `cpu` extra has the rest).
 DYNAMO := 'ai-dynamo==1.6.1' 'ai-dynamo-runtime==1.6.1'
 
-.PHONY: install demo lint test test-fast up down status clean-data
+.PHONY: install demo lint test test-fast test-families up down status clean-data
 
 install: $(STAMP) $(CW_STAMP)
 
@@ -58,6 +58,12 @@ TEST_WORKERS ?= 2
 PYTEST_UNITS := --dist loadscope --no-loadscope-reorder
 test: install
 	$(VENV)/bin/python -m pytest -q -ra -n $(TEST_WORKERS) $(PYTEST_UNITS)
+
+# Every model family end to end (tests/e2e/test_model_families.py: four deployments, each with a
+# reference engine) and on vLLM's model classes; make test runs one of the four (time).
+test-families: install
+	ROLLOUTS_TEST_ALL_FAMILIES=1 $(VENV)/bin/python -m pytest -q -ra -n $(TEST_WORKERS) $(PYTEST_UNITS) \
+		tests/e2e/test_model_families.py tests/replica/test_landings.py
 
 # Unit tests and workflow tests with fake replicas: nothing that starts the embedded stack or a
 # vLLM engine (tests/conftest.py marks those `stack` / `engine` from the fixtures they use).

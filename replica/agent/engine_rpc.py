@@ -373,9 +373,18 @@ class EngineClient:
         await self._start_job("peer_receive_files", host, port, rank, world_size, [list(s) for s in specs],
                               dict(expected_adler32), str(out_dir), backend, timeout_s, external_store)
 
-    async def served_checksums(self, names: Sequence[str] | None = None) -> ServedWeights:
-        """What the engine serves (`served_weights`), computed off the serving path (a
-        background job on every rank)."""
+    async def served_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """Adler-32 of what the engine serves, computed off the serving path (a background job);
+        EngineError for a tensor no rank holds whole (a tensor-parallel shard: `served_shards`)."""
+        served = await self.served_shards(names)
+        if served.regions:
+            raise EngineError(f"the engine's ranks hold shards of {len(served.regions)} tensor(s) "
+                              f"({', '.join(sorted(served.regions)[:3])}): read them with served_shards")
+        return served.checksums
+
+    async def served_shards(self, names: Sequence[str] | None = None) -> ServedWeights:
+        """What every rank serves (`served_weights`), computed off the serving path (a background
+        job on every rank)."""
         await self._start_job("checksum_job", None if names is None else list(names))
         return ServedWeights.combine(await self.wait_job_ranks("checksums"))
 

@@ -48,6 +48,7 @@ from replica.agent.activities import PeerActivities, ReplicaActivities
 from replica.agent.downloads import download_prefix, download_shared, shared_use
 from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine_process import EngineProcess
+from replica.agent.engine_rpc import EngineRequestError
 from replica.agent.host_decodes import remove_stale as remove_stale_decodes
 from replica.agent.metrics import ReplicaMetrics
 from replica.agent.retries import DELAYS_S, retrying
@@ -98,6 +99,22 @@ def engine_options(engine_config: dict[str, str]) -> dict[str, Any]:
         options["extra_args"] = extra
     return options
 
+
+
+async def log_weight_map(name: str, engine: EngineProcess) -> None:
+    """Have the engine build its weight map now, not inside the first hot-load, and log what it
+    cannot hot-load. A map that cannot be built does not stop the replica, which serves: every
+    stage then refuses with the same error."""
+    try:
+        mapped = await engine.weight_map()
+    except EngineRequestError as exc:
+        log.warning("%s: no weight map, so no hot-load will stage: %s", name, one_line(exc))
+        return
+    log.info("%s: %d of %d checkpoint tensors load in place (map built in %.2f s)", name, mapped["held"],
+             mapped["tensors"], mapped["build_s"])
+    if mapped["refused_count"]:
+        log.warning("%s: %d checkpoint tensor(s) cannot be hot-loaded: %s", name, mapped["refused_count"],
+                    "; ".join(f"{n}: {why}" for n, why in list(mapped["refused"].items())[:4]))
 
 
 async def run_replica(settings: Settings, **kwargs: Any) -> int:
@@ -206,12 +223,7 @@ async def _run_replica(
         if joining and isinstance(engine, DynamoEngineProcess):
             await engine.hold_out()  # no new request until the deployment serves it (`serve_replica`)
         await engine.set_weight_version("initial")
-        mapped = await engine.weight_map()  # built now, not inside the first hot-load
-        log.info("%s: %d of %d checkpoint tensors load in place (map built in %.2f s)", name, mapped["held"],
-                 mapped["tensors"], mapped["build_s"])
-        if mapped["refused_count"]:
-            log.warning("%s: %d checkpoint tensor(s) cannot be hot-loaded: %s", name, mapped["refused_count"],
-                        "; ".join(f"{n}: {why}" for n, why in list(mapped["refused"].items())[:4]))
+        await log_weight_map(name, engine)
         # The host copy lives in shared memory: the engine takes its roll-back bytes from it.
         host_arena = StageArena()
         host = await asyncio.to_thread(lambda: HostWeights.load(model_dir, allocate=host_arena.allocate))

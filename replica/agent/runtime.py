@@ -569,7 +569,7 @@ class ReplicaRuntime(PeerSteps):
         tensors that differ. (A swap is proven inside its pause instead: `_swap_staged`.)"""
         if not names_:
             return 0
-        served = await self.engine.served_checksums(names_)
+        served = await self.engine.served_shards(names_)
         # A tensor-parallel engine's shards are compared with the same regions of the host copy.
         wrong = served.differing(names_, self.host.checksums(), self.host.tensor)
         if wrong:

@@ -1,11 +1,21 @@
-"""Hot-loads of a Mixture-of-Experts model through the whole service at tensor-parallel size 1:
-Qwen3-MoE (8 experts, top 2), whose per-expert tensors land in the fused experts that vLLM's CPU
-kernel prepacks after loading (replica/engine/cpu_moe.py). The chain and what it checks:
-tests/helpers/family_chain.py. The other families are checked on vLLM's model classes without an
-engine (tests/replica/test_landings.py); tensor parallel: test_tensor_parallel.py.
+"""Hot-loads of Mixture-of-Experts and other model families through the whole service, at
+tensor-parallel size 1 and 2 (``runtime.engineConfig`` ``tensor-parallel-size``: two ranks, one
+core each on this 2-core machine, each staging, swapping and proving its own shard inside the
+one pause). The chain and what it checks: tests/helpers/family_chain.py.
+
+``make test`` runs Qwen3-MoE at TP 2 (8 experts, top 2: experts and attention split across the
+ranks, each rank's experts prepacked by vLLM's CPU kernel and rebuilt after a write,
+replica/engine/cpu_moe.py). ``make test-families`` (``ROLLOUTS_TEST_ALL_FAMILIES=1``) adds
+Qwen3-MoE at TP 1, Phi-3 (q/k/v and gate/up shipped fused) at TP 1 and Qwen2 (q/k/v biases the
+engine holds in float32) at TP 2: each costs an engine start and a reference engine's, beyond
+``make test``'s 25 minutes on CI. Every family's map, at TP 1 and 2, without an engine:
+tests/replica/test_landings.py; a rank whose proof fails rolls every rank back:
+tests/replica/test_engine_ranks.py.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -13,6 +23,11 @@ from tests.helpers.family_chain import run_family_chain
 
 pytestmark = pytest.mark.stack
 
+CASES = [("qwen3_moe", 2)]
+if os.environ.get("ROLLOUTS_TEST_ALL_FAMILIES"):
+    CASES += [("qwen3_moe", 1), ("phi3", 1), ("qwen2", 2)]
 
-def test_qwen3_moe_takes_a_full_and_cwtrain_deltas_and_serves_what_a_fresh_engine_serves(stack, tmp_path):
-    run_family_chain(stack, "qwen3_moe", 1, tmp_path)
+
+@pytest.mark.parametrize(("family", "tp"), CASES, ids=[f"{f}-tp{t}" for f, t in CASES])
+def test_a_family_takes_a_full_and_cwtrain_deltas_and_serves_what_a_fresh_engine_serves(stack, family, tp, tmp_path):
+    run_family_chain(stack, family, tp, tmp_path)

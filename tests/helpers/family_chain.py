@@ -1,5 +1,5 @@
-"""One family's hot-load chain through the whole service, as tests/e2e/test_model_families.py
-(tensor-parallel size 1) and test_tensor_parallel.py (2) run it: real Temporal, S3, API, control
+"""One family's hot-load chain through the whole service, as tests/e2e/test_model_families.py runs
+it at tensor-parallel size 1 or 2: real Temporal, S3, API, control
 worker, gateway and one Dynamo vLLM CPU replica; the deltas written by the real cwtrain.
 
 A deployment on a small random checkpoint of the family (workers/families.py), a FULL hot-load of
