@@ -60,7 +60,7 @@ test: install
 	$(VENV)/bin/python -m pytest -q -ra -n $(TEST_WORKERS) $(PYTEST_UNITS)
 
 # Every model family end to end (tests/e2e/test_model_families.py: four deployments, each with a
-# reference engine) and on vLLM's model classes; make test runs one of the four (time).
+# reference engine) and on vLLM's model classes; make test leaves the four out (time).
 test-families: install
 	ROLLOUTS_TEST_ALL_FAMILIES=1 $(VENV)/bin/python -m pytest -q -ra -n $(TEST_WORKERS) $(PYTEST_UNITS) \
 		tests/e2e/test_model_families.py tests/replica/test_landings.py
