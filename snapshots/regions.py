@@ -11,6 +11,7 @@ covering the whole tensor (tensor-parallel shards partition a tensor or repeat i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,7 +63,7 @@ class ServedWeights:
             elif name in self.regions:
                 want = tensor(name)
                 pieces = self.regions[name]
-                ok = sum(_numel(size) for size, _, _ in pieces) == want.numel() and all(
+                ok = sum(math.prod(size) for size, _, _ in pieces) == want.numel() and all(
                     digests == {region_checksum(want, region)} for region, digests in pieces.items())
             else:
                 ok = False
@@ -70,9 +71,3 @@ class ServedWeights:
                 wrong.append(name)
         return wrong
 
-
-def _numel(size: Sequence[int]) -> int:
-    n = 1
-    for s in size:
-        n *= s
-    return n

@@ -20,6 +20,7 @@ the engine's map from both.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -46,10 +47,7 @@ class Region:
         return Region(tuple(t.shape), tuple(t.stride()), t.storage_offset() - base_offset)
 
     def numel(self) -> int:
-        n = 1
-        for s in self.size:
-            n *= s
-        return n
+        return math.prod(self.size)
 
     def view(self, base: torch.Tensor) -> torch.Tensor:
         """This region of ``base`` (a parameter, or a checkpoint tensor laid out as the probe was:

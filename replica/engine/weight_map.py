@@ -31,6 +31,7 @@ A rank of a tensor-parallel engine maps its own slice: :meth:`held` of a sliced 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -159,10 +160,7 @@ class WeightMap:
         if len(e.landings) != 1:
             return None
         ld = e.landings[0]
-        numel = 1
-        for s in e.shape:
-            numel *= s
-        if ld.src.offset != 0 or ld.src.numel() != numel or ld.src.stride != _contiguous(ld.src.size):
+        if ld.src.offset != 0 or ld.src.numel() != math.prod(e.shape) or ld.src.stride != _contiguous(ld.src.size):
             return None
         dst = ld.dst.view(self._target(ld.param))
         if dst.dtype != e.dtype or not dst.is_contiguous():
@@ -190,10 +188,7 @@ class WeightMap:
     def sliced(self, name: str) -> bool:
         """Whether this rank holds only part of ``name`` (a tensor-parallel shard)."""
         e = self.entry(name)
-        numel = 1
-        for size in e.shape:
-            numel *= size
-        return sum(region.numel() for region in {ld.src for ld in e.landings}) < numel
+        return sum(region.numel() for region in {ld.src for ld in e.landings}) < math.prod(e.shape)
 
     def pieces(self, name: str) -> list[tuple[Region, torch.Tensor]]:
         """Each region of ``name`` this rank holds (once, in the checkpoint's layout) with what the

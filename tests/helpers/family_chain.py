@@ -121,26 +121,26 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path) -> None:
         assert dep["status"]["status"] == "STATUS_READY", dep["status"]
         pid = engines(stack, dep_id)[0]["enginePid"]
 
+        def publish(identity: str, previous: str | None, what: str) -> dict:
+            """Hot-load ``identity`` (uploaded already): COMPLETED; the replica's entry."""
+            t0 = time.monotonic()
+            hl = hot_load(api, dep_id, identity, previous)
+            assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
+            [rep] = hot_load_replicas(api, hl["spec"]["id"])
+            print(f"{family} tp{tp}: {what} in {time.monotonic() - t0:.1f} s, pause {rep['pauseMs']} ms, "
+                  f"{rep['verifiedTensors']} proven")
+            return rep
+
         full_id = f"{family}-000000"
         upload_dir(s3, checkpoints[0], stack.bucket, f"{prefix}/{full_id}")
-        t0 = time.monotonic()
-        hl = hot_load(api, dep_id, full_id, None)
-        assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
-        [rep] = hot_load_replicas(api, hl["spec"]["id"])
-        print(f"{family} tp{tp}: FULL in {time.monotonic() - t0:.1f} s, pause {rep['pauseMs']} ms, "
-              f"{rep['verifiedTensors']} proven")
+        publish(full_id, None, "FULL")
         assert_every_replica_serves(stack, dep_id, checkpoints[0])
         prev_id, experts_changed = full_id, 0
         for step in range(1, 4):
             identity = f"{family}-{step:06d}"
             cwtrain_write_delta(checkpoints[step - 1], checkpoints[step], tmp_path / identity, identity, prev_id)
             upload_dir(s3, tmp_path / identity, stack.bucket, f"{prefix}/{identity}")
-            t0 = time.monotonic()
-            hl = hot_load(api, dep_id, identity, prev_id)
-            assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
-            [rep] = hot_load_replicas(api, hl["spec"]["id"])
-            print(f"{family} tp{tp}: delta {step} in {time.monotonic() - t0:.1f} s, pause {rep['pauseMs']} ms, "
-                  f"{rep['verifiedTensors']} proven")
+            rep = publish(identity, prev_id, f"delta {step}")
             assert rep["verifiedTensors"] == changed_tensors(checkpoints[step - 1], checkpoints[step])
             assert rep["pauseMs"] > 0
             assert_every_replica_serves(stack, dep_id, checkpoints[step])

@@ -54,18 +54,15 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
     cpu_gemm.install()
     cpu_moe.install()
     torch.accelerator.empty_cache = lambda: None  # no accelerator here (vLLM's CPU worker does the same)
+    def engine_config(directory: Path):
+        return EngineArgs(model=str(directory), enforce_eager=True, dtype="bfloat16", max_model_len=256,
+                          tensor_parallel_size=world).create_engine_config()
+
     report: dict[str, dict] = {}
     for i, model_dir in enumerate(model_dirs):
         twin = model_dir.parent / f"{model_dir.name}-s1"
 
-        def load(directory: Path) -> torch.nn.Module:
-            config = EngineArgs(model=str(directory), enforce_eager=True, dtype="bfloat16", max_model_len=256,
-                                tensor_parallel_size=world).create_engine_config()
-            with set_current_vllm_config(config):
-                return get_model(vllm_config=config)
-
-        config = EngineArgs(model=str(model_dir), enforce_eager=True, dtype="bfloat16", max_model_len=256,
-                            tensor_parallel_size=world).create_engine_config()
+        config = engine_config(model_dir)
         with set_current_vllm_config(config):
             if i == 0:
                 init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
@@ -91,8 +88,9 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
             update = [(n, new[n]) for n in wmap.names()]
             wmap.write(update)
             wmap.rebuild(n for n, _ in update)
-            with set_current_vllm_config(config):
-                fresh = load(twin)
+            twin_config = engine_config(twin)
+            with set_current_vllm_config(twin_config):
+                fresh = get_model(vllm_config=twin_config)
             fresh_params = dict(fresh.named_parameters())
             r["update"] = {
                 "written": len(update),
