@@ -26,7 +26,12 @@
 - Everything the process writes goes under ``work_dir``: its log (``engine.log`` unless
   ``log_path`` says otherwise) and, through ``TMPDIR`` / ``VLLM_CACHE_ROOT`` /
   ``VLLM_CONFIG_ROOT`` / ``HF_HOME`` / ``XDG_*``, vLLM's IPC files and caches. Usage
-  statistics are off and Hugging Face is offline: nothing leaves the machine.
+  statistics are off and Hugging Face is offline: nothing leaves the machine. The one thing
+  engines share is ``model_info_cache`` (a directory, when given: the replica agent gives one
+  under the stack's home): vLLM's record of what each model class supports
+  (``VLLM_CACHE_ROOT/modelinfos``, keyed by a hash of the class's source file, written
+  atomically). Without it, every engine start inspects its model class in a child process that
+  imports vLLM again (~20 s on two busy cores).
 - ``EngineProcess.attach(base_url, pid=None, secret=None)`` drives an engine someone else started
   (without its secret only ``health()`` works); ``stop()`` on it signals ``pid`` if given (it
   cannot reap it).
@@ -43,6 +48,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,6 +92,20 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def share_model_infos(shared: Path, link: Path) -> None:
+    """Make ``link`` (the engine's ``VLLM_CACHE_ROOT/modelinfos``) the host's ``shared``
+    directory (created private to this user)."""
+    shared.mkdir(parents=True, exist_ok=True, mode=0o700)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() and link.readlink() == shared:
+        return
+    if link.is_symlink() or link.is_file():
+        link.unlink()
+    elif link.is_dir():
+        shutil.rmtree(link)
+    link.symlink_to(shared, target_is_directory=True)
+
+
 class EngineProcess(EngineClient):
     """A vLLM OpenAI server for one model directory; see the module docstring."""
 
@@ -109,6 +129,7 @@ class EngineProcess(EngineClient):
         env: Mapping[str, str] | None = None,
         secret: str | None = None,
         ranks: int = 1,
+        model_info_cache: Path | str | None = None,
     ) -> None:
         super().__init__(secret=secret or secrets.token_urlsafe(32), ranks=ranks)
         self.model_dir = Path(model_dir)
@@ -127,6 +148,7 @@ class EngineProcess(EngineClient):
         self.python = python
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
+        self.model_info_cache = Path(model_info_cache) if model_info_cache else None
         self._proc: subprocess.Popen[bytes] | None = None
         self.start_seconds: float | None = None
 
@@ -248,6 +270,8 @@ class EngineProcess(EngineClient):
         self.work_dir.mkdir(parents=True, exist_ok=True)
         for sub in ("tmp", "cache"):
             (self.work_dir / sub).mkdir(exist_ok=True)
+        if self.model_info_cache is not None:
+            share_model_infos(self.model_info_cache, self.work_dir / "cache" / "vllm" / "modelinfos")
         if self.port is None:
             self.port = free_port(self.host or "0.0.0.0")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
