@@ -143,7 +143,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         folders.setdefault(str(item.path.parent), len(folders))
     multihost = {_module_id(item) for item in items if any(item.iter_markers("multihost"))}
-    units = {m: unit_of(m, pooled[m], m in multihost, heavy[m], POOLED_FIXTURES) for m in pooled}
+    per_test = {_module_id(item) for item in items if any(item.iter_markers("unit_per_test"))}
+    units = {m: unit_of(m, pooled[m], m in multihost, heavy[m], POOLED_FIXTURES, m in per_test) for m in pooled}
 
     def key(indexed: tuple[int, pytest.Item]) -> tuple[int, int, int, int]:
         index, item = indexed

@@ -8,6 +8,8 @@ shared deployments (tests/helpers/deployments.py). What the controller hands a w
 
 - a module that starts the stack or an engine (its module-scoped fixtures start once);
 - each test of a module that starts neither (the unit tests): these balance the two workers;
+- each test of a module marked ``unit_per_test`` (long stack tests that share nothing but the
+  worker's stack, such as the model families'): they balance the workers among the heavy units;
 - the modules that use one pooled deployment (``rolling``, ``gw``, ``vllm_gw``) form one unit
   (``pool:<key>``): the deployment is created once, on that worker;
 - the modules that make network-namespace hosts form one unit (``multihost``): one set of hosts
@@ -37,6 +39,7 @@ WORKER_ENV = "PYTEST_XDIST_WORKER"  # gw0, gw1, ...: set by xdist in each worker
 WORKER_COUNT_ENV = "PYTEST_XDIST_WORKER_COUNT"
 UNITS_ENV = "ROLLOUTS_TEST_UNITS_FILE"  # set by the controller, inherited by its workers
 MULTIHOST_UNIT = "multihost"
+EACH_TEST = "each:"  # the unit of a ``unit_per_test`` module: each of its tests a scope of its own
 
 
 def worker() -> str:
@@ -57,18 +60,22 @@ def is_controller(config) -> bool:
     return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
 
 
-def unit_of(module: str, pooled: frozenset[str], multihost: bool, heavy: bool, pool_order: tuple[str, ...]) -> str:
-    """The unit a module's tests run in ("": each test is a unit of its own)."""
+def unit_of(module: str, pooled: frozenset[str], multihost: bool, heavy: bool, pool_order: tuple[str, ...],
+            per_test: bool = False) -> str:
+    """The unit a module's tests run in ("" or ``EACH_TEST``: each test is a unit of its own)."""
     if multihost:
         return MULTIHOST_UNIT
     if pooled:
         return "pool:" + min(pooled, key=pool_order.index)
+    if heavy and per_test:
+        return EACH_TEST + module
     return module if heavy else ""
 
 
 def unit_rank(unit: str) -> int:
     """Lower runs first: the multi-host hosts, then the pooled deployments, then other modules
-    that start the stack or engines, then the rest (one test each: ``unit`` is "")."""
+    that start the stack or engines (whole, or one test each), then the rest (one test each:
+    ``unit`` is "")."""
     if unit == MULTIHOST_UNIT:
         return 0
     if unit.startswith("pool:"):
@@ -108,4 +115,5 @@ class UnitScheduling(LoadScopeScheduling):
             path = os.environ.get(UNITS_ENV, "")
             self._units = json.loads(Path(path).read_text() or "{}") if path else {}
         module = nodeid.split("::", 1)[0]
-        return self._units.get(module, module) or nodeid
+        unit = self._units.get(module, module)
+        return nodeid if not unit or unit.startswith(EACH_TEST) else unit
