@@ -1,5 +1,5 @@
 """Where each checkpoint tensor lands, from vLLM's own loaders, and the engine's weight map built
-from it (replica/engine/landings.py, weight_map.py), on the real model classes of seven families
+from it (replica/engine/landings.py, weight_map.py), on the real model classes of eight families
 at tensor-parallel size 1 (small random checkpoints written by ``transformers``;
 tests/helpers/family_models.py builds each model in a process of its own, as an engine does, and
 loads the checkpoint).
@@ -12,7 +12,8 @@ in the loader-layout copies ``cpu_moe`` keeps (vLLM's CPU kernel prepacks its ow
 Then a second checkpoint of each family written through the map leaves every parameter, the
 prepacked experts included, bit for bit what vLLM's loader makes of that checkpoint in a fresh
 model (Llama, Qwen2 with q/k/v biases, Qwen3 with tied embeddings, Phi-3 shipping q/k/v and
-gate/up already fused, Gemma 2, Qwen3-MoE, Mixtral).
+gate/up already fused, Gemma 2, Qwen3-MoE, Mixtral, and a DeepSeek-V3-style MoE: multi-head latent
+attention, a shared expert beside the routed ones, a score-correction bias).
 
 At tensor-parallel size 2 (Qwen2 and Qwen3-MoE, two rank processes over gloo as vLLM's CPU
 backend runs them): each rank's landings read its own slice of the checkpoint (column-parallel
@@ -34,13 +35,12 @@ from pathlib import Path
 import pytest
 
 from workers.base_model import write_base_model
-from workers.families import FAMILIES
+from workers.families import FAMILIES, MOE
 
 pytestmark = pytest.mark.engine
 
 REPO = Path(__file__).resolve().parents[2]
 DENSE = ("llama", "qwen2", "qwen3", "phi3", "gemma2")
-MOE = ("qwen3_moe", "mixtral")
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +68,9 @@ def test_every_tensor_of_every_family_lands_where_the_engine_holds_it(report):
         assert r["refused"] == {}, (family, r["refused"])
         assert all(r["landings"][n] for n in r["landings"]), (family, [n for n, ls in r["landings"].items() if not ls])
         assert r["params_changed_by_observe"] == [], family
-    # The experts' landings are in the loader-layout copies of each MoE layer (both layers).
-    assert [report[f]["moe_layers_with_loader_copies"] for f in MOE] == [2, 2]
+    # The experts' landings are in the loader-layout copies of each MoE layer (both layers; the
+    # DeepSeek-style model's first layer is dense).
+    assert [report[f]["moe_layers_with_loader_copies"] for f in MOE] == [2, 2, 1]
     assert [report[f]["moe_layers_with_loader_copies"] for f in DENSE] == [0] * len(DENSE)
 
 
@@ -101,6 +102,15 @@ def test_fused_and_tied_shapes_land_where_vllm_puts_them(report):
     assert moe["model.layers.0.mlp.experts.3.gate_proj.weight"] == [[w13, [64, 128], 3 * 128 * 128, [64, 128], 0]]
     assert moe["model.layers.0.mlp.experts.3.up_proj.weight"] == [[w13, [64, 128], 3 * 128 * 128 + 64 * 128, [64, 128], 0]]
     assert moe["model.layers.0.mlp.experts.3.down_proj.weight"] == [[w2, [128, 64], 3 * 128 * 64, [128, 64], 0]]
+    # DeepSeek-style: the shared expert's gate and up in its own fused gate_up_proj; MLA's q and
+    # kv down-projections fused into one (q_lora_rank 64 rows, then kv_lora_rank 512 + rope 64).
+    ds = report["deepseek_v3"]["landings"]
+    shared = "model.layers.1.mlp.shared_experts.gate_up_proj.weight"
+    assert [ds[f"model.layers.1.mlp.shared_experts.{x}_proj.weight"] for x in ("gate", "up")] == [
+        [[shared, [64, 128], 0, [64, 128], 0]], [[shared, [64, 128], 64 * 128, [64, 128], 0]]]
+    qkv_a = "model.layers.0.self_attn.fused_qkv_a_proj.weight"
+    assert [ds[f"model.layers.0.self_attn.{x}.weight"] for x in ("q_a_proj", "kv_a_proj_with_mqa")] == [
+        [[qkv_a, [64, 128], 0, [64, 128], 0]], [[qkv_a, [576, 128], 64 * 128, [576, 128], 0]]]
 
 
 @pytest.fixture(scope="module")
