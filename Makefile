@@ -59,10 +59,10 @@ PYTEST_UNITS := --dist loadscope --no-loadscope-reorder
 test: install
 	$(VENV)/bin/python -m pytest -q -ra -n $(TEST_WORKERS) $(PYTEST_UNITS)
 
-# Every model family end to end (tests/e2e/test_model_families.py: four deployments, each with a
-# reference engine) and on vLLM's model classes; make test leaves the four out (time).
+# Only the model families (part of make test): end to end (tests/e2e/test_model_families.py, one
+# deployment each) and on vLLM's model classes (tests/replica/test_landings.py).
 test-families: install
-	ROLLOUTS_TEST_ALL_FAMILIES=1 $(VENV)/bin/python -m pytest -q -ra -n $(TEST_WORKERS) $(PYTEST_UNITS) \
+	$(VENV)/bin/python -m pytest -q -ra -n $(TEST_WORKERS) $(PYTEST_UNITS) \
 		tests/e2e/test_model_families.py tests/replica/test_landings.py
 
 # Unit tests and workflow tests with fake replicas: nothing that starts the embedded stack or a

@@ -1,31 +1,37 @@
-"""Hot-loads of Mixture-of-Experts and other model families through the whole service, at
+"""Hot-loads of every model family vLLM's CPU backend serves here, through the whole service, at
 tensor-parallel size 1 and 2 (``runtime.engineConfig`` ``tensor-parallel-size``: two ranks, one
 core each on this 2-core machine, each staging, swapping and proving its own shard inside the
 one pause). The chain and what it checks: tests/helpers/family_chain.py.
 
-Cases: Qwen3-MoE (8 experts, top 2; its experts prepacked by vLLM's CPU kernel and rebuilt after
-a write, replica/engine/cpu_moe.py) at TP 1 and TP 2 (experts and attention split across the
-ranks), Phi-3 (q/k/v and gate/up shipped fused) at TP 1 and Qwen2 (q/k/v biases the engine holds
-in float32) at TP 2. They run in ``make test-families`` (``ROLLOUTS_TEST_ALL_FAMILIES=1``), not in
-``make test``: each costs a deployment's engine start and a reference engine's (65-155 s each on
-2 cores), and ``make test`` already runs close to its 25 minutes on CI. Every family's map, at TP 1 and 2, without an engine:
-tests/replica/test_landings.py; a rank whose proof fails rolls every rank back:
-tests/replica/test_engine_ranks.py.
+Cases at TP 1: Llama; Qwen2 (q/k/v biases the engine holds in float32); Qwen3 (tied
+embeddings); Gemma 2; Phi-3 (q/k/v and gate/up shipped fused); Qwen3-MoE (8 experts, top 2;
+its experts prepacked by vLLM's CPU kernel and rebuilt after a write, replica/engine/cpu_moe.py);
+Mixtral; a DeepSeek-V3-style MoE (multi-head latent attention, a shared expert, grouped top-k
+with a score-correction bias). At TP 2: Qwen2 (dense) and Qwen3-MoE (experts and attention
+split across the ranks).
+
+Each case starts one engine, its deployment's: the engine's answers on the checkpoint it started
+on are the fresh-engine reference (no second engine). Each case is a scheduling unit of its own
+(``unit_per_test``), so the cases spread over both workers. Every family's map, at TP 1 and 2,
+without an engine: tests/replica/test_landings.py; a rank whose proof fails rolls every rank
+back: tests/replica/test_engine_ranks.py.
 """
 
 from __future__ import annotations
 
-import os
+import json
 
 import pytest
 
 from tests.helpers.family_chain import run_family_chain
 
-CASES = [("qwen3_moe", 1), ("qwen3_moe", 2), ("phi3", 1), ("qwen2", 2)]
-pytestmark = [pytest.mark.stack, pytest.mark.skipif(not os.environ.get("ROLLOUTS_TEST_ALL_FAMILIES"),
-                                                    reason="make test-families runs the model families end to end")]
+CASES = [("llama", 1), ("qwen2", 1), ("qwen3", 1), ("gemma2", 1), ("phi3", 1), ("qwen3_moe", 1), ("mixtral", 1),
+         ("deepseek_v3", 1), ("qwen2", 2), ("qwen3_moe", 2)]
+pytestmark = [pytest.mark.stack, pytest.mark.unit_per_test]
 
 
 @pytest.mark.parametrize(("family", "tp"), CASES, ids=[f"{f}-tp{t}" for f, t in CASES])
-def test_a_family_takes_a_full_and_cwtrain_deltas_and_serves_what_a_fresh_engine_serves(stack, family, tp, tmp_path):
-    run_family_chain(stack, family, tp, tmp_path)
+def test_a_family_takes_a_full_and_cwtrain_deltas_and_answers_as_a_fresh_engine(stack, family, tp, tmp_path,
+                                                                                 record_property):
+    # Each hot-load's seconds, pause and proof count, in the JUnit XML (``--junitxml``).
+    record_property("hot_loads", json.dumps(run_family_chain(stack, family, tp, tmp_path)))

@@ -1,41 +1,35 @@
 """One family's hot-load chain through the whole service, as tests/e2e/test_model_families.py runs
-it at tensor-parallel size 1 or 2: real Temporal, S3, API, control
-worker, gateway and one Dynamo vLLM CPU replica; the deltas written by the real cwtrain.
+it at tensor-parallel size 1 or 2: real Temporal, S3, API, control worker, gateway and one Dynamo
+vLLM CPU replica; the deltas written by the real cwtrain.
 
-A deployment on a small random checkpoint of the family (workers/families.py), a FULL hot-load of
-another, then three cwtrain deltas, each COMPLETED with exactly the changed tensors proven inside
-a pause; after each, the engine serves the trainer's checkpoint, every tensor read back (each
-rank's shards against the same regions of the trainer's tensors); after the last, greedy
-completions through the gateway (token ids and logprobs) equal those of a fresh vLLM engine at
-the same tensor-parallel size started on that checkpoint (started here: the reference the update
-is held to); a corrupted delta FAILS naming its tensor, the replica still serves the last
-checkpoint, and its engine never restarted. At tensor-parallel size 2, every socket the ranks
-listen on is on the stack's host.
+The deployment starts on the chain's *last* checkpoint (small random weights of the family,
+workers/families.py): its first greedy completion through the gateway (token ids and logprobs)
+is the answer of a fresh vLLM engine at that tensor-parallel size started on that checkpoint.
+Then a FULL hot-load of another checkpoint (the engine serves every one of its tensors, and
+answers differently: the premise), three cwtrain deltas back to the last checkpoint, each
+COMPLETED with exactly the changed tensors proven inside a pause and, after each, every tensor
+read back equal to the trainer's (each rank's shards against the same regions of the trainer's
+tensors); after the last, the engine answers exactly as it did fresh. A corrupted delta FAILS
+naming its tensor, the replica still serves the last checkpoint, and its engine never
+restarted. At tensor-parallel size 2, every socket the ranks listen on is on the stack's host.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import psutil
 
-from replica.agent.engine_process import EngineProcess
-from replica.agent.process import cpu_binding
 from snapshots.inspect import read_delta_plan
 from tests.helpers.chains import changed_tensors, cwtrain_write_delta
 from tests.helpers.deployments import delete_deployment
 from tests.helpers.replicas import assert_every_replica_serves, engines, hot_load, hot_load_replicas
 from tests.helpers.stack_fixtures import Api, deployment_body
 from tests.helpers.trainer import train_step
-from workers.families import write_family
+from workers.families import MOE, write_family
 from workers.stack import upload_dir
 
 PROMPT_IDS = [5, 100, 200, 300, 17, 42]
@@ -48,23 +42,7 @@ def through_gateway(settings, model: str) -> tuple[list[int], list[float]]:
                    json={"model": model, **GREEDY, "nvext": {"extra_fields": ["completion_token_ids"]}}, timeout=120)
     assert r.status_code == 200, r.text
     answer = r.json()
-    return list(answer["nvext"]["completion_token_ids"]), as_float32(answer["choices"][0]["logprobs"]["token_logprobs"])
-
-
-def as_float32(values: list) -> list[float]:
-    """vLLM's logprobs are float32: Dynamo prints each in its shortest float32 form, vLLM's own
-    server as the float64 of the same value; compared as the float32 both stand for."""
-    return [float(np.float32(x)) for x in values]
-
-
-def from_engine(engine: EngineProcess) -> tuple[list[int], list[float]]:
-    async def ask() -> dict:
-        body = {"model": engine.served_model_name, **GREEDY, "return_tokens_as_token_ids": True}
-        return (await engine.request("POST", "/v1/completions", json=body)).json()
-
-    logprobs = asyncio.run(ask())["choices"][0]["logprobs"]
-    return ([int(t.removeprefix("token_id:")) for t in logprobs["tokens"]],
-            as_float32(logprobs["token_logprobs"]))
+    return list(answer["nvext"]["completion_token_ids"]), list(answer["choices"][0]["logprobs"]["token_logprobs"])
 
 
 def off_host_sockets(pid: int, host: str) -> list[str]:
@@ -90,36 +68,35 @@ def corrupt_one_frame(delta: Path) -> str:
     return victim.name
 
 
-def run_family_chain(stack, family: str, tp: int, tmp_path: Path) -> None:
-    """The chain the module docstring describes, on ``family`` at tensor-parallel size ``tp``."""
+def run_family_chain(stack, family: str, tp: int, tmp_path: Path) -> list[dict]:
+    """The chain the module docstring describes, on ``family`` at tensor-parallel size ``tp``;
+    returns each COMPLETED hot-load's figures (what, seconds from create to COMPLETED as the
+    test polls it, the replica's pause in ms, tensors proven)."""
     api, s3 = Api(stack), stack.s3_client()
     tokenizer_from = stack.home_path / "models" / "base"
-    first = write_family(tmp_path, tokenizer_from, family)  # what the deployment starts on
-    checkpoints = [write_family(tmp_path, tokenizer_from, family, seed=1)]
+    checkpoints = [write_family(tmp_path, tokenizer_from, family, seed=1)]  # the FULL
     for step in range(1, 4):
         checkpoints.append(train_step(checkpoints[-1], tmp_path / f"step-{step}", seed=step, tensors=6))
     model_path = f"models/families/{family}-tp{tp}"
     prefix = f"families/{family}-tp{tp}"
-    upload_dir(s3, first, stack.bucket, model_path)
+    # The deployment starts on the chain's last checkpoint: its first answers are the fresh
+    # engine's, which the chain, from another checkpoint back to this one, must give again.
+    upload_dir(s3, checkpoints[-1], stack.bucket, model_path)
     body = deployment_body(stack, f"fam-{family.replace('_', '-')}-tp{tp}", replicas=1, path_prefix=prefix)
     body["model"]["path"] = model_path
-    options: dict = {}
     if tp > 1:
         body["runtime"]["engineConfig"] = {"tensor-parallel-size": str(tp)}
-        options = {"extra_args": ["--tensor-parallel-size", str(tp)], "ranks": tp,
-                   "env": {"VLLM_CPU_OMP_THREADS_BIND": cpu_binding(tp, os.cpu_count() or 1)}}
     r = api.call("POST", "/deployments", json=body)
     assert r.status_code == 200, r.text
     dep_id = r.json()["deployment"]["spec"]["id"]
-    # The reference, on the last checkpoint, starts while the deployment's replica does.
-    # (A short work dir: vLLM's IPC socket paths under it must stay under 108 bytes.)
-    work_dir = Path(tempfile.mkdtemp(prefix="rollouts-fresh-"))
-    fresh = EngineProcess(checkpoints[-1], work_dir=work_dir, served_model_name="fresh", **options)
+    model = body["model"]["name"]
+    figures: list[dict] = []
     try:
-        asyncio.run(fresh.start(timeout=600))
         dep = api.wait_deployment(dep_id)
         assert dep["status"]["status"] == "STATUS_READY", dep["status"]
         pid = engines(stack, dep_id)[0]["enginePid"]
+        assert_every_replica_serves(stack, dep_id, checkpoints[-1])
+        fresh = through_gateway(stack, model)
 
         def publish(identity: str, previous: str | None, what: str) -> dict:
             """Hot-load ``identity`` (uploaded already): COMPLETED; the replica's entry."""
@@ -127,14 +104,15 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path) -> None:
             hl = hot_load(api, dep_id, identity, previous)
             assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
             [rep] = hot_load_replicas(api, hl["spec"]["id"])
-            print(f"{family} tp{tp}: {what} in {time.monotonic() - t0:.1f} s, pause {rep['pauseMs']} ms, "
-                  f"{rep['verifiedTensors']} proven")
+            figures.append({"what": what, "seconds": round(time.monotonic() - t0, 1), "pause_ms": rep["pauseMs"],
+                            "proven": rep["verifiedTensors"]})
             return rep
 
         full_id = f"{family}-000000"
         upload_dir(s3, checkpoints[0], stack.bucket, f"{prefix}/{full_id}")
         publish(full_id, None, "FULL")
         assert_every_replica_serves(stack, dep_id, checkpoints[0])
+        assert through_gateway(stack, model) != fresh, "another checkpoint answers the same: the premise of the check"
         prev_id, experts_changed = full_id, 0
         for step in range(1, 4):
             identity = f"{family}-{step:06d}"
@@ -146,11 +124,11 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path) -> None:
             assert_every_replica_serves(stack, dep_id, checkpoints[step])
             experts_changed += sum(".experts." in n for n in read_delta_plan(tmp_path / identity).tensors)
             prev_id = identity
-        if family.endswith("moe"):
+        if family in MOE:
             assert experts_changed, "no delta changed an expert tensor: the premise of the MoE test"
 
-        served = through_gateway(stack, body["model"]["name"])
-        assert served == from_engine(fresh), "the updated replica answers other than a fresh engine on the checkpoint"
+        assert through_gateway(stack, model) == fresh, \
+            "the updated replica answers other than the fresh engine did on the same checkpoint"
 
         bad = tmp_path / f"{family}-000004"
         cwtrain_write_delta(checkpoints[3], checkpoints[2], bad, bad.name, prev_id)  # back one step
@@ -164,7 +142,6 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path) -> None:
         assert engines(stack, dep_id)[0]["enginePid"] == pid
         if tp > 1:  # the ranks are new processes: every socket they listen on is on the stack's host
             assert off_host_sockets(pid, stack.host) == []
+        return figures
     finally:
-        asyncio.run(fresh.stop())
-        shutil.rmtree(work_dir, ignore_errors=True)
         delete_deployment(api, dep_id)
