@@ -32,6 +32,9 @@
   (``VLLM_CACHE_ROOT/modelinfos``, keyed by a hash of the class's source file, written
   atomically). Without it, every engine start inspects its model class in a child process that
   imports vLLM again (~20 s on two busy cores).
+- On vLLM's CPU backend an engine's threads are not bound to cores (``VLLM_CPU_OMP_THREADS_BIND``
+  ``nobind``; vLLM's ``auto`` binds every TP 1 engine of a host to its first core), unless
+  ``env`` says otherwise (a tensor-parallel engine's ranks: one share of the cores each).
 - ``EngineProcess.attach(base_url, pid=None, secret=None)`` drives an engine someone else started
   (without its secret only ``health()`` works); ``stop()`` on it signals ``pid`` if given (it
   cannot reap it).
@@ -90,6 +93,9 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def share_model_infos(shared: Path, link: Path) -> None:
@@ -246,6 +252,11 @@ class EngineProcess(EngineClient):
         # uvicorn's default, pinned: only a client on this host may rename itself with
         # X-Forwarded-For, so no other host can pass the guard's own-host check for control routes.
         env["FORWARDED_ALLOW_IPS"] = "127.0.0.1,::1"
+        # vLLM's CPU backend binds a rank's OpenMP threads, its worker's main thread among them,
+        # to cores; "auto" binds every TP 1 engine on a host to the same first core, whatever
+        # else runs there. Unbound, the kernel spreads a host's engines over its cores.
+        # (A tensor-parallel engine's ranks get their shares: ``env``, replica/agent/process.py.)
+        env.setdefault(CPU_BIND_ENV, "nobind")
         if "NCCL_SOCKET_IFNAME" not in env and not is_loopback(self.node_address):
             interface = interface_of(self.node_address)
             if interface:

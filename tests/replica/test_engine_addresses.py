@@ -81,3 +81,9 @@ def test_a_bind_or_node_address_that_does_not_resolve_is_refused_before_the_star
     assert proc.stdout.startswith("AddressError") and "'no.such.host.invalid' does not resolve" in proc.stdout, proc
     assert ("--engine-bind" if which == "host" else "--node-address") in proc.stdout
     assert not (tmp_path / "work").exists()  # nothing started
+
+
+def test_cpu_threads_are_unbound_unless_the_ranks_are_given_their_cores(tmp_path: Path) -> None:
+    assert engine(tmp_path).environment()["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    ranks = engine(tmp_path, ranks=2, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert ranks.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
