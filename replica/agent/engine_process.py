@@ -33,8 +33,9 @@
   atomically). Without it, every engine start inspects its model class in a child process that
   imports vLLM again (~20 s on two busy cores).
 - On vLLM's CPU backend an engine's threads are not bound to cores (``VLLM_CPU_OMP_THREADS_BIND``
-  ``nobind``; vLLM's ``auto`` binds every TP 1 engine of a host to its first core), unless
-  ``env`` says otherwise (a tensor-parallel engine's ranks: one share of the cores each).
+  ``nobind``; vLLM's ``auto`` binds every TP 1 engine of a host to its first core), with as many
+  OpenMP threads as ``auto`` would give (every core but one), unless ``env`` says otherwise (a
+  tensor-parallel engine's ranks: one share of the cores each).
 - ``EngineProcess.attach(base_url, pid=None, secret=None)`` drives an engine someone else started
   (without its secret only ``health()`` works); ``stop()`` on it signals ``pid`` if given (it
   cannot reap it).
@@ -254,9 +255,12 @@ class EngineProcess(EngineClient):
         env["FORWARDED_ALLOW_IPS"] = "127.0.0.1,::1"
         # vLLM's CPU backend binds a rank's OpenMP threads, its worker's main thread among them,
         # to cores; "auto" binds every TP 1 engine on a host to the same first core, whatever
-        # else runs there. Unbound, the kernel spreads a host's engines over its cores.
+        # else runs there. Unbound, the kernel spreads a host's engines over its cores; with as
+        # many threads as "auto" gives (every core but one, kept for the scheduler).
         # (A tensor-parallel engine's ranks get their shares: ``env``, replica/agent/process.py.)
-        env.setdefault(CPU_BIND_ENV, "nobind")
+        if CPU_BIND_ENV not in env and CPU_BIND_ENV not in self.extra_env:
+            env[CPU_BIND_ENV] = "nobind"
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 1)))
         if "NCCL_SOCKET_IFNAME" not in env and not is_loopback(self.node_address):
             interface = interface_of(self.node_address)
             if interface:

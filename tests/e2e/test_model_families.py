@@ -33,5 +33,8 @@ pytestmark = [pytest.mark.stack, pytest.mark.unit_per_test]
 @pytest.mark.parametrize(("family", "tp"), CASES, ids=[f"{f}-tp{t}" for f, t in CASES])
 def test_a_family_takes_a_full_and_cwtrain_deltas_and_answers_as_a_fresh_engine(stack, family, tp, tmp_path,
                                                                                  record_property):
-    # Each hot-load's seconds, pause and proof count, in the JUnit XML (``--junitxml``).
-    record_property("hot_loads", json.dumps(run_family_chain(stack, family, tp, tmp_path)))
+    # Each hot-load's seconds, pause and proof count: in the JUnit XML (``--junitxml``) and in
+    # the test's temporary directory (hot_loads.json, kept by pytest for the last runs).
+    figures = json.dumps(run_family_chain(stack, family, tp, tmp_path))
+    (tmp_path / "hot_loads.json").write_text(figures)
+    record_property("hot_loads", figures)

@@ -5,6 +5,7 @@ the URLs of EngineProcess objects, and a start refused on an address that does n
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -84,6 +85,8 @@ def test_a_bind_or_node_address_that_does_not_resolve_is_refused_before_the_star
 
 
 def test_cpu_threads_are_unbound_unless_the_ranks_are_given_their_cores(tmp_path: Path) -> None:
-    assert engine(tmp_path).environment()["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    env = engine(tmp_path).environment()
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) - 1))  # as many as vLLM's "auto" gives
     ranks = engine(tmp_path, ranks=2, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     assert ranks.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
