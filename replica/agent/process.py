@@ -47,7 +47,7 @@ from replica import faults
 from replica.agent.activities import PeerActivities, ReplicaActivities
 from replica.agent.downloads import download_prefix, download_shared, shared_use
 from replica.agent.dynamo import DynamoEngineProcess
-from replica.agent.engine_process import EngineProcess
+from replica.agent.engine_process import CPU_BIND_ENV, EngineProcess
 from replica.agent.engine_rpc import EngineRequestError
 from replica.agent.host_decodes import remove_stale as remove_stale_decodes
 from replica.agent.metrics import ReplicaMetrics
@@ -87,7 +87,7 @@ def engine_options(engine_config: dict[str, str]) -> dict[str, Any]:
         options["ranks"] = ranks
         # vLLM's CPU backend binds each rank's OpenMP threads to cores ("auto" wants a NUMA node
         # per rank): one share of this host's cores each. GPU platforms ignore it.
-        options["env"] = {"VLLM_CPU_OMP_THREADS_BIND": cpu_binding(ranks, os.cpu_count() or 1)}
+        options["env"] = {CPU_BIND_ENV: cpu_binding(ranks, os.cpu_count() or 1)}
     if "max-model-len" in config:
         options["max_model_len"] = int(config.pop("max-model-len"))
     if "max-num-seqs" in config:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from common.addresses import AddressError
+from replica.agent import engine_process
 from replica.agent.engine_process import EngineProcess
 from replica.launch import NODE_ADDRESS_ENV
 from tests.helpers.no_network import run_without_network
@@ -84,9 +85,18 @@ def test_a_bind_or_node_address_that_does_not_resolve_is_refused_before_the_star
     assert not (tmp_path / "work").exists()  # nothing started
 
 
-def test_cpu_threads_are_unbound_unless_the_ranks_are_given_their_cores(tmp_path: Path) -> None:
+def test_cpu_threads_are_unbound_unless_the_ranks_are_given_their_cores(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(engine_process, "cpu_build", lambda: True)
     env = engine(tmp_path).environment()
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) - 1))  # as many as vLLM's "auto" gives
     ranks = engine(tmp_path, ranks=2, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     assert ranks.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+
+
+def test_a_cuda_build_keeps_vllms_own_threads(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(engine_process, "cpu_build", lambda: False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    env = engine(tmp_path).environment()
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env and "OMP_NUM_THREADS" not in env
