@@ -36,6 +36,9 @@
   ``nobind``; vLLM's ``auto`` binds every TP 1 engine of a host to its first core), with as many
   OpenMP threads as ``auto`` would give (every core but one), unless ``env`` says otherwise (a
   tensor-parallel engine's ranks: one share of the cores each).
+- With vLLM's CPU build a one-rank engine's worker runs inside its engine core process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's uniprocess executor) instead of a third process
+  that imports vLLM again; a tensor-parallel engine keeps one worker process per rank.
 - ``EngineProcess.attach(base_url, pid=None, secret=None)`` drives an engine someone else started
   (without its secret only ``health()`` works); ``stop()`` on it signals ``pid`` if given (it
   cannot reap it).
@@ -99,6 +102,7 @@ def pid_alive(pid: int) -> bool:
 
 
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+INPROC_WORKER_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": a one-rank CPU engine's worker runs in its engine core
 
 
 @functools.cache
@@ -274,6 +278,12 @@ class EngineProcess(EngineClient):
         if cpu_build() and CPU_BIND_ENV not in env and CPU_BIND_ENV not in self.extra_env:
             env[CPU_BIND_ENV] = "nobind"
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 1)))
+        # vLLM's CPU backend runs even a one-rank engine's worker in a process of its own,
+        # spawned, so it imports vLLM a third time (~9 s of a 26 s start). Without V1
+        # multiprocessing its one worker runs inside the engine core (the API server still
+        # talks to the engine core over its own process: vLLM's AsyncLLM always does).
+        if cpu_build() and self.ranks == 1:
+            env.setdefault(INPROC_WORKER_ENV, "0")
         if "NCCL_SOCKET_IFNAME" not in env and not is_loopback(self.node_address):
             interface = interface_of(self.node_address)
             if interface:

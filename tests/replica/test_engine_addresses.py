@@ -100,3 +100,12 @@ def test_a_cuda_build_keeps_vllms_own_threads(tmp_path: Path, monkeypatch) -> No
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     env = engine(tmp_path).environment()
     assert "VLLM_CPU_OMP_THREADS_BIND" not in env and "OMP_NUM_THREADS" not in env
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # CUDA runs a one-rank worker in the engine core itself
+
+
+def test_a_one_rank_cpu_engine_runs_its_worker_in_the_engine_core(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(engine_process, "cpu_build", lambda: True)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert engine(tmp_path).environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    # Tensor parallel: one worker process per rank (vLLM's multiprocess executor needs it).
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine(tmp_path, ranks=2).environment()
