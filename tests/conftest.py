@@ -33,6 +33,7 @@ import pytest
 from common.settings import without_stack_env
 from tests.helpers import ready
 from tests.helpers.deployments import POOL, POOLED_FIXTURES
+from tests.helpers.devices import cuda_available
 from tests.helpers.engines import EngineWatch, mark_session
 from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.parallel import (
@@ -129,6 +130,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.engine)
         if names & MULTIHOST_FIXTURES:
             item.add_marker(pytest.mark.multihost)
+        if any(item.iter_markers("gpu")) and not cuda_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device (make test-gpu on a GPU machine)"))
     pooled: dict[str, set[str]] = {}
     heavy: dict[str, bool] = {}
     for item in items:
