@@ -11,7 +11,7 @@ ROLLOUTS := $(VENV)/bin/rollouts
 # NVIDIA Dynamo, without its dependencies (pyproject.toml says why; the `cpu` extra has the rest).
 DYNAMO := 'ai-dynamo==1.6.1' 'ai-dynamo-runtime==1.6.1'
 
-.PHONY: install demo lint test test-fast test-families up down status clean-data
+.PHONY: install demo lint test test-fast test-families test-gpu up down status clean-data
 
 install: $(STAMP) $(CW_STAMP)
 
@@ -71,6 +71,12 @@ test-families: install
 FAST_WORKERS ?= 4
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -ra -n $(FAST_WORKERS) $(PYTEST_UNITS) -m "not stack and not engine"
+
+# The engine-side tests marked `gpu` (the device Adler-32, the scattered swap, its roll-back) on a
+# CUDA device: the same tests run on CPU tensors in `make test`; without CUDA they are skipped.
+# With torch alone (no vLLM, no stack): `python bench/gpu_hotload.py` measures the pause there.
+test-gpu: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -ra -m gpu tests/replica/test_device_checksum.py tests/replica/test_scatter.py
 
 clean-data: down
 	rm -rf .rollouts

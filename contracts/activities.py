@@ -95,6 +95,10 @@ class ApplySnapshotResult(WireModel):
     # Where the pause went, in ms: pause, label, swap (swap_in and prove inside it), resume
     # (replica/agent/runtime.py `_swap_staged`). Empty when nothing was swapped.
     pause_breakdown_ms: dict[str, float] = Field(default_factory=dict)
+    # What the swap moved (contracts/engine_ranks.py BYTE_COUNTS): pause_bytes written into the
+    # engine inside the pause, staged_bytes before it, changed_bytes of the elements that
+    # changed, scatter_device_bytes held on the engine's device. Empty when nothing was swapped.
+    swap_bytes: dict[str, int] = Field(default_factory=dict)
 
 
 class PeerOfferInput(WireModel):

@@ -6,7 +6,8 @@ A swap is all-or-nothing across ranks: every rank swaps and proves its own shard
 held (`replica.engine.stage`); :func:`combine_swap` says ``read_back_failed`` (naming every tensor
 any rank failed) when one rank failed, and the caller then discards the stage on every rank, so
 the ranks that proved theirs roll back too; else ``verified`` (each rank proves every staged
-tensor's shard: one count) with the slowest rank's timings. A background job's result is the
+tensor's shard: one count) with the slowest rank's timings and every rank's bytes added up
+(`BYTE_COUNTS`: what each rank moved into its shard inside the pause, and staged before it). A background job's result is the
 first rank's, with every rank's failure named.
 """
 
@@ -16,6 +17,14 @@ from collections.abc import Sequence
 from typing import Any
 
 TIMINGS = ("copy_s", "repack_s", "verify_s")
+# A swap's bytes (replica/engine/scatter.py): elements changed, bytes staged before the pause, bytes
+# written into the engine inside it, and the scatter buffers held on the engine's device.
+BYTE_COUNTS = ("changed_bytes", "staged_bytes", "pause_bytes", "scatter_device_bytes")
+
+
+def swap_bytes(swap: dict[str, Any]) -> dict[str, int]:
+    """The byte counts of an engine's swap report (empty for an engine that reports none)."""
+    return {k: int(swap[k]) for k in BYTE_COUNTS if k in swap}
 
 
 def combine_swap(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -44,6 +53,9 @@ def slowest(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for key in TIMINGS:
         if any(key in r for r in results):
             out[key] = max(float(r.get(key, 0.0)) for r in results)
+    for key in BYTE_COUNTS:
+        if any(key in r for r in results):
+            out[key] = sum(int(r.get(key, 0)) for r in results)
     return out
 
 

@@ -133,6 +133,7 @@ class StepRecord:
     mismatch: float | None = None
     sample: str = ""
     pause_ms: float | None = None  # the longest pause (pauseMs) among the hot-load's replicas
+    pause_bytes: int | None = None  # the most bytes written into an engine inside its pause (swapBytes)
 
     @property
     def tok_per_s(self) -> float:
@@ -149,6 +150,7 @@ def reward_summary(rewards: list[float], k: int = 5) -> tuple[float, float]:
 
 HEADER = (
     f"{'step':>4}  {'identity':<12} {'type':<5} {'reward':>6}  {'delta':>7}  {'hot-load':>8}  {'pause':>7}  "
+    f"{'in pause':>8}  "
     f"{'READY':>5}  {'tok/s':>6}  {'train':>6}  {'|Δlogp|':>7}  sample"
 )
 
@@ -161,8 +163,9 @@ def format_step(r: StepRecord) -> str:
     mismatch = f"{r.mismatch:7.4f}" if r.mismatch is not None else f"{'—':>7}"
     sample = repr(r.sample) if r.sample else ""
     pause = f"{r.pause_ms:5.0f}ms" if r.pause_ms is not None else f"{'—':>7}"
+    moved = f"{r.pause_bytes / 1e6:6.2f}MB" if r.pause_bytes is not None else f"{'—':>8}"
     return (
-        f"{r.step:>4}  {r.identity:<12} {r.kind:<5} {reward}  {delta}  {r.hot_load_s:7.2f}s  {pause}  "
+        f"{r.step:>4}  {r.identity:<12} {r.kind:<5} {reward}  {delta}  {r.hot_load_s:7.2f}s  {pause}  {moved}  "
         f"{r.ready}/{r.replicas:<3}  {tps}  {train}  {mismatch}  {sample}"
     )
 
@@ -359,7 +362,8 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
             publish_s = time.monotonic() - t_pub
             hl, reps, secs = c.hot_load(dep_id, identity, None)
             return StepRecord(step, identity, "FULL", None, None, secs, _ready(reps, identity), len(reps),
-                              hl["status"]["state"], publish_s=publish_s, pause_ms=_longest_pause(reps))
+                              hl["status"]["state"], publish_s=publish_s, pause_ms=_longest_pause(reps),
+                              pause_bytes=_most_moved(reps))
 
         say(f"GRPO: {cfg.prompts} prompts x {cfg.group} completions x {cfg.max_tokens} tokens per step, "
             f"reward = fraction of digit tokens, up to {cfg.steps} steps / {cfg.max_loop_s:.0f}s")
@@ -405,7 +409,8 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
                 publish_s = time.monotonic() - t_pub
                 hl, reps, secs = c.hot_load(dep_id, identity, prev_id)
                 rec = StepRecord(step, identity, "DELTA", None, 100.0 * dstats.ratio, secs, _ready(reps, identity),
-                                 len(reps), hl["status"]["state"], publish_s=publish_s, pause_ms=_longest_pause(reps))
+                                 len(reps), hl["status"]["state"], publish_s=publish_s, pause_ms=_longest_pause(reps),
+                                 pause_bytes=_most_moved(reps))
                 shutil.rmtree(delta_dir, ignore_errors=True)
                 deltas_in_chain += 1
             rec.reward, rec.tokens, rec.rollout_s, rec.train_s = mean_reward, tokens, rollout_s, train_s
@@ -448,6 +453,7 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
                                             f"{max((r.hot_load_s for r in deltas), default=0):.2f}s"),
             ("pause per delta (longest replica)", f"median {statistics.median(pauses):.0f} ms, max {max(pauses):.0f} ms"
                                                   if pauses else "—"),
+            ("bytes into the engine per pause", _moved_summary(records[0], deltas)),
             ("rollout tokens/s (median)", f"{statistics.median(r.tok_per_s for r in trained):.0f}" if trained else "—"),
             ("before", f"{SAMPLE_PROMPT!r} → {before!r}"),
             ("after", f"{SAMPLE_PROMPT!r} → {after!r}"),
@@ -542,6 +548,20 @@ def _ready(reps: list[dict], identity: str) -> int:
 
 def _longest_pause(reps: list[dict]) -> float | None:
     return max((float(r["pauseMs"]) for r in reps if r.get("pauseMs") is not None), default=None)
+
+
+def _most_moved(reps: list[dict]) -> int | None:
+    """The most bytes any replica wrote into its engine inside the pause (its ``swapBytes``)."""
+    return max((int(r["swapBytes"]["pause_bytes"]) for r in reps if (r.get("swapBytes") or {}).get("pause_bytes")
+                is not None), default=None)
+
+
+def _moved_summary(full: StepRecord, deltas: list[StepRecord]) -> str:
+    moved = [r.pause_bytes for r in deltas if r.pause_bytes is not None]
+    if not moved or full.pause_bytes is None:
+        return "—"
+    return (f"deltas median {statistics.median(moved) / 1e6:.2f} MB "
+            f"({100 * statistics.median(moved) / full.pause_bytes:.1f}% of the full's {full.pause_bytes / 1e6:.1f} MB)")
 
 
 def _check(rec: StepRecord) -> None:

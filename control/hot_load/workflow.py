@@ -221,6 +221,7 @@ class HotLoadWorkflow:
             bytes_read_from_bucket=result.bytes_read_from_bucket,
             pause_ms=round(result.pause_ms, 3),
             pause_breakdown_ms=result.pause_breakdown_ms or None,
+            swap_bytes=result.swap_bytes or None,
             verified_tensors=result.verified_tensors,
             peer_round=peer_round if (result.source or "").startswith("peer:") else None,
         )

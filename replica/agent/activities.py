@@ -96,7 +96,7 @@ async def measured_step(metrics: ReplicaMetrics, name: str, step: Awaitable[Appl
     it read from the bucket, the snapshot the replica serves after it."""
     with metrics.step(name, changes_weights=True):
         result = await step
-    metrics.paused(result.pause_ms)
+    metrics.paused(result.pause_ms, result.swap_bytes)
     metrics.took_in("bucket", result.bytes_read_from_bucket)
     metrics.serving(result.identity)
     return result

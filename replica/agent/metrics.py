@@ -5,6 +5,9 @@ updates cost and how they ended.
 - `rollouts_replica_bytes_total{source}` (counter): snapshot bytes this replica took in,
   `source="bucket"` (read from object storage) or `"peer"` (received from a peer's broadcast).
 - `rollouts_replica_bytes_sent_total` (counter): bytes this replica broadcast to peers.
+- `rollouts_replica_swap_bytes_total{what}` (counter): what this replica's swaps moved:
+  `what="pause"` (written into the engine inside the pause), `"staged"` (made ready before
+  it), `"changed"` (the changed elements' bytes); contracts/engine_ranks.py `BYTE_COUNTS`.
 - `rollouts_replica_steps_total{step}` and `rollouts_replica_step_seconds{step}`: every step
   the control plane ran here (`apply_snapshot`, `stage_from_peer`, `commit_peer_stage`,
   `send_to_peers`, `offer_to_peer`).
@@ -43,6 +46,8 @@ _LABELS = ("deployment", "replica")
 
 PAUSE = Histogram("rollouts_replica_pause_seconds", "Engine pause per swap", _LABELS, buckets=PAUSE_BUCKETS)
 BYTES = Counter("rollouts_replica_bytes", "Snapshot bytes taken in, by source", (*_LABELS, "source"))
+SWAP_BYTES = Counter("rollouts_replica_swap_bytes", "Bytes of swaps: written inside the pause, staged "
+                     "before it, changed", (*_LABELS, "what"))
 BYTES_SENT = Counter("rollouts_replica_bytes_sent", "Bytes broadcast to peers", _LABELS)
 STEPS = Counter("rollouts_replica_steps", "Steps run", (*_LABELS, "step"))
 STEP_SECONDS = Histogram("rollouts_replica_step_seconds", "Step duration", (*_LABELS, "step"), buckets=OPERATION_BUCKETS)
@@ -75,8 +80,11 @@ class ReplicaMetrics:
         self._snapshot = snapshot
         INFO.labels(**self.labels, engine=self.engine, snapshot=snapshot).set(1)
 
-    def paused(self, pause_ms: float) -> None:
+    def paused(self, pause_ms: float, moved: dict[str, int] | None = None) -> None:
         PAUSE.labels(**self.labels).observe(pause_ms / 1000)
+        for what in ("pause", "staged", "changed"):
+            if moved and f"{what}_bytes" in moved:
+                SWAP_BYTES.labels(**self.labels, what=what).inc(moved[f"{what}_bytes"])
 
     def took_in(self, source: str, nbytes: int) -> None:
         if nbytes:

@@ -41,6 +41,7 @@ from contracts.activities import (
     PeerOfferInput,
     StageFromPeerResult,
 )
+from contracts.engine_ranks import swap_bytes
 from contracts.records import PromptCachePolicy
 from replica.agent.staged import (
     EngineUpdateError,
@@ -301,7 +302,7 @@ class PeerSteps:
         t0 = time.perf_counter()
         if stage.staged is not None:  # a delta link received as files, staged like the bucket path
             staged = stage.staged
-            pause_ms, prove_ms, verified, breakdown = await self._swap_in(
+            pause_ms, prove_ms, verified, breakdown, moved = await self._swap_in(
                 staged, [link.identity for link in offer.chain], policy)
             log.info("applied %s from %s (delta files): %s", identity, offer.source_replica,
                      fmt({"pause": pause_ms, "prove": prove_ms, "total": ms_since(t0)}))
@@ -309,6 +310,7 @@ class PeerSteps:
                 identity=identity, engine_pid=self.engine.pid, tensors_loaded=len(staged.names),
                 bytes_read_from_bucket=0, pause_ms=pause_ms, source=f"peer:{offer.source_replica}",
                 verified_tensors=verified, links_applied=staged.links, pause_breakdown_ms=breakdown,
+                swap_bytes=moved,
             )
         names_ = [s[0] for s in offer.specs]
         saved = self.host.save(names_)
@@ -322,6 +324,7 @@ class PeerSteps:
             identity=identity, engine_pid=self.engine.pid, tensors_loaded=len(names_),
             bytes_read_from_bucket=0, pause_ms=pause_ms, source=f"peer:{offer.source_replica}",
             verified_tensors=verified, links_applied=chain_ids, pause_breakdown_ms=swap["breakdown_ms"],
+            swap_bytes=swap_bytes(swap),
         )
 
     def _commit_offer(self, offer: PeerOffer, names_: list[str]) -> list[str]:

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from temporalio.exceptions import ApplicationError
 
 from contracts.activities import ApplySnapshotInput, ApplySnapshotResult
+from contracts.engine_ranks import swap_bytes
 from contracts.records import PromptCachePolicy, SnapshotRef, SnapshotType
 from replica import faults
 from replica.agent.downloads import download_prefix
@@ -416,7 +417,7 @@ class ReplicaRuntime(PeerSteps):
                 identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=0, bytes_read_from_bucket=0,
                 pause_ms=0.0, stage_ms=timings["stage"], verified_tensors=verified,
             )
-        pause_ms, prove_ms, verified, breakdown = await self._swap_in(
+        pause_ms, prove_ms, verified, breakdown, moved = await self._swap_in(
             staged, [link.identity for link in inp.chain], inp.prompt_cache_policy)
         timings.update(pause=pause_ms, prove=prove_ms, total=ms_since(t0))
         log.info("applied %s from the bucket: %s", inp.identity, fmt(timings))
@@ -424,14 +425,14 @@ class ReplicaRuntime(PeerSteps):
             identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=len(staged.names),
             bytes_read_from_bucket=staged.bytes_read + fetched, pause_ms=pause_ms, links_applied=staged.links,
             stage_ms=timings["fetch"] + timings["stage"], source="bucket", verified_tensors=verified,
-            pause_breakdown_ms=breakdown,
+            pause_breakdown_ms=breakdown, swap_bytes=moved,
         )
 
     async def _swap_in(self, staged: StagedUpdate, chain_ids: list[str],
-                       policy: PromptCachePolicy) -> tuple[float, float, int, dict[str, float]]:
+                       policy: PromptCachePolicy) -> tuple[float, float, int, dict[str, float], dict[str, int]]:
         """Swap a stage in and prove it (one pause), then commit the chain and start the host
         copy's adoption; returns (pause ms, ms of the proof inside it, tensors proven, where the
-        pause went)."""
+        pause went, the bytes it moved)."""
         try:
             pause_ms, swap = await self._swap_staged(staged.identity, staged.backups, staged.names, policy)
         finally:
@@ -440,7 +441,8 @@ class ReplicaRuntime(PeerSteps):
         self._adopt_later(staged)
         self._commit(chain_ids, staged.new_host, staged.changed_by_link, staged.new_host_arena)
         self.link_dirs = staged.link_dirs
-        return pause_ms, 1000 * float(swap.get("verify_s", 0.0)), int(swap["verified"]), swap["breakdown_ms"]
+        return (pause_ms, 1000 * float(swap.get("verify_s", 0.0)), int(swap["verified"]), swap["breakdown_ms"],
+                swap_bytes(swap))
 
     async def _swap_staged(self, label: str, host_backups: dict[str, np.ndarray], names_: list[str],
                            policy: PromptCachePolicy) -> tuple[float, dict[str, Any]]:

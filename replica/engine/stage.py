@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from replica.engine import scatter
+from replica.engine.device_checksum import adler32_device_hex
 from replica.engine.tensors import adler32_hex, nbytes
 from replica.engine.weight_map import WeightMap
 
@@ -60,6 +62,11 @@ class Stage:
     expected_adler32: dict[str, str] | None = None  # proven again after the swap
     swapped: bool = False
     held: bool = False  # proven and kept swapped in until released (a rank of a TP engine)
+    checked: bool = False  # the staged bytes were checked against ``expected_adler32`` when taken
+    plan: scatter.Plan | None = None  # tensors swapped in as their changed elements only
+
+    def scattered(self) -> dict[str, list[scatter.Scatter]]:
+        return self.plan.sparse if self.plan is not None else {}
 
 
 def _backup_copies(wmap: WeightMap, names: list[str]) -> dict[str, torch.Tensor]:
@@ -82,32 +89,51 @@ def _backup_copies(wmap: WeightMap, names: list[str]) -> dict[str, torch.Tensor]
 def take(
     wmap: WeightMap, label: str, tensors: list[tuple[str, torch.Tensor]],
     backup: dict[str, torch.Tensor] | None = None, expected_adler32: dict[str, str] | None = None,
+    *, checked: bool = False, sparse: bool = False,
 ) -> Stage:
     """Check that ``tensors`` load into the engine ``wmap`` maps and keep them with their roll-back copies (the
     given ``backup``, views of bytes equal to what the engine serves, else copies taken now) and
-    the Adler-32 the commit proves them against."""
+    the Adler-32 the commit proves them against. ``checked``: the caller checked the tensors
+    against those. ``sparse``: plan the swap by changed elements (`scatter.plan`: a delta's
+    tensors, most of whose elements the engine already holds)."""
     wmap.check(tensors)
-    if backup is None:
-        with BACKUP_LOCK:
+    with BACKUP_LOCK:
+        if backup is None:
             backup = _backup_copies(wmap, [n for n, _ in tensors])
+        # The plan reads the roll-back copies: the pool's may not be refilled meanwhile.
+        planned = scatter.plan(wmap, tensors, backup) if sparse else None
     expected = None if expected_adler32 is None else {n: c.lower() for n, c in expected_adler32.items()}
-    return Stage(label, tensors, backup, expected)
+    return Stage(label, tensors, backup, expected, checked=checked and expected is not None, plan=planned)
+
+
+def _dense(stage: Stage, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    skip = stage.scattered()
+    return [(n, t) for n, t in pairs if n not in skip]
 
 
 def roll_back(wmap: WeightMap, stage: Stage) -> None:
-    """Put the stage's roll-back copies back into the engine."""
+    """Put the stage's roll-back copies back into the engine: whole, unless the stage was proven
+    (held: another rank failed), when the elements it changed are known to be the only ones
+    that differ and a scattered tensor gets back only their old values."""
     backup = list(stage.backup.items())
-    wmap.write(backup)
+    if stage.held:
+        wmap.write(_dense(stage, backup))
+        scatter.roll_back(wmap, stage.scattered())
+    else:
+        wmap.write(backup)
     wmap.rebuild(n for n, _ in backup)
     stage.swapped = False
 
 
 def swap(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
-    """Write the stage in place; on any failure restore the roll-back copies and raise."""
+    """Write the stage in place (a planned tensor's changed elements only); on any failure
+    restore the roll-back copies and raise. The report: ``copy_s``, ``repack_s`` and, for a
+    planned stage, its bytes (`scatter.Plan.report`)."""
     t0 = time.perf_counter()
     wmap.check(stage.tensors)
     try:
-        wmap.write(stage.tensors)
+        wmap.write(_dense(stage, stage.tensors))
+        scatter.write(wmap, stage.scattered())
         t1 = time.perf_counter()
         wmap.rebuild(n for n, _ in stage.tensors)
     except BaseException:
@@ -115,19 +141,29 @@ def swap(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
         roll_back(wmap, stage)
         raise
     stage.swapped = True
-    return {"copy_s": round(t1 - t0, 6), "repack_s": round(time.perf_counter() - t1, 6)}
+    report: dict[str, Any] = {"copy_s": round(t1 - t0, 6), "repack_s": round(time.perf_counter() - t1, 6)}
+    report.update(stage.plan.report() if stage.plan is not None else scatter.dense_report(wmap, stage.tensors))
+    return report
+
+
+def engine_adler32(t: torch.Tensor) -> str:
+    """Adler-32 of what the engine holds, computed where it lives: zlib on the host, torch
+    reductions on an accelerator (`device_checksum`), so nothing is copied out of it."""
+    return adler32_hex(t) if t.device.type == "cpu" else adler32_device_hex(t)
 
 
 def proof(wmap: WeightMap, tensors: list[tuple[str, torch.Tensor]],
-          expected_adler32: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
+          expected_adler32: dict[str, str] | None, checked: bool = False) -> tuple[list[str], dict[str, str]]:
     """Read back what the engine holds for ``tensors``: (tensors that differ, Adler-32 of each
     tensor proven by it).
 
     With ``expected_adler32`` covering every tensor, each is proven against it: by the Adler-32
-    of the engine's own bytes when one host-memory region holds the tensor whole in its dtype,
-    else by the Adler-32 of the bytes given plus a bit compare of every landing with them.
-    Without it, every landing is bit-compared with the bytes given. Then every MoE layer
-    rebuilt must be the prepack of what was written (`WeightMap.unpacked`)."""
+    of the engine's own bytes where it lives (:func:`engine_adler32`) when one region holds the
+    tensor whole in its dtype, or when this rank holds all of it on an accelerator in its dtype
+    (assembled there from its landings); else by a bit compare of every landing with the bytes
+    given, whose Adler-32 is checked too unless ``checked`` (it was, at staging). Without it,
+    every landing is bit-compared with the bytes given. Then every MoE layer rebuilt must be the
+    prepack of what was written (`WeightMap.unpacked`)."""
     if not (expected_adler32 and all(n in expected_adler32 for n, _ in tensors)):
         bad = [n for n, t in tensors if not wmap.holds(n, t)]
         return bad + [n for n in wmap.unpacked(n for n, _ in tensors) if n not in bad], {}
@@ -136,10 +172,13 @@ def proof(wmap: WeightMap, tensors: list[tuple[str, torch.Tensor]],
     for n, t in tensors:
         want = expected_adler32[n].lower()
         whole = wmap.whole(n)
-        if whole is not None and whole.device.type == "cpu":
-            ok = adler32_hex(whole) == want
+        on_device = None if whole is not None else wmap.assembled_on_device(n)
+        if whole is not None:
+            ok = engine_adler32(whole) == want
+        elif on_device is not None:
+            ok = adler32_device_hex(on_device) == want
         else:
-            ok = adler32_hex(t) == want and wmap.holds(n, t)
+            ok = (checked or adler32_hex(t) == want) and wmap.holds(n, t)
         if ok:
             held[n] = want
         else:
@@ -154,7 +193,7 @@ def commit(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
     """Prove a swapped stage (:func:`proof`). ``{"verified": n, "checksums": {...}, "verify_s"}``,
     or, after rolling back, ``{"read_back_failed": [names], "rolled_back": True}``."""
     t0 = time.perf_counter()
-    bad, held = proof(wmap, stage.tensors, stage.expected_adler32)
+    bad, held = proof(wmap, stage.tensors, stage.expected_adler32, stage.checked)
     if bad:
         logger.error("read-back of %s differs for %s; rolling back", stage.label, bad[:8])
         roll_back(wmap, stage)

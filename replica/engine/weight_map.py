@@ -140,7 +140,7 @@ class WeightMap:
                 out[n] = p.data
         return out
 
-    def _target(self, param: str) -> torch.Tensor:
+    def target(self, param: str) -> torch.Tensor:
         """The tensor a landing in ``param`` writes: a CPU MoE layer's loader-layout copy, else
         the parameter."""
         module, _, attr = param.rpartition(".")
@@ -162,7 +162,7 @@ class WeightMap:
         ld = e.landings[0]
         if ld.src.offset != 0 or ld.src.numel() != math.prod(e.shape) or ld.src.stride != _contiguous(ld.src.size):
             return None
-        dst = ld.dst.view(self._target(ld.param))
+        dst = ld.dst.view(self.target(ld.param))
         if dst.dtype != e.dtype or not dst.is_contiguous():
             return None
         return dst.view(e.shape)
@@ -182,8 +182,20 @@ class WeightMap:
         """Copy what this rank holds of ``name`` into the same regions of ``out`` (a tensor of the
         checkpoint's shape and dtype; a shard's other regions are left as they are)."""
         for ld in self.entry(name).landings:
-            ld.src.view(out).copy_(ld.dst.view(self._target(ld.param)))
+            ld.src.view(out).copy_(ld.dst.view(self.target(ld.param)))
         return out
+
+    def assembled_on_device(self, name: str) -> torch.Tensor | None:
+        """``name`` assembled from its landings on the accelerator holding them, when this rank
+        holds all of it there in the checkpoint's dtype (nothing leaves the device); else None."""
+        e = self.entry(name)
+        targets = [self.target(ld.param) for ld in e.landings]
+        devices = {t.device for t in targets}
+        if len(devices) != 1 or next(iter(devices)).type == "cpu" or any(t.dtype != e.dtype for t in targets):
+            return None
+        if self.sliced(name):
+            return None
+        return self.read_into(name, torch.empty(e.shape, dtype=e.dtype, device=next(iter(devices))))
 
     def sliced(self, name: str) -> bool:
         """Whether this rank holds only part of ``name`` (a tensor-parallel shard)."""
@@ -197,7 +209,7 @@ class WeightMap:
         out: dict[Region, torch.Tensor] = {}
         for ld in e.landings:
             if ld.src not in out:
-                out[ld.src] = ld.dst.view(self._target(ld.param)).to(device="cpu", dtype=e.dtype).contiguous()
+                out[ld.src] = ld.dst.view(self.target(ld.param)).to(device="cpu", dtype=e.dtype).contiguous()
         return list(out.items())
 
     def select(self, names: Sequence[str] | None) -> list[tuple[str, torch.Tensor]]:
@@ -241,7 +253,7 @@ class WeightMap:
             for name, t in tensors:
                 src = t.contiguous()
                 for ld in self.entry(name).landings:
-                    ld.dst.view(self._target(ld.param)).copy_(ld.src.view(src))
+                    ld.dst.view(self.target(ld.param)).copy_(ld.src.view(src))
 
     def rebuild(self, names: Iterable[str]) -> None:
         """Rebuild the kernel copies of the layers the tensors ``names`` land in."""
@@ -255,9 +267,9 @@ class WeightMap:
         parameter's dtype where it is wider)."""
         src = t.contiguous()
         for ld in self.entry(name).landings:
-            held = ld.dst.view(self._target(ld.param))
+            held = ld.dst.view(self.target(ld.param))
             want = ld.src.view(src).to(device=held.device, dtype=held.dtype)
-            if not torch.equal(_bits(held), _bits(want)):
+            if not torch.equal(bits(held), bits(want)):
                 return False
         return True
 
@@ -274,7 +286,7 @@ class WeightMap:
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as integers of the same width: equal exactly when the bits are."""
     return t.view(_INT[t.element_size()])
 

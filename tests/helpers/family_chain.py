@@ -32,6 +32,10 @@ from tests.helpers.trainer import train_step
 from workers.families import MOE, write_family
 from workers.stack import upload_dir
 
+# A scattered element crosses as its value at the parameter's width and an int32 offset: at most
+# (4 + 4) / 2 times its BF16 bytes (a bias kept in float32); a tensor goes whole only when that
+# moves fewer bytes (replica/engine/scatter.py).
+SCATTER_OVERHEAD = 4
 PROMPT_IDS = [5, 100, 200, 300, 17, 42]
 GREEDY = {"prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0, "logprobs": 1, "ignore_eos": True}
 
@@ -105,7 +109,7 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path) -> list[dict]:
             assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
             [rep] = hot_load_replicas(api, hl["spec"]["id"])
             figures.append({"what": what, "seconds": round(time.monotonic() - t0, 1), "pause_ms": rep["pauseMs"],
-                            "proven": rep["verifiedTensors"]})
+                            "proven": rep["verifiedTensors"], "swap_bytes": rep.get("swapBytes")})
             return rep
 
         full_id = f"{family}-000000"
@@ -121,6 +125,9 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path) -> list[dict]:
             rep = publish(identity, prev_id, f"delta {step}")
             assert rep["verifiedTensors"] == changed_tensors(checkpoints[step - 1], checkpoints[step])
             assert rep["pauseMs"] > 0
+            # Only the changed elements cross into the engine inside the pause (replica/engine/scatter.py).
+            moved = rep["swapBytes"]
+            assert 0 < moved["pause_bytes"] <= SCATTER_OVERHEAD * moved["changed_bytes"], moved
             assert_every_replica_serves(stack, dep_id, checkpoints[step])
             experts_changed += sum(".experts." in n for n in read_delta_plan(tmp_path / identity).tensors)
             prev_id = identity

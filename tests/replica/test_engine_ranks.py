@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contracts.engine_ranks import combine_map, combine_swap
+from contracts.engine_ranks import combine_map, combine_swap, swap_bytes
 from replica.agent.process import cpu_binding
 from replica.engine.stage import StageSlot, take
 from replica.engine.tensors import adler32_hex
@@ -25,6 +25,10 @@ def test_a_swap_is_verified_only_when_every_rank_proved_its_shard():
     assert failed == {"read_back_failed": ["b"], "rolled_back": True, "ranks": 2}
     with pytest.raises(ValueError, match="different numbers of tensors"):
         combine_swap([ok, {**ok, "verified": 1}])
+    # Each rank moved its own shard's bytes: the engine's are their sum.
+    moved = {"pause_bytes": 10, "staged_bytes": 30, "changed_bytes": 4, "scatter_device_bytes": 10}
+    summed = combine_swap([{**ok, **moved}, {**ok, **moved, "pause_bytes": 12}])
+    assert swap_bytes(summed) == {"pause_bytes": 22, "staged_bytes": 60, "changed_bytes": 8, "scatter_device_bytes": 20}
     maps = combine_map([{"tensors": 3, "held": 3, "refused": {}, "refused_count": 0, "build_s": 0.1},
                         {"tensors": 3, "held": 2, "refused": {"x": "why"}, "refused_count": 1, "build_s": 0.2}])
     assert maps == {"tensors": 3, "held": 2, "refused": {"x": "why"}, "refused_count": 1, "build_s": 0.2, "ranks": 2}

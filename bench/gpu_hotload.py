@@ -1,0 +1,234 @@
+"""Measure: the pause of a hot-load on one device with torch alone (no vLLM, no stack), through the
+project's own engine code (`replica.engine.stage`: take -> swap -> commit, the proof, the
+roll-back; `replica.engine.scatter` for a delta's changed elements).
+
+The model has vLLM's parameter layout (per layer ``qkv_proj``, ``o_proj``, ``gate_up_proj``,
+``down_proj`` and two norms, fused as vLLM's loader fuses the checkpoint's q/k/v and gate/up) and
+an 8B Llama model's shapes (hidden 4096, 32 heads of 128 with 8 for k/v, MLP 14336); ``--layers``
+sets how many (32 is the 8B model without its embeddings; the CPU default is 2). Its
+``load_weights`` copies each checkpoint tensor into its slice of the fused parameter, so
+`weight_map.WeightMap` maps it as it maps a vLLM engine.
+
+It reports, side by side in one run:
+
+- an RL-like delta (``--changed`` of the BF16 elements, 5 % by default) swapped in as its changed
+  elements (scatter) against the same delta swapped in whole (dense, the baseline): the pause
+  (swap + proof), the bytes written into the engine inside it, and their ratios;
+- a FULL (every element new): the pause and its bytes;
+- host -> device copy GB/s from pinned and from pageable memory, against the device's own copy
+  rate (device -> device), on CUDA;
+- a read-back that fails after a scatter (one element the delta did not change, altered): every
+  parameter back to its bytes before the update, bit for bit.
+
+    .venv/bin/python bench/gpu_hotload.py --device cpu            # ~1 minute on 2 cores
+    python bench/gpu_hotload.py --device cuda --layers 32         # one GPU, torch only
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from replica.engine.stage import StageSlot, take  # noqa: E402
+from replica.engine.tensors import adler32_hex  # noqa: E402
+from replica.engine.weight_map import WeightMap  # noqa: E402
+
+BF16 = torch.bfloat16
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 4096, 32, 8, 128, 14336
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+
+        def param(*shape: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.empty(*shape, dtype=BF16, device=device), requires_grad=False)
+
+        self.qkv_proj = param(q + 2 * kv, HIDDEN)
+        self.o_proj = param(HIDDEN, q)
+        self.gate_up_proj = param(2 * MLP, HIDDEN)
+        self.down_proj = param(HIDDEN, MLP)
+        self.input_layernorm = param(HIDDEN)
+        self.post_attention_layernorm = param(HIDDEN)
+
+
+class Model(torch.nn.Module):
+    """vLLM's layout for a Llama model's layers; ``load_weights`` takes checkpoint names."""
+
+    def __init__(self, layers: int, device: str) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer(device) for _ in range(layers))
+
+    def load_weights(self, weights) -> None:
+        q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+        stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q), "v_proj": ("qkv_proj", q + kv),
+                   "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", MLP)}
+        for name, t in weights:
+            index, part = int(name.split(".")[1]), name.split(".")[2]
+            layer = self.layers[index]
+            if part in stacked:
+                fused, start = stacked[part]
+                getattr(layer, fused).data[start : start + t.shape[0]].copy_(t)
+            else:
+                getattr(layer, part).data.copy_(t)
+
+
+def checkpoint_shapes(layers: int) -> dict[str, tuple[int, ...]]:
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(layers):
+        p = f"layers.{i}."
+        out.update({p + "q_proj": (q, HIDDEN), p + "k_proj": (kv, HIDDEN), p + "v_proj": (kv, HIDDEN),
+                    p + "o_proj": (HIDDEN, q), p + "gate_proj": (MLP, HIDDEN), p + "up_proj": (MLP, HIDDEN),
+                    p + "down_proj": (HIDDEN, MLP), p + "input_layernorm": (HIDDEN,),
+                    p + "post_attention_layernorm": (HIDDEN,)})
+    return out
+
+
+def random_checkpoint(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: (torch.randn(s, generator=gen) * 0.02).to(BF16) for n, s in shapes.items()}
+
+
+def rl_step(old: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    """``old`` with about ``fraction`` of every tensor's BF16 elements moved by one ulp or so,
+    as one Adam step at an RL learning rate changes them."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in old.items():
+        t = t.clone()
+        mask = torch.rand(t.shape, generator=gen) < fraction
+        t[mask] = (t[mask].float() * 1.01 + 1e-4).to(BF16)
+        out[name] = t
+    return out
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def swap_in(wmap: WeightMap, label: str, tensors: dict[str, torch.Tensor], backup: dict[str, torch.Tensor] | None,
+            sparse: bool, device: str) -> tuple[float, dict]:
+    """Stage (not timed: the engine serves meanwhile), then the pause: swap + proof. Returns
+    (pause seconds, the report)."""
+    expected = {n: adler32_hex(t) for n, t in tensors.items()}
+    slot = StageSlot()
+    slot.put(take(wmap, label, list(tensors.items()), backup, expected, checked=True, sparse=sparse))
+    sync(device)
+    t0 = time.perf_counter()
+    report = slot.swap_and_commit(wmap, label)
+    sync(device)
+    pause = time.perf_counter() - t0
+    if report.get("verified") != len(tensors):
+        raise SystemExit(f"{label}: not proven: {report}")
+    return pause, report
+
+
+def copy_rates(device: str, size: int) -> dict[str, float]:
+    """GB/s host -> device from pageable and pinned memory, and device -> device."""
+    if not device.startswith("cuda"):
+        return {}
+    out = {}
+    dst = torch.empty(size, dtype=torch.uint8, device=device)
+    for kind, src in (("pageable", torch.ones(size, dtype=torch.uint8)),
+                      ("pinned", torch.ones(size, dtype=torch.uint8).pin_memory()),
+                      ("device", torch.ones(size, dtype=torch.uint8, device=device))):
+        times = []
+        for _ in range(5):
+            sync(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=kind == "pinned")
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        out[kind] = size / statistics.median(times) / 1e9
+    return out
+
+
+def served(wmap: WeightMap) -> dict[str, str]:
+    return {n: adler32_hex(p) for n, p in wmap.model.named_parameters()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--layers", type=int, default=None, help="32: an 8B model's layers (default: 32 on "
+                        "CUDA, 2 on the CPU)")
+    parser.add_argument("--changed", type=float, default=0.05, help="fraction of elements a delta changes")
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    device = args.device
+    layers = args.layers or (32 if device.startswith("cuda") else 2)
+    shapes = checkpoint_shapes(layers)
+    base = random_checkpoint(shapes, seed=0)
+    size = sum(t.nbytes for t in base.values())
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.startswith('cuda') else 'host memory'}), "
+          f"{layers} layer(s) of an 8B model's shapes: {len(base)} tensors, {size / 1e9:.2f} GB BF16")
+    model = Model(layers, device)
+    model.load_weights(base.items())
+    wmap = WeightMap.build(model, [(n, tuple(t.shape), t.dtype) for n, t in base.items()], base.__getitem__)
+
+    rows: dict[str, list[tuple[float, dict]]] = {"delta, scattered": [], "delta, whole (baseline)": [], "FULL": []}
+    current = base
+    for run in range(args.runs):
+        new = rl_step(current, args.changed, seed=run + 1)
+        # The same delta twice: whole, then back, then scattered (each from the same weights).
+        rows["delta, whole (baseline)"].append(swap_in(wmap, f"whole-{run}", new, current, False, device))
+        swap_in(wmap, f"back-{run}", current, new, False, device)
+        rows["delta, scattered"].append(swap_in(wmap, f"delta-{run}", new, current, True, device))
+        current = new
+    full = random_checkpoint(shapes, seed=100)
+    rows["FULL"].append(swap_in(wmap, "full", full, None, False, device))
+    current = full
+
+    print(f"\n{'update':<26} {'pause ms':>9} {'write ms':>9} {'proof ms':>9} {'bytes in the pause':>19} "
+          f"{'changed':>11}   (medians)")
+    medians = {}
+    for what, results in rows.items():
+        pause = statistics.median(p for p, _ in results)
+        write = statistics.median(r["copy_s"] + r["repack_s"] for _, r in results)
+        prove = statistics.median(r["verify_s"] for _, r in results)
+        moved = statistics.median(r["pause_bytes"] for _, r in results)
+        changed = [r["changed_bytes"] for _, r in results if "changed_bytes" in r]
+        medians[what] = (pause, moved, write)
+        shown = f"{statistics.median(changed) / 1e6:8.1f} MB" if changed else f"{'—':>11}"
+        print(f"{what:<26} {1000 * pause:>9.1f} {1000 * write:>9.1f} {1000 * prove:>9.1f} {moved / 1e6:>16.1f} MB "
+              f"{shown}")
+    (p_sparse, b_sparse, w_sparse), (p_dense, b_dense, w_dense) = (medians["delta, scattered"],
+                                                                  medians["delta, whole (baseline)"])
+    print(f"\nscattered delta vs whole: {b_dense / max(b_sparse, 1):.1f}x fewer bytes inside the pause, the write "
+          f"{w_dense / w_sparse:.2f}x shorter, the pause {p_dense / p_sparse:.2f}x shorter")
+
+    rates = copy_rates(device, 1 << 30)
+    if rates:
+        print(f"host -> device: pinned {rates['pinned']:.1f} GB/s, pageable {rates['pageable']:.1f} GB/s; "
+              f"device -> device {rates['device']:.0f} GB/s")
+
+    # Roll-back: a scattered delta whose read-back fails (an element it did not change, altered).
+    before = served(wmap)
+    new = rl_step(current, args.changed, seed=999)
+    expected = {n: adler32_hex(t) for n, t in new.items()}
+    slot = StageSlot()
+    slot.put(take(wmap, "faulty", list(new.items()), current, expected, checked=True, sparse=True))
+    slot.swap(wmap, "faulty")
+    name = "layers.0.o_proj"
+    same = (new[name].view(torch.int16) == current[name].view(torch.int16)).reshape(-1).nonzero()[0, 0]
+    wmap.model.layers[0].o_proj.data.view(-1)[same] += 1
+    result = slot.commit(wmap, "faulty")
+    exact = result.get("read_back_failed") == [name] and served(wmap) == before
+    print(f"roll-back after a failed read-back: {'exact' if exact else 'NOT EXACT'} ({result.get('read_back_failed')})")
+    if not exact:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

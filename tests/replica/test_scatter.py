@@ -1,0 +1,150 @@
+"""A delta's swap writes only the elements it changes (replica/engine/scatter.py), through the
+same stage -> swap -> commit | discard lifecycle, on a model with vLLM's loader interface whose
+landings are strided (q/k/v into columns of one fused parameter) and widened (a BF16 tensor in a
+float32 parameter): no vLLM. The bytes inside the pause are counted and bounded by the changed
+bytes; a failed read-back or another rank's failure rolls back exactly. On CPU tensors in
+``make test``, on a CUDA device in ``make test-gpu``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replica.engine import scatter
+from replica.engine.stage import StageSlot, take
+from replica.engine.tensors import adler32_hex
+from replica.engine.weight_map import WeightMap
+from tests.helpers.devices import DEVICES
+
+BF16 = torch.bfloat16
+# A scattered element moves its value at the parameter's width plus an int32 offset: at most
+# (4 + 4) / 2 = 4 times its checkpoint bytes (BF16 widened to float32); a dense tensor is chosen
+# only when it moves fewer bytes than that.
+OVERHEAD = 4
+
+
+class Fused(torch.nn.Module):
+    """q, k and v land in column blocks of one fused parameter (strided regions); ``norm`` is
+    kept in float32 and widened from the checkpoint's BF16, as vLLM keeps some biases."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(32, 96, dtype=BF16, device=device), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(256, dtype=torch.float32, device=device), requires_grad=False)
+
+    def load_weights(self, weights) -> None:
+        for name, t in weights:
+            if name == "norm":
+                self.norm.data.copy_(t)
+            else:
+                i = "qkv".index(name)
+                self.qkv.data[:, 32 * i : 32 * (i + 1)].copy_(t)
+
+
+def checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {n: torch.randn(32, 32, generator=gen).to(BF16) for n in "qkv"}
+    out["norm"] = torch.randn(256, generator=gen).to(BF16)
+    return out
+
+
+def changed(old: dict[str, torch.Tensor], fraction: float, seed: int, only: str | None = None) -> dict[str, torch.Tensor]:
+    """``old`` with about ``fraction`` of each tensor's elements changed (``only``: one tensor)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in old.items():
+        t = t.clone()
+        if only is None or name == only:
+            mask = torch.rand(t.shape, generator=gen) < fraction
+            t[mask] = (t[mask].float() + 1.0).to(BF16)
+        out[name] = t
+    return out
+
+
+def engine(device: str, values: dict[str, torch.Tensor]) -> WeightMap:
+    model = Fused(device)
+    model.load_weights(values.items())
+    return WeightMap.build(model, [(n, tuple(t.shape), t.dtype) for n, t in values.items()], values.__getitem__)
+
+
+def served(wmap: WeightMap) -> dict[str, torch.Tensor]:
+    return {n: wmap.held(n).cpu() if wmap.whole(n) is None else wmap.whole(n).cpu().clone() for n in wmap.names()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
+
+
+def stage_of(wmap: WeightMap, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], label: str):
+    tensors = list(new.items())
+    expected = {n: adler32_hex(t) for n, t in tensors}
+    return take(wmap, label, tensors, backup=dict(old), expected_adler32=expected, checked=True, sparse=True), expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_sparse_delta_moves_only_its_changed_elements_and_is_proven(device: str) -> None:
+    old = checkpoint(1)
+    new = changed(old, 0.05, seed=2)
+    wmap, slot = engine(device, old), StageSlot()
+    stage, expected = stage_of(wmap, old, new, "v1")
+    assert set(stage.scattered()) == {"q", "k", "v", "norm"}
+    assert same(served(wmap), old)  # staged, not served
+    slot.put(stage)
+    report = slot.swap_and_commit(wmap, "v1")
+    assert report["verified"] == 4 and report["checksums"] == expected
+    assert same(served(wmap), new)
+    assert torch.equal(wmap.model.norm.cpu(), new["norm"].float())  # widened exactly
+    dense = sum(scatter.dense_bytes(wmap, n) for n in new)
+    assert 0 < report["changed_bytes"] and report["sparse_tensors"] == 4
+    assert report["pause_bytes"] <= OVERHEAD * report["changed_bytes"] < dense
+    assert report["scatter_device_bytes"] == report["pause_bytes"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_tensor_goes_the_way_that_moves_fewer_bytes(device: str, monkeypatch) -> None:
+    old = checkpoint(3)
+    new = changed(old, 1.0, seed=4, only="q")  # q changes everywhere, k, v and norm not at all
+    wmap = engine(device, old)
+    stage, _ = stage_of(wmap, old, new, "v1")
+    assert set(stage.scattered()) == {"k", "v", "norm"}  # nothing to scatter costs nothing
+    report = stage.plan.report()
+    assert report["pause_bytes"] == scatter.dense_bytes(wmap, "q")
+    assert report["changed_bytes"] == new["q"].nbytes
+    # A budget too small for the scatter buffers: every tensor goes whole.
+    monkeypatch.setenv(scatter.BUDGET_ENV, "0")
+    few = changed(old, 0.02, seed=5)
+    stage, _ = stage_of(wmap, old, few, "v2")
+    assert stage.scattered() == {} or all(
+        s.offsets.numel() == 0 for items in stage.scattered().values() for s in items)
+    assert stage.plan.report()["scatter_device_bytes"] == 0
+    monkeypatch.setenv(scatter.BUDGET_ENV, "lots")
+    with pytest.raises(ValueError, match="ROLLOUTS_SCATTER_BUDGET_BYTES='lots'"):
+        stage_of(wmap, old, few, "v3")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_failed_read_back_after_a_scatter_restores_every_element(device: str) -> None:
+    old = checkpoint(6)
+    new = changed(old, 0.05, seed=7)
+    wmap, slot = engine(device, old), StageSlot()
+    stage, _ = stage_of(wmap, old, new, "v1")
+    slot.put(stage)
+    slot.swap(wmap, "v1")
+    # A fault after the scatter: an element the delta did not change differs now.
+    unchanged = (new["q"].view(torch.int16) == old["q"].view(torch.int16)).reshape(-1).nonzero()[0, 0]
+    wmap.model.qkv.data[unchanged // 32, unchanged % 32] += 1
+    assert slot.commit(wmap, "v1") == {"read_back_failed": ["q"], "rolled_back": True}
+    assert same(served(wmap), old)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_another_ranks_failure_rolls_a_proven_scatter_back(device: str) -> None:
+    old = checkpoint(8)
+    new = changed(old, 0.05, seed=9)
+    wmap, slot = engine(device, old), StageSlot()
+    stage, _ = stage_of(wmap, old, new, "v1")
+    slot.put(stage)
+    assert slot.swap_and_commit(wmap, "v1", hold=True)["verified"] == 4
+    assert same(served(wmap), new)
+    assert slot.discard(wmap) == {"discarded": "v1", "rolled_back": True}  # another rank failed
+    assert same(served(wmap), old)
