@@ -13,6 +13,11 @@ A delta tensor is one zstd frame of ``new XOR base`` over the tensor's raw bytes
 3. the Adler-32 of the result is compared with the writer's; on a mismatch the XOR is undone
    at once (XOR is its own inverse).
 
+A sparse delta's tensor (`snapshots.sparse`) is applied the same way with its changed elements
+instead of a frame: its values' count is checked against the tensor before anything is read,
+its indices must be strictly increasing and inside the tensor, its values are written at them
+(the old values kept), and a checksum mismatch puts the old values back.
+
 **All-or-nothing.** Every tensor is staged and verified this way in parallel (zstd, numpy and
 zlib release the GIL). If any tensor fails, every tensor already applied is XORed back with its
 frame (kept in memory until the end, so the undo cannot fail on I/O), and the first failure in
@@ -39,6 +44,7 @@ try:  # zlib-ng's SIMD Adler-32 runs ~6x zlib's on these machines; same values
 except ImportError:  # pragma: no cover - zlib-ng is a dependency; keep working without it
     from zlib import adler32 as adler32  # type: ignore[assignment]
 
+from snapshots import sparse
 from snapshots.errors import ChecksumError, DeltaMismatchError, SnapshotError
 from snapshots.inspect import DeltaPlan, DeltaTensor
 
@@ -245,12 +251,14 @@ def apply_plan_in_place(
     *,
     workers: int | None = None,
     sources: Mapping[str, np.ndarray] | None = None,
+    dtypes: Mapping[str, str] | None = None,
 ) -> DeltaReport:
     """Apply a validated delta to flat writable ``uint8`` arrays, all-or-nothing (module doc).
 
     With ``sources``, a tensor named there is decoded out of place: ``targets[name]`` receives
     ``sources[name] XOR diff`` (same length) and the source is only read. On a failure such a
     target holds unspecified bytes (it held nothing of value); in-place ones are restored.
+    ``dtypes`` (name -> safetensors dtype): a sparse delta's values must be of the tensor's.
 
     Raises:
         SnapshotError: a delta tensor absent from ``targets``, a frame of the wrong size or
@@ -274,11 +282,42 @@ def apply_plan_in_place(
 
     abort = threading.Event()
     lock = threading.Lock()
-    applied: dict[str, bytes] = {}  # name -> its frame, kept so a rollback needs no I/O
+    # name -> its frame (XOR) or (positions, old values) (sparse), kept so a rollback needs no I/O
+    applied: dict[str, Any] = {}
+
+    def stage_sparse(item: DeltaTensor, spec: sparse.SparseTensor) -> str:
+        file = plan.source.describe(spec.values.file)
+        target = targets[item.name]
+        sparse.check_size(spec.values, target.nbytes, (dtypes or {}).get(item.name), file=file, tensor=item.name)
+        index_bytes = plan.source.read_range(spec.indices.file, spec.indices.begin, spec.indices.end - spec.indices.begin)
+        value_bytes = plan.source.read_range(spec.values.file, spec.values.begin, spec.values.end - spec.values.begin)
+        positions, values = sparse.decode(index_bytes, value_bytes, spec, target.nbytes, file=file)
+        if abort.is_set():
+            return ""
+        source = (sources or {}).get(item.name)
+        if source is not None:
+            np.copyto(target, source)
+        old = sparse.scatter(target, positions, values)
+        digest = adler32_hex(target)
+        if digest != item.checksum:
+            if source is None:
+                sparse.scatter(target, positions, old)  # undo this tensor before reporting it
+            raise ChecksumError(
+                f"checksum mismatch: the writer recorded {item.checksum}, the reconstructed bytes "
+                f"have {digest}",
+                file=file,
+                tensor=item.name,
+            )
+        if source is None:
+            with lock:
+                applied[item.name] = (positions, old)
+        return digest
 
     def stage(item: DeltaTensor) -> str:
         if abort.is_set():
             return ""
+        if item.sparse is not None:
+            return stage_sparse(item, item.sparse)
         file = plan.source.describe(item.file)
         target = targets[item.name]
         check_wire_size(item.wire_bytes, target.nbytes, file=file, tensor=item.name)
@@ -311,6 +350,9 @@ def apply_plan_in_place(
 
     def rollback(name: str) -> None:
         target = targets[name]
+        if isinstance(applied[name], tuple):
+            sparse.scatter(target, *applied[name])
+            return
         diff = _state.buffer(target.nbytes)
         inflate_exact(applied[name], diff, tensor=name)
         _xor_into(target, diff)

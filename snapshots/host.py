@@ -275,7 +275,7 @@ class HostWeights:
     def apply_delta_report(self, delta_location: Any, *, s3: Any = None) -> DeltaReport:
         """Like :meth:`apply_delta`, returning the full :class:`DeltaReport` (sizes, checksums)."""
         plan = delta_location if isinstance(delta_location, DeltaPlan) else read_delta_plan(delta_location, s3=s3)
-        report = apply_plan_in_place(self._views, plan, workers=self.workers)
+        report = apply_plan_in_place(self._views, plan, workers=self.workers, dtypes=self.dtypes())
         self._checksums.update(report.checksums)
         self.applied.append(plan.version)
         return report
@@ -292,7 +292,11 @@ class HostWeights:
                 but not in the base"); ``out`` then holds unspecified bytes.
         """
         sources = {n: self._views[n] for n in plan.tensors if n not in decoded and n in self._views}
-        return apply_plan_in_place(out, plan, workers=self.workers, sources=sources)
+        return apply_plan_in_place(out, plan, workers=self.workers, sources=sources, dtypes=self.dtypes())
+
+    def dtypes(self) -> dict[str, str]:
+        """Every tensor's safetensors dtype ("BF16"), by name."""
+        return {name: info.dtype for name, info in self._info.items()}
 
     # ------------------------------------------------------------------ proving and writing
 

@@ -10,7 +10,9 @@ A snapshot is the set of immediate children of ``DIR/`` or ``s3://BUCKET/PREFIX/
   ``delta_encoding: xor``, ``compression_format: zstd`` (assumed when absent, as cwtrain does)
   and ``checksum_format: adler32``; anything else is refused by name. Every changed tensor is a
   1-D ``U8`` tensor (one zstd frame of ``new XOR base``) with an 8-hex-digit Adler-32 of the new
-  bytes in its shard's ``__metadata__``. ``version`` / ``base_version`` are informational: the
+  bytes in its shard's ``__metadata__``. A *sparse* delta (``delta_encoding: sparse``, no
+  compression) carries each changed tensor's changed elements instead, as ``NAME.indices`` and
+  ``NAME.values`` (`snapshots.sparse`). ``version`` / ``base_version`` are informational: the
   service chains deltas by the identities in the hot-load request, as the guide says, so they
   may hold slime's ``000001`` counters.
 
@@ -40,6 +42,7 @@ from snapshots.errors import (
 )
 from snapshots.identity import validate_identity
 from snapshots.safetensors_io import SafetensorsHeader, TensorEntry, read_header_from
+from snapshots.sparse import SPARSE, SparseTensor, pairs
 from snapshots.storage import SnapshotSource, open_location
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -146,16 +149,28 @@ def _read_shard_header(source: SnapshotSource, name: str, size: int) -> Safetens
     )
 
 
+def delta_encoding(metadata: dict[str, Any]) -> str:
+    return str(metadata.get("delta_encoding", "")).strip().lower()
+
+
 def check_delta_metadata(metadata: dict[str, Any], file: str) -> None:
-    """Refuse, by name, any delta encoding, compression or checksum but xor / zstd / adler32."""
-    encoding = str(metadata.get("delta_encoding", "")).strip().lower()
-    if encoding != "xor":
+    """Refuse, by name, any delta encoding, compression or checksum but xor / zstd / adler32, or
+    sparse / none / adler32."""
+    encoding = delta_encoding(metadata)
+    if encoding not in ("xor", SPARSE):
         raise UnsupportedFormatError(
-            f"delta_encoding {metadata.get('delta_encoding')!r} is not supported; only 'xor' is",
+            f"delta_encoding {metadata.get('delta_encoding')!r} is not supported; 'xor' (zstd frames of new XOR "
+            f"base) and 'sparse' (changed elements as NAME.indices and NAME.values) are",
             file=file,
         )
-    compression = str(metadata.get("compression_format", "zstd")).strip().lower()
-    if compression != "zstd":
+    compression = str(metadata.get("compression_format", "zstd" if encoding == "xor" else "none")).strip().lower()
+    if encoding == SPARSE and compression not in ("none", ""):
+        raise UnsupportedFormatError(
+            f"compression_format {metadata.get('compression_format')!r} is not supported for a sparse delta; "
+            "its indices and values are stored as they are (leave it out, or 'none')",
+            file=file,
+        )
+    if encoding == "xor" and compression != "zstd":
         raise UnsupportedFormatError(
             f"compression_format {metadata.get('compression_format')!r} is not supported; only "
             "'zstd' is",
@@ -243,17 +258,20 @@ def _check_type(index: Index, snapshot_type: str, source: SnapshotSource) -> Non
 
 @dataclass(frozen=True)
 class DeltaTensor:
-    """One changed tensor of a delta: where its zstd frame is and the new bytes' Adler-32."""
+    """One changed tensor of a delta: where its zstd frame is (a sparse delta: its indices and
+    values, ``sparse``) and the new bytes' Adler-32."""
 
     name: str
     file: str  # shard name inside the snapshot
-    begin: int  # absolute byte range of the frame in the shard
+    begin: int  # absolute byte range of the frame in the shard (sparse: of the indices)
     end: int
     checksum: str  # 8 lowercase hex digits
+    sparse: SparseTensor | None = None
 
     @property
     def wire_bytes(self) -> int:
-        return self.end - self.begin
+        extra = self.sparse.values.end - self.sparse.values.begin if self.sparse is not None else 0
+        return self.end - self.begin + extra
 
 
 @dataclass
@@ -329,6 +347,12 @@ def read_delta_plan(location: Any, *, s3: Any = None) -> DeltaPlan:
     source, files, index = _open(location, s3, DELTA)
     headers = _read_headers(source, files, index.shards)
     tensors: dict[str, DeltaTensor] = {}
+    if delta_encoding(index.metadata) == SPARSE:
+        for name, item in pairs(index.weight_map, headers).items():
+            tensors[name] = DeltaTensor(name, item.indices.file, item.indices.begin, item.indices.end,
+                                        item.checksum, sparse=item)
+        ordered = dict(sorted(tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)))
+        return DeltaPlan(source, index, files, ordered)
     for name, shard in index.weight_map.items():
         header = headers[shard]
         entry = header.tensors.get(name)
@@ -426,7 +450,8 @@ def inspect_snapshot(
             type=DELTA,
             tensors=len(plan.tensors),
             tensor_bytes=plan.wire_bytes,
-            changed_tensors=list(plan.index.weight_map),
+            changed_tensors=sorted(plan.tensors) if delta_encoding(plan.index.metadata) == SPARSE
+            else list(plan.index.weight_map),
             metadata=plan.index.metadata,
             previous_identity=previous_identity,
             checksummed_tensors=len(plan.tensors),

@@ -33,6 +33,10 @@ one before) into ``out_dir`` without ever holding the model in memory. The contr
   the tensors in flight (one per delta that changed the tensor, each at most a bit more than the
   tensor), whatever the model size. Delta frames are read with one ranged read (a ranged GET on
   S3) per changed tensor: nothing else of a delta is fetched but its index and shard headers.
+* **Sparse deltas** (`snapshots.sparse`) are streamed the same way: a link's indices and values
+  are read and checked once (their count against the tensor before the read), then each chunk
+  takes the values whose positions fall in it. ``chunk_bytes`` is a multiple of 8, so no
+  element straddles two chunks.
 * **Parallel.** Tensors are spread over ``workers`` threads, largest first; zstd, numpy's XOR,
   zlib's Adler-32 and the file I/O all release the GIL.
 
@@ -58,6 +62,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from snapshots import sparse
 from snapshots.codec import (
     DeltaReport,
     adler32,
@@ -246,6 +251,7 @@ class _Task:
     shard: str
     begin: int
     nbytes: int
+    dtype: str
     base_order: int
     recorded: str | None  # the Adler-32 the base records for it
     links: list[_Link] = field(default_factory=list)
@@ -282,7 +288,7 @@ class _Pass:
 
     def tasks(self) -> list[_Task]:
         tasks = {
-            name: _Task(name, shard, entry.begin, entry.nbytes, i, self.layout.checksums.get(name))
+            name: _Task(name, shard, entry.begin, entry.nbytes, entry.dtype, i, self.layout.checksums.get(name))
             for i, (name, (shard, entry)) in enumerate(self.layout.tensors.items())
         }
         for position, plan in enumerate(self.plans):
@@ -291,7 +297,10 @@ class _Pass:
                 task = tasks.get(item.name)
                 if task is None:
                     raise DeltaMismatchError("is in the delta but not in the base", file=file, tensor=item.name)
-                check_wire_size(item.wire_bytes, task.nbytes, file=file, tensor=item.name)
+                if item.sparse is not None:
+                    sparse.check_size(item.sparse.values, task.nbytes, task.dtype, file=file, tensor=item.name)
+                else:
+                    check_wire_size(item.wire_bytes, task.nbytes, file=file, tensor=item.name)
                 task.links.append(_Link(position, order, item, file))
         return list(tasks.values())
 
@@ -307,11 +316,18 @@ class _Pass:
                 exc = DeltaMismatchError(f"corrupt zstd frame ({exc})", file=file, tensor=task.name)
             raise _Failure(task.failure_key(), exc) from exc
 
-    def _frames(self, task: _Task) -> list[memoryview]:
-        frames = []
+    def _frames(self, task: _Task) -> list[Any]:
+        """Each link's zstd frame, checked, or (a sparse link) its positions and values."""
+        frames: list[Any] = []
         for task.link in task.links:
-            item = task.link.item
-            frame = self.plans[task.link.position].source.read_range(item.file, item.begin, item.wire_bytes)
+            item, source = task.link.item, self.plans[task.link.position].source
+            if item.sparse is not None:
+                spec = item.sparse
+                index_bytes = source.read_range(spec.indices.file, spec.indices.begin, spec.indices.end - spec.indices.begin)
+                value_bytes = source.read_range(spec.values.file, spec.values.begin, spec.values.end - spec.values.begin)
+                frames.append(sparse.decode(index_bytes, value_bytes, spec, task.nbytes, file=task.link.file))
+                continue
+            frame = source.read_range(item.file, item.begin, item.wire_bytes)
             if len(frame) != item.wire_bytes:
                 raise DeltaMismatchError("frame is truncated", file=task.link.file, tensor=task.name)
             frames.append(check_frame(frame, task.nbytes, file=task.link.file, tensor=task.name))
@@ -322,7 +338,9 @@ class _Pass:
         frames = self._frames(task)
         out_fd = self.out_fds.get(task.shard)
         data_buf, diff_buf = _thread.buffers(min(self.chunk_bytes, max(task.nbytes, 1)))
-        readers = [d.stream_reader(f, read_across_frames=False) for d, f in zip(_thread.decompressors(len(frames)), frames)]
+        decompressors = _thread.decompressors(len(frames))
+        readers = [f if isinstance(f, tuple) else d.stream_reader(f, read_across_frames=False)
+                   for d, f in zip(decompressors, frames)]
         # Running Adler-32 of the base bytes, then of the bytes after each link.
         running = [adler32(b"")] * (len(frames) + 1)
         base = _TensorReader(self.layout.source, task.shard, task.begin, task.nbytes, self.base_fds.get(task.shard), task.name)
@@ -338,6 +356,10 @@ class _Pass:
                 if not task.links:  # a changed tensor is proven by its links' checksums instead
                     running[0] = adler32(data, running[0])
                 for k, (task.link, reader) in enumerate(zip(task.links, readers)):
+                    if isinstance(reader, tuple):  # a sparse link: its positions and values
+                        sparse.scatter_chunk(data, done, *reader)
+                        running[k + 1] = adler32(data, running[k + 1])
+                        continue
                     got = fill_from(reader, memoryview(diff))
                     if got != step:
                         check_inflated(done + got, b"", task.nbytes, file=task.link.file, tensor=task.name)
@@ -353,11 +375,13 @@ class _Pass:
                 os.posix_fadvise(out_fd, task.out_offset, task.nbytes, os.POSIX_FADV_DONTNEED)
             for task.link, reader in zip(task.links, readers):
                 # One byte more than the tensor is refused, and never more than that is inflated.
-                check_inflated(task.nbytes, reader.read(1), task.nbytes, file=task.link.file, tensor=task.name)
+                if not isinstance(reader, tuple):
+                    check_inflated(task.nbytes, reader.read(1), task.nbytes, file=task.link.file, tensor=task.name)
         finally:
             base.close()
             for reader in readers:
-                reader.close()
+                if not isinstance(reader, tuple):
+                    reader.close()
         digests = [f"{r & 0xFFFFFFFF:08x}" for r in running]
         task.link = None
         if not task.links and task.recorded is not None and digests[0] != task.recorded:
@@ -477,7 +501,10 @@ def materialize_chain_report(
 
     Raises:
         SnapshotError: naming file and tensor; ``out_dir`` is untouched.
+        ValueError: ``chunk_bytes`` is not a positive multiple of 8.
     """
+    if chunk_bytes <= 0 or chunk_bytes % 8:
+        raise ValueError(f"chunk_bytes {chunk_bytes}: a positive multiple of 8 (no element may straddle two chunks)")
     layout, plans = _prepare(base, deltas, s3)
     out = Path(out_dir)
     with replacing_directory(out, fsync=fsync, discard=discard) as tmp:

@@ -35,6 +35,8 @@ def test_a_family_takes_a_full_and_cwtrain_deltas_and_answers_as_a_fresh_engine(
                                                                                  record_property):
     # Each hot-load's seconds, pause and proof count: in the JUnit XML (``--junitxml``) and in
     # the test's temporary directory (hot_loads.json, kept by pytest for the last runs).
-    figures = json.dumps(run_family_chain(stack, family, tp, tmp_path))
+    # One case also takes a sparse delta (changed elements only): Qwen2, whose biases the engine
+    # widens to float32 as it scatters them.
+    figures = json.dumps(run_family_chain(stack, family, tp, tmp_path, sparse=(family, tp) == ("qwen2", 1)))
     (tmp_path / "hot_loads.json").write_text(figures)
     record_property("hot_loads", figures)

@@ -9,9 +9,10 @@ Then a FULL hot-load of another checkpoint (the engine serves every one of its t
 answers differently: the premise), three cwtrain deltas back to the last checkpoint, each
 COMPLETED with exactly the changed tensors proven inside a pause and, after each, every tensor
 read back equal to the trainer's (each rank's shards against the same regions of the trainer's
-tensors); after the last, the engine answers exactly as it did fresh. A corrupted delta FAILS
-naming its tensor, the replica still serves the last checkpoint, and its engine never
-restarted. At tensor-parallel size 2, every socket the ranks listen on is on the stack's host.
+tensors), and only the changed elements written inside the pause (``swapBytes``); after the
+last, the engine answers exactly as it did fresh. Where asked, a sparse delta (changed elements
+as indices and values) one step back, COMPLETED the same way. A corrupted delta FAILS naming
+its tensor, the replica still serves what it served, and its engine never restarted. At tensor-parallel size 2, every socket the ranks listen on is on the stack's host.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import httpx
 import psutil
 
 from snapshots.inspect import read_delta_plan
+from snapshots.sparse_writer import write_sparse_delta
 from tests.helpers.chains import changed_tensors, cwtrain_write_delta
 from tests.helpers.deployments import delete_deployment
 from tests.helpers.replicas import assert_every_replica_serves, engines, hot_load, hot_load_replicas
@@ -72,10 +74,11 @@ def corrupt_one_frame(delta: Path) -> str:
     return victim.name
 
 
-def run_family_chain(stack, family: str, tp: int, tmp_path: Path) -> list[dict]:
+def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool = False) -> list[dict]:
     """The chain the module docstring describes, on ``family`` at tensor-parallel size ``tp``;
     returns each COMPLETED hot-load's figures (what, seconds from create to COMPLETED as the
-    test polls it, the replica's pause in ms, tensors proven)."""
+    test polls it, the replica's pause in ms, tensors proven). ``sparse``: then one step back
+    as a sparse delta (changed elements only, snapshots/sparse.py), before the corrupted one."""
     api, s3 = Api(stack), stack.s3_client()
     tokenizer_from = stack.home_path / "models" / "base"
     checkpoints = [write_family(tmp_path, tokenizer_from, family, seed=1)]  # the FULL
@@ -137,15 +140,27 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path) -> list[dict]:
         assert through_gateway(stack, model) == fresh, \
             "the updated replica answers other than the fresh engine did on the same checkpoint"
 
+        serving = 3
+        if sparse:  # one step back, as a trainer that publishes changed elements writes it
+            identity = f"{family}-sparse"
+            write_sparse_delta(checkpoints[3], checkpoints[2], tmp_path / identity, version=identity,
+                               base_version=prev_id)
+            upload_dir(s3, tmp_path / identity, stack.bucket, f"{prefix}/{identity}")
+            rep = publish(identity, prev_id, "sparse delta")
+            assert rep["verifiedTensors"] == changed_tensors(checkpoints[3], checkpoints[2])
+            assert 0 < rep["swapBytes"]["pause_bytes"] <= SCATTER_OVERHEAD * rep["swapBytes"]["changed_bytes"]
+            assert_every_replica_serves(stack, dep_id, checkpoints[2])
+            prev_id, serving = identity, 2
+
         bad = tmp_path / f"{family}-000004"
-        cwtrain_write_delta(checkpoints[3], checkpoints[2], bad, bad.name, prev_id)  # back one step
+        cwtrain_write_delta(checkpoints[serving], checkpoints[5 - serving], bad, bad.name, prev_id)  # one step
         victim = corrupt_one_frame(bad)
         upload_dir(s3, bad, stack.bucket, f"{prefix}/{bad.name}")
         hl = hot_load(api, dep_id, bad.name, prev_id)
         assert hl["status"]["state"] == "HOT_LOAD_STATE_FAILED", hl["status"]
         [rep] = hot_load_replicas(api, hl["spec"]["id"])
         assert rep["state"] == "ERROR" and victim in rep["errorReason"], rep
-        assert_every_replica_serves(stack, dep_id, checkpoints[3])
+        assert_every_replica_serves(stack, dep_id, checkpoints[serving])
         assert engines(stack, dep_id)[0]["enginePid"] == pid
         if tp > 1:  # the ranks are new processes: every socket they listen on is on the stack's host
             assert off_host_sockets(pid, stack.host) == []
