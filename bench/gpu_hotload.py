@@ -198,7 +198,7 @@ def main() -> None:
         write = statistics.median(r["copy_s"] + r["repack_s"] for _, r in results)
         prove = statistics.median(r["verify_s"] for _, r in results)
         moved = statistics.median(r["pause_bytes"] for _, r in results)
-        changed = [r["changed_bytes"] for _, r in results if "changed_bytes" in r]
+        changed = [r["changed_bytes"] for _, r in results] if what.startswith("delta, scattered") else []
         medians[what] = (pause, moved, write)
         shown = f"{statistics.median(changed) / 1e6:8.1f} MB" if changed else f"{'—':>11}"
         print(f"{what:<26} {1000 * pause:>9.1f} {1000 * write:>9.1f} {1000 * prove:>9.1f} {moved / 1e6:>16.1f} MB "

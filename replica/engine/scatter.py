@@ -1,9 +1,10 @@
-"""Sparse swaps: inside the pause, only the elements a stage changes are written.
+"""How a stage's tensors cross into the engine inside the pause: only the changed elements
+where that moves fewer bytes, and, on an accelerator, from buffers already on the device.
 
-:func:`plan` runs at stage time, the engine serving. For each tensor with a roll-back copy (the
-values the engine serves now, in the checkpoint's layout) it compares the new bytes with the old
-ones in every region this rank holds, and chooses by the bytes the pause would move into the
-engine:
+:func:`plan` runs at stage time, the engine serving. Given roll-back copies (a delta's stage: the
+values the engine serves now, in the checkpoint's layout) it compares each tensor's new bytes
+with the old ones in every region this rank holds, and chooses by the bytes the pause would
+move into the engine:
 
 - **sparse**: per landing, the changed elements' offsets in the parameter's storage (int32 where
   the parameter has fewer than 2^31 elements, else int64) and their new values in the
@@ -11,15 +12,18 @@ engine:
   the parameter's device). The pause scatters them in (:func:`write`); a roll-back scatters the
   old values back (:func:`roll_back`).
 - **dense**: the whole tensor through its landings, as `weight_map.WeightMap.write` does, when
-  that moves no more bytes (a tensor changed densely), or when the stage's scatter buffers
-  would pass ``budget`` bytes (``ROLLOUTS_SCATTER_BUDGET_BYTES``, default 1 GiB).
+  that moves no more bytes (a tensor changed densely), when the stage's device buffers would
+  pass ``budget`` bytes (``ROLLOUTS_SCATTER_BUDGET_BYTES``, default 1 GiB), and for every tensor
+  of a stage without roll-back copies given (a FULL).
 
 The offsets and values are staged on the parameter's device (through pinned host memory on an
-accelerator), so on a GPU the pause moves only them. :class:`Plan` counts what it decided:
-``changed_bytes`` (changed elements at the checkpoint's width), ``staged_bytes`` (scatter
-buffers held ready, and dense tensors' bytes), ``pause_bytes`` (what the swap writes into the
-engine: scatters' offsets and values, dense landings at the parameter's width) and
-``scatter_device_bytes`` (the scatter buffers on the parameter's device).
+accelerator), so on a GPU the pause moves only them; a dense tensor of a GPU engine is staged
+there too while the budget lasts (the pause then copies device to device), else it crosses from
+host memory inside the pause. :class:`Plan` counts what it decided: ``changed_bytes`` (changed
+elements at the checkpoint's width; 0 where not compared), ``staged_bytes`` (scatter buffers
+and dense tensors' bytes held ready), ``pause_bytes`` (what the swap writes into the engine:
+scatters' offsets and values, dense landings at the parameter's width) and
+``device_staged_bytes`` (what of it is held on the parameter's device, within the budget).
 """
 
 from __future__ import annotations
@@ -61,14 +65,15 @@ class Scatter:
 @dataclass
 class Plan:
     sparse: dict[str, list[Scatter]] = field(default_factory=dict)
+    on_device: dict[str, torch.Tensor] = field(default_factory=dict)  # dense tensors staged on the device
     changed_bytes: int = 0
     staged_bytes: int = 0
     pause_bytes: int = 0
-    scatter_device_bytes: int = 0
+    device_staged_bytes: int = 0
 
     def report(self) -> dict[str, int]:
         return {"changed_bytes": self.changed_bytes, "staged_bytes": self.staged_bytes,
-                "pause_bytes": self.pause_bytes, "scatter_device_bytes": self.scatter_device_bytes,
+                "pause_bytes": self.pause_bytes, "device_staged_bytes": self.device_staged_bytes,
                 "sparse_tensors": len(self.sparse)}
 
 
@@ -98,14 +103,17 @@ def _scatter(wmap: WeightMap, ld: Landing, new: torch.Tensor, mask: torch.Tensor
     return Scatter(ld.param, offsets, values, space[offsets].clone())
 
 
-def plan(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]], backup: dict[str, torch.Tensor],
+def plan(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]], backup: dict[str, torch.Tensor] | None,
          budget: int | None = None) -> Plan:
     """Decide, tensor by tensor, how the swap writes ``tensors`` (module docstring). ``backup``:
     what the engine serves now for each, in the checkpoint's layout (at least the regions this
-    rank holds)."""
+    rank holds); None: every tensor goes whole."""
     budget = budget_from_env() if budget is None else budget
     out = Plan()
     for name, t in tensors:
+        if backup is None:
+            _dense(wmap, name, t, out, budget)
+            continue
         new, old = t.contiguous(), backup[name].contiguous()
         landings = wmap.entry(name).landings
         masks: dict[Landing, torch.Tensor] = {}
@@ -122,29 +130,31 @@ def plan(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]], backup: d
         dense = dense_bytes(wmap, name)
         index = {ld: 4 if flat(wide[ld]).numel() < 2**31 else 8 for ld in landings}
         sparse = sum(int(masks[ld].sum()) * (wide[ld].element_size() + index[ld]) for ld in landings)
-        if sparse < dense and out.scatter_device_bytes + sparse <= budget:
+        if sparse < dense and out.device_staged_bytes + sparse <= budget:
             scatters = [_scatter(wmap, ld, new, masks[ld]) for ld in landings]
             out.sparse[name] = scatters
             size = sum(s.nbytes() for s in scatters)
-            out.scatter_device_bytes += size
+            out.device_staged_bytes += size
             out.staged_bytes += size
             out.pause_bytes += size
         else:
-            out.staged_bytes += t.nbytes
-            out.pause_bytes += dense
+            _dense(wmap, name, t, out, budget)
     return out
+
+
+def _dense(wmap: WeightMap, name: str, t: torch.Tensor, out: Plan, budget: int) -> None:
+    """``name`` goes whole: staged on the accelerator holding it while the budget lasts."""
+    out.staged_bytes += t.nbytes
+    out.pause_bytes += dense_bytes(wmap, name)
+    devices = {wmap.target(ld.param).device for ld in wmap.entry(name).landings}
+    if len(devices) == 1 and (device := devices.pop()).type != "cpu" and out.device_staged_bytes + t.nbytes <= budget:
+        out.on_device[name] = _to_device(t.contiguous(), device)
+        out.device_staged_bytes += t.nbytes
 
 
 def dense_bytes(wmap: WeightMap, name: str) -> int:
     """What writing ``name`` whole moves into the engine: each landing at the parameter's width."""
     return sum(ld.dst.numel() * wmap.target(ld.param).element_size() for ld in wmap.entry(name).landings)
-
-
-def dense_report(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
-    """The bytes of a stage swapped in whole: all of it staged, all of it moved in the pause."""
-    return {"staged_bytes": sum(t.nbytes for _, t in tensors),
-            "pause_bytes": sum(dense_bytes(wmap, n) for n, _ in tensors),
-            "scatter_device_bytes": 0, "sparse_tensors": 0}
 
 
 def write(wmap: WeightMap, scatters: dict[str, list[Scatter]]) -> None:

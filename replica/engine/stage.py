@@ -63,10 +63,15 @@ class Stage:
     swapped: bool = False
     held: bool = False  # proven and kept swapped in until released (a rank of a TP engine)
     checked: bool = False  # the staged bytes were checked against ``expected_adler32`` when taken
-    plan: scatter.Plan | None = None  # tensors swapped in as their changed elements only
+    plan: scatter.Plan | None = None  # how each tensor crosses into the engine (`scatter.plan`)
 
     def scattered(self) -> dict[str, list[scatter.Scatter]]:
         return self.plan.sparse if self.plan is not None else {}
+
+    def ready(self) -> list[tuple[str, torch.Tensor]]:
+        """The staged tensors, each where it is held ready (on the engine's device when staged there)."""
+        on_device = self.plan.on_device if self.plan is not None else {}
+        return [(n, on_device.get(n, t)) for n, t in self.tensors]
 
 
 def _backup_copies(wmap: WeightMap, names: list[str]) -> dict[str, torch.Tensor]:
@@ -101,7 +106,7 @@ def take(
         if backup is None:
             backup = _backup_copies(wmap, [n for n, _ in tensors])
         # The plan reads the roll-back copies: the pool's may not be refilled meanwhile.
-        planned = scatter.plan(wmap, tensors, backup) if sparse else None
+        planned = scatter.plan(wmap, tensors, backup if sparse else None)
     expected = None if expected_adler32 is None else {n: c.lower() for n, c in expected_adler32.items()}
     return Stage(label, tensors, backup, expected, checked=checked and expected is not None, plan=planned)
 
@@ -132,7 +137,7 @@ def swap(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
     t0 = time.perf_counter()
     wmap.check(stage.tensors)
     try:
-        wmap.write(_dense(stage, stage.tensors))
+        wmap.write(_dense(stage, stage.ready()))
         scatter.write(wmap, stage.scattered())
         t1 = time.perf_counter()
         wmap.rebuild(n for n, _ in stage.tensors)
@@ -142,7 +147,8 @@ def swap(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
         raise
     stage.swapped = True
     report: dict[str, Any] = {"copy_s": round(t1 - t0, 6), "repack_s": round(time.perf_counter() - t1, 6)}
-    report.update(stage.plan.report() if stage.plan is not None else scatter.dense_report(wmap, stage.tensors))
+    if stage.plan is not None:
+        report.update(stage.plan.report())
     return report
 
 
@@ -193,7 +199,7 @@ def commit(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
     """Prove a swapped stage (:func:`proof`). ``{"verified": n, "checksums": {...}, "verify_s"}``,
     or, after rolling back, ``{"read_back_failed": [names], "rolled_back": True}``."""
     t0 = time.perf_counter()
-    bad, held = proof(wmap, stage.tensors, stage.expected_adler32, stage.checked)
+    bad, held = proof(wmap, stage.ready(), stage.expected_adler32, stage.checked)
     if bad:
         logger.error("read-back of %s differs for %s; rolling back", stage.label, bad[:8])
         roll_back(wmap, stage)

@@ -26,9 +26,9 @@ def test_a_swap_is_verified_only_when_every_rank_proved_its_shard():
     with pytest.raises(ValueError, match="different numbers of tensors"):
         combine_swap([ok, {**ok, "verified": 1}])
     # Each rank moved its own shard's bytes: the engine's are their sum.
-    moved = {"pause_bytes": 10, "staged_bytes": 30, "changed_bytes": 4, "scatter_device_bytes": 10}
+    moved = {"pause_bytes": 10, "staged_bytes": 30, "changed_bytes": 4, "device_staged_bytes": 10}
     summed = combine_swap([{**ok, **moved}, {**ok, **moved, "pause_bytes": 12}])
-    assert swap_bytes(summed) == {"pause_bytes": 22, "staged_bytes": 60, "changed_bytes": 8, "scatter_device_bytes": 20}
+    assert swap_bytes(summed) == {"pause_bytes": 22, "staged_bytes": 60, "changed_bytes": 8, "device_staged_bytes": 20}
     maps = combine_map([{"tensors": 3, "held": 3, "refused": {}, "refused_count": 0, "build_s": 0.1},
                         {"tensors": 3, "held": 2, "refused": {"x": "why"}, "refused_count": 1, "build_s": 0.2}])
     assert maps == {"tensors": 3, "held": 2, "refused": {"x": "why"}, "refused_count": 1, "build_s": 0.2, "ranks": 2}

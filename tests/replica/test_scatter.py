@@ -97,7 +97,7 @@ def test_a_sparse_delta_moves_only_its_changed_elements_and_is_proven(device: st
     dense = sum(scatter.dense_bytes(wmap, n) for n in new)
     assert 0 < report["changed_bytes"] and report["sparse_tensors"] == 4
     assert report["pause_bytes"] <= OVERHEAD * report["changed_bytes"] < dense
-    assert report["scatter_device_bytes"] == report["pause_bytes"]
+    assert report["device_staged_bytes"] == report["pause_bytes"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -107,6 +107,7 @@ def test_each_tensor_goes_the_way_that_moves_fewer_bytes(device: str, monkeypatc
     wmap = engine(device, old)
     stage, _ = stage_of(wmap, old, new, "v1")
     assert set(stage.scattered()) == {"k", "v", "norm"}  # nothing to scatter costs nothing
+    assert set(stage.plan.on_device) == ({"q"} if device != "cpu" else set())  # staged on the accelerator
     report = stage.plan.report()
     assert report["pause_bytes"] == scatter.dense_bytes(wmap, "q")
     assert report["changed_bytes"] == new["q"].nbytes
@@ -116,10 +117,23 @@ def test_each_tensor_goes_the_way_that_moves_fewer_bytes(device: str, monkeypatc
     stage, _ = stage_of(wmap, old, few, "v2")
     assert stage.scattered() == {} or all(
         s.offsets.numel() == 0 for items in stage.scattered().values() for s in items)
-    assert stage.plan.report()["scatter_device_bytes"] == 0
+    assert stage.plan.report()["device_staged_bytes"] == 0
     monkeypatch.setenv(scatter.BUDGET_ENV, "lots")
     with pytest.raises(ValueError, match="ROLLOUTS_SCATTER_BUDGET_BYTES='lots'"):
         stage_of(wmap, old, few, "v3")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_full_goes_whole_staged_on_the_accelerator(device: str) -> None:
+    old, new = checkpoint(10), checkpoint(11)
+    wmap, slot = engine(device, old), StageSlot()
+    tensors = list(new.items())
+    expected = {n: adler32_hex(t) for n, t in tensors}
+    slot.put(take(wmap, "full", tensors, expected_adler32=expected, checked=True))
+    report = slot.swap_and_commit(wmap, "full")
+    assert report["verified"] == 4 and report["sparse_tensors"] == 0 and same(served(wmap), new)
+    assert report["pause_bytes"] == sum(scatter.dense_bytes(wmap, n) for n in new)
+    assert report["device_staged_bytes"] == (sum(t.nbytes for t in new.values()) if device != "cpu" else 0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
