@@ -24,7 +24,8 @@ first). Methods (per worker):
 - ``weight_map()`` -> ``{"tensors", "held", "refused": {name: why} (the first 16), "refused_count",
   "build_s"}``: builds the map if it is not built yet (the agent calls it once the engine serves);
 - ``engine_pid()`` -> ``{"pid", "parent_pid", "idle_spin_s", "logprob_ranks_eager", "rank",
-  "ranks"}``: this worker, its engine core, what `replica.engine.plugin` set in this process, its
+  "ranks"}``: this worker's process and its parent (the engine core, or the API server where the
+  worker runs inside the engine core: one rank on CPU), what `replica.engine.plugin` set in this process, its
   tensor-parallel rank and size;
 - ``weight_checksums(names=None, algorithm="adler32")`` -> ``{"algorithm", "checksums":
   {checkpoint name: hex}, "regions": {checkpoint name: [[size], [stride], offset, hex], ...},

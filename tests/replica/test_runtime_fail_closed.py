@@ -102,7 +102,7 @@ class Replica:
 
     async def swaps_in_the_delta(self) -> None:
         staged = await self.runtime.stage_update(self.inp, {"v-next": self.delta})
-        _, _, verified, breakdown = await self.runtime._swap_in(staged, CHAIN_IDS, PromptCachePolicy.PRESERVE)
+        _, _, verified, breakdown, _ = await self.runtime._swap_in(staged, CHAIN_IDS, PromptCachePolicy.PRESERVE)
         # A vLLM server swaps in four calls, each timed.
         assert {"pause", "label", "swap", "swap_in", "prove", "resume"} <= breakdown.keys(), breakdown
         await self.runtime.settled()

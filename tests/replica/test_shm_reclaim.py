@@ -3,7 +3,8 @@
 Covers: a ``psm_`` segment left by a killed process group (as a killed vLLM engine leaves its
 message queues: Python's resource tracker dies with it) is removed from ``/dev/shm``; segments a
 live process maps or holds open stay, as do other names and files others may read; the session's
-real vLLM engine keeps every segment it maps and still serves after a reclaim.
+real vLLM one-rank engine maps no queue segment at all, and an engine with worker processes (a
+tensor-parallel one's executor) keeps every segment it maps and still serves after a reclaim.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from replica.agent.engine_process import EngineProcess
+from replica.agent.engine_process import INPROC_WORKER_ENV, EngineProcess
 from replica.agent.shm_reclaim import DEV_SHM, reclaim_dead_segments
 
 HOLDER = """
@@ -100,13 +101,33 @@ def engine_segments(pids: list[int]) -> set[Path]:
     return found
 
 
-@pytest.mark.engine
-async def test_a_running_engine_keeps_its_segments(engine: EngineProcess) -> None:
+async def test_a_one_rank_engine_maps_no_queue_segments(engine: EngineProcess) -> None:
+    """A one-rank CPU engine runs its worker inside the engine core (replica/agent/engine_process.py):
+    no message queue between them, so nothing of it in /dev/shm to leak when it is killed."""
     pids = await engine.engine_pids()
-    mapped = engine_segments([pids["worker"], pids["worker_parent"]] + ([pids["server"]] if "server" in pids else []))
-    assert any(p.name.startswith("psm_") for p in mapped), mapped  # vLLM's message queues
-    removed = {s.path for s in reclaim_dead_segments()}
-    assert not removed & mapped
-    assert all(p.exists() for p in mapped)
-    assert await engine.health()
-    assert await engine.models() == ["base"]
+    assert pids["worker_parent"] == pids["server"]  # the worker is the engine core itself
+    assert not any(p.name.startswith("psm_") for p in engine_segments(list(set(pids.values()))))
+
+
+@pytest.mark.engine
+async def test_a_running_engine_keeps_its_segments(model_dirs: dict[str, Path],
+                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The engine of a tensor-parallel replica has a worker process per rank and vLLM's message
+    queues between them in /dev/shm (``psm_``). Its own engine (why this test starts one): one
+    rank with a worker process of its own, the executor tensor-parallel engines run, so that its
+    queues exist; a reclaim keeps every segment it maps, and it still serves."""
+    # A short work directory: vLLM's IPC socket paths under it must fit a socket address.
+    engine = EngineProcess(model_dirs["base"], work_dir=tmp_path_factory.mktemp("e"), served_model_name="base",
+                           env={INPROC_WORKER_ENV: "1"})
+    await engine.start(timeout=600)
+    try:
+        pids = await engine.engine_pids()
+        mapped = engine_segments([pids["worker"], pids["worker_parent"]] + ([pids["server"]] if "server" in pids else []))
+        assert any(p.name.startswith("psm_") for p in mapped), mapped  # vLLM's message queues
+        removed = {s.path for s in reclaim_dead_segments()}
+        assert not removed & mapped
+        assert all(p.exists() for p in mapped)
+        assert await engine.health()
+        assert await engine.models() == ["base"]
+    finally:
+        await engine.stop()
