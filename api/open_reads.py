@@ -16,7 +16,9 @@ hot-load (what a trainer waits for) shows as soon as a describe can show it. Tem
 describe per read at most, and never two at once for one hot-load and view however many clients
 poll it. A write through this process (a cancel) drops what is kept (`forget`): the next read
 waits for a describe started after it. A read never answers an older state than the index
-already holds (`HotLoadIndex.latest`): the operation alone is answered from the index then, the
+already holds (`HotLoadIndex.latest`) or than this process already answered for the operation in
+either view (an operation nobody lists is not in the index: a trainer that read COMPLETED must not
+then read its replicas UPDATING): the operation alone is answered from the newer state then, the
 replica entries are waited for. A closed hot-load is not kept here: the index answers it from
 memory from then on.
 """
@@ -54,6 +56,7 @@ class OpenReads:
         self.wait_s, self.max_stale_s = wait_s, max_stale_s
         self.clock = clock or (lambda: asyncio.get_running_loop().time())
         self._kept: dict[tuple[str, bool], _Kept] = {}
+        self._newest: dict[str, Record] = {}  # the newest state answered per open operation, either view
         self.describes = 0  # describes started here (tests count them)
         self.kept_answers = 0  # reads answered from what was kept (the describe was late)
 
@@ -68,20 +71,21 @@ class OpenReads:
         if fallback is None:
             rec = await asyncio.shield(task)
             OPEN_READS.labels(answer="described").inc()
-            return rec
+            return self._answered(rec)
         done, _ = await asyncio.wait({task}, timeout=self.wait_s)
         if done and task.exception() is None:
             OPEN_READS.labels(answer="described").inc()
-            return task.result()
+            return self._answered(task.result())
         self.kept_answers += 1
         OPEN_READS.labels(answer="kept").inc()
-        return fallback
+        return self._answered(fallback)
 
     def forget(self, workflow_id: str) -> None:
         """Drops what is kept of the operation (a write changed it): the next read waits for a
         describe of its own. A describe in flight finishes into the dropped answer."""
         for replicas in (False, True):
             self._kept.pop((workflow_id, replicas), None)
+        self._newest.pop(workflow_id, None)
 
     async def close(self) -> None:
         tasks = [k.refreshing for k in self._kept.values() if k.refreshing is not None]
@@ -94,9 +98,25 @@ class OpenReads:
         if kept.record is None or now - kept.started > self.max_stale_s:
             return None
         latest = self.index.latest(kept.record)
+        newest = self._newest.get(kept.record.id)
+        if newest is not None and newest.updated_at > latest.updated_at:
+            latest = newest
         if latest is not kept.record and replicas:
             return None  # entries older than a state this process already answered
         return latest
+
+    def _answered(self, rec: Record | None) -> Record | None:
+        """Notes ``rec`` as answered: no later read of the operation answers an older state."""
+        if rec is None or rec.closed:
+            if rec is not None:
+                self._newest.pop(rec.id, None)
+            return rec
+        cur = self._newest.get(rec.id)
+        if cur is None or rec.updated_at > cur.updated_at:
+            if cur is None and len(self._newest) >= MAX_KEPT:
+                self._newest = {k: v for k, v in self._newest.items() if any(k == key[0] for key in self._kept)}
+            self._newest[rec.id] = rec
+        return rec
 
     def _keep(self, key: tuple[str, bool], now: float) -> _Kept:
         if len(self._kept) >= MAX_KEPT:

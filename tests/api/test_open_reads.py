@@ -150,6 +150,26 @@ async def test_closed_and_missing_operations_are_not_kept(setup) -> None:
     assert reads._kept == {}
 
 
+async def test_entries_older_than_a_state_already_answered_are_waited_for(setup) -> None:
+    """An operation nobody lists is not in the index: what this process answered for it, in
+    either view, is what a late describe's kept answer may not be older than (a trainer that read
+    COMPLETED then reads the replicas)."""
+    index, clock, reads = setup
+    await answer(index, record(1, replicas=[{"name": "r0", "state": "UPDATING"}]))
+    await reads.read(WF, replicas=True)
+    await answer(index, record(2))
+    assert version(await reads.read(WF, replicas=False)) == 2  # the operation alone, described in time
+    entries = asyncio.create_task(reads.read(WF, replicas=True))
+    await asyncio.sleep(0.05)
+    assert not entries.done(), "replica entries older than a state already answered were served"
+    await answer(index, record(2, replicas=[{"name": "r0", "state": "READY"}]))
+    assert (await entries).replicas == [{"name": "r0", "state": "READY"}]
+    # And the operation alone never goes back: a late describe answers the newest state answered.
+    await answer(index, record(3, replicas=[{"name": "r0", "state": "READY"}]))
+    await reads.read(WF, replicas=True)
+    assert version(await reads.read(WF, replicas=False)) == 3
+
+
 async def test_entries_older_than_what_the_index_holds_are_waited_for(setup) -> None:
     index, clock, reads = setup
     await answer(index, record(1, replicas=[{"name": "r0", "state": "UPDATING"}]))
