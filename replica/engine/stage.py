@@ -4,15 +4,19 @@
   in place byte for byte (`weight_map.WeightMap.check`: a tensor of the engine's checkpoint that
   lands in place, of that tensor's shape and dtype) and keeps it with its roll-back copy, either the views given (the agent's host copy in shared
   memory, which holds exactly what the engine serves until the commit) or copies of the engine's
-  current values taken now, and with the Adler-32 the commit proves it against.
+  current values taken now, and with the Adler-32 the commit proves it against; and plans how
+  each tensor crosses into the engine (`scatter.plan`: a delta's changed elements only where
+  that moves fewer bytes, buffers staged on an accelerator within a budget).
 - **swap** (inside a pause): :func:`swap` copies the staged tensors where vLLM's loader puts
-  them (`weight_map`), then rebuilds the kernel copies of the layers written (`cpu_gemm`,
-  `cpu_moe`). A failure restores the roll-back copies and drops the stage.
+  them (`weight_map`), or scatters their changed elements there, then rebuilds the kernel copies
+  of the layers written (`cpu_gemm`, `cpu_moe`). A failure restores the roll-back copies and
+  drops the stage. Its report carries the bytes it moved (`scatter.Plan.report`).
 - **commit** (inside the same pause, before a token is served on the new weights):
   :func:`commit` reads back what the engine holds (:func:`proof`): against the expected Adler-32
-  when they cover every tensor (the snapshot's), else bit for bit against the staged bytes, and
-  that every rebuilt MoE layer is packed from what was written. A difference restores the roll-back copies and is answered as ``read_back_failed`` naming the
-  tensors; otherwise ``verified`` counts the tensors proven.
+  when they cover every tensor (the snapshot's; computed where the parameter lives), else bit
+  for bit against the staged bytes, and that every rebuilt MoE layer is packed from what was
+  written. A difference restores the roll-back copies and is answered as ``read_back_failed``
+  naming the tensors; otherwise ``verified`` counts the tensors proven.
 - **discard**: drop the stage; a swapped one is rolled back first.
 
 A rank of a tensor-parallel engine commits with ``hold``: its proven stage stays swapped in
