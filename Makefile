@@ -74,7 +74,9 @@ test-fast: $(STAMP)
 
 # The engine-side tests marked `gpu` (the device Adler-32, the scattered swap, its roll-back) on a
 # CUDA device: the same tests run on CPU tensors in `make test`; without CUDA they are skipped.
-# With torch alone (no vLLM, no stack): `python bench/gpu_hotload.py` measures the pause there.
+# On a machine with torch and pytest alone (no project venv): `python -m pytest --noconftest -m gpu
+# tests/replica/test_device_checksum.py tests/replica/test_scatter.py`; `python bench/gpu_hotload.py`
+# measures the pause there (torch only).
 test-gpu: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -ra -m gpu tests/replica/test_device_checksum.py tests/replica/test_scatter.py
 

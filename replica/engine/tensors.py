@@ -1,7 +1,9 @@
 """Tensors as bytes: the one dtype table, the one checksum helper, and transfer specs.
 
 A tensor's checksum is the Adler-32 of its raw row-major bytes, 8 lowercase hex digits, the
-snapshot format's (`snapshots.codec.adler32`, zlib-ng's SIMD one when installed). A spec is
+snapshot format's (zlib-ng's SIMD one when installed, as `snapshots.codec` picks it). This module
+imports torch and the standard library only, so the engine's stage, swap and proof
+(`bench/gpu_hotload.py`) run on a machine with torch alone. A spec is
 ``[name, dtype, shape]`` with the dtype as ``"bfloat16"``.
 """
 
@@ -13,7 +15,10 @@ from typing import Any
 
 import torch
 
-from snapshots.codec import adler32
+try:  # zlib-ng's SIMD Adler-32 (~6x zlib's here), same values; not snapshots.codec: no zstd needed
+    from zlib_ng.zlib_ng import adler32
+except ImportError:  # pragma: no cover - a machine with torch alone
+    from zlib import adler32  # type: ignore[assignment]
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
