@@ -241,6 +241,11 @@ class DeltaReport:
     checksums: dict[str, str] = field(default_factory=dict)  # verified Adler-32 of new bytes
 
 
+def _mismatch(item: DeltaTensor, digest: str, file: str) -> ChecksumError:
+    return ChecksumError(f"checksum mismatch: the writer recorded {item.checksum}, the reconstructed bytes have "
+                         f"{digest}", file=file, tensor=item.name)
+
+
 def _xor_into(target: np.ndarray, diff: np.ndarray) -> None:
     np.bitwise_xor(target, diff, out=target)
 
@@ -289,9 +294,7 @@ def apply_plan_in_place(
         file = plan.source.describe(spec.values.file)
         target = targets[item.name]
         sparse.check_size(spec.values, target.nbytes, (dtypes or {}).get(item.name), file=file, tensor=item.name)
-        index_bytes = plan.source.read_range(spec.indices.file, spec.indices.begin, spec.indices.end - spec.indices.begin)
-        value_bytes = plan.source.read_range(spec.values.file, spec.values.begin, spec.values.end - spec.values.begin)
-        positions, values = sparse.decode(index_bytes, value_bytes, spec, target.nbytes, file=file)
+        positions, values = sparse.read(plan.source, spec, target.nbytes, file=file)
         if abort.is_set():
             return ""
         source = (sources or {}).get(item.name)
@@ -302,12 +305,7 @@ def apply_plan_in_place(
         if digest != item.checksum:
             if source is None:
                 sparse.scatter(target, positions, old)  # undo this tensor before reporting it
-            raise ChecksumError(
-                f"checksum mismatch: the writer recorded {item.checksum}, the reconstructed bytes "
-                f"have {digest}",
-                file=file,
-                tensor=item.name,
-            )
+            raise _mismatch(item, digest, file)
         if source is None:
             with lock:
                 applied[item.name] = (positions, old)
@@ -337,12 +335,7 @@ def apply_plan_in_place(
         if digest != item.checksum:
             if source is None:
                 _xor_into(target, diff)  # undo this tensor before reporting it
-            raise ChecksumError(
-                f"checksum mismatch: the writer recorded {item.checksum}, the reconstructed bytes "
-                f"have {digest}",
-                file=file,
-                tensor=item.name,
-            )
+            raise _mismatch(item, digest, file)
         if source is None:  # out-of-place targets need no undo
             with lock:
                 applied[item.name] = frame

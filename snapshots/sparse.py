@@ -16,15 +16,16 @@ proofs and replay are the same as for an XOR delta: only the way the new bytes a
 
 This module has no other snapshot module's types: :func:`pairs` validates the layout from the
 index's weight map and the shard headers (a problem names the file and tensor),
-:func:`check_size` bounds what will be read before it is, :func:`decode` reads and checks one
-tensor's indices and values, and :func:`scatter` writes them into a flat byte buffer, returning
-the old values so that the caller can undo it.
+:func:`check_size` bounds what will be read before it is, :func:`read` reads one tensor's
+indices and values from its snapshot and checks them (:func:`decode`), and :func:`scatter` writes
+them into a flat byte buffer, returning the old values so that the caller can undo it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +35,7 @@ from snapshots.safetensors_io import DTYPE_SIZES, SafetensorsHeader
 SPARSE = "sparse"
 INDICES, VALUES = ".indices", ".values"
 INDEX_DTYPES = {"I32": np.dtype("<i4"), "I64": np.dtype("<i8")}
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # an element's bytes, by width
 _HEX = set("0123456789abcdefABCDEF")
 
 
@@ -122,6 +123,14 @@ def check_size(values: Part, nbytes: int, dtype: str | None, *, file: str | None
                                  file=file, tensor=tensor)
 
 
+def read(source: Any, item: SparseTensor, nbytes: int, *, file: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`decode` of ``item``'s indices and values, read from ``source`` (a snapshot source:
+    ``read_range(shard, offset, length)``)."""
+    index_bytes = source.read_range(item.indices.file, item.indices.begin, item.indices.end - item.indices.begin)
+    value_bytes = source.read_range(item.values.file, item.values.begin, item.values.end - item.values.begin)
+    return decode(index_bytes, value_bytes, item, nbytes, file=file)
+
+
 def decode(index_bytes: bytes, value_bytes: bytes, item: SparseTensor, nbytes: int, *,
            file: str | None) -> tuple[np.ndarray, np.ndarray]:
     """(positions as int64, values as unsigned integers of the element's width), checked: as
@@ -130,7 +139,7 @@ def decode(index_bytes: bytes, value_bytes: bytes, item: SparseTensor, nbytes: i
     if len(index_bytes) != item.indices.end - item.indices.begin or len(value_bytes) != item.values.count * size:
         raise DeltaMismatchError("indices or values are truncated", file=file, tensor=item.name)
     positions = np.frombuffer(index_bytes, dtype=INDEX_DTYPES[item.indices.dtype]).astype(np.int64)
-    values = np.frombuffer(value_bytes, dtype=_UINT[size])
+    values = np.frombuffer(value_bytes, dtype=UINTS[size])
     if positions.size:
         if positions[0] < 0 or positions[-1] >= nbytes // size:
             raise DeltaMismatchError(f"an index is outside the tensor's {nbytes // size} elements "
@@ -158,5 +167,5 @@ def scatter_chunk(data: np.ndarray, start: int, positions: np.ndarray, values: n
         data.view(values.dtype)[positions[lo:hi] - start // size] = values[lo:hi]
 
 
-__all__ = ["INDEX_DTYPES", "INDICES", "Part", "SPARSE", "SparseTensor", "VALUES", "check_size", "decode",
-           "element_size", "pairs", "scatter", "scatter_chunk"]
+__all__ = ["INDEX_DTYPES", "INDICES", "Part", "SPARSE", "SparseTensor", "UINTS", "VALUES", "check_size", "decode",
+           "element_size", "pairs", "read", "scatter", "scatter_chunk"]

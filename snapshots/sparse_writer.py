@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +24,12 @@ from snapshots.codec import adler32_hex
 from snapshots.errors import SnapshotError
 from snapshots.host import HostWeights
 from snapshots.inspect import INDEX_FILE
+from snapshots.replace import replacing_directory
 from snapshots.safetensors_io import DTYPE_SIZES, TensorSpec, write_safetensors
-from snapshots.sparse import INDICES, SPARSE, VALUES
+from snapshots.sparse import INDICES, SPARSE, UINTS, VALUES
 from snapshots.writer import DeltaStats
 
 SHARD = "model-00000-of-00001.safetensors"
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def write_sparse_delta(base_dir: str | os.PathLike[str], new_dir: str | os.PathLike[str],
@@ -49,7 +48,7 @@ def write_sparse_delta(base_dir: str | os.PathLike[str], new_dir: str | os.PathL
         if (old_info.dtype, old_info.shape) != (new_info.dtype, new_info.shape):
             raise SnapshotError(f"{old_info.dtype}{list(old_info.shape)} in the base, "
                                 f"{new_info.dtype}{list(new_info.shape)} in the new checkpoint", tensor=name)
-        width = _UINT[DTYPE_SIZES[new_info.dtype]]
+        width = UINTS[DTYPE_SIZES[new_info.dtype]]
         old_elems, new_elems = base.raw(name).view(width), new.raw(name).view(width)
         positions = np.flatnonzero(old_elems != new_elems)
         if not positions.size:
@@ -63,19 +62,11 @@ def write_sparse_delta(base_dir: str | os.PathLike[str], new_dir: str | os.PathL
         stats.wire_bytes += positions.size * (np.dtype(index_dtype[1]).itemsize + DTYPE_SIZES[new_info.dtype])
     if not specs:
         return stats
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
+    with replacing_directory(out) as tmp:
         write_safetensors(tmp / SHARD, specs, checksums)
         index = {"metadata": {"version": str(version), "base_version": str(base_version), "delta_encoding": SPARSE,
                               "checksum_format": "adler32"},
                  "weight_map": {spec.name: SHARD for spec in specs}}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        stats.shards.append(SHARD)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.replace(out)
-        return stats
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    stats.shards.append(SHARD)
+    return stats

@@ -322,10 +322,7 @@ class _Pass:
         for task.link in task.links:
             item, source = task.link.item, self.plans[task.link.position].source
             if item.sparse is not None:
-                spec = item.sparse
-                index_bytes = source.read_range(spec.indices.file, spec.indices.begin, spec.indices.end - spec.indices.begin)
-                value_bytes = source.read_range(spec.values.file, spec.values.begin, spec.values.end - spec.values.begin)
-                frames.append(sparse.decode(index_bytes, value_bytes, spec, task.nbytes, file=task.link.file))
+                frames.append(sparse.read(source, item.sparse, task.nbytes, file=task.link.file))
                 continue
             frame = source.read_range(item.file, item.begin, item.wire_bytes)
             if len(frame) != item.wire_bytes:
