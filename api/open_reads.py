@@ -114,7 +114,8 @@ class OpenReads:
         cur = self._newest.get(rec.id)
         if cur is None or rec.updated_at > cur.updated_at:
             if cur is None and len(self._newest) >= MAX_KEPT:
-                self._newest = {k: v for k, v in self._newest.items() if any(k == key[0] for key in self._kept)}
+                kept = {workflow_id for workflow_id, _ in self._kept}
+                self._newest = {k: v for k, v in self._newest.items() if k in kept}
             self._newest[rec.id] = rec
         return rec
 

@@ -90,14 +90,17 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def _offset_dtype(target: torch.Tensor) -> torch.dtype:
+    """What a scatter's offsets into ``target`` are kept as: int32 below 2^31 elements."""
+    return torch.int32 if flat(target).numel() < 2**31 else torch.int64
+
+
 def _scatter(wmap: WeightMap, ld: Landing, new: torch.Tensor, mask: torch.Tensor) -> Scatter:
     target = wmap.target(ld.param)
     space = flat(target)
     positions = mask.nonzero()  # [changed, dims] in the region's shape
     stride = torch.tensor(ld.dst.stride, dtype=torch.int64)
-    offsets = ld.dst.offset + (positions * stride).sum(dim=1) if positions.numel() else torch.zeros(0, dtype=torch.int64)
-    if space.numel() < 2**31:
-        offsets = offsets.to(torch.int32)
+    offsets = (ld.dst.offset + (positions * stride).sum(dim=1)).to(_offset_dtype(target))
     values = ld.src.view(new)[mask].to(target.dtype)
     offsets, values = _to_device(offsets, target.device), _to_device(values, target.device)
     return Scatter(ld.param, offsets, values, space[offsets].clone())
@@ -116,21 +119,15 @@ def plan(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]], backup: d
             continue
         new, old = t.contiguous(), backup[name].contiguous()
         landings = wmap.entry(name).landings
-        masks: dict[Landing, torch.Tensor] = {}
-        seen = set()
-        changed = 0
+        masks = {ld: bits(ld.src.view(new)) != bits(ld.src.view(old)) for ld in landings}
+        counts = {ld: int(mask.sum()) for ld, mask in masks.items()}
+        # A region several landings read (a tensor loaded into two places) changed once.
+        out.changed_bytes += sum({ld.src: counts[ld] for ld in landings}.values()) * t.element_size()
+        sparse = 0
         for ld in landings:
-            mask = bits(ld.src.view(new)) != bits(ld.src.view(old))
-            masks[ld] = mask
-            if ld.src not in seen:
-                seen.add(ld.src)
-                changed += int(mask.sum())
-        out.changed_bytes += changed * t.element_size()
-        wide = {ld: wmap.target(ld.param) for ld in landings}
-        dense = dense_bytes(wmap, name)
-        index = {ld: 4 if flat(wide[ld]).numel() < 2**31 else 8 for ld in landings}
-        sparse = sum(int(masks[ld].sum()) * (wide[ld].element_size() + index[ld]) for ld in landings)
-        if sparse < dense and out.device_staged_bytes + sparse <= budget:
+            target = wmap.target(ld.param)
+            sparse += counts[ld] * (target.element_size() + _offset_dtype(target).itemsize)
+        if sparse < dense_bytes(wmap, name) and out.device_staged_bytes + sparse <= budget:
             scatters = [_scatter(wmap, ld, new, masks[ld]) for ld in landings]
             out.sparse[name] = scatters
             size = sum(s.nbytes() for s in scatters)
@@ -159,18 +156,18 @@ def dense_bytes(wmap: WeightMap, name: str) -> int:
 
 def write(wmap: WeightMap, scatters: dict[str, list[Scatter]]) -> None:
     """Scatter each tensor's new values into its landings (the pause)."""
-    with torch.no_grad():
-        for items in scatters.values():
-            for s in items:
-                if s.offsets.numel():
-                    flat(wmap.target(s.param))[s.offsets] = s.new
+    _put(wmap, scatters, new=True)
 
 
 def roll_back(wmap: WeightMap, scatters: dict[str, list[Scatter]]) -> None:
     """Put back what each scattered landing held before."""
+    _put(wmap, scatters, new=False)
+
+
+def _put(wmap: WeightMap, scatters: dict[str, list[Scatter]], *, new: bool) -> None:
     with torch.no_grad():
         for items in scatters.values():
             for s in items:
                 if s.offsets.numel():
-                    flat(wmap.target(s.param))[s.offsets] = s.old
+                    flat(wmap.target(s.param))[s.offsets] = s.new if new else s.old
 

@@ -81,6 +81,15 @@ def stage_of(wmap: WeightMap, old: dict[str, torch.Tensor], new: dict[str, torch
     return take(wmap, label, tensors, backup=dict(old), expected_adler32=expected, checked=True, sparse=True), expected
 
 
+def delta_in_slot(device: str, seed: int) -> tuple[dict, dict, WeightMap, StageSlot]:
+    """An engine on checkpoint ``seed`` with a 5 % delta (seed + 1) staged in its slot as "v1"."""
+    old = checkpoint(seed)
+    new = changed(old, 0.05, seed=seed + 1)
+    wmap, slot = engine(device, old), StageSlot()
+    slot.put(stage_of(wmap, old, new, "v1")[0])
+    return old, new, wmap, slot
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_sparse_delta_moves_only_its_changed_elements_and_is_proven(device: str) -> None:
     old = checkpoint(1)
@@ -138,11 +147,7 @@ def test_a_full_goes_whole_staged_on_the_accelerator(device: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_failed_read_back_after_a_scatter_restores_every_element(device: str) -> None:
-    old = checkpoint(6)
-    new = changed(old, 0.05, seed=7)
-    wmap, slot = engine(device, old), StageSlot()
-    stage, _ = stage_of(wmap, old, new, "v1")
-    slot.put(stage)
+    old, new, wmap, slot = delta_in_slot(device, seed=6)
     slot.swap(wmap, "v1")
     # A fault after the scatter: an element the delta did not change differs now.
     unchanged = (new["q"].view(torch.int16) == old["q"].view(torch.int16)).reshape(-1).nonzero()[0, 0]
@@ -153,11 +158,7 @@ def test_a_failed_read_back_after_a_scatter_restores_every_element(device: str) 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_another_ranks_failure_rolls_a_proven_scatter_back(device: str) -> None:
-    old = checkpoint(8)
-    new = changed(old, 0.05, seed=9)
-    wmap, slot = engine(device, old), StageSlot()
-    stage, _ = stage_of(wmap, old, new, "v1")
-    slot.put(stage)
+    old, new, wmap, slot = delta_in_slot(device, seed=8)
     assert slot.swap_and_commit(wmap, "v1", hold=True)["verified"] == 4
     assert same(served(wmap), new)
     assert slot.discard(wmap) == {"discarded": "v1", "rolled_back": True}  # another rank failed
