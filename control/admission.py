@@ -109,6 +109,20 @@ def not_ready(state: DeploymentInput, *, deleting: bool) -> str:
         why += f" ({blocking[0].reason}: {blocking[0].message})"
     return why
 
+# The reason the deployment's status gives while a node agent did not answer its last periodic
+# check (control/deployment.py `_settle`, which names it in the status's condition).
+NODE_UNREACHABLE = "NodeUnreachable"
+
+
+def node_unanswered_only(state: DeploymentInput) -> bool:
+    """The deployment is UPDATING only because a node agent missed the last periodic check (a
+    slow answer or a partition): an admission asks every node agent again before it decides
+    (control/deployment_hot_loads.py `_admit_replicas`), rather than refusing on the old answer."""
+    st = state.deployment.status
+    blocking = [c for c in st.conditions if c.status == ConditionStatus.FALSE]
+    return st.status == ResourceStatus.UPDATING and [c.reason for c in blocking] == [NODE_UNREACHABLE]
+
+
 def admit(state: DeploymentInput, cmd: CreateHotLoadCommand, *, deleting: bool) -> None:
     """The admission rules that need no I/O, each a clear error with its API code.
 
@@ -147,7 +161,7 @@ def admit(state: DeploymentInput, cmd: CreateHotLoadCommand, *, deleting: bool) 
             FAILED_PRECONDITION,
             f"hot-load {state.active_hot_load_id} is already in progress on deployment {spec.id}",
         )
-    if state.deployment.status.status != ResourceStatus.READY or deleting:
+    if deleting or (state.deployment.status.status != ResourceStatus.READY and not node_unanswered_only(state)):
         raise rejected(FAILED_PRECONDITION, not_ready(state, deleting=deleting))
     if len(set(state.gateway_zones)) > 1:
         raise rejected(

@@ -174,7 +174,7 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
             self._set_status(
                 ResourceStatus.UPDATING,
                 self._condition(
-                    "ReplicasReady", False, "NodeUnreachable",
+                    "ReplicasReady", False, admission.NODE_UNREACHABLE,
                     "node agent(s) did not answer the last check of their replicas (cut off from the control "
                     "plane?): " + self._unanswered_text(),
                 ),

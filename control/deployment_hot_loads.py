@@ -5,7 +5,9 @@ Admission: the `create_hot_load` Update's validator applies the guide's rules wi
 (control/admission.py); the handler applies them again (several Updates in one workflow task all
 validate first), marks the operation active before its first await, then checks at once that
 every replica process runs (one that does not is restarted and the create is refused with
-failed_precondition) and that the snapshots this hot-load reads are in the bucket (as activities,
+failed_precondition; a node agent that does not answer refuses it with unavailable; a deployment
+UPDATING only because a node agent missed its last periodic check is admitted once every node
+agent answers this one) and that the snapshots this hot-load reads are in the bucket (as activities,
 one per snapshot): the new one, and each earlier link of the chain that a replica does not serve
 yet (`admission.links_to_check`), which must still have the fingerprint it had when admission
 first verified it (`state.verified_snapshots`, carried across continue-as-new, pruned to the
@@ -50,6 +52,7 @@ with workflow.unsafe.imports_passed_through():
         HotLoadSpec,
         HotLoadState,
         HotLoadStatus,
+        ResourceStatus,
         SnapshotRef,
     )
     from contracts.search import hot_load_attributes
@@ -60,6 +63,7 @@ with workflow.unsafe.imports_passed_through():
     from control.patches import (
         ADMISSION_AT_ONCE,
         ADMISSION_CHECKS_REPLICAS,
+        ADMISSION_RECHECKS_NODES,
         ORG_SCOPED_IDS,
         OUTCOME_NOTED_ONCE,
         SNAPSHOTS_CHECKED_ONCE,
@@ -107,6 +111,10 @@ class HotLoads(MixinBase):
                 UNAVAILABLE,
                 "node agent(s) did not answer the check of their replicas, try again: " + self._unanswered_text(),
             )
+        if self.state.deployment.status.status != ResourceStatus.READY and workflow.patched(ADMISSION_RECHECKS_NODES):
+            # Admitted while a node agent had missed the periodic check (every one answered this
+            # one), or the replicas changed while it ran: READY is the rule either way.
+            raise rejected(FAILED_PRECONDITION, self._not_ready())
 
     def _check_snapshots(self, links: list[SnapshotRef], new: SnapshotRef | None = None) -> list[Awaitable[Any]]:
         """One check of each of these snapshots (up to a 64-link chain in one round trip); the

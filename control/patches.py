@@ -33,6 +33,7 @@ ADMISSION_AT_ONCE = "admission-checks-at-once"
 SNAPSHOTS_CHECKED_ONCE = "snapshot-checks-once"
 OUTCOME_NOTED_ONCE = "outcome-noted-once"
 PEER_JOIN = "autoscaling-peer-join"
+ADMISSION_RECHECKS_NODES = "admission-rechecks-nodes"
 
 # tests/histories files (deployment workflow histories).
 _NOW = "deployments%2Forg-a%2Fhistory-dep.json"
@@ -69,5 +70,9 @@ PATCHES: tuple[Patch, ...] = (
           without=(_NOW, _PREVIOUS, _BEFORE_NODES)),
     Patch(PEER_JOIN, "patched", "control/autoscaler.py",
           "a joining replica starts on the base weights and takes the current snapshot from a peer",
+          without=(_NOW, _PREVIOUS, _BEFORE_NODES)),
+    Patch(ADMISSION_RECHECKS_NODES, "patched", "control/deployment_hot_loads.py",
+          "a deployment UPDATING only for a node agent's missed check admits a hot-load once every node "
+          "agent answers the admission's check; a deployment not READY after that check refuses it",
           without=(_NOW, _PREVIOUS, _BEFORE_NODES)),
 )

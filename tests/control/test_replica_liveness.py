@@ -1,6 +1,7 @@
 """The deployment's status follows its replica set, on the real Temporal dev server with test
 replicas (tests/helpers/harness.py): a deployment whose replica processes are gone is not READY and admits no
-hot-load until they serve again. `tests/e2e/test_deployment_lifecycle.py` shows the same with
+hot-load until they serve again; one whose node agent missed a check is asked again by the
+admission. `tests/e2e/test_deployment_lifecycle.py` shows the same with
 real vLLM replicas stopped as `rollouts down` stops them."""
 
 from __future__ import annotations
@@ -92,6 +93,31 @@ async def test_a_replica_reporting_its_engine_dead_takes_the_deployment_out_of_r
         await poll(lambda: _pending(f, dep, members[0]), 30, f"{members[0]} restarted")
         await f.signal_ready(dep, members[0])
         assert (await f.wait_deployment(dep))["status"]["readyReplicas"] == 2
+
+
+async def test_a_node_agent_that_missed_a_check_is_asked_again_by_the_admission(temporal_env, tmp_path):
+    """One missed periodic check (a slow node agent, a short partition) makes the deployment
+    UPDATING, reason NodeUnreachable; a hot-load's admission asks every node agent again: still
+    silent, `unavailable` (try again) naming the node; answering now, admitted at once, without
+    waiting for the next periodic check."""
+    async with Fleet(temporal_env.client, tmp_path) as f:
+        dep = await f.ready_deployment()
+        write_full(f.bucket_root / f"ckpt/{dep}", "s1")
+        f.node_silent = "activity StartToClose timeout (test: the node agent is silent)"
+        st = await _until(f, dep, lambda st: st["status"] == "STATUS_UPDATING")  # the next periodic check
+        assert [c["reason"] for c in st["conditions"]] == ["NodeUnreachable"], st
+        assert f.node in st["conditions"][0]["message"] and "silent" in st["conditions"][0]["message"], st
+        checks = len(f.start_inputs)
+        error(await f.create_hot_load(dep, "s1", hotLoadId="silent"), 503, "unavailable",
+              "did not answer", f.node, "try again")
+        assert len(f.start_inputs) == checks + 1, "the admission asked the node agent itself"
+        f.node_silent = None
+        assert (await _status(f, dep))["status"] == "STATUS_UPDATING"  # the premise: not READY before the create
+        r = await f.create_hot_load(dep, "s1", hotLoadId="answered")
+        assert r.status_code == 200, r.text
+        assert (await f.wait_hot_load("answered"))["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
+        st = await _status(f, dep)
+        assert st["status"] == "STATUS_READY" and st["conditions"][0]["reason"] == "AllReplicasReady", st
 
 
 async def _until(f: Fleet, dep: str, done) -> dict:

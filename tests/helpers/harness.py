@@ -132,6 +132,9 @@ class Fleet:
     placed: list[str] = field(default_factory=list)
     # Every `start_replicas` input, in order (what each start asked the node agent for).
     start_inputs: list[StartReplicasInput] = field(default_factory=list)
+    # Set: `start_replicas` (the node agent's answer to a start or a check) fails with this
+    # message, as a node agent that did not answer in time does to the deployment.
+    node_silent: str | None = None
     released: list[str] = field(default_factory=list)
     # Set: `place_replicas` fails with this message as the registry does when capacity is short
     # (failed_precondition, not retried).
@@ -358,6 +361,8 @@ class Fleet:
         """Starts (once) a replica worker per name and reports it ready; returns the names started
         now (the deployment also calls this periodically to restart lost replicas: none here)."""
         self.start_inputs.append(inp)
+        if self.node_silent is not None:
+            raise ApplicationError(self.node_silent, non_retryable=True)
         handle = activity.client().get_workflow_handle(inp.deployment_workflow_id)
         started: list[str] = []
         for i, name in enumerate(inp.names):
