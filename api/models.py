@@ -123,7 +123,8 @@ ENGINE_CONFIG_KEYS: dict[str, bool] = {
     "enable-return-routed-experts": False,
     "tensor-parallel-size": True,
     # Not "enable-expert-parallel": a rank then holds no part of the experts it does not own, and
-    # its weight map would refuse them (untested; docs/design.md, "Tensor parallel").
+    # its weight map would refuse them; vLLM's CPU MoE kernel crashes under it, so nothing here
+    # could test it (docs/field-notes.md; docs/design.md, "Tensor parallel").
 }
 
 
