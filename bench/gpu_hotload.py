@@ -14,7 +14,9 @@ It reports, side by side in one run:
 - an RL-like delta (``--changed`` of the BF16 elements, 5 % by default) swapped in as its changed
   elements (scatter) against the same delta swapped in whole (dense, the baseline): the pause
   (swap + proof), the bytes written into the engine inside it, and their ratios;
-- a FULL (every element new): the pause and its bytes;
+- a FULL (every element new): the pause and its bytes; on CUDA also a FULL past the device
+  budget from pinned host memory (the pause's asynchronous copies) against the same from
+  pageable memory (the baseline);
 - host -> device copy GB/s from pinned and from pageable memory, against the device's own copy
   rate (device -> device), on CUDA;
 - a read-back that fails after a scatter (one element the delta did not change, altered): every
@@ -27,6 +29,7 @@ It reports, side by side in one run:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -37,6 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from replica.engine import scatter  # noqa: E402
 from replica.engine.stage import StageSlot, take  # noqa: E402
 from replica.engine.tensors import adler32_hex  # noqa: E402
 from replica.engine.weight_map import WeightMap  # noqa: E402
@@ -189,6 +193,17 @@ def main() -> None:
     full = random_checkpoint(shapes, seed=100)
     rows["FULL"].append(swap_in(wmap, "full", full, None, False, device))
     current = full
+    if device.startswith("cuda"):
+        # A FULL past the device budget: from pinned host memory (asynchronous copies on two
+        # streams) against the same FULL from pageable memory (the baseline), both proven.
+        os.environ[scatter.BUDGET_ENV] = "0"
+        for what, pinned in (("FULL, pinned", str(1 << 40)), ("FULL, pageable (baseline)", "0")):
+            os.environ[scatter.PINNED_BUDGET_ENV] = pinned
+            rows[what] = []
+            for run in range(args.runs):
+                current = (base, full)[run % 2]  # a FULL compares nothing: any other weights do
+                rows[what].append(swap_in(wmap, f"{what}-{run}", current, None, False, device))
+        del os.environ[scatter.BUDGET_ENV], os.environ[scatter.PINNED_BUDGET_ENV]
 
     print(f"\n{'update':<26} {'pause ms':>9} {'write ms':>9} {'proof ms':>9} {'bytes in the pause':>19} "
           f"{'changed':>11}   (medians)")
@@ -207,6 +222,11 @@ def main() -> None:
                                                                   medians["delta, whole (baseline)"])
     print(f"\nscattered delta vs whole: {b_dense / max(b_sparse, 1):.1f}x fewer bytes inside the pause, the write "
           f"{w_dense / w_sparse:.2f}x shorter, the pause {p_dense / p_sparse:.2f}x shorter")
+
+    if "FULL, pinned" in medians:
+        (p_pin, _, w_pin), (p_page, _, w_page) = medians["FULL, pinned"], medians["FULL, pageable (baseline)"]
+        print(f"FULL from pinned vs pageable memory: the write {w_page / w_pin:.2f}x shorter, the pause "
+              f"{p_page / p_pin:.2f}x shorter")
 
     rates = copy_rates(device, 1 << 30)
     if rates:

@@ -97,7 +97,8 @@ class ApplySnapshotResult(WireModel):
     pause_breakdown_ms: dict[str, float] = Field(default_factory=dict)
     # What the swap moved (contracts/engine_ranks.py BYTE_COUNTS): pause_bytes written into the
     # engine inside the pause, staged_bytes before it, changed_bytes of the elements that
-    # changed, device_staged_bytes held on the engine's device. Empty when nothing was swapped.
+    # changed, device_staged_bytes held on the engine's device, pinned_staged_bytes in pinned
+    # host memory. Empty when nothing was swapped.
     swap_bytes: dict[str, int] = Field(default_factory=dict)
 
 

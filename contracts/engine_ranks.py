@@ -18,8 +18,9 @@ from typing import Any
 
 TIMINGS = ("copy_s", "repack_s", "verify_s")
 # A swap's bytes (replica/engine/scatter.py): elements changed, bytes staged before the pause, bytes
-# written into the engine inside it, and what of the stage is held on the engine's device.
-BYTE_COUNTS = ("changed_bytes", "staged_bytes", "pause_bytes", "device_staged_bytes")
+# written into the engine inside it, what of the stage is held on the engine's device, and what
+# in pinned host memory.
+BYTE_COUNTS = ("changed_bytes", "staged_bytes", "pause_bytes", "device_staged_bytes", "pinned_staged_bytes")
 
 
 def swap_bytes(swap: dict[str, Any]) -> dict[str, int]:

@@ -273,7 +273,7 @@ class Replica(WireModel):
     # and prove, the engine's own part of it), resume.
     pause_breakdown_ms: dict[str, float] | None = None
     # What the swap moved: pause_bytes (into the engine inside the pause), staged_bytes (before
-    # it), changed_bytes (of the elements that changed), device_staged_bytes.
+    # it), changed_bytes (of the elements that changed), device_staged_bytes, pinned_staged_bytes.
     swap_bytes: dict[str, int] | None = None
     verified_tensors: int | None = None
     # Beyond the guide: the node (host) the replica runs on.

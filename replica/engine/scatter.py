@@ -18,12 +18,16 @@ move into the engine:
 
 The offsets and values are staged on the parameter's device (through pinned host memory on an
 accelerator), so on a GPU the pause moves only them; a dense tensor of a GPU engine is staged
-there too while the budget lasts (the pause then copies device to device), else it crosses from
-host memory inside the pause. :class:`Plan` counts what it decided: ``changed_bytes`` (changed
-elements at the checkpoint's width; 0 where not compared), ``staged_bytes`` (scatter buffers
-and dense tensors' bytes held ready), ``pause_bytes`` (what the swap writes into the engine:
-scatters' offsets and values, dense landings at the parameter's width) and
-``device_staged_bytes`` (what of it is held on the parameter's device, within the budget).
+there too while the budget lasts (the pause then copies device to device), else in pinned host
+memory while ``pinned_budget`` lasts (``ROLLOUTS_PINNED_BUDGET_BYTES``, default 4 GiB: the
+pause copies it asynchronously, :func:`write_pinned`), else it crosses from pageable host memory
+inside the pause. Pinned buffers come from torch's caching host allocator, so an update reuses
+the pinned pages of the one before. :class:`Plan` counts what it decided: ``changed_bytes``
+(changed elements at the checkpoint's width; 0 where not compared), ``staged_bytes`` (scatter
+buffers and dense tensors' bytes held ready), ``pause_bytes`` (what the swap writes into the
+engine: scatters' offsets and values, dense landings at the parameter's width),
+``device_staged_bytes`` (what of it is held on the parameter's device, within the budget) and
+``pinned_staged_bytes`` (dense tensors held in pinned host memory for the pause's copies).
 """
 
 from __future__ import annotations
@@ -39,14 +43,27 @@ from replica.engine.weight_map import WeightMap, bits
 
 BUDGET_ENV = "ROLLOUTS_SCATTER_BUDGET_BYTES"
 DEFAULT_BUDGET = 1 << 30
+PINNED_BUDGET_ENV = "ROLLOUTS_PINNED_BUDGET_BYTES"
+DEFAULT_PINNED_BUDGET = 4 << 30
+# Streams the pause's pinned copies alternate over: the host thread issues every copy at once
+# and the copy engine never waits for it.
+COPY_STREAMS = 2
+
+
+def _bytes_from_env(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    try:
+        return int(value) if value else default
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: not a number of bytes") from None
 
 
 def budget_from_env() -> int:
-    value = os.environ.get(BUDGET_ENV, "")
-    try:
-        return int(value) if value else DEFAULT_BUDGET
-    except ValueError:
-        raise ValueError(f"{BUDGET_ENV}={value!r}: not a number of bytes") from None
+    return _bytes_from_env(BUDGET_ENV, DEFAULT_BUDGET)
+
+
+def pinned_budget_from_env() -> int:
+    return _bytes_from_env(PINNED_BUDGET_ENV, DEFAULT_PINNED_BUDGET)
 
 
 @dataclass
@@ -66,15 +83,17 @@ class Scatter:
 class Plan:
     sparse: dict[str, list[Scatter]] = field(default_factory=dict)
     on_device: dict[str, torch.Tensor] = field(default_factory=dict)  # dense tensors staged on the device
+    pinned: dict[str, torch.Tensor] = field(default_factory=dict)  # dense tensors in pinned host memory
     changed_bytes: int = 0
     staged_bytes: int = 0
     pause_bytes: int = 0
     device_staged_bytes: int = 0
+    pinned_staged_bytes: int = 0
 
     def report(self) -> dict[str, int]:
         return {"changed_bytes": self.changed_bytes, "staged_bytes": self.staged_bytes,
                 "pause_bytes": self.pause_bytes, "device_staged_bytes": self.device_staged_bytes,
-                "sparse_tensors": len(self.sparse)}
+                "pinned_staged_bytes": self.pinned_staged_bytes, "sparse_tensors": len(self.sparse)}
 
 
 def flat(target: torch.Tensor) -> torch.Tensor:
@@ -107,15 +126,16 @@ def _scatter(wmap: WeightMap, ld: Landing, new: torch.Tensor, mask: torch.Tensor
 
 
 def plan(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]], backup: dict[str, torch.Tensor] | None,
-         budget: int | None = None) -> Plan:
+         budget: int | None = None, pinned_budget: int | None = None) -> Plan:
     """Decide, tensor by tensor, how the swap writes ``tensors`` (module docstring). ``backup``:
     what the engine serves now for each, in the checkpoint's layout (at least the regions this
     rank holds); None: every tensor goes whole."""
     budget = budget_from_env() if budget is None else budget
+    pinned_budget = pinned_budget_from_env() if pinned_budget is None else pinned_budget
     out = Plan()
     for name, t in tensors:
         if backup is None:
-            _dense(wmap, name, t, out, budget)
+            _dense(wmap, name, t, out, budget, pinned_budget)
             continue
         new, old = t.contiguous(), backup[name].contiguous()
         landings = wmap.entry(name).landings
@@ -135,23 +155,57 @@ def plan(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]], backup: d
             out.staged_bytes += size
             out.pause_bytes += size
         else:
-            _dense(wmap, name, t, out, budget)
+            _dense(wmap, name, t, out, budget, pinned_budget)
     return out
 
 
-def _dense(wmap: WeightMap, name: str, t: torch.Tensor, out: Plan, budget: int) -> None:
-    """``name`` goes whole: staged on the accelerator holding it while the budget lasts."""
+def _dense(wmap: WeightMap, name: str, t: torch.Tensor, out: Plan, budget: int, pinned_budget: int) -> None:
+    """``name`` goes whole: staged on the accelerator holding it while the budget lasts, else in
+    pinned host memory while that budget lasts (an accelerator's tensor only)."""
     out.staged_bytes += t.nbytes
     out.pause_bytes += dense_bytes(wmap, name)
     devices = {wmap.target(ld.param).device for ld in wmap.entry(name).landings}
-    if len(devices) == 1 and (device := devices.pop()).type != "cpu" and out.device_staged_bytes + t.nbytes <= budget:
+    if len(devices) != 1 or (device := devices.pop()).type == "cpu":
+        return
+    if out.device_staged_bytes + t.nbytes <= budget:
         out.on_device[name] = _to_device(t.contiguous(), device)
         out.device_staged_bytes += t.nbytes
+    elif device.type == "cuda" and out.pinned_staged_bytes + t.nbytes <= pinned_budget:
+        out.pinned[name] = t.contiguous().pin_memory()
+        out.pinned_staged_bytes += t.nbytes
 
 
 def dense_bytes(wmap: WeightMap, name: str) -> int:
     """What writing ``name`` whole moves into the engine: each landing at the parameter's width."""
     return sum(ld.dst.numel() * wmap.target(ld.param).element_size() for ld in wmap.entry(name).landings)
+
+
+def write_pinned(wmap: WeightMap, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Copy dense tensors held in pinned host memory into their landings on a CUDA device:
+    every copy issued at once, asynchronously, over ``COPY_STREAMS`` side streams ordered after
+    the engine's current stream; returns when every copy landed (the proof reads them next)."""
+    if not pairs:
+        return
+    device = wmap.target(wmap.entry(pairs[0][0]).landings[0].param).device
+    current = torch.cuda.current_stream(device)
+    streams = _copy_streams(device)
+    for stream in streams:
+        stream.wait_stream(current)
+    for i, pair in enumerate(pairs):
+        with torch.cuda.stream(streams[i % len(streams)]):
+            wmap.write([pair], non_blocking=True)
+    for stream in streams:
+        current.wait_stream(stream)
+    current.synchronize()
+
+
+_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
+
+
+def _copy_streams(device: torch.device) -> list[torch.cuda.Stream]:
+    if device not in _STREAMS:
+        _STREAMS[device] = [torch.cuda.Stream(device) for _ in range(COPY_STREAMS)]
+    return _STREAMS[device]
 
 
 def write(wmap: WeightMap, scatters: dict[str, list[Scatter]]) -> None:

@@ -8,7 +8,8 @@
   each tensor crosses into the engine (`scatter.plan`: a delta's changed elements only where
   that moves fewer bytes, buffers staged on an accelerator within a budget).
 - **swap** (inside a pause): :func:`swap` copies the staged tensors where vLLM's loader puts
-  them (`weight_map`), or scatters their changed elements there, then rebuilds the kernel copies
+  them (`weight_map`; those held in pinned host memory asynchronously, `scatter.write_pinned`),
+  or scatters their changed elements there, then rebuilds the kernel copies
   of the layers written (`cpu_gemm`, `cpu_moe`). A failure restores the roll-back copies and
   drops the stage. Its report carries the bytes it moved (`scatter.Plan.report`).
 - **commit** (inside the same pause, before a token is served on the new weights):
@@ -77,6 +78,16 @@ class Stage:
         on_device = self.plan.on_device if self.plan is not None else {}
         return [(n, on_device.get(n, t)) for n, t in self.tensors]
 
+    def dense(self) -> list[tuple[str, torch.Tensor]]:
+        """What the swap copies whole and at once: :meth:`ready` but the scattered tensors and
+        those held in pinned host memory (:meth:`pinned`)."""
+        skip = self.scattered().keys() | dict(self.pinned()).keys()
+        return [(n, t) for n, t in self.ready() if n not in skip]
+
+    def pinned(self) -> list[tuple[str, torch.Tensor]]:
+        """The dense tensors held in pinned host memory for the pause's asynchronous copies."""
+        return list(self.plan.pinned.items()) if self.plan is not None else []
+
 
 def _backup_copies(wmap: WeightMap, names: list[str]) -> dict[str, torch.Tensor]:
     global _BACKUP_POOL
@@ -141,8 +152,11 @@ def swap(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
     t0 = time.perf_counter()
     wmap.check(stage.tensors)
     try:
-        wmap.write(_dense(stage, stage.ready()))
+        wmap.write(stage.dense())
+        scatter.write_pinned(wmap, stage.pinned())
         scatter.write(wmap, stage.scattered())
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the copies landed: copy_s is their time, not their issue's
         t1 = time.perf_counter()
         wmap.rebuild(n for n, _ in stage.tensors)
     except BaseException:

@@ -247,13 +247,14 @@ class WeightMap:
                 out[id(module)] = module
         return list(out.values())
 
-    def write(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Copy each tensor into its landings (:meth:`rebuild` the layers next)."""
+    def write(self, tensors: Sequence[tuple[str, torch.Tensor]], non_blocking: bool = False) -> None:
+        """Copy each tensor into its landings (:meth:`rebuild` the layers next); ``non_blocking``:
+        asynchronous copies from pinned memory (the caller waits for them)."""
         with torch.no_grad():
             for name, t in tensors:
                 src = t.contiguous()
                 for ld in self.entry(name).landings:
-                    ld.dst.view(self.target(ld.param)).copy_(ld.src.view(src))
+                    ld.dst.view(self.target(ld.param)).copy_(ld.src.view(src), non_blocking=non_blocking)
 
     def rebuild(self, names: Iterable[str]) -> None:
         """Rebuild the kernel copies of the layers the tensors ``names`` land in."""

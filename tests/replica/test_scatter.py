@@ -163,3 +163,30 @@ def test_another_ranks_failure_rolls_a_proven_scatter_back(device: str) -> None:
     assert same(served(wmap), new)
     assert slot.discard(wmap) == {"discarded": "v1", "rolled_back": True}  # another rank failed
     assert same(served(wmap), old)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_full_past_the_device_budget_crosses_from_pinned_memory_and_is_proven(device: str, monkeypatch) -> None:
+    """Past the device budget a dense tensor of a CUDA engine waits in pinned host memory and
+    the pause copies it asynchronously; past the pinned budget too, from the staged (pageable)
+    tensor. A CPU engine pins nothing. Every way is proven and rolls back exactly."""
+    old, new = checkpoint(12), checkpoint(13)
+    monkeypatch.setenv(scatter.BUDGET_ENV, "0")
+    tensors = list(new.items())
+    expected = {n: adler32_hex(t) for n, t in tensors}
+    for pinned_budget, pinned in (("", device == "cuda"), ("0", False)):
+        monkeypatch.setenv(scatter.PINNED_BUDGET_ENV, pinned_budget)
+        wmap, slot = engine(device, old), StageSlot()
+        stage = take(wmap, "full", tensors, expected_adler32=expected, checked=True)
+        assert set(stage.plan.pinned) == (set(new) if pinned else set())
+        assert all(t.is_pinned() for t in stage.plan.pinned.values())
+        assert [n for n, _ in stage.dense()] == ([] if pinned else list(new))
+        slot.put(stage)
+        report = slot.swap_and_commit(wmap, "full", hold=True)
+        assert report["verified"] == 4 and same(served(wmap), new), pinned_budget
+        assert report["device_staged_bytes"] == 0
+        assert report["pinned_staged_bytes"] == (sum(t.nbytes for t in new.values()) if pinned else 0)
+        assert slot.discard(wmap)["rolled_back"] and same(served(wmap), old)
+    monkeypatch.setenv(scatter.PINNED_BUDGET_ENV, "some")
+    with pytest.raises(ValueError, match="ROLLOUTS_PINNED_BUDGET_BYTES='some'"):
+        take(engine(device, old), "full", tensors)
