@@ -7,7 +7,8 @@ swap; a replica that staged the link's files from a peer offers them too, swappe
 which is how the fan-out passes the update on), else the changed tensors as its engine serves
 them, else everything. It then broadcasts them from its engine (`send_to_peers`) to every
 receiver of the offer's group at once over a torch.distributed group between the engine
-processes (gloo on CPU, NCCL on GPU), hosting the group's rendezvous store itself when asked,
+processes (gloo, or NCCL where the operator opts in: :func:`peer_backend`), hosting the group's
+rendezvous store itself when asked,
 while every engine keeps serving. A sender may hold several offers (one per group) until each
 is sent. Each receiver checks what it got against the
 sender's Adler-32 and stages it (`stage_from_peer`: files are decoded and staged exactly like the
@@ -28,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 
@@ -59,6 +61,22 @@ from snapshots.errors import ChainError
 log = logging.getLogger("rollouts.replica")
 # Joining a peer group blocks the engine until the other side joins: keep the wait short.
 PEER_JOIN_TIMEOUT_S = 30.0
+PEER_BACKEND_ENV = "ROLLOUTS_PEER_BACKEND"
+
+
+def peer_backend(environ: Mapping[str, str]) -> str:
+    """What this replica's engine broadcasts to its peers over, from ``ROLLOUTS_PEER_BACKEND``
+    (the node agent's environment): ``gloo`` (the default, CPU and GPU engines alike: CPU bytes
+    over the node network) or ``nccl`` (a replica placed on GPUs; every replica of a deployment
+    must say the same, so set it on every node agent). Either carries a delta link's files or
+    the tensors themselves. ValueError naming the variable otherwise."""
+    value = environ.get(PEER_BACKEND_ENV, "") or "gloo"
+    if value not in ("gloo", "nccl"):
+        raise ValueError(f"{PEER_BACKEND_ENV}={value!r}: gloo or nccl")
+    if value == "nccl" and not environ.get("CUDA_VISIBLE_DEVICES"):
+        raise ValueError(f"{PEER_BACKEND_ENV}=nccl needs a replica placed on GPUs (its node agent gave it no "
+                         "CUDA_VISIBLE_DEVICES)")
+    return value
 
 
 class PeerSteps:
@@ -86,7 +104,7 @@ class PeerSteps:
         staged the link's files from a peer offers them the same way (the fan-out: it passes the
         update on before its own turn), and one that already serves the update offers what it
         serves. Raises ChainError when the update ends without such files (a new base, nothing
-        to do, NCCL)."""
+        to do)."""
         chain_ids = [link.identity for link in inp.chain]
         if self.applied == chain_ids:
             return self.make_offer(inp)
@@ -95,7 +113,7 @@ class PeerSteps:
         if stage is not None and stage.offer.identity == inp.identity:
             link_dir = self.links_root / inp.identity
             if not (stage.staged is not None and stage.offer.mode == "files" and inp.accept_files
-                    and self.peer_backend == "gloo" and len(chain_ids) > 1 and inp.target_identity == chain_ids[-2]
+                    and len(chain_ids) > 1 and inp.target_identity == chain_ids[-2]
                     and link_dir.is_dir()):
                 raise ChainError(f"replica {self.name}'s stage of {inp.identity!r} from a peer holds no delta "
                                  f"files for replicas on {inp.target_identity!r}")
@@ -108,7 +126,7 @@ class PeerSteps:
         except TimeoutError:
             raise ChainError(f"replica {self.name} staged nothing for {inp.identity!r} in {wait_s:.0f} s") from None
         link_dir = staged.link_dirs.get(chain_ids[-1])
-        if not (inp.accept_files and self.peer_backend == "gloo" and staged.identity == inp.identity
+        if not (inp.accept_files and staged.identity == inp.identity
                 and len(chain_ids) > 1 and inp.target_identity == chain_ids[-2] and staged.arena_offsets
                 and link_dir is not None and link_dir.is_dir()):
             raise ChainError(f"replica {self.name}'s update to {inp.identity!r} holds no delta files for "
@@ -133,7 +151,7 @@ class PeerSteps:
         if self.applied != chain_ids:
             raise ChainError(f"replica {self.name} serves {self.current_identity!r}, not {inp.identity!r}")
         link_dir = self.link_dirs.get(chain_ids[-1])
-        if (inp.accept_files and self.peer_backend == "gloo" and len(chain_ids) > 1
+        if (inp.accept_files and len(chain_ids) > 1
                 and inp.target_identity == chain_ids[-2] and link_dir is not None and link_dir.is_dir()):
             # The receivers miss exactly the link this replica holds as files: send the delta
             # itself (the changed tensors, XOR+zstd, ~5 % of their bytes for an RL step) rather

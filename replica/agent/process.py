@@ -51,6 +51,7 @@ from replica.agent.engine_process import CPU_BIND_ENV, EngineProcess
 from replica.agent.engine_rpc import EngineRequestError
 from replica.agent.host_decodes import remove_stale as remove_stale_decodes
 from replica.agent.metrics import ReplicaMetrics
+from replica.agent.peers import peer_backend
 from replica.agent.retries import DELAYS_S, retrying
 from replica.agent.runtime import ReplicaRuntime
 from replica.agent.shm_reclaim import reclaim_dead_segments
@@ -170,6 +171,8 @@ async def _run_replica(
     for record in await asyncio.to_thread(remove_stale_decodes, shm_dir()):
         log.info("removed %s, the decode record of an agent that is gone", record)
     try:
+        backend = peer_backend(os.environ)  # a bad setting fails the start before the engine's
+
         async def download() -> Path:
             await faults.hit(settings.home_path, "model_download", replica=name, deployment=deployment_id)
             if dynamo:
@@ -230,7 +233,8 @@ async def _run_replica(
         host_arena = StageArena()
         host = await asyncio.to_thread(lambda: HostWeights.load(model_dir, allocate=host_arena.allocate))
         runtime = ReplicaRuntime(name=name, engine=engine, host=host, s3=s3, workdir=workdir, host_arena=host_arena,
-                                 faults_home=settings.home_path, deployment=deployment_id, peer_host=node_address)
+                                 faults_home=settings.home_path, deployment=deployment_id, peer_host=node_address,
+                                 peer_backend=backend)
         if catch_up:
             # A replica (re)started after hot-loads serves their snapshot before it takes traffic.
             inp = ApplySnapshotInput.model_validate_json(catch_up)

@@ -13,6 +13,7 @@ import pytest
 
 from contracts.activities import PeerOfferInput
 from contracts.records import SnapshotRef, SnapshotType
+from replica.agent.peers import PEER_BACKEND_ENV, peer_backend
 from replica.agent.runtime import ReplicaRuntime
 from replica.agent.staged import StagedUpdate
 from snapshots.errors import ChainError
@@ -38,14 +39,16 @@ def _staged_files(tmp_path: Path) -> StagedUpdate:
     return StagedUpdate(identity="step-1", names=["w"], link_dirs={"step-1": link}, arena_offsets={"w": 0})
 
 
-async def test_the_offer_waits_for_the_stage_then_offers_its_files(tmp_path: Path) -> None:
-    rt = _runtime(tmp_path)
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+async def test_the_offer_waits_for_the_stage_then_offers_its_files(tmp_path: Path, backend: str) -> None:
+    rt = _runtime(tmp_path, backend)
     asking = asyncio.ensure_future(rt.make_offer_from_stage(_ask()))
     await asyncio.sleep(0.1)
     assert not asking.done()  # nothing staged yet
     rt.update_stage("hl-1", fresh=True).set_result(_staged_files(tmp_path))
     offer = await asyncio.wait_for(asking, 5)
     assert offer.mode == "files" and offer.base_identity == "base" and offer.world_size == 3
+    assert offer.backend == backend  # a delta's files travel over either backend
     assert sorted(s[0] for s in offer.specs) == ["manifest.json", "model.safetensors"]
     assert offer.expected_adler32["model.safetensors"] == f"{zlib.adler32(b'delta bytes'):08x}"
     assert rt.offered_links[offer.port] == tmp_path / "links" / "step-1"
@@ -60,9 +63,9 @@ async def test_an_update_that_ended_without_a_stage_refuses_the_offer(tmp_path: 
         await asyncio.wait_for(asking, 5)
 
 
-@pytest.mark.parametrize("case", ["no files", "other base", "nccl"])
+@pytest.mark.parametrize("case", ["no files", "other base"])
 async def test_a_stage_without_files_for_the_receivers_is_refused(tmp_path: Path, case: str) -> None:
-    rt = _runtime(tmp_path, backend="nccl" if case == "nccl" else "gloo")
+    rt = _runtime(tmp_path)
     staged = _staged_files(tmp_path)
     if case == "no files":
         staged.arena_offsets = {}  # a new full base: staged from a file, no delta to pass on
@@ -86,3 +89,12 @@ async def test_a_new_update_replaces_a_finished_one_but_not_one_an_offer_waits_o
     for i in range(6):
         rt.update_stage(f"other-{i}", fresh=True)
     assert len(rt.update_stages) <= 4 and retry.cancelled()
+
+
+def test_the_peer_backend_is_gloo_unless_a_gpu_replica_opts_into_nccl() -> None:
+    assert peer_backend({}) == "gloo" and peer_backend({PEER_BACKEND_ENV: ""}) == "gloo"
+    assert peer_backend({PEER_BACKEND_ENV: "nccl", "CUDA_VISIBLE_DEVICES": "0,1"}) == "nccl"
+    with pytest.raises(ValueError, match="ROLLOUTS_PEER_BACKEND=nccl needs a replica placed on GPUs"):
+        peer_backend({PEER_BACKEND_ENV: "nccl"})
+    with pytest.raises(ValueError, match="ROLLOUTS_PEER_BACKEND='mpi': gloo or nccl"):
+        peer_backend({PEER_BACKEND_ENV: "mpi"})
