@@ -191,12 +191,16 @@ def write_pinned(wmap: WeightMap, pairs: Sequence[tuple[str, torch.Tensor]]) -> 
     streams = _copy_streams(device)
     for stream in streams:
         stream.wait_stream(current)
-    for i, pair in enumerate(pairs):
-        with torch.cuda.stream(streams[i % len(streams)]):
-            wmap.write([pair], non_blocking=True)
-    for stream in streams:
-        current.wait_stream(stream)
-    current.synchronize()
+    try:
+        for i, pair in enumerate(pairs):
+            with torch.cuda.stream(streams[i % len(streams)]):
+                wmap.write([pair], non_blocking=True)
+    finally:
+        # Whatever was issued lands before anything the engine's stream does next: a roll-back
+        # after a failure here writes the same landings.
+        for stream in streams:
+            current.wait_stream(stream)
+        current.synchronize()
 
 
 _STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
