@@ -183,7 +183,8 @@ def dense_bytes(wmap: WeightMap, name: str) -> int:
 def write_pinned(wmap: WeightMap, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
     """Copy dense tensors held in pinned host memory into their landings on a CUDA device:
     every copy issued at once, asynchronously, over ``COPY_STREAMS`` side streams ordered after
-    the engine's current stream; returns when every copy landed (the proof reads them next)."""
+    the engine's current stream, which then waits for them (what runs next on it, the proof or
+    a roll-back, sees them landed; the swap waits for the device before it reads its clock)."""
     if not pairs:
         return
     device = wmap.target(wmap.entry(pairs[0][0]).landings[0].param).device
@@ -200,7 +201,6 @@ def write_pinned(wmap: WeightMap, pairs: Sequence[tuple[str, torch.Tensor]]) -> 
         # after a failure here writes the same landings.
         for stream in streams:
             current.wait_stream(stream)
-        current.synchronize()
 
 
 _STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}

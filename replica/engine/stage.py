@@ -81,8 +81,8 @@ class Stage:
     def dense(self) -> list[tuple[str, torch.Tensor]]:
         """What the swap copies whole and at once: :meth:`ready` but the scattered tensors and
         those held in pinned host memory (:meth:`pinned`)."""
-        skip = self.scattered().keys() | dict(self.pinned()).keys()
-        return [(n, t) for n, t in self.ready() if n not in skip]
+        pinned = self.plan.pinned if self.plan is not None else {}
+        return [(n, t) for n, t in _dense(self, self.ready()) if n not in pinned]
 
     def pinned(self) -> list[tuple[str, torch.Tensor]]:
         """The dense tensors held in pinned host memory for the pause's asynchronous copies."""
