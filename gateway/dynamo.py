@@ -93,6 +93,8 @@ def adopt(chunk: dict[str, Any], workers: Mapping[int, R], model: str) -> R | No
             choice["weight_versions"] = engine_data["weight_versions"]
         if isinstance(engine_data.get("completion_token_ids"), list):
             choice["token_ids"] = engine_data["completion_token_ids"]
+        if isinstance(engine_data.get("routed_experts"), dict):  # {data, shape, start, dtype}
+            choice["routed_experts"] = engine_data["routed_experts"]
         # vLLM's places: on each choice of a completion, at the top of a chat answer.
         prompt_at = chunk if str(chunk.get("object", "")).startswith("chat.") else choice
         if isinstance(engine_data.get("prompt_token_ids"), list):
@@ -184,7 +186,7 @@ class Assembler:
         for key in ("finish_reason", "stop_reason"):
             if part.get(key) is not None:
                 choice[key] = part[key]
-        for key in ("token_ids", "weight_versions", "prompt_token_ids", "prompt_logprobs"):
+        for key in ("token_ids", "weight_versions", "prompt_token_ids", "prompt_logprobs", "routed_experts"):
             if key in part:
                 choice[key] = part[key]
 

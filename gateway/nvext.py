@@ -29,11 +29,13 @@ upstream request):
   (the replica's per-token weight versions, see below) into the plan; ``version_spans(plan)``
   returns them checked, as ``nvext.weight_versions.spans`` entries ``{"choice", "identity",
   "start", "end"}``, or None when the answer did not carry them for every choice or they do not
-  tile each choice's completion tokens (never a guess).
+  tile each choice's completion tokens (never a guess). They take each choice's
+  ``routed_experts`` off it into ``plan.routed_experts`` the same way.
 - ``translate_routed_experts(value, start)`` turns vLLM's per-choice ``routed_experts`` (base64
   of a ``.npy`` file, rows ``[prompt + completion - 1, layers, top_k]``) into the guide's
   ``{"data", "shape", "dtype", "start"}``: ``data`` base64 of the raw C-order bytes,
-  ``dtype`` ``uint8`` (at most 256 experts) or ``uint16``.
+  ``dtype`` ``uint8`` (at most 256 experts) or ``uint16``. Dynamo's vLLM worker sends that
+  shape already; it passes as it is.
 
 The response-side ``nvext`` object (``worker_id``, ``timing``, ``completion_token_ids``,
 ``routed_experts``, ``weight_versions``) is assembled in ``gateway/relay.py``, which knows the
@@ -98,6 +100,8 @@ class RequestPlan:
     echo: bool = False
     # Per choice index seen in the answer: the replica's weight_versions for it (None: absent).
     weight_versions: dict[int, Any] = field(default_factory=dict)
+    # Per choice index: the engine's routed_experts for it, taken off the choice (for nvext).
+    routed_experts: dict[int, Any] = field(default_factory=dict)
 
 
 def _count(body: dict[str, Any], key: str) -> int:
@@ -188,7 +192,7 @@ def plan_request(body: dict[str, Any], path: str, engine_config: dict[str, str] 
         if ROUTED_EXPERTS_CONFIG_KEY not in (engine_config or {}):
             raise RequestError(
                 "nvext.extra_fields routed_experts: this deployment does not capture routing; add "
-                f'"{ROUTED_EXPERTS_CONFIG_KEY}": "" to runtime.engineConfig (an MoE model on a GPU engine)'
+                f'"{ROUTED_EXPERTS_CONFIG_KEY}": "" to runtime.engineConfig (an MoE model)'
             )
         if n != 1:
             raise RequestError(f"nvext.extra_fields routed_experts requires one choice per request (n=1), got n={n}")
@@ -244,6 +248,12 @@ def _take_weight_versions(plan: RequestPlan, choice: dict[str, Any], final: bool
         plan.weight_versions.setdefault(index, None)
 
 
+def _take_routed_experts(plan: RequestPlan, choice: dict[str, Any]) -> None:
+    routes = choice.pop("routed_experts", None)  # moved to nvext.routed_experts (guide's shape)
+    if routes is not None:
+        plan.routed_experts[int(choice.get("index", 0))] = routes
+
+
 def _trim_top_logprobs(plan: RequestPlan, choice: dict[str, Any]) -> None:
     """A chat choice's ``top_logprobs`` hold the ``top_logprobs`` asked for, as vLLM's chat server
     gives them: the first k of the engine's list (the sampled token, then the most likely), where
@@ -263,6 +273,7 @@ def finish_choice(plan: RequestPlan, choice: dict[str, Any]) -> dict[str, Any]:
     _trim_top_logprobs(plan, choice)
     _fill_token_ids(plan, choice)
     _take_weight_versions(plan, choice, final=True)
+    _take_routed_experts(plan, choice)
     return choice
 
 
@@ -273,6 +284,7 @@ def finish_chunk(plan: RequestPlan, chunk: dict[str, Any]) -> dict[str, Any]:
             _trim_top_logprobs(plan, choice)
             _fill_token_ids(plan, choice)
             _take_weight_versions(plan, choice, final=choice.get("finish_reason") is not None)
+            _take_routed_experts(plan, choice)
     strip_prompt_ids(plan, chunk)
     return chunk
 

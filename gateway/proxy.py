@@ -196,8 +196,6 @@ class Proxy:
         plan = attempt.plan
         finish_answer(plan, data)
         nvext = await self.relay.response_nvext(attempt, replica, data)
-        for choice in data.get("choices") or []:
-            choice.pop("routed_experts", None)  # moved to nvext.routed_experts (guide's shape)
         headers = {REPLICA_HEADER: replica.name}
         if not replay:
             data["nvext"] = {**(data.get("nvext") or {}), **nvext}

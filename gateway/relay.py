@@ -6,8 +6,10 @@ relay of an upstream SSE stream.
   (``gateway.nvext.finish_choice`` on each choice, then ``strip_prompt_ids``), in place.
 - ``Relay(router).response_nvext(attempt, replica, data)``: the top-level ``nvext`` object of an
   answer that has finished (``gateway/app.py`` says what it holds): ``worker_id``,
-  ``completion_token_ids``, ``routed_experts`` (from ``data``'s first choice; not with ``data``
-  None, as on a relayed stream) and ``timing`` when named in ``nvext.extra_fields``, and
+  ``completion_token_ids``, ``routed_experts`` (the first choice's, which ``finish_choice`` or
+  ``finish_chunk`` took off it: vLLM's on a non-streamed answer, Dynamo's worker's on its
+  finishing chunk; null when the engine gave none) and ``timing`` when named in
+  ``nvext.extra_fields``, and
   ``weight_versions`` always: from the replica's spans when it reported them, else from the
   attempt's view and a fresh one.
 - ``Relay(router).stream(attempt, served, upstream, first, events, adapt)``: the client's SSE body
@@ -73,9 +75,8 @@ class Relay:
             out["worker_id"] = {"prefill_worker_id": replica.name, "decode_worker_id": replica.name}
         if "completion_token_ids" in extra:
             out["completion_token_ids"] = list(plan.token_ids.get(0, []))
-        if "routed_experts" in extra and data is not None:
-            choices = data.get("choices") or []
-            value = choices[0].get("routed_experts") if choices else None
+        if "routed_experts" in extra:
+            value = plan.routed_experts.get(0)
             out["routed_experts"] = None if value is None else translate_routed_experts(value, plan.routed_experts_start)
         spans = version_spans(plan)
         if spans:  # the engine's own record: no need to read Temporal

@@ -7,8 +7,12 @@ named by the environment variable ``SECRET_FILE_ENV``, which the engine
 (`replica.engine.guard.read_secret_file`) reads at start. A Dynamo worker gets its deployment's
 request-plane secret the same way, through ``REQUEST_SECRET_FILE_ENV``. ``NODE_ADDRESS_ENV`` carries the
 address other hosts reach this host at: the engine's peer broadcast binds its gloo device there
-(`replica.engine.peer_group`).
+(`replica.engine.peer_group`). A CPU engine started with ``ROUTED_EXPERTS_FLAG`` runs vLLM's Model
+Runner V2 with Triton's interpreter: the agent puts ``TRITON_INTERPRETER_DIR`` (a folder holding
+the ``sitecustomize`` that lets vLLM's CPU build accept Triton) first on its ``PYTHONPATH``.
 """
+
+from pathlib import Path
 
 SERVER_MODULE = "replica.engine.server"
 # A dynamo-vllm replica's engine: Dynamo's vLLM worker with our routes (replica.agent.dynamo).
@@ -19,3 +23,6 @@ SECRET_FILE_ENV = "ROLLOUTS_ENGINE_SECRET_FILE"
 # annotation every inference request must carry (common.dynamo_planes.request_annotation).
 REQUEST_SECRET_FILE_ENV = "ROLLOUTS_REQUEST_SECRET_FILE"
 NODE_ADDRESS_ENV = "ROLLOUTS_NODE_ADDRESS"
+# vLLM's flag (runtime.engineConfig "enable-return-routed-experts"): routed experts per choice.
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+TRITON_INTERPRETER_DIR = Path(__file__).resolve().parent / "engine" / "triton_interpreter"

@@ -39,6 +39,10 @@
 - With vLLM's CPU build a one-rank engine's worker runs inside its engine core process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's uniprocess executor) instead of a third process
   that imports vLLM again; a tensor-parallel engine keeps one worker process per rank.
+- With vLLM's CPU build, an engine started with ``--enable-return-routed-experts`` runs vLLM's
+  Model Runner V2 (the only one that returns routes) with its Triton kernels in Triton's
+  interpreter: ``VLLM_USE_V2_MODEL_RUNNER=1``, ``TRITON_INTERPRET=1`` and
+  ``replica/engine/triton_interpreter`` first on ``PYTHONPATH`` (`replica.launch`).
 - ``EngineProcess.attach(base_url, pid=None, secret=None)`` drives an engine someone else started
   (without its secret only ``health()`` works); ``stop()`` on it signals ``pid`` if given (it
   cannot reap it).
@@ -71,7 +75,14 @@ import httpx
 from common.addresses import AddressError, check_bind_host, host_port, interface_of, is_loopback, is_wildcard
 from common.processes import free_port
 from replica.agent.engine_rpc import EngineClient, EngineError, EngineRequestError, EngineStartError, ReadBackFailed
-from replica.launch import EXTENSION_CLS, NODE_ADDRESS_ENV, SECRET_FILE_ENV, SERVER_MODULE
+from replica.launch import (
+    EXTENSION_CLS,
+    NODE_ADDRESS_ENV,
+    ROUTED_EXPERTS_FLAG,
+    SECRET_FILE_ENV,
+    SERVER_MODULE,
+    TRITON_INTERPRETER_DIR,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -284,6 +295,13 @@ class EngineProcess(EngineClient):
         # talks to the engine core over its own process: vLLM's AsyncLLM always does).
         if cpu_build() and self.ranks == 1:
             env.setdefault(INPROC_WORKER_ENV, "0")
+        # vLLM returns routed experts only from its Model Runner V2, which its CPU build refuses
+        # without triton-cpu: there the V2 runner's Triton kernels run in Triton's interpreter
+        # (replica/engine/triton_interpreter). A GPU build runs V2 with Triton by default.
+        if cpu_build() and ROUTED_EXPERTS_FLAG in self.extra_args:
+            env["PYTHONPATH"] = os.pathsep.join((str(TRITON_INTERPRETER_DIR), env["PYTHONPATH"]))
+            env["TRITON_INTERPRET"] = "1"
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         if "NCCL_SOCKET_IFNAME" not in env and not is_loopback(self.node_address):
             interface = interface_of(self.node_address)
             if interface:

@@ -8,7 +8,9 @@ embeddings); Gemma 2; Phi-3 (q/k/v and gate/up shipped fused); Qwen3-MoE (8 expe
 its experts prepacked by vLLM's CPU kernel and rebuilt after a write, replica/engine/cpu_moe.py);
 Mixtral; a DeepSeek-V3-style MoE (multi-head latent attention, a shared expert, grouped top-k
 with a score-correction bias). At TP 2: Qwen2 (dense) and Qwen3-MoE (experts and attention
-split across the ranks).
+split across the ranks). Qwen3-MoE at TP 1 returns routed experts (``enable-return-routed-experts``):
+cwtrain's rollout integration reads them in the guide's shape, other after the FULL, and after
+the last delta the same as the fresh engine's.
 
 Each case starts one engine, its deployment's: the engine's answers on the checkpoint it started
 on are the fresh-engine reference (no second engine). Each case is a scheduling unit of its own
@@ -37,6 +39,9 @@ def test_a_family_takes_a_full_and_cwtrain_deltas_and_answers_as_a_fresh_engine(
     # the test's temporary directory (hot_loads.json, kept by pytest for the last runs).
     # One case also takes a sparse delta (changed elements only): Qwen2, whose biases the engine
     # widens to float32 as it scatters them.
-    figures = json.dumps(run_family_chain(stack, family, tp, tmp_path, sparse=(family, tp) == ("qwen2", 1)))
+    # Qwen3-MoE at TP 1 also returns routed experts (vLLM's Model Runner V2; on this CPU build
+    # its Triton kernels run in Triton's interpreter: replica/engine/triton_interpreter).
+    figures = json.dumps(run_family_chain(stack, family, tp, tmp_path, sparse=(family, tp) == ("qwen2", 1),
+                                          routes=(family, tp) == ("qwen3_moe", 1)))
     (tmp_path / "hot_loads.json").write_text(figures)
     record_property("hot_loads", figures)

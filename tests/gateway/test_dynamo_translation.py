@@ -13,7 +13,14 @@ import pytest
 
 from contracts.names import dynamo_model, dynamo_namespace
 from gateway import dynamo
-from gateway.nvext import RequestError, finish_choice, finish_chunk, plan_request, version_spans
+from gateway.nvext import (
+    RequestError,
+    finish_choice,
+    finish_chunk,
+    plan_request,
+    translate_routed_experts,
+    version_spans,
+)
 from replica.engine.dynamo_routes import (
     REFUSED,
     GuardedRuntime,
@@ -92,6 +99,33 @@ def test_adopt_and_assemble_give_exact_spans_per_choice():
                                    {"choice": 0, "identity": "s2", "start": 1, "end": 2},
                                    {"choice": 1, "identity": "s2", "start": 0, "end": 2}]
     assert all("token_ids" not in c and "weight_versions" not in c for c in answer["choices"])
+
+
+ROUTES = {"data": "AAECAw==", "shape": [2, 1, 2], "start": 0, "dtype": "uint8"}  # as Dynamo's worker sends them
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_dynamos_routed_experts_leave_the_choice_for_the_plan(stream):
+    # Dynamo's vLLM worker puts a choice's routes in engine_data on its finishing chunk, already
+    # in the guide's {data, shape, start, dtype}; nvext.routed_experts comes from the plan.
+    plan = plan_request({"model": "m", "prompt": [1, 2], "max_tokens": 1, "stream": stream,
+                         "nvext": {"extra_fields": ["routed_experts"]}}, "/v1/completions",
+                        {"enable-return-routed-experts": ""})
+    chunks = [_chunk(0, "a", "length", {"completion_token_ids": [7], "routed_experts": dict(ROUTES)}, 0xDEF)]
+    assembler = dynamo.Assembler(chat=False)
+    for chunk in chunks:
+        dynamo.adopt(chunk, {0xDEF: "r"}, "my-model")
+        if stream:
+            finish_chunk(plan, chunk)
+            assert "routed_experts" not in chunk["choices"][0]
+        else:
+            assembler.add(chunk)
+    if not stream:
+        [choice] = assembler.answer()["choices"]
+        finish_choice(plan, choice)
+        assert "routed_experts" not in choice
+    assert plan.routed_experts == {0: ROUTES}
+    assert translate_routed_experts(plan.routed_experts[0]) == ROUTES
 
 
 def test_assembler_builds_a_chat_message():

@@ -3,6 +3,7 @@ replica then serves (the e2e suites of both engines use it)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -77,3 +78,32 @@ def publish_chain(stack, api, dep_id, tmp: Path, writer: str, tag: str, *, prefi
         assert_every_replica_serves(stack, dep_id, new_dir)
         prev_dir, prev_id = new_dir, identity
     assert {r["name"]: r["enginePid"] for r in engines(stack, dep_id)} == pids
+
+
+_SAMPLE_WITH_ROUTES = """
+import asyncio, json, sys
+from cwtrain.integrations.rollout import CompletionSampler, RolloutConfig
+url, token, model, prompt, max_tokens = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
+
+async def main():
+    sampler = CompletionSampler(RolloutConfig(base_url=url, model=model, api_key=token, routed_experts=True))
+    try:
+        [c] = await sampler.sample(prompt, 1, max_tokens=max_tokens, temperature=0.0)
+    finally:
+        await sampler.aclose()
+    print(json.dumps({"token_ids": list(c.token_ids), "routes": c.routed_experts.tolist(),
+                      "dtype": str(c.routed_experts.dtype)}))
+
+asyncio.run(main())
+"""
+
+
+def cwtrain_routes(settings, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One greedy completion with its routed experts, as cwtrain's rollout integration reads them
+    (``RolloutConfig(routed_experts=True)``, unmodified): ``token_ids``, ``routes``
+    (``[prompt + completion - 1, layers, top_k]`` as lists) and their ``dtype``."""
+    out = subprocess.run([str(cwtrain_python()), "-c", _SAMPLE_WITH_ROUTES, f"{settings.gateway_url}/v1",
+                          settings.admin_token, model, json.dumps(prompt), str(max_tokens)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)

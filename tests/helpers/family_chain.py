@@ -18,6 +18,7 @@ its tensor, the replica still serves what it served, and its engine never restar
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import psutil
 
 from snapshots.inspect import read_delta_plan
 from snapshots.sparse_writer import write_sparse_delta
-from tests.helpers.chains import changed_tensors, cwtrain_write_delta
+from tests.helpers.chains import changed_tensors, cwtrain_routes, cwtrain_write_delta
 from tests.helpers.deployments import delete_deployment
 from tests.helpers.replicas import assert_every_replica_serves, engines, hot_load, hot_load_replicas
 from tests.helpers.stack_fixtures import Api, deployment_body
@@ -39,6 +40,7 @@ from workers.stack import upload_dir
 # moves fewer bytes (replica/engine/scatter.py).
 SCATTER_OVERHEAD = 4
 PROMPT_IDS = [5, 100, 200, 300, 17, 42]
+ROUTES_KEY = "enable-return-routed-experts"
 GREEDY = {"prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0, "logprobs": 1, "ignore_eos": True}
 
 
@@ -49,6 +51,19 @@ def through_gateway(settings, model: str) -> tuple[list[int], list[float]]:
     assert r.status_code == 200, r.text
     answer = r.json()
     return list(answer["nvext"]["completion_token_ids"]), list(answer["choices"][0]["logprobs"]["token_logprobs"])
+
+
+def routes_of(settings, model: str, config: dict) -> dict:
+    """The greedy completion's routed experts as cwtrain reads them, in the guide's shape:
+    ``[prompt + completion - 1, layers, top_k]``, every id one of the model's experts."""
+    got = cwtrain_routes(settings, model, PROMPT_IDS, GREEDY["max_tokens"])
+    rows = len(PROMPT_IDS) + len(got["token_ids"]) - 1
+    experts = config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"]
+    layers, top_k = config["num_hidden_layers"], config["num_experts_per_tok"]
+    assert [len(got["routes"]), len(got["routes"][0]), len(got["routes"][0][0])] == [rows, layers, top_k], got
+    ids = {e for row in got["routes"] for layer in row for e in layer}
+    assert ids <= set(range(experts)) and len(ids) > top_k, ids
+    return got
 
 
 def off_host_sockets(pid: int, host: str) -> list[str]:
@@ -74,11 +89,14 @@ def corrupt_one_frame(delta: Path) -> str:
     return victim.name
 
 
-def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool = False) -> list[dict]:
+def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool = False,
+                     routes: bool = False) -> list[dict]:
     """The chain the module docstring describes, on ``family`` at tensor-parallel size ``tp``;
     returns each COMPLETED hot-load's figures (what, seconds from create to COMPLETED as the
     test polls it, the replica's pause in ms, tensors proven). ``sparse``: then one step back
-    as a sparse delta (changed elements only, snapshots/sparse.py), before the corrupted one."""
+    as a sparse delta (changed elements only, snapshots/sparse.py), before the corrupted one.
+    ``routes``: the deployment returns routed experts (``enable-return-routed-experts``), read
+    through cwtrain's rollout integration fresh, after the FULL and after the last delta."""
     api, s3 = Api(stack), stack.s3_client()
     tokenizer_from = stack.home_path / "models" / "base"
     checkpoints = [write_family(tmp_path, tokenizer_from, family, seed=1)]  # the FULL
@@ -93,10 +111,13 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool =
     body["model"]["path"] = model_path
     if tp > 1:
         body["runtime"]["engineConfig"] = {"tensor-parallel-size": str(tp)}
+    if routes:
+        body["runtime"]["engineConfig"] = {**body["runtime"].get("engineConfig", {}), ROUTES_KEY: ""}
     r = api.call("POST", "/deployments", json=body)
     assert r.status_code == 200, r.text
     dep_id = r.json()["deployment"]["spec"]["id"]
     model = body["model"]["name"]
+    config = json.loads((checkpoints[-1] / "config.json").read_text())
     figures: list[dict] = []
     try:
         dep = api.wait_deployment(dep_id)
@@ -104,6 +125,7 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool =
         pid = engines(stack, dep_id)[0]["enginePid"]
         assert_every_replica_serves(stack, dep_id, checkpoints[-1])
         fresh = through_gateway(stack, model)
+        fresh_routes = routes_of(stack, model, config) if routes else None
 
         def publish(identity: str, previous: str | None, what: str) -> dict:
             """Hot-load ``identity`` (uploaded already): COMPLETED; the replica's entry."""
@@ -120,6 +142,9 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool =
         publish(full_id, None, "FULL")
         assert_every_replica_serves(stack, dep_id, checkpoints[0])
         assert through_gateway(stack, model) != fresh, "another checkpoint answers the same: the premise of the check"
+        if routes:
+            assert routes_of(stack, model, config)["routes"] != fresh_routes["routes"], \
+                "another checkpoint routes the same: the premise of the routes check"
         prev_id, experts_changed = full_id, 0
         for step in range(1, 4):
             identity = f"{family}-{step:06d}"
@@ -139,6 +164,9 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool =
 
         assert through_gateway(stack, model) == fresh, \
             "the updated replica answers other than the fresh engine did on the same checkpoint"
+        if routes:  # after a delta hot-load, the routes the fresh engine took, read by cwtrain
+            assert routes_of(stack, model, config) == fresh_routes, \
+                "the updated replica routes other than the fresh engine did on the same checkpoint"
 
         serving = 3
         if sparse:  # one step back, as a trainer that publishes changed elements writes it
