@@ -157,10 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-base", type=int, default=None)
     p.add_argument("--keep-running", action="store_true", help="leave the stack up afterwards")
     p.add_argument("--steps", type=int, default=30, help="GRPO steps, one hot-load each (default 30)")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8; 4 for qwen3-moe)")
     p.add_argument("--group", type=int, default=8, help="completions per prompt, the GRPO group (default 8)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default 16)")
-    p.add_argument("--lr", type=float, default=5e-3, help="trainer learning rate (Adam; default 5e-3)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="trainer learning rate (Adam; default 5e-3; 1e-2 for qwen3-moe)")
     p.add_argument("--train", choices=["head", "last", "all"], default="head",
                    help="tensors the trainer updates: lm_head + final norm (default), + the last layer, or all")
     p.add_argument("--inner-steps", type=int, default=1, help="optimizer steps per batch (default 1)")

@@ -24,8 +24,11 @@ publishes the base as a FULL snapshot (``step-000000``), then loops:
 ``--model qwen3-moe`` runs the same loop on a small random Qwen3-MoE (8 experts, top 2;
 `workers.families`, written once under ``HOME/models/`` and uploaded to the bucket): the trainer
 is transformers' Qwen3-MoE and each delta lands in the engines through vLLM's fused-MoE loader.
-Routed experts (``nvext.routed_experts``) are not returned here: vLLM needs its Model Runner V2,
-hence Triton, which has no CPU backend (docs/field-notes.md).
+The deployment returns routed experts (``enable-return-routed-experts``): each completion is its
+own request (``n`` 1) asking for ``nvext.routed_experts``, and the trainer replays the sampler's
+routes in its forward passes (`workers.routing_replay`); each step reports the share of (token,
+layer) routes where the trainer's own router agreed. vLLM returns routes from its Model Runner
+V2, whose Triton kernels run in Triton's interpreter on this CPU build (slower rollouts).
 
 Each step prints one line: identity, mean reward, delta size as % of the full checkpoint,
 seconds from create to COMPLETED, replicas READY, rollout tokens per second, trainer seconds and
@@ -44,6 +47,7 @@ starts a second engine on the same 2 cores, so such a run takes longer than the 
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import statistics
@@ -54,12 +58,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 from tokenizers import Tokenizer
 
 from common.settings import Settings
 from snapshots.chain import MAX_CHAIN_DELTAS as MAX_DELTAS_IN_CHAIN
 from snapshots.writer import write_delta
-from workers.families import write_family
+from workers.families import MOE, write_family
 from workers.grpo import Policy, Rollout, digit_token_ids, digits_reward, group_advantages, make_prompts
 from workers.stack import Stack, StackError, load_or_create_settings, upload_dir
 
@@ -100,6 +105,10 @@ class DemoConfig:
 
 # --model: the embedded model, or a small random checkpoint of a family written locally.
 MODELS = {"llama": None, "qwen3-moe": "qwen3_moe"}
+# --model -> (--prompts, --lr) unless given. The MoE's rollouts carry routes, which vLLM's CPU
+# build samples in Triton's interpreter (~40 tokens/s here): half the prompts for twice the
+# steps in the loop's time, and a larger step to learn in them.
+MODEL_DEFAULTS = {"llama": (8, 5e-3), "qwen3-moe": (4, 1e-2)}
 
 
 def demo_model(settings: Settings, cfg: DemoConfig) -> tuple[Path, str]:
@@ -134,6 +143,7 @@ class StepRecord:
     sample: str = ""
     pause_ms: float | None = None  # the longest pause (pauseMs) among the hot-load's replicas
     pause_bytes: int | None = None  # the most bytes written into an engine inside its pause (swapBytes)
+    routes_agree: float | None = None  # share of replayed routes the trainer's own router picked too
 
     @property
     def tok_per_s(self) -> float:
@@ -273,19 +283,32 @@ def token_id(token: str) -> int:
     return int(token.removeprefix("token_id:"))
 
 
-def rollouts_for(client: Client, model: str, prompts: list[list[int]], cfg: DemoConfig, digit_ids
-                 ) -> tuple[list, int, float]:
+def routed_experts(answer: dict) -> np.ndarray:
+    """``nvext.routed_experts`` of an answer as ``[prompt + completion - 1, layers, top_k]``."""
+    routed = (answer.get("nvext") or {}).get("routed_experts")
+    if not routed:
+        raise StackError("gateway /v1/completions: the answer carries no nvext.routed_experts")
+    return np.frombuffer(base64.b64decode(routed["data"]), dtype=routed["dtype"]).reshape(routed["shape"])
+
+
+def rollouts_for(client: Client, model: str, prompts: list[list[int]], cfg: DemoConfig, digit_ids,
+                 routes: bool = False) -> tuple[list, int, float]:
     """Sample ``cfg.group`` completions per prompt (token ids) through the gateway, all prompts
-    at once."""
+    at once; with ``routes``, one request per completion, each with its routed experts."""
     t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+    if routes:
+        asks = [(g, p, 1) for g, p in enumerate(prompts) for _ in range(cfg.group)]
+        extra: dict[str, Any] = {"nvext": {"extra_fields": ["routed_experts"]}}
+    else:
+        asks, extra = [(g, p, cfg.group) for g, p in enumerate(prompts)], {}
+    with ThreadPoolExecutor(max_workers=len(asks)) as pool:
         responses = list(pool.map(
-            lambda p: client.complete(model, p, n=cfg.group, max_tokens=cfg.max_tokens, temperature=1.0), prompts
+            lambda a: client.complete(model, a[1], n=a[2], max_tokens=cfg.max_tokens, temperature=1.0, **extra), asks
         ))
     seconds = time.monotonic() - t0
     rollouts = []
     tokens = 0
-    for g, resp in enumerate(responses):
+    for (g, _, _), resp in zip(asks, responses):
         for choice in resp["choices"]:
             logprobs = choice.get("logprobs") or {}
             ids = [token_id(t) for t in logprobs.get("tokens") or []]
@@ -294,6 +317,7 @@ def rollouts_for(client: Client, model: str, prompts: list[list[int]], cfg: Demo
                 group=g, prompt_ids=list(prompts[g]), completion_ids=ids,
                 reward=digits_reward(ids, digit_ids),
                 sampler_logprobs=[float(x) for x in lps] if lps and None not in lps else None,
+                routed_experts=routed_experts(resp) if routes else None,
             ))
             tokens += len(ids)
     return rollouts, tokens, seconds
@@ -315,9 +339,11 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
     records: list[StepRecord] = []
     try:
         base_dir, model_path = demo_model(settings, cfg)
+        routes = MODELS[cfg.model] in MOE  # an MoE returns its routes, which the trainer replays
         body = {
             "name": name, "gatewayIds": [settings.gateway_id],
-            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0",
+                        "engineConfig": {"enable-return-routed-experts": ""} if routes else {}},
             "resources": {"instanceType": "cpu-local", "gpuCount": 0},
             "model": {"name": settings.model_name, "bucket": settings.bucket, "path": model_path},
             "autoscaling": _autoscaling(cfg), "traffic": {"weight": 100},
@@ -379,7 +405,7 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
                 say(f"loop budget of {cfg.max_loop_s:.0f}s reached after {step - 1} steps")
                 break
             prompts = [tokenizer.encode(p).ids for p in make_prompts(cfg.prompts, seed=cfg.seed * 100_003 + step)]
-            rollouts, tokens, rollout_s = rollouts_for(c, model, prompts, cfg, digit_ids)
+            rollouts, tokens, rollout_s = rollouts_for(c, model, prompts, cfg, digit_ids, routes)
             advantages = group_advantages([r.reward for r in rollouts], [r.group for r in rollouts])
             for r, a in zip(rollouts, advantages):
                 r.advantage = a
@@ -400,7 +426,8 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
                 if dstats.is_empty:  # nothing changed in BF16 (e.g. every group scored alike): no publish
                     rec = StepRecord(step, prev_id, "NONE", mean_reward, None, 0.0, records[-1].ready,
                                      records[-1].replicas, records[-1].state, tokens=tokens, rollout_s=rollout_s,
-                                     train_s=train_s, mismatch=stats.sampler_mismatch, sample=sample)
+                                     train_s=train_s, mismatch=stats.sampler_mismatch, sample=sample,
+                                     routes_agree=stats.extra.get("routes_agree"))
                     records.append(rec)
                     say(format_step(rec) + "  (no tensor changed in BF16: nothing published)")
                     shutil.rmtree(new_dir, ignore_errors=True)
@@ -415,6 +442,7 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
                 deltas_in_chain += 1
             rec.reward, rec.tokens, rec.rollout_s, rec.train_s = mean_reward, tokens, rollout_s, train_s
             rec.mismatch, rec.sample = stats.sampler_mismatch, sample
+            rec.routes_agree = stats.extra.get("routes_agree")
             records.append(rec)
             say(format_step(rec))
             _check(rec)
@@ -442,6 +470,7 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
                           f"{_mean(r.hot_load_s for r in deltas):.2f}s")
         last = records[-1]
         pauses = [r.pause_ms for r in deltas if r.pause_ms is not None]
+        agreed = [r.routes_agree for r in trained if r.routes_agree is not None]
         rows = [
             ("steps", f"{len(trained)} GRPO steps in {loop_s:.0f}s of loop ({len(deltas)} deltas, "
                       f"{sum(1 for r in records if r.kind == 'FULL')} full)"),
@@ -454,6 +483,9 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
             ("pause per delta (longest replica)", f"median {statistics.median(pauses):.0f} ms, max {max(pauses):.0f} ms"
                                                   if pauses else "—"),
             ("bytes into the engine per pause", _moved_summary(records[0], deltas)),
+            *([("routes replayed (trainer's router agreed)",
+                f"{100 * _mean(agreed):.2f}% of (token, layer) rows, lowest step {100 * min(agreed):.2f}%")]
+              if agreed else []),
             ("rollout tokens/s (median)", f"{statistics.median(r.tok_per_s for r in trained):.0f}" if trained else "—"),
             ("before", f"{SAMPLE_PROMPT!r} → {before!r}"),
             ("after", f"{SAMPLE_PROMPT!r} → {after!r}"),

@@ -18,7 +18,10 @@ Contract:
   update (``inner_steps`` optimizer steps on the batch, ``logp_old`` taken before the first);
   ``export(dir)`` writes the weights in BF16 with the base checkpoint's names, order, shard
   layout and side files (config, tokenizer), i.e. a full checkpoint that
-  ``snapshots.writer.write_delta`` can diff against the previous one.
+  ``snapshots.writer.write_delta`` can diff against the previous one. When every rollout carries
+  the sampler's routed experts (an MoE deployment with routing capture), each forward pass
+  replays them (`workers.routing_replay`), and ``StepStats.extra["routes_agree"]`` is the share
+  of (token, layer) rows where the trainer's own router picked the sampler's experts.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
 from workers.base_model import INDEX_NAME, load_checkpoint, write_tensors
+from workers.routing_replay import Replay
 
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DIGITS = "0123456789"
@@ -79,6 +84,9 @@ class Rollout:
     reward: float = 0.0
     sampler_logprobs: list[float] | None = None  # what the serving engine reported, per token
     advantage: float = 0.0
+    # The sampler's routed experts, [prompt + completion - 1, layers, top_k] (an MoE deployment
+    # with routing capture): the trainer replays them (workers.routing_replay).
+    routed_experts: np.ndarray | None = None
 
 
 def group_advantages(rewards: Sequence[float], groups: Sequence[int], *, eps: float = 1e-6) -> list[float]:
@@ -218,16 +226,42 @@ class Policy:
             comp[i, p - 1 : p - 1 + c] = 1.0  # target position t predicts token t+1
         return ids, attn, comp
 
-    def token_logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """``[B, T-1]``: log p(token t+1 | tokens <= t)."""
-        logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
+    def routes(self, rollouts: Sequence[Rollout], width: int) -> torch.Tensor | None:
+        """The sampler's routes as ``[B, width, layers, top_k]`` (``-1`` past each one's rows),
+        when every rollout carries them; else None (the model routes by itself)."""
+        if not rollouts or any(r.routed_experts is None for r in rollouts):
+            return None
+        first = rollouts[0].routed_experts
+        out = torch.full((len(rollouts), width, *first.shape[1:]), -1, dtype=torch.long)
+        for i, r in enumerate(rollouts):
+            rows = len(r.prompt_ids) + len(r.completion_ids) - 1
+            if r.routed_experts.shape != (rows, *first.shape[1:]):
+                raise ValueError(f"rollout {i}: routed experts of shape {list(r.routed_experts.shape)} for {rows} "
+                                 f"tokens run through the model")
+            out[i, :rows] = torch.from_numpy(r.routed_experts.astype(np.int64))
+        return out
+
+    def token_logprobs(self, ids: torch.Tensor, attn: torch.Tensor, routes: torch.Tensor | None = None,
+                       agreement: list[int] | None = None) -> torch.Tensor:
+        """``[B, T-1]``: log p(token t+1 | tokens <= t); with ``routes``, each token goes to the
+        experts the sampler routed it to, and ``agreement`` (when given) gains the rows where the
+        trainer's own router agreed and the rows compared."""
+        if routes is None:
+            logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        else:
+            with Replay(self.model, routes) as replay:
+                logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+            if agreement is not None:
+                agreement[0] += replay.agreed
+                agreement[1] += replay.compared
+        logits = logits[:, :-1].float()
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
     def completion_logprobs(self, rollouts: Sequence[Rollout]) -> list[list[float]]:
         """Per rollout, the trainer's log-prob of each completion token (no gradient)."""
         ids, attn, comp = self._batch(rollouts)
         with torch.no_grad():
-            lp = self.token_logprobs(ids, attn)
+            lp = self.token_logprobs(ids, attn, self.routes(rollouts, ids.shape[1]))
         out = []
         for i, r in enumerate(rollouts):
             p, c = len(r.prompt_ids), len(r.completion_ids)
@@ -239,8 +273,10 @@ class Policy:
         """One GRPO update on ``rollouts`` (their ``advantage`` set, e.g. by :func:`group_advantages`)."""
         ids, attn, comp = self._batch(rollouts)
         adv = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)
+        routes = self.routes(rollouts, ids.shape[1])
+        agreement = [0, 0]
         with torch.no_grad():
-            logp_old = self.token_logprobs(ids, attn)
+            logp_old = self.token_logprobs(ids, attn, routes, agreement)
         mismatch = None
         pairs = [(r, i) for i, r in enumerate(rollouts) if r.sampler_logprobs]
         if pairs:
@@ -254,13 +290,14 @@ class Policy:
         loss_v, clip_frac, grad_norm = 0.0, 0.0, 0.0
         for _ in range(max(1, self.inner_steps)):
             self.optimizer.zero_grad(set_to_none=True)
-            logp = self.token_logprobs(ids, attn)
+            logp = self.token_logprobs(ids, attn, routes)
             loss, info = grpo_loss(logp, logp_old, adv, comp, clip_eps=self.clip_eps)
             loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], self.max_grad_norm))
             self.optimizer.step()
             loss_v, clip_frac = float(loss.detach()), info["clip_frac"]
-        return StepStats(loss_v, clip_frac, grad_norm, int(comp.sum()), mismatch)
+        extra = {"routes_agree": agreement[0] / agreement[1]} if agreement[1] else {}
+        return StepStats(loss_v, clip_frac, grad_norm, int(comp.sum()), mismatch, extra)
 
     # -- export
     def bf16_state(self) -> dict[str, torch.Tensor]:

@@ -4,10 +4,12 @@ and the BF16 export that the delta writer diffs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -241,6 +243,56 @@ def test_trainable_names_and_a_head_only_step_leaves_the_rest_untouched(tiny_ckp
     stats = write_delta(tiny_ckpt, policy.export(tmp_path / "h1"), tmp_path / "dh", version="h1", base_version="base")
     index = json.loads((tmp_path / "dh" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == {"lm_head.weight", "model.norm.weight"} and stats.changed == 2
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory) -> Path:
+    """A small random Qwen3-MoE (8 experts, top 2) as `rollouts demo --model qwen3-moe` deploys it."""
+    out = tmp_path_factory.mktemp("moe")
+    tokenizer_from = out / "tok"
+    tokenizer_from.mkdir()
+    train_tokenizer().save(str(tokenizer_from / "tokenizer.json"))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        (tokenizer_from / name).write_text("{}")
+    return write_family(out, tokenizer_from, "qwen3_moe")
+
+
+def own_routes(policy: Policy, rollouts: list[Rollout]) -> list[np.ndarray]:
+    """Per rollout, the experts the trainer's own router picks, in nvext.routed_experts' rows."""
+    ids, attn, _ = policy._batch(rollouts)
+    with torch.no_grad():
+        logits = policy.model(input_ids=ids, attention_mask=attn, output_router_logits=True).router_logits
+    k = policy.model.config.num_experts_per_tok
+    per_layer = [torch.topk(x.reshape(ids.shape[0], ids.shape[1], -1), k, dim=-1).indices for x in logits]
+    routes = torch.stack(per_layer, dim=2).numpy().astype(np.uint8)  # [B, T, layers, top_k]
+    return [routes[i, : len(r.prompt_ids) + len(r.completion_ids) - 1] for i, r in enumerate(rollouts)]
+
+
+def test_replayed_routes_are_what_the_trainer_computes_with(moe_ckpt):
+    """The trainer replays the sampler's routes (workers/routing_replay.py): its own routes give
+    exactly its own log-probs (agreement 1); other routes give other log-probs, counted as
+    disagreeing rows; routes that do not fit the model are refused, naming the shape."""
+    policy = Policy(moe_ckpt, train="head")
+    rollouts = batch(prompt=(1, 5, 6, 7))[:3]
+    plain = policy.completion_logprobs(rollouts)
+    mine = own_routes(policy, rollouts)
+    replayed = [Rollout(r.group, r.prompt_ids, r.completion_ids, routed_experts=m) for r, m in zip(rollouts, mine)]
+    assert policy.completion_logprobs(replayed) == plain
+    # Every token of the first rollout sent to two other experts in every layer.
+    other = (mine[0].astype(np.int64) + 3) % 8
+    assert (np.sort(other, -1) != np.sort(mine[0], -1)).any(-1).all()
+    moved = [dataclasses.replace(replayed[0], routed_experts=other.astype(np.uint8)), *replayed[1:]]
+    changed = policy.completion_logprobs(moved)
+    # The other rollouts' tokens meet other tokens in each expert's matmul: the same up to rounding.
+    assert np.abs(np.subtract(changed[0], plain[0])).max() > 1e-2
+    assert np.allclose(np.concatenate(changed[1:]), np.concatenate(plain[1:]), rtol=0, atol=1e-5)
+    stats = policy.step([dataclasses.replace(r, advantage=a) for r, a in zip(replayed, (1.0, -1.0, 0.0))])
+    assert stats.extra["routes_agree"] == 1.0
+    stats = policy.step([dataclasses.replace(r, advantage=a) for r, a in zip(moved, (1.0, -1.0, 0.0))])
+    rows = [len(r.prompt_ids) + len(r.completion_ids) - 1 for r in rollouts]
+    assert stats.extra["routes_agree"] == pytest.approx(1 - rows[0] / sum(rows))
+    with pytest.raises(ValueError, match=r"rollout 0: routed experts of shape \[3, 2, 2\]"):
+        policy.completion_logprobs([dataclasses.replace(replayed[0], routed_experts=mine[0][:3]), *replayed[1:]])
 
 
 def test_a_qwen3_moe_trainer_reads_per_expert_tensors_and_exports_them_untouched(tmp_path):

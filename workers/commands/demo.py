@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from workers.demo import DemoConfig, run_demo
+from workers.demo import MODEL_DEFAULTS, DemoConfig, run_demo
 from workers.stack import StackError
 
 
 def main(args: argparse.Namespace) -> int:
+    prompts, lr = MODEL_DEFAULTS[args.model]
     config = DemoConfig(
-        steps=args.steps, prompts=args.prompts, group=args.group, max_tokens=args.max_tokens,
-        lr=args.lr, train=args.train, inner_steps=args.inner_steps, max_loop_s=args.max_loop_seconds, seed=args.seed,
+        steps=args.steps, prompts=args.prompts or prompts, group=args.group, max_tokens=args.max_tokens,
+        lr=args.lr or lr, train=args.train, inner_steps=args.inner_steps, max_loop_s=args.max_loop_seconds, seed=args.seed,
         replicas=args.replicas, max_replicas=args.max_replicas, model=args.model,
     )
     try:
