@@ -10,7 +10,7 @@ Mixtral; a DeepSeek-V3-style MoE (multi-head latent attention, a shared expert, 
 with a score-correction bias). At TP 2: Qwen2 (dense) and Qwen3-MoE (experts and attention
 split across the ranks). Qwen3-MoE at TP 1 returns routed experts (``enable-return-routed-experts``):
 cwtrain's rollout integration reads them in the guide's shape, other after the FULL, and after
-the last delta the same as the fresh engine's.
+the last delta the same as the fresh engine's, and the same from a stream's finishing chunk.
 
 Each case starts one engine, its deployment's: the engine's answers on the checkpoint it started
 on are the fresh-engine reference (no second engine). Each case is a scheduling unit of its own

@@ -17,12 +17,14 @@ its tensor, the replica still serves what it served, and its engine never restar
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import psutil
 
 from snapshots.inspect import read_delta_plan
@@ -66,6 +68,27 @@ def routes_of(settings, model: str, config: dict) -> dict:
     return got
 
 
+def streamed_routes(settings, model: str) -> list:
+    """The greedy completion streamed: its routes, from the chunk that carries ``finish_reason``
+    (the guide's place on a stream), as lists."""
+    body = {"model": model, "prompt": PROMPT_IDS, "max_tokens": GREEDY["max_tokens"], "temperature": 0,
+            "stream": True, "nvext": {"extra_fields": ["routed_experts"]}}
+    found = []
+    with httpx.stream("POST", f"{settings.gateway_url}/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {settings.admin_token}"}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "routed_experts" in (chunk.get("nvext") or {}):
+                assert any(c.get("finish_reason") for c in chunk["choices"]), chunk
+                found.append(chunk["nvext"]["routed_experts"])
+    [routed] = found
+    array = np.frombuffer(base64.b64decode(routed["data"]), dtype=routed["dtype"]).reshape(routed["shape"])
+    return array.tolist()
+
+
 def off_host_sockets(pid: int, host: str) -> list[str]:
     """Listening sockets of ``pid`` and its descendants (an engine's ranks) not on ``host``."""
     root = psutil.Process(pid)
@@ -96,7 +119,8 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool =
     test polls it, the replica's pause in ms, tensors proven). ``sparse``: then one step back
     as a sparse delta (changed elements only, snapshots/sparse.py), before the corrupted one.
     ``routes``: the deployment returns routed experts (``enable-return-routed-experts``), read
-    through cwtrain's rollout integration fresh, after the FULL and after the last delta."""
+    through cwtrain's rollout integration fresh, after the FULL and after the last delta (then
+    also from a stream's finishing chunk)."""
     api, s3 = Api(stack), stack.s3_client()
     tokenizer_from = stack.home_path / "models" / "base"
     checkpoints = [write_family(tmp_path, tokenizer_from, family, seed=1)]  # the FULL
@@ -167,6 +191,7 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool =
         if routes:  # after a delta hot-load, the routes the fresh engine took, read by cwtrain
             assert routes_of(stack, model, config) == fresh_routes, \
                 "the updated replica routes other than the fresh engine did on the same checkpoint"
+            assert streamed_routes(stack, model) == fresh_routes["routes"]
 
         serving = 3
         if sparse:  # one step back, as a trainer that publishes changed elements writes it
