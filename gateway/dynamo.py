@@ -21,7 +21,9 @@ Pure functions and one accumulator; ``gateway/dynamo_proxy.py`` calls them aroun
 - ``explain(message, details)``: Dynamo's 400 message with its ``details`` spelled out.
 - ``adopt(chunk, workers, model)``: one chunk from Dynamo made into what the rest of the gateway
   reads from a vLLM replica: ``nvext.engine_data`` goes onto the chunk's choice as
-  ``weight_versions`` and ``token_ids`` (``gateway.nvext`` takes them from there), and its
+  ``weight_versions``, ``token_ids`` and ``routed_experts`` (Dynamo's worker sends a choice's
+  routes as the guide's ``{data, shape, start, dtype}``; ``gateway.nvext`` takes them from
+  there), and its
   ``prompt_token_ids`` and ``prompt_logprobs`` where vLLM writes them (on the choice of a
   completion, at the top of a chat chunk; ``prompt_logprobs`` entries as vLLM's
   ``{id: {"logprob", "rank", "decoded_token"}}``, null where Dynamo's worker does not say), Dynamo's
@@ -33,7 +35,7 @@ Pure functions and one accumulator; ``gateway/dynamo_proxy.py`` calls them aroun
 - ``Assembler(chat)``: ``add(chunk)`` for each adopted chunk, then ``answer()``: the non-streamed
   OpenAI answer (``text_completion`` / ``chat.completion``): per choice, text or message content
   and logprobs concatenated in order, the last ``finish_reason`` / ``stop_reason``, the token ids,
-  prompt ids, prompt logprobs and weight versions of its finishing chunk (a chat answer's prompt
+  prompt ids, prompt logprobs, weight versions and routed experts of its finishing chunk (a chat answer's prompt
   ids and logprobs at its top); ``usage`` from the usage chunk.
 
 On a stream, Dynamo reports a choice's ids on its finishing chunk only: a client that asked for
