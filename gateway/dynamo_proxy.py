@@ -151,5 +151,5 @@ class DynamoProxy:
             self.router.release(url)
         data = assembler.answer()
         finish_answer(plan, data)
-        data["nvext"] = await self.relay.response_nvext(attempt, served.replica, data)
+        data["nvext"] = await self.relay.response_nvext(attempt, served.replica)
         return JSONResponse(data, headers={REPLICA_HEADER: served.replica.name})

@@ -195,7 +195,7 @@ class Proxy:
         """A replica's non-streamed answer for the client: as JSON, or replayed as an SSE stream."""
         plan = attempt.plan
         finish_answer(plan, data)
-        nvext = await self.relay.response_nvext(attempt, replica, data)
+        nvext = await self.relay.response_nvext(attempt, replica)
         headers = {REPLICA_HEADER: replica.name}
         if not replay:
             data["nvext"] = {**(data.get("nvext") or {}), **nvext}

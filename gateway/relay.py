@@ -4,7 +4,7 @@ relay of an upstream SSE stream.
 
 - ``finish_answer(plan, data)``: a non-streamed answer finished for the client
   (``gateway.nvext.finish_choice`` on each choice, then ``strip_prompt_ids``), in place.
-- ``Relay(router).response_nvext(attempt, replica, data)``: the top-level ``nvext`` object of an
+- ``Relay(router).response_nvext(attempt, replica)``: the top-level ``nvext`` object of an
   answer that has finished (``gateway/app.py`` says what it holds): ``worker_id``,
   ``completion_token_ids``, ``routed_experts`` (the first choice's, which ``finish_choice`` or
   ``finish_chunk`` took off it: vLLM's on a non-streamed answer, Dynamo's worker's on its
@@ -65,8 +65,7 @@ class Relay:
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    async def response_nvext(self, attempt: Attempt, replica: ReplicaView,
-                             data: dict[str, Any] | None) -> dict[str, Any]:
+    async def response_nvext(self, attempt: Attempt, replica: ReplicaView) -> dict[str, Any]:
         """The ``nvext`` object of an answer that has finished (reads a fresh view: see routing)."""
         plan = attempt.plan
         out: dict[str, Any] = {}
@@ -111,7 +110,7 @@ class Relay:
 
         async def with_nvext(chunk: dict[str, Any]) -> bytes:
             chunk["nvext"] = {**(chunk.get("nvext") or {}),
-                              **(await self.response_nvext(attempt, served.replica, None))}
+                              **(await self.response_nvext(attempt, served.replica))}
             return sse(chunk)
 
         try:
