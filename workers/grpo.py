@@ -26,6 +26,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -226,9 +227,9 @@ class Policy:
             comp[i, p - 1 : p - 1 + c] = 1.0  # target position t predicts token t+1
         return ids, attn, comp
 
-    def routes(self, rollouts: Sequence[Rollout], width: int) -> torch.Tensor | None:
-        """The sampler's routes as ``[B, width, layers, top_k]`` (``-1`` past each one's rows),
-        when every rollout carries them; else None (the model routes by itself)."""
+    def replay(self, rollouts: Sequence[Rollout], width: int) -> Replay | None:
+        """The sampler's routes replayed, as ``[B, width, layers, top_k]`` (``-1`` past each one's
+        rows), when every rollout carries them; else None (the model routes by itself)."""
         if not rollouts or any(r.routed_experts is None for r in rollouts):
             return None
         first = rollouts[0].routed_experts
@@ -239,21 +240,13 @@ class Policy:
                 raise ValueError(f"rollout {i}: routed experts of shape {list(r.routed_experts.shape)} for {rows} "
                                  f"tokens run through the model")
             out[i, :rows] = torch.from_numpy(r.routed_experts.astype(np.int64))
-        return out
+        return Replay(self.model, out)
 
-    def token_logprobs(self, ids: torch.Tensor, attn: torch.Tensor, routes: torch.Tensor | None = None,
-                       agreement: list[int] | None = None) -> torch.Tensor:
-        """``[B, T-1]``: log p(token t+1 | tokens <= t); with ``routes``, each token goes to the
-        experts the sampler routed it to, and ``agreement`` (when given) gains the rows where the
-        trainer's own router agreed and the rows compared."""
-        if routes is None:
+    def token_logprobs(self, ids: torch.Tensor, attn: torch.Tensor, replay: Replay | None = None) -> torch.Tensor:
+        """``[B, T-1]``: log p(token t+1 | tokens <= t); with ``replay``, each token goes to the
+        experts the sampler routed it to (``replay`` counts where the trainer's router agreed)."""
+        with replay if replay is not None else contextlib.nullcontext():
             logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-        else:
-            with Replay(self.model, routes) as replay:
-                logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-            if agreement is not None:
-                agreement[0] += replay.agreed
-                agreement[1] += replay.compared
         logits = logits[:, :-1].float()
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
@@ -261,7 +254,7 @@ class Policy:
         """Per rollout, the trainer's log-prob of each completion token (no gradient)."""
         ids, attn, comp = self._batch(rollouts)
         with torch.no_grad():
-            lp = self.token_logprobs(ids, attn, self.routes(rollouts, ids.shape[1]))
+            lp = self.token_logprobs(ids, attn, self.replay(rollouts, ids.shape[1]))
         out = []
         for i, r in enumerate(rollouts):
             p, c = len(r.prompt_ids), len(r.completion_ids)
@@ -273,10 +266,11 @@ class Policy:
         """One GRPO update on ``rollouts`` (their ``advantage`` set, e.g. by :func:`group_advantages`)."""
         ids, attn, comp = self._batch(rollouts)
         adv = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)
-        routes = self.routes(rollouts, ids.shape[1])
-        agreement = [0, 0]
+        replay = self.replay(rollouts, ids.shape[1])
         with torch.no_grad():
-            logp_old = self.token_logprobs(ids, attn, routes, agreement)
+            logp_old = self.token_logprobs(ids, attn, replay)
+        # Counted once, on the batch as sampled (the inner steps replay the same routes).
+        extra = {"routes_agree": replay.agreed / replay.compared} if replay is not None and replay.compared else {}
         mismatch = None
         pairs = [(r, i) for i, r in enumerate(rollouts) if r.sampler_logprobs]
         if pairs:
@@ -290,13 +284,12 @@ class Policy:
         loss_v, clip_frac, grad_norm = 0.0, 0.0, 0.0
         for _ in range(max(1, self.inner_steps)):
             self.optimizer.zero_grad(set_to_none=True)
-            logp = self.token_logprobs(ids, attn, routes)
+            logp = self.token_logprobs(ids, attn, replay)
             loss, info = grpo_loss(logp, logp_old, adv, comp, clip_eps=self.clip_eps)
             loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], self.max_grad_norm))
             self.optimizer.step()
             loss_v, clip_frac = float(loss.detach()), info["clip_frac"]
-        extra = {"routes_agree": agreement[0] / agreement[1]} if agreement[1] else {}
         return StepStats(loss_v, clip_frac, grad_norm, int(comp.sum()), mismatch, extra)
 
     # -- export
