@@ -43,6 +43,13 @@ Everything the agent does with an engine works unchanged on it:
 - **KV events**: with ``kv_events`` (a stack whose Dynamo router mode is ``kv``) the worker
   publishes its KV-cache events over ZMQ on ``node_address`` (a free port) for Dynamo's KV-aware
   router.
+- **Stop** (SIGTERM): Dynamo's worker leaves discovery, waits ``DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS``
+  (Dynamo's default 5 s) for routers to notice, finishes the requests it holds, then exits. Our
+  gateway pins each request to one worker (``backend_instance_id``): a grace for routers buys it
+  nothing, and what a scale-in needs before the stop its drain gives (``DRAIN_GRACE_S``,
+  control/autoscaler.py). So the worker waits ``STOP_GRACE_S`` (1 s); an operator's own value in
+  the agent's environment wins. (Every stop of a deployment's engines, a delete included, was
+  5 s longer with the default.)
 - **Readiness**: ``/health`` answers ``"status": "ready"`` and the worker's ``rollouts/instance``
   route answers with its Dynamo worker id (``worker_id``), so a port some other process holds is
   never taken for this worker.
@@ -71,6 +78,9 @@ from replica.launch import DYNAMO_WORKER_MODULE, REQUEST_SECRET_FILE_ENV
 ROUTE_PREFIX = "/engine/rollouts/"
 # Dynamo reads DYN_SYSTEM_PORT as a signed 16-bit number.
 SYSTEM_PORT_MAX = 32767
+# Dynamo's shutdown grace after the worker leaves discovery (module docstring, "Stop").
+GRACE_ENV = "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS"
+STOP_GRACE_S = 1
 # (method, vLLM dev route) -> our route on the Dynamo system server.
 CONTROL_ROUTES = {
     ("POST", "/pause"): "pause",
@@ -174,6 +184,7 @@ class DynamoEngineProcess(EngineProcess):
             # `instances` route): else on the address the machine's hostname resolves to.
             "DYN_TCP_RESPONSE_STREAM_HOST": self.node_address,
         })
+        env.setdefault(GRACE_ENV, str(STOP_GRACE_S))
         if self.gated:
             env["ROLLOUTS_GATED"] = "1"
         env[REQUEST_SECRET_FILE_ENV] = str(self.request_secret_path)

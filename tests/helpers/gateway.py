@@ -208,9 +208,14 @@ class ChaosProxy:
         ).result(10)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    async def _close(self) -> None:
         if self.server is not None:
             self.server.close()
+
+    def __exit__(self, *exc: object) -> None:
+        # Closed on its loop's thread: asyncio's Server is not thread-safe, and closing it from
+        # here raced its own close of a finished connection (``_wakeup`` ran twice: TypeError).
+        asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
 

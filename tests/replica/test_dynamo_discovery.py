@@ -1,7 +1,8 @@
 """A Dynamo worker's discovery settings (``replica.agent.dynamo.DynamoEngineProcess``), unit: the
 ``file`` backend registers in the shared directory, the ``kubernetes`` backend in the pod's
 namespace and refuses to start without the pod's downward-API variables; an unknown backend is
-refused by name. No process starts."""
+refused by name; the worker stops after a 1 s grace (Dynamo's default 5 s) unless the operator set
+one. No process starts."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from replica.agent.dynamo import DynamoEngineProcess
+from replica.agent.dynamo import GRACE_ENV, STOP_GRACE_S, DynamoEngineProcess
 from replica.agent.engine_process import EngineStartError
 
 
@@ -45,3 +46,13 @@ def test_kubernetes_discovery_needs_the_pod_variables(tmp_path: Path, monkeypatc
 def test_an_unknown_backend_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="discovery_backend: 'etcd' is not one of file, kubernetes"):
         worker(tmp_path, "etcd")
+
+
+def test_the_worker_stops_after_a_one_second_grace_unless_the_operator_set_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(GRACE_ENV, raising=False)
+    w = worker(tmp_path, "file")
+    w.port = 20000
+    assert w.environment()[GRACE_ENV] == str(STOP_GRACE_S) == "1"  # Dynamo's own default: 5 s
+    monkeypatch.setenv(GRACE_ENV, "7")
+    assert w.environment()[GRACE_ENV] == "7"
