@@ -14,7 +14,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,8 +126,17 @@ def spawn(
 
 def stop_pid(pid: int, *, timeout: float = 15.0, group: bool = True) -> bool:
     """SIGTERM the process (and its process group), wait, then SIGKILL. True if it was running."""
+    return bool(stop_pids([pid], timeout=timeout, group=group))
 
-    def _send(sig: int) -> None:
+
+def stop_pids(pids: Iterable[int], *, timeout: float = 15.0, group: bool = True,
+              waiting: Callable[[], object] | None = None) -> list[int]:
+    """:func:`stop_pid` for several processes at once: SIGTERM to each (and its process group),
+    one wait of up to ``timeout`` for all of them (``waiting`` is called on each round), then
+    SIGKILL to those still running. Returns the pids that were running. Stopped together, a
+    deployment's replicas take as long as the slowest of them, not the sum."""
+
+    def _send(pid: int, sig: int) -> None:
         try:
             if group:
                 os.killpg(pid, sig)
@@ -138,20 +147,23 @@ def stop_pid(pid: int, *, timeout: float = 15.0, group: bool = True) -> bool:
         except PermissionError:
             os.kill(pid, sig)
 
-    if _proc_start_time(pid) is None:
-        return False
-    _send(signal.SIGTERM)
+    running = [pid for pid in dict.fromkeys(pids) if _proc_start_time(pid) is not None]
+    for pid in running:
+        _send(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not alive(pid):
-            return True
+    left = list(running)
+    while left and time.monotonic() < deadline:
+        if waiting is not None:
+            waiting()
         time.sleep(0.1)
-    _send(signal.SIGKILL)
+        left = [pid for pid in left if alive(pid)]
+    for pid in left:
+        _send(pid, signal.SIGKILL)
     for _ in range(50):
-        if not alive(pid):
+        if not any(alive(pid) for pid in left):
             break
         time.sleep(0.1)
-    return True
+    return running
 
 
 def alive(pid: int) -> bool:

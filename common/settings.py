@@ -53,12 +53,19 @@ Environment variables override single values for a client in both cases:
   ``ROLLOUTS_GATEWAY_ID``, ``ROLLOUTS_MODEL_NAME``, ``ROLLOUTS_BASE_MODEL_PATH`` (the field of
   the same name in lower case, :data:`ENV_FIELDS`).
 
-One variable is this process's own, read from its environment even for :attr:`Settings.owned`
-settings (it locates nothing; :func:`without_stack_env` keeps it for the processes a stack
-starts): ``ROLLOUTS_HOT_LOAD_ENGINES`` (:data:`HOT_LOAD_ENGINES_ENV`), the API's engines whose
-deployments may hot-load, comma-separated (read as :attr:`Settings.hot_load_engines`, None when
-unset or blank: the API then allows the guide's ``dynamo-vllm`` alone, and an operator comparing
-engines, bench/dynamo_vs_vllm.py, adds ``vllm``; the API refuses a name that is not an engine).
+Two variables are this process's own, read from its environment even for :attr:`Settings.owned`
+settings (they locate nothing; :func:`without_stack_env` keeps them for the processes a stack
+starts):
+
+- ``ROLLOUTS_HOT_LOAD_ENGINES`` (:data:`HOT_LOAD_ENGINES_ENV`), the API's engines whose
+  deployments may hot-load, comma-separated (read as :attr:`Settings.hot_load_engines`, None when
+  unset or blank: the API then allows the guide's ``dynamo-vllm`` alone, and an operator comparing
+  engines, bench/dynamo_vs_vllm.py, adds ``vllm``; the API refuses a name that is not an engine);
+- ``ROLLOUTS_ENGINE_CACHE_DIR`` (:data:`ENGINE_CACHE_ENV`), what the engines a replica agent starts
+  share on its host (vLLM's record of each model class, so an engine does not inspect the class
+  in a child process that imports vLLM again): :attr:`Settings.engine_cache_dir`, default
+  ``HOME/engine-cache``. Homes on one machine (`make test`'s stacks, the multi-host tests' hosts)
+  may share one.
 
 Every URL the settings advertise (:attr:`Settings.temporal_address`, ``temporal_ui_url``,
 ``s3_endpoint``, ``api_url``, ``gateway_url``) is on :attr:`Settings.host` unless its own
@@ -127,6 +134,7 @@ PORT_ENVS = {"api": "ROLLOUTS_API_PORT", "gateway": "ROLLOUTS_GATEWAY_PORT",
              "worker_metrics": "ROLLOUTS_WORKER_METRICS_PORT"}
 # Engines whose deployments may hot-load, comma-separated (Settings.hot_load_engines).
 HOT_LOAD_ENGINES_ENV = "ROLLOUTS_HOT_LOAD_ENGINES"
+ENGINE_CACHE_ENV = "ROLLOUTS_ENGINE_CACHE_DIR"
 # Plain string fields any process takes from ROLLOUTS_<FIELD_UPPER> when set.
 ENV_FIELDS = ("bucket", "zone", "organization_id", "gateway_id", "model_name", "base_model_path")
 # What a cluster install (no stack.json) must set: Settings.from_env.
@@ -166,7 +174,7 @@ def home_from_env() -> Path:
 def without_stack_env(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` without any variable that locates a stack (:data:`STACK_ENV`, and every name with a
     prefix of :data:`STACK_ENV_PREFIXES`); the rest (``PATH``, ``OTEL_*``, ``CUDA_VISIBLE_DEVICES``,
-    ``ROLLOUTS_HOT_LOAD_ENGINES``...) is kept."""
+    ``ROLLOUTS_HOT_LOAD_ENGINES``, ``ROLLOUTS_ENGINE_CACHE_DIR``...) is kept."""
     return {k: v for k, v in env.items() if k not in STACK_ENV and not k.startswith(STACK_ENV_PREFIXES)}
 
 
@@ -329,6 +337,13 @@ class Settings:
         from this process's environment whether or not the settings are :attr:`owned`."""
         value = os.environ.get(HOT_LOAD_ENGINES_ENV, "").strip()
         return tuple(e.strip() for e in value.split(",") if e.strip()) if value else None
+
+    @property
+    def engine_cache_dir(self) -> Path:
+        """``ROLLOUTS_ENGINE_CACHE_DIR`` when set (read from this process's environment whether or
+        not the settings are :attr:`owned`), else ``HOME/engine-cache``."""
+        value = os.environ.get(ENGINE_CACHE_ENV, "").strip()
+        return Path(value) if value else self.home_path / "engine-cache"
 
     @property
     def tokens_file(self) -> Path:

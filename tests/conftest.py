@@ -34,6 +34,7 @@ from common.settings import without_stack_env
 from tests.helpers import ready
 from tests.helpers.deployments import POOL, POOLED_FIXTURES
 from tests.helpers.devices import cuda_available
+from tests.helpers.engine_cache import forget_engine_cache, share_engine_cache
 from tests.helpers.engines import EngineWatch, mark_session
 from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.parallel import (
@@ -70,6 +71,8 @@ def pytest_configure(config: pytest.Config) -> None:
     mark_session(worker())
     if is_controller(config):
         share_units()
+    if not worker():  # the controller, or the one process without xdist: before any worker starts
+        share_engine_cache()
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -87,6 +90,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     WATCH.stop()
     if is_controller(session.config):
         forget_units()
+    if not worker():
+        forget_engine_cache()
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput[SUMMARY_KEY] = _summary()
 

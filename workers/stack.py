@@ -51,7 +51,7 @@ import httpx
 
 from common import dynamo_tls
 from common.addresses import AddressError, check_bind_host, host_port, is_wildcard
-from common.processes import PidFile, port_in_use, spawn, stop_pid, tail
+from common.processes import PidFile, port_in_use, spawn, stop_pid, stop_pids, tail
 from common.settings import DEFAULT_PORT_BASE, HOST_ENV, LOOPBACK, SEARCH_ATTRIBUTES, Settings
 from contracts.tokens import add_token, grant_default_bucket
 from gateway.dynamo_frontend import DynamoFrontend
@@ -425,12 +425,15 @@ class Stack:
         # reverse start order.
         self._stop_service("worker", say)
         self._stop_service("node", say)
-        for pf in self.replica_pid_files():
-            pid = pf.alive_pid()
-            if pid:
-                stop_pid(pid, timeout=20)
-                say(f"{pf.path.stem:<7} {pf.path.parent.name:<20} stopped (pid {pid})")
-            pf.remove()
+        # All at once (each agent stops its engine); then any engine an agent left behind.
+        every = self.replica_pid_files()
+        for kind in ("replica", "engine"):
+            files = [pf for pf in every if pf.path.stem == kind]
+            running = {pid: pf for pf in files if (pid := pf.alive_pid())}
+            for pid in stop_pids(running, timeout=20):
+                say(f"{kind:<7} {running[pid].path.parent.name:<20} stopped (pid {pid})")
+            for pf in files:
+                pf.remove()
         for name in reversed(self.services()):
             if name not in ("worker", "node"):
                 self._stop_service(name, say)

@@ -202,7 +202,7 @@ async def _run_replica(
             node_address=node_address,
             log_path=workdir / "engine.log",
             # vLLM's record of each model class, shared by this host's engines (engine_process).
-            model_info_cache=settings.home_path / "engine-cache" / "modelinfos",
+            model_info_cache=settings.engine_cache_dir / "modelinfos",
             # What the gateway derives too: the engine answers only this agent and the gateway.
             secret=settings.engine_secret(workflow_id, name),
             **engine_options(engine_config or {}),

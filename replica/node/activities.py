@@ -4,7 +4,7 @@
 under the node's home, so a restarted node agent, and `rollouts down`, find it); the replica
 reports itself ready to its deployment workflow by signal. A GPU replica gets the devices its
 placement names as `CUDA_VISIBLE_DEVICES` (mapped through the agent's own); its engine binds the node's engine address and
-advertises the node's address. `stop_replicas` stops them by pid. Both are idempotent: a retry,
+advertises the node's address. `stop_replicas` stops them by pid, all at once (each stops its engine). Both are idempotent: a retry,
 or the deployment's periodic check, starts nothing twice and stops nothing twice.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from temporalio import activity
 
-from common.processes import PidFile, spawn, stop_pid
+from common.processes import PidFile, spawn, stop_pids
 from contracts import names
 from contracts.activities import ApplySnapshotInput, StartReplicasInput, StopReplicasInput
 
@@ -116,13 +116,11 @@ class NodeActivities:
 
     @activity.defn(name=names.STOP_REPLICAS)
     def stop_replicas(self, inp: StopReplicasInput) -> int:
-        stopped = 0
-        for name in inp.names:
-            pid_file = PidFile(replica_dir(self.node.home, inp.deployment_id, name) / "replica.pid")
-            pid = pid_file.alive_pid()
-            if pid is not None:
-                activity.heartbeat(name)
-                stop_pid(pid, timeout=30)
-                stopped += 1
-            pid_file.remove()
-        return stopped
+        # All at once: each agent stops its engine in parallel with the others.
+        pid_files = [PidFile(replica_dir(self.node.home, inp.deployment_id, name) / "replica.pid")
+                     for name in inp.names]
+        pids = [pid for pf in pid_files if (pid := pf.alive_pid()) is not None]
+        stopped = stop_pids(pids, timeout=30, waiting=lambda: activity.heartbeat(len(pids)))
+        for pf in pid_files:
+            pf.remove()
+        return len(stopped)

@@ -19,7 +19,7 @@ from tests.helpers.other_stack import other_stack_env
 
 # Unrelated variables a stack's processes must still inherit.
 KEPT = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "ROLLOUTS_HOT_LOAD_ENGINES": "dynamo-vllm,vllm",
-        "ROLLOUTS_TEST_SESSION": "s1", "CUDA_VISIBLE_DEVICES": "0"}
+        "ROLLOUTS_TEST_SESSION": "s1", "CUDA_VISIBLE_DEVICES": "0", "ROLLOUTS_ENGINE_CACHE_DIR": "/var/cache/engines"}
 
 
 @pytest.fixture
@@ -83,3 +83,10 @@ def test_the_stacks_processes_get_their_homes_environment(home: Path, monkeypatc
     # and gets the home's.
     monkeypatch.setattr(os, "environ", env)
     assert addresses(Settings.load(home)) == addresses(own)
+
+
+def test_the_engine_cache_is_this_processs_own(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Set (KEPT): every home's settings, its own included, name that directory; unset: the home's.
+    assert Settings.own(home).engine_cache_dir == Path("/var/cache/engines")
+    monkeypatch.delenv("ROLLOUTS_ENGINE_CACHE_DIR")
+    assert Settings.own(home).engine_cache_dir == home / "engine-cache"

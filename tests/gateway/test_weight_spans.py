@@ -34,6 +34,7 @@ from contracts.tokens import add_token
 from gateway.routing import DeploymentView, ReplicaView, Router
 from replica.agent.engine_process import EngineProcess
 from tests.helpers import engine_weights
+from tests.helpers.engine_cache import model_infos
 from tests.helpers.gateway import LocalGateway, check_spans, random_prompt, succession
 from tests.helpers.replicas import STEP_DELAY_S, engine_running
 from workers.base_model import write_base_model, write_counting_model
@@ -69,7 +70,7 @@ async def engine(models, tmp_path_factory) -> AsyncIterator[EngineProcess]:
         yield EngineProcess.attach(url, served_model_name=served.json()["data"][0]["id"], secret=secret)
         return
     eng = EngineProcess(models["base"], work_dir=tmp_path_factory.mktemp("spans-engine"), served_model_name="tiny",
-                        secret=secret, max_model_len=MAX_MODEL_LEN)
+                        secret=secret, max_model_len=MAX_MODEL_LEN, model_info_cache=model_infos())
     await eng.start(timeout=900)
     try:
         yield eng

@@ -61,4 +61,4 @@ def delete_deployment(api: Api, dep_id: str, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while api.call("GET", f"/deployments/{dep_id}").status_code != 404:
         assert time.monotonic() < deadline, f"deployment {dep_id} not deleted after {timeout:.0f}s"
-        time.sleep(1)
+        time.sleep(0.5)

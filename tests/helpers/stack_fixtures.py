@@ -76,7 +76,7 @@ class Api:
             dep = r.json()["deployment"]
             if dep["status"]["status"] in ("STATUS_READY", "STATUS_FAILED"):
                 return dep
-            time.sleep(2)
+            time.sleep(0.5)
         raise TimeoutError(f"deployment {dep_id} not ready after {timeout}s")
 
     def wait_hot_load(self, hl_id: str, timeout: float = 900) -> dict:
@@ -87,7 +87,7 @@ class Api:
             hl = r.json()["hotLoad"]
             if hl["status"]["state"] in ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED"):
                 return hl
-            time.sleep(1)
+            time.sleep(0.25)  # a small delta completes in a few hundred ms
         raise TimeoutError(f"hot-load {hl_id} not terminal after {timeout}s")
 
 

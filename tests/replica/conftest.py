@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from replica.agent.engine_process import EngineProcess
+from tests.helpers.engine_cache import model_infos
 from workers.base_model import write_base_model, write_counting_model
 
 SERVED_NAME = "base"
@@ -32,7 +33,8 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 async def _start_engine(model_dir: Path, work_dir: Path) -> EngineProcess:
     # max-model-len 2048: the in-flight test needs generations long enough to outlast the lag of
     # the server's streams behind the engine on a busy machine.
-    engine = EngineProcess(model_dir, work_dir=work_dir, served_model_name=SERVED_NAME, max_model_len=2048)
+    engine = EngineProcess(model_dir, work_dir=work_dir, served_model_name=SERVED_NAME, max_model_len=2048,
+                           model_info_cache=model_infos())
     await engine.start(timeout=600)
     return engine
 

@@ -31,6 +31,7 @@ from gateway.dynamo_frontend import DynamoFrontend
 from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine_rpc import EngineRequestError
 from replica.engine.tensors import adler32_hex
+from tests.helpers.engine_cache import model_infos
 from tests.helpers.engine_weights import load, stage
 from tests.helpers.replicas import STEP_DELAY_S, engine_running
 from workers.base_model import COUNTING_CHANGED, VOCAB, load_checkpoint
@@ -53,7 +54,7 @@ async def dynamo(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathF
     frontend = await DynamoFrontend(discovery, namespace=NAMESPACE, log_path=root / "frontend.log").start()
     worker = DynamoEngineProcess(model_dirs["base"], work_dir=root / "worker", served_model_name=SERVED_NAME,
                                  discovery_dir=discovery, namespace=NAMESPACE, frontend_url=frontend.url,
-                                 max_model_len=2048)
+                                 max_model_len=2048, model_info_cache=model_infos())
     try:
         await worker.start(timeout=600)
         await frontend.wait_model(SERVED_NAME)

@@ -21,6 +21,7 @@ import pytest
 
 from replica.agent.engine_process import INPROC_WORKER_ENV, EngineProcess
 from replica.agent.shm_reclaim import DEV_SHM, reclaim_dead_segments
+from tests.helpers.engine_cache import model_infos
 
 HOLDER = """
 import mmap, os, sys, time
@@ -118,7 +119,7 @@ async def test_a_running_engine_keeps_its_segments(model_dirs: dict[str, Path],
     queues exist; a reclaim keeps every segment it maps, and it still serves."""
     # A short work directory: vLLM's IPC socket paths under it must fit a socket address.
     engine = EngineProcess(model_dirs["base"], work_dir=tmp_path_factory.mktemp("e"), served_model_name="base",
-                           env={INPROC_WORKER_ENV: "1"})
+                           env={INPROC_WORKER_ENV: "1"}, model_info_cache=model_infos())
     await engine.start(timeout=600)
     try:
         pids = await engine.engine_pids()

@@ -1,0 +1,38 @@
+"""One engine cache for the whole test session (``ROLLOUTS_ENGINE_CACHE_DIR``,
+``common.settings.ENGINE_CACHE_ENV``): every stack's replica agents, the multi-host tests' hosts
+and the engines tests start themselves share vLLM's record of each model class, so only the
+first engine of each architecture in the session inspects its class in a child process that
+imports vLLM again (about 7 s of a core each: docs/field-notes.md).
+
+The controller (or the one process without xdist) makes the directory before any worker starts;
+the workers inherit the variable. A value the shell already set is used as it is and kept."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from common.settings import ENGINE_CACHE_ENV
+
+_MADE = "ROLLOUTS_TEST_ENGINE_CACHE_MADE"  # set when this session made the directory
+
+
+def share_engine_cache() -> None:
+    if os.environ.get(ENGINE_CACHE_ENV):
+        return
+    os.environ[ENGINE_CACHE_ENV] = tempfile.mkdtemp(prefix="rollouts-engine-cache-")
+    os.environ[_MADE] = "1"
+
+
+def forget_engine_cache() -> None:
+    if os.environ.pop(_MADE, None):
+        shutil.rmtree(os.environ.pop(ENGINE_CACHE_ENV), ignore_errors=True)
+
+
+def model_infos() -> Path | None:
+    """Where an engine a test starts keeps vLLM's model-class records (``EngineProcess``'s
+    ``model_info_cache``); None outside a test session that shares one."""
+    value = os.environ.get(ENGINE_CACHE_ENV)
+    return Path(value) / "modelinfos" if value else None
