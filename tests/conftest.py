@@ -104,7 +104,7 @@ def pytest_testnodedown(node, error) -> None:
 
 
 def _summary() -> dict:
-    return {"peak": WATCH.peak, "samples": WATCH.samples, "sampling_s": WATCH.sample_seconds,
+    return {"peak": WATCH.peak, "started": WATCH.started, "samples": WATCH.samples, "sampling_s": WATCH.sample_seconds,
             "created": POOL.created, "ready": ready.counts()}
 
 
@@ -114,7 +114,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         who = f"{name}: " if name else ""
         if summary["samples"]:
             terminalreporter.write_line(
-                f"{who}vLLM engines: at most {summary['peak']} alive at once ({summary['samples']} samples, "
+                f"{who}vLLM engines: {summary.get('started', 0)} started, at most {summary['peak']} alive at once "
+                f"({summary['samples']} samples, "
                 f"{summary['sampling_s']:.2f} s CPU spent sampling); shared deployments created: "
                 f"{summary['created'] or 'none'}")
     if line := ready.tally([summary["ready"] for summary in summaries.values()]):

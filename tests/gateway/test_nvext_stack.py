@@ -63,7 +63,7 @@ async def test_cache_salt_isolates_prefix_cache_reuse(gw):
 
 
 def test_extra_fields_completion_token_ids_worker_id_timing(gw):
-    body = {"prompt": random_prompt(6), "max_tokens": 5, "temperature": 1.0,
+    body = {"prompt": random_prompt(6), "max_tokens": 5, "temperature": 1.0, "ignore_eos": True,  # five tokens
             "nvext": {"extra_fields": ["completion_token_ids", "worker_id", "timing"]}}
     # The sampled ids, also as cwtrain reads them (logprobs tokens as "token_id:N").
     as_ids = {"logprobs": 1, "return_tokens_as_token_ids": True}

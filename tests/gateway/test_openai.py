@@ -15,8 +15,10 @@ import pytest
 
 from tests.helpers.gateway import random_prompt, serve_base
 from tests.helpers.stack_fixtures import cwtrain_python
+from workers.base_model import EOS, SPECIAL_TOKENS
 
 pytestmark = pytest.mark.stack
+EOS_ID = SPECIAL_TOKENS.index(EOS)  # the served base model's end of sequence
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,8 @@ def test_chat_logprobs_carry_token_ids_as_in_the_guide(gw, sdk):
     resp = sdk.chat.completions.create(
         model=gw.model, messages=[{"role": "user", "content": "What is 17 times 23?"}],
         temperature=1.0, top_p=1.0, max_tokens=12, logprobs=True, top_logprobs=2,
-        extra_body={"nvext": {"cache_salt": "policy-v1"}}, extra_headers={"X-Dynamo-Session-ID": "traj-1"},
+        extra_body={"nvext": {"cache_salt": "policy-v1"}, "ignore_eos": True},  # twelve tokens, always
+        extra_headers={"X-Dynamo-Session-ID": "traj-1"},
     )
     choice = resp.choices[0]
     content = choice.logprobs.content
@@ -57,7 +60,7 @@ def test_chat_stream_with_the_sdk(gw, sdk):
     stream = sdk.chat.completions.create(
         model=gw.model, messages=[{"role": "user", "content": "count"}], max_tokens=10, temperature=1.0,
         logprobs=True, stream=True, stream_options={"include_usage": True},
-        extra_body={"nvext": {"extra_fields": ["worker_id", "timing"]}},
+        extra_body={"nvext": {"extra_fields": ["worker_id", "timing"]}, "ignore_eos": True},  # ten tokens, always
     )
     chunks = list(stream)
     token_ids = [e.model_extra["token_id"] for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
@@ -74,7 +77,7 @@ def test_completions_token_id_prompt_n_choices_token_ids(gw, sdk):
     prompt = random_prompt(12)
     resp = sdk.completions.create(
         model=gw.model, prompt=prompt, n=3, max_tokens=9, temperature=1.0, logprobs=1,
-        extra_body={"return_tokens_as_token_ids": True, "nvext": {"cache_salt": "r1"}},
+        extra_body={"return_tokens_as_token_ids": True, "nvext": {"cache_salt": "r1"}, "ignore_eos": True},
     )
     assert sorted(c.index for c in resp.choices) == [0, 1, 2]
     assert resp.usage.prompt_tokens == 12 and resp.usage.completion_tokens == 27
@@ -177,4 +180,8 @@ asyncio.run(main())
     completions = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(completions) == 4
     for ids, logprobs, finish in completions:
-        assert len(ids) == len(logprobs) == 6 and finish == "length"
+        # cwtrain sends no ignore_eos: a sampled end-of-sequence token ends a choice early, and
+        # is its last token id.
+        assert len(ids) == len(logprobs), (ids, logprobs)
+        assert (len(ids), finish) == (6, "length") or (finish == "stop" and ids[-1] == EOS_ID and len(ids) <= 6), \
+            (ids, finish)

@@ -115,6 +115,7 @@ class EngineWatch:
     node: str = ""  # the test running (its node id) and the phase
     phase: str = "collection"
     peak: int = 0
+    started: int = 0  # engines seen (each once): where most of the suite's CPU goes
     samples: int = 0
     sample_seconds: float = 0.0  # CPU time spent sampling
     excess: str | None = None
@@ -140,6 +141,7 @@ class EngineWatch:
             for proc in alive + procs[STACK_MARK]:
                 if proc.pid not in self._seen:
                     self._seen.add(proc.pid)
+                    self.started += proc in alive
                     self.started_by.setdefault(self.node, []).append(proc)
 
     def _run(self) -> None:
