@@ -11,6 +11,10 @@ them fused), per-expert tensors into the fused expert parameters, this rank's te
 slice, the unpadded rows of a vocabulary, a tied embedding's second name (no landing). Nothing
 is written: the engine keeps serving what it serves.
 
+Under expert parallelism vLLM's expert layer skips an expert another rank owns; a tensor whose
+loading asked for such an expert (``expert_misses``: the layer's local id answer was -1) and
+landed nowhere is marked ``elsewhere``.
+
 A write the map cannot describe is a *problem*, named with its tensor: a copy from anything but
 a strided view of the probe (an arithmetic op on it, a gather), any other op writing into a
 parameter (``fill_``, ``index_put_``, ...), or a loader that raises. A tensor with a problem
@@ -20,8 +24,9 @@ the engine's map from both.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +75,40 @@ class TensorMap:
     name: str
     landings: list[Landing] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    # The loader asked which local expert the tensor's expert is and heard "none on this rank"
+    # (expert parallelism): another rank holds it.
+    elsewhere: bool = False
+
+
+# vLLM's expert layers answer which of this rank's experts a checkpoint's (global) expert id is,
+# -1 when another rank holds it (expert parallelism).
+LOCAL_EXPERT = "_map_global_expert_id_to_local_expert_id"
+
+
+@contextlib.contextmanager
+def expert_misses(model: torch.nn.Module) -> Iterator[list[int]]:
+    """Within: every expert id this rank's expert layers answered -1 for is appended to the list
+    yielded (each layer's answer wrapped on the instance, put back after)."""
+    missed: list[int] = []
+    wrapped = []
+    for module in model.modules():
+        answer = getattr(module, LOCAL_EXPERT, None)
+        if not callable(answer):
+            continue
+
+        def wrapper(expert_id, _answer=answer):
+            local = _answer(expert_id)
+            if local == -1:
+                missed.append(expert_id)
+            return local
+
+        object.__setattr__(module, LOCAL_EXPERT, wrapper)
+        wrapped.append(module)
+    try:
+        yield missed
+    finally:
+        for module in wrapped:
+            object.__delattr__(module, LOCAL_EXPERT)
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -145,14 +184,17 @@ def observe(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, ...], 
         if p.numel():  # (a tied parameter keeps its first name: the embedding's)
             params.setdefault(_storage_key(p), (n, p.storage_offset()))
     out: dict[str, TensorMap] = {}
-    for name, shape, dtype in specs:
-        result = out[name] = TensorMap(name)
-        probe = torch.empty(shape, dtype=dtype)  # never written: its pages are never touched
-        try:
-            with _Observer(params, probe, result):
-                model.load_weights([(name, probe)])
-        except Exception as exc:  # the loader refused this name: say why, keep going
-            result.problems.append(f"the engine's loader refused it: {type(exc).__name__}: {exc}"[:300])
+    with expert_misses(model) as missed:
+        for name, shape, dtype in specs:
+            result = out[name] = TensorMap(name)
+            probe = torch.empty(shape, dtype=dtype)  # never written: its pages are never touched
+            missed.clear()
+            try:
+                with _Observer(params, probe, result):
+                    model.load_weights([(name, probe)])
+            except Exception as exc:  # the loader refused this name: say why, keep going
+                result.problems.append(f"the engine's loader refused it: {type(exc).__name__}: {exc}"[:300])
+            result.elsewhere = bool(missed) and not result.landings and not result.problems
     return out
 
 

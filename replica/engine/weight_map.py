@@ -25,7 +25,10 @@ All by checkpoint name, in the checkpoint's layout and dtype:
   loader-layout copies).
 
 A rank of a tensor-parallel engine maps its own slice: :meth:`held` of a sliced tensor is refused
-(nothing in one rank holds it whole), while :meth:`write` and :meth:`holds` work per rank.
+(nothing in one rank holds it whole), while :meth:`write` and :meth:`holds` work per rank. Under
+expert parallelism a rank's entry for an expert another rank owns is *elsewhere*
+(`landings.observe`: vLLM's expert layer maps that expert to none here): :meth:`check` accepts
+it, and this rank writes and proves nothing of it (:meth:`elsewhere`; not in :meth:`names`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class Entry:
     dtype: torch.dtype
     landings: list[Landing] = field(default_factory=list)
     refused: str | None = None
+    # Another rank holds it (expert parallelism: an expert this rank does not own). Accepted at
+    # staging; this rank writes and proves nothing of it.
+    elsewhere: bool = False
 
 
 @contextlib.contextmanager
@@ -104,7 +110,8 @@ class WeightMap:
         entries: dict[str, Entry] = {}
         for name, shape, dtype in specs:
             tmap = maps[name]
-            entries[name] = Entry(name, tuple(shape), dtype, tmap.landings, cls._why_refused(params, tmap, dtype))
+            entries[name] = Entry(name, tuple(shape), dtype, tmap.landings, cls._why_refused(params, tmap, dtype),
+                                  elsewhere=tmap.elsewhere)
         mapped = {n: maps[n] for n, e in entries.items() if e.refused is None}
         with loader_layout(model):
             for name, why in unproven(model, mapped, read).items():
@@ -116,6 +123,8 @@ class WeightMap:
     def _why_refused(params: dict[str, torch.nn.Parameter], tmap: TensorMap, dtype: torch.dtype) -> str | None:
         if tmap.problems:
             return f"the engine's loader does more than copy it ({'; '.join(tmap.problems[:2])})"
+        if tmap.elsewhere:
+            return None
         if not tmap.landings:
             return "the engine's loader keeps none of it (a tied or unused tensor)"
         for ld in tmap.landings:
@@ -127,8 +136,12 @@ class WeightMap:
     # -- reading ---------------------------------------------------------------------------
 
     def names(self) -> list[str]:
-        """Every checkpoint tensor the engine holds in place."""
-        return [n for n, e in self.entries.items() if e.refused is None]
+        """Every checkpoint tensor this rank holds in place."""
+        return [n for n, e in self.entries.items() if e.refused is None and not e.elsewhere]
+
+    def elsewhere(self) -> list[str]:
+        """The checkpoint tensors another rank holds (expert parallelism): accepted, not held here."""
+        return [n for n, e in self.entries.items() if e.elsewhere]
 
     def unmapped(self) -> dict[str, torch.Tensor]:
         """Engine parameters no checkpoint tensor lands in, by engine name (not empty ones)."""

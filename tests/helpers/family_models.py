@@ -1,7 +1,7 @@
 """vLLM's model classes of the model families RL labs train, on the small random checkpoints
 `workers.families` writes, as an engine builds and loads them.
 
-    python -m tests.helpers.family_models OUT_DIR BASE_MODEL_DIR [--tp N] FAMILY [FAMILY ...]
+    python -m tests.helpers.family_models OUT_DIR BASE_MODEL_DIR [--tp N [--ep]] FAMILY [FAMILY ...]
 
 ``observe`` (run in a process of its own: it imports vLLM and initialises its distributed
 state) builds vLLM's model class for each checkpoint at tensor-parallel size 1 in this process,
@@ -10,7 +10,8 @@ is kept), loads the checkpoint, builds the engine's ``replica.engine.weight_map`
 second checkpoint of the family (another seed) through that map and compares every parameter
 with a model loaded from that second checkpoint; it prints per family what it found, as JSON.
 With ``--tp N`` it starts N rank processes over gloo (vLLM's CPU backend), each building its
-shard of the model, and prints ``{family: {rank: report}}``.
+shard of the model, and prints ``{family: {rank: report}}``; ``--ep`` with it: expert parallel
+(vLLM's ``enable_expert_parallel``: each rank owns a share of the experts, whole).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return dict(read_safetensors(sorted(str(p) for p in model_dir.glob("*.safetensors")), None))
 
 
-def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0) -> dict[str, dict]:
+def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0, ep: bool = False) -> dict[str, dict]:
     """What ``weight_map`` makes of each checkpoint on vLLM's model class (see the docstring), on
     ``rank`` of ``world`` tensor-parallel ranks; then the checkpoint's ``-s1`` twin written
     through the map, compared with a model loaded from the twin."""
@@ -56,7 +57,7 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
     torch.accelerator.empty_cache = lambda: None  # no accelerator here (vLLM's CPU worker does the same)
     def engine_config(directory: Path):
         return EngineArgs(model=str(directory), enforce_eager=True, dtype="bfloat16", max_model_len=256,
-                          tensor_parallel_size=world).create_engine_config()
+                          tensor_parallel_size=world, enable_expert_parallel=ep).create_engine_config()
 
     report: dict[str, dict] = {}
     for i, model_dir in enumerate(model_dirs):
@@ -80,6 +81,7 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
             "landings": {n: [[ld.param, list(ld.dst.size), ld.dst.offset, list(ld.src.size), ld.src.offset]
                              for ld in e.landings] for n, e in wmap.entries.items()},
             "refused": {n: e.refused for n, e in wmap.entries.items() if e.refused},
+            "elsewhere": wmap.elsewhere(),
             "params_changed_by_observe": changed,
             "moe_layers_with_loader_copies": sum(1 for m in model.modules() if cpu_moe.loaded(m)),
         }
@@ -103,16 +105,16 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
     return report
 
 
-def _rank(model_dirs: list[Path], world: int, rank: int, port: int, out: Path) -> None:
-    out.write_text(json.dumps(observe(model_dirs, world, rank, port)))
+def _rank(model_dirs: list[Path], world: int, rank: int, port: int, out: Path, ep: bool) -> None:
+    out.write_text(json.dumps(observe(model_dirs, world, rank, port, ep)))
 
 
-def observe_ranks(model_dirs: list[Path], world: int, scratch: Path) -> dict[str, dict[int, dict]]:
+def observe_ranks(model_dirs: list[Path], world: int, scratch: Path, ep: bool = False) -> dict[str, dict[int, dict]]:
     """``observe`` on ``world`` rank processes; every rank's report per family."""
     port = free_port()
     os.environ["VLLM_DIST_IDENT"] = f"landings-{port}"  # vLLM's CPU communicator: one name for the group
     spawn = multiprocessing.get_context("spawn")
-    ranks = [spawn.Process(target=_rank, args=(model_dirs, world, r, port, scratch / f"rank{r}.json"))
+    ranks = [spawn.Process(target=_rank, args=(model_dirs, world, r, port, scratch / f"rank{r}.json", ep))
              for r in range(world)]
     for proc in ranks:
         proc.start()
@@ -124,16 +126,18 @@ def observe_ranks(model_dirs: list[Path], world: int, scratch: Path) -> dict[str
 
 def main(argv: list[str]) -> int:
     out, base, rest = Path(argv[0]), Path(argv[1]), argv[2:]
-    world = 1
+    world, ep = 1, False
     if rest[:1] == ["--tp"]:
         world, rest = int(rest[1]), rest[2:]
+    if rest[:1] == ["--ep"]:
+        ep, rest = True, rest[1:]
     unknown = [f for f in rest if f not in FAMILIES]
     if unknown:
         raise SystemExit(f"unknown families {unknown}: one of {sorted(FAMILIES)}")
     dirs = [write_family(out, base, family) for family in rest]
     for family in rest:
         write_family(out, base, family, seed=1)
-    print(json.dumps(observe(dirs) if world == 1 else observe_ranks(dirs, world, out)))
+    print(json.dumps(observe(dirs) if world == 1 else observe_ranks(dirs, world, out, ep)))
     return 0
 
 

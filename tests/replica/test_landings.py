@@ -18,7 +18,9 @@ attention, a shared expert beside the routed ones, a score-correction bias).
 At tensor-parallel size 2 (Qwen2 and Qwen3-MoE, two rank processes over gloo as vLLM's CPU
 backend runs them): each rank's landings read its own slice of the checkpoint (column-parallel
 rows, row-parallel columns, vocabulary rows; a KV head replicated to both), and the same update
-written per rank equals a fresh rank's shard.
+written per rank equals a fresh rank's shard. With expert parallelism (Qwen3-MoE, two ranks): each
+rank's map holds its own experts whole, leaves the other rank's "elsewhere" (not refused), and
+what it holds, written per rank, equals a fresh rank's parameters.
 
 Not an engine process, but vLLM's model classes in subprocesses: marked ``engine`` (it costs
 what an engine start costs, ~40 s in all, and make test-fast leaves it out).
@@ -149,3 +151,45 @@ def test_each_tp_rank_lands_its_shard_from_the_same_slice_of_the_checkpoint(tp2)
         # The vocabulary is split by rows: 1024 each.
         e = "model.embed_tokens.weight"
         assert [ranks[r]["landings"][e][0][3:] for r in "01"] == [[[1024, 128], 0], [[1024, 128], 1024 * 128]]
+
+
+@pytest.fixture(scope="module")
+def ep2(families_root: Path) -> dict[str, dict[str, dict]]:
+    """Qwen3-MoE at tensor-parallel size 2 with expert parallelism (vLLM's
+    ``enable_expert_parallel``): two rank processes over gloo, each owning half of the experts."""
+    root = families_root
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.family_models", str(root), str(root / "base"),
+                           "--tp", "2", "--ep", "qwen3_moe"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_each_ep_rank_holds_its_own_experts_whole_and_leaves_the_others_elsewhere(ep2):
+    ranks = ep2["qwen3_moe"]
+
+    def experts(names: list[str]) -> set[int]:
+        return {int(n.split(".experts.")[1].split(".")[0]) for n in names}
+
+    for rank, r in ranks.items():
+        # Another rank's experts are not refused: this rank holds nothing of them ("elsewhere").
+        assert r["refused"] == {} and r["params_changed_by_observe"] == [], rank
+        assert all(r["landings"][n] == [] for n in r["elsewhere"]), rank
+        # What this rank holds, written through its map, is what vLLM's loader makes of the twin
+        # on a fresh rank of the same engine.
+        assert r["update"] == {"written": r["tensors"] - len(r["elsewhere"]), "not_held": [], "unpacked": [],
+                               "params_differ_from_fresh": []}, rank
+    # Rank 0 owns experts 0-3, rank 1 experts 4-7; each leaves the other's gate, up and down of
+    # both layers elsewhere, and every checkpoint tensor lands on some rank.
+    assert [experts(ranks[r]["elsewhere"]) for r in "01"] == [{4, 5, 6, 7}, {0, 1, 2, 3}]
+    assert [len(ranks[r]["elsewhere"]) for r in "01"] == [24, 24]
+    held = [{n for n, ls in ranks[r]["landings"].items() if ls} for r in "01"]
+    assert held[0] | held[1] == set(ranks["0"]["landings"]) and len(ranks["0"]["landings"]) == ranks["0"]["tensors"]
+    # An expert lands whole in the owner's local slot (expert 5 is rank 1's local expert 1); the
+    # attention is still split by tensor parallelism (q's rows).
+    w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    assert ranks["1"]["landings"]["model.layers.0.mlp.experts.5.gate_proj.weight"] == [[w13, [64, 128], 128 * 128,
+                                                                                        [64, 128], 0]]
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert [ranks[r]["landings"][q][0][4] for r in "01"] == [0, 64 * 128]
