@@ -53,14 +53,19 @@ def families_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def report(families_root: Path) -> dict[str, dict]:
-    root = families_root
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.family_models", str(root), str(root / "base"), *FAMILIES],
+def family_models(root: Path, *args: str) -> dict:
+    """tests/helpers/family_models.py on the checkpoints under ``root`` (its own process, as an
+    engine's): its JSON report."""
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.family_models", str(root), str(root / "base"), *args],
                           cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def report(families_root: Path) -> dict[str, dict]:
+    return family_models(families_root, *FAMILIES)
 
 
 def test_every_tensor_of_every_family_lands_where_the_engine_holds_it(report):
@@ -119,13 +124,7 @@ def test_fused_and_tied_shapes_land_where_vllm_puts_them(report):
 def tp2(families_root: Path) -> dict[str, dict[str, dict]]:
     """Qwen2 (dense) and Qwen3-MoE at tensor-parallel size 2: two rank processes over gloo, each
     building its shard."""
-    root = families_root
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.family_models", str(root), str(root / "base"),
-                           "--tp", "2", "qwen2", "qwen3_moe"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return family_models(families_root, "--tp", "2", "qwen2", "qwen3_moe")
 
 
 def test_each_tp_rank_lands_its_shard_from_the_same_slice_of_the_checkpoint(tp2):
@@ -157,13 +156,7 @@ def test_each_tp_rank_lands_its_shard_from_the_same_slice_of_the_checkpoint(tp2)
 def ep2(families_root: Path) -> dict[str, dict[str, dict]]:
     """Qwen3-MoE at tensor-parallel size 2 with expert parallelism (vLLM's
     ``enable_expert_parallel``): two rank processes over gloo, each owning half of the experts."""
-    root = families_root
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.family_models", str(root), str(root / "base"),
-                           "--tp", "2", "--ep", "qwen3_moe"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return family_models(families_root, "--tp", "2", "--ep", "qwen3_moe")
 
 
 def test_each_ep_rank_holds_its_own_experts_whole_and_leaves_the_others_elsewhere(ep2):
