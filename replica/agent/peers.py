@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
 import time
 from collections.abc import Mapping
 from datetime import timedelta
@@ -62,6 +64,8 @@ log = logging.getLogger("rollouts.replica")
 # Joining a peer group blocks the engine until the other side joins: keep the wait short.
 PEER_JOIN_TIMEOUT_S = 30.0
 PEER_BACKEND_ENV = "ROLLOUTS_PEER_BACKEND"
+# Offers whose send never came (the walk ended first) keep their files until this many newer ones.
+OFFERS_KEPT = 8
 
 
 def peer_backend(environ: Mapping[str, str]) -> str:
@@ -134,17 +138,42 @@ class PeerSteps:
         return self._hosting_store(inp, await asyncio.to_thread(self._files_offer, inp, link_dir))
 
     def _files_offer(self, inp: PeerOfferInput, link_dir: Path) -> PeerOffer:
-        """Offer a delta link's files (checked by this replica's decode) as they are."""
-        files = sorted(f for f in link_dir.iterdir() if f.is_file())
+        """Offer a delta link's files (checked by this replica's decode) as they are. The offer
+        holds its own hard links to them (`offers_root`/port) until its send: the next update
+        clears `links_root`, and a send that finds no files would leave its receivers waiting
+        for the group's timeout."""
+        port = free_port(self.peer_host)
+        held = self._hold_files(link_dir, port)
+        files = sorted(f for f in held.iterdir() if f.is_file())
         offer = PeerOffer(
-            source_replica=self.name, host=self.peer_host, port=free_port(self.peer_host),
+            source_replica=self.name, host=self.peer_host, port=port,
             backend=self.peer_backend, base_identity=inp.target_identity, identity=inp.identity,
             chain=inp.chain, specs=[[f.name, "uint8", [f.stat().st_size]] for f in files],
             expected_adler32={f.name: file_adler32(f) for f in files}, world_size=inp.world_size,
             mode="files",
         )
-        self.offered_links[offer.port] = link_dir  # until its send
+        self.offered_links[port] = held  # until its send
+        while len(self.offered_links) > OFFERS_KEPT:  # offers the walk never sent
+            shutil.rmtree(self.offered_links.pop(next(iter(self.offered_links))), ignore_errors=True)
         return offer
+
+    @property
+    def offers_root(self) -> Path:
+        """Files offered to peers, one directory per offer (its port), until the offer's send."""
+        return self.staging / "offers"
+
+    def _hold_files(self, link_dir: Path, port: int) -> Path:
+        """Hard links (a copy where the filesystem has none) to `link_dir`'s files, for one offer."""
+        held = self.offers_root / str(port)
+        shutil.rmtree(held, ignore_errors=True)
+        held.mkdir(parents=True)
+        for f in link_dir.iterdir():
+            if f.is_file():
+                try:
+                    os.link(f, held / f.name)
+                except OSError:
+                    shutil.copyfile(f, held / f.name)
+        return held
 
     def _build_offer(self, inp: PeerOfferInput) -> PeerOffer:
         chain_ids = [link.identity for link in inp.chain]
@@ -183,9 +212,10 @@ class PeerSteps:
     async def send_to_peers(self, offer: PeerOffer) -> int:
         """Broadcast the offered tensors (or delta files) from this engine to every receiver of
         the offer's group (they join concurrently); the engine keeps serving while it sends."""
+        held = self.offered_links.pop(offer.port, None)
         try:
             if offer.mode == "files":
-                link_dir = self.offered_links.pop(offer.port, None) or self.link_dirs[offer.identity]
+                link_dir = held or self.link_dirs[offer.identity]
                 await self.engine.start_peer_send_files(
                     offer.host, offer.port, offer.world_size, [str(link_dir / s[0]) for s in offer.specs],
                     offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S, external_store=offer.store_hosted,
@@ -198,6 +228,8 @@ class PeerSteps:
             return int((await self.engine.wait_job("send"))["bytes"])
         finally:
             self.peer_store = None  # the group is formed (or failed): its store is done
+            if held is not None:
+                await asyncio.to_thread(shutil.rmtree, held, True)
 
     async def drop_peer_stage(self) -> None:
         """Undo a stage that was never committed (a canceled walk): the host copy goes back to

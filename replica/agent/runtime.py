@@ -402,7 +402,8 @@ class ReplicaRuntime(PeerSteps):
         await self.fault("apply_snapshot")
         t0 = time.perf_counter()
         await self.drop_peer_stage()  # settles the host copy first
-        await asyncio.to_thread(self.clear_links)
+        if self.applied != [link.identity for link in inp.chain]:  # else its links stay offerable
+            await asyncio.to_thread(self.clear_links)
         todo = self.missing_links(inp) or []
         local, fetched = await asyncio.to_thread(self.fetch_links, inp, todo)
         timings = {"fetch": ms_since(t0)}

@@ -18,7 +18,9 @@ which the agent sets at the engine's start (``replica.agent.engine_process``).
 The wire protocol: the sender broadcasts an int64 header ``[count, crc32(specs)]``; each member
 says whether it agrees (an all-reduce of failure flags), so a receiver whose specs differ from
 the sender's makes every member fail at once instead of misreading bytes or leaving the sender
-blocked; then the tensors' bytes follow, packed into uint8 chunks of at most
+blocked (a sender that could not read what it offered still joins and sends the count
+``SENDER_FAILED``, so its receivers fail at once, not at the group's timeout); then the tensors'
+bytes follow, packed into uint8 chunks of at most
 ``PEER_CHUNK_BYTES``, in spec order. After a failure mid-stream, close the group. A whole file
 travels as one uint8 tensor named by its base name.
 """
@@ -40,6 +42,8 @@ from replica.launch import NODE_ADDRESS_ENV
 
 # One packed broadcast per this many bytes: few collective calls, bounded extra memory.
 PEER_CHUNK_BYTES = 256 * 1024 * 1024
+# The header count of a sender that has nothing to send (it could not read what it offered).
+SENDER_FAILED = -1
 
 
 def _chunks(sizes: list[int], chunk_bytes: int) -> list[list[int]]:
@@ -195,6 +199,12 @@ class PeerGroup:
             total += buf.numel()
         return total
 
+    def send_failure(self, src: int) -> None:
+        """Tell every receiver that this sender has nothing to send (`SENDER_FAILED` as the
+        header's count), so each fails at once rather than at the group's timeout."""
+        self.broadcast(torch.tensor([SENDER_FAILED, 0], dtype=torch.int64, device=self.device), src)
+        self.count_failures(True)
+
     def receive(
         self,
         specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
@@ -207,6 +217,8 @@ class PeerGroup:
         agreed = header.tolist() == want
         if self.count_failures(not agreed) and agreed:
             raise ValueError("another receiver rejected the transfer (its specs differ)")
+        if int(header[0]) == SENDER_FAILED:
+            raise ValueError("the sender failed before it sent anything (its log says why)")
         if not agreed:
             raise ValueError(
                 f"peer sent {int(header[0])} tensors with spec digest {int(header[1])}, "

@@ -113,7 +113,17 @@ def send_views(wmap: WeightMap, names: list[str] | None, join: Join) -> dict[str
 
 
 def send_files(paths: list[str], join: Join) -> dict[str, Any]:
-    files = [(os.path.basename(p), read_file_tensor(p)) for p in paths]
+    """Send whole files as rank 0. One it cannot read still joins the group and tells the
+    receivers (`PeerGroup.send_failure`) before raising, so none waits out the group's timeout."""
+    try:
+        files = [(os.path.basename(p), read_file_tensor(p)) for p in paths]
+    except OSError:
+        group = join()
+        try:
+            group.send_failure(0)
+        finally:
+            group.close()
+        raise
     group = join()
     try:
         sent = group.send(files, 0)

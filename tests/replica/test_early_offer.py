@@ -13,7 +13,7 @@ import pytest
 
 from contracts.activities import PeerOfferInput
 from contracts.records import SnapshotRef, SnapshotType
-from replica.agent.peers import PEER_BACKEND_ENV, peer_backend
+from replica.agent.peers import OFFERS_KEPT, PEER_BACKEND_ENV, peer_backend
 from replica.agent.runtime import ReplicaRuntime
 from replica.agent.staged import StagedUpdate
 from snapshots.errors import ChainError
@@ -51,7 +51,48 @@ async def test_the_offer_waits_for_the_stage_then_offers_its_files(tmp_path: Pat
     assert offer.backend == backend  # a delta's files travel over either backend
     assert sorted(s[0] for s in offer.specs) == ["manifest.json", "model.safetensors"]
     assert offer.expected_adler32["model.safetensors"] == f"{zlib.adler32(b'delta bytes'):08x}"
-    assert rt.offered_links[offer.port] == tmp_path / "links" / "step-1"
+    held = rt.offered_links[offer.port]
+    assert held == rt.offers_root / str(offer.port)
+    assert (held / "model.safetensors").read_bytes() == b"delta bytes"
+
+
+class _SendingEngine:
+    """Reads the files a send names, as the engine's send job would (unit test stand-in)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, bytes] = {}
+
+    async def start_peer_send_files(self, host: str, port: int, world_size: int, paths: list[str], backend: str,
+                                    **_: object) -> None:
+        self.sent = {Path(p).name: Path(p).read_bytes() for p in paths}
+
+    async def wait_job(self, kind: str) -> dict[str, int]:
+        return {"bytes": sum(len(b) for b in self.sent.values())}
+
+
+async def test_an_offers_files_outlive_the_next_updates_clear_until_its_send(tmp_path: Path) -> None:
+    """A replica that serves the update offers its link's files, then an update (the walk's
+    re-admission of the same identity, or the next one) clears its links: the send still has
+    every offered file, and drops its own hold after."""
+    engine = _SendingEngine()
+    rt = ReplicaRuntime(name="replica-a", engine=engine, host=None, s3=None, workdir=tmp_path)
+    rt.staging = tmp_path
+    rt.update_stage("hl-1", fresh=True).set_result(_staged_files(tmp_path))
+    offer = await rt.make_offer_from_stage(_ask())
+    rt.clear_links()
+    assert not (tmp_path / "links").exists()
+    assert await rt.send_to_peers(offer) == len(b"delta bytes") + len(b"{}")
+    assert engine.sent == {"manifest.json": b"{}", "model.safetensors": b"delta bytes"}
+    assert not rt.offers_root.joinpath(str(offer.port)).exists() and not rt.offered_links
+
+
+async def test_offers_never_sent_are_dropped_after_the_newest_few(tmp_path: Path) -> None:
+    rt = _runtime(tmp_path)
+    rt.staging = tmp_path
+    rt.update_stage("hl-1", fresh=True).set_result(_staged_files(tmp_path))
+    ports = [(await rt.make_offer_from_stage(_ask())).port for _ in range(OFFERS_KEPT + 3)]
+    assert list(rt.offered_links) == ports[-OFFERS_KEPT:]
+    assert sorted(p.name for p in rt.offers_root.iterdir()) == sorted(str(p) for p in ports[-OFFERS_KEPT:])
 
 
 async def test_an_update_that_ended_without_a_stage_refuses_the_offer(tmp_path: Path) -> None:
