@@ -97,8 +97,11 @@ class PeerSteps:
             return offer
         # Up before any engine connects: a TCPStore client that finds no master backs off for
         # ~0.7 s, which every member of the group would then wait out.
-        self.peer_store = TCPStore(offer.host, offer.port, offer.world_size, is_master=True,
-                                   timeout=timedelta(seconds=PEER_JOIN_TIMEOUT_S), wait_for_workers=False)
+        # One store per offer (its port): a sender may hold several offers until each is sent.
+        self.peer_stores[offer.port] = TCPStore(offer.host, offer.port, offer.world_size, is_master=True,
+                                                timeout=timedelta(seconds=PEER_JOIN_TIMEOUT_S), wait_for_workers=False)
+        while len(self.peer_stores) > OFFERS_KEPT:  # offers the walk never sent
+            self.peer_stores.pop(next(iter(self.peer_stores)))
         return offer.model_copy(update={"store_hosted": True})
 
     async def make_offer_from_stage(self, inp: PeerOfferInput, wait_s: float = 600.0) -> PeerOffer:
@@ -227,7 +230,7 @@ class PeerSteps:
                 )
             return int((await self.engine.wait_job("send"))["bytes"])
         finally:
-            self.peer_store = None  # the group is formed (or failed): its store is done
+            self.peer_stores.pop(offer.port, None)  # the group is formed (or failed): its store is done
             if held is not None:
                 await asyncio.to_thread(shutil.rmtree, held, True)
 

@@ -99,7 +99,8 @@ class ReplicaRuntime(PeerSteps):
         self.arena = StageArena()  # where delta updates are decoded for the engine
         # The record that offers the arena's last decode to the host's other replicas.
         self.decode_published: Publication | None = None
-        self.peer_store: Any = None  # the rendezvous store of the broadcast this replica sends
+        # The rendezvous stores this replica hosts for its offers, by port, until each one's send.
+        self.peer_stores: dict[int, Any] = {}
         self._adopting: asyncio.Future[None] | None = None  # the host copy taking the last swap
         # Per hot-load id: resolves with the bucket update's stage once it is checked (an early
         # offer waits on it), or fails if the update ended without one.

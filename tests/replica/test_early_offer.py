@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from torch.distributed import TCPStore
 
 from contracts.activities import PeerOfferInput
 from contracts.records import SnapshotRef, SnapshotType
@@ -84,6 +86,23 @@ async def test_an_offers_files_outlive_the_next_updates_clear_until_its_send(tmp
     assert await rt.send_to_peers(offer) == len(b"delta bytes") + len(b"{}")
     assert engine.sent == {"manifest.json": b"{}", "model.safetensors": b"delta bytes"}
     assert not rt.offers_root.joinpath(str(offer.port)).exists() and not rt.offered_links
+
+
+async def test_a_send_closes_its_own_offers_store_not_another_offers(tmp_path: Path) -> None:
+    """A sender holding two offers (two groups) hosts one rendezvous store per offer: the first
+    one's send ends its store, and the second group's members still meet at theirs."""
+    rt = ReplicaRuntime(name="replica-a", engine=_SendingEngine(), host=None, s3=None, workdir=tmp_path,
+                        peer_host="127.0.0.1")
+    rt.staging = tmp_path
+    rt.update_stage("hl-1", fresh=True).set_result(_staged_files(tmp_path))
+    hosting = _ask().model_copy(update={"host_store": True})
+    first, second = [await rt.make_offer_from_stage(hosting) for _ in range(2)]
+    assert first.store_hosted and second.store_hosted and first.port != second.port
+    await rt.send_to_peers(first)
+    assert list(rt.peer_stores) == [second.port]
+    client = TCPStore("127.0.0.1", second.port, is_master=False, timeout=timedelta(seconds=10))
+    client.set("member", "1")
+    assert rt.peer_stores[second.port].get("member") == b"1"
 
 
 async def test_offers_never_sent_are_dropped_after_the_newest_few(tmp_path: Path) -> None:
