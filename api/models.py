@@ -15,7 +15,7 @@ from common.buckets import bucket_problem, normalize_path, path_problem
 from common.ids import resource_id_problem
 from contracts import names
 from contracts.autoscaling import MAX_AFTER_S, MAX_TARGET_IN_FLIGHT
-from contracts.engine_config import tensor_parallel_problem
+from contracts.engine_config import engine_config_problem
 from contracts.records import (
     ENUM_NUMBERS,
     MAX_CONCURRENT_SWAPS,
@@ -122,9 +122,8 @@ ENGINE_CONFIG_KEYS: dict[str, bool] = {
     "max-num-seqs": True,
     "enable-return-routed-experts": False,
     "tensor-parallel-size": True,
-    # Not "enable-expert-parallel": a rank then holds no part of the experts it does not own, and
-    # its weight map would refuse them; vLLM's CPU MoE kernel crashes under it, so nothing here
-    # could test it (docs/field-notes.md; docs/design.md, "Tensor parallel").
+    # GPU replicas at tensor-parallel size 2 or more only (contracts/engine_config.py).
+    "enable-expert-parallel": False,
 }
 
 
@@ -199,8 +198,8 @@ class CreateDeploymentRequest(WireModel):
         return v
 
     @model_validator(mode="after")
-    def _gpus_fit_tensor_parallel(self) -> CreateDeploymentRequest:
-        if p := tensor_parallel_problem(self.runtime, self.resources):
+    def _engine_config_fits_resources(self) -> CreateDeploymentRequest:
+        if p := engine_config_problem(self.runtime, self.resources):
             raise ValueError(p)
         return self
 
@@ -221,9 +220,9 @@ class UpdateDeploymentRequest(WireModel):
     hot_load: HotLoadConfigIn | None = None
 
     @model_validator(mode="after")
-    def _gpus_fit_tensor_parallel(self) -> UpdateDeploymentRequest:
+    def _engine_config_fits_resources(self) -> UpdateDeploymentRequest:
         # Both given: checked here; runtime alone: against the deployment's (control/admission.py).
-        if p := tensor_parallel_problem(self.runtime, self.resources):
+        if p := engine_config_problem(self.runtime, self.resources):
             raise ValueError(p)
         return self
 

@@ -60,11 +60,19 @@ def slowest(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+# Why a checkpoint tensor that every rank of an engine finds another rank's is refused.
+HELD_BY_NO_RANK = "no rank of the engine holds it (each rank's expert layer maps it to another rank)"
+
+
 def combine_map(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The weight maps of every rank: what every rank holds in place, what any rank refuses."""
+    """The weight maps of every rank: what every rank holds in place, what any rank refuses, and
+    ``orphans``: the tensors every rank finds elsewhere (expert parallelism), which no rank holds,
+    so the caller has every rank refuse them (``refuse_tensors``) before any stage."""
     refused: dict[str, str] = {}
     for r in results:
         refused.update(r.get("refused", {}))
+    orphans = set.intersection(*(set(r.get("elsewhere", ())) for r in results))
     return {"tensors": int(results[0]["tensors"]), "held": min(int(r["held"]) for r in results),
             "refused": refused, "refused_count": max(int(r["refused_count"]) for r in results),
-            "build_s": max(float(r["build_s"]) for r in results), "ranks": len(results)}
+            "build_s": max(float(r["build_s"]) for r in results), "ranks": len(results),
+            "orphans": sorted(orphans)}

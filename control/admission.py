@@ -12,7 +12,7 @@ replica will read because it does not serve them yet).
 
 from __future__ import annotations
 
-from contracts.engine_config import tensor_parallel_problem
+from contracts.engine_config import engine_config_problem
 from contracts.errors import ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, rejected
 from contracts.records import (
     Autoscaling,
@@ -85,7 +85,7 @@ def check_update(state: DeploymentInput, cmd: UpdateDeploymentCommand, *, deleti
             f"{', '.join(changed)}: cannot be changed by an update (only runtime.version, "
             "runtime.engineConfig and traffic can); create a new deployment",
         )
-    if problem := tensor_parallel_problem(cmd.runtime, spec.resources):
+    if problem := engine_config_problem(cmd.runtime, spec.resources):
         raise rejected(INVALID_ARGUMENT, problem)
     if state.active_hot_load_id is not None:
         raise rejected(

@@ -207,6 +207,10 @@ class EngineClient:
         the first stage does); what it holds in place and what it refuses, and why."""
         return combine_map(await self._rpc_ranks("weight_map"))
 
+    async def refuse_tensors(self, names: Sequence[str], why: str) -> None:
+        """Every rank refuses ``names`` from now on: a stage naming one is refused, naming it."""
+        await self._rpc_ranks("refuse_tensors", list(names), why)
+
     async def checksums(self, names: Sequence[str] | None = None, algorithm: str = "adler32") -> dict[str, str]:
         """Per-tensor digest of what the engine holds, by checkpoint name; EngineError for a
         tensor that no rank holds whole (a tensor-parallel shard: `served_weights`)."""

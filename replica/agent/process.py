@@ -42,6 +42,7 @@ from common.telemetry import setup_tracing, temporal_interceptors
 from contracts import names
 from contracts.activities import ApplySnapshotInput
 from contracts.engine_config import TP_KEY
+from contracts.engine_ranks import HELD_BY_NO_RANK
 from contracts.records import ReplicaEndpoint, ReplicaFailure, rfc3339
 from replica import faults
 from replica.agent.activities import PeerActivities, ReplicaActivities
@@ -105,12 +106,19 @@ def engine_options(engine_config: dict[str, str]) -> dict[str, Any]:
 async def log_weight_map(name: str, engine: EngineProcess) -> None:
     """Have the engine build its weight map now, not inside the first hot-load, and log what it
     cannot hot-load. A map that cannot be built does not stop the replica, which serves: every
-    stage then refuses with the same error."""
+    stage then refuses with the same error. Tensors that no rank holds (`combine_map`'s
+    ``orphans``) are refused on every rank here, before any stage."""
     try:
         mapped = await engine.weight_map()
     except EngineRequestError as exc:
         log.warning("%s: no weight map, so no hot-load will stage: %s", name, one_line(exc))
         return
+    if mapped["orphans"]:
+        # Every rank found them another rank's: no rank would write or prove them. (An engine
+        # that cannot take this refusal does not serve as a replica: the error stops its start.)
+        await engine.refuse_tensors(mapped["orphans"], HELD_BY_NO_RANK)
+        mapped["refused"].update(dict.fromkeys(mapped["orphans"][:4], HELD_BY_NO_RANK))
+        mapped["refused_count"] += len(mapped["orphans"])
     log.info("%s: %d of %d checkpoint tensors load in place (map built in %.2f s)", name, mapped["held"],
              mapped["tensors"], mapped["build_s"])
     if mapped["refused_count"]:

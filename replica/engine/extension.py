@@ -22,7 +22,10 @@ on first use (the engine still holds that checkpoint then: every update is stage
 first). Methods (per worker):
 
 - ``weight_map()`` -> ``{"tensors", "held", "refused": {name: why} (the first 16), "refused_count",
-  "build_s"}``: builds the map if it is not built yet (the agent calls it once the engine serves);
+  "build_s", "elsewhere": [name, ...]}``: builds the map if it is not built yet (the agent calls it
+  once the engine serves); ``elsewhere``: the experts another rank owns (expert parallelism);
+- ``refuse_tensors(names, why)`` -> ``{"refused"}``: this rank refuses ``names`` from now on (the
+  agent's answer to tensors every rank finds elsewhere);
 - ``engine_pid()`` -> ``{"pid", "parent_pid", "idle_spin_s", "logprob_ranks_eager", "rank",
   "ranks"}``: this worker's process and its parent (the engine core, or the API server where the
   worker runs inside the engine core: one rank on CPU), what `replica.engine.plugin` set in this process, its
@@ -154,7 +157,11 @@ class WeightLoaderExtension:
         wmap = _weight_map(self)
         refused = {n: e.refused for n, e in wmap.entries.items() if e.refused is not None}
         return {"tensors": len(wmap.entries), "held": len(wmap.names()), "refused": dict(list(refused.items())[:16]),
-                "refused_count": len(refused), "build_s": self._rollouts_map_build_s}
+                "refused_count": len(refused), "build_s": self._rollouts_map_build_s, "elsewhere": wmap.elsewhere()}
+
+    def refuse_tensors(self, names: list[str], why: str) -> dict[str, Any]:
+        _weight_map(self).refuse(names, why)
+        return {"refused": len(names)}
 
     def engine_pid(self) -> dict[str, Any]:
         rank, ranks = _rank(self)

@@ -134,6 +134,8 @@ def plan(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]], backup: d
     pinned_budget = pinned_budget_from_env() if pinned_budget is None else pinned_budget
     out = Plan()
     for name, t in tensors:
+        if wmap.entry(name).elsewhere:
+            continue  # another rank's expert: nothing of it crosses into this rank
         if backup is None:
             _dense(wmap, name, t, out, budget, pinned_budget)
             continue

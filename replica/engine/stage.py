@@ -118,8 +118,8 @@ def take(
     tensors, most of whose elements the engine already holds)."""
     wmap.check(tensors)
     with BACKUP_LOCK:
-        if backup is None:
-            backup = _backup_copies(wmap, [n for n, _ in tensors])
+        if backup is None:  # nothing to keep of another rank's experts: this rank holds none of them
+            backup = _backup_copies(wmap, [n for n, _ in tensors if not wmap.entry(n).elsewhere])
         # The plan reads the roll-back copies: the pool's may not be refilled meanwhile.
         planned = scatter.plan(wmap, tensors, backup if sparse else None)
     expected = None if expected_adler32 is None else {n: c.lower() for n, c in expected_adler32.items()}
@@ -194,6 +194,8 @@ def proof(wmap: WeightMap, tensors: list[tuple[str, torch.Tensor]],
     held: dict[str, str] = {}
     bad = []
     for n, t in tensors:
+        if wmap.entry(n).elsewhere:
+            continue  # another rank's expert: it proves it
         want = expected_adler32[n].lower()
         whole = wmap.whole(n)
         if whole is None:

@@ -28,7 +28,8 @@ A rank of a tensor-parallel engine maps its own slice: :meth:`held` of a sliced 
 (nothing in one rank holds it whole), while :meth:`write` and :meth:`holds` work per rank. Under
 expert parallelism a rank's entry for an expert another rank owns is *elsewhere*
 (`landings.observe`: vLLM's expert layer maps that expert to none here): :meth:`check` accepts
-it, and this rank writes and proves nothing of it (:meth:`elsewhere`; not in :meth:`names`).
+it, and this rank writes and proves nothing of it (:meth:`elsewhere`; not in :meth:`names`). One
+that every rank finds elsewhere is held by none: the agent has every rank :meth:`refuse` it.
 """
 
 from __future__ import annotations
@@ -142,6 +143,13 @@ class WeightMap:
     def elsewhere(self) -> list[str]:
         """The checkpoint tensors another rank holds (expert parallelism): accepted, not held here."""
         return [n for n, e in self.entries.items() if e.elsewhere]
+
+    def refuse(self, names: Iterable[str], why: str) -> None:
+        """Refuse ``names`` from now on (:meth:`check` names each with ``why``): what the ranks'
+        maps together show no rank holds (`contracts.engine_ranks.combine_map`)."""
+        for name in names:
+            e = self.entries[name]
+            e.refused, e.elsewhere, e.landings = why, False, []
 
     def unmapped(self) -> dict[str, torch.Tensor]:
         """Engine parameters no checkpoint tensor lands in, by engine name (not empty ones)."""

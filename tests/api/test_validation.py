@@ -4,6 +4,7 @@ naming the field, in the `{"code", "message", "details"}` shape cwtrain parses."
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from fastapi.testclient import TestClient
@@ -11,9 +12,12 @@ from temporalio.client import WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
 from api.app import PREFIX, allowed_hot_load_engines, create_app
+from api.models import RuntimeIn
 from api.resources import page, update_error
 from common.settings import Settings
+from contracts.engine_config import engine_config_problem
 from contracts.errors import InvalidArgument
+from contracts.records import Resources, Runtime
 from contracts.tokens import add_token
 from tests.helpers.no_temporal import NoTemporal
 
@@ -324,4 +328,27 @@ def test_tensor_parallel_is_accepted_and_the_gpus_must_fit_it(client):
     assert r.status_code == 400 and "tensor-parallel-size must be a positive integer" in r.json()["message"]
     r = client.get(f"{PREFIX}/deployments/parameters", headers={"Authorization": "Bearer admin-t"})
     keys = r.json()["engineConfigKeys"]
-    assert "tensor-parallel-size" in keys and "enable-expert-parallel" not in keys
+    assert "tensor-parallel-size" in keys and "enable-expert-parallel" in keys
+
+
+@pytest.mark.parametrize(("tp", "gpus", "why"), [
+    ("1", 2, "enable-expert-parallel splits the experts over the tensor-parallel ranks: it needs "
+             "tensor-parallel-size 2 or more"),
+    ("2", 0, r"enable-expert-parallel needs GPU replicas \(resources.gpuCount > 0\)"),
+])
+def test_expert_parallel_needs_tensor_parallel_ranks_on_gpus(client, tp, gpus, why):
+    body = {
+        "name": "d", "gatewayIds": ["g"], "model": {"name": "m", "bucket": "bkt", "path": "p"},
+        "runtime": {"engine": "dynamo-vllm", "engineConfig": {"tensor-parallel-size": tp, "enable-expert-parallel": ""}},
+        "resources": {"instanceType": "gpu" if gpus else "cpu", "gpuCount": gpus},
+    }
+    r = post(client, "/deployments", body)
+    assert r.status_code == 400 and re.search(why, r.json()["message"]), r.text
+
+
+def test_expert_parallel_at_two_gpu_ranks_fits_and_takes_no_value():
+    runtime = Runtime(engine="dynamo-vllm", engine_config={"tensor-parallel-size": "2", "enable-expert-parallel": ""})
+    assert engine_config_problem(runtime, Resources(instance_type="gpu", gpu_count=2)) is None
+    assert engine_config_problem(runtime, Resources(instance_type="gpu", gpu_count=4)) is None
+    with pytest.raises(ValueError, match="enable-expert-parallel takes an empty value"):
+        RuntimeIn(engine="dynamo-vllm", engine_config={"enable-expert-parallel": "true"})

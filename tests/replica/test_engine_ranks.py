@@ -31,7 +31,20 @@ def test_a_swap_is_verified_only_when_every_rank_proved_its_shard():
     assert swap_bytes(summed) == {"pause_bytes": 22, "staged_bytes": 60, "changed_bytes": 8, "device_staged_bytes": 20}
     maps = combine_map([{"tensors": 3, "held": 3, "refused": {}, "refused_count": 0, "build_s": 0.1},
                         {"tensors": 3, "held": 2, "refused": {"x": "why"}, "refused_count": 1, "build_s": 0.2}])
-    assert maps == {"tensors": 3, "held": 2, "refused": {"x": "why"}, "refused_count": 1, "build_s": 0.2, "ranks": 2}
+    assert maps == {"tensors": 3, "held": 2, "refused": {"x": "why"}, "refused_count": 1, "build_s": 0.2, "ranks": 2,
+                    "orphans": []}
+
+
+def test_a_tensor_every_rank_finds_elsewhere_is_an_orphan_for_every_rank_to_refuse():
+    """Expert parallelism: each rank leaves the experts another rank owns "elsewhere"; one that
+    every rank leaves is held by none, so the agent has every rank refuse it before any stage."""
+    rank = {"tensors": 4, "held": 2, "refused": {}, "refused_count": 0, "build_s": 0.1}
+    owned = combine_map([{**rank, "elsewhere": ["e2", "e3"]}, {**rank, "elsewhere": ["e0", "e1"]}])
+    assert owned["orphans"] == []
+    lost = combine_map([{**rank, "elsewhere": ["e1", "e2", "e3"]}, {**rank, "elsewhere": ["e0", "e1"]}])
+    assert lost["orphans"] == ["e1"]
+    # One rank that finds a tensor elsewhere holds it nowhere.
+    assert combine_map([{**rank, "elsewhere": ["e1"]}])["orphans"] == ["e1"]
 
 
 def test_a_rank_that_failed_makes_the_others_roll_back_their_proven_stage():

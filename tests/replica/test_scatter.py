@@ -13,7 +13,7 @@ import torch
 from replica.engine import scatter
 from replica.engine.stage import StageSlot, take
 from replica.engine.tensors import adler32_hex
-from replica.engine.weight_map import WeightMap
+from replica.engine.weight_map import Entry, WeightMap
 from tests.helpers.devices import DEVICES
 
 BF16 = torch.bfloat16
@@ -130,6 +130,34 @@ def test_each_tensor_goes_the_way_that_moves_fewer_bytes(device: str, monkeypatc
     monkeypatch.setenv(scatter.BUDGET_ENV, "lots")
     with pytest.raises(ValueError, match="ROLLOUTS_SCATTER_BUDGET_BYTES='lots'"):
         stage_of(wmap, old, few, "v3")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_another_ranks_expert_is_staged_but_nothing_of_it_is_kept_moved_or_proven_here(device: str) -> None:
+    """Expert parallelism: the update names an expert another rank owns (*elsewhere* here). This
+    rank takes the stage, keeps no roll-back copy of it, moves none of its bytes and proves the
+    rest; a failed read-back still rolls back what it holds."""
+    old = checkpoint(12)
+    new = changed(old, 0.05, seed=13)
+    wmap, slot = engine(device, old), StageSlot()
+    wmap.entries["expert.5"] = Entry("expert.5", (64, 32), BF16, elsewhere=True)
+    expert = torch.randn(64, 32).to(BF16)
+    tensors = [*new.items(), ("expert.5", expert)]
+    expected = {n: adler32_hex(t) for n, t in tensors}
+    stage = take(wmap, "v1", tensors, expected_adler32=expected, checked=True, sparse=False)
+    assert "expert.5" not in stage.backup and "expert.5" not in stage.plan.on_device
+    assert stage.plan.report()["staged_bytes"] == sum(t.nbytes for t in new.values())
+    slot.put(stage)
+    report = slot.swap_and_commit(wmap, "v1")
+    assert same(served(wmap), new)
+    assert report["verified"] == 5 and set(report["checksums"]) == set(new)  # the owner proves the expert
+    assert report["pause_bytes"] == sum(scatter.dense_bytes(wmap, n) for n in new)
+    # A stage whose q differs from its checksum (not checked when taken): rolled back, the expert
+    # not named.
+    wrong = {**{n: adler32_hex(t) for n, t in old.items()}, "q": "00000000", "expert.5": expected["expert.5"]}
+    slot.put(take(wmap, "v2", [*old.items(), ("expert.5", expert)], expected_adler32=wrong))
+    assert slot.swap_and_commit(wmap, "v2")["read_back_failed"] == ["q"]
+    assert same(served(wmap), new)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from contracts.engine_ranks import HELD_BY_NO_RANK
 from replica.engine.tensors import adler32_hex
 from replica.engine.weight_map import WeightMap
 
@@ -99,6 +100,16 @@ def test_staging_refuses_by_name_what_cannot_load_in_place() -> None:
     for message, tensors in cases.items():
         with pytest.raises(ValueError, match=f"refusing to load .*{message}"):
             wmap.check(tensors)
+
+
+def test_a_tensor_refused_after_the_map_is_built_is_refused_at_staging_by_name() -> None:
+    """What the agent finds no rank holds (`combine_map`'s orphans) every rank refuses: staging
+    names it and the reason, and the rank holds, writes and proves nothing of it."""
+    wmap = loaded(Fused(), checkpoint(0))
+    wmap.refuse(["k.weight"], HELD_BY_NO_RANK)
+    assert "k.weight" not in wmap.names() and "k.weight" not in wmap.elsewhere()
+    with pytest.raises(ValueError, match=r"refusing to load \(1 problem\(s\)\): k.weight: no rank of the engine holds it"):
+        wmap.check([("k.weight", checkpoint(1)["k.weight"]), ("q.weight", checkpoint(1)["q.weight"])])
 
 
 def test_a_narrowing_a_transform_after_loading_and_a_quantized_engine_are_refused() -> None:
