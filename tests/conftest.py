@@ -72,7 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if is_controller(config):
         share_units()
     if not worker():  # the controller, or the one process without xdist: before any worker starts
-        share_engine_cache()
+        share_engine_cache(engines="not engine" not in (config.option.markexpr or ""))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -5,28 +5,47 @@ first engine of each architecture in the session inspects its class in a child p
 imports vLLM again (about 7 s of a core each: docs/field-notes.md).
 
 The controller (or the one process without xdist) makes the directory before any worker starts;
-the workers inherit the variable. A value the shell already set is used as it is and kept."""
+the workers inherit the variable. A value the shell already set is used as it is and kept. A
+session that may start engines also writes the records of every architecture the suite serves
+there at once, in one background process (`tests.helpers.inspect_models`: one vLLM import for
+all of them, not one per architecture), stopped at the session's end if it still runs."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
+from common.processes import stop_pid
 from common.settings import ENGINE_CACHE_ENV
 
 _MADE = "ROLLOUTS_TEST_ENGINE_CACHE_MADE"  # set when this session made the directory
 
 
-def share_engine_cache() -> None:
+_INSPECTING: list[subprocess.Popen[bytes]] = []
+
+
+def share_engine_cache(engines: bool) -> None:
+    """``engines``: the session may start engines, so the architectures' records are written now."""
     if os.environ.get(ENGINE_CACHE_ENV):
         return
     os.environ[ENGINE_CACHE_ENV] = tempfile.mkdtemp(prefix="rollouts-engine-cache-")
     os.environ[_MADE] = "1"
+    if engines:
+        _INSPECTING.append(subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.inspect_models", os.environ[ENGINE_CACHE_ENV]],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        ))
 
 
 def forget_engine_cache() -> None:
+    for proc in _INSPECTING:
+        stop_pid(proc.pid, timeout=5, group=False)
+        proc.wait()
+    _INSPECTING.clear()
     if os.environ.pop(_MADE, None):
         shutil.rmtree(os.environ.pop(ENGINE_CACHE_ENV), ignore_errors=True)
 
