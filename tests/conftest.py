@@ -72,7 +72,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if is_controller(config):
         share_units()
     if not worker():  # the controller, or the one process without xdist: before any worker starts
-        share_engine_cache(engines="not engine" not in (config.option.markexpr or ""))
+        # The architectures' records at once: for a session of xdist workers that may start engines.
+        share_engine_cache(engines=is_controller(config) and "not engine" not in (config.option.markexpr or ""))
 
 
 @pytest.hookimpl(optionalhook=True)

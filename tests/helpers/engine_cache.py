@@ -6,7 +6,7 @@ imports vLLM again (about 7 s of a core each: docs/field-notes.md).
 
 The controller (or the one process without xdist) makes the directory before any worker starts;
 the workers inherit the variable. A value the shell already set is used as it is and kept. A
-session that may start engines also writes the records of every architecture the suite serves
+session of xdist workers that may start engines (`make test`, not `make test-fast`) also writes the records of every architecture the suite serves
 there at once, in one background process (`tests.helpers.inspect_models`: one vLLM import for
 all of them, not one per architecture), stopped at the session's end if it still runs."""
 
