@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -63,6 +64,7 @@ MODULES: dict[str, tuple[frozenset[str], bool]] = {}
 # Under xdist, the controller's copy of each worker's summary (engines, pool, READY checks).
 SUMMARY_KEY = "rollouts_summary"
 SUMMARIES: dict[str, dict] = {}
+STARTED = time.monotonic()  # when this process's session began: each worker's summary says how long it ran
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -106,7 +108,7 @@ def pytest_testnodedown(node, error) -> None:
 
 def _summary() -> dict:
     return {"peak": WATCH.peak, "started": WATCH.started, "samples": WATCH.samples, "sampling_s": WATCH.sample_seconds,
-            "created": POOL.created, "ready": ready.counts()}
+            "created": POOL.created, "ready": ready.counts(), "ran_s": time.monotonic() - STARTED}
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -115,7 +117,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         who = f"{name}: " if name else ""
         if summary["samples"]:
             terminalreporter.write_line(
-                f"{who}vLLM engines: {summary.get('started', 0)} started, at most {summary['peak']} alive at once "
+                f"{who}ran {summary.get('ran_s', 0):.0f} s; vLLM engines: {summary.get('started', 0)} started, at most {summary['peak']} alive at once "
                 f"({summary['samples']} samples, "
                 f"{summary['sampling_s']:.2f} s CPU spent sampling); shared deployments created: "
                 f"{summary['created'] or 'none'}")

@@ -132,20 +132,18 @@ def served(plane: Plane, replica: dict) -> tuple[dict[str, str], str | None]:
     """The replica's served checksums and weight label, read on its own host over loopback."""
     host = plane.host_of(replica)
     port = replica["engineUrl"].rsplit(":", 1)[1]
-    out = {}
-    for what in ("checksums", "label"):
-        kind = "dynamo" if replica.get("dynamoWorker") else "vllm"
-        r = host.run([sys.executable, "-m", "tests.multihost.engine_probe", what, port, replica["engineSecret"], kind],
-                     timeout=120, cwd=REPO)
-        assert r.returncode == 0, f"probe {what} on {host.name}: {r.stderr}"
-        out[what] = json.loads(r.stdout)
-    return out["checksums"], out["label"]
+    kind = "dynamo" if replica.get("dynamoWorker") else "vllm"
+    r = host.run([sys.executable, "-m", "tests.multihost.engine_probe", port, replica["engineSecret"], kind],
+                 timeout=120, cwd=REPO)
+    assert r.returncode == 0, f"probe of {replica['name']} on {host.name}: {r.stderr}"
+    checksums, label = json.loads(r.stdout)
+    return checksums, label
 
 
 def probe_call(source: Host, method: str, url: str, secret: str, body: dict | None = None,
                tls: Path | None = None) -> tuple[int, str]:
     extra = ([json.dumps(body)] if body is not None else []) + ([f"--tls={tls}"] if tls else [])
-    r = source.run([sys.executable, "-m", "tests.multihost.engine_probe", "call", method, url, secret, *extra],
+    r = source.run([sys.executable, "-m", "tests.multihost.http_probe", method, url, secret, *extra],
                    timeout=60, cwd=REPO)
     assert r.returncode == 0, r.stderr
     status, text = json.loads(r.stdout)
