@@ -8,7 +8,8 @@ which is how the fan-out passes the update on), else the changed tensors as its 
 them, else everything. It then broadcasts them from its engine (`send_to_peers`) to every
 receiver of the offer's group at once over a torch.distributed group between the engine
 processes (gloo, or NCCL where the operator opts in: :func:`peer_backend`), hosting the group's
-rendezvous store itself when asked,
+rendezvous store itself when asked (one store per offer), and holding an offer's files as hard
+links of their own until its send (`offers_root`),
 while every engine keeps serving. A sender may hold several offers (one per group) until each
 is sent. Each receiver checks what it got against the
 sender's Adler-32 and stages it (`stage_from_peer`: files are decoded and staged exactly like the
