@@ -103,9 +103,15 @@ def stage_from_peer(wmap: WeightMap, label: str, join: Join, specs: list[list[An
 
 
 def send_views(wmap: WeightMap, names: list[str] | None, join: Join) -> dict[str, Any]:
+    """Send what the engine holds for ``names`` as rank 0; tensors it cannot read (a name it does
+    not hold) are a failure it tells the receivers (`PeerGroup.send_failure`) before raising."""
     group = join()
     try:
-        tensors = wmap.select(names)
+        try:
+            tensors = wmap.select(names)
+        except Exception:
+            group.send_failure(0)
+            raise
         sent = group.send(tensors, 0)
     finally:
         group.close()
@@ -114,7 +120,7 @@ def send_views(wmap: WeightMap, names: list[str] | None, join: Join) -> dict[str
 
 def send_files(paths: list[str], join: Join) -> dict[str, Any]:
     """Send whole files as rank 0. One it cannot read still joins the group and tells the
-    receivers (`PeerGroup.send_failure`) before raising, so none waits out the group's timeout."""
+    receivers (`PeerGroup.send_failure`) before raising, so none waits for bytes that never come."""
     try:
         files = [(os.path.basename(p), read_file_tensor(p)) for p in paths]
     except OSError:

@@ -1,7 +1,7 @@
-"""A sender that cannot read the files it offered still joins its group and says so
-(`PeerGroup.send_failure`), so every receiver fails with that reason instead of waiting out the
-group's timeout (replica/engine/updates.py `send_files`). Two members in this process
-(threads), no engine, loopback only.
+"""A sender that cannot read the files (or the engine's tensors) it offered still joins its group
+and says so (`PeerGroup.send_failure`), so every receiver fails with that reason instead of
+waiting out the group's timeout (replica/engine/updates.py `send_files`, `send_views`). Three
+members in this process (threads), no engine, loopback only.
 
 Premise: the group's timeout is long (10 minutes), so a receiver that fails with the sender's
 reason did not wait for it; a receiver that timed out would say so instead.
@@ -57,3 +57,24 @@ def test_a_sender_that_reads_its_files_sends_them(tmp_path: Path) -> None:
         for r, receive in zip((1, 2), receives, strict=True):
             assert receive.result()["files"] == 1
             assert (tmp_path / f"out-{r}" / "model.safetensors").read_bytes() == b"delta bytes"
+
+
+class _NoSuchTensor:
+    """A weight map that holds none of the names asked (unit test stand-in for `WeightMap`)."""
+
+    def select(self, names: list[str] | None) -> list:
+        raise KeyError(f"{names[0]}: not held by this engine")
+
+
+def test_receivers_fail_with_the_senders_reason_when_it_cannot_read_its_tensors(tmp_path: Path) -> None:
+    port = free_port()
+    specs = [["w", "float32", [4]]]
+    with ThreadPoolExecutor(3) as pool:
+        send = pool.submit(updates.send_views, _NoSuchTensor(), ["w"], _join(port, 0))
+        receives = [pool.submit(updates.receive_files, specs, {"w": "00000000"}, str(tmp_path / f"out-{r}"),
+                                _join(port, r)) for r in (1, 2)]
+        with pytest.raises(KeyError, match="not held by this engine"):
+            send.result()
+        for receive in receives:
+            with pytest.raises(ValueError, match="the sender failed before it sent anything"):
+                receive.result()
