@@ -6,9 +6,10 @@ imports vLLM again (about 7 s of a core each: docs/field-notes.md).
 
 The controller (or the one process without xdist) makes the directory before any worker starts;
 the workers inherit the variable. A value the shell already set is used as it is and kept. A
-session of xdist workers that may start engines (`make test`, not `make test-fast`) also writes the records of every architecture the suite serves
-there at once, in one background process (`tests.helpers.inspect_models`: one vLLM import for
-all of them, not one per architecture), stopped at the session's end if it still runs."""
+session of xdist workers that may start engines (`make test`, not `make test-fast`) also writes
+the records of every architecture the suite serves there at once, in one background process
+(`tests.helpers.inspect_models`: one vLLM import for all of them, not one per architecture),
+stopped at the session's end if it still runs."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from common.settings import ENGINE_CACHE_ENV
 _MADE = "ROLLOUTS_TEST_ENGINE_CACHE_MADE"  # set when this session made the directory
 
 
-_INSPECTING: list[subprocess.Popen[bytes]] = []
+_inspecting: subprocess.Popen[bytes] | None = None
 
 
 def share_engine_cache(engines: bool) -> None:
@@ -35,17 +36,19 @@ def share_engine_cache(engines: bool) -> None:
     os.environ[ENGINE_CACHE_ENV] = tempfile.mkdtemp(prefix="rollouts-engine-cache-")
     os.environ[_MADE] = "1"
     if engines:
-        _INSPECTING.append(subprocess.Popen(
+        global _inspecting
+        _inspecting = subprocess.Popen(
             [sys.executable, "-m", "tests.helpers.inspect_models", os.environ[ENGINE_CACHE_ENV]],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        ))
+        )
 
 
 def forget_engine_cache() -> None:
-    for proc in _INSPECTING:
-        stop_pid(proc.pid, timeout=5, group=False)
-        proc.wait()
-    _INSPECTING.clear()
+    global _inspecting
+    if _inspecting is not None:
+        stop_pid(_inspecting.pid, timeout=5, group=False)
+        _inspecting.wait()
+        _inspecting = None
     if os.environ.pop(_MADE, None):
         shutil.rmtree(os.environ.pop(ENGINE_CACHE_ENV), ignore_errors=True)
 

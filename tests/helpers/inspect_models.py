@@ -19,9 +19,10 @@ from pathlib import Path
 
 from vllm.model_executor.models import registry
 
-# The base model's architecture (workers/base_model.py) and the families' (workers/families.py).
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                 "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "DeepseekV3ForCausalLM")
+from workers.families import FAMILIES
+
+# The families' architectures (workers/families.py; the base model's, Llama, is one of them).
+ARCHITECTURES = sorted({model_class.__name__ for _, model_class, _ in FAMILIES.values()})
 
 
 def main(cache_dir: Path) -> int:
