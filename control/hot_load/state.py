@@ -108,6 +108,15 @@ class WalkState:
         workflow.set_current_details(self.progress())
 
     def set_state(self, state: HotLoadState, condition: Condition | None = None) -> None:
+        self._record(state, condition)
+        self.publish_state()
+
+    def publish_state(self) -> None:
+        """Make the operation's state visible: its search attribute and its memo."""
+        workflow.upsert_search_attributes([STATE.value_set(self.state.value)])
+        self.publish()
+
+    def _record(self, state: HotLoadState, condition: Condition | None = None) -> None:
         st = self.hot_load.status
         now = self.now()
         st.state = state
@@ -118,8 +127,6 @@ class WalkState:
             st.canceled_at = now
         if condition is not None:
             st.conditions.append(condition)
-        workflow.upsert_search_attributes([STATE.value_set(state.value)])
-        self.publish()
 
     def moved(self, replica: Replica, state: ReplicaState, **fields: Any) -> None:
         now = self.now()
@@ -137,16 +144,18 @@ class WalkState:
         workflow.set_current_details(self.progress())
 
     # ------------------------------------------------------------------ ends
+    # An end is recorded here, not published: the workflow tells its deployment first and then
+    # calls `publish_state`, so no read shows a terminal state that admission does not know yet.
     def completed(self) -> None:
         spec = self.hot_load.spec
-        self.set_state(HotLoadState.COMPLETED, self._condition(
+        self._record(HotLoadState.COMPLETED, self._condition(
             "Completed", "AllReplicasReady", f"{len(self.replicas)} replica(s) serve {spec.identity}"))
 
     def failed(self, reason: str, message: str) -> None:
-        self.set_state(HotLoadState.FAILED, self._condition("Failed", reason, f"{message}; {self.served('failed')}"))
+        self._record(HotLoadState.FAILED, self._condition("Failed", reason, f"{message}; {self.served('failed')}"))
 
     def canceled(self) -> None:
-        self.set_state(HotLoadState.CANCELED, self._condition("Canceled", "Canceled", self.served("canceled")))
+        self._record(HotLoadState.CANCELED, self._condition("Canceled", "Canceled", self.served("canceled")))
 
     def outcome(self) -> HotLoadOutcome:
         spec = self.hot_load.spec

@@ -26,9 +26,10 @@ before the next replica step and cancels the steps in flight; a step given up be
 its replica, or one that failed once the cancel was asked, reports it PENDING_UPDATE again and
 the operation ends CANCELED.
 
-Ends. The memo, `HotLoadState` and the replica list are final first; then the workflow signals
-its deployment (`hot_load_finished`, whatever the outcome); then it closes as what the operation
-became, so the Temporal UI tells the truth: COMPLETED returns the `HotLoadOutcome`, FAILED fails
+Ends. The workflow signals its deployment first (`hot_load_finished`, whatever the outcome),
+then makes the memo and `HotLoadState` final, so a client that reads the end and creates the next
+hot-load at once is admitted (the deployment already noted the end); then it closes as what the
+operation became, so the Temporal UI tells the truth: COMPLETED returns the `HotLoadOutcome`, FAILED fails
 the workflow (a non-retryable `ApplicationError` whose message names the replica and the reason,
 with the outcome as its details), CANCELED closes it canceled.
 
@@ -104,13 +105,8 @@ class HotLoadWorkflow:
             (workflow.now() - workflow.info().start_time).total_seconds(),
             [r.error_reason or "" for r in self.walk.replicas if r.state == ReplicaState.ERROR],
         )
-        try:
-            await workflow.get_external_workflow_handle(inp.deployment_workflow_id).signal(
-                names.HOT_LOAD_FINISHED, outcome
-            )
-        except (Exception, asyncio.CancelledError):  # noqa: BLE001 - a cancel now changes nothing
-            # The deployment may have been deleted meanwhile; it also awaits this workflow's end.
-            workflow.logger.warning("could not report to %s", inp.deployment_workflow_id)
+        await self._report_end(inp, outcome)
+        self.walk.publish_state()  # only now may a read see the end: the deployment admits the next
         if self.walk.state == HotLoadState.CANCELED:
             raise asyncio.CancelledError()
         if failure is not None:
@@ -119,6 +115,17 @@ class HotLoadWorkflow:
                 type=failure.type, non_retryable=True,
             )
         return outcome
+
+    async def _report_end(self, inp: HotLoadInput, outcome: HotLoadOutcome) -> None:
+        """Signal the deployment that the operation ended. The signal is in the deployment's
+        history when this returns, so any create admitted after a read of the end sees it."""
+        try:
+            await workflow.get_external_workflow_handle(inp.deployment_workflow_id).signal(
+                names.HOT_LOAD_FINISHED, outcome
+            )
+        except (Exception, asyncio.CancelledError):  # noqa: BLE001 - a cancel now changes nothing
+            # The deployment may have been deleted meanwhile; it also awaits this workflow's end.
+            workflow.logger.warning("could not report to %s", inp.deployment_workflow_id)
 
     async def _walk(self, inp: HotLoadInput) -> None:
         """First replica from the bucket (passing the update on from its stage when it can),
