@@ -105,10 +105,7 @@ def hot_load(api: Api, dep_id: str, identity: str, previous: str | None, poll_s:
     seconds = time.perf_counter() - t0
     if hl["status"]["state"] != "HOT_LOAD_STATE_COMPLETED":
         raise SystemExit(f"{identity}: {hl['status']['state']}: {hl['status'].get('conditions')}")
-    # The deployment takes note of the end a moment after the GET shows it; the next create waits.
-    while api.call("GET", f"/deployments/{dep_id}")["deployment"]["status"].get("activeHotLoadId"):
-        time.sleep(poll_s)
-    return seconds
+    return seconds  # the next create follows at once: a hot-load shown terminal is admitted past
 
 
 def publish_real_chains(settings: Settings, work: Path, chains: int, deltas: int) -> None:

@@ -18,6 +18,8 @@ FAN_OUT receivers at a time and swaps K replicas at once.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import subprocess
 import sys
 import time
@@ -32,8 +34,8 @@ from contracts import names
 from snapshots.synthetic import make_checkpoint_pair
 from snapshots.writer import write_delta
 from tests.helpers.deployments import delete_deployment
-from tests.helpers.replicas import fault, faults, hot_load, hot_load_replicas
-from tests.helpers.stack_fixtures import Api, wait_registered
+from tests.helpers.replicas import TERMINAL, fault, faults, hot_load, hot_load_body, hot_load_replicas
+from tests.helpers.stack_fixtures import Api, cwtrain_python, wait_registered
 from workers.stack import upload_dir
 
 pytestmark = pytest.mark.stack
@@ -152,3 +154,112 @@ def test_a_receiver_failing_mid_walk_reads_the_bucket_and_the_rest_stage_from_pe
     others = [r for n, r in by_name.items() if n not in (broken, names[0])]
     assert all(r["source"].startswith("peer:") for r in others), [r["source"] for r in others]
     assert {r["currentSnapshotIdentity"] for r in by_name.values()} == {"sim-3"}
+
+
+# --------------------------------------------------------------------------- terminal means admitted
+# A training loop creates the next hot-load the instant it reads the previous one's end. Chains of
+# CHAIN_DELTAS deltas, each on the one before (a chain holds at most 64), a FULL between chains.
+BACK_TO_BACK = 200
+CHAIN_DELTAS = 50
+POLL_S = 0.005
+
+_CWTRAIN_LOOP = """
+import json, sys, time
+from cwtrain import InferenceClient
+from cwtrain.hotload.runner import HotLoader
+url, token, dep_id, plan = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+# max_retries=1: cwtrain retries nothing (no 5xx, no unavailable); wait_for_active=False: a 412
+# raises HotLoadInProgressError instead of being waited out.
+loader = HotLoader(InferenceClient(token, base_url=url, max_retries=1), dep_id, poll_interval=%r)
+states = []
+for identity, previous in plan:
+    hl = loader.trigger(identity, previous_identity=previous, hot_load_id=identity, wait_for_active=False)
+    states.append(loader.wait(hl.id, raise_on_failure=False).state.wire)
+print(json.dumps(states))
+""" % POLL_S
+
+
+def back_to_back_plan(tag: str) -> list[tuple[str, str | None]]:
+    """(identity, previous) of BACK_TO_BACK deltas in chains of CHAIN_DELTAS, a FULL before each."""
+    plan: list[tuple[str, str | None]] = []
+    for c in range(-(-BACK_TO_BACK // CHAIN_DELTAS)):
+        plan.append((f"{tag}-c{c}-full", None))
+        for i in range(1, min(CHAIN_DELTAS, BACK_TO_BACK - c * CHAIN_DELTAS) + 1):
+            plan.append((f"{tag}-c{c}-d{i}", plan[-1][0]))
+    return plan
+
+
+@pytest.fixture(scope="module")
+def back_to_back(stack, simulated, tmp_path_factory):
+    """A 2-replica deployment on its own SIMULATED node (the module's 40-GPU node is full), and
+    every snapshot both loops load uploaded under its identity (the same small real delta)."""
+    log = tmp_path_factory.mktemp("b2b") / "sim-node.log"
+    with log.open("wb") as out:
+        node = subprocess.Popen(
+            [sys.executable, "-m", "workers.cli", "sim-node", "--home", str(stack.home_path), "--name", "sim-b2b",
+             "--gpus", "2", "--transfer-ms", "5"],
+            stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2], start_new_session=True,
+        )
+    api = Api(stack)
+    dep_id = None
+    try:
+        wait_registered(stack, "sim-b2b")
+        work = tmp_path_factory.mktemp("b2b-ckpt")
+        make_checkpoint_pair(work / "base", work / "new", size_mb=1, seed=1)
+        write_delta(work / "base", work / "new", work / "delta", version="d", base_version="full")
+        s3 = stack.s3_client()
+        for tag in ("get", "cw"):
+            for identity, previous in back_to_back_plan(tag):
+                upload_dir(s3, work / ("base" if previous is None else "delta"), stack.bucket, f"{PREFIX}/{identity}")
+        body = {
+            "name": "simulated-back-to-back", "gatewayIds": [stack.gateway_id],
+            "resources": {"instanceType": "cpu-local", "gpuCount": 1},
+            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+            "model": {"name": "sim-b2b-model", "bucket": stack.bucket, "path": stack.base_model_path},
+            "autoscaling": {"min": 2, "max": 2},
+            "hotLoad": {"bucket": stack.bucket, "pathPrefix": PREFIX},
+        }
+        r = api.call("POST", "/deployments", json=body)
+        assert r.status_code == 200, r.text
+        dep_id = r.json()["deployment"]["spec"]["id"]
+        dep = api.wait_deployment(dep_id, timeout=300)
+        assert dep["status"]["status"] == "STATUS_READY", dep["status"]
+        yield api, dep_id
+    finally:
+        if dep_id is not None:
+            delete_deployment(api, dep_id)
+        stop_pid(node.pid, timeout=30)
+
+
+def test_simulated_hot_loads_created_the_instant_get_shows_the_end_are_each_admitted(stack, back_to_back):
+    """Each create right after `GET /hotLoads/{id}` (every POLL_S) answered a terminal state: no
+    412 (the previous one still active, or its identity not yet a completed predecessor), no
+    409, nothing retried. Before the hot-load workflow signalled its deployment ahead of making
+    its end visible, 13 of 21 such creates were refused at this cadence."""
+    api, dep_id = back_to_back
+    refused, states = [], []
+    for identity, previous in back_to_back_plan("get"):
+        r = api.call("POST", "/hotLoads", json=hot_load_body(dep_id, identity, previous, hotLoadId=identity))
+        if r.status_code != 200:
+            refused.append((identity, r.status_code, r.text))
+            break
+        while (hl := api.call("GET", f"/hotLoads/{identity}").json()["hotLoad"])["status"]["state"] not in TERMINAL:
+            time.sleep(POLL_S)
+        states.append(hl["status"]["state"])
+    assert refused == [], f"refused after {len(states)} admitted creates: {refused}"
+    assert states == ["HOT_LOAD_STATE_COMPLETED"] * len(back_to_back_plan("get"))
+
+
+def test_simulated_hot_loads_created_the_instant_cwtrain_waits_them_out_are_each_admitted(stack, back_to_back):
+    """The same through cwtrain, unmodified: `HotLoader.trigger` (not waiting for an active
+    operation) the instant `HotLoader.wait` returned the previous one; a refusal raises."""
+    _, dep_id = back_to_back
+    plan = back_to_back_plan("cw")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "CW_", "COREWEAVE_"))}
+    env.update(stack.stack_env())
+    out = subprocess.run(
+        [str(cwtrain_python()), "-c", _CWTRAIN_LOOP, stack.api_url, stack.admin_token, dep_id, json.dumps(plan)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout) == ["HOT_LOAD_STATE_COMPLETED"] * len(plan)
