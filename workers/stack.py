@@ -5,7 +5,9 @@ what ``stack.json`` recorded, else 127.0.0.1): Temporal, SeaweedFS, the API and 
 it, every URL the stack publishes (``stack.env``) names it, and the health and port checks use
 it. Two exceptions: on a host other than 127.0.0.1 the Temporal dev server binds every address
 (its Web UI binds the host), as its internal services are dialled at 127.0.0.1
-(`temporal_ip_flags`); SeaweedFS listens on 127.0.0.1 too, of its own accord. The host must be
+(`temporal_ip_flags`); SeaweedFS listens on 127.0.0.1 too, of its own accord, and its gRPC ports
+are chosen machine-wide so that no two stacks share its fixed ``/tmp`` sockets
+(workers/seaweed_grpc.py). The host must be
 an IPv4 address that resolves here, not the wildcard (a name would make boto3 address buckets as
 ``bucket.NAME``; the wildcard is no address to publish; the dev server binds IPv4 only):
 anything else is refused before anything starts. ``stack.json`` records it; ``up`` with another
@@ -55,6 +57,7 @@ from common.processes import PidFile, port_in_use, spawn, stop_pid, stop_pids, t
 from common.settings import DEFAULT_PORT_BASE, HOST_ENV, LOOPBACK, SEARCH_ATTRIBUTES, Settings
 from contracts.tokens import add_token, grant_default_bucket
 from gateway.dynamo_frontend import DynamoFrontend
+from workers import seaweed_grpc
 
 # `up`'s --dynamo-router-mode from the environment (recorded in stack.json).
 ROUTER_MODE_ENV = "ROLLOUTS_DYNAMO_ROUTER_MODE"
@@ -174,7 +177,7 @@ class Stack:
                 f"-admin.port={p['weed_admin']}", "-admin.ui=false", "-webdav=false",
                 "-s3.port.iceberg=0", "-s3.port.lance=0",
                 f"-s3.localSocket={d / 's3.sock'}", f"-filer.localSocket={d / 'filer.sock'}",
-                f"-bucket={self.s.bucket}",
+                f"-bucket={self.s.bucket}", *seaweed_grpc.flags(self.weed_grpc_ports()),
             ]
         home = ["--home", str(self.home)]
         if name == "api":
@@ -243,10 +246,27 @@ class Stack:
             }
             (d / "s3.json").write_text(json.dumps(creds, indent=2))
             (d / "s3.json").chmod(0o600)
+            recorded = seaweed_grpc.load(self.weed_grpc_file)
+            seaweed_grpc.save(self.weed_grpc_file, seaweed_grpc.choose(self.s.host, recorded))
         if name in ("worker", "node"):
             (self.home / "run" / f"{name}.ready").unlink(missing_ok=True)
 
+    @property
+    def weed_grpc_file(self) -> Path:
+        return self.home / "s3" / "grpc-ports.json"
+
+    def weed_grpc_ports(self) -> dict[str, int]:
+        """SeaweedFS's gRPC ports as chosen at its start (workers/seaweed_grpc.py)."""
+        return seaweed_grpc.load(self.weed_grpc_file)
+
     def start(self, name: str, timeout: float = 90.0) -> str:
+        if name == "s3":
+            # Chosen and started under the machine's lock, held until its gRPC sockets answer.
+            with seaweed_grpc.machine_lock():
+                return self._start(name, timeout, extra_ready=lambda: seaweed_grpc.all_live(self.weed_grpc_ports()))
+        return self._start(name, timeout)
+
+    def _start(self, name: str, timeout: float, extra_ready: Callable[[], bool] | None = None) -> str:
         pf = self.pid_file(name)
         pid = pf.alive_pid()
         if pid:
@@ -271,7 +291,7 @@ class Stack:
         def check() -> bool:
             if not pf.alive_pid():
                 raise StackError(f"{name} exited during start; log {self.log(name)}:\n{tail(self.log(name))}")
-            return self._ready(name)()
+            return self._ready(name)() and (extra_ready is None or extra_ready())
 
         deadline = time.monotonic() + timeout
         while True:
