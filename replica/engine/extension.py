@@ -68,7 +68,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from replica.engine import cpu_gemm, cpu_moe, updates
+from replica.engine import cpu_gemm, cpu_moe, post_load, updates
 from replica.engine.files import Checkpoint, plain_file_name, save_tensors
 from replica.engine.jobs import JobRunner
 from replica.engine.peer_group import PeerGroup
@@ -81,6 +81,7 @@ from replica.engine.weight_map import WeightMap
 if "vllm" in sys.modules:  # the worker imports this module before it loads the model
     cpu_gemm.install()
     cpu_moe.install()
+    post_load.install()
 
 _MAP_LOCK = threading.Lock()
 
