@@ -19,10 +19,15 @@ All by checkpoint name, in the checkpoint's layout and dtype:
   lands whole in one region of its dtype (:meth:`whole`), else a copy assembled from its
   landings (narrowed back from a wider parameter);
 - :meth:`write` copies tensors into their landings; :meth:`rebuild` then rebuilds the kernel
-  copies of the layers written (`cpu_gemm.redispatch`, `cpu_moe.rebuild`);
+  copies of the layers written (`cpu_gemm.redispatch`, `cpu_moe.rebuild`) and replays vLLM's
+  loading and post-load processing where vLLM computes on other tensors than its loader's copies
+  (:meth:`replay`, `post_load`: a parameter its post-load step rebinds lands in the loader's
+  tensor, one its loader computes, ``A = -exp(A_log)``, in a checkpoint-layout shadow; a layer
+  whose replay does not reproduce the engine's load exactly is refused at build);
 - the proof: :meth:`holds` (every landing holds its region of the tensor bit for bit, widened
   where the parameter is wider) and :meth:`unpacked` (a rebuilt MoE layer is the prepack of its
-  loader-layout copies).
+  loader-layout copies) with :meth:`underived` (a replayed layer holds vLLM's processing of what
+  was written).
 
 A rank of a tensor-parallel engine maps its own slice: :meth:`held` of a sliced tensor is refused
 (nothing in one rank holds it whole), while :meth:`write` and :meth:`holds` work per rank. Under

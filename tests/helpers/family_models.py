@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -122,6 +123,13 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
                 "read_back_failed": committed.get("read_back_failed", []),
             }
             r["repack_s"] = swapped["repack_s"]  # the rebuild and replay inside the pause
+            # The replay's own cost (in a swap's repack_s) and its proof's (in a commit's verify_s).
+            names = [n for n, _ in update]
+            t0 = time.perf_counter()
+            wmap.replay(names)
+            t1 = time.perf_counter()
+            wmap.underived(names)
+            r["replay_s"], r["replay_proof_s"] = round(t1 - t0, 6), round(time.perf_counter() - t1, 6)
     return report
 
 
