@@ -102,14 +102,13 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
             now = {**dict(model.named_parameters()), **layer_tensors(model)}
             rolled_back_differ = sorted(n for n in start.keys() | now.keys() if n not in start or n not in now
                                         or not torch.equal(start[n], now[n].detach()))
-            staged = stage.take(wmap, "twin", update)
-            swapped = stage.swap(wmap, staged)
-            committed = stage.commit(wmap, staged)
             twin_config = engine_config(twin)
             with set_current_vllm_config(twin_config):
                 fresh = get_model(vllm_config=twin_config)
             fresh_params = dict(fresh.named_parameters())
-            r["update"] = {
+            staged = stage.take(wmap, "twin", update)
+            swapped = stage.swap(wmap, staged)
+            r["update"] = {  # as swapped in, before its proof
                 "written": len(update),
                 "not_held": [n for n, t in update if not wmap.holds(n, t)],
                 "unpacked": wmap.unpacked(n for n, _ in update),
@@ -120,7 +119,8 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
                 # post-load step keeps on a layer (a Mamba conv weight's unpacked copy, ...).
                 "derived_differ_from_fresh": derived_differ(model, fresh),
                 "rolled_back_differ": rolled_back_differ,
-                "read_back_failed": committed.get("read_back_failed", []),
+                # The swap's proof (stage.commit): rolls back what it cannot prove.
+                "read_back_failed": stage.commit(wmap, staged).get("read_back_failed", []),
             }
             r["repack_s"] = swapped["repack_s"]  # the rebuild and replay inside the pause
             # The replay's own cost (in a swap's repack_s) and its proof's (in a commit's verify_s).

@@ -119,8 +119,9 @@ def test_without_the_replay_the_engine_computes_with_stale_tensors_and_the_proof
     assert update["not_held"] == []
     # (A CPU with AVX-512 BF16 also packs conv1d's weight: stale too, then.)
     assert "model.layers.0.mixer.A" in update["params_differ_from_fresh"]
-    # The proof after the swap (derived tensors against vLLM's processing of what was written)
-    # fails, naming the tensors of the layer it could not prove, and the swap rolls back.
+    # The swap's proof (derived tensors against vLLM's processing of what was written) fails,
+    # naming the tensors of the layer it could not prove, and the swap rolls back.
+    assert "backbone.layers.0.mixer.A_log" in update["unpacked"]
     assert "backbone.layers.0.mixer.A_log" in update["read_back_failed"]
 
 
