@@ -41,6 +41,13 @@ FAMILIES = {
                      "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
                      "num_key_value_heads": 2, "head_dim": None,
                      "topk_method": "noaux_tc", "scoring_func": "sigmoid"}),  # as DeepSeek-V3 ships its config
+    # Nemotron-H, as Nemotron Nano 2 lays it out: Mamba-2 mixers ("M"), ReLU² MLPs ("-") and
+    # attention ("*") as separate decoder layers. vLLM computes on A = -exp(A_log) (float32) and
+    # a reshaped conv1d weight: each layer's post-load processing is replayed after a write
+    # (replica/engine/post_load.py).
+    "nemotron_h": (T.NemotronHConfig, T.NemotronHForCausalLM,
+                   {"num_hidden_layers": None, "layers_block_type": ["mamba", "mlp", "attention", "mlp"],
+                    "mamba_num_heads": 4, "mamba_head_dim": 64, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 64}),
 }
 MOE = ("qwen3_moe", "mixtral", "deepseek_v3")  # the families with routed experts
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -48,7 +55,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def write_family(out: Path, base_model: Path, family: str, seed: int = 0) -> Path:
     """Write ``family``'s checkpoint (random weights from ``seed``) to ``out/family`` (seed 0) or
-    ``out/family-sN`` (once); returns the directory."""
+    ``out/family-sN`` (once; every tensor differs from seed 0's); returns the directory."""
     target = out / (family if seed == 0 else f"{family}-s{seed}")
     if (target / "config.json").exists():
         return target
@@ -56,7 +63,12 @@ def write_family(out: Path, base_model: Path, family: str, seed: int = 0) -> Pat
     kwargs = {k: v for k, v in {**_COMMON, **extra}.items() if v is not None}
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory(prefix="family-") as tmp:
-        model_cls(config_cls(**kwargs)).to(torch.bfloat16).save_pretrained(tmp)
+        model = model_cls(config_cls(**kwargs))
+        if seed:  # tensors transformers initialises to constants (norms, Mamba's A_log and D) differ too
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p), alpha=0.01)
+        model.to(torch.bfloat16).save_pretrained(tmp)
         # Names as save_pretrained writes them; shards and index as a trainer's sharded export
         # (workers.base_model's layout, which the demo's trainer writes back).
         target.mkdir(parents=True, exist_ok=True)

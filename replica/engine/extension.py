@@ -55,7 +55,8 @@ first). Methods (per worker):
   (0: none), for a test that needs requests to stay in flight (`step_delay`).
 
 Importing this module inside a vLLM process installs the CPU patches that keep what the loader
-wrote (`cpu_gemm` for linear layers, `cpu_moe` for fused experts) before the worker loads the model; elsewhere (tests, benchmarks) it does not load vLLM.
+wrote (`cpu_gemm` for linear layers, `cpu_moe` for fused experts, `post_load` for any parameter vLLM's post-load step
+rebinds) before the worker loads the model; elsewhere (tests, benchmarks) it does not load vLLM.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from replica.engine import cpu_gemm, cpu_moe, updates
+from replica.engine import cpu_gemm, cpu_moe, post_load, updates
 from replica.engine.files import Checkpoint, plain_file_name, save_tensors
 from replica.engine.jobs import JobRunner
 from replica.engine.peer_group import PeerGroup
@@ -81,6 +82,7 @@ from replica.engine.weight_map import WeightMap
 if "vllm" in sys.modules:  # the worker imports this module before it loads the model
     cpu_gemm.install()
     cpu_moe.install()
+    post_load.install()
 
 _MAP_LOCK = threading.Lock()
 

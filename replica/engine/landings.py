@@ -78,6 +78,9 @@ class TensorMap:
     # The loader asked which local expert the tensor's expert is and heard "none on this rank"
     # (expert parallelism): another rank holds it.
     elsewhere: bool = False
+    # Every parameter the loader wrote into, a copy or not (where a loader that computes on the
+    # tensor puts its result: `post_load` replays it there).
+    written: list[str] = field(default_factory=list)
 
 
 # vLLM's expert layers answer which of this rank's experts a checkpoint's (global) expert id is,
@@ -153,6 +156,7 @@ class _Observer(TorchDispatchMode):
         owned = [self.params[_storage_key(t)] for t in written if _storage_key(t) in self.params]
         owners = [name for name, _ in owned]
         if owners:
+            self.result.written.extend(o for o in owners if o not in self.result.written)
             if func is aten.copy_.default:
                 dst, src = args[0], args[1]
                 region = self._src_region(src)

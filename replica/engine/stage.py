@@ -10,13 +10,14 @@
 - **swap** (inside a pause): :func:`swap` copies the staged tensors where vLLM's loader puts
   them (`weight_map`; those held in pinned host memory asynchronously, `scatter.write_pinned`),
   or scatters their changed elements there, then rebuilds the kernel copies
-  of the layers written (`cpu_gemm`, `cpu_moe`). A failure restores the roll-back copies and
+  of the layers written (`cpu_gemm`, `cpu_moe`) and replays vLLM's loading and post-load
+  processing for the layers whose tensors it computes (`post_load`, `WeightMap.rebuild`). A failure restores the roll-back copies and
   drops the stage. Its report carries the bytes it moved (`scatter.Plan.report`).
 - **commit** (inside the same pause, before a token is served on the new weights):
   :func:`commit` reads back what the engine holds (:func:`proof`): against the expected Adler-32
   when they cover every tensor (the snapshot's; computed where the parameter lives), else bit
-  for bit against the staged bytes, and that every rebuilt MoE layer is packed from what was
-  written. A difference restores the roll-back copies and is answered as ``read_back_failed``
+  for bit against the staged bytes, that every rebuilt MoE layer is packed from what was
+  written, and that every replayed layer holds vLLM's processing of what was written. A difference restores the roll-back copies and is answered as ``read_back_failed``
   naming the tensors; otherwise ``verified`` counts the tensors proven.
 - **discard**: drop the stage; a swapped one is rolled back first.
 

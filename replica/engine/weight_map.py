@@ -19,10 +19,15 @@ All by checkpoint name, in the checkpoint's layout and dtype:
   lands whole in one region of its dtype (:meth:`whole`), else a copy assembled from its
   landings (narrowed back from a wider parameter);
 - :meth:`write` copies tensors into their landings; :meth:`rebuild` then rebuilds the kernel
-  copies of the layers written (`cpu_gemm.redispatch`, `cpu_moe.rebuild`);
+  copies of the layers written (`cpu_gemm.redispatch`, `cpu_moe.rebuild`) and replays vLLM's
+  loading and post-load processing where vLLM computes on other tensors than its loader's copies
+  (:meth:`replay`, `post_load`: a parameter its post-load step rebinds lands in the loader's
+  tensor, one its loader computes, ``A = -exp(A_log)``, in a checkpoint-layout shadow; a layer
+  whose replay does not reproduce the engine's load exactly is refused at build);
 - the proof: :meth:`holds` (every landing holds its region of the tensor bit for bit, widened
   where the parameter is wider) and :meth:`unpacked` (a rebuilt MoE layer is the prepack of its
-  loader-layout copies).
+  loader-layout copies) with :meth:`underived` (a replayed layer holds vLLM's processing of what
+  was written).
 
 A rank of a tensor-parallel engine maps its own slice: :meth:`held` of a sliced tensor is refused
 (nothing in one rank holds it whole), while :meth:`write` and :meth:`holds` work per rank. Under
@@ -41,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from replica.engine import cpu_gemm, cpu_moe
+from replica.engine import cpu_gemm, cpu_moe, post_load
 from replica.engine.landings import Landing, Region, TensorMap, observe, unproven
 from replica.engine.tensors import dtype_to_str
 
@@ -65,16 +70,29 @@ class Entry:
     # Another rank holds it (expert parallelism: an expert this rank does not own). Accepted at
     # staging; this rank writes and proves nothing of it.
     elsewhere: bool = False
+    # Its loader computes on it (``A = -exp(A_log)``): it lands whole in a checkpoint-layout
+    # shadow, and vLLM's loader is replayed from there into these parameters (`post_load`).
+    computed_into: list[str] = field(default_factory=list)
+
+
+# A computed tensor's shadow, as a landing's parameter: "<its first parameter's layer>.<ckpt:name>".
+_CKPT = "<ckpt:{}>"
+
+
+def _loader_copies(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The loader-layout tensors kept for a layer whose parameters vLLM transformed after loading:
+    a CPU MoE layer's (`cpu_moe`), or those vLLM's post-load step rebound (`post_load`)."""
+    return cpu_moe.loaded(module) or post_load.loaded(module)
 
 
 @contextlib.contextmanager
 def loader_layout(model: torch.nn.Module) -> Iterator[None]:
-    """Within: each CPU MoE layer's expert parameters hold its loader-layout copies (`cpu_moe`),
-    so what vLLM's loader is seen to write lands there."""
+    """Within: the parameters vLLM transformed after loading hold their loader-layout tensors
+    (`cpu_moe`, `post_load`), so what vLLM's loader is seen to write lands there."""
     swapped: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
     try:
         for module in model.modules():
-            for name, copy in cpu_moe.loaded(module).items():
+            for name, copy in _loader_copies(module).items():
                 param = getattr(module, name)
                 swapped.append((param, param.data))
                 param.data = copy
@@ -90,7 +108,11 @@ class WeightMap:
         self.entries = entries
         self.modules = dict(model.named_modules())
         self.params = dict(model.named_parameters(remove_duplicate=False))
-        self.covered = {ld.param for e in entries.values() for ld in e.landings}
+        self.covered = {ld.param for e in entries.values() for ld in e.landings} | {
+            p for e in entries.values() for p in e.computed_into}
+        # Computed tensors' checkpoint-layout shadows, by the parameter name their landing uses.
+        self.shadows: dict[str, torch.Tensor] = {}
+        self.dependents = post_load.dependents(model) if post_load.processed(model) else {}
 
     # -- building -------------------------------------------------------------------------
 
@@ -113,12 +135,45 @@ class WeightMap:
             tmap = maps[name]
             entries[name] = Entry(name, tuple(shape), dtype, tmap.landings, cls._why_refused(params, tmap, dtype),
                                   elsewhere=tmap.elsewhere)
-        mapped = {n: maps[n] for n, e in entries.items() if e.refused is None}
+        wmap = cls(model, entries)
+        if post_load.processed(model):
+            wmap._shadow_computed(maps, read)
+        mapped = {n: maps[n] for n, e in entries.items() if e.refused is None and not e.computed_into}
         with loader_layout(model):
             for name, why in unproven(model, mapped, read).items():
                 entries[name].refused = f"cannot be written in place: {why}"
                 entries[name].landings = []
-        return cls(model, entries)
+        wmap._check_replay()
+        return wmap
+
+    def _shadow_computed(self, maps: dict[str, TensorMap], read: Callable[[str], torch.Tensor]) -> None:
+        """A tensor whose loader computes on it (its only problem: a write from a value that is not
+        a view of it, or by another op) lands whole in a checkpoint-layout shadow (its bytes read
+        now), and vLLM's loader is replayed from there (`post_load`); :meth:`_check_replay`
+        then refuses it if that replay does not reproduce what the engine holds."""
+        for name, e in self.entries.items():
+            tmap = maps[name]
+            if not tmap.problems or not tmap.written or any("refused it" in p for p in tmap.problems):
+                continue
+            key = f"{tmap.written[0].rpartition('.')[0]}.{_CKPT.format(name.replace('.', '/'))}"
+            self.shadows[key] = read(name).contiguous().clone()
+            whole = Region(tuple(e.shape), _contiguous(tuple(e.shape)), 0)
+            e.landings, e.computed_into, e.refused = [Landing(key, whole, whole, e.dtype)], list(tmap.written), None
+            self.covered |= set(tmap.written)
+
+    def _check_replay(self) -> None:
+        """Refuse every tensor landing in a layer whose replay (:meth:`replay`) does not reproduce
+        exactly what the engine holds now, just loaded from the checkpoint: named, with why."""
+        for module in self._replayed(self.names()):
+            layers = self._unit([module])
+            try:
+                bad = post_load.differs(self.model, layers, self._derive(layers))
+                why = f"vLLM's processing of it does not replay exactly ({', '.join(bad[:4])} differ)" if bad else None
+            except Exception as exc:  # noqa: BLE001 - any failure to replay: refused, with why
+                why = f"vLLM's processing of it cannot be replayed ({type(exc).__name__}: {exc})"[:300]
+            if why is not None:
+                names = [n for n in self.names() if any(m is module for m in self.layers([n]))]
+                self.refuse(names, why)
 
     @staticmethod
     def _why_refused(params: dict[str, torch.nn.Parameter], tmap: TensorMap, dtype: torch.dtype) -> str | None:
@@ -162,10 +217,13 @@ class WeightMap:
         return out
 
     def target(self, param: str) -> torch.Tensor:
-        """The tensor a landing in ``param`` writes: a CPU MoE layer's loader-layout copy, else
-        the parameter."""
+        """The tensor a landing in ``param`` writes: a computed tensor's shadow, the loader-layout
+        tensor of a parameter vLLM transformed after loading, else the parameter."""
+        shadow = self.shadows.get(param)
+        if shadow is not None:
+            return shadow
         module, _, attr = param.rpartition(".")
-        return cpu_moe.loaded(self.modules[module]).get(attr, self.params[param].data)
+        return _loader_copies(self.modules[module]).get(attr, self.params[param].data)
 
     def entry(self, name: str) -> Entry:
         e = self.entries.get(name)
@@ -263,10 +321,56 @@ class WeightMap:
         """The modules whose parameters the tensors ``names`` land in."""
         out: dict[int, torch.nn.Module] = {}
         for n in names:
-            for ld in self.entries[n].landings:
-                module = self.modules[ld.param.rpartition(".")[0]]
+            e = self.entries[n]
+            for param in [ld.param for ld in e.landings] + e.computed_into:
+                module = self.modules[param.rpartition(".")[0]]
                 out[id(module)] = module
         return list(out.values())
+
+    # -- replaying vLLM's loading and post-load processing (`post_load`) ---------------------
+
+    def _replayed(self, names: Iterable[str]) -> list[torch.nn.Module]:
+        """Of the layers ``names`` land in, those whose tensors vLLM computes after its loader's
+        copies: a loader-layout tensor kept by `post_load`, or a computed tensor landing there."""
+        computed = {id(m) for n, e in self.entries.items() if e.computed_into and e.refused is None
+                    for m in self.layers([n])}
+        return [m for m in self.layers(names) if post_load.loaded(m) or id(m) in computed]
+
+    def _unit(self, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        """``layers`` and the deferred attention layers whose post-load step reads them."""
+        out = {id(m): m for m in layers}
+        for m in layers:
+            out.update({id(d): d for d in self.dependents.get(id(m), [])})
+        return list(out.values())
+
+    def _derive(self, layers: list[torch.nn.Module]) -> dict[post_load.Key, torch.Tensor]:
+        """What ``layers`` hold once vLLM loads every computed tensor landing in them from its
+        shadow and processes them (`post_load.derive`)."""
+        ids = {id(m) for m in layers}
+        computed = [(n, self.shadows[e.landings[0].param]) for n, e in self.entries.items()
+                    if e.computed_into and e.refused is None and any(id(m) in ids for m in self.layers([n]))]
+        return post_load.derive(self.model, layers, computed)
+
+    def replay(self, names: Iterable[str]) -> None:
+        """Replay vLLM's loading and post-load processing, in place, for the layers ``names`` land
+        in whose tensors it computes (:meth:`_replayed`)."""
+        replayed = self._replayed(names)
+        if replayed:
+            layers = self._unit(replayed)
+            post_load.apply(self.model, layers, self._derive(layers))
+
+    def underived(self, names: Iterable[str]) -> list[str]:
+        """Of ``names``, those landing in a layer whose tensors are not vLLM's processing of what
+        its loader-layout tensors and shadows hold now (the proof after a swap)."""
+        names = list(names)
+        replayed = self._replayed(names)
+        if not replayed:
+            return []
+        layers = self._unit(replayed)
+        if not post_load.differs(self.model, layers, self._derive(layers)):
+            return []
+        bad = {id(m) for m in replayed}
+        return [n for n in names if any(id(m) in bad for m in self.layers([n]))]
 
     def write(self, tensors: Sequence[tuple[str, torch.Tensor]], non_blocking: bool = False) -> None:
         """Copy each tensor into its landings (:meth:`rebuild` the layers next); ``non_blocking``:
@@ -279,10 +383,14 @@ class WeightMap:
 
     def rebuild(self, names: Iterable[str]) -> None:
         """Rebuild the kernel copies of the layers the tensors ``names`` land in."""
+        names = list(names)
+        replayed = {id(m) for m in self._replayed(names)}
         with torch.no_grad():
             for module in self.layers(names):
-                cpu_gemm.redispatch(module)
-                cpu_moe.rebuild(module)
+                if id(module) not in replayed:
+                    cpu_gemm.redispatch(module)
+                    cpu_moe.rebuild(module)
+        self.replay(names)
 
     def holds(self, name: str, t: torch.Tensor) -> bool:
         """Whether every landing of ``name`` holds its region of ``t`` bit for bit (widened to the
@@ -300,9 +408,8 @@ class WeightMap:
         its loader-layout copies (one check per layer)."""
         names = list(names)
         bad = {id(m) for m in self.layers(names) if not cpu_moe.packed_from_loaded(m)}
-        if not bad:
-            return []
-        return [n for n in names if any(id(m) in bad for m in self.layers([n]))]
+        out = [n for n in names if any(id(m) in bad for m in self.layers([n]))] if bad else []
+        return out + [n for n in self.underived(names) if n not in out]
 
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -7,7 +7,9 @@ Cases at TP 1: Llama; Qwen2 (q/k/v biases the engine holds in float32); Qwen3 (t
 embeddings); Gemma 2; Phi-3 (q/k/v and gate/up shipped fused); Qwen3-MoE (8 experts, top 2;
 its experts prepacked by vLLM's CPU kernel and rebuilt after a write, replica/engine/cpu_moe.py);
 Mixtral; a DeepSeek-V3-style MoE (multi-head latent attention, a shared expert, grouped top-k
-with a score-correction bias). At TP 2: Qwen2 (dense) and Qwen3-MoE (experts and attention
+with a score-correction bias); Nemotron-H (Mamba-2, attention and ReLU² MLP layers: vLLM computes
+``A = -exp(A_log)`` and packs ``conv1d`` after loading, replayed after a write,
+replica/engine/post_load.py). At TP 2: Qwen2 (dense) and Qwen3-MoE (experts and attention
 split across the ranks). Qwen3-MoE at TP 1 returns routed experts (``enable-return-routed-experts``):
 cwtrain's rollout integration reads them in the guide's shape, other after the FULL, and after
 the last delta the same as the fresh engine's, and the same from a stream's finishing chunk.
@@ -28,7 +30,7 @@ import pytest
 from tests.helpers.family_chain import run_family_chain
 
 CASES = [("llama", 1), ("qwen2", 1), ("qwen3", 1), ("gemma2", 1), ("phi3", 1), ("qwen3_moe", 1), ("mixtral", 1),
-         ("deepseek_v3", 1), ("qwen2", 2), ("qwen3_moe", 2)]
+         ("deepseek_v3", 1), ("nemotron_h", 1), ("qwen2", 2), ("qwen3_moe", 2)]
 pytestmark = [pytest.mark.stack, pytest.mark.unit_per_test]
 
 

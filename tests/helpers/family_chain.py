@@ -6,7 +6,8 @@ The deployment starts on the chain's *last* checkpoint (small random weights of 
 workers/families.py): its first greedy completion through the gateway (token ids and logprobs)
 is the answer of a fresh vLLM engine at that tensor-parallel size started on that checkpoint.
 Then a FULL hot-load of another checkpoint (the engine serves every one of its tensors, and
-answers differently: the premise), three cwtrain deltas back to the last checkpoint, each
+answers differently: the premise), three cwtrain deltas back to the last checkpoint (each an
+optimizer-like step that changes every tensor), each
 COMPLETED with exactly the changed tensors proven inside a pause and, after each, every tensor
 read back equal to the trainer's (each rank's shards against the same regions of the trainer's
 tensors), and only the changed elements written inside the pause (``swapBytes``); after the
@@ -43,6 +44,7 @@ from workers.stack import upload_dir
 SCATTER_OVERHEAD = 4
 PROMPT_IDS = [5, 100, 200, 300, 17, 42]
 ROUTES_KEY = "enable-return-routed-experts"
+EVERY = 10**9  # train_step changes this many tensors: all of them
 GREEDY = {"prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0, "logprobs": 1, "ignore_eos": True}
 
 
@@ -124,8 +126,8 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool =
     api, s3 = Api(stack), stack.s3_client()
     tokenizer_from = stack.home_path / "models" / "base"
     checkpoints = [write_family(tmp_path, tokenizer_from, family, seed=1)]  # the FULL
-    for step in range(1, 4):
-        checkpoints.append(train_step(checkpoints[-1], tmp_path / f"step-{step}", seed=step, tensors=6))
+    for step in range(1, 4):  # an optimizer's step: every tensor changes (Mamba's A_log and conv1d included)
+        checkpoints.append(train_step(checkpoints[-1], tmp_path / f"step-{step}", seed=step, tensors=EVERY, lr=1e-2))
     model_path = f"models/families/{family}-tp{tp}"
     prefix = f"families/{family}-tp{tp}"
     # The deployment starts on the chain's last checkpoint: its first answers are the fresh

@@ -1,7 +1,7 @@
 """vLLM's model classes of the model families RL labs train, on the small random checkpoints
 `workers.families` writes, as an engine builds and loads them.
 
-    python -m tests.helpers.family_models OUT_DIR BASE_MODEL_DIR [--tp N [--ep]] FAMILY [FAMILY ...]
+    python -m tests.helpers.family_models OUT_DIR BASE_MODEL_DIR [--tp N [--ep]] [--no-replay] FAMILY [FAMILY ...]
 
 ``observe`` (run in a process of its own: it imports vLLM and initialises its distributed
 state) builds vLLM's model class for each checkpoint at tensor-parallel size 1 in this process,
@@ -11,7 +11,9 @@ second checkpoint of the family (another seed) through that map and compares eve
 with a model loaded from that second checkpoint; it prints per family what it found, as JSON.
 With ``--tp N`` it starts N rank processes over gloo (vLLM's CPU backend), each building its
 shard of the model, and prints ``{family: {rank: report}}``; ``--ep`` with it: expert parallel
-(vLLM's ``enable_expert_parallel``: each rank owns a share of the experts, whole).
+(vLLM's ``enable_expert_parallel``: each rank owns a share of the experts, whole). ``--no-replay``:
+the map writes without replaying vLLM's loading and post-load processing (`post_load`), the premise
+of the check that a write reaches what the engine computes with.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import multiprocessing
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -48,12 +51,13 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
     from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
     from vllm.model_executor.model_loader import get_model  # noqa: PLC0415
 
-    from replica.engine import cpu_gemm, cpu_moe  # noqa: PLC0415
+    from replica.engine import cpu_gemm, cpu_moe, post_load, stage  # noqa: PLC0415
     from replica.engine.files import Checkpoint  # noqa: PLC0415
     from replica.engine.weight_map import WeightMap  # noqa: PLC0415
 
     cpu_gemm.install()
     cpu_moe.install()
+    post_load.install()
     torch.accelerator.empty_cache = lambda: None  # no accelerator here (vLLM's CPU worker does the same)
     def engine_config(directory: Path):
         return EngineArgs(model=str(directory), enforce_eager=True, dtype="bfloat16", max_model_len=256,
@@ -88,21 +92,65 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
         if twin.exists():
             new = checkpoint_tensors(twin)
             update = [(n, new[n]) for n in wmap.names()]
-            wmap.write(update)
-            wmap.rebuild(n for n, _ in update)
+            # The engine's swap (replica/engine/stage.py): swapped in, rolled back (every
+            # parameter and derived tensor as before), then swapped in again and proven.
+            start = {**{n: p.detach().clone() for n, p in model.named_parameters()},
+                     **{n: t.clone() for n, t in layer_tensors(model).items()}}
+            staged = stage.take(wmap, "twin", update)
+            stage.swap(wmap, staged)
+            stage.roll_back(wmap, staged)
+            now = {**dict(model.named_parameters()), **layer_tensors(model)}
+            rolled_back_differ = sorted(n for n in start.keys() | now.keys() if n not in start or n not in now
+                                        or not torch.equal(start[n], now[n].detach()))
             twin_config = engine_config(twin)
             with set_current_vllm_config(twin_config):
                 fresh = get_model(vllm_config=twin_config)
             fresh_params = dict(fresh.named_parameters())
-            r["update"] = {
+            staged = stage.take(wmap, "twin", update)
+            swapped = stage.swap(wmap, staged)
+            r["update"] = {  # as swapped in, before its proof
                 "written": len(update),
                 "not_held": [n for n, t in update if not wmap.holds(n, t)],
                 "unpacked": wmap.unpacked(n for n, _ in update),
                 # Every parameter, kernel layouts included, as vLLM's loader makes them from the twin.
                 "params_differ_from_fresh": [n for n, p in model.named_parameters()
                                              if not torch.equal(p.detach(), fresh_params[n].detach())],
+                # What the layers compute with besides parameters: buffers, and tensors vLLM's
+                # post-load step keeps on a layer (a Mamba conv weight's unpacked copy, ...).
+                "derived_differ_from_fresh": derived_differ(model, fresh),
+                "rolled_back_differ": rolled_back_differ,
+                # The swap's proof (stage.commit): rolls back what it cannot prove.
+                "read_back_failed": stage.commit(wmap, staged).get("read_back_failed", []),
             }
+            r["repack_s"] = swapped["repack_s"]  # the rebuild and replay inside the pause
+            # The replay's own cost (in a swap's repack_s) and its proof's (in a commit's verify_s).
+            names = [n for n, _ in update]
+            t0 = time.perf_counter()
+            wmap.replay(names)
+            t1 = time.perf_counter()
+            wmap.underived(names)
+            r["replay_s"], r["replay_proof_s"] = round(t1 - t0, 6), round(time.perf_counter() - t1, 6)
     return report
+
+
+def layer_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every buffer and plain tensor attribute of every layer (not ours), by qualified name."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for n, b in module._buffers.items():
+            if b is not None:
+                out[f"{prefix}.{n}"] = b
+        for n, v in module.__dict__.items():
+            if isinstance(v, torch.Tensor) and not n.startswith("_rollouts_"):
+                out[f"{prefix}.{n}"] = v
+    return out
+
+
+def derived_differ(model: torch.nn.Module, fresh: torch.nn.Module) -> list[str]:
+    ours, theirs = layer_tensors(model), layer_tensors(fresh)
+    return sorted(n for n in ours.keys() | theirs.keys()
+                  if n not in ours or n not in theirs or ours[n].shape != theirs[n].shape
+                  or not torch.equal(ours[n], theirs[n]))
 
 
 def _rank(model_dirs: list[Path], world: int, rank: int, port: int, out: Path, ep: bool) -> None:
@@ -131,6 +179,11 @@ def main(argv: list[str]) -> int:
         world, rest = int(rest[1]), rest[2:]
     if rest[:1] == ["--ep"]:
         ep, rest = True, rest[1:]
+    if rest[:1] == ["--no-replay"]:  # the premise: without vLLM's processing replayed, a write is stale
+        from replica.engine.weight_map import WeightMap  # noqa: PLC0415
+
+        WeightMap.replay = lambda self, names: None  # type: ignore[method-assign]
+        rest = rest[1:]
     unknown = [f for f in rest if f not in FAMILIES]
     if unknown:
         raise SystemExit(f"unknown families {unknown}: one of {sorted(FAMILIES)}")

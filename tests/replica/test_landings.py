@@ -43,6 +43,10 @@ pytestmark = pytest.mark.engine
 
 REPO = Path(__file__).resolve().parents[2]
 DENSE = ("llama", "qwen2", "qwen3", "phi3", "gemma2")
+HYBRID = ("nemotron_h",)  # Mamba-2, attention and MLP layers: tensors vLLM computes on after loading
+# An update swapped in through the map (and rolled back once before): what it leaves.
+CLEAN = {"not_held": [], "unpacked": [], "params_differ_from_fresh": [], "derived_differ_from_fresh": [],
+         "rolled_back_differ": [], "read_back_failed": []}
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +82,47 @@ def test_every_tensor_of_every_family_lands_where_the_engine_holds_it(report):
     # The experts' landings are in the loader-layout copies of each MoE layer (both layers; the
     # DeepSeek-style model's first layer is dense).
     assert [report[f]["moe_layers_with_loader_copies"] for f in MOE] == [2, 2, 1]
-    assert [report[f]["moe_layers_with_loader_copies"] for f in DENSE] == [0] * len(DENSE)
+    assert [report[f]["moe_layers_with_loader_copies"] for f in DENSE + HYBRID] == [0] * len(DENSE + HYBRID)
 
 
-@pytest.mark.parametrize("family", DENSE + MOE)
+@pytest.mark.parametrize("family", DENSE + MOE + HYBRID)
 def test_an_update_written_through_the_map_is_what_vllm_loads_from_it(report, family):
     update = report[family]["update"]
     assert update["written"] == report[family]["tensors"]
-    assert update == {"written": update["written"], "not_held": [], "unpacked": [], "params_differ_from_fresh": []}
+    assert update == {"written": update["written"], **CLEAN}
+
+
+def test_tensors_vllm_computes_after_loading_land_in_shadows_and_are_replayed(report):
+    """Nemotron-H: ``A_log`` lands whole in a checkpoint-layout shadow (vLLM's loader computes
+    ``A = -exp(A_log)`` in float32) and ``conv1d.weight`` in the loader tensor vLLM's CPU
+    post-load step released (it packs the weight); the update above, written through them and
+    replayed, left every parameter and derived tensor as a fresh load of the twin."""
+    landings = report["nemotron_h"]["landings"]
+    assert landings["backbone.layers.0.mixer.A_log"] == [
+        ["model.layers.0.mixer.<ckpt:backbone/layers/0/mixer/A_log>", [4], 0, [4], 0]]
+    conv = landings["backbone.layers.0.mixer.conv1d.weight"]
+    # x, B and C rows of the merged conv1d, each in the loader's [rows, 1, 4] layout.
+    assert [(ld[0], ld[1], ld[2]) for ld in conv] == [("model.layers.0.mixer.conv1d.weight", rows, offset)
+                                                      for rows, offset in (([256, 1, 4], 0), ([32, 1, 4], 1024),
+                                                                           ([32, 1, 4], 1152))]
+
+
+@pytest.fixture(scope="module")
+def no_replay(families_root: Path) -> dict[str, dict]:
+    """Nemotron-H's update written without replaying vLLM's loading and post-load processing."""
+    return family_models(families_root, "--no-replay", "nemotron_h")
+
+
+def test_without_the_replay_the_engine_computes_with_stale_tensors_and_the_proof_says_so(no_replay):
+    update = no_replay["nemotron_h"]["update"]
+    # The premise: the bytes the loader wrote are in place, what vLLM computes with is not.
+    assert update["not_held"] == []
+    # (A CPU with AVX-512 BF16 also packs conv1d's weight: stale too, then.)
+    assert "model.layers.0.mixer.A" in update["params_differ_from_fresh"]
+    # The swap's proof (derived tensors against vLLM's processing of what was written) fails,
+    # naming the tensors of the layer it could not prove, and the swap rolls back.
+    assert "backbone.layers.0.mixer.A_log" in update["unpacked"]
+    assert "backbone.layers.0.mixer.A_log" in update["read_back_failed"]
 
 
 def test_fused_and_tied_shapes_land_where_vllm_puts_them(report):
@@ -134,8 +171,7 @@ def test_each_tp_rank_lands_its_shard_from_the_same_slice_of_the_checkpoint(tp2)
         for rank, r in ranks.items():
             assert r["refused"] == {} and r["params_changed_by_observe"] == [], (family, rank)
             # The update written per rank is this rank's shard of what vLLM loads from it.
-            assert r["update"] == {"written": r["tensors"], "not_held": [], "unpacked": [],
-                                   "params_differ_from_fresh": []}, (family, rank)
+            assert r["update"] == {"written": r["tensors"], **CLEAN}, (family, rank)
         q = "model.layers.0.self_attn.q_proj.weight"
         # Column-parallel: each rank takes its half of q's 128 rows (64 rows x 128 = 8192 elements).
         assert [ranks[r]["landings"][q] for r in "01"] == [
@@ -171,8 +207,7 @@ def test_each_ep_rank_holds_its_own_experts_whole_and_leaves_the_others_elsewher
         assert all(r["landings"][n] == [] for n in r["elsewhere"]), rank
         # What this rank holds, written through its map, is what vLLM's loader makes of the twin
         # on a fresh rank of the same engine.
-        assert r["update"] == {"written": r["tensors"] - len(r["elsewhere"]), "not_held": [], "unpacked": [],
-                               "params_differ_from_fresh": []}, rank
+        assert r["update"] == {"written": r["tensors"] - len(r["elsewhere"]), **CLEAN}, rank
     # Rank 0 owns experts 0-3, rank 1 experts 4-7; each leaves the other's gate, up and down of
     # both layers elsewhere, and every checkpoint tensor lands on some rank.
     assert [experts(ranks[r]["elsewhere"]) for r in "01"] == [{4, 5, 6, 7}, {0, 1, 2, 3}]
