@@ -233,7 +233,7 @@ async def _run_replica(
         else:
             engine = EngineProcess(model_dir, served_model_name=model_name, **options)
         await engine.start(on_spawn=engine_pid_file.write)
-        if joining and isinstance(engine, DynamoEngineProcess):
+        if joining:
             await engine.hold_out()  # no new request until the deployment serves it (`serve_replica`)
         await engine.set_weight_version("initial")
         await log_weight_map(name, engine)
@@ -249,8 +249,7 @@ async def _run_replica(
             result = await runtime.apply_from_bucket(inp)
             log.info("caught up to %s (%d tensors, %d bytes from the bucket)", inp.identity,
                      result.tensors_loaded, result.bytes_read_from_bucket)
-        if isinstance(engine, DynamoEngineProcess):
-            await engine.open_gate()  # it holds the deployment's weights and their label
+        await engine.open_gate()  # it holds the deployment's weights and their label
     except Exception as exc:  # noqa: BLE001 - reported to the deployment, then exit
         log.exception("replica %s failed to start", name)
         await deployment.signal(
@@ -287,8 +286,7 @@ async def _run_replica(
                 name=name, zone=zone, task_queue=task_queue, node=node, engine_url=engine.public_url,
                 engine_pid=engine.pid, agent_pid=os.getpid(), current_snapshot_identity=runtime.current_identity,
                 started_at=now, transitioned_at=now,
-                dynamo_worker=f"{engine.worker_id:x}" if isinstance(engine, DynamoEngineProcess) else "",
-                dynamo_namespace=engine.namespace if isinstance(engine, DynamoEngineProcess) else "",
+                dynamo_worker=engine.dynamo_worker, dynamo_namespace=engine.dynamo_namespace,
                 metrics_url=metrics_url,
             ),
         )
