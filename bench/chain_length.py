@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from common.settings import Settings, temporal_client  # noqa: E402
 from contracts import names  # noqa: E402
+from rollouts.client import hot_load_body  # noqa: E402
 from snapshots.chain import MAX_CHAIN_DELTAS  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
@@ -89,12 +90,7 @@ async def checks_by_hot_load(settings: Settings, dep_id: str) -> dict[str, int]:
 
 def hot_load(api: Api, dep_id: str, identity: str, previous: str | None, poll_s: float) -> float:
     """create → COMPLETED seconds of one hot-load, through the API."""
-    body: dict[str, Any] = {"deploymentId": dep_id, "identity": identity, "hotLoadId": identity,
-                            "type": "SNAPSHOT_TYPE_FULL" if previous is None else "SNAPSHOT_TYPE_INCREMENTAL"}
-    if previous is not None:
-        body["incrementalSnapshotMetadata"] = {"previousSnapshotIdentity": previous,
-                                               "compressionFormat": "COMPRESSION_FORMAT_ZSTD",
-                                               "checksumFormat": "CHECKSUM_FORMAT_ADLER32"}
+    body = hot_load_body(dep_id, identity, previous_identity=previous, hot_load_id=identity)
     t0 = time.perf_counter()
     api.call("POST", "/hotLoads", json=body)
     while True:

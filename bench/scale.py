@@ -65,6 +65,7 @@ sys.path.insert(0, str(REPO))
 from common.settings import Settings, temporal_client  # noqa: E402
 from contracts import names  # noqa: E402
 from contracts.autoscaling import BUSY, IDLE, LoadReport  # noqa: E402
+from rollouts.client import hot_load_body  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
 from tests.helpers.prometheus import scrape  # noqa: E402
@@ -243,11 +244,7 @@ def time_describes(settings: Settings, workflow_id: str, done: threading.Event, 
 
 def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identity: str, previous: str | None,
                  describe_baseline: bool = False, poll_s: float = 0.05) -> dict:
-    body: dict[str, Any] = {"deploymentId": dep_id, "identity": identity, "hotLoadId": identity,
-                            "type": "SNAPSHOT_TYPE_FULL" if previous is None else "SNAPSHOT_TYPE_INCREMENTAL"}
-    if previous is not None:
-        body["incrementalSnapshotMetadata"] = {"previousSnapshotIdentity": previous, "compressionFormat": "COMPRESSION_FORMAT_ZSTD",
-                                               "checksumFormat": "CHECKSUM_FORMAT_ADLER32"}
+    body = hot_load_body(dep_id, identity, previous_identity=previous, hot_load_id=identity)
     get_ms: list[float] = []
     list_ms: list[float] = []
     most_pending = 0

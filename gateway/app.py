@@ -78,7 +78,7 @@ Contract:
   processor opens a span at the first token whose step carries a new label
   (``RequestState.track_weight_version``; the spans reach the final ``CompletionOutput``). The
   replica agent changes weights and label only together inside one such pause
-  (``ReplicaRuntime._swap_staged``: pause, swap, set the label to the snapshot identity,
+  (``replica/engine/swap.py``: pause, set the label to the snapshot identity, swap, prove,
   resume), so a token's label is the identity of the weights whose forward pass sampled it
   (under PRESERVE, over KV cache partly computed by the previous weights).
 - What the replica must provide for spans: vLLM 0.32 writes ``CompletionOutput.weight_versions``

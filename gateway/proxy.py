@@ -36,6 +36,7 @@ Contract of ``Proxy(settings, router, meter)``:
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -53,6 +54,36 @@ from gateway.relay import Relay, finish_answer
 from gateway.routing import DeploymentView, ReplicaView, Router
 from gateway.sse import as_chunks, sse, sse_events
 from gateway.upstream import upstream_client, upstream_error
+
+
+class _NextReplica(Exception):
+    """A replica's failure the client did not see (nothing was sent to it yet): try the next."""
+
+
+@dataclass(frozen=True)
+class _Upstream:
+    """What goes to each replica: ``path``, the JSON ``payload``; ``whole``: a non-streamed
+    request (``replay``: a streamed one sent so, to be replayed as a stream)."""
+
+    path: str
+    payload: bytes
+    replay: bool
+    whole: bool
+
+
+async def _sent(http: httpx.AsyncClient, request: httpx.Request, *, stream: bool) -> httpx.Response:
+    try:
+        return await http.send(request, stream=stream)
+    except httpx.TransportError as exc:
+        raise _NextReplica(f"{type(exc).__name__}: {exc}") from None
+
+
+def _refused(status: int, content: bytes, content_type: str | None, more: bool) -> Response:
+    """A replica's error answer: a 5xx while another replica is left goes there (`_NextReplica`);
+    anything else is the client's answer (``gateway.upstream.upstream_error``)."""
+    if status >= 500 and more:
+        raise _NextReplica(f"HTTP {status} {content[:200].decode(errors='replace')}")
+    return upstream_error(status, content, content_type)
 
 
 class Proxy:
@@ -111,85 +142,85 @@ class Proxy:
 
     async def through_replicas(self, attempt: Attempt, path: str, session: str | None) -> Response:
         """A vLLM deployment's request to its replicas, the next one after a failure that the
-        client did not see."""
-        plan, view = attempt.plan, attempt.view
-        router = self.router
+        client did not see (`_NextReplica`: the replica is marked failed and the failure kept
+        for the 503 that ends the list)."""
+        upstream = self._upstream(attempt, path)
+        failures: list[str] = []
+        candidates = self.router.candidates(attempt.view, session)
+        for i, replica in enumerate(candidates):
+            try:
+                return await self._through_one(attempt, upstream, replica, session, more=i + 1 < len(candidates))
+            except _NextReplica as failed:
+                self.router.mark_failed(replica.engine_url)
+                failures.append(f"{replica.name}: {failed}")
+        detail = "; ".join(failures[-4:]) or "no running replica"
+        raise Unavailable(f"no replica of {attempt.view.model_name} could take the request: {detail}")
+
+    def _upstream(self, attempt: Attempt, path: str) -> _Upstream:
+        """The body every replica gets: the deployment's model name (whether the client named it
+        or the deployment's id); a streamed request for routes sent non-streamed (`_Upstream`)."""
+        plan = attempt.plan
         # vLLM sends routes only on non-streamed answers: replay those as a stream.
         replay = plan.stream and "routed_experts" in plan.extra_fields
-        # The replicas serve the deployment's model name, whether the client named it or the
-        # deployment's id.
-        upstream_body = {**plan.upstream, "model": view.model_name}
+        body = {**plan.upstream, "model": attempt.view.model_name}
         if replay:
-            upstream_body = {k: v for k, v in upstream_body.items() if k != "stream_options"}
-            upstream_body["stream"] = False
-        payload = json.dumps(upstream_body).encode()
-        http = self.http
-        failures: list[str] = []
-        candidates = router.candidates(view, session)
-        for i, replica in enumerate(candidates):
-            more = i + 1 < len(candidates)
-            url = replica.engine_url
-            # The replica's engine answers only its agent and gateways (replica/engine/guard.py).
-            upstream_headers = {"content-type": "application/json",
-                                **self.settings.engine_headers(view.workflow_id, replica.name)}
-            router.acquire(url)
-            if not plan.stream or replay:
-                try:
-                    resp = await http.post(f"{url}{path}", content=payload, headers=upstream_headers)
-                except httpx.TransportError as exc:
-                    router.release(url)
-                    router.mark_failed(url)
-                    failures.append(f"{replica.name}: {type(exc).__name__}: {exc}")
-                    continue  # nothing was sent to the client yet: try the next replica
-                router.release(url)
-                if resp.status_code >= 500 and more:
-                    router.mark_failed(url)
-                    failures.append(f"{replica.name}: HTTP {resp.status_code} {resp.text[:200]}")
-                    continue
-                if resp.status_code != 200:
-                    return upstream_error(resp.status_code, resp.content, resp.headers.get("content-type"))
-                router.mark_ok(url)
-                router.pin(session, replica.name)
-                return await self.answered(attempt, replica, resp.json(), replay)
+            body = {k: v for k, v in body.items() if k != "stream_options"}
+            body["stream"] = False
+        return _Upstream(path, json.dumps(body).encode(), replay, whole=not plan.stream or replay)
 
+    async def _through_one(self, attempt: Attempt, upstream: _Upstream, replica: ReplicaView, session: str | None,
+                           more: bool) -> Response:
+        """The request to one replica, one request in flight on the router while it runs; the
+        answer once the replica is committed to (marked ok, pinned for the session)."""
+        url = replica.engine_url
+        # The replica's engine answers only its agent and gateways (replica/engine/guard.py).
+        headers = {"content-type": "application/json",
+                   **self.settings.engine_headers(attempt.view.workflow_id, replica.name)}
+        request = self.http.build_request("POST", f"{url}{upstream.path}", content=upstream.payload, headers=headers)
+        self.router.acquire(url)
+        if upstream.whole:
             try:
-                upstream = await http.send(
-                    http.build_request("POST", f"{url}{path}", content=payload, headers=upstream_headers),
-                    stream=True,
-                )
-            except httpx.TransportError as exc:
-                router.release(url)
-                router.mark_failed(url)
-                failures.append(f"{replica.name}: {type(exc).__name__}: {exc}")
-                continue
-            if upstream.status_code != 200:
-                content = await upstream.aread()
-                await upstream.aclose()
-                router.release(url)
-                if upstream.status_code >= 500 and more:
-                    router.mark_failed(url)
-                    failures.append(f"{replica.name}: HTTP {upstream.status_code} {content[:200]!r}")
-                    continue
-                return upstream_error(upstream.status_code, content, upstream.headers.get("content-type"))
-            events = sse_events(upstream)
-            try:
-                # Commit to this replica only once its first event arrived: before that, a
-                # failure is still invisible to the client and the next replica can take over.
-                first = await anext(events)
-            except (httpx.HTTPError, StopAsyncIteration) as exc:
-                await upstream.aclose()
-                router.release(url)
-                router.mark_failed(url)
-                failures.append(f"{replica.name}: stream failed before its first event: {exc!r}")
-                continue
-            router.mark_ok(url)
-            router.pin(session, replica.name)
-            return StreamingResponse(
-                self.relay.stream(attempt, Served(replica, url), upstream, first, events),
-                status_code=200, media_type="text/event-stream", headers={REPLICA_HEADER: replica.name},
-            )
-        detail = "; ".join(failures[-4:]) or "no running replica"
-        raise Unavailable(f"no replica of {view.model_name} could take the request: {detail}")
+                resp = await _sent(self.http, request, stream=False)
+            finally:
+                self.router.release(url)
+            if resp.status_code != 200:
+                return _refused(resp.status_code, resp.content, resp.headers.get("content-type"), more)
+            self._committed(url, session, replica)
+            return await self.answered(attempt, replica, resp.json(), upstream.replay)
+        try:
+            opened = await self._first_event(request, more)
+        except BaseException:
+            self.router.release(url)
+            raise
+        if isinstance(opened, Response):
+            self.router.release(url)
+            return opened
+        stream, first, events = opened
+        self._committed(url, session, replica)
+        return StreamingResponse(
+            self.relay.stream(attempt, Served(replica, url), stream, first, events),
+            status_code=200, media_type="text/event-stream", headers={REPLICA_HEADER: replica.name},
+        )
+
+    async def _first_event(self, request: httpx.Request, more: bool) -> Response | tuple[httpx.Response, Any, Any]:
+        """A stream opened up to its first event (before it, a failure is still invisible to the
+        client and the next replica can take over); an error answer to pass on as it is."""
+        stream = await _sent(self.http, request, stream=True)
+        if stream.status_code != 200:
+            content = await stream.aread()
+            await stream.aclose()
+            return _refused(stream.status_code, content, stream.headers.get("content-type"), more)
+        events = sse_events(stream)
+        try:
+            first = await anext(events)
+        except (httpx.HTTPError, StopAsyncIteration) as exc:
+            await stream.aclose()
+            raise _NextReplica(f"stream failed before its first event: {exc!r}") from None
+        return stream, first, events
+
+    def _committed(self, url: str, session: str | None, replica: ReplicaView) -> None:
+        self.router.mark_ok(url)
+        self.router.pin(session, replica.name)
 
     async def answered(self, attempt: Attempt, replica: ReplicaView, data: dict[str, Any], replay: bool) -> Response:
         """A replica's non-streamed answer for the client: as JSON, or replayed as an SSE stream."""

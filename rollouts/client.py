@@ -112,6 +112,25 @@ class HotLoad:
         )
 
 
+def hot_load_body(deployment_id: str, identity: str, *, previous_identity: str | None = None,
+                  prompt_cache_policy: str | None = None, hot_load_id: str | None = None) -> dict[str, Any]:
+    """The body of ``POST /hotLoads``: FULL, or INCREMENTAL (zstd, Adler-32) on ``previous_identity``;
+    the cache policy and the hot-load id only when given (else the API's defaults)."""
+    body: dict[str, Any] = {"deploymentId": deployment_id, "identity": identity,
+                            "type": FULL if previous_identity is None else INCREMENTAL}
+    if hot_load_id is not None:
+        body["hotLoadId"] = hot_load_id
+    if prompt_cache_policy is not None:
+        body["promptCachePolicy"] = prompt_cache_policy
+    if previous_identity is not None:
+        body["incrementalSnapshotMetadata"] = {
+            "previousSnapshotIdentity": previous_identity,
+            "compressionFormat": "COMPRESSION_FORMAT_ZSTD",
+            "checksumFormat": "CHECKSUM_FORMAT_ADLER32",
+        }
+    return body
+
+
 class RolloutsClient:
     """Typed calls to the REST API (see the module docstring)."""
 
@@ -188,18 +207,9 @@ class RolloutsClient:
         busy_timeout: float = 900.0,
     ) -> HotLoad:
         """A FULL hot-load, or an INCREMENTAL one when ``previous_identity`` names the delta's base."""
-        body: dict[str, Any] = {
-            "deploymentId": deployment_id, "identity": identity,
-            "hotLoadId": hot_load_id or f"hl-{uuid.uuid4().hex[:16]}",
-            "type": FULL if previous_identity is None else INCREMENTAL,
-            "promptCachePolicy": prompt_cache_policy,
-        }
-        if previous_identity is not None:
-            body["incrementalSnapshotMetadata"] = {
-                "previousSnapshotIdentity": previous_identity,
-                "compressionFormat": "COMPRESSION_FORMAT_ZSTD",
-                "checksumFormat": "CHECKSUM_FORMAT_ADLER32",
-            }
+        body = hot_load_body(deployment_id, identity, previous_identity=previous_identity,
+                             prompt_cache_policy=prompt_cache_policy,
+                             hot_load_id=hot_load_id or f"hl-{uuid.uuid4().hex[:16]}")
         deadline = time.monotonic() + busy_timeout
         while True:
             try:

@@ -53,7 +53,7 @@ import shutil
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from common.settings import Settings
+from rollouts.client import RESET_ALL, ApiError, HotLoad, RolloutsClient
 from snapshots.chain import MAX_CHAIN_DELTAS as MAX_DELTAS_IN_CHAIN
 from snapshots.writer import write_delta
 from workers.families import MOE, write_family
@@ -80,7 +81,8 @@ except ImportError:
 SAMPLE_PROMPT = "12 + 34 ="
 # How long a hot-load create answered `unavailable` (503) is tried again.
 UNAVAILABLE_RETRY_S = 120.0
-TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
+# How long a hot-load may run before the demo gives up on it.
+HOT_LOAD_TIMEOUT_S = 3600.0
 
 
 @dataclass
@@ -212,9 +214,11 @@ class Client:
         self.api = f"{settings.api_url}/v1alpha1/inference"
         self.h = {"Authorization": f"Bearer {settings.admin_token}"}
         self.http = httpx.Client(timeout=httpx.Timeout(300, connect=10), limits=httpx.Limits(max_connections=64))
+        self.rollouts = RolloutsClient(settings.api_url, settings.admin_token, timeout=300)
 
     def close(self) -> None:
         self.http.close()
+        self.rollouts.close()
 
     def call(self, method: str, path: str, **kw: Any) -> dict:
         r = self.http.request(method, f"{self.api}{path}", headers=self.h, **kw)
@@ -241,39 +245,25 @@ class Client:
                                skip_special_tokens=False)["choices"][0]
         return choice["text"]
 
-    def hot_load(self, dep_id: str, identity: str, previous: str | None) -> tuple[dict, list[dict], float]:
-        """Create a hot-load (FULL when ``previous`` is None), wait for its end; returns the
-        operation, its replicas and the seconds from create to the terminal state."""
-        body: dict[str, Any] = {"deploymentId": dep_id, "identity": identity,
-                                "promptCachePolicy": "PROMPT_CACHE_POLICY_RESET_ALL"}
-        if previous is None:
-            body["type"] = "SNAPSHOT_TYPE_FULL"
-        else:
-            body["type"] = "SNAPSHOT_TYPE_INCREMENTAL"
-            body["incrementalSnapshotMetadata"] = {
-                "previousSnapshotIdentity": previous,
-                "compressionFormat": "COMPRESSION_FORMAT_ZSTD",
-                "checksumFormat": "CHECKSUM_FORMAT_ADLER32",
-            }
+    def hot_load(self, dep_id: str, identity: str, previous: str | None) -> tuple[HotLoad, list[dict], float]:
+        """Create a hot-load (FULL when ``previous`` is None) through ``rollouts.client``, wait for
+        its end; returns the operation, its replicas (as the API answers them) and the seconds
+        from create to the terminal state."""
         t0 = time.monotonic()
         while True:
-            r = self.http.post(f"{self.api}/hotLoads", headers=self.h, json=body)
-            # `unavailable` says "try again": the deployment was busy with its replicas (a
-            # replica joining after a scale-out takes the snapshot from a peer meanwhile).
-            if r.status_code != 503 or time.monotonic() - t0 > UNAVAILABLE_RETRY_S:
+            try:
+                hl = self.rollouts.create_hot_load(dep_id, identity, previous_identity=previous,
+                                                   prompt_cache_policy=RESET_ALL)
                 break
+            except ApiError as exc:
+                # `unavailable` says "try again": the deployment was busy with its replicas (a
+                # replica joining after a scale-out takes the snapshot from a peer meanwhile).
+                if exc.status != 503 or time.monotonic() - t0 > UNAVAILABLE_RETRY_S:
+                    raise StackError(f"POST /hotLoads: {exc}") from None
             time.sleep(2)
-        if r.status_code >= 400:
-            raise StackError(f"POST /hotLoads: HTTP {r.status_code} {r.text}")
-        hl_id = r.json()["hotLoad"]["spec"]["id"]
-        while True:
-            hl = self.call("GET", f"/hotLoads/{hl_id}")["hotLoad"]
-            if hl["status"]["state"] in TERMINAL:
-                break
-            time.sleep(0.1)
+        hl = self.rollouts.wait_hot_load(hl.id, timeout=HOT_LOAD_TIMEOUT_S, poll=0.1)
         seconds = time.monotonic() - t0
-        reps = self.call("GET", f"/hotLoads/{hl_id}/replicas")["replicas"]
-        return hl, reps, seconds
+        return hl, [r.raw for r in self.rollouts.list_replicas(hl.id)], seconds
 
 
 def token_id(token: str) -> int:
@@ -324,6 +314,8 @@ def rollouts_for(client: Client, model: str, prompts: list[list[int]], cfg: Demo
 
 
 def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = False, config: DemoConfig | None = None) -> int:
+    """The demo (module docstring): the stack up, one run of the loop (`Demo`), what it started
+    stopped again; returns the exit status."""
     cfg = config or DemoConfig()
     settings = load_or_create_settings(home, port_base)
     stack = Stack(settings)
@@ -331,147 +323,230 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
     say = lambda line: print(line, flush=True)  # noqa: E731
     t_up = time.monotonic()
     stack.up(say=say)
-    up_s = time.monotonic() - t_up
-    c = Client(settings)
-    dep_id = None
-    name = f"grpo-{int(time.time())}"
-    work = settings.home_path / "demo" / name
-    records: list[StepRecord] = []
+    demo = Demo(settings, cfg, say, up_s=time.monotonic() - t_up)
     try:
-        base_dir, model_path = demo_model(settings, cfg)
-        routes = MODELS[cfg.model] in MOE  # an MoE returns its routes, which the trainer replays
+        return demo.run()
+    finally:
+        demo.close()
+        if not was_running and not keep_running:
+            stack.down(say=say)
+
+
+@dataclass
+class Trainer:
+    """The trainer's side of a run: its policy and what it reads of the model."""
+
+    base_dir: Path
+    policy: Policy
+    digit_ids: Any
+    tokenizer: Tokenizer
+
+
+class Demo:
+    """One run of the loop on a running stack, in its phases: deploy, load the trainer, wait for
+    the deployment, publish the base, the GRPO steps (each rollouts, a step, a publish), report;
+    `close` deletes the deployment and the run's files."""
+
+    def __init__(self, settings: Settings, cfg: DemoConfig, say: Any, up_s: float) -> None:
+        self.settings, self.cfg, self.say, self.up_s = settings, cfg, say, up_s
+        self.c = Client(settings)
+        self.name = f"grpo-{int(time.time())}"
+        self.work = settings.home_path / "demo" / self.name
+        self.prefix = f"checkpoints/{self.name}"
+        self.dep_id: str | None = None
+        self.records: list[StepRecord] = []
+        self.routes = MODELS[cfg.model] in MOE  # an MoE returns its routes, which the trainer replays
+        self.ready_s = 0.0
+        self.s3 = settings.s3_client()
+
+    def run(self) -> int:
+        base_dir, model_path = demo_model(self.settings, self.cfg)
+        t0 = time.monotonic()
+        self.deploy(model_path)
+        scale = ScaleLog(self.cfg, self.say) if _autoscales(self.cfg) else None
+        trainer = self.load_trainer(base_dir)  # while the replicas start
+        self.wait_ready()
+        self.ready_s = time.monotonic() - t0
+        self.say(f"deployment READY in {self.ready_s:.1f}s")
+        before = self.c.sample(self.settings.model_name)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.say(f"GRPO: {self.cfg.prompts} prompts x {self.cfg.group} completions x {self.cfg.max_tokens} tokens "
+                 f"per step, reward = fraction of digit tokens, up to {self.cfg.steps} steps / "
+                 f"{self.cfg.max_loop_s:.0f}s")
+        self.say(HEADER)
+        self.record(self.publish_full(0, base_dir))
+        loop_s = self.loop(trainer, scale)
+        after = self.c.sample(self.settings.model_name)
+        if scale is not None:
+            scale.until_scaled_in(self.deployment)
+        return self.report(loop_s, before, after, scale)
+
+    def deployment(self) -> dict:
+        assert self.dep_id is not None
+        return self.c.call("GET", f"/deployments/{self.dep_id}")["deployment"]
+
+    def deploy(self, model_path: str) -> None:
+        settings, cfg = self.settings, self.cfg
         body = {
-            "name": name, "gatewayIds": [settings.gateway_id],
+            "name": self.name, "gatewayIds": [settings.gateway_id],
             "runtime": {"engine": "dynamo-vllm", "version": "0.32.0",
-                        "engineConfig": {"enable-return-routed-experts": ""} if routes else {}},
+                        "engineConfig": {"enable-return-routed-experts": ""} if self.routes else {}},
             "resources": {"instanceType": "cpu-local", "gpuCount": 0},
             "model": {"name": settings.model_name, "bucket": settings.bucket, "path": model_path},
             "autoscaling": _autoscaling(cfg), "traffic": {"weight": 100},
-            "hotLoad": {"bucket": settings.bucket, "pathPrefix": f"checkpoints/{name}",
+            "hotLoad": {"bucket": settings.bucket, "pathPrefix": self.prefix,
                         "transitionMode": "TRANSITION_MODE_ASYNC"},
         }
-        t0 = time.monotonic()
-        dep_id = c.call("POST", "/deployments", json=body)["deployment"]["spec"]["id"]
-        say(f"deployment {dep_id}: starting {cfg.replicas} Dynamo vLLM workers on CPU (about a minute on 2 cores)...")
-        scale = ScaleLog(cfg, say) if _autoscales(cfg) else None
+        self.dep_id = self.c.call("POST", "/deployments", json=body)["deployment"]["spec"]["id"]
+        self.say(f"deployment {self.dep_id}: starting {cfg.replicas} Dynamo vLLM workers on CPU (about a minute on "
+                 f"2 cores)...")
 
-        # The trainer loads its copy while the replicas start.
+    def load_trainer(self, base_dir: Path) -> Trainer:
         t_load = time.monotonic()
+        cfg = self.cfg
         policy = Policy(base_dir, lr=cfg.lr, inner_steps=cfg.inner_steps, train=cfg.train, seed=cfg.seed)
-        digit_ids = digit_token_ids(base_dir)
-        tokenizer = Tokenizer.from_file(str(base_dir / "tokenizer.json"))
+        trainer = Trainer(base_dir, policy, digit_token_ids(base_dir),
+                          Tokenizer.from_file(str(base_dir / "tokenizer.json")))
         n_train = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
-        say(f"trainer: {sum(p.numel() for p in policy.model.parameters()) / 1e6:.2f}M parameters, {n_train / 1e6:.2f}M "
-            f"trained ({cfg.train}: {len(policy.trainable)} of {len(policy.names)} tensors), FP32 masters, BF16 export; "
-            f"loaded in {time.monotonic() - t_load:.1f}s")
+        self.say(f"trainer: {sum(p.numel() for p in policy.model.parameters()) / 1e6:.2f}M parameters, "
+                 f"{n_train / 1e6:.2f}M trained ({cfg.train}: {len(policy.trainable)} of {len(policy.names)} "
+                 f"tensors), FP32 masters, BF16 export; loaded in {time.monotonic() - t_load:.1f}s")
+        return trainer
 
+    def wait_ready(self) -> None:
         while True:
-            dep = c.call("GET", f"/deployments/{dep_id}")["deployment"]
-            if dep["status"]["status"] == "STATUS_READY":
-                break
-            if dep["status"]["status"] == "STATUS_FAILED":
-                raise StackError(f"deployment failed: {dep['status']['conditions']}")
+            status = self.deployment()["status"]
+            if status["status"] == "STATUS_READY":
+                return
+            if status["status"] == "STATUS_FAILED":
+                raise StackError(f"deployment failed: {status['conditions']}")
             time.sleep(2)
-        ready_s = time.monotonic() - t0
-        say(f"deployment READY in {ready_s:.1f}s")
-        model = settings.model_name
-        before = c.sample(model)
 
-        s3 = settings.s3_client()
-        prefix = f"checkpoints/{name}"
-        work.mkdir(parents=True, exist_ok=True)
-
-        def publish_full(step: int, ckpt: Path) -> StepRecord:
-            identity = f"step-{step:06d}"
-            t_pub = time.monotonic()
-            upload_dir(s3, ckpt, settings.bucket, f"{prefix}/{identity}")
-            publish_s = time.monotonic() - t_pub
-            hl, reps, secs = c.hot_load(dep_id, identity, None)
-            return StepRecord(step, identity, "FULL", None, None, secs, _ready(reps, identity), len(reps),
-                              hl["status"]["state"], publish_s=publish_s, pause_ms=_longest_pause(reps),
-                              pause_bytes=_most_moved(reps))
-
-        say(f"GRPO: {cfg.prompts} prompts x {cfg.group} completions x {cfg.max_tokens} tokens per step, "
-            f"reward = fraction of digit tokens, up to {cfg.steps} steps / {cfg.max_loop_s:.0f}s")
-        say(HEADER)
-        rec = publish_full(0, base_dir)
-        records.append(rec)
-        say(format_step(rec))
+    def record(self, rec: StepRecord, note: str = "") -> None:
+        """Keep and print a step's record; a hot-load that did not complete stops the run."""
+        self.records.append(rec)
+        self.say(format_step(rec) + note)
         _check(rec)
-        prev_dir, prev_id, deltas_in_chain = base_dir, rec.identity, 0
+
+    def publish_full(self, step: int, ckpt: Path) -> StepRecord:
+        identity = f"step-{step:06d}"
+        t_pub = time.monotonic()
+        upload_dir(self.s3, ckpt, self.settings.bucket, f"{self.prefix}/{identity}")
+        publish_s = time.monotonic() - t_pub
+        assert self.dep_id is not None
+        hl, reps, secs = self.c.hot_load(self.dep_id, identity, None)
+        rec = StepRecord(step, identity, "FULL", None, None, secs, _ready(reps, identity), len(reps), hl.state,
+                         publish_s=publish_s, pause_ms=_longest_pause(reps), pause_bytes=_most_moved(reps))
+        return rec
+
+    def publish_delta(self, step: int, prev_dir: Path, prev_id: str, new_dir: Path) -> StepRecord | None:
+        """The step's delta against the previous checkpoint, uploaded and hot-loaded; None when
+        no tensor changed in BF16 (nothing published)."""
+        identity = f"step-{step:06d}"
+        t_pub = time.monotonic()
+        delta_dir = self.work / identity
+        dstats = write_delta(prev_dir, new_dir, delta_dir, version=identity, base_version=prev_id)
+        if dstats.is_empty:
+            return None
+        upload_dir(self.s3, delta_dir, self.settings.bucket, f"{self.prefix}/{identity}")
+        publish_s = time.monotonic() - t_pub
+        assert self.dep_id is not None
+        hl, reps, secs = self.c.hot_load(self.dep_id, identity, prev_id)
+        shutil.rmtree(delta_dir, ignore_errors=True)
+        rec = StepRecord(step, identity, "DELTA", None, 100.0 * dstats.ratio, secs, _ready(reps, identity),
+                         len(reps), hl.state, publish_s=publish_s, pause_ms=_longest_pause(reps),
+                         pause_bytes=_most_moved(reps))
+        return rec
+
+    def loop(self, trainer: Trainer, scale: ScaleLog | None) -> float:
+        """The GRPO steps, until ``cfg.steps`` or the loop's time budget; returns its seconds."""
+        cfg = self.cfg
+        prev_dir, prev_id, deltas_in_chain = trainer.base_dir, self.records[-1].identity, 0
         loop_t0 = time.monotonic()
         for step in range(1, cfg.steps + 1):
             if time.monotonic() - loop_t0 > cfg.max_loop_s:
-                say(f"loop budget of {cfg.max_loop_s:.0f}s reached after {step - 1} steps")
+                self.say(f"loop budget of {cfg.max_loop_s:.0f}s reached after {step - 1} steps")
                 break
-            prompts = [tokenizer.encode(p).ids for p in make_prompts(cfg.prompts, seed=cfg.seed * 100_003 + step)]
-            rollouts, tokens, rollout_s = rollouts_for(c, model, prompts, cfg, digit_ids, routes)
-            advantages = group_advantages([r.reward for r in rollouts], [r.group for r in rollouts])
-            for r, a in zip(rollouts, advantages):
-                r.advantage = a
-            t_train = time.monotonic()
-            stats = policy.step(rollouts)
-            train_s = time.monotonic() - t_train
-            mean_reward = statistics.fmean(r.reward for r in rollouts)
-            identity = f"step-{step:06d}"
-            new_dir = policy.export(work / f"ckpt-{step:06d}")
-            sample = _decode(rollouts[0].completion_ids, base_dir)[:24]
-            if deltas_in_chain >= (cfg.max_deltas or MAX_DELTAS_IN_CHAIN):
-                rec = publish_full(step, new_dir)
-                deltas_in_chain = 0
-            else:
-                t_pub = time.monotonic()
-                delta_dir = work / identity
-                dstats = write_delta(prev_dir, new_dir, delta_dir, version=identity, base_version=prev_id)
-                if dstats.is_empty:  # nothing changed in BF16 (e.g. every group scored alike): no publish
-                    rec = StepRecord(step, prev_id, "NONE", mean_reward, None, 0.0, records[-1].ready,
-                                     records[-1].replicas, records[-1].state, tokens=tokens, rollout_s=rollout_s,
-                                     train_s=train_s, mismatch=stats.sampler_mismatch, sample=sample,
-                                     routes_agree=stats.extra.get("routes_agree"))
-                    records.append(rec)
-                    say(format_step(rec) + "  (no tensor changed in BF16: nothing published)")
-                    shutil.rmtree(new_dir, ignore_errors=True)
-                    continue
-                upload_dir(s3, delta_dir, settings.bucket, f"{prefix}/{identity}")
-                publish_s = time.monotonic() - t_pub
-                hl, reps, secs = c.hot_load(dep_id, identity, prev_id)
-                rec = StepRecord(step, identity, "DELTA", None, 100.0 * dstats.ratio, secs, _ready(reps, identity),
-                                 len(reps), hl["status"]["state"], publish_s=publish_s, pause_ms=_longest_pause(reps),
-                                 pause_bytes=_most_moved(reps))
-                shutil.rmtree(delta_dir, ignore_errors=True)
-                deltas_in_chain += 1
-            rec.reward, rec.tokens, rec.rollout_s, rec.train_s = mean_reward, tokens, rollout_s, train_s
-            rec.mismatch, rec.sample = stats.sampler_mismatch, sample
-            rec.routes_agree = stats.extra.get("routes_agree")
-            records.append(rec)
-            say(format_step(rec))
-            _check(rec)
+            new_dir, trained = self.train(step, trainer)
+            full = deltas_in_chain >= (cfg.max_deltas or MAX_DELTAS_IN_CHAIN)
+            rec = self.publish_full(step, new_dir) if full else self.publish_delta(step, prev_dir, prev_id, new_dir)
+            if rec is None:  # nothing changed in BF16 (e.g. every group scored alike): no publish
+                last = self.records[-1]
+                self.record(replace(trained, identity=prev_id, kind="NONE", ready=last.ready, replicas=last.replicas,
+                                    state=last.state), "  (no tensor changed in BF16: nothing published)")
+                shutil.rmtree(new_dir, ignore_errors=True)
+                continue
+            deltas_in_chain = 0 if full else deltas_in_chain + 1
+            self.record(replace(rec, reward=trained.reward, tokens=trained.tokens, rollout_s=trained.rollout_s,
+                                train_s=trained.train_s, mismatch=trained.mismatch, sample=trained.sample,
+                                routes_agree=trained.routes_agree))
             if scale is not None:
-                scale.seen(c.call("GET", f"/deployments/{dep_id}")["deployment"], step, time.monotonic() - loop_t0)
-            if prev_dir != base_dir:
+                scale.seen(self.deployment(), step, time.monotonic() - loop_t0)
+            if prev_dir != trainer.base_dir:
                 shutil.rmtree(prev_dir, ignore_errors=True)
             prev_dir, prev_id = new_dir, rec.identity
-        loop_s = time.monotonic() - loop_t0
-        after = c.sample(model)
-        if scale is not None:
-            scale.until_scaled_in(lambda: c.call("GET", f"/deployments/{dep_id}")["deployment"])
+        return time.monotonic() - loop_t0
 
+    def train(self, step: int, trainer: Trainer) -> tuple[Path, StepRecord]:
+        """Rollouts through the gateway, their rewards, a GRPO step, the BF16 export; returns the
+        checkpoint and the step's figures (a record of what it trained on, not yet published)."""
+        cfg = self.cfg
+        prompts = [trainer.tokenizer.encode(p).ids for p in make_prompts(cfg.prompts, seed=cfg.seed * 100_003 + step)]
+        rollouts, tokens, rollout_s = rollouts_for(self.c, self.settings.model_name, prompts, cfg, trainer.digit_ids,
+                                                   self.routes)
+        for r, a in zip(rollouts, group_advantages([r.reward for r in rollouts], [r.group for r in rollouts])):
+            r.advantage = a
+        t_train = time.monotonic()
+        stats = trainer.policy.step(rollouts)
+        train_s = time.monotonic() - t_train
+        new_dir = trainer.policy.export(self.work / f"ckpt-{step:06d}")
+        trained = StepRecord(step, f"step-{step:06d}", "", statistics.fmean(r.reward for r in rollouts), None, 0.0,
+                             0, 0, "", tokens=tokens, rollout_s=rollout_s, train_s=train_s,
+                             mismatch=stats.sampler_mismatch,
+                             sample=_decode(rollouts[0].completion_ids, trainer.base_dir)[:24],
+                             routes_agree=stats.extra.get("routes_agree"))
+        return new_dir, trained
+
+    def report(self, loop_s: float, before: str, after: str, scale: ScaleLog | None) -> int:
+        """The figures (JSON), the plot (PNG) and the table; 0 when every hot-load completed and
+        the reward rose."""
+        records = self.records
         trained = [r for r in records if r.reward is not None]
         first5, last5 = reward_summary([r.reward for r in trained])
         deltas = [r for r in records if r.kind == "DELTA"]
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        figures = settings.home_path / "demo" / f"grpo-{stamp}.json"
-        figures.write_text(json.dumps({"config": asdict(cfg), "deployment": dep_id,
+        figures = self.settings.home_path / "demo" / f"grpo-{stamp}.json"
+        figures.write_text(json.dumps({"config": asdict(self.cfg), "deployment": self.dep_id,
                                        "steps": [{**asdict(r), "tok_per_s": r.tok_per_s} for r in records],
                                        "first5_reward": first5, "last5_reward": last5}, indent=2) + "\n")
-        plot = write_plot(records, settings.home_path / "demo" / f"grpo-{stamp}.png",
+        plot = write_plot(records, self.settings.home_path / "demo" / f"grpo-{stamp}.png",
                           f"reward first 5 steps {first5:.3f} → last 5 {last5:.3f}; delta mean "
                           f"{_mean(r.delta_pct for r in deltas):.1f}% of full; delta hot-load mean "
                           f"{_mean(r.hot_load_s for r in deltas):.2f}s")
+        rows = self.rows(loop_s, before, after, scale, first5, last5) + [
+            ("plot", str(plot) if plot else "matplotlib is not installed: no PNG (pip install matplotlib)"),
+            ("figures", str(figures)),
+            ("Temporal UI", f"{self.settings.temporal_ui_url}/namespaces/{self.settings.temporal_namespace}/workflows"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        print()
+        for k, v in rows:
+            print(f"  {k:<{width}}  {v}")
+        print(flush=True)
+        rose = last5 > first5 + 0.05
+        if not rose:
+            self.say("the reward did not rise: try more --steps (or a larger --lr)")
+        return 0 if rose and all(r.state == "HOT_LOAD_STATE_COMPLETED" for r in records) else 1
+
+    def rows(self, loop_s: float, before: str, after: str, scale: ScaleLog | None, first5: float,
+             last5: float) -> list[tuple[str, str]]:
+        records = self.records
+        trained = [r for r in records if r.reward is not None]
+        deltas = [r for r in records if r.kind == "DELTA"]
         last = records[-1]
         pauses = [r.pause_ms for r in deltas if r.pause_ms is not None]
         agreed = [r.routes_agree for r in trained if r.routes_agree is not None]
-        rows = [
+        return [
             ("steps", f"{len(trained)} GRPO steps in {loop_s:.0f}s of loop ({len(deltas)} deltas, "
                       f"{sum(1 for r in records if r.kind == 'FULL')} full)"),
             ("reward first 5 → last 5", f"{first5:.3f} → {last5:.3f}"),
@@ -490,32 +565,19 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
             ("before", f"{SAMPLE_PROMPT!r} → {before!r}"),
             ("after", f"{SAMPLE_PROMPT!r} → {after!r}"),
             *([("autoscaling", scale.summary())] if scale is not None else []),
-            ("stack up", f"{up_s:.1f} s"),
-            ("deployment ready", f"{ready_s:.1f} s"),
-            ("plot", str(plot) if plot else "matplotlib is not installed: no PNG (pip install matplotlib)"),
-            ("figures", str(figures)),
-            ("Temporal UI", f"{settings.temporal_ui_url}/namespaces/{settings.temporal_namespace}/workflows"),
+            ("stack up", f"{self.up_s:.1f} s"),
+            ("deployment ready", f"{self.ready_s:.1f} s"),
         ]
-        width = max(len(k) for k, _ in rows)
-        print()
-        for k, v in rows:
-            print(f"  {k:<{width}}  {v}")
-        print(flush=True)
-        rose = last5 > first5 + 0.05
-        if not rose:
-            say("the reward did not rise: try more --steps (or a larger --lr)")
-        return 0 if rose and all(r.state == "HOT_LOAD_STATE_COMPLETED" for r in records) else 1
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if dep_id:
+
+    def close(self) -> None:
+        shutil.rmtree(self.work, ignore_errors=True)
+        if self.dep_id:
             try:
-                c.call("DELETE", f"/deployments/{dep_id}")
+                self.c.call("DELETE", f"/deployments/{self.dep_id}")
                 time.sleep(3)  # let the worker stop the replicas before the stack goes down
             except (StackError, httpx.HTTPError) as exc:
                 print(f"warning: {exc}")
-        c.close()
-        if not was_running and not keep_running:
-            stack.down(say=say)
+        self.c.close()
 
 
 def _autoscales(cfg: DemoConfig) -> bool:

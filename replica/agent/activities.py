@@ -67,9 +67,7 @@ class ReplicaActivities:
     async def serve_replica(self) -> None:
         """Scale-out: the deployment makes this joining replica a member. A Dynamo worker enters
         its frontend's routing pool (a vLLM server is routed to by the gateway's replica list)."""
-        serve = getattr(self.runtime.engine, "serve", None)
-        if serve is not None:
-            await serve()
+        await self.runtime.engine.serve()
 
     @activity.defn(name=names.DRAIN_REPLICA)
     async def drain_replica(self, inp: DrainInput) -> float:
@@ -81,9 +79,7 @@ class ReplicaActivities:
         try:
             async with self.runtime.lock:  # no weight change is under way (none is started after)
                 start = time.perf_counter()
-                leave = getattr(self.runtime.engine, "leave_pool", None)
-                if leave is not None:
-                    await leave()
+                await self.runtime.engine.leave_pool()
                 await asyncio.sleep(inp.grace_seconds)
                 await self.runtime.engine.pause(mode="wait")
                 return time.perf_counter() - start

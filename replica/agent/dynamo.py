@@ -6,13 +6,10 @@ routes and weight-version spans; that module says what it adds) instead of vLLM'
 Everything the agent does with an engine works unchanged on it:
 
 - **Control** goes to the worker's Dynamo system server (``DYN_SYSTEM_HOST``, always loopback:
-  only the replica's own host reaches it; ``DYN_SYSTEM_PORT`` = ``port``). The control requests
-  an :class:`~replica.agent.engine_rpc.EngineClient` makes (``/pause``, ``/resume``,
-  ``/is_paused``, ``/reset_prefix_cache``, ``/collective_rpc``, ``/update_weight_version``,
-  ``/weight_info``) become ``POST /engine/rollouts/<name>`` with the same arguments as JSON plus
-  the engine's secret; an answer ``{"error": {"code", "message"}}`` raises the same
-  ``EngineRequestError`` (status = code) a vLLM replica's HTTP error does. ``/metrics`` and
-  ``/health`` are the system server's own (vLLM's gauges are there, labelled with the worker).
+  only the replica's own host reaches it; ``DYN_SYSTEM_PORT`` = ``port``): the same engine
+  routes a vLLM replica serves, at ``POST /engine/rollouts/<name>`` with the engine's secret in
+  the body (``DYNAMO_TRANSPORT``, `replica.agent.engine_rpc`). ``/metrics`` and ``/health`` are
+  the system server's own (vLLM's gauges are there, labelled with the worker).
 - **Inference** is Dynamo's (a ``/v1/...`` request this object sends goes through the frontend
   to this worker alone: ``nvext.backend_instance_id``): the worker registers in Dynamo discovery under ``namespace``
   (``discovery_backend``: ``file``, in ``discovery_dir`` shared with the Dynamo frontend; or
@@ -26,15 +23,14 @@ Everything the agent does with an engine works unchanged on it:
   request-plane secret (``request_secret``, ``common/dynamo_planes.py``; the agent passes
   ``Settings.dynamo_request_secret``): the worker gets it at start in a 0600 file named by
   ``ROLLOUTS_REQUEST_SECRET_FILE``, and this object's own ``/v1/...`` requests carry it.
-- **Pause keeps new requests off a paused worker**: ``pause()`` first takes the worker's
-  ``generate`` instance out of discovery (``leave``) when another instance of the namespace is
-  registered (the worker's ``instances`` route: what its own discovery client lists), so the frontend routes new requests to the others; ``resume()`` puts it back
-  (``join``). ``swap_in_pause`` can do a whole swap in one call to the worker (pause, label, swap
-  and proof, resume: its route says how), leaving the pool before it and joining after, so the
-  pause holds no HTTP hop; the agent swaps that way (``swaps_in_one_call``) unless a test arms
-  its ``swap`` fault point, which needs the four calls. A lone worker stays registered: a request that reaches it during the pause waits
-  for the resume (the pause window), as on a vLLM replica, rather than failing for want of a
-  worker. A request the frontend routed before it saw the ``leave`` also waits for the resume.
+- **Pause keeps new requests off a paused worker**: before a pause (``pause()``, the swap's
+  ``swap_in_pause``) the worker's ``generate`` instance leaves discovery (``leave_pool``) when
+  another instance of the namespace is registered (the worker's ``instances`` route: what its
+  own discovery client lists), so the frontend routes new requests to the others; after it,
+  it joins again (``rejoin_pool``). A lone worker stays registered: a request that reaches it
+  during the pause waits for the resume (the pause window), as on a vLLM replica, rather than
+  failing for want of a worker. A request the frontend routed before it saw the ``leave`` also
+  waits for the resume.
 - **Gate and hold-out**: an agent starts its worker ``gated``: Dynamo puts a worker in
   discovery as soon as it serves, so its frontend may route there before the agent has loaded
   the deployment's weights and label; such requests wait at the worker's gate until
@@ -72,33 +68,19 @@ from common.dynamo_planes import DISCOVERY_BACKENDS, discovery_problem, plane_ar
 from common.dynamo_tls import DynamoTls
 from common.processes import free_port, free_port_below
 from replica.agent.engine_process import EngineProcess, EngineStartError, _tail
-from replica.agent.engine_rpc import EngineRequestError, ReadBackFailed
+from replica.agent.engine_rpc import DYNAMO_TRANSPORT, EngineRequestError
+from replica.engine_routes import DYNAMO_PREFIX
 from replica.launch import DYNAMO_WORKER_MODULE, REQUEST_SECRET_FILE_ENV
 
-ROUTE_PREFIX = "/engine/rollouts/"
 # Dynamo reads DYN_SYSTEM_PORT as a signed 16-bit number.
 SYSTEM_PORT_MAX = 32767
 # Dynamo's shutdown grace after the worker leaves discovery (module docstring, "Stop").
 GRACE_ENV = "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS"
 STOP_GRACE_S = 1
-# (method, vLLM dev route) -> our route on the Dynamo system server.
-CONTROL_ROUTES = {
-    ("POST", "/pause"): "pause",
-    ("POST", "/resume"): "resume",
-    ("GET", "/is_paused"): "is_paused",
-    ("POST", "/reset_prefix_cache"): "reset_prefix_cache",
-    ("POST", "/collective_rpc"): "collective_rpc",
-    ("POST", "/update_weight_version"): "update_weight_version",
-    ("GET", "/weight_info"): "weight_info",
-}
-
-
-def _flag(value: Any) -> Any:
-    return {"true": True, "false": False}.get(value, value) if isinstance(value, str) else value
-
-
 class DynamoEngineProcess(EngineProcess):
     """A Dynamo vLLM worker for one model directory (module docstring)."""
+
+    transport = DYNAMO_TRANSPORT
 
     def __init__(self, model_dir: Path | str, *, discovery_dir: Path | str, namespace: str,
                  frontend_url: str | None = None, kv_events: bool = False, discovery_backend: str = "file",
@@ -217,7 +199,7 @@ class DynamoEngineProcess(EngineProcess):
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     health = await client.get(self.base_url + "/health")
                     if health.status_code == 200 and health.json().get("status") == "ready":
-                        answer = (await client.post(self.base_url + ROUTE_PREFIX + "instance",
+                        answer = (await client.post(self.base_url + DYNAMO_PREFIX + "instance",
                                                     json={"secret": self.secret})).json()
                         if isinstance(answer.get("worker_id"), int):
                             self.worker_id = answer["worker_id"]
@@ -229,28 +211,8 @@ class DynamoEngineProcess(EngineProcess):
                     )
                 await asyncio.sleep(0.5)
 
-    async def control(self, route: str, body: dict[str, Any] | None = None, *, method: str = "POST",
-                      path: str | None = None) -> httpx.Response:
-        """``POST /engine/rollouts/<route>`` with ``body`` and the secret; an error answer raises
-        EngineRequestError naming ``method path`` (the vLLM route it stands for)."""
-        resp = await self._client().post(ROUTE_PREFIX + route, json={**(body or {}), "secret": self.secret})
-        shown = path or ROUTE_PREFIX + route
-        if resp.status_code // 100 != 2:
-            raise EngineRequestError(method, shown, resp.status_code, resp.text)
-        answer = resp.json()
-        error = answer.get("error") if isinstance(answer, dict) else None
-        if error is not None:
-            code = error.get("code", 500) if isinstance(error, dict) else 500
-            message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
-            raise EngineRequestError(method, shown, int(code), message)
-        return resp
-
     async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        route = CONTROL_ROUTES.get((method, path))
-        if route is not None:
-            body = {k: _flag(v) for k, v in (kwargs.get("params") or {}).items()}
-            body.update(kwargs.get("json") or {})
-            return await self.control(route, body, method=method, path=path)
+        """An inference request (``/v1/...``) goes through the frontend to this worker alone."""
         if path.startswith("/v1/") and self.frontend_url:
             kwargs = self._to_this_worker(kwargs)
             async with httpx.AsyncClient(base_url=self.frontend_url, timeout=httpx.Timeout(600.0, connect=10.0),
@@ -280,7 +242,7 @@ class DynamoEngineProcess(EngineProcess):
     async def instances(self) -> list[int]:
         """The Dynamo worker ids of every ``generate`` instance of the worker's namespace that
         Dynamo's discovery lists now (its own while it is in the pool)."""
-        return list((await self.control("instances")).json()["worker_ids"])
+        return list((await self.control("instances"))["worker_ids"])
 
     async def leave_pool(self) -> None:
         """Out of the frontend's routing pool when another instance of the namespace is in it."""
@@ -289,48 +251,18 @@ class DynamoEngineProcess(EngineProcess):
             await self.control("leave")
             self.left = True
 
-    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
-        await self.leave_pool()
-        try:
-            await super().pause(mode, clear_cache)
-        except BaseException:
-            await self._join()
-            raise
-
-    # The agent swaps a stage in with one call (`swap_in_pause`) rather than four: under load the
-    # worker's control callbacks wait on its busy event loop, so each call inside the pause costs
-    # tens to hundreds of ms (docs/field-notes.md). The label is set after the engine core stops
-    # and before the swap, inside the worker, as the four calls set it.
-    swaps_in_one_call = True
-
-    async def swap_in_pause(self, label: str, previous: str, *, clear_cache: bool, expected: int) -> dict[str, Any]:
-        """The whole swap inside the worker, in one call (its ``swap_in_pause`` route): pause,
-        label, swap and proof, resume, rolled back there on any failure. The worker leaves the
-        routing pool before and joins it after, outside the pause. Returns the extension's
-        result with the worker's ``timings_ms``; a read-back that differs raises ReadBackFailed."""
-        await self.leave_pool()
-        try:
-            answer = (await self.control(
-                "swap_in_pause", {"label": label, "previous": previous, "clear_cache": clear_cache, "expected": expected,
-                                  "ranks": self.ranks},
-                path="/swap_in_pause",
-            )).json()
-        finally:
-            await self._join()
-        result = dict(answer["result"])
-        if result.get("read_back_failed"):
-            raise ReadBackFailed.of(label, list(result["read_back_failed"]))
-        result["timings_ms"] = answer["timings_ms"]
-        return result
-
-    async def resume(self) -> None:
-        await super().resume()
-        await self._join()
-
-    async def _join(self) -> None:
+    async def rejoin_pool(self) -> None:
         if self.left and not self.held_out:
             await self.control("join")
             self.left = False
+
+    @property
+    def dynamo_worker(self) -> str:
+        return "" if self.worker_id is None else f"{self.worker_id:x}"
+
+    @property
+    def dynamo_namespace(self) -> str:
+        return self.namespace
 
     async def open_gate(self) -> None:
         """Let requests reach the engine (a worker started ``gated``)."""
@@ -346,7 +278,7 @@ class DynamoEngineProcess(EngineProcess):
     async def serve(self) -> None:
         """Into the routing pool: the deployment made this replica a member."""
         self.held_out = False
-        await self._join()
+        await self.rejoin_pool()
 
     async def models(self) -> list[str]:
         """The worker's model (its Dynamo name); for an attached worker told no name, what the

@@ -1,17 +1,13 @@
 """What a replica's runtime needs of its engine (`replica/agent/runtime.py`, `peers.py`): the
-`EngineControl` protocol. `replica.agent.engine_process.EngineProcess` (vLLM's OpenAI server) and
-`replica.agent.dynamo.DynamoEngineProcess` (Dynamo's vLLM worker) are engines; so is any stand-in
-a unit test gives the runtime.
-
-``swaps_in_one_call`` says whether the engine does a whole swap (pause, label, swap and proof,
-resume) in one call, `swap_in_pause`, inside its own process (a Dynamo worker: True); an engine
-that does not (False) is driven call by call: `pause`, `set_weight_version`, `swap_staged` /
-`commit_staged` / `swap_and_commit_staged`, `resume`.
+`EngineControl` protocol. `replica.agent.engine_rpc.EngineClient` is the one implementation (a
+vLLM server's `EngineProcess` and a Dynamo worker's `DynamoEngineProcess` differ only in its
+transport and its routing-pool methods); so is any stand-in a unit test gives the runtime.
+A swap is one call, `swap_in_pause`: the transaction runs inside the engine (`replica.engine.swap`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,11 +15,17 @@ from snapshots.regions import ServedWeights
 
 
 class EngineControl(Protocol):
-    swaps_in_one_call: bool
     ranks: int  # tensor-parallel ranks: each holds a shard, and answers for it
 
     @property
     def pid(self) -> int | None: ...
+
+    # -- the routing pool (no-ops but for a Dynamo worker)
+    async def leave_pool(self) -> None: ...
+    async def rejoin_pool(self) -> None: ...
+    async def hold_out(self) -> None: ...
+    async def serve(self) -> None: ...
+    async def open_gate(self) -> None: ...
 
     # -- the pause and the label
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None: ...
@@ -43,10 +45,8 @@ class EngineControl(Protocol):
     async def discard_staged(self) -> dict[str, Any]: ...
 
     # -- the swap and its proof
-    async def swap_staged(self, label: str) -> dict[str, Any]: ...
-    async def commit_staged(self, label: str) -> dict[str, Any]: ...
-    async def swap_and_commit_staged(self, label: str) -> dict[str, Any]: ...
-    async def swap_in_pause(self, label: str, previous: str, *, clear_cache: bool, expected: int) -> dict[str, Any]: ...
+    async def swap_in_pause(self, label: str, previous: str, *, clear_cache: bool, expected: int,
+                            while_held: Callable[[], Awaitable[None]] | None = None) -> dict[str, Any]: ...
     async def served_shards(self, names: Sequence[str] | None = None) -> ServedWeights: ...
 
     # -- peers (jobs inside the engine, awaited with wait_job)

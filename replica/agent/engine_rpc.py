@@ -1,16 +1,18 @@
-"""The agent's client of its engine: HTTP control routes and the worker extension's RPCs.
+"""The agent's client of its engine: the engine's control routes and the extension's RPCs.
 
-:class:`EngineClient` drives an engine at ``base_url`` (every request carries the engine's secret,
-``auth_headers``; `replica.engine.guard`): vLLM's dev-mode routes (``pause``, ``resume``,
-``is_paused``, ``reset_prefix_cache``, the weight-version label) and the extension's methods over
-``/collective_rpc`` (`replica.engine.extension` documents their JSON): checksums, specs,
-``save_weights``, the background jobs (stages, broadcasts, the served-weights checksums) and the
-stage's lifecycle, ``swap_staged`` / ``commit_staged`` / ``discard_staged``. Non-2xx answers
-raise ``EngineRequestError`` with the status and body; a commit whose read-back differs raises
-``ReadBackFailed`` naming the tensors (the engine has rolled back).
+:class:`EngineClient` is the one engine interface the agent drives (``EngineControl``,
+`replica.agent.engine_control`): the engine routes by name (`replica.engine_routes`: pause,
+resume, the weight-version label, ``collective_rpc`` for the extension's methods, the swap),
+reached through its :class:`Transport`, the only thing that differs between engine kinds (our
+vLLM server: ``POST /rollouts/<name>``, the secret in a header; a Dynamo worker's system server:
+``POST /engine/rollouts/<name>``, the secret in the body). Its pool methods (``leave_pool``,
+``rejoin_pool``, ``hold_out``, ``serve``, ``open_gate``) do nothing: a Dynamo worker's do
+(`replica.agent.dynamo`). An error answer raises ``EngineRequestError`` with its code and
+message; a swap whose read-back differs raises ``ReadBackFailed`` naming the tensors (the engine
+has rolled back).
 
 The connection is pooled for 60 s and the server keeps idle ones for 75 s (vLLM's default is
-5 s): a ``/pause`` over a new connection to a server busy streaming waits behind it.
+5 s): a control call over a new connection to a server busy streaming waits behind it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ import httpx
 
 from common.settings import ENGINE_SECRET_HEADER
 from contracts.engine_ranks import combine_map, combine_swap, slowest
+from replica.engine_routes import DYNAMO_PREFIX, VLLM_PREFIX
 from snapshots.regions import ServedWeights
 
 
@@ -60,11 +64,38 @@ class ReadBackFailed(EngineError):
         return cls(f"the read-back of {label!r} differs for {len(tensors)} tensor(s): {', '.join(tensors[:8])}", tensors)
 
 
-class EngineClient:
-    """An engine at ``base_url`` (module docstring); an ``EngineControl``
-    (replica/agent/engine_control.py) that swaps call by call."""
+@dataclass(frozen=True)
+class Transport:
+    """Where an engine serves its control routes and where its secret goes (module docstring)."""
 
-    swaps_in_one_call = False
+    prefix: str
+    secret_in_body: bool
+
+    def body(self, body: dict[str, Any], secret: str | None) -> dict[str, Any]:
+        return {**body, "secret": secret} if self.secret_in_body else body
+
+    def answer(self, path: str, resp: httpx.Response) -> dict[str, Any]:
+        """The route's answer; EngineRequestError for an error (an HTTP status or in the body)."""
+        try:
+            answer = resp.json()
+        except ValueError:
+            answer = None
+        error = answer.get("error") if isinstance(answer, dict) else None
+        if resp.status_code // 100 == 2 and error is None and isinstance(answer, dict):
+            return answer
+        code = error.get("code", resp.status_code) if isinstance(error, dict) else resp.status_code
+        message = error.get("message", str(error)) if isinstance(error, dict) else resp.text
+        raise EngineRequestError("POST", path, int(code) if int(code) // 100 != 2 else 500, message)
+
+
+VLLM_TRANSPORT = Transport(VLLM_PREFIX, secret_in_body=False)
+DYNAMO_TRANSPORT = Transport(DYNAMO_PREFIX, secret_in_body=True)
+
+
+class EngineClient:
+    """An engine at ``base_url`` (module docstring): the ``EngineControl`` the agent drives."""
+
+    transport = VLLM_TRANSPORT
 
     def __init__(self, base_url: str | None = None, *, secret: str | None = None, pid: int | None = None,
                  ranks: int = 1) -> None:
@@ -128,6 +159,18 @@ class EngineClient:
             raise EngineRequestError(method, path, resp.status_code, resp.text)
         return resp
 
+    async def control(self, route: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Call the engine route ``route`` (`replica.engine_routes`) with ``body``; its answer."""
+        path = self.transport.prefix + route
+        client = self._client()
+        resp = await client.post(path, json=self.transport.body(body or {}, self.secret))
+        if resp.status_code >= 500:
+            # A server may drop the keep-alive connection after an unhandled exception; a pooled
+            # connection would then fail the next request with ReadError. Start on a fresh pool.
+            self._clients.pop(id(asyncio.get_running_loop()), None)
+            await client.aclose()
+        return self.transport.answer(path, resp)
+
     async def health(self) -> bool:
         try:
             return (await self._client().get("/health", timeout=5.0)).status_code == 200
@@ -137,47 +180,67 @@ class EngineClient:
     async def models(self) -> list[str]:
         return [m["id"] for m in (await self.request("GET", "/v1/models")).json()["data"]]
 
+    # -- the routing pool (a Dynamo worker's: replica/agent/dynamo.py) ----------------------
+
+    async def leave_pool(self) -> None:
+        """Out of the routing pool before a pause (an engine the gateway routes to: nothing)."""
+
+    async def rejoin_pool(self) -> None:
+        """Back into the routing pool after a pause, unless held out."""
+
+    async def hold_out(self) -> None:
+        """Out of the routing pool until `serve` (a joining replica)."""
+
+    async def serve(self) -> None:
+        """Into the routing pool: the deployment made this replica a member."""
+
+    async def open_gate(self) -> None:
+        """Let requests reach the engine (one started gated)."""
+
+    @property
+    def dynamo_worker(self) -> str:
+        """The engine's Dynamo worker id in hex; empty for an engine that is none."""
+        return ""
+
+    @property
+    def dynamo_namespace(self) -> str:
+        return ""
+
     # -- pause / resume / cache -------------------------------------------------------------
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         """Pause generation. ``keep`` freezes running requests in place (their KV cache kept) and
         queues new ones until ``resume``; ``wait`` drains running requests; ``abort`` aborts them.
 
-        ``clear_cache`` (vLLM 0.32, checked in ``EngineCore._finish_pause``; its route's
-        docstring says keep ignores it, but the code does not): at the pause, preempt running
-        requests and drop the prefix cache, so after ``resume`` they are recomputed on whatever
-        weights the engine then holds. False keeps the KV cache: a frozen request continues over
-        its old KV with the new weights. Returns when the engine is paused.
+        ``clear_cache`` (vLLM 0.32, checked in ``EngineCore._finish_pause``): at the pause,
+        preempt running requests and drop the prefix cache, so after ``resume`` they are
+        recomputed on whatever weights the engine then holds. False keeps the KV cache: a frozen
+        request continues over its old KV with the new weights. Returns when the engine is paused.
         """
-        await self.request(
-            "POST", "/pause", params={"mode": mode, "clear_cache": "true" if clear_cache else "false"}
-        )
+        await self.leave_pool()
+        try:
+            await self.control("pause", {"mode": mode, "clear_cache": clear_cache})
+        except BaseException:
+            await self.rejoin_pool()
+            raise
 
     async def resume(self) -> None:
-        await self.request("POST", "/resume")
+        await self.control("resume")
+        await self.rejoin_pool()
 
     async def is_paused(self) -> bool:
-        return bool((await self.request("GET", "/is_paused")).json()["is_paused"])
+        return bool((await self.control("is_paused"))["is_paused"])
 
     async def reset_prefix_cache(self) -> bool:
         """True when vLLM reset the prefix cache (it refuses while requests hold blocks)."""
-        resp = await self.request("POST", "/reset_prefix_cache")
-        with contextlib.suppress(ValueError):
-            body = resp.json()
-            if isinstance(body, dict) and "success" in body:
-                return bool(body["success"])
-        return True
+        return bool((await self.control("reset_prefix_cache")).get("success", True))
 
     # -- the extension ----------------------------------------------------------------------
 
     async def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call a worker method; returns one JSON result per worker (one at TP=1)."""
-        resp = await self.request(
-            "POST", "/collective_rpc", json={"method": method, "args": list(args), "kwargs": kwargs}
-        )
-        if not resp.content:
-            return []
-        return resp.json()["results"]
+        answer = await self.control("collective_rpc", {"method": method, "args": list(args), "kwargs": kwargs})
+        return list(answer.get("results") or [])
 
     async def _rpc1(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A method whose answer is the same on every rank (or rank 0's is the one asked for)."""
@@ -228,10 +291,10 @@ class EngineClient:
 
     async def set_weight_version(self, version: str) -> None:
         """Tag the weights the engine serves (vLLM labels outputs with it; `/weight_info` reads it)."""
-        await self.request("POST", "/update_weight_version", json={"new_version": version})
+        await self.control("update_weight_version", {"new_version": version})
 
     async def weight_version(self) -> str | None:
-        return (await self.request("GET", "/weight_info")).json().get("weight_version")
+        return (await self.control("weight_info")).get("weight_version")
 
     async def save_weights(self, names: Sequence[str] | None, path: Path | str) -> dict[str, Any]:
         """Have the engine write what it holds for ``names`` (checkpoint names; all when None) to
@@ -410,11 +473,38 @@ class EngineClient:
         every rank)."""
         return await self._prove_ranks("commit_staged", label)
 
-    async def swap_and_commit_staged(self, label: str) -> dict[str, Any]:
-        """``swap_staged`` then ``commit_staged`` in one RPC (the pause's usual path): the
-        result carries both reports; a failed swap or read-back leaves the engine on its previous
-        tensors, every rank (ReadBackFailed names the tensors that differed)."""
-        return await self._prove_ranks("swap_and_commit_staged", label)
+    async def swap_in_pause(self, label: str, previous: str, *, clear_cache: bool, expected: int,
+                            while_held: Callable[[], Awaitable[None]] | None = None) -> dict[str, Any]:
+        """Swap the stage ``label`` in, inside one pause, in the engine (`replica.engine.swap`:
+        the one transaction, all or nothing), out of the routing pool around it. ``while_held``:
+        the engine holds after the write, paused, while it runs (the "swap" fault point); its
+        failure rolls the swap back and is raised. Returns the engine's report with its
+        ``timings_ms``; a read-back that differs raises ReadBackFailed."""
+        body = {"label": label, "previous": previous, "clear_cache": clear_cache, "expected": expected,
+                "ranks": self.ranks}
+        await self.leave_pool()
+        try:
+            answer = await (self.control("swap_in_pause", body) if while_held is None
+                            else self._swap_held(body, while_held))
+        finally:
+            await self.rejoin_pool()
+        result = dict(answer["result"])
+        if result.get("read_back_failed"):
+            raise ReadBackFailed.of(label, list(result["read_back_failed"]))
+        result["timings_ms"] = answer["timings_ms"]
+        return result
+
+    async def _swap_held(self, body: dict[str, Any], while_held: Callable[[], Awaitable[None]]) -> dict[str, Any]:
+        answer = await self.control("swap_in_pause", {**body, "hold": True})
+        if not answer.get("held"):  # it ended before its hold
+            return answer
+        try:
+            await while_held()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the engine answers the roll-back it did as an error
+                await self.control("swap_hook", {"proceed": False})
+            raise
+        return await self.control("swap_hook", {"proceed": True})
 
     async def _prove_ranks(self, method: str, label: str) -> dict[str, Any]:
         """One engine answer for a commit: at TP 1 the rank's; at TP > 1 every rank holds its

@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import tempfile
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -126,146 +127,182 @@ async def log_weight_map(name: str, engine: EngineProcess) -> None:
                     "; ".join(f"{n}: {why}" for n, why in list(mapped["refused"].items())[:4]))
 
 
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What a replica is asked to run (`run_replica`'s keyword arguments)."""
+
+    deployment_id: str
+    name: str
+    workflow_id: str
+    zone: str
+    model_bucket: str
+    model_path: str
+    model_name: str
+    catch_up: str | None = None  # an ApplySnapshotInput (JSON) to serve before taking traffic
+    joining: bool = False  # a scale-out's replica: out of the routing pool until `serve_replica`
+    runtime_engine: str = names.HOT_LOAD_ENGINE  # dynamo-vllm: Dynamo's vLLM worker; vllm: vLLM's server
+    engine_config: dict[str, str] | None = None
+    node: str = ""
+    node_address: str | None = None  # where other hosts reach it (module docstring)
+    engine_bind: str | None = None  # what its engine binds (module docstring)
+
+    @property
+    def dynamo(self) -> bool:
+        return self.runtime_engine == names.HOT_LOAD_ENGINE
+
+
 async def run_replica(settings: Settings, **kwargs: Any) -> int:
     """Run one replica until SIGTERM or its engine dies (module docstring); returns the exit
     status. What it holds while it runs (a dynamo deployment's shared model directory) is let go
     on every way out."""
+    spec = ReplicaSpec(**kwargs)
+    node_address = spec.node_address or settings.host
+    spec = replace(spec, node_address=node_address, engine_bind=spec.engine_bind or node_address)
     with contextlib.ExitStack() as held:
-        return await _run_replica(settings, held=held, **kwargs)
+        return await _run_replica(settings, spec, held)
 
 
-async def _run_replica(
-    settings: Settings,
-    *,
-    held: contextlib.ExitStack,
-    deployment_id: str,
-    name: str,
-    workflow_id: str,
-    zone: str,
-    model_bucket: str,
-    model_path: str,
-    model_name: str,
-    catch_up: str | None = None,
-    joining: bool = False,
-    runtime_engine: str = names.HOT_LOAD_ENGINE,
-    engine_config: dict[str, str] | None = None,
-    node: str = "",
-    node_address: str | None = None,
-    engine_bind: str | None = None,
-) -> int:
-    # Where other hosts reach this replica (its engine's inference routes, its peer broadcast),
-    # and what its engine binds (module docstring).
-    node_address = node_address or settings.host
-    engine_bind = engine_bind or node_address
-    workdir = settings.home_path / "replicas" / deployment_id / name
+async def _run_replica(settings: Settings, spec: ReplicaSpec, held: contextlib.ExitStack) -> int:
+    """The phases: clear what a killed run left, start (model, engine, runtime), serve."""
+    workdir = settings.home_path / "replicas" / spec.deployment_id / spec.name
     setup_tracing("rollouts-replica")
-    metrics = ReplicaMetrics(deployment_id, name, runtime_engine)
-    metrics_url = serve_metrics(node_address, settings.replica_metrics_port)
+    metrics = ReplicaMetrics(spec.deployment_id, spec.name, spec.runtime_engine)
+    metrics_url = serve_metrics(spec.node_address, settings.replica_metrics_port)
     client = await temporal_client(settings, interceptors=temporal_interceptors())
-    deployment = client.get_workflow_handle(workflow_id)
-    s3 = settings.s3_client()
-    # runtime.engine: dynamo-vllm runs Dynamo's vLLM worker, vllm runs vLLM's OpenAI server.
-    dynamo = runtime_engine == names.HOT_LOAD_ENGINE
-    engine = None
+    deployment = client.get_workflow_handle(spec.workflow_id)
     engine_pid_file = PidFile(workdir / "engine.pid")
-    leftover = engine_pid_file.alive_pid()
-    if leftover is not None:
-        # An engine orphaned by a killed agent: it may sit paused forever. Stop it first.
-        log.warning("stopping engine %d left by a previous run of %s", leftover, name)
-        stop_pid(leftover, timeout=20)
-    # Shared memory that killed engines (this replica's or others') left in /dev/shm, and the
-    # decode records of killed agents.
-    await asyncio.to_thread(reclaim_dead_segments)
-    for record in await asyncio.to_thread(remove_stale_decodes, shm_dir()):
-        log.info("removed %s, the decode record of an agent that is gone", record)
+    await _clear_leftovers(engine_pid_file, spec.name)
+    engine: EngineProcess | None = None
     try:
+        s3 = settings.s3_client()
         backend = peer_backend(os.environ)  # a bad setting fails the start before the engine's
-
-        async def download() -> Path:
-            await faults.hit(settings.home_path, "model_download", replica=name, deployment=deployment_id)
-            if dynamo:
-                return await asyncio.to_thread(download_shared, s3, model_bucket, model_path, shared)
-            await asyncio.to_thread(download_prefix, s3, model_bucket, model_path, workdir / "model")
-            return workdir / "model"
-
-        async def retry_said(attempt: int, delay: float, exc: BaseException) -> None:
-            why = (f"reading its model s3://{model_bucket}/{model_path} failed ({one_line(exc)}); "
-                   f"attempt {attempt + 1} of {len(DELAYS_S) + 1} in {delay:g} s")
-            log.warning("%s: %s", name, why)
-            with contextlib.suppress(Exception):  # the retry goes on whether or not the deployment heard
-                await deployment.signal(names.REPLICA_RETRYING, ReplicaFailure(name=name, reason=why))
-
-        if dynamo:
-            # One path for every replica of the deployment on this host, removed by the last one
-            # to leave (replica.agent.downloads).
-            shared = shared_model_dir(workflow_id, model_bucket, model_path)
-            await asyncio.to_thread(held.enter_context, shared_use(shared))
-        # An S3 error that may pass is tried again (replica.agent.retries), the deployment told.
-        model_dir = await retrying(download, retry_said)
-        options = dict(
-            # vLLM binds IPC sockets under the engine's TMPDIR, and a socket path must stay under
-            # 108 bytes: keep it short, outside the (possibly deep) stack home.
-            work_dir=Path(tempfile.gettempdir()) / "rollouts-engines" / name,
-            host=engine_bind,
-            node_address=node_address,
-            log_path=workdir / "engine.log",
-            # vLLM's record of each model class, shared by this host's engines (engine_process).
-            model_info_cache=settings.engine_cache_dir / "modelinfos",
-            # What the gateway derives too: the engine answers only this agent and the gateway.
-            secret=settings.engine_secret(workflow_id, name),
-            **engine_options(engine_config or {}),
-        )
-        if dynamo:
-            # Dynamo's vLLM worker, found by Dynamo's frontend through the shared discovery dir.
-            engine = DynamoEngineProcess(
-                model_dir, served_model_name=names.dynamo_model(workflow_id),
-                discovery_dir=settings.dynamo_discovery_dir, namespace=names.dynamo_namespace(workflow_id),
-                frontend_url=settings.dynamo_frontend_url, kv_events=settings.dynamo_router_mode == "kv",
-                discovery_backend=settings.dynamo_discovery_backend, tls=settings.dynamo_tls(),
-                event_broker=settings.dynamo_event_broker,
-                # What the gateway puts on every request for this deployment: no other caller
-                # of the worker's request plane gets an answer.
-                request_secret=settings.dynamo_request_secret(workflow_id),
-                # Requests wait at the worker's gate until it holds the deployment's weights.
-                gated=True,
-                **options,
-            )
-        else:
-            engine = EngineProcess(model_dir, served_model_name=model_name, **options)
+        model_dir = await _model_dir(settings, spec, s3, deployment, held, workdir)
+        engine = _new_engine(settings, spec, model_dir, workdir)
         await engine.start(on_spawn=engine_pid_file.write)
-        if joining and isinstance(engine, DynamoEngineProcess):
-            await engine.hold_out()  # no new request until the deployment serves it (`serve_replica`)
-        await engine.set_weight_version("initial")
-        await log_weight_map(name, engine)
-        # The host copy lives in shared memory: the engine takes its roll-back bytes from it.
-        host_arena = StageArena()
-        host = await asyncio.to_thread(lambda: HostWeights.load(model_dir, allocate=host_arena.allocate))
-        runtime = ReplicaRuntime(name=name, engine=engine, host=host, s3=s3, workdir=workdir, host_arena=host_arena,
-                                 faults_home=settings.home_path, deployment=deployment_id, peer_host=node_address,
-                                 peer_backend=backend)
-        if catch_up:
-            # A replica (re)started after hot-loads serves their snapshot before it takes traffic.
-            inp = ApplySnapshotInput.model_validate_json(catch_up)
-            result = await runtime.apply_from_bucket(inp)
-            log.info("caught up to %s (%d tensors, %d bytes from the bucket)", inp.identity,
-                     result.tensors_loaded, result.bytes_read_from_bucket)
-        if isinstance(engine, DynamoEngineProcess):
-            await engine.open_gate()  # it holds the deployment's weights and their label
+        runtime = await _start_runtime(settings, spec, engine, model_dir, s3, workdir, backend)
     except Exception as exc:  # noqa: BLE001 - reported to the deployment, then exit
-        log.exception("replica %s failed to start", name)
+        log.exception("replica %s failed to start", spec.name)
         await deployment.signal(
-            "replica_failed", ReplicaFailure(name=name, reason=f"start failed: {one_line(exc)}; log {workdir}")
+            "replica_failed", ReplicaFailure(name=spec.name, reason=f"start failed: {one_line(exc)}; log {workdir}")
         )
         if engine is not None:
             await engine.stop()
         metrics.state("FAILED")
         return 1
+    try:
+        return await _serve(spec, client, deployment, engine, runtime, metrics, metrics_url)
+    finally:
+        runtime.withdraw_decode()  # its arena goes with this process
+        await engine.stop()
+        engine_pid_file.remove()
+        shutil.rmtree(runtime.staging, ignore_errors=True)
 
+
+async def _clear_leftovers(engine_pid_file: PidFile, name: str) -> None:
+    """Stop an engine a killed agent left (it may sit paused forever); reclaim the shared memory
+    that killed engines (this replica's or others') left in /dev/shm, and killed agents' decode
+    records."""
+    leftover = engine_pid_file.alive_pid()
+    if leftover is not None:
+        log.warning("stopping engine %d left by a previous run of %s", leftover, name)
+        stop_pid(leftover, timeout=20)
+    await asyncio.to_thread(reclaim_dead_segments)
+    for record in await asyncio.to_thread(remove_stale_decodes, shm_dir()):
+        log.info("removed %s, the decode record of an agent that is gone", record)
+
+
+async def _model_dir(settings: Settings, spec: ReplicaSpec, s3: Any, deployment: Any, held: contextlib.ExitStack,
+                     workdir: Path) -> Path:
+    """The deployment's model, read from the bucket; an S3 error that may pass is tried again
+    (replica.agent.retries), the deployment told. A dynamo deployment's replicas on this host
+    share one path, removed by the last one to leave (replica.agent.downloads)."""
+    shared = shared_model_dir(spec.workflow_id, spec.model_bucket, spec.model_path)
+    if spec.dynamo:
+        await asyncio.to_thread(held.enter_context, shared_use(shared))
+
+    async def download() -> Path:
+        await faults.hit(settings.home_path, "model_download", replica=spec.name, deployment=spec.deployment_id)
+        if spec.dynamo:
+            return await asyncio.to_thread(download_shared, s3, spec.model_bucket, spec.model_path, shared)
+        await asyncio.to_thread(download_prefix, s3, spec.model_bucket, spec.model_path, workdir / "model")
+        return workdir / "model"
+
+    async def retry_said(attempt: int, delay: float, exc: BaseException) -> None:
+        why = (f"reading its model s3://{spec.model_bucket}/{spec.model_path} failed ({one_line(exc)}); "
+               f"attempt {attempt + 1} of {len(DELAYS_S) + 1} in {delay:g} s")
+        log.warning("%s: %s", spec.name, why)
+        with contextlib.suppress(Exception):  # the retry goes on whether or not the deployment heard
+            await deployment.signal(names.REPLICA_RETRYING, ReplicaFailure(name=spec.name, reason=why))
+
+    return await retrying(download, retry_said)
+
+
+def _new_engine(settings: Settings, spec: ReplicaSpec, model_dir: Path, workdir: Path) -> EngineProcess:
+    """The replica's engine, not started: Dynamo's vLLM worker or vLLM's OpenAI server."""
+    options = dict(
+        # vLLM binds IPC sockets under the engine's TMPDIR, and a socket path must stay under
+        # 108 bytes: keep it short, outside the (possibly deep) stack home.
+        work_dir=Path(tempfile.gettempdir()) / "rollouts-engines" / spec.name,
+        host=spec.engine_bind,
+        node_address=spec.node_address,
+        log_path=workdir / "engine.log",
+        # vLLM's record of each model class, shared by this host's engines (engine_process).
+        model_info_cache=settings.engine_cache_dir / "modelinfos",
+        # What the gateway derives too: the engine answers only this agent and the gateway.
+        secret=settings.engine_secret(spec.workflow_id, spec.name),
+        **engine_options(spec.engine_config or {}),
+    )
+    if not spec.dynamo:
+        return EngineProcess(model_dir, served_model_name=spec.model_name, **options)
+    # Dynamo's vLLM worker, found by Dynamo's frontend through the shared discovery dir.
+    return DynamoEngineProcess(
+        model_dir, served_model_name=names.dynamo_model(spec.workflow_id),
+        discovery_dir=settings.dynamo_discovery_dir, namespace=names.dynamo_namespace(spec.workflow_id),
+        frontend_url=settings.dynamo_frontend_url, kv_events=settings.dynamo_router_mode == "kv",
+        discovery_backend=settings.dynamo_discovery_backend, tls=settings.dynamo_tls(),
+        event_broker=settings.dynamo_event_broker,
+        # What the gateway puts on every request for this deployment: no other caller of the
+        # worker's request plane gets an answer.
+        request_secret=settings.dynamo_request_secret(spec.workflow_id),
+        # Requests wait at the worker's gate until it holds the deployment's weights.
+        gated=True,
+        **options,
+    )
+
+
+async def _start_runtime(settings: Settings, spec: ReplicaSpec, engine: EngineProcess, model_dir: Path, s3: Any,
+                         workdir: Path, backend: str) -> ReplicaRuntime:
+    """The started engine labelled and mapped, the host copy loaded (in shared memory: the engine
+    takes its roll-back bytes from it), caught up to the deployment's snapshot when asked, then
+    opened to requests."""
+    if spec.joining:
+        await engine.hold_out()  # no new request until the deployment serves it (`serve_replica`)
+    await engine.set_weight_version("initial")
+    await log_weight_map(spec.name, engine)
+    host_arena = StageArena()
+    host = await asyncio.to_thread(lambda: HostWeights.load(model_dir, allocate=host_arena.allocate))
+    runtime = ReplicaRuntime(name=spec.name, engine=engine, host=host, s3=s3, workdir=workdir, host_arena=host_arena,
+                             faults_home=settings.home_path, deployment=spec.deployment_id,
+                             peer_host=spec.node_address or settings.host, peer_backend=backend)
+    if spec.catch_up:
+        # A replica (re)started after hot-loads serves their snapshot before it takes traffic.
+        inp = ApplySnapshotInput.model_validate_json(spec.catch_up)
+        result = await runtime.apply_from_bucket(inp)
+        log.info("caught up to %s (%d tensors, %d bytes from the bucket)", inp.identity,
+                 result.tensors_loaded, result.bytes_read_from_bucket)
+    await engine.open_gate()  # it holds the deployment's weights and their label
+    return runtime
+
+
+async def _serve(spec: ReplicaSpec, client: Any, deployment: Any, engine: EngineProcess, runtime: ReplicaRuntime,
+                 metrics: ReplicaMetrics, metrics_url: str) -> int:
+    """Run the replica's Temporal worker on its own task queue, tell the deployment it is ready,
+    and serve until SIGTERM (0) or the engine's death, reported to the deployment (1)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    task_queue = names.replica_task_queue(workflow_id, name)
+    task_queue = names.replica_task_queue(spec.workflow_id, spec.name)
     peer = PeerActivities(runtime, metrics)
     replica_acts = ReplicaActivities(runtime, metrics)
     worker = Worker(
@@ -278,41 +315,35 @@ async def _run_replica(
         # Heartbeats carry cancellation back: send them at least every second, not every 24 s.
         max_heartbeat_throttle_interval=timedelta(seconds=1),
     )
-    code = 0
     async with worker:
         now = rfc3339(datetime.now(UTC))
         await deployment.signal(
             "replica_ready",
             ReplicaEndpoint(
-                name=name, zone=zone, task_queue=task_queue, node=node, engine_url=engine.public_url,
+                name=spec.name, zone=spec.zone, task_queue=task_queue, node=spec.node, engine_url=engine.public_url,
                 engine_pid=engine.pid, agent_pid=os.getpid(), current_snapshot_identity=runtime.current_identity,
-                started_at=now, transitioned_at=now,
-                dynamo_worker=f"{engine.worker_id:x}" if isinstance(engine, DynamoEngineProcess) else "",
-                dynamo_namespace=engine.namespace if isinstance(engine, DynamoEngineProcess) else "",
-                metrics_url=metrics_url,
+                started_at=now, transitioned_at=now, dynamo_worker=engine.dynamo_worker,
+                dynamo_namespace=engine.dynamo_namespace, metrics_url=metrics_url,
             ),
         )
         metrics.serving(runtime.current_identity)
         metrics.state("READY")
-        log.info("replica %s ready: engine %s (pid %d), queue %s, metrics %s", name, engine.public_url, engine.pid,
-                 task_queue, metrics_url)
-        while not stop.is_set():
-            if not engine.alive():
-                reason = f"engine process {engine.pid} exited; log {engine.log_path}"
-                log.error(reason)
-                metrics.state("FAILED")
-                try:
-                    await deployment.signal("replica_failed", ReplicaFailure(name=name, reason=reason))
-                except Exception:  # noqa: BLE001
-                    pass
-                code = 1
-                break
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                pass
-    runtime.withdraw_decode()  # its arena goes with this process
-    await engine.stop()
-    engine_pid_file.remove()
-    shutil.rmtree(runtime.staging, ignore_errors=True)
-    return code
+        log.info("replica %s ready: engine %s (pid %d), queue %s, metrics %s", spec.name, engine.public_url,
+                 engine.pid, task_queue, metrics_url)
+        return await _until_stopped(spec.name, engine, stop, deployment, metrics)
+
+
+async def _until_stopped(name: str, engine: EngineProcess, stop: asyncio.Event, deployment: Any,
+                         metrics: ReplicaMetrics) -> int:
+    """0 once `stop` is set; 1 when the engine's process exits first (reported to the deployment)."""
+    while not stop.is_set():
+        if not engine.alive():
+            reason = f"engine process {engine.pid} exited; log {engine.log_path}"
+            log.error(reason)
+            metrics.state("FAILED")
+            with contextlib.suppress(Exception):
+                await deployment.signal("replica_failed", ReplicaFailure(name=name, reason=reason))
+            return 1
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+    return 0

@@ -448,28 +448,23 @@ class ReplicaRuntime(PeerSteps):
 
     async def _swap_staged(self, label: str, host_backups: dict[str, np.ndarray], names_: list[str],
                            policy: PromptCachePolicy) -> tuple[float, dict[str, Any]]:
-        """Pause (keeping requests), swap the engine's stage in, prove it, resume; all or nothing.
-        Everything that can refuse the update runs inside the pause, before the replica serves a
-        token of it: the engine swaps the stage in, then reads back every swapped tensor against
-        the snapshot's Adler-32 and rolls its tensors back on any difference. An engine that can
-        (``swaps_in_one_call``: a Dynamo worker) does the whole of it in one call, inside its own
-        process (`_swap_in_one_call`); otherwise, and whenever the "swap" fault point is armed,
-        the agent makes the calls one by one (`_swap_in_steps`). On a failure the label goes back
-        and the host copy is restored. Returns the pause in ms and the engine's report
-        (``verified``: tensors proven; ``checksums`` where proven by Adler-32; ``breakdown_ms``:
-        where the pause went). A read-back that differs raises ReadBackFailed naming the
-        tensors; an injected fault keeps its ApplicationError type."""
+        """Have the engine swap its stage in (`replica.engine.swap`: one call, the transaction
+        inside its own process); on a failure restore the host copy and say what the engine
+        serves. The "swap" fault point, when armed, runs while the engine holds after its write.
+        Returns the pause in ms (the engine's ``window``) and its report (``breakdown_ms``: where
+        the pause went, with ``call``, the whole call as the agent saw it). A read-back that
+        differs raises ReadBackFailed naming the tensors; an injected fault keeps its type."""
         # RESET_ALL: clear the KV cache at the pause, so paused requests are recomputed on the new
         # weights after the resume and no prefix computed under the old ones is reused.
         reset = policy == PromptCachePolicy.RESET_ALL
         try:
             await self.fault("pause")
-            if self.engine.swaps_in_one_call and not self.fault_armed("swap"):
-                pause_ms, swap = await self._swap_in_one_call(label, names_, reset)
-            else:
-                pause_ms, swap = await self._swap_in_steps(label, names_, reset)
+            t0 = time.perf_counter()
+            swap = await self.engine.swap_in_pause(
+                label, self.current_identity, clear_cache=reset, expected=len(names_),
+                while_held=(lambda: self.fault("swap")) if self.fault_armed("swap") else None)
         except Exception as exc:
-            # The engine's tensors are back (its swap is all-or-nothing); the host copy here.
+            # The engine's tensors and label are back (its swap is all-or-nothing); the host copy here.
             self.host.restore(host_backups)
             kept = await self._kept_previous(names_)
             if isinstance(exc, ApplicationError):  # an injected fault: its type and retry policy stand
@@ -479,71 +474,10 @@ class ReplicaRuntime(PeerSteps):
                                      f"{', '.join(exc.tensors[:8])}; {kept}", exc.tensors) from None
             raise EngineUpdateError(f"loading {len(names_)} tensor(s) into the engine failed; {kept}: "
                                     f"{one_line(exc)}") from None
-        return pause_ms, swap
-
-    async def _swap_in_one_call(self, label: str, names_: list[str], reset: bool) -> tuple[float, dict[str, Any]]:
-        """The engine pauses, labels, swaps, proves and resumes inside its own process; the pause
-        is the window it measured there (`pauseBreakdownMs`: its parts, and `call`, the whole
-        call as the agent saw it, which includes the trip there and back, outside the pause)."""
-        t0 = time.perf_counter()
-        swap = await self.engine.swap_in_pause(label, self.current_identity, clear_cache=reset, expected=len(names_))
-        timings = dict(swap.pop("timings_ms"))
-        timings.update(engine_parts(swap))
-        timings["call"] = round((time.perf_counter() - t0) * 1000, 3)
+        timings = {**swap.pop("timings_ms"), **engine_parts(swap), "call": ms_since(t0)}
         log.info("swap of %d tensor(s) in the pause: %s", len(names_), fmt(timings))
         swap["breakdown_ms"] = timings
         return float(timings["window"]), swap
-
-    async def _swap_in_steps(self, label: str, names_: list[str], reset: bool) -> tuple[float, dict[str, Any]]:
-        """Pause, label, swap and prove (two calls with the "swap" fault between them when it is
-        armed), resume: one engine call each, timed here (`pauseBreakdownMs`: `pause` until the
-        engine stopped, `label`, `swap` with the engine's own `swap_in` and `prove` inside it,
-        `resume`). A failure inside rolls the engine's tensors back (`discard_staged`) and puts
-        the previous label back."""
-        t0 = mark = time.perf_counter()
-        previous = self.current_identity
-        breakdown: dict[str, float] = {}
-
-        def lap(name: str) -> None:
-            nonlocal mark
-            now = time.perf_counter()
-            breakdown[name] = round((now - mark) * 1000, 3)
-            mark = now
-
-        await self.engine.pause(mode="keep", clear_cache=reset)
-        lap("pause")
-        try:
-            # Label first, then weights, both inside the pause (no step runs in between, so no
-            # token sees one without the other); a failed swap puts the old label back.
-            await self.engine.set_weight_version(label)
-            lap("label")
-            try:
-                if self.fault_armed("swap"):
-                    # A test armed the "swap" fault point: swap and proof as two calls, the fault
-                    # between them.
-                    swap = await self.engine.swap_staged(label)
-                    await self.fault("swap")
-                    swap.update(await self.engine.commit_staged(label))
-                else:
-                    swap = await self.engine.swap_and_commit_staged(label)
-                lap("swap")
-                breakdown.update(engine_parts(swap))
-                if int(swap.get("verified", -1)) != len(names_):
-                    raise EngineUpdateError(f"the engine proved {swap.get('verified')} of {len(names_)} "
-                                            f"swapped tensor(s)")
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await self.engine.discard_staged()  # rolls back a stage still swapped in
-                with contextlib.suppress(Exception):
-                    await self.engine.set_weight_version(previous)
-                raise
-            log.info("swap of %d tensor(s) in the pause: %s", len(names_),
-                     fmt({k: 1000 * v for k, v in swap.items() if k.endswith("_s")}))
-        finally:
-            await self.engine.resume()
-            lap("resume")
-        swap["breakdown_ms"] = breakdown
-        return (time.perf_counter() - t0) * 1000, swap
 
     async def _kept_previous(self, names_: list[str]) -> str:
         """After a refused swap: read back what the engine serves (label and the swapped

@@ -6,30 +6,17 @@ touching Dynamo's or vLLM's files:
    of Dynamo's modules (that module says what it adds and why).
 2. **Our control routes**, registered through Dynamo's runtime on its system server (the
    ``DYN_SYSTEM_HOST``:``DYN_SYSTEM_PORT`` HTTP server, ``/engine/<name>``) next to Dynamo's own:
-   ``/engine/rollouts/<route>`` for each of :data:`ROUTES`, with the meaning and answers of the
-   vLLM dev routes of the same names that a plain vLLM replica serves (``pause`` (mode, clear_cache;
-   without AsyncLLM's closing sleep: :func:`pause_at_once`),
-   ``resume``, ``is_paused``, ``reset_prefix_cache``, ``collective_rpc`` (which returns every
-   worker's result: Dynamo's own RL routes drop them), ``update_weight_version``,
-   ``weight_info``), and three of Dynamo's: ``leave`` / ``join`` take the worker out of the
-   frontend's routing pool and put it back (its ``generate`` instance leaves discovery and
-   returns: a paused replica gets no new request), ``instance`` answers its Dynamo worker id (the
-   ``worker_id`` Dynamo's frontend reports), ``instances`` the ids of every ``generate`` instance
-   of its namespace that Dynamo's discovery lists now (whatever the discovery backend: ``file``
-   or ``kubernetes``), this worker's included while it is in the pool. Two more are ours alone:
-   ``open`` opens the gate (3). ``swap_in_pause`` (label, previous, clear_cache, expected) is a
-   whole swap in one call, inside the worker:
-   pause (keep; :func:`pause_at_once`), set the weight-version label, swap the stage in and prove it
-   (``swap_and_commit_staged`` on every worker), resume; a swap that fails, whose read-back
-   differs, or that proved other than ``expected`` tensors is rolled back (``discard_staged``) and the previous label restored before the
-   resume. It answers the extension's result (``read_back_failed`` when the proof differed) and
-   ``timings_ms`` measured here: ``pause``, ``label``, ``swap``, ``resume`` and ``window`` (from
-   the pause's start to the resume's end: how long the engine served nothing), so no HTTP hop
-   between the agent and the worker falls inside the pause. Every call carries the engine's secret in its JSON body (``secret``; the
-   system server passes a route only the body): a missing or wrong secret answers
-   ``{"error": {"code": 401, ...}}``; any failure answers ``{"error": {"code": 500|400, "message"}}``
-   (the system server always answers HTTP 200; ``replica.agent.dynamo.DynamoEngineClient`` turns
-   these into the errors a vLLM replica raises).
+   ``/engine/rollouts/<route>`` for each of :data:`ROUTES` (`replica.engine_routes`): every
+   engine's (`replica.engine.control`, the swap included: `replica.engine.swap`), and the
+   worker's own: ``leave`` / ``join`` take the worker out of the frontend's routing pool and put
+   it back (its ``generate`` instance leaves discovery and returns: a paused replica gets no new
+   request), ``instance`` answers its Dynamo worker id (the ``worker_id`` Dynamo's frontend
+   reports), ``instances`` the ids of every ``generate`` instance of its namespace that Dynamo's
+   discovery lists now (whatever the discovery backend), ``open`` opens the gate (3). Every call
+   carries the engine's secret in its JSON body (``secret``; the system server passes a route
+   only the body): a missing or wrong secret answers ``{"error": {"code": 401, ...}}``; the
+   system server always answers HTTP 200, errors in the body (``replica.agent.transport``
+   reads them).
 3. **Gate** (a worker started with ``gated``, as a replica agent starts it): no request reaches
    the engine until the agent opens the gate (its ``open`` route), which it does once the engine
    holds the deployment's weights and their label. Dynamo registers a worker in discovery as
@@ -66,16 +53,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from common.dynamo_planes import REQUEST_SECRET_PREFIX, request_annotation
-from contracts.engine_ranks import combine_swap
+from replica.engine.control import answering, engine_routes, error
+from replica.engine_routes import DYNAMO_NAME_PREFIX, DYNAMO_ROUTES, ENGINE_ROUTES
 
-ROUTE_PREFIX = "rollouts/"
-ROUTES = ("pause", "resume", "is_paused", "reset_prefix_cache", "collective_rpc", "update_weight_version",
-          "weight_info", "leave", "join", "instance", "instances", "swap_in_pause", "open")
+ROUTES = ENGINE_ROUTES + DYNAMO_ROUTES
 # How long the first ``instances`` call waits for the worker's discovery client to list any instance.
 INSTANCES_WAIT_S = 10.0
 
@@ -205,62 +190,11 @@ def is_canary(request: Any, marked: Callable[[Any], bool]) -> bool:
 
 # -- control routes -------------------------------------------------------------------------------
 
-async def pause_at_once(engine: Any, clear_cache: bool, mode: str = "keep") -> None:
-    """``engine.pause_generation(mode=mode)`` without the 20 ms sleep vLLM 0.32's AsyncLLM ends it
-    with (so that in-flight requests' last outputs reach their streams first, "not required for
-    correctness", its comment says): the engine core's pause itself returns once no step is in
-    flight, and the label every output carries is attached there, in step order, so the sleep
-    orders nothing a label depends on. An engine without that core call pauses the usual way."""
-    core = getattr(engine, "engine_core", None)
-    if not hasattr(core, "pause_scheduler_async") or not hasattr(engine, "renderer"):
-        await engine.pause_generation(mode=mode, clear_cache=clear_cache)
-        return
-    if clear_cache:
-        await engine.renderer.clear_mm_cache_async()
-    await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
-
-
-def _error(code: int, message: str) -> dict[str, Any]:
-    return {"error": {"code": code, "message": message}}
-
-
 def control_routes(engine: Any, endpoint: Any, secret: str, gate: Gate | None = None
                    ) -> dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]]:
-    """``name -> async handler(body) -> answer`` for :data:`ROUTES` over vLLM's ``engine``
-    (an ``AsyncLLM``) and the worker's Dynamo ``generate`` endpoint."""
-
-    async def pause(body: dict[str, Any]) -> dict[str, Any]:
-        await pause_at_once(engine, bool(body.get("clear_cache", False)), str(body.get("mode", "keep")))
-        return {"status": "paused"}
-
-    async def resume(body: dict[str, Any]) -> dict[str, Any]:
-        await engine.resume_generation()
-        return {"status": "resumed"}
-
-    async def is_paused(body: dict[str, Any]) -> dict[str, Any]:
-        return {"is_paused": bool(await engine.is_paused())}
-
-    async def reset_prefix_cache(body: dict[str, Any]) -> dict[str, Any]:
-        return {"success": bool(await engine.reset_prefix_cache())}
-
-    async def collective_rpc(body: dict[str, Any]) -> dict[str, Any]:
-        method = body.get("method")
-        if not isinstance(method, str) or not method:
-            return _error(400, "collective_rpc: 'method' (a string) is required")
-        results = await engine.collective_rpc(method=method, timeout=body.get("timeout"),
-                                              args=tuple(body.get("args") or ()), kwargs=body.get("kwargs") or {})
-        out = [r if r is None or isinstance(r, dict | list) else str(r) for r in (results or [])]
-        return {"results": out}
-
-    async def update_weight_version(body: dict[str, Any]) -> dict[str, Any]:
-        version = body.get("new_version")
-        if not isinstance(version, str):
-            return _error(400, "update_weight_version: 'new_version' (a string) is required")
-        await engine.update_weight_version(version)
-        return {"status": "ok"}
-
-    async def weight_info(body: dict[str, Any]) -> dict[str, Any]:
-        return {"weight_version": await engine.get_weight_version()}
+    """``name -> async handler(body) -> answer`` for :data:`ROUTES`: every engine's
+    (`replica.engine.control`, over vLLM's ``engine``, an ``AsyncLLM``) and the worker's own over
+    its Dynamo ``generate`` endpoint, each behind the engine's secret."""
 
     async def leave(body: dict[str, Any]) -> dict[str, Any]:
         await endpoint.unregister_endpoint_instance()
@@ -284,76 +218,13 @@ def control_routes(engine: Any, endpoint: Any, secret: str, gate: Gate | None = 
             discovery.append(client)
         return {"worker_ids": sorted(int(i) for i in discovery[0].instance_ids())}
 
-    async def swap_in_pause(body: dict[str, Any]) -> dict[str, Any]:
-        label, previous, ranks = body.get("label"), body.get("previous"), body.get("ranks", 1)
-        if not isinstance(label, str) or not isinstance(previous, str):
-            return _error(400, "swap_in_pause: 'label' and 'previous' (strings) are required")
-        if not isinstance(ranks, int) or ranks < 1:
-            return _error(400, "swap_in_pause: 'ranks' must be a positive integer")
-        timings: dict[str, float] = {}
-        start = mark = time.perf_counter()
-
-        def lap(name: str) -> None:
-            nonlocal mark
-            now = time.perf_counter()
-            timings[name] = round((now - mark) * 1000, 3)
-            mark = now
-
-        await pause_at_once(engine, bool(body.get("clear_cache", False)))
-        lap("pause")
-        try:
-            await engine.update_weight_version(label)
-            lap("label")
-            try:
-                # A tensor-parallel engine's ranks hold their proven stages until all proved.
-                args = (label, True) if ranks > 1 else (label,)
-                results = await engine.collective_rpc(method="swap_and_commit_staged", args=args)
-                lap("swap")
-                if len(results or []) != ranks:
-                    raise RuntimeError(f"swap_and_commit_staged: expected {ranks} worker result(s), "
-                                       f"got {len(results or [])}")
-                result = combine_swap(results)
-                if result.get("read_back_failed"):  # every rank rolls its tensors back
-                    if ranks > 1:
-                        await engine.collective_rpc(method="discard_staged")
-                    await engine.update_weight_version(previous)
-                elif "expected" in body and int(result.get("verified", -1)) != int(body["expected"]):
-                    raise RuntimeError(f"the engine proved {result.get('verified')} of {body['expected']} "
-                                       f"swapped tensor(s)")
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await engine.collective_rpc(method="discard_staged")
-                with contextlib.suppress(Exception):
-                    await engine.update_weight_version(previous)
-                raise
-        finally:
-            await engine.resume_generation()
-            lap("resume")
-            timings["window"] = round((time.perf_counter() - start) * 1000, 3)
-        if ranks > 1 and "verified" in result:  # every rank proved its shard: the stage is committed
-            await engine.collective_rpc(method="release_staged", args=(label,))
-        return {"result": result, "timings_ms": timings}
-
     async def open_gate(body: dict[str, Any]) -> dict[str, Any]:
         if gate is not None:
             gate.open()
         return {"status": "open"}
 
-    handlers = {"open": open_gate, "leave": leave, "join": join, "instance": instance, "instances": instances, "pause": pause, "resume": resume, "is_paused": is_paused, "reset_prefix_cache": reset_prefix_cache,
-                "collective_rpc": collective_rpc, "update_weight_version": update_weight_version,
-                "weight_info": weight_info, "swap_in_pause": swap_in_pause}
-
-    def answering(name: str, handler: Route) -> Route:
-        async def route(body: dict[str, Any]) -> dict[str, Any]:
-            try:
-                return await handler(body)
-            except ValueError as exc:
-                return _error(400, f"{name}: {exc}")
-            except Exception as exc:  # noqa: BLE001 - the answer carries it to the agent
-                return _error(500, f"{name}: {type(exc).__name__}: {exc}")
-
-        return route
-
+    handlers = {**engine_routes(engine), "leave": leave, "join": join, "instance": instance, "instances": instances,
+                "open": open_gate}
     return {name: needs_secret(answering(name, handlers[name]), secret) for name in ROUTES}
 
 
@@ -368,7 +239,7 @@ def needs_secret(handler: Route, secret: str) -> Route:
         body = dict(body) if isinstance(body, dict) else {}
         given = body.pop("secret", None)
         if not isinstance(given, str) or not hmac.compare_digest(given.encode(), secret.encode()):
-            return _error(401, "the engine's secret is missing or wrong")
+            return error(401, "the engine's secret is missing or wrong")
         return await handler(body)
 
     return route
@@ -409,7 +280,7 @@ def install(worker_factory: Any, secret: str, gated: bool = False, request_secre
         register(self, GuardedRuntime(runtime, secret), generate_endpoint, handler, *args, **kwargs)
         engine = handler.engine_client
         for name, route in control_routes(engine, generate_endpoint, secret, recorder.gate).items():
-            runtime.register_engine_route(ROUTE_PREFIX + name, route)
+            runtime.register_engine_route(DYNAMO_NAME_PREFIX + name, route)
         engine.generate = recorder.wrap_generate(engine.generate)
         # Before Dynamo serves the endpoint with it (serve_endpoint comes after this hook).
         handler.generate = recorder.wrap_handler(handler.generate, probe, request_secret)

@@ -7,8 +7,8 @@ and its OpenAI routes answer without the gateway's organization checks. :class:`
 (pure ASGI, installed by ``replica/engine/server.py`` as the outermost middleware of every
 engine) lets a request through only when
 
-1. for a control route (:data:`CONTROL_ROUTES`: ``/pause``, ``/resume``, ``/is_paused``,
-   ``/reset_prefix_cache``, ``/collective_rpc``, ``/update_weight_version``, ``/weight_info``),
+1. for a control route (:data:`CONTROL_ROUTES`: ``POST /rollouts/<name>`` for each of
+   `replica.engine_routes.ENGINE_ROUTES`),
    the client is on the engine's own host (:func:`is_local_client`): its address is loopback
    (127.0.0.0/8, ``::1``) or the very address the connection arrived at (the agent of an engine
    bound to one non-loopback address; Linux drops packets from another machine that claim a local
@@ -22,7 +22,8 @@ engine) lets a request through only when
    client with the secret (the gateway, from any host). Anything else -> 403
    ``permission_denied``, with the secret or without it, e.g. ``/sleep``, ``/wake_up``,
    ``/weight_checker`` (its ``reset`` action re-initialises the weights), ``/update_weights`` and
-   the other weight-transfer routes, ``/abort_requests``, ``/tokenize``, ``/v1/responses``.
+   the other weight-transfer routes, ``/abort_requests``, ``/tokenize``, ``/v1/responses``, and
+   vLLM's own dev routes (``/pause``, ``/collective_rpc``, ...: the agent uses ours).
 
 ``GET /health`` (:data:`OPEN_ROUTES`) answers anyone without the secret: a liveness probe that
 says nothing but "up". WebSocket connections are closed (no engine route needs one).
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from common.settings import ENGINE_SECRET_HEADER
+from replica.engine_routes import ENGINE_ROUTES, VLLM_PREFIX
 from replica.launch import SECRET_FILE_ENV
 
 OPEN_ROUTES: frozenset[tuple[str, str]] = frozenset({("GET", "/health")})
@@ -61,15 +63,7 @@ INFERENCE_ROUTES: frozenset[tuple[str, str]] = frozenset({
 })
 
 # Control (the replica agent on the engine's own host: replica/agent/engine_rpc.py).
-CONTROL_ROUTES: frozenset[tuple[str, str]] = frozenset({
-    ("POST", "/pause"),
-    ("POST", "/resume"),
-    ("GET", "/is_paused"),
-    ("POST", "/reset_prefix_cache"),
-    ("POST", "/collective_rpc"),
-    ("POST", "/update_weight_version"),
-    ("GET", "/weight_info"),
-})
+CONTROL_ROUTES: frozenset[tuple[str, str]] = frozenset(("POST", VLLM_PREFIX + name) for name in ENGINE_ROUTES)
 
 ALLOWED_ROUTES: frozenset[tuple[str, str]] = INFERENCE_ROUTES | CONTROL_ROUTES
 

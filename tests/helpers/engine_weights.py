@@ -10,6 +10,8 @@ one ``pause(keep)`` (the extension's one lifecycle, `replica.engine.stage`).
   reports merged (``copy_s``, ``verify_s``, ``verified``...).
 - ``await load(engine, source, names=None, expected=None)``: both, for a test that only needs
   the engine to serve a checkpoint.
+- ``await swap_held_then_refused_then_proven(engine, base_dir, counting_dir, changed)``: the
+  engine-side swap a replica's agent calls, checked the same way on either engine kind.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from replica.agent.engine_process import EngineProcess
-from workers.base_model import checkpoint_files
+from replica.engine.tensors import adler32_hex
+from workers.base_model import checkpoint_files, load_checkpoint
 
 _LABELS = itertools.count(1)
 
@@ -58,3 +63,45 @@ async def load(engine: EngineProcess, source: Path | Sequence[Path], names: Sequ
     label = f"test-load-{next(_LABELS)}"
     staged = await stage(engine, source, label, names, expected)
     return {**staged, **await swap_in_pause(engine, label)}
+
+
+async def swap_held_then_refused_then_proven(engine: EngineProcess, base_dir: Path, counting_dir: Path,
+                                             changed: Sequence[str]) -> dict[str, Any]:
+    """The engine-side swap (`replica.engine.swap`), as a replica's agent calls it
+    (``engine.swap_in_pause``), on any engine kind: held after its write and refused there (the
+    "swap" fault point's failure: paused and labelled while held, then the label, the weights
+    and the serving state as before), held and let go on (proven), then once more not held.
+    Ends on ``base_dir``'s weights labelled "v-base"; returns the last swap's report."""
+    await load(engine, base_dir)
+    await engine.set_weight_version("v-base")
+    base = await engine.checksums()
+    counting = {n: adler32_hex(t) for n, t in load_checkpoint(counting_dir).items() if n in set(changed)}
+    seen: list[tuple[bool, str | None]] = []
+
+    async def look() -> None:
+        seen.append((await engine.is_paused(), await engine.weight_version()))
+
+    async def refuse() -> None:
+        await look()
+        raise RuntimeError("refused while held")
+
+    await stage(engine, counting_dir, "v-counting", changed, counting)
+    with pytest.raises(RuntimeError, match="refused while held"):
+        await engine.swap_in_pause("v-counting", "v-base", clear_cache=False, expected=len(counting), while_held=refuse)
+    assert seen == [(True, "v-counting")], seen
+    assert (await engine.is_paused(), await engine.weight_version(), await engine.checksums()) == (False, "v-base", base)
+
+    await stage(engine, counting_dir, "v-counting", changed, counting)
+    held = await engine.swap_in_pause("v-counting", "v-base", clear_cache=False, expected=len(counting),
+                                      while_held=look)
+    assert seen[1] == (True, "v-counting") and held["verified"] == len(counting), (seen, held)
+    assert await engine.weight_version() == "v-counting" and not await engine.is_paused()
+    assert {n: c for n, c in (await engine.checksums()).items() if n in counting} == counting
+
+    base_sums = {n: base[n] for n in counting}
+    await stage(engine, base_dir, "v-base", changed, base_sums)
+    report = await engine.swap_in_pause("v-base", "v-counting", clear_cache=False, expected=len(counting))
+    assert report["verified"] == len(counting)
+    assert set(report["timings_ms"]) == {"pause", "label", "swap", "resume", "window"}, report
+    assert (await engine.weight_version(), await engine.checksums()) == ("v-base", base)
+    return report

@@ -41,6 +41,7 @@ from contracts.names import deployment_workflow_id, dynamo_model, hot_load_workf
 from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine_process import EngineProcess
 from replica.faults import FAULTS_FILE
+from rollouts.client import hot_load_body as client_hot_load_body
 from snapshots.host import checkpoint_checksums
 from snapshots.regions import ServedWeights
 from tests.helpers.stack_fixtures import Api
@@ -55,17 +56,7 @@ STEP_DELAY_S = 0.025
 
 # ------------------------------------------------------------------------------ hot-loads
 def hot_load_body(dep_id: str, identity: str, previous: str | None, **extra: Any) -> dict:
-    body = {"deploymentId": dep_id, "identity": identity, **extra}
-    if previous is None:
-        body["type"] = "SNAPSHOT_TYPE_FULL"
-    else:
-        body["type"] = "SNAPSHOT_TYPE_INCREMENTAL"
-        body["incrementalSnapshotMetadata"] = {
-            "previousSnapshotIdentity": previous,
-            "compressionFormat": "COMPRESSION_FORMAT_ZSTD",
-            "checksumFormat": "CHECKSUM_FORMAT_ADLER32",
-        }
-    return body
+    return {**client_hot_load_body(dep_id, identity, previous_identity=previous), **extra}
 
 
 def start_hot_load(api: Api, dep_id: str, identity: str, previous: str | None, **extra: Any) -> str:

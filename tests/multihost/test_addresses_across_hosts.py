@@ -109,7 +109,8 @@ def guarded_engine(cluster: Cluster) -> Host:
 def test_engine_control_refuses_another_host(cluster: Cluster, guarded_engine: Host) -> None:
     other = cluster[1]
     base = f"http://{guarded_engine.address}:{PORT}"
-    for method, path in (("POST", "/pause"), ("POST", "/collective_rpc"), ("GET", "/weight_info")):
+    for method, path in (("POST", "/rollouts/pause"), ("POST", "/rollouts/collective_rpc"),
+                         ("POST", "/rollouts/swap_in_pause")):
         for extra in ({}, {"X-Forwarded-For": "127.0.0.1"}):
             status, body = call(other, method, base + path, extra)
             assert status == 403, (path, extra, body)
@@ -121,9 +122,9 @@ def test_engine_control_refuses_another_host(cluster: Cluster, guarded_engine: H
 
 
 def test_engine_control_answers_its_own_host(guarded_engine: Host) -> None:
-    for url in (f"http://127.0.0.1:{PORT}/pause", f"http://{guarded_engine.address}:{PORT}/pause"):
+    for url in (f"http://127.0.0.1:{PORT}/rollouts/pause", f"http://{guarded_engine.address}:{PORT}/rollouts/pause"):
         status, body = call(guarded_engine, "POST", url)
-        assert (status, body["reached"]) == (200, "/pause"), (url, body)
+        assert (status, body["reached"]) == (200, "/rollouts/pause"), (url, body)
 
 
 def _broadcast(sender: Host, receiver: Host, port: int, env_of: dict[str, dict[str, str]],

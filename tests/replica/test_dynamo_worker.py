@@ -32,7 +32,7 @@ from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine_rpc import EngineRequestError
 from replica.engine.tensors import adler32_hex
 from tests.helpers.engine_cache import model_infos
-from tests.helpers.engine_weights import load, stage
+from tests.helpers.engine_weights import load, stage, swap_held_then_refused_then_proven
 from tests.helpers.replicas import STEP_DELAY_S, engine_running
 from workers.base_model import COUNTING_CHANGED, VOCAB, load_checkpoint
 
@@ -218,3 +218,11 @@ async def test_requests_through_the_frontend_survive_a_hot_load_with_exact_spans
     queued_data = results[4].json()["nvext"]["engine_data"]
     assert queued_data["completion_token_ids"] == [(601 + i) % VOCAB for i in range(12)]
     assert queued_data["weight_versions"] == [{"version": "v-counting", "start": 0, "end": 12}]
+
+
+async def test_the_agents_swap_runs_inside_the_engine_held_refused_and_proven(
+        dynamo: tuple[DynamoEngineProcess, DynamoFrontend], model_dirs: dict[str, Path]) -> None:
+    """The swap a replica's agent makes (one call; `replica.engine.swap` runs it in the engine's
+    process, the same code on both engine kinds): a hold after the write keeps the engine paused
+    and labelled, a refusal there rolls back, a proceed proves it."""
+    await swap_held_then_refused_then_proven(dynamo[0], model_dirs["base"], model_dirs["counting"], COUNTING_CHANGED)

@@ -34,7 +34,7 @@ from replica.engine.plugin import DEFAULT_SPIN_S
 from replica.engine.tensors import adler32_hex, normalize_specs
 from replica.stage_arena import StageArena
 from snapshots.host import HostWeights
-from tests.helpers.engine_weights import load, stage, swap_in_pause
+from tests.helpers.engine_weights import load, stage, swap_held_then_refused_then_proven, swap_in_pause
 from tests.helpers.replicas import engine_running
 from workers.base_model import COUNTING_CHANGED, VOCAB, checkpoint_files, load_checkpoint
 
@@ -674,3 +674,11 @@ async def test_broadcast_of_files_checks_and_writes_them(
     assert not bad_out.exists()
     with pytest.raises(EngineRequestError, match="not a plain file name"):
         await b.start_peer_receive_files("127.0.0.1", free_port(), 1, 2, [["../x", "uint8", [1]]], {}, bad_out)
+
+
+async def test_the_agents_swap_runs_inside_the_engine_held_refused_and_proven(
+        engine: EngineProcess, model_dirs: dict[str, Path]) -> None:
+    """The swap a replica's agent makes (one call; `replica.engine.swap` runs it in the engine's
+    process, the same code on both engine kinds): a hold after the write keeps the engine paused
+    and labelled, a refusal there rolls back, a proceed proves it."""
+    await swap_held_then_refused_then_proven(engine, model_dirs["base"], model_dirs["counting"], COUNTING_CHANGED)

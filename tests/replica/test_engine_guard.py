@@ -30,11 +30,12 @@ COMPLETION = {"model": SERVED_NAME, "prompt": [100, 101, 102], "max_tokens": 2, 
 
 # (method, path, JSON body) of routes an attacker would want; all need the secret.
 GUARDED = [
-    ("POST", "/pause", None),
-    ("POST", "/resume", None),
-    ("POST", "/collective_rpc", {"method": "engine_pid", "args": [], "kwargs": {}}),
-    ("POST", "/update_weight_version", {"new_version": "forged"}),
-    ("GET", "/weight_info", None),
+    ("POST", "/rollouts/pause", {}),
+    ("POST", "/rollouts/resume", {}),
+    ("POST", "/rollouts/collective_rpc", {"method": "engine_pid", "args": [], "kwargs": {}}),
+    ("POST", "/rollouts/update_weight_version", {"new_version": "forged"}),
+    ("POST", "/rollouts/weight_info", {}),
+    ("POST", "/rollouts/swap_in_pause", {"label": "forged", "previous": "x"}),
     ("GET", "/v1/models", None),
     ("POST", "/v1/completions", COMPLETION),
     ("POST", "/v1/chat/completions", {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}],
@@ -54,7 +55,12 @@ OFF = [
     ("POST", "/abort_requests", {}),
     ("POST", "/tokenize", {"model": SERVED_NAME, "prompt": "hi"}),
     ("GET", "/version", None),
-    ("POST", "/pause/", None),
+    ("POST", "/rollouts/pause/", None),
+    # vLLM's own dev routes: the agent uses ours.
+    ("POST", "/pause", None),
+    ("POST", "/collective_rpc", {"method": "engine_pid", "args": [], "kwargs": {}}),
+    ("POST", "/update_weight_version", {"new_version": "forged"}),
+    ("GET", "/weight_info", None),
 ]
 
 

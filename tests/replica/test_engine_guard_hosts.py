@@ -53,8 +53,9 @@ async def request(guard: EngineGuard, method: str, path: str, client: tuple[str,
 
 def test_the_route_lists_split_into_control_and_inference() -> None:
     assert CONTROL_ROUTES | INFERENCE_ROUTES == ALLOWED_ROUTES and not CONTROL_ROUTES & INFERENCE_ROUTES
-    assert {path for _, path in CONTROL_ROUTES} == {"/pause", "/resume", "/is_paused", "/reset_prefix_cache",
-                                                  "/collective_rpc", "/update_weight_version", "/weight_info"}
+    assert CONTROL_ROUTES == {("POST", f"/rollouts/{name}") for name in (
+        "pause", "resume", "is_paused", "reset_prefix_cache", "collective_rpc", "update_weight_version",
+        "weight_info", "swap_in_pause", "swap_hook")}
     assert {path for _, path in INFERENCE_ROUTES} == {"/v1/models", "/v1/completions", "/v1/chat/completions",
                                                     "/metrics"}
 
@@ -98,7 +99,7 @@ async def test_inference_routes_answer_any_host_with_the_secret(client: str, ser
 async def test_a_connection_without_a_client_address_gets_no_control() -> None:
     app = App()
     guard = EngineGuard(app, SECRET)
-    status, body = await request(guard, "POST", "/pause", None, None)
+    status, body = await request(guard, "POST", "/rollouts/pause", None, None)
     assert status == 403 and NOT_LOCAL in body["error"]["message"]
     status, _ = await request(guard, "GET", "/v1/models", None, None)
     assert status == 200

@@ -1,8 +1,10 @@
-"""The Dynamo worker's `swap_in_pause` route (replica/engine/dynamo_routes.py): a whole swap in one
-call, against a stand-in for vLLM's AsyncLLM that records every call. Pause, label, swap and
-proof, resume, in that order; a read-back that differs, a proof of the wrong count or a failing
-swap restores the previous label (and discards the stage) before the resume, which always runs;
-the answer carries the worker's own timings, the window covering the rest."""
+"""The engines' `swap_in_pause` route (replica/engine/swap.py, served by replica/engine/control.py
+on both engine kinds; here through the Dynamo worker's routes): a whole swap in one call, against
+a stand-in for vLLM's AsyncLLM that records every call. Pause, label, swap and proof, resume, in
+that order; a read-back that differs, a proof of the wrong count or a failing swap restores the
+previous label (and discards the stage) before the resume, which always runs; the answer carries
+the engine's own timings, the window covering the rest. A held swap (the "swap" fault point)
+stops after its write, paused, until ``swap_hook`` says proceed (proof) or not (roll-back)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,11 @@ class Engine:
         self.calls.append((method, *args))
         if method == "swap_and_commit_staged" and isinstance(self.swap, Exception):
             raise self.swap
-        return [self.swap] if method == "swap_and_commit_staged" else [{"discarded": "s2", "rolled_back": True}]
+        if method in ("swap_and_commit_staged", "commit_staged"):
+            return [self.swap]
+        if method == "swap_staged":
+            return [{"copy_s": 0.002}]
+        return [{"discarded": "s2", "rolled_back": True}]
 
 
 def swap(engine: Engine, **extra: Any) -> dict[str, Any]:
@@ -134,3 +140,39 @@ def test_a_closed_gate_holds_every_request_until_the_open_route() -> None:
         assert await asyncio.wait_for(request, 5) == "out" and ran == ["probe", "r1"]
 
     asyncio.run(run())
+
+
+def held(engine: Engine, proceed: bool) -> tuple[dict[str, Any], list[tuple], dict[str, Any]]:
+    """A held swap: what its start answers, the calls made while it holds, what the verdict answers."""
+    routes = control_routes(engine, None, "k")
+
+    async def run() -> tuple[dict[str, Any], list[tuple], dict[str, Any]]:
+        start = await routes["swap_in_pause"]({"secret": "k", "label": "s2", "previous": "s1", "expected": 3,
+                                               "hold": True})
+        while_held = list(engine.calls)
+        return start, while_held, await routes["swap_hook"]({"secret": "k", "proceed": proceed})
+
+    return asyncio.run(run())
+
+
+def test_a_held_swap_waits_after_its_write_then_proves_and_resumes() -> None:
+    engine = Engine({"verified": 3, "verify_s": 0.001})
+    start, while_held, answer = held(engine, proceed=True)
+    assert start == {"held": True}
+    assert while_held == [("pause", "keep", False), ("label", "s2"), ("swap_staged", "s2")]  # paused, not proven
+    assert engine.calls[3:] == [("commit_staged", "s2"), ("resume",)]
+    assert answer["result"] == {"verified": 3, "verify_s": 0.001, "copy_s": 0.002}
+    assert set(answer["timings_ms"]) == {"pause", "label", "swap", "resume", "window"}
+
+
+def test_a_held_swap_told_not_to_proceed_rolls_back_and_resumes() -> None:
+    engine = Engine({"verified": 3})
+    start, _, answer = held(engine, proceed=False)
+    assert start == {"held": True}
+    assert answer["error"]["code"] == 500 and "stopped the swap where it was held" in answer["error"]["message"]
+    assert engine.calls[3:] == [("discard_staged",), ("label", "s1"), ("resume",)]
+
+
+def test_no_verdict_without_a_held_swap() -> None:
+    route = control_routes(Engine({"verified": 1}), None, "k")["swap_hook"]
+    assert asyncio.run(route({"secret": "k", "proceed": True}))["error"]["code"] == 400
