@@ -92,9 +92,9 @@ def _weight_map(worker: Any) -> WeightMap:
         if worker._rollouts_map is None:
             t0 = time.perf_counter()
             config = worker.model_config
-            checkpoint = Checkpoint(config.model)
-            worker._rollouts_map = WeightMap.build(worker.model_runner.model, checkpoint.specs, checkpoint.read,
-                                                   getattr(config, "quantization", None))
+            with Checkpoint(config.model) as checkpoint:  # each file opened once, read in file order
+                worker._rollouts_map = WeightMap.build(worker.model_runner.model, checkpoint.specs, checkpoint.read,
+                                                       getattr(config, "quantization", None))
             worker._rollouts_map_build_s = round(time.perf_counter() - t0, 3)
         return worker._rollouts_map
 
