@@ -27,6 +27,8 @@ import httpx
 
 from common.settings import ENGINE_SECRET_HEADER
 from contracts.engine_ranks import combine_map, combine_swap, slowest
+from replica import rpc_file
+from replica.stage_arena import shm_dir
 from snapshots.regions import ServedWeights
 
 
@@ -171,10 +173,20 @@ class EngineClient:
     # -- the extension ----------------------------------------------------------------------
 
     async def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call a worker method; returns one JSON result per worker (one at TP=1)."""
-        resp = await self.request(
-            "POST", "/collective_rpc", json={"method": method, "args": list(args), "kwargs": kwargs}
-        )
+        """Call a worker method; returns one JSON result per worker (one at TP=1). A call whose
+        JSON exceeds `replica.rpc_file.BODY_LIMIT` (lists that grow with the tensor count) goes
+        as a file the engine reads (``call_from_file``), removed once it answered."""
+        body = rpc_file.encode(method, list(args), kwargs)
+        if len(body) <= rpc_file.BODY_LIMIT:
+            return await self._post_rpc(method, list(args), kwargs)
+        path = rpc_file.write_call(shm_dir(), body)
+        try:
+            return await self._post_rpc("call_from_file", [str(path)], {})
+        finally:
+            path.unlink(missing_ok=True)
+
+    async def _post_rpc(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+        resp = await self.request("POST", "/collective_rpc", json={"method": method, "args": args, "kwargs": kwargs})
         if not resp.content:
             return []
         return resp.json()["results"]

@@ -68,6 +68,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from replica import rpc_file
 from replica.engine import cpu_gemm, cpu_moe, updates
 from replica.engine.files import Checkpoint, plain_file_name, save_tensors
 from replica.engine.jobs import JobRunner
@@ -162,6 +163,14 @@ class WeightLoaderExtension:
     def refuse_tensors(self, names: list[str], why: str) -> dict[str, Any]:
         _weight_map(self).refuse(names, why)
         return {"refused": len(names)}
+
+    def call_from_file(self, path: str) -> dict[str, Any]:
+        """The call the agent wrote to ``path`` (`replica.rpc_file`: arguments too large for a
+        request body), run as if it came over ``/collective_rpc``."""
+        method, args, kwargs = rpc_file.read_call(path)
+        if not callable(getattr(WeightLoaderExtension, method, None)):
+            raise ValueError(f"{path}: no extension method {method!r}")
+        return getattr(self, method)(*args, **kwargs)
 
     def engine_pid(self) -> dict[str, Any]:
         rank, ranks = _rank(self)
