@@ -1,9 +1,15 @@
-"""An RPC too large for a request body travels as a file (replica/rpc_file.py): the agent's stage
+"""What grows with a model's tensor count stays under the limits of what carries it.
+
+An RPC too large for a request body travels as a file (replica/rpc_file.py): the agent's stage
 request for a delta that changes every tensor of an 18,867-tensor model (Qwen3-30B-A3B's count)
 is about 4 MB of JSON, past the 2 MB body limit of NVIDIA Dynamo's system server (it answered 413
 and the hot-load failed). Here the agent's real client (`EngineClient`) talks to a server that
 refuses bodies over 2 MB as Dynamo's does and hands each call to the engine's real extension
-(`WeightLoaderExtension.call_from_file`), whose stage method records what arrived. No vLLM."""
+(`WeightLoaderExtension.call_from_file`), whose stage method records what arrived. No vLLM.
+
+A peer offer of every tensor (contracts/activities.py ``PeerOffer``) crosses Temporal packed: at
+about 70,000 tensors (Kimi-K2's count) its payload stays under Temporal's 2 MB limit and arrives
+whole."""
 
 from __future__ import annotations
 
@@ -12,7 +18,9 @@ import json
 
 import httpx
 import pytest
+from temporalio.contrib.pydantic import pydantic_data_converter
 
+from contracts.activities import PeerOffer, StageFromPeerInput
 from replica import rpc_file
 from replica.agent.engine_rpc import EngineClient
 from replica.engine.extension import WeightLoaderExtension
@@ -94,3 +102,32 @@ def test_a_small_call_is_a_request_body_and_a_call_file_names_only_public_method
     stray.write_text("{}")
     with pytest.raises(ValueError, match="not a rollouts-rpc-"):
         Recorder().call_from_file(str(stray))
+
+
+TEMPORAL_PAYLOAD_LIMIT = 2 * 1024 * 1024
+
+
+def offer(tensors: int) -> PeerOffer:
+    specs = [[f"model.layers.{i // 1161}.mlp.experts.{i % 384}.down_proj.weight", "bfloat16", [64, 32]]
+             for i in range(tensors)]
+    return PeerOffer(source_replica="replica-0", host="10.0.0.1", port=29500, backend="gloo", base_identity="*",
+                     identity="full-1", chain=[], specs=specs,
+                     expected_adler32={s[0]: f"{i:08x}" for i, s in enumerate(specs)})
+
+
+def test_an_offer_of_70000_tensors_crosses_temporal_whole_under_its_payload_limit() -> None:
+    sent = StageFromPeerInput(offer=offer(70_824), rank=1)
+    as_json = len(json.dumps({"specs": sent.offer.specs, "expected": sent.offer.expected_adler32}))
+    assert as_json > TEMPORAL_PAYLOAD_LIMIT  # the premise: as plain JSON it would be refused
+
+    async def round_trip():
+        payloads = await pydantic_data_converter.encode([sent])
+        (back,) = await pydantic_data_converter.decode(payloads, [StageFromPeerInput])
+        return len(payloads[0].data), back
+
+    size, back = asyncio.run(round_trip())
+    assert size < TEMPORAL_PAYLOAD_LIMIT
+    assert back.offer.specs == sent.offer.specs and back.offer.expected_adler32 == sent.offer.expected_adler32
+    # A small offer travels as it always did.
+    small = offer(3).model_dump(mode="json", by_alias=True)
+    assert "packed" not in small and len(small["specs"]) == 3
