@@ -48,6 +48,8 @@ from replica.agent.metrics import ReplicaMetrics
 from replica.agent.runtime import ReplicaRuntime
 from snapshots.errors import SnapshotError
 
+DETAIL_NAMES = 64  # tensors named in a failed read-back's details (its message counts them all)
+
 
 def metrics_of(runtime: ReplicaRuntime) -> ReplicaMetrics:
     return ReplicaMetrics(runtime.deployment, runtime.name, "")
@@ -118,7 +120,10 @@ async def replica_step(rt: ReplicaRuntime, step: Callable[[], Awaitable[ApplySna
         except SnapshotError as exc:
             raise ApplicationError(str(exc), type=NON_RETRYABLE_SNAPSHOT, non_retryable=True) from None
         except ReadBackFailed as exc:
-            raise ApplicationError(str(exc), exc.tensors, type=READ_BACK_FAILED, non_retryable=True) from None
+            # The first names only: a failure's details are a Temporal payload (2 MB at most), and a
+            # model's every tensor can be tens of thousands of names.
+            raise ApplicationError(str(exc), exc.tensors[:DETAIL_NAMES], type=READ_BACK_FAILED,
+                                   non_retryable=True) from None
         finally:
             heartbeat.cancel()
 

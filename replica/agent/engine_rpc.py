@@ -30,7 +30,9 @@ import httpx
 
 from common.settings import ENGINE_SECRET_HEADER
 from contracts.engine_ranks import combine_map, combine_swap, slowest
+from replica import rpc_file
 from replica.engine_routes import DYNAMO_PREFIX, VLLM_PREFIX
+from replica.stage_arena import shm_dir
 from snapshots.regions import ServedWeights
 
 
@@ -238,8 +240,20 @@ class EngineClient:
     # -- the extension ----------------------------------------------------------------------
 
     async def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call a worker method; returns one JSON result per worker (one at TP=1)."""
-        answer = await self.control("collective_rpc", {"method": method, "args": list(args), "kwargs": kwargs})
+        """Call a worker method; returns one JSON result per worker (one at TP=1). A call whose
+        JSON exceeds `replica.rpc_file.BODY_LIMIT` (lists that grow with the tensor count) goes
+        as a file the engine reads (``call_from_file``), removed once it answered."""
+        body = rpc_file.encode(method, list(args), kwargs)
+        if len(body) <= rpc_file.BODY_LIMIT:
+            return await self._post_rpc(method, list(args), kwargs)
+        path = rpc_file.write_call(shm_dir(), body)
+        try:
+            return await self._post_rpc("call_from_file", [str(path)], {})
+        finally:
+            path.unlink(missing_ok=True)
+
+    async def _post_rpc(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+        answer = await self.control("collective_rpc", {"method": method, "args": args, "kwargs": kwargs})
         return list(answer.get("results") or [])
 
     async def _rpc1(self, method: str, *args: Any, **kwargs: Any) -> Any:

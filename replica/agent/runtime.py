@@ -365,7 +365,8 @@ class ReplicaRuntime(PeerSteps):
             raise
         staged.identity = inp.identity
         staged.names = sorted(target.names() if staged.new_host is not None else changed)
-        staged.expected = {n: c for n, c in target.checksums().items() if n in set(staged.names)}
+        wanted = set(staged.names)  # (once: a set per tensor was quadratic, seconds at 18,867 tensors)
+        staged.expected = {n: c for n, c in target.checksums().items() if n in wanted}
         staged.path = self._write_staging(target, staged.names, inp.identity)
         return staged
 

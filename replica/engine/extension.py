@@ -69,6 +69,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from replica import rpc_file
 from replica.engine import cpu_gemm, cpu_moe, post_load, updates
 from replica.engine.files import Checkpoint, plain_file_name, save_tensors
 from replica.engine.jobs import JobRunner
@@ -94,9 +95,9 @@ def _weight_map(worker: Any) -> WeightMap:
         if worker._rollouts_map is None:
             t0 = time.perf_counter()
             config = worker.model_config
-            checkpoint = Checkpoint(config.model)
-            worker._rollouts_map = WeightMap.build(worker.model_runner.model, checkpoint.specs, checkpoint.read,
-                                                   getattr(config, "quantization", None))
+            with Checkpoint(config.model) as checkpoint:  # each file opened once, read in file order
+                worker._rollouts_map = WeightMap.build(worker.model_runner.model, checkpoint.specs, checkpoint.read,
+                                                       getattr(config, "quantization", None))
             worker._rollouts_map_build_s = round(time.perf_counter() - t0, 3)
         return worker._rollouts_map
 
@@ -164,6 +165,14 @@ class WeightLoaderExtension:
     def refuse_tensors(self, names: list[str], why: str) -> dict[str, Any]:
         _weight_map(self).refuse(names, why)
         return {"refused": len(names)}
+
+    def call_from_file(self, path: str) -> dict[str, Any]:
+        """The call the agent wrote to ``path`` (`replica.rpc_file`: arguments too large for a
+        request body), run as if it came over ``/collective_rpc``."""
+        method, args, kwargs = rpc_file.read_call(path)
+        if not callable(getattr(WeightLoaderExtension, method, None)):
+            raise ValueError(f"{path}: no extension method {method!r}")
+        return getattr(self, method)(*args, **kwargs)
 
     def engine_pid(self) -> dict[str, Any]:
         rank, ranks = _rank(self)

@@ -9,9 +9,11 @@ half-written file.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -50,29 +52,67 @@ def read_safetensors(paths: Sequence[str], names: Sequence[str] | None) -> list[
 class Checkpoint:
     """The safetensors files of a checkpoint directory (module docstring); tensors named in
     SKIP_NAMES are left out. ValueError naming the file for a tensor in two files or of a dtype
-    the engine does not know."""
+    the engine does not know.
+
+    Nothing here costs per tensor what a file costs: each file's header is parsed once (here),
+    ``specs`` lists the tensors file by file in the order their bytes lie in the file, and
+    :meth:`read` reads through one open handle per file (a ``safe_open`` parses the whole header
+    again, so an open per tensor would be quadratic in the tensors of a file). Use it as a
+    context manager, or :meth:`close` it, to let the files go."""
 
     def __init__(self, model_dir: str | os.PathLike[str]) -> None:
         self.files: dict[str, str] = {}  # tensor -> file
         self.specs: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        self._handles: dict[str, Any] = {}  # file -> its open safe_open handle
         for path in sorted(Path(model_dir).glob("*.safetensors")):
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    if key.endswith(SKIP_NAMES):
-                        continue
-                    if key in self.files:
-                        raise ValueError(f"tensor {key} appears in {self.files[key]} and {path}")
-                    piece = f.get_slice(key)
-                    try:
-                        dtype = dtype_from_str(piece.get_dtype())
-                    except ValueError as exc:
-                        raise ValueError(f"{path}: tensor {key}: {exc}") from None
-                    self.files[key] = str(path)
-                    self.specs.append((key, tuple(piece.get_shape()), dtype))
+            for key, shape, dtype in _header_specs(str(path)):
+                if key.endswith(SKIP_NAMES):
+                    continue
+                if key in self.files:
+                    raise ValueError(f"tensor {key} appears in {self.files[key]} and {path}")
+                self.files[key] = str(path)
+                self.specs.append((key, shape, dtype))
 
     def read(self, name: str) -> torch.Tensor:
-        with safe_open(self.files[name], framework="pt", device="cpu") as f:
-            return f.get_tensor(name)
+        """The tensor ``name`` (a copy), through its file's one open handle."""
+        path = self.files[name]
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = safe_open(path, framework="pt", device="cpu")
+        return handle.get_tensor(name)
+
+    def close(self) -> None:
+        self._handles.clear()  # (a safe_open handle lets its file go when dropped)
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _header_specs(path: str) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(name, shape, dtype)`` of every tensor of a safetensors file, from one parse of its
+    header, in the order of the tensors' bytes in the file. ValueError naming the file and tensor
+    for a header that cannot be read or a dtype the engine does not know."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = int.from_bytes(head, "little") if len(head) == 8 else -1
+        try:
+            if size < 2 or size > os.fstat(f.fileno()).st_size - 8:
+                raise ValueError(f"header length {size}")
+            header = json.loads(f.read(size))
+        except ValueError as exc:
+            raise ValueError(f"{path}: not a safetensors file ({exc})") from None
+    out = []
+    for key, info in sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
+                            key=lambda kv: kv[1]["data_offsets"][0]):
+        try:
+            dtype = dtype_from_str(info["dtype"])
+        except ValueError as exc:
+            raise ValueError(f"{path}: tensor {key}: {exc}") from None
+        out.append((key, tuple(int(s) for s in info["shape"]), dtype))
+    return out
 
 
 def save_tensors(tensors: list[tuple[str, torch.Tensor]], path: str) -> None:

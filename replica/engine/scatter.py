@@ -225,9 +225,23 @@ def roll_back(wmap: WeightMap, scatters: dict[str, list[Scatter]]) -> None:
 
 
 def _put(wmap: WeightMap, scatters: dict[str, list[Scatter]], *, new: bool) -> None:
+    """One indexed write per engine parameter (:func:`by_param`): vLLM fuses a layer's experts
+    into a few parameters, so an update of every expert is a few hundred writes, not one per
+    tensor (tens of thousands at Qwen3-30B-A3B's or Kimi-K2's counts)."""
     with torch.no_grad():
-        for items in scatters.values():
-            for s in items:
-                if s.offsets.numel():
-                    flat(wmap.target(s.param))[s.offsets] = s.new if new else s.old
+        for param, (offsets, values) in by_param(scatters, new).items():
+            flat(wmap.target(param))[offsets] = values
+
+
+def by_param(scatters: dict[str, list[Scatter]], new: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every scatter's offsets and values (new, else old), concatenated per parameter. The
+    tensors' landings are disjoint regions, so no offset appears twice."""
+    grouped: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for items in scatters.values():
+        for s in items:
+            if s.offsets.numel():
+                offsets, values = grouped.setdefault(s.param, ([], []))
+                offsets.append(s.offsets)
+                values.append(s.new if new else s.old)
+    return {p: (o[0], v[0]) if len(o) == 1 else (torch.cat(o), torch.cat(v)) for p, (o, v) in grouped.items()}
 
