@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 
@@ -69,6 +70,7 @@ with workflow.unsafe.imports_passed_through():
         ConditionStatus,
         Deployment,
         DeploymentInput,
+        DeploymentSpec,
         ReplicaEndpoint,
         ReplicaFailure,
         ResourceStatus,
@@ -110,7 +112,7 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
 
     # ------------------------------------------------------------------ helpers
     @property
-    def spec(self):
+    def spec(self) -> DeploymentSpec:
         return self.state.deployment.spec
 
     def _now(self) -> str:
@@ -140,7 +142,7 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
             }
         )
 
-    def _published_memo(self) -> dict:
+    def _published_memo(self) -> dict[str, Any]:
         """The memo as `_publish` last left it: the deployment and every replica chunk."""
         return {"deployment": self.state.deployment.wire(), **self._replica_memo.published}
 

@@ -189,7 +189,7 @@ class FanOut:
         from_stage = sender.staged and sender.endpoint.name not in self.done_committing
         when = "from its stage" if from_stage else "as it serves it"
         try:
-            return await workflow.execute_activity(
+            offer: PeerOffer = await workflow.execute_activity(
                 names.OFFER_TO_PEER,
                 PeerOfferInput(
                     hot_load_id=self.spec.id, identity=self.spec.identity, chain=self.spec.snapshot_chain,
@@ -203,6 +203,7 @@ class FanOut:
                 summary=f"offer {self.spec.identity} from {sender.endpoint.name} {when} to {len(batch)} peer(s)",
                 **PEER_STEP,
             )
+            return offer
         except Exception as exc:
             if is_cancelled_exception(exc):
                 raise

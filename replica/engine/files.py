@@ -39,7 +39,7 @@ def read_safetensors(paths: Sequence[str], names: Sequence[str] | None) -> list[
                 if key in found:
                     raise ValueError(f"tensor {key} appears in more than one file")
                 found[key] = f.get_tensor(key)
-    if wanted is not None:
+    if names is not None and wanted is not None:
         missing = sorted(wanted - found.keys())
         if missing:
             raise ValueError(f"{len(missing)} tensor(s) not found in {list(paths)}: {missing[:8]}")
@@ -72,7 +72,8 @@ class Checkpoint:
 
     def read(self, name: str) -> torch.Tensor:
         with safe_open(self.files[name], framework="pt", device="cpu") as f:
-            return f.get_tensor(name)
+            tensor: torch.Tensor = f.get_tensor(name)
+            return tensor
 
 
 def save_tensors(tensors: list[tuple[str, torch.Tensor]], path: str) -> None:
