@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from temporalio import workflow
 
@@ -80,6 +80,7 @@ with workflow.unsafe.imports_passed_through():
     from control import admission, replica_set
     from control.autoscaler import Autoscaler, joined_message
     from control.deployment_hot_loads import HotLoads
+    from control.deployment_host import DeploymentHost
     from control.patches import NODE_PLACEMENT
 
 REPLICA_START_TIMEOUT = timedelta(minutes=20)
@@ -587,3 +588,7 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
     @workflow.query
     def describe(self) -> DeploymentInput:
         return self.state
+
+
+if TYPE_CHECKING:  # mypy proves the workflow implements every member its mixins' host declares
+    _HOST: type[DeploymentHost] = DeploymentWorkflow
