@@ -344,7 +344,7 @@ class HotLoadIndex:
                 return None
         if "hotLoad" not in memo:
             return None
-        return self.observed(self.reconcile(memo, desc.status, desc.close_time), closed)
+        return self.observed(self.reconcile(memo, desc.status, desc.close_time), closed)  # type: ignore[arg-type]  # memo(): a dict, typed Mapping
 
     async def _verify(self, scope: _Scope) -> None:
         """Counts the scope's closed operations: one the refreshes never saw running (created
@@ -387,7 +387,8 @@ class HotLoadIndex:
                 return None
         if "hotLoad" not in memo:
             return None
-        return self._store(self.record(self.reconcile(memo, wf.status, wf.close_time), closed), listed=True)
+        return self._store(self.record(self.reconcile(memo, wf.status, wf.close_time), closed),  # type: ignore[arg-type]  # memo(): a dict, typed Mapping
+                           listed=True)
 
     def _collect(self) -> None:
         """Drops records no scope lists any more (a scope evicted or reloaded)."""

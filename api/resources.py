@@ -46,7 +46,7 @@ __all__ = ["Resources", "page", "reconcile_hot_load", "update_error"]
 
 
 def update_error(exc: WorkflowUpdateFailedError) -> Exception:
-    cause = exc.cause
+    cause: BaseException | None = exc.cause
     while cause is not None and not isinstance(cause, ApplicationError):
         cause = cause.__cause__
     if isinstance(cause, ApplicationError) and cause.type:
@@ -79,13 +79,13 @@ class Resources:
             raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc
         if running_only and desc.status is not None and desc.status.name != "RUNNING":
             return None
-        return await desc.memo()
+        return await desc.memo()  # type: ignore[return-value]  # memo(): a dict, typed Mapping
 
     async def list_memos(self, query: str) -> list[dict[str, Any]]:
-        out = []
+        out: list[dict[str, Any]] = []
         try:
             async for wf in self.client.list_workflows(query, page_size=1000):
-                out.append(await wf.memo())
+                out.append(await wf.memo())  # type: ignore[arg-type]  # memo(): a dict, typed Mapping
         except RPCError as exc:
             raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc
         return out

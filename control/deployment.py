@@ -79,8 +79,8 @@ with workflow.unsafe.imports_passed_through():
     )
     from control import admission, replica_set
     from control.autoscaler import Autoscaler, joined_message
-    from control.deployment_hot_loads import HotLoads
     from control.deployment_host import DeploymentHost
+    from control.deployment_hot_loads import HotLoads
     from control.patches import NODE_PLACEMENT
 
 REPLICA_START_TIMEOUT = timedelta(minutes=20)

@@ -441,7 +441,7 @@ def inspect_snapshot(
     source = open_location(location, s3=s3)
     files = source.list_files()
     index = _read_index(source, files)
-    common = {"location": source.uri, "files": dict(sorted(files.items())), "total_bytes": sum(files.values())}
+    common: dict[str, Any] = {"location": source.uri, "files": dict(sorted(files.items())), "total_bytes": sum(files.values())}
     if index.is_delta:
         if previous_identity is not None:
             validate_identity(previous_identity, field="previousSnapshotIdentity")

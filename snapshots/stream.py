@@ -349,7 +349,7 @@ class _Pass:
                 step = min(self.chunk_bytes, task.nbytes - done)
                 data, diff = data_buf[:step], diff_buf[:step]
                 task.link = None
-                base.readinto(memoryview(data))
+                base.readinto(data.data)
                 if not task.links:  # a changed tensor is proven by its links' checksums instead
                     running[0] = adler32(data, running[0])
                 for k, (task.link, reader) in enumerate(zip(task.links, readers)):
@@ -357,13 +357,13 @@ class _Pass:
                         sparse.scatter_chunk(data, done, *reader)
                         running[k + 1] = adler32(data, running[k + 1])
                         continue
-                    got = fill_from(reader, memoryview(diff))
+                    got = fill_from(reader, diff.data)
                     if got != step:
                         check_inflated(done + got, b"", task.nbytes, file=task.link.file, tensor=task.name)
                     np.bitwise_xor(data, diff, out=data)
                     running[k + 1] = adler32(data, running[k + 1])
                 if out_fd is not None:
-                    _pwrite_all(out_fd, memoryview(data), task.out_offset + done)
+                    _pwrite_all(out_fd, data.data, task.out_offset + done)
                 done += step
             if out_fd is not None and self.writeback and task.nbytes:
                 # Start writing this tensor to disk now (asynchronously: Linux's FADV_DONTNEED

@@ -74,7 +74,7 @@ try:  # the plot is optional: without matplotlib the demo prints its table only
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 except ImportError:
-    plt = None
+    plt = None  # type: ignore[assignment]
 
 # The table's before/after sample: a question the policy never trains on, greedy.
 SAMPLE_PROMPT = "12 + 34 ="
@@ -457,7 +457,7 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
             scale.until_scaled_in(lambda: c.call("GET", f"/deployments/{dep_id}")["deployment"])
 
         trained = [r for r in records if r.reward is not None]
-        first5, last5 = reward_summary([r.reward for r in trained])
+        first5, last5 = reward_summary([r.reward for r in trained])  # type: ignore[misc]  # rewards, not None
         deltas = [r for r in records if r.kind == "DELTA"]
         stamp = time.strftime("%Y%m%d-%H%M%S")
         figures = settings.home_path / "demo" / f"grpo-{stamp}.json"

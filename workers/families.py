@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers as T
@@ -23,7 +24,7 @@ VOCAB = 2048  # the embedded stack's tokenizer's (workers.base_model)
 _COMMON = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=2,
                num_key_value_heads=1, head_dim=64, vocab_size=VOCAB, max_position_embeddings=4096)
 # family -> (config class, model class, what differs from _COMMON)
-FAMILIES = {
+FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
     "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),  # q/k/v biases
     "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"tie_word_embeddings": True}),
