@@ -143,7 +143,9 @@ def admit(state: DeploymentInput, cmd: CreateHotLoadCommand, *, deleting: bool) 
     if cmd.type == SnapshotType.INCREMENTAL:
         if meta is None:
             raise rejected(INVALID_ARGUMENT, "incrementalSnapshotMetadata is required for SNAPSHOT_TYPE_INCREMENTAL")
-        problem = identity_problem(meta.previous_snapshot_identity, "incrementalSnapshotMetadata.previousSnapshotIdentity")
+        problem = identity_problem(
+            meta.previous_snapshot_identity, "incrementalSnapshotMetadata.previousSnapshotIdentity"
+        )
         if problem:
             raise rejected(INVALID_ARGUMENT, problem)
         if meta.previous_snapshot_identity == cmd.identity:

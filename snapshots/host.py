@@ -157,9 +157,13 @@ class HostWeights:
             given = allocate(sizes)
             for shard, buf in given.items():
                 if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != sizes[shard]:
-                    raise ValueError(f"allocate() gave a buffer of {buf.nbytes} bytes for shard {shard} of {sizes[shard]}")
+                    raise ValueError(
+                        f"allocate() gave a buffer of {buf.nbytes} bytes for shard {shard} of {sizes[shard]}"
+                    )
         else:  # private memory; with `mmap`, local shards are mapped copy-on-write instead
-            given = {shard: np.empty(size, dtype=np.uint8) for shard, size in sizes.items() if not (mmap and local and size)}
+            given = {
+                shard: np.empty(size, dtype=np.uint8) for shard, size in sizes.items() if not (mmap and local and size)
+            }
         if local:
             for shard in shards:
                 with open(source.path(shard), "rb", buffering=0) as f:  # type: ignore[attr-defined]
@@ -174,7 +178,9 @@ class HostWeights:
             for shard in shards:
                 size = sizes[shard]
                 buffers[shard] = given[shard]
-                parts += [(shard, off, min(_REMOTE_PART_BYTES, size - off)) for off in range(0, size, _REMOTE_PART_BYTES)]
+                parts += [
+                    (shard, off, min(_REMOTE_PART_BYTES, size - off)) for off in range(0, size, _REMOTE_PART_BYTES)
+                ]
 
             def fetch(part: tuple[str, int, int]) -> None:
                 shard, offset, length = part

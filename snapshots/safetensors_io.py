@@ -142,7 +142,9 @@ def parse_header(header_bytes: bytes, file_size: int, file: str) -> SafetensorsH
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1]
         ):
-            raise HeaderError(f"data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end", file=file, tensor=name)
+            raise HeaderError(
+                f"data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end", file=file, tensor=name
+            )
         begin, end = offsets
         expected = math.prod(shape) * DTYPE_SIZES[dtype]
         if end - begin != expected:
@@ -269,7 +271,11 @@ def write_safetensors(
     specs = list(tensors)
     views = []
     for spec in specs:
-        view = memoryview(spec.data).cast("B") if not isinstance(spec.data, np.ndarray) else np.ascontiguousarray(spec.data).reshape(-1).view(np.uint8).data
+        view = (
+            memoryview(spec.data).cast("B")
+            if not isinstance(spec.data, np.ndarray)
+            else np.ascontiguousarray(spec.data).reshape(-1).view(np.uint8).data
+        )
         expected = math.prod(spec.shape) * DTYPE_SIZES[spec.dtype]
         if len(view) != expected:
             raise HeaderError(

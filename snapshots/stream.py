@@ -214,7 +214,9 @@ class _TensorReader:
             try:
                 readinto_exact(self.fd, self.pos, view)
             except HeaderError as exc:
-                raise HeaderError(f"{exc.detail} (the shard changed or is truncated)", file=self.file, tensor=self.tensor) from None
+                raise HeaderError(
+                    f"{exc.detail} (the shard changed or is truncated)", file=self.file, tensor=self.tensor
+                ) from None
         else:
             got = 0
             while got < want:
@@ -223,7 +225,9 @@ class _TensorReader:
                 else:
                     data = self.source.read_range(self.shard, self.pos + got, want - got)
                 if not data:
-                    raise HeaderError(f"object ends at byte {self.pos + got}, inside the tensor", file=self.file, tensor=self.tensor)
+                    raise HeaderError(
+                        f"object ends at byte {self.pos + got}, inside the tensor", file=self.file, tensor=self.tensor
+                    )
                 view[got : got + len(data)] = data
                 got += len(data)
         self.pos += want
@@ -340,7 +344,9 @@ class _Pass:
                    for d, f in zip(decompressors, frames)]
         # Running Adler-32 of the base bytes, then of the bytes after each link.
         running = [adler32(b"")] * (len(frames) + 1)
-        base = _TensorReader(self.layout.source, task.shard, task.begin, task.nbytes, self.base_fds.get(task.shard), task.name)
+        base = _TensorReader(
+            self.layout.source, task.shard, task.begin, task.nbytes, self.base_fds.get(task.shard), task.name
+        )
         try:
             done = 0
             while done < task.nbytes:
@@ -535,7 +541,9 @@ def stream_checksums(
     layout, plans = _prepare(base, deltas, s3)
     if not verify:
         layout = FullLayout(layout.source, layout.index, layout.files, layout.headers, layout.tensors, {})
-    return _run(layout, plans, None, workers=workers or default_workers(), chunk_bytes=CHUNK_BYTES, fsync=False).checksums
+    return _run(
+        layout, plans, None, workers=workers or default_workers(), chunk_bytes=CHUNK_BYTES, fsync=False
+    ).checksums
 
 
 __all__ = [

@@ -190,8 +190,10 @@ def write_plot(records: list[StepRecord], path: Path, subtitle: str = "") -> Pat
     ax1.set_ylabel("mean reward\n(fraction of digit tokens)")
     ax1.set_ylim(-0.02, 1.02)
     ax1.grid(alpha=0.3)
-    ax1.set_title("rollouts demo: GRPO through hot-loads (2 Dynamo vLLM workers on CPU)" + (f"\n{subtitle}" if subtitle else ""),
-                  fontsize=10)
+    ax1.set_title(
+        "rollouts demo: GRPO through hot-loads (2 Dynamo vLLM workers on CPU)" + (f"\n{subtitle}" if subtitle else ""),
+        fontsize=10,
+    )
     colors = ["tab:orange" if r.kind == "FULL" else "tab:green" for r in records]
     ax2.bar([r.step for r in records], [r.hot_load_s for r in records], color=colors)
     ax2.set_ylabel("hot-load seconds\n(create → COMPLETED)")
@@ -323,7 +325,9 @@ def rollouts_for(client: Client, model: str, prompts: list[list[int]], cfg: Demo
     return rollouts, tokens, seconds
 
 
-def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = False, config: DemoConfig | None = None) -> int:
+def run_demo(
+    home: Path, *, port_base: int | None = None, keep_running: bool = False, config: DemoConfig | None = None
+) -> int:
     cfg = config or DemoConfig()
     settings = load_or_create_settings(home, port_base)
     stack = Stack(settings)
@@ -361,9 +365,12 @@ def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = F
         digit_ids = digit_token_ids(base_dir)
         tokenizer = Tokenizer.from_file(str(base_dir / "tokenizer.json"))
         n_train = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
-        say(f"trainer: {sum(p.numel() for p in policy.model.parameters()) / 1e6:.2f}M parameters, {n_train / 1e6:.2f}M "
-            f"trained ({cfg.train}: {len(policy.trainable)} of {len(policy.names)} tensors), FP32 masters, BF16 export; "
-            f"loaded in {time.monotonic() - t_load:.1f}s")
+        say(
+            f"trainer: {sum(p.numel() for p in policy.model.parameters()) / 1e6:.2f}M parameters, {n_train / 1e6:.2f}M "
+            f"trained ({cfg.train}: {len(policy.trainable)} of {len(policy.names)} tensors), FP32 masters, BF16 "
+            "export; "
+            f"loaded in {time.monotonic() - t_load:.1f}s"
+        )
 
         while True:
             dep = c.call("GET", f"/deployments/{dep_id}")["deployment"]

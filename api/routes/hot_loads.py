@@ -40,7 +40,9 @@ def hot_load_response(rec: Record) -> Response:
 
 
 @router.post("/hotLoads")
-async def create_hot_load(body: CreateHotLoadRequest, p: Principal = Depends(principal), r: Resources = Depends(resources)):
+async def create_hot_load(
+    body: CreateHotLoadRequest, p: Principal = Depends(principal), r: Resources = Depends(resources)
+):
     p.require_admin("creating a hot-load")
     dep = await r.get_deployment(p.organization_id, body.deployment_id)  # not_found across orgs
     require_granted(p, None, dep.spec.hot_load)  # a grant revoked since the create stops reads

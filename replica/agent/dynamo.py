@@ -28,12 +28,12 @@ Everything the agent does with an engine works unchanged on it:
   ``ROLLOUTS_REQUEST_SECRET_FILE``, and this object's own ``/v1/...`` requests carry it.
 - **Pause keeps new requests off a paused worker**: ``pause()`` first takes the worker's
   ``generate`` instance out of discovery (``leave``) when another instance of the namespace is
-  registered (the worker's ``instances`` route: what its own discovery client lists), so the frontend routes new requests to the others; ``resume()`` puts it back
-  (``join``). ``swap_in_pause`` can do a whole swap in one call to the worker (pause, label, swap
-  and proof, resume: its route says how), leaving the pool before it and joining after, so the
-  pause holds no HTTP hop; the agent swaps that way (``swaps_in_one_call``) unless a test arms
-  its ``swap`` fault point, which needs the four calls. A lone worker stays registered: a request that reaches it during the pause waits
-  for the resume (the pause window), as on a vLLM replica, rather than failing for want of a
+  registered (the worker's ``instances`` route: what its own discovery client lists), so the frontend routes new
+  requests to the others; ``resume()`` puts it back (``join``). ``swap_in_pause`` can do a whole swap in one call to the
+  worker (pause, label, swap and proof, resume: its route says how), leaving the pool before it and joining after, so
+  the pause holds no HTTP hop; the agent swaps that way (``swaps_in_one_call``) unless a test arms
+  its ``swap`` fault point, which needs the four calls. A lone worker stays registered: a request that reaches it during
+  the pause waits for the resume (the pause window), as on a vLLM replica, rather than failing for want of a
   worker. A request the frontend routed before it saw the ``leave`` also waits for the resume.
 - **Gate and hold-out**: an agent starts its worker ``gated``: Dynamo puts a worker in
   discovery as soon as it serves, so its frontend may route there before the agent has loaded
@@ -263,8 +263,8 @@ class DynamoEngineProcess(EngineProcess):
 
     def _to_this_worker(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """A JSON body for Dynamo's frontend that only this worker serves
-        (``nvext.backend_instance_id``), carrying the request-plane secret, with vLLM's top-level ``cache_salt`` where Dynamo reads it
-        (``nvext.cache_salt``)."""
+        (``nvext.backend_instance_id``), carrying the request-plane secret, with vLLM's top-level ``cache_salt`` where
+        Dynamo reads it (``nvext.cache_salt``)."""
         body = kwargs.get("json")
         if not isinstance(body, dict) or self.worker_id is None:
             return kwargs
@@ -310,11 +310,19 @@ class DynamoEngineProcess(EngineProcess):
         result with the worker's ``timings_ms``; a read-back that differs raises ReadBackFailed."""
         await self.leave_pool()
         try:
-            answer = (await self.control(
-                "swap_in_pause", {"label": label, "previous": previous, "clear_cache": clear_cache, "expected": expected,
-                                  "ranks": self.ranks},
-                path="/swap_in_pause",
-            )).json()
+            answer = (
+                await self.control(
+                    "swap_in_pause",
+                    {
+                        "label": label,
+                        "previous": previous,
+                        "clear_cache": clear_cache,
+                        "expected": expected,
+                        "ranks": self.ranks,
+                    },
+                    path="/swap_in_pause",
+                )
+            ).json()
         finally:
             await self._join()
         result = dict(answer["result"])

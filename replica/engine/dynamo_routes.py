@@ -21,12 +21,12 @@ touching Dynamo's or vLLM's files:
    whole swap in one call, inside the worker:
    pause (keep; :func:`pause_at_once`), set the weight-version label, swap the stage in and prove it
    (``swap_and_commit_staged`` on every worker), resume; a swap that fails, whose read-back
-   differs, or that proved other than ``expected`` tensors is rolled back (``discard_staged``) and the previous label restored before the
-   resume. It answers the extension's result (``read_back_failed`` when the proof differed) and
+   differs, or that proved other than ``expected`` tensors is rolled back (``discard_staged``) and the previous label
+   restored before the resume. It answers the extension's result (``read_back_failed`` when the proof differed) and
    ``timings_ms`` measured here: ``pause``, ``label``, ``swap``, ``resume`` and ``window`` (from
    the pause's start to the resume's end: how long the engine served nothing), so no HTTP hop
-   between the agent and the worker falls inside the pause. Every call carries the engine's secret in its JSON body (``secret``; the
-   system server passes a route only the body): a missing or wrong secret answers
+   between the agent and the worker falls inside the pause. Every call carries the engine's secret in its JSON body
+   (``secret``; the system server passes a route only the body): a missing or wrong secret answers
    ``{"error": {"code": 401, ...}}``; any failure answers ``{"error": {"code": 500|400, "message"}}``
    (the system server always answers HTTP 200; ``replica.agent.dynamo.DynamoEngineClient`` turns
    these into the errors a vLLM replica raises).
@@ -342,9 +342,21 @@ def control_routes(engine: Any, endpoint: Any, secret: str, gate: Gate | None = 
             gate.open()
         return {"status": "open"}
 
-    handlers = {"open": open_gate, "leave": leave, "join": join, "instance": instance, "instances": instances, "pause": pause, "resume": resume, "is_paused": is_paused, "reset_prefix_cache": reset_prefix_cache,
-                "collective_rpc": collective_rpc, "update_weight_version": update_weight_version,
-                "weight_info": weight_info, "swap_in_pause": swap_in_pause}
+    handlers = {
+        "open": open_gate,
+        "leave": leave,
+        "join": join,
+        "instance": instance,
+        "instances": instances,
+        "pause": pause,
+        "resume": resume,
+        "is_paused": is_paused,
+        "reset_prefix_cache": reset_prefix_cache,
+        "collective_rpc": collective_rpc,
+        "update_weight_version": update_weight_version,
+        "weight_info": weight_info,
+        "swap_in_pause": swap_in_pause,
+    }
 
     def answering(name: str, handler: Route) -> Route:
         async def route(body: dict[str, Any]) -> dict[str, Any]:

@@ -55,7 +55,8 @@ first). Methods (per worker):
   (0: none), for a test that needs requests to stay in flight (`step_delay`).
 
 Importing this module inside a vLLM process installs the CPU patches that keep what the loader
-wrote (`cpu_gemm` for linear layers, `cpu_moe` for fused experts) before the worker loads the model; elsewhere (tests, benchmarks) it does not load vLLM.
+wrote (`cpu_gemm` for linear layers, `cpu_moe` for fused experts) before the worker loads the model; elsewhere (tests,
+benchmarks) it does not load vLLM.
 """
 
 from __future__ import annotations

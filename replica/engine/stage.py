@@ -2,9 +2,9 @@
 
 - **stage** (a background job, the engine serving): :func:`take` checks that every tensor loads
   in place byte for byte (`weight_map.WeightMap.check`: a tensor of the engine's checkpoint that
-  lands in place, of that tensor's shape and dtype) and keeps it with its roll-back copy, either the views given (the agent's host copy in shared
-  memory, which holds exactly what the engine serves until the commit) or copies of the engine's
-  current values taken now, and with the Adler-32 the commit proves it against; and plans how
+  lands in place, of that tensor's shape and dtype) and keeps it with its roll-back copy, either the views given (the
+  agent's host copy in shared memory, which holds exactly what the engine serves until the commit) or copies of the
+  engine's current values taken now, and with the Adler-32 the commit proves it against; and plans how
   each tensor crosses into the engine (`scatter.plan`: a delta's changed elements only where
   that moves fewer bytes, buffers staged on an accelerator within a budget).
 - **swap** (inside a pause): :func:`swap` copies the staged tensors where vLLM's loader puts
