@@ -46,7 +46,8 @@ demo: install
 
 # Ruff (errors, import order, imports at module top, lines <= 120), then import-linter: the layering
 # and no import cycles, then mypy: the types, strictly in contracts/, control/, replica/engine/ (all
-# configured in pyproject.toml).
+# configured in pyproject.toml). Once the tree has been through `ruff format` (one commit, issue 44),
+# `$(VENV)/bin/ruff format --check .` joins them as the first step.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-logo
