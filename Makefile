@@ -44,11 +44,14 @@ status: $(STAMP)
 demo: install
 	$(ROLLOUTS) demo
 
-# Ruff (errors, import order, imports at module top), then import-linter: the layering and no
-# import cycles (both configured in pyproject.toml).
+# Ruff (errors, import order, imports at module top, lines <= 120), then import-linter: the layering
+# and no import cycles, then mypy: the types, strictly in contracts/, control/, replica/engine/ (all
+# configured in pyproject.toml). Once the tree has been through `ruff format` (one commit, issue 44),
+# `$(VENV)/bin/ruff format --check .` joins them as the first step.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-logo
+	$(VENV)/bin/mypy
 
 # The full suite: real Temporal, SeaweedFS and vLLM CPU replicas. Two pytest-xdist workers, each a
 # session with its own stack and at most three engines: most of a test's time is spent waiting on

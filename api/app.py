@@ -116,7 +116,9 @@ async def _temporal_down(_: Request, exc: RPCError) -> JSONResponse:
 
 async def _internal(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error")
-    return JSONResponse({"code": "internal", "message": "internal error; see the API log", "details": []}, status_code=500)
+    return JSONResponse(
+        {"code": "internal", "message": "internal error; see the API log", "details": []}, status_code=500
+    )
 
 
 EXCEPTION_HANDLERS: dict[Any, Callable[..., Any]] = {
@@ -146,7 +148,9 @@ def create_app(
         if client is None:
             setup_tracing("rollouts-api")
             client = await connect_temporal(settings, interceptors=temporal_interceptors(request_tracer))
-        app.state.resources = resources = Resources(client, task_queue=task_queue, hot_load_view=hot_load_view(settings))
+        app.state.resources = resources = Resources(
+            client, task_queue=task_queue, hot_load_view=hot_load_view(settings)
+        )
         try:
             yield
         finally:

@@ -15,8 +15,8 @@ read endpoints; its figures are in bench/README.md):
   `REFRESH_S`: one visibility call for the running hot-loads (by status, which is indexed; a
   `CloseTime >=` query scans the whole history on SQLite), decoding only rows some scope
   lists, then a describe of each operation that left the running set (it closed) or that
-  visibility does not show yet (an own create). Every `VERIFY_S` a listing being read is counted (closed operations); if the count
-  disagrees (an operation created elsewhere that ended between two refreshes, a late-visible
+  visibility does not show yet (an own create). Every `VERIFY_S` a listing being read is counted (closed operations); if
+  the count disagrees (an operation created elsewhere that ended between two refreshes, a late-visible
   one, history deleted by retention) the scope is read in full again. Reads and refreshes are
   single-flight: concurrent requests and the background task share one.
 - A request answers from memory when its scope was refreshed at most `STALE_S` ago (the
@@ -344,7 +344,7 @@ class HotLoadIndex:
                 return None
         if "hotLoad" not in memo:
             return None
-        return self.observed(self.reconcile(memo, desc.status, desc.close_time), closed)
+        return self.observed(self.reconcile(memo, desc.status, desc.close_time), closed)  # type: ignore[arg-type]  # memo(): a dict, typed Mapping
 
     async def _verify(self, scope: _Scope) -> None:
         """Counts the scope's closed operations: one the refreshes never saw running (created
@@ -360,7 +360,11 @@ class HotLoadIndex:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.refresh_s)
-            active = [s for s in self._scopes.values() if s.loaded_at is not None and loop.time() - s.last_read < self.active_s]
+            active = [
+                s
+                for s in self._scopes.values()
+                if s.loaded_at is not None and loop.time() - s.last_read < self.active_s
+            ]
             if not active:
                 return
             try:
@@ -387,7 +391,8 @@ class HotLoadIndex:
                 return None
         if "hotLoad" not in memo:
             return None
-        return self._store(self.record(self.reconcile(memo, wf.status, wf.close_time), closed), listed=True)
+        return self._store(self.record(self.reconcile(memo, wf.status, wf.close_time), closed),  # type: ignore[arg-type]  # memo(): a dict, typed Mapping
+                           listed=True)
 
     def _collect(self) -> None:
         """Drops records no scope lists any more (a scope evicted or reloaded)."""
@@ -446,7 +451,9 @@ def page_size(max_page_size: int | None) -> int:
     return min(size, MAX_PAGE_SIZE)
 
 
-def page(items: list[Any], max_page_size: int | None, page_token: str | None, scope: str) -> tuple[list[Any], str | None]:
+def page(
+    items: list[Any], max_page_size: int | None, page_token: str | None, scope: str
+) -> tuple[list[Any], str | None]:
     """One page of a short list (already in order) and the token of the next, if any: an offset."""
     size = page_size(max_page_size)
     start = 0

@@ -7,7 +7,7 @@ field (see api/app.py). Buckets and paths (`model`, `hotLoad`) follow common/buc
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, Field, StrictInt, field_validator, model_validator
 
@@ -55,11 +55,18 @@ def _proto_enum(enum_cls):
     return Annotated[enum_cls, BeforeValidator(parse)]
 
 
-SnapshotTypeIn = _proto_enum(SnapshotType)
-CompressionIn = _proto_enum(CompressionFormat)
-ChecksumIn = _proto_enum(ChecksumFormat)
-PromptCachePolicyIn = _proto_enum(PromptCachePolicy)
-TransitionModeIn = _proto_enum(TransitionMode)
+if TYPE_CHECKING:  # mypy sees the enums; pydantic gets them with the number parser
+    SnapshotTypeIn = SnapshotType
+    CompressionIn = CompressionFormat
+    ChecksumIn = ChecksumFormat
+    PromptCachePolicyIn = PromptCachePolicy
+    TransitionModeIn = TransitionMode
+else:
+    SnapshotTypeIn = _proto_enum(SnapshotType)
+    CompressionIn = _proto_enum(CompressionFormat)
+    ChecksumIn = _proto_enum(ChecksumFormat)
+    PromptCachePolicyIn = _proto_enum(PromptCachePolicy)
+    TransitionModeIn = _proto_enum(TransitionMode)
 
 Name = Annotated[str, Field(min_length=1, max_length=128)]
 

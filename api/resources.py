@@ -10,8 +10,8 @@ never a query, so they work with no worker running and for closed operations; a 
 workflow closed without recording an end (terminated, timed out) reads as FAILED/CANCELED with a
 condition (`reconcile_hot_load`). Hot-loads are read as `Record`s (api/listing.py): a closed one
 is served from memory, listings are cached per filter, an open one read by id is described and,
-when that is late, answered from the last describe (api/open_reads.py; a cancel reads afresh). Writes are workflow starts and Updates;
-an Update's `ApplicationError` type is the API error code.
+when that is late, answered from the last describe (api/open_reads.py; a cancel reads afresh). Writes are workflow
+starts and Updates; an Update's `ApplicationError` type is the API error code.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ __all__ = ["Resources", "page", "reconcile_hot_load", "update_error"]
 
 
 def update_error(exc: WorkflowUpdateFailedError) -> Exception:
-    cause = exc.cause
+    cause: BaseException | None = exc.cause
     while cause is not None and not isinstance(cause, ApplicationError):
         cause = cause.__cause__
     if isinstance(cause, ApplicationError) and cause.type:
@@ -79,13 +79,13 @@ class Resources:
             raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc
         if running_only and desc.status is not None and desc.status.name != "RUNNING":
             return None
-        return await desc.memo()
+        return await desc.memo()  # type: ignore[return-value]  # memo(): a dict, typed Mapping
 
     async def list_memos(self, query: str) -> list[dict[str, Any]]:
-        out = []
+        out: list[dict[str, Any]] = []
         try:
             async for wf in self.client.list_workflows(query, page_size=1000):
-                out.append(await wf.memo())
+                out.append(await wf.memo())  # type: ignore[arg-type]  # memo(): a dict, typed Mapping
         except RPCError as exc:
             raise Unavailable(f"Temporal is unavailable: {exc.message}") from exc
         return out
@@ -129,7 +129,8 @@ class Resources:
         users = [d for d in await self.list_deployments(org) if gateway_id in d.spec.gateway_ids]
         if users:
             raise FailedPrecondition(
-                f"gateway {gateway_id} is used by deployment(s) {', '.join(d.spec.id for d in users)}; delete them first"
+                f"gateway {gateway_id} is used by deployment(s) {', '.join(d.spec.id for d in users)}; delete them "
+                "first"
             )
         handle = self.client.get_workflow_handle(names.gateway_workflow_id(org, gateway_id))
         await handle.execute_update(names.DELETE)
@@ -258,7 +259,9 @@ class Resources:
 TERMINAL_STATES = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
 
 
-def reconcile_hot_load(memo: dict[str, Any], status: WorkflowExecutionStatus | None, close_time: datetime | None) -> dict[str, Any]:
+def reconcile_hot_load(
+    memo: dict[str, Any], status: WorkflowExecutionStatus | None, close_time: datetime | None
+) -> dict[str, Any]:
     """The operation as it really stands when its workflow closed without recording an end.
 
     A hot-load workflow records its terminal state in its memo before it returns. If it closed

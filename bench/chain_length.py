@@ -128,8 +128,11 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=1, help="SIMULATED replicas of the deployment")
     ap.add_argument("--poll-s", type=float, default=0.02, help="the client's GET cadence")
     ap.add_argument("--keep", action="store_true", help="keep the stack's home (logs) afterwards")
-    ap.add_argument("--engine", action="store_true",
-                    help="real Dynamo vLLM replica(s) on the stack's own node agent, and a real chain of training steps")
+    ap.add_argument(
+        "--engine",
+        action="store_true",
+        help="real Dynamo vLLM replica(s) on the stack's own node agent, and a real chain of training steps",
+    )
     args = ap.parse_args()
     if not 2 <= args.deltas <= MAX_CHAIN_DELTAS:
         raise SystemExit(f"--deltas must be 2..{MAX_CHAIN_DELTAS}")

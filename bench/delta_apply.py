@@ -81,7 +81,8 @@ rss0 = hwm_mb()
 t, c = time.perf_counter(), cpu()
 r = materialize_chain_report(sys.argv[2], [sys.argv[3]], sys.argv[4], fsync=sys.argv[5] == "1")
 dt, dc = time.perf_counter() - t, cpu() - c
-print(json.dumps({"seconds": dt, "cpu": dc, "bytes_changed": r.bytes_changed, "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
+print(json.dumps({"seconds": dt, "cpu": dc, "bytes_changed": r.bytes_changed,
+                  "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
 """
 
 HOST = HWM + """
@@ -93,7 +94,8 @@ rss0 = hwm_mb()
 t, c = time.perf_counter(), cpu()
 r = w.apply_delta_report(sys.argv[3])
 dt, dc = time.perf_counter() - t, cpu() - c
-print(json.dumps({"seconds": dt, "cpu": dc, "bytes_changed": r.bytes_changed, "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
+print(json.dumps({"seconds": dt, "cpu": dc, "bytes_changed": r.bytes_changed,
+                  "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
 """
 
 CWTRAIN = HWM + """
@@ -106,7 +108,8 @@ rss0 = hwm_mb()
 t, c = time.perf_counter(), cpu()
 r = m.apply_delta(sys.argv[2])
 dt, dc = time.perf_counter() - t, cpu() - c
-print(json.dumps({"seconds": dt, "cpu": dc, "bytes_changed": r.bytes_changed, "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
+print(json.dumps({"seconds": dt, "cpu": dc, "bytes_changed": r.bytes_changed,
+                  "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
 """
 
 MIRROR_CREATE = """
@@ -199,7 +202,11 @@ def run_cli_in_place(rollouts: str, base: Path, delta: Path, work: Path) -> dict
         raise SystemExit(f"rollouts snapshot apply failed:\n{run.stderr[-3000:]}")
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     # The same delta as the other runs: its changed bytes are theirs (filled in by main).
-    return {"seconds": seconds, "cpu": cpu, "changed_tensors": sum(d["changed"] for d in json.loads(run.stdout)["deltas"])}
+    return {
+        "seconds": seconds,
+        "cpu": cpu,
+        "changed_tensors": sum(d["changed"] for d in json.loads(run.stdout)["deltas"]),
+    }
 
 
 def run_json(argv: list[str]) -> dict[str, Any]:
@@ -219,7 +226,9 @@ def main() -> None:
     parser.add_argument("--size-mb", type=float, default=1024)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each measurement; the best is reported")
     parser.add_argument("--workdir", type=Path, help="where to build the checkpoints (default: a temp dir)")
-    parser.add_argument("--cwtrain-python", default=os.environ.get("ROLLOUTS_CWTRAIN_PYTHON", str(REPO / ".venv-cw/bin/python")))
+    parser.add_argument(
+        "--cwtrain-python", default=os.environ.get("ROLLOUTS_CWTRAIN_PYTHON", str(REPO / ".venv-cw/bin/python"))
+    )
     args = parser.parse_args()
     workers = default_workers()
     py = sys.executable
@@ -241,12 +250,20 @@ def main() -> None:
             # Interleaved, so a burst of load elsewhere on the machine hits every contender alike.
             for fsync in ("0", "1"):
                 shutil.rmtree(out, ignore_errors=True)
-                runs.setdefault(f"ours fsync={fsync}", []).append(run_json([py, "-c", STREAM, str(REPO), str(base), str(delta), str(out), fsync]))
+                runs.setdefault(f"ours fsync={fsync}", []).append(
+                    run_json([py, "-c", STREAM, str(REPO), str(base), str(delta), str(out), fsync])
+                )
             shutil.rmtree(out, ignore_errors=True)
             if have_cw:
                 for fsync in ("0", "1"):
-                    subprocess.run([args.cwtrain_python, "-c", MIRROR_CREATE, str(base), str(mirror)], check=True, capture_output=True)
-                    runs.setdefault(f"cwtrain fsync={fsync}", []).append(run_json([args.cwtrain_python, "-c", CWTRAIN, str(mirror), str(delta), fsync]))
+                    subprocess.run(
+                        [args.cwtrain_python, "-c", MIRROR_CREATE, str(base), str(mirror)],
+                        check=True,
+                        capture_output=True,
+                    )
+                    runs.setdefault(f"cwtrain fsync={fsync}", []).append(
+                        run_json([args.cwtrain_python, "-c", CWTRAIN, str(mirror), str(delta), fsync])
+                    )
                 shutil.rmtree(mirror, ignore_errors=True)
             runs.setdefault("ours CLI in place", []).append(run_cli_in_place(rollouts, base, delta, root / "work"))
             runs.setdefault("host (in memory)", []).append(run_json([py, "-c", HOST, str(REPO), str(base), str(delta)]))
@@ -268,7 +285,11 @@ def main() -> None:
             print(f"{name:18s} {r['seconds']:7.3f}s  {r['gbps']:6.3f} GB/s written and fsynced")
             continue
         r["gb_per_cpu_s"] = r["bytes_changed"] / min(x["cpu"] for x in runs[name]) / 1e9
-        extra = f", peak RSS {r['peak_rss_mb']:.0f} MiB ({100 * r['peak_rss_mb'] / model_mb:.0f}% of the model)" if "peak_rss_mb" in r else ""
+        extra = (
+            f", peak RSS {r['peak_rss_mb']:.0f} MiB ({100 * r['peak_rss_mb'] / model_mb:.0f}% of the model)"
+            if "peak_rss_mb" in r
+            else ""
+        )
         print(f"{name:18s} {r['seconds']:7.3f}s  {r['gbps']:6.3f} GB/s of changed bytes; "
               f"{r['gb_per_cpu_s']:6.3f} GB per CPU-second{extra}")
     print("ratios: by wall-clock throughput (the target); by CPU cost (what a quiet machine would show)")
@@ -288,7 +309,11 @@ def main() -> None:
     raw = results["raw"]
     for name in ("ours fsync=0", "ours fsync=1", "ours CLI in place", "host (in memory)"):
         r = results[name]
-        print(f"{name} / raw limit: {100 * r['gbps'] / raw['gbps']:.0f}%; {100 * r['gb_per_cpu_s'] / raw['gb_per_cpu_s']:.0f}%")
+        print(
+            f"{name} / raw limit: {100 * r['gbps'] / raw['gbps']:.0f}%; "
+            f"{100 * r['gb_per_cpu_s'] / raw['gb_per_cpu_s']:.0f}%"
+        )
+
 
 if __name__ == "__main__":
     main()

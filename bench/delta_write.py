@@ -39,7 +39,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=float, default=1024)
     parser.add_argument("--workdir", type=Path)
-    parser.add_argument("--cwtrain-python", default=os.environ.get("ROLLOUTS_CWTRAIN_PYTHON", str(REPO / ".venv-cw/bin/python")))
+    parser.add_argument(
+        "--cwtrain-python", default=os.environ.get("ROLLOUTS_CWTRAIN_PYTHON", str(REPO / ".venv-cw/bin/python"))
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         root = Path(tmp)
@@ -48,13 +50,26 @@ def main() -> None:
         t = time.perf_counter()
         stats = write_delta(root / "base", root / "new", root / "ours", version="1", base_version="0")
         ours = time.perf_counter() - t
-        print(f"ours     {ours:7.3f}s  {total / ours / 1e9:5.2f} GB/s  {dir_size(root / 'ours') / 1e6:8.2f} MB  ({stats.changed} tensors)")
+        print(
+            f"ours     {ours:7.3f}s  {total / ours / 1e9:5.2f} GB/s  {dir_size(root / 'ours') / 1e6:8.2f} MB  "
+            f"({stats.changed} tensors)"
+        )
         if Path(args.cwtrain_python).exists():
-            run = subprocess.run([args.cwtrain_python, "-c", CWTRAIN, str(root / "base"), str(root / "new"), str(root / "cw")],
-                                 capture_output=True, text=True, check=True)
+            run = subprocess.run(
+                [args.cwtrain_python, "-c", CWTRAIN, str(root / "base"), str(root / "new"), str(root / "cw")],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             cw = json.loads(run.stdout.strip().splitlines()[-1])
-            print(f"cwtrain  {cw['seconds']:7.3f}s  {total / cw['seconds'] / 1e9:5.2f} GB/s  {dir_size(root / 'cw') / 1e6:8.2f} MB  ({cw['changed']} tensors)")
-            print(f"speed ours/cwtrain: {cw['seconds'] / ours:.2f}x; size ours/cwtrain: {dir_size(root / 'ours') / dir_size(root / 'cw'):.4f}")
+            print(
+                f"cwtrain  {cw['seconds']:7.3f}s  {total / cw['seconds'] / 1e9:5.2f} GB/s  "
+                f"{dir_size(root / 'cw') / 1e6:8.2f} MB  ({cw['changed']} tensors)"
+            )
+            print(
+                f"speed ours/cwtrain: {cw['seconds'] / ours:.2f}x; size ours/cwtrain: "
+                f"{dir_size(root / 'ours') / dir_size(root / 'cw'):.4f}"
+            )
 
 
 if __name__ == "__main__":

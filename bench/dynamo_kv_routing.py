@@ -6,9 +6,9 @@ For each router mode in turn, an embedded stack (``rollouts up --dynamo-router-m
 in a temporary home; one at a time) with a ``--replicas`` deployment of the embedded model. GRPO
 groups: ``--groups`` prompts of ``--prompt`` random tokens, each sampled ``--samples`` times as
 separate requests (16 tokens at temperature 1): the first alone, then the others together
-(``--together``: all at once), ``--waves`` groups at once, through the gateway. Prints, per mode: the prefix-cache hit rate (cached prompt tokens / prompt tokens,
-from each answer's ``usage.prompt_tokens_details.cached_tokens``), the groups whose samples all
-ran on one worker, and the wall time; then kv / least-loaded. (One request with ``n`` samples
+(``--together``: all at once), ``--waves`` groups at once, through the gateway. Prints, per mode: the prefix-cache hit
+rate (cached prompt tokens / prompt tokens, from each answer's ``usage.prompt_tokens_details.cached_tokens``), the
+groups whose samples all ran on one worker, and the wall time; then kv / least-loaded. (One request with ``n`` samples
 always runs on one worker: this measures groups sent as separate requests.)
 """
 

@@ -118,7 +118,9 @@ def main() -> int:
             for f in TOKENIZER_FILES:
                 shutil.copy2(settings.home_path / "models" / "base" / f, d / f)
         stats = write_delta(work / "base", work / "new", work / "delta", version="1", base_version="0")
-        print(f"model {info['tensor_bytes'] / 2**20:.0f} MiB BF16; delta {stats.wire_bytes / 2**20:.1f} MiB", flush=True)
+        print(
+            f"model {info['tensor_bytes'] / 2**20:.0f} MiB BF16; delta {stats.wire_bytes / 2**20:.1f} MiB", flush=True
+        )
         upload_dir(settings.s3_client(), work / "base", settings.bucket, "bench/model")
         api = Api(settings)
         results = [measure(settings, api, work, "broadcast", args.replicas, args.replicas - 1, args.runs),

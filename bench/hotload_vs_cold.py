@@ -150,9 +150,12 @@ def main() -> int:
             for f in TOKENIZER_FILES:
                 shutil.copy2(settings.home_path / "models" / "base" / f, d / f)
         stats = write_delta(base, new, work / "delta", version="1", base_version="0")
-        print(f"model {info['tensor_bytes'] / 2**20:.0f} MiB BF16, {info['changed_element_fraction'] * 100:.2f}% of "
-              f"elements changed; delta {stats.wire_bytes / 2**20:.1f} MiB ({stats.wire_bytes / info['tensor_bytes'] * 100:.2f}% of full)",
-              flush=True)
+        print(
+            f"model {info['tensor_bytes'] / 2**20:.0f} MiB BF16, {info['changed_element_fraction'] * 100:.2f}% of "
+            f"elements changed; delta {stats.wire_bytes / 2**20:.1f} MiB "
+            f"({stats.wire_bytes / info['tensor_bytes'] * 100:.2f}% of full)",
+            flush=True,
+        )
         s3 = settings.s3_client()
         upload_dir(s3, base, settings.bucket, "bench/model")
         upload_dir(s3, new, settings.bucket, "bench/new-full")

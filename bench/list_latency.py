@@ -72,7 +72,9 @@ DEPLOYMENT = "bench-dep"
 async def apply_snapshot(inp: ApplySnapshotInput) -> ApplySnapshotResult:
     if inp.identity.endswith("-fail"):
         raise ApplicationError("checksum mismatch (bench)", type="SnapshotError", non_retryable=True)
-    return ApplySnapshotResult(identity=inp.identity, engine_pid=1, tensors_loaded=1, bytes_read_from_bucket=1, pause_ms=1)
+    return ApplySnapshotResult(
+        identity=inp.identity, engine_pid=1, tensors_loaded=1, bytes_read_from_bucket=1, pause_ms=1
+    )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -95,9 +97,14 @@ async def fill(client, task_queue: str, count: int) -> list[str]:
         identity = f"step-{i:06d}" + ("-fail" if i % 10 == 7 else "")
         now = rfc3339(__import__("datetime").datetime.now(__import__("datetime").UTC))
         hot_load = HotLoad(
-            spec=HotLoadSpec(id=hl_id, deployment_id=DEPLOYMENT, organization_id="org-bench", identity=identity,
-                             type=SnapshotType.FULL,
-                             snapshot_chain=[SnapshotRef(identity=identity, type=SnapshotType.FULL, hot_load_id=hl_id)]),
+            spec=HotLoadSpec(
+                id=hl_id,
+                deployment_id=DEPLOYMENT,
+                organization_id="org-bench",
+                identity=identity,
+                type=SnapshotType.FULL,
+                snapshot_chain=[SnapshotRef(identity=identity, type=SnapshotType.FULL, hot_load_id=hl_id)],
+            ),
             status=HotLoadStatus(state=HotLoadState.PENDING, created_at=now, updated_at=now),
         )
         async with sem:
@@ -141,7 +148,8 @@ def report(rows: list[tuple[str, list[float]]], baseline: dict[str, dict[str, fl
         line = f"  {name:<26} p50 {p50:7.2f} ms   p99 {p99:7.2f} ms   (n={len(ms)})"
         if name in baseline:
             was = baseline[name]
-            line += f"   baseline p50 {was['p50']:7.2f} p99 {was['p99']:7.2f}: x{was['p50'] / p50:.1f} / x{was['p99'] / p99:.1f}"
+            line += (f"   baseline p50 {was['p50']:7.2f} p99 {was['p99']:7.2f}: "
+                     f"x{was['p50'] / p50:.1f} / x{was['p99'] / p99:.1f}")
         print(line)
     return figures
 
@@ -196,12 +204,22 @@ async def main() -> None:
                     cold_ms = await timed(cold, "/hotLoads", 1, parentDeploymentId=DEPLOYMENT, maxPageSize=50)
                 rows = [
                     ("list, cold (1st request)", cold_ms),
-                    ("list, first page of 50", await timed(http, "/hotLoads", n, parentDeploymentId=DEPLOYMENT, maxPageSize=50)),
-                    ("list, 1000 per page", await timed(http, "/hotLoads", max(20, n // 4), parentDeploymentId=DEPLOYMENT, maxPageSize=1000)),
+                    (
+                        "list, first page of 50",
+                        await timed(http, "/hotLoads", n, parentDeploymentId=DEPLOYMENT, maxPageSize=50),
+                    ),
+                    (
+                        "list, 1000 per page",
+                        await timed(
+                            http, "/hotLoads", max(20, n // 4), parentDeploymentId=DEPLOYMENT, maxPageSize=1000
+                        ),
+                    ),
                     ("get one", await timed(http, f"/hotLoads/{ids[len(ids) // 2]}", n)),
                     ("replicas of one", await timed(http, f"/hotLoads/{ids[len(ids) // 2]}/replicas", n)),
-                    ("list, 8 clients at once", await concurrent(
-                        http, "/hotLoads", n, 8, parentDeploymentId=DEPLOYMENT, maxPageSize=50)),
+                    (
+                        "list, 8 clients at once",
+                        await concurrent(http, "/hotLoads", n, 8, parentDeploymentId=DEPLOYMENT, maxPageSize=50),
+                    ),
                 ]
         index = app.state.resources.hot_loads
         print(f"{args.hot_loads} hot-loads in history, in-process ASGI, {n} requests each (visibility: "

@@ -211,8 +211,14 @@ def run_autoscale(settings: Settings, api: Api, dep_id: str, low: int, high: int
     in_s = steps(IDLE, low)
     counts = asyncio.run(activity_counts(settings, workflow_id, JOIN_STEPS))
     events1, size1 = asyncio.run(history(settings, workflow_id))
-    return {"out_s": out_s, "in_s": in_s, "trace": trace, "activities": counts, "history_events_added": events1 - events0,
-            "deployment_history_bytes": size1}
+    return {
+        "out_s": out_s,
+        "in_s": in_s,
+        "trace": trace,
+        "activities": counts,
+        "history_events_added": events1 - events0,
+        "deployment_history_bytes": size1,
+    }
 
 
 def ready_replicas(api: Api, dep_id: str) -> int:
@@ -301,7 +307,9 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
             break
     events, size = asyncio.run(history(settings, workflow_id))
     groups = asyncio.run(group_histories(settings, workflow_id))
-    dep_events, dep_size = asyncio.run(history(settings, names.deployment_workflow_id(settings.organization_id, dep_id)))
+    dep_events, dep_size = asyncio.run(
+        history(settings, names.deployment_workflow_id(settings.organization_id, dep_id))
+    )
     reg_events, reg_size = asyncio.run(history(settings, names.NODE_REGISTRY_ID))
     sources: dict[str, int] = {}
     for r in replicas:
@@ -386,9 +394,14 @@ def main() -> int:
         while True:
             r = api.http.get(f"/deployments/{dep_id}")
             if r.status_code != 200:  # the deployment workflow closed: say how
-                events, size = asyncio.run(history(settings, names.deployment_workflow_id(settings.organization_id, dep_id)))
-                print(f"deployment of {args.replicas} replicas: GET answers {r.status_code}; its workflow closed after "
-                      f"{events} history events, {size / 1e6:.1f} MB (Temporal ends a workflow past 50 MB / 51,200 events)")
+                events, size = asyncio.run(
+                    history(settings, names.deployment_workflow_id(settings.organization_id, dep_id))
+                )
+                print(
+                    f"deployment of {args.replicas} replicas: GET answers {r.status_code}; its workflow closed after "
+                    f"{events} history events, {size / 1e6:.1f} MB (Temporal ends a workflow past 50 MB / 51,200 "
+                    "events)"
+                )
                 print("  " + asyncio.run(history_breakdown(
                     settings, names.deployment_workflow_id(settings.organization_id, dep_id))))
                 return 1
@@ -400,8 +413,11 @@ def main() -> int:
               f"{args.sim_nice}): {dep['status']['status']} in {time.perf_counter() - t0:.1f} s", flush=True)
         dep_wf = names.deployment_workflow_id(settings.organization_id, dep_id)
         events, size = asyncio.run(history(settings, dep_wf))
-        print(f"  deployment history {events} events, {size / 1e6:.2f} MB: {asyncio.run(history_breakdown(settings, dep_wf))}",
-              flush=True)
+        print(
+            f"  deployment history {events} events, {size / 1e6:.2f} MB: "
+            f"{asyncio.run(history_breakdown(settings, dep_wf))}",
+            flush=True,
+        )
         if args.deployment_only:
             async def runs() -> list[str]:
                 client = await temporal_client(settings)
@@ -420,15 +436,29 @@ def main() -> int:
                   f"sources {r['sources']}; max pause {r['max_pause_ms']:.1f} ms")
             print(f"  hot-load history      {r['history_events']} events, {r['history_bytes'] / 1e6:.2f} MB; "
                   f"most pending activities {r['most_pending_activities']}")
-            print(f"  stage groups          {r['stage_groups']}: {r['group_history_events_sum']} events in all, at most "
-                  f"{r['group_history_events_max']} ({r['group_history_bytes_max'] / 1e6:.2f} MB) in one")
-            print(f"  transfer rounds       {r['transfer_rounds']} (fan-out {args.fan_out}, k = {args.max_concurrent_swaps})")
-            print(f"  deployment history    {r['deployment_history_events']} events, {r['deployment_history_bytes'] / 1e6:.2f} MB")
-            print(f"  node registry history {r['registry_history_events']} events, {r['registry_history_bytes'] / 1e6:.2f} MB")
+            print(
+                f"  stage groups          {r['stage_groups']}: {r['group_history_events_sum']} events in all, at most "
+                f"{r['group_history_events_max']} ({r['group_history_bytes_max'] / 1e6:.2f} MB) in one"
+            )
+            print(
+                f"  transfer rounds       {r['transfer_rounds']} (fan-out {args.fan_out}, k = "
+                f"{args.max_concurrent_swaps})"
+            )
+            print(
+                f"  deployment history    {r['deployment_history_events']} events, "
+                f"{r['deployment_history_bytes'] / 1e6:.2f} MB"
+            )
+            print(
+                f"  node registry history {r['registry_history_events']} events, "
+                f"{r['registry_history_bytes'] / 1e6:.2f} MB"
+            )
             print(f"  API GET p50/p99 {r['api_get_p50_ms']:.1f}/{r['api_get_p99_ms']:.1f} ms, list p50/p99 "
                   f"{r['api_list_p50_ms']:.1f}/{r['api_list_p99_ms']:.1f} ms ({r['api_samples']} samples)")
-            print(f"  its end shown by GET  {r['end_seen_after_ms']:.0f} ms after the hot-load's finishedAt; GETs "
-                  f"answered by their describe {r['gets_described']:.0f}, from the last one (theirs late) {r['gets_kept']:.0f}")
+            print(
+                f"  its end shown by GET  {r['end_seen_after_ms']:.0f} ms after the hot-load's finishedAt; GETs "
+                f"answered by their describe {r['gets_described']:.0f}, from the last one (theirs late) "
+                f"{r['gets_kept']:.0f}"
+            )
             if r["describe_samples"]:
                 end = r["describe_end_seen_after_ms"]
                 print(f"  Temporal describe p50/p99 {r['describe_p50_ms']:.1f}/{r['describe_p99_ms']:.1f} ms "
@@ -443,8 +473,12 @@ def main() -> int:
             scaled = run_autoscale(settings, api, dep_id, args.replicas, args.replicas + args.autoscale)
             print(f"\nautoscaling {args.replicas} -> {args.replicas + args.autoscale} -> {args.replicas} "
                   f"(SIMULATED gateway load reports)")
-            print("  scale-out, s between changes of the serving count: " + ", ".join(f"{x:.1f}" for x in scaled["out_s"]))
-            print("  scale-in, s between changes of the serving count:  " + ", ".join(f"{x:.1f}" for x in scaled["in_s"]))
+            print(
+                "  scale-out, s between changes of the serving count: " + ", ".join(f"{x:.1f}" for x in scaled["out_s"])
+            )
+            print(
+                "  scale-in, s between changes of the serving count:  " + ", ".join(f"{x:.1f}" for x in scaled["in_s"])
+            )
             print(f"  ready replicas as they changed (level, s, count): {scaled['trace']}")
             print(f"  deployment activities {scaled['activities']}")
             print(f"  deployment history +{scaled['history_events_added']} events "

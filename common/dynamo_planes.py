@@ -75,5 +75,7 @@ def discovery_problem(backend: str, discovery_dir: Path) -> str | None:
     missing = [name for name in POD_ENV if not os.environ.get(name)]
     if not missing:
         return None
-    return (f"Dynamo's kubernetes discovery needs {', '.join(POD_ENV)} from the downward API "
-            f"(deploy/kubernetes/base/dynamo.yaml); {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set")
+    return (
+        f"Dynamo's kubernetes discovery needs {', '.join(POD_ENV)} from the downward API "
+        f"(deploy/kubernetes/base/dynamo.yaml); {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set"
+    )

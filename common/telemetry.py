@@ -37,7 +37,7 @@ def setup_tracing(service_name: str) -> None:
     if os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "").startswith("grpc"):
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: PLC0415 - the OTLP SDK and exporter load only when an endpoint is configured
     else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # noqa: PLC0415 - the OTLP SDK and exporter load only when an endpoint is configured
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]  # noqa: PLC0415 - the OTLP SDK and exporter load only when an endpoint is configured
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)

@@ -170,7 +170,8 @@ class PeerOffer(WireModel):
             data["packed"] = pack_tensor_lists(self.specs, self.expected_adler32)
         else:
             data.pop("packed", None)  # a small offer is what it always was
-        return data
+        shown: dict[str, Any] = data
+        return shown
 
 
 PACK_OVER = 1000  # tensors in an offer above which its lists travel packed

@@ -7,8 +7,8 @@ held (`replica.engine.stage`); :func:`combine_swap` says ``read_back_failed`` (n
 any rank failed) when one rank failed, and the caller then discards the stage on every rank, so
 the ranks that proved theirs roll back too; else ``verified`` (each rank proves every staged
 tensor's shard: one count) with the slowest rank's timings and every rank's bytes added up
-(`BYTE_COUNTS`: what each rank moved into its shard inside the pause, and staged before it). A background job's result is the
-first rank's, with every rank's failure named.
+(`BYTE_COUNTS`: what each rank moved into its shard inside the pause, and staged before it). A background job's result
+is the first rank's, with every rank's failure named.
 """
 
 from __future__ import annotations

@@ -98,7 +98,9 @@ def dynamo_namespace(workflow_id: str) -> str:
     """The Dynamo namespace of a deployment's workers (one per deployment: a worker counts its
     siblings there; `replica.agent.dynamo`): ``rollouts-`` and the workflow id, every character
     other than a lowercase letter or digit replaced by ``-``."""
-    return "rollouts-" + "".join(c if c.isascii() and (c.isdigit() or c.islower()) else "-" for c in workflow_id.lower())
+    return "rollouts-" + "".join(
+        c if c.isascii() and (c.isdigit() or c.islower()) else "-" for c in workflow_id.lower()
+    )
 
 
 def dynamo_model(workflow_id: str) -> str:

@@ -94,8 +94,8 @@ class TokenStore:
         self.path = path
         self._lock = threading.Lock()
         self._mtime: int | None = None
-        self._tokens: list[dict] = []
-        self._orgs: dict[str, dict] = {}
+        self._tokens: list[dict[str, Any]] = []
+        self._orgs: dict[str, dict[str, Any]] = {}
         self._grants: dict[str, tuple[Grant, ...]] = {}  # parsed once per version of the file
 
     def _reload(self) -> None:

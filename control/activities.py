@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from temporalio import activity
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
 from common.settings import Settings
@@ -89,7 +89,7 @@ class ControlActivities:
                 self._s3 = self.settings.s3_client()
             return self._s3
 
-    def _registry(self):
+    def _registry(self) -> WorkflowHandle[Any, Any]:
         assert self.client is not None, "the placement activities need a Temporal client"
         return self.client.get_workflow_handle(names.NODE_REGISTRY_ID)
 
@@ -98,7 +98,9 @@ class ControlActivities:
         """The registry's placement of these replicas (all or none); not enough capacity is a
         `failed_precondition` naming what is missing, never retried."""
         try:
-            return await self._registry().execute_update(names.PLACE, req, result_type=dict[str, Placement])
+            placed: dict[str, Placement] = await self._registry().execute_update(
+                names.PLACE, req, result_type=dict[str, Placement])
+            return placed
         except WorkflowUpdateFailedError as exc:
             cause = exc.cause
             if isinstance(cause, ApplicationError) and cause.type == FAILED_PRECONDITION:
@@ -107,7 +109,8 @@ class ControlActivities:
 
     @activity.defn(name=names.RELEASE_REPLICAS)
     async def release_replicas(self, req: ReleaseRequest) -> int:
-        return await self._registry().execute_update(names.RELEASE, req, result_type=int)
+        released: int = await self._registry().execute_update(names.RELEASE, req, result_type=int)
+        return released
 
     @activity.defn(name=names.START_REPLICAS)
     def legacy_start_replicas(self, inp: StartReplicasInput) -> list[str]:

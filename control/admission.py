@@ -12,6 +12,8 @@ replica will read because it does not serve them yet).
 
 from __future__ import annotations
 
+from typing import Any
+
 from contracts.engine_config import engine_config_problem
 from contracts.errors import ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, rejected
 from contracts.records import (
@@ -69,7 +71,7 @@ def check_update(state: DeploymentInput, cmd: UpdateDeploymentCommand, *, deleti
             "hotLoad: differs from the deployment's section, which is immutable after creation; "
             "create a new deployment to change it",
         )
-    fixed = {
+    fixed: dict[str, tuple[Any, Any]] = {
         "name": (cmd.name, spec.name),
         "gatewayIds": (cmd.gateway_ids, spec.gateway_ids),
         "resources": (cmd.resources, spec.resources),
@@ -141,7 +143,9 @@ def admit(state: DeploymentInput, cmd: CreateHotLoadCommand, *, deleting: bool) 
     if cmd.type == SnapshotType.INCREMENTAL:
         if meta is None:
             raise rejected(INVALID_ARGUMENT, "incrementalSnapshotMetadata is required for SNAPSHOT_TYPE_INCREMENTAL")
-        problem = identity_problem(meta.previous_snapshot_identity, "incrementalSnapshotMetadata.previousSnapshotIdentity")
+        problem = identity_problem(
+            meta.previous_snapshot_identity, "incrementalSnapshotMetadata.previousSnapshotIdentity"
+        )
         if problem:
             raise rejected(INVALID_ARGUMENT, problem)
         if meta.previous_snapshot_identity == cmd.identity:

@@ -140,7 +140,7 @@ class Autoscaler(MixinBase):
                 await replica_set.stop(self.state, [new])
             except Exception as exc:  # noqa: BLE001 - logged; it never served
                 workflow.logger.warning("stopping replica %s failed: %s", new, exc)
-        self.failures = [f for f in self.failures if f.name != new]
+        self.failures = [f for f in self.failures if f.name != new]  # type: ignore[has-type]  # python/mypy#19862
         self.state.scaled_at = self._now()  # the next try waits out the cool-down
         self._count("out", "failed")
         self._settle()
@@ -214,11 +214,12 @@ class Autoscaler(MixinBase):
                 )
             finally:
                 await asyncio.gather(send, return_exceptions=True)
-            return await workflow.execute_activity(
+            result: ApplySnapshotResult = await workflow.execute_activity(
                 names.COMMIT_PEER_STAGE, CommitPeerStageInput(identity=current), task_queue=joiner.task_queue,
                 result_type=ApplySnapshotResult, summary=f"joining replica {joiner.name} swaps in {current}",
                 **REPLICA_STEP,
             )
+            return result
         except Exception as exc:  # noqa: BLE001 - the bucket is the fallback (a cancel is not an Exception)
             workflow.logger.warning("joining replica %s did not take %s from %s (%s): it reads the bucket",
                                     joiner.name, current, sender.name, exc.__cause__ or exc)
@@ -227,7 +228,7 @@ class Autoscaler(MixinBase):
     async def _catch_up_from_bucket(self, joiner: ReplicaEndpoint, current: str) -> ApplySnapshotResult:
         hot_load = self.spec.hot_load
         assert hot_load is not None
-        return await workflow.execute_activity(
+        result: ApplySnapshotResult = await workflow.execute_activity(
             names.APPLY_SNAPSHOT,
             ApplySnapshotInput(
                 hot_load_id=f"join-{joiner.name}", identity=current, chain=self.state.chains[current],
@@ -238,6 +239,7 @@ class Autoscaler(MixinBase):
             summary=f"bring joining replica {joiner.name} to {current} from the bucket",
             **REPLICA_STEP,
         )
+        return result
 
     async def _scale_in(self) -> None:
         name = self.state.members[-1]  # the newest

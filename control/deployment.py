@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 from temporalio import workflow
 
@@ -69,6 +70,7 @@ with workflow.unsafe.imports_passed_through():
         ConditionStatus,
         Deployment,
         DeploymentInput,
+        DeploymentSpec,
         ReplicaEndpoint,
         ReplicaFailure,
         ResourceStatus,
@@ -77,6 +79,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from control import admission, replica_set
     from control.autoscaler import Autoscaler, joined_message
+    from control.deployment_host import DeploymentHost
     from control.deployment_hot_loads import HotLoads
     from control.patches import NODE_PLACEMENT
 
@@ -110,7 +113,7 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
 
     # ------------------------------------------------------------------ helpers
     @property
-    def spec(self):
+    def spec(self) -> DeploymentSpec:
         return self.state.deployment.spec
 
     def _now(self) -> str:
@@ -140,7 +143,7 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
             }
         )
 
-    def _published_memo(self) -> dict:
+    def _published_memo(self) -> dict[str, Any]:
         """The memo as `_publish` last left it: the deployment and every replica chunk."""
         return {"deployment": self.state.deployment.wire(), **self._replica_memo.published}
 
@@ -585,3 +588,7 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
     @workflow.query
     def describe(self) -> DeploymentInput:
         return self.state
+
+
+if TYPE_CHECKING:  # mypy proves the workflow implements every member its mixins' host declares
+    _HOST: type[DeploymentHost] = DeploymentWorkflow

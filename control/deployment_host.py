@@ -1,8 +1,9 @@
 """What the deployment workflow (control/deployment.py) provides the mixins it is made of
 (`HotLoads`, control/deployment_hot_loads.py; `Autoscaler`, control/autoscaler.py): the
-`DeploymentHost` protocol. Each mixin is typed as a `DeploymentHost` for checkers (its base
-class under `TYPE_CHECKING`, `object` at run time: `MixinBase`); tests/control/test_host.py
-checks that the workflow provides every member.
+`DeploymentHost` protocol. Each mixin is typed as a `DeploymentHost` for mypy (`make lint`; its
+base class under `TYPE_CHECKING`, `object` at run time: `MixinBase`), and control/deployment.py
+assigns the workflow to a `type[DeploymentHost]`, so mypy proves it implements every method;
+tests/control/test_host.py checks that its `__init__` sets every attribute.
 """
 
 from __future__ import annotations

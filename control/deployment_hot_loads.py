@@ -226,7 +226,7 @@ class HotLoads(MixinBase):
         asyncio.create_task(self._watch(child, cmd.hot_load_id))  # deterministic: the workflow loop
         return hot_load
 
-    async def _watch(self, child: workflow.ChildWorkflowHandle, hot_load_id: str) -> None:
+    async def _watch(self, child: workflow.ChildWorkflowHandle[Any, Any], hot_load_id: str) -> None:
         """Takes note of the child's end however it closes: its outcome when it has one (the
         result of a COMPLETED hot-load, the failure details of a FAILED one), else (canceled,
         terminated, timed out) it only clears the active operation."""

@@ -20,6 +20,7 @@ would read changes (not on every heartbeat).
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
@@ -55,7 +56,7 @@ class NodeRegistryWorkflow:
     def _now(self) -> str:
         return rfc3339(workflow.now())
 
-    def _memo(self) -> dict:
+    def _memo(self) -> dict[str, Any]:
         return {"nodes": {n: r.wire() for n, r in sorted(self.state.nodes.items())}}
 
     def _publish(self) -> None:

@@ -67,8 +67,8 @@ def place(
     free_count: dict[str, int | None] = {}
     mine: dict[str, int] = {}
     for name, rec in live.items():
-        devices, slots = _used(rec)
-        free_devices[name] = [d for d in range(rec.heartbeat.gpus) if d not in devices]
+        used, slots = _used(rec)
+        free_devices[name] = [d for d in range(rec.heartbeat.gpus) if d not in used]
         free_slots[name] = rec.heartbeat.slots - slots
         free_count[name] = rec.heartbeat.max_replicas - len(rec.placements) if rec.heartbeat.max_replicas else None
         mine[name] = sum(1 for k in rec.placements if k.startswith(deployment_workflow_id + "/"))
@@ -93,8 +93,8 @@ def place(
         else:
             fits = [n for n in live if free_slots[n] >= 1]
             room = {n: free_slots[n] for n in fits}
-        fits = [n for n in fits if free_count[n] is None or free_count[n] >= 1]
-        room = {n: room[n] if free_count[n] is None else min(room[n], free_count[n]) for n in fits}
+        fits = [n for n in fits if (left := free_count[n]) is None or left >= 1]
+        room = {n: room[n] if (left := free_count[n]) is None else min(room[n], left) for n in fits}
         if not fits:
             need = f"{gpus} GPU(s)" if gpus else "1 CPU slot"
             asked = len([r for r in replicas if r not in held_names])
@@ -111,7 +111,7 @@ def place(
             devices = []
             free_slots[node] -= 1
         mine[node] += 1
-        if free_count[node] is not None:
-            free_count[node] -= 1
+        if (left := free_count[node]) is not None:
+            free_count[node] = left - 1
         result[replica] = Placement(node=node, address=live[node].heartbeat.address, devices=devices)
     return result

@@ -149,7 +149,7 @@ class DynamoProxy:
         finally:
             await upstream.aclose()
             self.router.release(url)
-        data = assembler.answer()
-        finish_answer(plan, data)
-        data["nvext"] = await self.relay.response_nvext(attempt, served.replica)
-        return JSONResponse(data, headers={REPLICA_HEADER: served.replica.name})
+        answer = assembler.answer()
+        finish_answer(plan, answer)
+        answer["nvext"] = await self.relay.response_nvext(attempt, served.replica)
+        return JSONResponse(answer, headers={REPLICA_HEADER: served.replica.name})

@@ -76,7 +76,9 @@ class Relay:
             out["completion_token_ids"] = list(plan.token_ids.get(0, []))
         if "routed_experts" in extra:
             value = plan.routed_experts.get(0)
-            out["routed_experts"] = None if value is None else translate_routed_experts(value, plan.routed_experts_start)
+            out["routed_experts"] = (
+                None if value is None else translate_routed_experts(value, plan.routed_experts_start)
+            )
         spans = version_spans(plan)
         if spans:  # the engine's own record: no need to read Temporal
             out["weight_versions"] = weight_versions(None, None, 0, 0, replica.name, spans)
@@ -96,7 +98,9 @@ class Relay:
             if attempt.first_token is not None:
                 timing["ttft_ms"] = round((attempt.first_token - attempt.received) * 1000, 3)
                 if attempt.token_events > 1 and attempt.last_token is not None:
-                    timing["itl_ms"] = round((attempt.last_token - attempt.first_token) * 1000 / (attempt.token_events - 1), 3)
+                    timing["itl_ms"] = round(
+                        (attempt.last_token - attempt.first_token) * 1000 / (attempt.token_events - 1), 3
+                    )
             out["timing"] = timing
         return out
 

@@ -232,7 +232,8 @@ def weight_versions(before: ReplicaView | None, after: ReplicaView | None,
         and before.identity == after.identity
         and (after_epoch == before_epoch or (after_epoch == before_epoch + 1 and after.pending))
     )
-    out = {"identity": ids[0] if exact else None, "exact": bool(exact), "identities": ids, "replica": replica}
+    out: dict[str, Any] = {"identity": ids[0] if exact else None, "exact": bool(exact), "identities": ids,
+                           "replica": replica}
     if spans is not None:
         out["spans"] = spans  # reported, and empty: the answer has no completion tokens
     return out
@@ -458,7 +459,10 @@ async def refresh_loop(router: Router, settings: Any) -> None:
                 (log.debug if not_yet else log.warning)("reading hot-load %s failed: %s", active, exc)
                 readable = False
         epoch = router.epoch_for(wf_id, active)
-        return build_view(memo, wf_id, hot_memo, hot_load_readable=readable, epoch=epoch, read_at=started)
+        return build_view(memo, wf_id, hot_memo,  # type: ignore[arg-type]  # memo(): a dict, typed Mapping
+                          hot_load_readable=readable, epoch=epoch, read_at=started)
+
+    last_discovery: float  # set before the first discover() (below)
 
     async def discover() -> None:
         nonlocal workflow_ids, last_discovery

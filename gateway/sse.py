@@ -49,8 +49,8 @@ def has_tokens(chunk: dict[str, Any]) -> bool:
 def as_chunks(data: dict[str, Any], chat: bool) -> list[dict[str, Any]]:
     """A non-streamed answer replayed as stream chunks: one per choice, then usage if present."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    head = {k: data[k] for k in ("id", "created", "model") if k in data}
-    chunks = []
+    head: dict[str, Any] = {k: data[k] for k in ("id", "created", "model") if k in data}
+    chunks: list[dict[str, Any]] = []
     for choice in data.get("choices") or []:
         c = {k: v for k, v in choice.items() if k not in ("message",)}
         if chat:

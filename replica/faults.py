@@ -11,8 +11,9 @@ point (one `stat` when it is absent), so a test arms and disarms a fault while t
 - `replica`: the replica name, or "*" (any); `deployment`: optional deployment id;
 - `action`: "fail" raises a non-retryable `InjectedFault` ApplicationError naming the point and
   the replica; "s3_error" raises the error an S3 server's failure gives botocore
-  (`ClientError` InternalError, HTTP 500: what replica/agent/retries.py retries); "hold" waits `seconds` (default 3600) or until the rule is removed from the file
-  (checked every 0.2 s), whichever comes first; a cancel of the step ends the wait;
+  (`ClientError` InternalError, HTTP 500: what replica/agent/retries.py retries); "hold" waits `seconds` (default 3600)
+  or until the rule is removed from the file (checked every 0.2 s), whichever comes first; a cancel of the step ends the
+  wait;
 - `times`: how many times the rule fires in one agent process (default 1), counted by `id`.
 
 A fault point changes nothing by itself: each caller puts it where a real failure of that step
@@ -38,7 +39,8 @@ log = logging.getLogger("rollouts.replica.faults")
 # Where callers put a fault point.
 POINTS = (
     "apply_snapshot",  # a step from the bucket starts (before anything is read)
-    "stage_from_peer",  # a receiver's stage from the broadcast, once the bytes arrived (dropped; it then reads the bucket)
+    # a receiver's stage from the broadcast, once the bytes arrived (dropped; it then reads the bucket)
+    "stage_from_peer",
     "commit_peer_stage",  # a receiver's swap of its broadcast stage starts (it then reads the bucket)
     "pause",  # a stage is ready and its pause is about to begin (nothing of it is in the engine yet)
     "swap",  # inside the pause, after the stage was applied and before it is proven and committed

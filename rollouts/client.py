@@ -162,7 +162,9 @@ class RolloutsClient:
                 body = resp.json()
             except ValueError:
                 body = {}
-            raise ApiError(resp.status_code, str(body.get("code", "unknown")), str(body.get("message", resp.text[:500])))
+            raise ApiError(
+                resp.status_code, str(body.get("code", "unknown")), str(body.get("message", resp.text[:500]))
+            )
         return resp.json()
 
     # ------------------------------------------------------------------ reads
@@ -176,7 +178,11 @@ class RolloutsClient:
         out: list[HotLoad] = []
         token = ""
         while True:
-            params = {"parentDeploymentId": deployment_id, "maxPageSize": 1000, **({"pageToken": token} if token else {})}
+            params = {
+                "parentDeploymentId": deployment_id,
+                "maxPageSize": 1000,
+                **({"pageToken": token} if token else {}),
+            }
             page = self._call("GET", "/hotLoads", params=params)
             out += [HotLoad.from_wire(h) for h in page.get("hotLoads") or []]
             token = page.get("nextPageToken") or ""

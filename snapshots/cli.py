@@ -113,7 +113,12 @@ def _run(args: argparse.Namespace) -> int:
                 "out": str(report.out),
                 "tensors": report.tensors,
                 "deltas": [
-                    {"location": r.location, "version": r.version, "changed": len(r.changed), "wire_bytes": r.wire_bytes}
+                    {
+                        "location": r.location,
+                        "version": r.version,
+                        "changed": len(r.changed),
+                        "wire_bytes": r.wire_bytes,
+                    }
                     for r in report.deltas
                 ],
             }

@@ -204,7 +204,7 @@ def inflate_exact(frame: Any, out: np.ndarray, *, file: str | None = None, tenso
     view = check_frame(frame, nbytes, file=file, tensor=tensor)
     try:
         with _state.dctx.stream_reader(view, read_across_frames=False) as reader:
-            got = fill_from(reader, memoryview(out).cast("B"))
+            got = fill_from(reader, out.data.cast("B"))
             overflow = reader.read(1) if got == nbytes else b""
     except zstandard.ZstdError as exc:
         raise DeltaMismatchError(f"corrupt zstd frame ({exc})", file=file, tensor=tensor) from None

@@ -152,17 +152,21 @@ class HostWeights:
         shards = layout.index.shards
         buffers: dict[str, np.ndarray] = {}
         local = isinstance(source, LocalSource)
-        sizes = {shard: (os.path.getsize(source.path(shard)) if local else layout.files[shard]) for shard in shards}
+        sizes = {shard: (os.path.getsize(source.path(shard)) if local else layout.files[shard]) for shard in shards}  # type: ignore[attr-defined]
         if allocate is not None:
             given = allocate(sizes)
             for shard, buf in given.items():
                 if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != sizes[shard]:
-                    raise ValueError(f"allocate() gave a buffer of {buf.nbytes} bytes for shard {shard} of {sizes[shard]}")
+                    raise ValueError(
+                        f"allocate() gave a buffer of {buf.nbytes} bytes for shard {shard} of {sizes[shard]}"
+                    )
         else:  # private memory; with `mmap`, local shards are mapped copy-on-write instead
-            given = {shard: np.empty(size, dtype=np.uint8) for shard, size in sizes.items() if not (mmap and local and size)}
+            given = {
+                shard: np.empty(size, dtype=np.uint8) for shard, size in sizes.items() if not (mmap and local and size)
+            }
         if local:
             for shard in shards:
-                with open(source.path(shard), "rb", buffering=0) as f:
+                with open(source.path(shard), "rb", buffering=0) as f:  # type: ignore[attr-defined]
                     if shard not in given:
                         mapped = mmap_module.mmap(f.fileno(), sizes[shard], access=mmap_module.ACCESS_COPY)
                         buffers[shard] = np.frombuffer(mapped, dtype=np.uint8)
@@ -174,7 +178,9 @@ class HostWeights:
             for shard in shards:
                 size = sizes[shard]
                 buffers[shard] = given[shard]
-                parts += [(shard, off, min(_REMOTE_PART_BYTES, size - off)) for off in range(0, size, _REMOTE_PART_BYTES)]
+                parts += [
+                    (shard, off, min(_REMOTE_PART_BYTES, size - off)) for off in range(0, size, _REMOTE_PART_BYTES)
+                ]
 
             def fetch(part: tuple[str, int, int]) -> None:
                 shard, offset, length = part
@@ -336,7 +342,7 @@ class HostWeights:
                 with open(tmp / shard, "wb") as f:
                     f.write(full_shard_header(self._layout, shard, names, checksums))
                     for n in names:
-                        f.write(memoryview(self._views[n]))
+                        f.write(self._views[n].data)
             (tmp / INDEX_FILE).write_text(full_index(self._layout))
             for name, body in self._side_files.items():
                 (tmp / name).write_bytes(body)

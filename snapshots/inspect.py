@@ -139,7 +139,9 @@ def _read_index(source: SnapshotSource, files: dict[str, int]) -> Index:
             )
         raise LayoutError(f"missing {INDEX_FILE}", file=source.uri)
     if files[INDEX_FILE] > MAX_INDEX_BYTES:
-        raise LayoutError(f"index is {files[INDEX_FILE]} bytes, over the {MAX_INDEX_BYTES} cap", file=source.describe(INDEX_FILE))
+        raise LayoutError(
+            f"index is {files[INDEX_FILE]} bytes, over the {MAX_INDEX_BYTES} cap", file=source.describe(INDEX_FILE)
+        )
     return parse_index(source.read_all(INDEX_FILE), source.describe(INDEX_FILE))
 
 
@@ -357,7 +359,9 @@ def read_delta_plan(location: Any, *, s3: Any = None) -> DeltaPlan:
         header = headers[shard]
         entry = header.tensors.get(name)
         if entry is None:
-            raise LayoutError("weight_map names this tensor but the shard does not hold it", file=header.file, tensor=name)
+            raise LayoutError(
+                "weight_map names this tensor but the shard does not hold it", file=header.file, tensor=name
+            )
         if entry.dtype != "U8" or len(entry.shape) != 1:
             raise HeaderError(
                 f"delta tensors must be 1-D U8 zstd frames, got {entry.dtype}{list(entry.shape)}",
@@ -388,7 +392,9 @@ def read_full_layout(location: Any, *, s3: Any = None) -> FullLayout:
         header = headers[shard]
         entry = header.tensors.get(name)
         if entry is None:
-            raise LayoutError("weight_map names this tensor but the shard does not hold it", file=header.file, tensor=name)
+            raise LayoutError(
+                "weight_map names this tensor but the shard does not hold it", file=header.file, tensor=name
+            )
         tensors[name] = (shard, entry)
         recorded = header.metadata.get(name)
         if recorded is not None:
@@ -441,7 +447,11 @@ def inspect_snapshot(
     source = open_location(location, s3=s3)
     files = source.list_files()
     index = _read_index(source, files)
-    common = {"location": source.uri, "files": dict(sorted(files.items())), "total_bytes": sum(files.values())}
+    common: dict[str, Any] = {
+        "location": source.uri,
+        "files": dict(sorted(files.items())),
+        "total_bytes": sum(files.values()),
+    }
     if index.is_delta:
         if previous_identity is not None:
             validate_identity(previous_identity, field="previousSnapshotIdentity")

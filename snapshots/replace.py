@@ -69,7 +69,7 @@ def replacing_directory(
             exchange(tmp, out)
         else:
             tmp.rename(out)
-            tmp = None
+            tmp = None  # type: ignore[assignment]
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -25,7 +25,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 import numpy as np
 
@@ -142,7 +142,9 @@ def parse_header(header_bytes: bytes, file_size: int, file: str) -> SafetensorsH
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1]
         ):
-            raise HeaderError(f"data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end", file=file, tensor=name)
+            raise HeaderError(
+                f"data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end", file=file, tensor=name
+            )
         begin, end = offsets
         expected = math.prod(shape) * DTYPE_SIZES[dtype]
         if end - begin != expected:
@@ -200,10 +202,10 @@ def list_tensors(path: str | os.PathLike[str]) -> list[TensorEntry]:
     return list(read_header(path).tensors.values())
 
 
-def readinto_exact(f: BinaryIO | int, offset: int, out: memoryview | np.ndarray) -> None:
+def readinto_exact(f: IO[bytes] | int, offset: int, out: memoryview | np.ndarray) -> None:
     """Fill ``out`` from file ``f`` at ``offset`` (no intermediate copy), or raise on a short read."""
     fd = f if isinstance(f, int) else f.fileno()
-    view = memoryview(out).cast("B")
+    view = memoryview(out).cast("B")  # type: ignore[arg-type]  # numpy types __buffer__ from Python 3.12 only
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -269,7 +271,11 @@ def write_safetensors(
     specs = list(tensors)
     views = []
     for spec in specs:
-        view = memoryview(spec.data).cast("B") if not isinstance(spec.data, np.ndarray) else memoryview(np.ascontiguousarray(spec.data).reshape(-1).view(np.uint8))
+        view = (
+            memoryview(spec.data).cast("B")
+            if not isinstance(spec.data, np.ndarray)
+            else np.ascontiguousarray(spec.data).reshape(-1).view(np.uint8).data
+        )
         expected = math.prod(spec.shape) * DTYPE_SIZES[spec.dtype]
         if len(view) != expected:
             raise HeaderError(

@@ -34,8 +34,13 @@ from snapshots.safetensors_io import DTYPE_SIZES, SafetensorsHeader
 
 SPARSE = "sparse"
 INDICES, VALUES = ".indices", ".values"
-INDEX_DTYPES = {"I32": np.dtype("<i4"), "I64": np.dtype("<i8")}
-UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # an element's bytes, by width
+INDEX_DTYPES: dict[str, np.dtype[np.signedinteger]] = {"I32": np.dtype("<i4"), "I64": np.dtype("<i8")}
+UINTS: dict[int, type[np.unsignedinteger]] = {
+    1: np.uint8,
+    2: np.uint16,
+    4: np.uint32,
+    8: np.uint64,
+}  # an element's bytes, by width
 _HEX = set("0123456789abcdefABCDEF")
 
 

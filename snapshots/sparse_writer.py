@@ -37,7 +37,9 @@ def write_sparse_delta(base_dir: str | os.PathLike[str], new_dir: str | os.PathL
     """Write the sparse delta turning checkpoint ``base_dir`` into ``new_dir`` at ``out_dir``."""
     base, new = HostWeights.load(base_dir), HostWeights.load(new_dir)
     if sorted(base.names()) != sorted(new.names()):
-        raise SnapshotError(f"the checkpoints hold different tensors: {sorted(set(base.names()) ^ set(new.names()))[:4]}")
+        raise SnapshotError(
+            f"the checkpoints hold different tensors: {sorted(set(base.names()) ^ set(new.names()))[:4]}"
+        )
     out = Path(out_dir)
     stats = DeltaStats(str(out), str(version), str(base_version), tensors_total=len(new.names()))
     stats.bytes_total = new.total_bytes

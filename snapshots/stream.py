@@ -214,7 +214,9 @@ class _TensorReader:
             try:
                 readinto_exact(self.fd, self.pos, view)
             except HeaderError as exc:
-                raise HeaderError(f"{exc.detail} (the shard changed or is truncated)", file=self.file, tensor=self.tensor) from None
+                raise HeaderError(
+                    f"{exc.detail} (the shard changed or is truncated)", file=self.file, tensor=self.tensor
+                ) from None
         else:
             got = 0
             while got < want:
@@ -223,7 +225,9 @@ class _TensorReader:
                 else:
                     data = self.source.read_range(self.shard, self.pos + got, want - got)
                 if not data:
-                    raise HeaderError(f"object ends at byte {self.pos + got}, inside the tensor", file=self.file, tensor=self.tensor)
+                    raise HeaderError(
+                        f"object ends at byte {self.pos + got}, inside the tensor", file=self.file, tensor=self.tensor
+                    )
                 view[got : got + len(data)] = data
                 got += len(data)
         self.pos += want
@@ -340,7 +344,9 @@ class _Pass:
                    for d, f in zip(decompressors, frames)]
         # Running Adler-32 of the base bytes, then of the bytes after each link.
         running = [adler32(b"")] * (len(frames) + 1)
-        base = _TensorReader(self.layout.source, task.shard, task.begin, task.nbytes, self.base_fds.get(task.shard), task.name)
+        base = _TensorReader(
+            self.layout.source, task.shard, task.begin, task.nbytes, self.base_fds.get(task.shard), task.name
+        )
         try:
             done = 0
             while done < task.nbytes:
@@ -349,7 +355,7 @@ class _Pass:
                 step = min(self.chunk_bytes, task.nbytes - done)
                 data, diff = data_buf[:step], diff_buf[:step]
                 task.link = None
-                base.readinto(memoryview(data))
+                base.readinto(data.data)
                 if not task.links:  # a changed tensor is proven by its links' checksums instead
                     running[0] = adler32(data, running[0])
                 for k, (task.link, reader) in enumerate(zip(task.links, readers)):
@@ -357,13 +363,13 @@ class _Pass:
                         sparse.scatter_chunk(data, done, *reader)
                         running[k + 1] = adler32(data, running[k + 1])
                         continue
-                    got = fill_from(reader, memoryview(diff))
+                    got = fill_from(reader, diff.data)
                     if got != step:
                         check_inflated(done + got, b"", task.nbytes, file=task.link.file, tensor=task.name)
                     np.bitwise_xor(data, diff, out=data)
                     running[k + 1] = adler32(data, running[k + 1])
                 if out_fd is not None:
-                    _pwrite_all(out_fd, memoryview(data), task.out_offset + done)
+                    _pwrite_all(out_fd, data.data, task.out_offset + done)
                 done += step
             if out_fd is not None and self.writeback and task.nbytes:
                 # Start writing this tensor to disk now (asynchronously: Linux's FADV_DONTNEED
@@ -535,7 +541,9 @@ def stream_checksums(
     layout, plans = _prepare(base, deltas, s3)
     if not verify:
         layout = FullLayout(layout.source, layout.index, layout.files, layout.headers, layout.tensors, {})
-    return _run(layout, plans, None, workers=workers or default_workers(), chunk_bytes=CHUNK_BYTES, fsync=False).checksums
+    return _run(
+        layout, plans, None, workers=workers or default_workers(), chunk_bytes=CHUNK_BYTES, fsync=False
+    ).checksums
 
 
 __all__ = [

@@ -184,7 +184,7 @@ def write_delta(
         np.bitwise_xor(new_bytes, old_bytes, out=xor)
         if not xor.any():
             return name, None, "", 0
-        frame = _thread.cctx.compress(memoryview(xor))
+        frame = _thread.cctx.compress(xor.data)
         return name, frame, adler32_hex(new_bytes), new_bytes.nbytes
 
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

@@ -7,8 +7,8 @@
   home, and stopped by pid at the end. The session starts without another stack's variables
   (``common.settings.without_stack_env``: a ``stack.env`` sourced in the runner's shell), so the
   tests' own clients (``Settings.load``, ``rollouts`` commands, cwtrain) reach the session's
-  stack; the stack itself needs no such help (workers/stack.py). Its processes (and the replicas they start) export their
-  spans over OTLP/HTTP to the session's real receiver (``otlp``, tests/helpers/otlp_receiver.py).
+  stack; the stack itself needs no such help (workers/stack.py). Its processes (and the replicas they start) export
+  their spans over OTLP/HTTP to the session's real receiver (``otlp``, tests/helpers/otlp_receiver.py).
 - Markers come from fixtures: a test that uses ``stack`` or ``seaweed`` (directly or through
   another fixture) is marked ``stack``; one that uses an engine fixture (``ENGINE_FIXTURES``) is
   marked ``engine``. One that uses the multi-host harness's ``cluster`` or ``make_cluster``
@@ -117,10 +117,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         who = f"{name}: " if name else ""
         if summary["samples"]:
             terminalreporter.write_line(
-                f"{who}ran {summary.get('ran_s', 0):.0f} s; vLLM engines: {summary.get('started', 0)} started, at most {summary['peak']} alive at once "
+                f"{who}ran {summary.get('ran_s', 0):.0f} s; vLLM engines: {summary.get('started', 0)} started, at most "
+                f"{summary['peak']} alive at once "
                 f"({summary['samples']} samples, "
                 f"{summary['sampling_s']:.2f} s CPU spent sampling); shared deployments created: "
-                f"{summary['created'] or 'none'}")
+                f"{summary['created'] or 'none'}"
+            )
     if line := ready.tally([summary["ready"] for summary in summaries.values()]):
         terminalreporter.write_line(line)
 

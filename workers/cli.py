@@ -82,7 +82,9 @@ def _env_int(name: str) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollouts", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="rollouts", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--home", help="stack home (default $ROLLOUTS_HOME or ./.rollouts)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -129,11 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-bind", default=None, metavar="ADDR",
                    help="address the engine binds (default: the node address; 0.0.0.0 for every address)")
     p.add_argument("--node", default="", help="the node agent that started it (reported to its deployment)")
-    p = add("sim-node", "run a SIMULATED node agent: many simulated replicas (no engine) in one process, for scale runs")
+    p = add(
+        "sim-node", "run a SIMULATED node agent: many simulated replicas (no engine) in one process, for scale runs"
+    )
     p.add_argument("--name", required=True, help="node name")
     p.add_argument("--slots", type=int, default=0, help="how many simulated replicas without GPUs it takes")
-    p.add_argument("--gpus", type=int, default=0,
-                   help="SIMULATED GPUs: replicas of a deployment with resources.gpuCount 1 (keeps it off real CPU nodes)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="SIMULATED GPUs: replicas of a deployment with resources.gpuCount 1 (keeps it off real CPU nodes)",
+    )
     p.add_argument("--zone", default=None, help="zone (default: the settings' zone)")
     p.add_argument("--transfer-ms", type=float, default=50.0, help="simulated duration of one peer transfer")
     p.add_argument("--pause-ms", type=float, default=0.0, help="simulated duration of a swap inside the pause")

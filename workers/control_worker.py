@@ -2,9 +2,9 @@
 control activities on the `rollouts-control` task queue.
 
 On start it makes sure the node registry runs (control/nodes.py; a node is declared lost after
-`ROLLOUTS_NODE_LOST_AFTER_S` seconds without a heartbeat, 30 by default). Before it reports ready (`run/worker.ready`, which `rollouts up` waits for before it
-starts the API), it asks every running deployment to verify its replicas (`verify_replicas`):
-after a stack restart no replica process runs, and each deployment restarts them and says
+`ROLLOUTS_NODE_LOST_AFTER_S` seconds without a heartbeat, 30 by default). Before it reports ready (`run/worker.ready`,
+which `rollouts up` waits for before it starts the API), it asks every running deployment to verify its replicas
+(`verify_replicas`): after a stack restart no replica process runs, and each deployment restarts them and says
 STATUS_UPDATING until they serve again, instead of the READY it last recorded.
 """
 

@@ -75,7 +75,7 @@ try:  # the plot is optional: without matplotlib the demo prints its table only
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 except ImportError:
-    plt = None
+    plt = None  # type: ignore[assignment]
 
 # The table's before/after sample: a question the policy never trains on, greedy.
 SAMPLE_PROMPT = "12 + 34 ="
@@ -192,8 +192,10 @@ def write_plot(records: list[StepRecord], path: Path, subtitle: str = "") -> Pat
     ax1.set_ylabel("mean reward\n(fraction of digit tokens)")
     ax1.set_ylim(-0.02, 1.02)
     ax1.grid(alpha=0.3)
-    ax1.set_title("rollouts demo: GRPO through hot-loads (2 Dynamo vLLM workers on CPU)" + (f"\n{subtitle}" if subtitle else ""),
-                  fontsize=10)
+    ax1.set_title(
+        "rollouts demo: GRPO through hot-loads (2 Dynamo vLLM workers on CPU)" + (f"\n{subtitle}" if subtitle else ""),
+        fontsize=10,
+    )
     colors = ["tab:orange" if r.kind == "FULL" else "tab:green" for r in records]
     ax2.bar([r.step for r in records], [r.hot_load_s for r in records], color=colors)
     ax2.set_ylabel("hot-load seconds\n(create → COMPLETED)")
@@ -313,7 +315,9 @@ def rollouts_for(client: Client, model: str, prompts: list[list[int]], cfg: Demo
     return rollouts, tokens, seconds
 
 
-def run_demo(home: Path, *, port_base: int | None = None, keep_running: bool = False, config: DemoConfig | None = None) -> int:
+def run_demo(
+    home: Path, *, port_base: int | None = None, keep_running: bool = False, config: DemoConfig | None = None
+) -> int:
     """The demo (module docstring): the stack up, one run of the loop (`Demo`), what it started
     stopped again; returns the exit status."""
     cfg = config or DemoConfig()
@@ -370,9 +374,11 @@ class Demo:
         self.say(f"deployment READY in {self.ready_s:.1f}s")
         before = self.c.sample(self.settings.model_name)
         self.work.mkdir(parents=True, exist_ok=True)
-        self.say(f"GRPO: {self.cfg.prompts} prompts x {self.cfg.group} completions x {self.cfg.max_tokens} tokens "
-                 f"per step, reward = fraction of digit tokens, up to {self.cfg.steps} steps / "
-                 f"{self.cfg.max_loop_s:.0f}s")
+        self.say(
+            f"GRPO: {self.cfg.prompts} prompts x {self.cfg.group} completions x {self.cfg.max_tokens} tokens "
+            f"per step, reward = fraction of digit tokens, up to {self.cfg.steps} steps / "
+            f"{self.cfg.max_loop_s:.0f}s"
+        )
         self.say(HEADER)
         self.record(self.publish_full(0, base_dir))
         loop_s = self.loop(trainer, scale)
@@ -388,29 +394,42 @@ class Demo:
     def deploy(self, model_path: str) -> None:
         settings, cfg = self.settings, self.cfg
         body = {
-            "name": self.name, "gatewayIds": [settings.gateway_id],
-            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0",
-                        "engineConfig": {"enable-return-routed-experts": ""} if self.routes else {}},
+            "name": self.name,
+            "gatewayIds": [settings.gateway_id],
+            "runtime": {
+                "engine": "dynamo-vllm",
+                "version": "0.32.0",
+                "engineConfig": {"enable-return-routed-experts": ""} if self.routes else {},
+            },
             "resources": {"instanceType": "cpu-local", "gpuCount": 0},
             "model": {"name": settings.model_name, "bucket": settings.bucket, "path": model_path},
-            "autoscaling": _autoscaling(cfg), "traffic": {"weight": 100},
-            "hotLoad": {"bucket": settings.bucket, "pathPrefix": self.prefix,
-                        "transitionMode": "TRANSITION_MODE_ASYNC"},
+            "autoscaling": _autoscaling(cfg),
+            "traffic": {"weight": 100},
+            "hotLoad": {
+                "bucket": settings.bucket,
+                "pathPrefix": self.prefix,
+                "transitionMode": "TRANSITION_MODE_ASYNC",
+            },
         }
         self.dep_id = self.c.call("POST", "/deployments", json=body)["deployment"]["spec"]["id"]
-        self.say(f"deployment {self.dep_id}: starting {cfg.replicas} Dynamo vLLM workers on CPU (about a minute on "
-                 f"2 cores)...")
+        self.say(
+            f"deployment {self.dep_id}: starting {cfg.replicas} Dynamo vLLM workers on CPU (about a minute on "
+            f"2 cores)..."
+        )
 
     def load_trainer(self, base_dir: Path) -> Trainer:
         t_load = time.monotonic()
         cfg = self.cfg
         policy = Policy(base_dir, lr=cfg.lr, inner_steps=cfg.inner_steps, train=cfg.train, seed=cfg.seed)
-        trainer = Trainer(base_dir, policy, digit_token_ids(base_dir),
-                          Tokenizer.from_file(str(base_dir / "tokenizer.json")))
+        trainer = Trainer(
+            base_dir, policy, digit_token_ids(base_dir), Tokenizer.from_file(str(base_dir / "tokenizer.json"))
+        )
         n_train = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
-        self.say(f"trainer: {sum(p.numel() for p in policy.model.parameters()) / 1e6:.2f}M parameters, "
-                 f"{n_train / 1e6:.2f}M trained ({cfg.train}: {len(policy.trainable)} of {len(policy.names)} "
-                 f"tensors), FP32 masters, BF16 export; loaded in {time.monotonic() - t_load:.1f}s")
+        self.say(
+            f"trainer: {sum(p.numel() for p in policy.model.parameters()) / 1e6:.2f}M parameters, "
+            f"{n_train / 1e6:.2f}M trained ({cfg.train}: {len(policy.trainable)} of {len(policy.names)} "
+            f"tensors), FP32 masters, BF16 export; loaded in {time.monotonic() - t_load:.1f}s"
+        )
         return trainer
 
     def wait_ready(self) -> None:
@@ -435,8 +454,20 @@ class Demo:
         publish_s = time.monotonic() - t_pub
         assert self.dep_id is not None
         hl, reps, secs = self.c.hot_load(self.dep_id, identity, None)
-        rec = StepRecord(step, identity, "FULL", None, None, secs, _ready(reps, identity), len(reps), hl.state,
-                         publish_s=publish_s, pause_ms=_longest_pause(reps), pause_bytes=_most_moved(reps))
+        rec = StepRecord(
+            step,
+            identity,
+            "FULL",
+            None,
+            None,
+            secs,
+            _ready(reps, identity),
+            len(reps),
+            hl.state,
+            publish_s=publish_s,
+            pause_ms=_longest_pause(reps),
+            pause_bytes=_most_moved(reps),
+        )
         return rec
 
     def publish_delta(self, step: int, prev_dir: Path, prev_id: str, new_dir: Path) -> StepRecord | None:
@@ -453,9 +484,20 @@ class Demo:
         assert self.dep_id is not None
         hl, reps, secs = self.c.hot_load(self.dep_id, identity, prev_id)
         shutil.rmtree(delta_dir, ignore_errors=True)
-        rec = StepRecord(step, identity, "DELTA", None, 100.0 * dstats.ratio, secs, _ready(reps, identity),
-                         len(reps), hl.state, publish_s=publish_s, pause_ms=_longest_pause(reps),
-                         pause_bytes=_most_moved(reps))
+        rec = StepRecord(
+            step,
+            identity,
+            "DELTA",
+            None,
+            100.0 * dstats.ratio,
+            secs,
+            _ready(reps, identity),
+            len(reps),
+            hl.state,
+            publish_s=publish_s,
+            pause_ms=_longest_pause(reps),
+            pause_bytes=_most_moved(reps),
+        )
         return rec
 
     def loop(self, trainer: Trainer, scale: ScaleLog | None) -> float:
@@ -472,14 +514,32 @@ class Demo:
             rec = self.publish_full(step, new_dir) if full else self.publish_delta(step, prev_dir, prev_id, new_dir)
             if rec is None:  # nothing changed in BF16 (e.g. every group scored alike): no publish
                 last = self.records[-1]
-                self.record(replace(trained, identity=prev_id, kind="NONE", ready=last.ready, replicas=last.replicas,
-                                    state=last.state), "  (no tensor changed in BF16: nothing published)")
+                self.record(
+                    replace(
+                        trained,
+                        identity=prev_id,
+                        kind="NONE",
+                        ready=last.ready,
+                        replicas=last.replicas,
+                        state=last.state,
+                    ),
+                    "  (no tensor changed in BF16: nothing published)",
+                )
                 shutil.rmtree(new_dir, ignore_errors=True)
                 continue
             deltas_in_chain = 0 if full else deltas_in_chain + 1
-            self.record(replace(rec, reward=trained.reward, tokens=trained.tokens, rollout_s=trained.rollout_s,
-                                train_s=trained.train_s, mismatch=trained.mismatch, sample=trained.sample,
-                                routes_agree=trained.routes_agree))
+            self.record(
+                replace(
+                    rec,
+                    reward=trained.reward,
+                    tokens=trained.tokens,
+                    rollout_s=trained.rollout_s,
+                    train_s=trained.train_s,
+                    mismatch=trained.mismatch,
+                    sample=trained.sample,
+                    routes_agree=trained.routes_agree,
+                )
+            )
             if scale is not None:
                 scale.seen(self.deployment(), step, time.monotonic() - loop_t0)
             if prev_dir != trainer.base_dir:
@@ -492,19 +552,32 @@ class Demo:
         checkpoint and the step's figures (a record of what it trained on, not yet published)."""
         cfg = self.cfg
         prompts = [trainer.tokenizer.encode(p).ids for p in make_prompts(cfg.prompts, seed=cfg.seed * 100_003 + step)]
-        rollouts, tokens, rollout_s = rollouts_for(self.c, self.settings.model_name, prompts, cfg, trainer.digit_ids,
-                                                   self.routes)
+        rollouts, tokens, rollout_s = rollouts_for(
+            self.c, self.settings.model_name, prompts, cfg, trainer.digit_ids, self.routes
+        )
         for r, a in zip(rollouts, group_advantages([r.reward for r in rollouts], [r.group for r in rollouts])):
             r.advantage = a
         t_train = time.monotonic()
         stats = trainer.policy.step(rollouts)
         train_s = time.monotonic() - t_train
         new_dir = trainer.policy.export(self.work / f"ckpt-{step:06d}")
-        trained = StepRecord(step, f"step-{step:06d}", "", statistics.fmean(r.reward for r in rollouts), None, 0.0,
-                             0, 0, "", tokens=tokens, rollout_s=rollout_s, train_s=train_s,
-                             mismatch=stats.sampler_mismatch,
-                             sample=_decode(rollouts[0].completion_ids, trainer.base_dir)[:24],
-                             routes_agree=stats.extra.get("routes_agree"))
+        trained = StepRecord(
+            step,
+            f"step-{step:06d}",
+            "",
+            statistics.fmean(r.reward for r in rollouts),
+            None,
+            0.0,
+            0,
+            0,
+            "",
+            tokens=tokens,
+            rollout_s=rollout_s,
+            train_s=train_s,
+            mismatch=stats.sampler_mismatch,
+            sample=_decode(rollouts[0].completion_ids, trainer.base_dir)[:24],
+            routes_agree=stats.extra.get("routes_agree"),
+        )
         return new_dir, trained
 
     def report(self, loop_s: float, before: str, after: str, scale: ScaleLog | None) -> int:
@@ -512,17 +585,30 @@ class Demo:
         the reward rose."""
         records = self.records
         trained = [r for r in records if r.reward is not None]
-        first5, last5 = reward_summary([r.reward for r in trained])
+        first5, last5 = reward_summary([r.reward for r in trained])  # type: ignore[misc]  # rewards, not None
         deltas = [r for r in records if r.kind == "DELTA"]
         stamp = time.strftime("%Y%m%d-%H%M%S")
         figures = self.settings.home_path / "demo" / f"grpo-{stamp}.json"
-        figures.write_text(json.dumps({"config": asdict(self.cfg), "deployment": self.dep_id,
-                                       "steps": [{**asdict(r), "tok_per_s": r.tok_per_s} for r in records],
-                                       "first5_reward": first5, "last5_reward": last5}, indent=2) + "\n")
-        plot = write_plot(records, self.settings.home_path / "demo" / f"grpo-{stamp}.png",
-                          f"reward first 5 steps {first5:.3f} → last 5 {last5:.3f}; delta mean "
-                          f"{_mean(r.delta_pct for r in deltas):.1f}% of full; delta hot-load mean "
-                          f"{_mean(r.hot_load_s for r in deltas):.2f}s")
+        figures.write_text(
+            json.dumps(
+                {
+                    "config": asdict(self.cfg),
+                    "deployment": self.dep_id,
+                    "steps": [{**asdict(r), "tok_per_s": r.tok_per_s} for r in records],
+                    "first5_reward": first5,
+                    "last5_reward": last5,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+        plot = write_plot(
+            records,
+            self.settings.home_path / "demo" / f"grpo-{stamp}.png",
+            f"reward first 5 steps {first5:.3f} → last 5 {last5:.3f}; delta mean "
+            f"{_mean(r.delta_pct for r in deltas):.1f}% of full; delta hot-load mean "
+            f"{_mean(r.hot_load_s for r in deltas):.2f}s",
+        )
         rows = self.rows(loop_s, before, after, scale, first5, last5) + [
             ("plot", str(plot) if plot else "matplotlib is not installed: no PNG (pip install matplotlib)"),
             ("figures", str(figures)),
@@ -538,8 +624,9 @@ class Demo:
             self.say("the reward did not rise: try more --steps (or a larger --lr)")
         return 0 if rose and all(r.state == "HOT_LOAD_STATE_COMPLETED" for r in records) else 1
 
-    def rows(self, loop_s: float, before: str, after: str, scale: ScaleLog | None, first5: float,
-             last5: float) -> list[tuple[str, str]]:
+    def rows(
+        self, loop_s: float, before: str, after: str, scale: ScaleLog | None, first5: float, last5: float
+    ) -> list[tuple[str, str]]:
         records = self.records
         trained = [r for r in records if r.reward is not None]
         deltas = [r for r in records if r.kind == "DELTA"]
@@ -547,20 +634,35 @@ class Demo:
         pauses = [r.pause_ms for r in deltas if r.pause_ms is not None]
         agreed = [r.routes_agree for r in trained if r.routes_agree is not None]
         return [
-            ("steps", f"{len(trained)} GRPO steps in {loop_s:.0f}s of loop ({len(deltas)} deltas, "
-                      f"{sum(1 for r in records if r.kind == 'FULL')} full)"),
+            (
+                "steps",
+                f"{len(trained)} GRPO steps in {loop_s:.0f}s of loop ({len(deltas)} deltas, "
+                f"{sum(1 for r in records if r.kind == 'FULL')} full)",
+            ),
             ("reward first 5 → last 5", f"{first5:.3f} → {last5:.3f}"),
             ("last identity", f"{last.identity} ({last.state}, replicas READY {last.ready}/{last.replicas})"),
             ("delta size (mean)", f"{_mean(r.delta_pct for r in deltas):.2f}% of full" if deltas else "—"),
-            ("hot-load create → COMPLETED", f"full {records[0].hot_load_s:.2f}s; deltas mean "
-                                            f"{_mean(r.hot_load_s for r in deltas):.2f}s, max "
-                                            f"{max((r.hot_load_s for r in deltas), default=0):.2f}s"),
-            ("pause per delta (longest replica)", f"median {statistics.median(pauses):.0f} ms, max {max(pauses):.0f} ms"
-                                                  if pauses else "—"),
+            (
+                "hot-load create → COMPLETED",
+                f"full {records[0].hot_load_s:.2f}s; deltas mean "
+                f"{_mean(r.hot_load_s for r in deltas):.2f}s, max "
+                f"{max((r.hot_load_s for r in deltas), default=0):.2f}s",
+            ),
+            (
+                "pause per delta (longest replica)",
+                f"median {statistics.median(pauses):.0f} ms, max {max(pauses):.0f} ms" if pauses else "—",
+            ),
             ("bytes into the engine per pause", _moved_summary(records[0], deltas)),
-            *([("routes replayed (trainer's router agreed)",
-                f"{100 * _mean(agreed):.2f}% of (token, layer) rows, lowest step {100 * min(agreed):.2f}%")]
-              if agreed else []),
+            *(
+                [
+                    (
+                        "routes replayed (trainer's router agreed)",
+                        f"{100 * _mean(agreed):.2f}% of (token, layer) rows, lowest step {100 * min(agreed):.2f}%",
+                    )
+                ]
+                if agreed
+                else []
+            ),
             ("rollout tokens/s (median)", f"{statistics.median(r.tok_per_s for r in trained):.0f}" if trained else "—"),
             ("before", f"{SAMPLE_PROMPT!r} → {before!r}"),
             ("after", f"{SAMPLE_PROMPT!r} → {after!r}"),
@@ -590,8 +692,13 @@ def _autoscaling(cfg: DemoConfig) -> dict[str, int | None]:
     flight for a few seconds per step, then training and the hot-load send none."""
     if not _autoscales(cfg):
         return {"min": cfg.replicas, "max": cfg.replicas}
-    return {"min": cfg.replicas, "max": cfg.max_replicas, "targetInFlight": cfg.target_in_flight,
-            "scaleOutAfterSeconds": cfg.scale_out_after_s, "scaleInAfterSeconds": cfg.scale_in_after_s}
+    return {
+        "min": cfg.replicas,
+        "max": cfg.max_replicas,
+        "targetInFlight": cfg.target_in_flight,
+        "scaleOutAfterSeconds": cfg.scale_out_after_s,
+        "scaleInAfterSeconds": cfg.scale_in_after_s,
+    }
 
 
 class ScaleLog:
@@ -620,16 +727,19 @@ class ScaleLog:
         """After the loop, no request is sent: wait for the deployment to come back to `min`."""
         if self.serving <= self.cfg.replicas:
             return
-        self.say(f"autoscaling: the load stopped; waiting for the scale-in (idle for {self.cfg.scale_in_after_s} s "
-                 f"per replica removed)...")
+        self.say(
+            f"autoscaling: the load stopped; waiting for the scale-in (idle for {self.cfg.scale_in_after_s} s "
+            f"per replica removed)..."
+        )
         t0 = time.monotonic()
         deadline = t0 + (self.serving - self.cfg.replicas) * (self.cfg.scale_in_after_s + 30) + 30
         while time.monotonic() < deadline:
             if self._note(get(), f"{time.monotonic() - t0:.0f} s after the load stopped") <= self.cfg.replicas:
                 return
             time.sleep(1)
-        self.say(f"autoscaling: still {self.serving} serving replicas {time.monotonic() - t0:.0f} s after the load "
-                 f"stopped")
+        self.say(
+            f"autoscaling: still {self.serving} serving replicas {time.monotonic() - t0:.0f} s after the load stopped"
+        )
 
     def summary(self) -> str:
         bounds = f"min {self.cfg.replicas}, max {self.cfg.max_replicas}"
@@ -646,16 +756,20 @@ def _longest_pause(reps: list[dict]) -> float | None:
 
 def _most_moved(reps: list[dict]) -> int | None:
     """The most bytes any replica wrote into its engine inside the pause (its ``swapBytes``)."""
-    return max((int(r["swapBytes"]["pause_bytes"]) for r in reps if (r.get("swapBytes") or {}).get("pause_bytes")
-                is not None), default=None)
+    return max(
+        (int(r["swapBytes"]["pause_bytes"]) for r in reps if (r.get("swapBytes") or {}).get("pause_bytes") is not None),
+        default=None,
+    )
 
 
 def _moved_summary(full: StepRecord, deltas: list[StepRecord]) -> str:
     moved = [r.pause_bytes for r in deltas if r.pause_bytes is not None]
     if not moved or full.pause_bytes is None:
         return "—"
-    return (f"deltas median {statistics.median(moved) / 1e6:.2f} MB "
-            f"({100 * statistics.median(moved) / full.pause_bytes:.1f}% of the full's {full.pause_bytes / 1e6:.1f} MB)")
+    return (
+        f"deltas median {statistics.median(moved) / 1e6:.2f} MB "
+        f"({100 * statistics.median(moved) / full.pause_bytes:.1f}% of the full's {full.pause_bytes / 1e6:.1f} MB)"
+    )
 
 
 def _check(rec: StepRecord) -> None:

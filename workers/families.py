@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers as T
@@ -23,31 +24,60 @@ VOCAB = 2048  # the embedded stack's tokenizer's (workers.base_model)
 _COMMON = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=2,
                num_key_value_heads=1, head_dim=64, vocab_size=VOCAB, max_position_embeddings=4096)
 # family -> (config class, model class, what differs from _COMMON)
-FAMILIES = {
+FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
     "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),  # q/k/v biases
     "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"tie_word_embeddings": True}),
-    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,
-                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1}),
+    "qwen3_moe": (
+        T.Qwen3MoeConfig,
+        T.Qwen3MoeForCausalLM,
+        {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1},
+    ),
     "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {"pad_token_id": 0, "head_dim": None}),  # ships qkv/gate_up fused
     "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, {}),
     # DeepSeek-V3 style: multi-head latent attention, a dense first layer, then routed experts
     # (grouped top-k with a score-correction bias) beside a shared expert. vLLM's CPU MLA decode
     # kernel takes DeepSeek-V3's latent width only (kv_lora_rank 512 + qk_rope_head_dim 64).
-    "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM,
-                    {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 64,
-                     "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "q_lora_rank": 64,
-                     "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
-                     "num_key_value_heads": 2, "head_dim": None,
-                     "topk_method": "noaux_tc", "scoring_func": "sigmoid"}),  # as DeepSeek-V3 ships its config
+    "deepseek_v3": (
+        T.DeepseekV3Config,
+        T.DeepseekV3ForCausalLM,
+        {
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 64,
+            "first_k_dense_replace": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "q_lora_rank": 64,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 64,
+            "v_head_dim": 64,
+            "num_key_value_heads": 2,
+            "head_dim": None,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+        },
+    ),  # as DeepSeek-V3 ships its config
     # Nemotron-H, as Nemotron Nano 2 lays it out: Mamba-2 mixers ("M"), ReLU² MLPs ("-") and
     # attention ("*") as separate decoder layers. vLLM computes on A = -exp(A_log) (float32) and
     # a reshaped conv1d weight: each layer's post-load processing is replayed after a write
     # (replica/engine/post_load.py).
-    "nemotron_h": (T.NemotronHConfig, T.NemotronHForCausalLM,
-                   {"num_hidden_layers": None, "layers_block_type": ["mamba", "mlp", "attention", "mlp"],
-                    "mamba_num_heads": 4, "mamba_head_dim": 64, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 64}),
+    "nemotron_h": (
+        T.NemotronHConfig,
+        T.NemotronHForCausalLM,
+        {
+            "num_hidden_layers": None,
+            "layers_block_type": ["mamba", "mlp", "attention", "mlp"],
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 64,
+            "n_groups": 2,
+            "ssm_state_size": 16,
+            "chunk_size": 64,
+        },
+    ),
 }
 MOE = ("qwen3_moe", "mixtral", "deepseek_v3")  # the families with routed experts
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -42,7 +42,13 @@ from transformers import AutoModelForCausalLM
 from workers.base_model import INDEX_NAME, load_checkpoint, write_tensors
 from workers.routing_replay import Replay
 
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 DIGITS = "0123456789"
 
 
@@ -209,7 +215,9 @@ class Policy:
         self.clip_eps = clip_eps
         self.inner_steps = inner_steps
         self.max_grad_norm = max_grad_norm
-        self.optimizer = torch.optim.Adam([params[n] for n in self.names if n in self.trainable], lr=lr, betas=(0.9, 0.99), eps=1e-8)
+        self.optimizer = torch.optim.Adam(
+            [params[n] for n in self.names if n in self.trainable], lr=lr, betas=(0.9, 0.99), eps=1e-8
+        )
 
     # -- forward
     def _batch(self, rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -287,7 +295,9 @@ class Policy:
             logp = self.token_logprobs(ids, attn, replay)
             loss, info = grpo_loss(logp, logp_old, adv, comp, clip_eps=self.clip_eps)
             loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], self.max_grad_norm))
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], self.max_grad_norm)
+            )
             self.optimizer.step()
             loss_v, clip_frac = float(loss.detach()), info["clip_frac"]
         return StepStats(loss_v, clip_frac, grad_norm, int(comp.sum()), mismatch, extra)

@@ -111,11 +111,17 @@ async def list_all_hot_loads(http: httpx.AsyncClient, deployment_id: str) -> lis
 
 def _progress_line(hot_load: dict[str, Any], replicas: list[dict[str, Any]]) -> str:
     st = hot_load["status"]
-    ready = sum(1 for r in replicas if r["state"] == "READY" and r.get("currentSnapshotIdentity") == hot_load["spec"]["identity"])
+    ready = sum(
+        1
+        for r in replicas
+        if r["state"] == "READY" and r.get("currentSnapshotIdentity") == hot_load["spec"]["identity"]
+    )
     parts = ", ".join(
         f"{r['name']} {r['state']}" + (f" ({r['errorReason']})" if r.get("errorReason") else "") for r in replicas
     )
-    return f"{hot_load['spec']['id']} {st['state'].removeprefix('HOT_LOAD_STATE_')} {ready}/{len(replicas)} ready: {parts}"
+    return (
+        f"{hot_load['spec']['id']} {st['state'].removeprefix('HOT_LOAD_STATE_')} {ready}/{len(replicas)} ready: {parts}"
+    )
 
 
 def failure_reason(hot_load: dict[str, Any], replicas: list[dict[str, Any]]) -> str:
@@ -133,7 +139,9 @@ async def wait_and_report(
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         hot_load = (await _json(http, "GET", f"/hotLoads/{hot_load_id}"))["hotLoad"]
-        replicas = (await _json(http, "GET", f"/hotLoads/{hot_load_id}/replicas", params={"maxPageSize": 1000}))["replicas"]
+        replicas = (await _json(http, "GET", f"/hotLoads/{hot_load_id}/replicas", params={"maxPageSize": 1000}))[
+            "replicas"
+        ]
         line = _progress_line(hot_load, replicas)
         if line != last:
             print(line, file=out, flush=True)
@@ -160,10 +168,16 @@ async def replay(http: httpx.AsyncClient, hot_load_id: str, *, out: TextIO, poll
     return await wait_and_report(http, created["spec"]["id"], out=out, poll_s=poll_s)
 
 
-async def rollback(http: httpx.AsyncClient, identity: str, deployment_id: str, *, out: TextIO, poll_s: float = 1.0) -> int:
+async def rollback(
+    http: httpx.AsyncClient, identity: str, deployment_id: str, *, out: TextIO, poll_s: float = 1.0
+) -> int:
     history = await list_all_hot_loads(http, deployment_id)  # newest first
     earlier = next(
-        (h for h in history if h["spec"]["identity"] == identity and h["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"),
+        (
+            h
+            for h in history
+            if h["spec"]["identity"] == identity and h["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
+        ),
         None,
     )
     if earlier is None:
@@ -205,7 +219,10 @@ async def history_check(directory: Path, *, out: TextIO) -> int:
             print(f"ok    {path.name}", file=out)
         else:
             failures += 1
-            print(f"FAIL  {path.name}: {type(problem).__name__}: {str(problem).splitlines()[0] if str(problem) else ''}", file=out)
+            print(
+                f"FAIL  {path.name}: {type(problem).__name__}: {str(problem).splitlines()[0] if str(problem) else ''}",
+                file=out,
+            )
     print(f"{len(files) - failures}/{len(files)} histories replay against the current workflow code", file=out)
     return 1 if failures else 0
 

@@ -217,7 +217,9 @@ class Stack:
         if name == "api":
             return lambda: httpx.get(f"http://{host_port(self.s.host, p['api'])}/healthz", timeout=2).status_code == 200
         if name == "gateway":
-            return lambda: httpx.get(f"http://{host_port(self.s.host, p['gateway'])}/healthz", timeout=2).status_code == 200
+            return lambda: (
+                httpx.get(f"http://{host_port(self.s.host, p['gateway'])}/healthz", timeout=2).status_code == 200
+            )
         if name == "dynamo":
             tls = self.s.dynamo_tls()
             return lambda: httpx.get(f"{self.s.dynamo_frontend_url}/v1/models", timeout=2,

@@ -88,7 +88,7 @@ async def create_deployment(
             )
     if body.autoscaling.max < body.autoscaling.min:
         raise InvalidArgument("autoscaling.max must be at least autoscaling.min")
-    require_granted(p, body.model, body.hot_load)
+    require_granted(p, body.model, body.hot_load)  # type: ignore[arg-type]  # the same fields
     zones = []
     for gid in body.gateway_ids:
         try:

@@ -36,10 +36,16 @@ async def create_gateway(
     zones = body.zones or [settings.zone]
     bad = [z for z in zones if z != settings.zone]
     if bad:
-        raise InvalidArgument(f"zones: {', '.join(bad)} not offered here; GET /gateways/parameters lists {settings.zone}")
+        raise InvalidArgument(
+            f"zones: {', '.join(bad)} not offered here; GET /gateways/parameters lists {settings.zone}"
+        )
     gw = Gateway(
-        spec=GatewaySpec(id=body.id or str(uuid.uuid4()), name=body.name, organization_id=p.organization_id, zones=zones),
-        status=GatewayStatus(status=ResourceStatus.CREATING, endpoints=[settings.gateway_url], created_at=now(), updated_at=now()),
+        spec=GatewaySpec(
+            id=body.id or str(uuid.uuid4()), name=body.name, organization_id=p.organization_id, zones=zones
+        ),
+        status=GatewayStatus(
+            status=ResourceStatus.CREATING, endpoints=[settings.gateway_url], created_at=now(), updated_at=now()
+        ),
     )
     if any(g.spec.name == body.name for g in await r.list_gateways(p.organization_id)):
         raise AlreadyExists(f"a gateway named {body.name!r} already exists in this organization")

@@ -40,7 +40,9 @@ def hot_load_response(rec: Record) -> Response:
 
 
 @router.post("/hotLoads")
-async def create_hot_load(body: CreateHotLoadRequest, p: Principal = Depends(principal), r: Resources = Depends(resources)):
+async def create_hot_load(
+    body: CreateHotLoadRequest, p: Principal = Depends(principal), r: Resources = Depends(resources)
+):
     p.require_admin("creating a hot-load")
     dep = await r.get_deployment(p.organization_id, body.deployment_id)  # not_found across orgs
     require_granted(p, None, dep.spec.hot_load)  # a grant revoked since the create stops reads
@@ -49,7 +51,7 @@ async def create_hot_load(body: CreateHotLoadRequest, p: Principal = Depends(pri
         hot_load_id=body.hot_load_id or str(uuid.uuid4()),
         identity=body.identity,
         type=body.type,
-        incremental_snapshot_metadata=meta.model_dump() if meta else None,
+        incremental_snapshot_metadata=meta.model_dump() if meta else None,  # type: ignore[arg-type]  # pydantic validates it
         prompt_cache_policy=body.prompt_cache_policy or PromptCachePolicy.PRESERVE,
         organization_hot_load_enabled=p.hot_load_enabled,
         created_at=now(),

@@ -17,8 +17,8 @@ Failures stay local. A receiver whose stage failed reads the bucket in its turn 
 nothing: it holds up only the members of its own transfer, never another sender's. A sender
 that offers nothing (no delta files to pass on, it cannot reach the group) is dropped and its
 receivers go back to the queue for another sender; one that offered nothing from its stage (a
-stage of tensors, not files) comes back once it swapped the update in (`committed`). Once the walk adds no more senders (`close`)
-and none is left or sending, every receiver still waiting reads the bucket.
+stage of tensors, not files) comes back once it swapped the update in (`committed`). Once the walk adds no more senders
+(`close`) and none is left or sending, every receiver still waiting reads the bucket.
 
 - `ready(name)`: True once that receiver holds a checked stage, False when it reads the bucket
   (its stage failed, or no sender is left or sending to reach it).
@@ -189,7 +189,7 @@ class FanOut:
         from_stage = sender.staged and sender.endpoint.name not in self.done_committing
         when = "from its stage" if from_stage else "as it serves it"
         try:
-            return await workflow.execute_activity(
+            offer: PeerOffer = await workflow.execute_activity(
                 names.OFFER_TO_PEER,
                 PeerOfferInput(
                     hot_load_id=self.spec.id, identity=self.spec.identity, chain=self.spec.snapshot_chain,
@@ -203,6 +203,7 @@ class FanOut:
                 summary=f"offer {self.spec.identity} from {sender.endpoint.name} {when} to {len(batch)} peer(s)",
                 **PEER_STEP,
             )
+            return offer
         except Exception as exc:
             if is_cancelled_exception(exc):
                 raise

@@ -104,7 +104,7 @@ class GroupedStages:
         staged = await self.leaders.ready(leader.name)
         source = leader if staged else self.root
         try:
-            return await workflow.execute_child_workflow(
+            outcome: StageGroupResult = await workflow.execute_child_workflow(
                 names.STAGE_GROUP_WORKFLOW,
                 StageGroupInput(
                     spec=self.spec, members=members, serving={m.name: self.serving.get(m.name, "") for m in members},
@@ -117,6 +117,7 @@ class GroupedStages:
                 cancellation_type=ChildWorkflowCancellationType.TRY_CANCEL,
                 parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
             )
+            return outcome
         except Exception as exc:  # noqa: BLE001 - its members read the bucket (a cancel is not an Exception)
             workflow.logger.warning("stage group %d of %s failed (%s): its replicas read the bucket", j,
                                     self.spec.id, exc)

@@ -101,7 +101,7 @@ class HotLoadWorkflow:
             self.walk.canceled()
         outcome = self.walk.outcome()
         hot_load_metrics.hot_load_ended(  # not while replaying: workflow.metric_meter()
-            self.walk.state.value.removeprefix("HOT_LOAD_STATE_"), failure.type if failure else "",
+            self.walk.state.value.removeprefix("HOT_LOAD_STATE_"), failure.type if failure and failure.type else "",
             (workflow.now() - workflow.info().start_time).total_seconds(),
             [r.error_reason or "" for r in self.walk.replicas if r.state == ReplicaState.ERROR],
         )

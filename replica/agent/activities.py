@@ -89,7 +89,9 @@ class ReplicaActivities:
             heartbeat.cancel()
 
 
-async def measured_step(metrics: ReplicaMetrics, name: str, step: Awaitable[ApplySnapshotResult]) -> ApplySnapshotResult:
+async def measured_step(
+    metrics: ReplicaMetrics, name: str, step: Awaitable[ApplySnapshotResult]
+) -> ApplySnapshotResult:
     """A weight-changing step, counted and timed (replica/agent/metrics.py): its pause, the bytes
     it read from the bucket, the snapshot the replica serves after it."""
     with metrics.step(name, changes_weights=True):

@@ -225,8 +225,8 @@ class DynamoEngineProcess(EngineProcess):
 
     def _to_this_worker(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """A JSON body for Dynamo's frontend that only this worker serves
-        (``nvext.backend_instance_id``), carrying the request-plane secret, with vLLM's top-level ``cache_salt`` where Dynamo reads it
-        (``nvext.cache_salt``)."""
+        (``nvext.backend_instance_id``), carrying the request-plane secret, with vLLM's top-level ``cache_salt`` where
+        Dynamo reads it (``nvext.cache_salt``)."""
         body = kwargs.get("json")
         if not isinstance(body, dict) or self.worker_id is None:
             return kwargs

@@ -63,7 +63,9 @@ class ReadBackFailed(EngineError):
 
     @classmethod
     def of(cls, label: str, tensors: list[str]) -> ReadBackFailed:
-        return cls(f"the read-back of {label!r} differs for {len(tensors)} tensor(s): {', '.join(tensors[:8])}", tensors)
+        return cls(
+            f"the read-back of {label!r} differs for {len(tensors)} tensor(s): {', '.join(tensors[:8])}", tensors
+        )
 
 
 @dataclass(frozen=True)
@@ -349,7 +351,9 @@ class EngineClient:
         """:meth:`wait_job_ranks`, rank 0's result."""
         return (await self.wait_job_ranks(kind, timeout_s, rpc_every_s))[0]
 
-    async def wait_job_ranks(self, kind: str, timeout_s: float = 600.0, rpc_every_s: float = 5.0) -> list[dict[str, Any]]:
+    async def wait_job_ranks(
+        self, kind: str, timeout_s: float = 600.0, rpc_every_s: float = 5.0
+    ) -> list[dict[str, Any]]:
         """Wait for the extension's background ``kind`` job on every rank; returns each rank's
         result or raises EngineError with the job's error (naming the rank of a TP engine).
 

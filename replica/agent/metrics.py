@@ -50,7 +50,9 @@ SWAP_BYTES = Counter("rollouts_replica_swap_bytes", "Bytes of swaps: written ins
                      "before it, changed", (*_LABELS, "what"))
 BYTES_SENT = Counter("rollouts_replica_bytes_sent", "Bytes broadcast to peers", _LABELS)
 STEPS = Counter("rollouts_replica_steps", "Steps run", (*_LABELS, "step"))
-STEP_SECONDS = Histogram("rollouts_replica_step_seconds", "Step duration", (*_LABELS, "step"), buckets=OPERATION_BUCKETS)
+STEP_SECONDS = Histogram(
+    "rollouts_replica_step_seconds", "Step duration", (*_LABELS, "step"), buckets=OPERATION_BUCKETS
+)
 FAILURES = Counter("rollouts_replica_step_failures", "Failed steps, by reason", (*_LABELS, "step", "reason"))
 DELTA_STAGES = Counter("rollouts_replica_delta_stages", "Delta updates staged, decoded here or copied from "
                        "this host's decode", (*_LABELS, "how"))

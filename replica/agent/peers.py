@@ -206,10 +206,19 @@ class PeerSteps:
             names_, base = self.host.names(), "*"  # another base: send everything
         checksums = self.host.checksums()
         return PeerOffer(
-            source_replica=self.name, host=self.peer_host, port=free_port(self.peer_host),
-            backend=self.peer_backend, base_identity=base, identity=inp.identity, chain=inp.chain,
-            specs=[[n, str(self.host.tensor(n).dtype).removeprefix("torch."), list(self.host.info(n).shape)] for n in names_],
-            expected_adler32={n: checksums[n] for n in names_}, world_size=inp.world_size,
+            source_replica=self.name,
+            host=self.peer_host,
+            port=free_port(self.peer_host),
+            backend=self.peer_backend,
+            base_identity=base,
+            identity=inp.identity,
+            chain=inp.chain,
+            specs=[
+                [n, str(self.host.tensor(n).dtype).removeprefix("torch."), list(self.host.info(n).shape)]
+                for n in names_
+            ],
+            expected_adler32={n: checksums[n] for n in names_},
+            world_size=inp.world_size,
         )
 
     # ------------------------------------------------------------------ broadcast walk

@@ -400,7 +400,9 @@ class ReplicaRuntime(PeerSteps):
                                                f"staged anything to offer"))
                 ready.exception()  # retrieved: nobody may be waiting
 
-    async def _apply_from_bucket(self, inp: ApplySnapshotInput, ready: asyncio.Future[StagedUpdate]) -> ApplySnapshotResult:
+    async def _apply_from_bucket(
+        self, inp: ApplySnapshotInput, ready: asyncio.Future[StagedUpdate]
+    ) -> ApplySnapshotResult:
         await self.fault("apply_snapshot")
         t0 = time.perf_counter()
         await self.drop_peer_stage()  # settles the host copy first
@@ -469,7 +471,9 @@ class ReplicaRuntime(PeerSteps):
             self.host.restore(host_backups)
             kept = await self._kept_previous(names_)
             if isinstance(exc, ApplicationError):  # an injected fault: its type and retry policy stand
-                raise ApplicationError(f"{exc.message}; {kept}", type=exc.type, non_retryable=exc.non_retryable) from None
+                raise ApplicationError(
+                    f"{exc.message}; {kept}", type=exc.type, non_retryable=exc.non_retryable
+                ) from None
             if isinstance(exc, ReadBackFailed):
                 raise ReadBackFailed(f"the engine's read-back inside the pause differs from the snapshot for "
                                      f"{', '.join(exc.tensors[:8])}; {kept}", exc.tensors) from None

@@ -55,12 +55,13 @@ def install() -> None:
 
     keep_loaded._rollouts_keeps_loaded = True  # type: ignore[attr-defined]
     _ORIGINAL = original
-    CPUUnquantizedExperts.process_weights_after_loading = keep_loaded
+    CPUUnquantizedExperts.process_weights_after_loading = keep_loaded  # type: ignore[method-assign]
 
 
 def loaded(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The loader-layout copies of a CPU MoE layer's expert weights (empty for any other module)."""
-    return module.__dict__.get(_LOADED, {})
+    copies: dict[str, torch.Tensor] = module.__dict__.get(_LOADED, {})
+    return copies
 
 
 def _packed(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -106,7 +106,8 @@ class SpanRecorder:
     def wrap_generate(self, generate: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
         final = self.final
 
-        async def recording(prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any):
+        async def recording(prompt: Any, sampling_params: Any, request_id: str, *args: Any,
+                            **kwargs: Any) -> AsyncIterator[Any]:
             async for res in generate(prompt, sampling_params, request_id, *args, **kwargs):
                 for output in getattr(res, "outputs", None) or []:
                     if output.finish_reason is not None:
@@ -123,7 +124,7 @@ class SpanRecorder:
         is the handler's own: Dynamo passes ``context`` only to a handler that names it."""
         gate = self.gate
 
-        async def gated(request: Any, context: Any):
+        async def gated(request: Any, context: Any) -> AsyncIterator[Any]:
             is_probe = probe(request)
             if request_secret is not None and not is_probe and not carries_secret(request, request_secret):
                 raise PermissionError(REFUSED)
@@ -138,7 +139,8 @@ class SpanRecorder:
                     ) -> Callable[..., AsyncIterator[dict[str, Any]]]:
         final = self.final
 
-        async def stamping(prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any):
+        async def stamping(prompt: Any, sampling_params: Any, request_id: str, *args: Any,
+                           **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
             try:
                 async for out in generate_tokens(prompt, sampling_params, request_id, *args, **kwargs):
                     if isinstance(out, dict) and out.get("finish_reason") is not None:
@@ -182,7 +184,8 @@ def is_canary(request: Any, marked: Callable[[Any], bool]) -> bool:
     and one generated token, so the marker gets no caller a completion of their own."""
     if not isinstance(request, dict) or not marked(request):
         return False
-    stop = request.get("stop_conditions") if isinstance(request.get("stop_conditions"), dict) else {}
+    stop = request.get("stop_conditions")
+    stop = stop if isinstance(stop, dict) else {}
     tokens = request.get("token_ids")
     return (stop.get("max_tokens") == 1 and isinstance(tokens, list) and len(tokens) <= 1
             and not request.get("prompt") and not request.get("messages"))
@@ -228,7 +231,7 @@ def control_routes(engine: Any, endpoint: Any, secret: str, gate: Gate | None = 
     return {name: needs_secret(answering(name, handlers[name]), secret) for name in ROUTES}
 
 
-Route = Callable[[dict[str, Any]], Awaitable[Any]]
+Route = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 def needs_secret(handler: Route, secret: str) -> Route:
@@ -276,7 +279,8 @@ def install(worker_factory: Any, secret: str, gated: bool = False, request_secre
         return is_canary(request, is_probe)
     register = WorkerFactory.register_engine_routes
 
-    def register_engine_routes(self: Any, runtime: Any, generate_endpoint: Any, handler: Any, *args: Any, **kwargs: Any):
+    def register_engine_routes(self: Any, runtime: Any, generate_endpoint: Any, handler: Any, *args: Any,
+                               **kwargs: Any) -> None:
         register(self, GuardedRuntime(runtime, secret), generate_endpoint, handler, *args, **kwargs)
         engine = handler.engine_client
         for name, route in control_routes(engine, generate_endpoint, secret, recorder.gate).items():

@@ -8,8 +8,8 @@ control routes on Dynamo's system server and per-token weight-version spans in i
 ``replica.engine.dynamo_card.install`` (its model card's files in the shared discovery directory,
 where a frontend on any host reads them), with the engine's secret read from
 ``$ROLLOUTS_ENGINE_SECRET_FILE`` and its deployment's request-plane secret (what every inference
-request must carry) from ``$ROLLOUTS_REQUEST_SECRET_FILE``; ``ROLLOUTS_GATED=1`` starts it with its gate closed (requests
-wait until the agent opens it: ``replica.engine.dynamo_routes``).
+request must carry) from ``$ROLLOUTS_REQUEST_SECRET_FILE``; ``ROLLOUTS_GATED=1`` starts it with its gate closed
+(requests wait until the agent opens it: ``replica.engine.dynamo_routes``).
 
 Everything is imported under the ``__main__`` guard: vLLM starts its engine core and worker by
 spawn, which imports this module again (as ``__mp_main__``), and those processes must not import

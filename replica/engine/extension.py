@@ -99,19 +99,22 @@ def _weight_map(worker: Any) -> WeightMap:
                 worker._rollouts_map = WeightMap.build(worker.model_runner.model, checkpoint.specs, checkpoint.read,
                                                        getattr(config, "quantization", None))
             worker._rollouts_map_build_s = round(time.perf_counter() - t0, 3)
-        return worker._rollouts_map
+        wmap: WeightMap = worker._rollouts_map
+        return wmap
 
 
 def _jobs(worker: Any) -> JobRunner:
     if worker._rollouts_jobs is None:
         worker._rollouts_jobs = JobRunner()
-    return worker._rollouts_jobs
+    jobs: JobRunner = worker._rollouts_jobs
+    return jobs
 
 
 def _slot(worker: Any) -> StageSlot:
     if worker._rollouts_slot is None:
         worker._rollouts_slot = StageSlot()
-    return worker._rollouts_slot
+    slot: StageSlot = worker._rollouts_slot
+    return slot
 
 
 def _start_stage(worker: Any, fn: Callable[[], tuple[Stage, dict[str, Any]]]) -> dict[str, Any]:
@@ -172,7 +175,8 @@ class WeightLoaderExtension:
         method, args, kwargs = rpc_file.read_call(path)
         if not callable(getattr(WeightLoaderExtension, method, None)):
             raise ValueError(f"{path}: no extension method {method!r}")
-        return getattr(self, method)(*args, **kwargs)
+        answer: dict[str, Any] = getattr(self, method)(*args, **kwargs)
+        return answer
 
     def engine_pid(self) -> dict[str, Any]:
         rank, ranks = _rank(self)

@@ -41,7 +41,7 @@ def read_safetensors(paths: Sequence[str], names: Sequence[str] | None) -> list[
                 if key in found:
                     raise ValueError(f"tensor {key} appears in more than one file")
                 found[key] = f.get_tensor(key)
-    if wanted is not None:
+    if names is not None and wanted is not None:
         missing = sorted(wanted - found.keys())
         if missing:
             raise ValueError(f"{len(missing)} tensor(s) not found in {list(paths)}: {missing[:8]}")
@@ -79,7 +79,8 @@ class Checkpoint:
         handle = self._handles.get(path)
         if handle is None:
             handle = self._handles[path] = safe_open(path, framework="pt", device="cpu")
-        return handle.get_tensor(name)
+        tensor: torch.Tensor = handle.get_tensor(name)
+        return tensor
 
     def close(self) -> None:
         self._handles.clear()  # (a safe_open handle lets its file go when dropped)

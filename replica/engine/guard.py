@@ -95,7 +95,7 @@ def is_local_client(scope: Scope) -> bool:
         return False
     if ip.is_loopback:
         return True
-    return bool(server) and _ip(server[0]) == ip
+    return bool(server and _ip(server[0]) == ip)
 
 
 class EngineSecretError(RuntimeError):

@@ -27,7 +27,9 @@ _SEQ = iter(range(1, 1 << 62))
 
 def result_path(kind: str) -> str:
     """A fresh result file for a ``kind`` job (``ROLLOUTS_JOB_DIR``, else a per-process temp dir)."""
-    directory = os.environ.get("ROLLOUTS_JOB_DIR") or os.path.join(tempfile.gettempdir(), f"rollouts-jobs-{os.getpid()}")
+    directory = os.environ.get("ROLLOUTS_JOB_DIR") or os.path.join(
+        tempfile.gettempdir(), f"rollouts-jobs-{os.getpid()}"
+    )
     os.makedirs(directory, exist_ok=True)
     return os.path.join(directory, f"{next(_SEQ)}-{kind}.json")
 

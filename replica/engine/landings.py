@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -49,7 +50,7 @@ class Region:
     @staticmethod
     def of(t: torch.Tensor, base_offset: int = 0) -> Region:
         """``t`` as a region of a tensor whose first element is at ``base_offset`` in its storage."""
-        return Region(tuple(t.shape), tuple(t.stride()), t.storage_offset() - base_offset)
+        return Region(tuple(t.shape), tuple(t.stride()), int(t.storage_offset()) - base_offset)
 
     def numel(self) -> int:
         return math.prod(self.size)
@@ -99,7 +100,7 @@ def expert_misses(model: torch.nn.Module) -> Iterator[list[int]]:
         if not callable(answer):
             continue
 
-        def wrapper(expert_id, _answer=answer):
+        def wrapper(expert_id: int, _answer: Callable[[int], int] = answer) -> int:
             local = _answer(expert_id)
             if local == -1:
                 missed.append(expert_id)
@@ -118,7 +119,7 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors ``func`` writes: the arguments its schema marks mutable (``self`` of an
     in-place op, ``out``)."""
     out = []
@@ -132,7 +133,7 @@ def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 class _Observer(TorchDispatchMode):
     def __init__(self, params: dict[int, tuple[str, int]], probe: torch.Tensor, result: TensorMap) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.params = params  # storage key -> (parameter name, its storage offset)
         self.probe_key = _storage_key(probe)
         self.probe_dtype = probe.dtype
@@ -150,7 +151,8 @@ class _Observer(TorchDispatchMode):
                 return region
         return None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         written = _written(func, args, kwargs)
         owned = [self.params[_storage_key(t)] for t in written if _storage_key(t) in self.params]
@@ -186,7 +188,7 @@ def observe(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, ...], 
     params: dict[int, tuple[str, int]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         if p.numel():  # (a tied parameter keeps its first name: the embedding's)
-            params.setdefault(_storage_key(p), (n, p.storage_offset()))
+            params.setdefault(_storage_key(p), (n, int(p.storage_offset())))
     out: dict[str, TensorMap] = {}
     with expert_misses(model) as missed:
         for name, shape, dtype in specs:
@@ -195,14 +197,14 @@ def observe(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, ...], 
             missed.clear()
             try:
                 with _Observer(params, probe, result):
-                    model.load_weights([(name, probe)])
+                    model.load_weights([(name, probe)])  # type: ignore[operator]  # vLLM's models have it
             except Exception as exc:  # the loader refused this name: say why, keep going
                 result.problems.append(f"the engine's loader refused it: {type(exc).__name__}: {exc}"[:300])
             result.elsewhere = bool(missed) and not result.landings and not result.problems
     return out
 
 
-def unproven(model: torch.nn.Module, maps: dict[str, TensorMap], read) -> dict[str, str]:
+def unproven(model: torch.nn.Module, maps: dict[str, TensorMap], read: Callable[[str], torch.Tensor]) -> dict[str, str]:
     """The mapped tensors whose landings do not hold the checkpoint's values now, by name, with
     why: call it on an engine just loaded from that checkpoint (``read(name)`` gives its tensor).
     A landing holds them when its region of the parameter equals its region of the tensor, the

@@ -73,7 +73,7 @@ def gloo_options(timeout: Any, device_host: str | None = None) -> Any:
     device_host = device_host or os.environ.get(NODE_ADDRESS_ENV)
     if not device_host:
         return None
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, no stub
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=device_host)]
     return options

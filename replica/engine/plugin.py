@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -67,9 +67,9 @@ def shorten_idle_spin() -> bool:
     cap = float(os.environ.get("ROLLOUTS_VLLM_SPIN_S", DEFAULT_SPIN_S))
     original = spin.wait
 
-    def wait(self: object, timeout_ms: int | None = None) -> None:
+    def wait(self: Any, timeout_ms: int | None = None) -> None:
         if getattr(self, "busy_loop_s", 0) > cap:
-            self.busy_loop_s = cap  # type: ignore[attr-defined]
+            self.busy_loop_s = cap
         return original(self, timeout_ms)
 
     wait._rollouts_cap = cap  # type: ignore[attr-defined]
@@ -100,7 +100,7 @@ def eager_logprob_ranks() -> bool:
         return True
     for module in (logprobs, sampler):
         if hasattr(module, "batched_count_greater_than"):
-            module.batched_count_greater_than = count_at_least
+            module.batched_count_greater_than = count_at_least  # type: ignore[attr-defined]
     logger.info("vLLM's sampler counts logprob ranks eagerly (no inductor compile on the first logprobs request)")
     return sampler.batched_count_greater_than is count_at_least
 

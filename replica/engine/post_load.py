@@ -62,7 +62,7 @@ def install() -> None:
             if any(k.startswith(_OURS) for k in module.__dict__):
                 continue  # a layer `cpu_moe` keeps and re-packs itself
             kept = {n: t for n, t in before.get(id(module), {}).items()
-                    if n not in module._parameters or not _same(module._parameters[n].data, t)}
+                    if (p := module._parameters.get(n)) is None or not _same(p.data, t)}
             if kept:
                 module.__dict__[_LOADED] = kept
 
@@ -79,7 +79,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def loaded(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors vLLM's loader wrote for the parameters its post-load step rebound (empty when
     none): where the map lands checkpoint tensors for that layer."""
-    return module.__dict__.get(_LOADED, {})
+    kept: dict[str, torch.Tensor] = module.__dict__.get(_LOADED, {})
+    return kept
 
 
 def processed(model: torch.nn.Module) -> bool:
@@ -100,7 +101,9 @@ def dependents(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
     for module in model.modules():
         if not _deferred_attention(module):
             continue
-        refs = {id(v): v for v in [*module.__dict__.values(), *module._modules.values()] if isinstance(v, torch.nn.Module)}
+        refs = {
+            id(v): v for v in [*module.__dict__.values(), *module._modules.values()] if isinstance(v, torch.nn.Module)
+        }
         for ref in refs.values():
             out.setdefault(id(ref), []).append(module)
     return out
@@ -147,8 +150,15 @@ def _scratch(layers: Sequence[torch.nn.Module], aliased: set[int]) -> Iterator[N
     and nothing the engine serves changes; after: every binding as it was."""
     saved = []
     for m in layers:
-        saved.append((m, dict(m.__dict__), dict(m._parameters), dict(m._buffers),
-                      {n: p.data for n, p in m._parameters.items() if p is not None}))
+        saved.append(
+            (
+                m,
+                dict(m.__dict__),
+                dict(m._parameters),
+                dict(m._buffers),
+                {n: p.data for n, p in m._parameters.items() if p is not None},
+            )
+        )
         shadows = loaded(m)
         for n, p in m._parameters.items():
             if p is not None:
@@ -170,7 +180,9 @@ def _scratch(layers: Sequence[torch.nn.Module], aliased: set[int]) -> Iterator[N
             m._buffers.clear()
             m._buffers.update(buffers)
             for n, t in data.items():
-                params[n].data = t
+                param = params[n]
+                assert param is not None
+                param.data = t
 
 
 def _process(model: torch.nn.Module, module: torch.nn.Module) -> None:
@@ -181,18 +193,20 @@ def _process(model: torch.nn.Module, module: torch.nn.Module) -> None:
     )
 
     dtype, _ = model.__dict__[_CONTEXT]
+    layer: Any = module  # vLLM's methods, which nn.Module's attribute types do not know
     if _deferred_attention(module):
-        module.process_weights_after_loading(dtype)
+        layer.process_weights_after_loading(dtype)
         return
     quant_method = getattr(module, "quant_method", None)
     if isinstance(quant_method, QuantizeMethodBase):
         quant_method.process_weights_after_loading(module)
         if hasattr(module, "update_param_tp_status"):
-            module.update_param_tp_status()
+            layer.update_param_tp_status()
 
 
-def derive(model: torch.nn.Module, layers: Sequence[torch.nn.Module],
-           computed: Iterable[tuple[str, torch.Tensor]]) -> dict[Key, torch.Tensor]:
+def derive(
+    model: torch.nn.Module, layers: Sequence[torch.nn.Module], computed: Iterable[tuple[str, torch.Tensor]]
+) -> dict[Key, torch.Tensor]:
     """What ``layers`` hold once vLLM's loader has loaded ``computed`` (checkpoint tensors whose
     loader computes on them, by checkpoint name) and vLLM's post-load step has run on every layer
     with loader tensors and on the deferred attention layers given (last): on scratch copies."""
@@ -200,7 +214,8 @@ def derive(model: torch.nn.Module, layers: Sequence[torch.nn.Module],
     with _scratch(layers, aliased), torch.no_grad():
         computed = list(computed)
         if computed:
-            model.load_weights(computed)
+            loader: Any = model  # vLLM's model class
+            loader.load_weights(computed)
         for m in layers:
             if loaded(m) and not _deferred_attention(m):
                 _process(model, m)
@@ -223,9 +238,11 @@ def apply(model: torch.nn.Module, layers: Sequence[torch.nn.Module], derived: di
             elif key.kind == "attr":
                 layers[key.layer].__dict__[key.name] = value
             else:
-                raise ValueError(f"{type(layers[key.layer]).__name__}.{key.name}: vLLM's post-load step makes "
-                                 f"{tuple(value.shape)} {value.dtype}, the engine holds "
-                                 f"{None if held is None else (tuple(held.shape), held.dtype)}")
+                raise ValueError(
+                    f"{type(layers[key.layer]).__name__}.{key.name}: vLLM's post-load step makes "
+                    f"{tuple(value.shape)} {value.dtype}, the engine holds "
+                    f"{None if held is None else (tuple(held.shape), held.dtype)}"
+                )
 
 
 def differs(model: torch.nn.Module, layers: Sequence[torch.nn.Module], derived: dict[Key, torch.Tensor]) -> list[str]:

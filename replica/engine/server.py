@@ -80,28 +80,31 @@ def patch() -> None:
     chat_stream = OpenAIServingChat.chat_completion_stream_generator
     chat_full = OpenAIServingChat.chat_completion_full_generator
 
-    async def completion_stream_generator(self, request, engine_inputs, result_generator, *args, **kwargs):
+    async def completion_stream_generator(self: Any, request: Any, engine_inputs: Any, result_generator: Any,
+                                          *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         n = request.n or 1
         spans: dict[int, Any] = {}
         results = _recording(result_generator, spans, lambda item, out: out.index + item[0] * n)
         async for event in cmpl_stream(self, request, engine_inputs, results, *args, **kwargs):
             yield _stamp(event, spans)
 
-    def request_output_to_completion_response(self, final_res_batch, *args, **kwargs):
+    def request_output_to_completion_response(self: Any, final_res_batch: Any, *args: Any, **kwargs: Any) -> Any:
         response = cmpl_full(self, final_res_batch, *args, **kwargs)
         # vLLM numbers the choices in this same order (prompt by prompt, output by output).
         outputs = [output for res in final_res_batch for output in res.outputs]
         for choice, output in zip(response.choices, outputs):
-            choice.weight_versions = _spans(output)  # an extra field: vLLM's models allow them
+            choice.weight_versions = _spans(output)  # type: ignore[attr-defined]  # an extra field: vLLM's models allow them
         return response
 
-    async def chat_completion_stream_generator(self, request, result_generator, *args, **kwargs):
+    async def chat_completion_stream_generator(self: Any, request: Any, result_generator: Any, *args: Any,
+                                               **kwargs: Any) -> AsyncIterator[Any]:
         spans: dict[int, Any] = {}
         results = _recording(result_generator, spans, lambda item, out: out.index)
         async for event in chat_stream(self, request, results, *args, **kwargs):
             yield _stamp(event, spans)
 
-    async def chat_completion_full_generator(self, request, result_generator, *args, **kwargs):
+    async def chat_completion_full_generator(self: Any, request: Any, result_generator: Any, *args: Any,
+                                             **kwargs: Any) -> Any:
         spans: dict[int, Any] = {}
         results = _recording(result_generator, spans, lambda item, out: out.index)
         response = await chat_full(self, request, results, *args, **kwargs)
@@ -110,10 +113,10 @@ def patch() -> None:
                 choice.weight_versions = spans[choice.index]
         return response
 
-    OpenAIServingCompletion.completion_stream_generator = completion_stream_generator
-    OpenAIServingCompletion.request_output_to_completion_response = request_output_to_completion_response
-    OpenAIServingChat.chat_completion_stream_generator = chat_completion_stream_generator
-    OpenAIServingChat.chat_completion_full_generator = chat_completion_full_generator
+    OpenAIServingCompletion.completion_stream_generator = completion_stream_generator  # type: ignore[method-assign,assignment]
+    OpenAIServingCompletion.request_output_to_completion_response = request_output_to_completion_response  # type: ignore[method-assign]
+    OpenAIServingChat.chat_completion_stream_generator = chat_completion_stream_generator  # type: ignore[method-assign,assignment]
+    OpenAIServingChat.chat_completion_full_generator = chat_completion_full_generator  # type: ignore[method-assign]
 
 
 def add_engine_routes(app: Any) -> None:

@@ -2,23 +2,24 @@
 
 - **stage** (a background job, the engine serving): :func:`take` checks that every tensor loads
   in place byte for byte (`weight_map.WeightMap.check`: a tensor of the engine's checkpoint that
-  lands in place, of that tensor's shape and dtype) and keeps it with its roll-back copy, either the views given (the agent's host copy in shared
-  memory, which holds exactly what the engine serves until the commit) or copies of the engine's
-  current values taken now, and with the Adler-32 the commit proves it against; and plans how
+  lands in place, of that tensor's shape and dtype) and keeps it with its roll-back copy, either the views given (the
+  agent's host copy in shared memory, which holds exactly what the engine serves until the commit) or copies of the
+  engine's current values taken now, and with the Adler-32 the commit proves it against; and plans how
   each tensor crosses into the engine (`scatter.plan`: a delta's changed elements only where
   that moves fewer bytes, buffers staged on an accelerator within a budget).
 - **swap** (inside a pause): :func:`swap` copies the staged tensors where vLLM's loader puts
   them (`weight_map`; those held in pinned host memory asynchronously, `scatter.write_pinned`),
-  or scatters their changed elements there, then rebuilds the kernel copies
-  of the layers written (`cpu_gemm`, `cpu_moe`) and replays vLLM's loading and post-load
-  processing for the layers whose tensors it computes (`post_load`, `WeightMap.rebuild`). A failure restores the roll-back copies and
-  drops the stage. Its report carries the bytes it moved (`scatter.Plan.report`).
+  or scatters their changed elements there, then rebuilds the kernel copies of the layers
+  written (`cpu_gemm`, `cpu_moe`) and replays vLLM's loading and post-load processing for the
+  layers whose tensors it computes (`post_load`, `WeightMap.rebuild`). A failure restores the
+  roll-back copies and drops the stage. Its report carries the bytes it moved (`scatter.Plan.report`).
 - **commit** (inside the same pause, before a token is served on the new weights):
   :func:`commit` reads back what the engine holds (:func:`proof`): against the expected Adler-32
   when they cover every tensor (the snapshot's; computed where the parameter lives), else bit
   for bit against the staged bytes, that every rebuilt MoE layer is packed from what was
-  written, and that every replayed layer holds vLLM's processing of what was written. A difference restores the roll-back copies and is answered as ``read_back_failed``
-  naming the tensors; otherwise ``verified`` counts the tensors proven.
+  written, and that every replayed layer holds vLLM's processing of what was written. A
+  difference restores the roll-back copies and is answered as ``read_back_failed`` naming the
+  tensors; otherwise ``verified`` counts the tensors proven.
 - **discard**: drop the stage; a swapped one is rolled back first.
 
 A rank of a tensor-parallel engine commits with ``hold``: its proven stage stays swapped in
@@ -108,9 +109,14 @@ def _backup_copies(wmap: WeightMap, names: list[str]) -> dict[str, torch.Tensor]
 
 
 def take(
-    wmap: WeightMap, label: str, tensors: list[tuple[str, torch.Tensor]],
-    backup: dict[str, torch.Tensor] | None = None, expected_adler32: dict[str, str] | None = None,
-    *, checked: bool = False, sparse: bool = False,
+    wmap: WeightMap,
+    label: str,
+    tensors: list[tuple[str, torch.Tensor]],
+    backup: dict[str, torch.Tensor] | None = None,
+    expected_adler32: dict[str, str] | None = None,
+    *,
+    checked: bool = False,
+    sparse: bool = False,
 ) -> Stage:
     """Check that ``tensors`` load into the engine ``wmap`` maps and keep them with their roll-back copies (the
     given ``backup``, views of bytes equal to what the engine serves, else copies taken now) and
@@ -177,8 +183,12 @@ def engine_adler32(t: torch.Tensor) -> str:
     return adler32_hex(t) if t.device.type == "cpu" else adler32_device_hex(t)
 
 
-def proof(wmap: WeightMap, tensors: list[tuple[str, torch.Tensor]],
-          expected_adler32: dict[str, str] | None, checked: bool = False) -> tuple[list[str], dict[str, str]]:
+def proof(
+    wmap: WeightMap,
+    tensors: list[tuple[str, torch.Tensor]],
+    expected_adler32: dict[str, str] | None,
+    checked: bool = False,
+) -> tuple[list[str], dict[str, str]]:
     """Read back what the engine holds for ``tensors``: (tensors that differ, Adler-32 of each
     tensor proven by it).
 

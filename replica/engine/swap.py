@@ -33,7 +33,7 @@ async def pause_at_once(engine: Any, clear_cache: bool, mode: str = "keep") -> N
     correctness", its comment says): the engine core's pause itself returns once no step is in
     flight, and the label every output carries is attached there, in step order, so the sleep
     orders nothing a label depends on. An engine without that core call pauses the usual way."""
-    core = getattr(engine, "engine_core", None)
+    core: Any = getattr(engine, "engine_core", None)
     if not hasattr(core, "pause_scheduler_async") or not hasattr(engine, "renderer"):
         await engine.pause_generation(mode=mode, clear_cache=clear_cache)
         return

@@ -18,7 +18,7 @@ import torch
 try:  # zlib-ng's SIMD Adler-32 (~6x zlib's here), same values; not snapshots.codec: no zstd needed
     from zlib_ng.zlib_ng import adler32
 except ImportError:  # pragma: no cover - a machine with torch alone
-    from zlib import adler32  # type: ignore[assignment]
+    from zlib import adler32
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -67,7 +67,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def adler32_hex(t: torch.Tensor) -> str:

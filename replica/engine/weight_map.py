@@ -186,7 +186,9 @@ class WeightMap:
         for ld in tmap.landings:
             held = params[ld.param].dtype
             if held != dtype and (dtype, held) not in LOSSLESS:
-                return f"the engine converts it {dtype_to_str(dtype)} -> {dtype_to_str(held)} ({ld.param}), not losslessly"
+                return (
+                    f"the engine converts it {dtype_to_str(dtype)} -> {dtype_to_str(held)} ({ld.param}), not losslessly"
+                )
         return None
 
     # -- reading ---------------------------------------------------------------------------

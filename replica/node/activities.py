@@ -3,9 +3,9 @@
 `start_replicas` launches each named replica as a detached `rollouts replica` process (pid file
 under the node's home, so a restarted node agent, and `rollouts down`, find it); the replica
 reports itself ready to its deployment workflow by signal. A GPU replica gets the devices its
-placement names as `CUDA_VISIBLE_DEVICES` (mapped through the agent's own); its engine binds the node's engine address and
-advertises the node's address. `stop_replicas` stops them by pid, all at once (each stops its engine). Both are idempotent: a retry,
-or the deployment's periodic check, starts nothing twice and stops nothing twice.
+placement names as `CUDA_VISIBLE_DEVICES` (mapped through the agent's own); its engine binds the node's engine address
+and advertises the node's address. `stop_replicas` stops them by pid, all at once (each stops its engine). Both are
+idempotent: a retry, or the deployment's periodic check, starts nothing twice and stops nothing twice.
 """
 
 from __future__ import annotations

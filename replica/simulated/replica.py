@@ -92,7 +92,7 @@ class SimulatedReplica:
         """Every object of the link, read for real; its size in bytes."""
         total, token = 0, None
         while True:
-            kw = {"ContinuationToken": token} if token else {}
+            kw: dict[str, str] = {"ContinuationToken": token} if token else {}
             page = self.s3.list_objects_v2(Bucket=bucket, Prefix=prefix, **kw)
             for obj in page.get("Contents", []):
                 total += len(self.s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read())

@@ -40,14 +40,22 @@ ENDPOINTS = [
 ]
 
 junk = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70), st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=40), st.just("x" * 5000), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=40),
+    st.just("x" * 5000),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
 )
 identity = st.one_of(
     st.sampled_from(["s1", "step-000001", "initial", "..", "../../etc/passwd", "a/b", "", "x" * 129, "é", "s1\x00"]),
     st.text(max_size=140), junk,
 )
-enum_value = lambda *names: st.one_of(st.sampled_from(list(names)), st.integers(-2, 5), st.sampled_from(["FULL", "SNAPSHOT_TYPE_WHOLE", "1"]), junk)  # noqa: E731
+enum_value = lambda *names: st.one_of(  # noqa: E731
+    st.sampled_from(list(names)), st.integers(-2, 5), st.sampled_from(["FULL", "SNAPSHOT_TYPE_WHOLE", "1"]), junk
+)
 
 
 def maybe(fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy[dict[str, Any]]:
@@ -69,24 +77,43 @@ def bodies(dep_ids: list[str]) -> st.SearchStrategy[Any]:
         "incrementalSnapshotMetadata": st.one_of(meta, junk),
         "promptCachePolicy": enum_value("PROMPT_CACHE_POLICY_PRESERVE", "PROMPT_CACHE_POLICY_RESET_ALL"),
     })
-    hot_load_section = maybe({
-        "bucket": st.one_of(st.just("rollouts"), identity), "pathPrefix": st.one_of(st.just(f"ckpt/{dep_ids[0]}"), identity),
-        "transitionMode": enum_value("TRANSITION_MODE_ASYNC"),
-    })
-    deployment = maybe({
-        "id": identity, "name": identity, "gatewayIds": st.one_of(st.lists(identity, max_size=3), junk),
-        "runtime": st.one_of(maybe({"engine": st.sampled_from(["dynamo-vllm", "vllm"]), "version": identity,
-                                    "engineConfig": st.one_of(st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3), junk)}), junk),
-        "model": st.one_of(maybe({"name": identity, "bucket": identity, "path": identity}), junk),
-        "autoscaling": st.one_of(maybe({"min": st.integers(-1, 20), "max": st.integers(-1, 20)}), junk),
-        "traffic": st.one_of(maybe({"weight": st.one_of(st.integers(-5, 500), junk)}), junk),
-        "hotLoad": st.one_of(hot_load_section, junk),
-        "resources": st.one_of(maybe({"instanceType": identity, "gpuCount": st.integers(-1, 9)}), junk),
-    })
+    hot_load_section = maybe(
+        {
+            "bucket": st.one_of(st.just("rollouts"), identity),
+            "pathPrefix": st.one_of(st.just(f"ckpt/{dep_ids[0]}"), identity),
+            "transitionMode": enum_value("TRANSITION_MODE_ASYNC"),
+        }
+    )
+    deployment = maybe(
+        {
+            "id": identity,
+            "name": identity,
+            "gatewayIds": st.one_of(st.lists(identity, max_size=3), junk),
+            "runtime": st.one_of(
+                maybe(
+                    {
+                        "engine": st.sampled_from(["dynamo-vllm", "vllm"]),
+                        "version": identity,
+                        "engineConfig": st.one_of(
+                            st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3), junk
+                        ),
+                    }
+                ),
+                junk,
+            ),
+            "model": st.one_of(maybe({"name": identity, "bucket": identity, "path": identity}), junk),
+            "autoscaling": st.one_of(maybe({"min": st.integers(-1, 20), "max": st.integers(-1, 20)}), junk),
+            "traffic": st.one_of(maybe({"weight": st.one_of(st.integers(-5, 500), junk)}), junk),
+            "hotLoad": st.one_of(hot_load_section, junk),
+            "resources": st.one_of(maybe({"instanceType": identity, "gpuCount": st.integers(-1, 9)}), junk),
+        }
+    )
     gateway = maybe({"id": identity, "name": identity, "zones": st.one_of(st.lists(identity, max_size=3), junk)})
-    json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=10),
-                               lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-                               max_leaves=8)
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=10),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+        max_leaves=8,
+    )
     return st.one_of(hot_load, deployment, gateway, json_values)
 
 
@@ -122,12 +149,29 @@ def test_generated_requests_never_answer_5xx(temporal_env, tmp_path: Path):
 
     fleet, dep, hl = bg.run(up())
     routes = {(m.upper(), p.removeprefix(PREFIX)) for p, ops in fleet.app.openapi()["paths"].items() for m in ops}
-    assert routes == {(m, p.replace("{id}", "{" + ("gateway_id" if p.startswith("/gateways") else
-                                                  "deployment_id" if p.startswith("/deployments") else "hot_load_id") + "}"))
-                      for m, p in ENDPOINTS}, "a new operation: add it to ENDPOINTS"
+    assert routes == {
+        (
+            m,
+            p.replace(
+                "{id}",
+                "{"
+                + (
+                    "gateway_id"
+                    if p.startswith("/gateways")
+                    else "deployment_id"
+                    if p.startswith("/deployments")
+                    else "hot_load_id"
+                )
+                + "}",
+            ),
+        )
+        for m, p in ENDPOINTS
+    }, "a new operation: add it to ENDPOINTS"
     answers: list[int] = []
 
-    async def send(method: str, path: str, token: str | None, params: dict, body: Any, raw: bool) -> tuple[int, str, Any]:
+    async def send(
+        method: str, path: str, token: str | None, params: dict, body: Any, raw: bool
+    ) -> tuple[int, str, Any]:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         kw: dict[str, Any] = {"params": params, "headers": headers}
         if method in ("POST", "PATCH"):
@@ -145,8 +189,17 @@ def test_generated_requests_never_answer_5xx(temporal_env, tmp_path: Path):
 
     try:
         # derandomize: the same 1,100 requests every run, so `make test` is repeatable.
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large])
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=[
+                HealthCheck.too_slow,
+                HealthCheck.function_scoped_fixture,
+                HealthCheck.data_too_large,
+            ],
+        )
         @given(
             endpoint=st.sampled_from(ENDPOINTS),
             some_id=st.one_of(st.sampled_from([dep, hl, "gw", "nope"]), identity.filter(lambda v: isinstance(v, str))),
@@ -180,4 +233,7 @@ def test_generated_requests_never_answer_5xx(temporal_env, tmp_path: Path):
     assert len(answers) >= 1000, len(answers)
     codes = {s // 100 for s in answers}
     assert {2, 4} <= codes, sorted(set(answers))
-    print(f"{len(answers)} generated requests: " + ", ".join(f"{c}xx {sum(1 for s in answers if s // 100 == c)}" for c in sorted(codes)))
+    print(
+        f"{len(answers)} generated requests: "
+        + ", ".join(f"{c}xx {sum(1 for s in answers if s // 100 == c)}" for c in sorted(codes))
+    )

@@ -93,8 +93,12 @@ async def test_history_newest_first_over_closed_and_open_operations(temporal_env
         assert [h["spec"]["id"] for h in first["hotLoads"] + rest["hotLoads"]] == newest_first
         assert "nextPageToken" not in rest
         # A token belongs to its filter; other organizations see nothing.
-        error(await f.call("GET", "/hotLoads", params={"parentDeploymentId": other, "pageToken": first["nextPageToken"]}),
-              400, "invalid_argument", "pageToken")
+        error(
+            await f.call("GET", "/hotLoads", params={"parentDeploymentId": other, "pageToken": first["nextPageToken"]}),
+            400,
+            "invalid_argument",
+            "pageToken",
+        )
         r = await f.call("GET", "/hotLoads", token=OTHER_ORG, params={"parentDeploymentId": dep})
         assert r.status_code == 200 and r.json()["hotLoads"] == []
 
@@ -242,7 +246,9 @@ async def test_listing_follows_changes_made_elsewhere(temporal_env, tmp_path):
         dep = await f.ready_deployment()
         await f.completed(dep, "s0", hotLoadId="e-0")
         params = {"parentDeploymentId": dep}
-        assert [h["spec"]["id"] for h in (await f.call("GET", "/hotLoads", params=params)).json()["hotLoads"]] == ["e-0"]
+        assert [h["spec"]["id"] for h in (await f.call("GET", "/hotLoads", params=params)).json()["hotLoads"]] == [
+            "e-0"
+        ]
 
         async def listed() -> list[tuple[str, str]]:
             body = (await f.call("GET", "/hotLoads", params=params)).json()

@@ -85,7 +85,10 @@ def test_unsupported_compression_is_refused(client):
     body = {
         **GOOD_HOT_LOAD,
         "type": "SNAPSHOT_TYPE_INCREMENTAL",
-        "incrementalSnapshotMetadata": {"previousSnapshotIdentity": "s0", "compressionFormat": "COMPRESSION_FORMAT_LZ4"},
+        "incrementalSnapshotMetadata": {
+            "previousSnapshotIdentity": "s0",
+            "compressionFormat": "COMPRESSION_FORMAT_LZ4",
+        },
     }
     r = post(client, "/hotLoads", body)
     assert r.status_code == 400
@@ -322,7 +325,10 @@ def test_tensor_parallel_is_accepted_and_the_gpus_must_fit_it(client):
     }
     r = post(client, "/deployments", body)
     assert r.status_code == 400, r.text
-    assert "resources.gpuCount (3) must be a multiple of runtime.engineConfig tensor-parallel-size (2)" in r.json()["message"]
+    assert (
+        "resources.gpuCount (3) must be a multiple of runtime.engineConfig tensor-parallel-size (2)"
+        in r.json()["message"]
+    )
     body["runtime"]["engineConfig"]["tensor-parallel-size"] = "0"
     r = post(client, "/deployments", body)
     assert r.status_code == 400 and "tensor-parallel-size must be a positive integer" in r.json()["message"]
@@ -338,8 +344,13 @@ def test_tensor_parallel_is_accepted_and_the_gpus_must_fit_it(client):
 ])
 def test_expert_parallel_needs_tensor_parallel_ranks_on_gpus(client, tp, gpus, why):
     body = {
-        "name": "d", "gatewayIds": ["g"], "model": {"name": "m", "bucket": "bkt", "path": "p"},
-        "runtime": {"engine": "dynamo-vllm", "engineConfig": {"tensor-parallel-size": tp, "enable-expert-parallel": ""}},
+        "name": "d",
+        "gatewayIds": ["g"],
+        "model": {"name": "m", "bucket": "bkt", "path": "p"},
+        "runtime": {
+            "engine": "dynamo-vllm",
+            "engineConfig": {"tensor-parallel-size": tp, "enable-expert-parallel": ""},
+        },
         "resources": {"instanceType": "gpu" if gpus else "cpu", "gpuCount": gpus},
     }
     r = post(client, "/deployments", body)

@@ -90,7 +90,9 @@ async def test_twenty_concurrent_creates_admit_exactly_one(temporal_env, tmp_pat
 async def test_type_and_metadata_must_match(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
-        r = await f.create_hot_load(dep, "s1", **{"incrementalSnapshotMetadata": delta_body("s0")["incrementalSnapshotMetadata"]})
+        r = await f.create_hot_load(
+            dep, "s1", **{"incrementalSnapshotMetadata": delta_body("s0")["incrementalSnapshotMetadata"]}
+        )
         error(r, 400, "invalid_argument", "incrementalSnapshotMetadata must be omitted for SNAPSHOT_TYPE_FULL")
         r = await f.create_hot_load(dep, "s1", type="SNAPSHOT_TYPE_INCREMENTAL")
         error(r, 400, "invalid_argument", "incrementalSnapshotMetadata is required for SNAPSHOT_TYPE_INCREMENTAL")
@@ -102,10 +104,22 @@ async def test_unsupported_formats_are_invalid_argument(temporal_env, tmp_path):
         dep = await f.ready_deployment()
         body = delta_body("s0")
         body["incrementalSnapshotMetadata"]["checksumFormat"] = "CHECKSUM_FORMAT_XXH3_128"
-        error(await f.create_hot_load(dep, "s1", **body), 400, "invalid_argument", "checksumFormat", "CHECKSUM_FORMAT_ADLER32")
+        error(
+            await f.create_hot_load(dep, "s1", **body),
+            400,
+            "invalid_argument",
+            "checksumFormat",
+            "CHECKSUM_FORMAT_ADLER32",
+        )
         body = delta_body("s0")
         body["incrementalSnapshotMetadata"]["compressionFormat"] = "COMPRESSION_FORMAT_LZ4"
-        error(await f.create_hot_load(dep, "s1", **body), 400, "invalid_argument", "compressionFormat", "COMPRESSION_FORMAT_ZSTD")
+        error(
+            await f.create_hot_load(dep, "s1", **body),
+            400,
+            "invalid_argument",
+            "compressionFormat",
+            "COMPRESSION_FORMAT_ZSTD",
+        )
 
 
 async def test_identity_rules(temporal_env, tmp_path):
@@ -132,7 +146,12 @@ async def test_predecessor_needs_a_completed_hot_load_on_this_deployment(tempora
               "previousSnapshotIdentity 's0' has no completed hot-load", dep)
         # Completed on another deployment only.
         await f.completed(other, "s0")
-        error(await f.create_hot_load(dep, "s1", **delta_body("s0")), 412, "failed_precondition", "has no completed hot-load")
+        error(
+            await f.create_hot_load(dep, "s1", **delta_body("s0")),
+            412,
+            "failed_precondition",
+            "has no completed hot-load",
+        )
         # Loaded here but FAILED.
         f.apply_behaviour = every(f.broken)
         write_full(root, "s0")
@@ -140,7 +159,12 @@ async def test_predecessor_needs_a_completed_hot_load_on_this_deployment(tempora
         assert r.status_code == 200
         assert (await f.wait_hot_load(r.json()["hotLoad"]["spec"]["id"]))["status"]["state"] == "HOT_LOAD_STATE_FAILED"
         await f.wait_idle(dep)
-        error(await f.create_hot_load(dep, "s1", **delta_body("s0")), 412, "failed_precondition", "has no completed hot-load")
+        error(
+            await f.create_hot_load(dep, "s1", **delta_body("s0")),
+            412,
+            "failed_precondition",
+            "has no completed hot-load",
+        )
         # Completed here: admitted, and the chain lists the base first.
         f.apply_behaviour = {}
         await f.completed(dep, "s0")

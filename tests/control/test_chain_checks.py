@@ -110,7 +110,11 @@ async def test_an_earlier_link_removed_or_rewritten_is_refused_when_a_replica_re
 
         async def forgotten() -> bool | None:
             state = await f.deployment_state(dep)
-            return True if [r.current_snapshot_identity for r in state.replicas if r.name == replica] == ["initial"] else None
+            return (
+                True
+                if [r.current_snapshot_identity for r in state.replicas if r.name == replica] == ["initial"]
+                else None
+            )
 
         await poll(forgotten, 30, f"{replica} on its base weights")
         write_delta(root, "s4", "s3")

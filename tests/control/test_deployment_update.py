@@ -23,7 +23,11 @@ async def test_update_changes_engine_config_and_traffic(temporal_env, tmp_path):
         before = [r.name for r in (await f.deployment_state(dep)).replicas]  # walk order
         body = {
             "hotLoad": hot_load_section(dep),
-            "runtime": {"engine": "dynamo-vllm", "version": "0.32.1", "engineConfig": {"enable-return-routed-experts": ""}},
+            "runtime": {
+                "engine": "dynamo-vllm",
+                "version": "0.32.1",
+                "engineConfig": {"enable-return-routed-experts": ""},
+            },
             "traffic": {"weight": 40},
         }
         r = await f.call("PATCH", f"/deployments/{dep}", json=body)
@@ -106,7 +110,8 @@ async def test_a_failed_update_leaves_the_old_replicas_serving_until_updated_aga
         assert (await f.call("PATCH", f"/deployments/{dep}", json=bad)).status_code == 200
         new = await _new_pending(f, dep, set(old))
         await f.deployment_handle(dep).signal(
-            DeploymentWorkflow.replica_failed, ReplicaFailure(name=new, reason="start failed: engine exited (out of memory)")
+            DeploymentWorkflow.replica_failed,
+            ReplicaFailure(name=new, reason="start failed: engine exited (out of memory)"),
         )
         got = await f.wait_deployment(dep, status="STATUS_ERROR")
         cond = got["status"]["conditions"][0]
@@ -140,9 +145,16 @@ async def test_update_that_omits_or_changes_hot_load_is_refused(temporal_env, tm
         error(await f.call("PATCH", f"/deployments/{dep}",
                            json={"hotLoad": hot_load_section(dep), "autoscaling": {"min": 3, "max": 3}}),
               400, "invalid_argument", "autoscaling", "cannot be changed")
-        error(await f.call("PATCH", f"/deployments/{dep}",
-                           json={"hotLoad": hot_load_section(dep), "model": {"name": "x", "bucket": "rollouts", "path": "p"}}),
-              400, "invalid_argument", "model")
+        error(
+            await f.call(
+                "PATCH",
+                f"/deployments/{dep}",
+                json={"hotLoad": hot_load_section(dep), "model": {"name": "x", "bucket": "rollouts", "path": "p"}},
+            ),
+            400,
+            "invalid_argument",
+            "model",
+        )
         assert (await f.call("GET", f"/deployments/{dep}")).json()["deployment"]["spec"]["traffic"] == {"weight": 100}
         plain = await f.ready_deployment(hot_load=False)
         error(await f.call("PATCH", f"/deployments/{plain}", json={"hotLoad": hot_load_section(plain)}), 400,

@@ -51,7 +51,11 @@ async def test_control_worker_killed_mid_hot_load_then_restarted(temporal_env, t
             await asyncio.sleep(1)
             mid = (await f.call("GET", "/hotLoads/crash-worker")).json()["hotLoad"]
             assert mid["status"]["state"] == "HOT_LOAD_STATE_IN_PROGRESS"
-            assert [r["state"] for r in await f.hot_load_replicas("crash-worker")] == ["READY", "UPDATING", "PENDING_UPDATE"]
+            assert [r["state"] for r in await f.hot_load_replicas("crash-worker")] == [
+                "READY",
+                "UPDATING",
+                "PENDING_UPDATE",
+            ]
 
             proc = await start_control_process(address, f, tmp_path)
             end = await f.wait_hot_load("crash-worker", timeout=60)
@@ -183,7 +187,9 @@ class ApiProcess:
             assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-3000:]
             try:
                 async with httpx.AsyncClient(timeout=2) as http:
-                    return True if (await http.get(f"http://127.0.0.1:{self.port}/healthz")).status_code == 200 else None
+                    return (
+                        True if (await http.get(f"http://127.0.0.1:{self.port}/healthz")).status_code == 200 else None
+                    )
             except httpx.TransportError:
                 return None
 

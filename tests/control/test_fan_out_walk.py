@@ -75,7 +75,9 @@ async def test_a_hot_load_larger_than_a_group_stages_in_child_workflows(temporal
                 if attrs.activity_type.name == names.STAGE_FROM_PEER:
                     staged_here.append(attrs.task_queue.name.rsplit("/", 1)[-1])
         assert sorted(staged_here) == ["replica-1", "replica-4", "replica-7"]
-        for j, members in enumerate((["replica-2", "replica-3"], ["replica-5", "replica-6"], ["replica-8", "replica-9"])):
+        for j, members in enumerate(
+            (["replica-2", "replica-3"], ["replica-5", "replica-6"], ["replica-8", "replica-9"])
+        ):
             child = f.client.get_workflow_handle(names.stage_group_workflow_id(parent_id, j))
             result = await child.result()
             assert sorted(result["staged"]) == members, result

@@ -156,7 +156,9 @@ async def test_place_records_placements_and_release_frees_them(temporal_env) -> 
             await reg.place("dep-b", "x0", zone="Z1")
         cause = err.value.cause
         assert isinstance(cause, ApplicationError) and cause.type == FAILED_PRECONDITION, cause
-        assert "cannot place replica(s) x0 of dep-b" in cause.message and "not enough capacity in zone Z1" in cause.message
+        assert (
+            "cannot place replica(s) x0 of dep-b" in cause.message and "not enough capacity in zone Z1" in cause.message
+        )
         assert "n1: 0/0 GPU(s), 1/1 slot(s) used" in cause.message and "g1: zone Z2" in cause.message, cause.message
         assert await reg.placements_of("n1") == [f"dep-a/{next(r for r, n in where.items() if n == 'n1')}"]
 
@@ -313,7 +315,9 @@ async def test_a_hot_load_held_on_a_replica_lost_with_its_node_fails_at_once(tem
         held, after = walk[0]["name"], walk[1]["name"]
         assert walk[0]["state"] == "UPDATING", walk
         reason = lost_reason(f)
-        await f.deployment_handle(dep).signal(names.REPLICAS_LOST, ReplicasLost(node=f.node, names=[held], reason=reason))
+        await f.deployment_handle(dep).signal(
+            names.REPLICAS_LOST, ReplicasLost(node=f.node, names=[held], reason=reason)
+        )
         end = await f.wait_hot_load(hl)
         assert not f.hold.is_set() and f.applied == []  # the held step was still running
         assert end["status"]["state"] == "HOT_LOAD_STATE_FAILED", end["status"]

@@ -25,7 +25,9 @@ async def test_two_organizations_each_have_their_own_ids(temporal_env, tmp_path)
     async with Fleet(temporal_env.client, tmp_path) as f:
         orgs = {ADMIN: ORG, OTHER_ORG: "org-b"}
         for token, org in orgs.items():
-            r = await f.call("POST", "/gateways", token=token, json={"id": SAME, "name": f"gw of {org}", "zones": [ZONE]})
+            r = await f.call(
+                "POST", "/gateways", token=token, json={"id": SAME, "name": f"gw of {org}", "zones": [ZONE]}
+            )
             assert r.status_code == 200, r.text
             body = {
                 "id": SAME, "name": f"dep of {org}", "gatewayIds": [SAME],

@@ -91,7 +91,9 @@ async def test_a_canceled_hot_load_is_a_canceled_workflow(temporal_env, tmp_path
 
         # While it runs, the UI's details say where the walk is.
         details = await poll(
-            lambda: _details_if(f, "outcome-canceled-1", "replica-0 UPDATING"), 30, "live details name the replica in flight"
+            lambda: _details_if(f, "outcome-canceled-1", "replica-0 UPDATING"),
+            30,
+            "live details name the replica in flight",
         )
         assert details == "IN_PROGRESS: 0/3 replicas READY; replica-0 UPDATING (from the bucket)"
 

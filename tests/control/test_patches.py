@@ -20,7 +20,11 @@ CALL = re.compile(r"workflow\.(patched|deprecate_patch)\(([A-Z_]+)\)")
 
 def _calls() -> dict[str, set[str]]:
     """patch id -> the kinds of call control/ makes with it."""
-    ids = {name: getattr(patches, name) for name in dir(patches) if name.isupper() and isinstance(getattr(patches, name), str)}
+    ids = {
+        name: getattr(patches, name)
+        for name in dir(patches)
+        if name.isupper() and isinstance(getattr(patches, name), str)
+    }
     found: dict[str, set[str]] = {}
     for path in (REPO / "control").rglob("*.py"):
         if path.name == "patches.py":

@@ -30,7 +30,9 @@ async def test_one_trace_from_the_api_request_to_the_replica_steps(temporal_env,
         exporter.clear()
         hl = await f.completed(dep, "s1", hotLoadId="traced")
         assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
-        await client.get_workflow_handle(hot_load_workflow_id(ORG, "traced")).result()  # memo says COMPLETED a step earlier
+        await client.get_workflow_handle(
+            hot_load_workflow_id(ORG, "traced")
+        ).result()  # memo says COMPLETED a step earlier
     spans = exporter.get_finished_spans()
     (root,) = [s for s in spans if s.name == "POST /v1alpha1/inference/hotLoads"]
     assert root.parent is None and root.attributes["http.response.status_code"] == 200

@@ -55,7 +55,9 @@ async def test_workflow_metrics_reach_prometheus_once_and_not_on_replay(temporal
 
     # The same history replayed (as after a worker restart) on the same runtime: nothing more.
     history = await handle.fetch_history()
-    await Replayer(workflows=[Records], runtime=runtime, data_converter=pydantic_data_converter).replay_workflow(history)
+    await Replayer(workflows=[Records], runtime=runtime, data_converter=pydantic_data_converter).replay_workflow(
+        history
+    )
     assert _values(mirror) == got
 
 

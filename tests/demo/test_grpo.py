@@ -222,7 +222,9 @@ def test_progress_line_and_plot(tmp_path):
     for part in ("step-000001", "0.004", "12.50%", "1.10s", "32ms", "2/2", "512", "0.0100"):
         assert part in line, (part, line)
     assert "full" in format_step(recs[0])
-    skipped = StepRecord(2, "step-000001", "NONE", 0.0, None, 0.0, 2, 2, "HOT_LOAD_STATE_COMPLETED", tokens=64, rollout_s=1.0)
+    skipped = StepRecord(
+        2, "step-000001", "NONE", 0.0, None, 0.0, 2, 2, "HOT_LOAD_STATE_COMPLETED", tokens=64, rollout_s=1.0
+    )
     assert "none" in format_step(skipped) and "step-000001" in format_step(skipped)
     pytest.importorskip("matplotlib")
     png = write_plot(recs, tmp_path / "p.png")

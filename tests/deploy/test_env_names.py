@@ -58,7 +58,11 @@ def names_deploy_sets() -> dict[str, set[str]]:
                 for entry in c.get("env") or []:
                     where[entry["name"]].add(f"kubernetes/{target} {obj['metadata']['name']}")
                 for source in c.get("envFrom") or []:
-                    kind, ref = ("ConfigMap", source["configMapRef"]) if "configMapRef" in source else ("Secret", source["secretRef"])
+                    kind, ref = (
+                        ("ConfigMap", source["configMapRef"])
+                        if "configMapRef" in source
+                        else ("Secret", source["secretRef"])
+                    )
                     data = whole[(kind, ref["name"])]
                     for key in {**data.get("data", {}), **data.get("stringData", {})}:
                         where[key].add(f"kubernetes/{target} {kind} {ref['name']}")

@@ -149,7 +149,10 @@ def test_the_api_and_the_gateway_are_probed_on_healthz_and_the_worker_is_not(tar
     assert worker["args"] == ["worker"]
     assert not {"readinessProbe", "livenessProbe", "startupProbe"} & set(worker)
     (metrics,) = worker["ports"]
-    assert metrics["name"] == "metrics" and int(env_value(worker, "ROLLOUTS_WORKER_METRICS_PORT")) == metrics["containerPort"]
+    assert (
+        metrics["name"] == "metrics"
+        and int(env_value(worker, "ROLLOUTS_WORKER_METRICS_PORT")) == metrics["containerPort"]
+    )
     (node,) = find(objects, "DaemonSet", "rollouts-node")["spec"]["template"]["spec"]["containers"]
     (metrics,) = node["ports"]
     assert int(env_value(node, "ROLLOUTS_REPLICA_METRICS_PORT")) == metrics["containerPort"]
@@ -170,7 +173,11 @@ def test_every_reference_resolves_and_every_selector_selects(target):
         assert obj["spec"]["selector"]["matchLabels"].items() <= obj["spec"]["template"]["metadata"]["labels"].items()
         for c in containers(obj):
             for source in c.get("envFrom") or []:
-                kind, ref = ("ConfigMap", source["configMapRef"]) if "configMapRef" in source else ("Secret", source["secretRef"])
+                kind, ref = (
+                    ("ConfigMap", source["configMapRef"])
+                    if "configMapRef" in source
+                    else ("Secret", source["secretRef"])
+                )
                 assert (kind, ref["name"]) in names, f"{obj['metadata']['name']}: {kind} {ref['name']} is not rendered"
         for volume in pod.get("volumes") or []:
             if "secret" in volume:
@@ -243,7 +250,9 @@ def test_dynamos_kubernetes_discovery_is_wired(target):
         "nvidia.com", "Namespaced", "DynamoWorkerMetadata")
     assert [v["name"] for v in crd["spec"]["versions"] if v["served"] and v["storage"]] == ["v1alpha1"]
     role = find(objects, "Role", "rollouts-dynamo-discovery")
-    grants = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    grants = {
+        (g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+    }
     assert grants[("discovery.k8s.io", "endpointslices")] >= {"get", "list", "watch"}
     assert grants[("nvidia.com", "dynamoworkermetadatas")] >= {"create", "get", "list", "watch", "patch"}
     bindings = [o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")]

@@ -4,9 +4,9 @@
 node) and records its pid; ``ROLLOUTS_BIN`` is a script that records its arguments, starts a
 "replica" in a session of its own with a pid file under its home (as replicas do), and waits. The
 tests check what the real script does on a node: it refuses to start without the control plane's
-settings or with the job's GPUs not numbered from 0, starts `rollouts node` with the node's name, address, home and ``--gpus`` from
-``SLURM_GPUS_ON_NODE`` (0 when Slurm allocated none), and on SIGTERM stops the agent, stops the recorded replica by its pid
-file and removes the node's scratch. Nothing reaches the network (the address is loopback's)."""
+settings or with the job's GPUs not numbered from 0, starts `rollouts node` with the node's name, address, home and
+``--gpus`` from ``SLURM_GPUS_ON_NODE`` (0 when Slurm allocated none), and on SIGTERM stops the agent, stops the recorded
+replica by its pid file and removes the node's scratch. Nothing reaches the network (the address is loopback's)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.stack
 
 PREFIX = "checkpoints/autoscaling"
 TRAINED = "scale-000001"
-CLIENTS = 4  # each waits between its requests (a new connection, its answer parsed): 3 kept the mean under 2 for up to 40 s
+# Each waits between its requests (a new connection, its answer parsed): 3 kept the mean under 2 for up to 40 s.
+CLIENTS = 4
 MAX_TOKENS = 48
 # Idle this long after the new replica joined (and after the load ends) before it is removed.
 SCALE_IN_AFTER_S = 30
@@ -53,7 +54,12 @@ def _ask(stack, model: str, i: int) -> tuple[int, str, str | None, str | None]:
     data = r.json()
     labels = data["nvext"]["weight_versions"]
     ok = data["usage"]["completion_tokens"] == MAX_TOKENS
-    return 200, "" if ok else f"{data['usage']['completion_tokens']} tokens", labels.get("replica"), labels.get("identity")
+    return (
+        200,
+        "" if ok else f"{data['usage']['completion_tokens']} tokens",
+        labels.get("replica"),
+        labels.get("identity"),
+    )
 
 
 def test_load_scales_out_to_a_replica_on_the_current_snapshot_and_idle_scales_back_in(stack, tmp_path):
@@ -100,9 +106,13 @@ def test_load_scales_out_to_a_replica_on_the_current_snapshot_and_idle_scales_ba
         marks["joined"] = time.monotonic()
         serving = next(r for r in engines(stack, dep_id) if r["name"] == first)
         took, gave = scrape(new["metricsUrl"]), scrape(serving["metricsUrl"])
-        assert value(took, "rollouts_replica_bytes_total", source="peer") > 0, "the new replica took nothing from its peer"
+        assert value(took, "rollouts_replica_bytes_total", source="peer") > 0, (
+            "the new replica took nothing from its peer"
+        )
         assert value(took, "rollouts_replica_bytes_total", source="bucket") == 0
-        assert value(gave, "rollouts_replica_bytes_sent_total") == value(took, "rollouts_replica_bytes_total", source="peer")
+        assert value(gave, "rollouts_replica_bytes_sent_total") == value(
+            took, "rollouts_replica_bytes_total", source="peer"
+        )
         stops = [threading.Event() for _ in range(CLIENTS)]  # the load again, within SCALE_IN_AFTER_S
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(CLIENTS)]
         for t in threads:

@@ -121,7 +121,9 @@ def test_engine_config_update_rolls_the_replica_onto_it(stack, lifecycle):
 
     # While it rolls: no hot-load, no other update.
     publish_base(stack, "life-roll")
-    r = api.call("POST", "/hotLoads", json={"deploymentId": dep_id, "identity": "life-roll", "type": "SNAPSHOT_TYPE_FULL"})
+    r = api.call(
+        "POST", "/hotLoads", json={"deploymentId": dep_id, "identity": "life-roll", "type": "SNAPSHOT_TYPE_FULL"}
+    )
     assert r.status_code == 412 and r.json()["code"] == "failed_precondition", r.text
     assert "STATUS_UPDATING, not STATUS_READY" in r.json()["message"], r.text
     r = api.call("PATCH", f"/deployments/{dep_id}", json=patch)
@@ -192,7 +194,9 @@ def test_replicas_stopped_by_down_are_not_ready_and_refuse_hot_loads(stack, life
     st = api.call("GET", f"/deployments/{dep_id}").json()["deployment"]["status"]
     assert st["status"] == "STATUS_UPDATING" and st["readyReplicas"] == 0, st
     assert st["conditions"][0]["reason"] == "ReplicasRestarting", st
-    r = api.call("POST", "/hotLoads", json={"deploymentId": dep_id, "identity": "life-restart", "type": "SNAPSHOT_TYPE_FULL"})
+    r = api.call(
+        "POST", "/hotLoads", json={"deploymentId": dep_id, "identity": "life-restart", "type": "SNAPSHOT_TYPE_FULL"}
+    )
     assert r.status_code == 412 and r.json()["code"] == "failed_precondition", r.text
     assert "STATUS_UPDATING, not STATUS_READY" in r.json()["message"], r.text
 
@@ -242,7 +246,9 @@ def test_down_then_up_reads_updating_until_the_replica_serves(tmp_path_factory):
         body_hl = {"deploymentId": dep_id, "identity": "after-up", "type": "SNAPSHOT_TYPE_FULL"}
         r = api.call("POST", "/hotLoads", json=body_hl)
         assert r.status_code == 412 and r.json()["code"] == "failed_precondition", r.text
-        assert "STATUS_UPDATING, not STATUS_READY" in r.json()["message"] and "ReplicasRestarting" in r.json()["message"]
+        assert (
+            "STATUS_UPDATING, not STATUS_READY" in r.json()["message"] and "ReplicasRestarting" in r.json()["message"]
+        )
         watcher.join(900)
         done.set()
         assert seen and seen[-1] == ("STATUS_READY", 1), seen

@@ -79,7 +79,17 @@ def test_cwtrain_publishes_full_checkpoint_and_every_replica_serves_it(stack, cw
 
     t0 = time.monotonic()
     published = json_out(
-        cwtrain(stack, "hotload", "publish", "--deployment", dep_id, "--checkpoint", str(counting), "--identity", "step-000001")
+        cwtrain(
+            stack,
+            "hotload",
+            "publish",
+            "--deployment",
+            dep_id,
+            "--checkpoint",
+            str(counting),
+            "--identity",
+            "step-000001",
+        )
     )
     print(f"full hot-load published+completed in {time.monotonic() - t0:.1f}s")
     hot_load_id = published["spec"]["id"]
@@ -98,7 +108,9 @@ def test_cwtrain_publishes_full_checkpoint_and_every_replica_serves_it(stack, cw
 
     wire = api.call("GET", f"/hotLoads/{hot_load_id}").json()["hotLoad"]
     assert wire["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
-    assert wire["spec"]["snapshotChain"] == [{"identity": "step-000001", "type": "SNAPSHOT_TYPE_FULL", "hotLoadId": hot_load_id}]
+    assert wire["spec"]["snapshotChain"] == [
+        {"identity": "step-000001", "type": "SNAPSHOT_TYPE_FULL", "hotLoadId": hot_load_id}
+    ]
     assert wire["status"]["finishedAt"] >= wire["status"]["createdAt"]
 
     # Same engine processes, new behaviour on every replica.

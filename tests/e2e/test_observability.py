@@ -50,12 +50,20 @@ def test_metrics_endpoints_count_a_hot_load(published):
     for i, r in enumerate(replicas):
         now, was = scrape(r["metricsUrl"]), before[r["name"]]
         mine = {"deployment": dep_id, "replica": r["name"]}
-        assert value(now, "rollouts_replica_pause_seconds_count", **mine) - value(was, "rollouts_replica_pause_seconds_count", **mine) == 2
+        assert (
+            value(now, "rollouts_replica_pause_seconds_count", **mine)
+            - value(was, "rollouts_replica_pause_seconds_count", **mine)
+            == 2
+        )
         assert value(now, "rollouts_replica_state", **mine, state="READY") == 1
         assert value(now, "rollouts_replica_state", **mine, state="UPDATING") == 0
         assert value(now, "rollouts_replica_info", **mine, snapshot="observed-000001") == 1
-        bucket = value(now, "rollouts_replica_bytes_total", source="bucket") - value(was, "rollouts_replica_bytes_total", source="bucket")
-        peer = value(now, "rollouts_replica_bytes_total", source="peer") - value(was, "rollouts_replica_bytes_total", source="peer")
+        bucket = value(now, "rollouts_replica_bytes_total", source="bucket") - value(
+            was, "rollouts_replica_bytes_total", source="bucket"
+        )
+        peer = value(now, "rollouts_replica_bytes_total", source="peer") - value(
+            was, "rollouts_replica_bytes_total", source="peer"
+        )
         if i == 0:
             assert bucket > 0 and peer == 0, (r["name"], bucket, peer)
             sent = value(now, "rollouts_replica_bytes_sent_total") - value(was, "rollouts_replica_bytes_sent_total")
@@ -71,8 +79,14 @@ def test_metrics_endpoints_count_a_hot_load(published):
         worker_before, "rollouts_hot_loads_ended_total", outcome="COMPLETED") == 2
     api_now = scrape(api_url)
     route = {"method": "POST", "route": "/v1alpha1/inference/hotLoads", "status": "200"}
-    assert value(api_now, "rollouts_api_requests_total", **route) - value(api_before, "rollouts_api_requests_total", **route) == 2
-    assert value(api_now, "rollouts_hot_loads_created_total") - value(api_before, "rollouts_hot_loads_created_total") == 2
+    assert (
+        value(api_now, "rollouts_api_requests_total", **route)
+        - value(api_before, "rollouts_api_requests_total", **route)
+        == 2
+    )
+    assert (
+        value(api_now, "rollouts_hot_loads_created_total") - value(api_before, "rollouts_hot_loads_created_total") == 2
+    )
 
 
 def test_replica_agents_export_their_spans_over_otlp(published, otlp):
@@ -82,8 +96,14 @@ def test_replica_agents_export_their_spans_over_otlp(published, otlp):
     deadline = time.monotonic() + 60
     while True:
         spans = otlp.spans()[seen:]
-        roots = {s.trace_id for s in spans if s.service == "rollouts-api" and s.name == "POST /v1alpha1/inference/hotLoads"}
-        agent = [s for s in spans if s.service == "rollouts-replica" and s.trace_id in roots and s.name.startswith("RunActivity:")]
+        roots = {
+            s.trace_id for s in spans if s.service == "rollouts-api" and s.name == "POST /v1alpha1/inference/hotLoads"
+        }
+        agent = [
+            s
+            for s in spans
+            if s.service == "rollouts-replica" and s.trace_id in roots and s.name.startswith("RunActivity:")
+        ]
         # Per hot-load: the first replica's update, offer and send; each other one's stage and commit.
         if len(roots) == 2 and len(agent) >= 2 * (3 + 2 * (replicas - 1)):
             break

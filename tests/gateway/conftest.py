@@ -60,9 +60,14 @@ def gw(stack) -> GatewayDeployment:
         api = Api(stack)
         dep = api.call("GET", f"/deployments/{reuse}").json()["deployment"]
         # It may serve anything: tests that need known weights publish them first (serve_full).
-        return POOL.get("gw", 0, lambda: GatewayDeployment(stack, api, dep,
-                                                          Served(dep["status"].get("currentSnapshotIdentity") or "initial")),
-                        lambda _: None)
+        return POOL.get(
+            "gw",
+            0,
+            lambda: GatewayDeployment(
+                stack, api, dep, Served(dep["status"].get("currentSnapshotIdentity") or "initial")
+            ),
+            lambda _: None,
+        )
     return POOL.get("gw", REPLICAS, lambda: _create(stack), lambda g: delete_deployment(g.api, g.id))
 
 

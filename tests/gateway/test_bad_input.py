@@ -1,7 +1,7 @@
 """Malformed requests through the gateway app (in this process, in front of a fake replica that
 records what reaches it): each shape is a 400 ``invalid_argument`` naming the problem (a body
-over the cap: 413 ``payload_too_large``), in the API's error shape, that reaches no replica and leaves the keep-alive connection usable; a
-viewer token may list models but not run inference; a replica's own 400 keeps its message in our
+over the cap: 413 ``payload_too_large``), in the API's error shape, that reaches no replica and leaves the keep-alive
+connection usable; a viewer token may list models but not run inference; a replica's own 400 keeps its message in our
 shape. The same on the real stack: ``test_bad_input_stack.py``."""
 
 from __future__ import annotations
@@ -170,7 +170,9 @@ def test_unknown_model_and_no_traffic_use_the_same_shape(local):
     gateway, _ = local
     with Connection(gateway.url, ADMIN) as conn:
         status, body = conn.post("/v1/completions", {**GOOD, "model": "nope"})
-        assert status == 404 and body["code"] == "not_found" and body["message"].startswith("model 'nope' is not served")
+        assert (
+            status == 404 and body["code"] == "not_found" and body["message"].startswith("model 'nope' is not served")
+        )
 
 
 def test_a_deployment_addressed_by_its_id_reaches_its_replicas_under_its_model_name(local):

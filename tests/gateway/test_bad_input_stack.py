@@ -33,9 +33,16 @@ def test_nested_json_n_over_the_cap_and_a_viewer_then_the_connection_still_serve
         refused(conn.post("/v1/chat/completions", {"model": gw.model, "messages": [{"role": "user", "content": "x"}],
                                                    "n": 65}),
                 400, "invalid_argument", "n: at most 64 choices per request, got 65")
-        refused(conn.post("/v1/completions", {"model": gw.model, "prompt": [1, 2], "max_tokens": 1},
-                          token=gw.settings.viewer_token),
-                403, "permission_denied", "running inference needs the Inference Admin role; this token has role 'viewer'")
+        refused(
+            conn.post(
+                "/v1/completions",
+                {"model": gw.model, "prompt": [1, 2], "max_tokens": 1},
+                token=gw.settings.viewer_token,
+            ),
+            403,
+            "permission_denied",
+            "running inference needs the Inference Admin role; this token has role 'viewer'",
+        )
         status, models = conn.request("GET", "/v1/models", token=gw.settings.viewer_token)
         assert status == 200 and gw.model in [m["id"] for m in models["data"]]
         # vLLM's own validation (a context window the tiny model does not have), in our shape.

@@ -23,7 +23,9 @@ def test_deep_nesting_is_refused_by_depth(levels):
     assert refused(b"[" * levels + b"]" * levels) == too_deep  # closed: as deep as valid JSON gets
     assert refused(b'{"prompt": ' + b"[" * levels + b"]" * levels + b"}") == too_deep
     # Unclosed: past the parser's recursion limit it is too deep, before that not JSON at all.
-    assert refused(b"[" * levels) == (too_deep if levels >= 1_000 else f"request body is not JSON: Expecting value at offset {levels}")
+    assert refused(b"[" * levels) == (
+        too_deep if levels >= 1_000 else f"request body is not JSON: Expecting value at offset {levels}"
+    )
 
 
 def test_nesting_up_to_the_cap_is_accepted():

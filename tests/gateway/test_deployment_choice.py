@@ -57,7 +57,9 @@ def test_weight_zero_takes_nothing_by_name_but_answers_by_id():
 
 
 def test_only_deployments_listing_this_gateway():
-    r = router(view("mine", weight=10), view("other", weight=90, gateways=("gw-b",)), view("both", "m2", gateways=("gw-b", GW)))
+    r = router(
+        view("mine", weight=10), view("other", weight=90, gateways=("gw-b",)), view("both", "m2", gateways=("gw-b", GW))
+    )
     assert chosen(r, "policy", 30) == {"mine": 30}
     assert r.route("other", "org") == ([], None)  # not even by id: not served here
     assert [v.deployment_id for v in r.models("org")] == ["both", "mine"]

@@ -110,8 +110,15 @@ def test_dynamos_own_engine_routes_need_the_engines_secret(gw: GatewayDeployment
             for body in ({}, {"secret": "guessed"}):
                 r = httpx.post(url + route, json=body, timeout=30, trust_env=False)
                 error = r.json().get("error") if r.status_code == 200 else None
-                assert isinstance(error, dict) and error.get("code") == 401, (replica["name"], route, r.status_code, r.text)
-        r = httpx.post(url + "get_weight_version", json={"secret": replica["engineSecret"]}, timeout=30, trust_env=False)
+                assert isinstance(error, dict) and error.get("code") == 401, (
+                    replica["name"],
+                    route,
+                    r.status_code,
+                    r.text,
+                )
+        r = httpx.post(
+            url + "get_weight_version", json={"secret": replica["engineSecret"]}, timeout=30, trust_env=False
+        )
         assert r.status_code == 200 and "error" not in r.json(), r.text
         assert not r.json().get("is_paused", False), r.text
 
@@ -238,7 +245,9 @@ def test_vllms_return_token_ids_and_prompt_logprobs_are_answered_in_vllms_shape(
     assert r.status_code == 200, r.text
     data = r.json()
     choice = data["choices"][0]
-    assert [e["token_id"] for e in choice["logprobs"]["content"]] == choice["token_ids"] and len(choice["token_ids"]) == 6
+    assert [e["token_id"] for e in choice["logprobs"]["content"]] == choice["token_ids"] and len(
+        choice["token_ids"]
+    ) == 6
     assert tokenizer.decode(choice["token_ids"]) == choice["message"]["content"]
     prompt_ids = data["prompt_token_ids"]
     assert tokenizer.decode(prompt_ids).find("tell me") >= 0, prompt_ids

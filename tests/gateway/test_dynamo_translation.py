@@ -310,7 +310,9 @@ def test_dynamos_400_details_are_spelled_out():
     explained = dynamo.explain("Invalid request", {"type": "context_length", "limit": 1024, "actual": 100002})
     assert explained == ("Invalid request: the prompt's tokens plus max_tokens come to 100002, more than the "
                          "model's context length 1024: lower max_tokens or shorten the prompt")
-    assert dynamo.explain("Invalid request", {"type": "other", "field": "x"}) == "Invalid request (type: other, field: x)"
+    assert (
+        dynamo.explain("Invalid request", {"type": "other", "field": "x"}) == "Invalid request (type: other, field: x)"
+    )
     assert dynamo.explain("Bad temperature", {}) == "Bad temperature"
 
 

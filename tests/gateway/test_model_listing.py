@@ -19,8 +19,10 @@ def test_a_model_name_two_deployments_serve_is_listed_once():
     policy = listed["data"][1]
     assert {k: policy[k] for k in ("object", "owned_by", "root", "takes_traffic")} == {
         "object": "model", "owned_by": "rollouts", "root": "policy", "takes_traffic": True}
-    assert [(d["deployment_id"], d["status"], d["takes_traffic"], d["weight"], len(d["replicas"]))
-            for d in policy["deployments"]] == [("d1", "STATUS_FAILED", False, 100, 0), ("d2", "STATUS_READY", True, 10, 2)]
+    assert [
+        (d["deployment_id"], d["status"], d["takes_traffic"], d["weight"], len(d["replicas"]))
+        for d in policy["deployments"]
+    ] == [("d1", "STATUS_FAILED", False, 100, 0), ("d2", "STATUS_READY", True, 10, 2)]
     assert policy["deployments"][1]["replicas"][0] == {"name": "d2-r0", "identity": "initial", "settled": True}
 
 

@@ -86,8 +86,12 @@ def extra(gw: GatewayDeployment) -> Iterator[Extra]:
         return r.json()["deployment"]["spec"]["id"]
 
     missing = f"models/no-checkpoint-{tag}"
-    made = Extra(failed=create("gwfailed", path=missing), elsewhere=create("gwelsewhere", path=missing, gateways=[other]),
-                 split=create("gwsplit", weight=90), other_gateway=other)
+    made = Extra(
+        failed=create("gwfailed", path=missing),
+        elsewhere=create("gwelsewhere", path=missing, gateways=[other]),
+        split=create("gwsplit", weight=90),
+        other_gateway=other,
+    )
     set_shared_weight(10)
     try:
         yield made

@@ -184,7 +184,12 @@ def test_as_chunks_replays_an_answer_as_a_stream():
 # ---------------------------------------------------------------------------- weight versions
 def test_weight_versions_exact_when_settled_on_one_identity():
     a = ReplicaView("r1", "u", "step-1")
-    assert weight_versions(a, a, 3, 3, "r1") == {"identity": "step-1", "exact": True, "identities": ["step-1"], "replica": "r1"}
+    assert weight_versions(a, a, 3, 3, "r1") == {
+        "identity": "step-1",
+        "exact": True,
+        "identities": ["step-1"],
+        "replica": "r1",
+    }
 
 
 def test_weight_versions_not_exact_across_a_change():
@@ -285,10 +290,13 @@ def test_identities_are_in_load_order_across_choices():
 
 def test_build_view_reads_replica_states_from_the_active_hot_load():
     memo = {
-        "deployment": {"spec": {"id": "d", "organizationId": "o", "model": {"name": "m"},
-                                "runtime": {"engineConfig": MOE}},
-                       "status": {"activeHotLoadId": "hl"}},
-        "replicas": [{"name": n, "engineUrl": f"http://{n}", "currentSnapshotIdentity": "a"} for n in ("r1", "r2", "r3")],
+        "deployment": {
+            "spec": {"id": "d", "organizationId": "o", "model": {"name": "m"}, "runtime": {"engineConfig": MOE}},
+            "status": {"activeHotLoadId": "hl"},
+        },
+        "replicas": [
+            {"name": n, "engineUrl": f"http://{n}", "currentSnapshotIdentity": "a"} for n in ("r1", "r2", "r3")
+        ],
     }
     hot = {"replicas": [
         {"name": "r1", "state": "READY", "currentSnapshotIdentity": "b"},

@@ -90,14 +90,20 @@ def test_extra_fields_completion_token_ids_worker_id_timing(gw):
 @pytest.mark.parametrize(
     "body, message",
     [
-        ({"n": 2, "nvext": {"extra_fields": ["completion_token_ids"]}}, "requires one choice per request (n=1), got n=2"),
+        (
+            {"n": 2, "nvext": {"extra_fields": ["completion_token_ids"]}},
+            "requires one choice per request (n=1), got n=2",
+        ),
         ({"nvext": {"extra_fields": ["routed_experts"]}}, "enable-return-routed-experts"),
         ({"nvext": {"agent_hints": {"osl": 4}}}, "unsupported field(s) agent_hints"),
         ({"nvext": {"extra_fields": ["everything"]}}, "unsupported value(s) everything"),
     ],
 )
 def test_nvext_errors_are_clear_400s(gw, body, message):
-    for path, prompt in (("/v1/completions", {"prompt": [1, 2]}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+    for path, prompt in (
+        ("/v1/completions", {"prompt": [1, 2]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
         resp = gw.post(path, {**prompt, "max_tokens": 1, **body})
         assert resp.status_code == 400, resp.text
         err = resp.json()["error"]

@@ -63,7 +63,9 @@ def test_chat_stream_with_the_sdk(gw, sdk):
         extra_body={"nvext": {"extra_fields": ["worker_id", "timing"]}, "ignore_eos": True},  # ten tokens, always
     )
     chunks = list(stream)
-    token_ids = [e.model_extra["token_id"] for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    token_ids = [
+        e.model_extra["token_id"] for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content
+    ]
     assert len(token_ids) == 10
     final = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(final) == 1 and final[0].choices[0].finish_reason == "length"
@@ -142,7 +144,9 @@ def test_stop_strings_and_stop_token_ids(gw):
     assert r["choices"][0]["finish_reason"] == "stop" and r["nvext"]["completion_token_ids"] == ids[: first + 1]
     text = full["choices"][0]["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 2]
-    r = gw.post("/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop]}, session).json()
+    r = gw.post(
+        "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop]}, session
+    ).json()
     assert r["choices"][0]["finish_reason"] == "stop"
     assert r["choices"][0]["text"] == text[: text.index(stop)]
     too_many = gw.post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "stop": list("abcde")})

@@ -25,7 +25,9 @@ from gateway.routing import DeploymentView, ReplicaView, Router
 from tests.helpers.gateway import LocalGateway
 
 PROMPT, COMPLETION, LAYERS, TOP_K = 5, 4, 3, 2
-ROUTES = np.arange((PROMPT + COMPLETION - 1) * LAYERS * TOP_K, dtype=np.uint8).reshape(PROMPT + COMPLETION - 1, LAYERS, TOP_K)
+ROUTES = np.arange((PROMPT + COMPLETION - 1) * LAYERS * TOP_K, dtype=np.uint8).reshape(
+    PROMPT + COMPLETION - 1, LAYERS, TOP_K
+)
 
 
 def fake_moe_replica() -> FastAPI:
@@ -37,11 +39,23 @@ def fake_moe_replica() -> FastAPI:
         assert body.get("stream") is False, "routes need a non-streamed upstream request"
         buf = io.BytesIO()
         np.save(buf, ROUTES, allow_pickle=False)
-        return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "moe",
-                "choices": [{"index": 0, "text": "abcd", "logprobs": None, "finish_reason": "length",
-                             "token_ids": [11, 12, 13, 14] if body.get("return_token_ids") else None,
-                             "routed_experts": base64.b64encode(buf.getvalue()).decode()}],
-                "usage": {"prompt_tokens": PROMPT, "completion_tokens": COMPLETION, "total_tokens": PROMPT + COMPLETION}}
+        return {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 1,
+            "model": "moe",
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "abcd",
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "token_ids": [11, 12, 13, 14] if body.get("return_token_ids") else None,
+                    "routed_experts": base64.b64encode(buf.getvalue()).decode(),
+                }
+            ],
+            "usage": {"prompt_tokens": PROMPT, "completion_tokens": COMPLETION, "total_tokens": PROMPT + COMPLETION},
+        }
 
     return app
 
@@ -75,7 +89,9 @@ def decode(routed: dict) -> np.ndarray:
 def test_routed_experts_in_the_guides_shape(moe_gateway, stream):
     body = {"model": "moe", "prompt": [1, 2, 3, 4, 5], "max_tokens": 4, "stream": stream,
             "nvext": {"extra_fields": ["routed_experts", "completion_token_ids"]}}
-    resp = httpx.post(f"{moe_gateway.url}/v1/completions", json=body, headers={"Authorization": "Bearer tok"}, timeout=30)
+    resp = httpx.post(
+        f"{moe_gateway.url}/v1/completions", json=body, headers={"Authorization": "Bearer tok"}, timeout=30
+    )
     assert resp.status_code == 200, resp.text
     if stream:
         events = [ln[6:] for ln in resp.text.splitlines() if ln.startswith("data: ")]
@@ -88,6 +104,10 @@ def test_routed_experts_in_the_guides_shape(moe_gateway, stream):
         assert "routed_experts" not in data["choices"][0] and "token_ids" not in data["choices"][0]
         nvext = data["nvext"]
     routed = nvext["routed_experts"]
-    assert routed["shape"] == [PROMPT + COMPLETION - 1, LAYERS, TOP_K] and routed["start"] == 0 and routed["dtype"] == "uint8"
+    assert (
+        routed["shape"] == [PROMPT + COMPLETION - 1, LAYERS, TOP_K]
+        and routed["start"] == 0
+        and routed["dtype"] == "uint8"
+    )
     assert np.array_equal(decode(routed), ROUTES)
     assert nvext["completion_token_ids"] == [11, 12, 13, 14]

@@ -68,7 +68,9 @@ def test_least_loaded_spreads_concurrent_requests(vllm_gw):
 
 async def test_requests_queue_while_a_replica_is_paused(vllm_gw):
     session = {"X-Dynamo-Session-ID": f"pause-{uuid.uuid4()}"}
-    name = served_by(await asyncio.to_thread(vllm_gw.post, "/v1/completions", {"prompt": [5, 6], "max_tokens": 1}, session))
+    name = served_by(
+        await asyncio.to_thread(vllm_gw.post, "/v1/completions", {"prompt": [5, 6], "max_tokens": 1}, session)
+    )
     view = await vllm_gw.view()
     url = next(r.engine_url for r in view.replicas if r.name == name)
     engine = EngineProcess.attach(url, secret=vllm_gw.settings.engine_secret(view.workflow_id, name))
@@ -106,7 +108,9 @@ def replace_replicas(router: Router, replicas: list[ReplicaView]) -> None:
 
 def post(local: LocalGateway, vllm_gw, body: dict, session: str | None = None) -> httpx.Response:
     headers = {**vllm_gw.headers, **({"X-Dynamo-Session-ID": session} if session else {})}
-    return httpx.post(f"{local.url}/v1/completions", json={"model": vllm_gw.model, **body}, headers=headers, timeout=300)
+    return httpx.post(
+        f"{local.url}/v1/completions", json={"model": vllm_gw.model, **body}, headers=headers, timeout=300
+    )
 
 
 def test_a_replica_that_is_gone_is_not_routed_to_and_sessions_fall_over(vllm_gw, local):
@@ -160,7 +164,13 @@ def test_a_stream_that_breaks_midway_ends_with_an_error_event(vllm_gw, local):
     r1, _ = sorted(next(iter(local.router.views.values())).replicas, key=lambda r: r.name)
     with ChaosProxy(urlparse(r1.engine_url).port, limit=1500) as cut:
         replace_replicas(local.router, [dataclasses.replace(r1, engine_url=cut.url)])
-        body = {"model": vllm_gw.model, "prompt": random_prompt(5), "max_tokens": 64, "ignore_eos": True, "stream": True}
+        body = {
+            "model": vllm_gw.model,
+            "prompt": random_prompt(5),
+            "max_tokens": 64,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{local.url}/v1/completions", json=body, headers=vllm_gw.headers, timeout=300) as r:
             assert r.status_code == 200
             events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]

@@ -95,7 +95,10 @@ async def one_round(gw, counting) -> tuple[int, int]:
     await asyncio.to_thread(assert_every_replica_serves, gw.settings, gw.id, gw.base_model)
 
     assert before[1] == {**before[1], "identity": old, "exact": True} and all(succession(first[-1], before[0]))
-    assert after[1] == {**after[1], "identity": new, "exact": True} and longest_run(succession(last[-1], after[0])) < CHANCE_RUN
+    assert (
+        after[1] == {**after[1], "identity": new, "exact": True}
+        and longest_run(succession(last[-1], after[0])) < CHANCE_RUN
+    )
     inexact = 0
     for prompt, (ids, label) in [(first, before), *spanning, (last, after)]:
         assert "spans" in label, label  # every replica reports per-token versions

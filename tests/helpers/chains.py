@@ -27,7 +27,9 @@ def cwtrain_write_delta(base: Path, new: Path, out: Path, version: str, base_ver
         "import sys; from cwtrain.hotload.delta import write_delta; "
         "write_delta(sys.argv[1], sys.argv[2], sys.argv[3], version=sys.argv[4], base_version=sys.argv[5])"
     )
-    subprocess.run([str(cwtrain_python()), "-c", code, str(base), str(new), str(out), version, base_version], check=True)
+    subprocess.run(
+        [str(cwtrain_python()), "-c", code, str(base), str(new), str(out), version, base_version], check=True
+    )
 
 
 def publish_chain(stack, api, dep_id, tmp: Path, writer: str, tag: str, *, prefix: str, steps: int = 3,

@@ -45,8 +45,11 @@ async def main(address: str, task_queue: str, bucket_root: Path, ready: Path) ->
     client = await Client.connect(address, data_converter=pydantic_data_converter)
     with ThreadPoolExecutor(max_workers=4) as pool:
         async with Worker(
-            client, task_queue=task_queue, workflows=[DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow, StageGroupWorkflow],
-            activities=[place_replicas, release_replicas, check_snapshot_files], activity_executor=pool,
+            client,
+            task_queue=task_queue,
+            workflows=[DeploymentWorkflow, GatewayWorkflow, HotLoadWorkflow, StageGroupWorkflow],
+            activities=[place_replicas, release_replicas, check_snapshot_files],
+            activity_executor=pool,
         ):
             ready.write_text("ok\n")
             await asyncio.Event().wait()

@@ -3,9 +3,9 @@
 
 ``POOL.get(key, replicas, create, delete)`` returns the live deployment of ``key``, or deletes the
 live one of another key (``delete`` waits until the API no longer knows it, then the pool until
-its engines exited) and creates this one once the engines have room. tests/conftest.py orders each folder's modules so that the users of one key run
-together, releases the pool before a module that starts engines without using it, and before the
-stack stops.
+its engines exited) and creates this one once the engines have room. tests/conftest.py orders each folder's modules so
+that the users of one key run together, releases the pool before a module that starts engines without using it, and
+before the stack stops.
 """
 
 from __future__ import annotations

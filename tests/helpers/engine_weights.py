@@ -89,11 +89,16 @@ async def swap_held_then_refused_then_proven(engine: EngineProcess, base_dir: Pa
     with pytest.raises(RuntimeError, match="refused while held"):
         await engine.swap_in_pause("v-counting", "v-base", clear_cache=False, expected=len(counting), while_held=refuse)
     assert seen == [(True, "v-counting")], seen
-    assert (await engine.is_paused(), await engine.weight_version(), await engine.checksums()) == (False, "v-base", base)
+    assert (await engine.is_paused(), await engine.weight_version(), await engine.checksums()) == (
+        False,
+        "v-base",
+        base,
+    )
 
     await stage(engine, counting_dir, "v-counting", changed, counting)
-    held = await engine.swap_in_pause("v-counting", "v-base", clear_cache=False, expected=len(counting),
-                                      while_held=look)
+    held = await engine.swap_in_pause(
+        "v-counting", "v-base", clear_cache=False, expected=len(counting), while_held=look
+    )
     assert seen[1] == (True, "v-counting") and held["verified"] == len(counting), (seen, held)
     assert await engine.weight_version() == "v-counting" and not await engine.is_paused()
     assert {n: c for n, c in (await engine.checksums()).items() if n in counting} == counting

@@ -3,8 +3,8 @@
 tests/conftest.py puts a marker (``ROLLOUTS_TEST_SESSION=<id>``) in the session's environment
 before any test runs; every process a test starts inherits it (the stack, the control worker, the
 replicas and their engines copy ``os.environ``). An engine is a process running
-``replica.launch.SERVER_MODULE`` or ``DYNAMO_WORKER_MODULE`` whose parent is not one too (vLLM's own worker processes are children of
-it, and count with it as one engine).
+``replica.launch.SERVER_MODULE`` or ``DYNAMO_WORKER_MODULE`` whose parent is not one too (vLLM's own worker processes
+are children of it, and count with it as one engine).
 
 ``EngineWatch`` samples them in a background thread: it remembers the first moment more than
 ``MAX_ENGINES`` engines were alive at once (within a test as well as between two), and which test
@@ -135,9 +135,10 @@ class EngineWatch:
             alive = procs[ENGINE_MARK] + procs[DYNAMO_MARK]
             self.peak = max(self.peak, len(alive))
             if len(alive) > self.limit and self.excess is None:
-                self.excess = (f"{len(alive)} vLLM engines of this test session alive at once during {self.node} ({self.phase}) "
-                               f"(at most {self.limit}): "
-                               + "; ".join(f"pid {p.pid}: {p.cmdline[:160]}" for p in alive))
+                self.excess = (
+                    f"{len(alive)} vLLM engines of this test session alive at once during {self.node} ({self.phase}) "
+                    f"(at most {self.limit}): " + "; ".join(f"pid {p.pid}: {p.cmdline[:160]}" for p in alive)
+                )
             for proc in alive + procs[STACK_MARK]:
                 if proc.pid not in self._seen:
                     self._seen.add(proc.pid)

@@ -13,7 +13,8 @@ read back equal to the trainer's (each rank's shards against the same regions of
 tensors), and only the changed elements written inside the pause (``swapBytes``); after the
 last, the engine answers exactly as it did fresh. Where asked, a sparse delta (changed elements
 as indices and values) one step back, COMPLETED the same way. A corrupted delta FAILS naming
-its tensor, the replica still serves what it served, and its engine never restarted. At tensor-parallel size 2, every socket the ranks listen on is on the stack's host.
+its tensor, the replica still serves what it served, and its engine never restarted. At tensor-parallel size 2, every
+socket the ranks listen on is on the stack's host.
 """
 
 from __future__ import annotations
@@ -50,8 +51,12 @@ GREEDY = {"prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0, "logprobs": 
 
 def through_gateway(settings, model: str) -> tuple[list[int], list[float]]:
     """A greedy completion as a trainer asks for it: token ids and their logprobs."""
-    r = httpx.post(f"{settings.gateway_url}/v1/completions", headers={"Authorization": f"Bearer {settings.admin_token}"},
-                   json={"model": model, **GREEDY, "nvext": {"extra_fields": ["completion_token_ids"]}}, timeout=120)
+    r = httpx.post(
+        f"{settings.gateway_url}/v1/completions",
+        headers={"Authorization": f"Bearer {settings.admin_token}"},
+        json={"model": model, **GREEDY, "nvext": {"extra_fields": ["completion_token_ids"]}},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     answer = r.json()
     return list(answer["nvext"]["completion_token_ids"]), list(answer["choices"][0]["logprobs"]["token_logprobs"])

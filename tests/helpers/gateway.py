@@ -84,7 +84,9 @@ class GatewayDeployment:
 
     async def memo(self) -> dict[str, Any]:
         client = await temporal_client(self.settings)
-        desc = await client.get_workflow_handle(deployment_workflow_id(self.settings.organization_id, self.id)).describe()
+        desc = await client.get_workflow_handle(
+            deployment_workflow_id(self.settings.organization_id, self.id)
+        ).describe()
         return await desc.memo()
 
     async def view(self) -> DeploymentView:

@@ -5,9 +5,9 @@ server, with test activities registered under the real activity names.
 stand-ins for the control activities (`place_replicas` places every replica on one stand-in
 node, whose queue `start_replicas` serves: it signals each replica ready at once;
 `check_snapshot_files` runs the real check against a local directory tree standing in for
-the bucket; the node registry itself is tested in tests/control/test_nodes.py) and, per replica, a worker on that replica's own queue whose `apply_snapshot` the
-test scripts: succeed, fail with a snapshot error, or hold until released (heartbeating, so a
-cancel reaches it). `Fleet.api` is the FastAPI app in process (httpx ASGI transport) on the same
+the bucket; the node registry itself is tested in tests/control/test_nodes.py) and, per replica, a worker on that
+replica's own queue whose `apply_snapshot` the test scripts: succeed, fail with a snapshot error, or hold until released
+(heartbeating, so a cancel reaches it). `Fleet.api` is the FastAPI app in process (httpx ASGI transport) on the same
 Temporal client, so a test drives exactly what a trainer drives.
 """
 
@@ -168,7 +168,9 @@ class Fleet:
         self._stack = AsyncExitStack()
         self._replica_workers: dict[str, Worker] = {}
         self._pool = ThreadPoolExecutor(max_workers=4)
-        self.app = create_app(self.settings, temporal_client=self.client, task_queue=self.task_queue, tracer=self.tracer)
+        self.app = create_app(
+            self.settings, temporal_client=self.client, task_queue=self.task_queue, tracer=self.tracer
+        )
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Fleet:

@@ -143,11 +143,16 @@ def attach(replica: dict) -> EngineProcess:
     """The replica's engine, attached: a Dynamo worker (with its id and the frontend, so that
     ``/v1/...`` requests reach it alone) or a vLLM server."""
     if replica.get("dynamoWorker"):
-        return DynamoEngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"],
-                                          served_model_name=replica.get("dynamoModel"),
-                                          worker_id=int(replica["dynamoWorker"], 16),
-                                          frontend_url=replica.get("dynamoFrontendUrl"), tls=replica.get("dynamoTls"),
-                                          request_secret=replica.get("dynamoRequestSecret"))
+        return DynamoEngineProcess.attach(
+            replica["engineUrl"],
+            pid=replica["enginePid"],
+            secret=replica["engineSecret"],
+            served_model_name=replica.get("dynamoModel"),
+            worker_id=int(replica["dynamoWorker"], 16),
+            frontend_url=replica.get("dynamoFrontendUrl"),
+            tls=replica.get("dynamoTls"),
+            request_secret=replica.get("dynamoRequestSecret"),
+        )
     return EngineProcess.attach(replica["engineUrl"], pid=replica["enginePid"], secret=replica["engineSecret"])
 
 

@@ -108,8 +108,9 @@ class FakeS3:
     """The slice of boto3's S3 client the package uses, over a local ``root/BUCKET/KEY`` tree.
 
     It answers like S3: listings are paginated (``page_size`` keys a page), honour
-    ``Delimiter`` and give each object's ETag (the MD5 of its bytes, as a single-part upload's); ``Range`` reads return exactly the asked bytes; a missing key raises an error
-    whose ``response`` carries ``NoSuchKey``. Every call is logged in ``calls``.
+    ``Delimiter`` and give each object's ETag (the MD5 of its bytes, as a single-part upload's); ``Range`` reads return
+    exactly the asked bytes; a missing key raises an error whose ``response`` carries ``NoSuchKey``. Every call is
+    logged in ``calls``.
     """
 
     def __init__(self, root: Path, page_size: int = 2) -> None:
@@ -117,7 +118,15 @@ class FakeS3:
         self.page_size = page_size
         self.calls: list[tuple[str, dict[str, Any]]] = []
 
-    def list_objects_v2(self, *, Bucket: str, Prefix: str = "", Delimiter: str | None = None, ContinuationToken: str | None = None, **_: Any) -> dict[str, Any]:
+    def list_objects_v2(
+        self,
+        *,
+        Bucket: str,
+        Prefix: str = "",
+        Delimiter: str | None = None,
+        ContinuationToken: str | None = None,
+        **_: Any,
+    ) -> dict[str, Any]:
         self.calls.append(("list_objects_v2", {"Prefix": Prefix}))
         base = self.root / Bucket
         keys = sorted(str(p.relative_to(base)) for p in base.rglob("*") if p.is_file())

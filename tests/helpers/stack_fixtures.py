@@ -85,7 +85,11 @@ class Api:
             r = self.call("GET", f"/hotLoads/{hl_id}")
             assert r.status_code == 200, f"GET hot-load {hl_id}: {r.status_code} {r.text}"
             hl = r.json()["hotLoad"]
-            if hl["status"]["state"] in ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED"):
+            if hl["status"]["state"] in (
+                "HOT_LOAD_STATE_COMPLETED",
+                "HOT_LOAD_STATE_FAILED",
+                "HOT_LOAD_STATE_CANCELED",
+            ):
                 return hl
             time.sleep(0.25)  # a small delta completes in a few hundred ms
         raise TimeoutError(f"hot-load {hl_id} not terminal after {timeout}s")

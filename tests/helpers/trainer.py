@@ -10,7 +10,13 @@ import torch
 
 from workers.base_model import load_checkpoint, write_tensors
 
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 
 
 def train_step(prev_dir: Path, out_dir: Path, *, seed: int, lr: float = 2e-3, tensors: int = 4) -> Path:

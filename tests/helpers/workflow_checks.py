@@ -42,14 +42,22 @@ def delta_body(prev: str) -> dict:
         },
     }
 
-def deployment_state(dep_id: str, *, zones: list[str], chains: dict[str, list[SnapshotRef]] | None = None) -> DeploymentInput:
+def deployment_state(
+    dep_id: str, *, zones: list[str], chains: dict[str, list[SnapshotRef]] | None = None
+) -> DeploymentInput:
     dep = Deployment(
         spec=DeploymentSpec(
-            id=dep_id, name=dep_id, organization_id="org-a", gateway_ids=["g1", "g2"],
-            runtime=Runtime(engine="dynamo-vllm"), model=ModelSource(name="m", bucket="rollouts", path="models/base"),
+            id=dep_id,
+            name=dep_id,
+            organization_id="org-a",
+            gateway_ids=["g1", "g2"],
+            runtime=Runtime(engine="dynamo-vllm"),
+            model=ModelSource(name="m", bucket="rollouts", path="models/base"),
             hot_load=HotLoadConfig(bucket="rollouts", path_prefix=f"ckpt/{dep_id}"),
         ),
-        status=DeploymentStatus(status=ResourceStatus.READY, created_at="2026-01-01T00:00:00Z", updated_at="2026-01-01T00:00:00Z"),
+        status=DeploymentStatus(
+            status=ResourceStatus.READY, created_at="2026-01-01T00:00:00Z", updated_at="2026-01-01T00:00:00Z"
+        ),
     )
     return DeploymentInput(deployment=dep, gateway_zones=zones, chains=chains or {})
 

@@ -1,7 +1,8 @@
 """The service across real hosts: three network-namespace hosts (tests/multihost/hosts.py), the
 control plane (`rollouts up --host`, with its own node agent) in the first, a node agent
 (`rollouts node`) in each of the others, real Dynamo vLLM workers (sharing the control host's
-Dynamo discovery directory), driven by cwtrain's CLI and the REST API from outside the hosts. One module, one deployment, in order:
+Dynamo discovery directory), driven by cwtrain's CLI and the REST API from outside the hosts. One module, one
+deployment, in order:
 
 1. A 3-replica deployment lands on three hosts; a FULL and three deltas reach every replica, the
    first from the bucket and the others from it across hosts (0 bytes from the bucket); every
@@ -323,7 +324,9 @@ def test_engine_control_is_unreachable_from_another_host(deployment: Plane) -> N
     # Whichever worker's card Dynamo's frontend reads first, it names files that every host reads:
     # the shared discovery directory, not a URL on a worker's loopback-only system server.
     shared = plane.settings.dynamo_discovery_dir / FILES_DIR
-    cards = [json.loads(p.read_text())["card_json"] for p in (plane.settings.dynamo_discovery_dir / "v1" / "mdc").iterdir()]
+    cards = [
+        json.loads(p.read_text())["card_json"] for p in (plane.settings.dynamo_discovery_dir / "v1" / "mdc").iterdir()
+    ]
     assert len(cards) >= len(replicas), cards
     for card in cards:
         path = Path(card["model_info"]["hf_config_json"]["path"])

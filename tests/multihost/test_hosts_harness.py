@@ -51,7 +51,9 @@ def wait_connects(source: Host, target: Host, within: float = 30.0) -> None:
     deadline = time.monotonic() + within
     while (probe := connects(source, target)).returncode != 0:
         if time.monotonic() > deadline:
-            pytest.fail(f"{source.name} cannot connect to {target.name} {target.address}:{PORT}: {probe.stdout.strip()}")
+            pytest.fail(
+                f"{source.name} cannot connect to {target.name} {target.address}:{PORT}: {probe.stdout.strip()}"
+            )
         time.sleep(0.1)
 
 

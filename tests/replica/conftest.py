@@ -51,7 +51,9 @@ async def engine(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathF
     if url:
         # Development: reuse an engine already serving workers.base_model's base model under
         # the name "base" with our extension (tests load the weights they need).
-        yield EngineProcess.attach(url, served_model_name=SERVED_NAME, secret=os.environ.get("ROLLOUTS_TEST_ENGINE_SECRET"))
+        yield EngineProcess.attach(
+            url, served_model_name=SERVED_NAME, secret=os.environ.get("ROLLOUTS_TEST_ENGINE_SECRET")
+        )
         return
     eng = await _start_engine(model_dirs["base"], tmp_path_factory.mktemp("engine-a"))
     print(f"\n[engine] started in {eng.start_seconds:.1f}s at {eng.base_url} pid {eng.pid}")

@@ -36,7 +36,10 @@ def test_steps_failures_by_reason_state_and_snapshot() -> None:
         raise TimeoutError()
     m.serving("s2")
     assert sample("rollouts_replica_steps_total", **mine, step="apply_snapshot") == 2
-    assert sample("rollouts_replica_step_failures_total", **mine, step="apply_snapshot", reason="NonRetryableSnapshot") == 1
+    assert (
+        sample("rollouts_replica_step_failures_total", **mine, step="apply_snapshot", reason="NonRetryableSnapshot")
+        == 1
+    )
     assert sample("rollouts_replica_step_failures_total", **mine, step="stage_from_peer", reason="TimeoutError") == 1
     assert sample("rollouts_replica_state", **mine, state="READY") == 1
     assert sample("rollouts_replica_pause_seconds_sum", **mine) == pytest.approx(0.042)

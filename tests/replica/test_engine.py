@@ -176,7 +176,9 @@ async def _until_running(engine: EngineProcess, n: int) -> None:
         await asyncio.sleep(0.05)
 
 
-async def _hot_load_under_traffic(engine: EngineProcess, model_dirs: dict[str, Path], max_tokens: int) -> dict[str, Any]:
+async def _hot_load_under_traffic(
+    engine: EngineProcess, model_dirs: dict[str, Path], max_tokens: int
+) -> dict[str, Any]:
     """Start 6 requests on the base weights, pause(keep), swap the staged counting tensors in and
     commit them, resume."""
     await load_full(engine, model_dirs["base"])
@@ -467,7 +469,9 @@ async def test_staged_update_from_files_changes_nothing_until_commit(
     edited = tmp_path / "f16.safetensors"
     save_file({"lm_head.weight": counting["lm_head.weight"].view(torch.float16)}, edited)
     with pytest.raises(EngineError, match="lm_head.weight: dtype float16 != engine bfloat16"):
-        await engine.stage_from_files("v-f16", [edited], ["lm_head.weight"], {"lm_head.weight": expected["lm_head.weight"]})
+        await engine.stage_from_files(
+            "v-f16", [edited], ["lm_head.weight"], {"lm_head.weight": expected["lm_head.weight"]}
+        )
     staged = await engine.stage_from_files("v1", files, COUNTING_CHANGED, expected)
     assert staged["tensors"] == len(COUNTING_CHANGED)
     assert await engine.served_checksums() == base_sums  # staged, not served

@@ -142,9 +142,14 @@ def test_fused_and_tied_shapes_land_where_vllm_puts_them(report):
         ["model.embed_tokens.weight", [2048, 128], 0, [2048, 128], 0]]
     # Per-expert tensors: expert 3's gate and up rows of w13, its down_proj in w2.
     moe = report["qwen3_moe"]["landings"]
-    w13, w2 = "model.layers.0.mlp.experts.routed_experts.w13_weight", "model.layers.0.mlp.experts.routed_experts.w2_weight"
+    w13, w2 = (
+        "model.layers.0.mlp.experts.routed_experts.w13_weight",
+        "model.layers.0.mlp.experts.routed_experts.w2_weight",
+    )
     assert moe["model.layers.0.mlp.experts.3.gate_proj.weight"] == [[w13, [64, 128], 3 * 128 * 128, [64, 128], 0]]
-    assert moe["model.layers.0.mlp.experts.3.up_proj.weight"] == [[w13, [64, 128], 3 * 128 * 128 + 64 * 128, [64, 128], 0]]
+    assert moe["model.layers.0.mlp.experts.3.up_proj.weight"] == [
+        [w13, [64, 128], 3 * 128 * 128 + 64 * 128, [64, 128], 0]
+    ]
     assert moe["model.layers.0.mlp.experts.3.down_proj.weight"] == [[w2, [128, 64], 3 * 128 * 64, [128, 64], 0]]
     # DeepSeek-style: the shared expert's gate and up in its own fused gate_up_proj; MLA's q and
     # kv down-projections fused into one (q_lora_rank 64 rows, then kv_lora_rank 512 + rope 64).

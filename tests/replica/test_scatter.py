@@ -48,7 +48,9 @@ def checkpoint(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def changed(old: dict[str, torch.Tensor], fraction: float, seed: int, only: str | None = None) -> dict[str, torch.Tensor]:
+def changed(
+    old: dict[str, torch.Tensor], fraction: float, seed: int, only: str | None = None
+) -> dict[str, torch.Tensor]:
     """``old`` with about ``fraction`` of each tensor's elements changed (``only``: one tensor)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}

@@ -123,7 +123,9 @@ async def test_a_running_engine_keeps_its_segments(model_dirs: dict[str, Path],
     await engine.start(timeout=600)
     try:
         pids = await engine.engine_pids()
-        mapped = engine_segments([pids["worker"], pids["worker_parent"]] + ([pids["server"]] if "server" in pids else []))
+        mapped = engine_segments(
+            [pids["worker"], pids["worker_parent"]] + ([pids["server"]] if "server" in pids else [])
+        )
         assert any(p.name.startswith("psm_") for p in mapped), mapped  # vLLM's message queues
         removed = {s.path for s in reclaim_dead_segments()}
         assert not removed & mapped

@@ -1,8 +1,8 @@
 """Routed experts on vLLM's CPU build (replica/engine/triton_interpreter, replica/agent/engine_process.py):
 an engine started with ``--enable-return-routed-experts`` gets Model Runner V2 with Triton's
 interpreter, and only that engine; in that environment Triton has the inactive ``cpu`` entry vLLM
-looks for, and the environment's own ``sitecustomize`` still runs. The engine itself (which without that environment refuses to
-start: docs/field-notes.md), returning routes after hot-loads: tests/e2e/test_model_families.py
+looks for, and the environment's own ``sitecustomize`` still runs. The engine itself (which without that environment
+refuses to start: docs/field-notes.md), returning routes after hot-loads: tests/e2e/test_model_families.py
 (Qwen3-MoE at TP 1)."""
 
 from __future__ import annotations

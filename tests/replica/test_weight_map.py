@@ -108,7 +108,9 @@ def test_a_tensor_refused_after_the_map_is_built_is_refused_at_staging_by_name()
     wmap = loaded(Fused(), checkpoint(0))
     wmap.refuse(["k.weight"], HELD_BY_NO_RANK)
     assert "k.weight" not in wmap.names() and "k.weight" not in wmap.elsewhere()
-    with pytest.raises(ValueError, match=r"refusing to load \(1 problem\(s\)\): k.weight: no rank of the engine holds it"):
+    with pytest.raises(
+        ValueError, match=r"refusing to load \(1 problem\(s\)\): k.weight: no rank of the engine holds it"
+    ):
         wmap.check([("k.weight", checkpoint(1)["k.weight"]), ("q.weight", checkpoint(1)["q.weight"])])
 
 
@@ -122,7 +124,9 @@ def test_a_narrowing_a_transform_after_loading_and_a_quantized_engine_are_refuse
     model.load_weights(list(base.items()))
     model.embed.data.mul_(2)  # transformed after loading (a repack): a copy into it would be wrong
     wmap = WeightMap.build(model, [(n, tuple(t.shape), t.dtype) for n, t in base.items()], base.__getitem__)
-    assert "cannot be written in place: embed does not hold what its loader wrote" in wmap.entries["embed.weight"].refused
+    assert (
+        "cannot be written in place: embed does not hold what its loader wrote" in wmap.entries["embed.weight"].refused
+    )
     assert "q.weight" in wmap.names()
 
     wmap = loaded(Fused(), base, quantization="fp8")

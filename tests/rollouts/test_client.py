@@ -44,12 +44,18 @@ class FakeApi:
         body = json.loads(request.content) if request.content else None
         self.sent.append((request.method, path, body))
         if path == "/deployments/dep":
-            return httpx.Response(200, json={"deployment": {"spec": {"id": "dep", "hotLoad": {"bucket": "b", "pathPrefix": "ck/p"}}}})
+            return httpx.Response(
+                200, json={"deployment": {"spec": {"id": "dep", "hotLoad": {"bucket": "b", "pathPrefix": "ck/p"}}}}
+            )
         if request.method == "POST" and path == "/hotLoads":
             if self.busy_once:
                 self.busy_once = False
-                return httpx.Response(412, json={"code": "failed_precondition", "message": "hot-load other is already in progress"})
-            return httpx.Response(200, json={"hotLoad": hot_load(body["hotLoadId"], "HOT_LOAD_STATE_PENDING", body["identity"])})
+                return httpx.Response(
+                    412, json={"code": "failed_precondition", "message": "hot-load other is already in progress"}
+                )
+            return httpx.Response(
+                200, json={"hotLoad": hot_load(body["hotLoadId"], "HOT_LOAD_STATE_PENDING", body["identity"])}
+            )
         if path == "/hotLoads":
             return httpx.Response(200, json={"hotLoads": [hot_load("other", "HOT_LOAD_STATE_COMPLETED")]})
         if path.endswith("/replicas"):

@@ -109,7 +109,9 @@ def histories(stack, hot_load_id: str) -> tuple[int, list[int]]:
         groups = []
         while True:
             try:
-                child = await client.get_workflow_handle(names.stage_group_workflow_id(workflow_id, len(groups))).describe()
+                child = await client.get_workflow_handle(
+                    names.stage_group_workflow_id(workflow_id, len(groups))
+                ).describe()
             except RPCError:
                 return events.workflow_execution_info.history_length, groups
             groups.append(child.raw_description.workflow_execution_info.history_length)

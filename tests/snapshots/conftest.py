@@ -37,7 +37,9 @@ def delta(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     return out
 
 @pytest.fixture(scope="session")
-def chain(pair: tuple[Path, Path], delta: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path], Path]:
+def chain(
+    pair: tuple[Path, Path], delta: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[Path], Path]:
     """``pair``'s base, two deltas ``[delta, d2]``, and the checkpoint they reconstruct."""
     root = tmp_path_factory.mktemp("chain")
     step2 = mutate_checkpoint(pair[1], root / "step2", seed=11)

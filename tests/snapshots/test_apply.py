@@ -128,7 +128,9 @@ def test_wrong_checksum_rolls_back_every_tensor(weights: HostWeights, pair: tupl
     a, b, new = _two_tensors(weights, pair)
     frames = {a: xor_frame(weights.raw(a), new.raw(a)), b: xor_frame(weights.raw(b), new.raw(b))}
     d = write_delta_dir(tmp_path / "d", frames, {a: adler(new.raw(a)), b: "deadbeef"})
-    _assert_fails_untouched(weights, d, ChecksumError, rf"{SHARD}: tensor '{b}': checksum mismatch: the writer recorded deadbeef")
+    _assert_fails_untouched(
+        weights, d, ChecksumError, rf"{SHARD}: tensor '{b}': checksum mismatch: the writer recorded deadbeef"
+    )
 
 
 def test_checksum_missing(weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path) -> None:
@@ -143,10 +145,17 @@ def test_frame_of_wrong_size(weights: HostWeights, pair: tuple[Path, Path], tmp_
     short = zstandard.ZstdCompressor(level=1).compress(bytes(weights.info(b).nbytes - 2))
     frames = {a: xor_frame(weights.raw(a), new.raw(a)), b: short}
     d = write_delta_dir(tmp_path / "d", frames, {a: adler(new.raw(a)), b: adler(new.raw(b))})
-    _assert_fails_untouched(weights, d, DeltaMismatchError, rf"{SHARD}: tensor '{b}': frame decompresses to {weights.info(b).nbytes - 2} bytes")
+    _assert_fails_untouched(
+        weights,
+        d,
+        DeltaMismatchError,
+        rf"{SHARD}: tensor '{b}': frame decompresses to {weights.info(b).nbytes - 2} bytes",
+    )
 
 
-def test_frame_of_wrong_size_without_declared_size(weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path) -> None:
+def test_frame_of_wrong_size_without_declared_size(
+    weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path
+) -> None:
     a, _, new = _two_tensors(weights, pair)
     short = zstandard.ZstdCompressor(level=1, write_content_size=False).compress(bytes(weights.info(a).nbytes - 2))
     d = write_delta_dir(tmp_path / "d", {a: short}, {a: adler(new.raw(a))})
@@ -162,7 +171,12 @@ def test_zstd_bomb_declared_size_is_refused_before_decompressing(weights: HostWe
     bomb = zero_bomb(declare_size=True)
     assert len(bomb) < 64 * 2**10 and zstandard.frame_content_size(bomb) == BOMB_BYTES
     d = write_delta_dir(tmp_path / "d", {a: bomb}, {a: "00000001"})
-    _assert_fails_untouched(weights, d, DeltaMismatchError, rf"tensor '{a}': frame decompresses to 268435456 bytes .*refused without decompressing")
+    _assert_fails_untouched(
+        weights,
+        d,
+        DeltaMismatchError,
+        rf"tensor '{a}': frame decompresses to 268435456 bytes .*refused without decompressing",
+    )
 
 
 def test_zstd_bomb_without_declared_size_stops_at_the_tensor_size(weights: HostWeights, tmp_path: Path) -> None:
@@ -188,7 +202,9 @@ def test_trailing_bytes_after_the_frame(weights: HostWeights, pair: tuple[Path, 
     a, b, new = _two_tensors(weights, pair)
     frames = {a: xor_frame(weights.raw(a), new.raw(a)), b: xor_frame(weights.raw(b), new.raw(b)) + b"\x00" * 7}
     d = write_delta_dir(tmp_path / "d", frames, {a: adler(new.raw(a)), b: adler(new.raw(b))})
-    _assert_fails_untouched(weights, d, DeltaMismatchError, rf"{SHARD}: tensor '{b}': 7 trailing bytes after the zstd frame")
+    _assert_fails_untouched(
+        weights, d, DeltaMismatchError, rf"{SHARD}: tensor '{b}': 7 trailing bytes after the zstd frame"
+    )
 
 
 def test_second_frame_after_the_frame(weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path) -> None:
@@ -196,7 +212,9 @@ def test_second_frame_after_the_frame(weights: HostWeights, pair: tuple[Path, Pa
     frame = xor_frame(weights.raw(a), new.raw(a))
     empty = zstandard.ZstdCompressor().compress(b"")
     d = write_delta_dir(tmp_path / "d", {a: frame + empty}, {a: adler(new.raw(a))})
-    _assert_fails_untouched(weights, d, DeltaMismatchError, rf"tensor '{a}': {len(empty)} trailing bytes after the zstd frame")
+    _assert_fails_untouched(
+        weights, d, DeltaMismatchError, rf"tensor '{a}': {len(empty)} trailing bytes after the zstd frame"
+    )
 
 
 def test_frame_cut_short(weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path) -> None:
@@ -212,7 +230,13 @@ def test_frame_longer_than_any_frame_of_the_tensor(weights: HostWeights, tmp_pat
     # Incompressible content in raw blocks of the right size, padded past zstd's bound.
     oversize = zstandard.ZstdCompressor(level=1).compress(np.random.default_rng(0).bytes(nbytes)) + bytes(4096)
     d = write_delta_dir(tmp_path / "d", {a: oversize}, {a: "00000001"})
-    _assert_fails_untouched(weights, d, DeltaMismatchError, rf"{SHARD}: tensor '{a}': frame is {len(oversize)} bytes, more than any zstd frame of the base tensor's {nbytes} bytes can be")
+    _assert_fails_untouched(
+        weights,
+        d,
+        DeltaMismatchError,
+        rf"{SHARD}: tensor '{a}': frame is {len(oversize)} bytes, more than any zstd frame of the base tensor's "
+        rf"{nbytes} bytes can be",
+    )
 
 
 def test_not_a_zstd_frame(weights: HostWeights, tmp_path: Path) -> None:
@@ -225,7 +249,9 @@ def test_tensor_in_delta_but_not_in_base(weights: HostWeights, pair: tuple[Path,
     a, _, new = _two_tensors(weights, pair)
     frames = {a: xor_frame(weights.raw(a), new.raw(a)), "model.ghost.weight": zstandard.compress(bytes(4))}
     d = write_delta_dir(tmp_path / "d", frames, {a: adler(new.raw(a)), "model.ghost.weight": adler(bytes(4))})
-    _assert_fails_untouched(weights, d, DeltaMismatchError, rf"{SHARD}: tensor 'model.ghost.weight': is in the delta but not in the base")
+    _assert_fails_untouched(
+        weights, d, DeltaMismatchError, rf"{SHARD}: tensor 'model.ghost.weight': is in the delta but not in the base"
+    )
 
 
 def test_truncated_delta_shard(weights: HostWeights, delta: Path, tmp_path: Path) -> None:
@@ -237,12 +263,20 @@ def test_truncated_delta_shard(weights: HostWeights, delta: Path, tmp_path: Path
 
 def test_unsupported_encoding_on_apply(weights: HostWeights, tmp_path: Path) -> None:
     a = weights.names()[1]
-    meta = {"version": "1", "base_version": "0", "delta_encoding": "overwrite", "compression_format": "zstd", "checksum_format": "adler32"}
+    meta = {
+        "version": "1",
+        "base_version": "0",
+        "delta_encoding": "overwrite",
+        "compression_format": "zstd",
+        "checksum_format": "adler32",
+    }
     d = write_delta_dir(tmp_path / "d", {a: zstandard.compress(bytes(4))}, {a: "00000001"}, metadata=meta)
     _assert_fails_untouched(weights, d, SnapshotError, "delta_encoding 'overwrite' is not supported")
 
 
-def test_failure_among_many_tensors_rolls_back_all(weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path) -> None:
+def test_failure_among_many_tensors_rolls_back_all(
+    weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path
+) -> None:
     new = HostWeights.load(pair[1])
     names = [n for n in weights.names() if weights.raw(n).tobytes() != new.raw(n).tobytes()]
     frames = {n: xor_frame(weights.raw(n), new.raw(n)) for n in names}

@@ -89,8 +89,11 @@ def test_slime_default_checksum_is_refused(pair: tuple[Path, Path], tmp_path: Pa
 def test_cwtrain_delta_applies_byte_exact(cw, pair: tuple[Path, Path], tmp_path: Path) -> None:
     result = cw(
         "import sys; from cwtrain.hotload.delta import write_delta as w;"
-        "s = w(sys.argv[1], sys.argv[2], sys.argv[3], version='000001', base_version='000000'); print(s.tensors_changed)",
-        str(pair[0]), str(pair[1]), str(tmp_path / "cwd"),
+        "s = w(sys.argv[1], sys.argv[2], sys.argv[3], version='000001', base_version='000000'); "
+        "print(s.tensors_changed)",
+        str(pair[0]),
+        str(pair[1]),
+        str(tmp_path / "cwd"),
     )
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) > 0
@@ -125,7 +128,8 @@ def test_our_delta_passes_cwtrain_inspect_and_mirror(cw, pair: tuple[Path, Path]
 def test_full_snapshots_are_interchangeable(cw, pair: tuple[Path, Path], tmp_path: Path) -> None:
     ours = write_full_snapshot(pair[0], tmp_path / "ours")
     inspect = cw(
-        "import sys; from cwtrain.cli import main; sys.argv = ['cwtrain', 'hotload', 'inspect', sys.argv[1]]; sys.exit(main())",
+        "import sys; from cwtrain.cli import main; sys.argv = ['cwtrain', 'hotload', 'inspect', sys.argv[1]]; "
+        "sys.exit(main())",
         str(ours),
     )
     assert inspect.returncode == 0, inspect.stderr

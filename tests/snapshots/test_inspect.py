@@ -81,7 +81,9 @@ def test_full_index_must_not_be_empty(tmp_path: Path) -> None:
 def test_single_file_checkpoint_is_accepted(pair: tuple[Path, Path], tmp_path: Path) -> None:
     weights = HostWeights.load(pair[0])
 
-    write_full_snapshot({n: weights.tensor(n) for n in weights.names()}, tmp_path / "s", pair[0] / "config.json", shard_bytes=1 << 40)
+    write_full_snapshot(
+        {n: weights.tensor(n) for n in weights.names()}, tmp_path / "s", pair[0] / "config.json", shard_bytes=1 << 40
+    )
     single = tmp_path / "single"
     single.mkdir()
     shutil.copy(tmp_path / "s" / "model-00001-of-00001.safetensors", single / "model.safetensors")
@@ -100,8 +102,16 @@ def test_single_file_checkpoint_is_accepted(pair: tuple[Path, Path], tmp_path: P
         ("checksum_format", None, "checksum_format None is not supported"),
     ],
 )
-def test_unsupported_delta_formats_are_refused_by_name(tmp_path: Path, key: str, value: str | None, message: str) -> None:
-    meta = {"version": "1", "base_version": "0", "delta_encoding": "xor", "compression_format": "zstd", "checksum_format": "adler32"}
+def test_unsupported_delta_formats_are_refused_by_name(
+    tmp_path: Path, key: str, value: str | None, message: str
+) -> None:
+    meta = {
+        "version": "1",
+        "base_version": "0",
+        "delta_encoding": "xor",
+        "compression_format": "zstd",
+        "checksum_format": "adler32",
+    }
     if value is None:
         del meta[key]
     else:
@@ -113,7 +123,9 @@ def test_unsupported_delta_formats_are_refused_by_name(tmp_path: Path, key: str,
 
 def test_delta_tensors_must_be_u8(tmp_path: Path) -> None:
     write_delta_dir(tmp_path / "d", {"w": bytes(8)}, {"w": "00000001"}, dtype="F16")
-    with pytest.raises(HeaderError, match=r"model-00000-of-00001.safetensors: tensor 'w': delta tensors must be 1-D U8"):
+    with pytest.raises(
+        HeaderError, match=r"model-00000-of-00001.safetensors: tensor 'w': delta tensors must be 1-D U8"
+    ):
         inspect_snapshot(tmp_path / "d")
 
 
@@ -134,12 +146,16 @@ def test_weight_map_tensor_absent_from_shard(tmp_path: Path) -> None:
     index = json.loads((d / INDEX).read_text())
     index["weight_map"]["ghost"] = index["weight_map"]["w"]
     (d / INDEX).write_text(json.dumps(index))
-    with pytest.raises(LayoutError, match=r"tensor 'ghost': weight_map names this tensor but the shard does not hold it"):
+    with pytest.raises(
+        LayoutError, match=r"tensor 'ghost': weight_map names this tensor but the shard does not hold it"
+    ):
         inspect_snapshot(d)
 
 
 def test_empty_delta_is_reported(tmp_path: Path) -> None:
-    (tmp_path / INDEX).write_text(json.dumps({"metadata": {"delta_encoding": "xor", "checksum_format": "adler32"}, "weight_map": {}}))
+    (tmp_path / INDEX).write_text(
+        json.dumps({"metadata": {"delta_encoding": "xor", "checksum_format": "adler32"}, "weight_map": {}})
+    )
     assert inspect_snapshot(tmp_path).empty_delta
 
 

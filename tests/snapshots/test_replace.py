@@ -25,7 +25,9 @@ def test_exchange_swaps_two_directories(tmp_path: Path) -> None:
     assert (b / "f").read_text() == "new" and (a / "f").read_text() == "old"
 
 
-def test_exchange_without_renameat2_moves_the_old_one_aside_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_exchange_without_renameat2_moves_the_old_one_aside_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     class NoRenameat2:
         pass
     monkeypatch.setattr(replace, "_libc", NoRenameat2())

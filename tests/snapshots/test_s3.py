@@ -91,7 +91,11 @@ def test_chain_resolves_and_materializes_from_s3(
 ) -> None:
     known = _known(s3, seaweed.bucket)
     links = resolve_chain("step-2", known)
-    assert [(link.identity, link.type) for link in links] == [("step-0", "full"), ("step-1", "delta"), ("step-2", "delta")]
+    assert [(link.identity, link.type) for link in links] == [
+        ("step-0", "full"),
+        ("step-1", "delta"),
+        ("step-2", "delta"),
+    ]
     uris = [snapshot_uri(seaweed.bucket, RUN, link.identity) for link in links]
     out = materialize_chain(uris[0], uris[1:], tmp_path / "out", s3=s3)
     assert raw_bytes(HostWeights.load(out)) == raw_bytes(HostWeights.load(chain[2]))
@@ -131,10 +135,14 @@ def test_missing_link_is_named(seaweed: Settings, s3: Any, published: dict[str, 
 
 def _probes(files: dict[str, int]) -> list[tuple[str, int, int]]:
     """The header reads a location's shards cost: one ranged GET from byte 0 each."""
-    return sorted((name, 0, min(size, HEADER_PROBE_BYTES)) for name, size in files.items() if name.endswith(".safetensors"))
+    return sorted(
+        (name, 0, min(size, HEADER_PROBE_BYTES)) for name, size in files.items() if name.endswith(".safetensors")
+    )
 
 
-def test_a_delta_costs_ranged_gets_of_just_its_changed_tensors(seaweed: Settings, pair: tuple[Path, Path], tmp_path: Path) -> None:
+def test_a_delta_costs_ranged_gets_of_just_its_changed_tensors(
+    seaweed: Settings, pair: tuple[Path, Path], tmp_path: Path
+) -> None:
     """A delta changing 2 tensors of the model: applying it from S3, to the host copy or streamed
     to a directory, fetches its index, one header read per shard, and exactly those 2 frames;
     a base on S3 is read with one ranged GET per tensor, each byte once."""

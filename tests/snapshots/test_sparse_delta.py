@@ -72,7 +72,9 @@ def rewrite(src: Path, dst: Path, change) -> Path:
     copy_tree(src, dst)
     header = read_header(dst / SHARD)
     data = (dst / SHARD).read_bytes()
-    tensors = {e.name: (e.dtype, np.frombuffer(data[e.begin:e.end], dtype=np.uint8).copy()) for e in header.tensors.values()}
+    tensors = {
+        e.name: (e.dtype, np.frombuffer(data[e.begin : e.end], dtype=np.uint8).copy()) for e in header.tensors.values()
+    }
     metadata = dict(header.metadata)
     change(tensors, metadata)
     write_safetensors(dst / SHARD, [TensorSpec(n, d, (a.nbytes // _size(d),), a) for n, (d, a) in tensors.items()],

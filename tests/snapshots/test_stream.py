@@ -30,7 +30,9 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("chunk_bytes", [4096, 2**20])
-def test_streamed_chain_matches_the_in_memory_materialize_byte_for_byte(chain, tmp_path: Path, chunk_bytes: int) -> None:
+def test_streamed_chain_matches_the_in_memory_materialize_byte_for_byte(
+    chain, tmp_path: Path, chunk_bytes: int
+) -> None:
     base, deltas, step2 = chain
     report = materialize_chain_report(base, deltas, tmp_path / "streamed", chunk_bytes=chunk_bytes, workers=3)
     weights = HostWeights.load(base)
@@ -40,7 +42,9 @@ def test_streamed_chain_matches_the_in_memory_materialize_byte_for_byte(chain, t
     assert _files(tmp_path / "streamed") == _files(tmp_path / "in-memory")
     assert raw_bytes(HostWeights.load(tmp_path / "streamed")) == raw_bytes(HostWeights.load(step2))
     assert report.checksums == weights.checksums() and report.tensors == len(weights)
-    assert [len(r.changed) for r in report.deltas] == [len(json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]) for d in deltas]
+    assert [len(r.changed) for r in report.deltas] == [
+        len(json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]) for d in deltas
+    ]
     assert report.deltas[1].checksums == {n: weights.checksums()[n] for n in report.deltas[1].changed}
 
 
@@ -58,18 +62,27 @@ def test_every_link_is_verified_not_just_the_last(chain, pair: tuple[Path, Path]
     but the chain is refused, naming d1's file and the tensor."""
     base = HostWeights.load(pair[0])
     mid, end = HostWeights.load(pair[1]), HostWeights.load(chain[2])
-    name = next(n for n in base.names() if len({base.raw(n).tobytes(), mid.raw(n).tobytes(), end.raw(n).tobytes()}) == 3)
+    name = next(
+        n for n in base.names() if len({base.raw(n).tobytes(), mid.raw(n).tobytes(), end.raw(n).tobytes()}) == 3
+    )
     d1 = write_delta_dir(tmp_path / "d1", {name: xor_frame(base.raw(name), mid.raw(name))}, {name: "0badc0de"})
     d2 = write_delta_dir(tmp_path / "d2", {name: xor_frame(mid.raw(name), end.raw(name))}, {name: adler(end.raw(name))})
-    with pytest.raises(ChecksumError, match=rf"d1/model-00000-of-00001.safetensors: tensor '{name}': checksum mismatch: the writer recorded 0badc0de"):
+    with pytest.raises(
+        ChecksumError,
+        match=rf"d1/model-00000-of-00001.safetensors: tensor '{name}': checksum mismatch: the writer recorded 0badc0de",
+    ):
         materialize_chain(pair[0], [d1, d2], tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    d1 = write_delta_dir(tmp_path / "d1ok", {name: xor_frame(base.raw(name), mid.raw(name))}, {name: adler(mid.raw(name))})
+    d1 = write_delta_dir(
+        tmp_path / "d1ok", {name: xor_frame(base.raw(name), mid.raw(name))}, {name: adler(mid.raw(name))}
+    )
     out = materialize_chain(pair[0], [d1, d2], tmp_path / "out")
     assert HostWeights.load(out).raw(name).tobytes() == end.raw(name).tobytes()
 
 
-def test_unchanged_tensor_is_checked_against_the_checksum_the_base_records(pair: tuple[Path, Path], delta: Path, tmp_path: Path) -> None:
+def test_unchanged_tensor_is_checked_against_the_checksum_the_base_records(
+    pair: tuple[Path, Path], delta: Path, tmp_path: Path
+) -> None:
     base = write_full_snapshot(pair[0], tmp_path / "base")
     changed = set(json.loads((delta / "model.safetensors.index.json").read_text())["weight_map"])
     shard = sorted(base.glob("*.safetensors"))[0]
@@ -77,7 +90,9 @@ def test_unchanged_tensor_is_checked_against_the_checksum_the_base_records(pair:
     data = bytearray(shard.read_bytes())
     data[victim.begin] ^= 0x01
     shard.write_bytes(bytes(data))
-    with pytest.raises(ChecksumError, match=rf"{shard}: tensor '{victim.name}': checksum mismatch: __metadata__ records"):
+    with pytest.raises(
+        ChecksumError, match=rf"{shard}: tensor '{victim.name}': checksum mismatch: __metadata__ records"
+    ):
         materialize_chain(base, [delta], tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -117,12 +132,24 @@ def test_memory_is_bounded_by_a_few_tensors_not_the_model(tmp_path: Path) -> Non
             specs.append(TensorSpec(f"w{i}", "BF16", (tensor_bytes // 2,), data))
             weight_map[f"w{i}"] = "model-00001-of-00001.safetensors"
         write_safetensors(tmp_path / name / "model-00001-of-00001.safetensors", specs, {"format": "pt"})
-        (tmp_path / name / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        (tmp_path / name / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
         (tmp_path / name / "config.json").write_text("{}")
     write_delta(tmp_path / "base", tmp_path / "new", tmp_path / "delta", version="1", base_version="0")
     run = subprocess.run(
-        [sys.executable, "-c", MEMORY_PROBE, str(REPO), str(tmp_path / "base"), str(tmp_path / "delta"), str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-c",
+            MEMORY_PROBE,
+            str(REPO),
+            str(tmp_path / "base"),
+            str(tmp_path / "delta"),
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stderr
     peak = json.loads(run.stdout)

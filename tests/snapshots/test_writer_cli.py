@@ -69,10 +69,18 @@ def _rewrite(src: Path, dst: Path, change: dict[str, TensorSpec | None]) -> Path
 def test_delta_refuses_shape_or_dtype_change(pair: tuple[Path, Path], tmp_path: Path) -> None:
     name = "model.norm.weight"
     info = HostWeights.load(pair[0]).info(name)
-    reshaped = _rewrite(pair[0], tmp_path / "reshaped", {name: TensorSpec(name, info.dtype, (info.shape[0] // 2, 2), np.zeros(info.nbytes, np.uint8))})
-    with pytest.raises(DeltaMismatchError, match=rf"tensor '{name}': dtype/shape changed: base BF16\[{info.shape[0]}\]"):
+    reshaped = _rewrite(
+        pair[0],
+        tmp_path / "reshaped",
+        {name: TensorSpec(name, info.dtype, (info.shape[0] // 2, 2), np.zeros(info.nbytes, np.uint8))},
+    )
+    with pytest.raises(
+        DeltaMismatchError, match=rf"tensor '{name}': dtype/shape changed: base BF16\[{info.shape[0]}\]"
+    ):
         write_delta(pair[0], reshaped, tmp_path / "d", version="1", base_version="0")
-    retyped = _rewrite(pair[0], tmp_path / "retyped", {name: TensorSpec(name, "F16", info.shape, np.zeros(info.nbytes, np.uint8))})
+    retyped = _rewrite(
+        pair[0], tmp_path / "retyped", {name: TensorSpec(name, "F16", info.shape, np.zeros(info.nbytes, np.uint8))}
+    )
     with pytest.raises(DeltaMismatchError, match=rf"tensor '{name}': dtype/shape changed: base BF16.* new F16"):
         write_delta(pair[0], retyped, tmp_path / "d", version="1", base_version="0")
     dropped = _rewrite(pair[0], tmp_path / "dropped", {name: None})
@@ -113,7 +121,9 @@ def test_full_snapshot_checksums_are_verified_on_load(pair: tuple[Path, Path], t
 # ------------------------------------------------------------------------------ CLI
 
 
-def test_cli_delta_inspect_apply_verify(pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_delta_inspect_apply_verify(
+    pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     d = tmp_path / "d"
     assert main(["delta", str(pair[0]), str(pair[1]), str(d), "--version", "000001", "--base-version", "000000"]) == 0
     stats = json.loads(capsys.readouterr().out)
@@ -143,7 +153,9 @@ def test_cli_errors_are_one_line(pair: tuple[Path, Path], tmp_path: Path, capsys
     assert main(["bogus"]) == 2
 
 
-def test_cli_apply_in_place_swaps_the_new_checkpoint_in(pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_apply_in_place_swaps_the_new_checkpoint_in(
+    pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`apply BASE DELTA --out BASE`: BASE holds the new checkpoint when the command returns; the
     replaced files are removed after it (a detached rm), and nothing else is left beside BASE."""
     d = tmp_path / "d"

@@ -40,7 +40,9 @@ def test_up_is_idempotent_and_down_keeps_data(tmp_path, monkeypatch: pytest.Monk
         stack.up(say=lines.append)
         for name in stack.services():
             env = environ_of(stack.pid_file(name).alive_pid())
-            leaked = {k for k in env if k in STACK_ENV or k.startswith(("TEMPORAL_", "AWS_", "CW_"))} - {"ROLLOUTS_HOME"}
+            leaked = {k for k in env if k in STACK_ENV or k.startswith(("TEMPORAL_", "AWS_", "CW_"))} - {
+                "ROLLOUTS_HOME"
+            }
             assert not leaked and env["ROLLOUTS_HOME"] == str(tmp_path / "home"), (name, leaked)
         env = (tmp_path / "home" / "stack.env").read_text()
         for key in ("ROLLOUTS_API_URL", "CW_API_TOKEN", "ROLLOUTS_VIEWER_TOKEN", "AWS_ACCESS_KEY_ID",

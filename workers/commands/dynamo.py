@@ -3,8 +3,8 @@ starts its own: `rollouts up`). It replaces itself with ``python -m dynamo.front
 from the settings (gateway/dynamo_frontend.py): HTTP on ``ROLLOUTS_HOST`` and ``--port`` (default
 the settings' Dynamo port), Dynamo's discovery backend (``ROLLOUTS_DYNAMO_DISCOVERY``: ``file`` in
 ``ROLLOUTS_DYNAMO_DISCOVERY_DIR``, or ``kubernetes``), the router mode
-(``ROLLOUTS_DYNAMO_ROUTER_MODE``), and ``--address``, where workers send their answers back, and mutual TLS with the certificates in
-``ROLLOUTS_DYNAMO_TLS_DIR`` when it holds them (common/dynamo_tls.py), and Dynamo's event plane
+(``ROLLOUTS_DYNAMO_ROUTER_MODE``), and ``--address``, where workers send their answers back, and mutual TLS with the
+certificates in ``ROLLOUTS_DYNAMO_TLS_DIR`` when it holds them (common/dynamo_tls.py), and Dynamo's event plane
 through ``ROLLOUTS_DYNAMO_EVENT_BROKER`` when set (else Dynamo's direct mode). It reads the home's
 stack.json when there is one, else the environment alone, and needs no keys."""
 

@@ -19,9 +19,12 @@ def main(args: argparse.Namespace) -> int:
     service_logging()
     settings = settings_of(args)
     name = check_name(args.name or socket.gethostname().split(".")[0])
-    address = check_advertised(resolve_address(
-        args.address or settings.host, "node address" + (" (--address)" if args.address else " (the stack's host: no --address given)")
-    ))
+    address = check_advertised(
+        resolve_address(
+            args.address or settings.host,
+            "node address" + (" (--address)" if args.address else " (the stack's host: no --address given)"),
+        )
+    )
     gpus, slots = capacity(args.gpus, args.slots)
     bind = args.engine_bind or ("127.0.0.1" if is_loopback(address) else "0.0.0.0")
     resolve_address(bind, "engine bind address (--engine-bind)")
