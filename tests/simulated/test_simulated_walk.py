@@ -193,17 +193,18 @@ def back_to_back_plan(tag: str) -> list[tuple[str, str | None]]:
 
 @pytest.fixture(scope="module")
 def back_to_back(stack, simulated, tmp_path_factory):
-    """A 2-replica deployment on its own SIMULATED node (the module's 40-GPU node is full), and
-    every snapshot both loops load uploaded under its identity (the same small real delta)."""
+    """Two 2-replica deployments on their own SIMULATED node (the module's 40-GPU node is full),
+    one per loop, and every snapshot both loops load uploaded under its identity (the same small
+    real delta)."""
     log = tmp_path_factory.mktemp("b2b") / "sim-node.log"
     with log.open("wb") as out:
         node = subprocess.Popen(
             [sys.executable, "-m", "workers.cli", "sim-node", "--home", str(stack.home_path), "--name", "sim-b2b",
-             "--gpus", "2", "--transfer-ms", "5"],
+             "--gpus", "4", "--transfer-ms", "5"],
             stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2], start_new_session=True,
         )
     api = Api(stack)
-    dep_id = None
+    deployments: dict[str, str] = {}
     try:
         wait_registered(stack, "sim-b2b")
         work = tmp_path_factory.mktemp("b2b-ckpt")
@@ -213,55 +214,66 @@ def back_to_back(stack, simulated, tmp_path_factory):
         for tag in ("get", "cw"):
             for identity, previous in back_to_back_plan(tag):
                 upload_dir(s3, work / ("base" if previous is None else "delta"), stack.bucket, f"{PREFIX}/{identity}")
-        body = {
-            "name": "simulated-back-to-back", "gatewayIds": [stack.gateway_id],
-            "resources": {"instanceType": "cpu-local", "gpuCount": 1},
-            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
-            "model": {"name": "sim-b2b-model", "bucket": stack.bucket, "path": stack.base_model_path},
-            "autoscaling": {"min": 2, "max": 2},
-            "hotLoad": {"bucket": stack.bucket, "pathPrefix": PREFIX},
-        }
-        r = api.call("POST", "/deployments", json=body)
-        assert r.status_code == 200, r.text
-        dep_id = r.json()["deployment"]["spec"]["id"]
-        dep = api.wait_deployment(dep_id, timeout=300)
-        assert dep["status"]["status"] == "STATUS_READY", dep["status"]
-        yield api, dep_id
+        for tag in ("get", "cw"):
+            body = {
+                "name": f"simulated-back-to-back-{tag}", "gatewayIds": [stack.gateway_id],
+                "resources": {"instanceType": "cpu-local", "gpuCount": 1},
+                "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+                "model": {"name": f"sim-b2b-{tag}", "bucket": stack.bucket, "path": stack.base_model_path},
+                "autoscaling": {"min": 2, "max": 2},
+                "hotLoad": {"bucket": stack.bucket, "pathPrefix": PREFIX},
+            }
+            r = api.call("POST", "/deployments", json=body)
+            assert r.status_code == 200, r.text
+            deployments[tag] = r.json()["deployment"]["spec"]["id"]
+        for dep_id in deployments.values():
+            dep = api.wait_deployment(dep_id, timeout=300)
+            assert dep["status"]["status"] == "STATUS_READY", dep["status"]
+        yield api, deployments
     finally:
-        if dep_id is not None:
+        for dep_id in deployments.values():
             delete_deployment(api, dep_id)
         stop_pid(node.pid, timeout=30)
 
 
-def test_simulated_hot_loads_created_the_instant_get_shows_the_end_are_each_admitted(stack, back_to_back):
-    """Each create right after `GET /hotLoads/{id}` (every POLL_S) answered a terminal state: no
-    412 (the previous one still active, or its identity not yet a completed predecessor), no
-    409, nothing retried. Before the hot-load workflow signalled its deployment ahead of making
-    its end visible, 13 of 21 such creates were refused at this cadence."""
-    api, dep_id = back_to_back
-    refused, states = [], []
+def get_loop(api: Api, dep_id: str) -> tuple[list[str], list[tuple[str, int, str]]]:
+    """Each create right after `GET /hotLoads/{id}` (every POLL_S) answered a terminal state; stops
+    at the first refusal. Returns (the end states, the refusal if any)."""
+    states: list[str] = []
     for identity, previous in back_to_back_plan("get"):
         r = api.call("POST", "/hotLoads", json=hot_load_body(dep_id, identity, previous, hotLoadId=identity))
         if r.status_code != 200:
-            refused.append((identity, r.status_code, r.text))
-            break
+            return states, [(identity, r.status_code, r.text)]
         while (hl := api.call("GET", f"/hotLoads/{identity}").json()["hotLoad"])["status"]["state"] not in TERMINAL:
             time.sleep(POLL_S)
         states.append(hl["status"]["state"])
-    assert refused == [], f"refused after {len(states)} admitted creates: {refused}"
-    assert states == ["HOT_LOAD_STATE_COMPLETED"] * len(back_to_back_plan("get"))
+    return states, []
 
 
-def test_simulated_hot_loads_created_the_instant_cwtrain_waits_them_out_are_each_admitted(stack, back_to_back):
-    """The same through cwtrain, unmodified: `HotLoader.trigger` (not waiting for an active
-    operation) the instant `HotLoader.wait` returned the previous one; a refusal raises."""
-    _, dep_id = back_to_back
+def test_simulated_hot_loads_created_the_instant_their_predecessor_reads_terminal_are_each_admitted(
+    stack, back_to_back
+):
+    """Two loops at once, each on its own deployment, BACK_TO_BACK deltas each (with a FULL every
+    CHAIN_DELTAS): one creates the instant `GET /hotLoads/{id}` answers the previous end, the
+    other through cwtrain, unmodified (`HotLoader.trigger` without waiting for an active
+    operation, the instant `HotLoader.wait` returned). No 412 (the previous one still active, or
+    its identity not yet a completed predecessor), no 409, nothing retried. The order this relies
+    on (the deployment holds the end before any read shows it) is checked on the recorded
+    histories by tests/control/test_end_order.py."""
+    api, deployments = back_to_back
     plan = back_to_back_plan("cw")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "CW_", "COREWEAVE_"))}
     env.update(stack.stack_env())
-    out = subprocess.run(
-        [str(cwtrain_python()), "-c", _CWTRAIN_LOOP, stack.api_url, stack.admin_token, dep_id, json.dumps(plan)],
-        capture_output=True, text=True, timeout=900, env=env,
+    cwtrain = subprocess.Popen(
+        [str(cwtrain_python()), "-c", _CWTRAIN_LOOP, stack.api_url, stack.admin_token, deployments["cw"],
+         json.dumps(plan)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout) == ["HOT_LOAD_STATE_COMPLETED"] * len(plan)
+    try:
+        states, refused = get_loop(api, deployments["get"])
+    finally:
+        out, err = cwtrain.communicate(timeout=900)
+    assert refused == [], f"GET loop: refused after {len(states)} admitted creates: {refused}"
+    assert states == ["HOT_LOAD_STATE_COMPLETED"] * len(back_to_back_plan("get"))
+    assert cwtrain.returncode == 0, f"cwtrain loop: {err[-3000:]}"
+    assert json.loads(out) == ["HOT_LOAD_STATE_COMPLETED"] * len(plan)
