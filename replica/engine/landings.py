@@ -1,15 +1,16 @@
 """Where each checkpoint tensor lands in the engine's parameters, as vLLM's own loader puts it.
 
-``observe(model, specs)`` calls the model's ``load_weights`` once per checkpoint tensor with an
-uninitialised *probe* of the tensor's shape and dtype, under a ``TorchDispatchMode`` that sees
-every op the loader runs and executes none that would write a parameter. Every ``copy_`` into a
-parameter's storage is recorded as a :class:`Landing`: the region of the parameter written (its
-size, stride and offset in the parameter's storage) and the region of the checkpoint tensor
-read (the same, in the probe's storage). vLLM decides everything: the stacked and packed
-mappings (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, or a checkpoint that ships
-them fused), per-expert tensors into the fused expert parameters, this rank's tensor-parallel
-slice, the unpadded rows of a vocabulary, a tied embedding's second name (no landing). Nothing
-is written: the engine keeps serving what it serves.
+``observe(model, specs)`` calls the model's ``load_weights`` with uninitialised *probes* of the
+checkpoint tensors' shapes and dtypes (thousands a call, each its own storage), under a
+``TorchDispatchMode`` that sees every op the loader runs and executes none that would write a
+parameter. Every ``copy_`` into a parameter's storage is recorded as a :class:`Landing`: the
+region of the parameter written (its size, stride and offset in the parameter's storage) and the
+region of the checkpoint tensor read (the same, in the storage of the probe it is a view of,
+which names the tensor). vLLM decides everything: the stacked and packed mappings (q/k/v into
+``qkv_proj``, gate/up into ``gate_up_proj``, or a checkpoint that ships them fused), per-expert
+tensors into the fused expert parameters, this rank's tensor-parallel slice, the unpadded rows
+of a vocabulary, a tied embedding's second name (no landing). Nothing is written: the engine
+keeps serving what it serves.
 
 Under expert parallelism vLLM's expert layer skips an expert another rank owns; a tensor whose
 loading asked for such an expert (``expert_misses``: the layer's local id answer was -1) and
@@ -17,7 +18,9 @@ landed nowhere is marked ``elsewhere``.
 
 A write the map cannot describe is a *problem*, named with its tensor: a copy from anything but
 a strided view of the probe (an arithmetic op on it, a gather), any other op writing into a
-parameter (``fill_``, ``index_put_``, ...), or a loader that raises. A tensor with a problem
+parameter (``fill_``, ``index_put_``, ...), or a loader that raises. A batch where any of these
+happens, or whose loader does not take its tensors one at a time, is observed again in halves
+down to one tensor a call, so each problem is named with its own tensor. A tensor with a problem
 cannot be written in place through its landings (``unproven`` skips it). `weight_map` builds
 the engine's map from both.
 """
@@ -132,24 +135,43 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[t
 
 
 class _Observer(TorchDispatchMode):
-    def __init__(self, params: dict[int, tuple[str, int]], probe: torch.Tensor, result: TensorMap) -> None:
+    """Sees the ops of one ``load_weights`` call over a batch of probes, executing none that
+    writes a parameter. A copy into a parameter is the landing of the probe its source is a view
+    of (keyed by storage); anything else writing a parameter is a problem of the tensor being
+    loaded (the last one the loader took from the batch, :meth:`begin`)."""
+
+    def __init__(self, params: dict[int, tuple[str, int]], probes: dict[int, TensorMap],
+                 dtypes: dict[int, torch.dtype]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.params = params  # storage key -> (parameter name, its storage offset)
-        self.probe_key = _storage_key(probe)
-        self.probe_dtype = probe.dtype
-        # storage key of a value-preserving copy of a probe region -> that region
-        self.copies: dict[int, tuple[Region, torch.Size]] = {}
-        self.result = result
+        self.probes = probes  # a probe's storage key -> its tensor's map
+        self.dtypes = dtypes  # a probe's storage key -> its dtype
+        self.current: TensorMap | None = None
+        # storage key of a value-preserving copy of a probe region -> (probe key, region, shape)
+        self.copies: dict[int, tuple[int, Region, torch.Size]] = {}
+        # a landing from a probe other than the current one: the loader did not take the batch
+        # one tensor at a time (the batch's maps cannot be told apart)
+        self.crossed = False
 
-    def _src_region(self, src: torch.Tensor) -> Region | None:
+    def begin(self, tmap: TensorMap) -> None:
+        """The loader took ``tmap``'s tensor: what it writes from now on is that tensor's."""
+        self.current, self.copies = tmap, {}
+
+    def _source(self, src: torch.Tensor) -> tuple[int, Region] | None:
         key = _storage_key(src)
-        if key == self.probe_key:
-            return Region.of(src)
+        if key in self.probes:
+            return key, Region.of(src)
         if key in self.copies:  # a dtype-converted or contiguous copy, used whole
-            region, shape = self.copies[key]
+            probe, region, shape = self.copies[key]
             if src.shape == shape and src.is_contiguous() and src.storage_offset() == 0:
-                return region
+                return probe, region
         return None
+
+    def _problem(self, text: str) -> None:
+        if self.current is None:
+            self.crossed = True
+        else:
+            self.current.problems.append(text)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -158,50 +180,127 @@ class _Observer(TorchDispatchMode):
         owned = [self.params[_storage_key(t)] for t in written if _storage_key(t) in self.params]
         owners = [name for name, _ in owned]
         if owners:
-            self.result.written.extend(o for o in owners if o not in self.result.written)
+            if self.current is not None:
+                self.current.written.extend(o for o in owners if o not in self.current.written)
             if func is aten.copy_.default:
-                dst, src = args[0], args[1]
-                region = self._src_region(src)
-                if region is None:
-                    self.result.problems.append(f"{owners[0]}: written from a value that is not a view of the tensor")
-                elif region.numel() != dst.numel():
-                    self.result.problems.append(f"{owners[0]}: {dst.numel()} elements written from {region.numel()}")
-                else:
-                    self.result.landings.append(Landing(owners[0], Region.of(dst, owned[0][1]), region,
-                                                        self.probe_dtype))
+                self._copy(owners[0], owned[0][1], args[0], args[1])
             elif func not in CONSTANT_FILLS:  # (a padding filled with zeros holds no checkpoint value)
-                self.result.problems.append(f"{owners[0]}: written by {func}")
+                self._problem(f"{owners[0]}: written by {func}")
             return written[0]  # the parameter is left as it is
         out = func(*args, **kwargs)
         # A value-preserving copy of a probe region (a dtype change, a contiguous copy): a later
         # copy_ from it whole still reads that region.
         if func in (aten._to_copy.default, aten.clone.default) and isinstance(out, torch.Tensor) and args:
-            region = self._src_region(args[0])
-            if region is not None:
-                self.copies[_storage_key(out)] = (region, out.shape)
+            source = self._source(args[0])
+            if source is not None:
+                self.copies[_storage_key(out)] = (*source, out.shape)
         return out
 
+    def _copy(self, owner: str, offset: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        source = self._source(src)
+        if source is None:
+            self._problem(f"{owner}: written from a value that is not a view of the tensor")
+            return
+        key, region = source
+        tmap = self.probes[key]
+        if tmap is not self.current:
+            self.crossed = True
+        if region.numel() != dst.numel():
+            tmap.problems.append(f"{owner}: {dst.numel()} elements written from {region.numel()}")
+        else:
+            tmap.landings.append(Landing(owner, Region.of(dst, offset), region, self.dtypes[key]))
 
-def observe(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, TensorMap]:
+
+# Tensors observed per ``load_weights`` call, and their probes' bytes at most (never touched: address space only).
+BATCH, BATCH_BYTES = 4096, 1 << 36
+Spec = tuple[str, tuple[int, ...], torch.dtype]
+
+
+def _batches(specs: list[Spec]) -> Iterator[list[Spec]]:
+    """``specs`` in order, in runs of at most BATCH tensors and BATCH_BYTES probe bytes; an empty
+    tensor alone (its probe has no storage of its own to be told apart by)."""
+    run: list[Spec] = []
+    nbytes = 0
+    for spec in specs:
+        size = math.prod(spec[1]) * spec[2].itemsize
+        alone = size == 0 or (run and nbytes == 0)  # this one is empty, or the run is one empty tensor
+        if run and (alone or len(run) >= BATCH or nbytes + size > BATCH_BYTES):
+            yield run
+            run, nbytes = [], 0
+        run.append(spec)
+        nbytes += size
+    if run:
+        yield run
+
+
+def observe(model: torch.nn.Module, specs: Iterable[Spec]) -> dict[str, TensorMap]:
     """For each checkpoint tensor ``(name, shape, dtype)``, where vLLM's loader of ``model``
-    would put it on this rank. Writes nothing into the model."""
+    would put it on this rank. Writes nothing into the model.
+
+    Many tensors go through one ``load_weights`` call (:func:`_observe_batch`); a batch with any
+    problem, a loader error, or a landing that cannot be told apart is split in halves and
+    observed again, down to one tensor a call, so every problem is its own tensor's."""
     params: dict[int, tuple[str, int]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         if p.numel():  # (a tied parameter keeps its first name: the embedding's)
             params.setdefault(_storage_key(p), (n, int(p.storage_offset())))
     out: dict[str, TensorMap] = {}
     with expert_misses(model) as missed:
-        for name, shape, dtype in specs:
-            result = out[name] = TensorMap(name)
-            probe = torch.empty(shape, dtype=dtype)  # never written: its pages are never touched
-            missed.clear()
-            try:
-                with _Observer(params, probe, result):
-                    model.load_weights([(name, probe)])  # type: ignore[operator]  # vLLM's models have it
-            except Exception as exc:  # the loader refused this name: say why, keep going
-                result.problems.append(f"the engine's loader refused it: {type(exc).__name__}: {exc}"[:300])
-            result.elsewhere = bool(missed) and not result.landings and not result.problems
+        todo = list(_batches(list(specs)))
+        while todo:
+            batch = todo.pop(0)
+            maps = _observe_batch(model, params, batch, missed)
+            if maps is None:  # (only ever for more than one tensor)
+                half = len(batch) // 2
+                todo[:0] = [batch[:half], batch[half:]]
+            else:
+                out.update(maps)
     return out
+
+
+def _observe_batch(model: torch.nn.Module, params: dict[int, tuple[str, int]],
+                   batch: list[Spec], missed: list[int]) -> dict[str, TensorMap] | None:
+    """The maps of ``batch``'s tensors from one ``load_weights`` call; None when the batch has
+    more than one tensor and any map has a problem or the loader raised, did not take the batch
+    one tensor at a time, or left some untaken (observe them in smaller batches)."""
+    maps = {name: TensorMap(name) for name, _, _ in batch}
+    # never written: their pages are never touched; kept alive, so no two share a storage
+    probes = [(name, torch.empty(shape, dtype=dtype)) for name, shape, dtype in batch]
+    observer = _Observer(params, {_storage_key(p): maps[n] for n, p in probes},
+                         {_storage_key(p): p.dtype for _, p in probes})
+    taken: list[str] = []
+    missed.clear()
+
+    def feed() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, probe in probes:
+            _close(observer, missed)
+            observer.begin(maps[name])
+            taken.append(name)
+            yield name, probe
+        _close(observer, missed)
+        observer.current = None
+
+    try:
+        with observer:
+            model.load_weights(feed())  # type: ignore[operator]  # vLLM's models have it
+        _close(observer, missed)
+    except Exception as exc:  # the loader refused a name: say why (alone), keep going
+        if len(batch) > 1:
+            return None
+        maps[batch[0][0]].problems.append(f"the engine's loader refused it: {type(exc).__name__}: {exc}"[:300])
+    if len(batch) > 1 and (observer.crossed or len(taken) < len(batch) or any(m.problems for m in maps.values())):
+        return None
+    for tmap in maps.values():
+        tmap.elsewhere = tmap.elsewhere and not tmap.landings and not tmap.problems
+    return maps
+
+
+def _close(observer: _Observer, missed: list[int]) -> None:
+    """The loader is done with the current tensor: it is *elsewhere*-eligible when its loading
+    asked for an expert another rank holds."""
+    if observer.current is not None and missed:
+        observer.current.elsewhere = True
+    missed.clear()
 
 
 def unproven(model: torch.nn.Module, maps: dict[str, TensorMap], read: Callable[[str], torch.Tensor]) -> dict[str, str]:
