@@ -277,8 +277,9 @@ def _observe_batch(model: torch.nn.Module, params: dict[int, tuple[str, int]],
             observer.begin(maps[name])
             taken.append(name)
             yield name, probe
-        _close(observer, missed)
-        observer.current = None
+        if len(probes) > 1:  # (what a call for one tensor does after taking it is still that tensor's)
+            _close(observer, missed)
+            observer.current = None
 
     try:
         with observer:

@@ -154,3 +154,35 @@ def test_a_rank_holding_a_slice_writes_and_proves_it_but_cannot_read_the_tensor_
     new = torch.randn(8, 4).to(BF16)
     wmap.write([("w.weight", new)])
     assert wmap.holds("w.weight", new) and torch.equal(wmap.model.w, new[4:])
+
+
+class Counting(Fused):
+    """:class:`Fused` counting its ``load_weights`` calls; ``buffered``: it takes every tensor of
+    a call before loading any (a loader that does not stream)."""
+
+    def __init__(self, buffered: bool = False) -> None:
+        super().__init__()
+        self.calls = 0
+        self.buffered = buffered
+
+    def load_weights(self, weights) -> None:
+        self.calls += 1
+        super().load_weights(list(weights) if self.buffered else weights)
+
+
+def test_many_tensors_are_observed_per_loader_call_and_each_problem_stays_its_own() -> None:
+    """One ``load_weights`` call observes a whole batch; a batch holding ``scaled.weight``
+    (arithmetic) is split down to it, so it alone is refused and every other tensor keeps its
+    landings. A loader that does not stream is observed a tensor at a time: the same map."""
+    clean = {n: t for n, t in checkpoint().items() if n != "scaled.weight"}
+    model = Counting()
+    loaded(model, clean)
+    assert model.calls == 2  # the load, then one call observing all five tensors
+    maps = {}
+    for buffered in (False, True):
+        model = Counting(buffered)
+        wmap = loaded(model, checkpoint())
+        maps[buffered] = {n: (e.refused, e.landings) for n, e in wmap.entries.items()}
+        assert "does more than copy it" in (wmap.entries["scaled.weight"].refused or "")
+        assert sorted(wmap.names()) == ["embed.weight", "k.weight", "q.weight", "qk.bias"]
+    assert maps[False] == maps[True]
