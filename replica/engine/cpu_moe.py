@@ -68,7 +68,8 @@ def _packed(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """vLLM's padding and prepack of the module's loader-layout copies, on a scratch module."""
     scratch = torch.nn.Module()
     for name, t in loaded(module).items():
-        scratch.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
+        # No copy: vLLM's step reads the loader's tensors and replaces the scratch's parameters with new ones.
+        scratch.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
     _ORIGINAL(module.__dict__[_EXPERTS], scratch)
     return {name: getattr(scratch, name).detach() for name in _WEIGHTS}
 

@@ -320,13 +320,18 @@ class WeightMap:
             raise ValueError(f"refusing to load ({len(problems)} problem(s)): " + "; ".join(problems[:8]))
 
     def layers(self, names: Iterable[str]) -> list[torch.nn.Module]:
-        """The modules whose parameters the tensors ``names`` land in."""
-        out: dict[int, torch.nn.Module] = {}
+        """The modules whose parameters the tensors ``names`` land in (one lookup per parameter name)."""
+        owners: dict[str, None] = {}
         for n in names:
             e = self.entries[n]
-            for param in [ld.param for ld in e.landings] + e.computed_into:
-                module = self.modules[param.rpartition(".")[0]]
-                out[id(module)] = module
+            for ld in e.landings:
+                owners[ld.param] = None
+            for param in e.computed_into:
+                owners[param] = None
+        out: dict[int, torch.nn.Module] = {}
+        for param in owners:
+            module = self.modules[param.rpartition(".")[0]]
+            out[id(module)] = module
         return list(out.values())
 
     # -- replaying vLLM's loading and post-load processing (`post_load`) ---------------------
@@ -334,8 +339,8 @@ class WeightMap:
     def _replayed(self, names: Iterable[str]) -> list[torch.nn.Module]:
         """Of the layers ``names`` land in, those whose tensors vLLM computes after its loader's
         copies: a loader-layout tensor kept by `post_load`, or a computed tensor landing there."""
-        computed = {id(m) for n, e in self.entries.items() if e.computed_into and e.refused is None
-                    for m in self.layers([n])}
+        computed = {id(m) for m in self.layers(n for n, e in self.entries.items()
+                                                if e.computed_into and e.refused is None)}
         return [m for m in self.layers(names) if post_load.loaded(m) or id(m) in computed]
 
     def _unit(self, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
