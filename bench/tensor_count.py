@@ -11,7 +11,14 @@ every-tensor delta (1 % of each tensor's elements, as an optimizer step) staged,
 proven and rolled back through the engine's own stage code: seconds and per-tensor cost of
 each phase.
 
-    .venv/bin/python bench/tensor_count.py --phases --layers 48 --experts 128
+``--stack``: the real embedded stack (Temporal, SeaweedFS, API, control worker, the node agent)
+with a 2-replica deployment of each checkpoint, one after the other: vLLM's own start of the
+checkpoint (`EngineProcess`, our server with no weight map yet) against create -> READY, then a
+FULL hot-load of the same checkpoint and the every-tensor delta, create -> COMPLETED through the
+REST API, with the replicas' largest pause.
+
+    .venv/bin/python bench/tensor_count.py --layouts 3x6,48x128,48x128-sharded
+    .venv/bin/python bench/tensor_count.py --stack --layouts 3x6,48x128,48x128-sharded
 """
 
 from __future__ import annotations
@@ -218,6 +225,7 @@ def main() -> int:
     parser.add_argument("--root", type=Path, default=Path("/tmp/rollouts-tensor-count"))
     parser.add_argument("--layouts", default="3x6,48x128,48x128-sharded")
     parser.add_argument("--phases-of", help="(internal) run the phases of one checkpoint, print JSON")
+    parser.add_argument("--stack", action="store_true", help="the 2-replica stack run (module docstring)")
     args = parser.parse_args()
     if args.phases_of:
         print("PHASES " + json.dumps(phases(Path(args.phases_of))), flush=True)
@@ -225,6 +233,11 @@ def main() -> int:
     base = args.root / "base"
     if not (base / "tokenizer.json").exists():
         write_base_model(base)
+    if args.stack:
+        from tensor_count_stack import run_stack  # noqa: PLC0415 - (bench/, beside this file) the stack's imports
+        dirs = {name: write_moe(args.root / name, base, *LAYOUTS[name]) for name in args.layouts.split(",")}
+        run_stack(dirs, args.root, one_percent)
+        return 0
     rows = {}
     for name in args.layouts.split(","):
         layers, experts, shards = LAYOUTS[name]
