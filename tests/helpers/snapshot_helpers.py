@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import shutil
 import zlib
 from collections.abc import Mapping
@@ -86,13 +85,6 @@ def xor_frame(old: np.ndarray, new: np.ndarray, **kwargs: Any) -> bytes:
 
 def raw_bytes(weights: HostWeights) -> dict[str, bytes]:
     return {n: weights.raw(n).tobytes() for n in weights.names()}
-
-
-# ------------------------------------------------------------------------------ cwtrain
-
-
-def cwtrain_python() -> Path:
-    return Path(os.environ.get("ROLLOUTS_CWTRAIN_PYTHON", REPO / ".venv-cw" / "bin" / "python"))
 
 
 # ------------------------------------------------------------------------------ fake S3

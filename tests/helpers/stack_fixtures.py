@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from common.processes import port_in_use
 from common.settings import PORT_OFFSETS, Settings, temporal_client
@@ -109,7 +110,14 @@ def deployment_body(settings: Settings, name: str, replicas: int, path_prefix: s
 
 
 def cwtrain_python() -> Path:
+    """cwtrain's interpreter: ROLLOUTS_CWTRAIN_PYTHON, else the venv `make test` installs (.venv-cw)."""
     return Path(os.environ.get("ROLLOUTS_CWTRAIN_PYTHON") or REPO / ".venv-cw" / "bin" / "python")
+
+
+def require_cwtrain() -> None:
+    """Fail, naming the missing interpreter and how to install it, when cwtrain's venv is absent."""
+    if not cwtrain_python().exists():
+        pytest.fail(f"cwtrain venv missing at {cwtrain_python()}: run `make cwtrain` (needs python3.12)")
 
 
 def cwtrain(settings: Settings, *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:

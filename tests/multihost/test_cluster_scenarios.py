@@ -45,7 +45,7 @@ from snapshots.host import checkpoint_checksums
 from snapshots.writer import write_delta
 from tests.helpers.ready import first_requests_served
 from tests.helpers.replicas import engines, hot_load, hot_load_body, hot_load_replicas, walk_order
-from tests.helpers.stack_fixtures import Api, cwtrain, cwtrain_python, deployment_body, json_out
+from tests.helpers.stack_fixtures import Api, cwtrain, deployment_body, json_out, require_cwtrain
 from tests.helpers.trainer import train_step
 from tests.multihost.hosts import Cluster, Host
 from tests.multihost.plane import (
@@ -101,8 +101,7 @@ def wait_for(check, timeout: float, what: str, every: float = 1.0):
 
 @pytest.fixture(scope="module")
 def plane(cluster: Cluster):
-    if not cwtrain_python().exists():
-        pytest.fail(f"cwtrain venv missing at {cwtrain_python()}: run `make install`")
+    require_cwtrain()
     ctl, *others = list(cluster)
     settings = start_control_plane(ctl, node_slots=2)
     hosts, homes = {LOCAL_NODE: ctl}, {LOCAL_NODE: stack_home(ctl)}

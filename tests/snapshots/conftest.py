@@ -17,8 +17,8 @@ from common.processes import stop_pid
 from common.settings import Settings
 from snapshots.synthetic import make_checkpoint_pair
 from snapshots.writer import write_delta
-from tests.helpers.snapshot_helpers import FakeS3, copy_tree, cwtrain_python, mutate_checkpoint
-from tests.helpers.stack_fixtures import free_port_base
+from tests.helpers.snapshot_helpers import FakeS3, copy_tree, mutate_checkpoint
+from tests.helpers.stack_fixtures import cwtrain_python, free_port_base
 from workers.stack import Stack, StackError
 
 
@@ -55,7 +55,7 @@ def cw() -> Callable[..., subprocess.CompletedProcess[str]]:
     """Run a Python snippet with cwtrain's interpreter; skips when it is not installed."""
     python = cwtrain_python()
     if not python.exists():
-        pytest.skip(f"cwtrain's Python 3.12 venv is absent ({python}); set ROLLOUTS_CWTRAIN_PYTHON")
+        pytest.skip(f"cwtrain's Python 3.12 venv is absent ({python}); `make cwtrain` or set ROLLOUTS_CWTRAIN_PYTHON")
 
     def run(code: str, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
