@@ -93,7 +93,7 @@ import json
 import os
 import secrets
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -265,7 +265,7 @@ class Settings:
     def dynamo_frontend_url(self) -> str:
         """Dynamo's frontend: where the gateway sends a dynamo-vllm deployment's requests (HTTPS
         when the stack's Dynamo TLS certificates exist: :meth:`dynamo_tls`)."""
-        port = self.ports.get("dynamo") or self.ports["api"] + PORT_OFFSETS["dynamo"]
+        port = self.ports["dynamo"]
         scheme = "https" if self.dynamo_tls() is not None else "http"
         return self.env.get("ROLLOUTS_DYNAMO_FRONTEND_URL") or f"{scheme}://{host_port(self.host, port)}"
 
@@ -398,7 +398,8 @@ class Settings:
 
     @classmethod
     def _read(cls, home: Path, missing_hint: str = "") -> Settings:
-        """``home``'s ``stack.json``, :attr:`owned`; SystemExit naming the path when it is missing."""
+        """``home``'s ``stack.json``, :attr:`owned`; SystemExit naming the path when it is missing or
+        was written before 0.1.0 (a port missing, a key no longer known)."""
         path = home / "stack.json"
         if not path.exists():
             raise SystemExit(f"no stack configuration at {path}: run `make up` (or `rollouts up --home {home}`) "
@@ -406,13 +407,12 @@ class Settings:
         data = json.loads(path.read_text())
         data["home"] = str(home)
         data.pop("owned", None)
-        # A stack.json from before Dynamo's frontend had a port.
-        data["ports"].setdefault("dynamo", data["ports"]["api"] + PORT_OFFSETS["dynamo"])
-        # ... and before the control worker served metrics, or Dynamo's events had a relay.
-        for name in ("worker_metrics", "dynamo_events_in", "dynamo_events_out"):
-            data["ports"].setdefault(name, data["ports"]["api"] + PORT_OFFSETS[name])
-        # A stack.json from when Dynamo was a stack-wide switch (now runtime.engine's).
-        data.pop("dynamo", None)
+        missing = sorted(set(PORT_OFFSETS) - set(data.get("ports", {})))
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if missing or unknown:
+            raise SystemExit(f"{path} was written before rollouts 0.1.0 (ports missing: {', '.join(missing) or 'none'}; "
+                             f"unknown keys: {', '.join(unknown) or 'none'}): stop its stack and remove that home "
+                             "(`make clean-data` for .rollouts), then `rollouts up` writes a new one")
         return cls(**data, owned=True)
 
     @classmethod

@@ -41,8 +41,7 @@ class StartReplicasInput(WireModel):
     target_chain: list[SnapshotRef] | None = None
     hot_load_config: HotLoadConfig | None = None
     # Where each named replica runs (the node agent that runs this activity), from the registry:
-    # its GPU devices become the replica's CUDA_VISIBLE_DEVICES. Empty in histories from before
-    # node agents.
+    # its GPU devices become the replica's CUDA_VISIBLE_DEVICES.
     placements: dict[str, Placement] = Field(default_factory=dict)
     # A scale-out's new replica (control/autoscaler.py): it stays out of its engine's routing pool
     # (a Dynamo worker leaves discovery) until the deployment makes it a member (`serve_replica`).

@@ -296,7 +296,7 @@ class ReplicaEndpoint(WireModel):
     current_snapshot_identity: str = "initial"
     started_at: str | None = None
     transitioned_at: str | None = None
-    # The node agent that runs it ("" in states from before node agents).
+    # The node agent that runs it ("" when unknown).
     node: str = ""
     # A Dynamo worker's id in Dynamo's discovery (hex; "" for a vLLM server replica): the
     # ``worker_id`` Dynamo's frontend reports. Its engine_url is then its control URL.
@@ -427,8 +427,7 @@ class DeploymentInput(WireModel):
     replicas: list[ReplicaEndpoint] = Field(default_factory=list)
     pending_replicas: list[str] = Field(default_factory=list)
     # Every replica that belongs to the deployment: serving (`replicas`), starting (`pending`) or
-    # lost (its process died; the deployment restarts it). Empty in a state carried over from
-    # before it was kept: then `replicas` and `pending_replicas` are the members.
+    # lost (its process died; the deployment restarts it).
     members: list[str] = Field(default_factory=list)
     # Members that still run an earlier runtime (`version`/`engineConfig`): a rolling update
     # replaces them one at a time, in walk order; empty when every member runs the spec's runtime.
@@ -446,7 +445,7 @@ class DeploymentInput(WireModel):
     active_hot_load_id: str | None = None
     replica_generation: int = 0
     # Where each member runs (the node registry placed it); a member without one is placed
-    # before it starts. Empty in states from before node agents.
+    # before it starts.
     placements: dict[str, Placement] = Field(default_factory=dict)
     # When the last autoscaling step ended (RFC 3339; None: none yet). The next step's load must
     # hold from then on (contracts/autoscaling.py).

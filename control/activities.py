@@ -6,8 +6,7 @@ call another workflow's Update, an activity can). `check_snapshot_files` is the 
 of one snapshot of a resolved chain: its required files are there (a missing one is a
 `failed_precondition` naming the files, never retried) and, for a snapshot verified before, its
 fingerprint is the one it had then (a rewritten or removed file is a `failed_precondition` too);
-it answers `[fingerprint]`. One S3 client serves every check. `start_replicas`/`stop_replicas`
-on this queue only answer deployments created before node agents, with a final error saying so.
+it answers `[fingerprint]`. One S3 client serves every check.
 """
 
 from __future__ import annotations
@@ -21,19 +20,13 @@ from temporalio.exceptions import ApplicationError
 
 from common.settings import Settings
 from contracts import names
-from contracts.activities import CheckSnapshotInput, StartReplicasInput, StopReplicasInput
+from contracts.activities import CheckSnapshotInput
 from contracts.errors import FAILED_PRECONDITION
 from contracts.nodes import PlaceRequest, ReleaseRequest
 from contracts.records import Placement, SnapshotType
 from snapshots.errors import SnapshotError
 from snapshots.inspect import verify_required_files
 from snapshots.storage import snapshot_uri
-
-LEGACY_MESSAGE = (
-    "deployment {deployment} was created before node agents and schedules its replica processes on "
-    "the control worker, which no longer runs any: recreate the deployment (docs/operations.md, "
-    "upgrading to node agents)"
-)
 
 
 def snapshot_check_failure(
@@ -111,18 +104,6 @@ class ControlActivities:
     async def release_replicas(self, req: ReleaseRequest) -> int:
         released: int = await self._registry().execute_update(names.RELEASE, req, result_type=int)
         return released
-
-    @activity.defn(name=names.START_REPLICAS)
-    def legacy_start_replicas(self, inp: StartReplicasInput) -> list[str]:
-        """Deployments created before node agents schedule replica starts here; the control
-        worker no longer runs replicas, so they get a clear, final error."""
-        raise ApplicationError(LEGACY_MESSAGE.format(deployment=inp.deployment_id), type=FAILED_PRECONDITION,
-                               non_retryable=True)
-
-    @activity.defn(name=names.STOP_REPLICAS)
-    def legacy_stop_replicas(self, inp: StopReplicasInput) -> int:
-        raise ApplicationError(LEGACY_MESSAGE.format(deployment=inp.deployment_id), type=FAILED_PRECONDITION,
-                               non_retryable=True)
 
     @activity.defn(name=names.CHECK_SNAPSHOT)
     def check_snapshot_files(self, inp: CheckSnapshotInput) -> list[str]:

@@ -57,7 +57,6 @@ with workflow.unsafe.imports_passed_through():
     from control import metrics, replica_set
     from control.deployment_host import MixinBase
     from control.hot_load.options import PEER_STEP, REPLICA_STEP
-    from control.patches import PEER_JOIN
 
 # How long a joiner may take to start and report ready, and a drain to finish.
 JOIN_TIMEOUT = timedelta(minutes=20)
@@ -107,7 +106,7 @@ class Autoscaler(MixinBase):
         failure: str | None = None
         try:
             async with self.replica_lock:
-                base = workflow.patched(PEER_JOIN) and self._peer_source(self._current_identity()) is not None
+                base = self._peer_source(self._current_identity()) is not None
                 outcome = await self._start([new], timedelta(minutes=5), joining=True, base=base)
             if outcome.failed:
                 raise RuntimeError(outcome.failures())
@@ -153,7 +152,7 @@ class Autoscaler(MixinBase):
         assert endpoint is not None
         current = self._current_identity()
         if endpoint.current_snapshot_identity != current and self.spec.hot_load is not None:
-            result = await self._catch_up_from_peer(endpoint, current) if workflow.patched(PEER_JOIN) else None
+            result = await self._catch_up_from_peer(endpoint, current)
             if result is None:
                 result = await self._catch_up_from_bucket(endpoint, current)
             endpoint = endpoint.model_copy(update={"current_snapshot_identity": result.identity,

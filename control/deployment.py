@@ -81,7 +81,6 @@ with workflow.unsafe.imports_passed_through():
     from control.autoscaler import Autoscaler, joined_message
     from control.deployment_host import DeploymentHost
     from control.deployment_hot_loads import HotLoads
-    from control.patches import NODE_PLACEMENT
 
 REPLICA_START_TIMEOUT = timedelta(minutes=20)
 # How long a hot-load's admission waits for a replica check already in flight.
@@ -258,8 +257,6 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
     # ------------------------------------------------------------------ main loop
     @workflow.run
     async def run(self, state: DeploymentInput) -> None:
-        if not self.state.members:  # a state from before members were kept
-            self.state.members = [r.name for r in self.state.replicas] + list(self.state.pending_replicas)
         self._publish()
         if self.state.deployment.status.status == ResourceStatus.CREATING:
             await self._create_replicas()
@@ -316,10 +313,7 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
             if not self.state.members or self.deleting:
                 return []
             members = list(self.state.members)
-            if (
-                self.state.active_hot_load_id is not None and not admitting
-                and workflow.patched(NODE_PLACEMENT)
-            ):
+            if self.state.active_hot_load_id is not None and not admitting:
                 members = [m for m in members if m in self.state.placements]
             try:
                 outcome = await self._start(

@@ -60,20 +60,11 @@ with workflow.unsafe.imports_passed_through():
     from control.deployment_host import MixinBase
     from control.hot_load.state import details as hot_load_details
     from control.hot_load.state import summary as hot_load_summary
-    from control.patches import (
-        ADMISSION_AT_ONCE,
-        ADMISSION_CHECKS_REPLICAS,
-        ADMISSION_RECHECKS_NODES,
-        ORG_SCOPED_IDS,
-        OUTCOME_NOTED_ONCE,
-        SNAPSHOTS_CHECKED_ONCE,
-    )
 
 # Chains kept for later deltas to build on: the most recently completed identities. A delta whose
 # predecessor fell out of this window is refused like one never loaded (publish a full one).
 MAX_CHAINS_KEPT = 256
 SEEN_IDS_KEPT = 1024
-# The workflow patches used here: control/patches.py (their stages and proofs).
 
 
 class HotLoads(MixinBase):
@@ -111,15 +102,15 @@ class HotLoads(MixinBase):
                 UNAVAILABLE,
                 "node agent(s) did not answer the check of their replicas, try again: " + self._unanswered_text(),
             )
-        if self.state.deployment.status.status != ResourceStatus.READY and workflow.patched(ADMISSION_RECHECKS_NODES):
+        if self.state.deployment.status.status != ResourceStatus.READY:
             # Admitted while a node agent had missed the periodic check (every one answered this
             # one), or the replicas changed while it ran: READY is the rule either way.
             raise rejected(FAILED_PRECONDITION, self._not_ready())
 
-    def _check_snapshots(self, links: list[SnapshotRef], new: SnapshotRef | None = None) -> list[Awaitable[Any]]:
+    def _check_snapshots(self, links: list[SnapshotRef], new: SnapshotRef) -> list[Awaitable[Any]]:
         """One check of each of these snapshots (up to a 64-link chain in one round trip); the
-        caller reports the first failing link in chain order. With `new` (the chain's new link),
-        each other link that admission verified before is checked against its fingerprint then."""
+        caller reports the first failing link in chain order. Each link other than `new` (the
+        chain's new link) that admission verified before is checked against its fingerprint then."""
         hl_cfg = self.spec.hot_load
         assert hl_cfg is not None
         return [
@@ -127,7 +118,7 @@ class HotLoads(MixinBase):
                 names.CHECK_SNAPSHOT,
                 CheckSnapshotInput(
                     bucket=hl_cfg.bucket, path_prefix=hl_cfg.path_prefix, identity=link.identity, type=link.type,
-                    verified=None if new is None or link is new else self.state.verified_snapshots.get(link.identity),
+                    verified=None if link is new else self.state.verified_snapshots.get(link.identity),
                 ),
                 start_to_close_timeout=timedelta(seconds=60),
                 retry_policy=RetryPolicy(maximum_attempts=3, non_retryable_error_types=[FAILED_PRECONDITION]),
@@ -136,40 +127,30 @@ class HotLoads(MixinBase):
         ]
 
     def _verified(self, links: list[SnapshotRef], checks: list[Any]) -> None:
-        """Keep each checked link's fingerprint (a check by a worker older than fingerprints
-        answers [], and leaves the link unverified)."""
+        """Keep each checked link's fingerprint (a check answers `[fingerprint]`)."""
         for link, answer in zip(links, checks, strict=True):
-            if isinstance(answer, list) and answer and isinstance(answer[0], str):
-                self.state.verified_snapshots[link.identity] = answer[0]
+            self.state.verified_snapshots[link.identity] = answer[0]
 
     async def _check_and_start(self, cmd: CreateHotLoadCommand) -> HotLoad:
         chain = admission.resolve_chain(self.state, cmd)
         hl_cfg = self.spec.hot_load
         assert hl_cfg is not None
         try:
-            workflow.deprecate_patch(ADMISSION_CHECKS_REPLICAS)
-            links, new = chain, None
-            if workflow.patched(ADMISSION_AT_ONCE):
-                if workflow.patched(SNAPSHOTS_CHECKED_ONCE):
-                    # Chosen before the first await: from what the replicas serve as admitted.
-                    links, new = admission.links_to_check(self.state, chain), chain[-1]
-                # The replica check and the snapshot checks run together; their verdicts are
-                # read in the order below, so the error a caller sees is the same.
-                replicas, *checks = await asyncio.gather(
-                    self._restart_lost_replicas(admitting=True), *self._check_snapshots(links, new),
-                    return_exceptions=True,
-                )
-                if isinstance(replicas, BaseException):
-                    raise replicas
-                self._admit_replicas(replicas)
-            else:
-                self._admit_replicas(await self._restart_lost_replicas(admitting=True))
-                checks = await asyncio.gather(*self._check_snapshots(chain), return_exceptions=True)
+            # Chosen before the first await: from what the replicas serve as admitted.
+            links, new = admission.links_to_check(self.state, chain), chain[-1]
+            # The replica check and the snapshot checks run together; their verdicts are read in
+            # the order below, so the error a caller sees is the same.
+            replicas, *checks = await asyncio.gather(
+                self._restart_lost_replicas(admitting=True), *self._check_snapshots(links, new),
+                return_exceptions=True,
+            )
+            if isinstance(replicas, BaseException):
+                raise replicas
+            self._admit_replicas(replicas)
             for outcome in checks:
                 if isinstance(outcome, BaseException):
                     raise outcome
-            if new is not None:
-                self._verified(links, checks)
+            self._verified(links, checks)
             hot_load = HotLoad(
                 spec=HotLoadSpec(
                     id=cmd.hot_load_id,
@@ -191,7 +172,6 @@ class HotLoads(MixinBase):
                 replicas=list(self.state.replicas),
                 deployment_workflow_id=workflow.info().workflow_id,
             )
-            workflow.deprecate_patch(ORG_SCOPED_IDS)
             child = await workflow.start_child_workflow(
                 names.HOT_LOAD_WORKFLOW,
                 inp,
@@ -259,7 +239,7 @@ class HotLoads(MixinBase):
         first = self.state.active_hot_load_id == outcome.hot_load_id
         if first:
             self.state.active_hot_load_id = None
-        if first or not workflow.patched(OUTCOME_NOTED_ONCE):
+        if first:
             served = {r.name: r.current_snapshot_identity for r in outcome.replicas}
             for r in self.state.replicas:
                 if served.get(r.name):

@@ -8,10 +8,6 @@ code: the deployment workflow, control/deployment.py, calls these from its handl
   Returns the names started and, per node, why its start failed.
 - `stop`: each node agent stops its share, then the registry releases the placements. A node that
   is gone cannot stop anything; the placements are released all the same.
-
-Histories from before node agents (no `node-placement` marker) schedule `start_replicas` and
-`stop_replicas` on the control queue, as they did; the control worker answers those with a final
-error (control/activities.py).
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ with workflow.unsafe.imports_passed_through():
     from contracts.errors import FAILED_PRECONDITION
     from contracts.nodes import PlaceRequest, ReleaseRequest
     from contracts.records import DeploymentInput, Placement
-    from control.patches import NODE_PLACEMENT
 
 # How long a start or stop waits for its node agent to pick it up (a hot-load's admission waits
 # less: `ADMISSION_PICKUP`).
@@ -99,12 +94,6 @@ async def start(
     state: DeploymentInput, names_: list[str], make_input: Callable[[list[str]], StartReplicasInput],
     zone: str, timeout: timedelta, pickup: timedelta = NODE_PICKUP, attempts: int = 3,
 ) -> StartOutcome:
-    if not workflow.patched(NODE_PLACEMENT):
-        started = await workflow.execute_activity(
-            names.START_REPLICAS, make_input(names_), start_to_close_timeout=timeout,
-            retry_policy=RetryPolicy(maximum_attempts=3),
-        )
-        return StartOutcome(started=list(started))
     await place(state, names_, zone)
     groups = by_node(state, names_)
     results = await asyncio.gather(
@@ -134,12 +123,6 @@ async def start(
 async def stop(state: DeploymentInput, names_: list[str]) -> None:
     """Stop these replicas and give their places back; never raises (logged)."""
     deployment_id = state.deployment.spec.id
-    if not workflow.patched(NODE_PLACEMENT):
-        await workflow.execute_activity(
-            names.STOP_REPLICAS, StopReplicasInput(deployment_id=deployment_id, names=names_),
-            start_to_close_timeout=timedelta(minutes=2), retry_policy=RetryPolicy(maximum_attempts=5),
-        )
-        return
     groups = by_node(state, names_)
     results = await asyncio.gather(
         *(

@@ -44,10 +44,7 @@ log = logging.getLogger("rollouts.worker")
 
 def control_activities(settings: Settings, client: Client | None = None) -> list:
     acts = ControlActivities(settings, client)
-    return [
-        acts.place_replicas, acts.release_replicas, acts.check_snapshot_files,
-        acts.legacy_start_replicas, acts.legacy_stop_replicas,
-    ]
+    return [acts.place_replicas, acts.release_replicas, acts.check_snapshot_files]
 
 
 async def ensure_node_registry(client: Client, lost_after_s: float = LOST_AFTER_S) -> None:

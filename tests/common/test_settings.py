@@ -97,17 +97,21 @@ def test_stack_json_records_the_host_and_the_environment_overrides_it(tmp_path: 
     assert settings.ports["temporal"] == 17010  # not overridden
 
 
-def test_a_stack_json_from_before_the_host_loads_as_loopback(tmp_path: Path) -> None:
+def test_a_stack_json_from_before_0_1_0_is_refused_naming_what_it_lacks(tmp_path: Path) -> None:
     data = json.loads(json.dumps(Settings.create(tmp_path).__dict__))
-    del data["host"]
     (tmp_path / "stack.json").write_text(json.dumps(data))
-    assert Settings.load(tmp_path).host == "127.0.0.1"
+    assert Settings.load(tmp_path).ports == data["ports"]  # the premise: as written, it loads
+    del data["ports"]["dynamo"]
+    data["dynamo"] = True  # when Dynamo was a switch of the stack's
+    (tmp_path / "stack.json").write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match=r"stack.json was written before rollouts 0.1.0 \(ports missing: dynamo; "
+                                         r"unknown keys: dynamo\)"):
+        Settings.load(tmp_path)
 
 
 def test_dynamo_settings_from_stack_json_or_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = json.loads(json.dumps(Settings.create(tmp_path, port_base=24000).__dict__))
-    del data["ports"]["dynamo"], data["dynamo_router_mode"]  # a stack.json from before Dynamo
-    del data["ports"]["dynamo_events_in"], data["ports"]["dynamo_events_out"]  # ... and its relay
+    del data["dynamo_router_mode"]  # the default
     (tmp_path / "stack.json").write_text(json.dumps(data))
     loaded = Settings.load(tmp_path)
     assert loaded.dynamo_router_mode == "least-loaded"
@@ -116,9 +120,6 @@ def test_dynamo_settings_from_stack_json_or_the_environment(tmp_path: Path, monk
     assert loaded.dynamo_frontend_url == "http://127.0.0.1:24002"
     assert loaded.dynamo_discovery_dir == tmp_path / "dynamo" / "discovery"
     assert loaded.stack_env()["ROLLOUTS_DYNAMO_FRONTEND_URL"] == "http://127.0.0.1:24002"
-    data["dynamo"] = True  # a stack.json from when Dynamo was a switch of the stack's
-    (tmp_path / "stack.json").write_text(json.dumps(data))
-    assert Settings.load(tmp_path).dynamo_router_mode == "least-loaded"
     monkeypatch.setenv("ROLLOUTS_DYNAMO_ROUTER_MODE", "kv")
     monkeypatch.setenv("ROLLOUTS_DYNAMO_DISCOVERY_DIR", "/shared/discovery")
     loaded = Settings.load(tmp_path)

@@ -11,6 +11,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from control import patches
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,19 +20,19 @@ HISTORIES = REPO / "tests" / "histories"
 CALL = re.compile(r"workflow\.(patched|deprecate_patch)\(([A-Z_]+)\)")
 
 
-def _calls() -> dict[str, set[str]]:
-    """patch id -> the kinds of call control/ makes with it."""
+def _calls(root: Path = REPO / "control") -> dict[str, set[str]]:
+    """patch id -> the kinds of call the workflow code under `root` makes with it."""
     ids = {
         name: getattr(patches, name)
         for name in dir(patches)
         if name.isupper() and isinstance(getattr(patches, name), str)
     }
     found: dict[str, set[str]] = {}
-    for path in (REPO / "control").rglob("*.py"):
+    for path in root.rglob("*.py"):
         if path.name == "patches.py":
             continue
         for kind, name in CALL.findall(path.read_text()):
-            assert name in ids, f"{path.relative_to(REPO)}: workflow.{kind}({name}) names no id of control/patches.py"
+            assert name in ids, f"{path.relative_to(root)}: workflow.{kind}({name}) names no id of control/patches.py"
             found.setdefault(ids[name], set()).add(kind)
     return found
 
@@ -58,6 +60,13 @@ def test_every_patch_call_is_listed_at_its_stage():
             names = [n for n in dir(patches) if n.isupper() and getattr(patches, n) == patch.id]
             assert any(CALL.search(line) and n in line for n in names
                        for line in (REPO / patch.where).read_text().splitlines()), (patch.id, patch.where)
+
+
+def test_a_patch_call_not_in_the_table_is_found(tmp_path):
+    """The premise of the check above, with an empty table: a call it does not list fails it."""
+    (tmp_path / "wf.py").write_text("if workflow.patched(NEW_BRANCH):\n    pass\n")
+    with pytest.raises(AssertionError, match=r"wf.py: workflow.patched\(NEW_BRANCH\) names no id"):
+        _calls(tmp_path)
 
 
 def test_each_proof_history_holds_or_lacks_the_marker_as_listed():

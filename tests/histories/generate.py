@@ -17,16 +17,13 @@ tests/helpers/harness.py and drives, through the API, one hot-load per path of t
 - the deployment `history-dep` that admitted the first four.
 
 Each is exported with the Temporal CLI exactly as an operator would (`temporal workflow show -w
-ID -o json`), one file per workflow named by its id (`/` as `%2F`). The files whose names hold
-`previous-version` are not regenerated: deployment histories recorded by earlier releases
-(`previous-version-before-nodes-dep`: the release before node agents, whose branch the
-`node-placement` patch keeps; `previous-version-dep`: the one before), kept to prove that
-deployment workflows (open across upgrades) replay on this code; drop each together with the
-patches it needs in control/deployment_hot_loads.py and control/replica_set.py.
+ID -o json`), one file per workflow named by its id (`/` as `%2F`). Files whose names hold
+`previous-version` are kept, not regenerated: histories recorded by a release, kept beside the
+workflow patch they need after it (control/patches.py; none at 0.1.0, CHANGELOG.md).
 
 Regenerate when a workflow change is meant to be incompatible with running histories (hot-loads
-are drained before an upgrade, docs/operations.md); `make test` replays these files to catch
-accidental nondeterminism.
+are drained before an upgrade, docs/operations.md; a deployment's history needs a patch instead);
+`make test` replays these files to catch accidental nondeterminism.
 """
 
 from __future__ import annotations

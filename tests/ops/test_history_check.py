@@ -1,9 +1,8 @@
 """`rollouts history check DIR`: the exported histories in tests/histories (hot-loads that
 completed with the broadcast after the first commit and with the early offer, failed, were
 canceled and crash-recovered; the deployment that admitted the first four, placing its replicas
-on a node; and two deployment histories recorded by earlier releases (before node agents, and
-before that), which open deployments carry across an upgrade;
-regenerate with `python -m tests.histories.generate`) replay against the current workflow code,
+on a node; regenerate with `python -m tests.histories.generate`) replay against the current
+workflow code,
 and a history the code no longer matches is reported, naming the file."""
 
 from __future__ import annotations
@@ -22,14 +21,13 @@ COMPLETED = "hotLoads%2Forg-a%2Fhistory-completed.json"
 async def test_exported_histories_replay_against_current_code():
     names = sorted(p.name for p in HISTORIES.glob("*.json"))
     assert names == [
-        "deployments%2Forg-a%2Fhistory-dep.json", "deployments%2Forg-a%2Fprevious-version-before-nodes-dep.json",
-        "deployments%2Forg-a%2Fprevious-version-dep.json",
+        "deployments%2Forg-a%2Fhistory-dep.json",
         "hotLoads%2Forg-a%2Fhistory-canceled.json", COMPLETED, "hotLoads%2Forg-a%2Fhistory-crash-recovered.json",
         "hotLoads%2Forg-a%2Fhistory-early-completed.json", "hotLoads%2Forg-a%2Fhistory-failed.json",
     ]
     out = io.StringIO()
     assert await history_check(HISTORIES, out=out) == 0, out.getvalue()
-    assert "8/8 histories replay" in out.getvalue()
+    assert "6/6 histories replay" in out.getvalue()
 
 
 async def test_a_history_the_code_no_longer_matches_fails_with_its_name(tmp_path):
@@ -46,6 +44,6 @@ async def test_a_history_the_code_no_longer_matches_fails_with_its_name(tmp_path
 
 def test_cli_history_check(capsys, tmp_path):
     assert cli_main(["history", "check", str(HISTORIES)]) == 0
-    assert "8/8" in capsys.readouterr().out
+    assert "6/6" in capsys.readouterr().out
     assert cli_main(["history", "check", str(tmp_path)]) == 1
     assert "no *.json histories" in capsys.readouterr().err
