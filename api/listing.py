@@ -54,6 +54,7 @@ from typing import Any
 from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
+from common.flight import SingleFlight
 from contracts import names
 from contracts.errors import InvalidArgument, Unavailable
 from contracts.memo import replica_list
@@ -123,7 +124,7 @@ class _Scope:
     last_read: float = 0.0
     order: list[tuple[str, str]] | None = None  # members' sort keys, ascending; None: rebuild
     built_at_version: int = -1
-    loading: asyncio.Task | None = None
+    loading: SingleFlight = field(default_factory=SingleFlight)
 
     @property
     def query(self) -> str:
@@ -159,7 +160,7 @@ class HotLoadIndex:
         self._recent: dict[str, float] = {}  # own creates: id -> loop time created
         self._version = 0  # bumped when `_recent` changes: scopes rebuild their order
         self._scopes: OrderedDict[tuple[str, str | None], _Scope] = OrderedDict()
-        self._refreshing: asyncio.Task | None = None
+        self._refreshing = SingleFlight()
         self._poller: asyncio.Task | None = None
         self.full_loads = 0  # how often a scope was read in full (first use, or a disagreement)
         self.refreshes = 0  # refreshes of the loaded scopes (one visibility call each)
@@ -229,7 +230,7 @@ class HotLoadIndex:
         scope.last_read = now
         try:
             if scope.loaded_at is None:
-                await _single_flight(scope, "loading", lambda: self._load(scope))
+                await scope.loading.join(lambda: self._load(scope))
             elif now - scope.fresh_at > self.stale_s:
                 await self._refresh()
         except RPCError as exc:
@@ -289,7 +290,7 @@ class HotLoadIndex:
 
     async def _refresh(self) -> None:
         """Brings every loaded scope up to date at once (single flight)."""
-        await _single_flight(self, "_refreshing", self._refresh_now)
+        await self._refreshing.join(self._refresh_now)
 
     async def _refresh_now(self) -> None:
         """One visibility call for the running hot-loads (indexed by status: its cost follows
@@ -353,7 +354,7 @@ class HotLoadIndex:
         counted = await self.client.count_workflows(f"{scope.query} AND ExecutionStatus != 'Running'")
         scope.verified_at = asyncio.get_running_loop().time()
         if counted.count != len(scope.closed_ids):
-            await _single_flight(scope, "loading", lambda: self._load(scope))
+            await scope.loading.join(lambda: self._load(scope))
 
     async def _keep_fresh(self) -> None:
         """Refreshes while some listing is being read; stops `active_s` after the last read."""
@@ -404,21 +405,13 @@ class HotLoadIndex:
             del self.records[workflow_id]
 
     async def close(self) -> None:
-        tasks = [t for t in (self._poller, self._refreshing) if t is not None]
-        tasks += [s.loading for s in self._scopes.values() if s.loading is not None]
-        for t in tasks:
-            t.cancel()
+        tasks: list[asyncio.Future[Any]] = [self._poller] if self._poller is not None else []
+        if self._poller is not None:
+            self._poller.cancel()
+        tasks += self._refreshing.cancel()
+        for s in self._scopes.values():
+            tasks += s.loading.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _single_flight(owner: Any, attr: str, start: Callable[[], Any]) -> None:
-    """Joins the task in `owner.attr` if one runs, else starts one; a caller that gives up
-    (client gone) does not cancel it for the others."""
-    task = getattr(owner, attr)
-    if task is None or task.done():
-        task = asyncio.create_task(start())
-        setattr(owner, attr, task)
-    await asyncio.shield(task)
 
 
 # ---------------------------------------------------------------------- pagination

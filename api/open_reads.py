@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from api.listing import HotLoadIndex, Record
 from api.metrics import OPEN_READS
+from common.flight import SingleFlight
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ MAX_KEPT = 1024  # answers kept; past this, those too old to be given are droppe
 class _Kept:
     record: Record | None = None
     started: float = 0.0  # loop time the describe behind `record` started
-    refreshing: asyncio.Task | None = None
+    refreshing: SingleFlight = field(default_factory=SingleFlight)
 
 
 class OpenReads:
@@ -88,9 +89,7 @@ class OpenReads:
         self._newest.pop(workflow_id, None)
 
     async def close(self) -> None:
-        tasks = [k.refreshing for k in self._kept.values() if k.refreshing is not None]
-        for t in tasks:
-            t.cancel()
+        tasks = [t for k in self._kept.values() for t in k.refreshing.cancel()]
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def _usable(self, kept: _Kept, now: float, replicas: bool) -> Record | None:
@@ -122,31 +121,31 @@ class OpenReads:
     def _keep(self, key: tuple[str, bool], now: float) -> _Kept:
         if len(self._kept) >= MAX_KEPT:
             for k, v in list(self._kept.items()):
-                if now - v.started > self.max_stale_s and (v.refreshing is None or v.refreshing.done()):
+                if now - v.started > self.max_stale_s and not v.refreshing.running():
                     del self._kept[k]
         kept = self._kept[key] = _Kept()
         return kept
 
-    def _refresh(self, key: tuple[str, bool], kept: _Kept) -> asyncio.Task:
+    def _refresh(self, key: tuple[str, bool], kept: _Kept) -> asyncio.Future[Record | None]:
         """The describe in flight for `key`, or a new one (single-flight)."""
-        if kept.refreshing is None or kept.refreshing.done():
+
+        def start() -> Awaitable[Record | None]:
             self.describes += 1
-            kept.refreshing = asyncio.create_task(self._describe(key, kept))
-            kept.refreshing.add_done_callback(_retrieve)
-        return kept.refreshing
+            return self._describe(key, kept)
+
+        return kept.refreshing.call(start)
 
     async def _describe(self, key: tuple[str, bool], kept: _Kept) -> Record | None:
+        """One describe; its failure is logged here and raised to the reads that waited for it."""
         started = self.clock()
-        rec = await self.index.read(key[0], replicas=key[1])
+        try:
+            rec = await self.index.read(key[0], replicas=key[1])
+        except Exception as exc:
+            log.debug("describing an open hot-load failed: %s", exc)
+            raise
         if rec is None or rec.closed:
             if self._kept.get(key) is kept:
                 del self._kept[key]
         elif started >= kept.started:
             kept.record, kept.started = rec, started
         return rec
-
-
-def _retrieve(task: asyncio.Task) -> None:
-    """A describe's failure is logged; the reads that waited for it got it raised."""
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.debug("describing an open hot-load failed: %s", exc)

@@ -32,6 +32,7 @@ from contracts import names
 from contracts.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable, from_code
 from contracts.memo import replica_list
 from contracts.records import (
+    TERMINAL_HOT_LOAD_STATES,
     CreateHotLoadCommand,
     Deployment,
     DeploymentInput,
@@ -256,9 +257,6 @@ class Resources:
         return rec
 
 
-TERMINAL_STATES = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
-
-
 def reconcile_hot_load(
     memo: dict[str, Any], status: WorkflowExecutionStatus | None, close_time: datetime | None
 ) -> dict[str, Any]:
@@ -271,7 +269,7 @@ def reconcile_hot_load(
     """
     hl = memo["hotLoad"]
     st = hl["status"]
-    if status is None or status == WorkflowExecutionStatus.RUNNING or st["state"] in TERMINAL_STATES:
+    if status is None or status == WorkflowExecutionStatus.RUNNING or st["state"] in TERMINAL_HOT_LOAD_STATES:
         return memo
     canceled = status == WorkflowExecutionStatus.CANCELED
     when = rfc3339(close_time) if close_time else st.get("updatedAt")

@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from common.settings import Settings, temporal_client  # noqa: E402
 from contracts import names  # noqa: E402
+from contracts.records import TERMINAL_HOT_LOAD_STATES  # noqa: E402
 from rollouts.client import hot_load_body  # noqa: E402
 from snapshots.chain import MAX_CHAIN_DELTAS  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
@@ -52,7 +53,6 @@ from tests.helpers.stack_fixtures import free_port_base, wait_registered  # noqa
 from tests.helpers.trainer import train_step  # noqa: E402
 from workers.stack import LOCAL_NODE, Stack, upload_dir  # noqa: E402
 
-TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
 PREFIX = "chain/ckpt"
 
 
@@ -95,7 +95,7 @@ def hot_load(api: Api, dep_id: str, identity: str, previous: str | None, poll_s:
     api.call("POST", "/hotLoads", json=body)
     while True:
         hl = api.call("GET", f"/hotLoads/{identity}")["hotLoad"]
-        if hl["status"]["state"] in TERMINAL:
+        if hl["status"]["state"] in TERMINAL_HOT_LOAD_STATES:
             break
         time.sleep(poll_s)
     seconds = time.perf_counter() - t0

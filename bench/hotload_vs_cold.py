@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from common.processes import free_port  # noqa: E402
 from contracts.names import hot_load_workflow_id  # noqa: E402
+from contracts.records import TERMINAL_HOT_LOAD_STATES  # noqa: E402
 from replica.agent.downloads import download_prefix  # noqa: E402
 from replica.agent.engine_process import EngineProcess  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
@@ -64,7 +65,7 @@ def hot_load(api: Api, dep_id: str, identity: str, previous: str | None) -> tupl
     hl_id = r.json()["hotLoad"]["spec"]["id"]
     while True:
         hl = api.call("GET", f"/hotLoads/{hl_id}").json()["hotLoad"]
-        if hl["status"]["state"] in ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED"):
+        if hl["status"]["state"] in TERMINAL_HOT_LOAD_STATES:
             break
         time.sleep(0.05)
     elapsed = time.monotonic() - t0

@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from contracts.records import TERMINAL_HOT_LOAD_STATES as TERMINAL  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
 from tests.helpers.stack_fixtures import Api  # noqa: E402
@@ -43,7 +44,6 @@ from tests.multihost.plane import (  # noqa: E402
 from workers.stack import upload_dir  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
 
 
 def hot_load(api: Api, dep_id: str, identity: str, previous: str | None) -> tuple[dict, float]:

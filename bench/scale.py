@@ -65,6 +65,7 @@ sys.path.insert(0, str(REPO))
 from common.settings import Settings, temporal_client  # noqa: E402
 from contracts import names  # noqa: E402
 from contracts.autoscaling import BUSY, IDLE, LoadReport  # noqa: E402
+from contracts.records import TERMINAL_HOT_LOAD_STATES  # noqa: E402
 from rollouts.client import hot_load_body  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
@@ -77,7 +78,6 @@ SIMULATED_GATEWAY = "bench-simulated-load"
 # The activities a joiner's catch-up runs on the deployment workflow (control/autoscaler.py).
 JOIN_STEPS = (names.STAGE_FROM_PEER, names.COMMIT_PEER_STAGE, names.APPLY_SNAPSHOT, names.SERVE_REPLICA,
               names.DRAIN_REPLICA)
-TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
 CONTROL_PLANE = ("temporal", "api", "worker")
 
 
@@ -241,7 +241,7 @@ def time_describes(settings: Settings, workflow_id: str, done: threading.Event, 
                 continue
             state = (await desc.memo_value("hotLoad"))["status"]["state"]
             out.append((time.perf_counter() - t) * 1000)
-            if state in TERMINAL and not seen_end:
+            if state in TERMINAL_HOT_LOAD_STATES and not seen_end:
                 seen_end.append(datetime.now(timezone.utc))
             await asyncio.sleep(max(0.0, interval_s - (time.perf_counter() - t)))
 
@@ -285,7 +285,7 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
         t = time.perf_counter()
         reader.call("GET", "/hotLoads", params={"parentDeploymentId": dep_id, "maxPageSize": 50})
         list_ms.append((time.perf_counter() - t) * 1000)
-        if hl["status"]["state"] in TERMINAL:
+        if hl["status"]["state"] in TERMINAL_HOT_LOAD_STATES:
             seen_end = datetime.now(timezone.utc)
             break
         time.sleep(max(0.0, poll_s - (time.perf_counter() - begun)))  # a client polling at a cadence

@@ -56,7 +56,12 @@ class HotLoadState(str, Enum):
 
     @property
     def terminal(self) -> bool:
-        return self in (HotLoadState.COMPLETED, HotLoadState.FAILED, HotLoadState.CANCELED)
+        return self in TERMINAL_HOT_LOAD_STATES
+
+
+# The states a hot-load ends in (str members: equal to their wire names, so a JSON record's
+# `status.state` string is `in` it too).
+TERMINAL_HOT_LOAD_STATES = (HotLoadState.COMPLETED, HotLoadState.FAILED, HotLoadState.CANCELED)
 
 
 class ReplicaState(str, Enum):

@@ -56,6 +56,7 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
+from common.flight import SingleFlight
 from common.settings import temporal_client
 from contracts.autoscaling import TARGET_IN_FLIGHT, policy
 from contracts.memo import replica_list
@@ -258,33 +259,6 @@ def _load_order(spans: list[dict[str, Any]]) -> list[str]:
 
 
 @dataclass
-class _AfterCall:
-    """Single-flight reads that start after their caller arrived: at most one read in progress
-    and at most one queued behind it. A caller that arrives while a read is in progress joins the
-    read queued behind it (which starts when the current one ends), never the current one, which
-    began too early."""
-
-    current: asyncio.Future[Any] | None = None
-    queued: asyncio.Future[Any] | None = None
-
-    async def read(self, start: Callable[[], Awaitable[Any]]) -> Any:
-        if self.queued is not None:
-            return await asyncio.shield(self.queued)
-        if self.current is None or self.current.done():
-            self.current = asyncio.ensure_future(start())
-            return await asyncio.shield(self.current)
-        previous = self.current
-
-        async def after_previous() -> Any:
-            await asyncio.wait([previous])
-            self.current, self.queued = self.queued, None  # from here on, late callers queue anew
-            return await start()
-
-        self.queued = asyncio.ensure_future(after_previous())
-        return await asyncio.shield(self.queued)
-
-
-@dataclass
 class Router:
     # By workflow id (deployments/ORG/ID): deployment ids are unique only within an organization.
     views: dict[str, DeploymentView] = field(default_factory=dict)
@@ -299,8 +273,9 @@ class Router:
     reader: Callable[[str], Awaitable[DeploymentView | None]] | None = None
     # Set by refresh_loop: lists the running deployments now and reads the views of new ones.
     discoverer: Callable[[], Awaitable[None]] | None = None
-    _reads: dict[str, _AfterCall] = field(default_factory=dict)
-    _discovery: _AfterCall = field(default_factory=_AfterCall)
+    # Reads that start after their caller arrived (common/flight.py, `after_call`).
+    _reads: dict[str, SingleFlight] = field(default_factory=dict)
+    _discovery: SingleFlight = field(default_factory=lambda: SingleFlight(after_call=True))
     _last_active: dict[str, str | None] = field(default_factory=dict)
     _epochs: dict[str, int] = field(default_factory=dict)
 
@@ -398,10 +373,11 @@ class Router:
         return self._epochs.get(workflow_id, 0)
 
     async def fresh_view(self, workflow_id: str) -> DeploymentView | None:
-        """A view whose read started after this call; concurrent callers share one read (``_AfterCall``)."""
+        """A view whose read started after this call; concurrent callers share one read (``SingleFlight``)."""
         if self.reader is None:
             return self.views.get(workflow_id)
-        return await self._reads.setdefault(workflow_id, _AfterCall()).read(lambda: self._read(workflow_id))
+        reads = self._reads.setdefault(workflow_id, SingleFlight(after_call=True))
+        return await reads.join(lambda: self._read(workflow_id))
 
     async def fresh_route(self, model: str | None, organization_id: str | None = None,
                           session: str | None = None) -> tuple[list[DeploymentView], DeploymentView | None]:
@@ -416,7 +392,7 @@ class Router:
         if named:
             await asyncio.gather(*(self.fresh_view(v.workflow_id) for v in named))
         elif self.discoverer is not None:
-            await self._discovery.read(self.discoverer)
+            await self._discovery.join(self.discoverer)
         return self.route(model, organization_id, session)
 
     async def _read(self, workflow_id: str) -> DeploymentView | None:
@@ -486,7 +462,7 @@ async def refresh_loop(router: Router, settings: Any) -> None:
                 router.reader = read
                 router.discoverer = discover
             if time.monotonic() - last_discovery > DISCOVER_S:
-                await router._discovery.read(discover)
+                await router._discovery.join(discover)
             await asyncio.gather(*(router.fresh_view(d) for d in list(workflow_ids)), return_exceptions=True)
         except asyncio.CancelledError:
             raise

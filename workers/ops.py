@@ -36,11 +36,11 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from common.settings import Settings
+from contracts.records import TERMINAL_HOT_LOAD_STATES
 from control.deployment import DeploymentWorkflow
 from control.gateway import GatewayWorkflow
 from control.hot_load.workflow import HotLoadWorkflow
 
-TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
 PREFIX = "/v1alpha1/inference"
 
 
@@ -147,7 +147,7 @@ async def wait_and_report(
             print(line, file=out, flush=True)
             last = line
         state = hot_load["status"]["state"]
-        if state in TERMINAL:
+        if state in TERMINAL_HOT_LOAD_STATES:
             if state == "HOT_LOAD_STATE_COMPLETED":
                 return 0
             raise OpsError(f"hot-load {hot_load_id} ended {state}: {failure_reason(hot_load, replicas)}")

@@ -26,9 +26,9 @@ from api.clock import now
 from api.context import ApiContext, context, resources
 from api.listing import Record, dumps, page
 from api.models import CreateHotLoadRequest
-from api.resources import TERMINAL_STATES, Resources
+from api.resources import Resources
 from contracts.errors import FailedPrecondition
-from contracts.records import CreateHotLoadCommand, PromptCachePolicy
+from contracts.records import TERMINAL_HOT_LOAD_STATES, CreateHotLoadCommand, PromptCachePolicy
 from contracts.tokens import Principal
 
 router = APIRouter()
@@ -104,13 +104,13 @@ async def cancel_hot_load(
 ):
     p.require_admin("canceling a hot-load")
     state = (await r.hot_load(p.organization_id, hot_load_id, fresh=True)).hot_load["status"]["state"]
-    if state in TERMINAL_STATES:
+    if state in TERMINAL_HOT_LOAD_STATES:
         raise FailedPrecondition(f"hot-load {hot_load_id} already ended ({state})")
     rec = await r.cancel_hot_load(p.organization_id, hot_load_id)
     # The operation stops at its next replica step boundary; answer with the end state when it
     # comes soon, else with the state now (the client polls GET as for any operation).
     deadline = asyncio.get_running_loop().time() + ctx.cancel_wait_s
-    while rec.hot_load["status"]["state"] not in TERMINAL_STATES:
+    while rec.hot_load["status"]["state"] not in TERMINAL_HOT_LOAD_STATES:
         if asyncio.get_running_loop().time() >= deadline:
             break
         await asyncio.sleep(0.1)

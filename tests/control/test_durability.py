@@ -27,7 +27,8 @@ from api.app import PREFIX
 from common.settings import SEARCH_ATTRIBUTES
 from contracts import names
 from contracts.activities import CheckSnapshotInput
-from tests.helpers.harness import ADMIN, TERMINAL, ZONE, Fleet, poll, write_full
+from contracts.records import TERMINAL_HOT_LOAD_STATES
+from tests.helpers.harness import ADMIN, ZONE, Fleet, poll, write_full
 from tests.helpers.temporal_server import REPO, TEMPORAL_BIN
 from tests.helpers.workflow_checks import deployment_state, every, free_port, kill9, start_control_process, true_if
 
@@ -224,7 +225,7 @@ class HeldCheckFleet(Fleet):
 async def _until_terminal(http: httpx.AsyncClient, hl: str) -> dict:
     async def check() -> dict | None:
         got = (await http.get(f"/hotLoads/{hl}")).json()["hotLoad"]
-        return got if got["status"]["state"] in TERMINAL else None
+        return got if got["status"]["state"] in TERMINAL_HOT_LOAD_STATES else None
 
     return await poll(check, 90, f"hot-load {hl} terminal", every=0.1)
 

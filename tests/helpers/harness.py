@@ -48,7 +48,7 @@ from contracts.activities import (
 )
 from contracts.errors import FAILED_PRECONDITION, NON_RETRYABLE_SNAPSHOT
 from contracts.nodes import PlaceRequest, ReleaseRequest
-from contracts.records import DeploymentInput, Placement, ReplicaEndpoint
+from contracts.records import TERMINAL_HOT_LOAD_STATES, DeploymentInput, Placement, ReplicaEndpoint
 from contracts.search import deployment_attributes
 from contracts.tokens import add_token
 from control.activities import check_snapshot
@@ -284,7 +284,7 @@ class Fleet:
     async def wait_hot_load(self, hl_id: str, timeout: float = 90) -> dict:
         async def check() -> dict | None:
             hl = (await self.call("GET", f"/hotLoads/{hl_id}")).json()["hotLoad"]
-            return hl if hl["status"]["state"] in TERMINAL else None
+            return hl if hl["status"]["state"] in TERMINAL_HOT_LOAD_STATES else None
 
         return await poll(check, timeout, f"hot-load {hl_id} terminal")
 
@@ -537,9 +537,6 @@ def check_local_snapshot(bucket_root: Path, inp: CheckSnapshotInput) -> list[str
     """The real admission check (control/activities.py: its file rules, fingerprint and errors),
     against a directory standing in for the bucket (a file's version is its mtime)."""
     return check_snapshot(inp, bucket_root / inp.path_prefix / inp.identity)
-
-
-TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
 
 
 async def poll(check: Callable[[], Awaitable[Any]], timeout: float, what: str, every: float = 0.05) -> Any:

@@ -38,6 +38,7 @@ from temporalio.client import WorkflowExecutionStatus
 from common.settings import Settings, temporal_client
 from contracts.memo import replica_list
 from contracts.names import deployment_workflow_id, dynamo_model, hot_load_workflow_id
+from contracts.records import TERMINAL_HOT_LOAD_STATES
 from replica.agent.dynamo import DynamoEngineProcess
 from replica.agent.engine_process import EngineProcess
 from replica.faults import FAULTS_FILE
@@ -49,7 +50,6 @@ from workers.base_model import load_checkpoint
 
 # The shared 3-replica deployment's hot-load path prefix (tests/e2e/conftest.py `rolling`).
 ROLLING_PREFIX = "checkpoints/rolling"
-TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE_CANCELED")
 # Each engine step's delay while requests must stay in flight across a pause (step_delay).
 STEP_DELAY_S = 0.025
 
@@ -85,7 +85,7 @@ def wait_replica_state(api: Api, hl_id: str, name: str, state: str, timeout: flo
         if any(r["name"] == name and r["state"] == state for r in reps):
             return reps
         hl = api.call("GET", f"/hotLoads/{hl_id}").json()["hotLoad"]
-        assert hl["status"]["state"] not in TERMINAL, (f"{name} never {state}", hl["status"], reps)
+        assert hl["status"]["state"] not in TERMINAL_HOT_LOAD_STATES, (f"{name} never {state}", hl["status"], reps)
         assert time.monotonic() < deadline, f"{name} not {state} after {timeout:.0f}s: {reps}"
         time.sleep(0.2)
 

@@ -18,6 +18,7 @@ import pytest
 from common.processes import port_in_use
 from common.settings import PORT_OFFSETS, Settings, temporal_client
 from contracts import names
+from contracts.records import TERMINAL_HOT_LOAD_STATES
 from tests.helpers.parallel import worker_slot
 from workers.stack import Stack
 
@@ -86,11 +87,7 @@ class Api:
             r = self.call("GET", f"/hotLoads/{hl_id}")
             assert r.status_code == 200, f"GET hot-load {hl_id}: {r.status_code} {r.text}"
             hl = r.json()["hotLoad"]
-            if hl["status"]["state"] in (
-                "HOT_LOAD_STATE_COMPLETED",
-                "HOT_LOAD_STATE_FAILED",
-                "HOT_LOAD_STATE_CANCELED",
-            ):
+            if hl["status"]["state"] in TERMINAL_HOT_LOAD_STATES:
                 return hl
             time.sleep(0.25)  # a small delta completes in a few hundred ms
         raise TimeoutError(f"hot-load {hl_id} not terminal after {timeout}s")

@@ -1,0 +1,65 @@
+"""Single flight: at most one call of an async function in progress; callers that arrive meanwhile
+share it instead of starting their own (the API's listing loads and open-hot-load describes, the
+gateway's deployment reads).
+
+- `SingleFlight()`: a caller joins the call in progress, else starts one.
+- `SingleFlight(after_call=True)`: a caller gets a call that starts after it arrived: the one in
+  progress began too early, so it joins the one queued behind it (at most one), which starts when
+  the current one ends.
+
+`join` shields the call: a caller that gives up (its client went away) does not cancel it for the
+others. A call whose every caller gave up still ends; its exception is retrieved (never "never
+retrieved"). `cancel` stops what is in progress (on close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+class SingleFlight:
+    def __init__(self, *, after_call: bool = False) -> None:
+        self.after_call = after_call
+        self.current: asyncio.Future[Any] | None = None
+        self.queued: asyncio.Future[Any] | None = None
+
+    def running(self) -> bool:
+        return self.current is not None and not self.current.done()
+
+    def call(self, start: Callable[[], Awaitable[Any]]) -> asyncio.Future[Any]:
+        """The call this caller shares (module docstring); `start()` runs only for a new one."""
+        if self.queued is not None:
+            return self.queued
+        if not self.running():
+            self.current = _retrieved(asyncio.ensure_future(start()))
+            return self.current
+        if not self.after_call:
+            assert self.current is not None
+            return self.current
+        previous = self.current
+
+        async def after_previous() -> Any:
+            await asyncio.wait([previous])
+            self.current, self.queued = self.queued, None  # from here on, late callers queue anew
+            return await start()
+
+        self.queued = _retrieved(asyncio.ensure_future(after_previous()))
+        return self.queued
+
+    async def join(self, start: Callable[[], Awaitable[Any]]) -> Any:
+        """The result of the shared call (shielded: giving up does not cancel it for the others)."""
+        return await asyncio.shield(self.call(start))
+
+    def cancel(self) -> list[asyncio.Future[Any]]:
+        """Cancels what is in progress or queued; returns it, to be awaited."""
+        pending = [f for f in (self.current, self.queued) if f is not None and not f.done()]
+        for f in pending:
+            f.cancel()
+        return pending
+
+
+def _retrieved(future: asyncio.Future[Any]) -> asyncio.Future[Any]:
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
