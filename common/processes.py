@@ -7,6 +7,7 @@ also records the process start time so a recycled pid is never killed by mistake
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -14,7 +15,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,21 +167,61 @@ def stop_pids(pids: Iterable[int], *, timeout: float = 15.0, group: bool = True,
     return running
 
 
-def alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as gone); never reaps it, so a ``Popen`` that owns it
+    still reads its exit code."""
     try:
-        # Reap it if it is our child; otherwise this raises ChildProcessError.
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's: it exists
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True  # no /proc to ask: kill(0) said it exists
+
+
+def alive(pid: int) -> bool:
+    """:func:`pid_alive`, after reaping ``pid`` if it is an exited child of this process."""
+    try:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    return pid_alive(pid)
 
 
-def tail(path: Path, lines: int = 30) -> str:
+def tail(path: Path | None, lines: int = 30, max_bytes: int = 65536) -> str:
+    """The last ``lines`` lines of a log (read from its last ``max_bytes``), or "(no log)"."""
+    if path is None:
+        return "(no log)"
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+            text = f.read().decode("utf-8", "replace")
     except OSError:
         return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+async def wait_serving(
+    proc: subprocess.Popen | None, probe: Callable[[], Awaitable[bool]], *, name: str, url: str,
+    log_path: Path | None, timeout: float, error: type[Exception], ready: str = "ready",
+    not_yet: tuple[type[BaseException], ...] = (OSError, ValueError), every: float = 0.5,
+) -> None:
+    """Polls ``probe`` until it answers True (an exception of ``not_yet`` counts as not yet).
+    Raises ``error`` with the log's tail: naming the exit code when ``proc`` exits first, or
+    ``url`` when ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise error(f"{name} exited with code {proc.returncode} before it served (log {log_path}):\n"
+                        f"{tail(log_path, 60)}")
+        try:
+            if await probe():
+                return
+        except not_yet:
+            pass
+        if time.monotonic() > deadline:
+            raise error(f"{name} at {url} not {ready} after {timeout:.0f}s (log {log_path}):\n{tail(log_path, 60)}")
+        await asyncio.sleep(every)

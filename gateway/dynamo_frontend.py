@@ -32,19 +32,13 @@ import httpx
 
 from common.dynamo_planes import discovery_problem, plane_args, plane_env
 from common.dynamo_tls import DynamoTls
-from common.processes import free_port
+from common.processes import free_port, wait_serving
 
 FRONTEND_MODULE = "dynamo.frontend"
 
 
 class DynamoFrontendError(RuntimeError):
     pass
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    return ""
 
 
 class DynamoFrontend:
@@ -114,7 +108,7 @@ class DynamoFrontend:
             self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env=self.environment(), start_new_session=True)
         try:
-            await self._wait(lambda models: True, timeout, "answer")
+            await self._wait(lambda models: True, timeout, "answering")
         except BaseException:
             await self.stop()
             raise
@@ -127,21 +121,15 @@ class DynamoFrontend:
             return [m["id"] for m in resp.json().get("data", [])]
 
     async def wait_model(self, name: str, timeout: float = 120.0) -> None:
-        await self._wait(lambda models: name in models, timeout, f"serve {name!r}")
+        await self._wait(lambda models: name in models, timeout, f"serving {name!r}")
 
     async def _wait(self, ok, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._proc is not None and self._proc.poll() is not None:
-                raise DynamoFrontendError(f"the Dynamo frontend exited with code {self._proc.returncode} "
-                                          f"(log {self.log_path}):\n{_tail(self.log_path)}")
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                if ok(await self.models()):
-                    return
-            if time.monotonic() > deadline:
-                raise DynamoFrontendError(f"the Dynamo frontend at {self.url} did not {what} within {timeout:.0f}s "
-                                          f"(log {self.log_path}):\n{_tail(self.log_path)}")
-            await asyncio.sleep(0.25)
+        async def serving() -> bool:
+            return ok(await self.models())
+
+        await wait_serving(self._proc, serving, name="the Dynamo frontend", url=self.url, log_path=self.log_path,
+                           timeout=timeout, error=DynamoFrontendError, ready=what,
+                           not_yet=(httpx.HTTPError, ValueError), every=0.25)
 
     async def stop(self, timeout: float = 10.0) -> None:
         proc, self._proc = self._proc, None

@@ -53,11 +53,8 @@ Everything the agent does with an engine works unchanged on it:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import secrets
-import time
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +63,8 @@ import httpx
 from common.addresses import host_port
 from common.dynamo_planes import DISCOVERY_BACKENDS, discovery_problem, plane_args, plane_env, request_annotation
 from common.dynamo_tls import DynamoTls
-from common.processes import free_port, free_port_below
-from replica.agent.engine_process import EngineProcess, EngineStartError, _tail
+from common.processes import free_port, free_port_below, wait_serving
+from replica.agent.engine_process import EngineProcess, EngineStartError
 from replica.agent.engine_rpc import DYNAMO_TRANSPORT, EngineRequestError
 from replica.engine_routes import DYNAMO_PREFIX
 from replica.launch import DYNAMO_WORKER_MODULE, REQUEST_SECRET_FILE_ENV
@@ -188,28 +185,23 @@ class DynamoEngineProcess(EngineProcess):
         return self
 
     async def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
+        """Until the worker's /health says ready and it names its Dynamo worker id (kept)."""
         async with httpx.AsyncClient(timeout=5.0) as client:
-            while True:
-                if self._proc is not None and self._proc.poll() is not None:
-                    raise EngineStartError(
-                        f"the Dynamo worker exited with code {self._proc.returncode} before it served "
-                        f"(log {self.log_path}):\n{_tail(self.log_path)}"
-                    )
-                with contextlib.suppress(httpx.HTTPError, ValueError):
-                    health = await client.get(self.base_url + "/health")
-                    if health.status_code == 200 and health.json().get("status") == "ready":
-                        answer = (await client.post(self.base_url + DYNAMO_PREFIX + "instance",
-                                                    json={"secret": self.secret})).json()
-                        if isinstance(answer.get("worker_id"), int):
-                            self.worker_id = answer["worker_id"]
-                            return
-                if time.monotonic() > deadline:
-                    raise EngineStartError(
-                        f"the Dynamo worker at {self.base_url} not ready after {timeout:.0f}s "
-                        f"(log {self.log_path}):\n{_tail(self.log_path)}"
-                    )
-                await asyncio.sleep(0.5)
+
+            async def serving() -> bool:
+                health = await client.get(self.base_url + "/health")
+                if health.status_code != 200 or health.json().get("status") != "ready":
+                    return False
+                answer = (await client.post(self.base_url + DYNAMO_PREFIX + "instance",
+                                            json={"secret": self.secret})).json()
+                if not isinstance(answer.get("worker_id"), int):
+                    return False
+                self.worker_id = answer["worker_id"]
+                return True
+
+            await wait_serving(self._proc, serving, name="the Dynamo worker", url=self.base_url,
+                               log_path=self.log_path, timeout=timeout, error=EngineStartError,
+                               not_yet=(httpx.HTTPError, ValueError))
 
     async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """An inference request (``/v1/...``) goes through the frontend to this worker alone."""

@@ -73,7 +73,7 @@ from typing import Any
 import httpx
 
 from common.addresses import AddressError, check_bind_host, host_port, interface_of, is_loopback, is_wildcard
-from common.processes import free_port
+from common.processes import free_port, pid_alive, wait_serving
 from replica.agent.engine_rpc import EngineClient, EngineError, EngineRequestError, EngineStartError, ReadBackFailed
 from replica.launch import (
     EXTENSION_CLS,
@@ -85,31 +85,6 @@ from replica.launch import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _tail(path: Path | None, max_bytes: int = 6000) -> str:
-    if path is None or not path.exists():
-        return "(no log)"
-    with path.open("rb") as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        f.seek(max(0, size - max_bytes))
-        return f.read().decode("utf-8", "replace")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped by its parent) counts as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
@@ -376,26 +351,18 @@ class EngineProcess(EngineClient):
                 f.write(secret)
 
     async def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
+        """Until the server answers /health and lists its model; EngineStartError with its log's
+        tail when it exits first or ``timeout`` passes."""
         async with httpx.AsyncClient(timeout=5.0, headers=self.auth_headers) as client:
-            while True:
-                if self._proc is not None and self._proc.poll() is not None:
-                    raise EngineStartError(
-                        f"vLLM exited with code {self._proc.returncode} before it served "
-                        f"(log {self.log_path}):\n{_tail(self.log_path)}"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    health = await client.get(self.base_url + "/health")
-                    if health.status_code == 200:
-                        models = await client.get(self.base_url + "/v1/models")
-                        if models.status_code == 200 and models.json().get("data"):
-                            return
-                if time.monotonic() > deadline:
-                    raise EngineStartError(
-                        f"vLLM at {self.base_url} not ready after {timeout:.0f}s "
-                        f"(log {self.log_path}):\n{_tail(self.log_path)}"
-                    )
-                await asyncio.sleep(0.5)
+
+            async def serving() -> bool:
+                if (await client.get(self.base_url + "/health")).status_code != 200:
+                    return False
+                models = await client.get(self.base_url + "/v1/models")
+                return models.status_code == 200 and bool(models.json().get("data"))
+
+            await wait_serving(self._proc, serving, name="vLLM", url=self.base_url, log_path=self.log_path,
+                               timeout=timeout, error=EngineStartError, not_yet=(httpx.HTTPError,))
 
     async def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, wait up to ``timeout``, then SIGKILL the process group. Returns the exit code
