@@ -58,6 +58,7 @@ from typing import Any
 
 from common.dynamo_planes import REQUEST_SECRET_PREFIX, request_annotation
 from replica.engine.control import answering, engine_routes, error
+from replica.engine.server import weight_spans
 from replica.engine_routes import DYNAMO_NAME_PREFIX, DYNAMO_ROUTES, ENGINE_ROUTES
 
 ROUTES = ENGINE_ROUTES + DYNAMO_ROUTES
@@ -66,13 +67,6 @@ INSTANCES_WAIT_S = 10.0
 
 
 # -- weight-version spans ------------------------------------------------------------------------
-
-def _spans(output: Any) -> list[dict[str, Any]] | None:
-    spans = getattr(output, "weight_versions", None)
-    if spans is None:
-        return None
-    return [{"version": s.version, "start": s.start, "end": s.end} for s in spans]
-
 
 class Gate:
     """Open, or closed until ``open()``: what every request waits for before the engine (module
@@ -111,7 +105,7 @@ class SpanRecorder:
             async for res in generate(prompt, sampling_params, request_id, *args, **kwargs):
                 for output in getattr(res, "outputs", None) or []:
                     if output.finish_reason is not None:
-                        final.setdefault(request_id, {})[output.index] = _spans(output)
+                        final.setdefault(request_id, {})[output.index] = weight_spans(output)
                 yield res
 
         return recording

@@ -37,7 +37,9 @@ from replica.engine.guard import EngineGuard, read_secret_file
 from replica.engine_routes import ENGINE_ROUTES, VLLM_PREFIX
 
 
-def _spans(output: Any) -> list[dict[str, Any]] | None:
+def weight_spans(output: Any) -> list[dict[str, Any]] | None:
+    """A finished choice's weight-version spans as the wire carries them; None when vLLM kept none
+    (this server's and the Dynamo worker's routes both answer them)."""
     spans = getattr(output, "weight_versions", None)
     if spans is None:
         return None
@@ -51,7 +53,7 @@ async def _recording(results: AsyncIterator[Any], spans: dict[int, Any],
         res = item[1] if isinstance(item, tuple) else item
         for output in res.outputs:
             if output.finish_reason is not None:
-                spans[index_of(item, output)] = _spans(output)
+                spans[index_of(item, output)] = weight_spans(output)
         yield item
 
 
@@ -93,7 +95,7 @@ def patch() -> None:
         # vLLM numbers the choices in this same order (prompt by prompt, output by output).
         outputs = [output for res in final_res_batch for output in res.outputs]
         for choice, output in zip(response.choices, outputs):
-            choice.weight_versions = _spans(output)  # type: ignore[attr-defined]  # an extra field: vLLM's models allow them
+            choice.weight_versions = weight_spans(output)  # type: ignore[attr-defined]  # an extra field: vLLM's models allow them
         return response
 
     async def chat_completion_stream_generator(self: Any, request: Any, result_generator: Any, *args: Any,
