@@ -131,6 +131,9 @@ NON_RETRYABLE_SNAPSHOT = "SnapshotError"
 READ_BACK_FAILED = "ReadBackFailed"
 # An error injected by a fault point (replica/faults.py), in tests of the walk's failure branches.
 INJECTED_FAULT = "InjectedFault"
+# A replica that declined a peer's offer (nothing to pass on yet, or the offer does not match):
+# an answer, not a failure; never retried.
+PEER_OFFER_REFUSED = "PeerOfferRefused"
 
 
 def rejected(code: str, message: str) -> ApplicationError:

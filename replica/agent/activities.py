@@ -42,7 +42,7 @@ from contracts.activities import (
     StageFromPeerInput,
     StageFromPeerResult,
 )
-from contracts.errors import NON_RETRYABLE_SNAPSHOT, READ_BACK_FAILED
+from contracts.errors import NON_RETRYABLE_SNAPSHOT, PEER_OFFER_REFUSED, READ_BACK_FAILED
 from replica.agent.engine_rpc import ReadBackFailed
 from replica.agent.metrics import ReplicaMetrics
 from replica.agent.runtime import ReplicaRuntime
@@ -174,7 +174,7 @@ class PeerActivities:
             await self.runtime.settled()  # the host copy has taken the last update
             return await asyncio.to_thread(self.runtime.make_offer, inp)
         except SnapshotError as exc:
-            raise ApplicationError(str(exc), type="PeerOfferRefused", non_retryable=True) from None
+            raise ApplicationError(str(exc), type=PEER_OFFER_REFUSED, non_retryable=True) from None
 
     @activity.defn(name=names.SEND_TO_PEERS)
     async def send_to_peers(self, offer: PeerOffer) -> int:
@@ -201,7 +201,7 @@ class PeerActivities:
             try:
                 return await self.runtime.stage_from_peer(inp.offer, inp.rank)
             except SnapshotError as exc:
-                raise ApplicationError(str(exc), type="PeerOfferRefused", non_retryable=True) from None
+                raise ApplicationError(str(exc), type=PEER_OFFER_REFUSED, non_retryable=True) from None
             finally:
                 heartbeat.cancel()
 

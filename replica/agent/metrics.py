@@ -40,6 +40,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from temporalio.exceptions import ApplicationError
 
 from common.metrics import OPERATION_BUCKETS, PAUSE_BUCKETS
+from contracts.errors import PEER_OFFER_REFUSED
 
 STATES = ("STARTING", "READY", "UPDATING", "FAILED")
 _LABELS = ("deployment", "replica")
@@ -57,8 +58,6 @@ FAILURES = Counter("rollouts_replica_step_failures", "Failed steps, by reason", 
 DELTA_STAGES = Counter("rollouts_replica_delta_stages", "Delta updates staged, decoded here or copied from "
                        "this host's decode", (*_LABELS, "how"))
 REFUSED = Counter("rollouts_replica_offers_refused", "Offers declined (nothing to pass on yet)", _LABELS)
-# The error type of a declined offer (replica/agent/activities.py): an answer, not a failure.
-OFFER_REFUSED = "PeerOfferRefused"
 STATE = Gauge("rollouts_replica_state", "1 for the replica's current state", (*_LABELS, "state"))
 INFO = Gauge("rollouts_replica_info", "The replica and the snapshot it serves", (*_LABELS, "engine", "snapshot"))
 
@@ -105,7 +104,7 @@ class ReplicaMetrics:
         try:
             yield
         except BaseException as exc:
-            if reason_of(exc) == OFFER_REFUSED:
+            if reason_of(exc) == PEER_OFFER_REFUSED:
                 REFUSED.labels(**self.labels).inc()
             else:
                 FAILURES.labels(**self.labels, step=name, reason=reason_of(exc)).inc()

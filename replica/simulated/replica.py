@@ -44,6 +44,7 @@ from contracts.activities import (
     StageFromPeerInput,
     StageFromPeerResult,
 )
+from contracts.errors import PEER_OFFER_REFUSED
 from replica import faults
 from snapshots.codec import adler32_hex
 
@@ -136,7 +137,7 @@ class SimulatedReplica:
     async def offer_to_peer(self, inp: PeerOfferInput) -> PeerOffer:
         holds = self.serving == inp.identity or (self.staged is not None and self.staged[0] == inp.identity)
         if inp.peer_stage and not holds:
-            raise ApplicationError(f"{self.name} holds no stage of {inp.identity} from a peer", type="PeerOfferRefused",
+            raise ApplicationError(f"{self.name} holds no stage of {inp.identity} from a peer", type=PEER_OFFER_REFUSED,
                                    non_retryable=True)
         if inp.from_stage:
             # The real sender offers a delta's files once its own stage checked them.
@@ -163,7 +164,7 @@ class SimulatedReplica:
             await self._fault("stage_from_peer")
             data = content(inp.offer.identity, self.b.state_bytes)
             if adler32_hex(data) != inp.offer.expected_adler32.get("state"):
-                raise ApplicationError(f"{self.name}: the offer's checksum does not match", type="PeerOfferRefused",
+                raise ApplicationError(f"{self.name}: the offer's checksum does not match", type=PEER_OFFER_REFUSED,
                                        non_retryable=True)
             self.staged = (inp.offer.identity, data)
             self.stage_source = f"peer:{inp.offer.source_replica}"

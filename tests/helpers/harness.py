@@ -46,7 +46,7 @@ from contracts.activities import (
     StartReplicasInput,
     StopReplicasInput,
 )
-from contracts.errors import FAILED_PRECONDITION, NON_RETRYABLE_SNAPSHOT
+from contracts.errors import FAILED_PRECONDITION, NON_RETRYABLE_SNAPSHOT, PEER_OFFER_REFUSED
 from contracts.nodes import PlaceRequest, ReleaseRequest
 from contracts.records import TERMINAL_HOT_LOAD_STATES, DeploymentInput, Placement, ReplicaEndpoint
 from contracts.search import deployment_attributes
@@ -451,7 +451,7 @@ class Fleet:
                 self.peer_events.append((replica, "offered"))
             elif inp.peer_stage:
                 raise ApplicationError(f"{replica} holds no stage of {inp.identity} from a peer",
-                                       type="PeerOfferRefused", non_retryable=True)
+                                       type=PEER_OFFER_REFUSED, non_retryable=True)
             elif inp.from_stage:
                 ready = bucket_stage(inp.hot_load_id)
                 while not ready.done():
@@ -460,7 +460,7 @@ class Fleet:
                 self.peer_events.append((replica, "offered"))
                 if not ready.result() or self.refuse_early_offer:
                     raise ApplicationError(f"{replica} holds no delta files to offer before its swap",
-                                           type="PeerOfferRefused", non_retryable=True)
+                                           type=PEER_OFFER_REFUSED, non_retryable=True)
             return PeerOffer(
                 source_replica=replica, host="127.0.0.1", port=1, backend="test", base_identity=inp.target_identity,
                 identity=inp.identity, chain=inp.chain, specs=[], expected_adler32={},
