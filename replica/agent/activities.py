@@ -25,8 +25,9 @@ agent is noticed within seconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -77,16 +78,12 @@ class ReplicaActivities:
         frontend's routing pool; after `grace_seconds` for routers to notice, the engine pauses
         with ``mode=wait``: it takes no new request and returns once every request it held has
         finished. Returns the seconds that took; the deployment then stops the replica."""
-        heartbeat = asyncio.create_task(_heartbeat_forever())
-        try:
-            async with self.runtime.lock:  # no weight change is under way (none is started after)
-                start = time.perf_counter()
-                await self.runtime.engine.leave_pool()
-                await asyncio.sleep(inp.grace_seconds)
-                await self.runtime.engine.pause(mode="wait")
-                return time.perf_counter() - start
-        finally:
-            heartbeat.cancel()
+        async with heartbeating(), self.runtime.lock:  # no weight change under way (none starts after)
+            start = time.perf_counter()
+            await self.runtime.engine.leave_pool()
+            await asyncio.sleep(inp.grace_seconds)
+            await self.runtime.engine.pause(mode="wait")
+            return time.perf_counter() - start
 
 
 async def measured_step(
@@ -111,14 +108,14 @@ async def replica_step(rt: ReplicaRuntime, step: Callable[[], Awaitable[ApplySna
     are non-retryable errors."""
     async with rt.lock:
         rt.step_canceled.clear()
-        heartbeat = asyncio.create_task(_heartbeat_forever())
         try:
-            running = asyncio.ensure_future(step())
-            try:
-                return await asyncio.shield(running)
-            except asyncio.CancelledError:
-                rt.step_canceled.set()
-                return await running
+            async with heartbeating():
+                running = asyncio.ensure_future(step())
+                try:
+                    return await asyncio.shield(running)
+                except asyncio.CancelledError:
+                    rt.step_canceled.set()
+                    return await running
         except SnapshotError as exc:
             raise ApplicationError(str(exc), type=NON_RETRYABLE_SNAPSHOT, non_retryable=True) from None
         except ReadBackFailed as exc:
@@ -126,14 +123,23 @@ async def replica_step(rt: ReplicaRuntime, step: Callable[[], Awaitable[ApplySna
             # model's every tensor can be tens of thousands of names.
             raise ApplicationError(str(exc), exc.tensors[:DETAIL_NAMES], type=READ_BACK_FAILED,
                                    non_retryable=True) from None
-        finally:
-            heartbeat.cancel()
 
 
-async def _heartbeat_forever(every: float = 2.0) -> None:
-    while True:
-        activity.heartbeat()
-        await asyncio.sleep(every)
+@contextlib.asynccontextmanager
+async def heartbeating(every: float = 2.0) -> AsyncIterator[None]:
+    """Heartbeats the running activity every ``every`` seconds while the block runs, so Temporal
+    sees a long step alive and delivers a cancel to it."""
+
+    async def forever() -> None:
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(every)
+
+    task = asyncio.create_task(forever())
+    try:
+        yield
+    finally:
+        task.cancel()
 
 
 class PeerActivities:
@@ -165,12 +171,8 @@ class PeerActivities:
     async def _offer(self, inp: PeerOfferInput) -> PeerOffer:
         try:
             if inp.from_stage:
-                # Waits for this replica's own update to stage: heartbeat meanwhile.
-                heartbeat = asyncio.create_task(_heartbeat_forever())
-                try:
+                async with heartbeating():  # waits for this replica's own update to stage
                     return await self.runtime.make_offer_from_stage(inp)
-                finally:
-                    heartbeat.cancel()
             await self.runtime.settled()  # the host copy has taken the last update
             return await asyncio.to_thread(self.runtime.make_offer, inp)
         except SnapshotError as exc:
@@ -178,14 +180,11 @@ class PeerActivities:
 
     @activity.defn(name=names.SEND_TO_PEERS)
     async def send_to_peers(self, offer: PeerOffer) -> int:
-        heartbeat = asyncio.create_task(_heartbeat_forever())
-        try:
+        async with heartbeating():
             with self.metrics.step(names.SEND_TO_PEERS):
                 sent = await self.runtime.send_to_peers(offer)
             self.metrics.sent(sent)
             return sent
-        finally:
-            heartbeat.cancel()
 
     @activity.defn(name=names.STAGE_FROM_PEER)
     async def stage_from_peer(self, inp: StageFromPeerInput) -> StageFromPeerResult:
@@ -196,14 +195,11 @@ class PeerActivities:
 
     async def _stage(self, inp: StageFromPeerInput) -> StageFromPeerResult:
         # Under the replica's lock: a stage must not interleave with another weight change.
-        async with self.runtime.lock:
-            heartbeat = asyncio.create_task(_heartbeat_forever())
+        async with self.runtime.lock, heartbeating():
             try:
                 return await self.runtime.stage_from_peer(inp.offer, inp.rank)
             except SnapshotError as exc:
                 raise ApplicationError(str(exc), type=PEER_OFFER_REFUSED, non_retryable=True) from None
-            finally:
-                heartbeat.cancel()
 
     @activity.defn(name=names.COMMIT_PEER_STAGE)
     async def commit_peer_stage(self, inp: CommitPeerStageInput) -> ApplySnapshotResult:
