@@ -20,12 +20,10 @@ HOT_LOAD_WORKFLOW = "HotLoadWorkflow"
 UPDATE_CONFIG = "update_config"
 CREATE_HOT_LOAD = "create_hot_load"
 DELETE = "delete"  # also the gateway workflow's
-VERIFY_REPLICAS = "verify_replicas"
 REPLICA_READY = "replica_ready"
 REPLICA_FAILED = "replica_failed"
 REPLICA_RETRYING = "replica_retrying"
 HOT_LOAD_FINISHED = "hot_load_finished"
-DESCRIBE = "describe"
 # runtime.engine values. dynamo-vllm: each replica is NVIDIA Dynamo's vLLM worker behind Dynamo's
 # frontend; the only engine that hot-loads (the guide). vllm: vLLM's OpenAI server behind the gateway
 # alone; it serves, without hot-loading.

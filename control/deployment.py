@@ -469,7 +469,7 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
         self._publish()
 
     # ------------------------------------------------------------------ replicas report in
-    @workflow.signal
+    @workflow.signal(name=names.REPLICA_READY)
     def replica_ready(self, endpoint: ReplicaEndpoint) -> None:
         if endpoint.name in self.joining and not self.deleting:
             self.joining[endpoint.name] = endpoint  # it becomes a member between hot-loads (control/autoscaler.py)
@@ -496,7 +496,7 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
         self._set_status(status, self._condition("ReplicasReady", False, "ReplicaStartRetrying",
                                                   f"{retry.name}: {retry.reason}"))
 
-    @workflow.signal
+    @workflow.signal(name=names.REPLICA_FAILED)
     def replica_failed(self, failure: ReplicaFailure) -> None:
         """A replica reports its engine dead or its start failed: out of rotation; during
         creation that fails the deployment, afterwards the periodic check restarts it."""

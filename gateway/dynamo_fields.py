@@ -39,7 +39,6 @@ PASSED = (
     "ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "allowed_token_ids",
     "logprob_token_ids", "cache_salt",
 )  # fmt: skip
-TRANSLATED = ("return_token_ids", "prompt_logprobs", "add_special_tokens")
 # Taken by Dynamo but not applied: refused unless the value asks for nothing.
 IGNORED: dict[str, tuple[Any, ...]] = {"echo": (False,), "logit_bias": ({},), "suffix": ("",)}
 # Refused by Dynamo: the values that ask for nothing beyond vLLM's default are removed.

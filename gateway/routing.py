@@ -128,9 +128,6 @@ class DeploymentView:
     def replica(self, name: str) -> ReplicaView | None:
         return next((r for r in self.replicas if r.name == name), None)
 
-    def by_url(self, url: str) -> ReplicaView | None:
-        return next((r for r in self.replicas if r.engine_url == url), None)
-
 
 def build_view(
     deployment_memo: dict[str, Any],

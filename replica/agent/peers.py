@@ -253,10 +253,8 @@ class PeerSteps:
         stage, self.peer_stage, self.stage_passed_on = self.peer_stage, None, None
         if stage is None:
             return
-        if stage.staged is not None:
-            self.host.restore(stage.staged.backups)
-            if stage.staged.path is not None:
-                stage.staged.path.unlink(missing_ok=True)
+        if stage.staged is not None and stage.staged.path is not None:
+            stage.staged.path.unlink(missing_ok=True)
         with contextlib.suppress(Exception):
             await self.engine.discard_staged()
 

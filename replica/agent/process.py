@@ -183,7 +183,7 @@ async def _run_replica(settings: Settings, spec: ReplicaSpec, held: contextlib.E
     except Exception as exc:  # noqa: BLE001 - reported to the deployment, then exit
         log.exception("replica %s failed to start", spec.name)
         await deployment.signal(
-            "replica_failed", ReplicaFailure(name=spec.name, reason=f"start failed: {one_line(exc)}; log {workdir}")
+            names.REPLICA_FAILED, ReplicaFailure(name=spec.name, reason=f"start failed: {one_line(exc)}; log {workdir}")
         )
         if engine is not None:
             await engine.stop()
@@ -318,7 +318,7 @@ async def _serve(spec: ReplicaSpec, client: Any, deployment: Any, engine: Engine
     async with worker:
         now = rfc3339(datetime.now(UTC))
         await deployment.signal(
-            "replica_ready",
+            names.REPLICA_READY,
             ReplicaEndpoint(
                 name=spec.name, zone=spec.zone, task_queue=task_queue, node=spec.node, engine_url=engine.public_url,
                 engine_pid=engine.pid, agent_pid=os.getpid(), current_snapshot_identity=runtime.current_identity,
@@ -342,7 +342,7 @@ async def _until_stopped(name: str, engine: EngineProcess, stop: asyncio.Event, 
             log.error(reason)
             metrics.state("FAILED")
             with contextlib.suppress(Exception):
-                await deployment.signal("replica_failed", ReplicaFailure(name=name, reason=reason))
+                await deployment.signal(names.REPLICA_FAILED, ReplicaFailure(name=name, reason=reason))
             return 1
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=1.0)

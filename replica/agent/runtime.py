@@ -201,7 +201,6 @@ class ReplicaRuntime(PeerSteps):
                 staged.identity, [str(staged.path)], staged.names, expected_adler32=staged.expected
             )
         except Exception as exc:
-            self.host.restore(staged.backups)
             staged.path.unlink(missing_ok=True)  # type: ignore[union-attr]
             raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
                                     f"weights: {one_line(exc)}") from None
@@ -314,59 +313,37 @@ class ReplicaRuntime(PeerSteps):
             self._adopting = None
 
     def stage_chain(self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None) -> StagedUpdate:
-        """Apply the chain links this replica is missing to its host copy (or load a new full
-        base) and write the changed tensors to a staging file; the engine is not touched. (The
-        usual delta update takes `decode_links` instead, which leaves the host copy as it is.)
+        """Load the chain's full base as a new host copy, apply its delta links to it and write
+        every tensor to a staging file; the engine and the current host copy are not touched.
+        (`stage_update` decodes the delta links a replica is missing with `decode_links`; this is
+        the path of a replica that needs a new base, or serves the chain already.)
 
-        A delta link comes from `local_links` when given (received from a peer), else its files
-        are downloaded from the bucket into `links_root` first (a delta's files hold only the
-        changed tensors, so that is what a ranged read would fetch) and kept for peers."""
-        wanted = [link.identity for link in inp.chain]
-        if self.applied == wanted:
+        A delta link comes from `local_links` when given, else its files are downloaded from the
+        bucket into `links_root` first and kept for peers."""
+        if self.applied == [link.identity for link in inp.chain]:
             return StagedUpdate(nothing_to_do=True)
-        staged = StagedUpdate()
         if not inp.chain or inp.chain[0].type != SnapshotType.FULL:
             raise ChainError("the snapshot chain must start with a full snapshot")
-        have = len(self.applied)
-        incremental = have < len(wanted) and self.applied == wanted[:have] and self.applied[0] != "initial"
-        if incremental:
-            todo: list[SnapshotRef] = inp.chain[have:]
-            target = self.host
-        else:
-            base = inp.chain[0]
-            staged.new_host_arena = StageArena()
-            target = HostWeights.load(snapshot_uri(inp.bucket, inp.path_prefix, base.identity), s3=self.s3,
-                                      allocate=staged.new_host_arena.allocate)
-            staged.new_host = target
-            staged.bytes_read += target.total_bytes
-            staged.links.append(base.identity)
-            staged.changed_by_link[base.identity] = None
-            todo = inp.chain[1:]
-        changed: set[str] = set()
-        try:
-            for link in todo:
-                location = (local_links or {}).get(link.identity)
-                if location is None:
-                    location = self.links_root / link.identity
-                    prefix = "/".join(p for p in (inp.path_prefix.strip("/"), link.identity) if p)
-                    staged.bytes_read += download_prefix(self.s3, inp.bucket, prefix, location)
-                plan = read_delta_plan(location)
-                if staged.new_host is None:
-                    # Each delta is all-or-nothing; a chain of several is undone from these copies.
-                    fresh = [n for n in plan.tensors if n not in staged.backups and n in target]
-                    staged.backups.update(target.save(fresh))
-                link_changed = target.apply_delta(plan)
-                changed.update(link_changed)
-                staged.changed_by_link[link.identity] = list(link_changed)
-                staged.links.append(link.identity)
-                staged.link_dirs[link.identity] = Path(location)
-        except Exception:
-            self.host.restore(staged.backups)
-            raise
+        staged = StagedUpdate(new_host_arena=StageArena())
+        base = inp.chain[0]
+        target = HostWeights.load(snapshot_uri(inp.bucket, inp.path_prefix, base.identity), s3=self.s3,
+                                  allocate=staged.new_host_arena.allocate)
+        staged.new_host = target
+        staged.bytes_read += target.total_bytes
+        staged.links.append(base.identity)
+        staged.changed_by_link[base.identity] = None
+        for link in inp.chain[1:]:
+            location = (local_links or {}).get(link.identity)
+            if location is None:
+                location = self.links_root / link.identity
+                prefix = "/".join(p for p in (inp.path_prefix.strip("/"), link.identity) if p)
+                staged.bytes_read += download_prefix(self.s3, inp.bucket, prefix, location)
+            staged.changed_by_link[link.identity] = list(target.apply_delta(read_delta_plan(location)))
+            staged.links.append(link.identity)
+            staged.link_dirs[link.identity] = Path(location)
         staged.identity = inp.identity
-        staged.names = sorted(target.names() if staged.new_host is not None else changed)
-        wanted = set(staged.names)  # (once: a set per tensor was quadratic, seconds at 18,867 tensors)
-        staged.expected = {n: c for n, c in target.checksums().items() if n in wanted}
+        staged.names = sorted(target.names())
+        staged.expected = target.checksums()
         staged.path = self._write_staging(target, staged.names, inp.identity)
         return staged
 
@@ -439,7 +416,7 @@ class ReplicaRuntime(PeerSteps):
         copy's adoption; returns (pause ms, ms of the proof inside it, tensors proven, where the
         pause went, the bytes it moved)."""
         try:
-            pause_ms, swap = await self._swap_staged(staged.identity, staged.backups, staged.names, policy)
+            pause_ms, swap = await self._swap_staged(staged.identity, {}, staged.names, policy)
         finally:
             if staged.path is not None:
                 staged.path.unlink(missing_ok=True)

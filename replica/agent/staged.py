@@ -44,7 +44,6 @@ class StagedUpdate:
     links: list[str] = field(default_factory=list)
     bytes_read: int = 0
     new_host: Any = None  # a new HostWeights when the chain starts from another full base
-    backups: dict[str, np.ndarray] = field(default_factory=dict)  # old bytes of in-place changes
     expected: dict[str, str] = field(default_factory=dict)  # Adler-32 of each staged tensor
     changed_by_link: dict[str, list[str] | None] = field(default_factory=dict)
     # New bytes decoded into the stage arena (the host copy adopts them after the swap).

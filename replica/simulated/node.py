@@ -99,7 +99,7 @@ class SimulatedNode:
             self.running[key] = Running(replica, worker, asyncio.create_task(worker.run()), inp.deployment_workflow_id)
             now = rfc3339(datetime.now(UTC))
             await self.client.get_workflow_handle(inp.deployment_workflow_id).signal(
-                "replica_ready",
+                names.REPLICA_READY,
                 ReplicaEndpoint(
                     name=name, zone=inp.zone, task_queue=task_queue, node=self.name,
                     engine_url=f"{ENGINE}://{self.name}/{name}", engine_pid=0, agent_pid=os.getpid(),

@@ -384,7 +384,7 @@ class Fleet:
             if not self.report_ready:
                 continue
             await handle.signal(
-                "replica_ready",
+                names.REPLICA_READY,
                 ReplicaEndpoint(
                     name=name, zone=ZONE, task_queue=tq, engine_url="http://127.0.0.1:1",
                     engine_pid=1000 + i, agent_pid=2000 + i, started_at="2026-01-01T00:00:00.000000Z",
