@@ -44,7 +44,7 @@ try:  # zlib-ng's SIMD Adler-32 runs ~6x zlib's on these machines; same values
 except ImportError:  # pragma: no cover - zlib-ng is a dependency; keep working without it
     from zlib import adler32 as adler32  # type: ignore[assignment]
 
-from snapshots import sparse
+import snapshots.sparse as sparse
 from snapshots.errors import ChecksumError, DeltaMismatchError, SnapshotError
 from snapshots.inspect import DeltaPlan, DeltaTensor
 

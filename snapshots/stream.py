@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from snapshots import sparse
+import snapshots.sparse as sparse
 from snapshots.codec import (
     DeltaReport,
     adler32,
