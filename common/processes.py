@@ -8,6 +8,7 @@ also records the process start time so a recycled pid is never killed by mistake
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -202,6 +203,22 @@ def tail(path: Path | None, lines: int = 30, max_bytes: int = 65536) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:])
+
+
+async def terminate(proc: subprocess.Popen, timeout: float, every: float = 0.2) -> int:
+    """SIGTERM ``proc``, wait up to ``timeout`` for it to exit, then SIGKILL its process group (it
+    leads one: :func:`spawn`, ``start_new_session``); returns its exit code."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(every)
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await asyncio.to_thread(proc.wait)
+    return proc.returncode
 
 
 async def wait_serving(

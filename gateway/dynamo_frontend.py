@@ -19,20 +19,16 @@ only; ``url`` is then ``https://``.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 from common.dynamo_planes import discovery_problem, plane_args, plane_env
 from common.dynamo_tls import DynamoTls
-from common.processes import free_port, wait_serving
+from common.processes import free_port, terminate, wait_serving
 
 FRONTEND_MODULE = "dynamo.frontend"
 
@@ -135,12 +131,4 @@ class DynamoFrontend:
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while proc.poll() is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await asyncio.to_thread(proc.wait)
+        await terminate(proc, timeout, every=0.1)

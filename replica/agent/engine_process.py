@@ -73,7 +73,7 @@ from typing import Any
 import httpx
 
 from common.addresses import AddressError, check_bind_host, host_port, interface_of, is_loopback, is_wildcard
-from common.processes import free_port, pid_alive, wait_serving
+from common.processes import free_port, pid_alive, terminate, wait_serving
 from replica.agent.engine_rpc import EngineClient, EngineError, EngineRequestError, EngineStartError, ReadBackFailed
 from replica.launch import (
     EXTENSION_CLS,
@@ -372,20 +372,10 @@ class EngineProcess(EngineClient):
         if pid is None:
             return None
         if self._proc is not None:
-            proc = self._proc
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-                deadline = time.monotonic() + timeout
-                while proc.poll() is None and time.monotonic() < deadline:
-                    await asyncio.sleep(0.2)
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-                await asyncio.to_thread(proc.wait)
+            code = await terminate(self._proc, timeout)
             # The engine core and worker share the server's process group; wait for them too.
             await self._kill_group_leftovers(pid)
-            return proc.returncode
+            return code
         if pid_alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)

@@ -5,6 +5,7 @@ answers; a non-reaping ``pid_alive`` leaves the exit code to the ``Popen``."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from common.processes import pid_alive, tail, wait_serving
+from common.processes import pid_alive, tail, terminate, wait_serving
 
 
 class Down(Exception):
@@ -64,3 +65,17 @@ def test_tail_reads_the_last_lines_of_a_large_log(tmp_path: Path) -> None:
     log.write_text("".join(f"line {i}\n" for i in range(100_000)))
     assert tail(log, 2) == "line 99998\nline 99999"
     assert tail(tmp_path / "missing.log") == "(no log)"
+
+
+async def test_terminate_kills_the_group_of_a_process_deaf_to_sigterm(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    code = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "open(sys.argv[1], 'w').close(); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(ready)], start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the process did not start"
+        time.sleep(0.02)
+    assert await terminate(proc, timeout=0.2) == -signal.SIGKILL
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    assert await terminate(polite, timeout=60) == -signal.SIGTERM
