@@ -35,10 +35,10 @@ class SingleFlight:
         if not self.running():
             self.current = _retrieved(asyncio.ensure_future(start()))
             return self.current
-        if not self.after_call:
-            assert self.current is not None
-            return self.current
         previous = self.current
+        assert previous is not None  # running()
+        if not self.after_call:
+            return previous
 
         async def after_previous() -> Any:
             await asyncio.wait([previous])

@@ -410,9 +410,10 @@ class Settings:
         missing = sorted(set(PORT_OFFSETS) - set(data.get("ports", {})))
         unknown = sorted(set(data) - {f.name for f in fields(cls)})
         if missing or unknown:
-            raise SystemExit(f"{path} was written before rollouts 0.1.0 (ports missing: {', '.join(missing) or 'none'}; "
-                             f"unknown keys: {', '.join(unknown) or 'none'}): stop its stack and remove that home "
-                             "(`make clean-data` for .rollouts), then `rollouts up` writes a new one")
+            raise SystemExit(f"{path} was written before rollouts 0.1.0 (ports missing: "
+                             f"{', '.join(missing) or 'none'}; unknown keys: {', '.join(unknown) or 'none'}): stop "
+                             "its stack and remove that home (`make clean-data` for .rollouts), then `rollouts up` "
+                             "writes a new one")
         return cls(**data, owned=True)
 
     @classmethod
