@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 
 from contracts import names
-from contracts.records import HotLoadState
+from contracts.records import TERMINAL_HOT_LOAD_STATES
 
 HISTORIES = sorted((Path(__file__).resolve().parents[1] / "histories").glob("hotLoads%2F*.json"))
-TERMINAL = {s.value for s in HotLoadState if s.terminal}
 
 
 def _decoded(payload: dict) -> object:
@@ -46,7 +45,7 @@ def first_terminal_and_finished_signal(events: list[dict]) -> tuple[int, int | N
         if e.get("signalExternalWorkflowExecutionInitiatedEventAttributes", {}).get("signalName")
         == names.HOT_LOAD_FINISHED
     }
-    terminal = next(i for i, e in enumerate(events) if shown_state(e) in TERMINAL)
+    terminal = next(i for i, e in enumerate(events) if shown_state(e) in TERMINAL_HOT_LOAD_STATES)
     delivered = next((i for i, e in enumerate(events)
                       if e.get("externalWorkflowExecutionSignaledEventAttributes", {}).get("initiatedEventId")
                       in finished_initiated), None)

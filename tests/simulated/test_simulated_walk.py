@@ -31,10 +31,11 @@ from temporalio.service import RPCError
 from common.processes import stop_pid
 from common.settings import temporal_client
 from contracts import names
+from contracts.records import TERMINAL_HOT_LOAD_STATES as TERMINAL
 from snapshots.synthetic import make_checkpoint_pair
 from snapshots.writer import write_delta
 from tests.helpers.deployments import delete_deployment
-from tests.helpers.replicas import TERMINAL, fault, faults, hot_load, hot_load_body, hot_load_replicas
+from tests.helpers.replicas import fault, faults, hot_load, hot_load_body, hot_load_replicas
 from tests.helpers.stack_fixtures import Api, cwtrain_python, wait_registered
 from workers.stack import upload_dir
 
