@@ -95,14 +95,15 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from common import dynamo_tls
+from common import dynamo_tls, envs
 from common.addresses import host_port
-from common.dynamo_planes import DISCOVERY_BACKENDS, broker_url
+from common.dynamo_planes import broker_url
 from common.dynamo_tls import DynamoTls
 
-DEFAULT_HOME = Path(".rollouts")
+T = TypeVar("T")
+DEFAULT_HOME = envs.ROLLOUTS_HOME.default
 LOOPBACK = "127.0.0.1"
 # The header that carries a replica engine's secret (replica/engine/guard.py checks it).
 ENGINE_SECRET_HEADER = "x-rollouts-engine-secret"
@@ -127,32 +128,29 @@ PORT_OFFSETS = {
 }
 DEFAULT_PORT_BASE = 17200
 
-# The address the embedded stack's services, the API and the gateway bind and advertise.
-HOST_ENV = "ROLLOUTS_HOST"
+# The variables (common/envs.py) by the names other modules import.
+HOST_ENV = envs.ROLLOUTS_HOST.name
+HOT_LOAD_ENGINES_ENV = envs.ROLLOUTS_HOT_LOAD_ENGINES.name
+ENGINE_CACHE_ENV = envs.ROLLOUTS_ENGINE_CACHE_DIR.name
 # Ports a process may be told to listen on instead of its stack's.
-PORT_ENVS = {"api": "ROLLOUTS_API_PORT", "gateway": "ROLLOUTS_GATEWAY_PORT",
-             "worker_metrics": "ROLLOUTS_WORKER_METRICS_PORT"}
-# Engines whose deployments may hot-load, comma-separated (Settings.hot_load_engines).
-HOT_LOAD_ENGINES_ENV = "ROLLOUTS_HOT_LOAD_ENGINES"
-ENGINE_CACHE_ENV = "ROLLOUTS_ENGINE_CACHE_DIR"
+PORT_VARS = {"api": envs.ROLLOUTS_API_PORT, "gateway": envs.ROLLOUTS_GATEWAY_PORT,
+             "worker_metrics": envs.ROLLOUTS_WORKER_METRICS_PORT}
+PORT_ENVS = {service: var.name for service, var in PORT_VARS.items()}
 # Plain string fields any process takes from ROLLOUTS_<FIELD_UPPER> when set.
-ENV_FIELDS = ("bucket", "zone", "organization_id", "gateway_id", "model_name", "base_model_path")
+FIELD_VARS = {"bucket": envs.ROLLOUTS_BUCKET, "zone": envs.ROLLOUTS_ZONE,
+              "organization_id": envs.ROLLOUTS_ORGANIZATION_ID, "gateway_id": envs.ROLLOUTS_GATEWAY_ID,
+              "model_name": envs.ROLLOUTS_MODEL_NAME, "base_model_path": envs.ROLLOUTS_BASE_MODEL_PATH}
+ENV_FIELDS = tuple(FIELD_VARS)
 # What a cluster install (no stack.json) must set: Settings.from_env.
 REQUIRED_ENV = ("TEMPORAL_ADDRESS", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                "ROLLOUTS_ENGINE_KEY")
+                envs.ROLLOUTS_ENGINE_KEY.name)
 
-# What locates a stack or names its parts: what the settings read from the environment (all but
-# ROLLOUTS_REPLICA_METRICS_PORT, a per-process port), what stack.env writes, and
-# `rollouts dynamo-frontend`'s port and address. A process a stack starts gets none of them, nor
-# any variable with a prefix of STACK_ENV_PREFIXES (without_stack_env): the temporal CLI, boto3
-# and cwtrain read those.
-STACK_ENV = (
-    "ROLLOUTS_HOME", "ROLLOUTS_API_URL", "ROLLOUTS_GATEWAY_URL", "ROLLOUTS_DYNAMO_FRONTEND_URL",
-    "ROLLOUTS_TOKENS_FILE", "ROLLOUTS_ENGINE_KEY", "ROLLOUTS_VIEWER_TOKEN", HOST_ENV, *PORT_ENVS.values(),
-    *(f"ROLLOUTS_{name.upper()}" for name in ENV_FIELDS), "ROLLOUTS_DYNAMO_ROUTER_MODE",
-    "ROLLOUTS_DYNAMO_DISCOVERY", "ROLLOUTS_DYNAMO_DISCOVERY_DIR", "ROLLOUTS_DYNAMO_PORT", "ROLLOUTS_DYNAMO_ADDRESS",
-    "ROLLOUTS_DYNAMO_TLS_DIR", "ROLLOUTS_DYNAMO_EVENT_BROKER",
-)
+# What locates a stack or names its parts (the variables common/envs.py marks ``stack``): what the
+# settings read from the environment (all but ROLLOUTS_REPLICA_METRICS_PORT, a per-process port),
+# what stack.env writes, and `rollouts dynamo-frontend`'s port and address. A process a stack starts
+# gets none of them, nor any variable with a prefix of STACK_ENV_PREFIXES (without_stack_env): the
+# temporal CLI, boto3 and cwtrain read those.
+STACK_ENV = tuple(name for name, var in envs.TABLE.items() if var.stack)
 STACK_ENV_PREFIXES = ("TEMPORAL_", "AWS_", "CW_")
 
 # Search attributes the workflows set; registered when the dev server starts.
@@ -168,7 +166,7 @@ SEARCH_ATTRIBUTES = {
 
 
 def home_from_env() -> Path:
-    return Path(os.environ.get("ROLLOUTS_HOME") or DEFAULT_HOME).absolute()
+    return envs.ROLLOUTS_HOME.get().absolute()
 
 
 def without_stack_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -178,15 +176,12 @@ def without_stack_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in STACK_ENV and not k.startswith(STACK_ENV_PREFIXES)}
 
 
-def _port(name: str, value: str) -> int:
-    """The port in environment variable ``name``; SystemExit naming it when it is not one."""
+def _or_exit(var: envs.Var[T], env: Mapping[str, str]) -> T:
+    """``var``'s value in ``env``; SystemExit naming it when the value does not parse."""
     try:
-        port = int(value)
-    except ValueError:
-        port = -1
-    if not 0 < port < 65536:
-        raise SystemExit(f"{name}={value!r} is not a TCP port (1-65535)")
-    return port
+        return var.get(env)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 @dataclass
@@ -233,7 +228,7 @@ class Settings:
         """The environment of a process this stack starts: ``base`` (default this process's)
         without another stack's variables (:func:`without_stack_env`), ``ROLLOUTS_HOME`` this
         home; its :meth:`load` then reads this home's ``stack.json`` alone."""
-        return {**without_stack_env(os.environ if base is None else base), "ROLLOUTS_HOME": self.home}
+        return {**without_stack_env(os.environ if base is None else base), envs.ROLLOUTS_HOME.name: self.home}
 
     @property
     def temporal_address(self) -> str:
@@ -255,11 +250,11 @@ class Settings:
 
     @property
     def api_url(self) -> str:
-        return self.env.get("ROLLOUTS_API_URL") or f"http://{host_port(self.host, self.ports['api'])}"
+        return envs.ROLLOUTS_API_URL.get(self.env) or f"http://{host_port(self.host, self.ports['api'])}"
 
     @property
     def gateway_url(self) -> str:
-        return self.env.get("ROLLOUTS_GATEWAY_URL") or f"http://{host_port(self.host, self.ports['gateway'])}"
+        return envs.ROLLOUTS_GATEWAY_URL.get(self.env) or f"http://{host_port(self.host, self.ports['gateway'])}"
 
     @property
     def dynamo_frontend_url(self) -> str:
@@ -267,14 +262,14 @@ class Settings:
         when the stack's Dynamo TLS certificates exist: :meth:`dynamo_tls`)."""
         port = self.ports["dynamo"]
         scheme = "https" if self.dynamo_tls() is not None else "http"
-        return self.env.get("ROLLOUTS_DYNAMO_FRONTEND_URL") or f"{scheme}://{host_port(self.host, port)}"
+        return envs.ROLLOUTS_DYNAMO_FRONTEND_URL.get(self.env) or f"{scheme}://{host_port(self.host, port)}"
 
     @property
     def dynamo_tls_dir(self) -> Path:
         """The stack's Dynamo TLS certificates (``common/dynamo_tls.py``): ``ROLLOUTS_DYNAMO_TLS_DIR``,
         default ``HOME/dynamo/tls``; a node agent of a cluster install is given the control
         plane's copy."""
-        return Path(self.env.get("ROLLOUTS_DYNAMO_TLS_DIR") or self.home_path / "dynamo" / "tls")
+        return envs.ROLLOUTS_DYNAMO_TLS_DIR.get(self.env) or self.home_path / "dynamo" / "tls"
 
     def dynamo_tls(self) -> DynamoTls | None:
         """The stack's Dynamo TLS certificates, or None where there are none (SystemExit naming
@@ -291,7 +286,7 @@ class Settings:
         a stack.json (the embedded stack, which runs the relay: gateway/dynamo_events.py), its
         relay on this host's ``dynamo_events_in`` / ``dynamo_events_out`` ports; else None
         (a cluster install without a relay: Dynamo's direct mode)."""
-        if value := self.env.get("ROLLOUTS_DYNAMO_EVENT_BROKER"):
+        if value := envs.ROLLOUTS_DYNAMO_EVENT_BROKER.get(self.env):
             return value
         if not (self.home_path / "stack.json").exists():
             return None
@@ -300,59 +295,44 @@ class Settings:
     @property
     def dynamo_discovery_backend(self) -> str:
         """Dynamo's discovery backend (``ROLLOUTS_DYNAMO_DISCOVERY``; default ``file``)."""
-        backend = self.env.get("ROLLOUTS_DYNAMO_DISCOVERY") or "file"
-        if backend not in DISCOVERY_BACKENDS:
-            raise SystemExit(f"ROLLOUTS_DYNAMO_DISCOVERY: {backend!r} is not one of {', '.join(DISCOVERY_BACKENDS)}")
-        return backend
+        return _or_exit(envs.ROLLOUTS_DYNAMO_DISCOVERY, self.env)
 
     @property
     def dynamo_discovery_dir(self) -> Path:
         """Dynamo's ``file`` discovery directory, shared by its frontend and every worker."""
-        return Path(self.env.get("ROLLOUTS_DYNAMO_DISCOVERY_DIR") or self.home_path / "dynamo" / "discovery")
+        return envs.ROLLOUTS_DYNAMO_DISCOVERY_DIR.get(self.env) or self.home_path / "dynamo" / "discovery"
 
     @property
     def node_lost_after_s(self) -> float | None:
         """``ROLLOUTS_NODE_LOST_AFTER_S``: a positive number of seconds, or None when unset."""
-        value = self.env.get("ROLLOUTS_NODE_LOST_AFTER_S")
-        if not value:
-            return None
-        try:
-            seconds = float(value)
-        except ValueError:
-            raise ValueError(f"ROLLOUTS_NODE_LOST_AFTER_S={value!r} is not a number of seconds") from None
-        if not seconds > 0:
-            raise ValueError(f"ROLLOUTS_NODE_LOST_AFTER_S={value!r} must be more than 0")
-        return seconds
+        return envs.ROLLOUTS_NODE_LOST_AFTER_S.get(self.env)
 
     @property
     def replica_metrics_port(self) -> int:
         """The port of each replica agent's Prometheus endpoint (``ROLLOUTS_REPLICA_METRICS_PORT``;
         default 0: any free port, reported in the replica's ``metrics_url``)."""
-        value = self.env.get("ROLLOUTS_REPLICA_METRICS_PORT")
-        return _port("ROLLOUTS_REPLICA_METRICS_PORT", value) if value else 0
+        return _or_exit(envs.ROLLOUTS_REPLICA_METRICS_PORT, self.env) or 0
 
     @property
     def hot_load_engines(self) -> tuple[str, ...] | None:
         """The engines ``ROLLOUTS_HOT_LOAD_ENGINES`` names, or None when it is unset or blank; read
         from this process's environment whether or not the settings are :attr:`owned`."""
-        value = os.environ.get(HOT_LOAD_ENGINES_ENV, "").strip()
-        return tuple(e.strip() for e in value.split(",") if e.strip()) if value else None
+        return envs.ROLLOUTS_HOT_LOAD_ENGINES.get()
 
     @property
     def engine_cache_dir(self) -> Path:
         """``ROLLOUTS_ENGINE_CACHE_DIR`` when set (read from this process's environment whether or
         not the settings are :attr:`owned`), else ``HOME/engine-cache``."""
-        value = os.environ.get(ENGINE_CACHE_ENV, "").strip()
-        return Path(value) if value else self.home_path / "engine-cache"
+        return envs.ROLLOUTS_ENGINE_CACHE_DIR.get() or self.home_path / "engine-cache"
 
     @property
     def tokens_file(self) -> Path:
-        return Path(self.env.get("ROLLOUTS_TOKENS_FILE") or self.home_path / "tokens.json")
+        return Path(envs.ROLLOUTS_TOKENS_FILE.get(self.env) or self.home_path / "tokens.json")
 
     def engine_secret(self, deployment_workflow_id: str, replica: str) -> str:
         """The secret of replica ``replica`` of the deployment whose workflow id is given: what
         its engine requires in ``ENGINE_SECRET_HEADER`` (module docstring)."""
-        key = self.env.get("ROLLOUTS_ENGINE_KEY") or self.engine_key
+        key = envs.ROLLOUTS_ENGINE_KEY.get(self.env) or self.engine_key
         if not key:
             raise ValueError("engine_key is empty: set it in stack.json or ROLLOUTS_ENGINE_KEY")
         message = f"{deployment_workflow_id}\n{replica}".encode()
@@ -434,7 +414,7 @@ class Settings:
             s3_access_key=env["AWS_ACCESS_KEY_ID"],
             s3_secret_key=env["AWS_SECRET_ACCESS_KEY"],
             s3_region=env.get("AWS_REGION") or "us-east-1",
-            engine_key=env["ROLLOUTS_ENGINE_KEY"],
+            engine_key=env[envs.ROLLOUTS_ENGINE_KEY.name],
         ).with_env()
 
     def with_env(self) -> Settings:
@@ -443,17 +423,15 @@ class Settings:
         applied; the other variables are read where they are used (the properties above)."""
         self.owned = False
         env = os.environ
-        self.host = env.get(HOST_ENV) or self.host
+        self.host = envs.ROLLOUTS_HOST.get(env) or self.host
         self.ports = dict(self.ports)
-        for service, name in PORT_ENVS.items():
-            if env.get(name):
-                self.ports[service] = _port(name, env[name])
-        for name in ENV_FIELDS:
-            value = env.get(f"ROLLOUTS_{name.upper()}")
-            if value:
+        for service, var in PORT_VARS.items():
+            if port := _or_exit(var, env):
+                self.ports[service] = port
+        for name, field_var in FIELD_VARS.items():
+            if value := field_var.get(env):
                 setattr(self, name, value)
-        if env.get("ROLLOUTS_DYNAMO_ROUTER_MODE"):
-            self.dynamo_router_mode = env["ROLLOUTS_DYNAMO_ROUTER_MODE"]
+        self.dynamo_router_mode = envs.ROLLOUTS_DYNAMO_ROUTER_MODE.get(env) or self.dynamo_router_mode
         return self
 
     @classmethod
@@ -494,26 +472,26 @@ class Settings:
     def stack_env(self) -> dict[str, str]:
         """The `KEY=value` lines of stack.env: what a trainer's shell needs (cwtrain, aws, boto3)."""
         return {
-            "ROLLOUTS_HOME": self.home,
-            "ROLLOUTS_API_URL": self.api_url,
+            envs.ROLLOUTS_HOME.name: self.home,
+            envs.ROLLOUTS_API_URL.name: self.api_url,
             "CW_BASE_URL": self.api_url,
             "CW_API_TOKEN": self.admin_token,
-            "ROLLOUTS_VIEWER_TOKEN": self.viewer_token,
+            envs.ROLLOUTS_VIEWER_TOKEN.name: self.viewer_token,
             "AWS_ACCESS_KEY_ID": self.s3_access_key,
             "AWS_SECRET_ACCESS_KEY": self.s3_secret_key,
             "AWS_REGION": self.s3_region,
             "AWS_DEFAULT_REGION": self.s3_region,
             "CW_S3_ENDPOINT": self.s3_endpoint,
             "AWS_ENDPOINT_URL_S3": self.s3_endpoint,
-            "ROLLOUTS_BUCKET": self.bucket,
-            "ROLLOUTS_BASE_MODEL_PATH": self.base_model_path,
-            "ROLLOUTS_MODEL_NAME": self.model_name,
-            "ROLLOUTS_GATEWAY_ID": self.gateway_id,
-            "ROLLOUTS_GATEWAY_URL": self.gateway_url,
+            envs.ROLLOUTS_BUCKET.name: self.bucket,
+            envs.ROLLOUTS_BASE_MODEL_PATH.name: self.base_model_path,
+            envs.ROLLOUTS_MODEL_NAME.name: self.model_name,
+            envs.ROLLOUTS_GATEWAY_ID.name: self.gateway_id,
+            envs.ROLLOUTS_GATEWAY_URL.name: self.gateway_url,
             "TEMPORAL_ADDRESS": self.temporal_address,
             "TEMPORAL_NAMESPACE": self.temporal_namespace,
             "TEMPORAL_UI_URL": self.temporal_ui_url,
-            "ROLLOUTS_DYNAMO_FRONTEND_URL": self.dynamo_frontend_url,
+            envs.ROLLOUTS_DYNAMO_FRONTEND_URL.name: self.dynamo_frontend_url,
         }
 
 

@@ -40,6 +40,8 @@ ALL_ENV = (
     "ROLLOUTS_WORKER_METRICS_PORT",
     "ROLLOUTS_REPLICA_METRICS_PORT",
     "ROLLOUTS_NODE_LOST_AFTER_S",
+    "ROLLOUTS_HOT_LOAD_ENGINES",
+    "ROLLOUTS_ENGINE_CACHE_DIR",
     *(f"ROLLOUTS_{name.upper()}" for name in ENV_FIELDS),
 )
 
@@ -62,6 +64,7 @@ def test_the_module_docstring_names_every_variable_it_reads() -> None:
     source = Path(settings_module.__file__).read_text()
     # Variables read by name, and those read through the module's tables.
     read = {a or b for a, b in re.findall(r'(?:environ|env)\.get\("([A-Z0-9_]+)"\)|env\["([A-Z0-9_]+)"\]', source)}
+    read |= set(re.findall(r"envs\.(ROLLOUTS_[A-Z0-9_]+)\.get\(", source))  # through common/envs.py
     read |= {HOST_ENV, *PORT_ENVS.values(), *REQUIRED_ENV, *(f"ROLLOUTS_{name.upper()}" for name in ENV_FIELDS)}
     assert {"TEMPORAL_ADDRESS", "ROLLOUTS_HOST", "ROLLOUTS_API_PORT", "ROLLOUTS_ENGINE_KEY", "ROLLOUTS_BUCKET"} <= read
     assert read <= set(ALL_ENV), read - set(ALL_ENV)  # this test clears all of them
@@ -127,7 +130,7 @@ def test_dynamo_settings_from_stack_json_or_the_environment(tmp_path: Path, monk
     monkeypatch.setenv("ROLLOUTS_DYNAMO_DISCOVERY", "kubernetes")
     assert Settings.load(tmp_path).dynamo_discovery_backend == "kubernetes"
     monkeypatch.setenv("ROLLOUTS_DYNAMO_DISCOVERY", "etcd")
-    with pytest.raises(SystemExit, match="ROLLOUTS_DYNAMO_DISCOVERY: 'etcd'"):
+    with pytest.raises(SystemExit, match="ROLLOUTS_DYNAMO_DISCOVERY='etcd': not one of file, kubernetes"):
         Settings.load(tmp_path).dynamo_discovery_backend
     assert loaded.dynamo_discovery_dir == Path("/shared/discovery")
     assert loaded.stack_env()["ROLLOUTS_DYNAMO_FRONTEND_URL"] == "http://127.0.0.1:24002"
@@ -139,7 +142,7 @@ def test_a_port_that_is_not_one_names_its_variable(tmp_path: Path, monkeypatch: 
     Settings.create(tmp_path).save()
     for value in ("http", "0", "70000"):
         monkeypatch.setenv("ROLLOUTS_API_PORT", value)
-        with pytest.raises(SystemExit, match=f"ROLLOUTS_API_PORT='{value}' is not a TCP port"):
+        with pytest.raises(SystemExit, match=f"ROLLOUTS_API_PORT='{value}': not a TCP port"):
             Settings.load(tmp_path)
 
 
