@@ -53,6 +53,7 @@ import zstandard
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common import envs  # noqa: E402
 from snapshots.codec import adler32, default_workers, fill_from  # noqa: E402
 from snapshots.host import HostWeights  # noqa: E402
 from snapshots.inspect import read_delta_plan  # noqa: E402
@@ -227,7 +228,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs of each measurement; the best is reported")
     parser.add_argument("--workdir", type=Path, help="where to build the checkpoints (default: a temp dir)")
     parser.add_argument(
-        "--cwtrain-python", default=os.environ.get("ROLLOUTS_CWTRAIN_PYTHON", str(REPO / ".venv-cw/bin/python"))
+        "--cwtrain-python", default=envs.ROLLOUTS_CWTRAIN_PYTHON.get() or str(REPO / ".venv-cw/bin/python")
     )
     args = parser.parse_args()
     workers = default_workers()

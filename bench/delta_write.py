@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common import envs  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
 
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=float, default=1024)
     parser.add_argument("--workdir", type=Path)
     parser.add_argument(
-        "--cwtrain-python", default=os.environ.get("ROLLOUTS_CWTRAIN_PYTHON", str(REPO / ".venv-cw/bin/python"))
+        "--cwtrain-python", default=envs.ROLLOUTS_CWTRAIN_PYTHON.get() or str(REPO / ".venv-cw/bin/python")
     )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:

@@ -2,9 +2,10 @@
 how its value is parsed and one line on what it does (:data:`TABLE`, in declaration order).
 
 A module reads its variable through its entry (``envs.ROLLOUTS_SHM_DIR.get()``), never
-``os.environ`` by name. :meth:`Var.get` reads the environment when it is called (a test or a bench
-may set a variable before the code that reads it runs), so a caller on a hot path reads once, when
-it starts, and keeps the value. An unset or blank variable is its default; a value that does not
+``os.environ`` by name (the Python client, rollouts/, stands alone and reads ``ROLLOUTS_API_URL``
+itself). :meth:`Var.get` reads the environment when it is called (a test or a bench may set a
+variable before the code that reads it runs), so a caller on a hot path reads once, when it
+starts, and keeps the value. An unset or blank variable is its default; a value that does not
 parse is a ValueError naming the variable and the value. ``stack=True`` marks the variables that
 locate a stack or name its parts: ``common.settings.STACK_ENV``, which a process a stack starts
 does not inherit. docs/operations.md's table of them is :func:`markdown` (``python -m common.envs``);
@@ -117,7 +118,7 @@ def _str(value: str) -> str:
 
 # ------------------------------------------------------------------ where the stack is (stack=True)
 ROLLOUTS_HOME = _declare("ROLLOUTS_HOME", Path, Path(".rollouts"), "the stack's home (stack.json, tokens, logs)",
-                         stack=True)
+                         shown="`./.rollouts`", stack=True)
 ROLLOUTS_API_URL = _declare("ROLLOUTS_API_URL", _str, None, "where the others reach the API",
                             shown="http://HOST:port base", stack=True)
 ROLLOUTS_GATEWAY_URL = _declare("ROLLOUTS_GATEWAY_URL", _str, None, "where the others reach the gateway",
@@ -132,7 +133,8 @@ ROLLOUTS_VIEWER_TOKEN = _declare("ROLLOUTS_VIEWER_TOKEN", _str, None,
                                  shown="stack.json's viewer_token", stack=True)
 # ------------------------------------------------------------------ where a process listens
 ROLLOUTS_HOST = _declare("ROLLOUTS_HOST", _str, None,
-                         "the address the stack's services, the API and the gateway bind and advertise",
+                         "the address the stack's services, the API and the gateway bind and advertise "
+                         "(`0.0.0.0` in a pod)",
                          shown="stack.json's host, else 127.0.0.1", stack=True)
 ROLLOUTS_API_PORT = _declare("ROLLOUTS_API_PORT", _port, None, "the API's port",
                              shown="port base (17200)", stack=True)
@@ -163,12 +165,14 @@ ROLLOUTS_DYNAMO_FRONTEND_URL = _declare("ROLLOUTS_DYNAMO_FRONTEND_URL", _str, No
                                         "where the gateway reaches Dynamo's frontend",
                                         shown="HOST:port base + 2 (https with TLS certificates)", stack=True)
 ROLLOUTS_DYNAMO_DISCOVERY = _declare("ROLLOUTS_DYNAMO_DISCOVERY", _one_of(*DISCOVERY_BACKENDS), "file",
-                                     "Dynamo's discovery backend: `file` or `kubernetes`", stack=True)
+                                     "Dynamo's discovery backend: `file` or `kubernetes` "
+                                     "(deploy/kubernetes/base/dynamo.yaml)", stack=True)
 ROLLOUTS_DYNAMO_DISCOVERY_DIR = _declare("ROLLOUTS_DYNAMO_DISCOVERY_DIR", _path, None,
                                          "the `file` discovery's directory, shared by the frontend and every worker",
                                          shown="HOME/dynamo/discovery", stack=True)
 ROLLOUTS_DYNAMO_TLS_DIR = _declare("ROLLOUTS_DYNAMO_TLS_DIR", _path, None,
-                                   "the stack's Dynamo TLS certificates (the frontend is HTTPS when they exist)",
+                                   "the stack's Dynamo TLS certificates: the frontend serves HTTPS to the gateway "
+                                   "alone when they exist; a multi-host install's node agents get a copy",
                                    shown="HOME/dynamo/tls", stack=True)
 ROLLOUTS_DYNAMO_EVENT_BROKER = _declare("ROLLOUTS_DYNAMO_EVENT_BROKER", _str, None,
                                         "`DYN_ZMQ_BROKER_URL` for every Dynamo process (the event plane's relay)",
@@ -201,11 +205,13 @@ ROLLOUTS_ENGINE_BIND = _declare("ROLLOUTS_ENGINE_BIND", _str, None,
                                 "the address the node's engines bind (`--engine-bind`)",
                                 shown="0.0.0.0; 127.0.0.1 when the node address is loopback")
 ROLLOUTS_ENGINE_CACHE_DIR = _declare("ROLLOUTS_ENGINE_CACHE_DIR", _path, None,
-                                     "what the engines on a host share (vLLM's record of each model class)",
+                                     "what the engines on a host share (vLLM's record of each model class); "
+                                     "homes on one machine may share one",
                                      shown="HOME/engine-cache")
 # ------------------------------------------------------------------ a replica and its engine
 ROLLOUTS_PEER_BACKEND = _declare("ROLLOUTS_PEER_BACKEND", _one_of("gloo", "nccl"), "gloo",
-                                 "what an engine broadcasts to its peers over (`nccl`: GPU replicas only)")
+                                 "what an engine broadcasts to its peers over: `gloo` or `nccl` (GPU replicas; "
+                                 "set it on every node agent of the deployment)")
 ROLLOUTS_SCATTER_BUDGET_BYTES = _declare("ROLLOUTS_SCATTER_BUDGET_BYTES", _bytes, 1 << 30,
                                          "device memory a GPU stage may hold", shown="1 GiB")
 ROLLOUTS_PINNED_BUDGET_BYTES = _declare("ROLLOUTS_PINNED_BUDGET_BYTES", _bytes, 4 << 30,
@@ -222,19 +228,20 @@ ROLLOUTS_ENGINE_SECRET_FILE = _declare("ROLLOUTS_ENGINE_SECRET_FILE", _str, None
 ROLLOUTS_REQUEST_SECRET_FILE = _declare("ROLLOUTS_REQUEST_SECRET_FILE", _str, None,
                                         "set by the agent: a Dynamo worker's request-plane secret file")
 ROLLOUTS_GATED = _declare("ROLLOUTS_GATED", lambda value: value == "1", False,
-                          "set by the agent: `1` starts a Dynamo worker with its gate closed")
+                          "set by the agent: `1` starts a Dynamo worker with its gate closed", shown="unset")
 # ------------------------------------------------------------------ operators and developers
-ROLLOUTS_DEBUG = _declare("ROLLOUTS_DEBUG", bool, False, "set: `rollouts` raises with a traceback, not one line")
+ROLLOUTS_DEBUG = _declare("ROLLOUTS_DEBUG", bool, False, "set: `rollouts` raises with a traceback, not one line",
+                          shown="unset")
 ROLLOUTS_CWTRAIN_PYTHON = _declare("ROLLOUTS_CWTRAIN_PYTHON", _str, None, "the benches' and tests' cwtrain Python",
                                    shown="`.venv-cw/bin/python`")
 
 
 def markdown() -> str:
     """docs/operations.md's table of every variable, from :data:`TABLE`."""
-    rows = ["| variable | default | |", "|---|---|---|"]
+    rows = ["| variable | default | inherited | |", "|---|---|---|---|"]
     for var in TABLE.values():
         default = var.shown or ("none" if var.default is None else f"`{var.default}`")
-        rows.append(f"| `{var.name}` | {default} | {var.doc} |")
+        rows.append(f"| `{var.name}` | {default} | {'no' if var.stack else 'yes'} | {var.doc} |")
     return "\n".join(rows) + "\n"
 
 

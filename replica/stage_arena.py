@@ -41,13 +41,15 @@ from pathlib import Path
 
 import numpy as np
 
+from common import envs
+
 ALIGN = 64  # cache-line aligned tensors: any dtype view is aligned
 
 
 def shm_dir() -> Path:
-    configured = os.environ.get("ROLLOUTS_SHM_DIR")
+    configured = envs.ROLLOUTS_SHM_DIR.get()
     if configured:
-        return Path(configured)
+        return configured
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 

@@ -31,6 +31,7 @@ import os
 import sys
 from pathlib import Path
 
+from common import envs
 from common.settings import home_from_env
 from contracts import names
 
@@ -71,14 +72,11 @@ def handler(command: str):
     return getattr(importlib.import_module(module), function)
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return None
+def _env_int(var: envs.Var[int | None]) -> int | None:
     try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"{name}={value!r} is not an integer") from None
+        return var.get()
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,9 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("worker", "run the control-plane worker")
     add("gateway", "run the gateway")
     p = add("dynamo-frontend", "run NVIDIA Dynamo's frontend (a cluster install; `up` starts its own)")
-    p.add_argument("--port", type=int, default=_env_int("ROLLOUTS_DYNAMO_PORT"),
+    p.add_argument("--port", type=int, default=_env_int(envs.ROLLOUTS_DYNAMO_PORT),
                    help="HTTP port (default $ROLLOUTS_DYNAMO_PORT, else the stack's port base + 2)")
-    p.add_argument("--address", default=os.environ.get("ROLLOUTS_DYNAMO_ADDRESS"), metavar="ADDR",
+    p.add_argument("--address", default=envs.ROLLOUTS_DYNAMO_ADDRESS.get(), metavar="ADDR",
                    help="this host's address, where workers send answers back (default $ROLLOUTS_DYNAMO_ADDRESS, "
                         "else the settings' host)")
     add("dynamo-events", "run the relay of Dynamo's event plane (`up` starts it)")
@@ -147,15 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pause-ms", type=float, default=0.0, help="simulated duration of a swap inside the pause")
     p.add_argument("--state-bytes", type=int, default=4096, help="size of each replica's simulated weights")
     p = add("node", "run a node agent: report this machine, run the replicas placed on it")
-    p.add_argument("--name", default=os.environ.get("ROLLOUTS_NODE_NAME"), help="node name (default: hostname)")
-    p.add_argument("--address", default=os.environ.get("ROLLOUTS_NODE_ADDRESS"),
+    p.add_argument("--name", default=envs.ROLLOUTS_NODE_NAME.get(), help="node name (default: hostname)")
+    p.add_argument("--address", default=envs.ROLLOUTS_NODE_ADDRESS.get(),
                    help="the address other hosts reach this one at (default: the stack's host address)")
-    p.add_argument("--zone", default=os.environ.get("ROLLOUTS_NODE_ZONE"), help="zone (default: the stack's zone)")
-    p.add_argument("--gpus", type=int, default=_env_int("ROLLOUTS_NODE_GPUS"),
+    p.add_argument("--zone", default=envs.ROLLOUTS_NODE_ZONE.get(), help="zone (default: the stack's zone)")
+    p.add_argument("--gpus", type=int, default=_env_int(envs.ROLLOUTS_NODE_GPUS),
                    help="GPUs replicas may use (default: the devices CUDA finds)")
-    p.add_argument("--slots", type=int, default=_env_int("ROLLOUTS_NODE_SLOTS"),
+    p.add_argument("--slots", type=int, default=_env_int(envs.ROLLOUTS_NODE_SLOTS),
                    help="replicas without GPUs this node runs (default: 1 on a host without GPUs, else 0)")
-    p.add_argument("--engine-bind", default=os.environ.get("ROLLOUTS_ENGINE_BIND"),
+    p.add_argument("--engine-bind", default=envs.ROLLOUTS_ENGINE_BIND.get(),
                    help="address replica engines bind (default 0.0.0.0; 127.0.0.1 when the node address is loopback)")
     p = add("nodes", "the node agents the control plane knows")
     p.add_argument("name", nargs="?", help="one node")
@@ -211,14 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    home = getattr(args, "home", None) or os.environ.get("ROLLOUTS_HOME")
+    home = getattr(args, "home", None)
     args.home = Path(home).absolute() if home else home_from_env()
     try:
         return int(handler(args.command)(args) or 0)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - one line, not a traceback, for operators
-        if os.environ.get("ROLLOUTS_DEBUG"):
+        if envs.ROLLOUTS_DEBUG.get():
             raise
         print(f"rollouts {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

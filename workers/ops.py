@@ -35,6 +35,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
+from common import envs
 from common.settings import Settings
 from contracts.records import TERMINAL_HOT_LOAD_STATES
 from control.deployment import DeploymentWorkflow
@@ -55,7 +56,7 @@ class ApiTarget:
 
     @classmethod
     def from_environment(cls, home: Path | None = None) -> ApiTarget:
-        url, token = os.environ.get("ROLLOUTS_API_URL"), os.environ.get("CW_API_TOKEN")
+        url, token = envs.ROLLOUTS_API_URL.get(), os.environ.get("CW_API_TOKEN")
         if not (url and token):
             settings = Settings.load(home)
             url, token = url or settings.api_url, token or settings.admin_token

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -51,7 +50,7 @@ from pathlib import Path
 
 import httpx
 
-from common import dynamo_tls
+from common import dynamo_tls, envs
 from common.addresses import AddressError, check_bind_host, host_port, is_wildcard
 from common.processes import PidFile, port_in_use, spawn, stop_pid, stop_pids, tail
 from common.settings import DEFAULT_PORT_BASE, HOST_ENV, LOOPBACK, SEARCH_ATTRIBUTES, Settings
@@ -60,7 +59,7 @@ from gateway.dynamo_frontend import DynamoFrontend
 from workers import seaweed_grpc
 
 # `up`'s --dynamo-router-mode from the environment (recorded in stack.json).
-ROUTER_MODE_ENV = "ROLLOUTS_DYNAMO_ROUTER_MODE"
+ROUTER_MODE_ENV = envs.ROLLOUTS_DYNAMO_ROUTER_MODE.name
 SERVICE_ORDER = ["temporal", "s3", "dynamo_events", "dynamo", "node", "worker", "api", "gateway"]
 # The local node agent's name and how many replicas it runs (`up --node-slots`; 0: none here).
 LOCAL_NODE = "local"
@@ -497,8 +496,8 @@ def load_or_create_settings(home: Path, port_base: int | None, host: str | None 
     only while none of the stack's services runs; ``ROLLOUTS_DYNAMO_ROUTER_MODE``, when set,
     replaces the recorded router mode (``up --dynamo-router-mode`` comes after it)."""
     if not (home / "stack.json").exists():
-        settings = Settings.create(home, port_base or DEFAULT_PORT_BASE, host or os.environ.get(HOST_ENV) or LOOPBACK)
-        settings.dynamo_router_mode = os.environ.get(ROUTER_MODE_ENV) or settings.dynamo_router_mode
+        settings = Settings.create(home, port_base or DEFAULT_PORT_BASE, host or envs.ROLLOUTS_HOST.get() or LOOPBACK)
+        settings.dynamo_router_mode = envs.ROLLOUTS_DYNAMO_ROUTER_MODE.get() or settings.dynamo_router_mode
         return settings
     settings = Settings.own(home)
     if port_base is not None and settings.ports["api"] != port_base:
@@ -507,7 +506,7 @@ def load_or_create_settings(home: Path, port_base: int | None, host: str | None 
             f"use another --home for port base {port_base}"
         )
     recorded = settings.host
-    wanted = host or os.environ.get(HOST_ENV) or recorded
+    wanted = host or envs.ROLLOUTS_HOST.get() or recorded
     if wanted != recorded:
         running = sorted(name for name, pid in Stack(settings).status().items() if pid)
         if running:
@@ -516,5 +515,5 @@ def load_or_create_settings(home: Path, port_base: int | None, host: str | None 
                 f"`rollouts up` on {wanted}"
             )
     settings.host = wanted
-    settings.dynamo_router_mode = os.environ.get(ROUTER_MODE_ENV) or settings.dynamo_router_mode
+    settings.dynamo_router_mode = envs.ROLLOUTS_DYNAMO_ROUTER_MODE.get() or settings.dynamo_router_mode
     return settings

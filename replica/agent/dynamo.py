@@ -60,6 +60,7 @@ from typing import Any
 
 import httpx
 
+from common import envs
 from common.addresses import host_port
 from common.dynamo_planes import DISCOVERY_BACKENDS, discovery_problem, plane_args, plane_env, request_annotation
 from common.dynamo_tls import DynamoTls
@@ -165,7 +166,7 @@ class DynamoEngineProcess(EngineProcess):
         })
         env.setdefault(GRACE_ENV, str(STOP_GRACE_S))
         if self.gated:
-            env["ROLLOUTS_GATED"] = "1"
+            env[envs.ROLLOUTS_GATED.name] = "1"
         env[REQUEST_SECRET_FILE_ENV] = str(self.request_secret_path)
         return env
 

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from torch.distributed import TCPStore
 
+from common import envs
 from common.processes import free_port
 from contracts.activities import (
     ApplySnapshotInput,
@@ -64,7 +65,7 @@ from snapshots.errors import ChainError
 log = logging.getLogger("rollouts.replica")
 # Joining a peer group blocks the engine until the other side joins: keep the wait short.
 PEER_JOIN_TIMEOUT_S = 30.0
-PEER_BACKEND_ENV = "ROLLOUTS_PEER_BACKEND"
+PEER_BACKEND_ENV = envs.ROLLOUTS_PEER_BACKEND.name
 # Offers whose send never came (the walk ended first) keep their files until this many newer ones.
 OFFERS_KEPT = 8
 
@@ -75,9 +76,7 @@ def peer_backend(environ: Mapping[str, str]) -> str:
     over the node network) or ``nccl`` (a replica placed on GPUs; every replica of a deployment
     must say the same, so set it on every node agent). Either carries a delta link's files or
     the tensors themselves. ValueError naming the variable otherwise."""
-    value = environ.get(PEER_BACKEND_ENV, "") or "gloo"
-    if value not in ("gloo", "nccl"):
-        raise ValueError(f"{PEER_BACKEND_ENV}={value!r}: gloo or nccl")
+    value = envs.ROLLOUTS_PEER_BACKEND.get(environ)
     if value == "nccl" and not environ.get("CUDA_VISIBLE_DEVICES"):
         raise ValueError(f"{PEER_BACKEND_ENV}=nccl needs a replica placed on GPUs (its node agent gave it no "
                          "CUDA_VISIBLE_DEVICES)")

@@ -23,13 +23,11 @@ if __name__ == "__main__":
     import dynamo.vllm.main as worker_main
     from dynamo.vllm.worker_factory import WorkerFactory
     # isort: on
-    import os
-
+    from common import envs
     from replica.engine import dynamo_card, dynamo_routes
     from replica.engine.guard import read_secret_file
-    from replica.launch import REQUEST_SECRET_FILE_ENV
 
-    dynamo_routes.install(WorkerFactory, read_secret_file(), gated=os.environ.get("ROLLOUTS_GATED") == "1",
-                          request_secret=read_secret_file(env=REQUEST_SECRET_FILE_ENV))
+    dynamo_routes.install(WorkerFactory, read_secret_file(), gated=envs.ROLLOUTS_GATED.get(),
+                          request_secret=read_secret_file(var=envs.ROLLOUTS_REQUEST_SECRET_FILE))
     dynamo_card.install(worker_main)
     worker_main.main()

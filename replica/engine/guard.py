@@ -48,9 +48,9 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from common import envs
 from common.settings import ENGINE_SECRET_HEADER
 from replica.engine_routes import ENGINE_ROUTES, VLLM_PREFIX
-from replica.launch import SECRET_FILE_ENV
 
 OPEN_ROUTES: frozenset[tuple[str, str]] = frozenset({("GET", "/health")})
 
@@ -102,14 +102,16 @@ class EngineSecretError(RuntimeError):
     """The engine's secret is missing or stored unsafely; the engine must not start."""
 
 
-def read_secret_file(path: str | os.PathLike[str] | None = None, env: str = SECRET_FILE_ENV) -> str:
-    """The secret in ``path`` (default: the file the environment variable ``env`` names, the
+def read_secret_file(path: str | os.PathLike[str] | None = None,
+                     var: envs.Var[str | None] = envs.ROLLOUTS_ENGINE_SECRET_FILE) -> str:
+    """The secret in ``path`` (default: the file the environment variable ``var`` names, the
     engine's secret unless told otherwise), stripped.
 
     Raises EngineSecretError when no file is named, it cannot be read, it is empty, or group or
     others may read it."""
+    env = var.name
     if path is None:
-        path = os.environ.get(env)
+        path = var.get()
     if not path:
         raise EngineSecretError(f"{env} is not set: a rollouts engine needs this secret")
     path = Path(path)

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from common import envs
+
 logger = logging.getLogger("rollouts.engine.jobs")
 
 _SEQ = iter(range(1, 1 << 62))
@@ -27,7 +29,7 @@ _SEQ = iter(range(1, 1 << 62))
 
 def result_path(kind: str) -> str:
     """A fresh result file for a ``kind`` job (``ROLLOUTS_JOB_DIR``, else a per-process temp dir)."""
-    directory = os.environ.get("ROLLOUTS_JOB_DIR") or os.path.join(
+    directory = envs.ROLLOUTS_JOB_DIR.get() or os.path.join(
         tempfile.gettempdir(), f"rollouts-jobs-{os.getpid()}"
     )
     os.makedirs(directory, exist_ok=True)

@@ -28,7 +28,6 @@ travels as one uint8 tensor named by its base name.
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,8 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common import envs
 from replica.engine.tensors import dtype_to_str, nbytes
-from replica.launch import NODE_ADDRESS_ENV
 
 # One packed broadcast per this many bytes: few collective calls, bounded extra memory.
 PEER_CHUNK_BYTES = 256 * 1024 * 1024
@@ -70,7 +69,7 @@ def _spec_digest(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
 def gloo_options(timeout: Any, device_host: str | None = None) -> Any:
     """Options of a gloo group whose one transport device binds ``device_host`` (default
     ``$ROLLOUTS_NODE_ADDRESS``); None when neither is given (torch's default device)."""
-    device_host = device_host or os.environ.get(NODE_ADDRESS_ENV)
+    device_host = device_host or envs.ROLLOUTS_NODE_ADDRESS.get()
     if not device_host:
         return None
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, no stub

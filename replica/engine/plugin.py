@@ -27,15 +27,16 @@ Nothing here changes what vLLM computes; a process without vLLM is unaffected.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
+
+from common import envs
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("rollouts.vllm_plugin")
 
-DEFAULT_SPIN_S = 0.05
+DEFAULT_SPIN_S = envs.ROLLOUTS_VLLM_SPIN_S.default
 
 
 def register() -> None:
@@ -64,7 +65,7 @@ def shorten_idle_spin() -> bool:
     spin = shm_broadcast.SpinCondition
     if getattr(spin.wait, "_rollouts_cap", None) is not None:
         return True
-    cap = float(os.environ.get("ROLLOUTS_VLLM_SPIN_S", DEFAULT_SPIN_S))
+    cap = envs.ROLLOUTS_VLLM_SPIN_S.get()
     original = spin.wait
 
     def wait(self: Any, timeout_ms: int | None = None) -> None:

@@ -32,38 +32,30 @@ engine: scatters' offsets and values, dense landings at the parameter's width),
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from common import envs
 from replica.engine.landings import Landing
 from replica.engine.weight_map import WeightMap, bits
 
-BUDGET_ENV = "ROLLOUTS_SCATTER_BUDGET_BYTES"
-DEFAULT_BUDGET = 1 << 30
-PINNED_BUDGET_ENV = "ROLLOUTS_PINNED_BUDGET_BYTES"
-DEFAULT_PINNED_BUDGET = 4 << 30
+BUDGET_ENV = envs.ROLLOUTS_SCATTER_BUDGET_BYTES.name
+DEFAULT_BUDGET = envs.ROLLOUTS_SCATTER_BUDGET_BYTES.default
+PINNED_BUDGET_ENV = envs.ROLLOUTS_PINNED_BUDGET_BYTES.name
+DEFAULT_PINNED_BUDGET = envs.ROLLOUTS_PINNED_BUDGET_BYTES.default
 # Streams the pause's pinned copies alternate over: the host thread issues every copy at once
 # and the copy engine never waits for it.
 COPY_STREAMS = 2
 
 
-def _bytes_from_env(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    try:
-        return int(value) if value else default
-    except ValueError:
-        raise ValueError(f"{name}={value!r}: not a number of bytes") from None
-
-
 def budget_from_env() -> int:
-    return _bytes_from_env(BUDGET_ENV, DEFAULT_BUDGET)
+    return envs.ROLLOUTS_SCATTER_BUDGET_BYTES.get()
 
 
 def pinned_budget_from_env() -> int:
-    return _bytes_from_env(PINNED_BUDGET_ENV, DEFAULT_PINNED_BUDGET)
+    return envs.ROLLOUTS_PINNED_BUDGET_BYTES.get()
 
 
 @dataclass

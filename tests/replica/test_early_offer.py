@@ -156,5 +156,5 @@ def test_the_peer_backend_is_gloo_unless_a_gpu_replica_opts_into_nccl() -> None:
     assert peer_backend({PEER_BACKEND_ENV: "nccl", "CUDA_VISIBLE_DEVICES": "0,1"}) == "nccl"
     with pytest.raises(ValueError, match="ROLLOUTS_PEER_BACKEND=nccl needs a replica placed on GPUs"):
         peer_backend({PEER_BACKEND_ENV: "nccl"})
-    with pytest.raises(ValueError, match="ROLLOUTS_PEER_BACKEND='mpi': gloo or nccl"):
+    with pytest.raises(ValueError, match="ROLLOUTS_PEER_BACKEND='mpi': not one of gloo, nccl"):
         peer_backend({PEER_BACKEND_ENV: "mpi"})
