@@ -25,7 +25,8 @@ Two readers of the same home:
   :meth:`Settings.load` reads the ``stack.json`` alone. Another stack's variables in the shell
   that starts a stack (a sourced ``stack.env``) therefore never redirect it.
 
-Environment variables override single values for a client in both cases:
+Environment variables (each declared, with its default and parse, in common/envs.py) override
+single values for a client in both cases:
 
 - where the rest is: ``ROLLOUTS_HOME`` (the home, default ``./.rollouts``), ``TEMPORAL_ADDRESS``,
   ``TEMPORAL_NAMESPACE``, ``TEMPORAL_UI_URL``, ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``,
