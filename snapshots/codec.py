@@ -250,6 +250,129 @@ def _xor_into(target: np.ndarray, diff: np.ndarray) -> None:
     np.bitwise_xor(target, diff, out=target)
 
 
+def _check_targets(
+    targets: Mapping[str, np.ndarray], plan: DeltaPlan, sources: Mapping[str, np.ndarray]
+) -> None:
+    """Refuse, before any byte changes, a delta tensor the base lacks, a read-only target, or a
+    source whose length differs from its target's."""
+    for item in plan.tensors.values():
+        target = targets.get(item.name)
+        if target is None:
+            raise DeltaMismatchError(
+                "is in the delta but not in the base", file=plan.source.describe(item.file), tensor=item.name
+            )
+        if not target.flags.writeable:
+            raise SnapshotError("base tensor buffer is read-only", tensor=item.name)
+        source = sources.get(item.name)
+        if source is not None and source.nbytes != target.nbytes:
+            raise SnapshotError(f"source has {source.nbytes} bytes, target {target.nbytes}", tensor=item.name)
+
+
+class _PlanApply:
+    """One all-or-nothing apply: stages each tensor (any thread), remembers what an undo needs
+    for the in-place ones, and rolls those back when any tensor failed."""
+
+    def __init__(
+        self,
+        targets: Mapping[str, np.ndarray],
+        plan: DeltaPlan,
+        sources: Mapping[str, np.ndarray],
+        dtypes: Mapping[str, str],
+    ) -> None:
+        self.targets, self.plan, self.sources, self.dtypes = targets, plan, sources, dtypes
+        self.abort = threading.Event()
+        self.lock = threading.Lock()
+        # name -> its frame (XOR) or (positions, old values) (sparse), kept so a rollback needs no I/O
+        self.applied: dict[str, Any] = {}
+
+    def _remember(self, name: str, undo: Any) -> None:
+        with self.lock:
+            self.applied[name] = undo
+
+    def stage(self, item: DeltaTensor) -> str:
+        """Apply and verify one tensor; its Adler-32, or "" when another tensor failed first."""
+        if self.abort.is_set():
+            return ""
+        if item.sparse is not None:
+            return self._stage_sparse(item, item.sparse)
+        return self._stage_frame(item)
+
+    def _stage_sparse(self, item: DeltaTensor, spec: sparse.SparseTensor) -> str:
+        file = self.plan.source.describe(spec.values.file)
+        target = self.targets[item.name]
+        sparse.check_size(spec.values, target.nbytes, self.dtypes.get(item.name), file=file, tensor=item.name)
+        positions, values = sparse.read(self.plan.source, spec, target.nbytes, file=file)
+        if self.abort.is_set():
+            return ""
+        source = self.sources.get(item.name)
+        if source is not None:
+            np.copyto(target, source)
+        old = sparse.scatter(target, positions, values)
+        digest = adler32_hex(target)
+        if digest != item.checksum:
+            if source is None:
+                sparse.scatter(target, positions, old)  # undo this tensor before reporting it
+            raise _mismatch(item, digest, file)
+        if source is None:
+            self._remember(item.name, (positions, old))
+        return digest
+
+    def _stage_frame(self, item: DeltaTensor) -> str:
+        file = self.plan.source.describe(item.file)
+        target = self.targets[item.name]
+        check_wire_size(item.wire_bytes, target.nbytes, file=file, tensor=item.name)
+        frame = self.plan.source.read_range(item.file, item.begin, item.wire_bytes)
+        if len(frame) != item.wire_bytes:
+            raise DeltaMismatchError("frame is truncated", file=file, tensor=item.name)
+        diff = _state.buffer(target.nbytes)
+        inflate_exact(frame, diff, file=file, tensor=item.name)
+        if self.abort.is_set():
+            return ""
+        source = self.sources.get(item.name)
+        if source is None:
+            _xor_into(target, diff)
+        else:
+            np.bitwise_xor(source, diff, out=target)
+        digest = adler32_hex(target)
+        if digest != item.checksum:
+            if source is None:
+                _xor_into(target, diff)  # undo this tensor before reporting it
+            raise _mismatch(item, digest, file)
+        if source is None:  # out-of-place targets need no undo
+            self._remember(item.name, frame)
+        return digest
+
+    def rollback(self, name: str) -> None:
+        """Put one in-place tensor back as it was before ``stage``."""
+        target = self.targets[name]
+        undo = self.applied[name]
+        if isinstance(undo, tuple):
+            sparse.scatter(target, *undo)
+            return
+        diff = _state.buffer(target.nbytes)
+        inflate_exact(undo, diff, tensor=name)
+        _xor_into(target, diff)
+
+    def run(self, items: list[DeltaTensor], workers: int) -> dict[str, str]:
+        """Stage every tensor in parallel; on any failure roll back all that were applied and
+        raise the first failure in delta order. Returns name -> verified Adler-32."""
+        errors: dict[int, BaseException] = {}
+        digests: dict[str, str] = {}
+        with ThreadPoolExecutor(max_workers=min(workers, len(items))) as pool:
+            futures = [pool.submit(self.stage, item) for item in items]
+            for position, (item, future) in enumerate(zip(items, futures)):
+                try:
+                    digests[item.name] = future.result()
+                except BaseException as exc:  # noqa: BLE001 - re-raised below after the rollback
+                    errors[position] = exc
+                    self.abort.set()
+            if errors:
+                list(pool.map(self.rollback, list(self.applied)))
+        if errors:
+            raise errors[min(errors)]
+        return digests
+
+
 def apply_plan_in_place(
     targets: Mapping[str, np.ndarray],
     plan: DeltaPlan,
@@ -271,99 +394,10 @@ def apply_plan_in_place(
     """
     report = DeltaReport(plan.uri, plan.version, plan.base_version)
     items: list[DeltaTensor] = list(plan.tensors.values())
-    for item in items:
-        target = targets.get(item.name)
-        if target is None:
-            raise DeltaMismatchError(
-                "is in the delta but not in the base", file=plan.source.describe(item.file), tensor=item.name
-            )
-        if not target.flags.writeable:
-            raise SnapshotError("base tensor buffer is read-only", tensor=item.name)
-        source = (sources or {}).get(item.name)
-        if source is not None and source.nbytes != target.nbytes:
-            raise SnapshotError(f"source has {source.nbytes} bytes, target {target.nbytes}", tensor=item.name)
+    _check_targets(targets, plan, sources or {})
     if not items:
         return report
-
-    abort = threading.Event()
-    lock = threading.Lock()
-    # name -> its frame (XOR) or (positions, old values) (sparse), kept so a rollback needs no I/O
-    applied: dict[str, Any] = {}
-
-    def stage_sparse(item: DeltaTensor, spec: sparse.SparseTensor) -> str:
-        file = plan.source.describe(spec.values.file)
-        target = targets[item.name]
-        sparse.check_size(spec.values, target.nbytes, (dtypes or {}).get(item.name), file=file, tensor=item.name)
-        positions, values = sparse.read(plan.source, spec, target.nbytes, file=file)
-        if abort.is_set():
-            return ""
-        source = (sources or {}).get(item.name)
-        if source is not None:
-            np.copyto(target, source)
-        old = sparse.scatter(target, positions, values)
-        digest = adler32_hex(target)
-        if digest != item.checksum:
-            if source is None:
-                sparse.scatter(target, positions, old)  # undo this tensor before reporting it
-            raise _mismatch(item, digest, file)
-        if source is None:
-            with lock:
-                applied[item.name] = (positions, old)
-        return digest
-
-    def stage(item: DeltaTensor) -> str:
-        if abort.is_set():
-            return ""
-        if item.sparse is not None:
-            return stage_sparse(item, item.sparse)
-        file = plan.source.describe(item.file)
-        target = targets[item.name]
-        check_wire_size(item.wire_bytes, target.nbytes, file=file, tensor=item.name)
-        frame = plan.source.read_range(item.file, item.begin, item.wire_bytes)
-        if len(frame) != item.wire_bytes:
-            raise DeltaMismatchError("frame is truncated", file=file, tensor=item.name)
-        diff = _state.buffer(target.nbytes)
-        inflate_exact(frame, diff, file=file, tensor=item.name)
-        if abort.is_set():
-            return ""
-        source = (sources or {}).get(item.name)
-        if source is None:
-            _xor_into(target, diff)
-        else:
-            np.bitwise_xor(source, diff, out=target)
-        digest = adler32_hex(target)
-        if digest != item.checksum:
-            if source is None:
-                _xor_into(target, diff)  # undo this tensor before reporting it
-            raise _mismatch(item, digest, file)
-        if source is None:  # out-of-place targets need no undo
-            with lock:
-                applied[item.name] = frame
-        return digest
-
-    def rollback(name: str) -> None:
-        target = targets[name]
-        if isinstance(applied[name], tuple):
-            sparse.scatter(target, *applied[name])
-            return
-        diff = _state.buffer(target.nbytes)
-        inflate_exact(applied[name], diff, tensor=name)
-        _xor_into(target, diff)
-
-    errors: dict[int, BaseException] = {}
-    digests: dict[str, str] = {}
-    with ThreadPoolExecutor(max_workers=min(workers or default_workers(), len(items))) as pool:
-        futures = [pool.submit(stage, item) for item in items]
-        for position, (item, future) in enumerate(zip(items, futures)):
-            try:
-                digests[item.name] = future.result()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below after the rollback
-                errors[position] = exc
-                abort.set()
-        if errors:
-            list(pool.map(rollback, list(applied)))
-    if errors:
-        raise errors[min(errors)]
+    digests = _PlanApply(targets, plan, sources or {}, dtypes or {}).run(items, workers or default_workers())
     for item in items:
         report.changed.append(item.name)
         report.bytes_changed += targets[item.name].nbytes

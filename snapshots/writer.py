@@ -28,9 +28,10 @@ import os
 import shutil
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,98 @@ def _check_same_layout(base: FullLayout, new: FullLayout) -> None:
             )
 
 
+_Diff = tuple[str, bytes | None, str, int]
+
+
+def _diff_tensor(base_map: _MappedCheckpoint, new_map: _MappedCheckpoint, name: str) -> _Diff:
+    """One tensor's (name, zstd frame of new XOR base, Adler-32 of new, raw bytes); the frame is
+    None when the bytes are the same (or the tensor is empty)."""
+    old_bytes, new_bytes = base_map.views[name], new_map.views[name]
+    if old_bytes.nbytes == 0:
+        return name, None, "", 0
+    xor = _thread.buffer(new_bytes.nbytes)
+    np.bitwise_xor(new_bytes, old_bytes, out=xor)
+    if not xor.any():
+        return name, None, "", 0
+    frame = _thread.cctx.compress(xor.data)
+    return name, frame, adler32_hex(new_bytes), new_bytes.nbytes
+
+
+def _diffs_in_order(
+    pool: ThreadPoolExecutor, names: list[str], workers: int, diff: Callable[[str], _Diff]
+) -> Iterator[_Diff]:
+    """``diff`` of every name, in order, with at most ``2 * workers`` in flight (bounded memory)."""
+    pending_names = iter(names)
+    inflight: deque[Future[_Diff]] = deque()
+    for name in pending_names:
+        inflight.append(pool.submit(diff, name))
+        if len(inflight) >= 2 * workers:
+            break
+    while inflight:
+        done = inflight.popleft().result()
+        following = next(pending_names, None)
+        if following is not None:
+            inflight.append(pool.submit(diff, following))
+        yield done
+
+
+class _ShardWriter:
+    """Frames gathered into part files of at most ``shard_bytes`` (a larger frame alone) under
+    ``tmp``; the final names need the shard count, known only at the end (:meth:`finish`)."""
+
+    def __init__(self, tmp: Path, shard_bytes: int) -> None:
+        self.tmp, self.shard_bytes = tmp, shard_bytes
+        self.parts: list[tuple[str, list[str]]] = []
+        self.pending: dict[str, bytes] = {}
+        self.digests: dict[str, str] = {}
+        self.pending_bytes = 0
+
+    def add(self, name: str, frame: bytes, digest: str) -> None:
+        if self.pending and self.pending_bytes + len(frame) > self.shard_bytes:
+            self.flush()
+        self.pending[name] = frame
+        self.digests[name] = digest
+        self.pending_bytes += len(frame)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        part = f"part-{len(self.parts):05d}.safetensors"
+        write_safetensors(
+            self.tmp / part,
+            (TensorSpec(n, "U8", (len(f),), f) for n, f in self.pending.items()),
+            self.digests,
+        )
+        self.parts.append((part, list(self.pending)))
+        self.pending, self.digests, self.pending_bytes = {}, {}, 0
+
+    def finish(self) -> tuple[list[str], dict[str, str]]:
+        """Rename the parts to ``model-{i}-of-{n}``; returns the shard names and the weight map."""
+        shards: list[str] = []
+        weight_map: dict[str, str] = {}
+        for i, (part, tensor_names) in enumerate(self.parts):
+            shard = f"model-{i:05d}-of-{len(self.parts):05d}.safetensors"
+            os.replace(self.tmp / part, self.tmp / shard)
+            weight_map.update(dict.fromkeys(tensor_names, shard))
+            shards.append(shard)
+        return shards, weight_map
+
+
+def _write_delta_index(tmp: Path, weight_map: dict[str, str], version: str, base_version: str) -> None:
+    index = {
+        "metadata": {
+            "version": str(version),
+            "base_version": str(base_version),
+            "delta_encoding": "xor",
+            "compression_format": "zstd",
+            "checksum_format": "adler32",
+        },
+        "weight_map": weight_map,
+    }
+    (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
 def write_delta(
     base_dir: str | os.PathLike[str],
     new_dir: str | os.PathLike[str],
@@ -175,83 +268,24 @@ def write_delta(
     stats.bytes_total = new.tensor_bytes
     workers = workers or default_workers()
     base_map, new_map = _MappedCheckpoint(base), _MappedCheckpoint(new)
-
-    def diff(name: str) -> tuple[str, bytes | None, str, int]:
-        old_bytes, new_bytes = base_map.views[name], new_map.views[name]
-        if old_bytes.nbytes == 0:
-            return name, None, "", 0
-        xor = _thread.buffer(new_bytes.nbytes)
-        np.bitwise_xor(new_bytes, old_bytes, out=xor)
-        if not xor.any():
-            return name, None, "", 0
-        frame = _thread.cctx.compress(xor.data)
-        return name, frame, adler32_hex(new_bytes), new_bytes.nbytes
-
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    parts: list[tuple[str, list[str]]] = []
-    pending: dict[str, bytes] = {}
-    digests: dict[str, str] = {}
-    pending_bytes = 0
-
-    def flush() -> None:
-        nonlocal pending, digests, pending_bytes
-        if not pending:
-            return
-        tmp.mkdir(parents=True, exist_ok=True)
-        # The final name needs the shard count, known only at the end: write, then rename.
-        part = f"part-{len(parts):05d}.safetensors"
-        write_safetensors(
-            tmp / part,
-            (TensorSpec(n, "U8", (len(f),), f) for n, f in pending.items()),
-            digests,
-        )
-        parts.append((part, list(pending)))
-        pending, digests, pending_bytes = {}, {}, 0
-
+    shards = _ShardWriter(tmp, shard_bytes)
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            names = iter(sorted(new.tensors))
-            inflight: deque[Future[tuple[str, bytes | None, str, int]]] = deque()
-            for name in names:
-                inflight.append(pool.submit(diff, name))
-                if len(inflight) >= 2 * workers:
-                    break
-            while inflight:
-                name, frame, digest, nbytes = inflight.popleft().result()
-                following = next(names, None)
-                if following is not None:
-                    inflight.append(pool.submit(diff, following))
+            diff = partial(_diff_tensor, base_map, new_map)
+            for name, frame, digest, nbytes in _diffs_in_order(pool, sorted(new.tensors), workers, diff):
                 if frame is None:
                     continue
                 stats.changed += 1
                 stats.bytes_changed += nbytes
                 stats.wire_bytes += len(frame)
-                if pending and pending_bytes + len(frame) > shard_bytes:
-                    flush()
-                pending[name] = frame
-                digests[name] = digest
-                pending_bytes += len(frame)
-        flush()
+                shards.add(name, frame, digest)
+        shards.flush()
         if stats.changed == 0:
             return stats
-        weight_map: dict[str, str] = {}
-        for i, (part, tensor_names) in enumerate(parts):
-            shard = f"model-{i:05d}-of-{len(parts):05d}.safetensors"
-            os.replace(tmp / part, tmp / shard)
-            weight_map.update(dict.fromkeys(tensor_names, shard))
-            stats.shards.append(shard)
-        index = {
-            "metadata": {
-                "version": str(version),
-                "base_version": str(base_version),
-                "delta_encoding": "xor",
-                "compression_format": "zstd",
-                "checksum_format": "adler32",
-            },
-            "weight_map": weight_map,
-        }
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        stats.shards, weight_map = shards.finish()
+        _write_delta_index(tmp, weight_map, version, base_version)
         if out.exists():
             shutil.rmtree(out)
         tmp.replace(out)
