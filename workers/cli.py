@@ -29,6 +29,7 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from common import envs
@@ -79,18 +80,11 @@ def _env_int(var: envs.Var[int | None]) -> int | None:
         raise SystemExit(str(exc)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="rollouts", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--home", help="stack home (default $ROLLOUTS_HOME or ./.rollouts)")
-    sub = parser.add_subparsers(dest="command", required=True)
+_Add = Callable[[str, str], argparse.ArgumentParser]
 
-    def add(name: str, help_: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_)
-        p.add_argument("--home", default=argparse.SUPPRESS, help="stack home")
-        return p
 
+def _stack_commands(add: _Add) -> None:
+    """The stack and its services: up, down, status, api, worker, gateway, Dynamo's frontend and events."""
     p = add("up", "start the embedded stack")
     p.add_argument("--node-slots", type=int, default=None, metavar="N",
                    help="replicas the stack's own node agent runs (default 8; 0: no node agent here, replicas "
@@ -114,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this host's address, where workers send answers back (default $ROLLOUTS_DYNAMO_ADDRESS, "
                         "else the settings' host)")
     add("dynamo-events", "run the relay of Dynamo's event plane (`up` starts it)")
+
+
+def _replica_commands(add: _Add) -> None:
+    """Replicas and the node agents that run them: replica, sim-node, node, nodes."""
     p = add("replica", "run one replica (engine + agent)")
     for flag in ("--deployment", "--name", "--workflow-id", "--zone", "--model-bucket", "--model-path", "--model-name"):
         p.add_argument(flag, required=True)
@@ -157,8 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address replica engines bind (default 0.0.0.0; 127.0.0.1 when the node address is loopback)")
     p = add("nodes", "the node agents the control plane knows")
     p.add_argument("name", nargs="?", help="one node")
+
+
+def _snapshot_command(add: _Add) -> None:
+    """Checkpoint tools (workers/snapshot_cli.py parses the rest)."""
     p = add("snapshot", "checkpoint tools: inspect, delta, apply, verify")
     p.add_argument("rest", nargs=argparse.REMAINDER)
+
+
+def _demo_command(add: _Add) -> None:
+    """The main job, end to end (workers/demo.py)."""
     p = add("demo", "the main job, end to end")
     p.add_argument("--port-base", type=int, default=None)
     p.add_argument("--keep-running", action="store_true", help="leave the stack up afterwards")
@@ -181,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-replicas", type=int, default=None,
                    help="autoscaling.max: above --replicas, the deployment scales on the demo's own load "
                         "(e.g. --replicas 1 --max-replicas 2; default: --replicas)")
+
+
+def _ops_commands(add: _Add) -> None:
+    """Operator commands: token, replay, rollback, hotload wait, history check."""
     p = add("token", "add an API token: rollouts token add --role viewer")
     p.add_argument("action", choices=["add"])
     p.add_argument("--role", choices=["admin", "viewer"], required=True)
@@ -204,8 +214,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("history", "history check DIR: replay exported histories against this code")
     p.add_argument("action", choices=["check"])
     p.add_argument("directory")
-    return parser
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollouts", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--home", help="stack home (default $ROLLOUTS_HOME or ./.rollouts)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--home", default=argparse.SUPPRESS, help="stack home")
+        return p
+
+    for add_commands in (_stack_commands, _replica_commands, _snapshot_command, _demo_command, _ops_commands):
+        add_commands(add)
+    return parser
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
