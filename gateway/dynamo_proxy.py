@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -42,7 +43,7 @@ from gateway import dynamo
 from gateway.attempt import REPLICA_HEADER, SESSION_HEADER, Attempt, Served
 from gateway.nvext import RequestError
 from gateway.relay import Relay, finish_answer
-from gateway.routing import Router
+from gateway.routing import ReplicaView, Router
 from gateway.sse import sse_events
 from gateway.upstream import upstream_client, upstream_error
 
@@ -73,7 +74,6 @@ class DynamoProxy:
         refused connection before the answer began is asked again for up to ``DYNAMO_WAIT_S``;
         nothing else is retried (Dynamo migrates a request whose worker fails)."""
         plan, view = attempt.plan, attempt.view
-        http = self.http
         if self.url is None:  # read once, when first needed (a gateway may serve no dynamo deployment)
             self.url = self.settings.dynamo_frontend_url
         url = self.url
@@ -85,51 +85,86 @@ class DynamoProxy:
             raise InvalidArgument(str(exc)) from exc
         workers = view.dynamo_workers()
         served = Served(view.replicas[0], url)
+        upstream = await self._send_until_taken(f"{url}{path}", payload, headers, attempt)
+        if isinstance(upstream, Response):
+            return upstream
 
         def adapt(chunk: dict[str, Any]) -> None:
             replica = dynamo.adopt(chunk, workers, view.model_name)
             if replica is not None:
                 served.replica = replica
 
-        # Dynamo answers 503 while no worker of the model is registered (all of them paused, or
-        # between one leaving and another joining): nothing reached the client yet, so wait for
-        # one, as a request to a paused vLLM replica waits for its resume, up to DYNAMO_WAIT_S.
+        events = sse_events(upstream)
+        self.router.acquire(url)
+        if plan.stream:
+            return await self._relay_stream(attempt, served, upstream, events, workers, adapt)
+        return await self._assemble_answer(attempt, served, upstream, events, adapt)
+
+    async def _send_until_taken(
+        self, target: str, payload: bytes, headers: dict[str, str], attempt: Attempt
+    ) -> httpx.Response | Response:
+        """The frontend's 200 answer, still streaming; or the error answer to give the client.
+
+        Dynamo answers 503 while no worker of the model is registered (all of them paused, or
+        between one leaving and another joining): nothing reached the client yet, so wait for
+        one, as a request to a paused vLLM replica waits for its resume, up to DYNAMO_WAIT_S."""
+        http, model_name = self.http, attempt.view.model_name
         deadline = time.monotonic() + DYNAMO_WAIT_S
         while True:
             try:
-                upstream = await http.send(
-                    http.build_request("POST", f"{url}{path}", content=payload, headers=headers), stream=True)
+                upstream = await http.send(http.build_request("POST", target, content=payload, headers=headers),
+                                           stream=True)
             except httpx.TransportError as exc:
                 if time.monotonic() < deadline:
                     await asyncio.sleep(DYNAMO_RETRY_S)
                     continue
-                raise Unavailable(f"Dynamo's frontend at {url} could not take the request for "
-                                  f"{view.model_name}: {type(exc).__name__}: {exc}") from exc
+                raise Unavailable(f"Dynamo's frontend at {self.url} could not take the request for "
+                                  f"{model_name}: {type(exc).__name__}: {exc}") from exc
             if upstream.status_code == 200:
-                break
+                return upstream
             content = await upstream.aread()
             await upstream.aclose()
             if upstream.status_code == 503 and time.monotonic() < deadline:
                 await asyncio.sleep(DYNAMO_RETRY_S)
                 continue
             return upstream_error(upstream.status_code, content, upstream.headers.get("content-type"))
-        events = sse_events(upstream)
-        self.router.acquire(url)
-        if plan.stream:
-            try:
-                first = await anext(events)
-            except (httpx.HTTPError, StopAsyncIteration) as exc:
-                await upstream.aclose()
-                self.router.release(url)
-                raise Unavailable(f"Dynamo's frontend stream for {view.model_name} failed before "
-                                  f"its first event: {exc!r}") from exc
-            # Dynamo names the worker on its first chunk: the header says which replica answers.
-            named = dynamo.served_by(first, workers)
-            if named is not None:
-                served.replica = named
-            return StreamingResponse(self.relay.stream(attempt, served, upstream, first, events, adapt),
-                                     status_code=200, media_type="text/event-stream",
-                                     headers={REPLICA_HEADER: named.name} if named is not None else None)
+
+    async def _relay_stream(
+        self,
+        attempt: Attempt,
+        served: Served,
+        upstream: httpx.Response,
+        events: AsyncIterator[str],
+        workers: Mapping[int, ReplicaView],
+        adapt: Callable[[dict[str, Any]], None],
+    ) -> Response:
+        """A streamed answer, once its first event arrived (one that fails before it: 503)."""
+        url, model_name = served.url, attempt.view.model_name
+        try:
+            first = await anext(events)
+        except (httpx.HTTPError, StopAsyncIteration) as exc:
+            await upstream.aclose()
+            self.router.release(url)
+            raise Unavailable(f"Dynamo's frontend stream for {model_name} failed before "
+                              f"its first event: {exc!r}") from exc
+        # Dynamo names the worker on its first chunk: the header says which replica answers.
+        named = dynamo.served_by(first, workers)
+        if named is not None:
+            served.replica = named
+        return StreamingResponse(self.relay.stream(attempt, served, upstream, first, events, adapt),
+                                 status_code=200, media_type="text/event-stream",
+                                 headers={REPLICA_HEADER: named.name} if named is not None else None)
+
+    async def _assemble_answer(
+        self,
+        attempt: Attempt,
+        served: Served,
+        upstream: httpx.Response,
+        events: AsyncIterator[str],
+        adapt: Callable[[dict[str, Any]], None],
+    ) -> Response:
+        """A non-streamed answer: the streamed chunks assembled, finished and given ``nvext``."""
+        plan, model_name = attempt.plan, attempt.view.model_name
         assembler = dynamo.Assembler(plan.chat)
         try:
             async for data in events:
@@ -139,16 +174,16 @@ class DynamoProxy:
                 if isinstance(chunk, dict) and "error" in chunk:
                     error = chunk["error"]
                     message = error.get("message") if isinstance(error, dict) else str(error)
-                    raise Unavailable(f"{view.model_name}: the answer broke off: {message}")
+                    raise Unavailable(f"{model_name}: the answer broke off: {message}")
                 adapt(chunk)
                 assembler.add(chunk)
             else:
-                raise Unavailable(f"{view.model_name}: Dynamo's frontend closed the answer before its end")
+                raise Unavailable(f"{model_name}: Dynamo's frontend closed the answer before its end")
         except httpx.HTTPError as exc:
-            raise Unavailable(f"{view.model_name}: the answer broke off: {exc!r}") from exc
+            raise Unavailable(f"{model_name}: the answer broke off: {exc!r}") from exc
         finally:
             await upstream.aclose()
-            self.router.release(url)
+            self.router.release(served.url)
         answer = assembler.answer()
         finish_answer(plan, answer)
         answer["nvext"] = await self.relay.response_nvext(attempt, served.replica)
