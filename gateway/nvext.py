@@ -132,10 +132,8 @@ def _stop_count(value: Any) -> int:
     raise RequestError("stop must be a string or a list of strings")
 
 
-def plan_request(body: dict[str, Any], path: str, engine_config: dict[str, str] | None = None) -> RequestPlan:
-    """Validate ``body`` (a client's JSON object) for ``path`` and plan the upstream request."""
-    body = dict(body)
-    chat = path.endswith("/chat/completions")
+def _take_nvext(body: dict[str, Any]) -> dict[str, Any]:
+    """``body``'s ``nvext`` object, taken off it ({} when absent); only supported fields."""
     nvext = body.pop("nvext", None)
     if nvext is None:
         nvext = {}
@@ -146,6 +144,12 @@ def plan_request(body: dict[str, Any], path: str, engine_config: dict[str, str] 
         raise RequestError(
             f"nvext: unsupported field(s) {', '.join(unknown)}; this gateway supports {', '.join(SUPPORTED_NVEXT)}"
         )
+    return nvext
+
+
+def _choice_count(body: dict[str, Any], chat: bool) -> int:
+    """``n``, after checking that n, best_of and a completions prompt batch ask for at most
+    ``MAX_N`` sequences."""
     n = _count(body, "n")
     if n > MAX_N:
         raise RequestError(f"n: at most {MAX_N} choices per request, got {n}")
@@ -158,6 +162,11 @@ def plan_request(body: dict[str, Any], path: str, engine_config: dict[str, str] 
             f"prompt: a batch of {prompts} prompts with n={max(n, best_of)} asks for {prompts * max(n, best_of)} "
             f"sequences; at most {MAX_N} per request"
         )
+    return n
+
+
+def _check_stream_and_stops(body: dict[str, Any]) -> None:
+    """``stream`` a boolean; at most ``MAX_STOP_STRINGS`` stop strings and ``MAX_STOP_TOKEN_IDS`` ids."""
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise RequestError("stream must be true or false")
@@ -167,6 +176,9 @@ def plan_request(body: dict[str, Any], path: str, engine_config: dict[str, str] 
     if stop_ids is not None and (not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS):
         raise RequestError(f"stop_token_ids: a list of at most {MAX_STOP_TOKEN_IDS} token ids")
 
+
+def _move_cache_salt(nvext: dict[str, Any], body: dict[str, Any]) -> None:
+    """``nvext.cache_salt``, checked, becomes the upstream body's ``cache_salt``."""
     if "cache_salt" in nvext:
         salt = nvext["cache_salt"]
         if not isinstance(salt, str) or not salt:
@@ -175,6 +187,10 @@ def plan_request(body: dict[str, Any], path: str, engine_config: dict[str, str] 
             raise RequestError(f"nvext.cache_salt: at most {MAX_CACHE_SALT} characters and none of @ / \\ or NUL")
         body["cache_salt"] = salt
 
+
+def _extra_fields(nvext: dict[str, Any], n: int, engine_config: dict[str, str] | None) -> frozenset[str]:
+    """``nvext.extra_fields``: supported values only; the per-token ones need n=1, and
+    routed_experts a deployment that captures routing."""
     extra = nvext.get("extra_fields", [])
     if extra is None:
         extra = []
@@ -196,6 +212,18 @@ def plan_request(body: dict[str, Any], path: str, engine_config: dict[str, str] 
             )
         if n != 1:
             raise RequestError(f"nvext.extra_fields routed_experts requires one choice per request (n=1), got n={n}")
+    return extra_fields
+
+
+def plan_request(body: dict[str, Any], path: str, engine_config: dict[str, str] | None = None) -> RequestPlan:
+    """Validate ``body`` (a client's JSON object) for ``path`` and plan the upstream request."""
+    body = dict(body)
+    chat = path.endswith("/chat/completions")
+    nvext = _take_nvext(body)
+    n = _choice_count(body, chat)
+    _check_stream_and_stops(body)
+    _move_cache_salt(nvext, body)
+    extra_fields = _extra_fields(nvext, n, engine_config)
 
     client_token_ids = bool(body.get("return_token_ids"))
     fill_token_id = chat and bool(body.get("logprobs"))
