@@ -34,12 +34,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
-
-import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench_api import Api  # noqa: E402  (bench/, beside this file)
 
 from common.settings import Settings, temporal_client  # noqa: E402
 from contracts import names  # noqa: E402
@@ -54,18 +53,6 @@ from tests.helpers.trainer import train_step  # noqa: E402
 from workers.stack import LOCAL_NODE, Stack, upload_dir  # noqa: E402
 
 PREFIX = "chain/ckpt"
-
-
-class Api:
-    def __init__(self, settings: Settings) -> None:
-        self.http = httpx.Client(base_url=f"{settings.api_url}/v1alpha1/inference", timeout=120,
-                                 headers={"Authorization": f"Bearer {settings.admin_token}"})
-
-    def call(self, method: str, path: str, **kw: Any) -> Any:
-        r = self.http.request(method, path, **kw)
-        if r.status_code != 200:
-            raise SystemExit(f"{method} {path}: {r.status_code} {r.text[:500]}")
-        return r.json()
 
 
 async def checks_by_hot_load(settings: Settings, dep_id: str) -> dict[str, int]:

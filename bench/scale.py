@@ -55,12 +55,11 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
-
-import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench_api import Api  # noqa: E402  (bench/, beside this file)
 
 from common.settings import Settings, temporal_client  # noqa: E402
 from contracts import names  # noqa: E402
@@ -149,18 +148,6 @@ async def group_histories(settings: Settings, workflow_id: str) -> list[tuple[in
 async def pending_activities(settings: Settings, workflow_id: str) -> int:
     client = await temporal_client(settings)
     return len((await client.get_workflow_handle(workflow_id).describe()).raw_description.pending_activities)
-
-
-class Api:
-    def __init__(self, settings: Settings) -> None:
-        self.http = httpx.Client(base_url=f"{settings.api_url}/v1alpha1/inference", timeout=120,
-                                 headers={"Authorization": f"Bearer {settings.admin_token}"})
-
-    def call(self, method: str, path: str, **kw: Any) -> Any:
-        r = self.http.request(method, path, **kw)
-        if r.status_code != 200:
-            raise SystemExit(f"{method} {path}: {r.status_code} {r.text[:500]}")
-        return r.json()
 
 
 async def activity_counts(settings: Settings, workflow_id: str, types: tuple[str, ...]) -> dict[str, int]:

@@ -20,13 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_api import Api  # noqa: E402  (bench/, beside this file)
 from engine_start import start_once  # noqa: E402  (bench/, beside this file)
 
 from common.settings import Settings  # noqa: E402
@@ -39,18 +39,6 @@ TERMINAL = ("HOT_LOAD_STATE_COMPLETED", "HOT_LOAD_STATE_FAILED", "HOT_LOAD_STATE
 PREFIX = "tensor-count"
 REPLICAS = 2
 Change = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
-
-
-class Api:
-    def __init__(self, settings: Settings) -> None:
-        self.http = httpx.Client(base_url=f"{settings.api_url}/v1alpha1/inference", timeout=300,
-                                 headers={"Authorization": f"Bearer {settings.admin_token}"})
-
-    def call(self, method: str, path: str, **kw: Any) -> Any:
-        r = self.http.request(method, path, **kw)
-        if r.status_code != 200:
-            raise SystemExit(f"{method} {path}: {r.status_code} {r.text[:800]}")
-        return r.json()
 
 
 def write_step(src: Path, out: Path, change: Change) -> Path:
@@ -119,7 +107,7 @@ def run_stack(dirs: dict[str, Path], root: Path, change: Change) -> None:
     stack.up(say=lambda line: None)
     try:
         s3 = settings.s3_client()
-        api = Api(settings)
+        api = Api(settings, timeout=300, excerpt=800)
         wait_registered(settings, LOCAL_NODE)
         for name, model in dirs.items():
             new = write_step(model, root / f"{name}-step", change)
