@@ -235,36 +235,20 @@ def time_describes(settings: Settings, workflow_id: str, done: threading.Event, 
     asyncio.run(run())
 
 
-def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identity: str, previous: str | None,
-                 describe_baseline: bool = False, poll_s: float = 0.05) -> dict:
-    body = hot_load_body(dep_id, identity, previous_identity=previous, hot_load_id=identity)
-    get_ms: list[float] = []
-    list_ms: list[float] = []
-    most_pending = 0
-    workflow_id = names.hot_load_workflow_id(settings.organization_id, identity)
-    done = threading.Event()
+def sample_pending(settings: Settings, workflow_id: str, done: threading.Event, most: list[int]) -> None:
+    """Until `done`, every 0.5 s: the most activities pending at once in the workflow (`most[0]`)."""
+    while not done.is_set():
+        try:
+            most[0] = max(most[0], asyncio.run(pending_activities(settings, workflow_id)))
+        except Exception:  # noqa: BLE001 - not started yet, or closed
+            pass
+        done.wait(0.5)
 
-    def sample_pending() -> None:
-        nonlocal most_pending
-        while not done.is_set():
-            try:
-                most_pending = max(most_pending, asyncio.run(pending_activities(settings, workflow_id)))
-            except Exception:  # noqa: BLE001 - not started yet, or closed
-                pass
-            done.wait(0.5)
 
-    reads0 = open_reads(settings)
-    cpu0, t0 = control_plane_cpu(stack), time.perf_counter()
-    api.call("POST", "/hotLoads", json=body)
-    sampler = threading.Thread(target=sample_pending, daemon=True)
-    sampler.start()
-    describe_ms: list[float] = []
-    describe_end: list[datetime] = []
-    describer = threading.Thread(target=time_describes, daemon=True,
-                                 args=(settings, workflow_id, done, describe_ms, describe_end, poll_s))
-    if describe_baseline:
-        describer.start()
-    reader = Api(settings)
+def poll_until_terminal(reader: Api, identity: str, dep_id: str, poll_s: float,
+                        get_ms: list[float], list_ms: list[float]) -> tuple[dict, datetime]:
+    """A dashboard's reader: GET the hot-load and list the deployment's, every `poll_s` (start to
+    start), timing each, until the GET shows a terminal state; that answer and when it came."""
     while True:
         t = begun = time.perf_counter()
         hl = reader.call("GET", f"/hotLoads/{identity}")["hotLoad"]
@@ -273,9 +257,70 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
         reader.call("GET", "/hotLoads", params={"parentDeploymentId": dep_id, "maxPageSize": 50})
         list_ms.append((time.perf_counter() - t) * 1000)
         if hl["status"]["state"] in TERMINAL_HOT_LOAD_STATES:
-            seen_end = datetime.now(timezone.utc)
-            break
+            return hl, datetime.now(timezone.utc)
         time.sleep(max(0.0, poll_s - (time.perf_counter() - begun)))  # a client polling at a cadence
+
+
+def all_replicas(reader: Api, identity: str) -> list[dict]:
+    """Every page of the hot-load's replica list."""
+    replicas: list[dict] = []
+    token = None
+    while True:
+        page = reader.call("GET", f"/hotLoads/{identity}/replicas",
+                           params={"maxPageSize": 1000, **({"pageToken": token} if token else {})})
+        replicas += page["replicas"]
+        if not (token := page.get("nextPageToken")):
+            return replicas
+
+
+def history_figures(settings: Settings, workflow_id: str, dep_id: str) -> dict:
+    """History events and bytes of the hot-load, its stage groups, the deployment and the registry."""
+    events, size = asyncio.run(history(settings, workflow_id))
+    groups = asyncio.run(group_histories(settings, workflow_id))
+    dep_events, dep_size = asyncio.run(
+        history(settings, names.deployment_workflow_id(settings.organization_id, dep_id))
+    )
+    reg_events, reg_size = asyncio.run(history(settings, names.NODE_REGISTRY_ID))
+    return {
+        "history_events": events, "history_bytes": size,
+        "stage_groups": len(groups), "group_history_events_sum": sum(e for e, _ in groups),
+        "group_history_events_max": max((e for e, _ in groups), default=0),
+        "group_history_bytes_max": max((b for _, b in groups), default=0),
+        "deployment_history_events": dep_events, "deployment_history_bytes": dep_size,
+        "registry_history_events": reg_events, "registry_history_bytes": reg_size,
+    }
+
+
+def replica_sources(replicas: list[dict]) -> dict[str, int]:
+    """How many replicas took the snapshot from each kind of source (bucket, peer)."""
+    sources: dict[str, int] = {}
+    for r in replicas:
+        kind = (r.get("source") or "?").split(":")[0]
+        sources[kind] = sources.get(kind, 0) + 1
+    return sources
+
+
+def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identity: str, previous: str | None,
+                 describe_baseline: bool = False, poll_s: float = 0.05) -> dict:
+    body = hot_load_body(dep_id, identity, previous_identity=previous, hot_load_id=identity)
+    get_ms: list[float] = []
+    list_ms: list[float] = []
+    most_pending = [0]
+    workflow_id = names.hot_load_workflow_id(settings.organization_id, identity)
+    done = threading.Event()
+    reads0 = open_reads(settings)
+    cpu0, t0 = control_plane_cpu(stack), time.perf_counter()
+    api.call("POST", "/hotLoads", json=body)
+    sampler = threading.Thread(target=sample_pending, daemon=True, args=(settings, workflow_id, done, most_pending))
+    sampler.start()
+    describe_ms: list[float] = []
+    describe_end: list[datetime] = []
+    describer = threading.Thread(target=time_describes, daemon=True,
+                                 args=(settings, workflow_id, done, describe_ms, describe_end, poll_s))
+    if describe_baseline:
+        describer.start()
+    reader = Api(settings)
+    hl, seen_end = poll_until_terminal(reader, identity, dep_id, poll_s, get_ms, list_ms)
     seconds, cpu1 = time.perf_counter() - t0, control_plane_cpu(stack)
     reads = {k: v - reads0.get(k, 0.0) for k, v in open_reads(settings).items()}
     finished = datetime.fromisoformat(hl["status"]["finishedAt"].replace("Z", "+00:00"))
@@ -284,34 +329,13 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
     sampler.join()
     if describe_baseline:
         describer.join(timeout=30)
-    replicas: list[dict] = []
-    token = None
-    while True:  # every page of the replica list
-        page = reader.call("GET", f"/hotLoads/{identity}/replicas",
-                           params={"maxPageSize": 1000, **({"pageToken": token} if token else {})})
-        replicas += page["replicas"]
-        if not (token := page.get("nextPageToken")):
-            break
-    events, size = asyncio.run(history(settings, workflow_id))
-    groups = asyncio.run(group_histories(settings, workflow_id))
-    dep_events, dep_size = asyncio.run(
-        history(settings, names.deployment_workflow_id(settings.organization_id, dep_id))
-    )
-    reg_events, reg_size = asyncio.run(history(settings, names.NODE_REGISTRY_ID))
-    sources: dict[str, int] = {}
-    for r in replicas:
-        kind = (r.get("source") or "?").split(":")[0]
-        sources[kind] = sources.get(kind, 0) + 1
+    replicas = all_replicas(reader, identity)
     return {
         "identity": identity, "state": hl["status"]["state"], "seconds": seconds, "replicas": len(replicas),
         "ready": sum(r["state"] == "READY" for r in replicas),
-        "history_events": events, "history_bytes": size, "most_pending_activities": most_pending,
-        "stage_groups": len(groups), "group_history_events_sum": sum(e for e, _ in groups),
-        "group_history_events_max": max((e for e, _ in groups), default=0),
-        "group_history_bytes_max": max((b for _, b in groups), default=0),
+        "most_pending_activities": most_pending[0],
         "transfer_rounds": max((r.get("peerRound") or 0 for r in replicas), default=0),
-        "deployment_history_events": dep_events, "deployment_history_bytes": dep_size,
-        "registry_history_events": reg_events, "registry_history_bytes": reg_size,
+        **history_figures(settings, workflow_id, dep_id),
         "api_get_p50_ms": pct(get_ms, 0.5), "api_get_p99_ms": pct(get_ms, 0.99),
         "api_list_p50_ms": pct(list_ms, 0.5), "api_list_p99_ms": pct(list_ms, 0.99), "api_samples": len(get_ms),
         "describe_p50_ms": pct(describe_ms, 0.5), "describe_p99_ms": pct(describe_ms, 0.99),
@@ -319,13 +343,13 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
         "end_seen_after_ms": (seen_end - finished).total_seconds() * 1000,
         "gets_described": reads.get("described", 0.0), "gets_kept": reads.get("kept", 0.0),
         "describe_end_seen_after_ms": (describe_end[0] - finished).total_seconds() * 1000 if describe_end else None,
-        "control_plane_cpu_s": sum(cpu.values()), "cpu_s_by_process": cpu, "sources": sources,
+        "control_plane_cpu_s": sum(cpu.values()), "cpu_s_by_process": cpu, "sources": replica_sources(replicas),
         "max_pause_ms": max((r.get("pauseMs") or 0 for r in replicas), default=0),
         "condition": (hl["status"].get("conditions") or [{}])[-1].get("message", ""),
     }
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replicas", type=int, default=100)
     ap.add_argument("--nodes", type=int, default=2, help="SIMULATED node agent processes")
@@ -345,8 +369,144 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write the figures here too")
     ap.add_argument("--deployment-only", action="store_true", help="create the deployment, report, and stop")
     ap.add_argument("--keep", action="store_true", help="keep the stack's home (logs) afterwards")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def publish_checkpoints(settings: Settings, work: Path) -> None:
+    """A 1 MB synthetic base (`full-0`) and its delta (`delta-1`), uploaded under scale/ckpt."""
+    base, new = work / "base", work / "new"
+    make_checkpoint_pair(base, new, size_mb=1, seed=0)
+    write_delta(base, new, work / "delta", version="delta-1", base_version="full-0")
+    s3 = settings.s3_client()
+    upload_dir(s3, base, settings.bucket, "scale/ckpt/full-0")
+    upload_dir(s3, work / "delta", settings.bucket, "scale/ckpt/delta-1")
+
+
+def create_deployment(settings: Settings, api: Api, args: argparse.Namespace) -> str:
+    """The deployment of `--replicas` SIMULATED replicas; its id."""
+    return api.call("POST", "/deployments", json={
+        "name": "scale", "gatewayIds": [settings.gateway_id],
+        "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+        "model": {"name": "scale-model", "bucket": settings.bucket, "path": settings.base_model_path},
+        # One simulated GPU each: placement puts them on the simulated nodes only.
+        "resources": {"instanceType": "cpu-local", "gpuCount": 1},
+        "autoscaling": {"min": args.replicas, "max": args.replicas + args.autoscale,
+                        **({"scaleOutAfterSeconds": 0, "scaleInAfterSeconds": 0} if args.autoscale else {})},
+        "hotLoad": {"bucket": settings.bucket, "pathPrefix": "scale/ckpt", "peerFanOut": args.fan_out,
+                    "replicasPerGroup": args.group_size, "maxConcurrentSwaps": args.max_concurrent_swaps},
+    })["deployment"]["spec"]["id"]
+
+
+def wait_deployment(settings: Settings, api: Api, dep_id: str, replicas: int) -> dict | None:
+    """The deployment once READY or FAILED; None (said how) when its workflow closed first."""
+    while True:
+        r = api.http.get(f"/deployments/{dep_id}")
+        if r.status_code != 200:  # the deployment workflow closed: say how
+            events, size = asyncio.run(
+                history(settings, names.deployment_workflow_id(settings.organization_id, dep_id))
+            )
+            print(
+                f"deployment of {replicas} replicas: GET answers {r.status_code}; its workflow closed after "
+                f"{events} history events, {size / 1e6:.1f} MB (Temporal ends a workflow past 50 MB / 51,200 "
+                "events)"
+            )
+            print("  " + asyncio.run(history_breakdown(
+                settings, names.deployment_workflow_id(settings.organization_id, dep_id))))
+            return None
+        dep = r.json()["deployment"]
+        if dep["status"]["status"] in ("STATUS_READY", "STATUS_FAILED"):
+            return dep
+        time.sleep(1)
+
+
+def print_runs(settings: Settings, dep_wf: str) -> None:
+    """The history breakdown of each run of the deployment workflow (`--deployment-only`)."""
+    async def runs() -> list[str]:
+        client = await temporal_client(settings)
+        return [wf.run_id async for wf in client.list_workflows(f"WorkflowId = '{dep_wf}'")]
+
+    for run in asyncio.run(runs()):
+        print(f"  run {run}: {asyncio.run(history_breakdown(settings, dep_wf, run_id=run))}")
+
+
+def print_hot_load(r: dict, args: argparse.Namespace) -> None:
+    print(f"\n{r['identity']}: {r['state']} in {r['seconds']:.1f} s; {r['ready']}/{r['replicas']} READY; "
+          f"sources {r['sources']}; max pause {r['max_pause_ms']:.1f} ms")
+    print(f"  hot-load history      {r['history_events']} events, {r['history_bytes'] / 1e6:.2f} MB; "
+          f"most pending activities {r['most_pending_activities']}")
+    print(
+        f"  stage groups          {r['stage_groups']}: {r['group_history_events_sum']} events in all, at most "
+        f"{r['group_history_events_max']} ({r['group_history_bytes_max'] / 1e6:.2f} MB) in one"
+    )
+    print(
+        f"  transfer rounds       {r['transfer_rounds']} (fan-out {args.fan_out}, k = "
+        f"{args.max_concurrent_swaps})"
+    )
+    print(
+        f"  deployment history    {r['deployment_history_events']} events, "
+        f"{r['deployment_history_bytes'] / 1e6:.2f} MB"
+    )
+    print(
+        f"  node registry history {r['registry_history_events']} events, "
+        f"{r['registry_history_bytes'] / 1e6:.2f} MB"
+    )
+    print(f"  API GET p50/p99 {r['api_get_p50_ms']:.1f}/{r['api_get_p99_ms']:.1f} ms, list p50/p99 "
+          f"{r['api_list_p50_ms']:.1f}/{r['api_list_p99_ms']:.1f} ms ({r['api_samples']} samples)")
+    print(
+        f"  its end shown by GET  {r['end_seen_after_ms']:.0f} ms after the hot-load's finishedAt; GETs "
+        f"answered by their describe {r['gets_described']:.0f}, from the last one (theirs late) "
+        f"{r['gets_kept']:.0f}"
+    )
+    if r["describe_samples"]:
+        end = r["describe_end_seen_after_ms"]
+        print(f"  Temporal describe p50/p99 {r['describe_p50_ms']:.1f}/{r['describe_p99_ms']:.1f} ms "
+              f"({r['describe_samples']} samples, beside the API's); its end shown by describe "
+              + (f"{end:.0f} ms after finishedAt" if end is not None else "never"))
+    print(f"  control-plane CPU     {r['control_plane_cpu_s']:.1f} s ("
+          + ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_s_by_process"].items()) + f") in {r['seconds']:.0f} s")
+    if r["state"] != "HOT_LOAD_STATE_COMPLETED":
+        print(f"  condition: {r['condition']}")
+
+
+def print_autoscale(scaled: dict, args: argparse.Namespace) -> None:
+    print(f"\nautoscaling {args.replicas} -> {args.replicas + args.autoscale} -> {args.replicas} "
+          f"(SIMULATED gateway load reports)")
+    print("  scale-out, s between changes of the serving count: " + ", ".join(f"{x:.1f}" for x in scaled["out_s"]))
+    print("  scale-in, s between changes of the serving count:  " + ", ".join(f"{x:.1f}" for x in scaled["in_s"]))
+    print(f"  ready replicas as they changed (level, s, count): {scaled['trace']}")
+    print(f"  deployment activities {scaled['activities']}")
+    print(f"  deployment history +{scaled['history_events_added']} events "
+          f"({scaled['deployment_history_bytes'] / 1e6:.2f} MB now)")
+
+
+def all_passed(results: list[dict], scaled: dict | None, args: argparse.Namespace) -> bool:
+    """Every hot-load COMPLETED and, with `--autoscale`, the serving count reached the top and came back."""
+    scaled_ok = not args.autoscale or (
+        scaled is not None and max(n for _, _, n in scaled["trace"]) == args.replicas + args.autoscale
+        and scaled["trace"][-1][2] == args.replicas)
+    return all(r["state"] == "HOT_LOAD_STATE_COMPLETED" for r in results) and scaled_ok
+
+
+def measure(settings: Settings, stack: Stack, api: Api, dep_id: str, args: argparse.Namespace) -> int:
+    """The FULL and the delta hot-load, then `--autoscale`'s out and in; printed (and `--json`)."""
+    results = [run_hot_load(settings, stack, api, dep_id, "full-0", None, args.describe_baseline, args.poll_s),
+               run_hot_load(settings, stack, api, dep_id, "delta-1", "full-0", args.describe_baseline, args.poll_s)]
+    for r in results:
+        print_hot_load(r, args)
+    scaled: dict | None = None
+    if args.autoscale and all(r["state"] == "HOT_LOAD_STATE_COMPLETED" for r in results):
+        scaled = run_autoscale(settings, api, dep_id, args.replicas, args.replicas + args.autoscale)
+        print_autoscale(scaled, args)
+    if args.json:
+        args.json.write_text(json.dumps({"replicas": args.replicas, "nodes": args.nodes, "fan_out": args.fan_out,
+                                         "group_size": args.group_size, "k": args.max_concurrent_swaps,
+                                         "sim_nice": args.sim_nice, "autoscale": scaled,
+                                         "results": results}, indent=1))
+    return 0 if all_passed(results, scaled, args) else 1
+
+
+def main() -> int:
+    args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     settings = Settings.create(work / "home", free_port_base())
     stack = Stack(settings, node_slots=0, many_pollers=True)
@@ -357,45 +517,15 @@ def main() -> int:
         for i in range(args.nodes):
             nodes.append(start_sim_node(settings, f"sim-{i}", per_node, "--transfer-ms", str(args.transfer_ms),
                                         nice=args.sim_nice))
-        base, new = work / "base", work / "new"
-        make_checkpoint_pair(base, new, size_mb=1, seed=0)
-        write_delta(base, new, work / "delta", version="delta-1", base_version="full-0")
-        s3 = settings.s3_client()
-        upload_dir(s3, base, settings.bucket, "scale/ckpt/full-0")
-        upload_dir(s3, work / "delta", settings.bucket, "scale/ckpt/delta-1")
+        publish_checkpoints(settings, work)
         api = Api(settings)
         for i in range(args.nodes):
             wait_registered(settings, f"sim-{i}")
         t0 = time.perf_counter()
-        dep_id = api.call("POST", "/deployments", json={
-            "name": "scale", "gatewayIds": [settings.gateway_id],
-            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
-            "model": {"name": "scale-model", "bucket": settings.bucket, "path": settings.base_model_path},
-            # One simulated GPU each: placement puts them on the simulated nodes only.
-            "resources": {"instanceType": "cpu-local", "gpuCount": 1},
-            "autoscaling": {"min": args.replicas, "max": args.replicas + args.autoscale,
-                            **({"scaleOutAfterSeconds": 0, "scaleInAfterSeconds": 0} if args.autoscale else {})},
-            "hotLoad": {"bucket": settings.bucket, "pathPrefix": "scale/ckpt", "peerFanOut": args.fan_out,
-                        "replicasPerGroup": args.group_size, "maxConcurrentSwaps": args.max_concurrent_swaps},
-        })["deployment"]["spec"]["id"]
-        while True:
-            r = api.http.get(f"/deployments/{dep_id}")
-            if r.status_code != 200:  # the deployment workflow closed: say how
-                events, size = asyncio.run(
-                    history(settings, names.deployment_workflow_id(settings.organization_id, dep_id))
-                )
-                print(
-                    f"deployment of {args.replicas} replicas: GET answers {r.status_code}; its workflow closed after "
-                    f"{events} history events, {size / 1e6:.1f} MB (Temporal ends a workflow past 50 MB / 51,200 "
-                    "events)"
-                )
-                print("  " + asyncio.run(history_breakdown(
-                    settings, names.deployment_workflow_id(settings.organization_id, dep_id))))
-                return 1
-            dep = r.json()["deployment"]
-            if dep["status"]["status"] in ("STATUS_READY", "STATUS_FAILED"):
-                break
-            time.sleep(1)
+        dep_id = create_deployment(settings, api, args)
+        dep = wait_deployment(settings, api, dep_id, args.replicas)
+        if dep is None:
+            return 1
         print(f"deployment of {args.replicas} SIMULATED replicas on {args.nodes} simulated node(s) (nice "
               f"{args.sim_nice}): {dep['status']['status']} in {time.perf_counter() - t0:.1f} s", flush=True)
         dep_wf = names.deployment_workflow_id(settings.organization_id, dep_id)
@@ -406,79 +536,12 @@ def main() -> int:
             flush=True,
         )
         if args.deployment_only:
-            async def runs() -> list[str]:
-                client = await temporal_client(settings)
-                return [wf.run_id async for wf in client.list_workflows(f"WorkflowId = '{dep_wf}'")]
-
-            for run in asyncio.run(runs()):
-                print(f"  run {run}: {asyncio.run(history_breakdown(settings, dep_wf, run_id=run))}")
+            print_runs(settings, dep_wf)
             return 0
         if dep["status"]["status"] != "STATUS_READY":
             print(json.dumps(dep["status"], indent=1))
             return 1
-        results = [run_hot_load(settings, stack, api, dep_id, "full-0", None, args.describe_baseline, args.poll_s),
-                   run_hot_load(settings, stack, api, dep_id, "delta-1", "full-0", args.describe_baseline, args.poll_s)]
-        for r in results:
-            print(f"\n{r['identity']}: {r['state']} in {r['seconds']:.1f} s; {r['ready']}/{r['replicas']} READY; "
-                  f"sources {r['sources']}; max pause {r['max_pause_ms']:.1f} ms")
-            print(f"  hot-load history      {r['history_events']} events, {r['history_bytes'] / 1e6:.2f} MB; "
-                  f"most pending activities {r['most_pending_activities']}")
-            print(
-                f"  stage groups          {r['stage_groups']}: {r['group_history_events_sum']} events in all, at most "
-                f"{r['group_history_events_max']} ({r['group_history_bytes_max'] / 1e6:.2f} MB) in one"
-            )
-            print(
-                f"  transfer rounds       {r['transfer_rounds']} (fan-out {args.fan_out}, k = "
-                f"{args.max_concurrent_swaps})"
-            )
-            print(
-                f"  deployment history    {r['deployment_history_events']} events, "
-                f"{r['deployment_history_bytes'] / 1e6:.2f} MB"
-            )
-            print(
-                f"  node registry history {r['registry_history_events']} events, "
-                f"{r['registry_history_bytes'] / 1e6:.2f} MB"
-            )
-            print(f"  API GET p50/p99 {r['api_get_p50_ms']:.1f}/{r['api_get_p99_ms']:.1f} ms, list p50/p99 "
-                  f"{r['api_list_p50_ms']:.1f}/{r['api_list_p99_ms']:.1f} ms ({r['api_samples']} samples)")
-            print(
-                f"  its end shown by GET  {r['end_seen_after_ms']:.0f} ms after the hot-load's finishedAt; GETs "
-                f"answered by their describe {r['gets_described']:.0f}, from the last one (theirs late) "
-                f"{r['gets_kept']:.0f}"
-            )
-            if r["describe_samples"]:
-                end = r["describe_end_seen_after_ms"]
-                print(f"  Temporal describe p50/p99 {r['describe_p50_ms']:.1f}/{r['describe_p99_ms']:.1f} ms "
-                      f"({r['describe_samples']} samples, beside the API's); its end shown by describe "
-                      + (f"{end:.0f} ms after finishedAt" if end is not None else "never"))
-            print(f"  control-plane CPU     {r['control_plane_cpu_s']:.1f} s ("
-                  + ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_s_by_process"].items()) + f") in {r['seconds']:.0f} s")
-            if r["state"] != "HOT_LOAD_STATE_COMPLETED":
-                print(f"  condition: {r['condition']}")
-        scaled: dict | None = None
-        if args.autoscale and all(r["state"] == "HOT_LOAD_STATE_COMPLETED" for r in results):
-            scaled = run_autoscale(settings, api, dep_id, args.replicas, args.replicas + args.autoscale)
-            print(f"\nautoscaling {args.replicas} -> {args.replicas + args.autoscale} -> {args.replicas} "
-                  f"(SIMULATED gateway load reports)")
-            print(
-                "  scale-out, s between changes of the serving count: " + ", ".join(f"{x:.1f}" for x in scaled["out_s"])
-            )
-            print(
-                "  scale-in, s between changes of the serving count:  " + ", ".join(f"{x:.1f}" for x in scaled["in_s"])
-            )
-            print(f"  ready replicas as they changed (level, s, count): {scaled['trace']}")
-            print(f"  deployment activities {scaled['activities']}")
-            print(f"  deployment history +{scaled['history_events_added']} events "
-                  f"({scaled['deployment_history_bytes'] / 1e6:.2f} MB now)")
-        if args.json:
-            args.json.write_text(json.dumps({"replicas": args.replicas, "nodes": args.nodes, "fan_out": args.fan_out,
-                                             "group_size": args.group_size, "k": args.max_concurrent_swaps,
-                                             "sim_nice": args.sim_nice, "autoscale": scaled,
-                                             "results": results}, indent=1))
-        scaled_ok = not args.autoscale or (
-            scaled is not None and max(n for _, _, n in scaled["trace"]) == args.replicas + args.autoscale
-            and scaled["trace"][-1][2] == args.replicas)
-        return 0 if all(r["state"] == "HOT_LOAD_STATE_COMPLETED" for r in results) and scaled_ok else 1
+        return measure(settings, stack, api, dep_id, args)
     finally:
         stop_sim_nodes(nodes)
         stack.down(say=lambda line: None)
