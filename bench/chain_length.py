@@ -108,7 +108,7 @@ def publish_real_chains(settings: Settings, work: Path, chains: int, deltas: int
             upload_dir(s3, out, settings.bucket, f"{PREFIX}/c{c}-d{i}")
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--deltas", type=int, default=60, help=f"chain positions 1..N (N <= {MAX_CHAIN_DELTAS})")
     ap.add_argument("--chains", type=int, default=3, help="chains hot-loaded one after the other (medians over them)")
@@ -123,69 +123,94 @@ def main() -> int:
     args = ap.parse_args()
     if not 2 <= args.deltas <= MAX_CHAIN_DELTAS:
         raise SystemExit(f"--deltas must be 2..{MAX_CHAIN_DELTAS}")
+    return args
 
+
+def publish_synthetic_chains(settings: Settings, work: Path, chains: int, deltas: int) -> None:
+    """A 1 MB synthetic base and one delta, uploaded as every chain's `c{c}-full` and `c{c}-d{i}`."""
+    s3 = settings.s3_client()
+    base, new = work / "base", work / "new"
+    make_checkpoint_pair(base, new, size_mb=1, seed=0)
+    write_delta(base, new, work / "delta", version="d", base_version="full")
+    for c in range(chains):
+        upload_dir(s3, base, settings.bucket, f"{PREFIX}/c{c}-full")
+        for i in range(1, deltas + 1):
+            upload_dir(s3, work / "delta", settings.bucket, f"{PREFIX}/c{c}-d{i}")
+
+
+def create_ready_deployment(settings: Settings, api: Api, replicas: int, engine: bool) -> str:
+    """The bench's deployment, once READY; its id."""
+    dep_id = api.call("POST", "/deployments", json={
+        "name": "chain", "gatewayIds": [settings.gateway_id],
+        "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+        "model": {"name": "chain-model", "bucket": settings.bucket, "path": settings.base_model_path},
+        "resources": {"instanceType": "cpu-local", "gpuCount": 0 if engine else 1},
+        "autoscaling": {"min": replicas, "max": replicas},
+        "hotLoad": {"bucket": settings.bucket, "pathPrefix": PREFIX},
+    })["deployment"]["spec"]["id"]
+    while (status := api.call("GET", f"/deployments/{dep_id}")["deployment"]["status"]["status"]) != "STATUS_READY":
+        if status == "STATUS_FAILED":
+            raise SystemExit("the deployment FAILED")
+        time.sleep(0.5)
+    return dep_id
+
+
+def hot_load_chains(api: Api, dep_id: str, args: argparse.Namespace) -> list[list[float]]:
+    """seconds[c][p]: chain c, position p (0: the full base), hot-loaded in order."""
+    seconds: list[list[float]] = []
+    for c in range(args.chains):
+        row = []
+        for p in range(args.deltas + 1):
+            identity = f"c{c}-full" if p == 0 else f"c{c}-d{p}"
+            previous = None if p == 0 else (f"c{c}-full" if p == 1 else f"c{c}-d{p - 1}")
+            row.append(hot_load(api, dep_id, identity, previous, args.poll_s))
+        seconds.append(row)
+        print(f"chain {c + 1}/{args.chains}: position 2 {row[2]:.3f} s, position {args.deltas} "
+              f"{row[args.deltas]:.3f} s", flush=True)
+    return seconds
+
+
+def report(seconds: list[list[float]], checks: dict[str, int], args: argparse.Namespace) -> None:
+    """Medians over the chains per position, by tens, the end against the start, and the slope;
+    the snapshot checks each admission scheduled."""
+    median = [statistics.median(seconds[c][p] for c in range(args.chains)) for p in range(args.deltas + 1)]
+    n = args.deltas
+    kind = "real Dynamo vLLM" if args.engine else "SIMULATED"
+    print(f"\n{args.replicas} {kind} replica(s), {args.chains} chain(s) of 1 full + {n} deltas on one "
+          "deployment; create → COMPLETED, median over the chains:")
+    print("  per position: " + ", ".join(f"{p}: {median[p]:.3f}" for p in range(1, n + 1)))
+    for lo in range(1, n + 1, 10):
+        hi = min(n, lo + 9)
+        print(f"  positions {lo:>2}–{hi:<2}  median {statistics.median(median[lo:hi + 1]):.3f} s")
+    print(f"  position {n} {median[n]:.3f} s vs position 2 {median[2]:.3f} s: ratio {median[n] / median[2]:.3f}")
+    slope, _ = statistics.linear_regression(range(1, n + 1), median[1:])
+    print(f"  least-squares slope over positions 1–{n}: {slope * 1000:+.2f} ms per position "
+          f"({slope * (n - 2) / median[2]:+.1%} of position 2 from 2 to {n})")
+    tail, head = statistics.median(median[n - 4:n + 1]), statistics.median(median[2:7])
+    print(f"  positions {n - 4}–{n} median {tail:.3f} s vs positions 2–6 {head:.3f} s: ratio {tail / head:.3f}")
+    per_position = [[checks.get(f"c{c}-d{p}") for c in range(args.chains)] for p in range(n + 1)]
+    print("  snapshot checks per admission (each chain): " + ", ".join(
+        f"position {p}: {per_position[p]}" for p in (1, 2, n // 2, n)))
+
+
+def main() -> int:
+    args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-chain-"))
     settings = Settings.create(work / "home", free_port_base())
     stack = Stack(settings, node_slots=args.replicas if args.engine else 0)
     stack.up(say=lambda line: print(line, flush=True))
     nodes: list[subprocess.Popen[bytes]] = []
     try:
-        s3 = settings.s3_client()
         if args.engine:
             publish_real_chains(settings, work, args.chains, args.deltas)
         else:
             nodes.append(start_sim_node(settings, "sim-0", args.replicas))
-            base, new = work / "base", work / "new"
-            make_checkpoint_pair(base, new, size_mb=1, seed=0)
-            write_delta(base, new, work / "delta", version="d", base_version="full")
-            for c in range(args.chains):
-                upload_dir(s3, base, settings.bucket, f"{PREFIX}/c{c}-full")
-                for i in range(1, args.deltas + 1):
-                    upload_dir(s3, work / "delta", settings.bucket, f"{PREFIX}/c{c}-d{i}")
+            publish_synthetic_chains(settings, work, args.chains, args.deltas)
         api = Api(settings)
         wait_registered(settings, LOCAL_NODE if args.engine else "sim-0")
-        dep_id = api.call("POST", "/deployments", json={
-            "name": "chain", "gatewayIds": [settings.gateway_id],
-            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
-            "model": {"name": "chain-model", "bucket": settings.bucket, "path": settings.base_model_path},
-            "resources": {"instanceType": "cpu-local", "gpuCount": 0 if args.engine else 1},
-            "autoscaling": {"min": args.replicas, "max": args.replicas},
-            "hotLoad": {"bucket": settings.bucket, "pathPrefix": PREFIX},
-        })["deployment"]["spec"]["id"]
-        while (status := api.call("GET", f"/deployments/{dep_id}")["deployment"]["status"]["status"]) != "STATUS_READY":
-            if status == "STATUS_FAILED":
-                raise SystemExit("the deployment FAILED")
-            time.sleep(0.5)
-        # seconds[c][p]: chain c, position p (0: the full base).
-        seconds: list[list[float]] = []
-        for c in range(args.chains):
-            row = []
-            for p in range(args.deltas + 1):
-                identity = f"c{c}-full" if p == 0 else f"c{c}-d{p}"
-                previous = None if p == 0 else (f"c{c}-full" if p == 1 else f"c{c}-d{p - 1}")
-                row.append(hot_load(api, dep_id, identity, previous, args.poll_s))
-            seconds.append(row)
-            print(f"chain {c + 1}/{args.chains}: position 2 {row[2]:.3f} s, position {args.deltas} "
-                  f"{row[args.deltas]:.3f} s", flush=True)
-        median = [statistics.median(seconds[c][p] for c in range(args.chains)) for p in range(args.deltas + 1)]
-        n = args.deltas
-        kind = "real Dynamo vLLM" if args.engine else "SIMULATED"
-        print(f"\n{args.replicas} {kind} replica(s), {args.chains} chain(s) of 1 full + {n} deltas on one "
-              "deployment; create → COMPLETED, median over the chains:")
-        print("  per position: " + ", ".join(f"{p}: {median[p]:.3f}" for p in range(1, n + 1)))
-        for lo in range(1, n + 1, 10):
-            hi = min(n, lo + 9)
-            print(f"  positions {lo:>2}–{hi:<2}  median {statistics.median(median[lo:hi + 1]):.3f} s")
-        print(f"  position {n} {median[n]:.3f} s vs position 2 {median[2]:.3f} s: ratio {median[n] / median[2]:.3f}")
-        slope, _ = statistics.linear_regression(range(1, n + 1), median[1:])
-        print(f"  least-squares slope over positions 1–{n}: {slope * 1000:+.2f} ms per position "
-              f"({slope * (n - 2) / median[2]:+.1%} of position 2 from 2 to {n})")
-        tail, head = statistics.median(median[n - 4:n + 1]), statistics.median(median[2:7])
-        print(f"  positions {n - 4}–{n} median {tail:.3f} s vs positions 2–6 {head:.3f} s: ratio {tail / head:.3f}")
-        counts = asyncio.run(checks_by_hot_load(settings, dep_id))
-        per_position = [[counts.get(f"c{c}-d{p}") for c in range(args.chains)] for p in range(n + 1)]
-        print("  snapshot checks per admission (each chain): " + ", ".join(
-            f"position {p}: {per_position[p]}" for p in (1, 2, n // 2, n)))
+        dep_id = create_ready_deployment(settings, api, args.replicas, args.engine)
+        seconds = hot_load_chains(api, dep_id, args)
+        report(seconds, asyncio.run(checks_by_hot_load(settings, dep_id)), args)
         return 0
     finally:
         stop_sim_nodes(nodes)
