@@ -162,26 +162,25 @@ def served(wmap: WeightMap) -> dict[str, str]:
     return {n: adler32_hex(p) for n, p in wmap.model.named_parameters()}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--layers", type=int, default=None, help="32: an 8B model's layers (default: 32 on "
                         "CUDA, 2 on the CPU)")
     parser.add_argument("--changed", type=float, default=0.05, help="fraction of elements a delta changes")
     parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
-    device = args.device
-    layers = args.layers or (32 if device.startswith("cuda") else 2)
-    shapes = checkpoint_shapes(layers)
-    base = random_checkpoint(shapes, seed=0)
-    size = sum(t.nbytes for t in base.values())
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.startswith('cuda') else 'host memory'}), "
-          f"{layers} layer(s) of an 8B model's shapes: {len(base)} tensors, {size / 1e9:.2f} GB BF16")
-    model = Model(layers, device)
-    model.load_weights(base.items())
-    wmap = WeightMap.build(model, [(n, tuple(t.shape), t.dtype) for n, t in base.items()], base.__getitem__)
+    return parser.parse_args()
 
-    rows: dict[str, list[tuple[float, dict]]] = {"delta, scattered": [], "delta, whole (baseline)": [], "FULL": []}
+
+Checkpoint = dict[str, torch.Tensor]
+Rows = dict[str, list[tuple[float, dict]]]
+
+
+def measure_deltas_and_full(wmap: WeightMap, base: Checkpoint, shapes: dict[str, tuple[int, ...]],
+                            args: argparse.Namespace, device: str) -> tuple[Rows, Checkpoint]:
+    """Each run's delta whole and scattered (from the same weights), then one FULL; the rows and
+    the weights served at the end."""
+    rows: Rows = {"delta, scattered": [], "delta, whole (baseline)": [], "FULL": []}
     current = base
     for run in range(args.runs):
         new = rl_step(current, args.changed, seed=run + 1)
@@ -192,19 +191,28 @@ def main() -> None:
         current = new
     full = random_checkpoint(shapes, seed=100)
     rows["FULL"].append(swap_in(wmap, "full", full, None, False, device))
-    current = full
-    if device.startswith("cuda"):
-        # A FULL past the device budget: from pinned host memory (asynchronous copies on two
-        # streams) against the same FULL from pageable memory (the baseline), both proven.
-        os.environ[scatter.BUDGET_ENV] = "0"
-        for what, pinned in (("FULL, pinned", str(1 << 40)), ("FULL, pageable (baseline)", "0")):
-            os.environ[scatter.PINNED_BUDGET_ENV] = pinned
-            rows[what] = []
-            for run in range(args.runs):
-                current = (base, full)[run % 2]  # a FULL compares nothing: any other weights do
-                rows[what].append(swap_in(wmap, f"{what}-{run}", current, None, False, device))
-        del os.environ[scatter.BUDGET_ENV], os.environ[scatter.PINNED_BUDGET_ENV]
+    return rows, full
 
+
+def measure_full_from_host(wmap: WeightMap, base: Checkpoint, full: Checkpoint, runs: int, device: str,
+                           rows: Rows) -> Checkpoint:
+    """A FULL past the device budget: from pinned host memory (asynchronous copies on two
+    streams) against the same FULL from pageable memory (the baseline), both proven. Returns the
+    weights served at the end."""
+    current = full
+    os.environ[scatter.BUDGET_ENV] = "0"
+    for what, pinned in (("FULL, pinned", str(1 << 40)), ("FULL, pageable (baseline)", "0")):
+        os.environ[scatter.PINNED_BUDGET_ENV] = pinned
+        rows[what] = []
+        for run in range(runs):
+            current = (base, full)[run % 2]  # a FULL compares nothing: any other weights do
+            rows[what].append(swap_in(wmap, f"{what}-{run}", current, None, False, device))
+    del os.environ[scatter.BUDGET_ENV], os.environ[scatter.PINNED_BUDGET_ENV]
+    return current
+
+
+def print_medians(rows: Rows) -> dict[str, tuple[float, float, float]]:
+    """The table of medians; per update: (pause s, bytes in the pause, write s)."""
     print(f"\n{'update':<26} {'pause ms':>9} {'write ms':>9} {'proof ms':>9} {'bytes in the pause':>19} "
           f"{'changed':>11}   (medians)")
     medians = {}
@@ -218,6 +226,11 @@ def main() -> None:
         shown = f"{statistics.median(changed) / 1e6:8.1f} MB" if changed else f"{'—':>11}"
         print(f"{what:<26} {1000 * pause:>9.1f} {1000 * write:>9.1f} {1000 * prove:>9.1f} {moved / 1e6:>16.1f} MB "
               f"{shown}")
+    return medians
+
+
+def print_comparisons(medians: dict[str, tuple[float, float, float]], device: str) -> None:
+    """Scattered against whole, pinned against pageable, and the copy rates."""
     (p_sparse, b_sparse, w_sparse), (p_dense, b_dense, w_dense) = (medians["delta, scattered"],
                                                                   medians["delta, whole (baseline)"])
     print(f"\nscattered delta vs whole: {b_dense / max(b_sparse, 1):.1f}x fewer bytes inside the pause, the write "
@@ -233,9 +246,12 @@ def main() -> None:
         print(f"host -> device: pinned {rates['pinned']:.1f} GB/s, pageable {rates['pageable']:.1f} GB/s; "
               f"device -> device {rates['device']:.0f} GB/s")
 
-    # Roll-back: a scattered delta whose read-back fails (an element it did not change, altered).
+
+def rollback_is_exact(wmap: WeightMap, current: Checkpoint, changed: float) -> bool:
+    """Roll-back: a scattered delta whose read-back fails (an element it did not change, altered)
+    leaves the weights served before, exactly."""
     before = served(wmap)
-    new = rl_step(current, args.changed, seed=999)
+    new = rl_step(current, changed, seed=999)
     expected = {n: adler32_hex(t) for n, t in new.items()}
     slot = StageSlot()
     slot.put(take(wmap, "faulty", list(new.items()), current, expected, checked=True, sparse=True))
@@ -246,7 +262,27 @@ def main() -> None:
     result = slot.commit(wmap, "faulty")
     exact = result.get("read_back_failed") == [name] and served(wmap) == before
     print(f"roll-back after a failed read-back: {'exact' if exact else 'NOT EXACT'} ({result.get('read_back_failed')})")
-    if not exact:
+    return exact
+
+
+def main() -> None:
+    args = parse_args()
+    device = args.device
+    layers = args.layers or (32 if device.startswith("cuda") else 2)
+    shapes = checkpoint_shapes(layers)
+    base = random_checkpoint(shapes, seed=0)
+    size = sum(t.nbytes for t in base.values())
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.startswith('cuda') else 'host memory'}), "
+          f"{layers} layer(s) of an 8B model's shapes: {len(base)} tensors, {size / 1e9:.2f} GB BF16")
+    model = Model(layers, device)
+    model.load_weights(base.items())
+    wmap = WeightMap.build(model, [(n, tuple(t.shape), t.dtype) for n, t in base.items()], base.__getitem__)
+
+    rows, current = measure_deltas_and_full(wmap, base, shapes, args, device)
+    if device.startswith("cuda"):
+        current = measure_full_from_host(wmap, base, current, args.runs, device, rows)
+    print_comparisons(print_medians(rows), device)
+    if not rollback_is_exact(wmap, current, args.changed):
         raise SystemExit(1)
 
 
