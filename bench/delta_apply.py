@@ -59,7 +59,7 @@ from snapshots.host import HostWeights  # noqa: E402
 from snapshots.inspect import read_delta_plan  # noqa: E402
 from snapshots.stream import CHUNK_BYTES  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
-from snapshots.writer import write_delta  # noqa: E402
+from snapshots.writer import DeltaStats, write_delta  # noqa: E402
 
 # ru_maxrss survives fork+exec on Linux (it would report the parent's peak); VmHWM does not.
 # cpu(): this process's CPU seconds (all threads), a figure the machine's other load barely moves.
@@ -222,7 +222,10 @@ def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return min(runs, key=lambda r: r["seconds"])
 
 
-def main() -> None:
+Runs = dict[str, list[dict[str, Any]]]
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=float, default=1024)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each measurement; the best is reported")
@@ -230,51 +233,55 @@ def main() -> None:
     parser.add_argument(
         "--cwtrain-python", default=envs.ROLLOUTS_CWTRAIN_PYTHON.get() or str(REPO / ".venv-cw/bin/python")
     )
-    args = parser.parse_args()
-    workers = default_workers()
+    return parser.parse_args()
+
+
+def make_pair(root: Path, size_mb: float) -> tuple[dict[str, Any], DeltaStats]:
+    """A synthetic base at `root/base` and its delta at `root/delta` (the new checkpoint removed)."""
+    base, delta = root / "base", root / "delta"
+    t = time.perf_counter()
+    summary = make_checkpoint_pair(base, root / "new", size_mb=size_mb)
+    print(f"generated {summary['tensor_bytes'] / 1e9:.2f} GB BF16 pair in {time.perf_counter() - t:.0f}s; "
+          f"{100 * summary['changed_element_fraction']:.2f}% of elements changed", flush=True)
+    stats = write_delta(base, root / "new", delta, version="000001", base_version="000000")
+    shutil.rmtree(root / "new")
+    print(f"delta: {stats.changed}/{stats.tensors_total} tensors, {stats.wire_bytes / 1e6:.1f} MB on the wire "
+          f"({100 * stats.ratio:.2f}% of full)", flush=True)
+    return summary, stats
+
+
+def one_round(args: argparse.Namespace, root: Path, tensor_bytes: int, workers: int, runs: Runs) -> None:
+    """Every contender once, interleaved, so a burst of load elsewhere on the machine hits each alike."""
     py = sys.executable
-    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        root = Path(tmp)
-        base, delta, out, mirror = root / "base", root / "delta", root / "out", root / "mirror"
-        t = time.perf_counter()
-        summary = make_checkpoint_pair(base, root / "new", size_mb=args.size_mb)
-        print(f"generated {summary['tensor_bytes'] / 1e9:.2f} GB BF16 pair in {time.perf_counter() - t:.0f}s; "
-              f"{100 * summary['changed_element_fraction']:.2f}% of elements changed", flush=True)
-        stats = write_delta(base, root / "new", delta, version="000001", base_version="000000")
-        shutil.rmtree(root / "new")
-        print(f"delta: {stats.changed}/{stats.tensors_total} tensors, {stats.wire_bytes / 1e6:.1f} MB on the wire "
-              f"({100 * stats.ratio:.2f}% of full)", flush=True)
-        have_cw = Path(args.cwtrain_python).exists()
-        rollouts = str(Path(py).parent / "rollouts")
-        runs: dict[str, list[dict[str, Any]]] = {}
-        for i in range(args.repeat):
-            # Interleaved, so a burst of load elsewhere on the machine hits every contender alike.
-            for fsync in ("0", "1"):
-                shutil.rmtree(out, ignore_errors=True)
-                runs.setdefault(f"ours fsync={fsync}", []).append(
-                    run_json([py, "-c", STREAM, str(REPO), str(base), str(delta), str(out), fsync])
-                )
-            shutil.rmtree(out, ignore_errors=True)
-            if have_cw:
-                for fsync in ("0", "1"):
-                    subprocess.run(
-                        [args.cwtrain_python, "-c", MIRROR_CREATE, str(base), str(mirror)],
-                        check=True,
-                        capture_output=True,
-                    )
-                    runs.setdefault(f"cwtrain fsync={fsync}", []).append(
-                        run_json([args.cwtrain_python, "-c", CWTRAIN, str(mirror), str(delta), fsync])
-                    )
-                shutil.rmtree(mirror, ignore_errors=True)
-            runs.setdefault("ours CLI in place", []).append(run_cli_in_place(rollouts, base, delta, root / "work"))
-            runs.setdefault("host (in memory)", []).append(run_json([py, "-c", HOST, str(REPO), str(base), str(delta)]))
-            runs.setdefault("raw", []).extend(raw_limit(base, delta, workers, CHUNK_BYTES))
-            new_file, over_file = disk_floor(root / "disk", summary["tensor_bytes"])
-            runs.setdefault("disk, new file", []).append(new_file)
-            runs.setdefault("disk, overwrite", []).append(over_file)
-            print(f"round {i + 1}/{args.repeat} done", flush=True)
-    model_mb = summary["tensor_bytes"] / 2**20
-    print(f"workers: {workers}; model tensor bytes: {model_mb:.0f} MiB; best of {args.repeat} runs each")
+    base, delta, out, mirror = root / "base", root / "delta", root / "out", root / "mirror"
+    for fsync in ("0", "1"):
+        shutil.rmtree(out, ignore_errors=True)
+        runs.setdefault(f"ours fsync={fsync}", []).append(
+            run_json([py, "-c", STREAM, str(REPO), str(base), str(delta), str(out), fsync])
+        )
+    shutil.rmtree(out, ignore_errors=True)
+    if Path(args.cwtrain_python).exists():
+        for fsync in ("0", "1"):
+            subprocess.run(
+                [args.cwtrain_python, "-c", MIRROR_CREATE, str(base), str(mirror)],
+                check=True,
+                capture_output=True,
+            )
+            runs.setdefault(f"cwtrain fsync={fsync}", []).append(
+                run_json([args.cwtrain_python, "-c", CWTRAIN, str(mirror), str(delta), fsync])
+            )
+        shutil.rmtree(mirror, ignore_errors=True)
+    rollouts = str(Path(py).parent / "rollouts")
+    runs.setdefault("ours CLI in place", []).append(run_cli_in_place(rollouts, base, delta, root / "work"))
+    runs.setdefault("host (in memory)", []).append(run_json([py, "-c", HOST, str(REPO), str(base), str(delta)]))
+    runs.setdefault("raw", []).extend(raw_limit(base, delta, workers, CHUNK_BYTES))
+    new_file, over_file = disk_floor(root / "disk", tensor_bytes)
+    runs.setdefault("disk, new file", []).append(new_file)
+    runs.setdefault("disk, overwrite", []).append(over_file)
+
+
+def best_results(runs: Runs, stats: DeltaStats, model_mb: float) -> dict[str, dict[str, Any]]:
+    """Each contender's best run, printed with its throughput and CPU cost."""
     for r in runs["ours CLI in place"]:
         if r["changed_tensors"] != stats.changed:
             raise SystemExit(f"the CLI applied {r['changed_tensors']} changed tensors, the delta has {stats.changed}")
@@ -293,6 +300,10 @@ def main() -> None:
         )
         print(f"{name:18s} {r['seconds']:7.3f}s  {r['gbps']:6.3f} GB/s of changed bytes; "
               f"{r['gb_per_cpu_s']:6.3f} GB per CPU-second{extra}")
+    return results
+
+
+def print_ratios(results: dict[str, dict[str, Any]]) -> None:
     print("ratios: by wall-clock throughput (the target); by CPU cost (what a quiet machine would show)")
     for fsync in ("0", "1"):
         if f"cwtrain fsync={fsync}" in results:
@@ -314,6 +325,21 @@ def main() -> None:
             f"{name} / raw limit: {100 * r['gbps'] / raw['gbps']:.0f}%; "
             f"{100 * r['gb_per_cpu_s'] / raw['gb_per_cpu_s']:.0f}%"
         )
+
+
+def main() -> None:
+    args = parse_args()
+    workers = default_workers()
+    runs: Runs = {}
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        root = Path(tmp)
+        summary, stats = make_pair(root, args.size_mb)
+        for i in range(args.repeat):
+            one_round(args, root, summary["tensor_bytes"], workers, runs)
+            print(f"round {i + 1}/{args.repeat} done", flush=True)
+    model_mb = summary["tensor_bytes"] / 2**20
+    print(f"workers: {workers}; model tensor bytes: {model_mb:.0f} MiB; best of {args.repeat} runs each")
+    print_ratios(best_results(runs, stats, model_mb))
 
 
 if __name__ == "__main__":
