@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -38,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.processes import free_port  # noqa: E402
+from common.settings import Settings  # noqa: E402
 from contracts.names import hot_load_workflow_id  # noqa: E402
 from contracts.records import TERMINAL_HOT_LOAD_STATES  # noqa: E402
 from replica.agent.downloads import download_prefix  # noqa: E402
@@ -131,7 +133,7 @@ def print_timeline(settings, workflow_id: str, created: float) -> None:
               f"closed at {closed or float('nan'):7.0f} ms")
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=float, default=256)
     ap.add_argument("--replicas", type=int, default=4)
@@ -140,73 +142,108 @@ def main() -> int:
     ap.add_argument("--max-concurrent-swaps", type=int, default=1, help="hotLoad.maxConcurrentSwaps")
     ap.add_argument("--keep", action="store_true", help="keep the stack's home (logs) afterwards")
     ap.add_argument("--timeline", action="store_true", help="print the last hot-load's activities in time")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="bench-hotload-"))
+
+def publish(settings: Settings, work: Path, info: dict) -> None:
+    """The pair given the base model's tokenizer, its delta written, the base and the new full uploaded."""
     base, new = work / "base", work / "new"
-    info = make_checkpoint_pair(base, new, size_mb=args.size_mb, seed=0)
+    for d in (base, new):
+        for f in TOKENIZER_FILES:
+            shutil.copy2(settings.home_path / "models" / "base" / f, d / f)
+    stats = write_delta(base, new, work / "delta", version="1", base_version="0")
+    print(
+        f"model {info['tensor_bytes'] / 2**20:.0f} MiB BF16, {info['changed_element_fraction'] * 100:.2f}% of "
+        f"elements changed; delta {stats.wire_bytes / 2**20:.1f} MiB "
+        f"({stats.wire_bytes / info['tensor_bytes'] * 100:.2f}% of full)",
+        flush=True,
+    )
+    s3 = settings.s3_client()
+    upload_dir(s3, base, settings.bucket, "bench/model")
+    upload_dir(s3, new, settings.bucket, "bench/new-full")
+
+
+def create_ready_deployment(settings: Settings, api: Api, args: argparse.Namespace) -> str:
+    body = {
+        "name": "bench", "gatewayIds": [settings.gateway_id],
+        "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+        "model": {"name": "bench-model", "bucket": settings.bucket, "path": "bench/model"},
+        "autoscaling": {"min": args.replicas, "max": args.replicas},
+        "hotLoad": {"bucket": settings.bucket, "pathPrefix": "bench/ckpt",
+                    "maxConcurrentSwaps": args.max_concurrent_swaps},
+    }
+    dep_id = api.call("POST", "/deployments", json=body).json()["deployment"]["spec"]["id"]
+    dep = api.wait_deployment(dep_id, timeout=1800)
+    assert dep["status"]["status"] == "STATUS_READY", dep["status"]
+    return dep_id
+
+
+@dataclass
+class HotRuns:
+    seconds: list[float] = field(default_factory=list)
+    pauses: list[float] = field(default_factory=list)  # every replica's, every run
+    bytes_per_replica: list[list[int]] = field(default_factory=list)  # per run
+    last: dict | None = None  # the last delta hot-load
+    last_created: float = 0.0
+
+
+def measure_hot_loads(settings: Settings, api: Api, dep_id: str, work: Path, runs: int) -> HotRuns:
+    """Per run: a FULL base, then the delta on it (timed)."""
+    s3 = settings.s3_client()
+    out = HotRuns()
+    for run in range(runs):
+        upload_dir(s3, work / "base", settings.bucket, f"bench/ckpt/base-{run}")
+        upload_dir(s3, work / "delta", settings.bucket, f"bench/ckpt/step-{run}")
+        hot_load(api, dep_id, f"base-{run}", None)
+        hl, seconds, out.last_created = hot_load(api, dep_id, f"step-{run}", f"base-{run}")
+        out.last = hl
+        reps = api.call("GET", f"/hotLoads/{hl['spec']['id']}/replicas").json()["replicas"]
+        out.seconds.append(seconds)
+        out.pauses += [r["pauseMs"] for r in reps]
+        out.bytes_per_replica.append([r["bytesReadFromBucket"] for r in reps])
+        print(f"  hot-load run {run}: {seconds:.2f} s; step s {[round(_step_seconds(r), 2) for r in reps]}; "
+              f"pause ms {[round(r['pauseMs'], 1) for r in reps]}; sources {[r['source'] for r in reps]}; "
+              f"end shown by GET {hl['_shownAfterMs']:.0f} ms after finishedAt", flush=True)
+    return out
+
+
+def measure_cold(settings: Settings, args: argparse.Namespace, work: Path) -> list[float]:
+    cold: list[float] = []
+    for run in range(args.cold_runs):
+        seconds = asyncio.run(cold_rolling_restart(settings, "bench/new-full", args.replicas, "bench-model", work))
+        cold.append(seconds)
+        print(f"  cold rolling restart run {run}: {seconds:.1f} s", flush=True)
+    return cold
+
+
+def print_summary(args: argparse.Namespace, hot: HotRuns, cold: list[float], tensor_bytes: int) -> None:
+    a = statistics.median(hot.seconds)
+    b = statistics.median(cold) if cold else float("nan")
+    print()
+    print(f"replicas                         {args.replicas} (maxConcurrentSwaps {args.max_concurrent_swaps})")
+    print(f"(a) delta hot-load, median       {a:.2f} s  ({args.runs} runs)")
+    print(f"(b) cold rolling restart, median {b:.1f} s  ({args.cold_runs} runs)")
+    print(f"(b)/(a)                          {b / a:.1f}x")
+    print(f"pause window per replica         median {statistics.median(hot.pauses):.1f} ms, "
+          f"max {max(hot.pauses):.1f} ms")
+    print(f"bytes from the bucket per replica {hot.bytes_per_replica[-1]}  (full checkpoint: {tensor_bytes})")
+
+
+def main() -> int:
+    args = parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-hotload-"))
+    info = make_checkpoint_pair(work / "base", work / "new", size_mb=args.size_mb, seed=0)
     stack, settings = start_stack(work / "home")
     try:
-        for d in (base, new):
-            for f in TOKENIZER_FILES:
-                shutil.copy2(settings.home_path / "models" / "base" / f, d / f)
-        stats = write_delta(base, new, work / "delta", version="1", base_version="0")
-        print(
-            f"model {info['tensor_bytes'] / 2**20:.0f} MiB BF16, {info['changed_element_fraction'] * 100:.2f}% of "
-            f"elements changed; delta {stats.wire_bytes / 2**20:.1f} MiB "
-            f"({stats.wire_bytes / info['tensor_bytes'] * 100:.2f}% of full)",
-            flush=True,
-        )
-        s3 = settings.s3_client()
-        upload_dir(s3, base, settings.bucket, "bench/model")
-        upload_dir(s3, new, settings.bucket, "bench/new-full")
+        publish(settings, work, info)
         api = Api(settings)
-        body = {
-            "name": "bench", "gatewayIds": [settings.gateway_id],
-            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
-            "model": {"name": "bench-model", "bucket": settings.bucket, "path": "bench/model"},
-            "autoscaling": {"min": args.replicas, "max": args.replicas},
-            "hotLoad": {"bucket": settings.bucket, "pathPrefix": "bench/ckpt",
-                        "maxConcurrentSwaps": args.max_concurrent_swaps},
-        }
-        dep_id = api.call("POST", "/deployments", json=body).json()["deployment"]["spec"]["id"]
-        dep = api.wait_deployment(dep_id, timeout=1800)
-        assert dep["status"]["status"] == "STATUS_READY", dep["status"]
-
-        hot: list[float] = []
-        pauses: list[float] = []
-        bytes_per_replica: list[list[int]] = []
-        for run in range(args.runs):
-            upload_dir(s3, base, settings.bucket, f"bench/ckpt/base-{run}")
-            upload_dir(s3, work / "delta", settings.bucket, f"bench/ckpt/step-{run}")
-            hot_load(api, dep_id, f"base-{run}", None)
-            hl, seconds, created = hot_load(api, dep_id, f"step-{run}", f"base-{run}")
-            reps = api.call("GET", f"/hotLoads/{hl['spec']['id']}/replicas").json()["replicas"]
-            hot.append(seconds)
-            pauses += [r["pauseMs"] for r in reps]
-            bytes_per_replica.append([r["bytesReadFromBucket"] for r in reps])
-            print(f"  hot-load run {run}: {seconds:.2f} s; step s {[round(_step_seconds(r), 2) for r in reps]}; "
-                  f"pause ms {[round(r['pauseMs'], 1) for r in reps]}; sources {[r['source'] for r in reps]}; "
-                  f"end shown by GET {hl['_shownAfterMs']:.0f} ms after finishedAt", flush=True)
-
-        if args.timeline and args.runs:
-            print_timeline(settings, hot_load_workflow_id(settings.organization_id, hl["spec"]["id"]), created)
-
-        cold: list[float] = []
-        for run in range(args.cold_runs):
-            seconds = asyncio.run(cold_rolling_restart(settings, "bench/new-full", args.replicas, "bench-model", work))
-            cold.append(seconds)
-            print(f"  cold rolling restart run {run}: {seconds:.1f} s", flush=True)
-
-        a = statistics.median(hot)
-        b = statistics.median(cold) if cold else float("nan")
-        print()
-        print(f"replicas                         {args.replicas} (maxConcurrentSwaps {args.max_concurrent_swaps})")
-        print(f"(a) delta hot-load, median       {a:.2f} s  ({args.runs} runs)")
-        print(f"(b) cold rolling restart, median {b:.1f} s  ({args.cold_runs} runs)")
-        print(f"(b)/(a)                          {b / a:.1f}x")
-        print(f"pause window per replica         median {statistics.median(pauses):.1f} ms, max {max(pauses):.1f} ms")
-        print(f"bytes from the bucket per replica {bytes_per_replica[-1]}  (full checkpoint: {info['tensor_bytes']})")
+        dep_id = create_ready_deployment(settings, api, args)
+        hot = measure_hot_loads(settings, api, dep_id, work, args.runs)
+        if args.timeline and hot.last is not None:
+            print_timeline(settings, hot_load_workflow_id(settings.organization_id, hot.last["spec"]["id"]),
+                           hot.last_created)
+        cold = measure_cold(settings, args, work)
+        print_summary(args, hot, cold, info["tensor_bytes"])
     finally:
         stack.down(say=lambda line: None)
         if args.keep:
