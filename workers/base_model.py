@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import random
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -269,6 +270,23 @@ def write_tensors(out_dir: Path, tensors: dict[str, torch.Tensor]) -> list[Path]
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return paths
+
+
+# The files of a checkpoint besides its tensors and index: a trainer's new checkpoint copies them.
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+
+
+def copy_side_files(src_dir: Path, out_dir: Path) -> None:
+    """Copy ``src_dir``'s :data:`SIDE_FILES` (those it has) into ``out_dir``."""
+    for name in SIDE_FILES:
+        if (Path(src_dir) / name).exists():
+            shutil.copy2(Path(src_dir) / name, out_dir / name)
 
 
 def _write_json(path: Path, obj: dict) -> None:

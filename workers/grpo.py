@@ -39,16 +39,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from workers.base_model import INDEX_NAME, load_checkpoint, write_tensors
+from workers.base_model import INDEX_NAME, copy_side_files, load_checkpoint, write_tensors
 from workers.routing_replay import Replay
 
-SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-)
 DIGITS = "0123456789"
 
 
@@ -317,9 +310,7 @@ class Policy:
             shutil.rmtree(out_dir)
         out_dir.mkdir(parents=True)
         write_tensors(out_dir, self.bf16_state())
-        for name in SIDE_FILES:
-            if (self.model_dir / name).exists():
-                shutil.copy2(self.model_dir / name, out_dir / name)
+        copy_side_files(self.model_dir, out_dir)
         return out_dir
 
 

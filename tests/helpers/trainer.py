@@ -3,20 +3,11 @@ as a new full checkpoint in the same layout (what a trainer would publish or dif
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 
-from workers.base_model import load_checkpoint, write_tensors
-
-SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-)
+from workers.base_model import copy_side_files, load_checkpoint, write_tensors
 
 
 def train_step(prev_dir: Path, out_dir: Path, *, seed: int, lr: float = 2e-3, tensors: int = 4) -> Path:
@@ -32,7 +23,5 @@ def train_step(prev_dir: Path, out_dir: Path, *, seed: int, lr: float = 2e-3, te
         grad = torch.randn(master.shape, generator=gen)
         state[name] = (master - lr * torch.sign(grad) * master.abs().clamp_min(1e-3)).to(state[name].dtype)
     write_tensors(out_dir, state)
-    for side in SIDE_FILES:
-        if (Path(prev_dir) / side).exists():
-            shutil.copy2(Path(prev_dir) / side, out_dir / side)
+    copy_side_files(Path(prev_dir), out_dir)
     return out_dir
