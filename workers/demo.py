@@ -452,23 +452,7 @@ class Demo:
         t_pub = time.monotonic()
         upload_dir(self.s3, ckpt, self.settings.bucket, f"{self.prefix}/{identity}")
         publish_s = time.monotonic() - t_pub
-        assert self.dep_id is not None
-        hl, reps, secs = self.c.hot_load(self.dep_id, identity, None)
-        rec = StepRecord(
-            step,
-            identity,
-            "FULL",
-            None,
-            None,
-            secs,
-            _ready(reps, identity),
-            len(reps),
-            hl.state,
-            publish_s=publish_s,
-            pause_ms=_longest_pause(reps),
-            pause_bytes=_most_moved(reps),
-        )
-        return rec
+        return self._hot_load_record(step, identity, None, "FULL", None, publish_s)
 
     def publish_delta(self, step: int, prev_dir: Path, prev_id: str, new_dir: Path) -> StepRecord | None:
         """The step's delta against the previous checkpoint, uploaded and hot-loaded; None when
@@ -481,15 +465,21 @@ class Demo:
             return None
         upload_dir(self.s3, delta_dir, self.settings.bucket, f"{self.prefix}/{identity}")
         publish_s = time.monotonic() - t_pub
-        assert self.dep_id is not None
-        hl, reps, secs = self.c.hot_load(self.dep_id, identity, prev_id)
+        rec = self._hot_load_record(step, identity, prev_id, "DELTA", 100.0 * dstats.ratio, publish_s)
         shutil.rmtree(delta_dir, ignore_errors=True)
-        rec = StepRecord(
+        return rec
+
+    def _hot_load_record(self, step: int, identity: str, previous: str | None, kind: str,
+                         delta_pct: float | None, publish_s: float) -> StepRecord:
+        """Hot-load ``identity`` (on ``previous`` for a delta) and record the step's figures."""
+        assert self.dep_id is not None
+        hl, reps, secs = self.c.hot_load(self.dep_id, identity, previous)
+        return StepRecord(
             step,
             identity,
-            "DELTA",
+            kind,
             None,
-            100.0 * dstats.ratio,
+            delta_pct,
             secs,
             _ready(reps, identity),
             len(reps),
@@ -498,7 +488,6 @@ class Demo:
             pause_ms=_longest_pause(reps),
             pause_bytes=_most_moved(reps),
         )
-        return rec
 
     def loop(self, trainer: Trainer, scale: ScaleLog | None) -> float:
         """The GRPO steps, until ``cfg.steps`` or the loop's time budget; returns its seconds."""
