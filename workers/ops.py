@@ -159,14 +159,8 @@ async def wait_and_report(
 
 async def replay(http: httpx.AsyncClient, hot_load_id: str, *, out: TextIO, poll_s: float = 1.0) -> int:
     original = (await _json(http, "GET", f"/hotLoads/{hot_load_id}"))["hotLoad"]
-    body = create_body_like(original, str(uuid.uuid4()))
-    created = (await _json(http, "POST", "/hotLoads", json=body))["hotLoad"]
-    print(
-        f"replaying {hot_load_id} ({original['spec']['identity']}, {original['spec']['type']}) as "
-        f"{created['spec']['id']}; {created['status'].get('workflowUrl', '')}",
-        file=out, flush=True,
-    )
-    return await wait_and_report(http, created["spec"]["id"], out=out, poll_s=poll_s)
+    intro = f"replaying {hot_load_id} ({original['spec']['identity']}, {original['spec']['type']}) as"
+    return await _again_like(http, original, intro, out=out, poll_s=poll_s)
 
 
 async def rollback(
@@ -183,13 +177,16 @@ async def rollback(
     )
     if earlier is None:
         raise OpsError(f"no COMPLETED hot-load of {identity!r} on deployment {deployment_id}: nothing to roll back to")
+    intro = f"rolling {deployment_id} back to {identity} (as {earlier['spec']['id']} loaded it) with"
+    return await _again_like(http, earlier, intro, out=out, poll_s=poll_s)
+
+
+async def _again_like(http: httpx.AsyncClient, earlier: dict, intro: str, *, out: TextIO, poll_s: float) -> int:
+    """Create a new hot-load of the same snapshot as ``earlier`` (a new id), say so after
+    ``intro``, and wait for its end."""
     body = create_body_like(earlier, str(uuid.uuid4()))
     created = (await _json(http, "POST", "/hotLoads", json=body))["hotLoad"]
-    print(
-        f"rolling {deployment_id} back to {identity} (as {earlier['spec']['id']} loaded it) with "
-        f"{created['spec']['id']}; {created['status'].get('workflowUrl', '')}",
-        file=out, flush=True,
-    )
+    print(f"{intro} {created['spec']['id']}; {created['status'].get('workflowUrl', '')}", file=out, flush=True)
     return await wait_and_report(http, created["spec"]["id"], out=out, poll_s=poll_s)
 
 
