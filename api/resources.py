@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDReusePolicy
@@ -44,6 +44,8 @@ from contracts.records import (
 from contracts.search import deployment_attributes, gateway_attributes
 
 __all__ = ["Resources", "page", "reconcile_hot_load", "update_error"]
+
+_Resource = TypeVar("_Resource", Gateway, Deployment)
 
 
 def update_error(exc: WorkflowUpdateFailedError) -> Exception:
@@ -82,6 +84,16 @@ class Resources:
             return None
         return await desc.memo()  # type: ignore[return-value]  # memo(): a dict, typed Mapping
 
+    async def _running(self, workflow_id: str, key: str, model: type[_Resource], org: str, what: str) -> _Resource:
+        """The running workflow's ``memo[key]`` as ``model``, when it is ``org``'s; else NotFound naming ``what``."""
+        memo = await self.memo(workflow_id, running_only=True)
+        if not memo or key not in memo:
+            raise NotFound(f"{what} not found")
+        resource = model.model_validate(memo[key])
+        if resource.spec.organization_id != org:
+            raise NotFound(f"{what} not found")
+        return resource
+
     async def list_memos(self, query: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         try:
@@ -93,13 +105,8 @@ class Resources:
 
     # ------------------------------------------------------------------ gateways
     async def get_gateway(self, org: str, gateway_id: str) -> Gateway:
-        memo = await self.memo(names.gateway_workflow_id(org, gateway_id), running_only=True)
-        if not memo or "gateway" not in memo:
-            raise NotFound(f"gateway {gateway_id} not found")
-        gw = Gateway.model_validate(memo["gateway"])
-        if gw.spec.organization_id != org:
-            raise NotFound(f"gateway {gateway_id} not found")
-        return gw
+        return await self._running(names.gateway_workflow_id(org, gateway_id), "gateway", Gateway, org,
+                                   f"gateway {gateway_id}")
 
     async def list_gateways(self, org: str) -> list[Gateway]:
         memos = await self.list_memos(
@@ -138,13 +145,8 @@ class Resources:
 
     # ------------------------------------------------------------------ deployments
     async def get_deployment(self, org: str, deployment_id: str) -> Deployment:
-        memo = await self.memo(names.deployment_workflow_id(org, deployment_id), running_only=True)
-        if not memo or "deployment" not in memo:
-            raise NotFound(f"deployment {deployment_id} not found")
-        dep = Deployment.model_validate(memo["deployment"])
-        if dep.spec.organization_id != org:
-            raise NotFound(f"deployment {deployment_id} not found")
-        return dep
+        return await self._running(names.deployment_workflow_id(org, deployment_id), "deployment", Deployment, org,
+                                   f"deployment {deployment_id}")
 
     async def list_deployments(self, org: str, gateway_id: str | None = None) -> list[Deployment]:
         memos = await self.list_memos(
