@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -340,6 +341,27 @@ def _open(location: Any, s3: Any, snapshot_type: str) -> tuple[SnapshotSource, d
     return source, files, index
 
 
+def _located(
+    index: Index, headers: Mapping[str, SafetensorsHeader]
+) -> Iterator[tuple[str, str, SafetensorsHeader, TensorEntry]]:
+    """Each tensor the index's ``weight_map`` names, with its shard, that shard's header and its
+    entry there, in index order; a tensor its shard does not hold is a LayoutError."""
+    for name, shard in index.weight_map.items():
+        header = headers[shard]
+        entry = header.tensors.get(name)
+        if entry is None:
+            raise LayoutError(
+                "weight_map names this tensor but the shard does not hold it", file=header.file, tensor=name
+            )
+        yield name, shard, header, entry
+
+
+def _checksum(recorded: str, file: str, tensor: str) -> str:
+    """A recorded Adler-32, lower-cased; a ChecksumError unless it is 8 hex digits."""
+    if not CHECKSUM_RE.match(recorded):
+        raise ChecksumError(f"checksum {recorded!r} is not 8 hex digits", file=file, tensor=tensor)
+    return recorded.lower()
+
 def read_delta_plan(location: Any, *, s3: Any = None) -> DeltaPlan:
     """Validate a delta (files, index, metadata, shard headers, checksums) and locate its frames.
 
@@ -355,13 +377,7 @@ def read_delta_plan(location: Any, *, s3: Any = None) -> DeltaPlan:
                                         item.checksum, sparse=item)
         ordered = dict(sorted(tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)))
         return DeltaPlan(source, index, files, ordered)
-    for name, shard in index.weight_map.items():
-        header = headers[shard]
-        entry = header.tensors.get(name)
-        if entry is None:
-            raise LayoutError(
-                "weight_map names this tensor but the shard does not hold it", file=header.file, tensor=name
-            )
+    for name, shard, header, entry in _located(index, headers):
         if entry.dtype != "U8" or len(entry.shape) != 1:
             raise HeaderError(
                 f"delta tensors must be 1-D U8 zstd frames, got {entry.dtype}{list(entry.shape)}",
@@ -371,9 +387,7 @@ def read_delta_plan(location: Any, *, s3: Any = None) -> DeltaPlan:
         checksum = header.metadata.get(name)
         if checksum is None:
             raise ChecksumError("no Adler-32 checksum for this tensor in __metadata__", file=header.file, tensor=name)
-        if not CHECKSUM_RE.match(checksum):
-            raise ChecksumError(f"checksum {checksum!r} is not 8 hex digits", file=header.file, tensor=name)
-        tensors[name] = DeltaTensor(name, shard, entry.begin, entry.end, checksum.lower())
+        tensors[name] = DeltaTensor(name, shard, entry.begin, entry.end, _checksum(checksum, header.file, name))
     ordered = dict(sorted(tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)))
     return DeltaPlan(source, index, files, ordered)
 
@@ -388,19 +402,11 @@ def read_full_layout(location: Any, *, s3: Any = None) -> FullLayout:
     headers = _read_headers(source, files, index.shards)
     tensors: dict[str, tuple[str, TensorEntry]] = {}
     checksums: dict[str, str] = {}
-    for name, shard in index.weight_map.items():
-        header = headers[shard]
-        entry = header.tensors.get(name)
-        if entry is None:
-            raise LayoutError(
-                "weight_map names this tensor but the shard does not hold it", file=header.file, tensor=name
-            )
+    for name, shard, header, entry in _located(index, headers):
         tensors[name] = (shard, entry)
         recorded = header.metadata.get(name)
         if recorded is not None:
-            if not CHECKSUM_RE.match(recorded):
-                raise ChecksumError(f"checksum {recorded!r} is not 8 hex digits", file=header.file, tensor=name)
-            checksums[name] = recorded.lower()
+            checksums[name] = _checksum(recorded, header.file, name)
     return FullLayout(source, index, files, headers, tensors, checksums)
 
 
