@@ -94,6 +94,23 @@ class Resources:
             raise NotFound(f"{what} not found")
         return resource
 
+    async def _start_new(self, workflow: str, arg: Any, workflow_id: str, what: str, **options: Any) -> None:
+        """Start a resource's workflow under an id no workflow has had; AlreadyExists naming ``what``
+        when it had one."""
+        try:
+            await self.client.start_workflow(
+                workflow,
+                arg,
+                id=workflow_id,
+                task_queue=self.task_queue,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                **options,
+            )
+        except Exception as exc:
+            if type(exc).__name__ == "WorkflowAlreadyStartedError":
+                raise AlreadyExists(f"{what} already exists") from None
+            raise
+
     async def list_memos(self, query: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         try:
@@ -116,20 +133,14 @@ class Resources:
         return sorted(gws, key=lambda g: g.spec.name)
 
     async def create_gateway(self, gateway: Gateway) -> Gateway:
-        try:
-            await self.client.start_workflow(
-                names.GATEWAY_WORKFLOW,
-                gateway,
-                id=names.gateway_workflow_id(gateway.spec.organization_id, gateway.spec.id),
-                task_queue=self.task_queue,
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                search_attributes=gateway_attributes(gateway),
-                memo={"gateway": gateway.wire()},
-            )
-        except Exception as exc:
-            if type(exc).__name__ == "WorkflowAlreadyStartedError":
-                raise AlreadyExists(f"gateway {gateway.spec.id} already exists") from None
-            raise
+        await self._start_new(
+            names.GATEWAY_WORKFLOW,
+            gateway,
+            names.gateway_workflow_id(gateway.spec.organization_id, gateway.spec.id),
+            f"gateway {gateway.spec.id}",
+            search_attributes=gateway_attributes(gateway),
+            memo={"gateway": gateway.wire()},
+        )
         return gateway
 
     async def delete_gateway(self, org: str, gateway_id: str) -> None:
@@ -159,20 +170,14 @@ class Resources:
 
     async def create_deployment(self, state: DeploymentInput) -> Deployment:
         dep = state.deployment
-        try:
-            await self.client.start_workflow(
-                names.DEPLOYMENT_WORKFLOW,
-                state,
-                id=names.deployment_workflow_id(dep.spec.organization_id, dep.spec.id),
-                task_queue=self.task_queue,
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                search_attributes=deployment_attributes(dep.spec.organization_id, dep.spec.id),
-                memo={"deployment": dep.wire(), "replicas": []},
-            )
-        except Exception as exc:
-            if type(exc).__name__ == "WorkflowAlreadyStartedError":
-                raise AlreadyExists(f"deployment {dep.spec.id} already exists") from None
-            raise
+        await self._start_new(
+            names.DEPLOYMENT_WORKFLOW,
+            state,
+            names.deployment_workflow_id(dep.spec.organization_id, dep.spec.id),
+            f"deployment {dep.spec.id}",
+            search_attributes=deployment_attributes(dep.spec.organization_id, dep.spec.id),
+            memo={"deployment": dep.wire(), "replicas": []},
+        )
         return dep
 
     async def update_deployment(self, org: str, deployment_id: str, cmd: UpdateDeploymentCommand) -> Deployment:
