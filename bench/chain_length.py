@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench_api import Api  # noqa: E402  (bench/, beside this file)
+from bench_kit import Api, stack_running  # noqa: E402  (bench/, beside this file)
 
 from common.settings import Settings, temporal_client  # noqa: E402
 from contracts import names  # noqa: E402
@@ -47,10 +46,10 @@ from rollouts.client import hot_load_body  # noqa: E402
 from snapshots.chain import MAX_CHAIN_DELTAS  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
-from tests.helpers.sim_nodes import start_sim_node, stop_sim_nodes  # noqa: E402
+from tests.helpers.sim_nodes import start_sim_node  # noqa: E402
 from tests.helpers.stack_fixtures import free_port_base, wait_registered  # noqa: E402
 from tests.helpers.trainer import train_step  # noqa: E402
-from workers.stack import LOCAL_NODE, Stack, upload_dir  # noqa: E402
+from workers.stack import LOCAL_NODE, upload_dir  # noqa: E402
 
 PREFIX = "chain/ckpt"
 
@@ -197,10 +196,7 @@ def main() -> int:
     args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-chain-"))
     settings = Settings.create(work / "home", free_port_base())
-    stack = Stack(settings, node_slots=args.replicas if args.engine else 0)
-    stack.up(say=lambda line: print(line, flush=True))
-    nodes: list[subprocess.Popen[bytes]] = []
-    try:
+    with stack_running(settings, node_slots=args.replicas if args.engine else 0, keep=args.keep) as (_, nodes):
         if args.engine:
             publish_real_chains(settings, work, args.chains, args.deltas)
         else:
@@ -212,11 +208,6 @@ def main() -> int:
         seconds = hot_load_chains(api, dep_id, args)
         report(seconds, asyncio.run(checks_by_hot_load(settings, dep_id)), args)
         return 0
-    finally:
-        stop_sim_nodes(nodes)
-        stack.down(say=lambda line: None)
-        if args.keep:
-            print(f"home kept: {settings.home_path}")
 
 
 if __name__ == "__main__":

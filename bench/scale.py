@@ -48,7 +48,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -59,7 +58,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench_api import Api  # noqa: E402  (bench/, beside this file)
+from bench_kit import Api, stack_running  # noqa: E402  (bench/, beside this file)
 
 from common.settings import Settings, temporal_client  # noqa: E402
 from contracts import names  # noqa: E402
@@ -69,7 +68,7 @@ from rollouts.client import hot_load_body  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
 from tests.helpers.prometheus import scrape  # noqa: E402
-from tests.helpers.sim_nodes import start_sim_node, stop_sim_nodes  # noqa: E402
+from tests.helpers.sim_nodes import start_sim_node  # noqa: E402
 from tests.helpers.stack_fixtures import free_port_base, wait_registered  # noqa: E402
 from workers.stack import Stack, upload_dir  # noqa: E402
 
@@ -509,10 +508,7 @@ def main() -> int:
     args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     settings = Settings.create(work / "home", free_port_base())
-    stack = Stack(settings, node_slots=0, many_pollers=True)
-    stack.up(say=lambda line: print(line, flush=True))
-    nodes: list[subprocess.Popen[bytes]] = []
-    try:
+    with stack_running(settings, node_slots=0, keep=args.keep, many_pollers=True) as (stack, nodes):
         per_node = -(-(args.replicas + args.autoscale) // args.nodes)
         for i in range(args.nodes):
             nodes.append(start_sim_node(settings, f"sim-{i}", per_node, "--transfer-ms", str(args.transfer_ms),
@@ -542,11 +538,6 @@ def main() -> int:
             print(json.dumps(dep["status"], indent=1))
             return 1
         return measure(settings, stack, api, dep_id, args)
-    finally:
-        stop_sim_nodes(nodes)
-        stack.down(say=lambda line: None)
-        if args.keep:
-            print(f"home kept: {settings.home_path}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench_api import Api  # noqa: E402  (bench/, beside this file)
+from bench_kit import Api  # noqa: E402  (bench/, beside this file)
 from engine_start import start_once  # noqa: E402  (bench/, beside this file)
 
 from common.settings import Settings  # noqa: E402

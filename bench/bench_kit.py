@@ -1,0 +1,51 @@
+"""What the stack benches share, imported by the benches beside it (``bench/`` is on their
+``sys.path``):
+
+- ``Api``: JSON calls to ``/v1alpha1/inference`` with the stack's admin token, where any answer
+  but 200 ends the bench (``SystemExit`` naming the call, its status and the start of its body).
+- ``stack_running``: the embedded stack up for the bench's run, with a list for the SIMULATED
+  node agents it starts; on the way out (any way out) the agents stop, the stack goes down, and
+  with ``keep`` the home it leaves is named."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+
+from common.settings import Settings
+from tests.helpers.sim_nodes import stop_sim_nodes
+from workers.stack import Stack
+
+
+class Api:
+    def __init__(self, settings: Settings, *, timeout: float = 120, excerpt: int = 500) -> None:
+        self.http = httpx.Client(base_url=f"{settings.api_url}/v1alpha1/inference", timeout=timeout,
+                                 headers={"Authorization": f"Bearer {settings.admin_token}"})
+        self.excerpt = excerpt  # how much of a refused call's body the exit message shows
+
+    def call(self, method: str, path: str, **kw: Any) -> Any:
+        r = self.http.request(method, path, **kw)
+        if r.status_code != 200:
+            raise SystemExit(f"{method} {path}: {r.status_code} {r.text[:self.excerpt]}")
+        return r.json()
+
+
+@contextmanager
+def stack_running(
+    settings: Settings, *, node_slots: int, keep: bool, many_pollers: bool = False
+) -> Iterator[tuple[Stack, list[subprocess.Popen[bytes]]]]:
+    """The stack, up (its lines printed), and the list of SIMULATED node agents to stop at the end."""
+    stack = Stack(settings, node_slots=node_slots, many_pollers=many_pollers)
+    stack.up(say=lambda line: print(line, flush=True))
+    nodes: list[subprocess.Popen[bytes]] = []
+    try:
+        yield stack, nodes
+    finally:
+        stop_sim_nodes(nodes)
+        stack.down(say=lambda line: None)
+        if keep:
+            print(f"home kept: {settings.home_path}")
