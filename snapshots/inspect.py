@@ -26,7 +26,6 @@ materialize and write paths work from.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -42,7 +41,7 @@ from snapshots.errors import (
     UnsupportedFormatError,
 )
 from snapshots.identity import validate_identity
-from snapshots.safetensors_io import SafetensorsHeader, TensorEntry, read_header_from
+from snapshots.safetensors_io import SafetensorsHeader, TensorEntry, parse_json_object, read_header_from
 from snapshots.sparse import SPARSE, SparseTensor, pairs
 from snapshots.storage import SnapshotSource, open_location
 
@@ -94,12 +93,7 @@ class Index:
 def parse_index(body: bytes, file: str) -> Index:
     """Parse index JSON: an object with an optional ``metadata`` object and a ``weight_map``
     object mapping tensor names to shard file names that are immediate children."""
-    try:
-        raw = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise LayoutError(f"index is not valid JSON ({exc})", file=file) from exc
-    if not isinstance(raw, dict):
-        raise LayoutError("index is not a JSON object", file=file)
+    raw = parse_json_object(body, "index", LayoutError, file)
     metadata = raw.get("metadata")
     if metadata is None:
         metadata = {}

@@ -29,7 +29,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from snapshots.errors import HeaderError
+from snapshots.errors import HeaderError, SnapshotError
 
 METADATA_KEY = "__metadata__"
 #: The reference implementation refuses larger headers; so do we, before allocating one.
@@ -106,15 +106,20 @@ def header_length(prefix: bytes, file_size: int, file: str) -> int:
     return length
 
 
+def parse_json_object(body: bytes, what: str, error: type[SnapshotError], file: str) -> dict[str, Any]:
+    """``body`` as a JSON object; else ``error`` naming ``what`` ("header", "index") and ``file``."""
+    try:
+        raw = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise error(f"{what} is not valid JSON ({exc})", file=file) from exc
+    if not isinstance(raw, dict):
+        raise error(f"{what} is not a JSON object", file=file)
+    return raw
+
 def parse_header(header_bytes: bytes, file_size: int, file: str) -> SafetensorsHeader:
     """Validate the JSON header of a file of ``file_size`` bytes (see the module docstring)."""
     data_start = 8 + len(header_bytes)
-    try:
-        raw = json.loads(header_bytes)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise HeaderError(f"header is not valid JSON ({exc})", file=file) from exc
-    if not isinstance(raw, dict):
-        raise HeaderError("header is not a JSON object", file=file)
+    raw = parse_json_object(header_bytes, "header", HeaderError, file)
     metadata_raw = raw.get(METADATA_KEY) or {}
     if not isinstance(metadata_raw, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata_raw.items()
@@ -302,6 +307,7 @@ __all__ = [
     "header_length",
     "list_tensors",
     "parse_header",
+    "parse_json_object",
     "read_header",
     "read_header_from",
     "read_tensor_bytes",
