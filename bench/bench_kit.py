@@ -5,19 +5,25 @@
   but 200 ends the bench (``SystemExit`` naming the call, its status and the start of its body).
 - ``stack_running``: the embedded stack up for the bench's run, with a list for the SIMULATED
   node agents it starts; on the way out (any way out) the agents stop, the stack goes down, and
-  with ``keep`` the home it leaves is named."""
+  with ``keep`` the home it leaves is named; ``stack_in``: the same for a bench whose stack (with
+  its own node agent) lives under its work folder, removed at the end unless ``keep``.
+- ``give_base_tokenizer``: the stack's base model's tokenizer files into synthetic checkpoints, so
+  a vLLM replica can serve them."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from common.settings import Settings
 from tests.helpers.sim_nodes import stop_sim_nodes
+from tests.helpers.stack_fixtures import start_stack
 from workers.stack import Stack
 
 
@@ -49,3 +55,28 @@ def stack_running(
         stack.down(say=lambda line: None)
         if keep:
             print(f"home kept: {settings.home_path}")
+
+
+@contextmanager
+def stack_in(work: Path, *, keep: bool, kept_note: str = "") -> Iterator[tuple[Stack, Settings]]:
+    """The stack with its home at ``work/home``; on the way out it goes down and ``work`` is
+    removed, or with ``keep`` named (after ``kept_note``)."""
+    stack, settings = start_stack(work / "home")
+    try:
+        yield stack, settings
+    finally:
+        stack.down(say=lambda line: None)
+        if keep:
+            print(f"kept {work}{kept_note}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def give_base_tokenizer(settings: Settings, *dirs: Path) -> None:
+    """Copy the stack's base model's tokenizer files into each of ``dirs``."""
+    for d in dirs:
+        for f in TOKENIZER_FILES:
+            shutil.copy2(settings.home_path / "models" / "base" / f, d / f)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import statistics
 import sys
 import tempfile
@@ -32,16 +31,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_kit import give_base_tokenizer, stack_in  # noqa: E402  (bench/, beside this file)
+
 from common.settings import Settings, temporal_client  # noqa: E402
 from contracts import names  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
 from tests.helpers.deployments import delete_deployment  # noqa: E402
 from tests.helpers.replicas import hot_load, hot_load_replicas  # noqa: E402
-from tests.helpers.stack_fixtures import Api, start_stack  # noqa: E402
+from tests.helpers.stack_fixtures import Api  # noqa: E402
 from workers.stack import upload_dir  # noqa: E402
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 async def staging_span(settings: Settings, hot_load_id: str) -> float:
@@ -112,11 +111,8 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="bench-fan-out-"))
     info = make_checkpoint_pair(work / "base", work / "new", size_mb=args.size_mb, seed=0)
-    stack, settings = start_stack(work / "home")
-    try:
-        for d in (work / "base", work / "new"):
-            for f in TOKENIZER_FILES:
-                shutil.copy2(settings.home_path / "models" / "base" / f, d / f)
+    with stack_in(work, keep=args.keep) as (_, settings):
+        give_base_tokenizer(settings, work / "base", work / "new")
         stats = write_delta(work / "base", work / "new", work / "delta", version="1", base_version="0")
         print(
             f"model {info['tensor_bytes'] / 2**20:.0f} MiB BF16; delta {stats.wire_bytes / 2**20:.1f} MiB", flush=True
@@ -132,12 +128,6 @@ def main() -> int:
             print(f"{r['label']:10s} peerFanOut {r['fan_out']:2d}: delta hot-load median {hot:.2f} s "
                   f"({statistics.median(base['seconds']) / hot:.2f}x the broadcast's speed), staging median "
                   f"{span:.2f} s, rounds {r['rounds']}, at most {r['widest']} receivers served by one sender")
-    finally:
-        stack.down(say=lambda line: None)
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -38,6 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_kit import give_base_tokenizer, stack_in  # noqa: E402  (bench/, beside this file)
+
 from common.processes import free_port  # noqa: E402
 from common.settings import Settings  # noqa: E402
 from contracts.names import hot_load_workflow_id  # noqa: E402
@@ -46,11 +48,9 @@ from replica.agent.downloads import download_prefix  # noqa: E402
 from replica.agent.engine_process import EngineProcess  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
-from tests.helpers.stack_fixtures import Api, start_stack  # noqa: E402
+from tests.helpers.stack_fixtures import Api  # noqa: E402
 from tests.helpers.temporal_server import TEMPORAL_BIN  # noqa: E402
 from workers.stack import upload_dir  # noqa: E402
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 def hot_load(api: Api, dep_id: str, identity: str, previous: str | None) -> tuple[dict, float, float]:
@@ -148,9 +148,7 @@ def parse_args() -> argparse.Namespace:
 def publish(settings: Settings, work: Path, info: dict) -> None:
     """The pair given the base model's tokenizer, its delta written, the base and the new full uploaded."""
     base, new = work / "base", work / "new"
-    for d in (base, new):
-        for f in TOKENIZER_FILES:
-            shutil.copy2(settings.home_path / "models" / "base" / f, d / f)
+    give_base_tokenizer(settings, base, new)
     stats = write_delta(base, new, work / "delta", version="1", base_version="0")
     print(
         f"model {info['tensor_bytes'] / 2**20:.0f} MiB BF16, {info['changed_element_fraction'] * 100:.2f}% of "
@@ -233,8 +231,7 @@ def main() -> int:
     args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-hotload-"))
     info = make_checkpoint_pair(work / "base", work / "new", size_mb=args.size_mb, seed=0)
-    stack, settings = start_stack(work / "home")
-    try:
+    with stack_in(work, keep=args.keep, kept_note=" (replica logs under home/replicas/)") as (_, settings):
         publish(settings, work, info)
         api = Api(settings)
         dep_id = create_ready_deployment(settings, api, args)
@@ -244,12 +241,6 @@ def main() -> int:
                            hot.last_created)
         cold = measure_cold(settings, args, work)
         print_summary(args, hot, cold, info["tensor_bytes"])
-    finally:
-        stack.down(say=lambda line: None)
-        if args.keep:
-            print(f"kept {work} (replica logs under home/replicas/)")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

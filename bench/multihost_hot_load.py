@@ -29,6 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_kit import give_base_tokenizer  # noqa: E402  (bench/, beside this file)
+
 from contracts.records import TERMINAL_HOT_LOAD_STATES as TERMINAL  # noqa: E402
 from snapshots.synthetic import make_checkpoint_pair  # noqa: E402
 from snapshots.writer import write_delta  # noqa: E402
@@ -42,8 +44,6 @@ from tests.multihost.plane import (  # noqa: E402
     wait_nodes,
 )
 from workers.stack import upload_dir  # noqa: E402
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 def hot_load(api: Api, dep_id: str, identity: str, previous: str | None) -> tuple[dict, float]:
@@ -110,9 +110,7 @@ def main() -> int:
             ctl, *others = list(cluster)
             settings = start_control_plane(ctl, node_slots=3)
             try:
-                for d in (work / "base", work / "new"):
-                    for f in TOKENIZER_FILES:
-                        shutil.copy2(settings.home_path / "models" / "base" / f, d / f)
+                give_base_tokenizer(settings, work / "base", work / "new")
                 stats = write_delta(work / "base", work / "new", work / "delta", version="1", base_version="0")
                 print(f"model {info['tensor_bytes'] / 2**20:.0f} MiB BF16; delta {stats.wire_bytes / 2**20:.1f} MiB",
                       flush=True)
