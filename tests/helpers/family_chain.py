@@ -2,19 +2,21 @@
 it at tensor-parallel size 1 or 2: real Temporal, S3, API, control worker, gateway and one Dynamo
 vLLM CPU replica; the deltas written by the real cwtrain.
 
-The deployment starts on the chain's *last* checkpoint (small random weights of the family,
-workers/families.py): its first greedy completion through the gateway (token ids and logprobs)
-is the answer of a fresh vLLM engine at that tensor-parallel size started on that checkpoint.
-Then a FULL hot-load of another checkpoint (the engine serves every one of its tensors, and
-answers differently: the premise), three cwtrain deltas back to the last checkpoint (each an
-optimizer-like step that changes every tensor), each
-COMPLETED with exactly the changed tensors proven inside a pause and, after each, every tensor
-read back equal to the trainer's (each rank's shards against the same regions of the trainer's
-tensors), and only the changed elements written inside the pause (``swapBytes``); after the
-last, the engine answers exactly as it did fresh. Where asked, a sparse delta (changed elements
-as indices and values) one step back, COMPLETED the same way. A corrupted delta FAILS naming
-its tensor, the replica still serves what it served, and its engine never restarted. At tensor-parallel size 2, every
-socket the ranks listen on is on the stack's host.
+The deployment starts on the chain's first checkpoint (small random weights of the family,
+workers/families.py). Then a FULL hot-load of the next one (the engine answers differently: the
+premise) and two cwtrain deltas on from it (each an optimizer-like step that changes every
+tensor), each COMPLETED with exactly the changed tensors proven inside a pause and, after each,
+every tensor read back equal to the trainer's (each rank's shards against the same regions of the
+trainer's tensors), and only the changed elements written inside the pause (``swapBytes``). After
+every hot-load, the greedy completion through the gateway (token ids and logprobs) is exactly what
+a fresh engine started on that checkpoint answers (``tests.helpers.fresh_answers``: the engine
+the deployment's ``engineConfig`` describes, built from the checkpoint by vLLM's own loader), and
+none of these checkpoints is the one the engine started on: a tensor vLLM derives at start (a
+packed copy, ``A = -exp(A_log)``, an absorbed projection) that a hot-load left stale would answer
+otherwise. Where asked, a sparse delta (changed elements as indices and values) one step back,
+COMPLETED and compared the same way. A corrupted delta FAILS naming its tensor, the replica still
+serves (and answers) what it served, and its engine never restarted. At tensor-parallel size 2,
+every socket the ranks listen on is on the stack's host.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from snapshots.inspect import read_delta_plan
 from snapshots.sparse_writer import write_sparse_delta
 from tests.helpers.chains import changed_tensors, cwtrain_routes, cwtrain_write_delta
 from tests.helpers.deployments import delete_deployment
+from tests.helpers.fresh_answers import FreshAnswers
 from tests.helpers.replicas import assert_every_replica_serves, engines, hot_load, hot_load_replicas
 from tests.helpers.stack_fixtures import Api, deployment_body
 from tests.helpers.trainer import train_step
@@ -50,7 +53,8 @@ GREEDY = {"prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0, "logprobs": 
 
 
 def through_gateway(settings, model: str) -> tuple[list[int], list[float]]:
-    """A greedy completion as a trainer asks for it: token ids and their logprobs."""
+    """A greedy completion as a trainer asks for it: token ids and their logprobs (float32, as the
+    engine computes them: Dynamo writes each as the shortest decimal that reads back to it)."""
     r = httpx.post(
         f"{settings.gateway_url}/v1/completions",
         headers={"Authorization": f"Bearer {settings.admin_token}"},
@@ -59,7 +63,8 @@ def through_gateway(settings, model: str) -> tuple[list[int], list[float]]:
     )
     assert r.status_code == 200, r.text
     answer = r.json()
-    return list(answer["nvext"]["completion_token_ids"]), list(answer["choices"][0]["logprobs"]["token_logprobs"])
+    logprobs = answer["choices"][0]["logprobs"]["token_logprobs"]
+    return list(answer["nvext"]["completion_token_ids"]), [np.float32(p).item() for p in logprobs]
 
 
 def routes_of(settings, model: str, config: dict) -> dict:
@@ -120,85 +125,93 @@ def corrupt_one_frame(delta: Path) -> str:
 
 
 def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool = False,
-                     routes: bool = False) -> list[dict]:
+                     routes: bool = False, engine_config: dict[str, str] | None = None) -> list[dict]:
     """The chain the module docstring describes, on ``family`` at tensor-parallel size ``tp``;
     returns each COMPLETED hot-load's figures (what, seconds from create to COMPLETED as the
     test polls it, the replica's pause in ms, tensors proven). ``sparse``: then one step back
     as a sparse delta (changed elements only, snapshots/sparse.py), before the corrupted one.
     ``routes``: the deployment returns routed experts (``enable-return-routed-experts``), read
-    through cwtrain's rollout integration fresh, after the FULL and after the last delta (then
-    also from a stream's finishing chunk)."""
+    through cwtrain's rollout integration fresh, after the FULL (other than at start) and after the
+    last delta (then also from a stream's finishing chunk: the fresh engine's routes).
+    ``engine_config``: more of the deployment's ``runtime.engineConfig`` (vLLM flags)."""
     api, s3 = Api(stack), stack.s3_client()
     tokenizer_from = stack.home_path / "models" / "base"
-    checkpoints = [write_family(tmp_path, tokenizer_from, family, seed=1)]  # the FULL
+    checkpoints = [write_family(tmp_path, tokenizer_from, family, seed=1)]  # the engine starts on it
     for step in range(1, 4):  # an optimizer's step: every tensor changes (Mamba's A_log and conv1d included)
         checkpoints.append(train_step(checkpoints[-1], tmp_path / f"step-{step}", seed=step, tensors=EVERY, lr=1e-2))
+    config_of_engine = dict(engine_config or {})
+    if tp > 1:
+        config_of_engine["tensor-parallel-size"] = str(tp)
+    if routes:
+        config_of_engine[ROUTES_KEY] = ""
+    # Every checkpoint, each answered by an engine started on it: in the background while the
+    # deployment starts. On the first, the deployment's own engine: the two engines agree.
+    fresh = FreshAnswers(checkpoints, config_of_engine, GREEDY, tmp_path / "fresh")
     model_path = f"models/families/{family}-tp{tp}"
     prefix = f"families/{family}-tp{tp}"
-    # The deployment starts on the chain's last checkpoint: its first answers are the fresh
-    # engine's, which the chain, from another checkpoint back to this one, must give again.
-    upload_dir(s3, checkpoints[-1], stack.bucket, model_path)
+    upload_dir(s3, checkpoints[0], stack.bucket, model_path)
     body = deployment_body(stack, f"fam-{family.replace('_', '-')}-tp{tp}", replicas=1, path_prefix=prefix)
     body["model"]["path"] = model_path
-    if tp > 1:
-        body["runtime"]["engineConfig"] = {"tensor-parallel-size": str(tp)}
-    if routes:
-        body["runtime"]["engineConfig"] = {**body["runtime"].get("engineConfig", {}), ROUTES_KEY: ""}
+    if config_of_engine:
+        body["runtime"]["engineConfig"] = config_of_engine
     r = api.call("POST", "/deployments", json=body)
     assert r.status_code == 200, r.text
     dep_id = r.json()["deployment"]["spec"]["id"]
     model = body["model"]["name"]
-    config = json.loads((checkpoints[-1] / "config.json").read_text())
+    config = json.loads((checkpoints[0] / "config.json").read_text())
     figures: list[dict] = []
     try:
         dep = api.wait_deployment(dep_id)
         assert dep["status"]["status"] == "STATUS_READY", dep["status"]
         pid = engines(stack, dep_id)[0]["enginePid"]
-        assert_every_replica_serves(stack, dep_id, checkpoints[-1])
-        fresh = through_gateway(stack, model)
-        fresh_routes = routes_of(stack, model, config) if routes else None
+        assert_every_replica_serves(stack, dep_id, checkpoints[0])
+        at_start = through_gateway(stack, model)
+        assert at_start == fresh.answer(checkpoints[0]), \
+            f"the deployment's engine answers {at_start} on its first checkpoint, the reference engine " \
+            f"{fresh.answer(checkpoints[0])}: the reference is not the deployment's engine"
+        start_routes = routes_of(stack, model, config) if routes else None
 
-        def publish(identity: str, previous: str | None, what: str) -> dict:
-            """Hot-load ``identity`` (uploaded already): COMPLETED; the replica's entry."""
+        def publish(identity: str, previous: str | None, what: str, serves: int) -> dict:
+            """Hot-load ``identity`` (uploaded already): COMPLETED, every tensor read back equal to
+            ``checkpoints[serves]``'s and the answers a fresh engine's on it; the replica's entry."""
             t0 = time.monotonic()
             hl = hot_load(api, dep_id, identity, previous)
             assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
             [rep] = hot_load_replicas(api, hl["spec"]["id"])
             figures.append({"what": what, "seconds": round(time.monotonic() - t0, 1), "pause_ms": rep["pauseMs"],
                             "proven": rep["verifiedTensors"], "swap_bytes": rep.get("swapBytes")})
+            assert_every_replica_serves(stack, dep_id, checkpoints[serves])
+            got, want = through_gateway(stack, model), fresh.answer(checkpoints[serves])
+            assert got == want, f"after the {what}, the replica answers {got}, a fresh engine on its checkpoint {want}"
             return rep
 
-        full_id = f"{family}-000000"
-        upload_dir(s3, checkpoints[0], stack.bucket, f"{prefix}/{full_id}")
-        publish(full_id, None, "FULL")
-        assert_every_replica_serves(stack, dep_id, checkpoints[0])
-        assert through_gateway(stack, model) != fresh, "another checkpoint answers the same: the premise of the check"
+        full_id = f"{family}-000001"
+        upload_dir(s3, checkpoints[1], stack.bucket, f"{prefix}/{full_id}")
+        publish(full_id, None, "FULL", 1)
+        assert fresh.answer(checkpoints[1]) != at_start, "another checkpoint answers the same: the premise of the check"
         if routes:
-            assert routes_of(stack, model, config)["routes"] != fresh_routes["routes"], \
+            assert routes_of(stack, model, config)["routes"] != start_routes["routes"], \
                 "another checkpoint routes the same: the premise of the routes check"
         prev_id, experts_changed = full_id, 0
-        for step in range(1, 4):
+        for step in range(2, 4):
             identity = f"{family}-{step:06d}"
             cwtrain_write_delta(checkpoints[step - 1], checkpoints[step], tmp_path / identity, identity, prev_id)
             upload_dir(s3, tmp_path / identity, stack.bucket, f"{prefix}/{identity}")
-            rep = publish(identity, prev_id, f"delta {step}")
+            rep = publish(identity, prev_id, f"delta {step - 1}", step)
             assert rep["verifiedTensors"] == changed_tensors(checkpoints[step - 1], checkpoints[step])
             assert rep["pauseMs"] > 0
             # Only the changed elements cross into the engine inside the pause (replica/engine/scatter.py).
             moved = rep["swapBytes"]
             assert 0 < moved["pause_bytes"] <= SCATTER_OVERHEAD * moved["changed_bytes"], moved
-            assert_every_replica_serves(stack, dep_id, checkpoints[step])
             experts_changed += sum(".experts." in n for n in read_delta_plan(tmp_path / identity).tensors)
             prev_id = identity
         if family in MOE:
             assert experts_changed, "no delta changed an expert tensor: the premise of the MoE test"
-
-        assert through_gateway(stack, model) == fresh, \
-            "the updated replica answers other than the fresh engine did on the same checkpoint"
-        if routes:  # after a delta hot-load, the routes the fresh engine took, read by cwtrain
-            assert routes_of(stack, model, config) == fresh_routes, \
-                "the updated replica routes other than the fresh engine did on the same checkpoint"
-            assert streamed_routes(stack, model) == fresh_routes["routes"]
+        if routes:  # after a delta hot-load, the routes a fresh engine takes, read by cwtrain
+            got = routes_of(stack, model, config)
+            assert [got["token_ids"], got["routes"]] == fresh.routes(checkpoints[3]), \
+                "the updated replica routes other than a fresh engine on the same checkpoint"
+            assert streamed_routes(stack, model) == got["routes"]
 
         serving = 3
         if sparse:  # one step back, as a trainer that publishes changed elements writes it
@@ -206,10 +219,9 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool =
             write_sparse_delta(checkpoints[3], checkpoints[2], tmp_path / identity, version=identity,
                                base_version=prev_id)
             upload_dir(s3, tmp_path / identity, stack.bucket, f"{prefix}/{identity}")
-            rep = publish(identity, prev_id, "sparse delta")
+            rep = publish(identity, prev_id, "sparse delta", 2)
             assert rep["verifiedTensors"] == changed_tensors(checkpoints[3], checkpoints[2])
             assert 0 < rep["swapBytes"]["pause_bytes"] <= SCATTER_OVERHEAD * rep["swapBytes"]["changed_bytes"]
-            assert_every_replica_serves(stack, dep_id, checkpoints[2])
             prev_id, serving = identity, 2
 
         bad = tmp_path / f"{family}-000004"
@@ -221,9 +233,12 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool =
         [rep] = hot_load_replicas(api, hl["spec"]["id"])
         assert rep["state"] == "ERROR" and victim in rep["errorReason"], rep
         assert_every_replica_serves(stack, dep_id, checkpoints[serving])
+        assert through_gateway(stack, model) == fresh.answer(checkpoints[serving]), \
+            "after a failed hot-load, the replica answers other than it did before it"
         assert engines(stack, dep_id)[0]["enginePid"] == pid
         if tp > 1:  # the ranks are new processes: every socket they listen on is on the stack's host
             assert off_host_sockets(pid, stack.host) == []
         return figures
     finally:
+        fresh.close()
         delete_deployment(api, dep_id)
