@@ -7,6 +7,7 @@ field (see api/app.py). Buckets and paths (`model`, `hotLoad`) follow common/buc
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, Field, StrictInt, field_validator, model_validator
@@ -122,16 +123,21 @@ class HotLoadConfigIn(WireModel):
         )
 
 
-# runtime.engineConfig keys a deployment may set, and whether each takes a positive integer.
-# They become vLLM flags on the replicas, so nothing outside this list is accepted.
-ENGINE_CONFIG_KEYS: dict[str, bool] = {
-    "max-model-len": True,
-    "max-num-seqs": True,
-    "enable-return-routed-experts": False,
-    "tensor-parallel-size": True,
+# runtime.engineConfig keys a deployment may set, and the value each takes: a positive integer
+# (COUNT), none (SWITCH: the flag alone) or one of vLLM's names for a choice (NAME: an attention
+# backend such as CPU_MLA, which vLLM checks at engine start). They become vLLM flags on the
+# replicas, so nothing outside this list is accepted.
+COUNT, SWITCH, NAME = "count", "switch", "name"
+ENGINE_CONFIG_KEYS: dict[str, str] = {
+    "max-model-len": COUNT,
+    "max-num-seqs": COUNT,
+    "enable-return-routed-experts": SWITCH,
+    "tensor-parallel-size": COUNT,
     # GPU replicas at tensor-parallel size 2 or more only (contracts/engine_config.py).
-    "enable-expert-parallel": False,
+    "enable-expert-parallel": SWITCH,
+    "attention-backend": NAME,
 }
+CHOICE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 
 
 class RuntimeIn(Runtime):
@@ -154,10 +160,13 @@ class RuntimeIn(Runtime):
         for key, value in v.items():
             if key not in ENGINE_CONFIG_KEYS:
                 raise ValueError(f"unsupported key {key!r}; supported: {', '.join(ENGINE_CONFIG_KEYS)}")
-            if ENGINE_CONFIG_KEYS[key] and not (value.isdigit() and int(value) > 0):
+            kind = ENGINE_CONFIG_KEYS[key]
+            if kind == COUNT and not (value.isdigit() and int(value) > 0):
                 raise ValueError(f"{key} must be a positive integer, got {value!r}")
-            if not ENGINE_CONFIG_KEYS[key] and value:
+            if kind == SWITCH and value:
                 raise ValueError(f"{key} takes an empty value, got {value!r}")
+            if kind == NAME and not CHOICE_NAME.fullmatch(value):
+                raise ValueError(f"{key} must be one of vLLM's names (capitals, digits, _), got {value!r}")
         return v
 
 

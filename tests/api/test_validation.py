@@ -269,6 +269,9 @@ def test_engine_config_is_an_allow_list(client):
     body["runtime"]["engineConfig"] = {"max-model-len": "lots"}
     r = post(client, "/deployments", body)
     assert r.status_code == 400 and "max-model-len must be a positive integer" in r.json()["message"]
+    body["runtime"]["engineConfig"] = {"attention-backend": "--trust-remote-code"}
+    r = post(client, "/deployments", body)
+    assert r.status_code == 400 and "attention-backend must be one of vLLM's names" in r.json()["message"]
 
 
 @pytest.mark.parametrize("weight", [-1, 101, "50", 12.5, True])
