@@ -21,10 +21,13 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+from common.processes import stop_pid
 from replica.agent.engine_process import INPROC_WORKER_ENV, EngineProcess, share_model_infos
 from replica.agent.process import engine_options
 from tests.helpers.engine_cache import model_infos
@@ -46,11 +49,15 @@ class FreshAnswers:
     describes; ``get(checkpoint)`` waits for them."""
 
     def __init__(self, checkpoints: list[Path], engine_config: dict[str, str], request: dict, work_dir: Path):
+        work_dir.mkdir(parents=True, exist_ok=True)
+        # The engine's own files (TMPDIR, caches) in a short directory, as a replica's: vLLM binds
+        # IPC sockets under TMPDIR, and a socket path must stay under 108 bytes.
+        self.engine_dir = Path(tempfile.mkdtemp(prefix="rollouts-fresh-"))
         for sub in ("tmp", "cache"):
-            (work_dir / sub).mkdir(parents=True, exist_ok=True)
-        engine = EngineProcess(checkpoints[0], work_dir=work_dir, **engine_options(engine_config))
+            (self.engine_dir / sub).mkdir()
+        engine = EngineProcess(checkpoints[0], work_dir=self.engine_dir, **engine_options(engine_config))
         if (shared := model_infos()) is not None:  # vLLM's record of each model class, the session's
-            share_model_infos(shared, work_dir / "cache" / "vllm" / "modelinfos")
+            share_model_infos(shared, self.engine_dir / "cache" / "vllm" / "modelinfos")
         env = engine.environment()
         env[INPROC_WORKER_ENV] = "0"  # the engine core in this process: one vLLM import for all
         self.out = work_dir / "answers.json"
@@ -58,7 +65,9 @@ class FreshAnswers:
         cmd = [sys.executable, "-m", __name__, str(self.out), json.dumps(request), *map(str, checkpoints),
                "--", *engine_flags(engine)]
         with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            # A process group of its own: its engines' workers (tensor parallel) stop with it.
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
         self._answers: dict[str, dict] | None = None
 
     def _of(self, checkpoint: Path) -> dict:
@@ -80,8 +89,9 @@ class FreshAnswers:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
+            stop_pid(self.proc.pid, timeout=5)
             self.proc.wait()
+        shutil.rmtree(self.engine_dir, ignore_errors=True)
 
 
 def answers(checkpoints: list[str], flags: list[str], request: dict) -> dict[str, list]:
