@@ -1,52 +1,13 @@
-"""Request and response translation between the guide's OpenAI + `nvext` dialect and vLLM.
+"""Request and response translation between the guide's OpenAI + ``nvext`` dialect and vLLM.
 
-Contract (pure functions, no I/O; `gateway/proxy.py` and `gateway/relay.py` call them around each
-upstream request):
-
-- ``plan_request(body, path, engine_config)`` validates a client body and returns a
-  ``RequestPlan``: the body to send to vLLM and what to add to the answer. It raises
-  ``RequestError`` (HTTP 400, ``invalid_argument``) with a message naming the field for:
-  an ``nvext`` that is not an object, an unknown ``nvext`` key, an unknown or malformed
-  ``extra_fields`` entry, ``completion_token_ids`` or ``routed_experts`` with ``n`` > 1,
-  ``routed_experts`` on a deployment whose ``runtime.engineConfig`` lacks
-  ``enable-return-routed-experts``, more than four stop strings or stop token ids (the hosted
-  frontend's limit, which cwtrain checks too), a ``cache_salt`` vLLM would refuse, ``n`` or
-  ``best_of`` that is not a positive integer, a request for more than ``MAX_N`` (64) sequences
-  (``n``, or ``best_of`` when larger, times the prompts of a completions batch), or a ``stream``
-  that is not a boolean.
-  ``nvext.cache_salt`` becomes vLLM's top-level ``cache_salt``. Everything else in the body
-  passes through unchanged (``logprobs``, ``top_logprobs``, ``return_token_ids``,
-  ``return_tokens_as_token_ids``, ``temperature``, ``top_p``, ``seed``, ``stop``,
-  ``stop_token_ids``, ``n``, token-id prompts ...): vLLM validates those itself.
-- To fill what vLLM does not report, the plan may ask vLLM for more than the client did:
-  ``return_token_ids`` (for ``logprobs.content[].token_id`` on chat, and for
-  ``nvext.completion_token_ids``). ``finish_choice`` / ``finish_chunk`` remove what the
-  client did not ask for, so a client sees only the fields it requested plus ours.
-- ``finish_choice(plan, choice)`` (a non-streamed choice) and ``finish_chunk(plan, chunk)``
-  (one SSE chunk) add ``token_id`` to each chat ``logprobs.content`` entry, zipped with the
-  ``token_ids`` vLLM reported for the same tokens (vLLM 0.32's chat logprobs carry no id).
-- ``finish_choice`` / ``finish_chunk`` also take each choice's ``weight_versions`` off the answer
-  (the replica's per-token weight versions, see below) into the plan; ``version_spans(plan)``
-  returns them checked, as ``nvext.weight_versions.spans`` entries ``{"choice", "identity",
-  "start", "end"}``, or None when the answer did not carry them for every choice or they do not
-  tile each choice's completion tokens (never a guess). They take each choice's
-  ``routed_experts`` off it into ``plan.routed_experts`` the same way.
-- ``translate_routed_experts(value, start)`` turns vLLM's per-choice ``routed_experts`` (base64
-  of a ``.npy`` file, rows ``[prompt + completion - 1, layers, top_k]``) into the guide's
-  ``{"data", "shape", "dtype", "start"}``: ``data`` base64 of the raw C-order bytes,
-  ``dtype`` ``uint8`` (at most 256 experts) or ``uint16``. Dynamo's vLLM worker sends that
-  shape already; it passes as it is.
-
-The response-side ``nvext`` object (``worker_id``, ``timing``, ``completion_token_ids``,
-``routed_experts``, ``weight_versions``) is assembled in ``gateway/relay.py``, which knows the
-replica and the clock.
-
-Per-token weight versions from the replica: a choice may carry ``weight_versions``, a list of
-``{"version": label, "start": i, "end": j}``: completion tokens ``[i, j)`` of that choice were
-sampled by the weights labelled ``label`` (vLLM's ``WeightVersionSpan``, the shape its token API
-``/inference/v1/generate`` writes; on a stream, on the chunk with the choice's
-``finish_reason``). vLLM 0.32's OpenAI endpoints do not write it; a replica whose server adds it
-gets exact spans (``gateway/app.py`` says what that takes).
+Pure functions, no I/O (``gateway/proxy.py`` and ``gateway/relay.py`` call them around each
+upstream request). ``plan_request`` validates a client body and returns a ``RequestPlan`` (the
+body to send, what to add to the answer) or raises ``RequestError`` (400 ``invalid_argument``)
+naming the field; fields it does not own pass through for vLLM to validate. ``finish_choice`` /
+``finish_chunk`` add chat ``logprobs.content[].token_id``, drop what the plan asked vLLM for that
+the client did not, and take each choice's ``weight_versions`` and ``routed_experts`` off it into
+the plan. Invariant: ``version_spans`` returns spans that tile every choice's completion tokens,
+or None (never a guess). The rules and the replica's span shape: docs/design.md "The gateway".
 """
 
 from __future__ import annotations

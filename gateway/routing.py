@@ -1,46 +1,13 @@
 """Where a request goes, and what the gateway knows about the weights each replica serves.
 
-Contract:
-
-- A gateway serves only the deployments that list its id (``Router.gateway_id``, the stack's
-  ``gateway_id``) in ``gatewayIds``, and a token only its organization's: no other deployment is
-  listed, resolved or routed to.
-- ``Router.route(model, organization, session)`` returns the deployments ``model`` names (a
-  deployment id names that one; otherwise every deployment whose ``model.name`` it is; without
-  ``model``, the deployments of the one model served, if only one is) and the one this request
-  goes to. A deployment takes traffic when it lists running replicas and its status is not
-  ``STATUS_FAILED`` or ``STATUS_DELETING``; by model name, only with ``traffic.weight`` > 0, and
-  those that do split requests by weight (``gateway/split.py``: deterministic, exact over every
-  ``sum(weights)`` requests). A session pinned to a replica stays on that replica's deployment
-  while it takes traffic. A deployment whose every replica failed within ``COOLDOWN_S`` is
-  chosen only when no other can be. None taking traffic: no deployment (the app answers 503,
-  naming each deployment's state).
-- ``Router.candidates(view, session)`` orders a deployment's replicas for one request: the
-  replica pinned to ``session`` (``X-Dynamo-Session-ID``) first while it is listed, healthy and
-  its pin younger than ``SESSION_TTL_S``; then the least-loaded (fewest requests in flight
-  through this gateway), ties broken at random so idle replicas share the load. A replica
-  whose connection failed within ``COOLDOWN_S`` goes last (it is still tried if nothing else
-  is left). Only replicas the deployment lists as running are candidates: a replica that
-  is gone is never routed to.
-- ``Router.pin`` / ``acquire`` / ``release`` / ``mark_failed`` record the outcome of a try.
-- Views come from Temporal, the system of record: each deployment workflow's memo (its wire
-  object, ``runtime.engineConfig`` and the running replicas with their
-  ``currentSnapshotIdentity``) and, while a hot-load runs, that hot-load workflow's memo (each
-  replica's state as it moves: ``PENDING_UPDATE`` -> ``UPDATING`` -> ``READY`` on the new
-  identity). ``refresh_loop`` lists the running deployment workflows every ``DISCOVER_S`` and
-  re-reads each one's memo with DescribeWorkflowExecution (current, not the lagging
-  visibility store) every ``REFRESH_S``. Views are keyed by workflow id
-  (``deployments/ORG/ID``: a deployment id is unique only within its organization).
-  ``fresh_view(workflow_id)`` returns a view whose read began after the call (concurrent
-  callers share one read), which is what a weight-version label needs. ``fresh_route`` is
-  ``route`` for a request: when no deployment can take it, it reads the named deployments'
-  views (or, naming none, the list of running deployments) afresh before the app answers 503 or
-  404, so a deployment the API has reported READY is served at once, whatever the refresh
-  period.
-- ``weight_versions(before, after, ..., spans)`` labels a response from the views taken before
-  it was sent and after it finished, or, when the replica reported which weights sampled each
-  token (``spans``, see ``gateway/nvext.py``), from those; see the function for exactly what is
-  and is not known.
+``Router.route`` picks the deployment a request's ``model`` names (weighted split:
+``gateway/split.py``), ``Router.candidates`` orders its replicas (session pin, then least
+loaded, recently failed last), and ``pin`` / ``acquire`` / ``release`` / ``mark_failed`` record
+each try. Invariants: a gateway serves only the deployments that list its id in ``gatewayIds``,
+and a token only its organization's; only replicas a deployment lists as running are candidates;
+views come from Temporal (``refresh_loop``) keyed by workflow id (``deployments/ORG/ID``), and
+``fresh_view`` / ``fresh_route`` read after the call began. ``weight_versions`` labels an answer.
+The rules: docs/design.md "The gateway".
 """
 
 from __future__ import annotations
