@@ -1,47 +1,14 @@
 """Requests and answers between the gateway and Dynamo's frontend (a dynamo stack's deployments).
 
-Pure functions and one accumulator; ``gateway/dynamo_proxy.py`` calls them around each upstream request
-(``explain``: ``gateway/upstream.py``, on an error answer).
-
-- ``upstream_body(plan, model, request_secret)``: the body Dynamo's frontend gets: the planned body
-  (``gateway.nvext.plan_request`` validated it and applied the gateway's limits) as
-  ``gateway.dynamo_fields.dynamo_request`` makes it for Dynamo (``return_token_ids`` removed: it
-  is answered from ``engine_data``; vLLM fields Dynamo cannot do raise ``RequestError``, a 400
-  naming the field), with ``model``
-  set to the deployment's Dynamo model name (``contracts.names.dynamo_model``), the cache salt
-  back under ``nvext.cache_salt``, ``nvext.extra_fields`` = ``engine_data`` and ``worker_id``
-  (what the gateway needs; the client's own extra fields are the gateway's to answer),
-  ``nvext.annotations`` = the deployment's request-plane secret (``Settings.dynamo_request_secret``,
-  ``common.dynamo_planes.request_annotation``: its workers serve no request without it), and always
-  ``stream: true``: Dynamo reports each choice's ``engine_data`` (its
-  completion token ids and, from our worker, its per-token weight versions) on that choice's
-  finishing chunk, while a non-streamed answer carries one ``engine_data`` for all choices. A
-  client that did not ask for a stream gets the chunks assembled (:class:`Assembler`), with
-  ``usage`` (``stream_options.include_usage``).
-- ``explain(message, details)``: Dynamo's 400 message with its ``details`` spelled out.
-- ``adopt(chunk, workers, model)``: one chunk from Dynamo made into what the rest of the gateway
-  reads from a vLLM replica: ``nvext.engine_data`` goes onto the chunk's choice as
-  ``weight_versions``, ``token_ids`` and ``routed_experts`` (Dynamo's worker sends a choice's
-  routes as the guide's ``{data, shape, start, dtype}``; ``gateway.nvext`` takes them from
-  there), and its
-  ``prompt_token_ids`` and ``prompt_logprobs`` where vLLM writes them (on the choice of a
-  completion, at the top of a chat chunk; ``prompt_logprobs`` entries as vLLM's
-  ``{id: {"logprob", "rank", "decoded_token"}}``, null where Dynamo's worker does not say), Dynamo's
-  ``nvext`` is removed (the gateway writes its own), ``model`` becomes the client-facing name;
-  returns the replica that served it (``nvext.worker_id.decode_worker_id`` looked up in
-  ``workers``, Dynamo worker id -> replica), or None when the chunk does not say.
-- ``served_by(data, workers)``: the replica a stream's SSE payload names, the payload unchanged
-  (the gateway names it in ``x-rollouts-replica`` before it relays the stream).
-- ``Assembler(chat)``: ``add(chunk)`` for each adopted chunk, then ``answer()``: the non-streamed
-  OpenAI answer (``text_completion`` / ``chat.completion``): per choice, text or message content
-  and logprobs concatenated in order, the last ``finish_reason`` / ``stop_reason``, the token ids,
-  prompt ids, prompt logprobs, weight versions and routed experts of its finishing chunk (a chat answer's prompt
-  ids and logprobs at its top); ``usage`` from the usage chunk.
-
-On a stream, Dynamo reports a choice's ids on its finishing chunk only: a client that asked for
-``return_token_ids`` gets that choice's ``token_ids`` (all of them) and ``prompt_token_ids``
-there, where vLLM spreads ``token_ids`` over the chunks and sends the prompt's on the first; the
-concatenation over a choice's chunks is the same.
+Pure functions and one accumulator, called by ``gateway/dynamo_proxy.py`` around each upstream
+request: ``upstream_body`` (the planned body as Dynamo takes it: the deployment's Dynamo model
+name, ``nvext.extra_fields`` ``engine_data`` and ``worker_id``, the request-plane secret in
+``nvext.annotations``, always ``stream: true``), ``explain`` (Dynamo's 400 with its details),
+``adopt`` (a Dynamo chunk made into what the gateway reads from a vLLM replica: ``engine_data``
+onto the choice, Dynamo's ``nvext`` removed, the client-facing ``model``; returns the replica
+that served it), ``served_by`` and ``Assembler`` (a non-streamed answer from the chunks).
+Invariant: a vLLM field Dynamo cannot do is a 400 naming it, never dropped silently. The design:
+docs/design.md "Dynamo" ("Auth, org scoping and the 400s stay in the gateway").
 """
 
 from __future__ import annotations

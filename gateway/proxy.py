@@ -1,36 +1,12 @@
-"""The gateway's inference proxy: one authenticated request to the deployment it names, and the
-answer (the contract clients see is ``gateway/app.py``'s).
+"""The gateway's inference proxy: one authenticated request to the deployment it names, and the answer.
 
-Contract of ``Proxy(settings, router, meter)``:
-
-- ``open()`` / ``aclose()``: its HTTP clients (``gateway.upstream.upstream_client``): one to the
-  replicas, and the Dynamo path's (``gateway/dynamo_proxy.py``). The app opens them in its
-  lifespan and closes them after.
-- ``serve(request, path, organization_id)``: the answer to ``POST path`` from a caller of that
-  organization. It raises ``contracts.errors.ApiError`` for the gateway's own refusals: the body's
-  (``gateway/body.py``: 400, 413), a ``model`` that is not a string (400), a model not served to
-  that organization (404 ``not_found``, naming the models it may use), none of the named
-  deployments taking traffic, even after a fresh read (503), a field the plan refuses
-  (``gateway.nvext.plan_request``, or Dynamo's: 400), and no replica able to take the request
-  (503, naming the last four failures). The request counts on ``meter`` for its deployment from
-  the routing until its answer is over (``LoadMeter.track``).
-- A vLLM deployment's request (``forward`` then ``through_replicas``): before it is planned, a
-  view that shows a hot-load (under way, or a replica not settled) is read afresh. The body goes
-  with ``model`` set to the deployment's model name (what its replicas serve; the client may have
-  named the deployment's id). The replicas
-  are tried in ``Router.candidates`` order (the session's pinned replica first, then the least
-  loaded, those whose connection just failed last), each with its engine guard's header
-  (``Settings.engine_headers``) and one request in flight on the router while it runs. A
-  connection error, a 5xx while another replica is left, or a stream that fails before its first
-  event marks the replica failed and goes to the next one; another error answer is
-  ``gateway.upstream.upstream_error``'s. The replica that answers is marked ok and pinned for
-  the session. A non-streamed answer is finished (``gateway.relay.finish_answer``), its choices'
-  ``routed_experts`` moved to ``nvext`` (merged into any ``nvext`` it has); a streamed request
-  for ``routed_experts`` is sent non-streamed (vLLM returns routes only there; no
-  ``stream_options``) and replayed as SSE chunks (``gateway.sse.as_chunks``, ``nvext`` on the
-  last chunk with choices, then ``[DONE]``); a stream is relayed from its first event
-  (``gateway.relay.Relay.stream``). Every answer carries ``x-rollouts-replica``.
-- A dynamo deployment's request goes to ``DynamoProxy.forward``.
+``Proxy.serve`` reads and routes the body and sends a vLLM deployment's request to its replicas
+(``forward``, ``through_replicas``), a dynamo deployment's to ``DynamoProxy.forward``;
+``open`` / ``aclose`` hold its HTTP clients for the app's lifespan. Invariants: the gateway's own
+refusals are ``contracts.errors.ApiError`` (400, 404, 413, 503); a replica is retried only while
+the client has received nothing; each try holds one request in flight on the router and the
+request counts on ``meter`` from routing to the end of its answer; every answer names its replica
+in ``x-rollouts-replica``. The rules: docs/design.md "The gateway".
 """
 
 from __future__ import annotations
@@ -94,7 +70,7 @@ class Proxy:
         self.http: httpx.AsyncClient  # open() makes it
 
     def open(self) -> None:
-        # No overall timeout: a request queued behind a paused replica waits (see gateway/app.py).
+        # No overall timeout: a request queued behind a paused replica waits (docs/design.md "The gateway").
         self.http = upstream_client()
         self.dynamo.open()
 

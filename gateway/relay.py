@@ -5,7 +5,7 @@ relay of an upstream SSE stream.
 - ``finish_answer(plan, data)``: a non-streamed answer finished for the client
   (``gateway.nvext.finish_choice`` on each choice, then ``strip_prompt_ids``), in place.
 - ``Relay(router).response_nvext(attempt, replica)``: the top-level ``nvext`` object of an
-  answer that has finished (``gateway/app.py`` says what it holds): ``worker_id``,
+  answer that has finished (docs/design.md "The gateway" says what it holds): ``worker_id``,
   ``completion_token_ids``, ``routed_experts`` (the first choice's, which ``finish_choice`` or
   ``finish_chunk`` took off it: vLLM's on a non-streamed answer, Dynamo's worker's on its
   finishing chunk; null when the engine gave none) and ``timing`` when named in

@@ -168,7 +168,7 @@ def weight_versions(before: ReplicaView | None, after: ReplicaView | None,
     With ``spans`` (the replica's own per-token record, checked by ``nvext.version_spans``):
     they are passed on as ``spans``; ``identities`` lists the identities they name, in load
     order (old first), and ``exact``/``identity`` say whether that is one identity. This is
-    exact whatever the views say (see ``gateway/app.py`` for why), so no view is needed.
+    exact whatever the views say (docs/design.md "Weight versions on every answer"), so no view is needed.
 
     Without them, from the views: ``exact`` is true, and ``identity`` names the snapshot every
     token of every choice came from, when the replica was settled on the same identity in a

@@ -1,8 +1,8 @@
 """The gateway's side of its upstream requests (to vLLM replicas and to Dynamo's frontend).
 
 - ``upstream_client(verify)``: the ``httpx.AsyncClient`` for them: connect 5 s, read 600 s, write
-  and pool 60 s, and no overall timeout (a request queued behind a paused replica waits: see
-  ``gateway/app.py``); at most 1024 connections, 256 kept alive, each for 4 s (pooled
+  and pool 60 s, and no overall timeout (a request queued behind a paused replica waits: docs/design.md
+  "The gateway"); at most 1024 connections, 256 kept alive, each for 4 s (pooled
   connections expire before vLLM's server drops idle ones, 5 s by default: reusing one it just
   closed would look like a replica failure). ``verify`` as httpx takes it (the Dynamo client's
   is the stack's mutual-TLS context, ``common/dynamo_tls.py``).
