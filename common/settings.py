@@ -1,89 +1,25 @@
 """Settings every rollouts process reads: where Temporal, the S3 store and the tokens are.
 
-Two sources, one per install:
+Sources: the embedded stack's ``$ROLLOUTS_HOME/stack.json``, or, when it is missing and
+``TEMPORAL_ADDRESS`` is set, the environment alone (:meth:`Settings.from_env`; a missing required
+variable is a SystemExit naming each). Invariants: for a client (:meth:`Settings.load`) the
+variables below override single values; the stack a home owns (:meth:`Settings.own`,
+:attr:`Settings.owned`) takes none, and its processes get :meth:`Settings.process_env`, without
+any variable that locates a stack (:func:`without_stack_env`); every URL names
+:attr:`Settings.host` unless its own variable says otherwise; nothing here contacts an address.
+The narrative: docs/design.md "Nodes and placement" (Settings); each variable: common/envs.py.
 
-- The embedded stack (`rollouts up`) writes them once to ``$ROLLOUTS_HOME/stack.json``; each
-  process (API, control worker, gateway, node agent, replica) loads that file.
-- A cluster install (Kubernetes, Slurm, systemd: see deploy/) has no ``stack.json``: when the
-  file does not exist and ``TEMPORAL_ADDRESS`` is set, :meth:`Settings.load` builds the settings
-  from the environment alone (:meth:`Settings.from_env`). There ``TEMPORAL_ADDRESS``,
-  ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and
-  ``ROLLOUTS_ENGINE_KEY`` are required (a missing one is a SystemExit naming each).
-
-Two readers of the same home:
-
-- a client (a `rollouts` command pointed at an existing stack, a trainer's code, cwtrain's
-  shell): :meth:`Settings.load`, where the environment variables below override single values
-  of either source, so a shell that sourced a ``stack.env`` reaches that stack;
-- the stack a home owns (``rollouts up --home``, ``make test``'s stack, the benches', the
-  multi-host tests'): :meth:`Settings.own` and :meth:`Settings.create`, the ``stack.json`` as
-  written, the environment overriding nothing (:attr:`Settings.owned`). Every process it starts
-  (API, control worker, gateway, node agent, replica agents, Dynamo's frontend and workers, the
-  Temporal CLI) gets :meth:`Settings.process_env`: this process's environment without any
-  variable that locates a stack (:func:`without_stack_env`: :data:`STACK_ENV` and every
-  ``TEMPORAL_*``, ``AWS_*`` and ``CW_*``), with ``ROLLOUTS_HOME`` set to the home, so its own
-  :meth:`Settings.load` reads the ``stack.json`` alone. Another stack's variables in the shell
-  that starts a stack (a sourced ``stack.env``) therefore never redirect it.
-
-Environment variables (each declared, with its default and parse, in common/envs.py) override
-single values for a client in both cases:
-
-- where the rest is: ``ROLLOUTS_HOME`` (the home, default ``./.rollouts``), ``TEMPORAL_ADDRESS``,
-  ``TEMPORAL_NAMESPACE``, ``TEMPORAL_UI_URL``, ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``,
-  ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``ROLLOUTS_TOKENS_FILE``, ``ROLLOUTS_ENGINE_KEY``,
-  ``ROLLOUTS_API_URL``, ``ROLLOUTS_GATEWAY_URL``;
-- where this process listens: ``ROLLOUTS_HOST`` (the :attr:`Settings.host` the embedded stack's
-  services, the API and the gateway bind and advertise; default ``127.0.0.1``),
-  ``ROLLOUTS_API_PORT``, ``ROLLOUTS_GATEWAY_PORT``, ``ROLLOUTS_WORKER_METRICS_PORT`` (the control
-  worker's Prometheus endpoint; default port base + 3), ``ROLLOUTS_REPLICA_METRICS_PORT`` (each
-  replica agent's; default any free port, reported as the replica's ``metricsUrl``);
-- the control worker's node registry: ``ROLLOUTS_NODE_LOST_AFTER_S`` (seconds without a
-  heartbeat before a node is declared lost; default ``contracts.nodes.LOST_AFTER_S``, read as
-  :attr:`Settings.node_lost_after_s`, None when unset);
-- NVIDIA Dynamo (a ``dynamo-vllm`` deployment's replicas are Dynamo's vLLM workers behind
-  Dynamo's frontend): ``ROLLOUTS_DYNAMO_ROUTER_MODE``
-  (``least-loaded`` or ``kv``), ``ROLLOUTS_DYNAMO_FRONTEND_URL`` (default: the stack's host, port
-  base + 2), ``ROLLOUTS_DYNAMO_DISCOVERY`` (Dynamo's discovery backend: ``file``, the default, or
-  ``kubernetes`` on a Kubernetes install), ``ROLLOUTS_DYNAMO_DISCOVERY_DIR`` (the ``file``
-  backend's directory, shared by the frontend and every worker; default ``HOME/dynamo/discovery``),
-  ``ROLLOUTS_DYNAMO_TLS_DIR`` (the stack's Dynamo TLS certificates, ``common/dynamo_tls.py``;
-  default ``HOME/dynamo/tls``: the frontend's URL is ``https://`` when they exist),
-  ``ROLLOUTS_DYNAMO_EVENT_BROKER`` (``DYN_ZMQ_BROKER_URL`` for every Dynamo process; default, for
-  the embedded stack, its relay on port base + 4 and + 5: :attr:`Settings.dynamo_event_broker`);
-- names: ``ROLLOUTS_BUCKET``, ``ROLLOUTS_ZONE``, ``ROLLOUTS_ORGANIZATION_ID``,
-  ``ROLLOUTS_GATEWAY_ID``, ``ROLLOUTS_MODEL_NAME``, ``ROLLOUTS_BASE_MODEL_PATH`` (the field of
-  the same name in lower case, :data:`ENV_FIELDS`).
-
-Two variables are this process's own, read from its environment even for :attr:`Settings.owned`
-settings (they locate nothing; :func:`without_stack_env` keeps them for the processes a stack
-starts):
-
-- ``ROLLOUTS_HOT_LOAD_ENGINES`` (:data:`HOT_LOAD_ENGINES_ENV`), the API's engines whose
-  deployments may hot-load, comma-separated (read as :attr:`Settings.hot_load_engines`, None when
-  unset or blank: the API then allows the guide's ``dynamo-vllm`` alone, and an operator comparing
-  engines, bench/dynamo_vs_vllm.py, adds ``vllm``; the API refuses a name that is not an engine);
-- ``ROLLOUTS_ENGINE_CACHE_DIR`` (:data:`ENGINE_CACHE_ENV`), what the engines a replica agent starts
-  share on its host (vLLM's record of each model class, so an engine does not inspect the class
-  in a child process that imports vLLM again): :attr:`Settings.engine_cache_dir`, default
-  ``HOME/engine-cache``. Homes on one machine (`make test`'s stacks, the multi-host tests' hosts)
-  may share one.
-
-Every URL the settings advertise (:attr:`Settings.temporal_address`, ``temporal_ui_url``,
-``s3_endpoint``, ``api_url``, ``gateway_url``) is on :attr:`Settings.host` unless its own
-variable says otherwise. Nothing here resolves or contacts an address: a process checks the
-host where it binds it (``common.addresses.check_bind_host``).
-
-Engine secrets: every replica's vLLM server refuses requests that lack its secret
-(``replica/engine/guard.py``). The secret is :meth:`Settings.engine_secret` = HMAC-SHA256 of the
-stack's ``engine_key`` over the replica's deployment workflow id and its name, so the replica
-agent (which starts the engine) and the gateway (which sends it inference) both derive it from
-the settings and nothing secret crosses Temporal. A ``dynamo-vllm`` deployment's workers also
-share one request-plane secret (:meth:`Settings.dynamo_request_secret`, the same HMAC over the
-workflow id and a name no replica has) that every inference request carries to them
-(``common/dynamo_planes.py``). The embedded stack generates the key with its
-other credentials and keeps it only in ``stack.json`` (mode 0600); a ``stack.json`` without one
-gets one on its next load, which ``rollouts up`` saves before it starts anything. A cluster
-install gives every process the same ``ROLLOUTS_ENGINE_KEY``.
+Variables read: ``ROLLOUTS_HOME``, ``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``,
+``TEMPORAL_UI_URL``, ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_REGION``, ``ROLLOUTS_TOKENS_FILE``, ``ROLLOUTS_ENGINE_KEY``, ``ROLLOUTS_API_URL``,
+``ROLLOUTS_GATEWAY_URL``, ``ROLLOUTS_HOST``, ``ROLLOUTS_API_PORT``, ``ROLLOUTS_GATEWAY_PORT``,
+``ROLLOUTS_WORKER_METRICS_PORT``, ``ROLLOUTS_REPLICA_METRICS_PORT``, ``ROLLOUTS_NODE_LOST_AFTER_S``,
+``ROLLOUTS_DYNAMO_ROUTER_MODE``, ``ROLLOUTS_DYNAMO_FRONTEND_URL``, ``ROLLOUTS_DYNAMO_DISCOVERY``,
+``ROLLOUTS_DYNAMO_DISCOVERY_DIR``, ``ROLLOUTS_DYNAMO_TLS_DIR``, ``ROLLOUTS_DYNAMO_EVENT_BROKER``,
+``ROLLOUTS_BUCKET``, ``ROLLOUTS_ZONE``, ``ROLLOUTS_ORGANIZATION_ID``, ``ROLLOUTS_GATEWAY_ID``,
+``ROLLOUTS_MODEL_NAME``, ``ROLLOUTS_BASE_MODEL_PATH`` (:data:`ENV_FIELDS`), and this process's
+own two, read even for owned settings: ``ROLLOUTS_HOT_LOAD_ENGINES`` (:data:`HOT_LOAD_ENGINES_ENV`)
+and ``ROLLOUTS_ENGINE_CACHE_DIR`` (:data:`ENGINE_CACHE_ENV`).
 """
 
 from __future__ import annotations
