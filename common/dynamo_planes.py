@@ -1,24 +1,13 @@
 """How our NVIDIA Dynamo processes find each other: the frontend (gateway/dynamo_frontend.py) and
 every worker (replica/agent/dynamo.py) run with the same discovery backend and planes.
 
-- Discovery (:data:`DISCOVERY_BACKENDS`): ``file``, a directory the frontend and every worker
-  share (``DYN_FILE_KV``), or ``kubernetes``, the Kubernetes API, which knows a process by its
-  pod (:data:`POD_ENV`, from the downward API: deploy/kubernetes/base/dynamo.yaml).
-- Request plane ``tcp``, event plane ``zmq``: no etcd, no NATS. With an ``event_broker``
-  (:func:`broker_url`: the embedded stack's relay, gateway/dynamo_events.py) every process
-  publishes and subscribes through it (``DYN_ZMQ_BROKER_URL``) and binds no ZMQ socket of its
-  own; without one, Dynamo's direct mode (each publisher binds ``tcp://0.0.0.0``).
-
-The request plane has no authentication of its own: any process that reaches a worker's TCP
-port and speaks Dynamo's protocol could ask it for a completion. So every inference request a
-worker of ours serves must carry its deployment's request-plane secret
-(``Settings.dynamo_request_secret``) as one of Dynamo's ``annotations``
-(:func:`request_annotation`, sent by the gateway in ``nvext.annotations``, which Dynamo's frontend
-passes to the worker untouched); the worker refuses any other (replica/engine/dynamo_routes.py).
-
-``plane_args`` and ``plane_env`` are the command-line flags and environment of one such process;
-``discovery_problem`` readies the backend for a process about to start (the ``file`` directory
-made) or says why it cannot run (a pod variable unset).
+Discovery (:data:`DISCOVERY_BACKENDS`): ``file`` (a shared directory, ``DYN_FILE_KV``) or
+``kubernetes`` (a process known by its pod, :data:`POD_ENV`). Request plane ``tcp``, event plane
+``zmq`` (through ``event_broker``, ``DYN_ZMQ_BROKER_URL``, when the stack has one); no etcd, no
+NATS. ``plane_args`` / ``plane_env`` are one process's flags and environment;
+``discovery_problem`` readies the backend or says why it cannot run. Invariant: every inference
+request a worker serves carries its deployment's request-plane secret as a Dynamo annotation
+(:func:`request_annotation`); the worker refuses any other. docs/design.md "Dynamo", "Security".
 """
 
 from __future__ import annotations

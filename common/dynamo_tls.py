@@ -1,27 +1,13 @@
-"""Mutual TLS between the gateway and NVIDIA Dynamo's frontend.
+"""Mutual TLS between the gateway and NVIDIA Dynamo's frontend, with a CA of the stack's own.
 
-Dynamo's frontend answers OpenAI requests on HTTP and checks no token. So that only the gateway
-reaches a model through it (the gateway checks the caller's bearer token), the frontend serves
-HTTPS to holders of a client certificate of the stack's own certificate authority, made once
-per stack by :func:`ensure` in a directory only its user reads (``Settings.dynamo_tls_dir``,
-0700; keys 0600):
-
-- ``ca.pem``: the stack's CA (its key is not kept: nothing else is ever signed by it);
-- ``server.pem`` / ``server.key``: what the frontend presents;
-- ``client.pem`` / ``client.key``: what the gateway (and a replica agent, for its own probes
-  through the frontend) presents.
-
-The client verifies the chain against ``ca.pem`` (a private CA that signed only these two
-certificates), not a host name, so a frontend on any address is verified the same way (the
-server certificate also names ``SERVER_NAME``, ``localhost`` and the stack's host). A process
-without the client certificate is refused at the handshake: no model list, no completion.
-Dynamo's TCP request plane is not covered: its mutual TLS (``DYN_TCP_TLS_*``) opens one TLS
-connection per request back to the frontend, and those handshakes timed out under nine
-concurrent requests here (docs/field-notes.md).
-
-:class:`DynamoTls` gives each process what it needs: the frontend's flags (``frontend_args``)
-and a client's ``ssl_context``. ``load`` returns None when the directory holds no certificates
-(a cluster install that did not distribute them: its NetworkPolicies are then the only fence).
+:func:`ensure` makes, once per stack, in ``Settings.dynamo_tls_dir`` (0700, keys 0600):
+``ca.pem`` (the CA; its key is not kept), ``server.pem`` / ``server.key`` (the frontend's) and
+``client.pem`` / ``client.key`` (the gateway's, and a replica agent's for its own probes).
+:class:`DynamoTls` gives the frontend's flags (``frontend_args``) and a client's ``ssl_context``;
+``load`` returns None when the directory holds no certificates. Invariants: a client verifies
+the chain against ``ca.pem``, not a host name (the server certificate names ``SERVER_NAME``,
+``localhost`` and the stack's host); a process without the client certificate is refused at the
+handshake. Why, and why not the request plane's TLS: docs/design.md "Security".
 """
 
 from __future__ import annotations
