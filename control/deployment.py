@@ -1,53 +1,14 @@
 """The deployment entity workflow: one per deployment, the single writer of its state.
 
-It starts the deployment's replicas and waits for each to report ready (CREATING → READY, or
-FAILED with a condition), admits hot-loads through the `create_hot_load` Update and keeps the
-chain of completed snapshots (control/deployment_hot_loads.py, mixed in), and tears the replicas
-down on `delete`.
-
-Where replicas run: the node registry (control/nodes.py) places each member on a node agent's
-host (control/replica_set.py); the node agents start and stop the processes. A member whose node
-is lost (`replicas_lost`, from the registry) leaves rotation and its place; the running hot-load
-hears of it at once; once no hot-load runs, the supervision places it on another node, where it
-catches up to the current chain. Not enough capacity: at creation the deployment is
-STATUS_FAILED, afterwards STATUS_UPDATING; either way the condition's reason is
-`InsufficientCapacity` and its message says what is missing, node by node.
-
-READY means every member replica serves the spec's runtime. Past creation the status follows
-the replica set (`_settle`): a replica whose process is gone (it reported its engine dead, the
-periodic check or the admission check found no process, or the control worker's
-`verify_replicas` on start found the stack restarted) is restarted, catches up to the current
-snapshot chain and reports ready again; until then the deployment is STATUS_UPDATING with the
-condition `ReplicasReady` False, reason `ReplicasRestarting`, and admits no hot-load.
-
-Serialization: workflow code runs one handler step at a time, so the create handler marks the
-hot-load active before its first await. Two concurrent creates can therefore never both be
-admitted (the losers fail with `already in progress`), and a hot-load's end is noted twice over
-(its signal and the child's close), idempotently, so none can block the deployment forever and
-none fails it.
-
-`update_config` (PATCH /deployments/{id}) changes `runtime.version`, `runtime.engineConfig` and
-`traffic`; it refuses an update that omits or changes the `hotLoad` section, and any update
-while a hot-load runs or the deployment is not READY (or ERROR after a failed update). A new
-runtime rolls the replicas onto it, one at a time (`_roll`): a new replica starts on it, catches
-up to the current chain, serves, and only then is the replica it replaces taken out of rotation
-and stopped, so the others keep serving. Meanwhile the deployment is STATUS_UPDATING (reason
-`RollingUpdate`) and admits no hot-load; it is READY again when every replica runs the new
-runtime. A new replica that fails to start stops the roll: STATUS_ERROR (reason `UpdateFailed`,
-naming the replica and why), the replicas not yet replaced keep serving, and another update
-(a fixed or the previous runtime) rolls again.
-
-Autoscaling (control/autoscaler.py, mixed in): with `autoscaling.max` above `min`, the main loop
-adds or removes one replica at a time on the gateways' `load_report` signals, only while READY
-with no hot-load running and no roll due; a new replica joins the members between hot-loads, one
-leaving is out of the replica list before it drains and stops.
-
-Reads never query this workflow: it publishes the wire object in its memo on every change.
-
-One entity's workflow whose Updates, signals and supervision loop share one state and one
-replica lock: its concerns are mixins on it (control/autoscaler.py, control/deployment_hot_loads.py),
-and what needs no workflow (the admission rules, the hot-load's summary and details) lives in
-control/admission.py and control/hot_load/state.py.
+It places and starts the replicas (control/replica_set.py), admits hot-loads through the
+``create_hot_load`` Update and keeps the chain of completed snapshots
+(control/deployment_hot_loads.py), restarts and replaces lost replicas, rolls runtime updates
+(``update_config``, ``_roll``), autoscales (control/autoscaler.py) and tears down on ``delete``.
+Invariants: handlers share one state and one replica lock; the create handler marks the hot-load
+active before its first await, so two creates are never both admitted; a hot-load's end is noted
+from its signal and from the child's close, idempotently, and never fails the deployment; reads
+never query it: it publishes its wire object in its memo on every change. The rules (status,
+conditions, rolls, capacity): docs/design.md "Workflows" and "Deployment status rules".
 """
 
 from __future__ import annotations

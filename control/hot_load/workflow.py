@@ -1,40 +1,14 @@
-"""The hot-load workflow (type `HotLoadWorkflow`): one per operation, id `hotLoads/ORG/ID`.
+"""The hot-load workflow (type ``HotLoadWorkflow``): one per operation, id ``hotLoads/ORG/ID``.
 
-`run()` is the walk. Replicas go in (zone, name) order; every step is an activity on that
-replica's own task queue, run by its agent next to the engine:
-
-1. The first replica updates from the bucket (`apply_snapshot`: stage while serving; pause,
-   swap and prove in place; resume). For a delta it passes the link's files on from its checked
-   stage, before its swap; otherwise once it serves the update.
-2. The fan-out: replicas that hold the update pass it on, `hotLoad.peerFanOut` receivers at a
-   time, each receiver staging while it serves (control/hot_load/fanout.py); past
-   `hotLoad.replicasPerGroup` receivers, in stage groups, one child workflow each
-   (control/hot_load/stages.py, control/hot_load/group.py).
-3. Every other replica, in walk order, swaps its stage in (`commit_peer_stage`) once it holds
-   one, at most `hotLoad.maxConcurrentSwaps` at a time (1, the default, is one replica at a
-   time; control/hot_load/window.py), while later ones may still stage.
-4. A replica whose stage or commit fails reads the bucket (`apply_snapshot`). With
-   `peer_transfer=False` every replica reads the bucket.
-
-A replica whose node is declared lost (`replicas_lost`, from its deployment) fails its step at
-once, with the registry's reason, instead of waiting out the step's timeouts.
-
-A failed step stops the walk: that replica is ERROR, the operation FAILED; no new step starts,
-the steps in flight end; replicas already moved keep the new weights, the rest keep theirs (if
-the first replica fails, the fan-out is abandoned and no other replica changed). A cancel stops
-before the next replica step and cancels the steps in flight; a step given up before it changed
-its replica, or one that failed once the cancel was asked, reports it PENDING_UPDATE again and
-the operation ends CANCELED.
-
-Ends. The workflow signals its deployment first (`hot_load_finished`, whatever the outcome),
-then makes the memo and `HotLoadState` final, so a client that reads the end and creates the next
-hot-load at once is admitted (the deployment already noted the end); then it closes as what the
-operation became, so the Temporal UI tells the truth: COMPLETED returns the `HotLoadOutcome`, FAILED fails
-the workflow (a non-retryable `ApplicationError` whose message names the replica and the reason,
-with the outcome as its details), CANCELED closes it canceled.
-
-The memo (`hotLoad`, `replicas`), the search attributes and the current details are kept by
-control/hot_load/state.py; activity options by control/hot_load/options.py.
+``run()`` is the walk: the first replica from the bucket (``apply_snapshot``), the fan-out to the
+others (control/hot_load/fanout.py, stages.py, group.py), each swapping its stage in
+(``commit_peer_stage``) at most ``hotLoad.maxConcurrentSwaps`` at a time (window.py), a failed
+stage or commit falling back to the bucket. Invariants: a failed step stops the walk (no new step
+starts; replicas already moved keep the new weights); the workflow signals its deployment
+(``hot_load_finished``) before its memo and ``HotLoadState`` show the end, so a create right
+after a read of the end is admitted; it closes as what the operation became (COMPLETED, FAILED
+with a non-retryable ``ApplicationError``, CANCELED). The walk in full: docs/design.md
+"The hot-load walk"; memo and details: control/hot_load/state.py.
 """
 
 from __future__ import annotations
