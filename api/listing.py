@@ -1,41 +1,13 @@
 """Hot-load reads answered from memory: listings newest first with stable page tokens, and
 closed operations by id; plus offset pages for short lists.
 
-Requests do not call Temporal for what it already told us (bench/list_latency.py measures the
-read endpoints; its figures are in bench/README.md):
-
-- A closed hot-load never changes (its id cannot be reused): it is decoded once into a
-  `Record` (wire object with its UI link, replicas ordered by zone then name, and its JSON
-  encoded once) and then served from memory, by listings and by `GET /hotLoads/{id}[/replicas]`.
-  An open one is described on every GET by id (what a client polls) and the answer is kept.
-- A listing scope (organization, and deployment if filtered) is read in full from visibility on
-  first use (the SQLite visibility store cannot ORDER BY; the order is kept here, sorted once
-  per change of membership, and a page is a slice of it). While any listing is being read
-  (within `ACTIVE_S` of a read) one background task refreshes every loaded scope at once every
-  `REFRESH_S`: one visibility call for the running hot-loads (by status, which is indexed; a
-  `CloseTime >=` query scans the whole history on SQLite), decoding only rows some scope
-  lists, then a describe of each operation that left the running set (it closed) or that
-  visibility does not show yet (an own create). Every `VERIFY_S` a listing being read is counted (closed operations); if
-  the count disagrees (an operation created elsewhere that ended between two refreshes, a late-visible
-  one, history deleted by retention) the scope is read in full again. Reads and refreshes are
-  single-flight: concurrent requests and the background task share one.
-- A request answers from memory when its scope was refreshed at most `STALE_S` ago (the
-  background task keeps it within about `REFRESH_S`); otherwise (first use, listings unread for
-  a while, Temporal unreachable) it waits for a refresh, and answers unavailable if Temporal is.
-  So Temporal's load follows what runs, not the number of listings, requests or history.
-
-Freshness: an operation created through this process is listed as soon as its create returns
-(it is kept in the listing for `RECENT_S` even before visibility shows it); a state read by
-`GET /hotLoads/{id}` in this process is what listings show from then on (newest `updatedAt`
-wins, closed beats open). Changes made elsewhere (another API process, a replica step, an
-operator terminating a workflow) are listed within about `REFRESH_S`; an operation created
-elsewhere that ends within one refresh period, within `VERIFY_S`. Memory: what has been
-listed, plus up to `MAX_CLOSED_BY_ID` closed operations read only by id.
-
-Records are keyed by workflow id (`hotLoads/ORG/ID`): hot-load ids are per organization.
-Order is newest first by `createdAt`, id breaking ties. Page tokens are keyset cursors (the last
-item's sort key, bound to the listing's filter): a hot-load created between two pages does not
-shift or repeat items, and tokens stay valid across API restarts.
+Invariants: a closed hot-load is decoded once into a ``Record`` and served from memory for ever;
+records are keyed by workflow id (``hotLoads/ORG/ID``); order is newest ``createdAt`` first, id
+breaking ties, and page tokens are keyset cursors bound to the filter (valid across restarts,
+no shift or repeat); reads and refreshes are single-flight; a request answers from memory only
+when its scope was refreshed at most ``STALE_S`` ago, else it waits for a refresh (unavailable
+if Temporal is). Refresh, verification and freshness: docs/design.md "Hot-load listings from
+memory".
 """
 
 from __future__ import annotations
