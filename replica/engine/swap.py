@@ -6,7 +6,7 @@ pause (keep), label, write the stage in, the steps after the write (``after_writ
 (read back every swapped tensor against the stage's Adler-32), resume. Invariants: the resume
 always runs; a failure or a proof of other than ``expected`` tensors discards the stage (every
 rank back on its tensors) and puts the previous label back before the resume; a read-back that
-differs is answered (``read_back_failed``), rolled back the same way. docs/design.md ("The swap")
+differs is answered (``read_back_failed``), rolled back the same way. docs/design.md ("The hot-load walk")
 tells the whole hot-load around it.
 """
 
