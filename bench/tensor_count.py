@@ -226,6 +226,8 @@ def main() -> int:
     parser.add_argument("--layouts", default="3x6,48x128,48x128-sharded")
     parser.add_argument("--phases-of", help="(internal) run the phases of one checkpoint, print JSON")
     parser.add_argument("--stack", action="store_true", help="the 2-replica stack run (module docstring)")
+    parser.add_argument("--keep", action="store_true", help="(--stack) keep the stack's home and logs; print where")
+    parser.add_argument("--no-own-start", action="store_true", help="(--stack) skip vLLM's own start of each")
     args = parser.parse_args()
     if args.phases_of:
         print("PHASES " + json.dumps(phases(Path(args.phases_of))), flush=True)
@@ -236,7 +238,7 @@ def main() -> int:
     if args.stack:
         from tensor_count_stack import run_stack  # noqa: PLC0415 - (bench/, beside this file) the stack's imports
         dirs = {name: write_moe(args.root / name, base, *LAYOUTS[name]) for name in args.layouts.split(",")}
-        run_stack(dirs, args.root, one_percent)
+        run_stack(dirs, args.root, one_percent, keep=args.keep, own_start=not args.no_own_start)
         return 0
     rows = {}
     for name in args.layouts.split(","):

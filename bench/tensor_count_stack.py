@@ -95,12 +95,15 @@ def delete(api: Api, dep_id: str) -> None:
         time.sleep(0.5)
 
 
-def run_stack(dirs: dict[str, Path], root: Path, change: Change) -> None:
-    """The module docstring's run over the checkpoints ``dirs`` (name -> directory); prints a table."""
+def run_stack(dirs: dict[str, Path], root: Path, change: Change, keep: bool = False, own_start: bool = True) -> None:
+    """The module docstring's run over the checkpoints ``dirs`` (name -> directory); prints a table.
+    ``keep``: leave the stack's home (its logs) in place and print where; ``own_start``: False
+    skips vLLM's own starts (a run that looks at the hot-loads alone)."""
     work = Path(tempfile.mkdtemp(prefix="bench-tensor-count-"))
     rows: dict[str, dict[str, Any]] = {}
     for name, model in dirs.items():  # vLLM's own starts first, with no stack beside them
-        rows[name] = {"vllm_start_s": round(asyncio.run(start_once(model, work, None)), 1)}
+        start = asyncio.run(start_once(model, work, None)) if own_start else float("nan")
+        rows[name] = {"vllm_start_s": round(start, 1)}
         print(name, rows[name], flush=True)
     settings = Settings.create(work / "home", free_port_base())
     stack = Stack(settings, node_slots=REPLICAS)
@@ -125,7 +128,10 @@ def run_stack(dirs: dict[str, Path], root: Path, change: Change) -> None:
             delete(api, dep_id)
     finally:
         stack.down(say=lambda line: None)
-        shutil.rmtree(work, ignore_errors=True)
+        if keep:
+            print(f"the stack's home (logs): {work / 'home'}", flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     print(f"\n| {REPLICAS} replicas | " + " | ".join(rows) + " |")
     print("|" + "---|" * (len(rows) + 1))
     for label, get in (

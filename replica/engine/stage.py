@@ -48,7 +48,7 @@ import torch
 
 from replica.engine import scatter
 from replica.engine.device_checksum import adler32_device_hex
-from replica.engine.tensors import adler32_hex, nbytes
+from replica.engine.tensors import adler32_hex, adler32_slices, nbytes
 from replica.engine.weight_map import WeightMap
 
 logger = logging.getLogger("rollouts.engine.stage")
@@ -193,7 +193,9 @@ def proof(
     tensor proven by it).
 
     With ``expected_adler32`` covering every tensor, each is proven against it: by the Adler-32
-    of the engine's own bytes where it lives (:func:`engine_adler32`) when one region holds the
+    of the engine's own bytes where it lives (:func:`engine_adler32`; on the host, each
+    parameter's bytes read once and every tensor's slice of them checked,
+    `WeightMap.host_slices`) when one region holds the
     tensor whole in its dtype, or when this rank holds all of it on an accelerator in its dtype
     (assembled there from its landings); else by a bit compare of every landing with the bytes
     given, whose Adler-32 is checked too unless ``checked`` (it was, at staging). Without it,
@@ -204,18 +206,13 @@ def proof(
         return bad + [n for n in wmap.unpacked(n for n, _ in tensors) if n not in bad], {}
     held: dict[str, str] = {}
     bad = []
-    for n, t in tensors:
-        if wmap.entry(n).elsewhere:
-            continue  # another rank's expert: it proves it
+    mine = [(n, t) for n, t in tensors if not wmap.entry(n).elsewhere]  # another rank proves its experts
+    groups, _ = wmap.host_slices(n for n, _ in mine)
+    host_sums = {n: s for data, slices in groups for n, s in adler32_slices(data, slices)}
+    for n, t in mine:
         want = expected_adler32[n].lower()
-        whole = wmap.whole(n)
-        if whole is None:
-            whole = wmap.assembled_on_device(n)
-        if whole is not None:
-            ok = engine_adler32(whole) == want
-        else:
-            ok = (checked or adler32_hex(t) == want) and wmap.holds(n, t)
-        if ok:
+        got = host_sums.get(n)  # held whole in a host parameter: its bytes read once per parameter
+        if got == want if got is not None else _proven_alone(wmap, n, t, want, checked):
             held[n] = want
         else:
             bad.append(n)
@@ -223,6 +220,17 @@ def proof(
         bad.append(n)
         del held[n]
     return bad, held
+
+
+def _proven_alone(wmap: WeightMap, name: str, t: torch.Tensor, want: str, checked: bool) -> bool:
+    """:func:`proof` of one tensor not in a host parameter's slices: the Adler-32 of its one
+    region or of its assembly on the accelerator, else a bit compare of its landings."""
+    whole = wmap.whole(name)
+    if whole is None:
+        whole = wmap.assembled_on_device(name)
+    if whole is not None:
+        return engine_adler32(whole) == want
+    return (checked or adler32_hex(t) == want) and wmap.holds(name, t)
 
 
 def commit(wmap: WeightMap, stage: Stage) -> dict[str, Any]:

@@ -10,7 +10,7 @@ imports torch and the standard library only, so the engine's stage, swap and pro
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -73,6 +73,14 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 def adler32_hex(t: torch.Tensor) -> str:
     """Adler-32 of the tensor's raw bytes, 8 lowercase hex digits (the snapshot format's)."""
     return "%08x" % (adler32(tensor_bytes(t)) & 0xFFFFFFFF)
+
+
+def adler32_slices(data: memoryview, slices: Iterable[tuple[str, int, int]]) -> Iterator[tuple[str, str]]:
+    """``(name, Adler-32)`` of each ``data[first:end]`` slice, 8 lowercase hex digits: one C call
+    per slice on one buffer (a fused expert parameter's tensors), equal to :func:`adler32_hex`
+    of each tensor whose raw bytes the slice is."""
+    for name, first, end in slices:
+        yield name, "%08x" % (adler32(data[first:end]) & 0xFFFFFFFF)
 
 
 def sha256_hex(t: torch.Tensor) -> str:

@@ -51,6 +51,7 @@ from replica.engine.landings import Landing, Region, TensorMap, observe, unprove
 from replica.engine.tensors import dtype_to_str
 
 Spec = tuple[str, tuple[int, ...], torch.dtype]
+HostSlices = tuple[memoryview, list[tuple[str, int, int]]]  # a host parameter's bytes, (name, first, end) slices
 # Conversions vLLM's loader makes that lose nothing (a copy_ into a wider float parameter).
 LOSSLESS = {
     (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
@@ -248,6 +249,33 @@ class WeightMap:
             return None
         return dst.view(e.shape)
 
+    def host_slices(self, names: Iterable[str]) -> tuple[list[HostSlices], list[str]]:
+        """Of ``names``, those held whole in their dtype in one dense region of a contiguous host
+        tensor (what :meth:`whole` gives, on the CPU), grouped by that tensor:
+        ``([(its bytes, [(name, first byte, end byte), ...]), ...], the rest)``. The proof reads
+        each group's bytes once and checks every tensor's slice of them (a fused expert
+        parameter's equal-sized slices), with no torch call per tensor."""
+        groups: dict[str, tuple[torch.Tensor, memoryview | None, list[tuple[str, int, int]]]] = {}
+        rest: list[str] = []
+        for name in names:
+            e = self.entry(name)
+            ld = e.landings[0] if len(e.landings) == 1 else None
+            if ld is None or not _whole_source(ld.src, e.shape) or not _dense(ld.dst.size, ld.dst.stride):
+                rest.append(name)
+                continue
+            group = groups.get(ld.param)
+            if group is None:
+                target = self.target(ld.param)
+                group = groups[ld.param] = (target, _host_bytes(target), [])
+            target, data, slices = group
+            start = ld.dst.offset * target.element_size()
+            end = start + ld.dst.numel() * target.element_size()
+            if data is None or target.dtype != e.dtype or start < 0 or end > len(data) or end == start:
+                rest.append(name)
+            else:
+                slices.append((name, start, end))
+        return [(data, slices) for _, data, slices in groups.values() if data is not None and slices], rest
+
     def held(self, name: str) -> torch.Tensor:
         """What the engine holds for ``name`` (module docstring); ValueError for a tensor this rank
         holds only a slice of."""
@@ -425,6 +453,30 @@ _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as integers of the same width: equal exactly when the bits are."""
     return t.view(_INT[t.element_size()])
+
+
+def _whole_source(src: Region, shape: tuple[int, ...]) -> bool:
+    """Whether ``src`` is all of a checkpoint tensor of ``shape``, row-major."""
+    return src.offset == 0 and src.numel() == math.prod(shape) and src.stride == _contiguous(src.size)
+
+
+def _dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a region of these sizes and strides is row-major contiguous (as torch's
+    ``is_contiguous`` decides: a dimension of size 1 may have any stride)."""
+    expected = 1
+    for s, st in zip(reversed(size), reversed(stride)):
+        if s != 1 and st != expected:
+            return False
+        expected *= s
+    return True
+
+
+def _host_bytes(target: torch.Tensor) -> memoryview | None:
+    """The bytes of a contiguous host tensor, from its first element; None for one on an
+    accelerator, empty or not contiguous."""
+    if target.device.type != "cpu" or not target.is_contiguous() or not target.numel():
+        return None
+    return target.detach().reshape(-1).view(torch.uint8).numpy().data
 
 
 def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from contracts.engine_ranks import HELD_BY_NO_RANK
-from replica.engine.tensors import adler32_hex
+from replica.engine.stage import proof
+from replica.engine.tensors import adler32_hex, adler32_slices
 from replica.engine.weight_map import WeightMap
 
 BF16 = torch.bfloat16
@@ -186,3 +187,72 @@ def test_many_tensors_are_observed_per_loader_call_and_each_problem_stays_its_ow
         assert "does more than copy it" in (wmap.entries["scaled.weight"].refused or "")
         assert sorted(wmap.names()) == ["embed.weight", "k.weight", "q.weight", "qk.bias"]
     assert maps[False] == maps[True]
+
+
+class Experts(torch.nn.Module):
+    """A MoE layer as vLLM fuses it: each expert's gate and up rows in one ``w13`` parameter, its
+    down projection in ``w2``; a norm beside them."""
+
+    E, INTER, H = 8, 4, 6
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w13 = torch.nn.Parameter(torch.zeros(self.E, 2 * self.INTER, self.H, dtype=BF16), requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.zeros(self.E, self.H, self.INTER, dtype=BF16), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(self.H, dtype=BF16), requires_grad=False)
+
+    def load_weights(self, weights) -> None:
+        for name, t in weights:
+            if name == "norm.weight":
+                self.norm.data.copy_(t)
+                continue
+            _, e, proj, _ = name.split(".")
+            e = int(e)
+            if proj == "down_proj":
+                self.w2.data[e].copy_(t)
+            else:
+                self.w13.data[e].narrow(0, 0 if proj == "gate_proj" else self.INTER, self.INTER).copy_(t)
+
+
+def expert_checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    E, inter, H = Experts.E, Experts.INTER, Experts.H
+    out = {"norm.weight": torch.randn(H, generator=gen).to(BF16)}
+    for e in range(E):
+        out[f"experts.{e}.gate_proj.weight"] = torch.randn(inter, H, generator=gen).to(BF16)
+        out[f"experts.{e}.up_proj.weight"] = torch.randn(inter, H, generator=gen).to(BF16)
+        out[f"experts.{e}.down_proj.weight"] = torch.randn(H, inter, generator=gen).to(BF16)
+    return out
+
+
+def proof_per_tensor(wmap: WeightMap, tensors: list[tuple[str, torch.Tensor]], expected: dict[str, str]) -> list[str]:
+    """The proof as it was before the per-parameter read: one view and one Adler-32 per tensor."""
+    return [n for n, _ in tensors if adler32_hex(wmap.whole(n)) != expected[n]]
+
+
+def test_the_proof_reads_each_fused_parameter_once_with_the_per_tensor_answer() -> None:
+    wmap = loaded(Experts(), expert_checkpoint(0))
+    new = expert_checkpoint(1)
+    update = [(n, new[n]) for n in sorted(new)]
+    expected = {n: adler32_hex(t) for n, t in update}
+    wmap.write(update)
+    groups, rest = wmap.host_slices(n for n, _ in update)
+    # Every tensor is a slice of one of the three parameters' bytes: none is proven on its own.
+    assert rest == [] and sorted(len(slices) for _, slices in groups) == [1, 8, 16]
+    assert proof(wmap, update, expected) == ([], expected) and proof_per_tensor(wmap, update, expected) == []
+
+    # One byte flipped in the up rows of expert 5: that tensor alone differs, by both forms.
+    raw = wmap.target("w13").view(-1).view(torch.uint8)
+    at = (5 * 2 * Experts.INTER + Experts.INTER) * Experts.H * 2 + 3
+    raw[at] ^= 0x10
+    bad, held = proof(wmap, update, expected)
+    assert bad == ["experts.5.up_proj.weight"] == proof_per_tensor(wmap, update, expected)
+    assert len(held) == len(update) - 1
+
+
+def test_adler32_of_slices_equals_each_tensor_s_own() -> None:
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (64, 1000), dtype=torch.uint8, generator=gen)
+    slices = [(str(i), i * 1000, (i + 1) * 1000) for i in range(64)]
+    got = dict(adler32_slices(data.reshape(-1).numpy().data, slices))
+    assert got == {str(i): adler32_hex(data[i]) for i in range(64)}
