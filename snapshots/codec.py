@@ -358,14 +358,20 @@ class _PlanApply:
         raise the first failure in delta order. Returns name -> verified Adler-32."""
         errors: dict[int, BaseException] = {}
         digests: dict[str, str] = {}
-        with ThreadPoolExecutor(max_workers=min(workers, len(items))) as pool:
-            futures = [pool.submit(self.stage, item) for item in items]
-            for position, (item, future) in enumerate(zip(items, futures)):
+
+        def stage_batch(batch: range) -> None:
+            # Several tensors per task: a task per tensor costs more than the decode at tens of
+            # thousands of small tensors. Each tensor's error is kept by its position, as before.
+            for position in batch:
                 try:
-                    digests[item.name] = future.result()
+                    digests[items[position].name] = self.stage(items[position])
                 except BaseException as exc:  # noqa: BLE001 - re-raised below after the rollback
                     errors[position] = exc
                     self.abort.set()
+
+        n_workers = min(workers, len(items))
+        with ThreadPoolExecutor(max_workers=n_workers) as pool:
+            list(pool.map(stage_batch, _batches(items, n_workers)))
             if errors:
                 list(pool.map(self.rollback, list(self.applied)))
         if errors:
@@ -404,6 +410,26 @@ def apply_plan_in_place(
         report.wire_bytes += item.wire_bytes
         report.checksums[item.name] = digests[item.name]
     return report
+
+
+BATCH_TENSORS = 256  # at most this many tensors per decode task
+BATCH_BYTES = 64 << 20  # and about this many frame bytes (big tensors go alone)
+TASKS_PER_WORKER = 4  # at least, where there are that many tensors (the workers stay evenly loaded)
+
+
+def _batches(items: list[DeltaTensor], workers: int) -> list[range]:
+    """Consecutive positions of ``items`` in tasks of at most ``BATCH_TENSORS`` tensors and about
+    ``BATCH_BYTES`` frame bytes, at least ``TASKS_PER_WORKER`` per worker where there are that many."""
+    per_task = max(1, min(BATCH_TENSORS, -(-len(items) // (TASKS_PER_WORKER * workers))))
+    out: list[range] = []
+    start, size = 0, 0
+    for i, item in enumerate(items):
+        if i > start and (i - start >= per_task or size + item.wire_bytes > BATCH_BYTES):
+            out.append(range(start, i))
+            start, size = i, 0
+        size += item.wire_bytes
+    out.append(range(start, len(items)))
+    return out
 
 
 __all__ = [

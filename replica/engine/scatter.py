@@ -32,7 +32,7 @@ engine: scatters' offsets and values, dense landings at the parameter's width),
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -73,7 +73,11 @@ class Scatter:
 
 @dataclass
 class Plan:
-    sparse: dict[str, list[Scatter]] = field(default_factory=dict)
+    sparse: dict[str, list[Scatter]] = field(default_factory=dict)  # a tensor's own scatters
+    # Scatters of many tensors' changed elements at once, one per parameter and chunk
+    # (:func:`_plan_batches`), and the tensors they carry.
+    batched: list[Scatter] = field(default_factory=list)
+    batched_names: set[str] = field(default_factory=set)
     on_device: dict[str, torch.Tensor] = field(default_factory=dict)  # dense tensors staged on the device
     pinned: dict[str, torch.Tensor] = field(default_factory=dict)  # dense tensors in pinned host memory
     changed_bytes: int = 0
@@ -82,10 +86,18 @@ class Plan:
     device_staged_bytes: int = 0
     pinned_staged_bytes: int = 0
 
+    def scattered(self) -> set[str]:
+        """The tensors whose changed elements are scattered (none of them is written whole)."""
+        return set(self.sparse) | self.batched_names
+
+    def scatters(self) -> list[Scatter]:
+        return [s for items in self.sparse.values() for s in items] + self.batched
+
     def report(self) -> dict[str, int]:
         return {"changed_bytes": self.changed_bytes, "staged_bytes": self.staged_bytes,
                 "pause_bytes": self.pause_bytes, "device_staged_bytes": self.device_staged_bytes,
-                "pinned_staged_bytes": self.pinned_staged_bytes, "sparse_tensors": len(self.sparse)}
+                "pinned_staged_bytes": self.pinned_staged_bytes,
+                "sparse_tensors": len(self.sparse) + len(self.batched_names)}
 
 
 def flat(target: torch.Tensor) -> torch.Tensor:
@@ -121,36 +133,136 @@ def plan(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]], backup: d
          budget: int | None = None, pinned_budget: int | None = None) -> Plan:
     """Decide, tensor by tensor, how the swap writes ``tensors`` (module docstring). ``backup``:
     what the engine serves now for each, in the checkpoint's layout (at least the regions this
-    rank holds); None: every tensor goes whole."""
+    rank holds); None: every tensor goes whole. Tensors landing whole in one dense region of a
+    parameter are compared and planned a parameter at a time (:func:`_plan_batches`), in
+    parameter order; the rest one by one after them, in the order given (the budget is taken in
+    that order)."""
     budget = budget_from_env() if budget is None else budget
     pinned_budget = pinned_budget_from_env() if pinned_budget is None else pinned_budget
     out = Plan()
-    for name, t in tensors:
-        if wmap.entry(name).elsewhere:
-            continue  # another rank's expert: nothing of it crosses into this rank
-        if backup is None:
+    mine = [(n, t) for n, t in tensors if not wmap.entry(n).elsewhere]  # nothing of another rank's crosses
+    if backup is None:
+        for name, t in mine:
             _dense(wmap, name, t, out, budget, pinned_budget)
-            continue
-        new, old = t.contiguous(), backup[name].contiguous()
-        landings = wmap.entry(name).landings
-        masks = {ld: bits(ld.src.view(new)) != bits(ld.src.view(old)) for ld in landings}
-        counts = {ld: int(mask.sum()) for ld, mask in masks.items()}
-        # A region several landings read (a tensor loaded into two places) changed once.
-        out.changed_bytes += sum({ld.src: counts[ld] for ld in landings}.values()) * t.element_size()
-        sparse = 0
-        for ld in landings:
-            target = wmap.target(ld.param)
-            sparse += counts[ld] * (target.element_size() + _offset_dtype(target).itemsize)
-        if sparse < dense_bytes(wmap, name) and out.device_staged_bytes + sparse <= budget:
-            scatters = [_scatter(wmap, ld, new, masks[ld]) for ld in landings]
-            out.sparse[name] = scatters
-            size = sum(s.nbytes() for s in scatters)
-            out.device_staged_bytes += size
-            out.staged_bytes += size
-            out.pause_bytes += size
+        return out
+    alone = _plan_batches(wmap, mine, backup, out, budget, pinned_budget)
+    for name, t in alone:
+        _plan_one(wmap, name, t, backup[name], out, budget, pinned_budget)
+    return out
+
+
+def _plan_one(wmap: WeightMap, name: str, t: torch.Tensor, previous: torch.Tensor, out: Plan, budget: int,
+              pinned_budget: int) -> None:
+    """Plan one tensor by its own landings (a tensor in several regions or parameters)."""
+    new, old = t.contiguous(), previous.contiguous()
+    landings = wmap.entry(name).landings
+    masks = {ld: bits(ld.src.view(new)) != bits(ld.src.view(old)) for ld in landings}
+    counts = {ld: int(mask.sum()) for ld, mask in masks.items()}
+    # A region several landings read (a tensor loaded into two places) changed once.
+    out.changed_bytes += sum({ld.src: counts[ld] for ld in landings}.values()) * t.element_size()
+    sparse = 0
+    for ld in landings:
+        target = wmap.target(ld.param)
+        sparse += counts[ld] * (target.element_size() + _offset_dtype(target).itemsize)
+    if sparse < dense_bytes(wmap, name) and out.device_staged_bytes + sparse <= budget:
+        scatters = [_scatter(wmap, ld, new, masks[ld]) for ld in landings]
+        out.sparse[name] = scatters
+        size = sum(s.nbytes() for s in scatters)
+        out.device_staged_bytes += size
+        out.staged_bytes += size
+        out.pause_bytes += size
+    else:
+        _dense(wmap, name, t, out, budget, pinned_budget)
+
+
+def _plan_batches(wmap: WeightMap, tensors: list[tuple[str, torch.Tensor]], backup: dict[str, torch.Tensor],
+                  out: Plan, budget: int, pinned_budget: int) -> list[tuple[str, torch.Tensor]]:
+    """Plan the tensors that land whole in one dense region (`WeightMap.dense_landing`) a
+    parameter at a time: their new and old bytes compared in one operation per chunk of
+    ``BATCH_BYTES``, each tensor then decided as :func:`_plan_one` decides it (scattered when
+    that moves fewer bytes than writing it whole, within the budget), and the chosen tensors'
+    changed elements gathered into one :class:`Scatter` per chunk. Returns the other tensors."""
+    groups: dict[tuple[str, torch.dtype], list[tuple[str, torch.Tensor, Landing]]] = {}
+    alone = []
+    for name, t in tensors:
+        ld = wmap.dense_landing(name)
+        if ld is None:
+            alone.append((name, t))
+        else:
+            groups.setdefault((ld.param, t.dtype), []).append((name, t, ld))
+    for (param, _), members in groups.items():
+        for chunk in _chunks(members):
+            _plan_chunk(wmap, param, chunk, backup, out, budget, pinned_budget)
+    return alone
+
+
+BATCH_BYTES = 64 << 20  # new bytes compared at once in :func:`_plan_batches` (its scratch is ~3x that)
+
+
+def _chunks(members: list[tuple[str, torch.Tensor, Landing]]) -> Iterator[list[tuple[str, torch.Tensor, Landing]]]:
+    chunk: list[tuple[str, torch.Tensor, Landing]] = []
+    size = 0
+    for member in members:
+        if chunk and size + member[1].nbytes > BATCH_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(member)
+        size += member[1].nbytes
+    if chunk:
+        yield chunk
+
+
+def _plan_chunk(wmap: WeightMap, param: str, chunk: list[tuple[str, torch.Tensor, Landing]],
+                backup: dict[str, torch.Tensor], out: Plan, budget: int, pinned_budget: int) -> None:
+    """:func:`_plan_batches` for one chunk of tensors landing in ``param``."""
+    target = wmap.target(param)
+    width, per_element = target.element_size(), target.element_size() + _offset_dtype(target).itemsize
+    new = torch.cat([t.contiguous().view(-1) for _, t, _ in chunk])
+    old = torch.cat([backup[name].contiguous().view(-1) for name, _, _ in chunk])
+    mask = bits(new) != bits(old)
+    numels = [t.numel() for _, t, _ in chunk]
+    counts = _counts(mask, numels)
+    chosen = []
+    item = new.element_size()
+    for (name, t, _), numel, count in zip(chunk, numels, counts):
+        out.changed_bytes += count * item
+        sparse = count * per_element
+        if sparse < numel * width and out.device_staged_bytes + sparse <= budget:
+            chosen.append(name)
+            out.device_staged_bytes += sparse
+            out.staged_bytes += sparse
+            out.pause_bytes += sparse
         else:
             _dense(wmap, name, t, out, budget, pinned_budget)
-    return out
+    if not chosen:
+        return
+    out.batched_names.update(chosen)
+    starts = [0]
+    for numel in numels:
+        starts.append(starts[-1] + numel)
+    if len(chosen) < len(chunk):  # the tensors going whole: none of their elements is scattered
+        kept = set(chosen)
+        for i, (name, _, _) in enumerate(chunk):
+            if name not in kept:
+                mask[starts[i] : starts[i + 1]] = False
+    positions = mask.nonzero().squeeze(1)
+    ends = torch.tensor(starts[1:], dtype=torch.int64)
+    member = torch.searchsorted(ends, positions, right=True)
+    shift = torch.tensor([ld.dst.offset - first for (_, _, ld), first in zip(chunk, starts)], dtype=torch.int64)
+    offsets = (shift[member] + positions).to(_offset_dtype(target))
+    values = new[mask].to(target.dtype)
+    offsets, values = _to_device(offsets, target.device), _to_device(values, target.device)
+    out.batched.append(Scatter(param, offsets, values, flat(target)[offsets].clone()))
+
+
+def _counts(mask: torch.Tensor, numels: list[int]) -> list[int]:
+    """How many elements of ``mask`` are set in each consecutive segment of these lengths (one
+    reduction: a fused parameter's experts are of one size)."""
+    if len(set(numels)) == 1:
+        return mask.view(len(numels), numels[0]).sum(1).tolist()
+    running = torch.cat([torch.zeros(1, dtype=torch.int64), mask.cumsum(0)])
+    at = running[torch.tensor(numels, dtype=torch.int64).cumsum(0)]
+    return at.diff(prepend=torch.zeros(1, dtype=torch.int64)).tolist()
 
 
 def _dense(wmap: WeightMap, name: str, t: torch.Tensor, out: Plan, budget: int, pinned_budget: int) -> None:
@@ -206,17 +318,17 @@ def _copy_streams(device: torch.device) -> list[torch.cuda.Stream]:
     return _STREAMS[device]
 
 
-def write(wmap: WeightMap, scatters: dict[str, list[Scatter]]) -> None:
+def write(wmap: WeightMap, scatters: Sequence[Scatter]) -> None:
     """Scatter each tensor's new values into its landings (the pause)."""
     _put(wmap, scatters, new=True)
 
 
-def roll_back(wmap: WeightMap, scatters: dict[str, list[Scatter]]) -> None:
+def roll_back(wmap: WeightMap, scatters: Sequence[Scatter]) -> None:
     """Put back what each scattered landing held before."""
     _put(wmap, scatters, new=False)
 
 
-def _put(wmap: WeightMap, scatters: dict[str, list[Scatter]], *, new: bool) -> None:
+def _put(wmap: WeightMap, scatters: Sequence[Scatter], *, new: bool) -> None:
     """One indexed write per engine parameter (:func:`by_param`): vLLM fuses a layer's experts
     into a few parameters, so an update of every expert is a few hundred writes, not one per
     tensor (tens of thousands at Qwen3-30B-A3B's or Kimi-K2's counts)."""
@@ -225,15 +337,13 @@ def _put(wmap: WeightMap, scatters: dict[str, list[Scatter]], *, new: bool) -> N
             flat(wmap.target(param))[offsets] = values
 
 
-def by_param(scatters: dict[str, list[Scatter]], new: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def by_param(scatters: Sequence[Scatter], new: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every scatter's offsets and values (new, else old), concatenated per parameter. The
     tensors' landings are disjoint regions, so no offset appears twice."""
     grouped: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for items in scatters.values():
-        for s in items:
-            if s.offsets.numel():
-                offsets, values = grouped.setdefault(s.param, ([], []))
-                offsets.append(s.offsets)
-                values.append(s.new if new else s.old)
+    for s in scatters:
+        if s.offsets.numel():
+            offsets, values = grouped.setdefault(s.param, ([], []))
+            offsets.append(s.offsets)
+            values.append(s.new if new else s.old)
     return {p: (o[0], v[0]) if len(o) == 1 else (torch.cat(o), torch.cat(v)) for p, (o, v) in grouped.items()}
-

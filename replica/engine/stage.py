@@ -72,8 +72,12 @@ class Stage:
     checked: bool = False  # the staged bytes were checked against ``expected_adler32`` when taken
     plan: scatter.Plan | None = None  # how each tensor crosses into the engine (`scatter.plan`)
 
-    def scattered(self) -> dict[str, list[scatter.Scatter]]:
-        return self.plan.sparse if self.plan is not None else {}
+    def scattered(self) -> set[str]:
+        """The tensors whose changed elements the swap scatters (:meth:`scatters`)."""
+        return self.plan.scattered() if self.plan is not None else set()
+
+    def scatters(self) -> list[scatter.Scatter]:
+        return self.plan.scatters() if self.plan is not None else []
 
     def ready(self) -> list[tuple[str, torch.Tensor]]:
         """The staged tensors, each where it is held ready (on the engine's device when staged there)."""
@@ -145,7 +149,7 @@ def roll_back(wmap: WeightMap, stage: Stage) -> None:
     backup = list(stage.backup.items())
     if stage.held:
         wmap.write(_dense(stage, backup))
-        scatter.roll_back(wmap, stage.scattered())
+        scatter.roll_back(wmap, stage.scatters())
     else:
         wmap.write(backup)
     wmap.rebuild(n for n, _ in backup)
@@ -161,7 +165,7 @@ def swap(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
     try:
         wmap.write(stage.dense())
         scatter.write_pinned(wmap, stage.pinned())
-        scatter.write(wmap, stage.scattered())
+        scatter.write(wmap, stage.scatters())
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the copies landed: copy_s is their time, not their issue's
         t1 = time.perf_counter()

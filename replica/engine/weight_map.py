@@ -249,6 +249,15 @@ class WeightMap:
             return None
         return dst.view(e.shape)
 
+    def dense_landing(self, name: str) -> Landing | None:
+        """The one landing of ``name`` when it takes the whole tensor, row-major, into one dense
+        region of its parameter (element ``j`` of the tensor at ``dst.offset + j``); else None."""
+        e = self.entry(name)
+        if len(e.landings) != 1:
+            return None
+        ld = e.landings[0]
+        return ld if _whole_source(ld.src, e.shape) and _dense(ld.dst.size, ld.dst.stride) else None
+
     def host_slices(self, names: Iterable[str]) -> tuple[list[HostSlices], list[str]]:
         """Of ``names``, those held whole in their dtype in one dense region of a contiguous host
         tensor (what :meth:`whole` gives, on the CPU), grouped by that tensor:
@@ -259,8 +268,8 @@ class WeightMap:
         rest: list[str] = []
         for name in names:
             e = self.entry(name)
-            ld = e.landings[0] if len(e.landings) == 1 else None
-            if ld is None or not _whole_source(ld.src, e.shape) or not _dense(ld.dst.size, ld.dst.stride):
+            ld = self.dense_landing(name)
+            if ld is None:
                 rest.append(name)
                 continue
             group = groups.get(ld.param)

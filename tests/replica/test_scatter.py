@@ -15,6 +15,7 @@ from replica.engine.stage import StageSlot, take
 from replica.engine.tensors import adler32_hex
 from replica.engine.weight_map import Entry, WeightMap
 from tests.helpers.devices import DEVICES
+from tests.replica.test_weight_map import Experts, expert_checkpoint, loaded
 
 BF16 = torch.bfloat16
 # A scattered element moves its value at the parameter's width plus an int32 offset: at most
@@ -126,8 +127,7 @@ def test_each_tensor_goes_the_way_that_moves_fewer_bytes(device: str, monkeypatc
     monkeypatch.setenv(scatter.BUDGET_ENV, "0")
     few = changed(old, 0.02, seed=5)
     stage, _ = stage_of(wmap, old, few, "v2")
-    assert stage.scattered() == {} or all(
-        s.offsets.numel() == 0 for items in stage.scattered().values() for s in items)
+    assert all(s.offsets.numel() == 0 for s in stage.scatters())
     assert stage.plan.report()["device_staged_bytes"] == 0
     monkeypatch.setenv(scatter.BUDGET_ENV, "lots")
     with pytest.raises(ValueError, match="ROLLOUTS_SCATTER_BUDGET_BYTES='lots'"):
@@ -220,3 +220,36 @@ def test_a_full_past_the_device_budget_crosses_from_pinned_memory_and_is_proven(
     monkeypatch.setenv(scatter.PINNED_BUDGET_ENV, "some")
     with pytest.raises(ValueError, match="ROLLOUTS_PINNED_BUDGET_BYTES='some'"):
         take(engine(device, old), "full", tensors)
+
+
+def test_fused_experts_are_planned_a_parameter_at_a_time_as_tensor_by_tensor() -> None:
+    old = expert_checkpoint(0)
+    new = changed(old, 0.05, seed=9)
+    new["experts.2.down_proj.weight"] = changed(old, 1.0, seed=10)["experts.2.down_proj.weight"]  # goes whole
+    wmap, slot = loaded(Experts(), old), StageSlot()
+    stage, expected = stage_of(wmap, old, new, "v1")
+    assert stage.plan.batched and not stage.plan.sparse  # every tensor lands whole in one dense region
+    reference = scatter.Plan()
+    for name, t in new.items():
+        scatter._plan_one(wmap, name, t, old[name], reference, scatter.DEFAULT_BUDGET, 0)
+    assert stage.scattered() == reference.scattered() == set(new) - {"experts.2.down_proj.weight"}
+    assert stage.plan.report() == reference.report()
+    ours, theirs = scatter.by_param(stage.scatters(), True), scatter.by_param(reference.scatters(), True)
+    assert ours.keys() == theirs.keys()
+    for param, (offsets, values) in ours.items():
+        order, ref_order = offsets.argsort(), theirs[param][0].argsort()
+        assert torch.equal(offsets[order], theirs[param][0][ref_order])
+        assert torch.equal(values[order].view(torch.int16), theirs[param][1][ref_order].view(torch.int16))
+    # Swapped, proven and held, then discarded (another rank failed): exactly the old weights again.
+    slot.put(stage)
+    report = slot.swap_and_commit(wmap, "v1", hold=True)
+    assert report["verified"] == len(new) and report["checksums"] == expected
+    assert all(adler32_hex(wmap.held(n)) == expected[n] for n in new)
+    slot.discard(wmap)
+    assert all(torch.equal(wmap.held(n).view(torch.int16), old[n].view(torch.int16)) for n in old)
+
+
+def test_changed_counts_per_segment_of_equal_and_unequal_lengths() -> None:
+    mask = torch.tensor([1, 0, 1, 1, 0, 0, 1, 1, 1, 0], dtype=torch.bool)
+    assert scatter._counts(mask, [5, 5]) == [3, 3]
+    assert scatter._counts(mask, [1, 3, 6]) == [1, 2, 3]

@@ -16,11 +16,13 @@ from snapshots import (
     HostWeights,
     SnapshotError,
     apply_delta,
+    codec,
     inspect_snapshot,
     materialize_chain,
     materialize_chain_report,
     write_delta,
 )
+from snapshots.inspect import read_delta_plan
 from tests.helpers.snapshot_helpers import adler, copy_tree, mutate_checkpoint, raw_bytes, write_delta_dir, xor_frame
 
 SHARD = "model-00000-of-00001.safetensors"
@@ -205,6 +207,22 @@ def test_trailing_bytes_after_the_frame(weights: HostWeights, pair: tuple[Path, 
     _assert_fails_untouched(
         weights, d, DeltaMismatchError, rf"{SHARD}: tensor '{b}': 7 trailing bytes after the zstd frame"
     )
+
+
+@pytest.mark.parametrize("tasks_per_worker", [4, 1])
+def test_a_bad_tensor_after_a_good_one_in_the_same_decode_task_leaves_both_untouched(
+    weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tasks_per_worker: int,
+) -> None:
+    """Tensors are decoded several per task (one task per tensor costs more than the decode at
+    tens of thousands of tensors): the first decoded in place is undone when the next fails."""
+    monkeypatch.setattr(codec, "TASKS_PER_WORKER", tasks_per_worker)
+    a, b, new = _two_tensors(weights, pair)
+    frames = {a: xor_frame(weights.raw(a), new.raw(a)), b: xor_frame(weights.raw(b), new.raw(b))}
+    d = write_delta_dir(tmp_path / "d", frames, {a: adler(new.raw(a)), b: "00000001"})
+    assert len(codec._batches(list(read_delta_plan(d).tensors.values()), 1)) == (1 if tasks_per_worker == 1 else 2)
+    monkeypatch.setattr(weights, "workers", 1)
+    _assert_fails_untouched(weights, d, ChecksumError, rf"tensor '{b}': checksum mismatch")
 
 
 def test_second_frame_after_the_frame(weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path) -> None:
