@@ -371,7 +371,7 @@ class _PlanApply:
 
         n_workers = min(workers, len(items))
         with ThreadPoolExecutor(max_workers=n_workers) as pool:
-            list(pool.map(stage_batch, _batches(items, n_workers)))
+            list(pool.map(stage_batch, task_batches([self.targets[item.name].nbytes for item in items], n_workers)))
             if errors:
                 list(pool.map(self.rollback, list(self.applied)))
         if errors:
@@ -412,23 +412,28 @@ def apply_plan_in_place(
     return report
 
 
-BATCH_TENSORS = 256  # at most this many tensors per decode task
-BATCH_BYTES = 64 << 20  # and about this many frame bytes (big tensors go alone)
+BATCH_TENSORS = 256  # at most this many tensors per task
 TASKS_PER_WORKER = 4  # at least, where there are that many tensors (the workers stay evenly loaded)
 
 
-def _batches(items: list[DeltaTensor], workers: int) -> list[range]:
-    """Consecutive positions of ``items`` in tasks of at most ``BATCH_TENSORS`` tensors and about
-    ``BATCH_BYTES`` frame bytes, at least ``TASKS_PER_WORKER`` per worker where there are that many."""
-    per_task = max(1, min(BATCH_TENSORS, -(-len(items) // (TASKS_PER_WORKER * workers))))
+def task_batches(sizes: list[int], workers: int) -> list[range]:
+    """Consecutive positions of tensors of these byte ``sizes`` in thread-pool tasks: a task per
+    tensor costs more than decoding or copying a small one, so a task takes up to
+    ``BATCH_TENSORS`` of them, and no more than a ``TASKS_PER_WORKER * workers``-th of the
+    bytes or of the tensors (a big tensor goes alone; the workers stay evenly loaded)."""
+    if not sizes:
+        return []
+    tasks = TASKS_PER_WORKER * max(1, workers)
+    per_task = max(1, min(BATCH_TENSORS, -(-len(sizes) // tasks)))
+    cap = max(1, sum(sizes) // tasks)
     out: list[range] = []
     start, size = 0, 0
-    for i, item in enumerate(items):
-        if i > start and (i - start >= per_task or size + item.wire_bytes > BATCH_BYTES):
+    for i, n in enumerate(sizes):
+        if i > start and (i - start >= per_task or size + n > cap):
             out.append(range(start, i))
             start, size = i, 0
-        size += item.wire_bytes
-    out.append(range(start, len(items)))
+        size += n
+    out.append(range(start, len(sizes)))
     return out
 
 
@@ -440,6 +445,7 @@ __all__ = [
     "check_frame",
     "check_inflated",
     "check_wire_size",
+    "task_batches",
     "default_workers",
     "fill_from",
     "inflate_exact",

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from snapshots.codec import adler32, default_workers
+from snapshots.codec import adler32, default_workers, task_batches
 from snapshots.inspect import DeltaPlan
 
 #: Bytes copied and checksummed per step: the copy's bytes are still in the CPU cache when
@@ -144,12 +144,18 @@ def _copy_all(mapped: mmap.mmap, places: dict[str, tuple[int, int]], out: dict[s
     source = np.frombuffer(mapped, dtype=np.uint8)
     names = sorted(out, key=lambda n: -out[n].nbytes)
 
-    def one(name: str) -> str:
-        offset, nbytes = places[name]
-        return _copy_checked(source[offset : offset + nbytes], out[name])
+    def some(batch: list[str]) -> list[str]:
+        out_ = []
+        for name in batch:
+            offset, nbytes = places[name]
+            out_.append(_copy_checked(source[offset : offset + nbytes], out[name]))
+        return out_
 
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(names)))) as pool:
-        return dict(zip(names, pool.map(one, names)))
+    # Several tensors per task (a task per tensor costs more than copying a small one).
+    workers = max(1, min(workers, len(names)))
+    batches = [names[r.start : r.stop] for r in task_batches([out[n].nbytes for n in names], workers)]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return dict(zip(names, (d for digests in pool.map(some, batches) for d in digests)))
 
 
 def copy_published(directory: Path, key: str, out: dict[str, np.ndarray], expected: dict[str, str],

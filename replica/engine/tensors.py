@@ -59,7 +59,7 @@ def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
         n *= s
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * dtype.itemsize  # (not a tensor made per call: this runs once per tensor of a stage)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

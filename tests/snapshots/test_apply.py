@@ -220,9 +220,17 @@ def test_a_bad_tensor_after_a_good_one_in_the_same_decode_task_leaves_both_untou
     a, b, new = _two_tensors(weights, pair)
     frames = {a: xor_frame(weights.raw(a), new.raw(a)), b: xor_frame(weights.raw(b), new.raw(b))}
     d = write_delta_dir(tmp_path / "d", frames, {a: adler(new.raw(a)), b: "00000001"})
-    assert len(codec._batches(list(read_delta_plan(d).tensors.values()), 1)) == (1 if tasks_per_worker == 1 else 2)
+    sizes = [weights.info(n).nbytes for n in read_delta_plan(d).tensors]
+    assert len(codec.task_batches(sizes, 1)) == (1 if tasks_per_worker == 1 else 2)
     monkeypatch.setattr(weights, "workers", 1)
     _assert_fails_untouched(weights, d, ChecksumError, rf"tensor '{b}': checksum mismatch")
+
+
+def test_tasks_take_several_small_tensors_and_a_big_one_alone() -> None:
+    assert codec.task_batches([], 2) == []
+    assert [list(r) for r in codec.task_batches([10] * 16, 1)] == [list(range(i, i + 4)) for i in range(0, 16, 4)]
+    assert [list(r) for r in codec.task_batches([1000, 1, 1, 1, 1, 1, 1, 1], 1)] == [[0], [1, 2], [3, 4], [5, 6], [7]]
+    assert sum(len(r) for r in codec.task_batches([7] * 10_000, 2)) == 10_000
 
 
 def test_second_frame_after_the_frame(weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path) -> None:
