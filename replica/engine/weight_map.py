@@ -114,6 +114,7 @@ class WeightMap:
         # Computed tensors' checkpoint-layout shadows, by the parameter name their landing uses.
         self.shadows: dict[str, torch.Tensor] = {}
         self.dependents = post_load.dependents(model) if post_load.processed(model) else {}
+        self._dense_landings: dict[str, Landing | None] = {}  # :meth:`dense_landing`'s answers
 
     # -- building -------------------------------------------------------------------------
 
@@ -208,6 +209,7 @@ class WeightMap:
         for name in names:
             e = self.entries[name]
             e.refused, e.elsewhere, e.landings = why, False, []
+            self._dense_landings.pop(name, None)
 
     def unmapped(self) -> dict[str, torch.Tensor]:
         """Engine parameters no checkpoint tensor lands in, by engine name (not empty ones)."""
@@ -253,10 +255,13 @@ class WeightMap:
         """The one landing of ``name`` when it takes the whole tensor, row-major, into one dense
         region of its parameter (element ``j`` of the tensor at ``dst.offset + j``); else None."""
         e = self.entry(name)
-        if len(e.landings) != 1:
-            return None
-        ld = e.landings[0]
-        return ld if _whole_source(ld.src, e.shape) and _dense(ld.dst.size, ld.dst.stride) else None
+        if name in self._dense_landings:  # landings do not change once built (a refused entry raised above)
+            return self._dense_landings[name]
+        ld = e.landings[0] if len(e.landings) == 1 else None
+        if ld is not None and not (_whole_source(ld.src, e.shape) and _dense(ld.dst.size, ld.dst.stride)):
+            ld = None
+        self._dense_landings[name] = ld
+        return ld
 
     def host_slices(self, names: Iterable[str]) -> tuple[list[HostSlices], list[str]]:
         """Of ``names``, those held whole in their dtype in one dense region of a contiguous host
