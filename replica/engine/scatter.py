@@ -214,55 +214,52 @@ def _chunks(members: list[tuple[str, torch.Tensor, Landing]]) -> Iterator[list[t
 
 def _plan_chunk(wmap: WeightMap, param: str, chunk: list[tuple[str, torch.Tensor, Landing]],
                 backup: dict[str, torch.Tensor], out: Plan, budget: int, pinned_budget: int) -> None:
-    """:func:`_plan_batches` for one chunk of tensors landing in ``param``."""
+    """:func:`_plan_batches` for one chunk of tensors landing in ``param``: one comparison of
+    their bytes, then only the changed elements are handled (their tensor, the counts)."""
     target = wmap.target(param)
     width, per_element = target.element_size(), target.element_size() + _offset_dtype(target).itemsize
     new = torch.cat([t.contiguous().view(-1) for _, t, _ in chunk])
     old = torch.cat([backup[name].contiguous().view(-1) for name, _, _ in chunk])
-    mask = bits(new) != bits(old)
+    positions = (bits(new) != bits(old)).nonzero().squeeze(1)
     numels = [t.numel() for _, t, _ in chunk]
-    counts = _counts(mask, numels)
+    member = _members(positions, numels)
+    counts = torch.bincount(member, minlength=len(chunk)).tolist()
     chosen = []
     item = new.element_size()
     for (name, t, _), numel, count in zip(chunk, numels, counts):
         out.changed_bytes += count * item
         sparse = count * per_element
         if sparse < numel * width and out.device_staged_bytes + sparse <= budget:
-            chosen.append(name)
+            chosen.append(True)
+            out.batched_names.add(name)
             out.device_staged_bytes += sparse
             out.staged_bytes += sparse
             out.pause_bytes += sparse
         else:
+            chosen.append(False)
             _dense(wmap, name, t, out, budget, pinned_budget)
-    if not chosen:
+    if not any(chosen):
         return
-    out.batched_names.update(chosen)
-    starts = [0]
-    for numel in numels:
-        starts.append(starts[-1] + numel)
-    if len(chosen) < len(chunk):  # the tensors going whole: none of their elements is scattered
-        kept = set(chosen)
-        for i, (name, _, _) in enumerate(chunk):
-            if name not in kept:
-                mask[starts[i] : starts[i + 1]] = False
-    positions = mask.nonzero().squeeze(1)
-    ends = torch.tensor(starts[1:], dtype=torch.int64)
-    member = torch.searchsorted(ends, positions, right=True)
-    shift = torch.tensor([ld.dst.offset - first for (_, _, ld), first in zip(chunk, starts)], dtype=torch.int64)
-    offsets = (shift[member] + positions).to(_offset_dtype(target))
-    values = new[mask].to(target.dtype)
+    if not all(chosen):  # the tensors going whole: none of their elements is scattered
+        keep = torch.tensor(chosen)[member]
+        positions, member = positions[keep], member[keep]
+    first = 0
+    shift = []  # a tensor's element j is at its landing's offset + j (a dense region): minus where it starts here
+    for (_, _, ld), numel in zip(chunk, numels):
+        shift.append(ld.dst.offset - first)
+        first += numel
+    offsets = (torch.tensor(shift, dtype=torch.int64)[member] + positions).to(_offset_dtype(target))
+    values = new[positions].to(target.dtype)
     offsets, values = _to_device(offsets, target.device), _to_device(values, target.device)
     out.batched.append(Scatter(param, offsets, values, flat(target)[offsets].clone()))
 
 
-def _counts(mask: torch.Tensor, numels: list[int]) -> list[int]:
-    """How many elements of ``mask`` are set in each consecutive segment of these lengths (one
-    reduction: a fused parameter's experts are of one size)."""
+def _members(positions: torch.Tensor, numels: list[int]) -> torch.Tensor:
+    """Which of consecutive segments of these lengths each position (sorted) falls in."""
     if len(set(numels)) == 1:
-        return mask.view(len(numels), numels[0]).sum(1).tolist()
-    running = torch.cat([torch.zeros(1, dtype=torch.int64), mask.cumsum(0)])
-    at = running[torch.tensor(numels, dtype=torch.int64).cumsum(0)]
-    return at.diff(prepend=torch.zeros(1, dtype=torch.int64)).tolist()
+        return positions // max(1, numels[0])
+    ends = torch.tensor(numels, dtype=torch.int64).cumsum(0)
+    return torch.searchsorted(ends, positions, right=True)
 
 
 def _dense(wmap: WeightMap, name: str, t: torch.Tensor, out: Plan, budget: int, pinned_budget: int) -> None:

@@ -249,7 +249,7 @@ def test_fused_experts_are_planned_a_parameter_at_a_time_as_tensor_by_tensor() -
     assert all(torch.equal(wmap.held(n).view(torch.int16), old[n].view(torch.int16)) for n in old)
 
 
-def test_changed_counts_per_segment_of_equal_and_unequal_lengths() -> None:
-    mask = torch.tensor([1, 0, 1, 1, 0, 0, 1, 1, 1, 0], dtype=torch.bool)
-    assert scatter._counts(mask, [5, 5]) == [3, 3]
-    assert scatter._counts(mask, [1, 3, 6]) == [1, 2, 3]
+def test_each_changed_position_is_placed_in_its_segment() -> None:
+    positions = torch.tensor([0, 2, 3, 6, 7, 8])
+    assert scatter._members(positions, [5, 5]).tolist() == [0, 0, 0, 1, 1, 1]
+    assert scatter._members(positions, [1, 3, 6]).tolist() == [0, 1, 1, 2, 2, 2]
