@@ -14,7 +14,8 @@ Contract:
 - The arena is reused across updates (fresh pages cost more than the copy itself: page faults)
   and replaced by a bigger one when an update needs more; its size is at most the changed
   tensors' bytes of the largest update so far (the model's size for a full-model RL step).
-- :func:`host_decode_slot`: one decode at a time per host. A decode already uses every core
+- :func:`host_decode_slot`: one decode at a time per host (the engine's stage of a decode runs
+  after the slot is given back, beside the next replica's copy of it). A decode already uses every core
   (its threads), so replicas sharing a host that decode together only finish together, later
   than the first of them would alone; one after another, the first receiver of a broadcast is
   ready to swap while the others still decode (and they copy its checked result rather than

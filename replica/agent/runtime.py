@@ -14,6 +14,7 @@ import contextlib
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -161,33 +162,39 @@ class ReplicaRuntime(PeerSteps):
 
     async def stage_update(
         self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None,
-        turn: tuple[str, int] | None = None,
+        turn: tuple[str, int] | None = None, decoded: Callable[[StagedUpdate], None] | None = None,
     ) -> StagedUpdate:
         """Stage an update for the engine, off the serving path; the host copy is not changed.
 
         Delta links held locally are decoded once, by the host copy, into the stage arena (every
         changed tensor's Adler-32 checked there), and the engine stages views of those bytes
-        (`replica.stage_arena`); a new full base goes through a staging file the engine reads."""
+        (`replica.stage_arena`); a new full base goes through a staging file the engine reads.
+        ``decoded`` is called with the update once its delta files are decoded and checked,
+        before the engine stages it (peers may take the files from then on: the early offer)."""
         todo = self.missing_links(inp)
         local = local_links or {}
         if todo and all(link.identity in local for link in todo):
             t_wait = time.perf_counter()
+            # The slot is this host's one decode at a time; the engine's stage of the decoded
+            # bytes runs after it, while the host's next replica copies this decode.
             async with host_decode_slot(self.arena.directory, turn):
                 t0 = time.perf_counter()
                 staged = await asyncio.to_thread(self.decode_links, inp, todo, local)
                 t1 = time.perf_counter()
-                entries = [[n, self.host.info(n).torch_dtype, list(self.host.info(n).shape), offset]
-                           for n, offset in staged.arena_offsets.items()]
-                try:
-                    # The decode just checked these bytes; the commit checks what the engine holds.
-                    job = await self.engine.stage_from_arena(staged.identity, self.arena.path, entries,
-                                                             staged.expected, verify=False,
-                                                             backup=self._host_backup(staged.names))
-                except Exception as exc:
-                    with contextlib.suppress(Exception):
-                        await self.engine.discard_staged()
-                    raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
-                                            f"weights: {one_line(exc)}") from None
+            if decoded is not None:
+                decoded(staged)
+            entries = [[n, self.host.info(n).torch_dtype, list(self.host.info(n).shape), offset]
+                       for n, offset in staged.arena_offsets.items()]
+            try:
+                # The decode just checked these bytes; the commit checks what the engine holds.
+                job = await self.engine.stage_from_arena(staged.identity, self.arena.path, entries,
+                                                         staged.expected, verify=False,
+                                                         backup=self._host_backup(staged.names))
+            except Exception as exc:
+                with contextlib.suppress(Exception):
+                    await self.engine.discard_staged()
+                raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
+                                        f"weights: {one_line(exc)}") from None
             log.info("staged %s: waited %.0f ms for the host's decode slot, %s %.0f ms, engine stage %.0f ms "
                      "(%s)", staged.identity, (t0 - t_wait) * 1000,
                      "copy of the host's decode" if staged.copied_from else "decode", (t1 - t0) * 1000, ms_since(t1),
@@ -389,7 +396,11 @@ class ReplicaRuntime(PeerSteps):
         local, fetched = await asyncio.to_thread(self.fetch_links, inp, todo)
         timings = {"fetch": ms_since(t0)}
         t1 = time.perf_counter()
-        staged = await self.stage_update(inp, local)
+        def offer(staged: StagedUpdate) -> None:  # its delta files are checked: peers may take them
+            if not ready.done():
+                ready.set_result(staged)
+
+        staged = await self.stage_update(inp, local, decoded=offer)
         timings["stage"] = ms_since(t1)
         if not ready.done():
             ready.set_result(staged)  # checked and staged: peers may take its files from here on
