@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover - zlib-ng is a dependency; keep working 
 import snapshots.sparse as sparse
 from snapshots.errors import ChecksumError, DeltaMismatchError, SnapshotError
 from snapshots.inspect import DeltaPlan, DeltaTensor
+from snapshots.storage import OpenedSource
 
 #: zstd's "content size unknown" answer from ``frame_content_size``.
 _UNKNOWN_SIZE = -1
@@ -280,6 +281,7 @@ class _PlanApply:
         dtypes: Mapping[str, str],
     ) -> None:
         self.targets, self.plan, self.sources, self.dtypes = targets, plan, sources, dtypes
+        self.source = OpenedSource(plan.source)  # a local file opened once, not once per tensor
         self.abort = threading.Event()
         self.lock = threading.Lock()
         # name -> its frame (XOR) or (positions, old values) (sparse), kept so a rollback needs no I/O
@@ -298,10 +300,10 @@ class _PlanApply:
         return self._stage_frame(item)
 
     def _stage_sparse(self, item: DeltaTensor, spec: sparse.SparseTensor) -> str:
-        file = self.plan.source.describe(spec.values.file)
+        file = self.source.describe(spec.values.file)
         target = self.targets[item.name]
         sparse.check_size(spec.values, target.nbytes, self.dtypes.get(item.name), file=file, tensor=item.name)
-        positions, values = sparse.read(self.plan.source, spec, target.nbytes, file=file)
+        positions, values = sparse.read(self.source, spec, target.nbytes, file=file)
         if self.abort.is_set():
             return ""
         source = self.sources.get(item.name)
@@ -318,10 +320,10 @@ class _PlanApply:
         return digest
 
     def _stage_frame(self, item: DeltaTensor) -> str:
-        file = self.plan.source.describe(item.file)
+        file = self.source.describe(item.file)
         target = self.targets[item.name]
         check_wire_size(item.wire_bytes, target.nbytes, file=file, tensor=item.name)
-        frame = self.plan.source.read_range(item.file, item.begin, item.wire_bytes)
+        frame = self.source.read_range(item.file, item.begin, item.wire_bytes)
         if len(frame) != item.wire_bytes:
             raise DeltaMismatchError("frame is truncated", file=file, tensor=item.name)
         diff = _state.buffer(target.nbytes)
@@ -403,7 +405,9 @@ def apply_plan_in_place(
     _check_targets(targets, plan, sources or {})
     if not items:
         return report
-    digests = _PlanApply(targets, plan, sources or {}, dtypes or {}).run(items, workers or default_workers())
+    apply = _PlanApply(targets, plan, sources or {}, dtypes or {})
+    with apply.source:
+        digests = apply.run(items, workers or default_workers())
     for item in items:
         report.changed.append(item.name)
         report.bytes_changed += targets[item.name].nbytes

@@ -15,6 +15,7 @@ the CLI.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -91,6 +92,56 @@ class LocalSource:
 
     def describe(self, name: str) -> str:
         return str(self.root / name)
+
+
+class OpenedSource:
+    """A source's ``read_range`` and ``describe`` for one pass over many tensors (a delta's
+    decode): a local file is opened once, not once per tensor, and each file's description is
+    made once. Thread-safe; :meth:`close` (or ``with``) closes the files."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.uri = source.uri
+        self._fds: dict[str, int] = {}
+        self._names: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> OpenedSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read_range(self, name: str, offset: int, length: int) -> bytes:
+        if not isinstance(self.source, LocalSource):
+            return bytes(self.source.read_range(name, offset, length))
+        if length <= 0:
+            return b""
+        try:
+            return os.pread(self._fd(name), length, offset)
+        except OSError as exc:
+            raise LayoutError(f"cannot read: {exc.strerror}", file=self.describe(name)) from exc
+
+    def _fd(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(name)
+                if fd is None:
+                    fd = self._fds[name] = os.open(self.source.path(name), os.O_RDONLY)
+        return fd
+
+    def describe(self, name: str) -> str:
+        described = self._names.get(name)
+        if described is None:
+            described = self._names[name] = self.source.describe(name)
+        return described
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from snapshots import (
     inspect_snapshot,
     materialize_chain,
     materialize_chain_report,
+    storage,
     write_delta,
 )
 from snapshots.inspect import read_delta_plan
@@ -224,6 +225,23 @@ def test_a_bad_tensor_after_a_good_one_in_the_same_decode_task_leaves_both_untou
     assert len(codec.task_batches(sizes, 1)) == (1 if tasks_per_worker == 1 else 2)
     monkeypatch.setattr(weights, "workers", 1)
     _assert_fails_untouched(weights, d, ChecksumError, rf"tensor '{b}': checksum mismatch")
+
+
+def test_a_delta_decode_opens_each_file_once(
+    weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode reads every frame of a local file through one open of it (an open per tensor
+    costs more than decoding a small tensor, at tens of thousands of tensors)."""
+    new = HostWeights.load(pair[1])
+    changed = [n for n in weights.names() if weights.raw(n).tobytes() != new.raw(n).tobytes()]
+    frames = {n: xor_frame(weights.raw(n), new.raw(n)) for n in changed}
+    d = write_delta_dir(tmp_path / "d", frames, {n: adler(new.raw(n)) for n in changed})
+    opened: list[str] = []
+    real_open = storage.os.open
+    monkeypatch.setattr(storage.os, "open", lambda path, *a: opened.append(str(path)) or real_open(path, *a))
+    weights.apply_delta(d)
+    assert len(changed) > 2 and opened == [str(d / SHARD)]
+    assert raw_bytes(weights) == raw_bytes(new)
 
 
 def test_tasks_take_several_small_tensors_and_a_big_one_alone() -> None:
