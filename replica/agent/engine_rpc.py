@@ -381,7 +381,7 @@ class EngineClient:
                 with contextlib.suppress(ValueError):  # written atomically: a foreign file
                     st = json.loads(path.read_text())
             if st is None and time.monotonic() >= next_rpc:
-                statuses = await self._rpc_ranks("job_status")
+                statuses = await self._rpc_ranks("job_status", kind)
                 st = statuses[rank] if rank < len(statuses) else {"kind": None}
                 if st["kind"] != kind:
                     raise EngineError(f"no {who} job (the engine reports {st['kind']!r})")

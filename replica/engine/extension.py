@@ -39,8 +39,9 @@ first). Methods (per worker):
 - ``weight_specs(names=None)`` -> ``{"specs": [[name, dtype, shape], ...]}``;
 - ``save_weights(names, path)`` -> ``{"saved", "bytes", "path"}``: what the engine holds, as a
   safetensors file;
-- background jobs (`jobs`: one at a time; each answers ``{"kind", "state": "running",
-  "result_path"}`` and ``job_status()`` reports it): ``stage_from_files``, ``stage_from_arena``,
+- background jobs (`jobs`: one at a time, and a ``peer_send_files`` beside it; each answers
+  ``{"kind", "state": "running", "result_path"}`` and ``job_status(kind=None)`` reports it):
+  ``stage_from_files``, ``stage_from_arena``,
   ``peer_stage_receive`` (kind ``stage``), ``peer_stage_send``, ``peer_send_files`` (``send``),
   ``peer_receive_files`` (``receive``), ``checksum_job`` (``checksums``); the engines' tensor
   broadcast needs tensor-parallel size 1, and only rank 0 moves a delta's files (the other ranks'
@@ -207,8 +208,8 @@ class WeightLoaderExtension:
         entries = [wmap.entry(n) for n in (wmap.names() if names is None else names)]
         return {"specs": [[e.name, dtype_to_str(e.dtype), list(e.shape)] for e in entries]}
 
-    def job_status(self) -> dict[str, Any]:
-        return _jobs(self).status()
+    def job_status(self, kind: str | None = None) -> dict[str, Any]:
+        return _jobs(self).status(kind)
 
     def stage_from_files(self, label: str, paths: list[str], names: list[str] | None = None,
                          expected_adler32: dict[str, str] | None = None) -> dict[str, Any]:
@@ -247,10 +248,11 @@ class WeightLoaderExtension:
         self, host: str, port: int, world_size: int, paths: list[str], backend: str = "gloo",
         timeout_s: float = 300.0, external_store: bool = False,
     ) -> dict[str, Any]:
+        # Beside a stage job (files, not weights): the early offer's sender stages the same update.
         if _rank(self)[0]:  # files are the agent's: one rank of the engine moves them
-            return _jobs(self).start("send", lambda: {"skipped": f"rank {_rank(self)[0]}"})
+            return _jobs(self).start("send", lambda: {"skipped": f"rank {_rank(self)[0]}"}, beside=True)
         join = _joiner(self, host, port, 0, world_size, backend, timeout_s, external_store)
-        return _jobs(self).start("send", lambda: updates.send_files(paths, join))
+        return _jobs(self).start("send", lambda: updates.send_files(paths, join), beside=True)
 
     def peer_receive_files(
         self, host: str, port: int, rank: int, world_size: int, specs: list[list[Any]],

@@ -74,17 +74,30 @@ IDLE = {"kind": None, "state": "idle", "result": None, "error": None}
 
 
 class JobRunner:
-    """The worker's one job slot: starting a job while one runs is refused."""
+    """The worker's job slots: one for the jobs that read or stage weights, and one beside it for
+    a job that moves only the agent's files (a delta's files sent to peers), so that a sender
+    passes an update on while it stages the same update itself. Starting a job in a busy slot
+    is refused."""
 
     def __init__(self) -> None:
         self.job: Job | None = None
+        self.beside: Job | None = None
 
-    def start(self, kind: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        if self.job is not None and self.job.state == "running":
-            raise RuntimeError(f"a background {self.job.kind} job is still running")
+    def start(self, kind: str, fn: Callable[[], dict[str, Any]], beside: bool = False) -> dict[str, Any]:
+        current = self.beside if beside else self.job
+        if current is not None and current.state == "running":
+            raise RuntimeError(f"a background {current.kind} job is still running")
         path = result_path(kind)
-        self.job = Job(kind, fn, path)
+        job = Job(kind, fn, path)
+        if beside:
+            self.beside = job
+        else:
+            self.job = job
         return {"kind": kind, "state": "running", "result_path": path}
 
-    def status(self) -> dict[str, Any]:
-        return dict(IDLE) if self.job is None else self.job.status()
+    def status(self, kind: str | None = None) -> dict[str, Any]:
+        """The main slot's job, or the latest job of ``kind`` in either slot."""
+        for job in (self.job, self.beside) if kind is not None else (self.job,):
+            if job is not None and job.kind == kind:
+                return job.status()
+        return dict(IDLE) if self.job is None or kind is not None else self.job.status()

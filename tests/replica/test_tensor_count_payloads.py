@@ -39,7 +39,7 @@ class Recorder(WeightLoaderExtension):
         self.calls.append(("stage_from_arena", args, kwargs))
         return {"kind": "stage", "state": "running", "result_path": None}
 
-    def job_status(self):
+    def job_status(self, kind=None):
         return {"kind": "stage", "state": "done", "result": {"staged": self.calls[-1][1][0]}, "error": None}
 
 
