@@ -218,8 +218,8 @@ def _plan_chunk(wmap: WeightMap, param: str, chunk: list[tuple[str, torch.Tensor
     their bytes, then only the changed elements are handled (their tensor, the counts)."""
     target = wmap.target(param)
     width, per_element = target.element_size(), target.element_size() + _offset_dtype(target).itemsize
-    new = torch.cat([t.contiguous().view(-1) for _, t, _ in chunk])
-    old = torch.cat([backup[name].contiguous().view(-1) for name, _, _ in chunk])
+    new = torch.cat([t.reshape(-1) for _, t, _ in chunk])
+    old = torch.cat([backup[name].reshape(-1) for name, _, _ in chunk])
     positions = (bits(new) != bits(old)).nonzero().squeeze(1)
     numels = [t.numel() for _, t, _ in chunk]
     member = _members(positions, numels)

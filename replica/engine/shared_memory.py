@@ -52,3 +52,32 @@ def view_at(memory: torch.Tensor, name: str, offset: int, dtype: torch.dtype, sh
     if offset < 0 or offset + size > memory.numel():
         raise ValueError(f"{name}: bytes {offset}..{offset + size} lie outside the {memory.numel()}-byte {where}")
     return memory[offset : offset + size].view(dtype).reshape(shape)
+
+
+class Views:
+    """:func:`view_at` for many tensors of one mapped file: one ``as_strided`` per tensor on a
+    view of the whole file in the tensor's dtype (made once per dtype), where the offset is a
+    multiple of the dtype's size; else :func:`view_at`."""
+
+    def __init__(self, memory: torch.Tensor, where: str) -> None:
+        self.memory, self.where = memory, where
+        self.typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def at(self, name: str, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        item = dtype.itemsize
+        size = nbytes(dtype, shape)
+        if offset % item or offset < 0 or offset + size > self.memory.numel():
+            return view_at(self.memory, name, offset, dtype, shape, self.where)  # (it names a bad offset)
+        typed = self.typed.get(dtype)
+        if typed is None:
+            whole = self.memory[: self.memory.numel() - self.memory.numel() % item]
+            typed = self.typed[dtype] = whole.view(dtype)
+        return typed.as_strided(shape, _row_major(shape), offset // item)
+
+
+def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for s in reversed(shape):
+        out.append(stride)
+        stride *= s
+    return tuple(reversed(out))

@@ -28,7 +28,7 @@ import torch
 from replica.engine import stage as stages
 from replica.engine.files import plain_file_name, read_file_tensor, read_safetensors, save_tensors, write_files
 from replica.engine.peer_group import PeerGroup
-from replica.engine.shared_memory import map_shared, view_at
+from replica.engine.shared_memory import Views, map_shared
 from replica.engine.tensors import adler32_hex, check_expected, dtype_from_str, normalize_specs
 from replica.engine.weight_map import WeightMap
 
@@ -56,10 +56,9 @@ def stage_from_arena(
     agent's host copy holds each tensor as the engine serves it now."""
     expected = {n: c.lower() for n, c in expected.items()}
     t0 = time.perf_counter()
-    memory = map_shared(path)
+    arena = Views(map_shared(path), "arena")
     tensors = [
-        (str(name), view_at(memory, str(name), int(offset), dtype_from_str(str(dtype)),
-                            tuple(int(x) for x in shape), "arena"))
+        (str(name), arena.at(str(name), int(offset), dtype_from_str(str(dtype)), tuple(int(x) for x in shape)))
         for name, dtype, shape, offset in entries
     ]
     missing = [n for n, _ in tensors if n not in expected]
@@ -75,8 +74,8 @@ def stage_from_arena(
         missing_backup = [n for n, _ in tensors if n not in offsets]
         if missing_backup:
             raise ValueError(f"no roll-back bytes given for {missing_backup[:8]}")
-        host = map_shared(backup_path)
-        backup = {n: view_at(host, n, int(offsets[n]), t.dtype, tuple(t.shape), "host copy") for n, t in tensors}
+        host = Views(map_shared(backup_path), "host copy")
+        backup = {n: host.at(n, int(offsets[n]), t.dtype, tuple(t.shape)) for n, t in tensors}
     t3 = time.perf_counter()
     # A delta's tensors: the swap writes only the elements it changes (`scatter`).
     stage = stages.take(wmap, label, tensors, backup, expected, checked=verify, sparse=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from replica.engine import shared_memory
 from replica.stage_arena import ALIGN, StageArena, decode_turn_marker, host_decode_slot
@@ -155,3 +156,17 @@ def test_an_arena_let_go_closes_its_file_and_the_engine_forgets_its_mapping(tmp_
     for arena in (kept, newer):
         arena.close()
     shared_memory.SHARED_MAPS.clear()
+
+
+def test_views_of_many_tensors_are_view_at_s() -> None:
+    memory = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    views = shared_memory.Views(memory, "arena")
+    for name, offset, dtype, shape in (("a", 64, torch.bfloat16, (4, 8)), ("b", 128, torch.float32, (3, 5)),
+                                       ("d", 1001, torch.uint8, (7,))):
+        got, want = views.at(name, offset, dtype, shape), shared_memory.view_at(memory, name, offset, dtype, shape, "")
+        assert got.shape == want.shape and got.dtype == want.dtype and got.data_ptr() == want.data_ptr()
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and got.is_contiguous()
+    with pytest.raises(ValueError, match="e: bytes 16380..16388 lie outside the 16384-byte arena"):
+        views.at("e", 16380, torch.float32, (2,))
+    with pytest.raises(RuntimeError, match="divisible by 2"):  # as view_at: not at a multiple of the dtype's size
+        views.at("c", 3, torch.bfloat16, (2, 2))
