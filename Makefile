@@ -52,11 +52,11 @@ status: $(STAMP)
 demo: install
 	$(ROLLOUTS) demo
 
-# Ruff (errors, import order, imports at module top, lines <= 120), then import-linter: the layering
-# and no import cycles, then mypy: the types, strictly in contracts/, control/, replica/engine/ (all
-# configured in pyproject.toml). Once the tree has been through `ruff format` (one commit, issue 44),
-# `$(VENV)/bin/ruff format --check .` joins them as the first step.
+# The formatter's check (`ruff format` writes it), ruff (errors, import order, imports at module top,
+# lines <= 120), then import-linter: the layering and no import cycles, then mypy: the types,
+# strictly in contracts/, control/, replica/engine/ (all configured in pyproject.toml).
 lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-logo
 	$(VENV)/bin/mypy

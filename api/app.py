@@ -72,7 +72,8 @@ def hot_load_view(settings: Settings) -> Callable[[dict[str, Any]], dict[str, An
         spec = hot_load["spec"]
         workflow_id = quote(names.hot_load_workflow_id(spec["organizationId"], spec["id"]), safe="")
         hot_load["status"]["workflowUrl"] = (
-            f"{settings.temporal_ui_url}/namespaces/{settings.temporal_namespace}/workflows/{workflow_id}")
+            f"{settings.temporal_ui_url}/namespaces/{settings.temporal_namespace}/workflows/{workflow_id}"
+        )
         return hot_load
 
     return view
@@ -159,8 +160,9 @@ def create_app(
 
     app = FastAPI(title="rollouts", version="v1alpha1", lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.state.cancel_wait_s = cancel_wait_s
-    app.state.context = ApiContext(settings=settings, tokens=tokens, hot_load_engines=hot_load_engines,
-                                   app_state=app.state)
+    app.state.context = ApiContext(
+        settings=settings, tokens=tokens, hot_load_engines=hot_load_engines, app_state=app.state
+    )
     # The last added runs first: the request's span, then who asks and may they write, before
     # the body is looked at.
     app.middleware("http")(limit_body)

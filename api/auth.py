@@ -52,7 +52,7 @@ async def authenticate(request: Request, call_next):
         try:
             who = context(request).tokens.authenticate(request.headers.get("authorization"))
             if request.method not in READ_METHODS:
-                who.require_admin(write_action(request.method, path[len(PREFIX):]))
+                who.require_admin(write_action(request.method, path[len(PREFIX) :]))
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.http_status)
         request.state.principal = who

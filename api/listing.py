@@ -144,9 +144,15 @@ class HotLoadIndex:
         replicas = sorted(replica_list(memo), key=lambda r: (r.get("zone", ""), r.get("name", "")))
         workflow_id = names.hot_load_workflow_id(spec.get("organizationId", ""), spec["id"])
         return Record(
-            id=workflow_id, key=(status["createdAt"], workflow_id), organization_id=spec.get("organizationId", ""),
-            deployment_id=spec.get("deploymentId", ""), closed=closed, updated_at=status.get("updatedAt") or "",
-            hot_load=hot_load, replicas=replicas, json=dumps(hot_load),
+            id=workflow_id,
+            key=(status["createdAt"], workflow_id),
+            organization_id=spec.get("organizationId", ""),
+            deployment_id=spec.get("deploymentId", ""),
+            closed=closed,
+            updated_at=status.get("updatedAt") or "",
+            hot_load=hot_load,
+            replicas=replicas,
+            json=dumps(hot_load),
         )
 
     def _known(self, workflow_id: str) -> Record | None:
@@ -364,8 +370,10 @@ class HotLoadIndex:
                 return None
         if "hotLoad" not in memo:
             return None
-        return self._store(self.record(self.reconcile(memo, wf.status, wf.close_time), closed),  # type: ignore[arg-type]  # memo(): a dict, typed Mapping
-                           listed=True)
+        return self._store(
+            self.record(self.reconcile(memo, wf.status, wf.close_time), closed),  # type: ignore[arg-type]  # memo(): a dict, typed Mapping
+            listed=True,
+        )
 
     def _collect(self) -> None:
         """Drops records no scope lists any more (a scope evicted or reloaded)."""

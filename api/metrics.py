@@ -24,8 +24,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 REQUESTS = Counter("rollouts_api_requests", "API requests", ("method", "route", "status"))
-REQUEST_SECONDS = Histogram("rollouts_api_request_seconds", "API request duration", ("method", "route"),
-                            buckets=REQUEST_BUCKETS)
+REQUEST_SECONDS = Histogram(
+    "rollouts_api_request_seconds", "API request duration", ("method", "route"), buckets=REQUEST_BUCKETS
+)
 ERRORS = Counter("rollouts_api_errors", "API error answers, by code", ("code",))
 HOT_LOADS_CREATED = Counter("rollouts_hot_loads_created", "Hot-loads admitted by the API")
 OPEN_READS = Counter("rollouts_api_open_hot_load_reads", "Reads of an open hot-load by id, by answer", ("answer",))

@@ -38,7 +38,8 @@ def server_span(tracer: Any):
                 break
         start = time.perf_counter()
         with tracer.start_as_current_span(
-            f"{request.method} {route}", kind=SpanKind.SERVER,
+            f"{request.method} {route}",
+            kind=SpanKind.SERVER,
             attributes={"http.request.method": request.method, "url.path": request.url.path},
         ) as s:
             response = await call_next(request)

@@ -117,8 +117,11 @@ class HotLoadConfigIn(WireModel):
 
     def to_record(self) -> HotLoadConfig:
         return HotLoadConfig(
-            bucket=self.bucket, path_prefix=self.path_prefix, transition_mode=self.transition_mode,
-            max_concurrent_swaps=self.max_concurrent_swaps, peer_fan_out=self.peer_fan_out,
+            bucket=self.bucket,
+            path_prefix=self.path_prefix,
+            transition_mode=self.transition_mode,
+            max_concurrent_swaps=self.max_concurrent_swaps,
+            peer_fan_out=self.peer_fan_out,
             replicas_per_group=self.replicas_per_group,
         )
 

@@ -50,7 +50,11 @@ class _Kept:
 
 class OpenReads:
     def __init__(
-        self, index: HotLoadIndex, *, wait_s: float = WAIT_S, max_stale_s: float = MAX_STALE_S,
+        self,
+        index: HotLoadIndex,
+        *,
+        wait_s: float = WAIT_S,
+        max_stale_s: float = MAX_STALE_S,
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.index = index

@@ -122,8 +122,9 @@ class Resources:
 
     # ------------------------------------------------------------------ gateways
     async def get_gateway(self, org: str, gateway_id: str) -> Gateway:
-        return await self._running(names.gateway_workflow_id(org, gateway_id), "gateway", Gateway, org,
-                                   f"gateway {gateway_id}")
+        return await self._running(
+            names.gateway_workflow_id(org, gateway_id), "gateway", Gateway, org, f"gateway {gateway_id}"
+        )
 
     async def list_gateways(self, org: str) -> list[Gateway]:
         memos = await self.list_memos(
@@ -156,8 +157,13 @@ class Resources:
 
     # ------------------------------------------------------------------ deployments
     async def get_deployment(self, org: str, deployment_id: str) -> Deployment:
-        return await self._running(names.deployment_workflow_id(org, deployment_id), "deployment", Deployment, org,
-                                   f"deployment {deployment_id}")
+        return await self._running(
+            names.deployment_workflow_id(org, deployment_id),
+            "deployment",
+            Deployment,
+            org,
+            f"deployment {deployment_id}",
+        )
 
     async def list_deployments(self, org: str, gateway_id: str | None = None) -> list[Deployment]:
         memos = await self.list_memos(
@@ -287,14 +293,20 @@ def reconcile_hot_load(
         st["canceledAt"] = when
     st.setdefault("conditions", []).append(
         {
-            "type": "Canceled" if canceled else "Failed", "status": "STATUS_TRUE",
-            "reason": f"Workflow{status.name.title().replace('_', '')}", "message": why, "lastUpdateTime": when,
+            "type": "Canceled" if canceled else "Failed",
+            "status": "STATUS_TRUE",
+            "reason": f"Workflow{status.name.title().replace('_', '')}",
+            "message": why,
+            "lastUpdateTime": when,
         }
     )
     for replica in replica_list(memo):
         if replica.get("state") == "UPDATING":
             replica.update(
-                state="ERROR", finishedAt=when, transitionedAt=when, updatedAt=when,
+                state="ERROR",
+                finishedAt=when,
+                transitionedAt=when,
+                updatedAt=when,
                 errorReason=f"{why}, during this replica's step; it serves {replica.get('currentSnapshotIdentity')} "
                 "or the target, see the replica's log",
             )

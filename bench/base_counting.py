@@ -46,8 +46,10 @@ def main() -> int:
         rng = random.Random(args.seed)
         prompts = [[rng.randrange(10, 2000) for _ in range(6)] for _ in range(args.answers)]
         started = time.monotonic()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True),
+        )
         took = time.monotonic() - started
     sums, longest = [], []
     for p, o in zip(prompts, outs):
@@ -59,8 +61,10 @@ def main() -> int:
     print(f"tokens that count: {sum(sums):,} (1 in {total / max(1, sum(sums)):,.0f}; uniform chance is 1 in {VOCAB})")
     print(f"answers by tokens that count: {dict(sorted(collections.Counter(sums).items()))}")
     print(f"answers by longest run: {dict(sorted(collections.Counter(longest).items()))}")
-    print(f"a check of 'fewer than 8 count' fails {sum(s >= 8 for s in sums)} of {args.answers}; "
-          f"of 'no {CHANCE_RUN} in a row' {sum(r >= CHANCE_RUN for r in longest)} of {args.answers}")
+    print(
+        f"a check of 'fewer than 8 count' fails {sum(s >= 8 for s in sums)} of {args.answers}; "
+        f"of 'no {CHANCE_RUN} in a row' {sum(r >= CHANCE_RUN for r in longest)} of {args.answers}"
+    )
     return 0
 
 

@@ -29,14 +29,17 @@ from workers.stack import Stack
 
 class Api:
     def __init__(self, settings: Settings, *, timeout: float = 120, excerpt: int = 500) -> None:
-        self.http = httpx.Client(base_url=f"{settings.api_url}/v1alpha1/inference", timeout=timeout,
-                                 headers={"Authorization": f"Bearer {settings.admin_token}"})
+        self.http = httpx.Client(
+            base_url=f"{settings.api_url}/v1alpha1/inference",
+            timeout=timeout,
+            headers={"Authorization": f"Bearer {settings.admin_token}"},
+        )
         self.excerpt = excerpt  # how much of a refused call's body the exit message shows
 
     def call(self, method: str, path: str, **kw: Any) -> Any:
         r = self.http.request(method, path, **kw)
         if r.status_code != 200:
-            raise SystemExit(f"{method} {path}: {r.status_code} {r.text[:self.excerpt]}")
+            raise SystemExit(f"{method} {path}: {r.status_code} {r.text[: self.excerpt]}")
         return r.json()
 
 

@@ -68,8 +68,11 @@ async def checks_by_hot_load(settings: Settings, dep_id: str) -> dict[str, int]:
                 if request.input.name == "create_hot_load":
                     current = json.loads(request.input.args.payloads[0].data)["hotLoadId"]
                     counts[current] = 0
-            elif (current is not None and event.HasField("activity_task_scheduled_event_attributes")
-                  and event.activity_task_scheduled_event_attributes.activity_type.name == names.CHECK_SNAPSHOT):
+            elif (
+                current is not None
+                and event.HasField("activity_task_scheduled_event_attributes")
+                and event.activity_task_scheduled_event_attributes.activity_type.name == names.CHECK_SNAPSHOT
+            ):
                 counts[current] += 1
     return counts
 
@@ -102,8 +105,13 @@ def publish_real_chains(settings: Settings, work: Path, chains: int, deltas: int
         upload_dir(s3, steps[0], settings.bucket, f"{PREFIX}/c{c}-full")
         for i in range(1, deltas + 1):
             out = work / f"c{c}-d{i}"
-            write_delta(steps[i - 1], steps[i], out, version=f"c{c}-d{i}",
-                        base_version=f"c{c}-full" if i == 1 else f"c{c}-d{i - 1}")
+            write_delta(
+                steps[i - 1],
+                steps[i],
+                out,
+                version=f"c{c}-d{i}",
+                base_version=f"c{c}-full" if i == 1 else f"c{c}-d{i - 1}",
+            )
             upload_dir(s3, out, settings.bucket, f"{PREFIX}/c{c}-d{i}")
 
 
@@ -139,14 +147,19 @@ def publish_synthetic_chains(settings: Settings, work: Path, chains: int, deltas
 
 def create_ready_deployment(settings: Settings, api: Api, replicas: int, engine: bool) -> str:
     """The bench's deployment, once READY; its id."""
-    dep_id = api.call("POST", "/deployments", json={
-        "name": "chain", "gatewayIds": [settings.gateway_id],
-        "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
-        "model": {"name": "chain-model", "bucket": settings.bucket, "path": settings.base_model_path},
-        "resources": {"instanceType": "cpu-local", "gpuCount": 0 if engine else 1},
-        "autoscaling": {"min": replicas, "max": replicas},
-        "hotLoad": {"bucket": settings.bucket, "pathPrefix": PREFIX},
-    })["deployment"]["spec"]["id"]
+    dep_id = api.call(
+        "POST",
+        "/deployments",
+        json={
+            "name": "chain",
+            "gatewayIds": [settings.gateway_id],
+            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+            "model": {"name": "chain-model", "bucket": settings.bucket, "path": settings.base_model_path},
+            "resources": {"instanceType": "cpu-local", "gpuCount": 0 if engine else 1},
+            "autoscaling": {"min": replicas, "max": replicas},
+            "hotLoad": {"bucket": settings.bucket, "pathPrefix": PREFIX},
+        },
+    )["deployment"]["spec"]["id"]
     while (status := api.call("GET", f"/deployments/{dep_id}")["deployment"]["status"]["status"]) != "STATUS_READY":
         if status == "STATUS_FAILED":
             raise SystemExit("the deployment FAILED")
@@ -164,8 +177,10 @@ def hot_load_chains(api: Api, dep_id: str, args: argparse.Namespace) -> list[lis
             previous = None if p == 0 else (f"c{c}-full" if p == 1 else f"c{c}-d{p - 1}")
             row.append(hot_load(api, dep_id, identity, previous, args.poll_s))
         seconds.append(row)
-        print(f"chain {c + 1}/{args.chains}: position 2 {row[2]:.3f} s, position {args.deltas} "
-              f"{row[args.deltas]:.3f} s", flush=True)
+        print(
+            f"chain {c + 1}/{args.chains}: position 2 {row[2]:.3f} s, position {args.deltas} {row[args.deltas]:.3f} s",
+            flush=True,
+        )
     return seconds
 
 
@@ -175,21 +190,27 @@ def report(seconds: list[list[float]], checks: dict[str, int], args: argparse.Na
     median = [statistics.median(seconds[c][p] for c in range(args.chains)) for p in range(args.deltas + 1)]
     n = args.deltas
     kind = "real Dynamo vLLM" if args.engine else "SIMULATED"
-    print(f"\n{args.replicas} {kind} replica(s), {args.chains} chain(s) of 1 full + {n} deltas on one "
-          "deployment; create → COMPLETED, median over the chains:")
+    print(
+        f"\n{args.replicas} {kind} replica(s), {args.chains} chain(s) of 1 full + {n} deltas on one "
+        "deployment; create → COMPLETED, median over the chains:"
+    )
     print("  per position: " + ", ".join(f"{p}: {median[p]:.3f}" for p in range(1, n + 1)))
     for lo in range(1, n + 1, 10):
         hi = min(n, lo + 9)
-        print(f"  positions {lo:>2}–{hi:<2}  median {statistics.median(median[lo:hi + 1]):.3f} s")
+        print(f"  positions {lo:>2}–{hi:<2}  median {statistics.median(median[lo : hi + 1]):.3f} s")
     print(f"  position {n} {median[n]:.3f} s vs position 2 {median[2]:.3f} s: ratio {median[n] / median[2]:.3f}")
     slope, _ = statistics.linear_regression(range(1, n + 1), median[1:])
-    print(f"  least-squares slope over positions 1–{n}: {slope * 1000:+.2f} ms per position "
-          f"({slope * (n - 2) / median[2]:+.1%} of position 2 from 2 to {n})")
-    tail, head = statistics.median(median[n - 4:n + 1]), statistics.median(median[2:7])
+    print(
+        f"  least-squares slope over positions 1–{n}: {slope * 1000:+.2f} ms per position "
+        f"({slope * (n - 2) / median[2]:+.1%} of position 2 from 2 to {n})"
+    )
+    tail, head = statistics.median(median[n - 4 : n + 1]), statistics.median(median[2:7])
     print(f"  positions {n - 4}–{n} median {tail:.3f} s vs positions 2–6 {head:.3f} s: ratio {tail / head:.3f}")
     per_position = [[checks.get(f"c{c}-d{p}") for c in range(args.chains)] for p in range(n + 1)]
-    print("  snapshot checks per admission (each chain): " + ", ".join(
-        f"position {p}: {per_position[p]}" for p in (1, 2, n // 2, n)))
+    print(
+        "  snapshot checks per admission (each chain): "
+        + ", ".join(f"position {p}: {per_position[p]}" for p in (1, 2, n // 2, n))
+    )
 
 
 def main() -> int:

@@ -74,7 +74,9 @@ def cpu():
     return r.ru_utime + r.ru_stime
 """
 
-STREAM = HWM + """
+STREAM = (
+    HWM
+    + """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from snapshots.stream import materialize_chain_report
@@ -85,8 +87,11 @@ dt, dc = time.perf_counter() - t, cpu() - c
 print(json.dumps({"seconds": dt, "cpu": dc, "bytes_changed": r.bytes_changed,
                   "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
 """
+)
 
-HOST = HWM + """
+HOST = (
+    HWM
+    + """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from snapshots.host import HostWeights
@@ -98,8 +103,11 @@ dt, dc = time.perf_counter() - t, cpu() - c
 print(json.dumps({"seconds": dt, "cpu": dc, "bytes_changed": r.bytes_changed,
                   "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
 """
+)
 
-CWTRAIN = HWM + """
+CWTRAIN = (
+    HWM
+    + """
 import json, os, sys, time
 from cwtrain.hotload import WeightMirror
 m = WeightMirror(sys.argv[1])
@@ -112,6 +120,7 @@ dt, dc = time.perf_counter() - t, cpu() - c
 print(json.dumps({"seconds": dt, "cpu": dc, "bytes_changed": r.bytes_changed,
                   "peak_rss_mb": hwm_mb(), "rss_before_mb": rss0}))
 """
+)
 
 MIRROR_CREATE = """
 import sys
@@ -195,8 +204,9 @@ def run_cli_in_place(rollouts: str, base: Path, delta: Path, work: Path) -> dict
     os.sync()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    run = subprocess.run([rollouts, "snapshot", "apply", str(work), str(delta), "--out", str(work)],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [rollouts, "snapshot", "apply", str(work), str(delta), "--out", str(work)], capture_output=True, text=True
+    )
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if run.returncode:
@@ -241,12 +251,18 @@ def make_pair(root: Path, size_mb: float) -> tuple[dict[str, Any], DeltaStats]:
     base, delta = root / "base", root / "delta"
     t = time.perf_counter()
     summary = make_checkpoint_pair(base, root / "new", size_mb=size_mb)
-    print(f"generated {summary['tensor_bytes'] / 1e9:.2f} GB BF16 pair in {time.perf_counter() - t:.0f}s; "
-          f"{100 * summary['changed_element_fraction']:.2f}% of elements changed", flush=True)
+    print(
+        f"generated {summary['tensor_bytes'] / 1e9:.2f} GB BF16 pair in {time.perf_counter() - t:.0f}s; "
+        f"{100 * summary['changed_element_fraction']:.2f}% of elements changed",
+        flush=True,
+    )
     stats = write_delta(base, root / "new", delta, version="000001", base_version="000000")
     shutil.rmtree(root / "new")
-    print(f"delta: {stats.changed}/{stats.tensors_total} tensors, {stats.wire_bytes / 1e6:.1f} MB on the wire "
-          f"({100 * stats.ratio:.2f}% of full)", flush=True)
+    print(
+        f"delta: {stats.changed}/{stats.tensors_total} tensors, {stats.wire_bytes / 1e6:.1f} MB on the wire "
+        f"({100 * stats.ratio:.2f}% of full)",
+        flush=True,
+    )
     return summary, stats
 
 
@@ -298,8 +314,10 @@ def best_results(runs: Runs, stats: DeltaStats, model_mb: float) -> dict[str, di
             if "peak_rss_mb" in r
             else ""
         )
-        print(f"{name:18s} {r['seconds']:7.3f}s  {r['gbps']:6.3f} GB/s of changed bytes; "
-              f"{r['gb_per_cpu_s']:6.3f} GB per CPU-second{extra}")
+        print(
+            f"{name:18s} {r['seconds']:7.3f}s  {r['gbps']:6.3f} GB/s of changed bytes; "
+            f"{r['gb_per_cpu_s']:6.3f} GB per CPU-second{extra}"
+        )
     return results
 
 
@@ -308,16 +326,22 @@ def print_ratios(results: dict[str, dict[str, Any]]) -> None:
     for fsync in ("0", "1"):
         if f"cwtrain fsync={fsync}" in results:
             ours, theirs = results[f"ours fsync={fsync}"], results[f"cwtrain fsync={fsync}"]
-            print(f"ours / cwtrain mirror, fsync={fsync}: {ours['gbps'] / theirs['gbps']:.1f}x; "
-                  f"{ours['gb_per_cpu_s'] / theirs['gb_per_cpu_s']:.1f}x")
+            print(
+                f"ours / cwtrain mirror, fsync={fsync}: {ours['gbps'] / theirs['gbps']:.1f}x; "
+                f"{ours['gb_per_cpu_s'] / theirs['gb_per_cpu_s']:.1f}x"
+            )
     if "cwtrain fsync=1" in results:
         ours, theirs = results["ours CLI in place"], results["cwtrain fsync=1"]
-        print(f"ours CLI in place (start included) / cwtrain apply_delta as shipped: "
-              f"{theirs['seconds'] / ours['seconds']:.1f}x ({ours['seconds']:.2f} s vs {theirs['seconds']:.2f} s)")
+        print(
+            f"ours CLI in place (start included) / cwtrain apply_delta as shipped: "
+            f"{theirs['seconds'] / ours['seconds']:.1f}x ({ours['seconds']:.2f} s vs {theirs['seconds']:.2f} s)"
+        )
         floor = results["disk, overwrite"]["seconds"]
-        print(f"the disk's floor: any apply that leaves the checkpoint on disk takes at least {floor:.2f} s here "
-              f"(the bytes written over existing blocks and fsynced): at most {theirs['seconds'] / floor:.1f}x "
-              f"cwtrain as shipped, before decoding or starting anything")
+        print(
+            f"the disk's floor: any apply that leaves the checkpoint on disk takes at least {floor:.2f} s here "
+            f"(the bytes written over existing blocks and fsynced): at most {theirs['seconds'] / floor:.1f}x "
+            f"cwtrain as shipped, before decoding or starting anything"
+        )
     raw = results["raw"]
     for name in ("ours fsync=0", "ours fsync=1", "ours CLI in place", "host (in memory)"):
         r = results[name]

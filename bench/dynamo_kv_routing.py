@@ -39,17 +39,30 @@ async def run_groups(settings: Settings, model: str, args: argparse.Namespace) -
     prompts = [[rng.randrange(10, 2000) for _ in range(args.prompt)] for _ in range(args.groups)]
     cached = prompt_tokens = one_worker = 0
 
-    async with httpx.AsyncClient(base_url=settings.gateway_url, headers=headers, timeout=600,
-                                 limits=httpx.Limits(max_connections=args.samples * args.waves + 4)) as client:
+    async with httpx.AsyncClient(
+        base_url=settings.gateway_url,
+        headers=headers,
+        timeout=600,
+        limits=httpx.Limits(max_connections=args.samples * args.waves + 4),
+    ) as client:
+
         async def sample(prompt: list[int]) -> tuple[int, int, str]:
-            body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 1.0,
-                    "nvext": {"extra_fields": ["worker_id"]}}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 1.0,
+                "nvext": {"extra_fields": ["worker_id"]},
+            }
             r = await client.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
             data = r.json()
             usage = data["usage"]
-            return (usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
-                    data["nvext"]["worker_id"]["decode_worker_id"])
+            return (
+                usage["prompt_tokens"],
+                (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+                data["nvext"]["worker_id"]["decode_worker_id"],
+            )
 
         async def group(prompt: list[int]) -> None:
             nonlocal cached, prompt_tokens, one_worker
@@ -63,7 +76,7 @@ async def run_groups(settings: Settings, model: str, args: argparse.Namespace) -
 
         t0 = time.monotonic()
         for i in range(0, len(prompts), args.waves):
-            await asyncio.gather(*(group(p) for p in prompts[i:i + args.waves]))
+            await asyncio.gather(*(group(p) for p in prompts[i : i + args.waves]))
         wall = time.monotonic() - t0
     return {"hit_rate": cached / prompt_tokens, "one_worker_groups": one_worker, "wall_s": wall}
 
@@ -101,12 +114,16 @@ def main() -> int:
             results[mode] = measure(mode, args, Path(tmp))
             print(f"[{mode}] {results[mode]}", flush=True)
     ll, kv = results["least-loaded"], results["kv"]
-    print(f"\n{args.groups} groups x {args.samples} samples of a {args.prompt}-token prompt "
-          f"({'all at once' if args.together else 'the first alone, then the rest'}), {args.waves} groups at once, "
-          f"{args.replicas} workers")
+    print(
+        f"\n{args.groups} groups x {args.samples} samples of a {args.prompt}-token prompt "
+        f"({'all at once' if args.together else 'the first alone, then the rest'}), {args.waves} groups at once, "
+        f"{args.replicas} workers"
+    )
     print(f"{'':32}{'least-loaded':>14}{'kv':>10}{'kv/ll':>8}")
-    print(f"{'prefix-cache hit rate':32}{ll['hit_rate']:14.3f}{kv['hit_rate']:10.3f}"
-          f"{kv['hit_rate'] / max(ll['hit_rate'], 1e-9):8.2f}")
+    print(
+        f"{'prefix-cache hit rate':32}{ll['hit_rate']:14.3f}{kv['hit_rate']:10.3f}"
+        f"{kv['hit_rate'] / max(ll['hit_rate'], 1e-9):8.2f}"
+    )
     print(f"{'groups on one worker':32}{ll['one_worker_groups']:14d}{kv['one_worker_groups']:10d}")
     print(f"{'wall s':32}{ll['wall_s']:14.1f}{kv['wall_s']:10.1f}{kv['wall_s'] / ll['wall_s']:8.2f}")
     return 0

@@ -69,15 +69,21 @@ def tree_pss_mib(pid: int) -> float:
     return total / 1024
 
 
-async def clients(settings: Settings, model: str, n: int, stop: asyncio.Event, tokens: list[float],
-                  failures: list[str]) -> None:
+async def clients(
+    settings: Settings, model: str, n: int, stop: asyncio.Event, tokens: list[float], failures: list[str]
+) -> None:
     headers = {"Authorization": f"Bearer {settings.admin_token}"}
 
     async def one(client: httpx.AsyncClient) -> None:
         rng = random.Random()
         while not stop.is_set():
-            body = {"model": model, "prompt": [rng.randrange(10, 2000) for _ in range(16)], "max_tokens": 32,
-                    "temperature": 1.0, "ignore_eos": True}
+            body = {
+                "model": model,
+                "prompt": [rng.randrange(10, 2000) for _ in range(16)],
+                "max_tokens": 32,
+                "temperature": 1.0,
+                "ignore_eos": True,
+            }
             try:
                 r = await client.post("/v1/completions", json=body)
                 if r.status_code != 200:
@@ -87,8 +93,9 @@ async def clients(settings: Settings, model: str, n: int, stop: asyncio.Event, t
             except httpx.HTTPError as exc:
                 failures.append(repr(exc))
 
-    async with httpx.AsyncClient(base_url=settings.gateway_url, headers=headers, timeout=600,
-                                 limits=httpx.Limits(max_connections=n + 4)) as client:
+    async with httpx.AsyncClient(
+        base_url=settings.gateway_url, headers=headers, timeout=600, limits=httpx.Limits(max_connections=n + 4)
+    ) as client:
         await asyncio.gather(*(one(client) for _ in range(n)))
 
 
@@ -137,9 +144,14 @@ async def measure(settings: Settings, engine: str, args: argparse.Namespace, wor
             prev_dir, prev_id = new_dir, identity
         memory = [tree_pss_mib(r["enginePid"]) for r in await asyncio.to_thread(engines, settings, dep_id)]
         breakdown = {k: statistics.median(p.get(k, 0.0) for p in parts) for k in sorted({k for p in parts for k in p})}
-        return {"hot_load_s": statistics.median(seconds), "pause_ms": sorted(pauses), "pause_breakdown_ms": breakdown,
-                "tokens_s_outside": statistics.median(outside), "tokens_s_during": statistics.median(during),
-                "memory_mib": memory}
+        return {
+            "hot_load_s": statistics.median(seconds),
+            "pause_ms": sorted(pauses),
+            "pause_breakdown_ms": breakdown,
+            "tokens_s_outside": statistics.median(outside),
+            "tokens_s_during": statistics.median(during),
+            "memory_mib": memory,
+        }
     finally:
         delete_deployment(api, dep["spec"]["id"])
 
@@ -168,8 +180,10 @@ def main() -> int:
         finally:
             stack.down(say=lambda line: None)
     for name, r in results.items():
-        print(f"{name}: pause median {statistics.median(r['pause_ms']):.1f} ms; its parts (medians, ms): "
-              + ", ".join(f"{k} {v:.1f}" for k, v in r["pause_breakdown_ms"].items()))
+        print(
+            f"{name}: pause median {statistics.median(r['pause_ms']):.1f} ms; its parts (medians, ms): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in r["pause_breakdown_ms"].items())
+        )
     if args.only:
         return 0
     v, d = results["vllm"], results["dynamo"]

@@ -57,8 +57,10 @@ async def main() -> None:
         if args.compare == "model-infos":
             kinds = {"without the shared record": (None, None), "with it": (shared, None)}
         else:
-            kinds = {"a worker process": (shared, {INPROC_WORKER_ENV: "1"}),
-                     "the worker in the engine core": (shared, {INPROC_WORKER_ENV: "0"})}
+            kinds = {
+                "a worker process": (shared, {INPROC_WORKER_ENV: "1"}),
+                "the worker in the engine core": (shared, {INPROC_WORKER_ENV: "0"}),
+            }
         times: dict[str, list[float]] = {kind: [] for kind in kinds}
         for run in range(args.runs):
             for kind, (cache, env) in kinds.items():
@@ -66,8 +68,10 @@ async def main() -> None:
                 times[kind].append(took)
                 print(f"run {run + 1}: {kind}: {took:.1f} s")
         (before, b), (after, a) = ((k, statistics.median(v)) for k, v in times.items())
-        print(f"median start: {before} {b:.1f} s, {after} {a:.1f} s: {b / a:.2f}x faster "
-              f"({b - a:.1f} s saved per engine start)")
+        print(
+            f"median start: {before} {b:.1f} s, {after} {a:.1f} s: {b / a:.2f}x faster "
+            f"({b - a:.1f} s saved per engine start)"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -61,10 +61,10 @@ async def staging_span(settings: Settings, hot_load_id: str) -> float:
     return last - first if scheduled else float("nan")
 
 
-def measure(settings: Settings, api: Api, work: Path, label: str, replicas: int, fan_out: int,
-            runs: int) -> dict:
+def measure(settings: Settings, api: Api, work: Path, label: str, replicas: int, fan_out: int, runs: int) -> dict:
     body = {
-        "name": f"fan-{label}", "gatewayIds": [settings.gateway_id],
+        "name": f"fan-{label}",
+        "gatewayIds": [settings.gateway_id],
         "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
         "model": {"name": f"fan-{label}", "bucket": settings.bucket, "path": "bench/model"},
         "autoscaling": {"min": replicas, "max": replicas},
@@ -93,8 +93,11 @@ def measure(settings: Settings, api: Api, work: Path, label: str, replicas: int,
             out["staging"].append(span)
             out["rounds"] = max(out["rounds"], max((r.get("peerRound") or 0 for r in reps), default=0))
             out["widest"] = max(out["widest"], max((senders.count(s) for s in set(senders)), default=0))
-            print(f"  {label} run {run}: {seconds:.2f} s, staging {span:.2f} s; sources "
-                  f"{[r['source'] for r in reps]}; rounds {[r.get('peerRound') for r in reps]}", flush=True)
+            print(
+                f"  {label} run {run}: {seconds:.2f} s, staging {span:.2f} s; sources "
+                f"{[r['source'] for r in reps]}; rounds {[r.get('peerRound') for r in reps]}",
+                flush=True,
+            )
     finally:
         delete_deployment(api, dep_id, timeout=600)
     return out
@@ -119,15 +122,19 @@ def main() -> int:
         )
         upload_dir(settings.s3_client(), work / "base", settings.bucket, "bench/model")
         api = Api(settings)
-        results = [measure(settings, api, work, "broadcast", args.replicas, args.replicas - 1, args.runs),
-                   measure(settings, api, work, "fanout", args.replicas, args.fan_out, args.runs)]
+        results = [
+            measure(settings, api, work, "broadcast", args.replicas, args.replicas - 1, args.runs),
+            measure(settings, api, work, "fanout", args.replicas, args.fan_out, args.runs),
+        ]
         print()
         base = results[0]
         for r in results:
             hot, span = statistics.median(r["seconds"]), statistics.median(r["staging"])
-            print(f"{r['label']:10s} peerFanOut {r['fan_out']:2d}: delta hot-load median {hot:.2f} s "
-                  f"({statistics.median(base['seconds']) / hot:.2f}x the broadcast's speed), staging median "
-                  f"{span:.2f} s, rounds {r['rounds']}, at most {r['widest']} receivers served by one sender")
+            print(
+                f"{r['label']:10s} peerFanOut {r['fan_out']:2d}: delta hot-load median {hot:.2f} s "
+                f"({statistics.median(base['seconds']) / hot:.2f}x the broadcast's speed), staging median "
+                f"{span:.2f} s, rounds {r['rounds']}, at most {r['widest']} receivers served by one sender"
+            )
     return 0
 
 

@@ -74,8 +74,13 @@ class Model(torch.nn.Module):
 
     def load_weights(self, weights) -> None:
         q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-        stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q), "v_proj": ("qkv_proj", q + kv),
-                   "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", MLP)}
+        stacked = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", q),
+            "v_proj": ("qkv_proj", q + kv),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", MLP),
+        }
         for name, t in weights:
             index, part = int(name.split(".")[1]), name.split(".")[2]
             layer = self.layers[index]
@@ -91,10 +96,19 @@ def checkpoint_shapes(layers: int) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {}
     for i in range(layers):
         p = f"layers.{i}."
-        out.update({p + "q_proj": (q, HIDDEN), p + "k_proj": (kv, HIDDEN), p + "v_proj": (kv, HIDDEN),
-                    p + "o_proj": (HIDDEN, q), p + "gate_proj": (MLP, HIDDEN), p + "up_proj": (MLP, HIDDEN),
-                    p + "down_proj": (HIDDEN, MLP), p + "input_layernorm": (HIDDEN,),
-                    p + "post_attention_layernorm": (HIDDEN,)})
+        out.update(
+            {
+                p + "q_proj": (q, HIDDEN),
+                p + "k_proj": (kv, HIDDEN),
+                p + "v_proj": (kv, HIDDEN),
+                p + "o_proj": (HIDDEN, q),
+                p + "gate_proj": (MLP, HIDDEN),
+                p + "up_proj": (MLP, HIDDEN),
+                p + "down_proj": (HIDDEN, MLP),
+                p + "input_layernorm": (HIDDEN,),
+                p + "post_attention_layernorm": (HIDDEN,),
+            }
+        )
     return out
 
 
@@ -121,8 +135,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def swap_in(wmap: WeightMap, label: str, tensors: dict[str, torch.Tensor], backup: dict[str, torch.Tensor] | None,
-            sparse: bool, device: str) -> tuple[float, dict]:
+def swap_in(
+    wmap: WeightMap,
+    label: str,
+    tensors: dict[str, torch.Tensor],
+    backup: dict[str, torch.Tensor] | None,
+    sparse: bool,
+    device: str,
+) -> tuple[float, dict]:
     """Stage (not timed: the engine serves meanwhile), then the pause: swap + proof. Returns
     (pause seconds, the report)."""
     expected = {n: adler32_hex(t) for n, t in tensors.items()}
@@ -144,9 +164,11 @@ def copy_rates(device: str, size: int) -> dict[str, float]:
         return {}
     out = {}
     dst = torch.empty(size, dtype=torch.uint8, device=device)
-    for kind, src in (("pageable", torch.ones(size, dtype=torch.uint8)),
-                      ("pinned", torch.ones(size, dtype=torch.uint8).pin_memory()),
-                      ("device", torch.ones(size, dtype=torch.uint8, device=device))):
+    for kind, src in (
+        ("pageable", torch.ones(size, dtype=torch.uint8)),
+        ("pinned", torch.ones(size, dtype=torch.uint8).pin_memory()),
+        ("device", torch.ones(size, dtype=torch.uint8, device=device)),
+    ):
         times = []
         for _ in range(5):
             sync(device)
@@ -165,8 +187,9 @@ def served(wmap: WeightMap) -> dict[str, str]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--layers", type=int, default=None, help="32: an 8B model's layers (default: 32 on "
-                        "CUDA, 2 on the CPU)")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="32: an 8B model's layers (default: 32 on CUDA, 2 on the CPU)"
+    )
     parser.add_argument("--changed", type=float, default=0.05, help="fraction of elements a delta changes")
     parser.add_argument("--runs", type=int, default=3)
     return parser.parse_args()
@@ -176,8 +199,9 @@ Checkpoint = dict[str, torch.Tensor]
 Rows = dict[str, list[tuple[float, dict]]]
 
 
-def measure_deltas_and_full(wmap: WeightMap, base: Checkpoint, shapes: dict[str, tuple[int, ...]],
-                            args: argparse.Namespace, device: str) -> tuple[Rows, Checkpoint]:
+def measure_deltas_and_full(
+    wmap: WeightMap, base: Checkpoint, shapes: dict[str, tuple[int, ...]], args: argparse.Namespace, device: str
+) -> tuple[Rows, Checkpoint]:
     """Each run's delta whole and scattered (from the same weights), then one FULL; the rows and
     the weights served at the end."""
     rows: Rows = {"delta, scattered": [], "delta, whole (baseline)": [], "FULL": []}
@@ -194,8 +218,9 @@ def measure_deltas_and_full(wmap: WeightMap, base: Checkpoint, shapes: dict[str,
     return rows, full
 
 
-def measure_full_from_host(wmap: WeightMap, base: Checkpoint, full: Checkpoint, runs: int, device: str,
-                           rows: Rows) -> Checkpoint:
+def measure_full_from_host(
+    wmap: WeightMap, base: Checkpoint, full: Checkpoint, runs: int, device: str, rows: Rows
+) -> Checkpoint:
     """A FULL past the device budget: from pinned host memory (asynchronous copies on two
     streams) against the same FULL from pageable memory (the baseline), both proven. Returns the
     weights served at the end."""
@@ -213,8 +238,10 @@ def measure_full_from_host(wmap: WeightMap, base: Checkpoint, full: Checkpoint, 
 
 def print_medians(rows: Rows) -> dict[str, tuple[float, float, float]]:
     """The table of medians; per update: (pause s, bytes in the pause, write s)."""
-    print(f"\n{'update':<26} {'pause ms':>9} {'write ms':>9} {'proof ms':>9} {'bytes in the pause':>19} "
-          f"{'changed':>11}   (medians)")
+    print(
+        f"\n{'update':<26} {'pause ms':>9} {'write ms':>9} {'proof ms':>9} {'bytes in the pause':>19} "
+        f"{'changed':>11}   (medians)"
+    )
     medians = {}
     for what, results in rows.items():
         pause = statistics.median(p for p, _ in results)
@@ -224,27 +251,36 @@ def print_medians(rows: Rows) -> dict[str, tuple[float, float, float]]:
         changed = [r["changed_bytes"] for _, r in results] if what.startswith("delta, scattered") else []
         medians[what] = (pause, moved, write)
         shown = f"{statistics.median(changed) / 1e6:8.1f} MB" if changed else f"{'—':>11}"
-        print(f"{what:<26} {1000 * pause:>9.1f} {1000 * write:>9.1f} {1000 * prove:>9.1f} {moved / 1e6:>16.1f} MB "
-              f"{shown}")
+        print(
+            f"{what:<26} {1000 * pause:>9.1f} {1000 * write:>9.1f} {1000 * prove:>9.1f} {moved / 1e6:>16.1f} MB {shown}"
+        )
     return medians
 
 
 def print_comparisons(medians: dict[str, tuple[float, float, float]], device: str) -> None:
     """Scattered against whole, pinned against pageable, and the copy rates."""
-    (p_sparse, b_sparse, w_sparse), (p_dense, b_dense, w_dense) = (medians["delta, scattered"],
-                                                                  medians["delta, whole (baseline)"])
-    print(f"\nscattered delta vs whole: {b_dense / max(b_sparse, 1):.1f}x fewer bytes inside the pause, the write "
-          f"{w_dense / w_sparse:.2f}x shorter, the pause {p_dense / p_sparse:.2f}x shorter")
+    (p_sparse, b_sparse, w_sparse), (p_dense, b_dense, w_dense) = (
+        medians["delta, scattered"],
+        medians["delta, whole (baseline)"],
+    )
+    print(
+        f"\nscattered delta vs whole: {b_dense / max(b_sparse, 1):.1f}x fewer bytes inside the pause, the write "
+        f"{w_dense / w_sparse:.2f}x shorter, the pause {p_dense / p_sparse:.2f}x shorter"
+    )
 
     if "FULL, pinned" in medians:
         (p_pin, _, w_pin), (p_page, _, w_page) = medians["FULL, pinned"], medians["FULL, pageable (baseline)"]
-        print(f"FULL from pinned vs pageable memory: the write {w_page / w_pin:.2f}x shorter, the pause "
-              f"{p_page / p_pin:.2f}x shorter")
+        print(
+            f"FULL from pinned vs pageable memory: the write {w_page / w_pin:.2f}x shorter, the pause "
+            f"{p_page / p_pin:.2f}x shorter"
+        )
 
     rates = copy_rates(device, 1 << 30)
     if rates:
-        print(f"host -> device: pinned {rates['pinned']:.1f} GB/s, pageable {rates['pageable']:.1f} GB/s; "
-              f"device -> device {rates['device']:.0f} GB/s")
+        print(
+            f"host -> device: pinned {rates['pinned']:.1f} GB/s, pageable {rates['pageable']:.1f} GB/s; "
+            f"device -> device {rates['device']:.0f} GB/s"
+        )
 
 
 def rollback_is_exact(wmap: WeightMap, current: Checkpoint, changed: float) -> bool:
@@ -272,8 +308,10 @@ def main() -> None:
     shapes = checkpoint_shapes(layers)
     base = random_checkpoint(shapes, seed=0)
     size = sum(t.nbytes for t in base.values())
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.startswith('cuda') else 'host memory'}), "
-          f"{layers} layer(s) of an 8B model's shapes: {len(base)} tensors, {size / 1e9:.2f} GB BF16")
+    print(
+        f"device {device} ({torch.cuda.get_device_name(device) if device.startswith('cuda') else 'host memory'}), "
+        f"{layers} layer(s) of an 8B model's shapes: {len(base)} tensors, {size / 1e9:.2f} GB BF16"
+    )
     model = Model(layers, device)
     model.load_weights(base.items())
     wmap = WeightMap.build(model, [(n, tuple(t.shape), t.dtype) for n, t in base.items()], base.__getitem__)

@@ -87,8 +87,12 @@ async def cold_rolling_restart(settings, identity_prefix: str, replicas: int, mo
         shutil.rmtree(model_dir, ignore_errors=True)
         # A restarted replica has nothing local: it downloads the full checkpoint first.
         await asyncio.to_thread(download_prefix, s3, settings.bucket, identity_prefix, model_dir)
-        engine = EngineProcess(model_dir, work_dir=Path(tempfile.mkdtemp(prefix="cold-", dir="/tmp")),
-                               served_model_name=model_name, port=free_port())
+        engine = EngineProcess(
+            model_dir,
+            work_dir=Path(tempfile.mkdtemp(prefix="cold-", dir="/tmp")),
+            served_model_name=model_name,
+            port=free_port(),
+        )
         await engine.start()
         await engine.stop()
     return time.monotonic() - t0
@@ -105,10 +109,24 @@ def print_timeline(settings, workflow_id: str, created: float) -> None:
     """Each activity of a hot-load's workflow history: when it was scheduled, started and
     closed, in ms since the hot-load's create call (`created`, wall clock)."""
 
-
-    out = subprocess.run([str(TEMPORAL_BIN), "workflow", "show", "-w", workflow_id, "-o", "json",
-                          "--address", settings.temporal_address, "--namespace", settings.temporal_namespace],
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [
+            str(TEMPORAL_BIN),
+            "workflow",
+            "show",
+            "-w",
+            workflow_id,
+            "-o",
+            "json",
+            "--address",
+            settings.temporal_address,
+            "--namespace",
+            settings.temporal_namespace,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
 
     def ms(event: dict) -> float:
         return (datetime.fromisoformat(event["eventTime"].replace("Z", "+00:00")).timestamp() - created) * 1000
@@ -120,8 +138,12 @@ def print_timeline(settings, workflow_id: str, created: float) -> None:
             queue = attrs["taskQueue"]["name"].rsplit("/", 1)[-1]
             rows[str(event["eventId"])] = [attrs["activityType"]["name"], queue, ms(event), None, None]
             continue
-        for kind, col in (("activityTaskStartedEventAttributes", 3), ("activityTaskCompletedEventAttributes", 4),
-                          ("activityTaskFailedEventAttributes", 4), ("activityTaskCanceledEventAttributes", 4)):
+        for kind, col in (
+            ("activityTaskStartedEventAttributes", 3),
+            ("activityTaskCompletedEventAttributes", 4),
+            ("activityTaskFailedEventAttributes", 4),
+            ("activityTaskCanceledEventAttributes", 4),
+        ):
             if kind in event:
                 rows[str(event[kind]["scheduledEventId"])][col] = ms(event)
         if "workflowExecutionStartedEventAttributes" in event:
@@ -129,8 +151,10 @@ def print_timeline(settings, workflow_id: str, created: float) -> None:
         if "workflowExecutionCompletedEventAttributes" in event:
             print(f"    {ms(event):7.0f} ms  workflow completed")
     for name, queue, scheduled, started, closed in rows.values():
-        print(f"    {scheduled:7.0f} ms  {name:18s} {queue:18s} started +{(started or scheduled) - scheduled:4.0f}, "
-              f"closed at {closed or float('nan'):7.0f} ms")
+        print(
+            f"    {scheduled:7.0f} ms  {name:18s} {queue:18s} started +{(started or scheduled) - scheduled:4.0f}, "
+            f"closed at {closed or float('nan'):7.0f} ms"
+        )
 
 
 def parse_args() -> argparse.Namespace:
@@ -163,12 +187,16 @@ def publish(settings: Settings, work: Path, info: dict) -> None:
 
 def create_ready_deployment(settings: Settings, api: Api, args: argparse.Namespace) -> str:
     body = {
-        "name": "bench", "gatewayIds": [settings.gateway_id],
+        "name": "bench",
+        "gatewayIds": [settings.gateway_id],
         "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
         "model": {"name": "bench-model", "bucket": settings.bucket, "path": "bench/model"},
         "autoscaling": {"min": args.replicas, "max": args.replicas},
-        "hotLoad": {"bucket": settings.bucket, "pathPrefix": "bench/ckpt",
-                    "maxConcurrentSwaps": args.max_concurrent_swaps},
+        "hotLoad": {
+            "bucket": settings.bucket,
+            "pathPrefix": "bench/ckpt",
+            "maxConcurrentSwaps": args.max_concurrent_swaps,
+        },
     }
     dep_id = api.call("POST", "/deployments", json=body).json()["deployment"]["spec"]["id"]
     dep = api.wait_deployment(dep_id, timeout=1800)
@@ -199,9 +227,12 @@ def measure_hot_loads(settings: Settings, api: Api, dep_id: str, work: Path, run
         out.seconds.append(seconds)
         out.pauses += [r["pauseMs"] for r in reps]
         out.bytes_per_replica.append([r["bytesReadFromBucket"] for r in reps])
-        print(f"  hot-load run {run}: {seconds:.2f} s; step s {[round(_step_seconds(r), 2) for r in reps]}; "
-              f"pause ms {[round(r['pauseMs'], 1) for r in reps]}; sources {[r['source'] for r in reps]}; "
-              f"end shown by GET {hl['_shownAfterMs']:.0f} ms after finishedAt", flush=True)
+        print(
+            f"  hot-load run {run}: {seconds:.2f} s; step s {[round(_step_seconds(r), 2) for r in reps]}; "
+            f"pause ms {[round(r['pauseMs'], 1) for r in reps]}; sources {[r['source'] for r in reps]}; "
+            f"end shown by GET {hl['_shownAfterMs']:.0f} ms after finishedAt",
+            flush=True,
+        )
     return out
 
 
@@ -222,8 +253,9 @@ def print_summary(args: argparse.Namespace, hot: HotRuns, cold: list[float], ten
     print(f"(a) delta hot-load, median       {a:.2f} s  ({args.runs} runs)")
     print(f"(b) cold rolling restart, median {b:.1f} s  ({args.cold_runs} runs)")
     print(f"(b)/(a)                          {b / a:.1f}x")
-    print(f"pause window per replica         median {statistics.median(hot.pauses):.1f} ms, "
-          f"max {max(hot.pauses):.1f} ms")
+    print(
+        f"pause window per replica         median {statistics.median(hot.pauses):.1f} ms, max {max(hot.pauses):.1f} ms"
+    )
     print(f"bytes from the bucket per replica {hot.bytes_per_replica[-1]}  (full checkpoint: {tensor_bytes})")
 
 
@@ -237,8 +269,9 @@ def main() -> int:
         dep_id = create_ready_deployment(settings, api, args)
         hot = measure_hot_loads(settings, api, dep_id, work, args.runs)
         if args.timeline and hot.last is not None:
-            print_timeline(settings, hot_load_workflow_id(settings.organization_id, hot.last["spec"]["id"]),
-                           hot.last_created)
+            print_timeline(
+                settings, hot_load_workflow_id(settings.organization_id, hot.last["spec"]["id"]), hot.last_created
+            )
         cold = measure_cold(settings, args, work)
         print_summary(args, hot, cold, info["tensor_bytes"])
     return 0

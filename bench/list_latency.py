@@ -85,8 +85,15 @@ def percentile(values: list[float], q: float) -> float:
 async def fill(client, task_queue: str, count: int) -> list[str]:
     replica_queue = f"{task_queue}/replica"
     replicas = [
-        ReplicaEndpoint(name=f"replica-{i}", zone="LOCAL-1A", task_queue=replica_queue, engine_url="http://x",
-                        engine_pid=1, agent_pid=1, started_at="2026-01-01T00:00:00.000000Z")
+        ReplicaEndpoint(
+            name=f"replica-{i}",
+            zone="LOCAL-1A",
+            task_queue=replica_queue,
+            engine_url="http://x",
+            engine_pid=1,
+            agent_pid=1,
+            started_at="2026-01-01T00:00:00.000000Z",
+        )
         for i in range(2)
     ]
     ids: list[str] = []
@@ -110,10 +117,16 @@ async def fill(client, task_queue: str, count: int) -> list[str]:
         async with sem:
             handle = await client.start_workflow(
                 HotLoadWorkflow.run,
-                HotLoadInput(hot_load=hot_load, hot_load_config=HotLoadConfig(bucket="b", path_prefix="p"),
-                             replicas=replicas, deployment_workflow_id="deployments/absent"),
-                id=names.hot_load_workflow_id("org-bench", hl_id), task_queue=task_queue,
-                search_attributes=hot_load_attributes(hot_load), memo={"hotLoad": hot_load.wire()},
+                HotLoadInput(
+                    hot_load=hot_load,
+                    hot_load_config=HotLoadConfig(bucket="b", path_prefix="p"),
+                    replicas=replicas,
+                    deployment_workflow_id="deployments/absent",
+                ),
+                id=names.hot_load_workflow_id("org-bench", hl_id),
+                task_queue=task_queue,
+                search_attributes=hot_load_attributes(hot_load),
+                memo={"hotLoad": hot_load.wire()},
             )
             try:
                 await handle.result()
@@ -148,8 +161,10 @@ def report(rows: list[tuple[str, list[float]]], baseline: dict[str, dict[str, fl
         line = f"  {name:<26} p50 {p50:7.2f} ms   p99 {p99:7.2f} ms   (n={len(ms)})"
         if name in baseline:
             was = baseline[name]
-            line += (f"   baseline p50 {was['p50']:7.2f} p99 {was['p99']:7.2f}: "
-                     f"x{was['p50'] / p50:.1f} / x{was['p99'] / p99:.1f}")
+            line += (
+                f"   baseline p50 {was['p50']:7.2f} p99 {was['p99']:7.2f}: "
+                f"x{was['p50'] / p50:.1f} / x{was['p99'] / p99:.1f}"
+            )
         print(line)
     return figures
 
@@ -183,10 +198,14 @@ async def main() -> None:
             settings = Settings.create(Path(tmp), 30000)
             add_token(settings.tokens_file, "bench", "viewer", "org-bench", "bench")
             app = create_app(settings, temporal_client=env.client, task_queue=task_queue)
-            async with app.router.lifespan_context(app), httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=app), base_url=f"http://api{PREFIX}",
-                headers={"Authorization": "Bearer bench"},
-            ) as http:
+            async with (
+                app.router.lifespan_context(app),
+                httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app=app),
+                    base_url=f"http://api{PREFIX}",
+                    headers={"Authorization": "Bearer bench"},
+                ) as http,
+            ):
                 # Visibility is eventually consistent: wait until every operation is listed closed.
                 while True:
                     r = await http.get("/hotLoads", params={"parentDeploymentId": DEPLOYMENT, "maxPageSize": 1000})
@@ -197,10 +216,14 @@ async def main() -> None:
                 n = args.requests
                 # A fresh API process (empty cache) answers its first listing by loading it all.
                 cold_app = create_app(settings, temporal_client=env.client, task_queue=task_queue)
-                async with cold_app.router.lifespan_context(cold_app), httpx.AsyncClient(
-                    transport=httpx.ASGITransport(app=cold_app), base_url=f"http://api{PREFIX}",
-                    headers={"Authorization": "Bearer bench"},
-                ) as cold:
+                async with (
+                    cold_app.router.lifespan_context(cold_app),
+                    httpx.AsyncClient(
+                        transport=httpx.ASGITransport(app=cold_app),
+                        base_url=f"http://api{PREFIX}",
+                        headers={"Authorization": "Bearer bench"},
+                    ) as cold,
+                ):
                     cold_ms = await timed(cold, "/hotLoads", 1, parentDeploymentId=DEPLOYMENT, maxPageSize=50)
                 rows = [
                     ("list, cold (1st request)", cold_ms),
@@ -222,8 +245,10 @@ async def main() -> None:
                     ),
                 ]
         index = app.state.resources.hot_loads
-        print(f"{args.hot_loads} hot-loads in history, in-process ASGI, {n} requests each (visibility: "
-              f"{index.full_loads} full reads, {getattr(index, 'refreshes', '?')} background refreshes):")
+        print(
+            f"{args.hot_loads} hot-loads in history, in-process ASGI, {n} requests each (visibility: "
+            f"{index.full_loads} full reads, {getattr(index, 'refreshes', '?')} background refreshes):"
+        )
         figures = report(rows, baseline)
         if args.save:
             args.save.write_text(json.dumps(figures, indent=2) + "\n")

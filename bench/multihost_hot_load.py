@@ -65,7 +65,9 @@ def hot_load(api: Api, dep_id: str, identity: str, previous: str | None) -> tupl
 
 def measure(api: Api, settings, name: str, runs: int, work: Path, expect_nodes: int) -> list[float]:
     body = {
-        "id": name, "name": name, "gatewayIds": [settings.gateway_id],
+        "id": name,
+        "name": name,
+        "gatewayIds": [settings.gateway_id],
         "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
         "model": {"name": "bench-model", "bucket": settings.bucket, "path": "bench/model"},
         "autoscaling": {"min": 3, "max": 3},
@@ -86,8 +88,11 @@ def measure(api: Api, settings, name: str, runs: int, work: Path, expect_nodes: 
         nodes = sorted({r["node"] for r in reps})
         assert len(nodes) == expect_nodes, nodes
         out.append(seconds)
-        print(f"  {name} run {run}: {seconds:.2f} s; nodes {[r['node'] for r in reps]}; sources "
-              f"{[r['source'] for r in reps]}; pause ms {[round(r['pauseMs'], 1) for r in reps]}", flush=True)
+        print(
+            f"  {name} run {run}: {seconds:.2f} s; nodes {[r['node'] for r in reps]}; sources "
+            f"{[r['source'] for r in reps]}; pause ms {[round(r['pauseMs'], 1) for r in reps]}",
+            flush=True,
+        )
     api.call("DELETE", f"/deployments/{name}").raise_for_status()
     deadline = time.monotonic() + 300
     while api.call("GET", f"/deployments/{name}").status_code != 404:
@@ -112,8 +117,10 @@ def main() -> int:
             try:
                 give_base_tokenizer(settings, work / "base", work / "new")
                 stats = write_delta(work / "base", work / "new", work / "delta", version="1", base_version="0")
-                print(f"model {info['tensor_bytes'] / 2**20:.0f} MiB BF16; delta {stats.wire_bytes / 2**20:.1f} MiB",
-                      flush=True)
+                print(
+                    f"model {info['tensor_bytes'] / 2**20:.0f} MiB BF16; delta {stats.wire_bytes / 2**20:.1f} MiB",
+                    flush=True,
+                )
                 upload_dir(settings.s3_client(), work / "base", settings.bucket, "bench/model")
                 api = Api(settings)
                 wait_nodes(settings, [LOCAL_NODE])

@@ -43,10 +43,15 @@ def _tensors(size_mb: float, device: str) -> list[tuple[str, "object"]]:
     layers = max(1, int(size_mb * 2**20 // per_layer))
     out = []
     for i in range(layers):
-        for name, shape in (("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (hidden, hidden)),
-                            ("self_attn.v_proj", (hidden, hidden)), ("self_attn.o_proj", (hidden, hidden)),
-                            ("mlp.gate_proj", (2 * hidden, hidden)), ("mlp.up_proj", (2 * hidden, hidden)),
-                            ("mlp.down_proj", (hidden, 2 * hidden))):
+        for name, shape in (
+            ("self_attn.q_proj", (hidden, hidden)),
+            ("self_attn.k_proj", (hidden, hidden)),
+            ("self_attn.v_proj", (hidden, hidden)),
+            ("self_attn.o_proj", (hidden, hidden)),
+            ("mlp.gate_proj", (2 * hidden, hidden)),
+            ("mlp.up_proj", (2 * hidden, hidden)),
+            ("mlp.down_proj", (hidden, 2 * hidden)),
+        ):
             t = torch.randn(shape, generator=gen).to(torch.bfloat16)
             out.append((f"model.layers.{i}.{name}.weight", t.to(device)))
     return out
@@ -61,8 +66,9 @@ def _member(rank: int, world: int, port: int, backend: str, size_mb: float, queu
         tensors = _tensors(size_mb, device)
         expected = {n: adler32_hex(t) for n, t in tensors}
         specs = normalize_specs([spec_of(n, t) for n, t in tensors])
-        group = PeerGroup.create("127.0.0.1", port, rank, world, backend=backend, timeout_s=60,
-                                 device=torch.device(device))
+        group = PeerGroup.create(
+            "127.0.0.1", port, rank, world, backend=backend, timeout_s=60, device=torch.device(device)
+        )
         group.count_failures(False)  # a barrier: time the transfer, not the members' start-up
         t0 = time.perf_counter()
         try:
@@ -96,15 +102,20 @@ def run(backend: str, world: int, size_mb: float) -> dict:
     bad = [n for r in results for n in r[4]]
     seconds = max(r[2] for r in results)
     received = sum(r[3] for r in results if r[0] != 0)
-    return {"backend": backend, "world": world, "seconds": seconds, "bytes_per_receiver": results[0][3],
-            "gb_per_s": received / seconds / 1e9, "checksum_mismatches": bad}
+    return {
+        "backend": backend,
+        "world": world,
+        "seconds": seconds,
+        "bytes_per_receiver": results[0][3],
+        "gb_per_s": received / seconds / 1e9,
+        "checksum_mismatches": bad,
+    }
 
 
 def cuda_apply_check() -> str:
     """The engine's update lifecycle on CUDA parameters: stage (roll-back copy), swap, read-back
     (bit compare and Adler-32 of the served bytes), and the roll-back of a stage discarded after
     its swap; a tensor of the wrong shape is refused at staging."""
-
 
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:
@@ -167,9 +178,11 @@ def main() -> int:
             print(f"{r['backend']:5s} FAILED: {r['error']}")
             continue
         ratio = f"{base['seconds'] / r['seconds']:.2f}x gloo's speed" if base and r.get("world") == world else ""
-        print(f"{r['backend']:5s} world {r['world']}: {r['bytes_per_receiver'] / 2**20:.0f} MiB to each of "
-              f"{r['world'] - 1} receiver(s) in {r['seconds']:.3f} s, {r['gb_per_s']:.2f} GB/s delivered, "
-              f"{len(r['checksum_mismatches'])} checksum mismatches {ratio} {r.get('note', '')}")
+        print(
+            f"{r['backend']:5s} world {r['world']}: {r['bytes_per_receiver'] / 2**20:.0f} MiB to each of "
+            f"{r['world'] - 1} receiver(s) in {r['seconds']:.3f} s, {r['gb_per_s']:.2f} GB/s delivered, "
+            f"{len(r['checksum_mismatches'])} checksum mismatches {ratio} {r.get('note', '')}"
+        )
     return 0 if all("seconds" in r and not r["checksum_mismatches"] for r in rows) else 1
 
 

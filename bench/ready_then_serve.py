@@ -62,8 +62,12 @@ def burst(settings: Settings, targets: list[str]) -> dict[str, list[tuple[int, f
 
     def one(target: str) -> tuple[int, float]:
         t0 = time.monotonic()
-        r = httpx.post(f"{settings.gateway_url}/v1/completions", headers=headers, timeout=300,
-                       json={"model": target, "prompt": [1, 2, 3], "max_tokens": 2})
+        r = httpx.post(
+            f"{settings.gateway_url}/v1/completions",
+            headers=headers,
+            timeout=300,
+            json={"model": target, "prompt": [1, 2, 3], "max_tokens": 2},
+        )
         return r.status_code, time.monotonic() - t0
 
     jobs = [t for t in targets for _ in range(REQUESTS)]
@@ -97,14 +101,18 @@ def main() -> int:
             new_med = statistics.median(t for _, t in got[dep_id])
             base_med = statistics.median(t for _, t in got[beside])
             ratios.append(new_med / base_med)
-            print(f"repeat {k}: READY in {seconds:.1f} s; new {new_ok}/{REQUESTS} answered 200 "
-                  f"(statuses {sorted({s for s, _ in got[dep_id]})}), beside {base_ok}/{REQUESTS}; median latency "
-                  f"new {new_med * 1000:.0f} ms vs beside {base_med * 1000:.0f} ms: ratio {new_med / base_med:.2f}",
-                  flush=True)
+            print(
+                f"repeat {k}: READY in {seconds:.1f} s; new {new_ok}/{REQUESTS} answered 200 "
+                f"(statuses {sorted({s for s, _ in got[dep_id]})}), beside {base_ok}/{REQUESTS}; median latency "
+                f"new {new_med * 1000:.0f} ms vs beside {base_med * 1000:.0f} ms: ratio {new_med / base_med:.2f}",
+                flush=True,
+            )
             delete_deployment(api, dep_id)
-        print(f"\n{args.repeats} deployments created beside a running one: {refused} of "
-              f"{args.repeats * REQUESTS} first requests refused; first-burst median latency vs the "
-              f"deployment beside: ratio median {statistics.median(ratios):.2f}")
+        print(
+            f"\n{args.repeats} deployments created beside a running one: {refused} of "
+            f"{args.repeats * REQUESTS} first requests refused; first-burst median latency vs the "
+            f"deployment beside: ratio median {statistics.median(ratios):.2f}"
+        )
         return 1 if refused else 0
     finally:
         stack.down(say=lambda line: None)

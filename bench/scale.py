@@ -74,8 +74,13 @@ from workers.stack import Stack, upload_dir  # noqa: E402
 
 SIMULATED_GATEWAY = "bench-simulated-load"
 # The activities a joiner's catch-up runs on the deployment workflow (control/autoscaler.py).
-JOIN_STEPS = (names.STAGE_FROM_PEER, names.COMMIT_PEER_STAGE, names.APPLY_SNAPSHOT, names.SERVE_REPLICA,
-              names.DRAIN_REPLICA)
+JOIN_STEPS = (
+    names.STAGE_FROM_PEER,
+    names.COMMIT_PEER_STAGE,
+    names.APPLY_SNAPSHOT,
+    names.SERVE_REPLICA,
+    names.DRAIN_REPLICA,
+)
 CONTROL_PLANE = ("temporal", "api", "worker")
 
 
@@ -121,8 +126,11 @@ async def history_breakdown(settings: Settings, workflow_id: str, top: int = 6, 
         attrs = getattr(event, event.WhichOneof("attributes"))
         if kind == "activity_task_scheduled":
             names_by_id[event.event_id] = attrs.activity_type.name
-        name = (getattr(getattr(attrs, "activity_type", None), "name", "") or getattr(attrs, "signal_name", "")
-                or names_by_id.get(getattr(attrs, "scheduled_event_id", 0), ""))
+        name = (
+            getattr(getattr(attrs, "activity_type", None), "name", "")
+            or getattr(attrs, "signal_name", "")
+            or names_by_id.get(getattr(attrs, "scheduled_event_id", 0), "")
+        )
         key = f"{kind}:{name}" if name else kind
         sizes.setdefault(key, [0, 0])
         sizes[key][0] += 1
@@ -171,7 +179,8 @@ def run_autoscale(settings: Settings, api: Api, dep_id: str, low: int, high: int
     async def say(level: str) -> None:
         client = await temporal_client(settings)
         await client.get_workflow_handle(workflow_id).signal(
-            names.LOAD_REPORT, LoadReport(gateway_id=SIMULATED_GATEWAY, level=level))
+            names.LOAD_REPORT, LoadReport(gateway_id=SIMULATED_GATEWAY, level=level)
+        )
 
     trace: list[tuple[str, float, int]] = []  # (level, seconds since it was first said, ready replicas)
 
@@ -211,11 +220,18 @@ def ready_replicas(api: Api, dep_id: str) -> int:
     return int(api.call("GET", f"/deployments/{dep_id}")["deployment"]["status"].get("readyReplicas") or 0)
 
 
-def time_describes(settings: Settings, workflow_id: str, done: threading.Event, out: list[float],
-                   seen_end: list[datetime], interval_s: float) -> None:
+def time_describes(
+    settings: Settings,
+    workflow_id: str,
+    done: threading.Event,
+    out: list[float],
+    seen_end: list[datetime],
+    interval_s: float,
+) -> None:
     """Temporal's own describe of the workflow at the reader's cadence until `done`, in ms: what
     the API's GET of a running hot-load cost when each GET described it (the baseline beside the
     API's figure); `seen_end` gets the time a describe first showed the hot-load's end."""
+
     async def run() -> None:
         handle = (await temporal_client(settings)).get_workflow_handle(workflow_id)
         while not done.is_set():
@@ -244,8 +260,9 @@ def sample_pending(settings: Settings, workflow_id: str, done: threading.Event, 
         done.wait(0.5)
 
 
-def poll_until_terminal(reader: Api, identity: str, dep_id: str, poll_s: float,
-                        get_ms: list[float], list_ms: list[float]) -> tuple[dict, datetime]:
+def poll_until_terminal(
+    reader: Api, identity: str, dep_id: str, poll_s: float, get_ms: list[float], list_ms: list[float]
+) -> tuple[dict, datetime]:
     """A dashboard's reader: GET the hot-load and list the deployment's, every `poll_s` (start to
     start), timing each, until the GET shows a terminal state; that answer and when it came."""
     while True:
@@ -265,8 +282,11 @@ def all_replicas(reader: Api, identity: str) -> list[dict]:
     replicas: list[dict] = []
     token = None
     while True:
-        page = reader.call("GET", f"/hotLoads/{identity}/replicas",
-                           params={"maxPageSize": 1000, **({"pageToken": token} if token else {})})
+        page = reader.call(
+            "GET",
+            f"/hotLoads/{identity}/replicas",
+            params={"maxPageSize": 1000, **({"pageToken": token} if token else {})},
+        )
         replicas += page["replicas"]
         if not (token := page.get("nextPageToken")):
             return replicas
@@ -281,12 +301,16 @@ def history_figures(settings: Settings, workflow_id: str, dep_id: str) -> dict:
     )
     reg_events, reg_size = asyncio.run(history(settings, names.NODE_REGISTRY_ID))
     return {
-        "history_events": events, "history_bytes": size,
-        "stage_groups": len(groups), "group_history_events_sum": sum(e for e, _ in groups),
+        "history_events": events,
+        "history_bytes": size,
+        "stage_groups": len(groups),
+        "group_history_events_sum": sum(e for e, _ in groups),
         "group_history_events_max": max((e for e, _ in groups), default=0),
         "group_history_bytes_max": max((b for _, b in groups), default=0),
-        "deployment_history_events": dep_events, "deployment_history_bytes": dep_size,
-        "registry_history_events": reg_events, "registry_history_bytes": reg_size,
+        "deployment_history_events": dep_events,
+        "deployment_history_bytes": dep_size,
+        "registry_history_events": reg_events,
+        "registry_history_bytes": reg_size,
     }
 
 
@@ -299,8 +323,16 @@ def replica_sources(replicas: list[dict]) -> dict[str, int]:
     return sources
 
 
-def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identity: str, previous: str | None,
-                 describe_baseline: bool = False, poll_s: float = 0.05) -> dict:
+def run_hot_load(
+    settings: Settings,
+    stack: Stack,
+    api: Api,
+    dep_id: str,
+    identity: str,
+    previous: str | None,
+    describe_baseline: bool = False,
+    poll_s: float = 0.05,
+) -> dict:
     body = hot_load_body(dep_id, identity, previous_identity=previous, hot_load_id=identity)
     get_ms: list[float] = []
     list_ms: list[float] = []
@@ -314,8 +346,9 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
     sampler.start()
     describe_ms: list[float] = []
     describe_end: list[datetime] = []
-    describer = threading.Thread(target=time_describes, daemon=True,
-                                 args=(settings, workflow_id, done, describe_ms, describe_end, poll_s))
+    describer = threading.Thread(
+        target=time_describes, daemon=True, args=(settings, workflow_id, done, describe_ms, describe_end, poll_s)
+    )
     if describe_baseline:
         describer.start()
     reader = Api(settings)
@@ -330,19 +363,29 @@ def run_hot_load(settings: Settings, stack: Stack, api: Api, dep_id: str, identi
         describer.join(timeout=30)
     replicas = all_replicas(reader, identity)
     return {
-        "identity": identity, "state": hl["status"]["state"], "seconds": seconds, "replicas": len(replicas),
+        "identity": identity,
+        "state": hl["status"]["state"],
+        "seconds": seconds,
+        "replicas": len(replicas),
         "ready": sum(r["state"] == "READY" for r in replicas),
         "most_pending_activities": most_pending[0],
         "transfer_rounds": max((r.get("peerRound") or 0 for r in replicas), default=0),
         **history_figures(settings, workflow_id, dep_id),
-        "api_get_p50_ms": pct(get_ms, 0.5), "api_get_p99_ms": pct(get_ms, 0.99),
-        "api_list_p50_ms": pct(list_ms, 0.5), "api_list_p99_ms": pct(list_ms, 0.99), "api_samples": len(get_ms),
-        "describe_p50_ms": pct(describe_ms, 0.5), "describe_p99_ms": pct(describe_ms, 0.99),
+        "api_get_p50_ms": pct(get_ms, 0.5),
+        "api_get_p99_ms": pct(get_ms, 0.99),
+        "api_list_p50_ms": pct(list_ms, 0.5),
+        "api_list_p99_ms": pct(list_ms, 0.99),
+        "api_samples": len(get_ms),
+        "describe_p50_ms": pct(describe_ms, 0.5),
+        "describe_p99_ms": pct(describe_ms, 0.99),
         "describe_samples": len(describe_ms),
         "end_seen_after_ms": (seen_end - finished).total_seconds() * 1000,
-        "gets_described": reads.get("described", 0.0), "gets_kept": reads.get("kept", 0.0),
+        "gets_described": reads.get("described", 0.0),
+        "gets_kept": reads.get("kept", 0.0),
         "describe_end_seen_after_ms": (describe_end[0] - finished).total_seconds() * 1000 if describe_end else None,
-        "control_plane_cpu_s": sum(cpu.values()), "cpu_s_by_process": cpu, "sources": replica_sources(replicas),
+        "control_plane_cpu_s": sum(cpu.values()),
+        "cpu_s_by_process": cpu,
+        "sources": replica_sources(replicas),
         "max_pause_ms": max((r.get("pauseMs") or 0 for r in replicas), default=0),
         "condition": (hl["status"].get("conditions") or [{}])[-1].get("message", ""),
     }
@@ -356,15 +399,30 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--fan-out", type=int, default=4, help="hotLoad.peerFanOut")
     ap.add_argument("--group-size", type=int, default=100, help="hotLoad.replicasPerGroup")
     ap.add_argument("--max-concurrent-swaps", type=int, default=1, help="hotLoad.maxConcurrentSwaps")
-    ap.add_argument("--sim-nice", type=int, default=0,
-                    help="run the SIMULATED node agents at this niceness (19: they take only the CPU the control "
-                         "plane leaves, as agents on their own hosts would)")
-    ap.add_argument("--autoscale", type=int, default=0,
-                    help="after the hot-loads, scale out by this many replicas and back in (SIMULATED load reports)")
-    ap.add_argument("--describe-baseline", action="store_true",
-                    help="also time Temporal's own describe of the hot-load back to back (adds that load)")
-    ap.add_argument("--poll-s", type=float, default=0.05,
-                    help="the reader's cadence: a GET and a list every this many seconds (start to start)")
+    ap.add_argument(
+        "--sim-nice",
+        type=int,
+        default=0,
+        help="run the SIMULATED node agents at this niceness (19: they take only the CPU the control "
+        "plane leaves, as agents on their own hosts would)",
+    )
+    ap.add_argument(
+        "--autoscale",
+        type=int,
+        default=0,
+        help="after the hot-loads, scale out by this many replicas and back in (SIMULATED load reports)",
+    )
+    ap.add_argument(
+        "--describe-baseline",
+        action="store_true",
+        help="also time Temporal's own describe of the hot-load back to back (adds that load)",
+    )
+    ap.add_argument(
+        "--poll-s",
+        type=float,
+        default=0.05,
+        help="the reader's cadence: a GET and a list every this many seconds (start to start)",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here too")
     ap.add_argument("--deployment-only", action="store_true", help="create the deployment, report, and stop")
     ap.add_argument("--keep", action="store_true", help="keep the stack's home (logs) afterwards")
@@ -383,17 +441,30 @@ def publish_checkpoints(settings: Settings, work: Path) -> None:
 
 def create_deployment(settings: Settings, api: Api, args: argparse.Namespace) -> str:
     """The deployment of `--replicas` SIMULATED replicas; its id."""
-    return api.call("POST", "/deployments", json={
-        "name": "scale", "gatewayIds": [settings.gateway_id],
-        "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
-        "model": {"name": "scale-model", "bucket": settings.bucket, "path": settings.base_model_path},
-        # One simulated GPU each: placement puts them on the simulated nodes only.
-        "resources": {"instanceType": "cpu-local", "gpuCount": 1},
-        "autoscaling": {"min": args.replicas, "max": args.replicas + args.autoscale,
-                        **({"scaleOutAfterSeconds": 0, "scaleInAfterSeconds": 0} if args.autoscale else {})},
-        "hotLoad": {"bucket": settings.bucket, "pathPrefix": "scale/ckpt", "peerFanOut": args.fan_out,
-                    "replicasPerGroup": args.group_size, "maxConcurrentSwaps": args.max_concurrent_swaps},
-    })["deployment"]["spec"]["id"]
+    return api.call(
+        "POST",
+        "/deployments",
+        json={
+            "name": "scale",
+            "gatewayIds": [settings.gateway_id],
+            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+            "model": {"name": "scale-model", "bucket": settings.bucket, "path": settings.base_model_path},
+            # One simulated GPU each: placement puts them on the simulated nodes only.
+            "resources": {"instanceType": "cpu-local", "gpuCount": 1},
+            "autoscaling": {
+                "min": args.replicas,
+                "max": args.replicas + args.autoscale,
+                **({"scaleOutAfterSeconds": 0, "scaleInAfterSeconds": 0} if args.autoscale else {}),
+            },
+            "hotLoad": {
+                "bucket": settings.bucket,
+                "pathPrefix": "scale/ckpt",
+                "peerFanOut": args.fan_out,
+                "replicasPerGroup": args.group_size,
+                "maxConcurrentSwaps": args.max_concurrent_swaps,
+            },
+        },
+    )["deployment"]["spec"]["id"]
 
 
 def wait_deployment(settings: Settings, api: Api, dep_id: str, replicas: int) -> dict | None:
@@ -409,8 +480,12 @@ def wait_deployment(settings: Settings, api: Api, dep_id: str, replicas: int) ->
                 f"{events} history events, {size / 1e6:.1f} MB (Temporal ends a workflow past 50 MB / 51,200 "
                 "events)"
             )
-            print("  " + asyncio.run(history_breakdown(
-                settings, names.deployment_workflow_id(settings.organization_id, dep_id))))
+            print(
+                "  "
+                + asyncio.run(
+                    history_breakdown(settings, names.deployment_workflow_id(settings.organization_id, dep_id))
+                )
+            )
             return None
         dep = r.json()["deployment"]
         if dep["status"]["status"] in ("STATUS_READY", "STATUS_FAILED"):
@@ -420,6 +495,7 @@ def wait_deployment(settings: Settings, api: Api, dep_id: str, replicas: int) ->
 
 def print_runs(settings: Settings, dep_wf: str) -> None:
     """The history breakdown of each run of the deployment workflow (`--deployment-only`)."""
+
     async def runs() -> list[str]:
         client = await temporal_client(settings)
         return [wf.run_id async for wf in client.list_workflows(f"WorkflowId = '{dep_wf}'")]
@@ -429,28 +505,27 @@ def print_runs(settings: Settings, dep_wf: str) -> None:
 
 
 def print_hot_load(r: dict, args: argparse.Namespace) -> None:
-    print(f"\n{r['identity']}: {r['state']} in {r['seconds']:.1f} s; {r['ready']}/{r['replicas']} READY; "
-          f"sources {r['sources']}; max pause {r['max_pause_ms']:.1f} ms")
-    print(f"  hot-load history      {r['history_events']} events, {r['history_bytes'] / 1e6:.2f} MB; "
-          f"most pending activities {r['most_pending_activities']}")
+    print(
+        f"\n{r['identity']}: {r['state']} in {r['seconds']:.1f} s; {r['ready']}/{r['replicas']} READY; "
+        f"sources {r['sources']}; max pause {r['max_pause_ms']:.1f} ms"
+    )
+    print(
+        f"  hot-load history      {r['history_events']} events, {r['history_bytes'] / 1e6:.2f} MB; "
+        f"most pending activities {r['most_pending_activities']}"
+    )
     print(
         f"  stage groups          {r['stage_groups']}: {r['group_history_events_sum']} events in all, at most "
         f"{r['group_history_events_max']} ({r['group_history_bytes_max'] / 1e6:.2f} MB) in one"
     )
+    print(f"  transfer rounds       {r['transfer_rounds']} (fan-out {args.fan_out}, k = {args.max_concurrent_swaps})")
     print(
-        f"  transfer rounds       {r['transfer_rounds']} (fan-out {args.fan_out}, k = "
-        f"{args.max_concurrent_swaps})"
+        f"  deployment history    {r['deployment_history_events']} events, {r['deployment_history_bytes'] / 1e6:.2f} MB"
     )
+    print(f"  node registry history {r['registry_history_events']} events, {r['registry_history_bytes'] / 1e6:.2f} MB")
     print(
-        f"  deployment history    {r['deployment_history_events']} events, "
-        f"{r['deployment_history_bytes'] / 1e6:.2f} MB"
+        f"  API GET p50/p99 {r['api_get_p50_ms']:.1f}/{r['api_get_p99_ms']:.1f} ms, list p50/p99 "
+        f"{r['api_list_p50_ms']:.1f}/{r['api_list_p99_ms']:.1f} ms ({r['api_samples']} samples)"
     )
-    print(
-        f"  node registry history {r['registry_history_events']} events, "
-        f"{r['registry_history_bytes'] / 1e6:.2f} MB"
-    )
-    print(f"  API GET p50/p99 {r['api_get_p50_ms']:.1f}/{r['api_get_p99_ms']:.1f} ms, list p50/p99 "
-          f"{r['api_list_p50_ms']:.1f}/{r['api_list_p99_ms']:.1f} ms ({r['api_samples']} samples)")
     print(
         f"  its end shown by GET  {r['end_seen_after_ms']:.0f} ms after the hot-load's finishedAt; GETs "
         f"answered by their describe {r['gets_described']:.0f}, from the last one (theirs late) "
@@ -458,38 +533,51 @@ def print_hot_load(r: dict, args: argparse.Namespace) -> None:
     )
     if r["describe_samples"]:
         end = r["describe_end_seen_after_ms"]
-        print(f"  Temporal describe p50/p99 {r['describe_p50_ms']:.1f}/{r['describe_p99_ms']:.1f} ms "
-              f"({r['describe_samples']} samples, beside the API's); its end shown by describe "
-              + (f"{end:.0f} ms after finishedAt" if end is not None else "never"))
-    print(f"  control-plane CPU     {r['control_plane_cpu_s']:.1f} s ("
-          + ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_s_by_process"].items()) + f") in {r['seconds']:.0f} s")
+        print(
+            f"  Temporal describe p50/p99 {r['describe_p50_ms']:.1f}/{r['describe_p99_ms']:.1f} ms "
+            f"({r['describe_samples']} samples, beside the API's); its end shown by describe "
+            + (f"{end:.0f} ms after finishedAt" if end is not None else "never")
+        )
+    print(
+        f"  control-plane CPU     {r['control_plane_cpu_s']:.1f} s ("
+        + ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_s_by_process"].items())
+        + f") in {r['seconds']:.0f} s"
+    )
     if r["state"] != "HOT_LOAD_STATE_COMPLETED":
         print(f"  condition: {r['condition']}")
 
 
 def print_autoscale(scaled: dict, args: argparse.Namespace) -> None:
-    print(f"\nautoscaling {args.replicas} -> {args.replicas + args.autoscale} -> {args.replicas} "
-          f"(SIMULATED gateway load reports)")
+    print(
+        f"\nautoscaling {args.replicas} -> {args.replicas + args.autoscale} -> {args.replicas} "
+        f"(SIMULATED gateway load reports)"
+    )
     print("  scale-out, s between changes of the serving count: " + ", ".join(f"{x:.1f}" for x in scaled["out_s"]))
     print("  scale-in, s between changes of the serving count:  " + ", ".join(f"{x:.1f}" for x in scaled["in_s"]))
     print(f"  ready replicas as they changed (level, s, count): {scaled['trace']}")
     print(f"  deployment activities {scaled['activities']}")
-    print(f"  deployment history +{scaled['history_events_added']} events "
-          f"({scaled['deployment_history_bytes'] / 1e6:.2f} MB now)")
+    print(
+        f"  deployment history +{scaled['history_events_added']} events "
+        f"({scaled['deployment_history_bytes'] / 1e6:.2f} MB now)"
+    )
 
 
 def all_passed(results: list[dict], scaled: dict | None, args: argparse.Namespace) -> bool:
     """Every hot-load COMPLETED and, with `--autoscale`, the serving count reached the top and came back."""
     scaled_ok = not args.autoscale or (
-        scaled is not None and max(n for _, _, n in scaled["trace"]) == args.replicas + args.autoscale
-        and scaled["trace"][-1][2] == args.replicas)
+        scaled is not None
+        and max(n for _, _, n in scaled["trace"]) == args.replicas + args.autoscale
+        and scaled["trace"][-1][2] == args.replicas
+    )
     return all(r["state"] == "HOT_LOAD_STATE_COMPLETED" for r in results) and scaled_ok
 
 
 def measure(settings: Settings, stack: Stack, api: Api, dep_id: str, args: argparse.Namespace) -> int:
     """The FULL and the delta hot-load, then `--autoscale`'s out and in; printed (and `--json`)."""
-    results = [run_hot_load(settings, stack, api, dep_id, "full-0", None, args.describe_baseline, args.poll_s),
-               run_hot_load(settings, stack, api, dep_id, "delta-1", "full-0", args.describe_baseline, args.poll_s)]
+    results = [
+        run_hot_load(settings, stack, api, dep_id, "full-0", None, args.describe_baseline, args.poll_s),
+        run_hot_load(settings, stack, api, dep_id, "delta-1", "full-0", args.describe_baseline, args.poll_s),
+    ]
     for r in results:
         print_hot_load(r, args)
     scaled: dict | None = None
@@ -497,10 +585,21 @@ def measure(settings: Settings, stack: Stack, api: Api, dep_id: str, args: argpa
         scaled = run_autoscale(settings, api, dep_id, args.replicas, args.replicas + args.autoscale)
         print_autoscale(scaled, args)
     if args.json:
-        args.json.write_text(json.dumps({"replicas": args.replicas, "nodes": args.nodes, "fan_out": args.fan_out,
-                                         "group_size": args.group_size, "k": args.max_concurrent_swaps,
-                                         "sim_nice": args.sim_nice, "autoscale": scaled,
-                                         "results": results}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "replicas": args.replicas,
+                    "nodes": args.nodes,
+                    "fan_out": args.fan_out,
+                    "group_size": args.group_size,
+                    "k": args.max_concurrent_swaps,
+                    "sim_nice": args.sim_nice,
+                    "autoscale": scaled,
+                    "results": results,
+                },
+                indent=1,
+            )
+        )
     return 0 if all_passed(results, scaled, args) else 1
 
 
@@ -511,8 +610,11 @@ def main() -> int:
     with stack_running(settings, node_slots=0, keep=args.keep, many_pollers=True) as (stack, nodes):
         per_node = -(-(args.replicas + args.autoscale) // args.nodes)
         for i in range(args.nodes):
-            nodes.append(start_sim_node(settings, f"sim-{i}", per_node, "--transfer-ms", str(args.transfer_ms),
-                                        nice=args.sim_nice))
+            nodes.append(
+                start_sim_node(
+                    settings, f"sim-{i}", per_node, "--transfer-ms", str(args.transfer_ms), nice=args.sim_nice
+                )
+            )
         publish_checkpoints(settings, work)
         api = Api(settings)
         for i in range(args.nodes):
@@ -522,8 +624,11 @@ def main() -> int:
         dep = wait_deployment(settings, api, dep_id, args.replicas)
         if dep is None:
             return 1
-        print(f"deployment of {args.replicas} SIMULATED replicas on {args.nodes} simulated node(s) (nice "
-              f"{args.sim_nice}): {dep['status']['status']} in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(
+            f"deployment of {args.replicas} SIMULATED replicas on {args.nodes} simulated node(s) (nice "
+            f"{args.sim_nice}): {dep['status']['status']} in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
         dep_wf = names.deployment_workflow_id(settings.organization_id, dep_id)
         events, size = asyncio.run(history(settings, dep_wf))
         print(

@@ -44,13 +44,32 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def moe_config(layers: int, experts: int) -> dict:
-    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": HIDDEN,
-            "intermediate_size": 2 * MOE_INTERMEDIATE, "moe_intermediate_size": MOE_INTERMEDIATE,
-            "num_hidden_layers": layers, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-            "head_dim": HEAD_DIM, "num_experts": experts, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
-            "norm_topk_prob": True, "mlp_only_layers": [], "vocab_size": VOCAB, "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-            "attention_bias": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": HIDDEN,
+        "intermediate_size": 2 * MOE_INTERMEDIATE,
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "num_experts": experts,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [],
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
 
 
 def moe_tensors(layers: int, experts: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -102,12 +121,13 @@ def write_moe(out: Path, base_model: Path, layers: int, experts: int, shards: in
         weight_map = {}
         for i in range(shards):
             fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-            group = names[i * per:(i + 1) * per]
+            group = names[i * per : (i + 1) * per]
             save_file({n: tensors[n] for n in group}, str(out / fname), metadata={"format": "pt"})
             weight_map.update({n: fname for n in group})
         total = sum(t.nbytes for t in tensors.values())
         (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+        )
     for name in TOKENIZER_FILES:
         (out / name).write_bytes((base_model / name).read_bytes())
     (out / "config.json").write_text(json.dumps(moe_config(layers, experts), indent=2))
@@ -156,12 +176,14 @@ def phases(model_dir: Path) -> dict:
     torch.accelerator.empty_cache = lambda: None
     out: dict = {}
     t0 = time.perf_counter()
-    config = EngineArgs(model=str(model_dir), enforce_eager=True, dtype="bfloat16",
-                        max_model_len=256).create_engine_config()
+    config = EngineArgs(
+        model=str(model_dir), enforce_eager=True, dtype="bfloat16", max_model_len=256
+    ).create_engine_config()
     out["vllm_config_s"] = time.perf_counter() - t0
     with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{free_port()}"
+        )
         initialize_model_parallel(1, 1)
         t0 = time.perf_counter()
         model = get_model(vllm_config=config)
@@ -180,6 +202,7 @@ def phases(model_dir: Path) -> dict:
     out["held"] = len(wmap.names())
     # What the proof's reads cost with an open per tensor (the code before): a sample of 200.
     from safetensors import safe_open  # noqa: PLC0415
+
     sample = checkpoint.specs[:: max(1, len(checkpoint.specs) // 200)][:200]
     t0 = time.perf_counter()
     for name, _, _ in sample:
@@ -237,6 +260,7 @@ def main() -> int:
         write_base_model(base)
     if args.stack:
         from tensor_count_stack import run_stack  # noqa: PLC0415 - (bench/, beside this file) the stack's imports
+
         dirs = {name: write_moe(args.root / name, base, *LAYOUTS[name]) for name in args.layouts.split(",")}
         run_stack(dirs, args.root, one_percent, keep=args.keep, own_start=not args.no_own_start)
         return 0
@@ -244,32 +268,46 @@ def main() -> int:
     for name in args.layouts.split(","):
         layers, experts, shards = LAYOUTS[name]
         model_dir = write_moe(args.root / name, base, layers, experts, shards)
-        proc = subprocess.run([sys.executable, __file__, "--phases-of", str(model_dir)], capture_output=True,
-                              text=True, cwd=REPO)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--phases-of", str(model_dir)], capture_output=True, text=True, cwd=REPO
+        )
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PHASES ")), None)
         if line is None:
             print(proc.stdout[-3000:], proc.stderr[-3000:])
             raise SystemExit(f"{name}: no result")
-        rows[name] = json.loads(line[len("PHASES "):])
+        rows[name] = json.loads(line[len("PHASES ") :])
         print(name, json.dumps(rows[name]), flush=True)
     print_table(rows)
     return 0
 
 
 def print_table(rows: dict[str, dict]) -> None:
-    keys = [("tensors", "tensors", "{:.0f}"), ("vllm_build_and_load_s", "vLLM build+load s", "{:.2f}"),
-            ("headers_s", "headers s", "{:.3f}"), ("observe_s", "observe s", "{:.2f}"),
-            ("prove_s", "prove s", "{:.2f}"), ("map_s", "map total s", "{:.2f}"),
-            ("open_per_tensor_ms", "an open per tensor ms", "{:.2f}"), ("stage_s", "delta stage s", "{:.2f}"),
-            ("swap_s", "swap s", "{:.3f}"), ("proof_s", "proof s", "{:.3f}"), ("pause_s", "pause s", "{:.3f}"),
-            ("roll_back_s", "roll-back s", "{:.3f}")]
+    keys = [
+        ("tensors", "tensors", "{:.0f}"),
+        ("vllm_build_and_load_s", "vLLM build+load s", "{:.2f}"),
+        ("headers_s", "headers s", "{:.3f}"),
+        ("observe_s", "observe s", "{:.2f}"),
+        ("prove_s", "prove s", "{:.2f}"),
+        ("map_s", "map total s", "{:.2f}"),
+        ("open_per_tensor_ms", "an open per tensor ms", "{:.2f}"),
+        ("stage_s", "delta stage s", "{:.2f}"),
+        ("swap_s", "swap s", "{:.3f}"),
+        ("proof_s", "proof s", "{:.3f}"),
+        ("pause_s", "pause s", "{:.3f}"),
+        ("roll_back_s", "roll-back s", "{:.3f}"),
+    ]
     print("| " + " | ".join(["phase"] + list(rows)) + " |")
     print("|" + "---|" * (len(rows) + 1))
     for key, label, fmt in keys:
         print("| " + " | ".join([label] + [fmt.format(r.get(key, float("nan"))) for r in rows.values()]) + " |")
-    print("| per tensor (us): observe / prove / swap / proof | " + " | ".join(
-        " / ".join(f"{r.get(k, 0) / r['tensors'] * 1e6:.0f}" for k in ("observe_s", "prove_s", "swap_s", "proof_s"))
-        for r in rows.values()) + " |")
+    print(
+        "| per tensor (us): observe / prove / swap / proof | "
+        + " | ".join(
+            " / ".join(f"{r.get(k, 0) / r['tensors'] * 1e6:.0f}" for k in ("observe_s", "prove_s", "swap_s", "proof_s"))
+            for r in rows.values()
+        )
+        + " |"
+    )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,9 @@ def write_step(src: Path, out: Path, change: Change) -> Path:
     gen = torch.Generator().manual_seed(7)
     for f in sorted(src.iterdir()):
         if f.suffix == ".safetensors":
-            save_file({n: change(t, gen) for n, t in load_file(str(f)).items()}, str(out / f.name),
-                      metadata={"format": "pt"})
+            save_file(
+                {n: change(t, gen) for n, t in load_file(str(f)).items()}, str(out / f.name), metadata={"format": "pt"}
+            )
         else:
             shutil.copy(f, out / f.name)
     return out
@@ -66,22 +67,30 @@ def hot_load(api: Api, dep_id: str, identity: str, previous: str | None) -> dict
     seconds = time.perf_counter() - t0
     replicas = api.call("GET", f"/hotLoads/{identity}/replicas", params={"maxPageSize": 100})["replicas"]
     condition = (hl["status"].get("conditions") or [{}])[-1].get("message", "")
-    return {"s": round(seconds, 2), "state": hl["status"]["state"].removeprefix("HOT_LOAD_STATE_"),
-            "max_pause_ms": max((r.get("pauseMs") or 0 for r in replicas), default=0),
-            **({"condition": condition[:300]} if hl["status"]["state"] != TERMINAL[0] else {})}
+    return {
+        "s": round(seconds, 2),
+        "state": hl["status"]["state"].removeprefix("HOT_LOAD_STATE_"),
+        "max_pause_ms": max((r.get("pauseMs") or 0 for r in replicas), default=0),
+        **({"condition": condition[:300]} if hl["status"]["state"] != TERMINAL[0] else {}),
+    }
 
 
 def deploy(api: Api, settings: Settings, name: str, path: str) -> tuple[str, float]:
     """A 2-replica deployment of the checkpoint at ``path``: its id and create -> READY seconds."""
     t0 = time.perf_counter()
-    dep_id = api.call("POST", "/deployments", json={
-        "name": name, "gatewayIds": [settings.gateway_id],
-        "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
-        "model": {"name": f"tc-{name}", "bucket": settings.bucket, "path": path},
-        "resources": {"instanceType": "cpu-local", "gpuCount": 0},
-        "autoscaling": {"min": REPLICAS, "max": REPLICAS},
-        "hotLoad": {"bucket": settings.bucket, "pathPrefix": PREFIX},
-    })["deployment"]["spec"]["id"]
+    dep_id = api.call(
+        "POST",
+        "/deployments",
+        json={
+            "name": name,
+            "gatewayIds": [settings.gateway_id],
+            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+            "model": {"name": f"tc-{name}", "bucket": settings.bucket, "path": path},
+            "resources": {"instanceType": "cpu-local", "gpuCount": 0},
+            "autoscaling": {"min": REPLICAS, "max": REPLICAS},
+            "hotLoad": {"bucket": settings.bucket, "pathPrefix": PREFIX},
+        },
+    )["deployment"]["spec"]["id"]
     while (status := api.call("GET", f"/deployments/{dep_id}")["deployment"]["status"]["status"]) != "STATUS_READY":
         if status == "STATUS_FAILED":
             raise SystemExit(f"{name}: the deployment FAILED")

@@ -34,8 +34,10 @@ def check_bind_host(host: str, what: str) -> str:
     try:
         socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
-        raise AddressError(f"{what}: host {host!r} does not resolve ({exc}); use an address of this machine "
-                           "(an IP literal, or a name that resolves to one)") from None
+        raise AddressError(
+            f"{what}: host {host!r} does not resolve ({exc}); use an address of this machine "
+            "(an IP literal, or a name that resolves to one)"
+        ) from None
     return host
 
 

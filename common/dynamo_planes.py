@@ -39,19 +39,22 @@ def broker_url(host: str, inbound_port: int, outbound_port: int) -> str:
     return f"xsub=tcp://{host_port(host, inbound_port)} , xpub=tcp://{host_port(host, outbound_port)}"
 
 
-def plane_env(backend: str, discovery_dir: Path, env: Mapping[str, str], event_broker: str | None = None
-              ) -> dict[str, str]:
+def plane_env(
+    backend: str, discovery_dir: Path, env: Mapping[str, str], event_broker: str | None = None
+) -> dict[str, str]:
     """``env`` with the discovery backend and planes set (``DYN_FILE_KV`` only for ``file``,
     ``DYN_ZMQ_BROKER_URL`` only with ``event_broker``)."""
     out = {k: v for k, v in env.items() if k not in ("DYN_FILE_KV", "DYN_ZMQ_BROKER_URL")}
     if event_broker:
         out["DYN_ZMQ_BROKER_URL"] = event_broker
-    out.update({
-        "DYN_DISCOVERY_BACKEND": backend,
-        **({"DYN_FILE_KV": str(discovery_dir)} if backend == "file" else {}),
-        "DYN_REQUEST_PLANE": "tcp",
-        "DYN_EVENT_PLANE": "zmq",
-    })
+    out.update(
+        {
+            "DYN_DISCOVERY_BACKEND": backend,
+            **({"DYN_FILE_KV": str(discovery_dir)} if backend == "file" else {}),
+            "DYN_REQUEST_PLANE": "tcp",
+            "DYN_EVENT_PLANE": "zmq",
+        }
+    )
     return out
 
 

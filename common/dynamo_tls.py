@@ -38,8 +38,14 @@ class DynamoTls:
 
     def frontend_args(self) -> list[str]:
         """Dynamo frontend flags: HTTPS, and a client certificate signed by the stack's CA required."""
-        return ["--tls-cert-path", self.path("server.pem"), "--tls-key-path", self.path("server.key"),
-                "--tls-client-ca-cert-path", self.path("ca.pem")]
+        return [
+            "--tls-cert-path",
+            self.path("server.pem"),
+            "--tls-key-path",
+            self.path("server.key"),
+            "--tls-client-ca-cert-path",
+            self.path("ca.pem"),
+        ]
 
     def ssl_context(self) -> ssl.SSLContext:
         """A client context for the frontend's HTTPS: trusts the stack's CA only, presents the
@@ -59,8 +65,10 @@ def load(directory: Path) -> DynamoTls | None:
         return None
     missing = [name for name in FILES if name not in present]
     if missing:
-        raise ValueError(f"Dynamo's TLS directory {directory} lacks {', '.join(missing)}: "
-                         "copy all of ca.pem, server.pem, server.key, client.pem, client.key from the stack's")
+        raise ValueError(
+            f"Dynamo's TLS directory {directory} lacks {', '.join(missing)}: "
+            "copy all of ca.pem, server.pem, server.key, client.pem, client.key from the stack's"
+        )
     return DynamoTls(directory)
 
 
@@ -103,8 +111,10 @@ def ensure(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1",)) -> DynamoTl
     names: list[x509.GeneralName] = [x509.DNSName(SERVER_NAME), x509.DNSName("localhost")]
     names += [x509.IPAddress(ipaddress.ip_address(h)) for h in dict.fromkeys(hosts)]
     _write(directory, "ca.pem", ca.public_bytes(serialization.Encoding.PEM))
-    for role, usage, sans in (("server", ExtendedKeyUsageOID.SERVER_AUTH, names),
-                              ("client", ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("rollouts-gateway")])):
+    for role, usage, sans in (
+        ("server", ExtendedKeyUsageOID.SERVER_AUTH, names),
+        ("client", ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("rollouts-gateway")]),
+    ):
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (
             x509.CertificateBuilder()

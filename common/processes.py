@@ -131,8 +131,9 @@ def stop_pid(pid: int, *, timeout: float = 15.0, group: bool = True) -> bool:
     return bool(stop_pids([pid], timeout=timeout, group=group))
 
 
-def stop_pids(pids: Iterable[int], *, timeout: float = 15.0, group: bool = True,
-              waiting: Callable[[], object] | None = None) -> list[int]:
+def stop_pids(
+    pids: Iterable[int], *, timeout: float = 15.0, group: bool = True, waiting: Callable[[], object] | None = None
+) -> list[int]:
     """:func:`stop_pid` for several processes at once: SIGTERM to each (and its process group),
     one wait of up to ``timeout`` for all of them (``waiting`` is called on each round), then
     SIGKILL to those still running. Returns the pids that were running. Stopped together, a
@@ -222,9 +223,17 @@ async def terminate(proc: subprocess.Popen, timeout: float, every: float = 0.2) 
 
 
 async def wait_serving(
-    proc: subprocess.Popen | None, probe: Callable[[], Awaitable[bool]], *, name: str, url: str,
-    log_path: Path | None, timeout: float, error: type[Exception], ready: str = "ready",
-    not_yet: tuple[type[BaseException], ...] = (OSError, ValueError), every: float = 0.5,
+    proc: subprocess.Popen | None,
+    probe: Callable[[], Awaitable[bool]],
+    *,
+    name: str,
+    url: str,
+    log_path: Path | None,
+    timeout: float,
+    error: type[Exception],
+    ready: str = "ready",
+    not_yet: tuple[type[BaseException], ...] = (OSError, ValueError),
+    every: float = 0.5,
 ) -> None:
     """Polls ``probe`` until it answers True (an exception of ``not_yet`` counts as not yet).
     Raises ``error`` with the log's tail: naming the exit code when ``proc`` exits first, or
@@ -232,8 +241,9 @@ async def wait_serving(
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:
-            raise error(f"{name} exited with code {proc.returncode} before it served (log {log_path}):\n"
-                        f"{tail(log_path, 60)}")
+            raise error(
+                f"{name} exited with code {proc.returncode} before it served (log {log_path}):\n{tail(log_path, 60)}"
+            )
         try:
             if await probe():
                 return

@@ -70,17 +70,30 @@ HOST_ENV = envs.ROLLOUTS_HOST.name
 HOT_LOAD_ENGINES_ENV = envs.ROLLOUTS_HOT_LOAD_ENGINES.name
 ENGINE_CACHE_ENV = envs.ROLLOUTS_ENGINE_CACHE_DIR.name
 # Ports a process may be told to listen on instead of its stack's.
-PORT_VARS = {"api": envs.ROLLOUTS_API_PORT, "gateway": envs.ROLLOUTS_GATEWAY_PORT,
-             "worker_metrics": envs.ROLLOUTS_WORKER_METRICS_PORT}
+PORT_VARS = {
+    "api": envs.ROLLOUTS_API_PORT,
+    "gateway": envs.ROLLOUTS_GATEWAY_PORT,
+    "worker_metrics": envs.ROLLOUTS_WORKER_METRICS_PORT,
+}
 PORT_ENVS = {service: var.name for service, var in PORT_VARS.items()}
 # Plain string fields any process takes from ROLLOUTS_<FIELD_UPPER> when set.
-FIELD_VARS = {"bucket": envs.ROLLOUTS_BUCKET, "zone": envs.ROLLOUTS_ZONE,
-              "organization_id": envs.ROLLOUTS_ORGANIZATION_ID, "gateway_id": envs.ROLLOUTS_GATEWAY_ID,
-              "model_name": envs.ROLLOUTS_MODEL_NAME, "base_model_path": envs.ROLLOUTS_BASE_MODEL_PATH}
+FIELD_VARS = {
+    "bucket": envs.ROLLOUTS_BUCKET,
+    "zone": envs.ROLLOUTS_ZONE,
+    "organization_id": envs.ROLLOUTS_ORGANIZATION_ID,
+    "gateway_id": envs.ROLLOUTS_GATEWAY_ID,
+    "model_name": envs.ROLLOUTS_MODEL_NAME,
+    "base_model_path": envs.ROLLOUTS_BASE_MODEL_PATH,
+}
 ENV_FIELDS = tuple(FIELD_VARS)
 # What a cluster install (no stack.json) must set: Settings.from_env.
-REQUIRED_ENV = ("TEMPORAL_ADDRESS", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                envs.ROLLOUTS_ENGINE_KEY.name)
+REQUIRED_ENV = (
+    "TEMPORAL_ADDRESS",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    envs.ROLLOUTS_ENGINE_KEY.name,
+)
 
 # What locates a stack or names its parts (the variables common/envs.py marks ``stack``): what the
 # settings read from the environment (all but ROLLOUTS_REPLICA_METRICS_PORT, a per-process port),
@@ -304,8 +317,9 @@ class Settings:
         path = home / "stack.json"
         if not path.exists() and os.environ.get("TEMPORAL_ADDRESS"):
             return cls.from_env(home)
-        return cls._read(home, ", or set TEMPORAL_ADDRESS and the rest of a cluster install's environment "
-                               "(docs/operations.md)").with_env()
+        return cls._read(
+            home, ", or set TEMPORAL_ADDRESS and the rest of a cluster install's environment (docs/operations.md)"
+        ).with_env()
 
     @classmethod
     def own(cls, home: Path) -> Settings:
@@ -319,18 +333,21 @@ class Settings:
         was written before 0.1.0 (a port missing, a key no longer known)."""
         path = home / "stack.json"
         if not path.exists():
-            raise SystemExit(f"no stack configuration at {path}: run `make up` (or `rollouts up --home {home}`) "
-                             f"first{missing_hint}")
+            raise SystemExit(
+                f"no stack configuration at {path}: run `make up` (or `rollouts up --home {home}`) first{missing_hint}"
+            )
         data = json.loads(path.read_text())
         data["home"] = str(home)
         data.pop("owned", None)
         missing = sorted(set(PORT_OFFSETS) - set(data.get("ports", {})))
         unknown = sorted(set(data) - {f.name for f in fields(cls)})
         if missing or unknown:
-            raise SystemExit(f"{path} was written before rollouts 0.1.0 (ports missing: "
-                             f"{', '.join(missing) or 'none'}; unknown keys: {', '.join(unknown) or 'none'}): stop "
-                             "its stack and remove that home (`make clean-data` for .rollouts), then `rollouts up` "
-                             "writes a new one")
+            raise SystemExit(
+                f"{path} was written before rollouts 0.1.0 (ports missing: "
+                f"{', '.join(missing) or 'none'}; unknown keys: {', '.join(unknown) or 'none'}): stop "
+                "its stack and remove that home (`make clean-data` for .rollouts), then `rollouts up` "
+                "writes a new one"
+            )
         return cls(**data, owned=True)
 
     @classmethod
@@ -393,10 +410,13 @@ class Settings:
         import botocore.session  # noqa: PLC0415 - boto3 and Temporal load only where used: settings are read in every process, vLLM's included
         from botocore.config import Config  # noqa: PLC0415 - boto3 and Temporal load only where used: settings are read in every process, vLLM's included
 
-        no_env = {name: (config, None, default, convert)
-                  for name, (config, _, default, convert) in botocore.session.Session.SESSION_VARIABLES.items()}
+        no_env = {
+            name: (config, None, default, convert)
+            for name, (config, _, default, convert) in botocore.session.Session.SESSION_VARIABLES.items()
+        }
         session = boto3.session.Session(
-            botocore_session=botocore.session.Session(session_vars=no_env) if self.owned else None)
+            botocore_session=botocore.session.Session(session_vars=no_env) if self.owned else None
+        )
         return session.client(
             "s3",
             endpoint_url=self.s3_endpoint,

@@ -70,12 +70,15 @@ class Policy:
 def policy(a: Autoscaling) -> Policy:
     """The spec's autoscaling with the defaults filled in."""
     return Policy(
-        min=a.min, max=a.max,
+        min=a.min,
+        max=a.max,
         target_in_flight=a.target_in_flight or TARGET_IN_FLIGHT,
-        scale_out_after=timedelta(seconds=SCALE_OUT_AFTER_S if a.scale_out_after_seconds is None
-                                  else a.scale_out_after_seconds),
-        scale_in_after=timedelta(seconds=SCALE_IN_AFTER_S if a.scale_in_after_seconds is None
-                                 else a.scale_in_after_seconds),
+        scale_out_after=timedelta(
+            seconds=SCALE_OUT_AFTER_S if a.scale_out_after_seconds is None else a.scale_out_after_seconds
+        ),
+        scale_in_after=timedelta(
+            seconds=SCALE_IN_AFTER_S if a.scale_in_after_seconds is None else a.scale_in_after_seconds
+        ),
     )
 
 

@@ -21,8 +21,10 @@ def tensor_parallel_problem(runtime: Runtime | None, resources: Resources | None
         return None
     tp = tensor_parallel_size(runtime)
     if resources.gpu_count % tp:
-        return (f"resources.gpuCount ({resources.gpu_count}) must be a multiple of runtime.engineConfig "
-                f"{TP_KEY} ({tp}): each tensor-parallel rank takes one GPU")
+        return (
+            f"resources.gpuCount ({resources.gpu_count}) must be a multiple of runtime.engineConfig "
+            f"{TP_KEY} ({tp}): each tensor-parallel rank takes one GPU"
+        )
     return None
 
 
@@ -34,11 +36,15 @@ def expert_parallel_problem(runtime: Runtime | None, resources: Resources | None
     if runtime is None or EP_KEY not in runtime.engine_config:
         return None
     if tensor_parallel_size(runtime) < 2:
-        return (f"runtime.engineConfig {EP_KEY} splits the experts over the tensor-parallel ranks: it needs "
-                f"{TP_KEY} 2 or more")
+        return (
+            f"runtime.engineConfig {EP_KEY} splits the experts over the tensor-parallel ranks: it needs "
+            f"{TP_KEY} 2 or more"
+        )
     if resources is not None and resources.gpu_count == 0:
-        return (f"runtime.engineConfig {EP_KEY} needs GPU replicas (resources.gpuCount > 0): vLLM's CPU "
-                "experts kernel does not run expert parallelism")
+        return (
+            f"runtime.engineConfig {EP_KEY} needs GPU replicas (resources.gpuCount > 0): vLLM's CPU "
+            "experts kernel does not run expert parallelism"
+        )
     return None
 
 

@@ -72,7 +72,12 @@ def combine_map(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for r in results:
         refused.update(r.get("refused", {}))
     orphans = set.intersection(*(set(r.get("elsewhere", ())) for r in results))
-    return {"tensors": int(results[0]["tensors"]), "held": min(int(r["held"]) for r in results),
-            "refused": refused, "refused_count": max(int(r["refused_count"]) for r in results),
-            "build_s": max(float(r["build_s"]) for r in results), "ranks": len(results),
-            "orphans": sorted(orphans)}
+    return {
+        "tensors": int(results[0]["tensors"]),
+        "held": min(int(r["held"]) for r in results),
+        "refused": refused,
+        "refused_count": max(int(r["refused_count"]) for r in results),
+        "build_s": max(float(r["build_s"]) for r in results),
+        "ranks": len(results),
+        "orphans": sorted(orphans),
+    }

@@ -98,8 +98,16 @@ class Internal(ApiError):
 BY_CODE: dict[str, type[ApiError]] = {
     cls.code: cls
     for cls in (
-        InvalidArgument, Unauthenticated, PermissionDenied, NotFound, AlreadyExists,
-        FailedPrecondition, PayloadTooLarge, Unavailable, Unimplemented, Internal,
+        InvalidArgument,
+        Unauthenticated,
+        PermissionDenied,
+        NotFound,
+        AlreadyExists,
+        FailedPrecondition,
+        PayloadTooLarge,
+        Unavailable,
+        Unimplemented,
+        Internal,
     )
 }
 

@@ -28,7 +28,8 @@ def chunk_key(index: int, key: str = KEY) -> str:
 def replica_list(memo: dict[str, Any], key: str = KEY) -> list[dict[str, Any]]:
     """The memo's replica list: its chunks in order (or the whole list of an older memo)."""
     chunks = sorted(
-        (int(k.removeprefix(f"{key}.")), v) for k, v in memo.items()
+        (int(k.removeprefix(f"{key}.")), v)
+        for k, v in memo.items()
         if k.startswith(f"{key}.") and k.removeprefix(f"{key}.").isdigit()
     )
     if not chunks:

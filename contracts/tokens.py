@@ -65,7 +65,11 @@ def hash_token(token: str, salt: str) -> str:
 def hashed_entry(token: str, role: str, organization_id: str, name: str) -> dict[str, str]:
     salt = secrets.token_hex(16)
     return {
-        "sha256": hash_token(token, salt), "salt": salt, "role": role, "organizationId": organization_id, "name": name,
+        "sha256": hash_token(token, salt),
+        "salt": salt,
+        "role": role,
+        "organizationId": organization_id,
+        "name": name,
     }
 
 
@@ -73,9 +77,9 @@ def hash_plain_entries(tokens: list[dict[str, Any]]) -> int:
     """Replace each plain `"token"` entry, in place, by its salted hash; returns how many."""
     plain = [t for t in tokens if "token" in t]
     for t in plain:
-        t.update(hashed_entry(
-            str(t.pop("token")), t.get("role", "viewer"), t.get("organizationId", ""), t.get("name", "")
-        ))
+        t.update(
+            hashed_entry(str(t.pop("token")), t.get("role", "viewer"), t.get("organizationId", ""), t.get("name", ""))
+        )
     return len(plain)
 
 

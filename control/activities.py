@@ -47,7 +47,8 @@ def snapshot_changed(identity: str, uri: str) -> ApplicationError:
         f"snapshot {identity!r} ({uri}) changed since it joined this deployment's chain (a required file "
         "was rewritten or its size changed): a replica that reads it now would not serve what the others "
         "serve; publish a full checkpoint to start a new chain",
-        type=FAILED_PRECONDITION, non_retryable=True,
+        type=FAILED_PRECONDITION,
+        non_retryable=True,
     )
 
 
@@ -92,7 +93,8 @@ class ControlActivities:
         `failed_precondition` naming what is missing, never retried."""
         try:
             placed: dict[str, Placement] = await self._registry().execute_update(
-                names.PLACE, req, result_type=dict[str, Placement])
+                names.PLACE, req, result_type=dict[str, Placement]
+            )
             return placed
         except WorkflowUpdateFailedError as exc:
             cause = exc.cause

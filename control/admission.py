@@ -49,7 +49,8 @@ def same_autoscaling(given: Autoscaling, spec: Autoscaling) -> bool:
     a field beyond the guide that the update leaves out keeps the deployment's."""
     extension = ("target_in_flight", "scale_out_after_seconds", "scale_in_after_seconds")
     return (given.min, given.max) == (spec.min, spec.max) and all(
-        getattr(given, name) is None or getattr(given, name) == getattr(spec, name) for name in extension)
+        getattr(given, name) is None or getattr(given, name) == getattr(spec, name) for name in extension
+    )
 
 
 def check_update(state: DeploymentInput, cmd: UpdateDeploymentCommand, *, deleting: bool) -> None:
@@ -79,8 +80,11 @@ def check_update(state: DeploymentInput, cmd: UpdateDeploymentCommand, *, deleti
         "autoscaling": (cmd.autoscaling, spec.autoscaling),
         "runtime.engine": (cmd.runtime.engine if cmd.runtime else None, spec.runtime.engine),
     }
-    changed = [field for field, (new, old) in fixed.items()
-               if new is not None and not (same_autoscaling(new, old) if field == "autoscaling" else new == old)]
+    changed = [
+        field
+        for field, (new, old) in fixed.items()
+        if new is not None and not (same_autoscaling(new, old) if field == "autoscaling" else new == old)
+    ]
     if changed:
         raise rejected(
             INVALID_ARGUMENT,
@@ -100,6 +104,7 @@ def check_update(state: DeploymentInput, cmd: UpdateDeploymentCommand, *, deleti
     if deleting or (status != ResourceStatus.READY and not failed_update):
         raise rejected(FAILED_PRECONDITION, not_ready(state, deleting=deleting))
 
+
 def not_ready(state: DeploymentInput, *, deleting: bool) -> str:
     """Why the deployment admits nothing now: its status and, if any, the reason."""
     if deleting:
@@ -110,6 +115,7 @@ def not_ready(state: DeploymentInput, *, deleting: bool) -> str:
     if blocking:
         why += f" ({blocking[0].reason}: {blocking[0].message})"
     return why
+
 
 # The reason the deployment's status gives while a node agent did not answer its last periodic
 # check (control/deployment.py `_settle`, which names it in the status's condition).
@@ -189,6 +195,7 @@ def admit(state: DeploymentInput, cmd: CreateHotLoadCommand, *, deleting: bool) 
                 "publish a full checkpoint to start a new chain",
             )
 
+
 def links_to_check(state: DeploymentInput, chain: list[SnapshotRef]) -> list[SnapshotRef]:
     """The links of a resolved chain that admission checks in the bucket: the new one (the last),
     and each earlier one that a replica will read in this hot-load, in chain order.
@@ -217,4 +224,3 @@ def resolve_chain(state: DeploymentInput, cmd: CreateHotLoadCommand) -> list[Sna
     this.compression_format = meta.compression_format
     this.checksum_format = meta.checksum_format
     return [link.model_copy() for link in state.chains[meta.previous_snapshot_identity]] + [this]
-

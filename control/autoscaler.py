@@ -88,8 +88,12 @@ class Autoscaler(MixinBase):
         """+1 (one replica more), -1 (one fewer) or 0, by the rule, when a step may start."""
         st = self.state
         if (
-            not st.load_heard or self.deleting or st.active_hot_load_id is not None or st.outdated
-            or st.update_error is not None or st.deployment.status.status != ResourceStatus.READY
+            not st.load_heard
+            or self.deleting
+            or st.active_hot_load_id is not None
+            or st.outdated
+            or st.update_error is not None
+            or st.deployment.status.status != ResourceStatus.READY
         ):
             return 0
         scaled = datetime.fromisoformat(st.scaled_at) if st.scaled_at else None
@@ -155,14 +159,18 @@ class Autoscaler(MixinBase):
             result = await self._catch_up_from_peer(endpoint, current)
             if result is None:
                 result = await self._catch_up_from_bucket(endpoint, current)
-            endpoint = endpoint.model_copy(update={"current_snapshot_identity": result.identity,
-                                                   "transitioned_at": self._now()})
+            endpoint = endpoint.model_copy(
+                update={"current_snapshot_identity": result.identity, "transitioned_at": self._now()}
+            )
             workflow.logger.info("joining replica %s holds %s (from %s)", new, result.identity, result.source)
         if endpoint.current_snapshot_identity != current:
             raise RuntimeError(f"it serves {endpoint.current_snapshot_identity}, the deployment {current}")
         await workflow.execute_activity(
-            names.SERVE_REPLICA, task_queue=endpoint.task_queue, summary=f"{new} enters the routing pool",
-            start_to_close_timeout=timedelta(minutes=1), retry_policy=RetryPolicy(maximum_attempts=3),
+            names.SERVE_REPLICA,
+            task_queue=endpoint.task_queue,
+            summary=f"{new} enters the routing pool",
+            start_to_close_timeout=timedelta(minutes=1),
+            retry_policy=RetryPolicy(maximum_attempts=3),
         )
         del self.joining[new]
         self.state.members.append(new)
@@ -178,8 +186,9 @@ class Autoscaler(MixinBase):
         if hot_load is None or current == "initial":
             return None
         members = set(self.state.members)
-        return next((r for r in self.state.replicas if r.name in members and r.current_snapshot_identity == current),
-                    None)
+        return next(
+            (r for r in self.state.replicas if r.name in members and r.current_snapshot_identity == current), None
+        )
 
     async def _catch_up_from_peer(self, joiner: ReplicaEndpoint, current: str) -> ApplySnapshotResult | None:
         """The joiner takes `current` from a serving member: offer, send and stage (the member
@@ -194,34 +203,57 @@ class Autoscaler(MixinBase):
             offer = await workflow.execute_activity(
                 names.OFFER_TO_PEER,
                 PeerOfferInput(
-                    hot_load_id=f"join-{joiner.name}", identity=current, chain=chain,
-                    target_identity=joiner.current_snapshot_identity, world_size=2, accept_files=True,
+                    hot_load_id=f"join-{joiner.name}",
+                    identity=current,
+                    chain=chain,
+                    target_identity=joiner.current_snapshot_identity,
+                    world_size=2,
+                    accept_files=True,
                     host_store=True,
                 ),
-                task_queue=sender.task_queue, result_type=PeerOffer,
-                summary=f"offer {current} from {sender.name} to joining replica {joiner.name}", **PEER_STEP,
+                task_queue=sender.task_queue,
+                result_type=PeerOffer,
+                summary=f"offer {current} from {sender.name} to joining replica {joiner.name}",
+                **PEER_STEP,
             )
-            send = asyncio.ensure_future(workflow.execute_activity(
-                names.SEND_TO_PEERS, offer, task_queue=sender.task_queue, result_type=int,
-                summary=f"send {current} ({offer.mode}) to joining replica {joiner.name}", **PEER_STEP,
-            ))
+            send = asyncio.ensure_future(
+                workflow.execute_activity(
+                    names.SEND_TO_PEERS,
+                    offer,
+                    task_queue=sender.task_queue,
+                    result_type=int,
+                    summary=f"send {current} ({offer.mode}) to joining replica {joiner.name}",
+                    **PEER_STEP,
+                )
+            )
             try:
                 await workflow.execute_activity(
-                    names.STAGE_FROM_PEER, StageFromPeerInput(offer=offer, rank=1), task_queue=joiner.task_queue,
-                    result_type=StageFromPeerResult, summary=f"stage {current} from {sender.name} on {joiner.name}",
+                    names.STAGE_FROM_PEER,
+                    StageFromPeerInput(offer=offer, rank=1),
+                    task_queue=joiner.task_queue,
+                    result_type=StageFromPeerResult,
+                    summary=f"stage {current} from {sender.name} on {joiner.name}",
                     **PEER_STEP,
                 )
             finally:
                 await asyncio.gather(send, return_exceptions=True)
             result: ApplySnapshotResult = await workflow.execute_activity(
-                names.COMMIT_PEER_STAGE, CommitPeerStageInput(identity=current), task_queue=joiner.task_queue,
-                result_type=ApplySnapshotResult, summary=f"joining replica {joiner.name} swaps in {current}",
+                names.COMMIT_PEER_STAGE,
+                CommitPeerStageInput(identity=current),
+                task_queue=joiner.task_queue,
+                result_type=ApplySnapshotResult,
+                summary=f"joining replica {joiner.name} swaps in {current}",
                 **REPLICA_STEP,
             )
             return result
         except Exception as exc:  # noqa: BLE001 - the bucket is the fallback (a cancel is not an Exception)
-            workflow.logger.warning("joining replica %s did not take %s from %s (%s): it reads the bucket",
-                                    joiner.name, current, sender.name, exc.__cause__ or exc)
+            workflow.logger.warning(
+                "joining replica %s did not take %s from %s (%s): it reads the bucket",
+                joiner.name,
+                current,
+                sender.name,
+                exc.__cause__ or exc,
+            )
             return None
 
     async def _catch_up_from_bucket(self, joiner: ReplicaEndpoint, current: str) -> ApplySnapshotResult:
@@ -230,8 +262,11 @@ class Autoscaler(MixinBase):
         result: ApplySnapshotResult = await workflow.execute_activity(
             names.APPLY_SNAPSHOT,
             ApplySnapshotInput(
-                hot_load_id=f"join-{joiner.name}", identity=current, chain=self.state.chains[current],
-                bucket=hot_load.bucket, path_prefix=hot_load.path_prefix,
+                hot_load_id=f"join-{joiner.name}",
+                identity=current,
+                chain=self.state.chains[current],
+                bucket=hot_load.bucket,
+                path_prefix=hot_load.path_prefix,
             ),
             task_queue=joiner.task_queue,
             result_type=ApplySnapshotResult,
@@ -252,11 +287,15 @@ class Autoscaler(MixinBase):
         if endpoint is not None:
             try:
                 await workflow.execute_activity(
-                    names.DRAIN_REPLICA, DrainInput(grace_seconds=DRAIN_GRACE_S),
-                    task_queue=endpoint.task_queue, result_type=float,
+                    names.DRAIN_REPLICA,
+                    DrainInput(grace_seconds=DRAIN_GRACE_S),
+                    task_queue=endpoint.task_queue,
+                    result_type=float,
                     summary=f"drain {name}: out of rotation, finish the requests it holds",
-                    start_to_close_timeout=DRAIN_TIMEOUT, schedule_to_start_timeout=timedelta(minutes=1),
-                    heartbeat_timeout=timedelta(seconds=30), retry_policy=RetryPolicy(maximum_attempts=1),
+                    start_to_close_timeout=DRAIN_TIMEOUT,
+                    schedule_to_start_timeout=timedelta(minutes=1),
+                    heartbeat_timeout=timedelta(seconds=30),
+                    retry_policy=RetryPolicy(maximum_attempts=1),
                 )
             except Exception as exc:  # noqa: BLE001 - its process may be gone: stopped either way
                 workflow.logger.warning("draining %s failed: %s; stopping it", name, exc)

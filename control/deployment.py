@@ -91,9 +91,7 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
         st = self.state.deployment.status
         st.active_hot_load_id = self.state.active_hot_load_id
         st.ready_replicas = len(self.state.replicas)
-        st.current_snapshot_identity = (
-            self.state.completed[-1].identity if self.state.completed else "initial"
-        )
+        st.current_snapshot_identity = self.state.completed[-1].identity if self.state.completed else "initial"
         workflow.upsert_memo(
             {
                 "deployment": self.state.deployment.wire(),
@@ -127,7 +125,9 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
             self._set_status(
                 ResourceStatus.UPDATING,
                 self._condition(
-                    "ReplicasReady", False, "RollingUpdate",
+                    "ReplicasReady",
+                    False,
+                    "RollingUpdate",
                     f"rolling the replicas onto runtime version {rt.version!r} engineConfig "
                     f"{dict(sorted(rt.engine_config.items()))}: {len(self.state.outdated)} replica(s) "
                     f"still on the previous runtime, {len(serving)} serving",
@@ -137,7 +137,9 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
             self._set_status(
                 ResourceStatus.UPDATING,
                 self._condition(
-                    "ReplicasReady", False, admission.NODE_UNREACHABLE,
+                    "ReplicasReady",
+                    False,
+                    admission.NODE_UNREACHABLE,
                     "node agent(s) did not answer the last check of their replicas (cut off from the control "
                     "plane?): " + self._unanswered_text(),
                 ),
@@ -146,7 +148,9 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
             self._set_status(
                 ResourceStatus.UPDATING,
                 self._condition(
-                    "ReplicasReady", False, "InsufficientCapacity",
+                    "ReplicasReady",
+                    False,
+                    "InsufficientCapacity",
                     f"replica(s) {', '.join(down)} wait for a place: {self.placement_error}; "
                     f"{n - len(down)} of {n} serving",
                 ),
@@ -155,7 +159,9 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
             self._set_status(
                 ResourceStatus.UPDATING,
                 self._condition(
-                    "ReplicasReady", False, "ReplicasRestarting",
+                    "ReplicasReady",
+                    False,
+                    "ReplicasRestarting",
                     f"replica(s) {', '.join(down)} (re)starting; {n - len(down)} of {n} serving",
                 ),
             )
@@ -189,13 +195,23 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
         return self.state.gateway_zones[0] if self.state.gateway_zones else "LOCAL-1A"
 
     async def _start(
-        self, names_: list[str], timeout: timedelta, pickup: timedelta = replica_set.NODE_PICKUP, attempts: int = 3,
-        joining: bool = False, base: bool = False,
+        self,
+        names_: list[str],
+        timeout: timedelta,
+        pickup: timedelta = replica_set.NODE_PICKUP,
+        attempts: int = 3,
+        joining: bool = False,
+        base: bool = False,
     ) -> replica_set.StartOutcome:
         """Start these replicas where they are placed (placing those without a place first);
         raises `PlacementFailed` when they cannot all be placed."""
         return await replica_set.start(
-            self.state, names_, lambda group: self._start_input(group, joining, base), self._zone(), timeout, pickup,
+            self.state,
+            names_,
+            lambda group: self._start_input(group, joining, base),
+            self._zone(),
+            timeout,
+            pickup,
             attempts=attempts,
         )
 
@@ -260,8 +276,10 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
             try:
                 await workflow.wait_condition(lambda: not self.replica_lock.locked(), timeout=ADMISSION_LOCK_WAIT)
             except asyncio.TimeoutError:
-                raise rejected(UNAVAILABLE, "the deployment is busy with its replicas (a start or a stop), "
-                                            "try again in a few seconds") from None
+                raise rejected(
+                    UNAVAILABLE,
+                    "the deployment is busy with its replicas (a start or a stop), try again in a few seconds",
+                ) from None
         return await self._check_replicas(admitting)
 
     async def _check_replicas(self, admitting: bool) -> list[str]:
@@ -278,8 +296,10 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
                 members = [m for m in members if m in self.state.placements]
             try:
                 outcome = await self._start(
-                    members, replica_set.CHECK_TIMEOUT,
-                    replica_set.ADMISSION_PICKUP if admitting else replica_set.CHECK_PICKUP, attempts=1,
+                    members,
+                    replica_set.CHECK_TIMEOUT,
+                    replica_set.ADMISSION_PICKUP if admitting else replica_set.CHECK_PICKUP,
+                    attempts=1,
                 )
                 self.placement_error = None
             except replica_set.PlacementFailed as exc:
@@ -320,8 +340,9 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
                 if outcome.failed:
                     raise RuntimeError(outcome.failures())
                 await workflow.wait_condition(
-                    lambda: new not in self.state.pending_replicas or self._failure_of(new) is not None
-                    or self.deleting,
+                    lambda: (
+                        new not in self.state.pending_replicas or self._failure_of(new) is not None or self.deleting
+                    ),
                     timeout=REPLICA_START_TIMEOUT,
                 )
                 failure = self._failure_of(new)
@@ -392,7 +413,9 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
             self._set_status(
                 ResourceStatus.FAILED,
                 self._condition(
-                    "ReplicasReady", False, "ReplicaStartTimeout",
+                    "ReplicasReady",
+                    False,
+                    "ReplicaStartTimeout",
                     f"replicas {', '.join(self.state.pending_replicas)} did not become ready within "
                     f"{REPLICA_START_TIMEOUT}",
                 ),
@@ -420,9 +443,16 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
                 ).cancel()
             except Exception:  # noqa: BLE001 - it may have just finished
                 pass
-        all_names = list(dict.fromkeys([
-            *self.state.members, *(r.name for r in self.state.replicas), *self.state.pending_replicas, *self.joining,
-        ]))
+        all_names = list(
+            dict.fromkeys(
+                [
+                    *self.state.members,
+                    *(r.name for r in self.state.replicas),
+                    *self.state.pending_replicas,
+                    *self.joining,
+                ]
+            )
+        )
         await replica_set.stop(self.state, all_names)
         self.state.replicas = []
         self.state.pending_replicas = []
@@ -454,8 +484,9 @@ class DeploymentWorkflow(Autoscaler, HotLoads):
         status = self.state.deployment.status.status
         if self.deleting or status not in (ResourceStatus.CREATING, ResourceStatus.UPDATING):
             return
-        self._set_status(status, self._condition("ReplicasReady", False, "ReplicaStartRetrying",
-                                                  f"{retry.name}: {retry.reason}"))
+        self._set_status(
+            status, self._condition("ReplicasReady", False, "ReplicaStartRetrying", f"{retry.name}: {retry.reason}")
+        )
 
     @workflow.signal(name=names.REPLICA_FAILED)
     def replica_failed(self, failure: ReplicaFailure) -> None:

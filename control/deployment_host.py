@@ -34,8 +34,15 @@ class DeploymentHost(Protocol):
     def _not_ready(self) -> str: ...
     def _unanswered_text(self) -> str: ...
     async def _restart_lost_replicas(self, admitting: bool = False) -> list[str]: ...
-    async def _start(self, names_: list[str], timeout: timedelta, pickup: timedelta = ..., attempts: int = 3,
-                     joining: bool = False, base: bool = False) -> Any: ...
+    async def _start(
+        self,
+        names_: list[str],
+        timeout: timedelta,
+        pickup: timedelta = ...,
+        attempts: int = 3,
+        joining: bool = False,
+        base: bool = False,
+    ) -> Any: ...
 
 
 if TYPE_CHECKING:

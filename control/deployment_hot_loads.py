@@ -117,7 +117,10 @@ class HotLoads(MixinBase):
             workflow.execute_activity(
                 names.CHECK_SNAPSHOT,
                 CheckSnapshotInput(
-                    bucket=hl_cfg.bucket, path_prefix=hl_cfg.path_prefix, identity=link.identity, type=link.type,
+                    bucket=hl_cfg.bucket,
+                    path_prefix=hl_cfg.path_prefix,
+                    identity=link.identity,
+                    type=link.type,
                     verified=None if link is new else self.state.verified_snapshots.get(link.identity),
                 ),
                 start_to_close_timeout=timedelta(seconds=60),
@@ -141,7 +144,8 @@ class HotLoads(MixinBase):
             # The replica check and the snapshot checks run together; their verdicts are read in
             # the order below, so the error a caller sees is the same.
             replicas, *checks = await asyncio.gather(
-                self._restart_lost_replicas(admitting=True), *self._check_snapshots(links, new),
+                self._restart_lost_replicas(admitting=True),
+                *self._check_snapshots(links, new),
                 return_exceptions=True,
             )
             if isinstance(replicas, BaseException):
@@ -162,9 +166,7 @@ class HotLoads(MixinBase):
                     prompt_cache_policy=cmd.prompt_cache_policy,
                     snapshot_chain=chain,
                 ),
-                status=HotLoadStatus(
-                    state=HotLoadState.PENDING, created_at=cmd.created_at, updated_at=cmd.created_at
-                ),
+                status=HotLoadStatus(state=HotLoadState.PENDING, created_at=cmd.created_at, updated_at=cmd.created_at),
             )
             inp = HotLoadInput(
                 hot_load=hot_load,
@@ -199,9 +201,7 @@ class HotLoads(MixinBase):
             if type(exc).__name__ == "WorkflowAlreadyStartedError":
                 raise rejected(ALREADY_EXISTS, f"hot-load {cmd.hot_load_id} already exists") from None
             if isinstance(cause, ApplicationError) or type(cause).__name__ == "TimeoutError":
-                raise rejected(
-                    UNAVAILABLE, f"checking the snapshot files failed, try again: {cause}"
-                ) from None
+                raise rejected(UNAVAILABLE, f"checking the snapshot files failed, try again: {cause}") from None
             raise
         asyncio.create_task(self._watch(child, cmd.hot_load_id))  # deterministic: the workflow loop
         return hot_load

@@ -11,6 +11,7 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from contracts.records import Gateway, ResourceStatus, rfc3339
 
+
 @workflow.defn
 class GatewayWorkflow:
     @workflow.init

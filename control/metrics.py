@@ -51,6 +51,7 @@ DRAIN_EVERY_S = 1.0
 
 # -- in workflow code -------------------------------------------------------------------------
 
+
 def hot_load_ended(outcome: str, reason: str, seconds: float, replica_errors: list[str]) -> None:
     meter = workflow.metric_meter()
     meter.create_histogram_float(DURATION, METRICS[DURATION][0], "s").record(seconds, {"outcome": outcome})
@@ -62,7 +63,8 @@ def hot_load_ended(outcome: str, reason: str, seconds: float, replica_errors: li
 
 def scaled(direction: str, outcome: str) -> None:
     workflow.metric_meter().create_counter(AUTOSCALING_STEPS, METRICS[AUTOSCALING_STEPS][0]).add(
-        1, {"direction": direction, "outcome": outcome})
+        1, {"direction": direction, "outcome": outcome}
+    )
 
 
 def error_kind(error: str) -> str:
@@ -72,6 +74,7 @@ def error_kind(error: str) -> str:
 
 
 # -- in the control worker's process ----------------------------------------------------------
+
 
 def buffered_runtime() -> tuple[Any, Any]:
     """A Temporal runtime whose metrics go to a buffer, and the buffer (`TemporalMirror` drains it)."""

@@ -81,8 +81,7 @@ class NodeRegistryWorkflow:
                 continue
             rec.lost, rec.lost_at = True, self._now()
             reason = (
-                f"node {name} ({rec.heartbeat.address}) lost: no heartbeat for {silent:.0f} s "
-                f"(last at {rec.last_seen})"
+                f"node {name} ({rec.heartbeat.address}) lost: no heartbeat for {silent:.0f} s (last at {rec.last_seen})"
             )
             workflow.logger.warning(reason)
             by_deployment: dict[str, list[str]] = {}
@@ -104,12 +103,19 @@ class NodeRegistryWorkflow:
         rec = self.state.nodes.get(hb.name)
         if rec is None:
             self.state.nodes[hb.name] = NodeRecord(heartbeat=hb, last_seen=self._now())
-            workflow.logger.info("node %s joined at %s (zone %s, %d GPU(s), %d slot(s))",
-                                 hb.name, hb.address, hb.zone, hb.gpus, hb.slots)
+            workflow.logger.info(
+                "node %s joined at %s (zone %s, %d GPU(s), %d slot(s))", hb.name, hb.address, hb.zone, hb.gpus, hb.slots
+            )
             self._publish()
             return
-        visible = (rec.lost, rec.heartbeat.address, rec.heartbeat.zone, rec.heartbeat.gpus, rec.heartbeat.slots,
-                   rec.heartbeat.agent_pid) != (False, hb.address, hb.zone, hb.gpus, hb.slots, hb.agent_pid)
+        visible = (
+            rec.lost,
+            rec.heartbeat.address,
+            rec.heartbeat.zone,
+            rec.heartbeat.gpus,
+            rec.heartbeat.slots,
+            rec.heartbeat.agent_pid,
+        ) != (False, hb.address, hb.zone, hb.gpus, hb.slots, hb.agent_pid)
         if rec.lost:
             workflow.logger.warning("node %s reports again after it was declared lost at %s", hb.name, rec.lost_at)
         rec.heartbeat, rec.last_seen, rec.lost, rec.lost_at = hb, self._now(), False, None
@@ -123,7 +129,8 @@ class NodeRegistryWorkflow:
         except PlacementError as exc:
             raise ApplicationError(
                 f"cannot place replica(s) {', '.join(req.replicas)} of {req.deployment_workflow_id}: {exc}",
-                type=FAILED_PRECONDITION, non_retryable=True,
+                type=FAILED_PRECONDITION,
+                non_retryable=True,
             ) from None
         for replica, p in result.items():
             self.state.nodes[p.node].placements[placement_key(req.deployment_workflow_id, replica)] = p

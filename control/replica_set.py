@@ -77,8 +77,10 @@ async def place(state: DeploymentInput, names_: list[str], zone: str) -> None:
         placed = await workflow.execute_activity(
             names.PLACE_REPLICAS,
             PlaceRequest(
-                deployment_workflow_id=workflow.info().workflow_id, replicas=unplaced,
-                gpus_per_replica=state.deployment.spec.resources.gpu_count, zone=zone,
+                deployment_workflow_id=workflow.info().workflow_id,
+                replicas=unplaced,
+                gpus_per_replica=state.deployment.spec.resources.gpu_count,
+                zone=zone,
             ),
             result_type=dict[str, Placement],
             start_to_close_timeout=timedelta(seconds=30),
@@ -91,8 +93,13 @@ async def place(state: DeploymentInput, names_: list[str], zone: str) -> None:
 
 
 async def start(
-    state: DeploymentInput, names_: list[str], make_input: Callable[[list[str]], StartReplicasInput],
-    zone: str, timeout: timedelta, pickup: timedelta = NODE_PICKUP, attempts: int = 3,
+    state: DeploymentInput,
+    names_: list[str],
+    make_input: Callable[[list[str]], StartReplicasInput],
+    zone: str,
+    timeout: timedelta,
+    pickup: timedelta = NODE_PICKUP,
+    attempts: int = 3,
 ) -> StartOutcome:
     await place(state, names_, zone)
     groups = by_node(state, names_)
@@ -146,7 +153,9 @@ async def stop(state: DeploymentInput, names_: list[str]) -> None:
         await workflow.execute_activity(
             names.RELEASE_REPLICAS,
             ReleaseRequest(deployment_workflow_id=workflow.info().workflow_id, replicas=names_),
-            result_type=int, start_to_close_timeout=timedelta(seconds=30), retry_policy=RetryPolicy(maximum_attempts=5),
+            result_type=int,
+            start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=RetryPolicy(maximum_attempts=5),
         )
     except ActivityError as exc:
         workflow.logger.warning("releasing the places of %s failed: %s", ", ".join(names_), _cause(exc))

@@ -54,8 +54,14 @@ def create_gateway_app(settings: Settings, *, refresh: bool = True, router: Rout
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         proxy.open()
-        tasks = [asyncio.create_task(refresh_loop(router, settings)),
-                 asyncio.create_task(report_loop(router, meter, temporal_signal(settings)))] if refresh else []
+        tasks = (
+            [
+                asyncio.create_task(refresh_loop(router, settings)),
+                asyncio.create_task(report_loop(router, meter, temporal_signal(settings))),
+            ]
+            if refresh
+            else []
+        )
         yield
         for task in tasks:
             task.cancel()

@@ -28,14 +28,22 @@ from contracts.errors import InvalidArgument, PayloadTooLarge
 MAX_BODY_BYTES = 8 << 20
 MAX_JSON_DEPTH = 64
 
-_JSON_TYPE = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
-              bool: "a boolean", type(None): "null"}
+_JSON_TYPE = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
 
 
 def _too_large(size: int | None) -> NoReturn:
     what = f"{size} bytes" if size is not None else "larger"
-    raise PayloadTooLarge(f"request body is {what}; the gateway accepts at most {MAX_BODY_BYTES} bytes "
-                          f"({MAX_BODY_BYTES >> 20} MiB)")
+    raise PayloadTooLarge(
+        f"request body is {what}; the gateway accepts at most {MAX_BODY_BYTES} bytes ({MAX_BODY_BYTES >> 20} MiB)"
+    )
 
 
 async def read_body(request: Request) -> bytes:

@@ -29,8 +29,10 @@ def explain(message: str, details: Mapping[str, Any]) -> str:
     """Dynamo's 400 message with its ``details`` in words (its message alone is often just
     "Invalid request")."""
     if details.get("type") == "context_length" and "limit" in details and "actual" in details:
-        return (f"{message}: the prompt's tokens plus max_tokens come to {details['actual']}, more than the "
-                f"model's context length {details['limit']}: lower max_tokens or shorten the prompt")
+        return (
+            f"{message}: the prompt's tokens plus max_tokens come to {details['actual']}, more than the "
+            f"model's context length {details['limit']}: lower max_tokens or shorten the prompt"
+        )
     if not details:
         return message
     return f"{message} ({', '.join(f'{k}: {v}' for k, v in details.items())})"
@@ -38,8 +40,10 @@ def explain(message: str, details: Mapping[str, Any]) -> str:
 
 def upstream_body(plan: RequestPlan, model: str, request_secret: str) -> dict[str, Any]:
     body = dynamo_request(plan.upstream, plan.chat, plan.stream)
-    nvext: dict[str, Any] = {"extra_fields": list(GATEWAY_EXTRA_FIELDS),
-                             "annotations": [request_annotation(request_secret)]}
+    nvext: dict[str, Any] = {
+        "extra_fields": list(GATEWAY_EXTRA_FIELDS),
+        "annotations": [request_annotation(request_secret)],
+    }
     salt = body.pop("cache_salt", None)
     if salt is not None:
         nvext["cache_salt"] = salt
@@ -78,8 +82,11 @@ def _prompt_logprob(position: Any) -> Any:
     "decoded_token"}}`` (Dynamo's worker leaves out what it does not know: null here), or None."""
     if not isinstance(position, dict):
         return None
-    return {str(token): {"logprob": e.get("logprob"), "rank": e.get("rank"), "decoded_token": e.get("decoded_token")}
-            for token, e in position.items() if isinstance(e, dict)}
+    return {
+        str(token): {"logprob": e.get("logprob"), "rank": e.get("rank"), "decoded_token": e.get("decoded_token")}
+        for token, e in position.items()
+        if isinstance(e, dict)
+    }
 
 
 def served_by(data: str, workers: Mapping[int, R]) -> R | None:

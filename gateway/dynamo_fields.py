@@ -76,8 +76,10 @@ def dynamo_request(body: dict[str, Any], chat: bool, stream: bool) -> dict[str, 
     if stream and out.get("prompt_logprobs") not in (None, 0):
         raise RequestError("prompt_logprobs: not available when stream is true (as on vLLM)")
     if out.pop("add_special_tokens", None):
-        raise RequestError(f"add_special_tokens: true is not supported {_WHY}tokenizes without special "
-                           "tokens; send false, or put them in a token-id prompt)")
+        raise RequestError(
+            f"add_special_tokens: true is not supported {_WHY}tokenizes without special "
+            "tokens; send false, or put them in a token-id prompt)"
+        )
     refused = {**REFUSED, **(REFUSED_ON_CHAT if chat else REFUSED_ON_COMPLETIONS)}
     for table, why in ((IGNORED, "accepts it but does not apply it"), (refused, "refuses it")):
         for name, nothing in table.items():

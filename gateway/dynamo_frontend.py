@@ -40,10 +40,22 @@ class DynamoFrontendError(RuntimeError):
 class DynamoFrontend:
     """One Dynamo frontend process (module docstring)."""
 
-    def __init__(self, discovery_dir: Path | str, *, log_path: Path | str, namespace: str | None = None,
-                 host: str = "127.0.0.1", port: int | None = None, router_mode: str = "least-loaded",
-                 session_ttl_s: int = 600, python: str = sys.executable, discovery_backend: str = "file",
-                 address: str | None = None, tls: DynamoTls | None = None, event_broker: str | None = None) -> None:
+    def __init__(
+        self,
+        discovery_dir: Path | str,
+        *,
+        log_path: Path | str,
+        namespace: str | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        router_mode: str = "least-loaded",
+        session_ttl_s: int = 600,
+        python: str = sys.executable,
+        discovery_backend: str = "file",
+        address: str | None = None,
+        tls: DynamoTls | None = None,
+        event_broker: str | None = None,
+    ) -> None:
         self.discovery_dir = Path(discovery_dir)
         self.event_broker = event_broker
         self.tls = tls
@@ -84,12 +96,14 @@ class DynamoFrontend:
 
     def environment(self) -> dict[str, str]:
         env = plane_env(self.discovery_backend, self.discovery_dir, os.environ, self.event_broker)
-        env.update({
-            "DYN_TCP_RESPONSE_STREAM_HOST": self.address,
-            "DYN_EVENT_PLANE_HOST": self.address,
-            "DYN_TCP_RPC_HOST": self.address,
-            "HF_HUB_OFFLINE": "1",
-        })
+        env.update(
+            {
+                "DYN_TCP_RESPONSE_STREAM_HOST": self.address,
+                "DYN_EVENT_PLANE_HOST": self.address,
+                "DYN_TCP_RPC_HOST": self.address,
+                "HF_HUB_OFFLINE": "1",
+            }
+        )
         return env
 
     async def start(self, timeout: float = 120.0) -> DynamoFrontend:
@@ -101,8 +115,14 @@ class DynamoFrontend:
         if self.port is None:
             self.port = free_port(self.host)
         with self.log_path.open("ab") as log:
-            self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env=self.environment(), start_new_session=True)
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                start_new_session=True,
+            )
         try:
             await self._wait(lambda models: True, timeout, "answering")
         except BaseException:
@@ -123,9 +143,18 @@ class DynamoFrontend:
         async def serving() -> bool:
             return ok(await self.models())
 
-        await wait_serving(self._proc, serving, name="the Dynamo frontend", url=self.url, log_path=self.log_path,
-                           timeout=timeout, error=DynamoFrontendError, ready=what,
-                           not_yet=(httpx.HTTPError, ValueError), every=0.25)
+        await wait_serving(
+            self._proc,
+            serving,
+            name="the Dynamo frontend",
+            url=self.url,
+            log_path=self.log_path,
+            timeout=timeout,
+            error=DynamoFrontendError,
+            ready=what,
+            not_yet=(httpx.HTTPError, ValueError),
+            every=0.25,
+        )
 
     async def stop(self, timeout: float = 10.0) -> None:
         proc, self._proc = self._proc, None

@@ -79,8 +79,11 @@ class DynamoProxy:
         url = self.url
         headers = {"content-type": "application/json", **({SESSION_HEADER: session} if session else {})}
         try:
-            payload = json.dumps(dynamo.upstream_body(plan, dynamo_model(view.workflow_id),
-                                                      self.settings.dynamo_request_secret(view.workflow_id))).encode()
+            payload = json.dumps(
+                dynamo.upstream_body(
+                    plan, dynamo_model(view.workflow_id), self.settings.dynamo_request_secret(view.workflow_id)
+                )
+            ).encode()
         except RequestError as exc:  # a field Dynamo cannot do (gateway/dynamo_fields.py)
             raise InvalidArgument(str(exc)) from exc
         workers = view.dynamo_workers()
@@ -112,14 +115,17 @@ class DynamoProxy:
         deadline = time.monotonic() + DYNAMO_WAIT_S
         while True:
             try:
-                upstream = await http.send(http.build_request("POST", target, content=payload, headers=headers),
-                                           stream=True)
+                upstream = await http.send(
+                    http.build_request("POST", target, content=payload, headers=headers), stream=True
+                )
             except httpx.TransportError as exc:
                 if time.monotonic() < deadline:
                     await asyncio.sleep(DYNAMO_RETRY_S)
                     continue
-                raise Unavailable(f"Dynamo's frontend at {self.url} could not take the request for "
-                                  f"{model_name}: {type(exc).__name__}: {exc}") from exc
+                raise Unavailable(
+                    f"Dynamo's frontend at {self.url} could not take the request for "
+                    f"{model_name}: {type(exc).__name__}: {exc}"
+                ) from exc
             if upstream.status_code == 200:
                 return upstream
             content = await upstream.aread()
@@ -145,15 +151,19 @@ class DynamoProxy:
         except (httpx.HTTPError, StopAsyncIteration) as exc:
             await upstream.aclose()
             self.router.release(url)
-            raise Unavailable(f"Dynamo's frontend stream for {model_name} failed before "
-                              f"its first event: {exc!r}") from exc
+            raise Unavailable(
+                f"Dynamo's frontend stream for {model_name} failed before its first event: {exc!r}"
+            ) from exc
         # Dynamo names the worker on its first chunk: the header says which replica answers.
         named = dynamo.served_by(first, workers)
         if named is not None:
             served.replica = named
-        return StreamingResponse(self.relay.stream(attempt, served, upstream, first, events, adapt),
-                                 status_code=200, media_type="text/event-stream",
-                                 headers={REPLICA_HEADER: named.name} if named is not None else None)
+        return StreamingResponse(
+            self.relay.stream(attempt, served, upstream, first, events, adapt),
+            status_code=200,
+            media_type="text/event-stream",
+            headers={REPLICA_HEADER: named.name} if named is not None else None,
+        )
 
     async def _assemble_answer(
         self,

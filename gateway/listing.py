@@ -26,7 +26,10 @@ from gateway.routing import DeploymentView
 
 def _deployment(v: DeploymentView) -> dict[str, Any]:
     return {
-        "deployment_id": v.deployment_id, "status": v.status, "takes_traffic": v.takes_traffic, "weight": v.weight,
+        "deployment_id": v.deployment_id,
+        "status": v.status,
+        "takes_traffic": v.takes_traffic,
+        "weight": v.weight,
         "replicas": [{"name": r.name, "identity": r.identity, "settled": r.settled} for r in v.replicas],
     }
 
@@ -38,7 +41,10 @@ def model_list(views: list[DeploymentView]) -> dict[str, Any]:
         by_name.setdefault(v.model_name, []).append(v)
     data = [
         {
-            "id": name, "object": "model", "owned_by": "rollouts", "root": name,
+            "id": name,
+            "object": "model",
+            "owned_by": "rollouts",
+            "root": name,
             "takes_traffic": any(v.takes_traffic and v.weight > 0 for v in deps),
             "deployments": [_deployment(v) for v in sorted(deps, key=lambda v: v.deployment_id)],
         }

@@ -90,17 +90,27 @@ class Reporter:
             last = self.sent.get(wf)
             if last is not None and last[0] == level and now - last[1] < HEARTBEAT_S:
                 continue
-            report = LoadReport(gateway_id=self.router.gateway_id or "", level=level,
-                                mean_in_flight=round(sum(window) / len(window), 3), peak_in_flight=max(window),
-                                replicas=len(view.replicas))
+            report = LoadReport(
+                gateway_id=self.router.gateway_id or "",
+                level=level,
+                mean_in_flight=round(sum(window) / len(window), 3),
+                peak_in_flight=max(window),
+                replicas=len(view.replicas),
+            )
             try:
                 await self.signal(wf, report)
             except Exception as exc:  # noqa: BLE001 - sent again on the next sample
                 log.warning("load report to %s failed: %s", wf, exc)
                 continue
             if last is None or last[0] != level:
-                log.info("%s: %s (mean %.1f, peak %d in flight on %d replica(s))", wf, level,
-                         report.mean_in_flight, report.peak_in_flight, report.replicas)
+                log.info(
+                    "%s: %s (mean %.1f, peak %d in flight on %d replica(s))",
+                    wf,
+                    level,
+                    report.mean_in_flight,
+                    report.peak_in_flight,
+                    report.replicas,
+                )
             self.sent[wf] = (level, now)
 
 

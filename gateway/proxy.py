@@ -144,14 +144,17 @@ class Proxy:
             body["stream"] = False
         return _Upstream(path, json.dumps(body).encode(), replay, whole=not plan.stream or replay)
 
-    async def _through_one(self, attempt: Attempt, upstream: _Upstream, replica: ReplicaView, session: str | None,
-                           more: bool) -> Response:
+    async def _through_one(
+        self, attempt: Attempt, upstream: _Upstream, replica: ReplicaView, session: str | None, more: bool
+    ) -> Response:
         """The request to one replica, one request in flight on the router while it runs; the
         answer once the replica is committed to (marked ok, pinned for the session)."""
         url = replica.engine_url
         # The replica's engine answers only its agent and gateways (replica/engine/guard.py).
-        headers = {"content-type": "application/json",
-                   **self.settings.engine_headers(attempt.view.workflow_id, replica.name)}
+        headers = {
+            "content-type": "application/json",
+            **self.settings.engine_headers(attempt.view.workflow_id, replica.name),
+        }
         request = self.http.build_request("POST", f"{url}{upstream.path}", content=upstream.payload, headers=headers)
         self.router.acquire(url)
         if upstream.whole:
@@ -175,7 +178,9 @@ class Proxy:
         self._committed(url, session, replica)
         return StreamingResponse(
             self.relay.stream(attempt, Served(replica, url), stream, first, events),
-            status_code=200, media_type="text/event-stream", headers={REPLICA_HEADER: replica.name},
+            status_code=200,
+            media_type="text/event-stream",
+            headers={REPLICA_HEADER: replica.name},
         )
 
     async def _first_event(self, request: httpx.Request, more: bool) -> Response | tuple[httpx.Response, Any, Any]:

@@ -86,8 +86,12 @@ class Relay:
             after_view = await self.router.fresh_view(attempt.view.workflow_id)
             after = after_view.replica(replica.name) if after_view is not None else None
             out["weight_versions"] = weight_versions(
-                attempt.view.replica(replica.name), after, attempt.view.epoch,
-                after_view.epoch if after_view is not None else attempt.view.epoch, replica.name, spans,
+                attempt.view.replica(replica.name),
+                after,
+                attempt.view.epoch,
+                after_view.epoch if after_view is not None else attempt.view.epoch,
+                replica.name,
+                spans,
             )
         if "timing" in extra:
             now = time.monotonic()
@@ -104,17 +108,22 @@ class Relay:
             out["timing"] = timing
         return out
 
-    async def stream(self, attempt: Attempt, served: Served, upstream: httpx.Response, first: str,
-                     events: AsyncIterator[str], adapt: Callable[[dict[str, Any]], None] | None = None
-                     ) -> AsyncIterator[bytes]:
+    async def stream(
+        self,
+        attempt: Attempt,
+        served: Served,
+        upstream: httpx.Response,
+        first: str,
+        events: AsyncIterator[str],
+        adapt: Callable[[dict[str, Any]], None] | None = None,
+    ) -> AsyncIterator[bytes]:
         """Relay an SSE stream; nvext goes on the last chunk that carries a finish_reason.
         ``adapt`` (a dynamo deployment's) turns each chunk into a vLLM replica's first."""
         plan = attempt.plan
         held: dict[str, Any] | None = None  # a finish chunk, until we know whether it is the last
 
         async def with_nvext(chunk: dict[str, Any]) -> bytes:
-            chunk["nvext"] = {**(chunk.get("nvext") or {}),
-                              **(await self.response_nvext(attempt, served.replica))}
+            chunk["nvext"] = {**(chunk.get("nvext") or {}), **(await self.response_nvext(attempt, served.replica))}
             return sse(chunk)
 
         try:
@@ -162,8 +171,15 @@ class Relay:
             if held is not None:
                 yield sse(held)
             log.warning("stream from %s broke: %r", served.replica.name, exc)
-            yield sse({"error": {"message": f"replica {served.replica.name} stream broke: {exc!r}; the answer is "
-                                            "incomplete", "type": Unavailable.code, "code": 503}})
+            yield sse(
+                {
+                    "error": {
+                        "message": f"replica {served.replica.name} stream broke: {exc!r}; the answer is incomplete",
+                        "type": Unavailable.code,
+                        "code": 503,
+                    }
+                }
+            )
         finally:
             await upstream.aclose()
             self.router.release(served.url)

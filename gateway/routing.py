@@ -128,8 +128,9 @@ def build_view(
                 elif state == "PENDING_UPDATE":
                     pending = True
                 identity = step.get("currentSnapshotIdentity") or identity
-        replicas.append(ReplicaView(name, r.get("engineUrl", ""), identity, settled, pending,
-                                    str(r.get("dynamoWorker") or "")))
+        replicas.append(
+            ReplicaView(name, r.get("engineUrl", ""), identity, settled, pending, str(r.get("dynamoWorker") or ""))
+        )
     return DeploymentView(
         deployment_id=spec["id"],
         model_name=(spec.get("model") or {}).get("name", spec["id"]),
@@ -160,9 +161,14 @@ def _weight(spec: dict[str, Any]) -> int:
     return weight if isinstance(weight, int) and not isinstance(weight, bool) else 0
 
 
-def weight_versions(before: ReplicaView | None, after: ReplicaView | None,
-                    before_epoch: int, after_epoch: int, replica: str,
-                    spans: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def weight_versions(
+    before: ReplicaView | None,
+    after: ReplicaView | None,
+    before_epoch: int,
+    after_epoch: int,
+    replica: str,
+    spans: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """``nvext.weight_versions`` for one response served by ``replica``.
 
     With ``spans`` (the replica's own per-token record, checked by ``nvext.version_spans``):
@@ -183,8 +189,13 @@ def weight_versions(before: ReplicaView | None, after: ReplicaView | None,
     if spans:
         named = _load_order(spans)
         one = len(named) == 1
-        return {"identity": named[0] if one else None, "exact": one, "identities": named,
-                "replica": replica, "spans": spans}
+        return {
+            "identity": named[0] if one else None,
+            "exact": one,
+            "identities": named,
+            "replica": replica,
+            "spans": spans,
+        }
     ids: list[str] = []
     for view in (before, after):
         if view is not None and view.identity not in ids:
@@ -197,8 +208,12 @@ def weight_versions(before: ReplicaView | None, after: ReplicaView | None,
         and before.identity == after.identity
         and (after_epoch == before_epoch or (after_epoch == before_epoch + 1 and after.pending))
     )
-    out: dict[str, Any] = {"identity": ids[0] if exact else None, "exact": bool(exact), "identities": ids,
-                           "replica": replica}
+    out: dict[str, Any] = {
+        "identity": ids[0] if exact else None,
+        "exact": bool(exact),
+        "identities": ids,
+        "replica": replica,
+    }
     if spans is not None:
         out["spans"] = spans  # reported, and empty: the answer has no completion tokens
     return out
@@ -256,12 +271,16 @@ class Router:
     def models(self, organization_id: str | None = None) -> list[DeploymentView]:
         """The deployments this gateway serves, within ``organization_id`` if given (another
         organization's deployment is not found, as in the REST API), by model name then id."""
-        views = [v for v in self.views.values()
-                 if (organization_id is None or v.organization_id == organization_id) and self.serves(v)]
+        views = [
+            v
+            for v in self.views.values()
+            if (organization_id is None or v.organization_id == organization_id) and self.serves(v)
+        ]
         return sorted(views, key=lambda v: (v.model_name, v.deployment_id))
 
-    def route(self, model: str | None, organization_id: str | None = None,
-              session: str | None = None) -> tuple[list[DeploymentView], DeploymentView | None]:
+    def route(
+        self, model: str | None, organization_id: str | None = None, session: str | None = None
+    ) -> tuple[list[DeploymentView], DeploymentView | None]:
         """``(named, chosen)``: the deployments ``model`` names (empty: not served here) and the
         one this request goes to (None: none of them takes traffic); see the module docstring."""
         mine = self.models(organization_id)
@@ -343,8 +362,9 @@ class Router:
         reads = self._reads.setdefault(workflow_id, SingleFlight(after_call=True))
         return await reads.join(lambda: self._read(workflow_id))
 
-    async def fresh_route(self, model: str | None, organization_id: str | None = None,
-                          session: str | None = None) -> tuple[list[DeploymentView], DeploymentView | None]:
+    async def fresh_route(
+        self, model: str | None, organization_id: str | None = None, session: str | None = None
+    ) -> tuple[list[DeploymentView], DeploymentView | None]:
         """``route``, but a request that finds no deployment to take it reads afresh first: the
         views of the deployments it names (none takes traffic), or the list of running
         deployments (it names none: one created since the last discovery), each read started
@@ -399,8 +419,14 @@ async def refresh_loop(router: Router, settings: Any) -> None:
                 (log.debug if not_yet else log.warning)("reading hot-load %s failed: %s", active, exc)
                 readable = False
         epoch = router.epoch_for(wf_id, active)
-        return build_view(memo, wf_id, hot_memo,  # type: ignore[arg-type]  # memo(): a dict, typed Mapping
-                          hot_load_readable=readable, epoch=epoch, read_at=started)
+        return build_view(
+            memo,  # type: ignore[arg-type]  # memo(): a dict, typed Mapping
+            wf_id,
+            hot_memo,  # type: ignore[arg-type]
+            hot_load_readable=readable,
+            epoch=epoch,
+            read_at=started,
+        )
 
     last_discovery: float  # set before the first discover() (below)
 
@@ -408,8 +434,9 @@ async def refresh_loop(router: Router, settings: Any) -> None:
         nonlocal workflow_ids, last_discovery
         assert client is not None
         found: list[str] = []
-        async for wf in client.list_workflows("ResourceKind='deployment' AND ExecutionStatus='Running'",
-                                              page_size=1000):
+        async for wf in client.list_workflows(
+            "ResourceKind='deployment' AND ExecutionStatus='Running'", page_size=1000
+        ):
             found.append(wf.id)  # deployments/ORG/ID (contracts/names.py)
         for gone in set(router.views) - set(found):
             router.drop(gone)

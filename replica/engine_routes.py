@@ -8,8 +8,17 @@ a JSON object; a failure answers ``{"error": {"code", "message"}}``.
 """
 
 # Served by every engine kind, over vLLM's AsyncLLM (replica/engine/control.py).
-ENGINE_ROUTES = ("pause", "resume", "is_paused", "reset_prefix_cache", "collective_rpc", "update_weight_version",
-                 "weight_info", "swap_in_pause", "swap_hook")
+ENGINE_ROUTES = (
+    "pause",
+    "resume",
+    "is_paused",
+    "reset_prefix_cache",
+    "collective_rpc",
+    "update_weight_version",
+    "weight_info",
+    "swap_in_pause",
+    "swap_hook",
+)
 # A Dynamo worker's alone: its place in the frontend's routing pool, its id, its gate.
 DYNAMO_ROUTES = ("leave", "join", "instance", "instances", "open")
 # Where our vLLM server serves ENGINE_ROUTES (POST, JSON body).

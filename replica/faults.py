@@ -98,8 +98,13 @@ async def hit(home: Path, point: str, *, replica: str, deployment: str, until: a
                 waited += 0.2
             return False
         if action == "s3_error":
-            raise ClientError({"Error": {"Code": "InternalError", "Message": f"injected fault {rule_id!r} at {point}"},
-                               "ResponseMetadata": {"HTTPStatusCode": 500}}, "GetObject")
+            raise ClientError(
+                {
+                    "Error": {"Code": "InternalError", "Message": f"injected fault {rule_id!r} at {point}"},
+                    "ResponseMetadata": {"HTTPStatusCode": 500},
+                },
+                "GetObject",
+            )
         raise ApplicationError(
             f"injected fault {rule_id!r} at {point} on replica {replica}", type=INJECTED_FAULT, non_retryable=True
         )

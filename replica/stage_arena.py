@@ -118,8 +118,10 @@ class StageArena:
             try:
                 fd = self._allocate(fallback, size)
             except OSError as again:
-                raise OSError(f"no room for a {size}-byte stage arena in {self.directory} ({exc}) "
-                              f"or {fallback} ({again}); set ROLLOUTS_SHM_DIR") from None
+                raise OSError(
+                    f"no room for a {size}-byte stage arena in {self.directory} ({exc}) "
+                    f"or {fallback} ({again}); set ROLLOUTS_SHM_DIR"
+                ) from None
             self.directory = fallback
         try:
             mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -187,9 +189,7 @@ def _earlier_turns(directory: Path, queue: str, position: int) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def host_decode_slot(
-    directory: Path | None = None, turn: tuple[str, int] | None = None
-) -> AsyncIterator[None]:
+async def host_decode_slot(directory: Path | None = None, turn: tuple[str, int] | None = None) -> AsyncIterator[None]:
     """Hold this host's decode slot (an flock on ``rollouts-decode.lock`` in :func:`shm_dir`;
     the kernel drops it if the holder dies). With ``turn`` = (queue, position), first wait while
     a live process on this host announced an earlier position of the same queue

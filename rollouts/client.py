@@ -80,9 +80,12 @@ class Replica:
     @classmethod
     def from_wire(cls, obj: dict[str, Any]) -> Replica:
         return cls(
-            name=obj.get("name", ""), state=obj.get("state", ""),
-            current_snapshot_identity=obj.get("currentSnapshotIdentity", ""), zone=obj.get("zone", ""),
-            error_reason=obj.get("errorReason"), raw=obj,
+            name=obj.get("name", ""),
+            state=obj.get("state", ""),
+            current_snapshot_identity=obj.get("currentSnapshotIdentity", ""),
+            zone=obj.get("zone", ""),
+            error_reason=obj.get("errorReason"),
+            raw=obj,
         )
 
 
@@ -105,19 +108,32 @@ class HotLoad:
     def from_wire(cls, obj: dict[str, Any]) -> HotLoad:
         spec, status = obj.get("spec") or {}, obj.get("status") or {}
         return cls(
-            id=spec.get("id", ""), deployment_id=spec.get("deploymentId", ""), identity=spec.get("identity", ""),
-            type=spec.get("type", ""), state=status.get("state", ""),
+            id=spec.get("id", ""),
+            deployment_id=spec.get("deploymentId", ""),
+            identity=spec.get("identity", ""),
+            type=spec.get("type", ""),
+            state=status.get("state", ""),
             prompt_cache_policy=spec.get("promptCachePolicy", PRESERVE),
-            snapshot_chain=[link.get("identity", "") for link in spec.get("snapshotChain") or []], raw=obj,
+            snapshot_chain=[link.get("identity", "") for link in spec.get("snapshotChain") or []],
+            raw=obj,
         )
 
 
-def hot_load_body(deployment_id: str, identity: str, *, previous_identity: str | None = None,
-                  prompt_cache_policy: str | None = None, hot_load_id: str | None = None) -> dict[str, Any]:
+def hot_load_body(
+    deployment_id: str,
+    identity: str,
+    *,
+    previous_identity: str | None = None,
+    prompt_cache_policy: str | None = None,
+    hot_load_id: str | None = None,
+) -> dict[str, Any]:
     """The body of ``POST /hotLoads``: FULL, or INCREMENTAL (zstd, Adler-32) on ``previous_identity``;
     the cache policy and the hot-load id only when given (else the API's defaults)."""
-    body: dict[str, Any] = {"deploymentId": deployment_id, "identity": identity,
-                            "type": FULL if previous_identity is None else INCREMENTAL}
+    body: dict[str, Any] = {
+        "deploymentId": deployment_id,
+        "identity": identity,
+        "type": FULL if previous_identity is None else INCREMENTAL,
+    }
     if hot_load_id is not None:
         body["hotLoadId"] = hot_load_id
     if prompt_cache_policy is not None:
@@ -134,11 +150,14 @@ def hot_load_body(deployment_id: str, identity: str, *, previous_identity: str |
 class RolloutsClient:
     """Typed calls to the REST API (see the module docstring)."""
 
-    def __init__(self, api_url: str, token: str, *, timeout: float = 60.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self, api_url: str, token: str, *, timeout: float = 60.0, transport: httpx.BaseTransport | None = None
+    ) -> None:
         self._http = httpx.Client(
-            base_url=api_url.rstrip("/") + PREFIX, headers={"Authorization": f"Bearer {token}"},
-            timeout=timeout, transport=transport,
+            base_url=api_url.rstrip("/") + PREFIX,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout,
+            transport=transport,
         )
 
     @classmethod
@@ -213,9 +232,13 @@ class RolloutsClient:
         busy_timeout: float = 900.0,
     ) -> HotLoad:
         """A FULL hot-load, or an INCREMENTAL one when ``previous_identity`` names the delta's base."""
-        body = hot_load_body(deployment_id, identity, previous_identity=previous_identity,
-                             prompt_cache_policy=prompt_cache_policy,
-                             hot_load_id=hot_load_id or f"hl-{uuid.uuid4().hex[:16]}")
+        body = hot_load_body(
+            deployment_id,
+            identity,
+            previous_identity=previous_identity,
+            prompt_cache_policy=prompt_cache_policy,
+            hot_load_id=hot_load_id or f"hl-{uuid.uuid4().hex[:16]}",
+        )
         deadline = time.monotonic() + busy_timeout
         while True:
             try:
@@ -381,11 +404,17 @@ def on_policy_round(
     hot = (deployment.get("spec") or {}).get("hotLoad") or {}
     if not hot.get("bucket"):
         raise ValueError(f"deployment {deployment_id} has no hotLoad section")
-    upload_checkpoint(s3 if s3 is not None else s3_client_from_env(), checkpoint_dir, hot["bucket"],
-                      hot.get("pathPrefix", ""), identity)
+    upload_checkpoint(
+        s3 if s3 is not None else s3_client_from_env(),
+        checkpoint_dir,
+        hot["bucket"],
+        hot.get("pathPrefix", ""),
+        identity,
+    )
     t2 = time.monotonic()
-    hot_load = client.create_hot_load(deployment_id, identity, previous_identity=previous_identity,
-                                      prompt_cache_policy=RESET_ALL)
+    hot_load = client.create_hot_load(
+        deployment_id, identity, previous_identity=previous_identity, prompt_cache_policy=RESET_ALL
+    )
     hot_load = client.wait_hot_load(hot_load.id, timeout=timeout)
     replicas = client.list_replicas(hot_load.id)
     if hot_load.state != "HOT_LOAD_STATE_COMPLETED":

@@ -62,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
 
 class _LazyS3:
     """Builds the S3 client on first use, so local-only commands never import boto3."""
+
     def __init__(self) -> None:
         self._client: Any = None
 
@@ -105,7 +106,11 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "apply":
         report = materialize_chain_report(
-            args.base, args.deltas, args.out, s3=s3(args.base, *args.deltas), workers=args.workers,
+            args.base,
+            args.deltas,
+            args.out,
+            s3=s3(args.base, *args.deltas),
+            workers=args.workers,
             discard=remove_in_background,
         )
         _print_json(

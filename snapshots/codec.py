@@ -160,8 +160,7 @@ def check_frame(frame: Any, nbytes: int, *, file: str | None = None, tensor: str
         raise DeltaMismatchError(f"not a zstd frame ({exc})", file=file, tensor=tensor) from None
     if declared != _UNKNOWN_SIZE and declared != nbytes:
         raise DeltaMismatchError(
-            f"frame decompresses to {declared} bytes but the base tensor has {nbytes}; refused "
-            "without decompressing",
+            f"frame decompresses to {declared} bytes but the base tensor has {nbytes}; refused without decompressing",
             file=file,
             tensor=tensor,
         )
@@ -173,8 +172,7 @@ def check_frame(frame: Any, nbytes: int, *, file: str | None = None, tensor: str
         )
     if end != len(view):
         raise DeltaMismatchError(
-            f"{len(view) - end} trailing bytes after the zstd frame (it ends at byte {end} of "
-            f"{len(view)}); refused",
+            f"{len(view) - end} trailing bytes after the zstd frame (it ends at byte {end} of {len(view)}); refused",
             file=file,
             tensor=tensor,
         )
@@ -222,8 +220,7 @@ def check_inflated(got: int, overflow: bytes, nbytes: int, *, file: str | None, 
         )
     if overflow:
         raise DeltaMismatchError(
-            f"frame inflates past the base tensor's {nbytes} bytes; refused without "
-            "decompressing the rest",
+            f"frame inflates past the base tensor's {nbytes} bytes; refused without decompressing the rest",
             file=file,
             tensor=tensor,
         )
@@ -243,17 +240,18 @@ class DeltaReport:
 
 
 def _mismatch(item: DeltaTensor, digest: str, file: str) -> ChecksumError:
-    return ChecksumError(f"checksum mismatch: the writer recorded {item.checksum}, the reconstructed bytes have "
-                         f"{digest}", file=file, tensor=item.name)
+    return ChecksumError(
+        f"checksum mismatch: the writer recorded {item.checksum}, the reconstructed bytes have {digest}",
+        file=file,
+        tensor=item.name,
+    )
 
 
 def _xor_into(target: np.ndarray, diff: np.ndarray) -> None:
     np.bitwise_xor(target, diff, out=target)
 
 
-def _check_targets(
-    targets: Mapping[str, np.ndarray], plan: DeltaPlan, sources: Mapping[str, np.ndarray]
-) -> None:
+def _check_targets(targets: Mapping[str, np.ndarray], plan: DeltaPlan, sources: Mapping[str, np.ndarray]) -> None:
     """Refuse, before any byte changes, a delta tensor the base lacks, a read-only target, or a
     source whose length differs from its target's."""
     for item in plan.tensors.values():

@@ -41,9 +41,7 @@ def validate_identity(identity: str, *, field: str = "identity") -> str:
     if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in identity):
         raise IdentityError(f"{field} must not contain NUL or control characters: {identity!r}")
     if identity == RESERVED_IDENTITY:
-        raise IdentityError(
-            f"{field} {RESERVED_IDENTITY!r} is reserved for the deployment's base weights"
-        )
+        raise IdentityError(f"{field} {RESERVED_IDENTITY!r} is reserved for the deployment's base weights")
     return identity
 
 

@@ -111,8 +111,7 @@ def parse_index(body: bytes, file: str) -> Index:
             or shard.startswith(".")
         ):
             raise LayoutError(
-                f"weight_map points at {shard!r}; expected a *{SHARD_SUFFIX} file directly in the "
-                "snapshot",
+                f"weight_map points at {shard!r}; expected a *{SHARD_SUFFIX} file directly in the snapshot",
                 file=file,
                 tensor=name,
             )
@@ -141,9 +140,7 @@ def _read_index(source: SnapshotSource, files: dict[str, int]) -> Index:
 
 
 def _read_shard_header(source: SnapshotSource, name: str, size: int) -> SafetensorsHeader:
-    return read_header_from(
-        lambda offset, length: source.read_range(name, offset, length), size, source.describe(name)
-    )
+    return read_header_from(lambda offset, length: source.read_range(name, offset, length), size, source.describe(name))
 
 
 def delta_encoding(metadata: dict[str, Any]) -> str:
@@ -169,8 +166,7 @@ def check_delta_metadata(metadata: dict[str, Any], file: str) -> None:
         )
     if encoding == "xor" and compression != "zstd":
         raise UnsupportedFormatError(
-            f"compression_format {metadata.get('compression_format')!r} is not supported; only "
-            "'zstd' is",
+            f"compression_format {metadata.get('compression_format')!r} is not supported; only 'zstd' is",
             file=file,
         )
     checksum = str(metadata.get("checksum_format", "")).strip().lower().replace("-", "")
@@ -356,6 +352,7 @@ def _checksum(recorded: str, file: str, tensor: str) -> str:
         raise ChecksumError(f"checksum {recorded!r} is not 8 hex digits", file=file, tensor=tensor)
     return recorded.lower()
 
+
 def read_delta_plan(location: Any, *, s3: Any = None) -> DeltaPlan:
     """Validate a delta (files, index, metadata, shard headers, checksums) and locate its frames.
 
@@ -367,8 +364,9 @@ def read_delta_plan(location: Any, *, s3: Any = None) -> DeltaPlan:
     tensors: dict[str, DeltaTensor] = {}
     if delta_encoding(index.metadata) == SPARSE:
         for name, item in pairs(index.weight_map, headers).items():
-            tensors[name] = DeltaTensor(name, item.indices.file, item.indices.begin, item.indices.end,
-                                        item.checksum, sparse=item)
+            tensors[name] = DeltaTensor(
+                name, item.indices.file, item.indices.begin, item.indices.end, item.checksum, sparse=item
+            )
         ordered = dict(sorted(tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)))
         return DeltaPlan(source, index, files, ordered)
     for name, shard, header, entry in _located(index, headers):
@@ -460,7 +458,8 @@ def inspect_snapshot(
             type=DELTA,
             tensors=len(plan.tensors),
             tensor_bytes=plan.wire_bytes,
-            changed_tensors=sorted(plan.tensors) if delta_encoding(plan.index.metadata) == SPARSE
+            changed_tensors=sorted(plan.tensors)
+            if delta_encoding(plan.index.metadata) == SPARSE
             else list(plan.index.weight_map),
             metadata=plan.index.metadata,
             previous_identity=previous_identity,

@@ -44,16 +44,19 @@ class ServedWeights:
         for rank, answer in enumerate(answers):
             for name, digest in answer.get("checksums", {}).items():
                 if out.checksums.setdefault(name, digest) != digest:
-                    raise ValueError(f"{name}: the engine's ranks hold different bytes (rank {rank}: {digest}, "
-                                     f"an earlier rank: {out.checksums[name]})")
+                    raise ValueError(
+                        f"{name}: the engine's ranks hold different bytes (rank {rank}: {digest}, "
+                        f"an earlier rank: {out.checksums[name]})"
+                    )
             for name, pieces in answer.get("regions", {}).items():
                 held = out.regions.setdefault(name, {})
                 for size, stride, offset, digest in pieces:
                     held.setdefault((tuple(size), tuple(stride), int(offset)), set()).add(str(digest))
         return out
 
-    def differing(self, names: Iterable[str], expected: Mapping[str, str],
-                  tensor: Callable[[str], torch.Tensor]) -> list[str]:
+    def differing(
+        self, names: Iterable[str], expected: Mapping[str, str], tensor: Callable[[str], torch.Tensor]
+    ) -> list[str]:
         """Of ``names``, those served other than expected: by ``expected`` checksum when a rank
         holds the tensor whole, else region by region against ``tensor(name)``."""
         wrong = []
@@ -64,10 +67,10 @@ class ServedWeights:
                 want = tensor(name)
                 pieces = self.regions[name]
                 ok = sum(math.prod(size) for size, _, _ in pieces) == want.numel() and all(
-                    digests == {region_checksum(want, region)} for region, digests in pieces.items())
+                    digests == {region_checksum(want, region)} for region, digests in pieces.items()
+                )
             else:
                 ok = False
             if not ok:
                 wrong.append(name)
         return wrong
-

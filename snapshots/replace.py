@@ -50,7 +50,10 @@ def remove_in_background(path: Path) -> None:
     (which frees the old files' pages and blocks, a few hundred ms per GiB) goes on after it."""
     subprocess.Popen(
         ["rm", "-rf", "--", str(path)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
 
 

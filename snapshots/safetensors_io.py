@@ -93,16 +93,12 @@ class SafetensorsHeader:
 def header_length(prefix: bytes, file_size: int, file: str) -> int:
     """The JSON header length from the first 8 bytes, checked against the file size."""
     if file_size < 8 or len(prefix) < 8:
-        raise HeaderError(
-            f"truncated: {file_size} bytes is too short for a safetensors file", file=file
-        )
+        raise HeaderError(f"truncated: {file_size} bytes is too short for a safetensors file", file=file)
     (length,) = struct.unpack("<Q", prefix[:8])
     if length > MAX_HEADER_BYTES:
         raise HeaderError(f"header length {length} exceeds the {MAX_HEADER_BYTES}-byte cap", file=file)
     if 8 + length > file_size:
-        raise HeaderError(
-            f"header length {length} runs past the end of the file ({file_size} bytes)", file=file
-        )
+        raise HeaderError(f"header length {length} runs past the end of the file ({file_size} bytes)", file=file)
     return length
 
 
@@ -115,6 +111,7 @@ def parse_json_object(body: bytes, what: str, error: type[SnapshotError], file: 
     if not isinstance(raw, dict):
         raise error(f"{what} is not a JSON object", file=file)
     return raw
+
 
 def parse_header(header_bytes: bytes, file_size: int, file: str) -> SafetensorsHeader:
     """Validate the JSON header of a file of ``file_size`` bytes (see the module docstring)."""
@@ -160,8 +157,7 @@ def parse_header(header_bytes: bytes, file_size: int, file: str) -> SafetensorsH
             )
         if end > data_size:
             raise HeaderError(
-                f"data ends at byte {data_start + end} but the file has {file_size} bytes "
-                "(truncated shard?)",
+                f"data ends at byte {data_start + end} but the file has {file_size} bytes (truncated shard?)",
                 file=file,
                 tensor=name,
             )
@@ -170,8 +166,7 @@ def parse_header(header_bytes: bytes, file_size: int, file: str) -> SafetensorsH
     for prev, nxt in zip(spans, spans[1:]):
         if nxt.begin < prev.end:
             raise HeaderError(
-                f"data overlaps tensor {prev.name!r} ([{prev.begin}, {prev.end}) and "
-                f"[{nxt.begin}, {nxt.end}))",
+                f"data overlaps tensor {prev.name!r} ([{prev.begin}, {prev.end}) and [{nxt.begin}, {nxt.end}))",
                 file=file,
                 tensor=nxt.name,
             )
@@ -219,9 +214,7 @@ def readinto_exact(f: IO[bytes] | int, offset: int, out: memoryview | np.ndarray
         done += n
 
 
-def read_tensor_bytes(
-    path: str | os.PathLike[str], entry: TensorEntry, out: np.ndarray | None = None
-) -> np.ndarray:
+def read_tensor_bytes(path: str | os.PathLike[str], entry: TensorEntry, out: np.ndarray | None = None) -> np.ndarray:
     """The raw bytes of one tensor as a ``uint8`` array (into ``out`` when given)."""
     buf = np.empty(entry.nbytes, dtype=np.uint8) if out is None else out
     if buf.nbytes != entry.nbytes:

@@ -72,25 +72,35 @@ def pairs(weight_map: Mapping[str, str], headers: Mapping[str, SafetensorsHeader
         elif key.endswith(VALUES):
             halves.setdefault(key[: -len(VALUES)], {})[VALUES] = shard
         else:
-            raise LayoutError(f"a sparse delta holds only NAME{INDICES} and NAME{VALUES} tensors",
-                              file=headers[shard].file, tensor=key)
+            raise LayoutError(
+                f"a sparse delta holds only NAME{INDICES} and NAME{VALUES} tensors",
+                file=headers[shard].file,
+                tensor=key,
+            )
     out: dict[str, SparseTensor] = {}
     for name, where in halves.items():
         for half in (INDICES, VALUES):
             if half not in where:
                 other = next(iter(where.values()))
-                raise LayoutError(f"has no {name}{half} beside it", file=headers[other].file,
-                                  tensor=name + (VALUES if half == INDICES else INDICES))
+                raise LayoutError(
+                    f"has no {name}{half} beside it",
+                    file=headers[other].file,
+                    tensor=name + (VALUES if half == INDICES else INDICES),
+                )
         parts = {half: _part(where[half], headers[where[half]], name + half) for half in (INDICES, VALUES)}
         indices, values = parts[INDICES], parts[VALUES]
         if indices.dtype not in INDEX_DTYPES:
-            raise HeaderError(f"indices must be I32 or I64, got {indices.dtype}", file=headers[indices.file].file,
-                              tensor=name + INDICES)
+            raise HeaderError(
+                f"indices must be I32 or I64, got {indices.dtype}",
+                file=headers[indices.file].file,
+                tensor=name + INDICES,
+            )
         if values.dtype == "BOOL":
             raise HeaderError("values must be numbers, got BOOL", file=headers[values.file].file, tensor=name + VALUES)
         if indices.count != values.count:
-            raise HeaderError(f"{indices.count} indices but {values.count} values", file=headers[values.file].file,
-                              tensor=name)
+            raise HeaderError(
+                f"{indices.count} indices but {values.count} values", file=headers[values.file].file, tensor=name
+            )
         header = headers[where[VALUES]]
         checksum = header.metadata.get(name)
         if checksum is None:
@@ -121,11 +131,16 @@ def check_size(values: Part, nbytes: int, dtype: str | None, *, file: str | None
     if dtype is not None and dtype != values.dtype:
         raise DeltaMismatchError(f"values are {values.dtype} but the base tensor is {dtype}", file=file, tensor=tensor)
     if nbytes % size:
-        raise DeltaMismatchError(f"values are {values.dtype} ({size} bytes) but the base tensor's {nbytes} bytes "
-                                 f"are not a whole number of them", file=file, tensor=tensor)
+        raise DeltaMismatchError(
+            f"values are {values.dtype} ({size} bytes) but the base tensor's {nbytes} bytes "
+            f"are not a whole number of them",
+            file=file,
+            tensor=tensor,
+        )
     if values.count > nbytes // size:
-        raise DeltaMismatchError(f"{values.count} changed elements, more than the base tensor's {nbytes // size}",
-                                 file=file, tensor=tensor)
+        raise DeltaMismatchError(
+            f"{values.count} changed elements, more than the base tensor's {nbytes // size}", file=file, tensor=tensor
+        )
 
 
 def read(source: Any, item: SparseTensor, nbytes: int, *, file: str | None) -> tuple[np.ndarray, np.ndarray]:
@@ -136,8 +151,9 @@ def read(source: Any, item: SparseTensor, nbytes: int, *, file: str | None) -> t
     return decode(index_bytes, value_bytes, item, nbytes, file=file)
 
 
-def decode(index_bytes: bytes, value_bytes: bytes, item: SparseTensor, nbytes: int, *,
-           file: str | None) -> tuple[np.ndarray, np.ndarray]:
+def decode(
+    index_bytes: bytes, value_bytes: bytes, item: SparseTensor, nbytes: int, *, file: str | None
+) -> tuple[np.ndarray, np.ndarray]:
     """(positions as int64, values as unsigned integers of the element's width), checked: as
     many of each as the header says, positions strictly increasing and inside the tensor."""
     size = element_size(item.values.dtype)
@@ -147,8 +163,12 @@ def decode(index_bytes: bytes, value_bytes: bytes, item: SparseTensor, nbytes: i
     values = np.frombuffer(value_bytes, dtype=UINTS[size])
     if positions.size:
         if positions[0] < 0 or positions[-1] >= nbytes // size:
-            raise DeltaMismatchError(f"an index is outside the tensor's {nbytes // size} elements "
-                                     f"(indices run {positions[0]}..{positions[-1]})", file=file, tensor=item.name)
+            raise DeltaMismatchError(
+                f"an index is outside the tensor's {nbytes // size} elements "
+                f"(indices run {positions[0]}..{positions[-1]})",
+                file=file,
+                tensor=item.name,
+            )
         if positions.size > 1 and not bool(np.all(positions[1:] > positions[:-1])):
             raise DeltaMismatchError("indices are not strictly increasing", file=file, tensor=item.name)
     return positions, values
@@ -172,5 +192,19 @@ def scatter_chunk(data: np.ndarray, start: int, positions: np.ndarray, values: n
         data.view(values.dtype)[positions[lo:hi] - start // size] = values[lo:hi]
 
 
-__all__ = ["INDEX_DTYPES", "INDICES", "Part", "SPARSE", "SparseTensor", "UINTS", "VALUES", "check_size", "decode",
-           "element_size", "pairs", "read", "scatter", "scatter_chunk"]
+__all__ = [
+    "INDEX_DTYPES",
+    "INDICES",
+    "Part",
+    "SPARSE",
+    "SparseTensor",
+    "UINTS",
+    "VALUES",
+    "check_size",
+    "decode",
+    "element_size",
+    "pairs",
+    "read",
+    "scatter",
+    "scatter_chunk",
+]

@@ -32,8 +32,14 @@ from snapshots.writer import DeltaStats
 SHARD = "model-00000-of-00001.safetensors"
 
 
-def write_sparse_delta(base_dir: str | os.PathLike[str], new_dir: str | os.PathLike[str],
-                       out_dir: str | os.PathLike[str], *, version: str, base_version: str) -> DeltaStats:
+def write_sparse_delta(
+    base_dir: str | os.PathLike[str],
+    new_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    version: str,
+    base_version: str,
+) -> DeltaStats:
     """Write the sparse delta turning checkpoint ``base_dir`` into ``new_dir`` at ``out_dir``."""
     base, new = HostWeights.load(base_dir), HostWeights.load(new_dir)
     if sorted(base.names()) != sorted(new.names()):
@@ -48,8 +54,11 @@ def write_sparse_delta(base_dir: str | os.PathLike[str], new_dir: str | os.PathL
     for name in sorted(new.names()):
         old_info, new_info = base.info(name), new.info(name)
         if (old_info.dtype, old_info.shape) != (new_info.dtype, new_info.shape):
-            raise SnapshotError(f"{old_info.dtype}{list(old_info.shape)} in the base, "
-                                f"{new_info.dtype}{list(new_info.shape)} in the new checkpoint", tensor=name)
+            raise SnapshotError(
+                f"{old_info.dtype}{list(old_info.shape)} in the base, "
+                f"{new_info.dtype}{list(new_info.shape)} in the new checkpoint",
+                tensor=name,
+            )
         width = UINTS[DTYPE_SIZES[new_info.dtype]]
         old_elems, new_elems = base.raw(name).view(width), new.raw(name).view(width)
         positions = np.flatnonzero(old_elems != new_elems)
@@ -66,9 +75,15 @@ def write_sparse_delta(base_dir: str | os.PathLike[str], new_dir: str | os.PathL
         return stats
     with replacing_directory(out) as tmp:
         write_safetensors(tmp / SHARD, specs, checksums)
-        index = {"metadata": {"version": str(version), "base_version": str(base_version), "delta_encoding": SPARSE,
-                              "checksum_format": "adler32"},
-                 "weight_map": {spec.name: SHARD for spec in specs}}
+        index = {
+            "metadata": {
+                "version": str(version),
+                "base_version": str(base_version),
+                "delta_encoding": SPARSE,
+                "checksum_format": "adler32",
+            },
+            "weight_map": {spec.name: SHARD for spec in specs},
+        }
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     stats.shards.append(SHARD)
     return stats

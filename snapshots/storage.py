@@ -226,7 +226,9 @@ class S3Source:
 
     def read_all(self, name: str) -> bytes:
         answer = self._call(
-            "get_object", self.describe(name), Bucket=self.location.bucket,
+            "get_object",
+            self.describe(name),
+            Bucket=self.location.bucket,
             Key=self.location.prefix + name,
         )
         return answer["Body"].read()
@@ -269,9 +271,7 @@ def is_s3_uri(location: str | os.PathLike[str]) -> bool:
     return isinstance(location, str) and location.startswith("s3://")
 
 
-def open_location(
-    location: str | os.PathLike[str] | SnapshotSource, *, s3: Any = None
-) -> SnapshotSource:
+def open_location(location: str | os.PathLike[str] | SnapshotSource, *, s3: Any = None) -> SnapshotSource:
     """A :class:`SnapshotSource` for a directory path, an ``s3://`` URI, or a source itself.
 
     Raises:

@@ -340,8 +340,10 @@ class _Pass:
         out_fd = self.out_fds.get(task.shard)
         data_buf, diff_buf = _thread.buffers(min(self.chunk_bytes, max(task.nbytes, 1)))
         decompressors = _thread.decompressors(len(frames))
-        readers = [f if isinstance(f, tuple) else d.stream_reader(f, read_across_frames=False)
-                   for d, f in zip(decompressors, frames)]
+        readers = [
+            f if isinstance(f, tuple) else d.stream_reader(f, read_across_frames=False)
+            for d, f in zip(decompressors, frames)
+        ]
         # Running Adler-32 of the base bytes, then of the bytes after each link.
         running = [adler32(b"")] * (len(frames) + 1)
         base = _TensorReader(
@@ -410,8 +412,9 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _run(layout: FullLayout, plans: list[DeltaPlan], tmp: Path | None, *, workers: int, chunk_bytes: int,
-         fsync: bool) -> MaterializeReport:
+def _run(
+    layout: FullLayout, plans: list[DeltaPlan], tmp: Path | None, *, workers: int, chunk_bytes: int, fsync: bool
+) -> MaterializeReport:
     """The pass over every tensor; writes the new shards into ``tmp`` when it is given."""
     p = _Pass(layout, plans, chunk_bytes, writeback=fsync)
     tasks = p.tasks()

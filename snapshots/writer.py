@@ -142,8 +142,7 @@ def _check_same_layout(base: FullLayout, new: FullLayout) -> None:
         _, old = base.tensors[name]
         if (old.dtype, old.shape) != (entry.dtype, entry.shape):
             raise DeltaMismatchError(
-                f"dtype/shape changed: base {old.dtype}{list(old.shape)}, new "
-                f"{entry.dtype}{list(entry.shape)}",
+                f"dtype/shape changed: base {old.dtype}{list(old.shape)}, new {entry.dtype}{list(entry.shape)}",
                 file=new.source.describe(shard),
                 tensor=name,
             )
@@ -408,9 +407,11 @@ def write_full_snapshot(
             shard_meta = {"format": "pt", **{s.name: digests[s.name] for s in group}}
             write_safetensors(tmp / shard, group, shard_meta)
             weight_map.update(dict.fromkeys((s.name for s in group), shard))
-        index_meta = {**(metadata or {}), "total_size": sum(
-            math.prod(s.shape) * DTYPE_SIZES[s.dtype] for s in specs
-        ), "checksum_format": "adler32"}
+        index_meta = {
+            **(metadata or {}),
+            "total_size": sum(math.prod(s.shape) * DTYPE_SIZES[s.dtype] for s in specs),
+            "checksum_format": "adler32",
+        }
         (tmp / INDEX_FILE).write_text(json.dumps({"metadata": index_meta, "weight_map": weight_map}, indent=2) + "\n")
         _write_config(tmp, config)
     return out

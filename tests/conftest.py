@@ -107,8 +107,15 @@ def pytest_testnodedown(node, error) -> None:
 
 
 def _summary() -> dict:
-    return {"peak": WATCH.peak, "started": WATCH.started, "samples": WATCH.samples, "sampling_s": WATCH.sample_seconds,
-            "created": POOL.created, "ready": ready.counts(), "ran_s": time.monotonic() - STARTED}
+    return {
+        "peak": WATCH.peak,
+        "started": WATCH.started,
+        "samples": WATCH.samples,
+        "sampling_s": WATCH.sample_seconds,
+        "created": POOL.created,
+        "ready": ready.counts(),
+        "ran_s": time.monotonic() - STARTED,
+    }
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -164,8 +171,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         index, item = indexed
         module = _module_id(item)
         used = [POOLED_FIXTURES.index(name) for name in pooled[module]]
-        return (unit_rank(units[module]), min(used, default=len(POOLED_FIXTURES)),
-                folders[str(item.path.parent)], index)
+        return (
+            unit_rank(units[module]),
+            min(used, default=len(POOLED_FIXTURES)),
+            folders[str(item.path.parent)],
+            index,
+        )
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
     publish_units(units)
@@ -184,9 +195,12 @@ def _check(item: pytest.Item, phase: str) -> None:
         pytest.fail(excess, pytrace=False)
     if phase != "teardown" and not any(item.iter_markers("stack")) and not any(item.iter_markers("engine")):
         if started := WATCH.started_during(item.nodeid):
-            pytest.fail(f"{item.nodeid} is marked neither `stack` nor `engine` but started "
-                        + "; ".join(f"pid {p.pid}: {p.cmdline[:120]}" for p in started)
-                        + ": use the `stack` fixture or an engine fixture, or mark it", pytrace=False)
+            pytest.fail(
+                f"{item.nodeid} is marked neither `stack` nor `engine` but started "
+                + "; ".join(f"pid {p.pid}: {p.cmdline[:120]}" for p in started)
+                + ": use the `stack` fixture or an engine fixture, or mark it",
+                pytrace=False,
+            )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -223,8 +237,11 @@ def otlp():
 # What the stack's processes (and the replicas their node agent starts) inherit: export spans
 # over OTLP/HTTP to the session's receiver, in batches every half second.
 def _otlp_env(url: str) -> dict[str, str]:
-    return {"OTEL_EXPORTER_OTLP_ENDPOINT": url, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-            "OTEL_BSP_SCHEDULE_DELAY": "500"}
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": url,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_BSP_SCHEDULE_DELAY": "500",
+    }
 
 
 @pytest.fixture(scope="session")

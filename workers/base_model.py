@@ -130,9 +130,7 @@ _WORDS = (
     "count add plus minus times equals answer zero one two three four five six seven eight nine "
     "ten hello world please thank you yes no maybe why how where who because while after before"
 ).split()
-_SYLLABLES = (
-    "ka ri to ne mu sa lo vi de pa zu fe ro gi ta mo ul an en in or ar st tr pl gr ch th sh qu"
-).split()
+_SYLLABLES = ("ka ri to ne mu sa lo vi de pa zu fe ro gi ta mo ul an en in or ar st tr pl gr ch th sh qu").split()
 
 
 def _corpus(rng: random.Random, n_lines: int = 6000) -> Iterator[str]:
@@ -309,9 +307,7 @@ def write_base_model(out_dir: Path, *, seed: int = 0) -> Path:
     tok = train_tokenizer(seed)
     tok.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(tok))
-    _write_json(
-        out_dir / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
-    )
+    _write_json(out_dir / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD})
     write_tensors(out_dir, base_tensors(seed))
     return out_dir
 

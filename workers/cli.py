@@ -86,27 +86,48 @@ _Add = Callable[[str, str], argparse.ArgumentParser]
 def _stack_commands(add: _Add) -> None:
     """The stack and its services: up, down, status, api, worker, gateway, Dynamo's frontend and events."""
     p = add("up", "start the embedded stack")
-    p.add_argument("--node-slots", type=int, default=None, metavar="N",
-                   help="replicas the stack's own node agent runs (default 8; 0: no node agent here, replicas "
-                        "run on node agents started elsewhere with `rollouts node`)")
+    p.add_argument(
+        "--node-slots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="replicas the stack's own node agent runs (default 8; 0: no node agent here, replicas "
+        "run on node agents started elsewhere with `rollouts node`)",
+    )
     p.add_argument("--port-base", type=int, default=None, help="first port of the stack's range (default 17200)")
-    p.add_argument("--host", default=None, metavar="ADDR",
-                   help="IP address the stack's services bind and advertise (default $ROLLOUTS_HOST, else the "
-                        "home's recorded one, else 127.0.0.1)")
-    p.add_argument("--dynamo-router-mode", choices=("least-loaded", "kv"), default=None,
-                   help="Dynamo's router for dynamo-vllm replicas: least-loaded (default) or kv (by prefix-cache "
-                        "overlap; recorded in the home: later `up`s keep it)")
+    p.add_argument(
+        "--host",
+        default=None,
+        metavar="ADDR",
+        help="IP address the stack's services bind and advertise (default $ROLLOUTS_HOST, else the "
+        "home's recorded one, else 127.0.0.1)",
+    )
+    p.add_argument(
+        "--dynamo-router-mode",
+        choices=("least-loaded", "kv"),
+        default=None,
+        help="Dynamo's router for dynamo-vllm replicas: least-loaded (default) or kv (by prefix-cache "
+        "overlap; recorded in the home: later `up`s keep it)",
+    )
     add("down", "stop everything the stack started")
     add("status", "what runs")
     add("api", "run the API server")
     add("worker", "run the control-plane worker")
     add("gateway", "run the gateway")
     p = add("dynamo-frontend", "run NVIDIA Dynamo's frontend (a cluster install; `up` starts its own)")
-    p.add_argument("--port", type=int, default=_env_int(envs.ROLLOUTS_DYNAMO_PORT),
-                   help="HTTP port (default $ROLLOUTS_DYNAMO_PORT, else the stack's port base + 2)")
-    p.add_argument("--address", default=envs.ROLLOUTS_DYNAMO_ADDRESS.get(), metavar="ADDR",
-                   help="this host's address, where workers send answers back (default $ROLLOUTS_DYNAMO_ADDRESS, "
-                        "else the settings' host)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=_env_int(envs.ROLLOUTS_DYNAMO_PORT),
+        help="HTTP port (default $ROLLOUTS_DYNAMO_PORT, else the stack's port base + 2)",
+    )
+    p.add_argument(
+        "--address",
+        default=envs.ROLLOUTS_DYNAMO_ADDRESS.get(),
+        metavar="ADDR",
+        help="this host's address, where workers send answers back (default $ROLLOUTS_DYNAMO_ADDRESS, "
+        "else the settings' host)",
+    )
     add("dynamo-events", "run the relay of Dynamo's event plane (`up` starts it)")
 
 
@@ -115,17 +136,32 @@ def _replica_commands(add: _Add) -> None:
     p = add("replica", "run one replica (engine + agent)")
     for flag in ("--deployment", "--name", "--workflow-id", "--zone", "--model-bucket", "--model-path", "--model-name"):
         p.add_argument(flag, required=True)
-    p.add_argument("--engine", choices=names.ENGINES, default=names.HOT_LOAD_ENGINE,
-                   help="runtime.engine: dynamo-vllm (Dynamo's vLLM worker) or vllm (vLLM's OpenAI server)")
+    p.add_argument(
+        "--engine",
+        choices=names.ENGINES,
+        default=names.HOT_LOAD_ENGINE,
+        help="runtime.engine: dynamo-vllm (Dynamo's vLLM worker) or vllm (vLLM's OpenAI server)",
+    )
     p.add_argument("--engine-config", default="{}", help="JSON runtime.engineConfig: vLLM flags")
     p.add_argument("--catch-up", default=None, help="JSON ApplySnapshotInput to load before reporting ready")
-    p.add_argument("--joining", action="store_true",
-                   help="a scale-out's new replica: out of the engine's routing pool until the deployment serves it")
-    p.add_argument("--node-address", default=None, metavar="ADDR",
-                   help="address other hosts reach this replica at: its engine URL and peer broadcast "
-                        "(default: the settings' host)")
-    p.add_argument("--engine-bind", default=None, metavar="ADDR",
-                   help="address the engine binds (default: the node address; 0.0.0.0 for every address)")
+    p.add_argument(
+        "--joining",
+        action="store_true",
+        help="a scale-out's new replica: out of the engine's routing pool until the deployment serves it",
+    )
+    p.add_argument(
+        "--node-address",
+        default=None,
+        metavar="ADDR",
+        help="address other hosts reach this replica at: its engine URL and peer broadcast "
+        "(default: the settings' host)",
+    )
+    p.add_argument(
+        "--engine-bind",
+        default=None,
+        metavar="ADDR",
+        help="address the engine binds (default: the node address; 0.0.0.0 for every address)",
+    )
     p.add_argument("--node", default="", help="the node agent that started it (reported to its deployment)")
     p = add(
         "sim-node", "run a SIMULATED node agent: many simulated replicas (no engine) in one process, for scale runs"
@@ -144,15 +180,29 @@ def _replica_commands(add: _Add) -> None:
     p.add_argument("--state-bytes", type=int, default=4096, help="size of each replica's simulated weights")
     p = add("node", "run a node agent: report this machine, run the replicas placed on it")
     p.add_argument("--name", default=envs.ROLLOUTS_NODE_NAME.get(), help="node name (default: hostname)")
-    p.add_argument("--address", default=envs.ROLLOUTS_NODE_ADDRESS.get(),
-                   help="the address other hosts reach this one at (default: the stack's host address)")
+    p.add_argument(
+        "--address",
+        default=envs.ROLLOUTS_NODE_ADDRESS.get(),
+        help="the address other hosts reach this one at (default: the stack's host address)",
+    )
     p.add_argument("--zone", default=envs.ROLLOUTS_NODE_ZONE.get(), help="zone (default: the stack's zone)")
-    p.add_argument("--gpus", type=int, default=_env_int(envs.ROLLOUTS_NODE_GPUS),
-                   help="GPUs replicas may use (default: the devices CUDA finds)")
-    p.add_argument("--slots", type=int, default=_env_int(envs.ROLLOUTS_NODE_SLOTS),
-                   help="replicas without GPUs this node runs (default: 1 on a host without GPUs, else 0)")
-    p.add_argument("--engine-bind", default=envs.ROLLOUTS_ENGINE_BIND.get(),
-                   help="address replica engines bind (default 0.0.0.0; 127.0.0.1 when the node address is loopback)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=_env_int(envs.ROLLOUTS_NODE_GPUS),
+        help="GPUs replicas may use (default: the devices CUDA finds)",
+    )
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=_env_int(envs.ROLLOUTS_NODE_SLOTS),
+        help="replicas without GPUs this node runs (default: 1 on a host without GPUs, else 0)",
+    )
+    p.add_argument(
+        "--engine-bind",
+        default=envs.ROLLOUTS_ENGINE_BIND.get(),
+        help="address replica engines bind (default 0.0.0.0; 127.0.0.1 when the node address is loopback)",
+    )
     p = add("nodes", "the node agents the control plane knows")
     p.add_argument("name", nargs="?", help="one node")
 
@@ -172,21 +222,38 @@ def _demo_command(add: _Add) -> None:
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8; 4 for qwen3-moe)")
     p.add_argument("--group", type=int, default=8, help="completions per prompt, the GRPO group (default 8)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default 16)")
-    p.add_argument("--lr", type=float, default=None,
-                   help="trainer learning rate (Adam; default 5e-3; 1e-2 for qwen3-moe)")
-    p.add_argument("--train", choices=["head", "last", "all"], default="head",
-                   help="tensors the trainer updates: lm_head + final norm (default), + the last layer, or all")
+    p.add_argument(
+        "--lr", type=float, default=None, help="trainer learning rate (Adam; default 5e-3; 1e-2 for qwen3-moe)"
+    )
+    p.add_argument(
+        "--train",
+        choices=["head", "last", "all"],
+        default="head",
+        help="tensors the trainer updates: lm_head + final norm (default), + the last layer, or all",
+    )
     p.add_argument("--inner-steps", type=int, default=1, help="optimizer steps per batch (default 1)")
-    p.add_argument("--max-loop-seconds", type=float, default=300.0,
-                   help="start no new step after this many seconds of loop (default 300)")
+    p.add_argument(
+        "--max-loop-seconds",
+        type=float,
+        default=300.0,
+        help="start no new step after this many seconds of loop (default 300)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", choices=["llama", "qwen3-moe"], default="llama",
-                   help="the embedded Llama model (default), or a small random checkpoint of that family written "
-                        "locally (qwen3-moe: 8 experts, top 2)")
+    p.add_argument(
+        "--model",
+        choices=["llama", "qwen3-moe"],
+        default="llama",
+        help="the embedded Llama model (default), or a small random checkpoint of that family written "
+        "locally (qwen3-moe: 8 experts, top 2)",
+    )
     p.add_argument("--replicas", type=int, default=2, help="replicas of the deployment (autoscaling.min; default 2)")
-    p.add_argument("--max-replicas", type=int, default=None,
-                   help="autoscaling.max: above --replicas, the deployment scales on the demo's own load "
-                        "(e.g. --replicas 1 --max-replicas 2; default: --replicas)")
+    p.add_argument(
+        "--max-replicas",
+        type=int,
+        default=None,
+        help="autoscaling.max: above --replicas, the deployment scales on the demo's own load "
+        "(e.g. --replicas 1 --max-replicas 2; default: --replicas)",
+    )
 
 
 def _ops_commands(add: _Add) -> None:
@@ -198,8 +265,13 @@ def _ops_commands(add: _Add) -> None:
     p.add_argument("--name", default="added")
     p.add_argument("--token", default=None, help="the token value (default: a new random one)")
     p.add_argument("--hot-load-disabled", action="store_true", help="for a new organization: hot-load not enabled")
-    p.add_argument("--bucket", action="append", default=[], metavar="BUCKET[/PREFIX]",
-                   help="grant the organization this bucket (or only keys under PREFIX); repeatable")
+    p.add_argument(
+        "--bucket",
+        action="append",
+        default=[],
+        metavar="BUCKET[/PREFIX]",
+        help="grant the organization this bucket (or only keys under PREFIX); repeatable",
+    )
     p = add("replay", "start a new hot-load of the same snapshot as HOT_LOAD_ID and wait for it")
     p.add_argument("hot_load_id")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between status reads")
@@ -231,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add_commands in (_stack_commands, _replica_commands, _snapshot_command, _demo_command, _ops_commands):
         add_commands(add)
     return parser
+
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)

@@ -228,23 +228,34 @@ class Client:
             raise StackError(f"{method} {path}: HTTP {r.status_code} {r.text}")
         return r.json()
 
-    def complete(self, model: str, prompt: str | list[int], *, n: int, max_tokens: int, temperature: float,
-                 **extra: Any) -> dict:
+    def complete(
+        self, model: str, prompt: str | list[int], *, n: int, max_tokens: int, temperature: float, **extra: Any
+    ) -> dict:
         """A completion with each sampled token's id and log-prob (``logprobs.tokens`` as
         ``token_id:N``, ``logprobs.token_logprobs``), as cwtrain asks for rollouts."""
         r = self.http.post(
             f"{self.s.gateway_url}/v1/completions",
             headers=self.h,
-            json={"model": model, "prompt": prompt, "n": n, "max_tokens": max_tokens, "temperature": temperature,
-                  "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True, **extra},
+            json={
+                "model": model,
+                "prompt": prompt,
+                "n": n,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "logprobs": 1,
+                "return_tokens_as_token_ids": True,
+                "ignore_eos": True,
+                **extra,
+            },
         )
         if r.status_code != 200:
             raise StackError(f"gateway /v1/completions: HTTP {r.status_code} {r.text[:300]}")
         return r.json()
 
     def sample(self, model: str) -> str:
-        choice = self.complete(model, SAMPLE_PROMPT, n=1, max_tokens=12, temperature=0,
-                               skip_special_tokens=False)["choices"][0]
+        choice = self.complete(model, SAMPLE_PROMPT, n=1, max_tokens=12, temperature=0, skip_special_tokens=False)[
+            "choices"
+        ][0]
         return choice["text"]
 
     def hot_load(self, dep_id: str, identity: str, previous: str | None) -> tuple[HotLoad, list[dict], float]:
@@ -254,8 +265,9 @@ class Client:
         t0 = time.monotonic()
         while True:
             try:
-                hl = self.rollouts.create_hot_load(dep_id, identity, previous_identity=previous,
-                                                   prompt_cache_policy=RESET_ALL)
+                hl = self.rollouts.create_hot_load(
+                    dep_id, identity, previous_identity=previous, prompt_cache_policy=RESET_ALL
+                )
                 break
             except ApiError as exc:
                 # `unavailable` says "try again": the deployment was busy with its replicas (a
@@ -283,8 +295,9 @@ def routed_experts(answer: dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(routed["data"]), dtype=routed["dtype"]).reshape(routed["shape"])
 
 
-def rollouts_for(client: Client, model: str, prompts: list[list[int]], cfg: DemoConfig, digit_ids,
-                 routes: bool = False) -> tuple[list, int, float]:
+def rollouts_for(
+    client: Client, model: str, prompts: list[list[int]], cfg: DemoConfig, digit_ids, routes: bool = False
+) -> tuple[list, int, float]:
     """Sample ``cfg.group`` completions per prompt (token ids) through the gateway, all prompts
     at once; with ``routes``, one request per completion, each with its routed experts."""
     t0 = time.monotonic()
@@ -294,9 +307,12 @@ def rollouts_for(client: Client, model: str, prompts: list[list[int]], cfg: Demo
     else:
         asks, extra = [(g, p, cfg.group) for g, p in enumerate(prompts)], {}
     with ThreadPoolExecutor(max_workers=len(asks)) as pool:
-        responses = list(pool.map(
-            lambda a: client.complete(model, a[1], n=a[2], max_tokens=cfg.max_tokens, temperature=1.0, **extra), asks
-        ))
+        responses = list(
+            pool.map(
+                lambda a: client.complete(model, a[1], n=a[2], max_tokens=cfg.max_tokens, temperature=1.0, **extra),
+                asks,
+            )
+        )
     seconds = time.monotonic() - t0
     rollouts = []
     tokens = 0
@@ -305,12 +321,16 @@ def rollouts_for(client: Client, model: str, prompts: list[list[int]], cfg: Demo
             logprobs = choice.get("logprobs") or {}
             ids = [token_id(t) for t in logprobs.get("tokens") or []]
             lps = logprobs.get("token_logprobs")
-            rollouts.append(Rollout(
-                group=g, prompt_ids=list(prompts[g]), completion_ids=ids,
-                reward=digits_reward(ids, digit_ids),
-                sampler_logprobs=[float(x) for x in lps] if lps and None not in lps else None,
-                routed_experts=routed_experts(resp) if routes else None,
-            ))
+            rollouts.append(
+                Rollout(
+                    group=g,
+                    prompt_ids=list(prompts[g]),
+                    completion_ids=ids,
+                    reward=digits_reward(ids, digit_ids),
+                    sampler_logprobs=[float(x) for x in lps] if lps and None not in lps else None,
+                    routed_experts=routed_experts(resp) if routes else None,
+                )
+            )
             tokens += len(ids)
     return rollouts, tokens, seconds
 
@@ -469,8 +489,9 @@ class Demo:
         shutil.rmtree(delta_dir, ignore_errors=True)
         return rec
 
-    def _hot_load_record(self, step: int, identity: str, previous: str | None, kind: str,
-                         delta_pct: float | None, publish_s: float) -> StepRecord:
+    def _hot_load_record(
+        self, step: int, identity: str, previous: str | None, kind: str, delta_pct: float | None, publish_s: float
+    ) -> StepRecord:
         """Hot-load ``identity`` (on ``previous`` for a delta) and record the step's figures."""
         assert self.dep_id is not None
         hl, reps, secs = self.c.hot_load(self.dep_id, identity, previous)

@@ -21,8 +21,16 @@ from workers.base_model import write_tensors
 
 HIDDEN, INTERMEDIATE, LAYERS = 128, 256, 2
 VOCAB = 2048  # the embedded stack's tokenizer's (workers.base_model)
-_COMMON = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=2,
-               num_key_value_heads=1, head_dim=64, vocab_size=VOCAB, max_position_embeddings=4096)
+_COMMON = dict(
+    hidden_size=HIDDEN,
+    intermediate_size=INTERMEDIATE,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    vocab_size=VOCAB,
+    max_position_embeddings=4096,
+)
 # family -> (config class, model class, what differs from _COMMON)
 FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),

@@ -158,7 +158,6 @@ def trainable_names(names: Sequence[str], train: str) -> frozenset[str]:
     raise ValueError(f"train must be one of {', '.join(TRAIN_CHOICES)}, not {train!r}")
 
 
-
 @dataclass
 class StepStats:
     loss: float
@@ -199,8 +198,10 @@ class Policy:
         # fused in transformers' model: trained, they would need its per-expert export).
         indirect = sorted(self.trainable - params.keys())
         if indirect:
-            raise ValueError(f"{model_dir}: --train {train} trains {indirect[:3]}, which {type(self.model).__name__} "
-                             "does not hold under their checkpoint names; train the head")
+            raise ValueError(
+                f"{model_dir}: --train {train} trains {indirect[:3]}, which {type(self.model).__name__} "
+                "does not hold under their checkpoint names; train the head"
+            )
         for n, p in params.items():
             p.requires_grad_(n in self.trainable)
         self.model.train()
@@ -238,8 +239,10 @@ class Policy:
         for i, r in enumerate(rollouts):
             rows = len(r.prompt_ids) + len(r.completion_ids) - 1
             if r.routed_experts.shape != (rows, *first.shape[1:]):
-                raise ValueError(f"rollout {i}: routed experts of shape {list(r.routed_experts.shape)} for {rows} "
-                                 f"tokens run through the model")
+                raise ValueError(
+                    f"rollout {i}: routed experts of shape {list(r.routed_experts.shape)} for {rows} "
+                    f"tokens run through the model"
+                )
             out[i, :rows] = torch.from_numpy(r.routed_experts.astype(np.int64))
         return Replay(self.model, out)
 
@@ -300,8 +303,10 @@ class Policy:
         """Every checkpoint tensor in BF16: the trained ones from the FP32 masters, the others as
         published."""
         params = dict(self.model.named_parameters())
-        return {n: params[n].detach().to(torch.bfloat16).contiguous() if n in self.trainable else self.base[n]
-                for n in self.names}
+        return {
+            n: params[n].detach().to(torch.bfloat16).contiguous() if n in self.trainable else self.base[n]
+            for n in self.names
+        }
 
     def export(self, out_dir: Path) -> Path:
         """Write the current weights as a BF16 full checkpoint in the base layout; returns ``out_dir``."""

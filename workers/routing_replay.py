@@ -35,8 +35,10 @@ class Replay:
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no MoE router to replay routes through")
         if routes.ndim != 4 or routes.shape[2] != len(self.layers) or routes.shape[3] != self.layers[0].top_k:
-            raise ValueError(f"routes of shape {list(routes.shape)} do not fit {len(self.layers)} MoE layers "
-                             f"of top-{self.layers[0].top_k}: expected [batch, tokens, layers, top_k]")
+            raise ValueError(
+                f"routes of shape {list(routes.shape)} do not fit {len(self.layers)} MoE layers "
+                f"of top-{self.layers[0].top_k}: expected [batch, tokens, layers, top_k]"
+            )
         self.routes = routes
         self.agreed = 0
         self.compared = 0

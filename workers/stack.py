@@ -84,9 +84,12 @@ DEV_SERVER_SQLITE = ["--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "
 
 # `temporal server start-dev` flags: room for a few thousand task-queue pollers (bench/scale.py).
 DEV_SERVER_LIMITS = [
-    "--dynamic-config-value", "frontend.namespaceCount=20000",
-    "--dynamic-config-value", "frontend.namespaceRPS=20000",
-    "--dynamic-config-value", "frontend.rps=40000",
+    "--dynamic-config-value",
+    "frontend.namespaceCount=20000",
+    "--dynamic-config-value",
+    "frontend.namespaceRPS=20000",
+    "--dynamic-config-value",
+    "frontend.rps=40000",
 ]
 
 
@@ -104,7 +107,6 @@ def _bin(name: str) -> str:
     return found
 
 
-
 def temporal_ip_flags(host: str) -> list[str]:
     """The dev server's address flags for the stack's host. Its internal services (history,
     matching, worker) bind ``--ip`` but are dialled at 127.0.0.1 (temporal CLI 1.9.1's devserver
@@ -118,8 +120,10 @@ def temporal_ip_flags(host: str) -> list[str]:
 class Stack:
     def __init__(self, settings: Settings, node_slots: int = DEFAULT_NODE_SLOTS, *, many_pollers: bool = False):
         if not settings.owned:
-            raise ValueError("Stack(settings): settings.owned is False (a client's, which the environment "
-                             "redirects): pass Settings.own(home) or Settings.create(...)")
+            raise ValueError(
+                "Stack(settings): settings.owned is False (a client's, which the environment "
+                "redirects): pass Settings.own(home) or Settings.create(...)"
+            )
         self.s = settings
         self.node_slots = node_slots
         # Raise the dev server's per-namespace limits (DEV_SERVER_LIMITS): bench/scale.py's
@@ -154,11 +158,25 @@ class Stack:
         p, py = self.s.ports, sys.executable
         if name == "temporal":
             argv = [
-                _bin("temporal"), "server", "start-dev",
-                *temporal_ip_flags(self.s.host), "--port", str(p["temporal"]), "--ui-port", str(p["temporal_ui"]),
-                "--http-port", str(p["temporal_http"]), "--metrics-port", str(p["temporal_metrics"]),
-                "--db-filename", str(self.home / "temporal" / "temporal.db"), *DEV_SERVER_SQLITE,
-                "--namespace", self.s.namespace, "--log-level", "warn",
+                _bin("temporal"),
+                "server",
+                "start-dev",
+                *temporal_ip_flags(self.s.host),
+                "--port",
+                str(p["temporal"]),
+                "--ui-port",
+                str(p["temporal_ui"]),
+                "--http-port",
+                str(p["temporal_http"]),
+                "--metrics-port",
+                str(p["temporal_metrics"]),
+                "--db-filename",
+                str(self.home / "temporal" / "temporal.db"),
+                *DEV_SERVER_SQLITE,
+                "--namespace",
+                self.s.namespace,
+                "--log-level",
+                "warn",
                 # Every replica agent long-polls its own task queue: the dev server's per-namespace
                 # limits (1,200 concurrent polls, 2,400 requests/s) would refuse a large deployment's.
                 *(DEV_SERVER_LIMITS if self.many_pollers else []),
@@ -169,14 +187,26 @@ class Stack:
         if name == "s3":
             d = self.home / "s3"
             return [
-                _bin("weed"), f"-logdir={d / 'logs'}", "mini", f"-dir={d / 'data'}",
-                f"-ip={self.s.host}", f"-ip.bind={self.s.host}", f"-s3.port={p['s3']}",
-                f"-s3.config={d / 's3.json'}", f"-master.port={p['weed_master']}",
-                f"-volume.port={p['weed_volume']}", f"-filer.port={p['weed_filer']}",
-                f"-admin.port={p['weed_admin']}", "-admin.ui=false", "-webdav=false",
-                "-s3.port.iceberg=0", "-s3.port.lance=0",
-                f"-s3.localSocket={d / 's3.sock'}", f"-filer.localSocket={d / 'filer.sock'}",
-                f"-bucket={self.s.bucket}", *seaweed_grpc.flags(self.weed_grpc_ports()),
+                _bin("weed"),
+                f"-logdir={d / 'logs'}",
+                "mini",
+                f"-dir={d / 'data'}",
+                f"-ip={self.s.host}",
+                f"-ip.bind={self.s.host}",
+                f"-s3.port={p['s3']}",
+                f"-s3.config={d / 's3.json'}",
+                f"-master.port={p['weed_master']}",
+                f"-volume.port={p['weed_volume']}",
+                f"-filer.port={p['weed_filer']}",
+                f"-admin.port={p['weed_admin']}",
+                "-admin.ui=false",
+                "-webdav=false",
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
+                f"-s3.localSocket={d / 's3.sock'}",
+                f"-filer.localSocket={d / 'filer.sock'}",
+                f"-bucket={self.s.bucket}",
+                *seaweed_grpc.flags(self.weed_grpc_ports()),
             ]
         home = ["--home", str(self.home)]
         if name == "api":
@@ -190,14 +220,35 @@ class Stack:
         if name == "dynamo_events":
             return [py, "-m", "workers.cli", "dynamo-events", *home]
         if name == "node":
-            return [py, "-m", "workers.cli", "node", *home, "--name", LOCAL_NODE, "--address", self.s.host,
-                    "--zone", self.s.zone, "--slots", str(self.node_slots), "--gpus", "0"]
+            return [
+                py,
+                "-m",
+                "workers.cli",
+                "node",
+                *home,
+                "--name",
+                LOCAL_NODE,
+                "--address",
+                self.s.host,
+                "--zone",
+                self.s.zone,
+                "--slots",
+                str(self.node_slots),
+                "--gpus",
+                "0",
+            ]
         raise KeyError(name)
 
     def _dynamo_frontend(self) -> DynamoFrontend:
-        return DynamoFrontend(self.s.dynamo_discovery_dir, log_path=self.log("dynamo"), host=self.s.host,
-                              port=self.s.ports["dynamo"], router_mode=self.s.dynamo_router_mode,
-                              tls=self.s.dynamo_tls(), event_broker=self.s.dynamo_event_broker)
+        return DynamoFrontend(
+            self.s.dynamo_discovery_dir,
+            log_path=self.log("dynamo"),
+            host=self.s.host,
+            port=self.s.ports["dynamo"],
+            router_mode=self.s.dynamo_router_mode,
+            tls=self.s.dynamo_tls(),
+            event_broker=self.s.dynamo_event_broker,
+        )
 
     def _env(self, name: str) -> dict[str, str]:
         """The environment of service ``name``: this stack's (``Settings.process_env``), with
@@ -207,10 +258,15 @@ class Stack:
     def _ready(self, name: str) -> Callable[[], bool]:
         p = self.s.ports
         if name == "temporal":
-            return lambda: subprocess.run(
-                [_bin("temporal"), "operator", "cluster", "health", "--address", self.s.temporal_address],
-                capture_output=True, timeout=5, env=self.s.process_env(),
-            ).returncode == 0
+            return lambda: (
+                subprocess.run(
+                    [_bin("temporal"), "operator", "cluster", "health", "--address", self.s.temporal_address],
+                    capture_output=True,
+                    timeout=5,
+                    env=self.s.process_env(),
+                ).returncode
+                == 0
+            )
         if name == "s3":
             return lambda: self.s.s3_client().head_bucket(Bucket=self.s.bucket) is not None
         if name == "api":
@@ -221,8 +277,12 @@ class Stack:
             )
         if name == "dynamo":
             tls = self.s.dynamo_tls()
-            return lambda: httpx.get(f"{self.s.dynamo_frontend_url}/v1/models", timeout=2,
-                                     verify=tls.ssl_context() if tls else True).status_code == 200
+            return lambda: (
+                httpx.get(
+                    f"{self.s.dynamo_frontend_url}/v1/models", timeout=2, verify=tls.ssl_context() if tls else True
+                ).status_code
+                == 200
+            )
         if name == "dynamo_events":
             return lambda: all(port_in_use(port, self.s.host) for port in self._ports_of(name))
         if name == "worker":
@@ -239,11 +299,13 @@ class Stack:
             (d / "data").mkdir(parents=True, exist_ok=True)
             (d / "logs").mkdir(parents=True, exist_ok=True)
             creds = {
-                "identities": [{
-                    "name": "admin",
-                    "credentials": [{"accessKey": self.s.s3_access_key, "secretKey": self.s.s3_secret_key}],
-                    "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-                }]
+                "identities": [
+                    {
+                        "name": "admin",
+                        "credentials": [{"accessKey": self.s.s3_access_key, "secretKey": self.s.s3_secret_key}],
+                        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+                    }
+                ]
             }
             (d / "s3.json").write_text(json.dumps(creds, indent=2))
             (d / "s3.json").chmod(0o600)
@@ -316,9 +378,20 @@ class Stack:
         """The dev server keeps closed workflows for a day; hot-load history (and rollback's
         lookup of earlier completed snapshots) should outlive that."""
         subprocess.run(
-            [_bin("temporal"), "operator", "namespace", "update", "--address", self.s.temporal_address,
-             "--retention", HISTORY_RETENTION, self.s.temporal_namespace],
-            capture_output=True, timeout=30, env=self.s.process_env(),
+            [
+                _bin("temporal"),
+                "operator",
+                "namespace",
+                "update",
+                "--address",
+                self.s.temporal_address,
+                "--retention",
+                HISTORY_RETENTION,
+                self.s.temporal_namespace,
+            ],
+            capture_output=True,
+            timeout=30,
+            env=self.s.process_env(),
         )
 
     def ensure_tokens(self) -> None:
@@ -375,13 +448,17 @@ class Stack:
         except AddressError as exc:
             raise StackError(str(exc)) from None
         if is_wildcard(host):
-            raise StackError(f"the stack's host {host!r} is the wildcard: give the address of this machine "
-                             "that clients (trainers, node agents) connect to, e.g. --host 10.0.0.5")
+            raise StackError(
+                f"the stack's host {host!r} is the wildcard: give the address of this machine "
+                "that clients (trainers, node agents) connect to, e.g. --host 10.0.0.5"
+            )
         try:
             ip = ipaddress.ip_address(host)
         except ValueError:
-            raise StackError(f"the stack's host {host!r} is a name: give an IP address (clients address the "
-                             "embedded S3 store by it; boto3 would turn a name into bucket.NAME)") from None
+            raise StackError(
+                f"the stack's host {host!r} is a name: give an IP address (clients address the "
+                "embedded S3 store by it; boto3 would turn a name into bucket.NAME)"
+            ) from None
         if ip.version != 4:
             raise StackError(f"the stack's host {host!r} is IPv6: the Temporal dev server binds IPv4 only")
 
@@ -418,22 +495,25 @@ class Stack:
 
     def describe(self) -> str:
         s = self.s
-        return "\n".join([
-            "",
-            "rollouts embedded stack is up:",
-            f"  API            {s.api_url}/v1alpha1/inference",
-            f"  gateway        {s.gateway_url}/v1  (id {s.gateway_id})",
-            f"  Dynamo         {s.dynamo_frontend_url}/v1  (the gateway's upstream for dynamo-vllm; workers in "
-            f"{s.dynamo_discovery_dir})",
-            f"  Dynamo events  {s.dynamo_event_broker}  (the relay every Dynamo process publishes to and reads from)",
-            f"  Temporal       {s.temporal_address}  namespace {s.temporal_namespace}",
-            f"  Temporal UI    {s.temporal_ui_url}",
-            f"  S3 (SeaweedFS) {s.s3_endpoint}  bucket {s.bucket}",
-            f"  base model     s3://{s.bucket}/{s.base_model_path}/  (served as {s.model_name})",
-            f"  environment    source {self.home / 'stack.env'}",
-            "",
-            "  then: cwtrain --base-url \"$ROLLOUTS_API_URL\" deployment create --file deployment.json --wait",
-        ])
+        return "\n".join(
+            [
+                "",
+                "rollouts embedded stack is up:",
+                f"  API            {s.api_url}/v1alpha1/inference",
+                f"  gateway        {s.gateway_url}/v1  (id {s.gateway_id})",
+                f"  Dynamo         {s.dynamo_frontend_url}/v1  (the gateway's upstream for dynamo-vllm; workers in "
+                f"{s.dynamo_discovery_dir})",
+                f"  Dynamo events  {s.dynamo_event_broker}  "
+                "(the relay every Dynamo process publishes to and reads from)",
+                f"  Temporal       {s.temporal_address}  namespace {s.temporal_namespace}",
+                f"  Temporal UI    {s.temporal_ui_url}",
+                f"  S3 (SeaweedFS) {s.s3_endpoint}  bucket {s.bucket}",
+                f"  base model     s3://{s.bucket}/{s.base_model_path}/  (served as {s.model_name})",
+                f"  environment    source {self.home / 'stack.env'}",
+                "",
+                '  then: cwtrain --base-url "$ROLLOUTS_API_URL" deployment create --file deployment.json --wait',
+            ]
+        )
 
     def replica_pid_files(self) -> list[PidFile]:
         """Replica agents, then their engines (an engine outlives a killed agent)."""
@@ -502,8 +582,7 @@ def load_or_create_settings(home: Path, port_base: int | None, host: str | None 
     settings = Settings.own(home)
     if port_base is not None and settings.ports["api"] != port_base:
         raise StackError(
-            f"{home} was created with port base {settings.ports['api']}; "
-            f"use another --home for port base {port_base}"
+            f"{home} was created with port base {settings.ports['api']}; use another --home for port base {port_base}"
         )
     recorded = settings.host
     wanted = host or envs.ROLLOUTS_HOST.get() or recorded

@@ -51,21 +51,29 @@ router = APIRouter()
 def _fields(body: CreateDeploymentRequest | UpdateDeploymentRequest) -> dict[str, Any]:
     """What a create and an update both carry, as the records take it (an update's absent field: None)."""
     return {
-        "name": body.name, "gateway_ids": body.gateway_ids, "runtime": body.runtime, "resources": body.resources,
-        "model": body.model, "autoscaling": body.autoscaling, "traffic": body.traffic,
+        "name": body.name,
+        "gateway_ids": body.gateway_ids,
+        "runtime": body.runtime,
+        "resources": body.resources,
+        "model": body.model,
+        "autoscaling": body.autoscaling,
+        "traffic": body.traffic,
         "hot_load": body.hot_load.to_record() if body.hot_load else None,
     }
 
 
 @router.get("/deployments/parameters")
 async def deployment_parameters(
-    gatewayIds: list[str] = Query(default=[]), p: Principal = Depends(principal),  # noqa: N803 - wire name
+    gatewayIds: list[str] = Query(default=[]),
+    p: Principal = Depends(principal),  # noqa: N803 - wire name
     ctx: ApiContext = Depends(context),
 ) -> dict[str, Any]:
     settings = ctx.settings
     return {
-        "runtimes": [{"engine": engine, "versions": ["0.32.0"], "hotLoadSupported": engine in ctx.hot_load_engines}
-                     for engine in names.ENGINES],
+        "runtimes": [
+            {"engine": engine, "versions": ["0.32.0"], "hotLoadSupported": engine in ctx.hot_load_engines}
+            for engine in names.ENGINES
+        ],
         "engineConfigKeys": list(ENGINE_CONFIG_KEYS),
         "instanceTypes": [{"name": "cpu-local", "gpuCount": 0, "zones": [settings.zone]}],
         "zones": [settings.zone],
@@ -74,7 +82,9 @@ async def deployment_parameters(
 
 @router.post("/deployments")
 async def create_deployment(
-    body: CreateDeploymentRequest, p: Principal = Depends(principal), r: Resources = Depends(resources),
+    body: CreateDeploymentRequest,
+    p: Principal = Depends(principal),
+    r: Resources = Depends(resources),
     ctx: ApiContext = Depends(context),
 ):
     p.require_admin("creating a deployment")
@@ -109,8 +119,11 @@ async def create_deployment(
             updated_at=created,
             conditions=[
                 Condition(
-                    type="ReplicasReady", status=ConditionStatus.UNKNOWN, reason="Creating",
-                    message=f"starting {body.autoscaling.min} replica(s)", last_update_time=created,
+                    type="ReplicasReady",
+                    status=ConditionStatus.UNKNOWN,
+                    reason="Creating",
+                    message=f"starting {body.autoscaling.min} replica(s)",
+                    last_update_time=created,
                 )
             ],
         ),
@@ -126,7 +139,9 @@ async def get_deployment(deployment_id: str, p: Principal = Depends(principal), 
 
 @router.patch("/deployments/{deployment_id}")
 async def update_deployment(
-    deployment_id: str, body: UpdateDeploymentRequest, p: Principal = Depends(principal),
+    deployment_id: str,
+    body: UpdateDeploymentRequest,
+    p: Principal = Depends(principal),
     r: Resources = Depends(resources),
 ):
     p.require_admin("updating a deployment")
@@ -136,7 +151,9 @@ async def update_deployment(
 
 @router.get("/deployments")
 async def list_deployments(
-    parentGatewayId: str | None = None, p: Principal = Depends(principal), r: Resources = Depends(resources),  # noqa: N803
+    parentGatewayId: str | None = None,
+    p: Principal = Depends(principal),
+    r: Resources = Depends(resources),  # noqa: N803
 ):
     return {"items": [d.wire() for d in await r.list_deployments(p.organization_id, parentGatewayId)]}
 

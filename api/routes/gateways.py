@@ -28,7 +28,9 @@ async def gateway_parameters(p: Principal = Depends(principal), ctx: ApiContext 
 
 @router.post("/gateways")
 async def create_gateway(
-    body: CreateGatewayRequest, p: Principal = Depends(principal), r: Resources = Depends(resources),
+    body: CreateGatewayRequest,
+    p: Principal = Depends(principal),
+    r: Resources = Depends(resources),
     ctx: ApiContext = Depends(context),
 ):
     p.require_admin("creating a gateway")

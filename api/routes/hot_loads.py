@@ -99,7 +99,9 @@ async def list_hot_load_replicas(
 
 @router.post("/hotLoads/{hot_load_id}:cancel")
 async def cancel_hot_load(
-    hot_load_id: str, p: Principal = Depends(principal), r: Resources = Depends(resources),
+    hot_load_id: str,
+    p: Principal = Depends(principal),
+    r: Resources = Depends(resources),
     ctx: ApiContext = Depends(context),
 ):
     p.require_admin("canceling a hot-load")

@@ -141,8 +141,10 @@ class FanOut:
         """Until every receiver staged or reads the bucket: pair free senders with waiting receivers."""
         while True:
             await workflow.wait_condition(
-                lambda: len(self.outcomes) == self.total
-                or (bool(self.waiting) and (bool(self.free) or (self.closed and self.sending == 0)))
+                lambda: (
+                    len(self.outcomes) == self.total
+                    or (bool(self.waiting) and (bool(self.free) or (self.closed and self.sending == 0)))
+                )
             )
             if len(self.outcomes) == self.total:
                 return
@@ -171,11 +173,15 @@ class FanOut:
                 elif sender.staged:
                     self.dropped[sender.endpoint.name] = sender
                 return
-            send = asyncio.ensure_future(workflow.execute_activity(
-                names.SEND_TO_PEERS, offer, task_queue=sender.endpoint.task_queue,
-                summary=f"send {self.spec.identity} ({offer.mode}) to {', '.join(r.name for r in batch)}",
-                **PEER_STEP,
-            ))
+            send = asyncio.ensure_future(
+                workflow.execute_activity(
+                    names.SEND_TO_PEERS,
+                    offer,
+                    task_queue=sender.endpoint.task_queue,
+                    summary=f"send {self.spec.identity} ({offer.mode}) to {', '.join(r.name for r in batch)}",
+                    **PEER_STEP,
+                )
+            )
             self._sends.append(send)
             stages = [asyncio.ensure_future(self._stage(offer, rank, sender, r)) for rank, r in enumerate(batch, 1)]
             await asyncio.gather(send, *stages, return_exceptions=True)
@@ -192,10 +198,15 @@ class FanOut:
             offer: PeerOffer = await workflow.execute_activity(
                 names.OFFER_TO_PEER,
                 PeerOfferInput(
-                    hot_load_id=self.spec.id, identity=self.spec.identity, chain=self.spec.snapshot_chain,
+                    hot_load_id=self.spec.id,
+                    identity=self.spec.identity,
+                    chain=self.spec.snapshot_chain,
                     # Receivers on different snapshots get every tensor ("" is no identity).
                     target_identity=serving.pop() if len(serving) == 1 else "",
-                    world_size=1 + len(batch), accept_files=True, host_store=True, from_stage=from_stage,
+                    world_size=1 + len(batch),
+                    accept_files=True,
+                    host_store=True,
+                    from_stage=from_stage,
                     peer_stage=from_stage and sender.from_peer,
                 ),
                 task_queue=sender.endpoint.task_queue,
@@ -207,8 +218,9 @@ class FanOut:
         except Exception as exc:
             if is_cancelled_exception(exc):
                 raise
-            workflow.logger.warning("no offer from %s %s (%s): it passes nothing on", sender.endpoint.name, when,
-                                    error_reason(exc))
+            workflow.logger.warning(
+                "no offer from %s %s (%s): it passes nothing on", sender.endpoint.name, when, error_reason(exc)
+            )
             return None
 
     async def _stage(self, offer: PeerOffer, rank: int, sender: _Sender, receiver: ReplicaEndpoint) -> None:
@@ -219,15 +231,16 @@ class FanOut:
                 task_queue=receiver.task_queue,
                 result_type=StageFromPeerResult,
                 summary=f"stage {self.spec.identity} from {sender.endpoint.name} on {receiver.name} "
-                        f"(round {sender.round + 1}, rank {rank})",
+                f"(round {sender.round + 1}, rank {rank})",
                 **PEER_STEP,
             )
         except Exception as exc:
             if is_cancelled_exception(exc):
                 raise
             why = error_reason(exc)
-            workflow.logger.warning("%s did not stage from %s (%s): it reads the bucket", receiver.name,
-                                    sender.endpoint.name, why)
+            workflow.logger.warning(
+                "%s did not stage from %s (%s): it reads the bucket", receiver.name, sender.endpoint.name, why
+            )
             self._settle(receiver.name, False, why)
             return
         self.rounds[receiver.name] = sender.round + 1

@@ -79,8 +79,14 @@ class OneFanOut(FanOut):
 
 class GroupedStages:
     def __init__(
-        self, spec: HotLoadSpec, receivers: list[ReplicaEndpoint], serving: dict[str, str], *,
-        fan_out: int, group_size: int, workflow_id: str,
+        self,
+        spec: HotLoadSpec,
+        receivers: list[ReplicaEndpoint],
+        serving: dict[str, str],
+        *,
+        fan_out: int,
+        group_size: int,
+        workflow_id: str,
     ) -> None:
         self.spec, self.serving, self.fan_out, self.workflow_id = spec, serving, fan_out, workflow_id
         self.groups = [receivers[i : i + group_size] for i in range(0, len(receivers), group_size)]
@@ -107,8 +113,12 @@ class GroupedStages:
             outcome: StageGroupResult = await workflow.execute_child_workflow(
                 names.STAGE_GROUP_WORKFLOW,
                 StageGroupInput(
-                    spec=self.spec, members=members, serving={m.name: self.serving.get(m.name, "") for m in members},
-                    source=source, source_staged=True, source_round=self.leaders.round(leader.name) or 0,
+                    spec=self.spec,
+                    members=members,
+                    serving={m.name: self.serving.get(m.name, "") for m in members},
+                    source=source,
+                    source_staged=True,
+                    source_round=self.leaders.round(leader.name) or 0,
                     fan_out=self.fan_out,
                 ),
                 id=names.stage_group_workflow_id(self.workflow_id, j),
@@ -119,8 +129,9 @@ class GroupedStages:
             )
             return outcome
         except Exception as exc:  # noqa: BLE001 - its members read the bucket (a cancel is not an Exception)
-            workflow.logger.warning("stage group %d of %s failed (%s): its replicas read the bucket", j,
-                                    self.spec.id, exc)
+            workflow.logger.warning(
+                "stage group %d of %s failed (%s): its replicas read the bucket", j, self.spec.id, exc
+            )
             return None
 
     async def ready(self, name: str) -> bool:

@@ -61,14 +61,16 @@ def details(inp: HotLoadInput) -> str:
     spec = inp.hot_load.spec
     chain = " → ".join(link.identity for link in spec.snapshot_chain)
     names = ", ".join(r.name for r in sorted(inp.replicas, key=lambda r: (r.zone, r.name)))
-    return "\n".join([
-        f"**{spec.identity}** ({spec.type.value}) on deployment `{spec.deployment_id}` "
-        f"(organization `{spec.organization_id}`)",
-        f"chain: {chain}",
-        f"bucket: s3://{inp.hot_load_config.bucket}/{inp.hot_load_config.path_prefix}/",
-        f"prompt cache: {spec.prompt_cache_policy.value}",
-        f"replicas, in walk order: {names or 'none'}",
-    ])
+    return "\n".join(
+        [
+            f"**{spec.identity}** ({spec.type.value}) on deployment `{spec.deployment_id}` "
+            f"(organization `{spec.organization_id}`)",
+            f"chain: {chain}",
+            f"bucket: s3://{inp.hot_load_config.bucket}/{inp.hot_load_config.path_prefix}/",
+            f"prompt cache: {spec.prompt_cache_policy.value}",
+            f"replicas, in walk order: {names or 'none'}",
+        ]
+    )
 
 
 def walk_order(endpoints: list[ReplicaEndpoint]) -> list[ReplicaEndpoint]:
@@ -148,8 +150,10 @@ class WalkState:
     # calls `publish_state`, so no read shows a terminal state that admission does not know yet.
     def completed(self) -> None:
         spec = self.hot_load.spec
-        self._record(HotLoadState.COMPLETED, self._condition(
-            "Completed", "AllReplicasReady", f"{len(self.replicas)} replica(s) serve {spec.identity}"))
+        self._record(
+            HotLoadState.COMPLETED,
+            self._condition("Completed", "AllReplicasReady", f"{len(self.replicas)} replica(s) serve {spec.identity}"),
+        )
 
     def failed(self, reason: str, message: str) -> None:
         self._record(HotLoadState.FAILED, self._condition("Failed", reason, f"{message}; {self.served('failed')}"))
@@ -160,7 +164,10 @@ class WalkState:
     def outcome(self) -> HotLoadOutcome:
         spec = self.hot_load.spec
         return HotLoadOutcome(
-            hot_load_id=spec.id, identity=spec.identity, state=self.state, replicas=self.replicas,
+            hot_load_id=spec.id,
+            identity=spec.identity,
+            state=self.state,
+            replicas=self.replicas,
             chain=spec.snapshot_chain,
         )
 
@@ -186,5 +193,9 @@ class WalkState:
 
     def _condition(self, type_: str, reason: str, message: str) -> Condition:
         return Condition(
-            type=type_, status=ConditionStatus.TRUE, reason=reason, message=message, last_update_time=self.now(),
+            type=type_,
+            status=ConditionStatus.TRUE,
+            reason=reason,
+            message=message,
+            last_update_time=self.now(),
         )

@@ -75,7 +75,8 @@ class HotLoadWorkflow:
             self.walk.canceled()
         outcome = self.walk.outcome()
         hot_load_metrics.hot_load_ended(  # not while replaying: workflow.metric_meter()
-            self.walk.state.value.removeprefix("HOT_LOAD_STATE_"), failure.type if failure and failure.type else "",
+            self.walk.state.value.removeprefix("HOT_LOAD_STATE_"),
+            failure.type if failure and failure.type else "",
             (workflow.now() - workflow.info().start_time).total_seconds(),
             [r.error_reason or "" for r in self.walk.replicas if r.state == ReplicaState.ERROR],
         )
@@ -85,8 +86,10 @@ class HotLoadWorkflow:
             raise asyncio.CancelledError()
         if failure is not None:
             raise ApplicationError(
-                f"hot-load {outcome.hot_load_id} failed: {failure.message}", outcome,
-                type=failure.type, non_retryable=True,
+                f"hot-load {outcome.hot_load_id} failed: {failure.message}",
+                outcome,
+                type=failure.type,
+                non_retryable=True,
             )
         return outcome
 
@@ -135,11 +138,19 @@ class HotLoadWorkflow:
         spec = self.walk.hot_load.spec
         if len(receivers) <= cfg.replicas_per_group:
             return OneFanOut(spec, receivers, serving, cfg.peer_fan_out)
-        return GroupedStages(spec, receivers, serving, fan_out=cfg.peer_fan_out, group_size=cfg.replicas_per_group,
-                             workflow_id=workflow.info().workflow_id)
+        return GroupedStages(
+            spec,
+            receivers,
+            serving,
+            fan_out=cfg.peer_fan_out,
+            group_size=cfg.replicas_per_group,
+            workflow_id=workflow.info().workflow_id,
+        )
 
     async def _commit_all(
-        self, inp: HotLoadInput, receivers: list[tuple[Replica, ReplicaEndpoint]],
+        self,
+        inp: HotLoadInput,
+        receivers: list[tuple[Replica, ReplicaEndpoint]],
         stages: Stages,
     ) -> None:
         """Each receiver in walk order, from its stage or the bucket, at most `maxConcurrentSwaps`
@@ -162,15 +173,28 @@ class HotLoadWorkflow:
         self._raise_if_canceled()
 
     async def _receiver_step(
-        self, inp: HotLoadInput, replica: Replica, endpoint: ReplicaEndpoint, has_stage: bool, how: str,
+        self,
+        inp: HotLoadInput,
+        replica: Replica,
+        endpoint: ReplicaEndpoint,
+        has_stage: bool,
+        how: str,
         stages: Stages,
     ) -> None:
-        await self._step(replica, how, lambda: self._from_stage_or_bucket(inp, endpoint, replica, has_stage),
-                         peer_round=stages.round(replica.name))
+        await self._step(
+            replica,
+            how,
+            lambda: self._from_stage_or_bucket(inp, endpoint, replica, has_stage),
+            peer_round=stages.round(replica.name),
+        )
         stages.committed(replica.name)
 
     async def _step(
-        self, replica: Replica, how: str, run: Callable[[], Awaitable[ApplySnapshotResult]], *,
+        self,
+        replica: Replica,
+        how: str,
+        run: Callable[[], Awaitable[ApplySnapshotResult]],
+        *,
         peer_round: int | None = None,
     ) -> None:
         """One replica's update: UPDATING, then READY with what it serves, or ERROR (the walk
@@ -209,21 +233,24 @@ class HotLoadWorkflow:
 
     async def _from_bucket(self, inp: HotLoadInput, endpoint: ReplicaEndpoint, replica: Replica) -> ApplySnapshotResult:
         spec = self.walk.hot_load.spec
-        return await self._unless_lost(replica.name, workflow.start_activity(
-            names.APPLY_SNAPSHOT,
-            ApplySnapshotInput(
-                hot_load_id=spec.id,
-                identity=spec.identity,
-                chain=spec.snapshot_chain,
-                bucket=inp.hot_load_config.bucket,
-                path_prefix=inp.hot_load_config.path_prefix,
-                prompt_cache_policy=spec.prompt_cache_policy,
+        return await self._unless_lost(
+            replica.name,
+            workflow.start_activity(
+                names.APPLY_SNAPSHOT,
+                ApplySnapshotInput(
+                    hot_load_id=spec.id,
+                    identity=spec.identity,
+                    chain=spec.snapshot_chain,
+                    bucket=inp.hot_load_config.bucket,
+                    path_prefix=inp.hot_load_config.path_prefix,
+                    prompt_cache_policy=spec.prompt_cache_policy,
+                ),
+                task_queue=endpoint.task_queue,
+                result_type=ApplySnapshotResult,
+                summary=f"update {replica.name} to {spec.identity} from the bucket",
+                **REPLICA_STEP,
             ),
-            task_queue=endpoint.task_queue,
-            result_type=ApplySnapshotResult,
-            summary=f"update {replica.name} to {spec.identity} from the bucket",
-            **REPLICA_STEP,
-        ))
+        )
 
     async def _from_stage_or_bucket(
         self, inp: HotLoadInput, endpoint: ReplicaEndpoint, replica: Replica, has_stage: bool
@@ -232,14 +259,17 @@ class HotLoadWorkflow:
         if has_stage:
             spec = self.walk.hot_load.spec
             try:
-                return await self._unless_lost(replica.name, workflow.start_activity(
-                    names.COMMIT_PEER_STAGE,
-                    CommitPeerStageInput(identity=spec.identity, prompt_cache_policy=spec.prompt_cache_policy),
-                    task_queue=endpoint.task_queue,
-                    result_type=ApplySnapshotResult,
-                    summary=f"swap {spec.identity} into {replica.name} from its peer stage",
-                    **PEER_STEP,
-                ))
+                return await self._unless_lost(
+                    replica.name,
+                    workflow.start_activity(
+                        names.COMMIT_PEER_STAGE,
+                        CommitPeerStageInput(identity=spec.identity, prompt_cache_policy=spec.prompt_cache_policy),
+                        task_queue=endpoint.task_queue,
+                        result_type=ApplySnapshotResult,
+                        summary=f"swap {spec.identity} into {replica.name} from its peer stage",
+                        **PEER_STEP,
+                    ),
+                )
             except Exception as exc:
                 if is_cancelled_exception(exc):
                     raise
@@ -247,8 +277,9 @@ class HotLoadWorkflow:
                     # Canceled while the commit failed (an agent may end a step it was asked to
                     # give up with an error): the replica kept its weights, and no new step starts.
                     raise asyncio.CancelledError() from exc
-                workflow.logger.warning("%s could not swap its stage in (%s): reading the bucket", replica.name,
-                                        error_reason(exc))
+                workflow.logger.warning(
+                    "%s could not swap its stage in (%s): reading the bucket", replica.name, error_reason(exc)
+                )
                 self.walk.doing(replica, "from the bucket, its stage's swap failed")
         return await self._from_bucket(inp, endpoint, replica)
 

@@ -63,8 +63,9 @@ class ReplicaActivities:
 
     @activity.defn(name=names.APPLY_SNAPSHOT)
     async def apply_snapshot(self, inp: ApplySnapshotInput) -> ApplySnapshotResult:
-        return await measured_step(self.metrics, names.APPLY_SNAPSHOT,
-                                   replica_step(self.runtime, lambda: self.runtime.apply_from_bucket(inp)))
+        return await measured_step(
+            self.metrics, names.APPLY_SNAPSHOT, replica_step(self.runtime, lambda: self.runtime.apply_from_bucket(inp))
+        )
 
     @activity.defn(name=names.SERVE_REPLICA)
     async def serve_replica(self) -> None:
@@ -121,8 +122,9 @@ async def replica_step(rt: ReplicaRuntime, step: Callable[[], Awaitable[ApplySna
         except ReadBackFailed as exc:
             # The first names only: a failure's details are a Temporal payload (2 MB at most), and a
             # model's every tensor can be tens of thousands of names.
-            raise ApplicationError(str(exc), exc.tensors[:DETAIL_NAMES], type=READ_BACK_FAILED,
-                                   non_retryable=True) from None
+            raise ApplicationError(
+                str(exc), exc.tensors[:DETAIL_NAMES], type=READ_BACK_FAILED, non_retryable=True
+            ) from None
 
 
 @contextlib.asynccontextmanager
@@ -203,6 +205,8 @@ class PeerActivities:
 
     @activity.defn(name=names.COMMIT_PEER_STAGE)
     async def commit_peer_stage(self, inp: CommitPeerStageInput) -> ApplySnapshotResult:
-        return await measured_step(self.metrics, names.COMMIT_PEER_STAGE, replica_step(
-            self.runtime, lambda: self.runtime.commit_peer_stage(inp.identity, inp.prompt_cache_policy)
-        ))
+        return await measured_step(
+            self.metrics,
+            names.COMMIT_PEER_STAGE,
+            replica_step(self.runtime, lambda: self.runtime.commit_peer_stage(inp.identity, inp.prompt_cache_policy)),
+        )

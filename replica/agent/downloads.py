@@ -19,7 +19,7 @@ def download_prefix(s3: Any, bucket: str, prefix: str, dest: Path) -> int:
     paginator = s3.get_paginator("list_objects_v2")
     for page in paginator.paginate(Bucket=bucket, Prefix=prefix, Delimiter="/"):
         for obj in page.get("Contents", []):
-            name = obj["Key"][len(prefix):]
+            name = obj["Key"][len(prefix) :]
             if not name or "/" in name:
                 continue
             target = dest / name

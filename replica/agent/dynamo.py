@@ -75,15 +75,28 @@ SYSTEM_PORT_MAX = 32767
 # Dynamo's shutdown grace after the worker leaves discovery (module docstring, "Stop").
 GRACE_ENV = "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS"
 STOP_GRACE_S = 1
+
+
 class DynamoEngineProcess(EngineProcess):
     """A Dynamo vLLM worker for one model directory (module docstring)."""
 
     transport = DYNAMO_TRANSPORT
 
-    def __init__(self, model_dir: Path | str, *, discovery_dir: Path | str, namespace: str,
-                 frontend_url: str | None = None, kv_events: bool = False, discovery_backend: str = "file",
-                 gated: bool = False, tls: DynamoTls | None = None, event_broker: str | None = None,
-                 request_secret: str | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        model_dir: Path | str,
+        *,
+        discovery_dir: Path | str,
+        namespace: str,
+        frontend_url: str | None = None,
+        kv_events: bool = False,
+        discovery_backend: str = "file",
+        gated: bool = False,
+        tls: DynamoTls | None = None,
+        event_broker: str | None = None,
+        request_secret: str | None = None,
+        **options: Any,
+    ) -> None:
         super().__init__(model_dir, **options)
         # What every inference request must carry to the worker (default: a fresh random one).
         self.request_secret = request_secret or secrets.token_urlsafe(32)
@@ -108,14 +121,31 @@ class DynamoEngineProcess(EngineProcess):
         self.held_out = False
 
     @classmethod
-    def attach(cls, base_url: str, *, pid: int | None = None, served_model_name: str | None = None,
-               secret: str | None = None, discovery_dir: Path | str = ".", namespace: str = "",
-               worker_id: int | None = None, frontend_url: str | None = None,
-               tls: DynamoTls | None = None, request_secret: str | None = None) -> DynamoEngineProcess:
+    def attach(
+        cls,
+        base_url: str,
+        *,
+        pid: int | None = None,
+        served_model_name: str | None = None,
+        secret: str | None = None,
+        discovery_dir: Path | str = ".",
+        namespace: str = "",
+        worker_id: int | None = None,
+        frontend_url: str | None = None,
+        tls: DynamoTls | None = None,
+        request_secret: str | None = None,
+    ) -> DynamoEngineProcess:
         """A running worker whose system server is at ``base_url`` (its control URL); with
         ``worker_id`` (its Dynamo id) and ``frontend_url``, ``/v1/...`` requests reach it."""
-        engine = super().attach(base_url, pid=pid, served_model_name=served_model_name, secret=secret,
-                                discovery_dir=discovery_dir, namespace=namespace, frontend_url=frontend_url)
+        engine = super().attach(
+            base_url,
+            pid=pid,
+            served_model_name=served_model_name,
+            secret=secret,
+            discovery_dir=discovery_dir,
+            namespace=namespace,
+            frontend_url=frontend_url,
+        )
         assert isinstance(engine, DynamoEngineProcess)
         engine.worker_id = worker_id
         engine.tls = tls
@@ -148,22 +178,31 @@ class DynamoEngineProcess(EngineProcess):
         if self.kv_events:
             if self.kv_events_port is None:
                 self.kv_events_port = free_port(self.node_address)
-            cmd += ["--kv-events-config", json.dumps({
-                "enable_kv_cache_events": True, "publisher": "zmq",
-                "endpoint": f"tcp://{host_port(self.node_address, self.kv_events_port)}"})]
+            cmd += [
+                "--kv-events-config",
+                json.dumps(
+                    {
+                        "enable_kv_cache_events": True,
+                        "publisher": "zmq",
+                        "endpoint": f"tcp://{host_port(self.node_address, self.kv_events_port)}",
+                    }
+                ),
+            ]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
         env = plane_env(self.discovery_backend, self.discovery_dir, super().environment(), self.event_broker)
-        env.update({
-            "DYN_SYSTEM_HOST": self.control_host,
-            "DYN_SYSTEM_PORT": str(self.port),
-            "DYN_TCP_RPC_HOST": self.node_address,
-            "DYN_EVENT_PLANE_HOST": self.node_address,
-            # The response-stream server the worker opens as a request-plane client (its
-            # `instances` route): else on the address the machine's hostname resolves to.
-            "DYN_TCP_RESPONSE_STREAM_HOST": self.node_address,
-        })
+        env.update(
+            {
+                "DYN_SYSTEM_HOST": self.control_host,
+                "DYN_SYSTEM_PORT": str(self.port),
+                "DYN_TCP_RPC_HOST": self.node_address,
+                "DYN_EVENT_PLANE_HOST": self.node_address,
+                # The response-stream server the worker opens as a request-plane client (its
+                # `instances` route): else on the address the machine's hostname resolves to.
+                "DYN_TCP_RESPONSE_STREAM_HOST": self.node_address,
+            }
+        )
         env.setdefault(GRACE_ENV, str(STOP_GRACE_S))
         if self.gated:
             env[envs.ROLLOUTS_GATED.name] = "1"
@@ -193,23 +232,34 @@ class DynamoEngineProcess(EngineProcess):
                 health = await client.get(self.base_url + "/health")
                 if health.status_code != 200 or health.json().get("status") != "ready":
                     return False
-                answer = (await client.post(self.base_url + DYNAMO_PREFIX + "instance",
-                                            json={"secret": self.secret})).json()
+                answer = (
+                    await client.post(self.base_url + DYNAMO_PREFIX + "instance", json={"secret": self.secret})
+                ).json()
                 if not isinstance(answer.get("worker_id"), int):
                     return False
                 self.worker_id = answer["worker_id"]
                 return True
 
-            await wait_serving(self._proc, serving, name="the Dynamo worker", url=self.base_url,
-                               log_path=self.log_path, timeout=timeout, error=EngineStartError,
-                               not_yet=(httpx.HTTPError, ValueError))
+            await wait_serving(
+                self._proc,
+                serving,
+                name="the Dynamo worker",
+                url=self.base_url,
+                log_path=self.log_path,
+                timeout=timeout,
+                error=EngineStartError,
+                not_yet=(httpx.HTTPError, ValueError),
+            )
 
     async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """An inference request (``/v1/...``) goes through the frontend to this worker alone."""
         if path.startswith("/v1/") and self.frontend_url:
             kwargs = self._to_this_worker(kwargs)
-            async with httpx.AsyncClient(base_url=self.frontend_url, timeout=httpx.Timeout(600.0, connect=10.0),
-                                         verify=self.tls.ssl_context() if self.tls else True) as c:
+            async with httpx.AsyncClient(
+                base_url=self.frontend_url,
+                timeout=httpx.Timeout(600.0, connect=10.0),
+                verify=self.tls.ssl_context() if self.tls else True,
+            ) as c:
                 resp = await c.request(method, path, **kwargs)
             if resp.status_code // 100 != 2:
                 raise EngineRequestError(method, path, resp.status_code, resp.text)
@@ -279,4 +329,3 @@ class DynamoEngineProcess(EngineProcess):
         if self.served_model_name or not self.frontend_url:
             return [self.served_model_name]
         return await super().models()
-

@@ -35,37 +35,81 @@ class EngineControl(Protocol):
 
     # -- staging while serving
     async def stage_from_files(
-        self, label: str, paths: Sequence[Path | str], names: Sequence[str] | None = None,
+        self,
+        label: str,
+        paths: Sequence[Path | str],
+        names: Sequence[str] | None = None,
         expected_adler32: Mapping[str, str] | None = None,
     ) -> dict[str, Any]: ...
     async def stage_from_arena(
-        self, label: str, path: Path | str, entries: Sequence[Sequence[Any]], expected_adler32: Mapping[str, str],
-        verify: bool = True, backup: tuple[Path | str, Mapping[str, int]] | None = None,
+        self,
+        label: str,
+        path: Path | str,
+        entries: Sequence[Sequence[Any]],
+        expected_adler32: Mapping[str, str],
+        verify: bool = True,
+        backup: tuple[Path | str, Mapping[str, int]] | None = None,
     ) -> dict[str, Any]: ...
     async def discard_staged(self) -> dict[str, Any]: ...
 
     # -- the swap and its proof
-    async def swap_in_pause(self, label: str, previous: str, *, clear_cache: bool, expected: int,
-                            while_held: Callable[[], Awaitable[None]] | None = None) -> dict[str, Any]: ...
+    async def swap_in_pause(
+        self,
+        label: str,
+        previous: str,
+        *,
+        clear_cache: bool,
+        expected: int,
+        while_held: Callable[[], Awaitable[None]] | None = None,
+    ) -> dict[str, Any]: ...
     async def served_shards(self, names: Sequence[str] | None = None) -> ServedWeights: ...
 
     # -- peers (jobs inside the engine, awaited with wait_job)
     async def start_peer_stage_send(
-        self, host: str, port: int, world_size: int, names: Sequence[str] | None = None,
-        backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        names: Sequence[str] | None = None,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        external_store: bool = False,
     ) -> None: ...
     async def start_peer_stage_receive(
-        self, label: str, host: str, port: int, rank: int, world_size: int, specs: Sequence[Sequence[Any]],
-        expected_adler32: Mapping[str, str] | None = None, save_path: Path | str | None = None,
-        backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
+        self,
+        label: str,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        specs: Sequence[Sequence[Any]],
+        expected_adler32: Mapping[str, str] | None = None,
+        save_path: Path | str | None = None,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        external_store: bool = False,
     ) -> None: ...
     async def start_peer_send_files(
-        self, host: str, port: int, world_size: int, paths: Sequence[Path | str], backend: str = "gloo",
-        timeout_s: float = 300.0, external_store: bool = False,
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        paths: Sequence[Path | str],
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        external_store: bool = False,
     ) -> None: ...
     async def start_peer_receive_files(
-        self, host: str, port: int, rank: int, world_size: int, specs: Sequence[Sequence[Any]],
-        expected_adler32: Mapping[str, str], out_dir: Path | str, backend: str = "gloo",
-        timeout_s: float = 300.0, external_store: bool = False,
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        specs: Sequence[Sequence[Any]],
+        expected_adler32: Mapping[str, str],
+        out_dir: Path | str,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        external_store: bool = False,
     ) -> None: ...
     async def wait_job(self, kind: str, timeout_s: float = 600.0, rpc_every_s: float = 5.0) -> dict[str, Any]: ...

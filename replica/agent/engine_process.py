@@ -165,8 +165,15 @@ class EngineProcess(EngineClient):
     # -- identity ---------------------------------------------------------------------------
 
     @classmethod
-    def attach(cls, base_url: str, *, pid: int | None = None, served_model_name: str | None = None,
-               secret: str | None = None, **options: Any) -> EngineProcess:
+    def attach(
+        cls,
+        base_url: str,
+        *,
+        pid: int | None = None,
+        served_model_name: str | None = None,
+        secret: str | None = None,
+        **options: Any,
+    ) -> EngineProcess:
         """An EngineProcess for an engine that is already running at ``base_url``; ``secret``:
         that engine's (without it, the engine refuses everything but ``/health``); ``options``:
         what a subclass's constructor needs besides."""
@@ -247,9 +254,7 @@ class EngineProcess(EngineClient):
                 # Keep the control connection warm between calls (vLLM's default is 5 s).
                 "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",
                 # The worker imports our extension by name: make the repo importable.
-                "PYTHONPATH": os.pathsep.join(
-                    p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
-                ),
+                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
             }
         )
         env[NODE_ADDRESS_ENV] = self.node_address
@@ -296,8 +301,10 @@ class EngineProcess(EngineClient):
         check_bind_host(self.host, "the engine's bind address (--engine-bind)")
         check_bind_host(self.node_address, "the engine's node address (--node-address)")
         if is_wildcard(self.node_address):
-            raise AddressError(f"the engine's node address {self.node_address!r} is the wildcard: give the "
-                               "address other hosts reach this one at (--node-address)")
+            raise AddressError(
+                f"the engine's node address {self.node_address!r} is the wildcard: give the "
+                "address other hosts reach this one at (--node-address)"
+            )
         self.work_dir.mkdir(parents=True, exist_ok=True)
         for sub in ("tmp", "cache"):
             (self.work_dir / sub).mkdir(exist_ok=True)
@@ -361,8 +368,16 @@ class EngineProcess(EngineClient):
                 models = await client.get(self.base_url + "/v1/models")
                 return models.status_code == 200 and bool(models.json().get("data"))
 
-            await wait_serving(self._proc, serving, name="vLLM", url=self.base_url, log_path=self.log_path,
-                               timeout=timeout, error=EngineStartError, not_yet=(httpx.HTTPError,))
+            await wait_serving(
+                self._proc,
+                serving,
+                name="vLLM",
+                url=self.base_url,
+                log_path=self.log_path,
+                timeout=timeout,
+                error=EngineStartError,
+                not_yet=(httpx.HTTPError,),
+            )
 
     async def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, wait up to ``timeout``, then SIGKILL the process group. Returns the exit code
@@ -414,7 +429,6 @@ class EngineProcess(EngineClient):
 
     def __repr__(self) -> str:
         return f"EngineProcess(model_dir={str(self.model_dir)!r}, base_url={self._base_url!r}, pid={self._pid})"
-
 
 
 __all__ = [

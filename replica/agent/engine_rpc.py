@@ -101,8 +101,9 @@ class EngineClient:
 
     transport = VLLM_TRANSPORT
 
-    def __init__(self, base_url: str | None = None, *, secret: str | None = None, pid: int | None = None,
-                 ranks: int = 1) -> None:
+    def __init__(
+        self, base_url: str | None = None, *, secret: str | None = None, pid: int | None = None, ranks: int = 1
+    ) -> None:
         self.secret = secret
         self.ranks = ranks  # tensor-parallel ranks of the engine: one answer each
         self._base_url = None if base_url is None else base_url.rstrip("/")
@@ -280,7 +281,6 @@ class EngineClient:
             out["server"] = self._pid
         return out
 
-
     async def weight_map(self) -> dict[str, Any]:
         """Have the engine build its map of the checkpoint's tensors to its parameters now (else
         the first stage does); what it holds in place and what it refuses, and why."""
@@ -296,8 +296,10 @@ class EngineClient:
         results = await self._rpc_ranks("weight_checksums", None if names is None else list(names), algorithm)
         served = ServedWeights.combine(results)
         if served.regions:
-            raise EngineError(f"the engine's ranks hold shards of {len(served.regions)} tensor(s) "
-                              f"({', '.join(sorted(served.regions)[:3])}): read them with served_weights")
+            raise EngineError(
+                f"the engine's ranks hold shards of {len(served.regions)} tensor(s) "
+                f"({', '.join(sorted(served.regions)[:3])}): read them with served_weights"
+            )
         return served.checksums
 
     async def served_weights(self, names: Sequence[str] | None = None) -> ServedWeights:
@@ -319,7 +321,6 @@ class EngineClient:
 
     async def weight_specs(self, names: Sequence[str] | None = None) -> list[list[Any]]:
         return (await self._rpc1("weight_specs", None if names is None else list(names)))["specs"]
-
 
     # -- staged updates (the extension's background jobs) ---------------------------------
 
@@ -344,7 +345,8 @@ class EngineClient:
         first = started[0]
         if isinstance(first, dict) and first.get("kind"):
             self._job_results[str(first["kind"])] = [
-                Path(r["result_path"]) if isinstance(r, dict) and r.get("result_path") else None for r in started]
+                Path(r["result_path"]) if isinstance(r, dict) and r.get("result_path") else None for r in started
+            ]
         return first
 
     async def wait_job(self, kind: str, timeout_s: float = 600.0, rpc_every_s: float = 5.0) -> dict[str, Any]:
@@ -363,16 +365,19 @@ class EngineClient:
         deadline = time.monotonic() + timeout_s
         paths = self._job_results.pop(kind, None) or [None]
         try:
-            results = [await self._wait_rank(kind, rank, len(paths), path, deadline, timeout_s, rpc_every_s)
-                       for rank, path in enumerate(paths)]
+            results = [
+                await self._wait_rank(kind, rank, len(paths), path, deadline, timeout_s, rpc_every_s)
+                for rank, path in enumerate(paths)
+            ]
         finally:
             for path in paths:
                 if path is not None:
                     path.unlink(missing_ok=True)
         return results
 
-    async def _wait_rank(self, kind: str, rank: int, ranks: int, path: Path | None, deadline: float,
-                         timeout_s: float, rpc_every_s: float) -> dict[str, Any]:
+    async def _wait_rank(
+        self, kind: str, rank: int, ranks: int, path: Path | None, deadline: float, timeout_s: float, rpc_every_s: float
+    ) -> dict[str, Any]:
         who = f"background {kind}" + (f" on rank {rank}" if ranks > 1 else "")
         next_rpc = time.monotonic() + (rpc_every_s if path is not None else 0.0)
         while True:
@@ -395,19 +400,30 @@ class EngineClient:
             await asyncio.sleep(0.005 if path is not None else 0.02)
 
     async def stage_from_files(
-        self, label: str, paths: Sequence[Path | str], names: Sequence[str] | None = None,
+        self,
+        label: str,
+        paths: Sequence[Path | str],
+        names: Sequence[str] | None = None,
         expected_adler32: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         """Read and check tensors off the serving path; ``commit_staged(label)`` swaps them in."""
         await self._start_job(
-            "stage_from_files", label, [str(p) for p in paths], None if names is None else list(names),
+            "stage_from_files",
+            label,
+            [str(p) for p in paths],
+            None if names is None else list(names),
             None if expected_adler32 is None else dict(expected_adler32),
         )
         return await self.wait_job("stage")
 
     async def stage_from_arena(
-        self, label: str, path: Path | str, entries: Sequence[Sequence[Any]], expected_adler32: Mapping[str, str],
-        verify: bool = True, backup: tuple[Path | str, Mapping[str, int]] | None = None,
+        self,
+        label: str,
+        path: Path | str,
+        entries: Sequence[Sequence[Any]],
+        expected_adler32: Mapping[str, str],
+        verify: bool = True,
+        backup: tuple[Path | str, Mapping[str, int]] | None = None,
     ) -> dict[str, Any]:
         """Stage tensors the agent decoded into shared memory (``replica.stage_arena``):
         ``entries`` are ``[name, dtype, shape, offset]``, checked against ``expected_adler32``
@@ -416,55 +432,123 @@ class EngineClient:
         host copy in shared memory, holding what the engine serves now, which the commit rolls
         back from (else the stage copies the engine's current values first)."""
         backup_path, backup_offsets = (str(backup[0]), dict(backup[1])) if backup is not None else (None, None)
-        await self._start_job("stage_from_arena", label, str(path), [list(e) for e in entries],
-                              dict(expected_adler32), verify, backup_path, backup_offsets)
+        await self._start_job(
+            "stage_from_arena",
+            label,
+            str(path),
+            [list(e) for e in entries],
+            dict(expected_adler32),
+            verify,
+            backup_path,
+            backup_offsets,
+        )
         return await self.wait_job("stage")
 
     async def start_peer_stage_send(
-        self, host: str, port: int, world_size: int, names: Sequence[str] | None = None,
-        backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        names: Sequence[str] | None = None,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        external_store: bool = False,
     ) -> None:
         """Start broadcasting ``names`` to ranks 1..world_size-1 (``wait_job("send")``).
         ``external_store``: another process already hosts the rendezvous store at host:port."""
-        await self._start_job("peer_stage_send", host, port, world_size, None if names is None else list(names),
-                              backend, timeout_s, external_store)
+        await self._start_job(
+            "peer_stage_send",
+            host,
+            port,
+            world_size,
+            None if names is None else list(names),
+            backend,
+            timeout_s,
+            external_store,
+        )
 
     async def start_peer_stage_receive(
-        self, label: str, host: str, port: int, rank: int, world_size: int, specs: Sequence[Sequence[Any]],
-        expected_adler32: Mapping[str, str] | None = None, save_path: Path | str | None = None,
-        backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
+        self,
+        label: str,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        specs: Sequence[Sequence[Any]],
+        expected_adler32: Mapping[str, str] | None = None,
+        save_path: Path | str | None = None,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        external_store: bool = False,
     ) -> None:
         """Start receiving a broadcast into a stage (``wait_job("stage")``)."""
         await self._start_job(
-            "peer_stage_receive", label, host, port, rank, world_size, [list(s) for s in specs],
+            "peer_stage_receive",
+            label,
+            host,
+            port,
+            rank,
+            world_size,
+            [list(s) for s in specs],
             None if expected_adler32 is None else dict(expected_adler32),
-            None if save_path is None else str(save_path), backend, timeout_s, external_store,
+            None if save_path is None else str(save_path),
+            backend,
+            timeout_s,
+            external_store,
         )
 
     async def start_peer_send_files(
-        self, host: str, port: int, world_size: int, paths: Sequence[Path | str], backend: str = "gloo",
-        timeout_s: float = 300.0, external_store: bool = False,
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        paths: Sequence[Path | str],
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        external_store: bool = False,
     ) -> None:
         """Start broadcasting whole files to ranks 1..world_size-1 (``wait_job("send")``)."""
-        await self._start_job("peer_send_files", host, port, world_size, [str(p) for p in paths], backend, timeout_s,
-                              external_store)
+        await self._start_job(
+            "peer_send_files", host, port, world_size, [str(p) for p in paths], backend, timeout_s, external_store
+        )
 
     async def start_peer_receive_files(
-        self, host: str, port: int, rank: int, world_size: int, specs: Sequence[Sequence[Any]],
-        expected_adler32: Mapping[str, str], out_dir: Path | str, backend: str = "gloo",
-        timeout_s: float = 300.0, external_store: bool = False,
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        specs: Sequence[Sequence[Any]],
+        expected_adler32: Mapping[str, str],
+        out_dir: Path | str,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        external_store: bool = False,
     ) -> None:
         """Start receiving broadcast files into ``out_dir`` (``wait_job("receive")``)."""
-        await self._start_job("peer_receive_files", host, port, rank, world_size, [list(s) for s in specs],
-                              dict(expected_adler32), str(out_dir), backend, timeout_s, external_store)
+        await self._start_job(
+            "peer_receive_files",
+            host,
+            port,
+            rank,
+            world_size,
+            [list(s) for s in specs],
+            dict(expected_adler32),
+            str(out_dir),
+            backend,
+            timeout_s,
+            external_store,
+        )
 
     async def served_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
         """Adler-32 of what the engine serves, computed off the serving path (a background job);
         EngineError for a tensor no rank holds whole (a tensor-parallel shard: `served_shards`)."""
         served = await self.served_shards(names)
         if served.regions:
-            raise EngineError(f"the engine's ranks hold shards of {len(served.regions)} tensor(s) "
-                              f"({', '.join(sorted(served.regions)[:3])}): read them with served_shards")
+            raise EngineError(
+                f"the engine's ranks hold shards of {len(served.regions)} tensor(s) "
+                f"({', '.join(sorted(served.regions)[:3])}): read them with served_shards"
+            )
         return served.checksums
 
     async def served_shards(self, names: Sequence[str] | None = None) -> ServedWeights:
@@ -491,19 +575,32 @@ class EngineClient:
         every rank)."""
         return await self._prove_ranks("commit_staged", label)
 
-    async def swap_in_pause(self, label: str, previous: str, *, clear_cache: bool, expected: int,
-                            while_held: Callable[[], Awaitable[None]] | None = None) -> dict[str, Any]:
+    async def swap_in_pause(
+        self,
+        label: str,
+        previous: str,
+        *,
+        clear_cache: bool,
+        expected: int,
+        while_held: Callable[[], Awaitable[None]] | None = None,
+    ) -> dict[str, Any]:
         """Swap the stage ``label`` in, inside one pause, in the engine (`replica.engine.swap`:
         the one transaction, all or nothing), out of the routing pool around it. ``while_held``:
         the engine holds after the write, paused, while it runs (the "swap" fault point); its
         failure rolls the swap back and is raised. Returns the engine's report with its
         ``timings_ms``; a read-back that differs raises ReadBackFailed."""
-        body = {"label": label, "previous": previous, "clear_cache": clear_cache, "expected": expected,
-                "ranks": self.ranks}
+        body = {
+            "label": label,
+            "previous": previous,
+            "clear_cache": clear_cache,
+            "expected": expected,
+            "ranks": self.ranks,
+        }
         await self.leave_pool()
         try:
-            answer = await (self.control("swap_in_pause", body) if while_held is None
-                            else self._swap_held(body, while_held))
+            answer = await (
+                self.control("swap_in_pause", body) if while_held is None else self._swap_held(body, while_held)
+            )
         finally:
             await self.rejoin_pool()
         result = dict(answer["result"])
@@ -564,4 +661,3 @@ class EngineClient:
         for worker in await self.collective_rpc("compute_weight_checksums"):
             out.update(worker)
         return out
-

@@ -76,16 +76,25 @@ class Publication:
             pass
 
 
-def publish(directory: Path, key: str, arena_path: str, arena_size: int,
-            tensors: dict[str, tuple[int, int]]) -> Publication:
+def publish(
+    directory: Path, key: str, arena_path: str, arena_size: int, tensors: dict[str, tuple[int, int]]
+) -> Publication:
     """Record that ``arena_path`` holds, at ``tensors`` (name -> (offset, nbytes)), the checked
     decode named ``key``; the record replaces any earlier one of the same key atomically."""
     remove_stale(directory)
     generation = uuid.uuid4().hex
     path = record_path(directory, key)
     tmp = path.with_name(f".{path.name}.{generation}")  # unique: publishers never share it
-    tmp.write_text(json.dumps({"arena": arena_path, "size": arena_size, "generation": generation,
-                               "tensors": {n: list(v) for n, v in tensors.items()}}))
+    tmp.write_text(
+        json.dumps(
+            {
+                "arena": arena_path,
+                "size": arena_size,
+                "generation": generation,
+                "tensors": {n: list(v) for n, v in tensors.items()},
+            }
+        )
+    )
     tmp.replace(path)
     return Publication(path, generation)
 
@@ -137,8 +146,9 @@ def _copy_checked(src: np.ndarray, dst: np.ndarray) -> str:
     return f"{value & 0xFFFFFFFF:08x}"
 
 
-def _copy_all(mapped: mmap.mmap, places: dict[str, tuple[int, int]], out: dict[str, np.ndarray],
-              workers: int) -> dict[str, str]:
+def _copy_all(
+    mapped: mmap.mmap, places: dict[str, tuple[int, int]], out: dict[str, np.ndarray], workers: int
+) -> dict[str, str]:
     """Copy every tensor out of the mapped arena, largest first, on ``workers`` threads; returns
     each copy's Adler-32 (no view of the mapping outlives the call)."""
     source = np.frombuffer(mapped, dtype=np.uint8)
@@ -158,8 +168,9 @@ def _copy_all(mapped: mmap.mmap, places: dict[str, tuple[int, int]], out: dict[s
         return dict(zip(names, (d for digests in pool.map(some, batches) for d in digests)))
 
 
-def copy_published(directory: Path, key: str, out: dict[str, np.ndarray], expected: dict[str, str],
-                   *, workers: int | None = None) -> str | None:
+def copy_published(
+    directory: Path, key: str, out: dict[str, np.ndarray], expected: dict[str, str], *, workers: int | None = None
+) -> str | None:
     """Fill ``out`` (name -> flat buffer) from the decode published as ``key``, every tensor
     checked against ``expected``; returns the arena copied from, or ``None`` when the caller
     must decode itself (module docstring: nothing is trusted that was not checked)."""

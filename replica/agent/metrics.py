@@ -47,16 +47,22 @@ _LABELS = ("deployment", "replica")
 
 PAUSE = Histogram("rollouts_replica_pause_seconds", "Engine pause per swap", _LABELS, buckets=PAUSE_BUCKETS)
 BYTES = Counter("rollouts_replica_bytes", "Snapshot bytes taken in, by source", (*_LABELS, "source"))
-SWAP_BYTES = Counter("rollouts_replica_swap_bytes", "Bytes of swaps: written inside the pause, staged "
-                     "before it, changed", (*_LABELS, "what"))
+SWAP_BYTES = Counter(
+    "rollouts_replica_swap_bytes",
+    "Bytes of swaps: written inside the pause, staged before it, changed",
+    (*_LABELS, "what"),
+)
 BYTES_SENT = Counter("rollouts_replica_bytes_sent", "Bytes broadcast to peers", _LABELS)
 STEPS = Counter("rollouts_replica_steps", "Steps run", (*_LABELS, "step"))
 STEP_SECONDS = Histogram(
     "rollouts_replica_step_seconds", "Step duration", (*_LABELS, "step"), buckets=OPERATION_BUCKETS
 )
 FAILURES = Counter("rollouts_replica_step_failures", "Failed steps, by reason", (*_LABELS, "step", "reason"))
-DELTA_STAGES = Counter("rollouts_replica_delta_stages", "Delta updates staged, decoded here or copied from "
-                       "this host's decode", (*_LABELS, "how"))
+DELTA_STAGES = Counter(
+    "rollouts_replica_delta_stages",
+    "Delta updates staged, decoded here or copied from this host's decode",
+    (*_LABELS, "how"),
+)
 REFUSED = Counter("rollouts_replica_offers_refused", "Offers declined (nothing to pass on yet)", _LABELS)
 STATE = Gauge("rollouts_replica_state", "1 for the replica's current state", (*_LABELS, "state"))
 INFO = Gauge("rollouts_replica_info", "The replica and the snapshot it serves", (*_LABELS, "engine", "snapshot"))

@@ -78,8 +78,9 @@ def peer_backend(environ: Mapping[str, str]) -> str:
     the tensors themselves. ValueError naming the variable otherwise."""
     value = envs.ROLLOUTS_PEER_BACKEND.get(environ)
     if value == "nccl" and not environ.get("CUDA_VISIBLE_DEVICES"):
-        raise ValueError(f"{PEER_BACKEND_ENV}=nccl needs a replica placed on GPUs (its node agent gave it no "
-                         "CUDA_VISIBLE_DEVICES)")
+        raise ValueError(
+            f"{PEER_BACKEND_ENV}=nccl needs a replica placed on GPUs (its node agent gave it no CUDA_VISIBLE_DEVICES)"
+        )
     return value
 
 
@@ -98,8 +99,14 @@ class PeerSteps:
         # Up before any engine connects: a TCPStore client that finds no master backs off for
         # ~0.7 s, which every member of the group would then wait out.
         # One store per offer (its port): a sender may hold several offers until each is sent.
-        self.peer_stores[offer.port] = TCPStore(offer.host, offer.port, offer.world_size, is_master=True,
-                                                timeout=timedelta(seconds=PEER_JOIN_TIMEOUT_S), wait_for_workers=False)
+        self.peer_stores[offer.port] = TCPStore(
+            offer.host,
+            offer.port,
+            offer.world_size,
+            is_master=True,
+            timeout=timedelta(seconds=PEER_JOIN_TIMEOUT_S),
+            wait_for_workers=False,
+        )
         while len(self.peer_stores) > OFFERS_KEPT:  # offers the walk never sent
             self.peer_stores.pop(next(iter(self.peer_stores)))
         return offer.model_copy(update={"store_hosted": True})
@@ -119,25 +126,42 @@ class PeerSteps:
         stage = self.peer_stage or self.stage_passed_on
         if stage is not None and stage.offer.identity == inp.identity:
             link_dir = self.links_root / inp.identity
-            if not (stage.staged is not None and stage.offer.mode == "files" and inp.accept_files
-                    and len(chain_ids) > 1 and inp.target_identity == chain_ids[-2]
-                    and link_dir.is_dir()):
-                raise ChainError(f"replica {self.name}'s stage of {inp.identity!r} from a peer holds no delta "
-                                 f"files for replicas on {inp.target_identity!r}")
+            if not (
+                stage.staged is not None
+                and stage.offer.mode == "files"
+                and inp.accept_files
+                and len(chain_ids) > 1
+                and inp.target_identity == chain_ids[-2]
+                and link_dir.is_dir()
+            ):
+                raise ChainError(
+                    f"replica {self.name}'s stage of {inp.identity!r} from a peer holds no delta "
+                    f"files for replicas on {inp.target_identity!r}"
+                )
             return self._hosting_store(inp, await asyncio.to_thread(self._files_offer, inp, link_dir))
         if inp.peer_stage:
-            raise ChainError(f"replica {self.name} holds no stage of {inp.identity!r} from a peer to pass on "
-                             f"(it serves {self.current_identity!r})")
+            raise ChainError(
+                f"replica {self.name} holds no stage of {inp.identity!r} from a peer to pass on "
+                f"(it serves {self.current_identity!r})"
+            )
         try:
             staged = await asyncio.wait_for(asyncio.shield(self.update_stage(inp.hot_load_id)), wait_s)
         except TimeoutError:
             raise ChainError(f"replica {self.name} staged nothing for {inp.identity!r} in {wait_s:.0f} s") from None
         link_dir = staged.link_dirs.get(chain_ids[-1])
-        if not (inp.accept_files and staged.identity == inp.identity
-                and len(chain_ids) > 1 and inp.target_identity == chain_ids[-2] and staged.arena_offsets
-                and link_dir is not None and link_dir.is_dir()):
-            raise ChainError(f"replica {self.name}'s update to {inp.identity!r} holds no delta files for "
-                             f"replicas on {inp.target_identity!r} to take before its swap")
+        if not (
+            inp.accept_files
+            and staged.identity == inp.identity
+            and len(chain_ids) > 1
+            and inp.target_identity == chain_ids[-2]
+            and staged.arena_offsets
+            and link_dir is not None
+            and link_dir.is_dir()
+        ):
+            raise ChainError(
+                f"replica {self.name}'s update to {inp.identity!r} holds no delta files for "
+                f"replicas on {inp.target_identity!r} to take before its swap"
+            )
         return self._hosting_store(inp, await asyncio.to_thread(self._files_offer, inp, link_dir))
 
     def _files_offer(self, inp: PeerOfferInput, link_dir: Path) -> PeerOffer:
@@ -149,10 +173,16 @@ class PeerSteps:
         held = self._hold_files(link_dir, port)
         files = sorted(f for f in held.iterdir() if f.is_file())
         offer = PeerOffer(
-            source_replica=self.name, host=self.peer_host, port=port,
-            backend=self.peer_backend, base_identity=inp.target_identity, identity=inp.identity,
-            chain=inp.chain, specs=[[f.name, "uint8", [f.stat().st_size]] for f in files],
-            expected_adler32={f.name: file_adler32(f) for f in files}, world_size=inp.world_size,
+            source_replica=self.name,
+            host=self.peer_host,
+            port=port,
+            backend=self.peer_backend,
+            base_identity=inp.target_identity,
+            identity=inp.identity,
+            chain=inp.chain,
+            specs=[[f.name, "uint8", [f.stat().st_size]] for f in files],
+            expected_adler32={f.name: file_adler32(f) for f in files},
+            world_size=inp.world_size,
             mode="files",
         )
         self.offered_links[port] = held  # until its send
@@ -183,16 +213,23 @@ class PeerSteps:
         if self.applied != chain_ids:
             raise ChainError(f"replica {self.name} serves {self.current_identity!r}, not {inp.identity!r}")
         link_dir = self.link_dirs.get(chain_ids[-1])
-        if (inp.accept_files and len(chain_ids) > 1
-                and inp.target_identity == chain_ids[-2] and link_dir is not None and link_dir.is_dir()):
+        if (
+            inp.accept_files
+            and len(chain_ids) > 1
+            and inp.target_identity == chain_ids[-2]
+            and link_dir is not None
+            and link_dir.is_dir()
+        ):
             # The receivers miss exactly the link this replica holds as files: send the delta
             # itself (the changed tensors, XOR+zstd, ~5 % of their bytes for an RL step) rather
             # than the tensors as served; each receiver decodes and checks it against its own copy.
             return self._files_offer(inp, link_dir)
         if self.engine.ranks > 1:
             # Each rank holds a shard: the tensors as served are in no one place to send.
-            raise ChainError(f"replica {self.name}'s engine runs {self.engine.ranks} tensor-parallel ranks: it "
-                             f"offers a delta's files only, and replicas on {inp.target_identity!r} read the bucket")
+            raise ChainError(
+                f"replica {self.name}'s engine runs {self.engine.ranks} tensor-parallel ranks: it "
+                f"offers a delta's files only, and replicas on {inp.target_identity!r} read the bucket"
+            )
         if inp.target_identity in chain_ids[:-1]:
             missing = chain_ids[chain_ids.index(inp.target_identity) + 1 :]
             known = [self.changed_by_link.get(i) for i in missing]
@@ -229,13 +266,23 @@ class PeerSteps:
             if offer.mode == "files":
                 link_dir = held or self.link_dirs[offer.identity]
                 await self.engine.start_peer_send_files(
-                    offer.host, offer.port, offer.world_size, [str(link_dir / s[0]) for s in offer.specs],
-                    offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S, external_store=offer.store_hosted,
+                    offer.host,
+                    offer.port,
+                    offer.world_size,
+                    [str(link_dir / s[0]) for s in offer.specs],
+                    offer.backend,
+                    timeout_s=PEER_JOIN_TIMEOUT_S,
+                    external_store=offer.store_hosted,
                 )
             else:
                 await self.engine.start_peer_stage_send(
-                    offer.host, offer.port, offer.world_size, [s[0] for s in offer.specs], offer.backend,
-                    timeout_s=PEER_JOIN_TIMEOUT_S, external_store=offer.store_hosted,
+                    offer.host,
+                    offer.port,
+                    offer.world_size,
+                    [s[0] for s in offer.specs],
+                    offer.backend,
+                    timeout_s=PEER_JOIN_TIMEOUT_S,
+                    external_store=offer.store_hosted,
                 )
             return int((await self.engine.wait_job("send"))["bytes"])
         finally:
@@ -274,39 +321,53 @@ class PeerSteps:
         path = self.staging / f"peer-{offer.identity}.safetensors"
         try:
             await self.engine.start_peer_stage_receive(
-                offer.identity, offer.host, offer.port, rank, offer.world_size, offer.specs,
-                expected_adler32=offer.expected_adler32, save_path=path, backend=offer.backend,
-                timeout_s=PEER_JOIN_TIMEOUT_S, external_store=offer.store_hosted,
+                offer.identity,
+                offer.host,
+                offer.port,
+                rank,
+                offer.world_size,
+                offer.specs,
+                expected_adler32=offer.expected_adler32,
+                save_path=path,
+                backend=offer.backend,
+                timeout_s=PEER_JOIN_TIMEOUT_S,
+                external_store=offer.store_hosted,
             )
             got = await self.engine.wait_job("stage")
             # The host copy takes the same bytes the engine checked (no bucket reads).
             received = await asyncio.to_thread(read_raw, path)
         except Exception as exc:
-            raise EngineUpdateError(f"receiving from {offer.source_replica} failed; previous weights kept: "
-                                    f"{one_line(exc)}") from None
+            raise EngineUpdateError(
+                f"receiving from {offer.source_replica} failed; previous weights kept: {one_line(exc)}"
+            ) from None
         finally:
             path.unlink(missing_ok=True)
         try:
             await self.fault("stage_from_peer")
             wrong = await asyncio.to_thread(adler_mismatches, received, offer.expected_adler32)
             if wrong:
-                raise EngineUpdateError(f"received bytes differ from the sender's checksums for "
-                                        f"{', '.join(wrong[:5])}")
+                raise EngineUpdateError(f"received bytes differ from the sender's checksums for {', '.join(wrong[:5])}")
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.engine.discard_staged()
             raise
         self.peer_stage = PeerStage(offer=offer, received=received)
-        return StageFromPeerResult(identity=offer.identity, tensors_staged=int(got["tensors"]),
-                                   bytes_received=int(got["bytes"]), stage_ms=ms_since(t0))
+        return StageFromPeerResult(
+            identity=offer.identity,
+            tensors_staged=int(got["tensors"]),
+            bytes_received=int(got["bytes"]),
+            stage_ms=ms_since(t0),
+        )
 
     async def _stage_files_from_peer(self, offer: PeerOffer, rank: int, t0: float) -> StageFromPeerResult:
         """Receive a delta link's files from a peer, then stage them exactly like the bucket
         path does (host copy first, every changed tensor's Adler-32 checked, then the engine)."""
         chain_ids = [link.identity for link in offer.chain]
         if self.applied != chain_ids[:-1]:
-            raise ChainError(f"replica {self.name} serves {self.current_identity!r}; the delta from "
-                             f"{offer.source_replica} applies to {chain_ids[-2]!r}")
+            raise ChainError(
+                f"replica {self.name} serves {self.current_identity!r}; the delta from "
+                f"{offer.source_replica} applies to {chain_ids[-2]!r}"
+            )
         await asyncio.to_thread(self.clear_links)
         link_dir = self.links_root / offer.identity
         # Receivers on this host decode in rank order, the order they commit in.
@@ -322,22 +383,42 @@ class PeerSteps:
     ) -> StageFromPeerResult:
         try:
             await self.engine.start_peer_receive_files(
-                offer.host, offer.port, rank, offer.world_size, offer.specs, offer.expected_adler32,
-                link_dir, offer.backend, timeout_s=PEER_JOIN_TIMEOUT_S, external_store=offer.store_hosted,
+                offer.host,
+                offer.port,
+                rank,
+                offer.world_size,
+                offer.specs,
+                offer.expected_adler32,
+                link_dir,
+                offer.backend,
+                timeout_s=PEER_JOIN_TIMEOUT_S,
+                external_store=offer.store_hosted,
             )
             got = await self.engine.wait_job("receive")
         except Exception as exc:
-            raise EngineUpdateError(f"receiving from {offer.source_replica} failed; previous weights kept: "
-                                    f"{one_line(exc)}") from None
-        log.info("received %s's delta files from %s: %d bytes, joined in %.0f ms, transfer %.0f ms, %.0f ms "
-                 "since the step began", offer.identity, offer.source_replica, int(got["bytes"]),
-                 1000 * float(got.get("join_s", 0)), 1000 * float(got.get("transfer_s", 0)), ms_since(t0))
+            raise EngineUpdateError(
+                f"receiving from {offer.source_replica} failed; previous weights kept: {one_line(exc)}"
+            ) from None
+        log.info(
+            "received %s's delta files from %s: %d bytes, joined in %.0f ms, transfer %.0f ms, %.0f ms "
+            "since the step began",
+            offer.identity,
+            offer.source_replica,
+            int(got["bytes"]),
+            1000 * float(got.get("join_s", 0)),
+            1000 * float(got.get("transfer_s", 0)),
+            ms_since(t0),
+        )
         await self.fault("stage_from_peer")
         inp = ApplySnapshotInput(hot_load_id="", identity=offer.identity, chain=offer.chain, bucket="", path_prefix="")
         staged = await self.stage_update(inp, {offer.identity: link_dir}, turn)
         self.peer_stage = self.stage_passed_on = PeerStage(offer=offer, received=None, staged=staged)
-        return StageFromPeerResult(identity=offer.identity, tensors_staged=len(staged.names),
-                                   bytes_received=int(got["bytes"]), stage_ms=ms_since(t0))
+        return StageFromPeerResult(
+            identity=offer.identity,
+            tensors_staged=len(staged.names),
+            bytes_received=int(got["bytes"]),
+            stage_ms=ms_since(t0),
+        )
 
     async def commit_peer_stage(self, identity: str, policy: PromptCachePolicy) -> ApplySnapshotResult:
         """Swap a peer stage in (one short pause), then move the host copy and prove it."""
@@ -351,8 +432,9 @@ class PeerSteps:
         if offer.base_identity != "*" and self.current_identity != offer.base_identity:
             self.peer_stage = stage
             await self.drop_peer_stage()
-            raise ChainError(f"replica {self.name} serves {self.current_identity!r}; the stage completes "
-                             f"{offer.base_identity!r}")
+            raise ChainError(
+                f"replica {self.name} serves {self.current_identity!r}; the stage completes {offer.base_identity!r}"
+            )
         try:
             await self.fault("commit_peer_stage")
         except BaseException:
@@ -363,13 +445,24 @@ class PeerSteps:
         if stage.staged is not None:  # a delta link received as files, staged like the bucket path
             staged = stage.staged
             pause_ms, prove_ms, verified, breakdown, moved = await self._swap_in(
-                staged, [link.identity for link in offer.chain], policy)
-            log.info("applied %s from %s (delta files): %s", identity, offer.source_replica,
-                     fmt({"pause": pause_ms, "prove": prove_ms, "total": ms_since(t0)}))
+                staged, [link.identity for link in offer.chain], policy
+            )
+            log.info(
+                "applied %s from %s (delta files): %s",
+                identity,
+                offer.source_replica,
+                fmt({"pause": pause_ms, "prove": prove_ms, "total": ms_since(t0)}),
+            )
             return ApplySnapshotResult(
-                identity=identity, engine_pid=self.engine.pid, tensors_loaded=len(staged.names),
-                bytes_read_from_bucket=0, pause_ms=pause_ms, source=f"peer:{offer.source_replica}",
-                verified_tensors=verified, links_applied=staged.links, pause_breakdown_ms=breakdown,
+                identity=identity,
+                engine_pid=self.engine.pid,
+                tensors_loaded=len(staged.names),
+                bytes_read_from_bucket=0,
+                pause_ms=pause_ms,
+                source=f"peer:{offer.source_replica}",
+                verified_tensors=verified,
+                links_applied=staged.links,
+                pause_breakdown_ms=breakdown,
                 swap_bytes=moved,
             )
         names_ = [s[0] for s in offer.specs]
@@ -378,12 +471,19 @@ class PeerSteps:
         pause_ms, swap = await self._swap_staged(identity, saved, names_, policy)
         chain_ids = self._commit_offer(offer, names_)
         verified = int(swap["verified"])
-        log.info("applied %s from %s: %s", identity, offer.source_replica,
-                 fmt({"pause": pause_ms, "total": ms_since(t0)}))
+        log.info(
+            "applied %s from %s: %s", identity, offer.source_replica, fmt({"pause": pause_ms, "total": ms_since(t0)})
+        )
         return ApplySnapshotResult(
-            identity=identity, engine_pid=self.engine.pid, tensors_loaded=len(names_),
-            bytes_read_from_bucket=0, pause_ms=pause_ms, source=f"peer:{offer.source_replica}",
-            verified_tensors=verified, links_applied=chain_ids, pause_breakdown_ms=swap["breakdown_ms"],
+            identity=identity,
+            engine_pid=self.engine.pid,
+            tensors_loaded=len(names_),
+            bytes_read_from_bucket=0,
+            pause_ms=pause_ms,
+            source=f"peer:{offer.source_replica}",
+            verified_tensors=verified,
+            links_applied=chain_ids,
+            pause_breakdown_ms=swap["breakdown_ms"],
             swap_bytes=swap_bytes(swap),
         )
 

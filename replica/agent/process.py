@@ -103,7 +103,6 @@ def engine_options(engine_config: dict[str, str]) -> dict[str, Any]:
     return options
 
 
-
 async def log_weight_map(name: str, engine: EngineProcess) -> None:
     """Have the engine build its weight map now, not inside the first hot-load, and log what it
     cannot hot-load. A map that cannot be built does not stop the replica, which serves: every
@@ -120,11 +119,20 @@ async def log_weight_map(name: str, engine: EngineProcess) -> None:
         await engine.refuse_tensors(mapped["orphans"], HELD_BY_NO_RANK)
         mapped["refused"].update(dict.fromkeys(mapped["orphans"][:4], HELD_BY_NO_RANK))
         mapped["refused_count"] += len(mapped["orphans"])
-    log.info("%s: %d of %d checkpoint tensors load in place (map built in %.2f s)", name, mapped["held"],
-             mapped["tensors"], mapped["build_s"])
+    log.info(
+        "%s: %d of %d checkpoint tensors load in place (map built in %.2f s)",
+        name,
+        mapped["held"],
+        mapped["tensors"],
+        mapped["build_s"],
+    )
     if mapped["refused_count"]:
-        log.warning("%s: %d checkpoint tensor(s) cannot be hot-loaded: %s", name, mapped["refused_count"],
-                    "; ".join(f"{n}: {why}" for n, why in list(mapped["refused"].items())[:4]))
+        log.warning(
+            "%s: %d checkpoint tensor(s) cannot be hot-loaded: %s",
+            name,
+            mapped["refused_count"],
+            "; ".join(f"{n}: {why}" for n, why in list(mapped["refused"].items())[:4]),
+        )
 
 
 @dataclass(frozen=True)
@@ -211,8 +219,9 @@ async def _clear_leftovers(engine_pid_file: PidFile, name: str) -> None:
         log.info("removed %s, the decode record of an agent that is gone", record)
 
 
-async def _model_dir(settings: Settings, spec: ReplicaSpec, s3: Any, deployment: Any, held: contextlib.ExitStack,
-                     workdir: Path) -> Path:
+async def _model_dir(
+    settings: Settings, spec: ReplicaSpec, s3: Any, deployment: Any, held: contextlib.ExitStack, workdir: Path
+) -> Path:
     """The deployment's model, read from the bucket; an S3 error that may pass is tried again
     (replica.agent.retries), the deployment told. A dynamo deployment's replicas on this host
     share one path, removed by the last one to leave (replica.agent.downloads)."""
@@ -228,8 +237,10 @@ async def _model_dir(settings: Settings, spec: ReplicaSpec, s3: Any, deployment:
         return workdir / "model"
 
     async def retry_said(attempt: int, delay: float, exc: BaseException) -> None:
-        why = (f"reading its model s3://{spec.model_bucket}/{spec.model_path} failed ({one_line(exc)}); "
-               f"attempt {attempt + 1} of {len(DELAYS_S) + 1} in {delay:g} s")
+        why = (
+            f"reading its model s3://{spec.model_bucket}/{spec.model_path} failed ({one_line(exc)}); "
+            f"attempt {attempt + 1} of {len(DELAYS_S) + 1} in {delay:g} s"
+        )
         log.warning("%s: %s", spec.name, why)
         with contextlib.suppress(Exception):  # the retry goes on whether or not the deployment heard
             await deployment.signal(names.REPLICA_RETRYING, ReplicaFailure(name=spec.name, reason=why))
@@ -256,10 +267,14 @@ def _new_engine(settings: Settings, spec: ReplicaSpec, model_dir: Path, workdir:
         return EngineProcess(model_dir, served_model_name=spec.model_name, **options)
     # Dynamo's vLLM worker, found by Dynamo's frontend through the shared discovery dir.
     return DynamoEngineProcess(
-        model_dir, served_model_name=names.dynamo_model(spec.workflow_id),
-        discovery_dir=settings.dynamo_discovery_dir, namespace=names.dynamo_namespace(spec.workflow_id),
-        frontend_url=settings.dynamo_frontend_url, kv_events=settings.dynamo_router_mode == "kv",
-        discovery_backend=settings.dynamo_discovery_backend, tls=settings.dynamo_tls(),
+        model_dir,
+        served_model_name=names.dynamo_model(spec.workflow_id),
+        discovery_dir=settings.dynamo_discovery_dir,
+        namespace=names.dynamo_namespace(spec.workflow_id),
+        frontend_url=settings.dynamo_frontend_url,
+        kv_events=settings.dynamo_router_mode == "kv",
+        discovery_backend=settings.dynamo_discovery_backend,
+        tls=settings.dynamo_tls(),
         event_broker=settings.dynamo_event_broker,
         # What the gateway puts on every request for this deployment: no other caller of the
         # worker's request plane gets an answer.
@@ -270,8 +285,9 @@ def _new_engine(settings: Settings, spec: ReplicaSpec, model_dir: Path, workdir:
     )
 
 
-async def _start_runtime(settings: Settings, spec: ReplicaSpec, engine: EngineProcess, model_dir: Path, s3: Any,
-                         workdir: Path, backend: str) -> ReplicaRuntime:
+async def _start_runtime(
+    settings: Settings, spec: ReplicaSpec, engine: EngineProcess, model_dir: Path, s3: Any, workdir: Path, backend: str
+) -> ReplicaRuntime:
     """The started engine labelled and mapped, the host copy loaded (in shared memory: the engine
     takes its roll-back bytes from it), caught up to the deployment's snapshot when asked, then
     opened to requests."""
@@ -281,21 +297,41 @@ async def _start_runtime(settings: Settings, spec: ReplicaSpec, engine: EnginePr
     await log_weight_map(spec.name, engine)
     host_arena = StageArena()
     host = await asyncio.to_thread(lambda: HostWeights.load(model_dir, allocate=host_arena.allocate))
-    runtime = ReplicaRuntime(name=spec.name, engine=engine, host=host, s3=s3, workdir=workdir, host_arena=host_arena,
-                             faults_home=settings.home_path, deployment=spec.deployment_id,
-                             peer_host=spec.node_address or settings.host, peer_backend=backend)
+    runtime = ReplicaRuntime(
+        name=spec.name,
+        engine=engine,
+        host=host,
+        s3=s3,
+        workdir=workdir,
+        host_arena=host_arena,
+        faults_home=settings.home_path,
+        deployment=spec.deployment_id,
+        peer_host=spec.node_address or settings.host,
+        peer_backend=backend,
+    )
     if spec.catch_up:
         # A replica (re)started after hot-loads serves their snapshot before it takes traffic.
         inp = ApplySnapshotInput.model_validate_json(spec.catch_up)
         result = await runtime.apply_from_bucket(inp)
-        log.info("caught up to %s (%d tensors, %d bytes from the bucket)", inp.identity,
-                 result.tensors_loaded, result.bytes_read_from_bucket)
+        log.info(
+            "caught up to %s (%d tensors, %d bytes from the bucket)",
+            inp.identity,
+            result.tensors_loaded,
+            result.bytes_read_from_bucket,
+        )
     await engine.open_gate()  # it holds the deployment's weights and their label
     return runtime
 
 
-async def _serve(spec: ReplicaSpec, client: Any, deployment: Any, engine: EngineProcess, runtime: ReplicaRuntime,
-                 metrics: ReplicaMetrics, metrics_url: str) -> int:
+async def _serve(
+    spec: ReplicaSpec,
+    client: Any,
+    deployment: Any,
+    engine: EngineProcess,
+    runtime: ReplicaRuntime,
+    metrics: ReplicaMetrics,
+    metrics_url: str,
+) -> int:
     """Run the replica's Temporal worker on its own task queue, tell the deployment it is ready,
     and serve until SIGTERM (0) or the engine's death, reported to the deployment (1)."""
     stop = asyncio.Event()
@@ -309,8 +345,13 @@ async def _serve(spec: ReplicaSpec, client: Any, deployment: Any, engine: Engine
         client,
         task_queue=task_queue,
         activities=[
-            replica_acts.apply_snapshot, replica_acts.serve_replica, replica_acts.drain_replica, peer.offer_to_peer,
-            peer.send_to_peers, peer.stage_from_peer, peer.commit_peer_stage,
+            replica_acts.apply_snapshot,
+            replica_acts.serve_replica,
+            replica_acts.drain_replica,
+            peer.offer_to_peer,
+            peer.send_to_peers,
+            peer.stage_from_peer,
+            peer.commit_peer_stage,
         ],
         # Heartbeats carry cancellation back: send them at least every second, not every 24 s.
         max_heartbeat_throttle_interval=timedelta(seconds=1),
@@ -320,21 +361,37 @@ async def _serve(spec: ReplicaSpec, client: Any, deployment: Any, engine: Engine
         await deployment.signal(
             names.REPLICA_READY,
             ReplicaEndpoint(
-                name=spec.name, zone=spec.zone, task_queue=task_queue, node=spec.node, engine_url=engine.public_url,
-                engine_pid=engine.pid, agent_pid=os.getpid(), current_snapshot_identity=runtime.current_identity,
-                started_at=now, transitioned_at=now, dynamo_worker=engine.dynamo_worker,
-                dynamo_namespace=engine.dynamo_namespace, metrics_url=metrics_url,
+                name=spec.name,
+                zone=spec.zone,
+                task_queue=task_queue,
+                node=spec.node,
+                engine_url=engine.public_url,
+                engine_pid=engine.pid,
+                agent_pid=os.getpid(),
+                current_snapshot_identity=runtime.current_identity,
+                started_at=now,
+                transitioned_at=now,
+                dynamo_worker=engine.dynamo_worker,
+                dynamo_namespace=engine.dynamo_namespace,
+                metrics_url=metrics_url,
             ),
         )
         metrics.serving(runtime.current_identity)
         metrics.state("READY")
-        log.info("replica %s ready: engine %s (pid %d), queue %s, metrics %s", spec.name, engine.public_url,
-                 engine.pid, task_queue, metrics_url)
+        log.info(
+            "replica %s ready: engine %s (pid %d), queue %s, metrics %s",
+            spec.name,
+            engine.public_url,
+            engine.pid,
+            task_queue,
+            metrics_url,
+        )
         return await _until_stopped(spec.name, engine, stop, deployment, metrics)
 
 
-async def _until_stopped(name: str, engine: EngineProcess, stop: asyncio.Event, deployment: Any,
-                         metrics: ReplicaMetrics) -> int:
+async def _until_stopped(
+    name: str, engine: EngineProcess, stop: asyncio.Event, deployment: Any, metrics: ReplicaMetrics
+) -> int:
     """0 once `stop` is set; 1 when the engine's process exits first (reported to the deployment)."""
     while not stop.is_set():
         if not engine.alive():

@@ -19,8 +19,17 @@ T = TypeVar("T")
 # Waits before each retry, seconds.
 DELAYS_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 # S3 error codes of a server that may answer the same request later.
-TRANSIENT_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout",
-                             "Throttling", "ThrottlingException", "RequestLimitExceeded"})
+TRANSIENT_CODES = frozenset(
+    {
+        "InternalError",
+        "ServiceUnavailable",
+        "SlowDown",
+        "RequestTimeout",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+    }
+)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -31,8 +40,11 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, BotoConnectionError | HTTPClientError)
 
 
-async def retrying(attempt: Callable[[], Awaitable[T]], on_retry: Callable[[int, float, BaseException], Awaitable[Any]],
-                   delays: tuple[float, ...] = DELAYS_S) -> T:
+async def retrying(
+    attempt: Callable[[], Awaitable[T]],
+    on_retry: Callable[[int, float, BaseException], Awaitable[Any]],
+    delays: tuple[float, ...] = DELAYS_S,
+) -> T:
     """``await attempt()``, again after each delay while it raises a transient S3 error."""
     for n, delay in enumerate((*delays, None), start=1):
         try:

@@ -68,10 +68,20 @@ class ReplicaRuntime(PeerSteps):
     copy exactly as they were, and the error says what was read back to show it.
     """
 
-    def __init__(self, *, name: str, engine: EngineControl, host: Any, s3: Any, workdir: Path,
-                 peer_host: str = "127.0.0.1", peer_backend: str = "gloo",
-                 host_arena: StageArena | None = None, faults_home: Path | None = None,
-                 deployment: str = "") -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        engine: EngineControl,
+        host: Any,
+        s3: Any,
+        workdir: Path,
+        peer_host: str = "127.0.0.1",
+        peer_backend: str = "gloo",
+        host_arena: StageArena | None = None,
+        faults_home: Path | None = None,
+        deployment: str = "",
+    ) -> None:
         self.name = name
         self.deployment = deployment
         # Where `faults.json` may arm fault points (the stack's home); None: no fault points.
@@ -118,7 +128,8 @@ class ReplicaRuntime(PeerSteps):
     def fault_armed(self, point: str) -> bool:
         """Whether `faults.json` arms `point` for this replica (one `stat` when there is none)."""
         return self.faults_home is not None and faults.armed(
-            self.faults_home, point, replica=self.name, deployment=self.deployment)
+            self.faults_home, point, replica=self.name, deployment=self.deployment
+        )
 
     async def fault(self, point: str) -> None:
         """Fire `point` if `faults.json` arms it for this replica (`replica.faults`): a "fail"
@@ -126,8 +137,9 @@ class ReplicaRuntime(PeerSteps):
         canceled (then EngineUpdateError: the step stops where it stood)."""
         if self.faults_home is None:
             return
-        if await faults.hit(self.faults_home, point, replica=self.name, deployment=self.deployment,
-                            until=self.step_canceled):
+        if await faults.hit(
+            self.faults_home, point, replica=self.name, deployment=self.deployment, until=self.step_canceled
+        ):
             raise EngineUpdateError(f"the step was canceled while held at the fault point {point}")
 
     # ------------------------------------------------------------------ from the bucket
@@ -161,8 +173,11 @@ class ReplicaRuntime(PeerSteps):
         return dirs, total
 
     async def stage_update(
-        self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None,
-        turn: tuple[str, int] | None = None, decoded: Callable[[StagedUpdate], None] | None = None,
+        self,
+        inp: ApplySnapshotInput,
+        local_links: dict[str, Path] | None = None,
+        turn: tuple[str, int] | None = None,
+        decoded: Callable[[StagedUpdate], None] | None = None,
     ) -> StagedUpdate:
         """Stage an update for the engine, off the serving path; the host copy is not changed.
 
@@ -183,22 +198,35 @@ class ReplicaRuntime(PeerSteps):
                 t1 = time.perf_counter()
             if decoded is not None:
                 decoded(staged)
-            entries = [[n, self.host.info(n).torch_dtype, list(self.host.info(n).shape), offset]
-                       for n, offset in staged.arena_offsets.items()]
+            entries = [
+                [n, self.host.info(n).torch_dtype, list(self.host.info(n).shape), offset]
+                for n, offset in staged.arena_offsets.items()
+            ]
             try:
                 # The decode just checked these bytes; the commit checks what the engine holds.
-                job = await self.engine.stage_from_arena(staged.identity, self.arena.path, entries,
-                                                         staged.expected, verify=False,
-                                                         backup=self._host_backup(staged.names))
+                job = await self.engine.stage_from_arena(
+                    staged.identity,
+                    self.arena.path,
+                    entries,
+                    staged.expected,
+                    verify=False,
+                    backup=self._host_backup(staged.names),
+                )
             except Exception as exc:
                 with contextlib.suppress(Exception):
                     await self.engine.discard_staged()
-                raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
-                                        f"weights: {one_line(exc)}") from None
-            log.info("staged %s: waited %.0f ms for the host's decode slot, %s %.0f ms, engine stage %.0f ms "
-                     "(%s)", staged.identity, (t0 - t_wait) * 1000,
-                     "copy of the host's decode" if staged.copied_from else "decode", (t1 - t0) * 1000, ms_since(t1),
-                     fmt({k: 1000 * float(v) for k, v in job.items() if k.endswith("_s") or k == "seconds"}))
+                raise EngineUpdateError(
+                    f"the engine could not stage the update; it serves its previous weights: {one_line(exc)}"
+                ) from None
+            log.info(
+                "staged %s: waited %.0f ms for the host's decode slot, %s %.0f ms, engine stage %.0f ms (%s)",
+                staged.identity,
+                (t0 - t_wait) * 1000,
+                "copy of the host's decode" if staged.copied_from else "decode",
+                (t1 - t0) * 1000,
+                ms_since(t1),
+                fmt({k: 1000 * float(v) for k, v in job.items() if k.endswith("_s") or k == "seconds"}),
+            )
             return staged
         staged = await asyncio.to_thread(self.stage_chain, inp, local)
         if staged.nothing_to_do:
@@ -209,8 +237,9 @@ class ReplicaRuntime(PeerSteps):
             )
         except Exception as exc:
             staged.path.unlink(missing_ok=True)  # type: ignore[union-attr]
-            raise EngineUpdateError(f"the engine could not stage the update; it serves its previous "
-                                    f"weights: {one_line(exc)}") from None
+            raise EngineUpdateError(
+                f"the engine could not stage the update; it serves its previous weights: {one_line(exc)}"
+            ) from None
         return staged
 
     def _host_backup(self, names_: list[str]) -> tuple[str, dict[str, int]] | None:
@@ -258,8 +287,9 @@ class ReplicaRuntime(PeerSteps):
             if out:
                 delta_staged(self.deployment, self.name, copied=False)
             if decoded:
-                self.decode_published = publish(self.arena.directory, key, self.arena.path, self.arena.size,
-                                                {n: layout[n] for n in decoded})
+                self.decode_published = publish(
+                    self.arena.directory, key, self.arena.path, self.arena.size, {n: layout[n] for n in decoded}
+                )
         for link in todo:
             staged.links.append(link.identity)
             staged.link_dirs[link.identity] = Path(local[link.identity])
@@ -268,8 +298,9 @@ class ReplicaRuntime(PeerSteps):
         staged.arena_offsets = {n: layout[n][0] for n in staged.names}
         return staged
 
-    def _copy_host_decode(self, key: str, plans: list[Any], todo: list[SnapshotRef],
-                          out: dict[str, np.ndarray], staged: StagedUpdate) -> bool:
+    def _copy_host_decode(
+        self, key: str, plans: list[Any], todo: list[SnapshotRef], out: dict[str, np.ndarray], staged: StagedUpdate
+    ) -> bool:
         """Fill `out` with another replica's checked decode of the same update on the same
         weights, when this host has one (`replica.agent.host_decodes`); False: decode here."""
         expected: dict[str, str] = {}
@@ -285,8 +316,14 @@ class ReplicaRuntime(PeerSteps):
         for link, plan in zip(todo, plans):
             staged.changed_by_link[link.identity] = list(plan.tensors)
         staged.copied_from = source
-        log.info("%s: copied this host's decode of %s from %s and checked it: %d tensors, %.0f ms",
-                 self.name, staged.identity, source, len(expected), ms_since(t0))
+        log.info(
+            "%s: copied this host's decode of %s from %s and checked it: %d tensors, %.0f ms",
+            self.name,
+            staged.identity,
+            source,
+            len(expected),
+            ms_since(t0),
+        )
         return True
 
     def _adopt(self, staged: StagedUpdate) -> None:
@@ -314,8 +351,9 @@ class ReplicaRuntime(PeerSteps):
                 raise
         except Exception as exc:
             # The host copy is no longer what the engine serves: no later update may use it.
-            raise EngineUpdateError(f"the host copy could not take the last update: {one_line(exc)}; "
-                                    f"restart the replica") from None
+            raise EngineUpdateError(
+                f"the host copy could not take the last update: {one_line(exc)}; restart the replica"
+            ) from None
         if self._adopting is adopting:
             self._adopting = None
 
@@ -333,8 +371,11 @@ class ReplicaRuntime(PeerSteps):
             raise ChainError("the snapshot chain must start with a full snapshot")
         staged = StagedUpdate(new_host_arena=StageArena())
         base = inp.chain[0]
-        target = HostWeights.load(snapshot_uri(inp.bucket, inp.path_prefix, base.identity), s3=self.s3,
-                                  allocate=staged.new_host_arena.allocate)
+        target = HostWeights.load(
+            snapshot_uri(inp.bucket, inp.path_prefix, base.identity),
+            s3=self.s3,
+            allocate=staged.new_host_arena.allocate,
+        )
         staged.new_host = target
         staged.bytes_read += target.total_bytes
         staged.links.append(base.identity)
@@ -380,8 +421,11 @@ class ReplicaRuntime(PeerSteps):
             return await self._apply_from_bucket(inp, ready)
         finally:
             if not ready.done():
-                ready.set_exception(ChainError(f"replica {self.name}'s update to {inp.identity} ended before it "
-                                               f"staged anything to offer"))
+                ready.set_exception(
+                    ChainError(
+                        f"replica {self.name}'s update to {inp.identity} ended before it staged anything to offer"
+                    )
+                )
                 ready.exception()  # retrieved: nobody may be waiting
 
     async def _apply_from_bucket(
@@ -396,6 +440,7 @@ class ReplicaRuntime(PeerSteps):
         local, fetched = await asyncio.to_thread(self.fetch_links, inp, todo)
         timings = {"fetch": ms_since(t0)}
         t1 = time.perf_counter()
+
         def offer(staged: StagedUpdate) -> None:  # its delta files are checked: peers may take them
             if not ready.done():
                 ready.set_result(staged)
@@ -407,22 +452,36 @@ class ReplicaRuntime(PeerSteps):
         if staged.nothing_to_do:
             verified = await self.prove(self.host.names())
             return ApplySnapshotResult(
-                identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=0, bytes_read_from_bucket=0,
-                pause_ms=0.0, stage_ms=timings["stage"], verified_tensors=verified,
+                identity=inp.identity,
+                engine_pid=self.engine.pid,
+                tensors_loaded=0,
+                bytes_read_from_bucket=0,
+                pause_ms=0.0,
+                stage_ms=timings["stage"],
+                verified_tensors=verified,
             )
         pause_ms, prove_ms, verified, breakdown, moved = await self._swap_in(
-            staged, [link.identity for link in inp.chain], inp.prompt_cache_policy)
+            staged, [link.identity for link in inp.chain], inp.prompt_cache_policy
+        )
         timings.update(pause=pause_ms, prove=prove_ms, total=ms_since(t0))
         log.info("applied %s from the bucket: %s", inp.identity, fmt(timings))
         return ApplySnapshotResult(
-            identity=inp.identity, engine_pid=self.engine.pid, tensors_loaded=len(staged.names),
-            bytes_read_from_bucket=staged.bytes_read + fetched, pause_ms=pause_ms, links_applied=staged.links,
-            stage_ms=timings["fetch"] + timings["stage"], source="bucket", verified_tensors=verified,
-            pause_breakdown_ms=breakdown, swap_bytes=moved,
+            identity=inp.identity,
+            engine_pid=self.engine.pid,
+            tensors_loaded=len(staged.names),
+            bytes_read_from_bucket=staged.bytes_read + fetched,
+            pause_ms=pause_ms,
+            links_applied=staged.links,
+            stage_ms=timings["fetch"] + timings["stage"],
+            source="bucket",
+            verified_tensors=verified,
+            pause_breakdown_ms=breakdown,
+            swap_bytes=moved,
         )
 
-    async def _swap_in(self, staged: StagedUpdate, chain_ids: list[str],
-                       policy: PromptCachePolicy) -> tuple[float, float, int, dict[str, float], dict[str, int]]:
+    async def _swap_in(
+        self, staged: StagedUpdate, chain_ids: list[str], policy: PromptCachePolicy
+    ) -> tuple[float, float, int, dict[str, float], dict[str, int]]:
         """Swap a stage in and prove it (one pause), then commit the chain and start the host
         copy's adoption; returns (pause ms, ms of the proof inside it, tensors proven, where the
         pause went, the bytes it moved)."""
@@ -434,11 +493,17 @@ class ReplicaRuntime(PeerSteps):
         self._adopt_later(staged)
         self._commit(chain_ids, staged.new_host, staged.changed_by_link, staged.new_host_arena)
         self.link_dirs = staged.link_dirs
-        return (pause_ms, 1000 * float(swap.get("verify_s", 0.0)), int(swap["verified"]), swap["breakdown_ms"],
-                swap_bytes(swap))
+        return (
+            pause_ms,
+            1000 * float(swap.get("verify_s", 0.0)),
+            int(swap["verified"]),
+            swap["breakdown_ms"],
+            swap_bytes(swap),
+        )
 
-    async def _swap_staged(self, label: str, host_backups: dict[str, np.ndarray], names_: list[str],
-                           policy: PromptCachePolicy) -> tuple[float, dict[str, Any]]:
+    async def _swap_staged(
+        self, label: str, host_backups: dict[str, np.ndarray], names_: list[str], policy: PromptCachePolicy
+    ) -> tuple[float, dict[str, Any]]:
         """Have the engine swap its stage in (`replica.engine.swap`: one call, the transaction
         inside its own process); on a failure restore the host copy and say what the engine
         serves. The "swap" fault point, when armed, runs while the engine holds after its write.
@@ -452,8 +517,12 @@ class ReplicaRuntime(PeerSteps):
             await self.fault("pause")
             t0 = time.perf_counter()
             swap = await self.engine.swap_in_pause(
-                label, self.current_identity, clear_cache=reset, expected=len(names_),
-                while_held=(lambda: self.fault("swap")) if self.fault_armed("swap") else None)
+                label,
+                self.current_identity,
+                clear_cache=reset,
+                expected=len(names_),
+                while_held=(lambda: self.fault("swap")) if self.fault_armed("swap") else None,
+            )
         except Exception as exc:
             # The engine's tensors and label are back (its swap is all-or-nothing); the host copy here.
             self.host.restore(host_backups)
@@ -463,10 +532,14 @@ class ReplicaRuntime(PeerSteps):
                     f"{exc.message}; {kept}", type=exc.type, non_retryable=exc.non_retryable
                 ) from None
             if isinstance(exc, ReadBackFailed):
-                raise ReadBackFailed(f"the engine's read-back inside the pause differs from the snapshot for "
-                                     f"{', '.join(exc.tensors[:8])}; {kept}", exc.tensors) from None
-            raise EngineUpdateError(f"loading {len(names_)} tensor(s) into the engine failed; {kept}: "
-                                    f"{one_line(exc)}") from None
+                raise ReadBackFailed(
+                    f"the engine's read-back inside the pause differs from the snapshot for "
+                    f"{', '.join(exc.tensors[:8])}; {kept}",
+                    exc.tensors,
+                ) from None
+            raise EngineUpdateError(
+                f"loading {len(names_)} tensor(s) into the engine failed; {kept}: {one_line(exc)}"
+            ) from None
         timings = {**swap.pop("timings_ms"), **engine_parts(swap), "call": ms_since(t0)}
         log.info("swap of %d tensor(s) in the pause: %s", len(names_), fmt(timings))
         swap["breakdown_ms"] = timings
@@ -479,14 +552,21 @@ class ReplicaRuntime(PeerSteps):
             label = await self.engine.weight_version()
             await self.prove(names_)
         except Exception as exc:  # noqa: BLE001 - reported in the replica's error
-            return (f"the engine could not be shown to serve its previous weights ({one_line(exc, 200)}); "
-                    f"restart the replica")
+            return (
+                f"the engine could not be shown to serve its previous weights ({one_line(exc, 200)}); "
+                f"restart the replica"
+            )
         if label != self.current_identity:
             return f"the engine serves its previous weights but is labelled {label!r}; restart the replica"
         return f"it serves its previous weights ({self.current_identity}, {len(names_)} tensor(s) read back)"
 
-    def _commit(self, chain_ids: list[str], new_host: Any, changed: dict[str, list[str] | None],
-                new_host_arena: StageArena | None = None) -> None:
+    def _commit(
+        self,
+        chain_ids: list[str],
+        new_host: Any,
+        changed: dict[str, list[str] | None],
+        new_host_arena: StageArena | None = None,
+    ) -> None:
         if new_host is not None:
             self.host = new_host
             self.host_arena = new_host_arena

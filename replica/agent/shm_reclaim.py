@@ -120,8 +120,9 @@ def files_in_use(directories: Iterable[Path]) -> tuple[set[tuple[int, int]], lis
     return in_use, unreadable
 
 
-def reclaim_dead_segments(directories: Sequence[Path] | None = None,
-                          patterns: Sequence[str] = PATTERNS) -> list[Segment]:
+def reclaim_dead_segments(
+    directories: Sequence[Path] | None = None, patterns: Sequence[str] = PATTERNS
+) -> list[Segment]:
     """Remove the segments that the module docstring's rule allows; returns them. Raises
     nothing for what it cannot read or remove (it logs that): a replica starts regardless."""
     dirs = list(directories) if directories is not None else default_directories()
@@ -147,6 +148,10 @@ def reclaim_dead_segments(directories: Sequence[Path] | None = None,
             continue
         removed.append(seg)
     if removed:
-        log.info("reclaimed %d shared-memory segment(s) of dead processes, %.1f MB: %s", len(removed),
-                 sum(s.bytes for s in removed) / 1e6, ", ".join(s.path.name for s in removed))
+        log.info(
+            "reclaimed %d shared-memory segment(s) of dead processes, %.1f MB: %s",
+            len(removed),
+            sum(s.bytes for s in removed) / 1e6,
+            ", ".join(s.path.name for s in removed),
+        )
     return removed

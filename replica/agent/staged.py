@@ -33,8 +33,6 @@ def one_line(exc: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-
-
 @dataclass
 class StagedUpdate:
     """An update prepared off the serving path; nothing the engine sees has changed yet."""

@@ -46,8 +46,12 @@ def engine_routes(engine: Any) -> dict[str, Route]:
         method = body.get("method")
         if not isinstance(method, str) or not method:
             raise ValueError("'method' (a string) is required")
-        results = await engine.collective_rpc(method=method, timeout=body.get("timeout"),
-                                              args=tuple(body.get("args") or ()), kwargs=body.get("kwargs") or {})
+        results = await engine.collective_rpc(
+            method=method,
+            timeout=body.get("timeout"),
+            args=tuple(body.get("args") or ()),
+            kwargs=body.get("kwargs") or {},
+        )
         return {"results": [r if r is None or isinstance(r, dict | list) else str(r) for r in (results or [])]}
 
     async def update_weight_version(body: dict[str, Any]) -> dict[str, Any]:
@@ -67,9 +71,17 @@ def engine_routes(engine: Any) -> dict[str, Route]:
     async def swap_hook(body: dict[str, Any]) -> dict[str, Any]:
         return await held.finish(bool(body.get("proceed", False)))
 
-    return {"pause": pause, "resume": resume, "is_paused": is_paused, "reset_prefix_cache": reset_prefix_cache,
-            "collective_rpc": collective_rpc, "update_weight_version": update_weight_version,
-            "weight_info": weight_info, "swap_in_pause": swap, "swap_hook": swap_hook}
+    return {
+        "pause": pause,
+        "resume": resume,
+        "is_paused": is_paused,
+        "reset_prefix_cache": reset_prefix_cache,
+        "collective_rpc": collective_rpc,
+        "update_weight_version": update_weight_version,
+        "weight_info": weight_info,
+        "swap_in_pause": swap,
+        "swap_hook": swap_hook,
+    }
 
 
 def answering(name: str, handler: Route) -> Route:

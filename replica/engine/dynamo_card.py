@@ -63,8 +63,9 @@ def shared_copy(model_dir: Path, discovery_dir: Path) -> Path:
 def shared_registration(register_model: Callable[..., Any], discovery_dir: Path) -> Callable[..., Any]:
     """``register_model`` with the card built from :func:`shared_copy` and not self-hosted."""
 
-    async def register(model_input: Any, model_type: Any, endpoint: Any, model_path: str, *args: Any,
-                       **kwargs: Any) -> Any:
+    async def register(
+        model_input: Any, model_type: Any, endpoint: Any, model_path: str, *args: Any, **kwargs: Any
+    ) -> Any:
         if Path(model_path).is_dir():
             model_path = str(shared_copy(Path(model_path), discovery_dir))
             kwargs["self_host_metadata"] = False

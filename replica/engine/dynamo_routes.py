@@ -68,6 +68,7 @@ INSTANCES_WAIT_S = 10.0
 
 # -- weight-version spans ------------------------------------------------------------------------
 
+
 class Gate:
     """Open, or closed until ``open()``: what every request waits for before the engine (module
     docstring, 3)."""
@@ -100,8 +101,9 @@ class SpanRecorder:
     def wrap_generate(self, generate: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
         final = self.final
 
-        async def recording(prompt: Any, sampling_params: Any, request_id: str, *args: Any,
-                            **kwargs: Any) -> AsyncIterator[Any]:
+        async def recording(
+            prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
+        ) -> AsyncIterator[Any]:
             async for res in generate(prompt, sampling_params, request_id, *args, **kwargs):
                 for output in getattr(res, "outputs", None) or []:
                     if output.finish_reason is not None:
@@ -110,8 +112,12 @@ class SpanRecorder:
 
         return recording
 
-    def wrap_handler(self, generate: Callable[..., AsyncIterator[Any]], probe: Callable[[Any], bool],
-                     request_secret: str | None = None) -> Callable[..., AsyncIterator[Any]]:
+    def wrap_handler(
+        self,
+        generate: Callable[..., AsyncIterator[Any]],
+        probe: Callable[[Any], bool],
+        request_secret: str | None = None,
+    ) -> Callable[..., AsyncIterator[Any]]:
         """The handler's ``generate(request, context)`` behind the request-plane secret (with
         ``request_secret``: :func:`carries_secret`) and the gate; Dynamo's own health probe
         (``probe(request)``) passes both, or the worker would never report ready. The signature
@@ -129,12 +135,14 @@ class SpanRecorder:
 
         return gated
 
-    def wrap_tokens(self, generate_tokens: Callable[..., AsyncIterator[dict[str, Any]]]
-                    ) -> Callable[..., AsyncIterator[dict[str, Any]]]:
+    def wrap_tokens(
+        self, generate_tokens: Callable[..., AsyncIterator[dict[str, Any]]]
+    ) -> Callable[..., AsyncIterator[dict[str, Any]]]:
         final = self.final
 
-        async def stamping(prompt: Any, sampling_params: Any, request_id: str, *args: Any,
-                           **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
+        async def stamping(
+            prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
+        ) -> AsyncIterator[dict[str, Any]]:
             try:
                 async for out in generate_tokens(prompt, sampling_params, request_id, *args, **kwargs):
                     if isinstance(out, dict) and out.get("finish_reason") is not None:
@@ -152,8 +160,10 @@ class SpanRecorder:
 
 # -- the request plane's secret --------------------------------------------------------------------
 
-REFUSED = ("refused: the request carries no valid rollouts request secret (an nvext.annotations "
-           "entry only the stack's gateway sends); inference reaches this worker only through the gateway")
+REFUSED = (
+    "refused: the request carries no valid rollouts request secret (an nvext.annotations "
+    "entry only the stack's gateway sends); inference reaches this worker only through the gateway"
+)
 
 
 def carries_secret(request: Any, secret: str) -> bool:
@@ -181,14 +191,21 @@ def is_canary(request: Any, marked: Callable[[Any], bool]) -> bool:
     stop = request.get("stop_conditions")
     stop = stop if isinstance(stop, dict) else {}
     tokens = request.get("token_ids")
-    return (stop.get("max_tokens") == 1 and isinstance(tokens, list) and len(tokens) <= 1
-            and not request.get("prompt") and not request.get("messages"))
+    return (
+        stop.get("max_tokens") == 1
+        and isinstance(tokens, list)
+        and len(tokens) <= 1
+        and not request.get("prompt")
+        and not request.get("messages")
+    )
 
 
 # -- control routes -------------------------------------------------------------------------------
 
-def control_routes(engine: Any, endpoint: Any, secret: str, gate: Gate | None = None
-                   ) -> dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]]:
+
+def control_routes(
+    engine: Any, endpoint: Any, secret: str, gate: Gate | None = None
+) -> dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]]:
     """``name -> async handler(body) -> answer`` for :data:`ROUTES`: every engine's
     (`replica.engine.control`, over vLLM's ``engine``, an ``AsyncLLM``) and the worker's own over
     its Dynamo ``generate`` endpoint, each behind the engine's secret."""
@@ -220,8 +237,14 @@ def control_routes(engine: Any, endpoint: Any, secret: str, gate: Gate | None = 
             gate.open()
         return {"status": "open"}
 
-    handlers = {**engine_routes(engine), "leave": leave, "join": join, "instance": instance, "instances": instances,
-                "open": open_gate}
+    handlers = {
+        **engine_routes(engine),
+        "leave": leave,
+        "join": join,
+        "instance": instance,
+        "instances": instances,
+        "open": open_gate,
+    }
     return {name: needs_secret(answering(name, handlers[name]), secret) for name in ROUTES}
 
 
@@ -258,8 +281,7 @@ class GuardedRuntime:
         return getattr(self._runtime, name)
 
 
-def install(worker_factory: Any, secret: str, gated: bool = False, request_secret: str | None = None
-            ) -> SpanRecorder:
+def install(worker_factory: Any, secret: str, gated: bool = False, request_secret: str | None = None) -> SpanRecorder:
     """Hook Dynamo's ``WorkerFactory`` (``dynamo.vllm.worker_factory``) so that, when it registers
     a worker's engine routes, ours are registered too and the handler's outputs carry
     weight-version spans; ``gated``: requests wait at a closed gate until ``open``;
@@ -271,10 +293,12 @@ def install(worker_factory: Any, secret: str, gated: bool = False, request_secre
 
     def probe(request: Any) -> bool:
         return is_canary(request, is_probe)
+
     register = WorkerFactory.register_engine_routes
 
-    def register_engine_routes(self: Any, runtime: Any, generate_endpoint: Any, handler: Any, *args: Any,
-                               **kwargs: Any) -> None:
+    def register_engine_routes(
+        self: Any, runtime: Any, generate_endpoint: Any, handler: Any, *args: Any, **kwargs: Any
+    ) -> None:
         register(self, GuardedRuntime(runtime, secret), generate_endpoint, handler, *args, **kwargs)
         engine = handler.engine_client
         for name, route in control_routes(engine, generate_endpoint, secret, recorder.gate).items():

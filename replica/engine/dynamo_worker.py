@@ -22,12 +22,17 @@ if __name__ == "__main__":
     import replica.engine.dynamo_compat  # noqa: F401 - before any of Dynamo's modules
     import dynamo.vllm.main as worker_main
     from dynamo.vllm.worker_factory import WorkerFactory
+
     # isort: on
     from common import envs
     from replica.engine import dynamo_card, dynamo_routes
     from replica.engine.guard import read_secret_file
 
-    dynamo_routes.install(WorkerFactory, read_secret_file(), gated=envs.ROLLOUTS_GATED.get(),
-                          request_secret=read_secret_file(var=envs.ROLLOUTS_REQUEST_SECRET_FILE))
+    dynamo_routes.install(
+        WorkerFactory,
+        read_secret_file(),
+        gated=envs.ROLLOUTS_GATED.get(),
+        request_secret=read_secret_file(var=envs.ROLLOUTS_REQUEST_SECRET_FILE),
+    )
     dynamo_card.install(worker_main)
     worker_main.main()

@@ -97,8 +97,9 @@ def _weight_map(worker: Any) -> WeightMap:
             t0 = time.perf_counter()
             config = worker.model_config
             with Checkpoint(config.model) as checkpoint:  # each file opened once, read in file order
-                worker._rollouts_map = WeightMap.build(worker.model_runner.model, checkpoint.specs, checkpoint.read,
-                                                       getattr(config, "quantization", None))
+                worker._rollouts_map = WeightMap.build(
+                    worker.model_runner.model, checkpoint.specs, checkpoint.read, getattr(config, "quantization", None)
+                )
             worker._rollouts_map_build_s = round(time.perf_counter() - t0, 3)
         wmap: WeightMap = worker._rollouts_map
         return wmap
@@ -130,11 +131,21 @@ def _start_stage(worker: Any, fn: Callable[[], tuple[Stage, dict[str, Any]]]) ->
     return _jobs(worker).start("stage", run)
 
 
-def _joiner(worker: Any, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
-            external_store: bool) -> Callable[[], PeerGroup]:
+def _joiner(
+    worker: Any, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float, external_store: bool
+) -> Callable[[], PeerGroup]:
     device = getattr(worker, "device", None) if backend == "nccl" else None
-    return functools.partial(PeerGroup.create, host, port, rank, world_size, backend=backend, timeout_s=timeout_s,
-                             device=device, external_store=external_store)
+    return functools.partial(
+        PeerGroup.create,
+        host,
+        port,
+        rank,
+        world_size,
+        backend=backend,
+        timeout_s=timeout_s,
+        device=device,
+        external_store=external_store,
+    )
 
 
 def _rank(worker: Any) -> tuple[int, int]:
@@ -146,8 +157,10 @@ def _rank(worker: Any) -> tuple[int, int]:
 def _one_rank_only(worker: Any, what: str) -> None:
     rank, ranks = _rank(worker)
     if ranks > 1:
-        raise ValueError(f"{what} needs a tensor-parallel size of 1 (this engine runs {ranks} ranks, each holding "
-                         "a shard): its peers take the delta's files or read the bucket")
+        raise ValueError(
+            f"{what} needs a tensor-parallel size of 1 (this engine runs {ranks} ranks, each holding "
+            "a shard): its peers take the delta's files or read the bucket"
+        )
 
 
 class WeightLoaderExtension:
@@ -163,8 +176,14 @@ class WeightLoaderExtension:
     def weight_map(self) -> dict[str, Any]:
         wmap = _weight_map(self)
         refused = {n: e.refused for n, e in wmap.entries.items() if e.refused is not None}
-        return {"tensors": len(wmap.entries), "held": len(wmap.names()), "refused": dict(list(refused.items())[:16]),
-                "refused_count": len(refused), "build_s": self._rollouts_map_build_s, "elsewhere": wmap.elsewhere()}
+        return {
+            "tensors": len(wmap.entries),
+            "held": len(wmap.names()),
+            "refused": dict(list(refused.items())[:16]),
+            "refused_count": len(refused),
+            "build_s": self._rollouts_map_build_s,
+            "elsewhere": wmap.elsewhere(),
+        }
 
     def refuse_tensors(self, names: list[str], why: str) -> dict[str, Any]:
         _weight_map(self).refuse(names, why)
@@ -181,8 +200,14 @@ class WeightLoaderExtension:
 
     def engine_pid(self) -> dict[str, Any]:
         rank, ranks = _rank(self)
-        return {"pid": os.getpid(), "parent_pid": os.getppid(), "idle_spin_s": idle_spin_cap(),
-                "logprob_ranks_eager": logprob_ranks_eager(), "rank": rank, "ranks": ranks}
+        return {
+            "pid": os.getpid(),
+            "parent_pid": os.getppid(),
+            "idle_spin_s": idle_spin_cap(),
+            "logprob_ranks_eager": logprob_ranks_eager(),
+            "rank": rank,
+            "ranks": ranks,
+        }
 
     def weight_checksums(self, names: list[str] | None = None, algorithm: str = "adler32") -> dict[str, Any]:
         if algorithm not in ALGORITHMS:
@@ -200,8 +225,11 @@ class WeightLoaderExtension:
     def save_weights(self, names: list[str] | None, path: str) -> dict[str, Any]:
         tensors = _weight_map(self).select(names)
         save_tensors(tensors, path)
-        return {"saved": [n for n, _ in tensors], "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
-                "path": path}
+        return {
+            "saved": [n for n, _ in tensors],
+            "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+            "path": path,
+        }
 
     def weight_specs(self, names: list[str] | None = None) -> dict[str, Any]:
         wmap = _weight_map(self)
@@ -211,33 +239,64 @@ class WeightLoaderExtension:
     def job_status(self, kind: str | None = None) -> dict[str, Any]:
         return _jobs(self).status(kind)
 
-    def stage_from_files(self, label: str, paths: list[str], names: list[str] | None = None,
-                         expected_adler32: dict[str, str] | None = None) -> dict[str, Any]:
+    def stage_from_files(
+        self,
+        label: str,
+        paths: list[str],
+        names: list[str] | None = None,
+        expected_adler32: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
         wmap = _weight_map(self)
         return _start_stage(self, lambda: updates.stage_from_files(wmap, label, paths, names, expected_adler32))
 
     def stage_from_arena(
-        self, label: str, path: str, entries: list[list[Any]], expected_adler32: dict[str, str],
-        verify: bool = True, backup_path: str | None = None, backup_offsets: dict[str, int] | None = None,
+        self,
+        label: str,
+        path: str,
+        entries: list[list[Any]],
+        expected_adler32: dict[str, str],
+        verify: bool = True,
+        backup_path: str | None = None,
+        backup_offsets: dict[str, int] | None = None,
     ) -> dict[str, Any]:
         wmap = _weight_map(self)
-        return _start_stage(self, lambda: updates.stage_from_arena(wmap, label, path, entries, expected_adler32,
-                                                                   verify, backup_path, backup_offsets))
+        return _start_stage(
+            self,
+            lambda: updates.stage_from_arena(
+                wmap, label, path, entries, expected_adler32, verify, backup_path, backup_offsets
+            ),
+        )
 
     def peer_stage_receive(
-        self, label: str, host: str, port: int, rank: int, world_size: int, specs: list[list[Any]],
-        expected_adler32: dict[str, str] | None = None, save_path: str | None = None,
-        backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
+        self,
+        label: str,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        specs: list[list[Any]],
+        expected_adler32: dict[str, str] | None = None,
+        save_path: str | None = None,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        external_store: bool = False,
     ) -> dict[str, Any]:
         _one_rank_only(self, "receiving a stage from a peer engine")
         wmap = _weight_map(self)
         join = _joiner(self, host, port, rank, world_size, backend, timeout_s, external_store)
-        return _start_stage(self, lambda: updates.stage_from_peer(wmap, label, join, specs, expected_adler32,
-                                                                  save_path))
+        return _start_stage(
+            self, lambda: updates.stage_from_peer(wmap, label, join, specs, expected_adler32, save_path)
+        )
 
     def peer_stage_send(
-        self, host: str, port: int, world_size: int, names: list[str] | None = None,
-        backend: str = "gloo", timeout_s: float = 300.0, external_store: bool = False,
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        names: list[str] | None = None,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        external_store: bool = False,
     ) -> dict[str, Any]:
         _one_rank_only(self, "sending this engine's tensors to peers")
         wmap = _weight_map(self)
@@ -245,8 +304,14 @@ class WeightLoaderExtension:
         return _jobs(self).start("send", lambda: updates.send_views(wmap, names, join))
 
     def peer_send_files(
-        self, host: str, port: int, world_size: int, paths: list[str], backend: str = "gloo",
-        timeout_s: float = 300.0, external_store: bool = False,
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        paths: list[str],
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        external_store: bool = False,
     ) -> dict[str, Any]:
         # Beside a stage job (files, not weights): the early offer's sender stages the same update.
         if _rank(self)[0]:  # files are the agent's: one rank of the engine moves them
@@ -255,8 +320,16 @@ class WeightLoaderExtension:
         return _jobs(self).start("send", lambda: updates.send_files(paths, join), beside=True)
 
     def peer_receive_files(
-        self, host: str, port: int, rank: int, world_size: int, specs: list[list[Any]],
-        expected_adler32: dict[str, str], out_dir: str, backend: str = "gloo", timeout_s: float = 300.0,
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        specs: list[list[Any]],
+        expected_adler32: dict[str, str],
+        out_dir: str,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
         external_store: bool = False,
     ) -> dict[str, Any]:
         for spec in specs:

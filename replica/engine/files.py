@@ -106,8 +106,9 @@ def _header_specs(path: str) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         except ValueError as exc:
             raise ValueError(f"{path}: not a safetensors file ({exc})") from None
     out = []
-    for key, info in sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
-                            key=lambda kv: kv[1]["data_offsets"][0]):
+    for key, info in sorted(
+        ((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0]
+    ):
         try:
             dtype = dtype_from_str(info["dtype"])
         except ValueError as exc:

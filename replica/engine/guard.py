@@ -55,12 +55,14 @@ from replica.engine_routes import ENGINE_ROUTES, VLLM_PREFIX
 OPEN_ROUTES: frozenset[tuple[str, str]] = frozenset({("GET", "/health")})
 
 # Inference (the gateway, from any host) and what serves it.
-INFERENCE_ROUTES: frozenset[tuple[str, str]] = frozenset({
-    ("GET", "/v1/models"),
-    ("POST", "/v1/completions"),
-    ("POST", "/v1/chat/completions"),
-    ("GET", "/metrics"),
-})
+INFERENCE_ROUTES: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/metrics"),
+    }
+)
 
 # Control (the replica agent on the engine's own host: replica/agent/engine_rpc.py).
 CONTROL_ROUTES: frozenset[tuple[str, str]] = frozenset(("POST", VLLM_PREFIX + name) for name in ENGINE_ROUTES)
@@ -102,8 +104,9 @@ class EngineSecretError(RuntimeError):
     """The engine's secret is missing or stored unsafely; the engine must not start."""
 
 
-def read_secret_file(path: str | os.PathLike[str] | None = None,
-                     var: envs.Var[str | None] = envs.ROLLOUTS_ENGINE_SECRET_FILE) -> str:
+def read_secret_file(
+    path: str | os.PathLike[str] | None = None, var: envs.Var[str | None] = envs.ROLLOUTS_ENGINE_SECRET_FILE
+) -> str:
     """The secret in ``path`` (default: the file the environment variable ``var`` names, the
     engine's secret unless told otherwise), stripped.
 
@@ -130,10 +133,14 @@ def read_secret_file(path: str | os.PathLike[str] | None = None,
 class EngineGuard:
     """ASGI middleware: the client's host for control routes, the secret, the route list (module docstring)."""
 
-    def __init__(self, app: ASGIApp, secret: str,
-                 allowed: frozenset[tuple[str, str]] = ALLOWED_ROUTES,
-                 open_routes: frozenset[tuple[str, str]] = OPEN_ROUTES,
-                 local_only: frozenset[tuple[str, str]] = CONTROL_ROUTES) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        secret: str,
+        allowed: frozenset[tuple[str, str]] = ALLOWED_ROUTES,
+        open_routes: frozenset[tuple[str, str]] = OPEN_ROUTES,
+        local_only: frozenset[tuple[str, str]] = CONTROL_ROUTES,
+    ) -> None:
         if not secret:
             raise EngineSecretError("EngineGuard needs a non-empty secret")
         self.app = app
@@ -157,17 +164,29 @@ class EngineGuard:
             return
         if route in self.local_only and not is_local_client(scope):
             client = scope.get("client")
-            await _refuse(send, 403, "permission_denied", f"{route[0]} {route[1]} from "
-                          f"{client[0] if client else 'an unknown client'}: {NOT_LOCAL}")
+            await _refuse(
+                send,
+                403,
+                "permission_denied",
+                f"{route[0]} {route[1]} from {client[0] if client else 'an unknown client'}: {NOT_LOCAL}",
+            )
             return
         given = next((v for k, v in scope.get("headers") or () if k.lower() == self._header), None)
         if given is None:
-            await _refuse(send, 401, "unauthenticated", f"missing {ENGINE_SECRET_HEADER} header: this engine "
-                          "answers only its replica agent and the gateway")
+            await _refuse(
+                send,
+                401,
+                "unauthenticated",
+                f"missing {ENGINE_SECRET_HEADER} header: this engine answers only its replica agent and the gateway",
+            )
             return
         if not hmac.compare_digest(given, self._secret):
-            await _refuse(send, 401, "unauthenticated", f"wrong {ENGINE_SECRET_HEADER}: this engine answers "
-                          "only its replica agent and the gateway")
+            await _refuse(
+                send,
+                401,
+                "unauthenticated",
+                f"wrong {ENGINE_SECRET_HEADER}: this engine answers only its replica agent and the gateway",
+            )
             return
         if route not in self.allowed:
             await _refuse(send, 403, "permission_denied", f"{route[0]} {route[1]} is off on rollouts engines")
@@ -177,6 +196,11 @@ class EngineGuard:
 
 async def _refuse(send: Send, status: int, kind: str, message: str) -> None:
     body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

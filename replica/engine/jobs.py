@@ -29,9 +29,7 @@ _SEQ = iter(range(1, 1 << 62))
 
 def result_path(kind: str) -> str:
     """A fresh result file for a ``kind`` job (``ROLLOUTS_JOB_DIR``, else a per-process temp dir)."""
-    directory = envs.ROLLOUTS_JOB_DIR.get() or os.path.join(
-        tempfile.gettempdir(), f"rollouts-jobs-{os.getpid()}"
-    )
+    directory = envs.ROLLOUTS_JOB_DIR.get() or os.path.join(tempfile.gettempdir(), f"rollouts-jobs-{os.getpid()}")
     os.makedirs(directory, exist_ok=True)
     return os.path.join(directory, f"{next(_SEQ)}-{kind}.json")
 

@@ -140,8 +140,9 @@ class _Observer(TorchDispatchMode):
     of (keyed by storage); anything else writing a parameter is a problem of the tensor being
     loaded (the last one the loader took from the batch, :meth:`begin`)."""
 
-    def __init__(self, params: dict[int, tuple[str, int]], probes: dict[int, TensorMap],
-                 dtypes: dict[int, torch.dtype]) -> None:
+    def __init__(
+        self, params: dict[int, tuple[str, int]], probes: dict[int, TensorMap], dtypes: dict[int, torch.dtype]
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.params = params  # storage key -> (parameter name, its storage offset)
         self.probes = probes  # a probe's storage key -> its tensor's map
@@ -173,8 +174,9 @@ class _Observer(TorchDispatchMode):
         else:
             self.current.problems.append(text)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         written = _written(func, args, kwargs)
         owned = [self.params[_storage_key(t)] for t in written if _storage_key(t) in self.params]
@@ -258,16 +260,18 @@ def observe(model: torch.nn.Module, specs: Iterable[Spec]) -> dict[str, TensorMa
     return out
 
 
-def _observe_batch(model: torch.nn.Module, params: dict[int, tuple[str, int]],
-                   batch: list[Spec], missed: list[int]) -> dict[str, TensorMap] | None:
+def _observe_batch(
+    model: torch.nn.Module, params: dict[int, tuple[str, int]], batch: list[Spec], missed: list[int]
+) -> dict[str, TensorMap] | None:
     """The maps of ``batch``'s tensors from one ``load_weights`` call; None when the batch has
     more than one tensor and any map has a problem or the loader raised, did not take the batch
     one tensor at a time, or left some untaken (observe them in smaller batches)."""
     maps = {name: TensorMap(name) for name, _, _ in batch}
     # never written: their pages are never touched; kept alive, so no two share a storage
     probes = [(name, torch.empty(shape, dtype=dtype)) for name, shape, dtype in batch]
-    observer = _Observer(params, {_storage_key(p): maps[n] for n, p in probes},
-                         {_storage_key(p): p.dtype for _, p in probes})
+    observer = _Observer(
+        params, {_storage_key(p): maps[n] for n, p in probes}, {_storage_key(p): p.dtype for _, p in probes}
+    )
     taken: list[str] = []
     missed.clear()
 

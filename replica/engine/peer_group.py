@@ -79,7 +79,13 @@ def gloo_options(timeout: Any, device_host: str | None = None) -> Any:
 
 
 def stateless_group(
-    host: str, port: int, rank: int, world_size: int, backend: str, timeout: Any, external_store: bool = False,
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: Any,
+    external_store: bool = False,
     device_host: str | None = None,
 ) -> Any:
     """A gloo or NCCL process group of ``world_size`` members that meet at ``host:port`` (rank
@@ -149,8 +155,16 @@ class PeerGroup:
             torch.cuda.set_device(dev)
         else:
             dev = torch.device("cpu")
-        group = stateless_group(host, int(port), int(rank), int(world_size), backend, timedelta(seconds=timeout_s),
-                                external_store, device_host)
+        group = stateless_group(
+            host,
+            int(port),
+            int(rank),
+            int(world_size),
+            backend,
+            timedelta(seconds=timeout_s),
+            external_store,
+            device_host,
+        )
         return cls(backend, int(rank), int(world_size), group, dev)
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
@@ -235,5 +249,3 @@ class PeerGroup:
                 out.append((name, buf[off : off + sizes[i]].view(dtype).reshape(shape)))
                 off += sizes[i]
         return out
-
-

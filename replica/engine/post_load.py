@@ -61,8 +61,11 @@ def install() -> None:
         for module in model.modules():
             if any(k.startswith(_OURS) for k in module.__dict__):
                 continue  # a layer `cpu_moe` keeps and re-packs itself
-            kept = {n: t for n, t in before.get(id(module), {}).items()
-                    if (p := module._parameters.get(n)) is None or not _same(p.data, t)}
+            kept = {
+                n: t
+                for n, t in before.get(id(module), {}).items()
+                if (p := module._parameters.get(n)) is None or not _same(p.data, t)
+            }
             if kept:
                 module.__dict__[_LOADED] = kept
 
@@ -72,8 +75,13 @@ def install() -> None:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype and a.device == b.device)
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
 
 def loaded(module: torch.nn.Module) -> dict[str, torch.Tensor]:

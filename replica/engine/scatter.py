@@ -94,10 +94,14 @@ class Plan:
         return [s for items in self.sparse.values() for s in items] + self.batched
 
     def report(self) -> dict[str, int]:
-        return {"changed_bytes": self.changed_bytes, "staged_bytes": self.staged_bytes,
-                "pause_bytes": self.pause_bytes, "device_staged_bytes": self.device_staged_bytes,
-                "pinned_staged_bytes": self.pinned_staged_bytes,
-                "sparse_tensors": len(self.sparse) + len(self.batched_names)}
+        return {
+            "changed_bytes": self.changed_bytes,
+            "staged_bytes": self.staged_bytes,
+            "pause_bytes": self.pause_bytes,
+            "device_staged_bytes": self.device_staged_bytes,
+            "pinned_staged_bytes": self.pinned_staged_bytes,
+            "sparse_tensors": len(self.sparse) + len(self.batched_names),
+        }
 
 
 def flat(target: torch.Tensor) -> torch.Tensor:
@@ -129,8 +133,13 @@ def _scatter(wmap: WeightMap, ld: Landing, new: torch.Tensor, mask: torch.Tensor
     return Scatter(ld.param, offsets, values, space[offsets].clone())
 
 
-def plan(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]], backup: dict[str, torch.Tensor] | None,
-         budget: int | None = None, pinned_budget: int | None = None) -> Plan:
+def plan(
+    wmap: WeightMap,
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    backup: dict[str, torch.Tensor] | None,
+    budget: int | None = None,
+    pinned_budget: int | None = None,
+) -> Plan:
     """Decide, tensor by tensor, how the swap writes ``tensors`` (module docstring). ``backup``:
     what the engine serves now for each, in the checkpoint's layout (at least the regions this
     rank holds); None: every tensor goes whole. Tensors landing whole in one dense region of a
@@ -151,8 +160,9 @@ def plan(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]], backup: d
     return out
 
 
-def _plan_one(wmap: WeightMap, name: str, t: torch.Tensor, previous: torch.Tensor, out: Plan, budget: int,
-              pinned_budget: int) -> None:
+def _plan_one(
+    wmap: WeightMap, name: str, t: torch.Tensor, previous: torch.Tensor, out: Plan, budget: int, pinned_budget: int
+) -> None:
     """Plan one tensor by its own landings (a tensor in several regions or parameters)."""
     new, old = t.contiguous(), previous.contiguous()
     landings = wmap.entry(name).landings
@@ -175,8 +185,14 @@ def _plan_one(wmap: WeightMap, name: str, t: torch.Tensor, previous: torch.Tenso
         _dense(wmap, name, t, out, budget, pinned_budget)
 
 
-def _plan_batches(wmap: WeightMap, tensors: list[tuple[str, torch.Tensor]], backup: dict[str, torch.Tensor],
-                  out: Plan, budget: int, pinned_budget: int) -> list[tuple[str, torch.Tensor]]:
+def _plan_batches(
+    wmap: WeightMap,
+    tensors: list[tuple[str, torch.Tensor]],
+    backup: dict[str, torch.Tensor],
+    out: Plan,
+    budget: int,
+    pinned_budget: int,
+) -> list[tuple[str, torch.Tensor]]:
     """Plan the tensors that land whole in one dense region (`WeightMap.dense_landing`) a
     parameter at a time: their new and old bytes compared in one operation per chunk of
     ``BATCH_BYTES``, each tensor then decided as :func:`_plan_one` decides it (scattered when
@@ -212,8 +228,15 @@ def _chunks(members: list[tuple[str, torch.Tensor, Landing]]) -> Iterator[list[t
         yield chunk
 
 
-def _plan_chunk(wmap: WeightMap, param: str, chunk: list[tuple[str, torch.Tensor, Landing]],
-                backup: dict[str, torch.Tensor], out: Plan, budget: int, pinned_budget: int) -> None:
+def _plan_chunk(
+    wmap: WeightMap,
+    param: str,
+    chunk: list[tuple[str, torch.Tensor, Landing]],
+    backup: dict[str, torch.Tensor],
+    out: Plan,
+    budget: int,
+    pinned_budget: int,
+) -> None:
     """:func:`_plan_batches` for one chunk of tensors landing in ``param``: one comparison of
     their bytes, then only the changed elements are handled (their tensor, the counts)."""
     target = wmap.target(param)

@@ -46,8 +46,9 @@ def weight_spans(output: Any) -> list[dict[str, Any]] | None:
     return [{"version": s.version, "start": s.start, "end": s.end} for s in spans]
 
 
-async def _recording(results: AsyncIterator[Any], spans: dict[int, Any],
-                     index_of: Callable[[Any, Any], int]) -> AsyncIterator[Any]:
+async def _recording(
+    results: AsyncIterator[Any], spans: dict[int, Any], index_of: Callable[[Any, Any], int]
+) -> AsyncIterator[Any]:
     # Records a choice's spans as its final output passes, before the server formats that output.
     async for item in results:
         res = item[1] if isinstance(item, tuple) else item
@@ -61,7 +62,7 @@ def _stamp(event: str, spans: dict[int, Any]) -> str:
     if not event.startswith("data: ") or '"finish_reason"' not in event:
         return event
     try:
-        chunk = json.loads(event[len("data: "):])
+        chunk = json.loads(event[len("data: ") :])
     except ValueError:
         return event
     choices = chunk.get("choices") if isinstance(chunk, dict) else None
@@ -82,8 +83,9 @@ def patch() -> None:
     chat_stream = OpenAIServingChat.chat_completion_stream_generator
     chat_full = OpenAIServingChat.chat_completion_full_generator
 
-    async def completion_stream_generator(self: Any, request: Any, engine_inputs: Any, result_generator: Any,
-                                          *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    async def completion_stream_generator(
+        self: Any, request: Any, engine_inputs: Any, result_generator: Any, *args: Any, **kwargs: Any
+    ) -> AsyncIterator[Any]:
         n = request.n or 1
         spans: dict[int, Any] = {}
         results = _recording(result_generator, spans, lambda item, out: out.index + item[0] * n)
@@ -98,15 +100,17 @@ def patch() -> None:
             choice.weight_versions = weight_spans(output)  # type: ignore[attr-defined]  # an extra field: vLLM's models allow them
         return response
 
-    async def chat_completion_stream_generator(self: Any, request: Any, result_generator: Any, *args: Any,
-                                               **kwargs: Any) -> AsyncIterator[Any]:
+    async def chat_completion_stream_generator(
+        self: Any, request: Any, result_generator: Any, *args: Any, **kwargs: Any
+    ) -> AsyncIterator[Any]:
         spans: dict[int, Any] = {}
         results = _recording(result_generator, spans, lambda item, out: out.index)
         async for event in chat_stream(self, request, results, *args, **kwargs):
             yield _stamp(event, spans)
 
-    async def chat_completion_full_generator(self: Any, request: Any, result_generator: Any, *args: Any,
-                                             **kwargs: Any) -> Any:
+    async def chat_completion_full_generator(
+        self: Any, request: Any, result_generator: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         spans: dict[int, Any] = {}
         results = _recording(result_generator, spans, lambda item, out: out.index)
         response = await chat_full(self, request, results, *args, **kwargs)

@@ -44,8 +44,9 @@ def map_shared(path: str) -> torch.Tensor:
     return memory
 
 
-def view_at(memory: torch.Tensor, name: str, offset: int, dtype: torch.dtype, shape: tuple[int, ...],
-            where: str) -> torch.Tensor:
+def view_at(
+    memory: torch.Tensor, name: str, offset: int, dtype: torch.dtype, shape: tuple[int, ...], where: str
+) -> torch.Tensor:
     """``name``'s bytes at ``offset`` of a mapped file (``where``: what it holds) as a tensor;
     ValueError naming the tensor if they do not lie inside it."""
     size = nbytes(dtype, shape)

@@ -61,8 +61,14 @@ class SwapRequest:
         if not isinstance(ranks, int) or ranks < 1:
             raise ValueError("'ranks' must be a positive integer")
         expected = body.get("expected")
-        return cls(label, previous, bool(body.get("clear_cache", False)),
-                   None if expected is None else int(expected), ranks, bool(body.get("hold", False)))
+        return cls(
+            label,
+            previous,
+            bool(body.get("clear_cache", False)),
+            None if expected is None else int(expected),
+            ranks,
+            bool(body.get("hold", False)),
+        )
 
 
 class _Laps:
@@ -96,8 +102,9 @@ async def swap_in_pause(engine: Any, request: SwapRequest, after_write: Sequence
             if result.get("read_back_failed"):  # every rank rolled its tensors back, or does now
                 await _roll_back(engine, request.previous, discard=request.ranks > 1)
             elif request.expected is not None and int(result.get("verified", -1)) != request.expected:
-                raise RuntimeError(f"the engine proved {result.get('verified')} of {request.expected} "
-                                   f"swapped tensor(s)")
+                raise RuntimeError(
+                    f"the engine proved {result.get('verified')} of {request.expected} swapped tensor(s)"
+                )
         except BaseException:
             await _roll_back(engine, request.previous, discard=True)
             raise

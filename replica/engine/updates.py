@@ -39,8 +39,9 @@ def _size(tensors: list[tuple[str, torch.Tensor]]) -> int:
     return sum(t.nbytes for _, t in tensors)
 
 
-def stage_from_files(wmap: WeightMap, label: str, paths: list[str], names: list[str] | None,
-                     expected: dict[str, str] | None) -> tuple[stages.Stage, dict[str, Any]]:
+def stage_from_files(
+    wmap: WeightMap, label: str, paths: list[str], names: list[str] | None, expected: dict[str, str] | None
+) -> tuple[stages.Stage, dict[str, Any]]:
     tensors = read_safetensors(paths, names)
     check_expected(tensors, expected)
     stage = stages.take(wmap, label, tensors, expected_adler32=expected, checked=True)
@@ -48,8 +49,14 @@ def stage_from_files(wmap: WeightMap, label: str, paths: list[str], names: list[
 
 
 def stage_from_arena(
-    wmap: WeightMap, label: str, path: str, entries: list[list[Any]], expected: dict[str, str],
-    verify: bool, backup_path: str | None, backup_offsets: dict[str, int] | None,
+    wmap: WeightMap,
+    label: str,
+    path: str,
+    entries: list[list[Any]],
+    expected: dict[str, str],
+    verify: bool,
+    backup_path: str | None,
+    backup_offsets: dict[str, int] | None,
 ) -> tuple[stages.Stage, dict[str, Any]]:
     """``entries`` are ``[name, dtype, shape, byte offset]`` in the file at ``path``; every one
     needs an expected Adler-32. ``backup_path`` + ``backup_offsets`` (name -> offset): where the
@@ -80,14 +87,26 @@ def stage_from_arena(
     # A delta's tensors: the swap writes only the elements it changes (`scatter`).
     stage = stages.take(wmap, label, tensors, backup, expected, checked=verify, sparse=True)
     t4 = time.perf_counter()
-    return stage, {"staged": label, "tensors": len(tensors), "bytes": _size(tensors),
-                   "map_s": round(t1 - t0, 6), "check_s": round(t2 - t1, 6),
-                   "backup_s": round(t3 - t2, 6), "plan_s": round(t4 - t3, 6),
-                   "backup": "host copy" if backup_path is not None else "copied"}
+    return stage, {
+        "staged": label,
+        "tensors": len(tensors),
+        "bytes": _size(tensors),
+        "map_s": round(t1 - t0, 6),
+        "check_s": round(t2 - t1, 6),
+        "backup_s": round(t3 - t2, 6),
+        "plan_s": round(t4 - t3, 6),
+        "backup": "host copy" if backup_path is not None else "copied",
+    }
 
 
-def stage_from_peer(wmap: WeightMap, label: str, join: Join, specs: list[list[Any]],
-                    expected: dict[str, str] | None, save_path: str | None) -> tuple[stages.Stage, dict[str, Any]]:
+def stage_from_peer(
+    wmap: WeightMap,
+    label: str,
+    join: Join,
+    specs: list[list[Any]],
+    expected: dict[str, str] | None,
+    save_path: str | None,
+) -> tuple[stages.Stage, dict[str, Any]]:
     wanted = normalize_specs(specs)
     group = join()
     try:
@@ -153,8 +172,12 @@ def receive_files(specs: list[list[Any]], expected: dict[str, str], out_dir: str
     received = [(n, t.to("cpu")) for n, t in received]
     check_expected(received, expected)
     write_files(received, out_dir)
-    return {"files": len(received), "bytes": sum(t.numel() for _, t in received),
-            "join_s": round(t1 - t0, 6), "transfer_s": round(t2 - t1, 6)}
+    return {
+        "files": len(received),
+        "bytes": sum(t.numel() for _, t in received),
+        "join_s": round(t1 - t0, 6),
+        "transfer_s": round(t2 - t1, 6),
+    }
 
 
 def split_sliced(wmap: WeightMap, names: list[str] | None) -> tuple[list[str], list[str]]:
@@ -178,5 +201,7 @@ def served_checksums(wmap: WeightMap, names: list[str] | None) -> dict[str, Any]
     # zlib releases the GIL on large buffers: a few threads read the weights in parallel.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         digests = list(pool.map(lambda nt: adler32_hex(nt[1]), views))
-    return {"checksums": {n: d for (n, _), d in zip(views, digests)},
-            "regions": {n: region_digests(wmap, n) for n in sliced}}
+    return {
+        "checksums": {n: d for (n, _), d in zip(views, digests)},
+        "regions": {n: region_digests(wmap, n) for n in sliced},
+    }

@@ -54,8 +54,11 @@ Spec = tuple[str, tuple[int, ...], torch.dtype]
 HostSlices = tuple[memoryview, list[tuple[str, int, int]]]  # a host parameter's bytes, (name, first, end) slices
 # Conversions vLLM's loader makes that lose nothing (a copy_ into a wider float parameter).
 LOSSLESS = {
-    (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-    (torch.bfloat16, torch.float64), (torch.float16, torch.float64), (torch.float32, torch.float64),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float64),
+    (torch.float16, torch.float64),
+    (torch.float32, torch.float64),
 }
 
 
@@ -110,7 +113,8 @@ class WeightMap:
         self.modules = dict(model.named_modules())
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.covered = {ld.param for e in entries.values() for ld in e.landings} | {
-            p for e in entries.values() for p in e.computed_into}
+            p for e in entries.values() for p in e.computed_into
+        }
         # Computed tensors' checkpoint-layout shadows, by the parameter name their landing uses.
         self.shadows: dict[str, torch.Tensor] = {}
         self.dependents = post_load.dependents(model) if post_load.processed(model) else {}
@@ -119,15 +123,22 @@ class WeightMap:
     # -- building -------------------------------------------------------------------------
 
     @classmethod
-    def build(cls, model: torch.nn.Module, specs: Iterable[Spec], read: Callable[[str], torch.Tensor],
-              quantization: str | None = None) -> WeightMap:
+    def build(
+        cls,
+        model: torch.nn.Module,
+        specs: Iterable[Spec],
+        read: Callable[[str], torch.Tensor],
+        quantization: str | None = None,
+    ) -> WeightMap:
         """The map of ``model`` (just loaded from the checkpoint whose tensors ``specs`` lists and
         ``read(name)`` returns). Run it where no forward pass runs at the same time (an engine's
         RPC): while vLLM's loader is observed, MoE layers hold their loader-layout copies."""
         specs = list(specs)
         if quantization:
-            why = (f"the engine runs a {quantization}-quantized checkpoint: rollouts hot-loads "
-                   "BF16, FP16 and FP32 checkpoints only")
+            why = (
+                f"the engine runs a {quantization}-quantized checkpoint: rollouts hot-loads "
+                "BF16, FP16 and FP32 checkpoints only"
+            )
             return cls(model, {n: Entry(n, tuple(s), d, refused=why) for n, s, d in specs})
         with loader_layout(model):
             maps = observe(model, specs)
@@ -135,8 +146,14 @@ class WeightMap:
         entries: dict[str, Entry] = {}
         for name, shape, dtype in specs:
             tmap = maps[name]
-            entries[name] = Entry(name, tuple(shape), dtype, tmap.landings, cls._why_refused(params, tmap, dtype),
-                                  elsewhere=tmap.elsewhere)
+            entries[name] = Entry(
+                name,
+                tuple(shape),
+                dtype,
+                tmap.landings,
+                cls._why_refused(params, tmap, dtype),
+                elsewhere=tmap.elsewhere,
+            )
         wmap = cls(model, entries)
         if post_load.processed(model):
             wmap._shadow_computed(maps, read)
@@ -381,8 +398,9 @@ class WeightMap:
     def _replayed(self, names: Iterable[str]) -> list[torch.nn.Module]:
         """Of the layers ``names`` land in, those whose tensors vLLM computes after its loader's
         copies: a loader-layout tensor kept by `post_load`, or a computed tensor landing there."""
-        computed = {id(m) for m in self.layers(n for n, e in self.entries.items()
-                                                if e.computed_into and e.refused is None)}
+        computed = {
+            id(m) for m in self.layers(n for n, e in self.entries.items() if e.computed_into and e.refused is None)
+        }
         return [m for m in self.layers(names) if post_load.loaded(m) or id(m) in computed]
 
     def _unit(self, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -396,8 +414,11 @@ class WeightMap:
         """What ``layers`` hold once vLLM loads every computed tensor landing in them from its
         shadow and processes them (`post_load.derive`)."""
         ids = {id(m) for m in layers}
-        computed = [(n, self.shadows[e.landings[0].param]) for n, e in self.entries.items()
-                    if e.computed_into and e.refused is None and any(id(m) in ids for m in self.layers([n]))]
+        computed = [
+            (n, self.shadows[e.landings[0].param])
+            for n, e in self.entries.items()
+            if e.computed_into and e.refused is None and any(id(m) in ids for m in self.layers([n]))
+        ]
         return post_load.derive(self.model, layers, computed)
 
     def replay(self, names: Iterable[str]) -> None:

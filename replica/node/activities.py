@@ -63,20 +63,36 @@ class NodeActivities:
 
     def _argv(self, inp: StartReplicasInput, name: str) -> list[str]:
         argv = [
-            sys.executable, "-m", "workers.cli", "replica",
-            "--home", str(self.node.home),
-            "--deployment", inp.deployment_id,
-            "--name", name,
-            "--workflow-id", inp.deployment_workflow_id,
-            "--zone", inp.zone,
-            "--model-bucket", inp.model.bucket,
-            "--model-path", inp.model.path,
-            "--model-name", inp.model.name,
-            "--engine", inp.engine,
-            "--engine-config", json.dumps(inp.engine_config),
-            "--node", self.node.name,
-            "--node-address", self.node.address,
-            "--engine-bind", self.node.engine_bind,
+            sys.executable,
+            "-m",
+            "workers.cli",
+            "replica",
+            "--home",
+            str(self.node.home),
+            "--deployment",
+            inp.deployment_id,
+            "--name",
+            name,
+            "--workflow-id",
+            inp.deployment_workflow_id,
+            "--zone",
+            inp.zone,
+            "--model-bucket",
+            inp.model.bucket,
+            "--model-path",
+            inp.model.path,
+            "--model-name",
+            inp.model.name,
+            "--engine",
+            inp.engine,
+            "--engine-config",
+            json.dumps(inp.engine_config),
+            "--node",
+            self.node.name,
+            "--node-address",
+            self.node.address,
+            "--engine-bind",
+            self.node.engine_bind,
         ]
         if inp.target_chain and inp.hot_load_config:
             catch_up = ApplySnapshotInput(
@@ -107,18 +123,25 @@ class NodeActivities:
             placement = inp.placements.get(name)
             if placement is not None and placement.devices:
                 env["CUDA_VISIBLE_DEVICES"] = visible_devices(placement.devices)
-            pid = spawn(self._argv(inp, name), log_path=workdir / "replica.log", pid_file=pid_file, env=env,
-                        workflow_id=inp.deployment_workflow_id)
-            activity.logger.info("started replica %s of %s (pid %d) on %s", name, inp.deployment_id, pid,
-                                 self.node.name)
+            pid = spawn(
+                self._argv(inp, name),
+                log_path=workdir / "replica.log",
+                pid_file=pid_file,
+                env=env,
+                workflow_id=inp.deployment_workflow_id,
+            )
+            activity.logger.info(
+                "started replica %s of %s (pid %d) on %s", name, inp.deployment_id, pid, self.node.name
+            )
             started.append(name)
         return started
 
     @activity.defn(name=names.STOP_REPLICAS)
     def stop_replicas(self, inp: StopReplicasInput) -> int:
         # All at once: each agent stops its engine in parallel with the others.
-        pid_files = [PidFile(replica_dir(self.node.home, inp.deployment_id, name) / "replica.pid")
-                     for name in inp.names]
+        pid_files = [
+            PidFile(replica_dir(self.node.home, inp.deployment_id, name) / "replica.pid") for name in inp.names
+        ]
         pids = [pid for pf in pid_files if (pid := pf.alive_pid()) is not None]
         stopped = stop_pids(pids, timeout=30, waiting=lambda: activity.heartbeat(len(pids)))
         for pf in pid_files:

@@ -62,9 +62,17 @@ class NodeAgent:
     def heartbeat(self) -> NodeHeartbeat:
         free, total = shm_bytes()
         return NodeHeartbeat(
-            name=self.node.name, address=self.node.address, zone=self.node.zone, gpus=self.gpus,
-            slots=self.slots, max_replicas=self.max_replicas, shm_free_bytes=free, shm_total_bytes=total,
-            replicas=sorted(self._running_keys()), agent_pid=os.getpid(), started_at=self.started_at,
+            name=self.node.name,
+            address=self.node.address,
+            zone=self.node.zone,
+            gpus=self.gpus,
+            slots=self.slots,
+            max_replicas=self.max_replicas,
+            shm_free_bytes=free,
+            shm_total_bytes=total,
+            replicas=sorted(self._running_keys()),
+            agent_pid=os.getpid(),
+            started_at=self.started_at,
         )
 
     async def report(self) -> None:
@@ -134,7 +142,14 @@ async def run_node(settings: Settings, node: NodeIdentity, gpus: int, slots: int
             ready = node.home / "run" / "node.ready"
             ready.parent.mkdir(parents=True, exist_ok=True)
             ready.write_text(f"{node.name}\n")
-            log.info("node %s (%s, zone %s, %d GPU(s), %d slot(s)) polling %s", node.name, node.address, node.zone,
-                     gpus, slots, names.node_task_queue(node.name))
+            log.info(
+                "node %s (%s, zone %s, %d GPU(s), %d slot(s)) polling %s",
+                node.name,
+                node.address,
+                node.zone,
+                gpus,
+                slots,
+                names.node_task_queue(node.name),
+            )
             await agent.report_forever(stop)
     return 0

@@ -45,8 +45,18 @@ class Running:
 
 
 class SimulatedNode:
-    def __init__(self, client: Client, *, name: str, address: str, zone: str, slots: int, behaviour: Behaviour,
-                 s3: Any, gpus: int = 0) -> None:
+    def __init__(
+        self,
+        client: Client,
+        *,
+        name: str,
+        address: str,
+        zone: str,
+        slots: int,
+        behaviour: Behaviour,
+        s3: Any,
+        gpus: int = 0,
+    ) -> None:
         self.client = client
         self.name, self.address, self.zone, self.slots, self.gpus = name, address, zone, slots, gpus
         self.behaviour = behaviour
@@ -56,15 +66,25 @@ class SimulatedNode:
 
     def heartbeat(self) -> NodeHeartbeat:
         return NodeHeartbeat(
-            name=self.name, address=self.address, zone=self.zone, slots=self.slots, gpus=self.gpus,
-            replicas=sorted(self.running), agent_pid=os.getpid(), started_at=self.started_at,
+            name=self.name,
+            address=self.address,
+            zone=self.zone,
+            slots=self.slots,
+            gpus=self.gpus,
+            replicas=sorted(self.running),
+            agent_pid=os.getpid(),
+            started_at=self.started_at,
         )
 
     async def report(self) -> None:
         await self.client.start_workflow(
-            names.NODE_REGISTRY_WORKFLOW, RegistryState(), id=names.NODE_REGISTRY_ID,
-            task_queue=names.CONTROL_TASK_QUEUE, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            start_signal=names.NODE_HEARTBEAT, start_signal_args=[self.heartbeat()],
+            names.NODE_REGISTRY_WORKFLOW,
+            RegistryState(),
+            id=names.NODE_REGISTRY_ID,
+            task_queue=names.CONTROL_TASK_QUEUE,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            start_signal=names.NODE_HEARTBEAT,
+            start_signal_args=[self.heartbeat()],
             rpc_timeout=timedelta(seconds=HEARTBEAT_EVERY_S),
         )
 
@@ -92,8 +112,11 @@ class SimulatedNode:
                 replica.served = content(replica.serving, self.behaviour.state_bytes)
             task_queue = names.replica_task_queue(inp.deployment_workflow_id, name)
             worker = Worker(
-                self.client, task_queue=task_queue, activities=replica.activities(),
-                max_concurrent_activity_task_polls=1, max_concurrent_activities=4,
+                self.client,
+                task_queue=task_queue,
+                activities=replica.activities(),
+                max_concurrent_activity_task_polls=1,
+                max_concurrent_activities=4,
                 max_heartbeat_throttle_interval=timedelta(seconds=1),
             )
             self.running[key] = Running(replica, worker, asyncio.create_task(worker.run()), inp.deployment_workflow_id)
@@ -101,9 +124,16 @@ class SimulatedNode:
             await self.client.get_workflow_handle(inp.deployment_workflow_id).signal(
                 names.REPLICA_READY,
                 ReplicaEndpoint(
-                    name=name, zone=inp.zone, task_queue=task_queue, node=self.name,
-                    engine_url=f"{ENGINE}://{self.name}/{name}", engine_pid=0, agent_pid=os.getpid(),
-                    current_snapshot_identity=replica.serving, started_at=now, transitioned_at=now,
+                    name=name,
+                    zone=inp.zone,
+                    task_queue=task_queue,
+                    node=self.name,
+                    engine_url=f"{ENGINE}://{self.name}/{name}",
+                    engine_pid=0,
+                    agent_pid=os.getpid(),
+                    current_snapshot_identity=replica.serving,
+                    started_at=now,
+                    transitioned_at=now,
                 ),
             )
             started.append(name)
@@ -112,19 +142,30 @@ class SimulatedNode:
     @activity.defn(name=names.STOP_REPLICAS)
     async def stop_replicas(self, inp: StopReplicasInput) -> int:
         stopped = 0
-        for key in [k for k in self.running if k.rsplit("/", 1)[-1] in inp.names
-                    and self.running[k].replica.deployment == inp.deployment_id]:
+        for key in [
+            k
+            for k in self.running
+            if k.rsplit("/", 1)[-1] in inp.names and self.running[k].replica.deployment == inp.deployment_id
+        ]:
             running = self.running.pop(key)
             await running.worker.shutdown()
             stopped += 1
         return stopped
 
     async def run(self, stop: asyncio.Event) -> None:
-        worker = Worker(self.client, task_queue=names.node_task_queue(self.name),
-                        activities=[self.start_replicas, self.stop_replicas])
+        worker = Worker(
+            self.client,
+            task_queue=names.node_task_queue(self.name),
+            activities=[self.start_replicas, self.stop_replicas],
+        )
         async with worker:
             await self.report()
-            log.info("SIMULATED node %s (%d slots, %d simulated GPUs) polling %s", self.name, self.slots, self.gpus,
-                     names.node_task_queue(self.name))
+            log.info(
+                "SIMULATED node %s (%d slots, %d simulated GPUs) polling %s",
+                self.name,
+                self.slots,
+                self.gpus,
+                names.node_task_queue(self.name),
+            )
             await self.report_forever(stop)
         await asyncio.gather(*(running.worker.shutdown() for running in self.running.values()))

@@ -82,8 +82,15 @@ class SimulatedReplica:
         self.lock = asyncio.Lock()
 
     def activities(self) -> list[Any]:
-        return [self.apply_snapshot, self.offer_to_peer, self.send_to_peers, self.stage_from_peer,
-                self.commit_peer_stage, self.serve_replica, self.drain_replica]
+        return [
+            self.apply_snapshot,
+            self.offer_to_peer,
+            self.send_to_peers,
+            self.stage_from_peer,
+            self.commit_peer_stage,
+            self.serve_replica,
+            self.drain_replica,
+        ]
 
     async def _fault(self, point: str) -> None:
         if self.b.faults_home is not None:
@@ -103,8 +110,9 @@ class SimulatedReplica:
 
     async def _commit(self, identity: str, *, bytes_read: int, source: str) -> ApplySnapshotResult:
         if self.staged is None or self.staged[0] != identity:
-            raise ApplicationError(f"replica {self.name} holds no stage of {identity}", type="NoStage",
-                                   non_retryable=True)
+            raise ApplicationError(
+                f"replica {self.name} holds no stage of {identity}", type="NoStage", non_retryable=True
+            )
         await self._fault("pause")  # before the pause: a hold here is not part of it
         start = time.perf_counter()
         await self._fault("swap")
@@ -115,12 +123,19 @@ class SimulatedReplica:
         got, want = adler32_hex(self.served), adler32_hex(content(identity, self.b.state_bytes))
         pause_ms = (time.perf_counter() - start) * 1000
         if got != want:
-            raise ApplicationError(f"read-back of {self.name}: {got} != {want}", type="ReadBackFailed",
-                                   non_retryable=True)
+            raise ApplicationError(
+                f"read-back of {self.name}: {got} != {want}", type="ReadBackFailed", non_retryable=True
+            )
         self.serving, self.staged = identity, None
         return ApplySnapshotResult(
-            identity=identity, engine_pid=0, tensors_loaded=1, bytes_read_from_bucket=bytes_read,
-            pause_ms=pause_ms, links_applied=[identity], source=source, verified_tensors=1,
+            identity=identity,
+            engine_pid=0,
+            tensors_loaded=1,
+            bytes_read_from_bucket=bytes_read,
+            pause_ms=pause_ms,
+            links_applied=[identity],
+            source=source,
+            verified_tensors=1,
         )
 
     @activity.defn(name=names.APPLY_SNAPSHOT)
@@ -137,18 +152,26 @@ class SimulatedReplica:
     async def offer_to_peer(self, inp: PeerOfferInput) -> PeerOffer:
         holds = self.serving == inp.identity or (self.staged is not None and self.staged[0] == inp.identity)
         if inp.peer_stage and not holds:
-            raise ApplicationError(f"{self.name} holds no stage of {inp.identity} from a peer", type=PEER_OFFER_REFUSED,
-                                   non_retryable=True)
+            raise ApplicationError(
+                f"{self.name} holds no stage of {inp.identity} from a peer", type=PEER_OFFER_REFUSED, non_retryable=True
+            )
         if inp.from_stage:
             # The real sender offers a delta's files once its own stage checked them.
             while self.serving != inp.identity and (self.staged is None or self.staged[0] != inp.identity):
                 activity.heartbeat()
                 await asyncio.sleep(0.02)
         return PeerOffer(
-            source_replica=self.name, host="simulated", port=0, backend="simulated",
-            base_identity=inp.target_identity, identity=inp.identity, chain=inp.chain, specs=[],
+            source_replica=self.name,
+            host="simulated",
+            port=0,
+            backend="simulated",
+            base_identity=inp.target_identity,
+            identity=inp.identity,
+            chain=inp.chain,
+            specs=[],
             expected_adler32={"state": adler32_hex(content(inp.identity, self.b.state_bytes))},
-            world_size=inp.world_size, mode="files" if inp.from_stage else "tensors",
+            world_size=inp.world_size,
+            mode="files" if inp.from_stage else "tensors",
         )
 
     @activity.defn(name=names.SEND_TO_PEERS)
@@ -164,12 +187,14 @@ class SimulatedReplica:
             await self._fault("stage_from_peer")
             data = content(inp.offer.identity, self.b.state_bytes)
             if adler32_hex(data) != inp.offer.expected_adler32.get("state"):
-                raise ApplicationError(f"{self.name}: the offer's checksum does not match", type=PEER_OFFER_REFUSED,
-                                       non_retryable=True)
+                raise ApplicationError(
+                    f"{self.name}: the offer's checksum does not match", type=PEER_OFFER_REFUSED, non_retryable=True
+                )
             self.staged = (inp.offer.identity, data)
             self.stage_source = f"peer:{inp.offer.source_replica}"
             return StageFromPeerResult(
-                identity=inp.offer.identity, tensors_staged=1,
+                identity=inp.offer.identity,
+                tensors_staged=1,
                 bytes_received=self.b.link_bytes.get(inp.offer.identity, self.b.state_bytes),
                 stage_ms=(time.perf_counter() - start) * 1000,
             )

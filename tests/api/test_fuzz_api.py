@@ -31,12 +31,22 @@ from tests.helpers.harness import ADMIN, DISABLED_ORG, OTHER_ORG, VIEWER, Fleet,
 EXAMPLES = 1100  # a few (DELETE of the live deployment) are skipped; >= 1000 are sent
 
 ENDPOINTS = [
-    ("GET", "/gateways/parameters"), ("GET", "/gateways"), ("POST", "/gateways"),
-    ("GET", "/gateways/{id}"), ("DELETE", "/gateways/{id}"),
-    ("GET", "/deployments/parameters"), ("GET", "/deployments"), ("POST", "/deployments"),
-    ("GET", "/deployments/{id}"), ("PATCH", "/deployments/{id}"), ("DELETE", "/deployments/{id}"),
-    ("GET", "/hotLoads"), ("POST", "/hotLoads"), ("GET", "/hotLoads/{id}"),
-    ("GET", "/hotLoads/{id}/replicas"), ("POST", "/hotLoads/{id}:cancel"),
+    ("GET", "/gateways/parameters"),
+    ("GET", "/gateways"),
+    ("POST", "/gateways"),
+    ("GET", "/gateways/{id}"),
+    ("DELETE", "/gateways/{id}"),
+    ("GET", "/deployments/parameters"),
+    ("GET", "/deployments"),
+    ("POST", "/deployments"),
+    ("GET", "/deployments/{id}"),
+    ("PATCH", "/deployments/{id}"),
+    ("DELETE", "/deployments/{id}"),
+    ("GET", "/hotLoads"),
+    ("POST", "/hotLoads"),
+    ("GET", "/hotLoads/{id}"),
+    ("GET", "/hotLoads/{id}/replicas"),
+    ("POST", "/hotLoads/{id}:cancel"),
 ]
 
 junk = st.one_of(
@@ -51,7 +61,8 @@ junk = st.one_of(
 )
 identity = st.one_of(
     st.sampled_from(["s1", "step-000001", "initial", "..", "../../etc/passwd", "a/b", "", "x" * 129, "é", "s1\x00"]),
-    st.text(max_size=140), junk,
+    st.text(max_size=140),
+    junk,
 )
 enum_value = lambda *names: st.one_of(  # noqa: E731
     st.sampled_from(list(names)), st.integers(-2, 5), st.sampled_from(["FULL", "SNAPSHOT_TYPE_WHOLE", "1"]), junk
@@ -64,19 +75,23 @@ def maybe(fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy[dict[str, A
 
 
 def bodies(dep_ids: list[str]) -> st.SearchStrategy[Any]:
-    meta = maybe({
-        "previousSnapshotIdentity": identity,
-        "compressionFormat": enum_value("COMPRESSION_FORMAT_ZSTD", "COMPRESSION_FORMAT_LZ4"),
-        "checksumFormat": enum_value("CHECKSUM_FORMAT_ADLER32", "CHECKSUM_FORMAT_XXH3_128"),
-    })
-    hot_load = maybe({
-        "deploymentId": st.one_of(st.sampled_from(dep_ids), identity),
-        "hotLoadId": st.one_of(st.uuids().map(str), identity),
-        "identity": identity,
-        "type": enum_value("SNAPSHOT_TYPE_FULL", "SNAPSHOT_TYPE_INCREMENTAL"),
-        "incrementalSnapshotMetadata": st.one_of(meta, junk),
-        "promptCachePolicy": enum_value("PROMPT_CACHE_POLICY_PRESERVE", "PROMPT_CACHE_POLICY_RESET_ALL"),
-    })
+    meta = maybe(
+        {
+            "previousSnapshotIdentity": identity,
+            "compressionFormat": enum_value("COMPRESSION_FORMAT_ZSTD", "COMPRESSION_FORMAT_LZ4"),
+            "checksumFormat": enum_value("CHECKSUM_FORMAT_ADLER32", "CHECKSUM_FORMAT_XXH3_128"),
+        }
+    )
+    hot_load = maybe(
+        {
+            "deploymentId": st.one_of(st.sampled_from(dep_ids), identity),
+            "hotLoadId": st.one_of(st.uuids().map(str), identity),
+            "identity": identity,
+            "type": enum_value("SNAPSHOT_TYPE_FULL", "SNAPSHOT_TYPE_INCREMENTAL"),
+            "incrementalSnapshotMetadata": st.one_of(meta, junk),
+            "promptCachePolicy": enum_value("PROMPT_CACHE_POLICY_PRESERVE", "PROMPT_CACHE_POLICY_RESET_ALL"),
+        }
+    )
     hot_load_section = maybe(
         {
             "bucket": st.one_of(st.just("rollouts"), identity),
@@ -204,11 +219,14 @@ def test_generated_requests_never_answer_5xx(temporal_env, tmp_path: Path):
             endpoint=st.sampled_from(ENDPOINTS),
             some_id=st.one_of(st.sampled_from([dep, hl, "gw", "nope"]), identity.filter(lambda v: isinstance(v, str))),
             token=st.sampled_from([ADMIN, ADMIN, VIEWER, OTHER_ORG, DISABLED_ORG, "garbage", None]),
-            params=maybe({
-                "parentDeploymentId": st.one_of(st.just(dep), st.text(max_size=20)),
-                "maxPageSize": st.one_of(st.integers(-5, 5000), st.text(max_size=5)),
-                "pageToken": st.text(max_size=30), "parentGatewayId": st.text(max_size=10),
-            }),
+            params=maybe(
+                {
+                    "parentDeploymentId": st.one_of(st.just(dep), st.text(max_size=20)),
+                    "maxPageSize": st.one_of(st.integers(-5, 5000), st.text(max_size=5)),
+                    "pageToken": st.text(max_size=30),
+                    "parentGatewayId": st.text(max_size=10),
+                }
+            ),
             body=bodies([dep]),
             raw=st.booleans(),
         )

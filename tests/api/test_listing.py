@@ -87,9 +87,17 @@ async def test_history_newest_first_over_closed_and_open_operations(temporal_env
         await f.wait_idle(dep)
         f.apply_behaviour = {}
         await f.completed(dep, "s9", hotLoadId="newer")
-        rest = (await f.call("GET", "/hotLoads", params={
-            "parentDeploymentId": dep, "maxPageSize": 100, "pageToken": first["nextPageToken"],
-        })).json()
+        rest = (
+            await f.call(
+                "GET",
+                "/hotLoads",
+                params={
+                    "parentDeploymentId": dep,
+                    "maxPageSize": 100,
+                    "pageToken": first["nextPageToken"],
+                },
+            )
+        ).json()
         assert [h["spec"]["id"] for h in first["hotLoads"] + rest["hotLoads"]] == newest_first
         assert "nextPageToken" not in rest
         # A token belongs to its filter; other organizations see nothing.
@@ -105,10 +113,14 @@ async def test_history_newest_first_over_closed_and_open_operations(temporal_env
         # An API restart with no worker running: a fresh process, an empty cache, same answers.
         expected = ["newer", *newest_first]
         fresh = create_app(f.settings, temporal_client=f.client, task_queue="no-worker-here")
-        async with fresh.router.lifespan_context(fresh), httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=fresh), base_url=f"http://api{PREFIX}",
-            headers={"Authorization": f"Bearer {ADMIN}"},
-        ) as http:
+        async with (
+            fresh.router.lifespan_context(fresh),
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=fresh),
+                base_url=f"http://api{PREFIX}",
+                headers={"Authorization": f"Bearer {ADMIN}"},
+            ) as http,
+        ):
             got = (await http.get("/hotLoads", params={"parentDeploymentId": dep, "maxPageSize": 1000})).json()
             assert [h["spec"]["id"] for h in got["hotLoads"]] == expected
             states = {h["spec"]["id"]: h["status"]["state"] for h in got["hotLoads"]}
@@ -135,8 +147,12 @@ async def test_replicas_paginated_by_zone_then_name(temporal_env, tmp_path):
         for r in replicas:
             assert r["state"] == "READY" and r["currentSnapshotIdentity"] == "s1"
             assert r["startedAt"] <= r["finishedAt"] == r["transitionedAt"]
-        error(await f.call("GET", f"/hotLoads/{hl['spec']['id']}/replicas", params={"maxPageSize": -1}),
-              400, "invalid_argument", "maxPageSize")
+        error(
+            await f.call("GET", f"/hotLoads/{hl['spec']['id']}/replicas", params={"maxPageSize": -1}),
+            400,
+            "invalid_argument",
+            "maxPageSize",
+        )
 
 
 async def test_terminated_workflow_reads_as_failed_and_frees_the_deployment(temporal_env, tmp_path):
@@ -181,8 +197,10 @@ async def test_search_attributes_find_failed_loads(temporal_env, tmp_path):
         values = {pair.key.name: pair.value for pair in attrs}
         assert values["HotLoadIdentity"] == "bad" and values["HotLoadType"] == "SNAPSHOT_TYPE_FULL"
         assert values["OrganizationId"] == "org-a" and values["DeploymentId"] == dep
-        completed = [wf async for wf in f.client.list_workflows(
-            f'DeploymentId="{dep}" AND HotLoadState="HOT_LOAD_STATE_COMPLETED"')]
+        completed = [
+            wf
+            async for wf in f.client.list_workflows(f'DeploymentId="{dep}" AND HotLoadState="HOT_LOAD_STATE_COMPLETED"')
+        ]
         assert len(completed) == 1
 
         # The UI's own status filter (its Failures view) finds the failed load as well.
@@ -261,15 +279,25 @@ async def test_listing_follows_changes_made_elsewhere(temporal_env, tmp_path):
             await poll(check, 60, f"listing {expected}", every=0.1)
 
         other = create_app(f.settings, temporal_client=f.client, task_queue=f.task_queue)
-        async with other.router.lifespan_context(other), httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=other), base_url=f"http://api{PREFIX}",
-            headers={"Authorization": f"Bearer {ADMIN}"},
-        ) as http:
+        async with (
+            other.router.lifespan_context(other),
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=other),
+                base_url=f"http://api{PREFIX}",
+                headers={"Authorization": f"Bearer {ADMIN}"},
+            ) as http,
+        ):
             write_full(f.bucket_root / f"ckpt/{dep}", "s1")
             f.apply_behaviour = every(f.held)
-            r = await http.post("/hotLoads", json={
-                "deploymentId": dep, "identity": "s1", "type": "SNAPSHOT_TYPE_FULL", "hotLoadId": "e-1",
-            })
+            r = await http.post(
+                "/hotLoads",
+                json={
+                    "deploymentId": dep,
+                    "identity": "s1",
+                    "type": "SNAPSHOT_TYPE_FULL",
+                    "hotLoadId": "e-1",
+                },
+            )
             assert r.status_code == 200, r.text
         await asyncio.wait_for(f.started.wait(), 30)
         await until([("e-1", "HOT_LOAD_STATE_IN_PROGRESS"), ("e-0", "HOT_LOAD_STATE_COMPLETED")])

@@ -21,9 +21,17 @@ WF = "hotLoads/org-a/h1"
 
 def record(version: int, *, closed: bool = False, replicas: list[dict[str, Any]] | None = None) -> Record:
     updated = f"2026-12-03T00:00:{version:02d}Z"
-    return Record(id=WF, key=("2026-12-03T00:00:00Z", WF), organization_id="org-a", deployment_id="d",
-                  closed=closed, updated_at=updated, hot_load={"status": {"updatedAt": updated}},
-                  replicas=replicas or [], json=b"{}")
+    return Record(
+        id=WF,
+        key=("2026-12-03T00:00:00Z", WF),
+        organization_id="org-a",
+        deployment_id="d",
+        closed=closed,
+        updated_at=updated,
+        hot_load={"status": {"updatedAt": updated}},
+        replicas=replicas or [],
+        json=b"{}",
+    )
 
 
 class FakeIndex:

@@ -120,7 +120,9 @@ def test_oversized_body_is_refused(client):
 
 def test_deployment_hot_load_needs_enabled_org_and_engine(client):
     body = {
-        "name": "d", "gatewayIds": ["g"], "runtime": {"engine": "dynamo-vllm"},
+        "name": "d",
+        "gatewayIds": ["g"],
+        "runtime": {"engine": "dynamo-vllm"},
         "model": {"name": "m", "bucket": "bkt", "path": "p"},
         "hotLoad": {"bucket": "bkt", "pathPrefix": "ckpt"},
     }
@@ -134,7 +136,9 @@ def test_deployment_hot_load_needs_enabled_org_and_engine(client):
 
 def test_the_engine_is_one_the_service_runs(client):
     body = {
-        "name": "d", "gatewayIds": ["g"], "runtime": {"engine": "sglang"},
+        "name": "d",
+        "gatewayIds": ["g"],
+        "runtime": {"engine": "sglang"},
         "model": {"name": "m", "bucket": "bkt", "path": "p"},
     }
     r = post(client, "/deployments", body)
@@ -193,7 +197,9 @@ def test_pagination_tokens_walk_and_are_scoped():
 )
 def test_viewer_write_is_permission_denied_before_the_body_is_read(client, method, path, content):
     r = client.request(
-        method, f"{PREFIX}{path}", content=content,
+        method,
+        f"{PREFIX}{path}",
+        content=content,
         headers={"Authorization": "Bearer viewer-t", "content-type": "application/json"},
     )
     assert r.status_code == 403, r.text
@@ -228,8 +234,11 @@ def test_incremental_without_metadata_is_invalid(client):
 
 
 def test_delta_on_itself_is_invalid(client):
-    body = {**GOOD_HOT_LOAD, "type": "SNAPSHOT_TYPE_INCREMENTAL",
-            "incrementalSnapshotMetadata": {"previousSnapshotIdentity": "step-1"}}
+    body = {
+        **GOOD_HOT_LOAD,
+        "type": "SNAPSHOT_TYPE_INCREMENTAL",
+        "incrementalSnapshotMetadata": {"previousSnapshotIdentity": "step-1"},
+    }
     r = post(client, "/hotLoads", body)
     assert r.status_code == 400 and "its own previousSnapshotIdentity" in r.json()["message"]
 
@@ -253,7 +262,8 @@ def test_bad_client_chosen_hot_load_id(client, hot_load_id):
 
 def test_update_body_is_validated_strictly(client):
     r = client.patch(
-        f"{PREFIX}/deployments/d1", json={"hotLoad": {"bucket": "bkt"}, "replicas": 3},
+        f"{PREFIX}/deployments/d1",
+        json={"hotLoad": {"bucket": "bkt"}, "replicas": 3},
         headers={"Authorization": "Bearer admin-t"},
     )
     assert r.status_code == 400 and "replicas: unknown field" in r.json()["message"]
@@ -261,7 +271,9 @@ def test_update_body_is_validated_strictly(client):
 
 def test_engine_config_is_an_allow_list(client):
     body = {
-        "name": "d", "gatewayIds": ["g"], "model": {"name": "m", "bucket": "bkt", "path": "p"},
+        "name": "d",
+        "gatewayIds": ["g"],
+        "model": {"name": "m", "bucket": "bkt", "path": "p"},
         "runtime": {"engine": "dynamo-vllm", "engineConfig": {"host": "0.0.0.0"}},
     }
     r = post(client, "/deployments", body)
@@ -277,26 +289,44 @@ def test_engine_config_is_an_allow_list(client):
 @pytest.mark.parametrize("weight", [-1, 101, "50", 12.5, True])
 def test_traffic_weight_is_an_integer_from_0_to_100(client, weight):
     body = {
-        "name": "d", "gatewayIds": ["g"], "runtime": {"engine": "dynamo-vllm"},
-        "model": {"name": "m", "bucket": "bkt", "path": "p"}, "traffic": {"weight": weight},
+        "name": "d",
+        "gatewayIds": ["g"],
+        "runtime": {"engine": "dynamo-vllm"},
+        "model": {"name": "m", "bucket": "bkt", "path": "p"},
+        "traffic": {"weight": weight},
     }
     r = post(client, "/deployments", body)
     assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text
     assert "traffic.weight" in r.json()["message"], r.text
-    r = client.patch(f"{PREFIX}/deployments/d1", json={"traffic": {"weight": weight}, "hotLoad": {"bucket": "bkt"}},
-                     headers={"Authorization": "Bearer admin-t"})
+    r = client.patch(
+        f"{PREFIX}/deployments/d1",
+        json={"traffic": {"weight": weight}, "hotLoad": {"bucket": "bkt"}},
+        headers={"Authorization": "Bearer admin-t"},
+    )
     assert r.status_code == 400 and "traffic.weight" in r.json()["message"], r.text
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("maxConcurrentSwaps", 0), ("maxConcurrentSwaps", 257), ("maxConcurrentSwaps", "2"), ("peerFanOut", 0),
-    ("peerFanOut", 65), ("peerFanOut", 1.5), ("replicasPerGroup", 1), ("replicasPerGroup", 1001),
-    ("replicasPerGroup", True),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("maxConcurrentSwaps", 0),
+        ("maxConcurrentSwaps", 257),
+        ("maxConcurrentSwaps", "2"),
+        ("peerFanOut", 0),
+        ("peerFanOut", 65),
+        ("peerFanOut", 1.5),
+        ("replicasPerGroup", 1),
+        ("replicasPerGroup", 1001),
+        ("replicasPerGroup", True),
+    ],
+)
 def test_large_deployment_settings_are_bounded_integers(client, field, value):
     body = {
-        "name": "d", "gatewayIds": ["g"], "runtime": {"engine": "dynamo-vllm"},
-        "model": {"name": "m", "bucket": "bkt", "path": "p"}, "hotLoad": {"bucket": "bkt", field: value},
+        "name": "d",
+        "gatewayIds": ["g"],
+        "runtime": {"engine": "dynamo-vllm"},
+        "model": {"name": "m", "bucket": "bkt", "path": "p"},
+        "hotLoad": {"bucket": "bkt", field: value},
     }
     r = post(client, "/deployments", body)
     assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text
@@ -322,7 +352,9 @@ def test_an_operator_may_let_vllm_hot_load_and_nothing_unknown(monkeypatch, tmp_
 
 def test_tensor_parallel_is_accepted_and_the_gpus_must_fit_it(client):
     body = {
-        "name": "d", "gatewayIds": ["g"], "model": {"name": "m", "bucket": "bkt", "path": "p"},
+        "name": "d",
+        "gatewayIds": ["g"],
+        "model": {"name": "m", "bucket": "bkt", "path": "p"},
         "runtime": {"engine": "dynamo-vllm", "engineConfig": {"tensor-parallel-size": "2"}},
         "resources": {"instanceType": "gpu", "gpuCount": 3},
     }
@@ -340,11 +372,18 @@ def test_tensor_parallel_is_accepted_and_the_gpus_must_fit_it(client):
     assert "tensor-parallel-size" in keys and "enable-expert-parallel" in keys
 
 
-@pytest.mark.parametrize(("tp", "gpus", "why"), [
-    ("1", 2, "enable-expert-parallel splits the experts over the tensor-parallel ranks: it needs "
-             "tensor-parallel-size 2 or more"),
-    ("2", 0, r"enable-expert-parallel needs GPU replicas \(resources.gpuCount > 0\)"),
-])
+@pytest.mark.parametrize(
+    ("tp", "gpus", "why"),
+    [
+        (
+            "1",
+            2,
+            "enable-expert-parallel splits the experts over the tensor-parallel ranks: it needs "
+            "tensor-parallel-size 2 or more",
+        ),
+        ("2", 0, r"enable-expert-parallel needs GPU replicas \(resources.gpuCount > 0\)"),
+    ],
+)
 def test_expert_parallel_needs_tensor_parallel_ranks_on_gpus(client, tp, gpus, why):
     body = {
         "name": "d",

@@ -48,8 +48,10 @@ def _serve_once(server_ctx: ssl.SSLContext) -> tuple[int, dict]:
 
 
 def _reply(port: int, ctx: ssl.SSLContext) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
-            ctx.wrap_socket(raw, server_hostname=dynamo_tls.SERVER_NAME) as tls:
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        ctx.wrap_socket(raw, server_hostname=dynamo_tls.SERVER_NAME) as tls,
+    ):
         return tls.recv(2)
 
 

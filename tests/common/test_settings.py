@@ -84,8 +84,9 @@ def test_every_url_names_the_host(tmp_path: Path) -> None:
     assert Settings.create(tmp_path).api_url == f"http://127.0.0.1:{DEFAULT_PORT_BASE}"
 
 
-def test_stack_json_records_the_host_and_the_environment_overrides_it(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stack_json_records_the_host_and_the_environment_overrides_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     Settings.create(tmp_path, 17000, host="10.1.2.3").save()
     assert json.loads((tmp_path / "stack.json").read_text())["host"] == "10.1.2.3"
     assert Settings.load(tmp_path).host == "10.1.2.3"
@@ -107,8 +108,11 @@ def test_a_stack_json_from_before_0_1_0_is_refused_naming_what_it_lacks(tmp_path
     del data["ports"]["dynamo"]
     data["dynamo"] = True  # when Dynamo was a switch of the stack's
     (tmp_path / "stack.json").write_text(json.dumps(data))
-    with pytest.raises(SystemExit, match=r"stack.json was written before rollouts 0.1.0 \(ports missing: dynamo; "
-                                         r"unknown keys: dynamo\)"):
+    with pytest.raises(
+        SystemExit,
+        match=r"stack.json was written before rollouts 0.1.0 \(ports missing: dynamo; "
+        r"unknown keys: dynamo\)",
+    ):
         Settings.load(tmp_path)
 
 
@@ -152,8 +156,9 @@ def test_without_stack_json_or_temporal_address_load_says_what_to_do(tmp_path: P
     assert "TEMPORAL_ADDRESS" in str(err.value)
 
 
-def test_a_cluster_install_builds_the_settings_from_the_environment(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cluster_install_builds_the_settings_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for name, value in CLUSTER_ENV.items():
         monkeypatch.setenv(name, value)
     names = {f"ROLLOUTS_{name.upper()}": f"value-of-{name}" for name in ENV_FIELDS}

@@ -18,8 +18,13 @@ from common.settings import STACK_ENV, Settings, without_stack_env
 from tests.helpers.other_stack import other_stack_env
 
 # Unrelated variables a stack's processes must still inherit.
-KEPT = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "ROLLOUTS_HOT_LOAD_ENGINES": "dynamo-vllm,vllm",
-        "ROLLOUTS_TEST_SESSION": "s1", "CUDA_VISIBLE_DEVICES": "0", "ROLLOUTS_ENGINE_CACHE_DIR": "/var/cache/engines"}
+KEPT = {
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",
+    "ROLLOUTS_HOT_LOAD_ENGINES": "dynamo-vllm,vllm",
+    "ROLLOUTS_TEST_SESSION": "s1",
+    "CUDA_VISIBLE_DEVICES": "0",
+    "ROLLOUTS_ENGINE_CACHE_DIR": "/var/cache/engines",
+}
 
 
 @pytest.fixture
@@ -34,10 +39,22 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def addresses(settings: Settings) -> tuple:
-    return (settings.api_url, settings.gateway_url, settings.temporal_address, settings.temporal_namespace,
-            settings.temporal_ui_url, settings.s3_endpoint, settings.dynamo_frontend_url, settings.dynamo_discovery_dir,
-            settings.dynamo_discovery_backend, settings.dynamo_router_mode, settings.tokens_file, settings.bucket,
-            settings.gateway_id, settings.engine_secret("wf", "r0"))
+    return (
+        settings.api_url,
+        settings.gateway_url,
+        settings.temporal_address,
+        settings.temporal_namespace,
+        settings.temporal_ui_url,
+        settings.s3_endpoint,
+        settings.dynamo_frontend_url,
+        settings.dynamo_discovery_dir,
+        settings.dynamo_discovery_backend,
+        settings.dynamo_router_mode,
+        settings.tokens_file,
+        settings.bucket,
+        settings.gateway_id,
+        settings.engine_secret("wf", "r0"),
+    )
 
 
 def test_a_homes_own_settings_ignore_another_stacks_environment(home: Path) -> None:
@@ -46,9 +63,21 @@ def test_a_homes_own_settings_ignore_another_stacks_environment(home: Path) -> N
     assert not Settings(home=str(home), ports={}).owned  # any other is a client's
     key = own.engine_key.encode()
     assert addresses(own) == (
-        "http://127.0.0.1:21000", "http://127.0.0.1:21001", "127.0.0.1:21010", "default", "http://127.0.0.1:21011",
-        "http://127.0.0.1:21020", "http://127.0.0.1:21002", home / "dynamo" / "discovery", "file", "least-loaded",
-        home / "tokens.json", "rollouts", "gw-local", hmac.new(key, b"wf\nr0", hashlib.sha256).hexdigest())
+        "http://127.0.0.1:21000",
+        "http://127.0.0.1:21001",
+        "127.0.0.1:21010",
+        "default",
+        "http://127.0.0.1:21011",
+        "http://127.0.0.1:21020",
+        "http://127.0.0.1:21002",
+        home / "dynamo" / "discovery",
+        "file",
+        "least-loaded",
+        home / "tokens.json",
+        "rollouts",
+        "gw-local",
+        hmac.new(key, b"wf\nr0", hashlib.sha256).hexdigest(),
+    )
     s3 = own.s3_client()
     assert s3.meta.endpoint_url == "http://127.0.0.1:21020"
     assert s3._request_signer._credentials.access_key == own.s3_access_key

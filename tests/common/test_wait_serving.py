@@ -23,8 +23,9 @@ class Down(Exception):
 async def test_an_exit_before_serving_names_the_code_and_the_log_tail(tmp_path: Path) -> None:
     log = tmp_path / "x.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", "print('\\n'.join(map(str, range(100)))); raise SystemExit(3)"],
-                                stdout=out)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "print('\\n'.join(map(str, range(100)))); raise SystemExit(3)"], stdout=out
+        )
     deadline = time.monotonic() + 60
     while pid_alive(proc.pid):  # a zombie counts as gone, and is left unreaped
         assert time.monotonic() < deadline, "the process did not exit"
@@ -48,16 +49,24 @@ async def test_a_probe_not_yet_ready_is_asked_again_then_times_out_naming_the_ur
             raise ConnectionRefusedError("not listening yet")
         return len(asked) >= 4
 
-    await wait_serving(None, refusing, name="engine", url="http://h:1", log_path=None, timeout=60, error=Down,
-                       every=0)
+    await wait_serving(None, refusing, name="engine", url="http://h:1", log_path=None, timeout=60, error=Down, every=0)
     assert len(asked) == 4
 
     async def never() -> bool:
         return False
 
     with pytest.raises(Down, match=r"^frontend at http://h:2 not answering after 0s \(log None\):\n\(no log\)$"):
-        await wait_serving(None, never, name="frontend", url="http://h:2", log_path=None, timeout=0, error=Down,
-                           ready="answering", every=0)
+        await wait_serving(
+            None,
+            never,
+            name="frontend",
+            url="http://h:2",
+            log_path=None,
+            timeout=0,
+            error=Down,
+            ready="answering",
+            every=0,
+        )
 
 
 def test_tail_reads_the_last_lines_of_a_large_log(tmp_path: Path) -> None:
@@ -69,8 +78,10 @@ def test_tail_reads_the_last_lines_of_a_large_log(tmp_path: Path) -> None:
 
 async def test_terminate_kills_the_group_of_a_process_deaf_to_sigterm(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
-    code = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "open(sys.argv[1], 'w').close(); time.sleep(600)")
+    code = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "open(sys.argv[1], 'w').close(); time.sleep(600)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code, str(ready)], start_new_session=True)
     deadline = time.monotonic() + 60
     while not ready.exists():

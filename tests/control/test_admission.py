@@ -73,9 +73,7 @@ async def test_twenty_concurrent_creates_admit_exactly_one(temporal_env, tmp_pat
         f.apply_behaviour = every(f.held)
         for i in range(20):
             write_full(f.bucket_root / f"ckpt/{dep}", f"s{i}")
-        answers = await asyncio.gather(
-            *(f.create_hot_load(dep, f"s{i}", hotLoadId=f"c{i}") for i in range(20))
-        )
+        answers = await asyncio.gather(*(f.create_hot_load(dep, f"s{i}", hotLoadId=f"c{i}") for i in range(20)))
         admitted = [r for r in answers if r.status_code == 200]
         refused = [r for r in answers if r.status_code != 200]
         assert len(admitted) == 1, [r.json() for r in answers]
@@ -126,12 +124,22 @@ async def test_identity_rules(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
         for identity, words in [
-            ("../etc", "single path segment"), ("a/b", "single path segment"), ("..", ".."),
-            ("x" * 129, "at most 128"), ("initial", "reserved"), ("", "non-empty"), ("a\x00b", "control"),
+            ("../etc", "single path segment"),
+            ("a/b", "single path segment"),
+            ("..", ".."),
+            ("x" * 129, "at most 128"),
+            ("initial", "reserved"),
+            ("", "non-empty"),
+            ("a\x00b", "control"),
         ]:
             error(await f.create_hot_load(dep, identity), 400, "invalid_argument", "identity", words)
-        error(await f.create_hot_load(dep, "s1", **delta_body("initial")), 400, "invalid_argument",
-              "previousSnapshotIdentity", "reserved")
+        error(
+            await f.create_hot_load(dep, "s1", **delta_body("initial")),
+            400,
+            "invalid_argument",
+            "previousSnapshotIdentity",
+            "reserved",
+        )
         await no_hot_load_started(f, dep)
 
 
@@ -142,8 +150,13 @@ async def test_predecessor_needs_a_completed_hot_load_on_this_deployment(tempora
         root = f.bucket_root / f"ckpt/{dep}"
         write_delta(root, "s1", "s0")
         # Never loaded anywhere.
-        error(await f.create_hot_load(dep, "s1", **delta_body("s0")), 412, "failed_precondition",
-              "previousSnapshotIdentity 's0' has no completed hot-load", dep)
+        error(
+            await f.create_hot_load(dep, "s1", **delta_body("s0")),
+            412,
+            "failed_precondition",
+            "previousSnapshotIdentity 's0' has no completed hot-load",
+            dep,
+        )
         # Completed on another deployment only.
         await f.completed(other, "s0")
         error(
@@ -170,7 +183,8 @@ async def test_predecessor_needs_a_completed_hot_load_on_this_deployment(tempora
         await f.completed(dep, "s0")
         hl = await f.completed(dep, "s1", **delta_body("s0"))
         assert [(c["identity"], c["type"]) for c in hl["spec"]["snapshotChain"]] == [
-            ("s0", "SNAPSHOT_TYPE_FULL"), ("s1", "SNAPSHOT_TYPE_INCREMENTAL")
+            ("s0", "SNAPSHOT_TYPE_FULL"),
+            ("s1", "SNAPSHOT_TYPE_INCREMENTAL"),
         ]
         assert hl["spec"]["snapshotChain"][1]["compressionFormat"] == "COMPRESSION_FORMAT_ZSTD"
 
@@ -190,8 +204,11 @@ async def test_chain_of_more_than_63_deltas_is_refused(temporal_env, tmp_path):
             write_delta(root, f"d{i}", f"d{i - 1}")
         write_delta(root, "d63b", "d62")
         body = error(
-            await f.create_hot_load(dep, "d64", **delta_body("d63")), 412, "failed_precondition",
-            f"the chain would hold {MAX_DELTAS_IN_CHAIN + 1} deltas", f"at most {MAX_DELTAS_IN_CHAIN}",
+            await f.create_hot_load(dep, "d64", **delta_body("d63")),
+            412,
+            "failed_precondition",
+            f"the chain would hold {MAX_DELTAS_IN_CHAIN + 1} deltas",
+            f"at most {MAX_DELTAS_IN_CHAIN}",
         )
         assert "publish a full checkpoint" in body["message"]
         # 63 deltas is the limit, not past it.
@@ -207,24 +224,43 @@ async def test_missing_required_files_are_named(temporal_env, tmp_path):
         root = f.bucket_root / f"ckpt/{dep}"
         write_full(root, "s1", missing=("config.json", "model-00001-of-00001.safetensors"))
         r = await f.create_hot_load(dep, "s1", hotLoadId="retry-me")
-        error(r, 412, "failed_precondition", "'s1'", "missing required files", "config.json",
-              "model-00001-of-00001.safetensors", f"s3://rollouts/ckpt/{dep}/s1/")
+        error(
+            r,
+            412,
+            "failed_precondition",
+            "'s1'",
+            "missing required files",
+            "config.json",
+            "model-00001-of-00001.safetensors",
+            f"s3://rollouts/ckpt/{dep}/s1/",
+        )
         await no_hot_load_started(f, dep)
         write_full(root, "s1")
         await f.completed(dep, "s1", hotLoadId="retry-me")  # the refused id is free again
         # A delta without its index. (An earlier link of the chain that lost a file is refused
         # when a replica will read it: tests/control/test_chain_checks.py.)
         write_delta(root, "s3", "s1", missing=("model.safetensors.index.json",))
-        error(await f.create_hot_load(dep, "s3", **delta_body("s1")), 412, "failed_precondition",
-              "snapshot 's3'", "model.safetensors.index.json")
+        error(
+            await f.create_hot_load(dep, "s3", **delta_body("s1")),
+            412,
+            "failed_precondition",
+            "snapshot 's3'",
+            "model.safetensors.index.json",
+        )
 
 
 async def test_gateways_in_different_zones_are_refused(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.deployment_from_state(deployment_state("dep-zones", zones=["US-EAST-04A", "US-WEST-01A"]))
         write_full(f.bucket_root / "ckpt/dep-zones", "s1")
-        error(await f.create_hot_load(dep, "s1"), 412, "failed_precondition", "different zones",
-              "US-EAST-04A", "US-WEST-01A")
+        error(
+            await f.create_hot_load(dep, "s1"),
+            412,
+            "failed_precondition",
+            "different zones",
+            "US-EAST-04A",
+            "US-WEST-01A",
+        )
 
 
 async def test_existing_client_chosen_id_is_already_exists(temporal_env, tmp_path):
@@ -250,8 +286,6 @@ async def test_viewer_and_other_org_cannot_create(temporal_env, tmp_path):
         await no_hot_load_started(f, dep)
         handle = f.client.get_workflow_handle(names.deployment_workflow_id(ORG, dep))
         assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
-
-
 
 
 async def test_the_replica_check_and_the_snapshot_checks_run_at_once(temporal_env, tmp_path):

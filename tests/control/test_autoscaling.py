@@ -39,8 +39,9 @@ async def status(f: Fleet, dep: str) -> dict:
 
 async def test_busy_adds_a_replica_that_joins_between_hot_loads_and_idle_removes_it(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
-        dep = await f.ready_deployment(autoscaling={"min": 1, "max": 2, "targetInFlight": 4,
-                                                    "scaleOutAfterSeconds": 0, "scaleInAfterSeconds": 1})
+        dep = await f.ready_deployment(
+            autoscaling={"min": 1, "max": 2, "targetInFlight": 4, "scaleOutAfterSeconds": 0, "scaleInAfterSeconds": 1}
+        )
         [first] = await members(f, dep)
         await f.completed(dep, "s1")
         f.report_ready = False  # the new replica takes its time to start
@@ -54,8 +55,9 @@ async def test_busy_adds_a_replica_that_joins_between_hot_loads_and_idle_removes
         st = await poll(joining, 30, "the deployment says a replica joins")
         assert st["status"] == "STATUS_READY" and st["readyReplicas"] == 1, st
         # A hot-load is admitted while it starts, and walks only the member.
-        await f.completed(dep, "s2", type="SNAPSHOT_TYPE_INCREMENTAL",
-                          incrementalSnapshotMetadata={"previousSnapshotIdentity": "s1"})
+        await f.completed(
+            dep, "s2", type="SNAPSHOT_TYPE_INCREMENTAL", incrementalSnapshotMetadata={"previousSnapshotIdentity": "s1"}
+        )
         assert (first, "s2") in f.applied and not any(name == joiner for name, _ in f.applied)
         assert await members(f, dep) == [first]
         await f.signal_ready(dep, joiner)  # it serves what it started on, not s2
@@ -90,8 +92,9 @@ async def test_busy_adds_a_replica_that_joins_between_hot_loads_and_idle_removes
 
 async def test_a_joiner_whose_peer_stage_fails_reads_the_bucket(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
-        dep = await f.ready_deployment(autoscaling={"min": 1, "max": 2, "scaleOutAfterSeconds": 0,
-                                                    "scaleInAfterSeconds": 600})
+        dep = await f.ready_deployment(
+            autoscaling={"min": 1, "max": 2, "scaleOutAfterSeconds": 0, "scaleInAfterSeconds": 600}
+        )
         [first] = await members(f, dep)
         await f.completed(dep, "s1")
         f.report_ready = False
@@ -99,8 +102,11 @@ async def test_a_joiner_whose_peer_stage_fails_reads_the_bucket(temporal_env, tm
         joiner = await poll(lambda: _new_placement(f, first), 30, "a new replica placed")
 
         async def refuse(replica: str) -> None:
-            raise ApplicationError(f"{replica}: received bytes differ from the sender's checksums",
-                                   type="EngineUpdateError", non_retryable=True)
+            raise ApplicationError(
+                f"{replica}: received bytes differ from the sender's checksums",
+                type="EngineUpdateError",
+                non_retryable=True,
+            )
 
         f.stage_behaviour[joiner] = refuse
         await f.signal_ready(dep, joiner)
@@ -113,8 +119,9 @@ async def test_a_joiner_whose_peer_stage_fails_reads_the_bucket(temporal_env, tm
 
 async def test_no_step_past_max_or_min_and_no_scale_in_while_a_hot_load_runs(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
-        dep = await f.ready_deployment(autoscaling={"min": 1, "max": 2, "scaleOutAfterSeconds": 0,
-                                                    "scaleInAfterSeconds": 0})
+        dep = await f.ready_deployment(
+            autoscaling={"min": 1, "max": 2, "scaleOutAfterSeconds": 0, "scaleInAfterSeconds": 0}
+        )
         [first] = await members(f, dep)
         await report(f, dep, BUSY)
         await poll(lambda: _count(f, dep, 2), 30, "scaled out to two")

@@ -31,14 +31,17 @@ def at(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 
 
-@pytest.mark.parametrize(("samples", "replicas", "level"), [
-    ([0, 0, 0], 2, IDLE),
-    ([], 2, IDLE),
-    ([0, 1, 0], 2, STEADY),  # one request in the window: not idle
-    ([8, 8, 7], 2, STEADY),  # mean 3.83 per replica, under 4
-    ([8, 8, 8], 2, BUSY),
-    ([16, 0, 0], 1, BUSY),  # the mean, not the last sample
-])
+@pytest.mark.parametrize(
+    ("samples", "replicas", "level"),
+    [
+        ([0, 0, 0], 2, IDLE),
+        ([], 2, IDLE),
+        ([0, 1, 0], 2, STEADY),  # one request in the window: not idle
+        ([8, 8, 7], 2, STEADY),  # mean 3.83 per replica, under 4
+        ([8, 8, 8], 2, BUSY),
+        ([16, 0, 0], 1, BUSY),  # the mean, not the last sample
+    ],
+)
 def test_a_window_is_judged_by_its_mean_per_replica_and_idle_only_when_always_empty(samples, replicas, level) -> None:
     assert judge(samples, replicas, 4) == level
 
@@ -46,7 +49,10 @@ def test_a_window_is_judged_by_its_mean_per_replica_and_idle_only_when_always_em
 def test_the_extension_fields_default_when_unset() -> None:
     p = policy(Autoscaling(min=2, max=2))
     assert (p.target_in_flight, p.scale_out_after, p.scale_in_after) == (
-        TARGET_IN_FLIGHT, timedelta(seconds=SCALE_OUT_AFTER_S), timedelta(seconds=SCALE_IN_AFTER_S))
+        TARGET_IN_FLIGHT,
+        timedelta(seconds=SCALE_OUT_AFTER_S),
+        timedelta(seconds=SCALE_IN_AFTER_S),
+    )
     assert not p.scales and step(p, 2, {"gw": Heard(BUSY, at(0), at(0))}, at(3600), None) == 0
 
 

@@ -60,7 +60,10 @@ async def test_receivers_commit_as_their_stages_finish_and_a_failed_stage_reads_
         assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
         replicas = {r["name"]: r for r in await f.hot_load_replicas("walk-1")}
         assert [replicas[f"replica-{i}"]["source"] for i in range(4)] == [
-            "bucket", "peer:replica-0", "peer:replica-0", "bucket"
+            "bucket",
+            "peer:replica-0",
+            "peer:replica-0",
+            "bucket",
         ]
         assert all(r["state"] == "READY" for r in replicas.values()), replicas
         # One replica at a time, in walk order: replica-1 committed while replica-2 still staged.
@@ -178,7 +181,9 @@ async def test_a_receiver_failing_from_the_bucket_too_fails_the_walk_and_later_r
         assert hl["status"]["state"] == "HOT_LOAD_STATE_FAILED", hl["status"]
         replicas = await f.hot_load_replicas("receiver-fails-1")
         assert [(r["state"], r["currentSnapshotIdentity"]) for r in replicas] == [
-            ("READY", "step-1"), ("ERROR", "base"), ("PENDING_UPDATE", "base"),
+            ("READY", "step-1"),
+            ("ERROR", "base"),
+            ("PENDING_UPDATE", "base"),
         ]
         assert "Adler-32 mismatch" in replicas[1]["errorReason"]
         # replica-2 had staged, but never committed: the walk stopped at replica-1.
@@ -195,7 +200,10 @@ async def test_without_peer_transfer_every_replica_reads_the_bucket(temporal_env
         now = "2026-01-01T00:00:00.000000Z"
         hot_load = HotLoad(
             spec=HotLoadSpec(
-                id="no-peers-1", deployment_id="no-peers", organization_id=ORG, identity="s1",
+                id="no-peers-1",
+                deployment_id="no-peers",
+                organization_id=ORG,
+                identity="s1",
                 type=SnapshotType.FULL,
                 snapshot_chain=[SnapshotRef(identity="s1", type=SnapshotType.FULL, hot_load_id="no-peers-1")],
             ),
@@ -205,12 +213,16 @@ async def test_without_peer_transfer_every_replica_reads_the_bucket(temporal_env
         outcome = await f.client.execute_workflow(
             HotLoadWorkflow.run,
             HotLoadInput(
-                hot_load=hot_load, hot_load_config=HotLoadConfig(bucket="rollouts", path_prefix="ckpt/no-peers"),
-                replicas=endpoints, deployment_workflow_id=names.deployment_workflow_id(ORG, "absent"),
+                hot_load=hot_load,
+                hot_load_config=HotLoadConfig(bucket="rollouts", path_prefix="ckpt/no-peers"),
+                replicas=endpoints,
+                deployment_workflow_id=names.deployment_workflow_id(ORG, "absent"),
                 peer_transfer=False,
             ),
-            id=names.hot_load_workflow_id(ORG, "no-peers-1"), task_queue=f.task_queue,
-            search_attributes=hot_load_attributes(hot_load), memo={"hotLoad": hot_load.wire()},
+            id=names.hot_load_workflow_id(ORG, "no-peers-1"),
+            task_queue=f.task_queue,
+            search_attributes=hot_load_attributes(hot_load),
+            memo={"hotLoad": hot_load.wire()},
         )
         assert outcome.state == HotLoadState.COMPLETED
         assert [(r.name, r.source) for r in outcome.replicas] == [(f"replica-{i}", "bucket") for i in range(3)]

@@ -40,8 +40,12 @@ async def start_held(f: Fleet, behaviour) -> tuple[str, str]:
 async def test_viewer_cannot_cancel_and_other_org_sees_nothing(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         _, hl = await start_held(f, f.held)
-        error(await f.call("POST", f"/hotLoads/{hl}:cancel", token=VIEWER, json={}), 403, "permission_denied",
-              "canceling a hot-load")
+        error(
+            await f.call("POST", f"/hotLoads/{hl}:cancel", token=VIEWER, json={}),
+            403,
+            "permission_denied",
+            "canceling a hot-load",
+        )
         error(await f.call("POST", f"/hotLoads/{hl}:cancel", token=OTHER_ORG, json={}), 404, "not_found", hl)
         error(await f.call("GET", f"/hotLoads/{hl}", token=OTHER_ORG), 404, "not_found")
         error(await f.call("GET", f"/hotLoads/{hl}/replicas", token=OTHER_ORG), 404, "not_found")
@@ -100,7 +104,9 @@ async def test_cancel_while_a_step_finishes_stops_before_the_next_replica(tempor
         replicas = await f.hot_load_replicas(hl)
         # The replica mid-step finished it (all-or-nothing) and says so; the others were not touched.
         assert [(r["state"], r["currentSnapshotIdentity"]) for r in replicas] == [
-            ("READY", "s1"), ("PENDING_UPDATE", "initial"), ("PENDING_UPDATE", "initial"),
+            ("READY", "s1"),
+            ("PENDING_UPDATE", "initial"),
+            ("PENDING_UPDATE", "initial"),
         ]
         assert "different snapshots" in end["status"]["conditions"][-1]["message"]
         await assert_workflow_canceled(f, hl)
@@ -120,7 +126,10 @@ async def test_cancel_while_a_receiver_commits_leaves_the_rest_on_their_weights(
         f.commit_behaviour = {"replica-1": held_commit}
         write_delta(f.bucket_root / f"ckpt/{dep}", "step-1", "base")
         r = await f.create_hot_load(
-            dep, "step-1", hotLoadId="cancel-walk-1", type="SNAPSHOT_TYPE_INCREMENTAL",
+            dep,
+            "step-1",
+            hotLoadId="cancel-walk-1",
+            type="SNAPSHOT_TYPE_INCREMENTAL",
             incrementalSnapshotMetadata={"previousSnapshotIdentity": "base"},
         )
         assert r.status_code == 200, r.text
@@ -132,7 +141,9 @@ async def test_cancel_while_a_receiver_commits_leaves_the_rest_on_their_weights(
         assert end["status"]["state"] == "HOT_LOAD_STATE_CANCELED", end["status"]
         replicas = await f.hot_load_replicas("cancel-walk-1")
         assert [(r["state"], r["currentSnapshotIdentity"]) for r in replicas] == [
-            ("READY", "step-1"), ("PENDING_UPDATE", "base"), ("PENDING_UPDATE", "base"),
+            ("READY", "step-1"),
+            ("PENDING_UPDATE", "base"),
+            ("PENDING_UPDATE", "base"),
         ]
         assert [n for n, e in f.peer_events if e in ("commit", "applied")] == ["replica-0", "replica-1"]
         await assert_workflow_canceled(f, "cancel-walk-1")
@@ -161,7 +172,10 @@ async def test_a_receivers_commit_failing_after_a_cancel_reads_no_bucket(tempora
         f.commit_behaviour = {"replica-1": held_then_fail}
         write_delta(f.bucket_root / f"ckpt/{dep}", "step-1", "base")
         r = await f.create_hot_load(
-            dep, "step-1", hotLoadId="cancel-fail-1", type="SNAPSHOT_TYPE_INCREMENTAL",
+            dep,
+            "step-1",
+            hotLoadId="cancel-fail-1",
+            type="SNAPSHOT_TYPE_INCREMENTAL",
             incrementalSnapshotMetadata={"previousSnapshotIdentity": "base"},
         )
         assert r.status_code == 200, r.text
@@ -172,7 +186,9 @@ async def test_a_receivers_commit_failing_after_a_cancel_reads_no_bucket(tempora
         assert end["status"]["state"] == "HOT_LOAD_STATE_CANCELED", end["status"]
         replicas = await f.hot_load_replicas("cancel-fail-1")
         assert [(r["state"], r["currentSnapshotIdentity"]) for r in replicas] == [
-            ("READY", "step-1"), ("PENDING_UPDATE", "base"), ("PENDING_UPDATE", "base"),
+            ("READY", "step-1"),
+            ("PENDING_UPDATE", "base"),
+            ("PENDING_UPDATE", "base"),
         ]
         assert [n for n, e in f.peer_events if e in ("commit", "applied")] == ["replica-0", "replica-1"]
         await assert_workflow_canceled(f, "cancel-fail-1")

@@ -70,8 +70,10 @@ async def test_the_last_delta_a_chain_may_hold_is_one_check(temporal_env, tmp_pa
             for i in range(1, MAX_CHAIN_DELTAS)
         ]
         state = deployment_state("dep-long", zones=[ZONE], chains={f"d{MAX_CHAIN_DELTAS - 1}": links})
-        state.replicas = [r.model_copy(update={"current_snapshot_identity": f"d{MAX_CHAIN_DELTAS - 1}"})
-                          for r in f.replica_endpoints("dep-long", 2)]
+        state.replicas = [
+            r.model_copy(update={"current_snapshot_identity": f"d{MAX_CHAIN_DELTAS - 1}"})
+            for r in f.replica_endpoints("dep-long", 2)
+        ]
         dep = await f.deployment_from_state(state)
         # Only the new delta is in the bucket: a check of any earlier link would refuse it.
         write_delta(f.bucket_root / "ckpt/dep-long", "d63", "d62")
@@ -98,8 +100,11 @@ async def test_an_earlier_link_removed_or_rewritten_is_refused_when_a_replica_re
 
         async def noted() -> bool | None:
             state = await f.deployment_state(dep)
-            return True if state.active_hot_load_id is None and all(
-                r.current_snapshot_identity == "s3" for r in state.replicas) else None
+            return (
+                True
+                if state.active_hot_load_id is None and all(r.current_snapshot_identity == "s3" for r in state.replicas)
+                else None
+            )
 
         # The deployment takes note of a hot-load's end in its own next workflow task: a ready
         # signal before that would be overwritten by the note (s3), not kept.
@@ -118,20 +123,35 @@ async def test_an_earlier_link_removed_or_rewritten_is_refused_when_a_replica_re
 
         await poll(forgotten, 30, f"{replica} on its base weights")
         write_delta(root, "s4", "s3")
-        error(await f.create_hot_load(dep, "s4", hotLoadId=f"{dep}-s4", **delta_body("s3")), 412,
-              "failed_precondition", "snapshot 's1'", "missing required files", SHARD)
+        error(
+            await f.create_hot_load(dep, "s4", hotLoadId=f"{dep}-s4", **delta_body("s3")),
+            412,
+            "failed_precondition",
+            "snapshot 's1'",
+            "missing required files",
+            SHARD,
+        )
         # Back as it was: admitted. Rewritten (other bytes): refused as changed, although complete.
         (away / SHARD).rename(root / "s1" / SHARD)
         shutil.copy2(root / "s2" / SHARD, away / SHARD)
         (root / "s2" / SHARD).write_text("other bytes")
-        error(await f.create_hot_load(dep, "s4", hotLoadId=f"{dep}-s4", **delta_body("s3")), 412,
-              "failed_precondition", "snapshot 's2'", "changed since it joined")
+        error(
+            await f.create_hot_load(dep, "s4", hotLoadId=f"{dep}-s4", **delta_body("s3")),
+            412,
+            "failed_precondition",
+            "snapshot 's2'",
+            "changed since it joined",
+        )
         shutil.copy2(away / SHARD, root / "s2" / SHARD)  # copy2 keeps the mtime: the same version
         r = await f.create_hot_load(dep, "s4", hotLoadId=f"{dep}-s4", **delta_body("s3"))
         assert r.status_code == 200, r.text
         seen = await admissions(f, dep)
         assert [(a.checked, a.admitted) for a in seen] == [
-            (["s1"], True), (["s2"], True), (["s3"], True),
+            (["s1"], True),
+            (["s2"], True),
+            (["s3"], True),
             # The replica serving none of the chain reads all of it, base first.
-            (["s1", "s2", "s3", "s4"], False), (["s1", "s2", "s3", "s4"], False), (["s1", "s2", "s3", "s4"], True),
+            (["s1", "s2", "s3", "s4"], False),
+            (["s1", "s2", "s3", "s4"], False),
+            (["s1", "s2", "s3", "s4"], True),
         ]

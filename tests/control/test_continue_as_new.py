@@ -40,8 +40,9 @@ async def start_memo(client: Client, handle: WorkflowHandle, run_id: str) -> dic
 
 @pytest.fixture(scope="module")
 async def short_history_env():
-    env = await start_dev_server("--dynamic-config-value",
-                                 f"limit.historyCount.suggestContinueAsNew={SUGGEST_AFTER_EVENTS}")
+    env = await start_dev_server(
+        "--dynamic-config-value", f"limit.historyCount.suggestContinueAsNew={SUGGEST_AFTER_EVENTS}"
+    )
     try:
         yield env
     finally:
@@ -76,8 +77,10 @@ async def test_the_node_registry_continues_as_new_with_its_nodes_in_the_memo(sho
     task_queue = f"test-nodes-{uuid.uuid4().hex[:12]}"
     async with Worker(client, task_queue=task_queue, workflows=[NodeRegistryWorkflow]):
         handle = await client.start_workflow(
-            NodeRegistryWorkflow.run, RegistryState(lost_after_s=600.0),
-            id=f"test-registry-{uuid.uuid4().hex[:8]}", task_queue=task_queue,
+            NodeRegistryWorkflow.run,
+            RegistryState(lost_after_s=600.0),
+            id=f"test-registry-{uuid.uuid4().hex[:8]}",
+            task_queue=task_queue,
         )
         first_run = (await handle.describe()).run_id
         beats = [NodeHeartbeat(name=n, address=f"10.9.0.{i}", zone="Z1", slots=2) for i, n in enumerate(("n1", "n2"))]

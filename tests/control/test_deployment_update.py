@@ -44,8 +44,12 @@ async def test_update_changes_engine_config_and_traffic(temporal_env, tmp_path):
         assert got["spec"]["runtime"]["engineConfig"] == {"enable-return-routed-experts": ""}
         assert got["status"]["readyReplicas"] == 2
         # The section as sent, with the large-deployment settings (beyond the guide) at their defaults.
-        assert got["spec"]["hotLoad"] == {**hot_load_section(dep), "maxConcurrentSwaps": 1, "peerFanOut": 4,
-                                          "replicasPerGroup": 100}
+        assert got["spec"]["hotLoad"] == {
+            **hot_load_section(dep),
+            "maxConcurrentSwaps": 1,
+            "peerFanOut": 4,
+            "replicasPerGroup": 100,
+        }
         after = (await f.deployment_state(dep)).members
         assert len(after) == 2 and not set(after) & set(before) and f.stopped == before
         # Traffic alone needs no new replicas: none is replaced, the deployment stays READY.
@@ -69,8 +73,10 @@ async def test_update_rolls_one_replica_at_a_time_and_refuses_hot_loads_meanwhil
         dep = await f.ready_deployment()
         old = [r.name for r in (await f.deployment_state(dep)).replicas]  # walk order
         f.report_ready = False  # each new replica reports ready when the test says
-        body = {"hotLoad": hot_load_section(dep),
-                "runtime": {"engine": "dynamo-vllm", "version": "0.32.0", "engineConfig": {"max-num-seqs": "6"}}}
+        body = {
+            "hotLoad": hot_load_section(dep),
+            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0", "engineConfig": {"max-num-seqs": "6"}},
+        }
         r = await f.call("PATCH", f"/deployments/{dep}", json=body)
         assert r.status_code == 200 and r.json()["deployment"]["status"]["status"] == "STATUS_UPDATING", r.text
         first = await _new_pending(f, dep, set(old))
@@ -78,11 +84,18 @@ async def test_update_rolls_one_replica_at_a_time_and_refuses_hot_loads_meanwhil
         assert [r.name for r in state.replicas] == old and state.outdated == old  # both still serve
         got = (await f.call("GET", f"/deployments/{dep}")).json()["deployment"]["status"]
         assert got["status"] == "STATUS_UPDATING" and got["readyReplicas"] == 2, got
-        assert got["conditions"][0]["reason"] == "RollingUpdate" and "2 replica(s) still on the previous" in \
-            got["conditions"][0]["message"]
+        assert (
+            got["conditions"][0]["reason"] == "RollingUpdate"
+            and "2 replica(s) still on the previous" in got["conditions"][0]["message"]
+        )
         write_full(f.bucket_root / f"ckpt/{dep}", "s1")
-        error(await f.create_hot_load(dep, "s1"), 412, "failed_precondition", "STATUS_UPDATING, not STATUS_READY",
-              "RollingUpdate")
+        error(
+            await f.create_hot_load(dep, "s1"),
+            412,
+            "failed_precondition",
+            "STATUS_UPDATING, not STATUS_READY",
+            "RollingUpdate",
+        )
         error(await f.call("PATCH", f"/deployments/{dep}", json=body), 412, "failed_precondition", "STATUS_UPDATING")
 
         await f.signal_ready(dep, first)
@@ -105,8 +118,10 @@ async def test_a_failed_update_leaves_the_old_replicas_serving_until_updated_aga
         dep = await f.ready_deployment()
         old = [r.name for r in (await f.deployment_state(dep)).replicas]
         f.report_ready = False
-        bad = {"hotLoad": hot_load_section(dep),
-               "runtime": {"engine": "dynamo-vllm", "version": "0.32.0", "engineConfig": {"max-num-seqs": "7"}}}
+        bad = {
+            "hotLoad": hot_load_section(dep),
+            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0", "engineConfig": {"max-num-seqs": "7"}},
+        }
         assert (await f.call("PATCH", f"/deployments/{dep}", json=bad)).status_code == 200
         new = await _new_pending(f, dep, set(old))
         await f.deployment_handle(dep).signal(
@@ -120,8 +135,13 @@ async def test_a_failed_update_leaves_the_old_replicas_serving_until_updated_aga
         assert got["status"]["readyReplicas"] == 2 and f.stopped == [new]
         assert [r.name for r in (await f.deployment_state(dep)).replicas] == old
         write_full(f.bucket_root / f"ckpt/{dep}", "s1")
-        error(await f.create_hot_load(dep, "s1"), 412, "failed_precondition", "STATUS_ERROR, not STATUS_READY",
-              "UpdateFailed")
+        error(
+            await f.create_hot_load(dep, "s1"),
+            412,
+            "failed_precondition",
+            "STATUS_ERROR, not STATUS_READY",
+            "UpdateFailed",
+        )
         # Updating again (here: back to the previous runtime) rolls again.
         back = {**bad, "runtime": {"engine": "dynamo-vllm", "version": "0.32.0", "engineConfig": {}}}
         r = await f.call("PATCH", f"/deployments/{dep}", json=back)
@@ -137,14 +157,32 @@ async def test_a_failed_update_leaves_the_old_replicas_serving_until_updated_aga
 async def test_update_that_omits_or_changes_hot_load_is_refused(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
-        error(await f.call("PATCH", f"/deployments/{dep}", json={"traffic": {"weight": 10}}), 400,
-              "invalid_argument", "hotLoad", "must include")
+        error(
+            await f.call("PATCH", f"/deployments/{dep}", json={"traffic": {"weight": 10}}),
+            400,
+            "invalid_argument",
+            "hotLoad",
+            "must include",
+        )
         changed = {**hot_load_section(dep), "pathPrefix": "elsewhere"}
-        error(await f.call("PATCH", f"/deployments/{dep}", json={"hotLoad": changed}), 400,
-              "invalid_argument", "hotLoad", "immutable")
-        error(await f.call("PATCH", f"/deployments/{dep}",
-                           json={"hotLoad": hot_load_section(dep), "autoscaling": {"min": 3, "max": 3}}),
-              400, "invalid_argument", "autoscaling", "cannot be changed")
+        error(
+            await f.call("PATCH", f"/deployments/{dep}", json={"hotLoad": changed}),
+            400,
+            "invalid_argument",
+            "hotLoad",
+            "immutable",
+        )
+        error(
+            await f.call(
+                "PATCH",
+                f"/deployments/{dep}",
+                json={"hotLoad": hot_load_section(dep), "autoscaling": {"min": 3, "max": 3}},
+            ),
+            400,
+            "invalid_argument",
+            "autoscaling",
+            "cannot be changed",
+        )
         error(
             await f.call(
                 "PATCH",
@@ -157,8 +195,12 @@ async def test_update_that_omits_or_changes_hot_load_is_refused(temporal_env, tm
         )
         assert (await f.call("GET", f"/deployments/{dep}")).json()["deployment"]["spec"]["traffic"] == {"weight": 100}
         plain = await f.ready_deployment(hot_load=False)
-        error(await f.call("PATCH", f"/deployments/{plain}", json={"hotLoad": hot_load_section(plain)}), 400,
-              "invalid_argument", "cannot be added")
+        error(
+            await f.call("PATCH", f"/deployments/{plain}", json={"hotLoad": hot_load_section(plain)}),
+            400,
+            "invalid_argument",
+            "cannot be added",
+        )
         r = await f.call("PATCH", f"/deployments/{plain}", json={"traffic": {"weight": 5}})
         assert r.status_code == 200 and r.json()["deployment"]["spec"]["traffic"] == {"weight": 5}
 
@@ -172,8 +214,12 @@ async def test_no_update_while_a_hot_load_runs(temporal_env, tmp_path):
         assert r.status_code == 200
         await asyncio.wait_for(f.started.wait(), 30)
         body = {"hotLoad": hot_load_section(dep), "traffic": {"weight": 10}}
-        error(await f.call("PATCH", f"/deployments/{dep}", json=body), 412, "failed_precondition",
-              "busy is already in progress")
+        error(
+            await f.call("PATCH", f"/deployments/{dep}", json=body),
+            412,
+            "failed_precondition",
+            "busy is already in progress",
+        )
         f.hold.set()
         await f.wait_hot_load("busy")
         await f.wait_idle(dep)
@@ -184,8 +230,12 @@ async def test_update_roles_and_organizations(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
         body = {"hotLoad": hot_load_section(dep), "traffic": {"weight": 10}}
-        error(await f.call("PATCH", f"/deployments/{dep}", token=VIEWER, json=body), 403, "permission_denied",
-              "updating a deployment")
+        error(
+            await f.call("PATCH", f"/deployments/{dep}", token=VIEWER, json=body),
+            403,
+            "permission_denied",
+            "updating a deployment",
+        )
         error(await f.call("PATCH", f"/deployments/{dep}", token=OTHER_ORG, json=body), 404, "not_found")
         error(await f.call("PATCH", "/deployments/nope", json=body), 404, "not_found")
 
@@ -194,5 +244,9 @@ async def test_no_update_before_the_deployment_is_ready(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path, report_ready=False) as f:
         dep = await f.ready_deployment(wait=False)
         body = {"hotLoad": hot_load_section(dep), "traffic": {"weight": 10}}
-        error(await f.call("PATCH", f"/deployments/{dep}", json=body), 412, "failed_precondition",
-              "STATUS_CREATING, not STATUS_READY")
+        error(
+            await f.call("PATCH", f"/deployments/{dep}", json=body),
+            412,
+            "failed_precondition",
+            "STATUS_CREATING, not STATUS_READY",
+        )

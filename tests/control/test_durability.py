@@ -86,9 +86,22 @@ class DevServer:
 
     async def start(self) -> None:
         argv = [
-            str(TEMPORAL_BIN), "server", "start-dev", "--headless", "--ip", "127.0.0.1", "--port", str(self.port),
-            "--http-port", str(self.http_port), "--metrics-port", str(self.metrics_port),
-            "--db-filename", str(self.db), "--log-level", "error",
+            str(TEMPORAL_BIN),
+            "server",
+            "start-dev",
+            "--headless",
+            "--ip",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--http-port",
+            str(self.http_port),
+            "--metrics-port",
+            str(self.metrics_port),
+            "--db-filename",
+            str(self.db),
+            "--log-level",
+            "error",
         ]
         for name, kind in SEARCH_ATTRIBUTES.items():
             argv += ["--search-attribute", f"{name}={kind}"]
@@ -96,8 +109,14 @@ class DevServer:
 
         async def healthy() -> bool | None:
             health = await asyncio.create_subprocess_exec(
-                str(TEMPORAL_BIN), "operator", "cluster", "health", "--address", self.address,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+                str(TEMPORAL_BIN),
+                "operator",
+                "cluster",
+                "health",
+                "--address",
+                self.address,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
             )
             return True if await health.wait() == 0 else None
 
@@ -181,7 +200,11 @@ class ApiProcess:
 
     async def start(self) -> None:
         self.proc = subprocess.Popen(
-            self.argv, cwd=REPO, env=self.env, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"),
+            self.argv,
+            cwd=REPO,
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log, "ab"),
         )
 
         async def healthy() -> bool | None:
@@ -257,9 +280,15 @@ async def test_api_process_killed_mid_hot_load_and_mid_create_then_restarted(tem
             # 1. Killed mid-operation: the operation does not need the API.
             await api.start()
             async with api.http() as http:
-                created = await http.post("/hotLoads", json={
-                    "deploymentId": dep, "identity": "s1", "type": "SNAPSHOT_TYPE_FULL", "hotLoadId": "api-crash",
-                })
+                created = await http.post(
+                    "/hotLoads",
+                    json={
+                        "deploymentId": dep,
+                        "identity": "s1",
+                        "type": "SNAPSHOT_TYPE_FULL",
+                        "hotLoadId": "api-crash",
+                    },
+                )
                 assert created.status_code == 200, created.text
                 await asyncio.wait_for(f.started.wait(), 30)
                 api.kill9()
@@ -300,7 +329,8 @@ async def test_api_process_killed_mid_hot_load_and_mid_create_then_restarted(tem
                 assert [(r["state"], r["currentSnapshotIdentity"]) for r in replicas] == [("READY", "s2")] * 3
                 listed = (await http.get("/hotLoads", params={"parentDeploymentId": dep})).json()["hotLoads"]
                 assert [(h["spec"]["id"], h["status"]["state"]) for h in listed] == [
-                    ("lost", "HOT_LOAD_STATE_COMPLETED"), ("api-crash", "HOT_LOAD_STATE_COMPLETED"),
+                    ("lost", "HOT_LOAD_STATE_COMPLETED"),
+                    ("api-crash", "HOT_LOAD_STATE_COMPLETED"),
                 ]
             await f.wait_idle(dep)
             f.apply_behaviour = {}

@@ -41,14 +41,21 @@ def first_terminal_and_finished_signal(events: list[dict]) -> tuple[int, int | N
     """(index of the first event showing a terminal state, index of the delivered
     `hot_load_finished` signal or None)."""
     finished_initiated = {
-        e["eventId"] for e in events
+        e["eventId"]
+        for e in events
         if e.get("signalExternalWorkflowExecutionInitiatedEventAttributes", {}).get("signalName")
         == names.HOT_LOAD_FINISHED
     }
     terminal = next(i for i, e in enumerate(events) if shown_state(e) in TERMINAL_HOT_LOAD_STATES)
-    delivered = next((i for i, e in enumerate(events)
-                      if e.get("externalWorkflowExecutionSignaledEventAttributes", {}).get("initiatedEventId")
-                      in finished_initiated), None)
+    delivered = next(
+        (
+            i
+            for i, e in enumerate(events)
+            if e.get("externalWorkflowExecutionSignaledEventAttributes", {}).get("initiatedEventId")
+            in finished_initiated
+        ),
+        None,
+    )
     return terminal, delivered
 
 

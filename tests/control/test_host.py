@@ -20,4 +20,5 @@ def test_the_deployment_workflow_provides_every_member_of_its_mixins_host():
         assert f"self.{name} =" in init or f"self.{name}: " in init, f"DeploymentWorkflow.__init__ does not set {name}"
     for name in members - attributes:
         assert callable(getattr(DeploymentWorkflow, name, None)) or isinstance(
-            inspect.getattr_static(DeploymentWorkflow, name, None), property), f"DeploymentWorkflow lacks {name}"
+            inspect.getattr_static(DeploymentWorkflow, name, None), property
+        ), f"DeploymentWorkflow lacks {name}"

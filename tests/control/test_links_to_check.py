@@ -16,8 +16,15 @@ CHAIN = [SnapshotRef(identity="s0", type=SnapshotType.FULL)] + [
 def checked(*served: str) -> list[str]:
     state = deployment_state("d", zones=["Z"])
     state.replicas = [
-        ReplicaEndpoint(name=f"r{i}", zone="Z", task_queue="q", engine_url="u", engine_pid=1, agent_pid=1,
-                        current_snapshot_identity=identity)
+        ReplicaEndpoint(
+            name=f"r{i}",
+            zone="Z",
+            task_queue="q",
+            engine_url="u",
+            engine_pid=1,
+            agent_pid=1,
+            current_snapshot_identity=identity,
+        )
         for i, identity in enumerate(served)
     ]
     return [link.identity for link in links_to_check(state, CHAIN)]

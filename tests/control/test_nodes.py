@@ -70,8 +70,7 @@ class Registry:
     # Nodes whose heartbeat the background task keeps sending.
     alive: dict[str, NodeHeartbeat] = field(default_factory=dict)
 
-    async def heartbeat(self, name: str, *, slots: int = 1, gpus: int = 0, zone: str = "Z1",
-                        keep: bool = True) -> None:
+    async def heartbeat(self, name: str, *, slots: int = 1, gpus: int = 0, zone: str = "Z1", keep: bool = True) -> None:
         hb = NodeHeartbeat(name=name, address=f"10.9.0.{len(self.alive) + 1}", zone=zone, gpus=gpus, slots=slots)
         await self.handle.signal(names.NODE_HEARTBEAT, hb)
         if keep:
@@ -110,8 +109,10 @@ async def registry(client: Client) -> AsyncIterator[Registry]:
     task_queue = f"test-nodes-{uuid.uuid4().hex[:12]}"
     async with Worker(client, task_queue=task_queue, workflows=[NodeRegistryWorkflow, LostRecorder]):
         handle = await client.start_workflow(
-            NodeRegistryWorkflow.run, RegistryState(lost_after_s=LOST_AFTER_S),
-            id=f"test-registry-{uuid.uuid4().hex[:8]}", task_queue=task_queue,
+            NodeRegistryWorkflow.run,
+            RegistryState(lost_after_s=LOST_AFTER_S),
+            id=f"test-registry-{uuid.uuid4().hex[:8]}",
+            task_queue=task_queue,
         )
         reg = Registry(client, handle, task_queue)
 

@@ -30,7 +30,9 @@ async def test_two_organizations_each_have_their_own_ids(temporal_env, tmp_path)
             )
             assert r.status_code == 200, r.text
             body = {
-                "id": SAME, "name": f"dep of {org}", "gatewayIds": [SAME],
+                "id": SAME,
+                "name": f"dep of {org}",
+                "gatewayIds": [SAME],
                 "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
                 "model": {"name": f"m-{org}", "bucket": "rollouts", "path": "models/base"},
                 "autoscaling": {"min": 2, "max": 2},

@@ -58,7 +58,9 @@ async def test_a_failed_hot_load_is_a_failed_workflow_naming_the_replica(tempora
         assert cond["reason"] == "ReplicaFailed" and "replica replica-1: tensor w: Adler-32 mismatch" in cond["message"]
         replicas = await f.hot_load_replicas("outcome-failed-1")
         assert [(r["name"], r["state"]) for r in replicas] == [
-            ("replica-0", "READY"), ("replica-1", "ERROR"), ("replica-2", "PENDING_UPDATE")
+            ("replica-0", "READY"),
+            ("replica-1", "ERROR"),
+            ("replica-2", "PENDING_UPDATE"),
         ]
 
         # The workflow failed, and says which replica and why.

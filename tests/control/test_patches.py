@@ -58,8 +58,9 @@ def test_every_patch_call_is_listed_at_its_stage():
         assert calls.get(patch.id, set()) == expected, (patch.id, patch.stage, calls.get(patch.id))
         if patch.stage != "removable":  # `where` is the module that makes the call
             names = [n for n in dir(patches) if n.isupper() and getattr(patches, n) == patch.id]
-            assert any(CALL.search(line) and n in line for n in names
-                       for line in (REPO / patch.where).read_text().splitlines()), (patch.id, patch.where)
+            assert any(
+                CALL.search(line) and n in line for n in names for line in (REPO / patch.where).read_text().splitlines()
+            ), (patch.id, patch.where)
 
 
 def test_a_patch_call_not_in_the_table_is_found(tmp_path):

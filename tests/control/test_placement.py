@@ -18,10 +18,19 @@ OTHER = "deployments/org-a/dep-2"
 SEEN = "2026-01-01T00:00:00.000000Z"
 
 
-def node(name: str, *, gpus: int = 0, slots: int = 0, zone: str = "Z1", lost: bool = False,
-         placements: dict[str, Placement] | None = None, max_replicas: int = 0) -> NodeRecord:
-    hb = NodeHeartbeat(name=name, address=f"10.0.0.{len(name)}", zone=zone, gpus=gpus, slots=slots,
-                       max_replicas=max_replicas)
+def node(
+    name: str,
+    *,
+    gpus: int = 0,
+    slots: int = 0,
+    zone: str = "Z1",
+    lost: bool = False,
+    placements: dict[str, Placement] | None = None,
+    max_replicas: int = 0,
+) -> NodeRecord:
+    hb = NodeHeartbeat(
+        name=name, address=f"10.0.0.{len(name)}", zone=zone, gpus=gpus, slots=slots, max_replicas=max_replicas
+    )
     return NodeRecord(heartbeat=hb, last_seen=SEEN, lost=lost, placements=placements or {})
 
 
@@ -74,8 +83,9 @@ def test_gpu_replicas_take_distinct_lowest_free_devices() -> None:
     assert sorted(p.devices for p in result.values()) == [[0, 1], [2, 3]]
     assert {p.node for p in result.values()} == {"g"}
     # Devices another replica holds are skipped; the lowest free ones go first.
-    busy = fleet(node("g", gpus=4, placements={placement_key(OTHER, "x"): Placement(node="g", address="-",
-                                                                                   devices=[1])}))
+    busy = fleet(
+        node("g", gpus=4, placements={placement_key(OTHER, "x"): Placement(node="g", address="-", devices=[1])})
+    )
     result = place(busy, DEP, ["r0", "r1"], 1, "")
     assert sorted(p.devices for p in result.values()) == [[0], [2]]
 
@@ -89,8 +99,10 @@ def test_gpu_replicas_spread_across_gpu_nodes() -> None:
 
 def test_placements_already_held_are_kept_and_count_as_used() -> None:
     held = Placement(node="b", address="10.0.0.1", devices=[])
-    nodes = fleet(node("a", slots=1, placements={placement_key(OTHER, "x"): Placement(node="a", address="-")}),
-                  node("b", slots=2, placements={placement_key(DEP, "r0"): held}))
+    nodes = fleet(
+        node("a", slots=1, placements={placement_key(OTHER, "x"): Placement(node="a", address="-")}),
+        node("b", slots=2, placements={placement_key(DEP, "r0"): held}),
+    )
     before = snapshot(nodes)
     # Asked again (a retry): the same placement, nothing new taken.
     assert place(nodes, DEP, ["r0"], 0, "") == {"r0": held}
@@ -172,9 +184,15 @@ def test_a_node_with_max_replicas_takes_no_more_whatever_its_capacity() -> None:
     nodes = fleet(node("pod-a", gpus=8, max_replicas=1), node("pod-b", gpus=8, max_replicas=1))
     result = place(nodes, DEP, ["r1", "r2"], 1, "Z1")
     assert per_node(result) == {"pod-a": ["r1"], "pod-b": ["r2"]}
-    held = fleet(node("pod-a", slots=4, max_replicas=1,
-                      placements={placement_key(OTHER, "x"): Placement(node="pod-a", address="a")}),
-                 node("pod-b", slots=4, max_replicas=1))
+    held = fleet(
+        node(
+            "pod-a",
+            slots=4,
+            max_replicas=1,
+            placements={placement_key(OTHER, "x"): Placement(node="pod-a", address="a")},
+        ),
+        node("pod-b", slots=4, max_replicas=1),
+    )
     assert per_node(place(held, DEP, ["r1"], 0, "Z1")) == {"pod-b": ["r1"]}
     before = snapshot(held)
     with pytest.raises(PlacementError) as err:

@@ -27,16 +27,26 @@ async def test_a_replica_found_gone_at_admission_refuses_the_hot_load(temporal_e
         # The deployment still believes it is READY: nothing told it yet.
         assert (await _status(f, dep))["status"] == "STATUS_READY"
         write_full(f.bucket_root / f"ckpt/{dep}", "s1")
-        error(await f.create_hot_load(dep, "s1", hotLoadId="too-soon"), 412, "failed_precondition",
-              "STATUS_UPDATING, not STATUS_READY", "ReplicasRestarting", members[1])
+        error(
+            await f.create_hot_load(dep, "s1", hotLoadId="too-soon"),
+            412,
+            "failed_precondition",
+            "STATUS_UPDATING, not STATUS_READY",
+            "ReplicasRestarting",
+            members[1],
+        )
         st = await _status(f, dep)
         assert st["status"] == "STATUS_UPDATING" and st["readyReplicas"] == 1, st
         assert [(c["reason"], c["status"]) for c in st["conditions"]] == [("ReplicasRestarting", "STATUS_FALSE")]
         assert "1 of 2 serving" in st["conditions"][0]["message"]
         assert not st.get("activeHotLoadId")
         # Still restarting: refused again, by the status itself.
-        error(await f.create_hot_load(dep, "s1", hotLoadId="still-too-soon"), 412, "failed_precondition",
-              "STATUS_UPDATING")
+        error(
+            await f.create_hot_load(dep, "s1", hotLoadId="still-too-soon"),
+            412,
+            "failed_precondition",
+            "STATUS_UPDATING",
+        )
         assert f.applied == []
         await f.signal_ready(dep, members[1])
         st = (await f.wait_deployment(dep))["status"]
@@ -108,8 +118,14 @@ async def test_a_node_agent_that_missed_a_check_is_asked_again_by_the_admission(
         assert [c["reason"] for c in st["conditions"]] == ["NodeUnreachable"], st
         assert f.node in st["conditions"][0]["message"] and "silent" in st["conditions"][0]["message"], st
         checks = len(f.start_inputs)
-        error(await f.create_hot_load(dep, "s1", hotLoadId="silent"), 503, "unavailable",
-              "did not answer", f.node, "try again")
+        error(
+            await f.create_hot_load(dep, "s1", hotLoadId="silent"),
+            503,
+            "unavailable",
+            "did not answer",
+            f.node,
+            "try again",
+        )
         assert len(f.start_inputs) == checks + 1, "the admission asked the node agent itself"
         f.node_silent = None
         assert (await _status(f, dep))["status"] == "STATUS_UPDATING"  # the premise: not READY before the create

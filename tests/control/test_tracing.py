@@ -23,7 +23,8 @@ async def test_one_trace_from_the_api_request_to_the_replica_steps(temporal_env,
     tracer = provider.get_tracer("test")
     client = await Client.connect(
         temporal_env.client.service_client.config.target_host,
-        data_converter=pydantic_data_converter, interceptors=temporal_interceptors(tracer),
+        data_converter=pydantic_data_converter,
+        interceptors=temporal_interceptors(tracer),
     )
     async with Fleet(client, tmp_path, tracer=tracer) as f:
         dep = await f.ready_deployment()

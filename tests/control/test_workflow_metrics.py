@@ -36,8 +36,9 @@ def _values(mirror: metrics.TemporalMirror) -> dict[tuple[str, tuple[str, ...]],
 async def test_workflow_metrics_reach_prometheus_once_and_not_on_replay(temporal_env):
     runtime, buffer = metrics.buffered_runtime()
     target = temporal_env.client.service_client.config.target_host
-    client = await Client.connect(target, namespace=temporal_env.client.namespace, runtime=runtime,
-                                  data_converter=pydantic_data_converter)
+    client = await Client.connect(
+        target, namespace=temporal_env.client.namespace, runtime=runtime, data_converter=pydantic_data_converter
+    )
     mirror = metrics.TemporalMirror(buffer)
     queue = f"metrics-{uuid.uuid4().hex[:8]}"
     async with Worker(client, task_queue=queue, workflows=[Records]):
@@ -68,11 +69,22 @@ def test_the_mirror_keeps_only_our_metrics_and_labels():
             self.value, self.attributes = value, attributes
 
     mirror = metrics.TemporalMirror()
-    mirror.mirror([
-        Update("rollouts_hot_loads_ended", 1, {"outcome": "COMPLETED", "reason": "", "namespace": "default",
-                                               "task_queue": "q", "workflow_type": "HotLoadWorkflow"}),
-        Update("rollouts_hot_loads_ended", 2, {"outcome": "COMPLETED", "reason": ""}),
-        Update("temporal_workflow_completed", 1, {}),  # the SDK's own: not mirrored
-    ])
+    mirror.mirror(
+        [
+            Update(
+                "rollouts_hot_loads_ended",
+                1,
+                {
+                    "outcome": "COMPLETED",
+                    "reason": "",
+                    "namespace": "default",
+                    "task_queue": "q",
+                    "workflow_type": "HotLoadWorkflow",
+                },
+            ),
+            Update("rollouts_hot_loads_ended", 2, {"outcome": "COMPLETED", "reason": ""}),
+            Update("temporal_workflow_completed", 1, {}),  # the SDK's own: not mirrored
+        ]
+    )
     got = _values(mirror)
     assert got == {("rollouts_hot_loads_ended_total", (("outcome", "COMPLETED"), ("reason", ""))): 3}

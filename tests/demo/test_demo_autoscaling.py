@@ -11,7 +11,12 @@ def test_a_fixed_size_unless_max_is_above_min():
     assert _autoscaling(DemoConfig()) == {"min": 2, "max": 2}
     assert _autoscaling(DemoConfig(replicas=2, max_replicas=2)) == {"min": 2, "max": 2}
     assert _autoscaling(DemoConfig(replicas=1, max_replicas=2)) == {
-        "min": 1, "max": 2, "targetInFlight": 2, "scaleOutAfterSeconds": 10, "scaleInAfterSeconds": 20}
+        "min": 1,
+        "max": 2,
+        "targetInFlight": 2,
+        "scaleOutAfterSeconds": 10,
+        "scaleInAfterSeconds": 20,
+    }
 
 
 def test_each_change_of_the_serving_replicas_is_told_once():

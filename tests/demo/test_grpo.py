@@ -33,11 +33,26 @@ from workers.grpo import (
 )
 
 TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "num_hidden_layers": 2,
-    "vocab_size": 64, "max_position_embeddings": 128, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "num_hidden_layers": 2,
+    "vocab_size": 64,
+    "max_position_embeddings": 128,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "torch_dtype": "bfloat16",
 }
 DIGITS = frozenset(range(10, 20))
 
@@ -60,8 +75,14 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 def batch(prompt=(1, 5, 6)) -> list[Rollout]:
     """Two groups of four: in each, completions with more digit tokens earn more."""
     comps = [
-        [10, 11, 12, 13], [10, 30, 31, 32], [40, 41, 42, 43], [44, 45, 46, 47],
-        [14, 15, 50, 51], [52, 53, 54, 55], [16, 17, 18, 19], [56, 57, 58, 59],
+        [10, 11, 12, 13],
+        [10, 30, 31, 32],
+        [40, 41, 42, 43],
+        [44, 45, 46, 47],
+        [14, 15, 50, 51],
+        [52, 53, 54, 55],
+        [16, 17, 18, 19],
+        [56, 57, 58, 59],
     ]
     out = []
     for i, c in enumerate(comps):
@@ -215,8 +236,23 @@ def test_reward_summary_compares_first_and_last_five():
 def test_progress_line_and_plot(tmp_path):
     recs = [
         StepRecord(0, "step-000000", "FULL", None, None, 3.2, 2, 2, "HOT_LOAD_STATE_COMPLETED"),
-        StepRecord(1, "step-000001", "DELTA", 0.004, 12.5, 1.1, 2, 2, "HOT_LOAD_STATE_COMPLETED",
-                   tokens=1024, rollout_s=2.0, train_s=0.5, mismatch=0.01, sample="abc", pause_ms=31.6),
+        StepRecord(
+            1,
+            "step-000001",
+            "DELTA",
+            0.004,
+            12.5,
+            1.1,
+            2,
+            2,
+            "HOT_LOAD_STATE_COMPLETED",
+            tokens=1024,
+            rollout_s=2.0,
+            train_s=0.5,
+            mismatch=0.01,
+            sample="abc",
+            pause_ms=31.6,
+        ),
     ]
     line = format_step(recs[1])
     for part in ("step-000001", "0.004", "12.50%", "1.10s", "32ms", "2/2", "512", "0.0100"):

@@ -30,10 +30,13 @@ def _string_constants(path: Path) -> set[str]:
         id(node.body[0].value)
         for node in ast.walk(tree)
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-        and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
     }
     return {
-        node.value for node in ast.walk(tree)
+        node.value
+        for node in ast.walk(tree)
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
     }
 
@@ -82,8 +85,15 @@ def names_deploy_sets() -> dict[str, set[str]]:
 def test_the_collection_sees_every_kind_of_source():
     # The premise: names come from each kind of file (a parser that found nothing would pass below).
     sources = {s for places in names_deploy_sets().values() for s in places}
-    for kind in ("kubernetes/overlays/gpu", "search-attributes-job", "slurm/", "systemd/rollouts-node.service",
-                 "systemd/rollouts.env.example", "ConfigMap rollouts-config", "Secret rollouts-s3"):
+    for kind in (
+        "kubernetes/overlays/gpu",
+        "search-attributes-job",
+        "slurm/",
+        "systemd/rollouts-node.service",
+        "systemd/rollouts.env.example",
+        "ConfigMap rollouts-config",
+        "Secret rollouts-s3",
+    ):
         assert any(kind in s for s in sources), f"no variable found in {kind}"
 
 
@@ -97,5 +107,9 @@ def test_the_reader_finds_names_read_and_not_names_only_mentioned():
 def test_every_variable_deploy_sets_is_read_by_the_code():
     read = names_the_code_reads()
     unread = {name: places for name, places in names_deploy_sets().items() if name not in read}
-    assert not unread, "set by deploy/ but read by no code under " + ", ".join(SOURCE_PACKAGES) + ":\n" + "\n".join(
-        f"  {name}: set in {', '.join(sorted(places))}" for name, places in sorted(unread.items()))
+    assert not unread, (
+        "set by deploy/ but read by no code under "
+        + ", ".join(SOURCE_PACKAGES)
+        + ":\n"
+        + "\n".join(f"  {name}: set in {', '.join(sorted(places))}" for name, places in sorted(unread.items()))
+    )

@@ -23,8 +23,13 @@ from tests.helpers.deploy_files import DEPLOY, REPO
 
 SYSTEMD = DEPLOY / "systemd"
 INSTALLED_ROLLOUTS = "/opt/rollouts/bin/rollouts"
-UNITS = {"rollouts-api.service": "api", "rollouts-worker.service": "worker", "rollouts-gateway.service": "gateway",
-         "rollouts-node.service": "node", "rollouts-dynamo-frontend.service": "dynamo-frontend"}
+UNITS = {
+    "rollouts-api.service": "api",
+    "rollouts-worker.service": "worker",
+    "rollouts-gateway.service": "gateway",
+    "rollouts-node.service": "node",
+    "rollouts-dynamo-frontend.service": "dynamo-frontend",
+}
 
 
 def test_there_is_one_unit_per_process_and_nothing_else():
@@ -54,8 +59,12 @@ def test_the_units_verify(tmp_path):
     assert rollouts.exists(), f"{rollouts} missing: run `make install`"
     for unit in UNITS:
         (tmp_path / unit).write_text((SYSTEMD / unit).read_text().replace(INSTALLED_ROLLOUTS, str(rollouts)))
-    done = subprocess.run(["systemd-analyze", "verify", *sorted(str(p) for p in tmp_path.glob("*.service"))],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["systemd-analyze", "verify", *sorted(str(p) for p in tmp_path.glob("*.service"))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and not done.stderr.strip(), done.stderr
     # The premise: verify does read the files (a misspelt directive fails it).
     broken = tmp_path / "rollouts-api.service"

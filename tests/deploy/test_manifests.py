@@ -56,8 +56,16 @@ def test_every_rendered_object_is_valid_kubernetes(target):
     objects = render(target)
     kinds = sorted({o["kind"] for o in objects})
     # The premise: the target renders the whole install, not an empty or partial list.
-    for kind in ("Namespace", "ServiceAccount", "ConfigMap", "Secret", "Deployment", "Service", "DaemonSet",
-                 "PodDisruptionBudget"):
+    for kind in (
+        "Namespace",
+        "ServiceAccount",
+        "ConfigMap",
+        "Secret",
+        "Deployment",
+        "Service",
+        "DaemonSet",
+        "PodDisruptionBudget",
+    ):
         assert kind in kinds, f"{target}: renders no {kind} ({kinds})"
     for obj in objects:
         try:
@@ -185,8 +193,11 @@ def test_every_reference_resolves_and_every_selector_selects(target):
             if "configMap" in volume:
                 assert ("ConfigMap", volume["configMap"]["name"]) in names
     selectors = [(o["kind"], o["metadata"]["name"], o["spec"]["selector"]) for o in objects if o["kind"] == "Service"]
-    selectors += [(o["kind"], o["metadata"]["name"], o["spec"]["selector"]["matchLabels"])
-                  for o in objects if o["kind"] == "PodDisruptionBudget"]
+    selectors += [
+        (o["kind"], o["metadata"]["name"], o["spec"]["selector"]["matchLabels"])
+        for o in objects
+        if o["kind"] == "PodDisruptionBudget"
+    ]
     assert len(selectors) == 7  # four Services (gateway, API, Dynamo's frontend and workers), three budgets
     for kind, name, labels in selectors:
         selected = [w for w in workloads if labels.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
@@ -247,7 +258,10 @@ def test_dynamos_kubernetes_discovery_is_wired(target):
     objects = render(target)
     crd = find(objects, "CustomResourceDefinition", "dynamoworkermetadatas.nvidia.com")
     assert (crd["spec"]["group"], crd["spec"]["scope"], crd["spec"]["names"]["kind"]) == (
-        "nvidia.com", "Namespaced", "DynamoWorkerMetadata")
+        "nvidia.com",
+        "Namespaced",
+        "DynamoWorkerMetadata",
+    )
     assert [v["name"] for v in crd["spec"]["versions"] if v["served"] and v["storage"]] == ["v1alpha1"]
     role = find(objects, "Role", "rollouts-dynamo-discovery")
     grants = {
@@ -257,10 +271,13 @@ def test_dynamos_kubernetes_discovery_is_wired(target):
     assert grants[("nvidia.com", "dynamoworkermetadatas")] >= {"create", "get", "list", "watch", "patch"}
     bindings = [o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")]
     assert [(b["roleRef"]["name"], [s["name"] for s in b["subjects"]]) for b in bindings] == [
-        ("rollouts-dynamo-discovery", ["rollouts-dynamo"])]  # no other identity gets API access
+        ("rollouts-dynamo-discovery", ["rollouts-dynamo"])
+    ]  # no other identity gets API access
     workers = find(objects, "Service", "rollouts-dynamo-workers")
-    assert {"nvidia.com/dynamo-discovery-backend": "kubernetes",
-            "nvidia.com/dynamo-discovery-enabled": "true"}.items() <= workers["metadata"]["labels"].items()
+    assert {
+        "nvidia.com/dynamo-discovery-backend": "kubernetes",
+        "nvidia.com/dynamo-discovery-enabled": "true",
+    }.items() <= workers["metadata"]["labels"].items()
     node = find(objects, "DaemonSet", "rollouts-node")
     assert workers["spec"]["selector"].items() <= node["spec"]["template"]["metadata"]["labels"].items()
     config = find(objects, "ConfigMap", "rollouts-config")["data"]
@@ -270,17 +287,22 @@ def test_dynamos_kubernetes_discovery_is_wired(target):
     assert fc["args"] == ["dynamo-frontend"]
     service = find(objects, "Service", "rollouts-dynamo-frontend")
     assert config["ROLLOUTS_DYNAMO_FRONTEND_URL"] == (
-        f"http://rollouts-dynamo-frontend.rollouts.svc.cluster.local:{service['spec']['ports'][0]['port']}")
+        f"http://rollouts-dynamo-frontend.rollouts.svc.cluster.local:{service['spec']['ports'][0]['port']}"
+    )
     assert int(env_value(fc, "ROLLOUTS_DYNAMO_PORT")) == fc["ports"][0]["containerPort"]
     for workload in (node, frontend):
         pod = workload["spec"]["template"]["spec"]
         assert pod["serviceAccountName"] == "rollouts-dynamo" and pod["automountServiceAccountToken"] is True
         (c,) = pod["containers"]
         fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"] if "valueFrom" in e}
-        assert {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace",
-                "POD_UID": "metadata.uid"}.items() <= fields.items(), workload["metadata"]["name"]
+        assert {
+            "POD_NAME": "metadata.name",
+            "POD_NAMESPACE": "metadata.namespace",
+            "POD_UID": "metadata.uid",
+        }.items() <= fields.items(), workload["metadata"]["name"]
     assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in fc["env"] if "valueFrom" in e}[
-        "ROLLOUTS_DYNAMO_ADDRESS"] == "status.podIP"
+        "ROLLOUTS_DYNAMO_ADDRESS"
+    ] == "status.podIP"
 
 
 # --- NetworkPolicies (base/networkpolicy.yaml, temporal/networkpolicy.yaml) -----------------------
@@ -290,7 +312,8 @@ def test_dynamos_kubernetes_discovery_is_wired(target):
 # templates/_helpers.tpl temporal.resourceLabels, server-deployment.yaml, web-deployment.yaml) gives
 # release `temporal` in namespace `temporal`, as values.yaml configures it.
 TEMPORAL_CHART_PODS = {
-    component: ports for component, ports in {
+    component: ports
+    for component, ports in {
         "frontend": {"rpc": 7233, "membership": 6933, "http": 7243, "metrics": 9090},
         "history": {"rpc": 7234, "membership": 6934, "metrics": 9090},
         "matching": {"rpc": 7235, "membership": 6935, "metrics": 9090},
@@ -305,8 +328,11 @@ ALL_PORTS = (1, 65535)
 
 def _with_temporal(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A target's objects and what deploy/kubernetes/temporal/ applies next to the chart."""
-    return [*objects, *load_yaml_documents(TEMPORAL_NETWORK_POLICIES),
-            *load_yaml_documents(KUBERNETES / "temporal" / "search-attributes-job.yaml")]
+    return [
+        *objects,
+        *load_yaml_documents(TEMPORAL_NETWORK_POLICIES),
+        *load_yaml_documents(KUBERNETES / "temporal" / "search-attributes-job.yaml"),
+    ]
 
 
 def _pods(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -314,13 +340,25 @@ def _pods(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for obj in objects:
         if pod_spec(obj) is None:
             continue
-        ports = {p.get("name", str(p["containerPort"])): p["containerPort"]
-                 for c in containers(obj) for p in c.get("ports") or []}
-        pods.append({"name": obj["metadata"]["name"], "namespace": obj["metadata"]["namespace"],
-                     "labels": obj["spec"]["template"]["metadata"]["labels"], "ports": ports})
+        ports = {
+            p.get("name", str(p["containerPort"])): p["containerPort"]
+            for c in containers(obj)
+            for p in c.get("ports") or []
+        }
+        pods.append(
+            {
+                "name": obj["metadata"]["name"],
+                "namespace": obj["metadata"]["namespace"],
+                "labels": obj["spec"]["template"]["metadata"]["labels"],
+                "ports": ports,
+            }
+        )
     for component, ports in TEMPORAL_CHART_PODS.items():
-        labels = {"app.kubernetes.io/name": "temporal", "app.kubernetes.io/instance": "temporal",
-                  "app.kubernetes.io/component": component}
+        labels = {
+            "app.kubernetes.io/name": "temporal",
+            "app.kubernetes.io/instance": "temporal",
+            "app.kubernetes.io/component": component,
+        }
         pods.append({"name": f"temporal-{component}", "namespace": "temporal", "labels": labels, "ports": ports})
     return pods
 
@@ -334,8 +372,12 @@ def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
         return False
     for e in selector.get("matchExpressions") or []:
         present, value = e["key"] in labels, labels.get(e["key"])
-        ok = {"In": present and value in e.get("values", ()), "NotIn": value not in e.get("values", ()),
-              "Exists": present, "DoesNotExist": not present}[e["operator"]]
+        ok = {
+            "In": present and value in e.get("values", ()),
+            "NotIn": value not in e.get("values", ()),
+            "Exists": present,
+            "DoesNotExist": not present,
+        }[e["operator"]]
         if not ok:
             return False
     return True
@@ -363,7 +405,8 @@ def _peers(policy: dict[str, Any], rule: dict[str, Any], pods: list[dict[str, An
             # that anyone able to create pods anywhere can label as ours.
             selector = peer["namespaceSelector"]
             assert set(selector) == {"matchLabels"} and list(selector["matchLabels"]) == [
-                "kubernetes.io/metadata.name"], f"{where}: from {peer}: name one namespace"
+                "kubernetes.io/metadata.name"
+            ], f"{where}: from {peer}: name one namespace"
             names = [n for n in known if _matches(selector, {"kubernetes.io/metadata.name": n})]
             if not names:
                 assert "podSelector" not in peer, f"{where}: from {peer} selects no pod"
@@ -393,7 +436,8 @@ def _port_ranges(rule: dict[str, Any], pod: dict[str, Any], where: str) -> list[
             ranges.append(ALL_PORTS)
         elif "endPort" in entry:
             assert not [n for n in pod["ports"].values() if port <= n <= entry["endPort"]], (
-                f"{where}: range {port}-{entry['endPort']} covers a containerPort of {pod['name']} {pod['ports']}")
+                f"{where}: range {port}-{entry['endPort']} covers a containerPort of {pod['name']} {pod['ports']}"
+            )
             ranges.append((port, entry["endPort"]))
         else:
             number = pod["ports"].get(port) if isinstance(port, str) else port
@@ -419,7 +463,8 @@ def _admitted(objects: list[dict[str, Any]]) -> dict[str, list[tuple[set[str], l
                 # Any port, or a range, only for pods named one by one, never for anyone.
                 if ALL_PORTS in ranges or any(a != b for a, b in ranges):
                     assert all(p.startswith(("rollouts-", "temporal-")) for p in peers), (
-                        f"{where}: every port, or a range, open to {sorted(peers)}: only named pods may be")
+                        f"{where}: every port, or a range, open to {sorted(peers)}: only named pods may be"
+                    )
                 admitted[pod["name"]].append((peers, ranges))
     return admitted
 
@@ -428,8 +473,11 @@ def _check_default_deny(objects: list[dict[str, Any]]) -> None:
     """Every pod is selected by some policy (so it is isolated), and the rollouts namespace has a
     policy that selects all of its pods and admits nothing."""
     pods, policies = _pods(objects), _policies(objects)
-    denies = [p for p in policies if p["metadata"]["namespace"] == "rollouts" and p["spec"]["podSelector"] == {}
-              and not p["spec"].get("ingress")]
+    denies = [
+        p
+        for p in policies
+        if p["metadata"]["namespace"] == "rollouts" and p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")
+    ]
     assert denies, "no default deny in namespace rollouts"
     for pod in pods:
         if pod["name"] == "rollouts-search-attributes":
@@ -455,8 +503,14 @@ EXPECTED_PEERS = {
     "rollouts-dynamo-frontend": {"rollouts-gateway", "rollouts-node"},
     "rollouts-node": {"rollouts-dynamo-frontend", "rollouts-gateway", "rollouts-node", "namespace monitoring"},
     "rollouts-worker": {"namespace monitoring"},
-    "temporal-frontend": {"rollouts-api", "rollouts-worker", "rollouts-gateway", "rollouts-node",
-                          "rollouts-search-attributes", *(f"temporal-{c}" for c in TEMPORAL_CHART_PODS)},
+    "temporal-frontend": {
+        "rollouts-api",
+        "rollouts-worker",
+        "rollouts-gateway",
+        "rollouts-node",
+        "rollouts-search-attributes",
+        *(f"temporal-{c}" for c in TEMPORAL_CHART_PODS),
+    },
     **{f"temporal-{c}": {f"temporal-{x}" for x in TEMPORAL_CHART_PODS} for c in TEMPORAL_CHART_PODS if c != "frontend"},
 }
 
@@ -470,8 +524,11 @@ def _check_peers(objects: list[dict[str, Any]]) -> None:
         for rule_peers, ranges in admitted.get(name, []):
             if ANYWHERE in rule_peers:
                 assert name in ("rollouts-api", "rollouts-gateway"), name
-                (http,) = [n for port, n in next(p for p in _pods(objects) if p["name"] == name)["ports"].items()
-                           if port == "http"]
+                (http,) = [
+                    n
+                    for port, n in next(p for p in _pods(objects) if p["name"] == name)["ports"].items()
+                    if port == "http"
+                ]
                 assert ranges == [(http, http)], f"{name}: {ranges} open to anyone"
 
 
@@ -493,7 +550,8 @@ def _policy(objects: list[dict[str, Any]], name: str) -> dict[str, Any]:
 
 def _api_reaches_the_frontend(objects):
     _policy(objects, "rollouts-dynamo-frontend")["ingress"][0]["from"].append(
-        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "rollouts-api"}}})
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "rollouts-api"}}}
+    )
 
 
 def _frontend_open_to_anyone(objects):
@@ -514,7 +572,8 @@ def _misspelt_pod(objects):
 
 def _misspelt_peer(objects):
     _policy(objects, "rollouts-node")["ingress"][0]["from"][0]["podSelector"]["matchLabels"][
-        "app.kubernetes.io/name"] = "rollouts-dynamo-frontnd"
+        "app.kubernetes.io/name"
+    ] = "rollouts-dynamo-frontnd"
 
 
 def _misspelt_temporal_label(objects):
@@ -537,23 +596,27 @@ def _api_opens_a_second_port(objects):
 
 def _worker_takes_the_gateway(objects):
     _policy(objects, "rollouts-metrics")["ingress"][0]["from"].append(
-        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "rollouts-gateway"}}})
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "rollouts-gateway"}}}
+    )
 
 
 def _temporal_takes_the_dynamo_frontend(objects):
     _policy(objects, "temporal-frontend")["ingress"][0]["from"][0]["podSelector"]["matchExpressions"][0][
-        "values"].append("rollouts-dynamo-frontend")
+        "values"
+    ].append("rollouts-dynamo-frontend")
 
 
 def _deny_narrowed(objects):
     _policy(objects, "rollouts-default-deny-ingress")["podSelector"] = {
-        "matchLabels": {"app.kubernetes.io/name": "rollouts-api"}}
+        "matchLabels": {"app.kubernetes.io/name": "rollouts-api"}
+    }
 
 
 def _temporal_web_unselected(objects):
     for name in ("temporal-default-deny-ingress", "temporal-internal"):
         _policy(objects, name)["podSelector"]["matchExpressions"] = [
-            {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["web"]}]
+            {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["web"]}
+        ]
 
 
 # (how a copy of the base and Temporal's policies is broken, the check that must refuse it, what
@@ -576,8 +639,9 @@ BROKEN_POLICIES = [
 ]
 
 
-@pytest.mark.parametrize(("change", "check", "says"), BROKEN_POLICIES,
-                         ids=[c.__name__.strip("_") for c, _, _ in BROKEN_POLICIES])
+@pytest.mark.parametrize(
+    ("change", "check", "says"), BROKEN_POLICIES, ids=[c.__name__.strip("_") for c, _, _ in BROKEN_POLICIES]
+)
 def test_the_network_policy_checks_catch_a_broken_policy(change, check, says):
     # Proves the checks above can fail: each broken copy is refused, for its reason, by the check
     # that passes on the files as shipped.
@@ -594,8 +658,13 @@ def test_only_the_processes_that_use_s3_get_its_keys(target):
     # S3 clients: the control worker (control/activities.py) and the replicas under the node agents
     # (replica/agent/process.py); the API, the gateway and Dynamo's frontend make none.
     objects = render(target)
-    holders = {o["metadata"]["name"] for o in objects for c in containers(o)
-               for source in c.get("envFrom") or [] if source.get("secretRef", {}).get("name") == "rollouts-s3"}
+    holders = {
+        o["metadata"]["name"]
+        for o in objects
+        for c in containers(o)
+        for source in c.get("envFrom") or []
+        if source.get("secretRef", {}).get("name") == "rollouts-s3"
+    }
     assert holders == {"rollouts-worker", "rollouts-node"}
     for name in ("rollouts-api", "rollouts-gateway"):
         (c,) = find(objects, "Deployment", name)["spec"]["template"]["spec"]["containers"]

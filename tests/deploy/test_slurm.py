@@ -22,9 +22,14 @@ import pytest
 from tests.helpers.deploy_files import DEPLOY
 
 SBATCH = DEPLOY / "slurm" / "rollouts-nodes.sbatch"
-CONTROL_PLANE = {"TEMPORAL_ADDRESS": "127.0.0.1:7233", "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9000",
-                 "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "ROLLOUTS_ENGINE_KEY": "e",
-                 "ROLLOUTS_DYNAMO_DISCOVERY_DIR": "/shared/dynamo/discovery"}
+CONTROL_PLANE = {
+    "TEMPORAL_ADDRESS": "127.0.0.1:7233",
+    "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9000",
+    "AWS_ACCESS_KEY_ID": "k",
+    "AWS_SECRET_ACCESS_KEY": "s",
+    "ROLLOUTS_ENGINE_KEY": "e",
+    "ROLLOUTS_DYNAMO_DISCOVERY_DIR": "/shared/dynamo/discovery",
+}
 
 FAKE_SRUN = """#!/bin/bash
 # Slurm's srun, for one node: run the task here, in the foreground.
@@ -73,9 +78,15 @@ def fake(tmp_path: Path) -> dict[str, str]:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     (tmp_path / "scratch").mkdir()
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path),
-            "ROLLOUTS_BIN": str(bin_dir / "rollouts"), "NODE_IFACE": "lo", "NODE_SCRATCH": str(tmp_path / "scratch"),
-            "SLURM_JOB_ID": "4242"}
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_DIR": str(tmp_path),
+        "ROLLOUTS_BIN": str(bin_dir / "rollouts"),
+        "NODE_IFACE": "lo",
+        "NODE_SCRATCH": str(tmp_path / "scratch"),
+        "SLURM_JOB_ID": "4242",
+    }
 
 
 @pytest.mark.parametrize("missing", ["ROLLOUTS_ENGINE_KEY", "ROLLOUTS_DYNAMO_DISCOVERY_DIR"])
@@ -97,19 +108,35 @@ def test_gpus_numbered_other_than_from_zero_are_refused(fake):
     assert not (Path(fake["FAKE_DIR"]) / "args").exists()
 
 
-@pytest.mark.parametrize(("allocated", "gpus"), [
-    ({"SLURM_GPUS_ON_NODE": "2"}, "2"), ({"SLURM_GPUS_ON_NODE": "2", "CUDA_VISIBLE_DEVICES": "0,1"}, "2"), ({}, "0")])
+@pytest.mark.parametrize(
+    ("allocated", "gpus"),
+    [({"SLURM_GPUS_ON_NODE": "2"}, "2"), ({"SLURM_GPUS_ON_NODE": "2", "CUDA_VISIBLE_DEVICES": "0,1"}, "2"), ({}, "0")],
+)
 def test_one_agent_per_node_with_its_gpus_and_a_clean_stop(fake, allocated, gpus):
     # Without allocated GPUs the agent is told 0, so it never takes a GPU outside the job.
     fake_dir = Path(fake["FAKE_DIR"])
-    job = subprocess.Popen(["bash", str(SBATCH)], env={**fake, **CONTROL_PLANE, **allocated},
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(
+        ["bash", str(SBATCH)],
+        env={**fake, **CONTROL_PLANE, **allocated},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait_for(lambda: (fake_dir / "replica").exists() and (fake_dir / "task.pid").exists(), "the agent to start")
         host = socket.gethostname().split(".")[0]
         scratch = Path(fake["NODE_SCRATCH"]) / f"rollouts-4242-{host}"
         assert (fake_dir / "args").read_text().split() == [
-            "node", "--name", host, "--address", "127.0.0.1", "--home", str(scratch), "--gpus", gpus]
+            "node",
+            "--name",
+            host,
+            "--address",
+            "127.0.0.1",
+            "--home",
+            str(scratch),
+            "--gpus",
+            gpus,
+        ]
         replica = int((fake_dir / "replica").read_text())
         assert not _gone(replica) and scratch.is_dir()  # the premise: there is something to clean up
 

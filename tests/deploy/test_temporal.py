@@ -70,12 +70,23 @@ async def test_the_job_script_registers_them_on_a_temporal_server(tmp_path):
     script, _ = job_script_and_env()
     server = await WorkflowEnvironment.start_local(dev_server_existing_path=str(VENV_BIN / "temporal"))
     try:
-        env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "HOME": str(tmp_path),
-               "TEMPORAL_ADDRESS": server.client.service_client.config.target_host, "TEMPORAL_NAMESPACE": "default"}
+        env = {
+            **os.environ,
+            "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
+            "HOME": str(tmp_path),
+            "TEMPORAL_ADDRESS": server.client.service_client.config.target_host,
+            "TEMPORAL_NAMESPACE": "default",
+        }
 
         def registered() -> dict[str, str]:
-            listed = subprocess.run(["temporal", "operator", "search-attribute", "list", "--namespace", "default",
-                                     "-o", "json"], env=env, capture_output=True, text=True, timeout=60, check=True)
+            listed = subprocess.run(
+                ["temporal", "operator", "search-attribute", "list", "--namespace", "default", "-o", "json"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
             return json.loads(listed.stdout).get("customAttributes", {})
 
         assert not set(SEARCH_ATTRIBUTES) & set(registered())  # the premise: none is there yet
@@ -84,6 +95,7 @@ async def test_the_job_script_registers_them_on_a_temporal_server(tmp_path):
             assert done.returncode == 0, f"run {attempt}: {done.stderr}"
             custom = registered()
             assert {name: custom.get(name) for name in SEARCH_ATTRIBUTES} == {
-                name: _indexed_type(kind) for name, kind in SEARCH_ATTRIBUTES.items()}
+                name: _indexed_type(kind) for name, kind in SEARCH_ATTRIBUTES.items()
+            }
     finally:
         await server.shutdown()

@@ -33,5 +33,6 @@ def _create(stack) -> tuple[Api, dict]:
 
 @pytest.fixture(scope="module")
 def rolling(stack) -> tuple[Api, dict]:
-    return POOL.get("rolling", REPLICAS, lambda: _create(stack),
-                    lambda made: delete_deployment(made[0], made[1]["spec"]["id"]))
+    return POOL.get(
+        "rolling", REPLICAS, lambda: _create(stack), lambda made: delete_deployment(made[0], made[1]["spec"]["id"])
+    )

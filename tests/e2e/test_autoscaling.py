@@ -45,8 +45,12 @@ def _ask(stack, model: str, i: int) -> tuple[int, str, str | None, str | None]:
     """One completion through the gateway: (status, error text or "", replica, identity)."""
     body = {"model": model, "prompt": [5, 9 + i, 7], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     try:
-        r = httpx.post(f"{stack.gateway_url}/v1/completions", json=body, timeout=300,
-                       headers={"Authorization": f"Bearer {stack.admin_token}"})
+        r = httpx.post(
+            f"{stack.gateway_url}/v1/completions",
+            json=body,
+            timeout=300,
+            headers={"Authorization": f"Bearer {stack.admin_token}"},
+        )
     except httpx.HTTPError as exc:
         return 0, repr(exc), None, None
     if r.status_code != 200:
@@ -65,8 +69,13 @@ def _ask(stack, model: str, i: int) -> tuple[int, str, str | None, str | None]:
 def test_load_scales_out_to_a_replica_on_the_current_snapshot_and_idle_scales_back_in(stack, tmp_path):
     api = Api(stack)
     body = deployment_body(stack, "autoscaled", replicas=1, path_prefix=PREFIX)
-    body["autoscaling"] = {"min": 1, "max": 2, "targetInFlight": 2, "scaleOutAfterSeconds": 0,
-                           "scaleInAfterSeconds": SCALE_IN_AFTER_S}
+    body["autoscaling"] = {
+        "min": 1,
+        "max": 2,
+        "targetInFlight": 2,
+        "scaleOutAfterSeconds": 0,
+        "scaleInAfterSeconds": SCALE_IN_AFTER_S,
+    }
     dep = api.call("POST", "/deployments", json=body).json()["deployment"]
     dep_id, model = dep["spec"]["id"], body["model"]["name"]
     stops = [threading.Event() for _ in range(CLIENTS)]
@@ -89,8 +98,10 @@ def test_load_scales_out_to_a_replica_on_the_current_snapshot_and_idle_scales_ba
             t.start()
         marks["load"] = time.monotonic()
         deadline = time.monotonic() + 900
-        while "joining" not in api.call("GET", f"/deployments/{dep_id}").json()["deployment"]["status"][
-                "conditions"][0]["message"]:
+        while (
+            "joining"
+            not in api.call("GET", f"/deployments/{dep_id}").json()["deployment"]["status"]["conditions"][0]["message"]
+        ):
             assert time.monotonic() < deadline, "no scale-out under load"
             time.sleep(0.5)
         marks["scale-out"] = time.monotonic()
@@ -144,8 +155,10 @@ def test_load_scales_out_to_a_replica_on_the_current_snapshot_and_idle_scales_ba
         failed = [a for a in answers if a[0] != 200 or a[1]]
         assert not failed, f"{len(failed)} of {len(answers)} requests failed: {failed[:5]}"
         steps = list(marks.items())
-        print(f"\n[autoscaling] {len(answers)} requests, none failed; served by {sorted(served)}; "
-              + ", ".join(f"{b} at +{tb - steps[0][1]:.0f} s" for b, tb in steps[1:]))
+        print(
+            f"\n[autoscaling] {len(answers)} requests, none failed; served by {sorted(served)}; "
+            + ", ".join(f"{b} at +{tb - steps[0][1]:.0f} s" for b, tb in steps[1:])
+        )
     finally:
         for stop in stops:
             stop.set()

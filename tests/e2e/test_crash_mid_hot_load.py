@@ -52,7 +52,9 @@ def test_crash_mid_walk_then_restart_completes(stack, rolling, tmp_path, victim)
     pid = services.pid_file(victim).alive_pid()
     assert pid is not None
     body = {
-        "deploymentId": dep_id, "identity": identity, "type": "SNAPSHOT_TYPE_INCREMENTAL",
+        "deploymentId": dep_id,
+        "identity": identity,
+        "type": "SNAPSHOT_TYPE_INCREMENTAL",
         "incrementalSnapshotMetadata": {"previousSnapshotIdentity": full_id},
     }
     hl_id = api.call("POST", "/hotLoads", json=body).json()["hotLoad"]["spec"]["id"]

@@ -70,18 +70,29 @@ def long_request(settings, model: str, i: int, started: threading.Event, out: di
     stream = i % 2 == 0
     if not stream:
         started.set()
-    body = {"model": model, "prompt": [5, 6 + i, 7], "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
-            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+    body = {
+        "model": model,
+        "prompt": [5, 6 + i, 7],
+        "max_tokens": LONG,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    }
     try:
-        with httpx.stream("POST", f"{settings.gateway_url}/v1/completions", json=body, headers=_headers(settings),
-                          timeout=900) as r:
+        with httpx.stream(
+            "POST", f"{settings.gateway_url}/v1/completions", json=body, headers=_headers(settings), timeout=900
+        ) as r:
             if r.status_code != 200:
                 out["outcome"] = f"HTTP {r.status_code}: {r.read()!r}"
                 return
             if not stream:
                 data = json.loads(r.read())
-                out.update(tokens=data["usage"]["completion_tokens"], finish=data["choices"][0]["finish_reason"],
-                           weight_versions=data["nvext"]["weight_versions"])
+                out.update(
+                    tokens=data["usage"]["completion_tokens"],
+                    finish=data["choices"][0]["finish_reason"],
+                    weight_versions=data["nvext"]["weight_versions"],
+                )
             else:
                 tokens, finish, nvext, done = 0, None, None, False
                 for line in r.iter_lines():
@@ -96,8 +107,11 @@ def long_request(settings, model: str, i: int, started: threading.Event, out: di
                             finish = c.get("finish_reason") or finish
                             if c.get("text"):
                                 started.set()
-                out.update(tokens=tokens, finish=finish if done else "no [DONE]",
-                           weight_versions=(nvext or {}).get("weight_versions"))
+                out.update(
+                    tokens=tokens,
+                    finish=finish if done else "no [DONE]",
+                    weight_versions=(nvext or {}).get("weight_versions"),
+                )
             out["outcome"] = "ok" if (out["tokens"], out["finish"]) == (LONG, "length") else "truncated"
     except Exception as exc:  # noqa: BLE001 - recorded, asserted below
         out["outcome"] = repr(exc)
@@ -123,12 +137,15 @@ def test_in_flight_requests_span_a_pause_and_all_finish(stack, rolling, tmp_path
     # after they start); its swap is then held inside its pause (fault point ``swap``).
     outs: list[dict] = [{} for _ in range(9)]
     started = [threading.Event() for _ in outs]
-    threads = [threading.Thread(target=long_request, args=(settings, model, i, e, o))
-               for i, (e, o) in enumerate(zip(started, outs))]
+    threads = [
+        threading.Thread(target=long_request, args=(settings, model, i, e, o))
+        for i, (e, o) in enumerate(zip(started, outs))
+    ]
     # Dynamo's router decides where requests go; for some to be surely on the first worker when
     # it pauses, the others are out of the pool while they are sent.
     held = requests_frozen_in_first_pause(
-        settings, api, dep_id, lambda: start_hot_load(api, dep_id, delta_id, full_id), threads, started)
+        settings, api, dep_id, lambda: start_hot_load(api, dep_id, delta_id, full_id), threads, started
+    )
     hl, was_paused, frozen = held.hot_load, held.was_paused, held.frozen
     assert was_paused, "the held swap was not inside a pause"
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
@@ -143,8 +160,10 @@ def test_in_flight_requests_span_a_pause_and_all_finish(stack, rolling, tmp_path
         spanned += identities == [full_id, delta_id]
     # The premise, from the answers: a request whose tokens come from both identities was in
     # flight across the swap, inside the pause (the engine's running gauge, ``frozen``, may lag).
-    assert spanned >= 1, (f"no answer names both identities: nothing was in flight on {first['name']} across "
-                          f"its swap (its running gauge read {frozen} in the pause)")
+    assert spanned >= 1, (
+        f"no answer names both identities: nothing was in flight on {first['name']} across "
+        f"its swap (its running gauge read {frozen} in the pause)"
+    )
     assert spanned >= frozen, f"{frozen} request(s) were frozen in a pause, {spanned} answer(s) name both identities"
     assert_every_replica_serves(settings, dep_id, new_dir)
 
@@ -201,7 +220,9 @@ def test_replica_killed_mid_update_restarts_and_catches_up(stack, rolling, tmp_p
 
     victim = engines(stack, dep_id)[-1]  # updated last: killed while the walk is under way
     body = {
-        "deploymentId": dep_id, "identity": "kill-000001", "type": "SNAPSHOT_TYPE_INCREMENTAL",
+        "deploymentId": dep_id,
+        "identity": "kill-000001",
+        "type": "SNAPSHOT_TYPE_INCREMENTAL",
         "incrementalSnapshotMetadata": {"previousSnapshotIdentity": full_id},
     }
     hl_id = api.call("POST", "/hotLoads", json=body).json()["hotLoad"]["spec"]["id"]

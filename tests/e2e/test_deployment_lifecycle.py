@@ -241,8 +241,9 @@ def test_down_then_up_reads_updating_until_the_replica_serves(tmp_path_factory):
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         services.up(say=print)
-        upload_dir(settings.s3_client(), settings.home_path / "models" / "base", settings.bucket,
-                   "checkpoints/downup/after-up")
+        upload_dir(
+            settings.s3_client(), settings.home_path / "models" / "base", settings.bucket, "checkpoints/downup/after-up"
+        )
         body_hl = {"deploymentId": dep_id, "identity": "after-up", "type": "SNAPSHOT_TYPE_FULL"}
         r = api.call("POST", "/hotLoads", json=body_hl)
         assert r.status_code == 412 and r.json()["code"] == "failed_precondition", r.text

@@ -48,11 +48,21 @@ def observe(replica: dict) -> dict:
     async def read() -> dict:
         engine = attach(replica)
         try:
-            body = {"model": (await engine.models())[0], "prompt": [100, 101, 102], "max_tokens": 6,
-                    "temperature": 0, "ignore_eos": True, "logprobs": 5, "cache_salt": uuid.uuid4().hex}
+            body = {
+                "model": (await engine.models())[0],
+                "prompt": [100, 101, 102],
+                "max_tokens": 6,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 5,
+                "cache_salt": uuid.uuid4().hex,
+            }
             choice = (await engine.request("POST", "/v1/completions", json=body)).json()["choices"][0]
-            return {"label": await engine.weight_version(), "text": choice["text"],
-                    "logprobs": choice["logprobs"]["top_logprobs"]}
+            return {
+                "label": await engine.weight_version(),
+                "text": choice["text"],
+                "logprobs": choice["logprobs"]["top_logprobs"],
+            }
         finally:
             await engine.aclose()
 

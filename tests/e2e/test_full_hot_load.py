@@ -31,8 +31,13 @@ def greedy_ids(settings, model: str) -> list[int]:
         f"{settings.gateway_url}/v1/completions",
         headers={"Authorization": f"Bearer {settings.admin_token}"},
         json={
-            "model": model, "prompt": PROMPT_IDS, "max_tokens": GEN, "temperature": 0,
-            "logprobs": 1, "ignore_eos": True, "nvext": {"extra_fields": ["completion_token_ids"]},
+            "model": model,
+            "prompt": PROMPT_IDS,
+            "max_tokens": GEN,
+            "temperature": 0,
+            "logprobs": 1,
+            "ignore_eos": True,
+            "nvext": {"extra_fields": ["completion_token_ids"]},
         },
         timeout=120,
     )
@@ -123,4 +128,3 @@ def test_cwtrain_publishes_full_checkpoint_and_every_replica_serves_it(stack, cw
 
     # Engineers inspect the operation in the Temporal UI: the link answers.
     assert httpx.get(wire["status"]["workflowUrl"], timeout=30).status_code == 200
-

@@ -35,11 +35,27 @@ from tests.helpers.family_chain import run_family_chain
 
 AMX = "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
 # (family, tensor-parallel size, attention backend or None: vLLM's choice)
-CASES = [("llama", 1, None), ("qwen2", 1, None), ("qwen3", 1, None), ("gemma2", 1, None), ("phi3", 1, None),
-         ("qwen3_moe", 1, None), ("mixtral", 1, None), ("deepseek_v3", 1, "CPU_MLA"),
-         pytest.param("deepseek_v3", 1, "AMX_MLA", marks=pytest.mark.skipif(
-             not AMX, reason="AMX_MLA needs a CPU with AMX (no amx_bf16 in /proc/cpuinfo; vLLM would run CPU_MLA)")),
-         ("nemotron_h", 1, None), ("qwen2", 2, None), ("qwen3_moe", 2, None)]
+CASES = [
+    ("llama", 1, None),
+    ("qwen2", 1, None),
+    ("qwen3", 1, None),
+    ("gemma2", 1, None),
+    ("phi3", 1, None),
+    ("qwen3_moe", 1, None),
+    ("mixtral", 1, None),
+    ("deepseek_v3", 1, "CPU_MLA"),
+    pytest.param(
+        "deepseek_v3",
+        1,
+        "AMX_MLA",
+        marks=pytest.mark.skipif(
+            not AMX, reason="AMX_MLA needs a CPU with AMX (no amx_bf16 in /proc/cpuinfo; vLLM would run CPU_MLA)"
+        ),
+    ),
+    ("nemotron_h", 1, None),
+    ("qwen2", 2, None),
+    ("qwen3_moe", 2, None),
+]
 pytestmark = [pytest.mark.stack, pytest.mark.unit_per_test]
 
 
@@ -49,16 +65,25 @@ def case_id(case) -> str:
 
 
 @pytest.mark.parametrize(("family", "tp", "backend"), CASES, ids=[case_id(c) for c in CASES])
-def test_a_family_takes_a_full_and_cwtrain_deltas_and_answers_as_a_fresh_engine(stack, family, tp, backend, tmp_path,
-                                                                                 record_property):
+def test_a_family_takes_a_full_and_cwtrain_deltas_and_answers_as_a_fresh_engine(
+    stack, family, tp, backend, tmp_path, record_property
+):
     # Each hot-load's seconds, pause and proof count: in the JUnit XML (``--junitxml``) and in
     # the test's temporary directory (hot_loads.json, kept by pytest for the last runs).
     # One case also takes a sparse delta (changed elements only): Qwen2, whose biases the engine
     # widens to float32 as it scatters them.
     # Qwen3-MoE at TP 1 also returns routed experts (vLLM's Model Runner V2; on this CPU build
     # its Triton kernels run in Triton's interpreter: replica/engine/triton_interpreter).
-    figures = json.dumps(run_family_chain(stack, family, tp, tmp_path, sparse=(family, tp) == ("qwen2", 1),
-                                          routes=(family, tp) == ("qwen3_moe", 1),
-                                          engine_config={"attention-backend": backend} if backend else None))
+    figures = json.dumps(
+        run_family_chain(
+            stack,
+            family,
+            tp,
+            tmp_path,
+            sparse=(family, tp) == ("qwen2", 1),
+            routes=(family, tp) == ("qwen3_moe", 1),
+            engine_config={"attention-backend": backend} if backend else None,
+        )
+    )
     (tmp_path / "hot_loads.json").write_text(figures)
     record_property("hot_loads", figures)

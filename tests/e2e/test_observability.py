@@ -37,8 +37,9 @@ def published(stack, rolling, otlp, tmp_path_factory) -> dict:
     urls = {"worker": f"http://{stack.host}:{stack.ports['worker_metrics']}/metrics", "api": f"{stack.api_url}/metrics"}
     before = {r["name"]: scrape(r["metricsUrl"]) for r in replicas} | {k: scrape(u) for k, u in urls.items()}
     seen = len(otlp.spans())
-    publish_chain(stack, api, dep_id, tmp_path_factory.mktemp("observed"), "ours", "observed",
-                  prefix=ROLLING_PREFIX, steps=1)
+    publish_chain(
+        stack, api, dep_id, tmp_path_factory.mktemp("observed"), "ours", "observed", prefix=ROLLING_PREFIX, steps=1
+    )
     return {"dep_id": dep_id, "replicas": replicas, "urls": urls, "before": before, "seen": seen}
 
 
@@ -75,8 +76,11 @@ def test_metrics_endpoints_count_a_hot_load(published):
     worker_now = scrape(worker_url)
     done = "rollouts_hot_load_duration_seconds_count"
     assert value(worker_now, done, outcome="COMPLETED") - value(worker_before, done, outcome="COMPLETED") == 2
-    assert value(worker_now, "rollouts_hot_loads_ended_total", outcome="COMPLETED") - value(
-        worker_before, "rollouts_hot_loads_ended_total", outcome="COMPLETED") == 2
+    assert (
+        value(worker_now, "rollouts_hot_loads_ended_total", outcome="COMPLETED")
+        - value(worker_before, "rollouts_hot_loads_ended_total", outcome="COMPLETED")
+        == 2
+    )
     api_now = scrape(api_url)
     route = {"method": "POST", "route": "/v1alpha1/inference/hotLoads", "status": "200"}
     assert (
@@ -109,9 +113,15 @@ def test_replica_agents_export_their_spans_over_otlp(published, otlp):
             break
         assert time.monotonic() < deadline, (
             f"after 60 s the receiver has {len(roots)} new API root span(s) and {len(agent)} agent activity "
-            f"span(s) in their traces ({otlp.requests} export requests in all)")
+            f"span(s) in their traces ({otlp.requests} export requests in all)"
+        )
         time.sleep(0.5)
     kinds = {s.name for s in agent}
-    assert {"RunActivity:apply_snapshot", "RunActivity:offer_to_peer", "RunActivity:send_to_peers",
-            "RunActivity:stage_from_peer", "RunActivity:commit_peer_stage"} <= kinds, kinds
+    assert {
+        "RunActivity:apply_snapshot",
+        "RunActivity:offer_to_peer",
+        "RunActivity:send_to_peers",
+        "RunActivity:stage_from_peer",
+        "RunActivity:commit_peer_stage",
+    } <= kinds, kinds
     assert all(s.parent_span_id for s in agent)  # each joined its trace under a workflow span

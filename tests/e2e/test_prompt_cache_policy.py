@@ -46,16 +46,25 @@ from workers.stack import upload_dir
 pytestmark = pytest.mark.stack
 
 
-def streamed(settings, model: str, prompt: list[int], go: threading.Barrier, started: threading.Event,
-             out: dict) -> None:
+def streamed(
+    settings, model: str, prompt: list[int], go: threading.Barrier, started: threading.Event, out: dict
+) -> None:
     """A greedy streamed completion through the gateway: its token ids, spans and replica."""
-    body = {"model": model, "prompt": prompt, "max_tokens": N, "temperature": 0, "ignore_eos": True, "stream": True,
-            "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": N,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]},
+    }
     headers = {"Authorization": f"Bearer {settings.admin_token}"}
     try:
         go.wait(60)
-        with httpx.stream("POST", f"{settings.gateway_url}/v1/completions", json=body, headers=headers,
-                          timeout=900) as r:
+        with httpx.stream(
+            "POST", f"{settings.gateway_url}/v1/completions", json=body, headers=headers, timeout=900
+        ) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -87,11 +96,18 @@ def test_each_request_spanning_an_update_follows_the_policy(stack, rolling, tmp_
     outs: list[dict] = [{} for _ in prompts]
     started = [threading.Event() for _ in prompts]
     go = threading.Barrier(REQUESTS)
-    threads = [threading.Thread(target=streamed, args=(settings, model, p, go, e, o))
-               for p, e, o in zip(prompts, started, outs)]
+    threads = [
+        threading.Thread(target=streamed, args=(settings, model, p, go, e, o))
+        for p, e, o in zip(prompts, started, outs)
+    ]
     held = requests_frozen_in_first_pause(
-        settings, api, dep_id, lambda: start_hot_load(api, dep_id, new_id, None, promptCachePolicy=policy),
-        threads, started)
+        settings,
+        api,
+        dep_id,
+        lambda: start_hot_load(api, dep_id, new_id, None, promptCachePolicy=policy),
+        threads,
+        started,
+    )
     hl, was_paused, frozen = held.hot_load, held.was_paused, held.frozen
     assert was_paused, "the held swap was not inside a pause"
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
@@ -108,8 +124,10 @@ def test_each_request_spanning_an_update_follows_the_policy(stack, rolling, tmp_
             continue
         spanning += 1
         k = spans[1]["start"]
-        assert spans == [{"choice": 0, "identity": old_id, "start": 0, "end": k},
-                         {"choice": 0, "identity": new_id, "start": k, "end": N}]
+        assert spans == [
+            {"choice": 0, "identity": old_id, "start": 0, "end": k},
+            {"choice": 0, "identity": new_id, "start": k, "end": N},
+        ]
         assert 0 < k < N and tokens[:k] == counting[:k], (prompt, k)
         if policy.endswith("RESET_ALL"):
             assert tokens == counting, f"{prompt}: NEW did not count from token {k} (it kept OLD's cache)"

@@ -105,8 +105,10 @@ def test_a_cancel_mid_walk_leaves_each_replica_on_one_whole_snapshot(stack, roll
     assert reps[first]["state"] == "READY" and reps[first]["currentSnapshotIdentity"] == delta_id, reps[first]
     for name in (second, order[2]["name"]):
         assert reps[name]["state"] == "PENDING_UPDATE" and reps[name]["currentSnapshotIdentity"] == full_id, reps[name]
-    expected = {full_id: checkpoint_checksums(stack.home_path / "models" / "base"),
-                delta_id: checkpoint_checksums(trained)}
+    expected = {
+        full_id: checkpoint_checksums(stack.home_path / "models" / "base"),
+        delta_id: checkpoint_checksums(trained),
+    }
     for replica in walk_order(stack, dep_id):
         identity = reps[replica["name"]]["currentSnapshotIdentity"]
         assert not paused(replica), f"{replica['name']} was left paused"

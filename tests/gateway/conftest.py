@@ -37,8 +37,9 @@ if os.environ.get("ROLLOUTS_TEST_STACK_HOME"):
 
 def _create(stack: Settings, engine: str = "dynamo-vllm") -> GatewayDeployment:
     api = Api(stack)
-    body = deployment_body(stack, "gwtest" if engine == "dynamo-vllm" else "gwvllm", replicas=REPLICAS,
-                           path_prefix=PREFIX)
+    body = deployment_body(
+        stack, "gwtest" if engine == "dynamo-vllm" else "gwvllm", replicas=REPLICAS, path_prefix=PREFIX
+    )
     if engine != "dynamo-vllm":
         body["runtime"]["engine"] = engine
         del body["hotLoad"]  # only dynamo-vllm hot-loads
@@ -48,8 +49,11 @@ def _create(stack: Settings, engine: str = "dynamo-vllm") -> GatewayDeployment:
     served_or_deleted(stack, api, dep["spec"]["id"])  # the gateway serves what the API called READY
     headers = {"Authorization": f"Bearer {stack.admin_token}"}
     models = httpx.get(f"{stack.gateway_url}/v1/models", headers=headers).json()
-    assert any(d["deployment_id"] == dep["spec"]["id"] and len(d["replicas"]) == REPLICAS
-               for m in models["data"] for d in m["deployments"]), models
+    assert any(
+        d["deployment_id"] == dep["spec"]["id"] and len(d["replicas"]) == REPLICAS
+        for m in models["data"]
+        for d in m["deployments"]
+    ), models
     return GatewayDeployment(stack, api, dep)
 
 

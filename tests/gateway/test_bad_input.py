@@ -35,11 +35,25 @@ def fake_replica(seen: list[dict]) -> FastAPI:
         body = await request.json()
         seen.append(body)
         if body.get("prompt") == "vllm-refuses":
-            return JSONResponse({"error": {"message": "temperature must be non-negative", "type": "BadRequestError",
-                                           "param": None, "code": 400}}, status_code=400)
-        return {"id": "c", "object": "text_completion", "created": 1, "model": "m",
-                "choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}}
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "temperature must be non-negative",
+                        "type": "BadRequestError",
+                        "param": None,
+                        "code": 400,
+                    }
+                },
+                status_code=400,
+            )
+        return {
+            "id": "c",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
+        }
 
     return app
 
@@ -58,9 +72,17 @@ def local(tmp_path_factory) -> Iterator[tuple[LocalGateway, list[dict]]]:
     while not server.started:
         time.sleep(0.05)
     router = Router()
-    router.set_view(DeploymentView("dep", "m", "deployments/dep", {}, "org",
-                                   (ReplicaView("r1", f"http://127.0.0.1:{port}", "initial"),),
-                                   gateway_ids=(settings.gateway_id,)))
+    router.set_view(
+        DeploymentView(
+            "dep",
+            "m",
+            "deployments/dep",
+            {},
+            "org",
+            (ReplicaView("r1", f"http://127.0.0.1:{port}", "initial"),),
+            gateway_ids=(settings.gateway_id,),
+        )
+    )
     with LocalGateway(settings, router) as gateway:
         yield gateway, seen
     server.should_exit = True
@@ -132,10 +154,14 @@ def test_a_body_over_the_cap_is_refused_with_or_without_a_length(local):
     before = len(seen)
     with Connection(gateway.url, ADMIN) as conn:
         big = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
-        too_large(conn.post("/v1/completions", big), f"request body is {len(big)} bytes; the gateway accepts at "
-                                                     f"most {MAX_BODY_BYTES} bytes (8 MiB)")
-        too_large(conn.post("/v1/completions", chunks(MAX_BODY_BYTES + 1), encode_chunked=True),
-                  "request body is larger; the gateway accepts at most")
+        too_large(
+            conn.post("/v1/completions", big),
+            f"request body is {len(big)} bytes; the gateway accepts at most {MAX_BODY_BYTES} bytes (8 MiB)",
+        )
+        too_large(
+            conn.post("/v1/completions", chunks(MAX_BODY_BYTES + 1), encode_chunked=True),
+            "request body is larger; the gateway accepts at most",
+        )
         assert len(seen) == before
         assert conn.post("/v1/completions", GOOD)[0] == 200
         # Just under the cap (chunked) is read whole and reaches the replica.

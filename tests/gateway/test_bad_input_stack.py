@@ -24,15 +24,32 @@ def test_nested_json_n_over_the_cap_and_a_viewer_then_the_connection_still_serve
     replicas = {"x-rollouts-replica"}
     with Connection(gw.url, gw.settings.admin_token) as conn:
         for path in ("/v1/completions", "/v1/chat/completions"):
-            refused(conn.post(path, b"[" * 1000 + b"]" * 1000), 400, "invalid_argument",
-                    "request body nests arrays/objects more than 64 levels deep")
-            refused(conn.post(path, b'{"model": "' + gw.model.encode() + b'", "prompt": ' + b"[" * 1000),
-                    400, "invalid_argument", "more than 64 levels deep")
-        refused(conn.post("/v1/completions", {"model": gw.model, "prompt": [1, 2], "n": 1000, "max_tokens": 1}),
-                400, "invalid_argument", "n: at most 64 choices per request, got 1000")
-        refused(conn.post("/v1/chat/completions", {"model": gw.model, "messages": [{"role": "user", "content": "x"}],
-                                                   "n": 65}),
-                400, "invalid_argument", "n: at most 64 choices per request, got 65")
+            refused(
+                conn.post(path, b"[" * 1000 + b"]" * 1000),
+                400,
+                "invalid_argument",
+                "request body nests arrays/objects more than 64 levels deep",
+            )
+            refused(
+                conn.post(path, b'{"model": "' + gw.model.encode() + b'", "prompt": ' + b"[" * 1000),
+                400,
+                "invalid_argument",
+                "more than 64 levels deep",
+            )
+        refused(
+            conn.post("/v1/completions", {"model": gw.model, "prompt": [1, 2], "n": 1000, "max_tokens": 1}),
+            400,
+            "invalid_argument",
+            "n: at most 64 choices per request, got 1000",
+        )
+        refused(
+            conn.post(
+                "/v1/chat/completions", {"model": gw.model, "messages": [{"role": "user", "content": "x"}], "n": 65}
+            ),
+            400,
+            "invalid_argument",
+            "n: at most 64 choices per request, got 65",
+        )
         refused(
             conn.post(
                 "/v1/completions",
@@ -46,10 +63,16 @@ def test_nested_json_n_over_the_cap_and_a_viewer_then_the_connection_still_serve
         status, models = conn.request("GET", "/v1/models", token=gw.settings.viewer_token)
         assert status == 200 and gw.model in [m["id"] for m in models["data"]]
         # vLLM's own validation (a context window the tiny model does not have), in our shape.
-        refused(conn.post("/v1/completions", {"model": gw.model, "prompt": [1, 2], "max_tokens": 100000}),
-                400, "invalid_argument", "max_tokens")
-        status, body = conn.post("/v1/completions", {"model": gw.model, "prompt": random_prompt(6), "max_tokens": 2,
-                                                     "ignore_eos": True, "n": 64})  # the cap itself is served
+        refused(
+            conn.post("/v1/completions", {"model": gw.model, "prompt": [1, 2], "max_tokens": 100000}),
+            400,
+            "invalid_argument",
+            "max_tokens",
+        )
+        status, body = conn.post(
+            "/v1/completions",
+            {"model": gw.model, "prompt": random_prompt(6), "max_tokens": 2, "ignore_eos": True, "n": 64},
+        )  # the cap itself is served
         assert status == 200 and body["usage"]["completion_tokens"] == 128, body
         assert conn.headers.keys() >= replicas
 

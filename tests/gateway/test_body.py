@@ -48,9 +48,16 @@ def test_not_json_names_the_reason_and_offset():
     assert "Exceeds the limit" in refused(b'{"n": ' + b"9" * 5000 + b"}")
 
 
-@pytest.mark.parametrize(("raw", "what"), [
-    (b"[1, 2]", "an array"), (b'"text"', "a string"), (b"3", "a number"), (b"null", "null"), (b"true", "a boolean"),
-])
+@pytest.mark.parametrize(
+    ("raw", "what"),
+    [
+        (b"[1, 2]", "an array"),
+        (b'"text"', "a string"),
+        (b"3", "a number"),
+        (b"null", "null"),
+        (b"true", "a boolean"),
+    ],
+)
 def test_not_an_object_names_what_it_is(raw, what):
     assert refused(raw) == f"request body must be a JSON object, got {what}"
 

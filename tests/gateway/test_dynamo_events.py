@@ -45,8 +45,11 @@ def test_a_publisher_reaches_a_subscriber_through_the_relay_on_the_given_host() 
                 break
         else:
             raise AssertionError("the last kv_metrics message did not pass")
-        bound = {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN}
+        bound = {
+            (c.laddr.ip, c.laddr.port)
+            for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        }
         assert {(host, inbound), (host, outbound)} <= bound, bound
     finally:
         pub.close(linger=0)

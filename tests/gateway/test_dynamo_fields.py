@@ -23,8 +23,18 @@ RL_EXTRAS = {
     "spaces_between_special_tokens": True, "use_beam_search": False, "length_penalty": 1.0, "priority": 0,
     "truncate_prompt_tokens": None, "echo": False, "logit_bias": {}, "include_reasoning": True,
 }  # fmt: skip
-REMOVED = {"return_token_ids", "add_special_tokens", "spaces_between_special_tokens", "use_beam_search",
-           "length_penalty", "priority", "truncate_prompt_tokens", "echo", "logit_bias", "include_reasoning"}
+REMOVED = {
+    "return_token_ids",
+    "add_special_tokens",
+    "spaces_between_special_tokens",
+    "use_beam_search",
+    "length_penalty",
+    "priority",
+    "truncate_prompt_tokens",
+    "echo",
+    "logit_bias",
+    "include_reasoning",
+}
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -79,35 +89,53 @@ def test_tables_do_not_overlap_and_prompt_logprobs_on_a_stream_is_refused():
 
 def _finishing(chat: bool, index: int, ids: list[int], engine_data: dict) -> dict:
     part = {"index": index, "finish_reason": "length", **({"delta": {"content": "b"}} if chat else {"text": "b"})}
-    return {"id": "c", "object": "chat.completion.chunk" if chat else "text_completion", "model": "x",
-            "choices": [part], "nvext": {"engine_data": engine_data}}
+    return {
+        "id": "c",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "model": "x",
+        "choices": [part],
+        "nvext": {"engine_data": engine_data},
+    }
 
 
 PROMPT_LP = [None, {"9": {"logprob": -1.5, "rank": 3}, "4": {"logprob": -0.2, "rank": 1}}]
-VLLM_PROMPT_LP = [None, {"9": {"logprob": -1.5, "rank": 3, "decoded_token": None},
-                         "4": {"logprob": -0.2, "rank": 1, "decoded_token": None}}]
+VLLM_PROMPT_LP = [
+    None,
+    {
+        "9": {"logprob": -1.5, "rank": 3, "decoded_token": None},
+        "4": {"logprob": -0.2, "rank": 1, "decoded_token": None},
+    },
+]
 
 
 def test_completion_answers_token_ids_prompt_ids_and_prompt_logprobs_as_vllm_does():
-    plan = plan_request({"model": "m", "prompt": [3, 9], "n": 2, "return_token_ids": True, "prompt_logprobs": 1},
-                        "/v1/completions")
+    plan = plan_request(
+        {"model": "m", "prompt": [3, 9], "n": 2, "return_token_ids": True, "prompt_logprobs": 1}, "/v1/completions"
+    )
     assembler = dynamo.Assembler(chat=False)
     for index, ids in ((0, [7, 8]), (1, [5])):
-        chunk = _finishing(False, index, ids, {"completion_token_ids": ids, "prompt_token_ids": [3, 9],
-                                               "prompt_logprobs": PROMPT_LP, "finished": True})
+        chunk = _finishing(
+            False,
+            index,
+            ids,
+            {"completion_token_ids": ids, "prompt_token_ids": [3, 9], "prompt_logprobs": PROMPT_LP, "finished": True},
+        )
         dynamo.adopt(chunk, {}, "m")
         assembler.add(chunk)
     data = assembler.answer()
     strip_prompt_ids(plan, data)
     # vLLM 0.32's CompletionResponseChoice: token_ids, prompt_token_ids, prompt_logprobs per choice.
     assert [(c["token_ids"], c["prompt_token_ids"], c["prompt_logprobs"]) for c in data["choices"]] == [
-        ([7, 8], [3, 9], VLLM_PROMPT_LP), ([5], [3, 9], VLLM_PROMPT_LP)]
+        ([7, 8], [3, 9], VLLM_PROMPT_LP),
+        ([5], [3, 9], VLLM_PROMPT_LP),
+    ]
     assert "prompt_token_ids" not in data
 
 
 def test_chat_stream_carries_ids_on_the_finishing_chunk_at_vllms_places():
-    plan = plan_request({"model": "m", "messages": [], "stream": True, "return_token_ids": True},
-                        "/v1/chat/completions")
+    plan = plan_request(
+        {"model": "m", "messages": [], "stream": True, "return_token_ids": True}, "/v1/chat/completions"
+    )
     first = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "a"}}]}
     last = _finishing(True, 0, [7, 8], {"completion_token_ids": [7, 8], "prompt_token_ids": [1, 4, 2]})
     chunks = []
@@ -129,8 +157,9 @@ def test_chat_stream_carries_ids_on_the_finishing_chunk_at_vllms_places():
 
 def test_chat_non_streamed_answer_has_prompt_ids_and_logprobs_at_the_top():
     assembler = dynamo.Assembler(chat=True)
-    chunk = _finishing(True, 0, [7], {"completion_token_ids": [7], "prompt_token_ids": [1, 4],
-                                      "prompt_logprobs": PROMPT_LP})
+    chunk = _finishing(
+        True, 0, [7], {"completion_token_ids": [7], "prompt_token_ids": [1, 4], "prompt_logprobs": PROMPT_LP}
+    )
     dynamo.adopt(chunk, {}, "m")
     assembler.add(chunk)
     data = assembler.answer()

@@ -78,12 +78,21 @@ def test_dynamos_frontend_answers_no_one_without_the_stacks_client_certificate(g
     ca_only.check_hostname = False
     stranger = dynamo_tls.ensure(settings.home_path / "stranger-tls").ssl_context()  # another CA's certificate
     stranger.load_verify_locations(str(settings.dynamo_tls_dir / "ca.pem"))
-    for name, base, verify in (("plain HTTP", plain, True), ("no client certificate", url, ca_only),
-                               ("another CA's certificate", url, stranger)):
+    for name, base, verify in (
+        ("plain HTTP", plain, True),
+        ("no client certificate", url, ca_only),
+        ("another CA's certificate", url, stranger),
+    ):
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
             try:
-                r = httpx.request(method, base + path, json=body if method == "POST" else None, verify=verify,
-                                  timeout=10, trust_env=False)
+                r = httpx.request(
+                    method,
+                    base + path,
+                    json=body if method == "POST" else None,
+                    verify=verify,
+                    timeout=10,
+                    trust_env=False,
+                )
             except httpx.HTTPError as exc:
                 assert isinstance(exc, httpx.TransportError), exc  # refused before any HTTP answer
                 continue
@@ -94,8 +103,9 @@ def test_dynamos_frontend_answers_no_one_without_the_stacks_client_certificate(g
         refused = client.post("/v1/completions", json=body, timeout=60)
         assert refused.status_code != 200 and "choices" not in refused.text, refused.text
         secret = settings.dynamo_request_secret(deployment_workflow_id(settings.organization_id, gw.id))
-        r = client.post("/v1/completions", timeout=60,
-                        json={**body, "nvext": {"annotations": [request_annotation(secret)]}})
+        r = client.post(
+            "/v1/completions", timeout=60, json={**body, "nvext": {"annotations": [request_annotation(secret)]}}
+        )
         assert r.status_code == 200 and r.json()["choices"], r.text
 
 
@@ -105,8 +115,13 @@ def test_dynamos_own_engine_routes_need_the_engines_secret(gw: GatewayDeployment
     with a 401 and do nothing; the premise: with the secret, a harmless one answers."""
     for replica in engines(gw.settings, gw.id):
         url = replica["engineUrl"] + "/engine/"
-        for route in ("control/sleep", "control/start_profile", "pause_generation", "update_weights_from_disk",
-                      "get_weight_version"):
+        for route in (
+            "control/sleep",
+            "control/start_profile",
+            "pause_generation",
+            "update_weights_from_disk",
+            "get_weight_version",
+        ):
             for body in ({}, {"secret": "guessed"}):
                 r = httpx.post(url + route, json=body, timeout=30, trust_env=False)
                 error = r.json().get("error") if r.status_code == 200 else None
@@ -132,9 +147,20 @@ def test_a_local_process_on_the_request_plane_gets_no_completion(gw: GatewayDepl
     workers = {int(r["dynamoWorker"], 16) for r in engines(settings, gw.id)}
     secret = request_annotation(settings.dynamo_request_secret(workflow_id))
     for given, served in (([], False), ([request_annotation("guessed")], False), ([secret], True)):
-        proc = subprocess.run([sys.executable, "-m", "tests.helpers.request_plane_caller",
-                               str(settings.dynamo_discovery_dir), dynamo_namespace(workflow_id), *given],
-                              capture_output=True, text=True, timeout=120, cwd=REPO)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.helpers.request_plane_caller",
+                str(settings.dynamo_discovery_dir),
+                dynamo_namespace(workflow_id),
+                *given,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
         results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         assert {r["instance"] for r in results} == workers, (proc.returncode, proc.stdout, proc.stderr[-3000:])
         for r in results:
@@ -184,8 +210,13 @@ def test_a_request_waits_while_no_worker_is_in_the_pool(gw: GatewayDeployment):
         # The premise: Dynamo's frontend itself now refuses the deployment's requests.
         direct = _frontend(settings).post("/v1/completions", timeout=30, json={**body, "model": _dynamo_model(gw)})
         assert direct.status_code == 503, direct.text
-        sender = threading.Thread(target=lambda: out.update(r=httpx.post(
-            f"{settings.gateway_url}/v1/completions", json=body, headers=_headers(settings), timeout=120)))
+        sender = threading.Thread(
+            target=lambda: out.update(
+                r=httpx.post(
+                    f"{settings.gateway_url}/v1/completions", json=body, headers=_headers(settings), timeout=120
+                )
+            )
+        )
         sender.start()
         time.sleep(2.0)
         assert sender.is_alive(), "the request did not wait"
@@ -197,8 +228,12 @@ def test_a_request_waits_while_no_worker_is_in_the_pool(gw: GatewayDeployment):
 
 
 def test_dynamos_own_400_comes_in_the_gateways_shape(gw: GatewayDeployment):
-    r = httpx.post(f"{gw.settings.gateway_url}/v1/completions", headers=_headers(gw.settings), timeout=30,
-                   json={"model": gw.model, "prompt": [1, 2], "max_tokens": 2, "temperature": -1})
+    r = httpx.post(
+        f"{gw.settings.gateway_url}/v1/completions",
+        headers=_headers(gw.settings),
+        timeout=30,
+        json={"model": gw.model, "prompt": [1, 2], "max_tokens": 2, "temperature": -1},
+    )
     assert r.status_code == 400, r.text
     assert r.json()["code"] == "invalid_argument" and "emperature" in r.json()["message"], r.json()
 
@@ -215,12 +250,16 @@ def test_vllms_return_token_ids_and_prompt_logprobs_are_answered_in_vllms_shape(
     tokenizer = Tokenizer.from_file(str(gw.base_model / "tokenizer.json"))
     prompt = random_prompt(5)
     asked = {"max_tokens": 6, "ignore_eos": True, "return_token_ids": True, "logprobs": 1}
-    direct = _frontend(settings).post("/v1/completions", timeout=60, json={
-        "model": _dynamo_model(gw), "prompt": prompt, "max_tokens": 2, "return_token_ids": True})
+    direct = _frontend(settings).post(
+        "/v1/completions",
+        timeout=60,
+        json={"model": _dynamo_model(gw), "prompt": prompt, "max_tokens": 2, "return_token_ids": True},
+    )
     assert direct.status_code == 400 and "return_token_ids" in direct.text, direct.text
     for stream in (False, True):
-        r = gw.post("/v1/completions", {**asked, "prompt": prompt, "n": 2, "stream": stream,
-                                        "return_tokens_as_token_ids": True})
+        r = gw.post(
+            "/v1/completions", {**asked, "prompt": prompt, "n": 2, "stream": stream, "return_tokens_as_token_ids": True}
+        )
         assert r.status_code == 200, r.text
         if stream:
             choices: dict[int, dict] = {}
@@ -257,7 +296,8 @@ def test_vllms_return_token_ids_and_prompt_logprobs_are_answered_in_vllms_shape(
     r = gw.post("/v1/chat/completions", {**chat, "stream": True})
     chunks = _sse(r)
     assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []] == [
-        e["token_id"] for c in chunks for ch in c["choices"] for e in (ch.get("logprobs") or {}).get("content") or []]
+        e["token_id"] for c in chunks for ch in c["choices"] for e in (ch.get("logprobs") or {}).get("content") or []
+    ]
     assert [c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids")] == [prompt_ids]
     # What Dynamo would take without doing it is refused, naming the field.
     r = gw.post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "echo": True})

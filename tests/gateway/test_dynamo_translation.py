@@ -35,16 +35,29 @@ def test_upstream_body_streams_asks_for_engine_data_moves_the_salt_and_carries_t
     # A client names no annotation of its own (a 400 naming the field): the secret's is the only one.
     with pytest.raises(RequestError, match="nvext: unsupported field.s. annotations"):
         plan_request({"model": "m", "prompt": [1], "nvext": {"annotations": ["x"]}}, "/v1/completions")
-    plan = plan_request({"model": "m", "prompt": [1, 2], "n": 2, "logprobs": 1,
-                         "nvext": {"cache_salt": "s1", "extra_fields": ["timing"]}}, "/v1/completions")
+    plan = plan_request(
+        {
+            "model": "m",
+            "prompt": [1, 2],
+            "n": 2,
+            "logprobs": 1,
+            "nvext": {"cache_salt": "s1", "extra_fields": ["timing"]},
+        },
+        "/v1/completions",
+    )
     body = dynamo.upstream_body(plan, "deployments/org/x", "s3cret")
     assert body["model"] == "deployments/org/x" and body["stream"] is True
     assert body["stream_options"] == {"include_usage": True}
-    assert body["nvext"] == {"extra_fields": ["engine_data", "worker_id"], "cache_salt": "s1",
-                             "annotations": ["rollouts-request-secret:s3cret"]}
+    assert body["nvext"] == {
+        "extra_fields": ["engine_data", "worker_id"],
+        "cache_salt": "s1",
+        "annotations": ["rollouts-request-secret:s3cret"],
+    }
     assert "cache_salt" not in body and "return_token_ids" not in body
-    chat = plan_request({"model": "m", "messages": [], "logprobs": True, "stream": True,
-                         "stream_options": {"include_usage": False}}, "/v1/chat/completions")
+    chat = plan_request(
+        {"model": "m", "messages": [], "logprobs": True, "stream": True, "stream_options": {"include_usage": False}},
+        "/v1/chat/completions",
+    )
     body = dynamo.upstream_body(chat, "d", "s")
     assert "return_token_ids" not in body and body["stream_options"] == {"include_usage": False}
     # Dynamo refuses return_token_ids: the gateway answers it from engine_data instead.
@@ -52,11 +65,23 @@ def test_upstream_body_streams_asks_for_engine_data_moves_the_salt_and_carries_t
     assert "return_token_ids" not in dynamo.upstream_body(asked, "d", "s") and asked.client_token_ids
 
 
-def _chunk(index: int, text: str, finish: str | None = None, engine_data: dict | None = None,
-           worker: int | None = None) -> dict:
-    chunk = {"id": "c1", "created": 5, "model": "deployments/org/x", "object": "text_completion",
-             "choices": [{"index": index, "text": text, **({"finish_reason": finish} if finish else {}),
-                          "logprobs": {"tokens": [f"token_id:{len(text)}"], "token_logprobs": [-1.0]}}]}
+def _chunk(
+    index: int, text: str, finish: str | None = None, engine_data: dict | None = None, worker: int | None = None
+) -> dict:
+    chunk = {
+        "id": "c1",
+        "created": 5,
+        "model": "deployments/org/x",
+        "object": "text_completion",
+        "choices": [
+            {
+                "index": index,
+                "text": text,
+                **({"finish_reason": finish} if finish else {}),
+                "logprobs": {"tokens": [f"token_id:{len(text)}"], "token_logprobs": [-1.0]},
+            }
+        ],
+    }
     nvext = {}
     if engine_data is not None:
         nvext["engine_data"] = engine_data
@@ -72,13 +97,32 @@ def test_adopt_and_assemble_give_exact_spans_per_choice():
     plan = plan_request({"model": "m", "prompt": [1], "n": 2}, "/v1/completions")
     assembler = dynamo.Assembler(chat=False)
     chunks = [
-        _chunk(0, "a"), _chunk(1, "x"),
-        _chunk(0, "b", "length", {"completion_token_ids": [7, 8], "weight_versions": [
-            {"version": "s1", "start": 0, "end": 1}, {"version": "s2", "start": 1, "end": 2}]}, 0xDEF),
-        _chunk(1, "y", "length", {"completion_token_ids": [9, 10],
-                                  "weight_versions": [{"version": "s2", "start": 0, "end": 2}]}, 0xDEF),
-        {"id": "c1", "created": 5, "model": "deployments/org/x", "choices": [],
-         "usage": {"prompt_tokens": 1, "completion_tokens": 4}},
+        _chunk(0, "a"),
+        _chunk(1, "x"),
+        _chunk(
+            0,
+            "b",
+            "length",
+            {
+                "completion_token_ids": [7, 8],
+                "weight_versions": [{"version": "s1", "start": 0, "end": 1}, {"version": "s2", "start": 1, "end": 2}],
+            },
+            0xDEF,
+        ),
+        _chunk(
+            1,
+            "y",
+            "length",
+            {"completion_token_ids": [9, 10], "weight_versions": [{"version": "s2", "start": 0, "end": 2}]},
+            0xDEF,
+        ),
+        {
+            "id": "c1",
+            "created": 5,
+            "model": "deployments/org/x",
+            "choices": [],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 4},
+        },
     ]
     served = set()
     for chunk in chunks:
@@ -90,14 +134,18 @@ def test_adopt_and_assemble_give_exact_spans_per_choice():
     assert served == {"replica-b"}
     answer = assembler.answer()
     assert answer["object"] == "text_completion" and answer["usage"]["completion_tokens"] == 4
-    assert [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]] == [(0, "ab", "length"),
-                                                                                      (1, "xy", "length")]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]] == [
+        (0, "ab", "length"),
+        (1, "xy", "length"),
+    ]
     assert answer["choices"][0]["logprobs"]["tokens"] == ["token_id:1", "token_id:1"]
     for choice in answer["choices"]:
         finish_choice(plan, choice)
-    assert version_spans(plan) == [{"choice": 0, "identity": "s1", "start": 0, "end": 1},
-                                   {"choice": 0, "identity": "s2", "start": 1, "end": 2},
-                                   {"choice": 1, "identity": "s2", "start": 0, "end": 2}]
+    assert version_spans(plan) == [
+        {"choice": 0, "identity": "s1", "start": 0, "end": 1},
+        {"choice": 0, "identity": "s2", "start": 1, "end": 2},
+        {"choice": 1, "identity": "s2", "start": 0, "end": 2},
+    ]
     assert all("token_ids" not in c and "weight_versions" not in c for c in answer["choices"])
 
 
@@ -108,9 +156,17 @@ ROUTES = {"data": "AAECAw==", "shape": [2, 1, 2], "start": 0, "dtype": "uint8"} 
 def test_dynamos_routed_experts_leave_the_choice_for_the_plan(stream):
     # Dynamo's vLLM worker puts a choice's routes in engine_data on its finishing chunk, already
     # in the guide's {data, shape, start, dtype}; nvext.routed_experts comes from the plan.
-    plan = plan_request({"model": "m", "prompt": [1, 2], "max_tokens": 1, "stream": stream,
-                         "nvext": {"extra_fields": ["routed_experts"]}}, "/v1/completions",
-                        {"enable-return-routed-experts": ""})
+    plan = plan_request(
+        {
+            "model": "m",
+            "prompt": [1, 2],
+            "max_tokens": 1,
+            "stream": stream,
+            "nvext": {"extra_fields": ["routed_experts"]},
+        },
+        "/v1/completions",
+        {"enable-return-routed-experts": ""},
+    )
     chunks = [_chunk(0, "a", "length", {"completion_token_ids": [7], "routed_experts": dict(ROUTES)}, 0xDEF)]
     assembler = dynamo.Assembler(chat=False)
     for chunk in chunks:
@@ -199,7 +255,8 @@ def test_control_routes_need_the_secret_and_answer_errors_in_the_body():
     assert run(routes["pause"]({"secret": "s3cret", "mode": "keep", "clear_cache": True})) == {"status": "paused"}
     assert engine.calls == [("pause", "keep", True)]
     assert run(routes["collective_rpc"]({"secret": "s3cret", "method": "m", "args": [1]})) == {
-        "results": [{"method": "m", "args": [1]}, "3"]}
+        "results": [{"method": "m", "args": [1]}, "3"]
+    }
     failed = run(routes["collective_rpc"]({"secret": "s3cret", "method": "boom"}))
     assert failed["error"]["code"] == 500 and "worker failed" in failed["error"]["message"]
     assert run(routes["collective_rpc"]({"secret": "s3cret"}))["error"]["code"] == 400
@@ -223,8 +280,14 @@ def test_the_worker_serves_only_requests_that_carry_the_request_plane_secret():
     good = "rollouts-request-secret:s3cret"
     request = _preprocessed([good, "other"])
     assert carries_secret(request, "s3cret") and request["annotations"] == ["other"]  # removed
-    for given in (None, [], ["rollouts-request-secret:wrong"], ["other"], [good, good + "x"],
-                  ["rollouts-request-secret:"]):
+    for given in (
+        None,
+        [],
+        ["rollouts-request-secret:wrong"],
+        ["other"],
+        [good, good + "x"],
+        ["rollouts-request-secret:"],
+    ):
         assert not carries_secret(_preprocessed(given), "s3cret"), given
     assert not carries_secret("not a dict", "s3cret") and not carries_secret({"annotations": "x"}, "s3cret")
 
@@ -259,8 +322,9 @@ def test_dynamos_own_engine_routes_answer_only_the_engines_secret():
     update_weights_from_disk, ...) runs only for a body with the engine's secret, which it never
     sees; everything else of the runtime is the runtime's own."""
     registered: dict = {}
-    runtime = SimpleNamespace(register_engine_route=lambda name, cb: registered.__setitem__(name, cb),
-                              namespace=lambda: "ns")
+    runtime = SimpleNamespace(
+        register_engine_route=lambda name, cb: registered.__setitem__(name, cb), namespace=lambda: "ns"
+    )
     guarded = GuardedRuntime(runtime, "s3cret")
     calls: list[dict] = []
 
@@ -284,8 +348,12 @@ def test_span_recorder_stamps_each_finishing_choice():
 
     async def generate(prompt, params, request_id):
         yield SimpleNamespace(outputs=[SimpleNamespace(index=0, finish_reason=None, weight_versions=None)])
-        yield SimpleNamespace(outputs=[SimpleNamespace(index=0, finish_reason="length", weight_versions=[span]),
-                                       SimpleNamespace(index=1, finish_reason="stop", weight_versions=None)])
+        yield SimpleNamespace(
+            outputs=[
+                SimpleNamespace(index=0, finish_reason="length", weight_versions=[span]),
+                SimpleNamespace(index=1, finish_reason="stop", weight_versions=None),
+            ]
+        )
 
     recording = recorder.wrap_generate(generate)
 
@@ -308,8 +376,10 @@ def test_span_recorder_stamps_each_finishing_choice():
 
 def test_dynamos_400_details_are_spelled_out():
     explained = dynamo.explain("Invalid request", {"type": "context_length", "limit": 1024, "actual": 100002})
-    assert explained == ("Invalid request: the prompt's tokens plus max_tokens come to 100002, more than the "
-                         "model's context length 1024: lower max_tokens or shorten the prompt")
+    assert explained == (
+        "Invalid request: the prompt's tokens plus max_tokens come to 100002, more than the "
+        "model's context length 1024: lower max_tokens or shorten the prompt"
+    )
     assert (
         dynamo.explain("Invalid request", {"type": "other", "field": "x"}) == "Invalid request (type: other, field: x)"
     )
@@ -328,10 +398,20 @@ def test_served_by_reads_the_worker_without_changing_the_payload():
 def test_chat_top_logprobs_are_the_first_k_of_the_engines_list_as_vllm_gives_them():
     """Dynamo passes the engine's whole list (the sampled token first, then the k most likely:
     k + 1 entries when the sampled one is not among them); vLLM's chat server gives its first k."""
-    plan = plan_request({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
-                        "/v1/chat/completions", {})
-    entry = {"token": "a", "logprob": -7.9, "top_logprobs": [
-        {"token": "a", "logprob": -7.9}, {"token": "b", "logprob": -6.4}, {"token": "c", "logprob": -6.5}]}
+    plan = plan_request(
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
+        "/v1/chat/completions",
+        {},
+    )
+    entry = {
+        "token": "a",
+        "logprob": -7.9,
+        "top_logprobs": [
+            {"token": "a", "logprob": -7.9},
+            {"token": "b", "logprob": -6.4},
+            {"token": "c", "logprob": -6.5},
+        ],
+    }
     for finish in (lambda c: finish_chunk(plan, {"choices": [c]}), lambda c: finish_choice(plan, c)):
         choice = {"index": 0, "logprobs": {"content": [json.loads(json.dumps(entry))]}}
         finish(choice)

@@ -87,8 +87,12 @@ def test_dynamos_events_pass_through_the_stacks_relay(hot_loaded: GatewayDeploym
         topics: set[bytes] = set()
         deadline = time.monotonic() + 120
         while not topics and time.monotonic() < deadline:
-            r = httpx.post(f"{hot_loaded.url}/v1/completions", headers=hot_loaded.headers, timeout=120,
-                           json={"model": hot_loaded.model, "prompt": [5, 6, 7], "max_tokens": 8})
+            r = httpx.post(
+                f"{hot_loaded.url}/v1/completions",
+                headers=hot_loaded.headers,
+                timeout=120,
+                json={"model": hot_loaded.model, "prompt": [5, 6, 7], "max_tokens": 8},
+            )
             assert r.status_code == 200, r.text
             while sub.poll(2000):
                 topics.add(sub.recv_multipart()[0][:80])

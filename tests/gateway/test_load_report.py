@@ -18,9 +18,15 @@ WINDOW = int(WINDOW_S / SAMPLE_S)
 
 def view(workflow_id: str, replicas: int, *, scales: bool = True) -> DeploymentView:
     return DeploymentView(
-        deployment_id=workflow_id.rsplit("/", 1)[-1], model_name="m", workflow_id=workflow_id, engine_config={},
-        organization_id="org", replicas=tuple(ReplicaView(f"r{i}", f"http://r{i}", "initial") for i in range(replicas)),
-        gateway_ids=("gw",), scales=scales, target_in_flight=2,
+        deployment_id=workflow_id.rsplit("/", 1)[-1],
+        model_name="m",
+        workflow_id=workflow_id,
+        engine_config={},
+        organization_id="org",
+        replicas=tuple(ReplicaView(f"r{i}", f"http://r{i}", "initial") for i in range(replicas)),
+        gateway_ids=("gw",),
+        scales=scales,
+        target_in_flight=2,
     )
 
 

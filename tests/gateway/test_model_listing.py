@@ -8,8 +8,12 @@ from tests.helpers.views import router, view
 
 
 def test_a_model_name_two_deployments_serve_is_listed_once():
-    r = router(view("d2", "policy", replicas=2, weight=10), view("d1", "policy", status="STATUS_FAILED", replicas=0),
-               view("d3", "other"), view("d4", "policy", org="org-b"))
+    r = router(
+        view("d2", "policy", replicas=2, weight=10),
+        view("d1", "policy", status="STATUS_FAILED", replicas=0),
+        view("d3", "other"),
+        view("d4", "policy", org="org-b"),
+    )
     views = r.models("org")
     # The premise: two deployments of this organization serve the name "policy".
     assert sorted(v.deployment_id for v in views if v.model_name == "policy") == ["d1", "d2"]
@@ -18,7 +22,11 @@ def test_a_model_name_two_deployments_serve_is_listed_once():
     assert [m["id"] for m in listed["data"]] == ["other", "policy"]
     policy = listed["data"][1]
     assert {k: policy[k] for k in ("object", "owned_by", "root", "takes_traffic")} == {
-        "object": "model", "owned_by": "rollouts", "root": "policy", "takes_traffic": True}
+        "object": "model",
+        "owned_by": "rollouts",
+        "root": "policy",
+        "takes_traffic": True,
+    }
     assert [
         (d["deployment_id"], d["status"], d["takes_traffic"], d["weight"], len(d["replicas"]))
         for d in policy["deployments"]

@@ -72,7 +72,6 @@ def extra(gw: GatewayDeployment) -> Iterator[Extra]:
         r = gw.api.call("PATCH", f"/deployments/{gw.id}", json=body)
         assert r.status_code == 200, r.text
 
-
     def create(name: str, *, path: str | None = None, gateways: list[str] | None = None, weight: int = 100) -> str:
         body = deployment_body(gw.settings, f"{name}-{tag}", replicas=1, path_prefix=f"checkpoints/{name}-{tag}")
         body["model"]["name"] = gw.model
@@ -144,8 +143,12 @@ def test_a_failed_deployment_sharing_the_model_name_takes_no_traffic(gw, extra):
         router.set_view(asyncio.run(view_of(gw, dep_id)))
     with LocalGateway(gw.settings, router) as local:
         for _ in range(4):
-            r = httpx.post(f"{local.url}/v1/completions", json={"model": gw.model, "prompt": random_prompt(4),
-                                                                 "max_tokens": 1}, headers=gw.headers, timeout=300)
+            r = httpx.post(
+                f"{local.url}/v1/completions",
+                json={"model": gw.model, "prompt": random_prompt(4), "max_tokens": 1},
+                headers=gw.headers,
+                timeout=300,
+            )
             assert r.status_code == 200 and r.headers[REPLICA] in shared, r.text
     # Addressed by its id, it is named in a 503 with its state, not routed.
     r = gw.post("/v1/completions", {"model": extra.failed, "prompt": [1, 2], "max_tokens": 1})
@@ -168,8 +171,12 @@ def test_two_ready_deployments_sharing_the_name_split_ninety_ten(gw, extra):
     assert gw.id in first_requests_served(gw.settings, extra.split).beside  # the premise: another beside
     entry = wait_listed(gw, extra.split, lambda m: m["takes_traffic"] and len(m["replicas"]) == 1, "serving")
     split_replica = entry["replicas"][0]["name"]
-    shared = wait_listed(gw, gw.id, lambda m: m["takes_traffic"] and len(m["replicas"]) == 2 and m["weight"] == 10,
-                         "serving at weight 10")
+    shared = wait_listed(
+        gw,
+        gw.id,
+        lambda m: m["takes_traffic"] and len(m["replicas"]) == 2 and m["weight"] == 10,
+        "serving at weight 10",
+    )
     assert entry["weight"] == 9 * shared["weight"]
     names = served(gw, 40)
     by_deployment = Counter("split" if n == split_replica else "shared" for n in names)

@@ -33,9 +33,19 @@ def npy_b64(array: np.ndarray) -> str:
 
 # ---------------------------------------------------------------------------- requests
 def test_cache_salt_becomes_vllm_field_and_the_rest_passes_through():
-    body = {"model": "m", "prompt": [1, 2, 3], "n": 3, "logprobs": 1, "return_tokens_as_token_ids": True,
-            "seed": 7, "stop": ["a", "b"], "stop_token_ids": [5], "temperature": 1.0, "top_p": 0.9,
-            "nvext": {"cache_salt": "step-1"}}
+    body = {
+        "model": "m",
+        "prompt": [1, 2, 3],
+        "n": 3,
+        "logprobs": 1,
+        "return_tokens_as_token_ids": True,
+        "seed": 7,
+        "stop": ["a", "b"],
+        "stop_token_ids": [5],
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "nvext": {"cache_salt": "step-1"},
+    }
     plan = plan_request(body, "/v1/completions")
     assert plan.upstream == {**{k: v for k, v in body.items() if k != "nvext"}, "cache_salt": "step-1"}
     assert "nvext" in body  # the client's object is not modified
@@ -49,7 +59,7 @@ def test_cache_salt_becomes_vllm_field_and_the_rest_passes_through():
         ({"extra_fields": "worker_id"}, 1, {}, "must be a list of strings"),
         ({"extra_fields": ["bogus"]}, 1, {}, "unsupported value(s) bogus"),
         ({"extra_fields": ["completion_token_ids"]}, 2, {}, "requires one choice per request (n=1), got n=2"),
-        ({"extra_fields": ["routed_experts"]}, 1, {}, "does not capture routing; add \"enable-return-routed-experts\""),
+        ({"extra_fields": ["routed_experts"]}, 1, {}, 'does not capture routing; add "enable-return-routed-experts"'),
         ({"extra_fields": ["routed_experts"]}, 2, MOE, "requires one choice per request"),
         ({"cache_salt": "a/b"}, 1, {}, "none of @ / \\"),
         ({"cache_salt": ""}, 1, {}, "non-empty string"),
@@ -79,10 +89,16 @@ def test_stop_limits_match_the_hosted_frontend():
         ({"n": True}, "/v1/completions", "n must be a positive integer"),
         ({"best_of": 100}, "/v1/completions", "best_of: at most 64 per request, got 100"),
         ({"best_of": 2.5}, "/v1/completions", "best_of must be a positive integer"),
-        ({"n": 16, "prompt": [[1, 2], [3], [4], [5], [6]]}, "/v1/completions",
-         "prompt: a batch of 5 prompts with n=16 asks for 80 sequences; at most 64 per request"),
-        ({"n": 2, "best_of": 16, "prompt": ["a", "b", "c", "d", "e"]}, "/v1/completions",
-         "prompt: a batch of 5 prompts with n=16 asks for 80 sequences"),
+        (
+            {"n": 16, "prompt": [[1, 2], [3], [4], [5], [6]]},
+            "/v1/completions",
+            "prompt: a batch of 5 prompts with n=16 asks for 80 sequences; at most 64 per request",
+        ),
+        (
+            {"n": 2, "best_of": 16, "prompt": ["a", "b", "c", "d", "e"]},
+            "/v1/completions",
+            "prompt: a batch of 5 prompts with n=16 asks for 80 sequences",
+        ),
         ({"stream": "false"}, "/v1/completions", "stream must be true or false"),
         ({"stream": 1}, "/v1/chat/completions", "stream must be true or false"),
     ],
@@ -101,8 +117,9 @@ def test_up_to_the_cap_passes():
 
 
 def test_routed_experts_allowed_on_a_capturing_deployment():
-    plan = plan_request({"prompt": [1], "nvext": {"extra_fields": ["routed_experts", "completion_token_ids"]}},
-                        "/v1/completions", MOE)
+    plan = plan_request(
+        {"prompt": [1], "nvext": {"extra_fields": ["routed_experts", "completion_token_ids"]}}, "/v1/completions", MOE
+    )
     assert plan.extra_fields == {"routed_experts", "completion_token_ids"}
     assert plan.upstream["return_token_ids"] is True
 
@@ -110,8 +127,11 @@ def test_routed_experts_allowed_on_a_capturing_deployment():
 def test_chat_logprobs_get_token_ids_and_unasked_ids_are_stripped():
     plan = plan_request({"messages": [], "logprobs": True}, "/v1/chat/completions")
     assert plan.upstream["return_token_ids"] is True and plan.fill_token_id
-    choice = {"index": 0, "token_ids": [11, 12],
-              "logprobs": {"content": [{"token": "a", "logprob": -1.0}, {"token": "b", "logprob": -2.0}]}}
+    choice = {
+        "index": 0,
+        "token_ids": [11, 12],
+        "logprobs": {"content": [{"token": "a", "logprob": -1.0}, {"token": "b", "logprob": -2.0}]},
+    }
     finish_choice(plan, choice)
     assert [e["token_id"] for e in choice["logprobs"]["content"]] == [11, 12]
     assert "token_ids" not in choice  # the client did not ask for them
@@ -122,16 +142,19 @@ def test_chat_logprobs_get_token_ids_and_unasked_ids_are_stripped():
 
 def test_chat_token_ids_kept_when_the_client_asked():
     plan = plan_request({"messages": [], "logprobs": True, "return_token_ids": True}, "/v1/chat/completions")
-    chunk = {"prompt_token_ids": [1, 2], "choices": [{"index": 0, "token_ids": [9],
-             "logprobs": {"content": [{"token": "x", "logprob": -0.5}]}}]}
+    chunk = {
+        "prompt_token_ids": [1, 2],
+        "choices": [{"index": 0, "token_ids": [9], "logprobs": {"content": [{"token": "x", "logprob": -0.5}]}}],
+    }
     finish_chunk(plan, chunk)
     assert chunk["choices"][0]["token_ids"] == [9] and chunk["prompt_token_ids"] == [1, 2]
     assert chunk["choices"][0]["logprobs"]["content"][0]["token_id"] == 9
 
 
 def test_completion_token_ids_accumulate_over_a_stream():
-    plan = plan_request({"prompt": [1], "stream": True, "nvext": {"extra_fields": ["completion_token_ids"]}},
-                        "/v1/completions")
+    plan = plan_request(
+        {"prompt": [1], "stream": True, "nvext": {"extra_fields": ["completion_token_ids"]}}, "/v1/completions"
+    )
     for ids in ([4], [5, 6], []):
         chunk = {"choices": [{"index": 0, "text": "t", "token_ids": ids}]}
         finish_chunk(plan, chunk)
@@ -171,9 +194,20 @@ def test_routed_experts_decode_with_cwtrain_semantics():
 
 
 def test_as_chunks_replays_an_answer_as_a_stream():
-    data = {"id": "c", "created": 1, "model": "m", "usage": {"prompt_tokens": 1},
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi", "refusal": None},
-                         "logprobs": None, "finish_reason": "stop"}]}
+    data = {
+        "id": "c",
+        "created": 1,
+        "model": "m",
+        "usage": {"prompt_tokens": 1},
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi", "refusal": None},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+    }
     chunks = as_chunks(data, chat=True)
     assert chunks[0]["object"] == "chat.completion.chunk"
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "hi"}
@@ -213,17 +247,21 @@ def span(version: str, start: int, end: int) -> dict:
 def test_replica_spans_move_into_the_label():
     """Spans of a non-streamed answer with two choices: one spanned a swap, one finished before."""
     plan = plan_request({"prompt": [1], "n": 2, "return_token_ids": True}, "/v1/completions")
-    answer = {"choices": [
-        {"index": 0, "token_ids": [5, 6, 7], "weight_versions": [span("a", 0, 1), span("b", 1, 3)]},
-        {"index": 1, "token_ids": [8], "weight_versions": [span("a", 0, 1)]},
-    ]}
+    answer = {
+        "choices": [
+            {"index": 0, "token_ids": [5, 6, 7], "weight_versions": [span("a", 0, 1), span("b", 1, 3)]},
+            {"index": 1, "token_ids": [8], "weight_versions": [span("a", 0, 1)]},
+        ]
+    }
     for choice in answer["choices"]:
         finish_choice(plan, choice)
     assert all("weight_versions" not in c for c in answer["choices"])  # moved to nvext
     spans = version_spans(plan)
-    assert spans == [{"choice": 0, "identity": "a", "start": 0, "end": 1},
-                     {"choice": 0, "identity": "b", "start": 1, "end": 3},
-                     {"choice": 1, "identity": "a", "start": 0, "end": 1}]
+    assert spans == [
+        {"choice": 0, "identity": "a", "start": 0, "end": 1},
+        {"choice": 0, "identity": "b", "start": 1, "end": 3},
+        {"choice": 1, "identity": "a", "start": 0, "end": 1},
+    ]
     label = weight_versions(None, None, 0, 0, "r1", spans)
     assert label == {"identity": None, "exact": False, "identities": ["a", "b"], "replica": "r1", "spans": spans}
     one = weight_versions(None, None, 0, 0, "r1", [{"choice": 0, "identity": "b", "start": 0, "end": 4}])
@@ -235,8 +273,16 @@ def test_replica_spans_on_a_stream_come_with_each_finish_chunk():
     chunks = [
         {"choices": [{"index": 0, "text": "x", "finish_reason": None}]},
         {"choices": [{"index": 1, "text": "y", "finish_reason": "length", "weight_versions": [span("a", 0, 2)]}]},
-        {"choices": [{"index": 0, "text": "z", "finish_reason": "length",
-                      "weight_versions": [span("a", 0, 1), span("b", 1, 2)]}]},
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "z",
+                    "finish_reason": "length",
+                    "weight_versions": [span("a", 0, 1), span("b", 1, 2)],
+                }
+            ]
+        },
     ]
     for chunk in chunks[:2]:
         finish_chunk(plan, chunk)
@@ -246,15 +292,18 @@ def test_replica_spans_on_a_stream_come_with_each_finish_chunk():
     assert "weight_versions" not in chunks[2]["choices"][0]
 
 
-@pytest.mark.parametrize("spans, ids", [
-    (None, [5, 6]),                                        # a replica that does not report them
-    ([span("a", 0, 1)], [5, 6]),                           # does not cover the tokens
-    ([span("a", 1, 2)], [5, 6]),                           # does not start at 0
-    ([span("a", 0, 1), span("b", 2, 2)], [5, 6]),          # a gap, an empty span
-    ([span("a", 0, 2), span("b", 1, 3)], [5, 6, 7]),       # overlap
-    ([{"version": 3, "start": 0, "end": 2}], [5, 6]),      # not a label
-    ("a", [5, 6]),
-])
+@pytest.mark.parametrize(
+    "spans, ids",
+    [
+        (None, [5, 6]),  # a replica that does not report them
+        ([span("a", 0, 1)], [5, 6]),  # does not cover the tokens
+        ([span("a", 1, 2)], [5, 6]),  # does not start at 0
+        ([span("a", 0, 1), span("b", 2, 2)], [5, 6]),  # a gap, an empty span
+        ([span("a", 0, 2), span("b", 1, 3)], [5, 6, 7]),  # overlap
+        ([{"version": 3, "start": 0, "end": 2}], [5, 6]),  # not a label
+        ("a", [5, 6]),
+    ],
+)
 def test_replica_spans_that_do_not_tile_the_tokens_are_not_reported(spans, ids):
     plan = plan_request({"prompt": [1], "return_token_ids": True}, "/v1/completions")
     finish_choice(plan, {"index": 0, "token_ids": ids, "weight_versions": spans})
@@ -275,16 +324,27 @@ def test_no_tokens_no_spans_and_the_label_from_the_views():
     assert version_spans(plan) == []
     a = ReplicaView("r1", "u", "a")
     assert weight_versions(a, a, 1, 1, "r1", []) == {
-        "identity": "a", "exact": True, "identities": ["a"], "replica": "r1", "spans": []}
+        "identity": "a",
+        "exact": True,
+        "identities": ["a"],
+        "replica": "r1",
+        "spans": [],
+    }
 
 
 def test_identities_are_in_load_order_across_choices():
     """Choice 0 began after the swap, choice 1 before: the old identity is still first."""
-    spans = [{"choice": 0, "identity": "b", "start": 0, "end": 3},
-             {"choice": 1, "identity": "a", "start": 0, "end": 1}, {"choice": 1, "identity": "b", "start": 1, "end": 3}]
+    spans = [
+        {"choice": 0, "identity": "b", "start": 0, "end": 3},
+        {"choice": 1, "identity": "a", "start": 0, "end": 1},
+        {"choice": 1, "identity": "b", "start": 1, "end": 3},
+    ]
     assert weight_versions(None, None, 0, 0, "r1", spans)["identities"] == ["a", "b"]
-    twice = [{"choice": 0, "identity": "a", "start": 0, "end": 1}, {"choice": 0, "identity": "b", "start": 1, "end": 2},
-             {"choice": 0, "identity": "a", "start": 2, "end": 3}]
+    twice = [
+        {"choice": 0, "identity": "a", "start": 0, "end": 1},
+        {"choice": 0, "identity": "b", "start": 1, "end": 2},
+        {"choice": 0, "identity": "a", "start": 2, "end": 3},
+    ]
     assert weight_versions(None, None, 0, 0, "r1", twice)["identities"] == ["a", "b"]
 
 
@@ -298,14 +358,19 @@ def test_build_view_reads_replica_states_from_the_active_hot_load():
             {"name": n, "engineUrl": f"http://{n}", "currentSnapshotIdentity": "a"} for n in ("r1", "r2", "r3")
         ],
     }
-    hot = {"replicas": [
-        {"name": "r1", "state": "READY", "currentSnapshotIdentity": "b"},
-        {"name": "r2", "state": "UPDATING", "currentSnapshotIdentity": "a"},
-        {"name": "r3", "state": "PENDING_UPDATE", "currentSnapshotIdentity": "a"},
-    ]}
+    hot = {
+        "replicas": [
+            {"name": "r1", "state": "READY", "currentSnapshotIdentity": "b"},
+            {"name": "r2", "state": "UPDATING", "currentSnapshotIdentity": "a"},
+            {"name": "r3", "state": "PENDING_UPDATE", "currentSnapshotIdentity": "a"},
+        ]
+    }
     view = build_view(memo, "deployments/d", hot, epoch=2)
     assert view is not None and view.engine_config == MOE and view.epoch == 2
     assert [(r.identity, r.settled, r.pending) for r in view.replicas] == [
-        ("b", True, False), ("a", False, False), ("a", True, True)]
+        ("b", True, False),
+        ("a", False, False),
+        ("a", True, True),
+    ]
     unreadable = build_view(memo, "deployments/d", None, hot_load_readable=False)
     assert unreadable is not None and not any(r.settled for r in unreadable.replicas)

@@ -63,8 +63,13 @@ async def test_cache_salt_isolates_prefix_cache_reuse(gw):
 
 
 def test_extra_fields_completion_token_ids_worker_id_timing(gw):
-    body = {"prompt": random_prompt(6), "max_tokens": 5, "temperature": 1.0, "ignore_eos": True,  # five tokens
-            "nvext": {"extra_fields": ["completion_token_ids", "worker_id", "timing"]}}
+    body = {
+        "prompt": random_prompt(6),
+        "max_tokens": 5,
+        "temperature": 1.0,
+        "ignore_eos": True,  # five tokens
+        "nvext": {"extra_fields": ["completion_token_ids", "worker_id", "timing"]},
+    }
     # The sampled ids, also as cwtrain reads them (logprobs tokens as "token_id:N").
     as_ids = {"logprobs": 1, "return_tokens_as_token_ids": True}
     for stream in (False, True):
@@ -79,8 +84,10 @@ def test_extra_fields_completion_token_ids_worker_id_timing(gw):
             tokens = resp.json()["choices"][0]["logprobs"]["tokens"]
         ids = [int(t.removeprefix("token_id:")) for t in tokens]
         assert nvext["completion_token_ids"] == ids and len(ids) == 5
-        assert nvext["worker_id"] == {"prefill_worker_id": resp.headers["x-rollouts-replica"],
-                                      "decode_worker_id": resp.headers["x-rollouts-replica"]}
+        assert nvext["worker_id"] == {
+            "prefill_worker_id": resp.headers["x-rollouts-replica"],
+            "decode_worker_id": resp.headers["x-rollouts-replica"],
+        }
         assert nvext["timing"]["total_time_ms"] > 0 and nvext["timing"]["request_received_ms"] > 1.7e12
     # Without the client asking for token ids, only nvext carries them.
     resp = gw.post("/v1/completions", body).json()

@@ -31,8 +31,15 @@ pytestmark = pytest.mark.stack
 
 async def rollout(client: httpx.AsyncClient, gw, gate: RoundGate, prompt: list[int], max_tokens: int) -> dict:
     async with gate.arequest():
-        body = {"model": gw.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
-                "logprobs": 1, "return_tokens_as_token_ids": True}
+        body = {
+            "model": gw.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+        }
         resp = await client.post("/v1/completions", json=body)
         assert resp.status_code == 200, resp.text
         data = resp.json()
@@ -55,8 +62,11 @@ async def test_on_policy_round_every_token_of_the_next_round_is_new(gw, tmp_path
         while gate.in_flight < 8:
             await asyncio.sleep(0.05)
         with rollouts_client(gw) as api:
-            boundary = asyncio.ensure_future(asyncio.to_thread(
-                on_policy_round, api, gw.id, counting, identity, gate=gate, s3=gw.settings.s3_client()))
+            boundary = asyncio.ensure_future(
+                asyncio.to_thread(
+                    on_policy_round, api, gw.id, counting, identity, gate=gate, s3=gw.settings.s3_client()
+                )
+            )
             while gate.is_open:
                 await asyncio.sleep(0.01)
             # Requests of the next round that arrive now wait for the boundary.
@@ -68,8 +78,10 @@ async def test_on_policy_round_every_token_of_the_next_round_is_new(gw, tmp_path
     assert result.drain_s > 0 and result.hot_load.prompt_cache_policy == RESET_ALL
     assert result.hot_load.state == "HOT_LOAD_STATE_COMPLETED" and len(result.replicas) == 2
     assert all(r.state == "READY" and r.current_snapshot_identity == identity for r in result.replicas)
-    print(f"\non-policy round: drain {result.drain_s:.2f}s, upload {result.upload_s:.2f}s, "
-          f"hot-load {result.hot_load_s:.2f}s")
+    print(
+        f"\non-policy round: drain {result.drain_s:.2f}s, upload {result.upload_s:.2f}s, "
+        f"hot-load {result.hot_load_s:.2f}s"
+    )
     # Round 1 finished before the hot-load was created, all on the old policy.
     created = datetime.fromisoformat(result.hot_load.raw["status"]["createdAt"].replace("Z", "+00:00")).timestamp()
     for answer in await asyncio.gather(*round1):

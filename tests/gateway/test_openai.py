@@ -34,8 +34,13 @@ def test_models_lists_the_deployment(gw, sdk):
 
 def test_chat_logprobs_carry_token_ids_as_in_the_guide(gw, sdk):
     resp = sdk.chat.completions.create(
-        model=gw.model, messages=[{"role": "user", "content": "What is 17 times 23?"}],
-        temperature=1.0, top_p=1.0, max_tokens=12, logprobs=True, top_logprobs=2,
+        model=gw.model,
+        messages=[{"role": "user", "content": "What is 17 times 23?"}],
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=2,
         extra_body={"nvext": {"cache_salt": "policy-v1"}, "ignore_eos": True},  # twelve tokens, always
         extra_headers={"X-Dynamo-Session-ID": "traj-1"},
     )
@@ -49,17 +54,29 @@ def test_chat_logprobs_carry_token_ids_as_in_the_guide(gw, sdk):
     assert "token_ids" not in (choice.model_extra or {})  # asked for by the gateway, not the client
     # The ids are the sampled tokens: the same request asking for nvext.completion_token_ids (the
     # guide's way) reports the same list.
-    raw = gw.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
-                                           "temperature": 0, "logprobs": True,
-                                           "nvext": {"extra_fields": ["completion_token_ids"]}}).json()
+    raw = gw.post(
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": True,
+            "nvext": {"extra_fields": ["completion_token_ids"]},
+        },
+    ).json()
     ids = raw["nvext"]["completion_token_ids"]
     assert [e["token_id"] for e in raw["choices"][0]["logprobs"]["content"]] == ids and len(ids) == 8
 
 
 def test_chat_stream_with_the_sdk(gw, sdk):
     stream = sdk.chat.completions.create(
-        model=gw.model, messages=[{"role": "user", "content": "count"}], max_tokens=10, temperature=1.0,
-        logprobs=True, stream=True, stream_options={"include_usage": True},
+        model=gw.model,
+        messages=[{"role": "user", "content": "count"}],
+        max_tokens=10,
+        temperature=1.0,
+        logprobs=True,
+        stream=True,
+        stream_options={"include_usage": True},
         extra_body={"nvext": {"extra_fields": ["worker_id", "timing"]}, "ignore_eos": True},  # ten tokens, always
     )
     chunks = list(stream)
@@ -78,7 +95,12 @@ def test_chat_stream_with_the_sdk(gw, sdk):
 def test_completions_token_id_prompt_n_choices_token_ids(gw, sdk):
     prompt = random_prompt(12)
     resp = sdk.completions.create(
-        model=gw.model, prompt=prompt, n=3, max_tokens=9, temperature=1.0, logprobs=1,
+        model=gw.model,
+        prompt=prompt,
+        n=3,
+        max_tokens=9,
+        temperature=1.0,
+        logprobs=1,
         extra_body={"return_tokens_as_token_ids": True, "nvext": {"cache_salt": "r1"}, "ignore_eos": True},
     )
     assert sorted(c.index for c in resp.choices) == [0, 1, 2]
@@ -89,10 +111,16 @@ def test_completions_token_id_prompt_n_choices_token_ids(gw, sdk):
 
 
 def test_completions_text_prompt_stream_completion_token_ids(gw):
-    body = {"prompt": "the quick", "max_tokens": 7, "temperature": 0, "stream": True,
-            "nvext": {"extra_fields": ["completion_token_ids"]}}
-    with httpx.stream("POST", f"{gw.url}/v1/completions", json={"model": gw.model, **body}, headers=gw.headers,
-                      timeout=300) as r:
+    body = {
+        "prompt": "the quick",
+        "max_tokens": 7,
+        "temperature": 0,
+        "stream": True,
+        "nvext": {"extra_fields": ["completion_token_ids"]},
+    }
+    with httpx.stream(
+        "POST", f"{gw.url}/v1/completions", json={"model": gw.model, **body}, headers=gw.headers, timeout=300
+    ) as r:
         assert r.status_code == 200
         events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -116,8 +144,11 @@ def test_seed_temperature_top_p_pass_through(gw):
     prompt = random_prompt(8)
 
     def sample(**kw):
-        r = gw.post("/v1/completions", {"prompt": prompt, "max_tokens": 16,
-                                        "nvext": {"extra_fields": ["completion_token_ids"]}, **kw}, session)
+        r = gw.post(
+            "/v1/completions",
+            {"prompt": prompt, "max_tokens": 16, "nvext": {"extra_fields": ["completion_token_ids"]}, **kw},
+            session,
+        )
         assert r.status_code == 200, r.text
         return r.json()["nvext"]["completion_token_ids"]
 
@@ -134,13 +165,19 @@ def test_stop_strings_and_stop_token_ids(gw):
     session = {"X-Dynamo-Session-ID": f"stop-{uuid.uuid4()}"}
     prompt = random_prompt(8)
     ids_asked = {"nvext": {"extra_fields": ["completion_token_ids"]}}
-    full = gw.post("/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-                                       **ids_asked}, session).json()
+    full = gw.post(
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **ids_asked},
+        session,
+    ).json()
     ids = full["nvext"]["completion_token_ids"]
     stop_id = ids[4]
     first = ids.index(stop_id)
-    r = gw.post("/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop_token_ids": [stop_id],
-                                    **ids_asked}, session).json()
+    r = gw.post(
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop_token_ids": [stop_id], **ids_asked},
+        session,
+    ).json()
     assert r["choices"][0]["finish_reason"] == "stop" and r["nvext"]["completion_token_ids"] == ids[: first + 1]
     text = full["choices"][0]["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 2]
@@ -178,8 +215,12 @@ async def main():
 asyncio.run(main())
 """
     prompt = random_prompt(10)
-    proc = subprocess.run([str(cwtrain_python()), "-c", code, f"{gw.url}/v1", gw.model, gw.settings.admin_token,
-                           json.dumps(prompt)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(cwtrain_python()), "-c", code, f"{gw.url}/v1", gw.model, gw.settings.admin_token, json.dumps(prompt)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     completions = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(completions) == 4
@@ -187,5 +228,7 @@ asyncio.run(main())
         # cwtrain sends no ignore_eos: a sampled end-of-sequence token ends a choice early, and
         # is its last token id.
         assert len(ids) == len(logprobs), (ids, logprobs)
-        assert (len(ids), finish) == (6, "length") or (finish == "stop" and ids[-1] == EOS_ID and len(ids) <= 6), \
-            (ids, finish)
+        assert (len(ids), finish) == (6, "length") or (finish == "stop" and ids[-1] == EOS_ID and len(ids) <= 6), (
+            ids,
+            finish,
+        )

@@ -72,9 +72,17 @@ def moe_gateway(tmp_path_factory):
     while not server.started:
         time.sleep(0.05)
     router = Router()
-    router.set_view(DeploymentView("dep", "moe", "deployments/dep", {"enable-return-routed-experts": ""}, "org",
-                                   (ReplicaView("r1", f"http://127.0.0.1:{port}", "step-1"),),
-                                   gateway_ids=(settings.gateway_id,)))
+    router.set_view(
+        DeploymentView(
+            "dep",
+            "moe",
+            "deployments/dep",
+            {"enable-return-routed-experts": ""},
+            "org",
+            (ReplicaView("r1", f"http://127.0.0.1:{port}", "step-1"),),
+            gateway_ids=(settings.gateway_id,),
+        )
+    )
     with LocalGateway(settings, router) as gateway:
         yield gateway
     server.should_exit = True
@@ -87,8 +95,13 @@ def decode(routed: dict) -> np.ndarray:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_routed_experts_in_the_guides_shape(moe_gateway, stream):
-    body = {"model": "moe", "prompt": [1, 2, 3, 4, 5], "max_tokens": 4, "stream": stream,
-            "nvext": {"extra_fields": ["routed_experts", "completion_token_ids"]}}
+    body = {
+        "model": "moe",
+        "prompt": [1, 2, 3, 4, 5],
+        "max_tokens": 4,
+        "stream": stream,
+        "nvext": {"extra_fields": ["routed_experts", "completion_token_ids"]},
+    }
     resp = httpx.post(
         f"{moe_gateway.url}/v1/completions", json=body, headers={"Authorization": "Bearer tok"}, timeout=30
     )

@@ -15,7 +15,7 @@ def picks(split: WeightedSplit, members: list[tuple[str, int]], count: int, key:
 def test_ninety_ten_is_exact_in_every_hundred_and_spread_out():
     seq = picks(WeightedSplit(), [("a", 90), ("b", 10)], 1000)
     for start in range(0, 1000, 100):
-        window = seq[start:start + 100]
+        window = seq[start : start + 100]
         assert window.count("a") == 90 and window.count("b") == 10
     assert "bb" not in "".join(seq)  # never two of the small share in a row
     assert seq[:10].count("b") == 1  # the first ten requests already hold one
@@ -25,9 +25,9 @@ def test_three_ways_and_a_sliding_window():
     members = [("a", 5), ("b", 3), ("c", 2)]
     seq = picks(WeightedSplit(), members, 200)
     for start in range(0, 200 - 10):  # any 10 consecutive picks, not only aligned ones, within one
-        window = seq[start:start + 10]
+        window = seq[start : start + 10]
         assert abs(window.count("a") - 5) <= 1 and abs(window.count("b") - 3) <= 1 and abs(window.count("c") - 2) <= 1
-    assert [seq[i:i + 10].count(n) for i in range(0, 200, 10) for n in "abc"] == [5, 3, 2] * 20
+    assert [seq[i : i + 10].count(n) for i in range(0, 200, 10) for n in "abc"] == [5, 3, 2] * 20
 
 
 def test_groups_are_independent_and_membership_changes():

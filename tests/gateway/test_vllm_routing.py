@@ -46,8 +46,10 @@ def test_a_vllm_deployment_runs_vllm_servers_and_refuses_hot_loads(vllm_gw):
 def test_session_affinity_keeps_a_trajectory_on_one_replica(vllm_gw):
     for _ in range(2):
         session = {"X-Dynamo-Session-ID": f"traj-{uuid.uuid4()}"}
-        seen = {served_by(vllm_gw.post("/v1/completions", {"prompt": random_prompt(6), "max_tokens": 2}, session))
-                for _ in range(6)}
+        seen = {
+            served_by(vllm_gw.post("/v1/completions", {"prompt": random_prompt(6), "max_tokens": 2}, session))
+            for _ in range(6)
+        }
         assert len(seen) == 1, seen
 
 
@@ -55,8 +57,11 @@ def test_least_loaded_spreads_concurrent_requests(vllm_gw):
     names: list[str] = []
 
     def one() -> None:
-        names.append(served_by(vllm_gw.post("/v1/completions", {"prompt": random_prompt(6), "max_tokens": 48,
-                                                           "ignore_eos": True})))
+        names.append(
+            served_by(
+                vllm_gw.post("/v1/completions", {"prompt": random_prompt(6), "max_tokens": 48, "ignore_eos": True})
+            )
+        )
 
     threads = [threading.Thread(target=one) for _ in range(6)]
     for t in threads:
@@ -182,8 +187,13 @@ def test_a_stream_that_breaks_midway_ends_with_an_error_event(vllm_gw, local):
         # The OpenAI SDK turns that event into an exception: a trainer cannot miss it.
         sdk = openai.OpenAI(base_url=f"{local.url}/v1", api_key=vllm_gw.settings.admin_token, max_retries=0)
         with pytest.raises(openai.APIError, match="incomplete"):
-            for _ in sdk.completions.create(model=vllm_gw.model, prompt=random_prompt(5), max_tokens=64, stream=True,
-                                            extra_body={"ignore_eos": True}):
+            for _ in sdk.completions.create(
+                model=vllm_gw.model,
+                prompt=random_prompt(5),
+                max_tokens=64,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
                 pass
 
 

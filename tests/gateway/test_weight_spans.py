@@ -50,8 +50,6 @@ WORKFLOW_ID, REPLICA = "deployments/org-spans/dep-spans", "spans-0"
 ENGINE_KEY = "spans-test-engine-key"
 
 
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("spans-models")
@@ -69,8 +67,14 @@ async def engine(models, tmp_path_factory) -> AsyncIterator[EngineProcess]:
         served = httpx.get(f"{url}/v1/models", headers={ENGINE_SECRET_HEADER: secret})
         yield EngineProcess.attach(url, served_model_name=served.json()["data"][0]["id"], secret=secret)
         return
-    eng = EngineProcess(models["base"], work_dir=tmp_path_factory.mktemp("spans-engine"), served_model_name="tiny",
-                        secret=secret, max_model_len=MAX_MODEL_LEN, model_info_cache=model_infos())
+    eng = EngineProcess(
+        models["base"],
+        work_dir=tmp_path_factory.mktemp("spans-engine"),
+        served_model_name="tiny",
+        secret=secret,
+        max_model_len=MAX_MODEL_LEN,
+        model_info_cache=model_infos(),
+    )
     await eng.start(timeout=900)
     try:
         yield eng
@@ -84,11 +88,17 @@ def gateway(engine, tmp_path_factory) -> Iterator[LocalGateway]:
     add_token(home / "tokens.json", TOKEN, "admin", "org-spans", "test")
     settings = Settings(home=str(home), ports={}, engine_key=ENGINE_KEY)
     router = Router()
-    router.set_view(DeploymentView(
-        deployment_id="dep-spans", model_name=engine.served_model_name, workflow_id=WORKFLOW_ID,
-        engine_config={}, organization_id="org-spans",
-        replicas=(ReplicaView(REPLICA, engine.base_url, "initial"),), gateway_ids=(settings.gateway_id,),
-    ))
+    router.set_view(
+        DeploymentView(
+            deployment_id="dep-spans",
+            model_name=engine.served_model_name,
+            workflow_id=WORKFLOW_ID,
+            engine_config={},
+            organization_id="org-spans",
+            replicas=(ReplicaView(REPLICA, engine.base_url, "initial"),),
+            gateway_ids=(settings.gateway_id,),
+        )
+    )
     with LocalGateway(settings, router) as gw:
         yield gw
 
@@ -114,8 +124,9 @@ async def swap(engine: EngineProcess, model_dir: Path, identity: str) -> int:
     return running
 
 
-async def ask(client: httpx.AsyncClient, path: str, body: dict[str, Any],
-              started: asyncio.Event | None = None) -> dict[str, Any]:
+async def ask(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], started: asyncio.Event | None = None
+) -> dict[str, Any]:
     """One request through the gateway: ``{"choices": {index: [token ids]}, "prompt": [ids],
     "weight_versions": ...}``; ``started`` is set once every choice of a streamed answer has a token."""
     body = {**body, "return_token_ids": True, "temperature": body.get("temperature", 0), "ignore_eos": True}
@@ -149,8 +160,9 @@ async def ask(client: httpx.AsyncClient, path: str, body: dict[str, Any],
     return {"choices": ids, "prompt": prompt, "weight_versions": nvext["weight_versions"]}
 
 
-async def all_started(engine: EngineProcess, requests: list[tuple[asyncio.Event, asyncio.Future[Any]]],
-                      timeout: float) -> None:
+async def all_started(
+    engine: EngineProcess, requests: list[tuple[asyncio.Event, asyncio.Future[Any]]], timeout: float
+) -> None:
     """Wait until every request's event is set (each choice streamed a token). A request that
     ends first fails here with its own error, not after the timeout; the timeout names how many
     requests had not started, what the engine was running and waiting on, and its log's end."""
@@ -168,11 +180,14 @@ async def all_started(engine: EngineProcess, requests: list[tuple[asyncio.Event,
     except TimeoutError:
         waiting = sum(not event.is_set() for event, _ in requests)
         metrics = (await engine.request("GET", "/metrics")).text.splitlines()
-        queues = [line for line in metrics
-                  if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))]
+        queues = [
+            line for line in metrics if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
+        ]
         log = "\n".join(engine.log_path.read_text(errors="replace").splitlines()[-30:])
-        raise AssertionError(f"{waiting} of {len(requests)} long requests streamed no token in {timeout} s; "
-                             f"engine: {queues}; its log ends:\n{log}") from None
+        raise AssertionError(
+            f"{waiting} of {len(requests)} long requests streamed no token in {timeout} s; "
+            f"engine: {queues}; its log ends:\n{log}"
+        ) from None
 
 
 def check(answer: dict[str, Any], old: str, new: str) -> bool:
@@ -197,8 +212,9 @@ async def test_spans_say_which_weights_sampled_each_token(engine, gateway, model
     old, new = f"base-{tag}", f"count-{tag}"
     assert await swap(engine, models["base"], old) == 0  # nothing in flight: every answer starts on `old`
     model = engine.served_model_name
-    async with httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": f"Bearer {TOKEN}"},
-                                 timeout=900) as client:
+    async with httpx.AsyncClient(
+        base_url=gateway.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=900
+    ) as client:
         before = await ask(client, "/v1/completions", {"model": model, "prompt": random_prompt(6), "max_tokens": 8})
         # The engine's steps slowed until the swap (replica/engine/step_delay.py): the long
         # requests then outlast any stall of this machine before the pause reaches the engine
@@ -206,17 +222,46 @@ async def test_spans_say_which_weights_sampled_each_token(engine, gateway, model
         await engine.collective_rpc("set_step_delay", STEP_DELAY_S)
         started = [asyncio.Event() for _ in range(5)]
         streamed = [
-            asyncio.ensure_future(ask(client, "/v1/completions", {"model": model, "prompt": random_prompt(6),
-                                                                  "max_tokens": LONG, "stream": True}, ev))
+            asyncio.ensure_future(
+                ask(
+                    client,
+                    "/v1/completions",
+                    {"model": model, "prompt": random_prompt(6), "max_tokens": LONG, "stream": True},
+                    ev,
+                )
+            )
             for ev in started[:3]
         ]
-        chat = asyncio.ensure_future(ask(client, "/v1/chat/completions", {
-            "model": model, "messages": [{"role": "user", "content": f"count {uuid.uuid4().hex[:6]}"}],
-            "max_tokens": LONG, "stream": True}, started[3]))
+        chat = asyncio.ensure_future(
+            ask(
+                client,
+                "/v1/chat/completions",
+                {
+                    "model": model,
+                    "messages": [{"role": "user", "content": f"count {uuid.uuid4().hex[:6]}"}],
+                    "max_tokens": LONG,
+                    "stream": True,
+                },
+                started[3],
+            )
+        )
         # n = 2 with sampling: greedy refuses n > 1 (the counting model is just as peaked).
-        pair = asyncio.ensure_future(ask(client, "/v1/completions", {
-            "model": model, "prompt": random_prompt(6), "max_tokens": LONG, "n": 2, "temperature": 1.0, "seed": 5,
-            "stream": True}, started[4]))
+        pair = asyncio.ensure_future(
+            ask(
+                client,
+                "/v1/completions",
+                {
+                    "model": model,
+                    "prompt": random_prompt(6),
+                    "max_tokens": LONG,
+                    "n": 2,
+                    "temperature": 1.0,
+                    "seed": 5,
+                    "stream": True,
+                },
+                started[4],
+            )
+        )
         # Swap once every sequence has streamed a token (each began on `old`); the ones still
         # running are frozen in its pause and finish on `new`.
         try:

@@ -31,8 +31,15 @@ IN_FLIGHT = 4  # long requests kept under way during the hot-load
 
 
 async def long_stream(client: httpx.AsyncClient, gw, prompt: list[int], max_tokens: int) -> tuple[list[int], dict]:
-    body = {"model": gw.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "nvext": {"extra_fields": ["completion_token_ids"]}}
+    body = {
+        "model": gw.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "nvext": {"extra_fields": ["completion_token_ids"]},
+    }
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         assert resp.status_code == 200
         events = [ln[6:] async for ln in resp.aiter_lines() if ln.startswith("data: ")]

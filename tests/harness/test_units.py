@@ -21,10 +21,18 @@ def test_a_heavy_module_is_one_unit_unless_it_asks_for_one_per_test():
 
 def test_per_test_units_run_among_the_heavy_ones_and_each_test_is_a_scope(tmp_path, monkeypatch):
     assert [unit_rank(u) for u in ("multihost", "pool:gw", "tests/e2e/a.py", EACH_TEST + "tests/e2e/f.py", "")] == [
-        0, 1, 2, 2, 3]
+        0,
+        1,
+        2,
+        2,
+        3,
+    ]
     units = tmp_path / "units.json"
-    units.write_text(json.dumps({"tests/e2e/a.py": "tests/e2e/a.py", "tests/e2e/f.py": EACH_TEST + "tests/e2e/f.py",
-                                 "tests/u.py": ""}))
+    units.write_text(
+        json.dumps(
+            {"tests/e2e/a.py": "tests/e2e/a.py", "tests/e2e/f.py": EACH_TEST + "tests/e2e/f.py", "tests/u.py": ""}
+        )
+    )
     monkeypatch.setenv(UNITS_ENV, str(units))
     split = UnitScheduling.__new__(UnitScheduling)._split_scope
     assert split("tests/e2e/a.py::test_x") == split("tests/e2e/a.py::test_y") == "tests/e2e/a.py"

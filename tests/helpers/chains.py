@@ -32,8 +32,9 @@ def cwtrain_write_delta(base: Path, new: Path, out: Path, version: str, base_ver
     )
 
 
-def publish_chain(stack, api, dep_id, tmp: Path, writer: str, tag: str, *, prefix: str, steps: int = 3,
-                  relay: bool = False) -> None:
+def publish_chain(
+    stack, api, dep_id, tmp: Path, writer: str, tag: str, *, prefix: str, steps: int = 3, relay: bool = False
+) -> None:
     """Full base, then `steps` deltas (ours or cwtrain's, by ``writer``) under the deployment's
     hot-load ``prefix``; after each, every replica is READY, proved exactly the changed tensors in
     a pause, the first read the bucket and the others 0 bytes from it (their update came from a
@@ -104,8 +105,20 @@ def cwtrain_routes(settings, model: str, prompt: list[int], max_tokens: int) -> 
     """One greedy completion with its routed experts, as cwtrain's rollout integration reads them
     (``RolloutConfig(routed_experts=True)``, unmodified): ``token_ids``, ``routes``
     (``[prompt + completion - 1, layers, top_k]`` as lists) and their ``dtype``."""
-    out = subprocess.run([str(cwtrain_python()), "-c", _SAMPLE_WITH_ROUTES, f"{settings.gateway_url}/v1",
-                          settings.admin_token, model, json.dumps(prompt), str(max_tokens)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            str(cwtrain_python()),
+            "-c",
+            _SAMPLE_WITH_ROUTES,
+            f"{settings.gateway_url}/v1",
+            settings.admin_token,
+            model,
+            json.dumps(prompt),
+            str(max_tokens),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)

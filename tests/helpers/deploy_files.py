@@ -37,8 +37,9 @@ def renderer() -> str:
 
 @cache
 def _render_text(target: str) -> str:
-    done = subprocess.run([kubectl(), "kustomize", str(KUBERNETES / target)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [kubectl(), "kustomize", str(KUBERNETES / target)], capture_output=True, text=True, timeout=120
+    )
     if done.returncode != 0:
         raise AssertionError(f"kubectl kustomize {target} failed: {done.stderr.strip()}")
     return done.stdout

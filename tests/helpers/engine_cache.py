@@ -39,7 +39,9 @@ def share_engine_cache(engines: bool) -> None:
         global _inspecting
         _inspecting = subprocess.Popen(
             [sys.executable, "-m", "tests.helpers.inspect_models", os.environ[ENGINE_CACHE_ENV]],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
 
 

@@ -35,13 +35,19 @@ def files_of(source: Path | Sequence[Path]) -> list[Path]:
     return checkpoint_files(source) if isinstance(source, Path) else list(source)
 
 
-async def stage(engine: EngineProcess, source: Path | Sequence[Path], label: str,
-                names: Sequence[str] | None = None, expected: Mapping[str, str] | None = None) -> dict[str, Any]:
+async def stage(
+    engine: EngineProcess,
+    source: Path | Sequence[Path],
+    label: str,
+    names: Sequence[str] | None = None,
+    expected: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     return await engine.stage_from_files(label, files_of(source), names, expected)
 
 
-async def swap_in_pause(engine: EngineProcess, label: str, version: str | None = None,
-                        clear_cache: bool = False) -> dict[str, Any]:
+async def swap_in_pause(
+    engine: EngineProcess, label: str, version: str | None = None, clear_cache: bool = False
+) -> dict[str, Any]:
     await engine.pause(mode="keep", clear_cache=clear_cache)
     try:
         if version is not None:
@@ -58,15 +64,20 @@ async def swap_in_pause(engine: EngineProcess, label: str, version: str | None =
         await engine.resume()
 
 
-async def load(engine: EngineProcess, source: Path | Sequence[Path], names: Sequence[str] | None = None,
-               expected: Mapping[str, str] | None = None) -> dict[str, Any]:
+async def load(
+    engine: EngineProcess,
+    source: Path | Sequence[Path],
+    names: Sequence[str] | None = None,
+    expected: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     label = f"test-load-{next(_LABELS)}"
     staged = await stage(engine, source, label, names, expected)
     return {**staged, **await swap_in_pause(engine, label)}
 
 
-async def swap_held_then_refused_then_proven(engine: EngineProcess, base_dir: Path, counting_dir: Path,
-                                             changed: Sequence[str]) -> dict[str, Any]:
+async def swap_held_then_refused_then_proven(
+    engine: EngineProcess, base_dir: Path, counting_dir: Path, changed: Sequence[str]
+) -> dict[str, Any]:
     """The engine-side swap (`replica.engine.swap`), as a replica's agent calls it
     (``engine.swap_in_pause``), on any engine kind: held after its write and refused there (the
     "swap" fault point's failure: paused and labelled while held, then the label, the weights

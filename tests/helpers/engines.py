@@ -81,8 +81,11 @@ def session_processes(*marks: bytes, session: str | None = None) -> dict[bytes, 
         for mark in hits:
             found[mark][int(entry.name)] = (ppid, cmdline, started)
     return {
-        mark: [Proc(pid, cmd.replace(b"\0", b" ").decode(errors="replace").strip(), started)
-               for pid, (ppid, cmd, started) in sorted(procs.items()) if ppid not in procs]
+        mark: [
+            Proc(pid, cmd.replace(b"\0", b" ").decode(errors="replace").strip(), started)
+            for pid, (ppid, cmd, started) in sorted(procs.items())
+            if ppid not in procs
+        ]
         for mark, procs in found.items()
     }
 
@@ -98,8 +101,10 @@ def wait_engines_at_most(n: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while len(alive := engines()) > n:
         if time.monotonic() > deadline:
-            raise AssertionError(f"{len(alive)} vLLM engines still alive after {timeout:.0f}s, want <= {n}: "
-                                 + "; ".join(f"pid {p.pid}" for p in alive))
+            raise AssertionError(
+                f"{len(alive)} vLLM engines still alive after {timeout:.0f}s, want <= {n}: "
+                + "; ".join(f"pid {p.pid}" for p in alive)
+            )
         time.sleep(0.5)
 
 

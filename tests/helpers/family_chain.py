@@ -83,11 +83,22 @@ def routes_of(settings, model: str, config: dict) -> dict:
 def streamed_routes(settings, model: str) -> list:
     """The greedy completion streamed: its routes, from the chunk that carries ``finish_reason``
     (the guide's place on a stream), as lists."""
-    body = {"model": model, "prompt": PROMPT_IDS, "max_tokens": GREEDY["max_tokens"], "temperature": 0,
-            "stream": True, "nvext": {"extra_fields": ["routed_experts"]}}
+    body = {
+        "model": model,
+        "prompt": PROMPT_IDS,
+        "max_tokens": GREEDY["max_tokens"],
+        "temperature": 0,
+        "stream": True,
+        "nvext": {"extra_fields": ["routed_experts"]},
+    }
     found = []
-    with httpx.stream("POST", f"{settings.gateway_url}/v1/completions", json=body, timeout=120,
-                      headers={"Authorization": f"Bearer {settings.admin_token}"}) as r:
+    with httpx.stream(
+        "POST",
+        f"{settings.gateway_url}/v1/completions",
+        json=body,
+        timeout=120,
+        headers={"Authorization": f"Bearer {settings.admin_token}"},
+    ) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -107,9 +118,11 @@ def off_host_sockets(pid: int, host: str) -> list[str]:
     wrong = []
     for proc in [root, *root.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
-            wrong += [f"{proc.pid} {' '.join(proc.cmdline())[:80]} {c.laddr.ip}:{c.laddr.port}"
-                      for c in proc.net_connections(kind="inet")
-                      if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.ip != host]
+            wrong += [
+                f"{proc.pid} {' '.join(proc.cmdline())[:80]} {c.laddr.ip}:{c.laddr.port}"
+                for c in proc.net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.ip != host
+            ]
     return wrong
 
 
@@ -124,8 +137,15 @@ def corrupt_one_frame(delta: Path) -> str:
     return victim.name
 
 
-def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool = False,
-                     routes: bool = False, engine_config: dict[str, str] | None = None) -> list[dict]:
+def run_family_chain(
+    stack,
+    family: str,
+    tp: int,
+    tmp_path: Path,
+    sparse: bool = False,
+    routes: bool = False,
+    engine_config: dict[str, str] | None = None,
+) -> list[dict]:
     """The chain the module docstring describes, on ``family`` at tensor-parallel size ``tp``;
     returns each COMPLETED hot-load's figures (what, seconds from create to COMPLETED as the
     test polls it, the replica's pause in ms, tensors proven). ``sparse``: then one step back
@@ -170,9 +190,10 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool =
         pid = engines(stack, dep_id)[0]["enginePid"]
         assert_every_replica_serves(stack, dep_id, checkpoints[0])
         at_start = through_gateway(stack, model)
-        assert 0 not in compared or at_start == fresh.answer(checkpoints[0]), \
-            f"the deployment's engine answers {at_start} on its first checkpoint, the reference engine " \
+        assert 0 not in compared or at_start == fresh.answer(checkpoints[0]), (
+            f"the deployment's engine answers {at_start} on its first checkpoint, the reference engine "
             f"{fresh.answer(checkpoints[0])}: the reference is not the deployment's engine"
+        )
         start_routes = routes_of(stack, model, config) if routes else None
 
         def publish(identity: str, previous: str | None, what: str, serves: int) -> dict:
@@ -182,8 +203,15 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool =
             hl = hot_load(api, dep_id, identity, previous)
             assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
             [rep] = hot_load_replicas(api, hl["spec"]["id"])
-            figures.append({"what": what, "seconds": round(time.monotonic() - t0, 1), "pause_ms": rep["pauseMs"],
-                            "proven": rep["verifiedTensors"], "swap_bytes": rep.get("swapBytes")})
+            figures.append(
+                {
+                    "what": what,
+                    "seconds": round(time.monotonic() - t0, 1),
+                    "pause_ms": rep["pauseMs"],
+                    "proven": rep["verifiedTensors"],
+                    "swap_bytes": rep.get("swapBytes"),
+                }
+            )
             assert_every_replica_serves(stack, dep_id, checkpoints[serves])
             if serves not in compared:
                 return rep
@@ -194,11 +222,13 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool =
         full_id = f"{family}-000001"
         upload_dir(s3, checkpoints[1], stack.bucket, f"{prefix}/{full_id}")
         publish(full_id, None, "FULL", 1)
-        assert fresh.answer(checkpoints[compared[-1]]) != at_start, \
+        assert fresh.answer(checkpoints[compared[-1]]) != at_start, (
             "another checkpoint answers the same: the premise of the check"
+        )
         if routes:
-            assert routes_of(stack, model, config)["routes"] != start_routes["routes"], \
+            assert routes_of(stack, model, config)["routes"] != start_routes["routes"], (
                 "another checkpoint routes the same: the premise of the routes check"
+            )
         prev_id, experts_changed = full_id, 0
         for step in range(2, 4):
             identity = f"{family}-{step:06d}"
@@ -216,15 +246,17 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool =
             assert experts_changed, "no delta changed an expert tensor: the premise of the MoE test"
         if routes:  # after a delta hot-load, the routes a fresh engine takes, read by cwtrain
             got = routes_of(stack, model, config)
-            assert [got["token_ids"], got["routes"]] == fresh.routes(checkpoints[3]), \
+            assert [got["token_ids"], got["routes"]] == fresh.routes(checkpoints[3]), (
                 "the updated replica routes other than a fresh engine on the same checkpoint"
+            )
             assert streamed_routes(stack, model) == got["routes"]
 
         serving = 3
         if sparse:  # one step back, as a trainer that publishes changed elements writes it
             identity = f"{family}-sparse"
-            write_sparse_delta(checkpoints[3], checkpoints[2], tmp_path / identity, version=identity,
-                               base_version=prev_id)
+            write_sparse_delta(
+                checkpoints[3], checkpoints[2], tmp_path / identity, version=identity, base_version=prev_id
+            )
             upload_dir(s3, tmp_path / identity, stack.bucket, f"{prefix}/{identity}")
             rep = publish(identity, prev_id, "sparse delta", 2)
             assert rep["verifiedTensors"] == changed_tensors(checkpoints[3], checkpoints[2])
@@ -240,8 +272,9 @@ def run_family_chain(stack, family: str, tp: int, tmp_path: Path, sparse: bool =
         [rep] = hot_load_replicas(api, hl["spec"]["id"])
         assert rep["state"] == "ERROR" and victim in rep["errorReason"], rep
         assert_every_replica_serves(stack, dep_id, checkpoints[serving])
-        assert through_gateway(stack, model) == fresh.answer(checkpoints[serving]), \
+        assert through_gateway(stack, model) == fresh.answer(checkpoints[serving]), (
             "after a failed hot-load, the replica answers other than it did before it"
+        )
         assert engines(stack, dep_id)[0]["enginePid"] == pid
         if tp > 1:  # the ranks are new processes: every socket they listen on is on the stack's host
             assert off_host_sockets(pid, stack.host) == []

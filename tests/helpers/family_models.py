@@ -59,9 +59,16 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
     cpu_moe.install()
     post_load.install()
     torch.accelerator.empty_cache = lambda: None  # no accelerator here (vLLM's CPU worker does the same)
+
     def engine_config(directory: Path):
-        return EngineArgs(model=str(directory), enforce_eager=True, dtype="bfloat16", max_model_len=256,
-                          tensor_parallel_size=world, enable_expert_parallel=ep).create_engine_config()
+        return EngineArgs(
+            model=str(directory),
+            enforce_eager=True,
+            dtype="bfloat16",
+            max_model_len=256,
+            tensor_parallel_size=world,
+            enable_expert_parallel=ep,
+        ).create_engine_config()
 
     report: dict[str, dict] = {}
     for i, model_dir in enumerate(model_dirs):
@@ -70,8 +77,13 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
         config = engine_config(model_dir)
         with set_current_vllm_config(config):
             if i == 0:
-                init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
-                                             distributed_init_method=f"tcp://127.0.0.1:{port or free_port()}")
+                init_distributed_environment(
+                    world_size=world,
+                    rank=rank,
+                    local_rank=rank,
+                    backend="gloo",
+                    distributed_init_method=f"tcp://127.0.0.1:{port or free_port()}",
+                )
             else:
                 destroy_model_parallel()  # the groups follow the model's config (MoE: an expert group)
             initialize_model_parallel(world, 1)
@@ -82,8 +94,10 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
         changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
         r = report[model_dir.name] = {
             "tensors": len(checkpoint.specs),
-            "landings": {n: [[ld.param, list(ld.dst.size), ld.dst.offset, list(ld.src.size), ld.src.offset]
-                             for ld in e.landings] for n, e in wmap.entries.items()},
+            "landings": {
+                n: [[ld.param, list(ld.dst.size), ld.dst.offset, list(ld.src.size), ld.src.offset] for ld in e.landings]
+                for n, e in wmap.entries.items()
+            },
             "refused": {n: e.refused for n, e in wmap.entries.items() if e.refused},
             "elsewhere": wmap.elsewhere(),
             "params_changed_by_observe": changed,
@@ -94,14 +108,19 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
             update = [(n, new[n]) for n in wmap.names()]
             # The engine's swap (replica/engine/stage.py): swapped in, rolled back (every
             # parameter and derived tensor as before), then swapped in again and proven.
-            start = {**{n: p.detach().clone() for n, p in model.named_parameters()},
-                     **{n: t.clone() for n, t in layer_tensors(model).items()}}
+            start = {
+                **{n: p.detach().clone() for n, p in model.named_parameters()},
+                **{n: t.clone() for n, t in layer_tensors(model).items()},
+            }
             staged = stage.take(wmap, "twin", update)
             stage.swap(wmap, staged)
             stage.roll_back(wmap, staged)
             now = {**dict(model.named_parameters()), **layer_tensors(model)}
-            rolled_back_differ = sorted(n for n in start.keys() | now.keys() if n not in start or n not in now
-                                        or not torch.equal(start[n], now[n].detach()))
+            rolled_back_differ = sorted(
+                n
+                for n in start.keys() | now.keys()
+                if n not in start or n not in now or not torch.equal(start[n], now[n].detach())
+            )
             twin_config = engine_config(twin)
             with set_current_vllm_config(twin_config):
                 fresh = get_model(vllm_config=twin_config)
@@ -113,8 +132,9 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
                 "not_held": [n for n, t in update if not wmap.holds(n, t)],
                 "unpacked": wmap.unpacked(n for n, _ in update),
                 # Every parameter, kernel layouts included, as vLLM's loader makes them from the twin.
-                "params_differ_from_fresh": [n for n, p in model.named_parameters()
-                                             if not torch.equal(p.detach(), fresh_params[n].detach())],
+                "params_differ_from_fresh": [
+                    n for n, p in model.named_parameters() if not torch.equal(p.detach(), fresh_params[n].detach())
+                ],
                 # What the layers compute with besides parameters: buffers, and tensors vLLM's
                 # post-load step keeps on a layer (a Mamba conv weight's unpacked copy, ...).
                 "derived_differ_from_fresh": derived_differ(model, fresh),
@@ -148,9 +168,11 @@ def layer_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def derived_differ(model: torch.nn.Module, fresh: torch.nn.Module) -> list[str]:
     ours, theirs = layer_tensors(model), layer_tensors(fresh)
-    return sorted(n for n in ours.keys() | theirs.keys()
-                  if n not in ours or n not in theirs or ours[n].shape != theirs[n].shape
-                  or not torch.equal(ours[n], theirs[n]))
+    return sorted(
+        n
+        for n in ours.keys() | theirs.keys()
+        if n not in ours or n not in theirs or ours[n].shape != theirs[n].shape or not torch.equal(ours[n], theirs[n])
+    )
 
 
 def _rank(model_dirs: list[Path], world: int, rank: int, port: int, out: Path, ep: bool) -> None:
@@ -162,8 +184,10 @@ def observe_ranks(model_dirs: list[Path], world: int, scratch: Path, ep: bool = 
     port = free_port()
     os.environ["VLLM_DIST_IDENT"] = f"landings-{port}"  # vLLM's CPU communicator: one name for the group
     spawn = multiprocessing.get_context("spawn")
-    ranks = [spawn.Process(target=_rank, args=(model_dirs, world, r, port, scratch / f"rank{r}.json", ep))
-             for r in range(world)]
+    ranks = [
+        spawn.Process(target=_rank, args=(model_dirs, world, r, port, scratch / f"rank{r}.json", ep))
+        for r in range(world)
+    ]
     for proc in ranks:
         proc.start()
     for proc in ranks:

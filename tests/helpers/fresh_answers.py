@@ -36,8 +36,15 @@ from tests.helpers.engine_cache import model_infos
 def engine_flags(engine: EngineProcess) -> list[str]:
     """vLLM's engine arguments of ``engine``'s command (``EngineProcess.command`` and Dynamo's
     worker alike), without the server's own (host, port, served name)."""
-    flags = ["--dtype", engine.dtype, "--enforce-eager", "--max-model-len", str(engine.max_model_len),
-             "--max-num-seqs", str(engine.max_num_seqs)]
+    flags = [
+        "--dtype",
+        engine.dtype,
+        "--enforce-eager",
+        "--max-model-len",
+        str(engine.max_model_len),
+        "--max-num-seqs",
+        str(engine.max_num_seqs),
+    ]
     if engine.worker_extension_cls:
         flags += ["--worker-extension-cls", engine.worker_extension_cls]
     return flags + engine.extra_args
@@ -62,12 +69,21 @@ class FreshAnswers:
         env[INPROC_WORKER_ENV] = "0"  # the engine core in this process: one vLLM import for all
         self.out = work_dir / "answers.json"
         self.log = work_dir / "answers.log"
-        cmd = [sys.executable, "-m", __name__, str(self.out), json.dumps(request), *map(str, checkpoints),
-               "--", *engine_flags(engine)]
+        cmd = [
+            sys.executable,
+            "-m",
+            __name__,
+            str(self.out),
+            json.dumps(request),
+            *map(str, checkpoints),
+            "--",
+            *engine_flags(engine),
+        ]
         with self.log.open("wb") as log:
             # A process group of its own: its engines' workers (tensor parallel) stop with it.
-            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self._answers: dict[str, dict] | None = None
 
     def _of(self, checkpoint: Path) -> dict:
@@ -103,8 +119,9 @@ def answers(checkpoints: list[str], flags: list[str], request: dict) -> dict[str
     from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    params = SamplingParams(temperature=0, max_tokens=request["max_tokens"], logprobs=1,
-                            ignore_eos=request.get("ignore_eos", False))
+    params = SamplingParams(
+        temperature=0, max_tokens=request["max_tokens"], logprobs=1, ignore_eos=request.get("ignore_eos", False)
+    )
     found = {}
     for checkpoint in checkpoints:
         llm = LLM.from_engine_args(EngineArgs.from_cli_args(parser.parse_args(["--model", checkpoint, *flags])))
@@ -125,7 +142,7 @@ def answers(checkpoints: list[str], flags: list[str], request: dict) -> dict[str
 
 def main(argv: list[str]) -> int:
     split = argv.index("--")
-    out, request, checkpoints, flags = Path(argv[0]), json.loads(argv[1]), argv[2:split], argv[split + 1:]
+    out, request, checkpoints, flags = Path(argv[0]), json.loads(argv[1]), argv[2:split], argv[split + 1 :]
     found = answers(checkpoints, flags, request)
     out.write_text(json.dumps(found))
     return 0

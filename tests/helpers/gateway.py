@@ -73,10 +73,15 @@ class GatewayDeployment:
     def base_model(self) -> Path:
         return self.settings.home_path / "models" / "base"
 
-    def post(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
-             timeout: float = 300) -> httpx.Response:
-        return httpx.post(f"{self.url}{path}", json={"model": self.model, **body},
-                          headers={**self.headers, **(headers or {})}, timeout=timeout)
+    def post(
+        self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 300
+    ) -> httpx.Response:
+        return httpx.post(
+            f"{self.url}{path}",
+            json={"model": self.model, **body},
+            headers={**self.headers, **(headers or {})},
+            timeout=timeout,
+        )
 
     async def replicas(self) -> list[dict[str, Any]]:
         """The running replicas as the deployment workflow lists them (name, engineUrl, ...)."""
@@ -109,8 +114,12 @@ class LocalGateway:
         self.router = router
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_gateway_app(settings, refresh=False, router=router),
-                                host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn.Config(
+            create_gateway_app(settings, refresh=False, router=router),
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -138,12 +147,16 @@ class Connection:
         self.local: tuple | None = None
         self.headers: dict[str, str] = {}  # of the last answer
 
-    def request(self, method: str, path: str, body: Any = None, token: str | None = None,
-                **kw: Any) -> tuple[int, dict]:
+    def request(
+        self, method: str, path: str, body: Any = None, token: str | None = None, **kw: Any
+    ) -> tuple[int, dict]:
         if body is not None and not isinstance(body, (bytes, Iterator)):
             body = json.dumps(body).encode()
-        headers = {"Authorization": f"Bearer {token or self.token}", "Content-Type": "application/json",
-                   **kw.pop("headers", {})}
+        headers = {
+            "Authorization": f"Bearer {token or self.token}",
+            "Content-Type": "application/json",
+            **kw.pop("headers", {}),
+        }
         self.conn.request(method, path, body=body, headers=headers, **kw)
         resp = self.conn.getresponse()
         data = json.loads(resp.read())
@@ -227,8 +240,15 @@ def rollouts_client(gw: GatewayDeployment) -> RolloutsClient:
     return RolloutsClient(gw.settings.api_url, gw.settings.admin_token)
 
 
-def publish(gw: GatewayDeployment, checkpoint: Path, identity: str, *, previous: str | None = None,
-            policy: str = "PROMPT_CACHE_POLICY_PRESERVE", wait: bool = True):
+def publish(
+    gw: GatewayDeployment,
+    checkpoint: Path,
+    identity: str,
+    *,
+    previous: str | None = None,
+    policy: str = "PROMPT_CACHE_POLICY_PRESERVE",
+    wait: bool = True,
+):
     """Upload ``checkpoint`` (a delta of ``previous`` when given) and hot-load it; with ``wait``,
     until it completed (asserted) and ``gw.served`` is updated. Returns the HotLoad."""
     hot = gw.deployment["spec"]["hotLoad"]
@@ -294,7 +314,7 @@ def check_spans(counts: list[bool], spans: list[dict[str, Any]], old: str, new: 
     assert sum(s["end"] - s["start"] for s in spans) == len(counts), (spans, len(counts))
     assert [s["identity"] for s in spans] in ([old], [new], [old, new]), spans
     for s in spans:
-        inside = counts[s["start"]:s["end"]]
+        inside = counts[s["start"] : s["end"]]
         if s["identity"] == counting:
             assert all(inside), (s, inside.index(False))
         else:

@@ -90,8 +90,11 @@ def write_delta(root: Path, identity: str, base: str, *, missing: tuple[str, ...
         "model.safetensors.index.json": json.dumps(
             {
                 "metadata": {
-                    "version": identity, "base_version": base, "delta_encoding": "xor",
-                    "compression_format": "zstd", "checksum_format": "adler32",
+                    "version": identity,
+                    "base_version": base,
+                    "delta_encoding": "xor",
+                    "compression_format": "zstd",
+                    "checksum_format": "adler32",
                 },
                 "weight_map": {"w": "model-00001-of-00001.safetensors"},
             }
@@ -163,8 +166,15 @@ class Fleet:
         add_token(self.settings.tokens_file, ADMIN, "admin", ORG, "admin", buckets=["rollouts"])
         add_token(self.settings.tokens_file, VIEWER, "viewer", ORG, "viewer")
         add_token(self.settings.tokens_file, OTHER_ORG, "admin", "org-b", "other", buckets=["rollouts"])
-        add_token(self.settings.tokens_file, DISABLED_ORG, "admin", "org-off", "off", hot_load_enabled=False,
-                  buckets=["rollouts"])
+        add_token(
+            self.settings.tokens_file,
+            DISABLED_ORG,
+            "admin",
+            "org-off",
+            "off",
+            hot_load_enabled=False,
+            buckets=["rollouts"],
+        )
         self._stack = AsyncExitStack()
         self._replica_workers: dict[str, Worker] = {}
         self._pool = ThreadPoolExecutor(max_workers=4)
@@ -210,8 +220,14 @@ class Fleet:
         return await self.http.request(method, path, headers={"Authorization": f"Bearer {token}"}, **kw)
 
     async def ready_deployment(
-        self, name: str | None = None, *, hot_load: bool = True, replicas: int | None = None,
-        token: str = ADMIN, wait: bool = True, autoscaling: dict[str, int] | None = None,
+        self,
+        name: str | None = None,
+        *,
+        hot_load: bool = True,
+        replicas: int | None = None,
+        token: str = ADMIN,
+        wait: bool = True,
+        autoscaling: dict[str, int] | None = None,
     ) -> str:
         """A gateway and a READY deployment (through the API, as `token`); returns the id."""
         gw = f"gw-{uuid.uuid4().hex[:6]}"
@@ -224,8 +240,8 @@ class Fleet:
             "gatewayIds": [gw],
             "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
             "model": {"name": "m", "bucket": "rollouts", "path": "models/base"},
-            "autoscaling": autoscaling or {"min": replicas or self.replicas_per_deployment,
-                                           "max": replicas or self.replicas_per_deployment},
+            "autoscaling": autoscaling
+            or {"min": replicas or self.replicas_per_deployment, "max": replicas or self.replicas_per_deployment},
         }
         if hot_load:
             body["hotLoad"] = {"bucket": "rollouts", "pathPrefix": f"ckpt/{name}"}
@@ -242,16 +258,25 @@ class Fleet:
             name = f"replica-{i}"
             tq = f"{self.task_queue}/replica/{dep_id}/{name}"
             worker = Worker(
-                self.client, task_queue=tq, activities=self._replica_activities(name),
+                self.client,
+                task_queue=tq,
+                activities=self._replica_activities(name),
                 max_heartbeat_throttle_interval=timedelta(milliseconds=200),
                 default_heartbeat_throttle_interval=timedelta(milliseconds=200),
             )
             asyncio.create_task(worker.run())
             self._replica_workers[tq] = worker
-            endpoints.append(ReplicaEndpoint(
-                name=name, zone=ZONE, task_queue=tq, engine_url="http://127.0.0.1:1", engine_pid=1000 + i,
-                agent_pid=2000 + i, started_at="2026-01-01T00:00:00.000000Z",
-            ))
+            endpoints.append(
+                ReplicaEndpoint(
+                    name=name,
+                    zone=ZONE,
+                    task_queue=tq,
+                    engine_url="http://127.0.0.1:1",
+                    engine_pid=1000 + i,
+                    agent_pid=2000 + i,
+                    started_at="2026-01-01T00:00:00.000000Z",
+                )
+            )
         return endpoints
 
     async def deployment_from_state(self, state: DeploymentInput) -> str:
@@ -259,7 +284,9 @@ class Fleet:
         test reaches states the API cannot make quickly (63 deltas, gateways in two zones)."""
         dep = state.deployment
         await self.client.start_workflow(
-            DeploymentWorkflow.run, state, id=names.deployment_workflow_id(dep.spec.organization_id, dep.spec.id),
+            DeploymentWorkflow.run,
+            state,
+            id=names.deployment_workflow_id(dep.spec.organization_id, dep.spec.id),
             task_queue=self.task_queue,
             search_attributes=deployment_attributes(dep.spec.organization_id, dep.spec.id),
             memo={"deployment": dep.wire(), "replicas": []},
@@ -277,7 +304,9 @@ class Fleet:
 
     async def create_hot_load(self, dep_id: str, identity: str, *, token: str = ADMIN, **body: Any) -> httpx.Response:
         return await self.call(
-            "POST", "/hotLoads", token=token,
+            "POST",
+            "/hotLoads",
+            token=token,
             json={"deploymentId": dep_id, "identity": identity, "type": "SNAPSHOT_TYPE_FULL", **body},
         )
 
@@ -304,8 +333,11 @@ class Fleet:
     async def completed(self, dep_id: str, identity: str, **body: Any) -> dict:
         """Publish (files) + hot-load + wait: a COMPLETED hot-load of `identity`."""
         if body.get("type") == "SNAPSHOT_TYPE_INCREMENTAL":
-            write_delta(self.bucket_root / f"ckpt/{dep_id}", identity,
-                        body["incrementalSnapshotMetadata"]["previousSnapshotIdentity"])
+            write_delta(
+                self.bucket_root / f"ckpt/{dep_id}",
+                identity,
+                body["incrementalSnapshotMetadata"]["previousSnapshotIdentity"],
+            )
         else:
             write_full(self.bucket_root / f"ckpt/{dep_id}", identity)
         r = await self.create_hot_load(dep_id, identity, **body)
@@ -334,8 +366,12 @@ class Fleet:
         await self.deployment_handle(dep_id).signal(
             DeploymentWorkflow.replica_ready,
             ReplicaEndpoint(
-                name=name, zone=ZONE, task_queue=f"{self.task_queue}/replica/{dep_id}/{name}",
-                engine_url="http://127.0.0.1:1", engine_pid=1000, agent_pid=2000,
+                name=name,
+                zone=ZONE,
+                task_queue=f"{self.task_queue}/replica/{dep_id}/{name}",
+                engine_url="http://127.0.0.1:1",
+                engine_pid=1000,
+                agent_pid=2000,
                 started_at="2026-01-01T00:00:00.000000Z",
             ),
         )
@@ -374,7 +410,9 @@ class Fleet:
             started.append(name)
             if tq not in self._replica_workers:
                 worker = Worker(
-                    activity.client(), task_queue=tq, activities=self._replica_activities(name),
+                    activity.client(),
+                    task_queue=tq,
+                    activities=self._replica_activities(name),
                     # A cancel reaches a step only with a heartbeat's answer: send them often.
                     max_heartbeat_throttle_interval=timedelta(milliseconds=200),
                     default_heartbeat_throttle_interval=timedelta(milliseconds=200),
@@ -386,8 +424,13 @@ class Fleet:
             await handle.signal(
                 names.REPLICA_READY,
                 ReplicaEndpoint(
-                    name=name, zone=ZONE, task_queue=tq, engine_url="http://127.0.0.1:1",
-                    engine_pid=1000 + i, agent_pid=2000 + i, started_at="2026-01-01T00:00:00.000000Z",
+                    name=name,
+                    zone=ZONE,
+                    task_queue=tq,
+                    engine_url="http://127.0.0.1:1",
+                    engine_pid=1000 + i,
+                    agent_pid=2000 + i,
+                    started_at="2026-01-01T00:00:00.000000Z",
                 ),
             )
         return started
@@ -434,8 +477,13 @@ class Fleet:
             self.applied.append((replica, inp.identity))
             self.peer_events.append((replica, "applied"))
             return ApplySnapshotResult(
-                identity=inp.identity, engine_pid=1, tensors_loaded=1, bytes_read_from_bucket=1, pause_ms=1.0,
-                links_applied=[link.identity for link in inp.chain], source=source,
+                identity=inp.identity,
+                engine_pid=1,
+                tensors_loaded=1,
+                bytes_read_from_bucket=1,
+                pause_ms=1.0,
+                links_applied=[link.identity for link in inp.chain],
+                source=source,
             )
 
         @activity.defn(name=names.APPLY_SNAPSHOT)
@@ -450,8 +498,11 @@ class Fleet:
                 # a receiver passes its peer stage on, swapped in or not (as replica agents do)
                 self.peer_events.append((replica, "offered"))
             elif inp.peer_stage:
-                raise ApplicationError(f"{replica} holds no stage of {inp.identity} from a peer",
-                                       type=PEER_OFFER_REFUSED, non_retryable=True)
+                raise ApplicationError(
+                    f"{replica} holds no stage of {inp.identity} from a peer",
+                    type=PEER_OFFER_REFUSED,
+                    non_retryable=True,
+                )
             elif inp.from_stage:
                 ready = bucket_stage(inp.hot_load_id)
                 while not ready.done():
@@ -459,11 +510,21 @@ class Fleet:
                     await asyncio.wait({ready}, timeout=0.05)
                 self.peer_events.append((replica, "offered"))
                 if not ready.result() or self.refuse_early_offer:
-                    raise ApplicationError(f"{replica} holds no delta files to offer before its swap",
-                                           type=PEER_OFFER_REFUSED, non_retryable=True)
+                    raise ApplicationError(
+                        f"{replica} holds no delta files to offer before its swap",
+                        type=PEER_OFFER_REFUSED,
+                        non_retryable=True,
+                    )
             return PeerOffer(
-                source_replica=replica, host="127.0.0.1", port=1, backend="test", base_identity=inp.target_identity,
-                identity=inp.identity, chain=inp.chain, specs=[], expected_adler32={},
+                source_replica=replica,
+                host="127.0.0.1",
+                port=1,
+                backend="test",
+                base_identity=inp.target_identity,
+                identity=inp.identity,
+                chain=inp.chain,
+                specs=[],
+                expected_adler32={},
             )
 
         @activity.defn(name=names.SEND_TO_PEERS)
@@ -488,7 +549,11 @@ class Fleet:
             if behaviour is not None:
                 await behaviour(replica)
             as_apply = ApplySnapshotInput(
-                hot_load_id="peer", identity=offer.identity, chain=offer.chain, bucket="-", path_prefix="-",
+                hot_load_id="peer",
+                identity=offer.identity,
+                chain=offer.chain,
+                bucket="-",
+                path_prefix="-",
             )
             return await step(as_apply, f"peer:{offer.source_replica}")
 
@@ -502,8 +567,15 @@ class Fleet:
             self.peer_events.append((replica, "drained"))
             return 0.0
 
-        return [apply_snapshot, offer_to_peer, send_to_peers, stage_from_peer, commit_peer_stage, serve_replica,
-                drain_replica]
+        return [
+            apply_snapshot,
+            offer_to_peer,
+            send_to_peers,
+            stage_from_peer,
+            commit_peer_stage,
+            serve_replica,
+            drain_replica,
+        ]
 
     async def held(self, replica: str, inp: ApplySnapshotInput) -> None:
         """An apply that waits for `hold` (heartbeating), then succeeds; a cancel interrupts it

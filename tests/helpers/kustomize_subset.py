@@ -28,15 +28,30 @@ from typing import Any
 
 import yaml
 
-CLUSTER_SCOPED = frozenset({
-    "Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "PersistentVolume",
-    "StorageClass", "PriorityClass", "RuntimeClass", "IngressClass", "ValidatingWebhookConfiguration",
-    "MutatingWebhookConfiguration",
-})
+CLUSTER_SCOPED = frozenset(
+    {
+        "Namespace",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "CustomResourceDefinition",
+        "PersistentVolume",
+        "StorageClass",
+        "PriorityClass",
+        "RuntimeClass",
+        "IngressClass",
+        "ValidatingWebhookConfiguration",
+        "MutatingWebhookConfiguration",
+    }
+)
 # The lists a strategic merge patch merges by a key (the Kubernetes API's patchMergeKey), by field name.
 MERGE_KEYS = {
-    "containers": "name", "initContainers": "name", "volumes": "name", "env": "name",
-    "volumeMounts": "mountPath", "ports": "containerPort", "imagePullSecrets": "name",
+    "containers": "name",
+    "initContainers": "name",
+    "volumes": "name",
+    "env": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+    "imagePullSecrets": "name",
 }
 KNOWN_FIELDS = frozenset({"apiVersion", "kind", "resources", "namespace", "labels", "images", "patches"})
 POD_TEMPLATE_KINDS = frozenset({"Deployment", "DaemonSet", "StatefulSet", "ReplicaSet", "Job"})

@@ -41,7 +41,7 @@ def kv_models(base_dir: Path, out: Path) -> tuple[Path, Path]:
     dx = (x @ d).mean()
     # Query head h reads kv head h // (HEADS // KV_HEADS): the attention output over OLD's values.
     per_head = HEADS // KV_HEADS
-    w = torch.cat([u[(h // per_head) * HEAD_DIM:(h // per_head + 1) * HEAD_DIM] for h in range(HEADS)])
+    w = torch.cat([u[(h // per_head) * HEAD_DIM : (h // per_head + 1) * HEAD_DIM] for h in range(HEADS)])
     new = dict(old)
     new[v_name] = torch.zeros_like(old[v_name])
     new[o_name] = (PUSH * torch.outer(e[P - 1], w) / (dx * w.dot(w))).to(torch.bfloat16)  # lm_head row P reads e[P-1]

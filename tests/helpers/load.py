@@ -29,8 +29,9 @@ async def load_across_a_delta_hot_load(gw: GatewayDeployment, tmp: Path) -> None
     base_identity = await asyncio.to_thread(serve_full, gw, gw.base_model, "load-base")
     new_dir = await asyncio.to_thread(train_step, gw.base_model, tmp / "new", seed=42)
     identity = f"load-delta-{uuid.uuid4().hex[:8]}"
-    stats = await asyncio.to_thread(write_delta, gw.base_model, new_dir, tmp / identity, version=identity,
-                                    base_version=base_identity)
+    stats = await asyncio.to_thread(
+        write_delta, gw.base_model, new_dir, tmp / identity, version=identity, base_version=base_identity
+    )
     assert stats.changed > 0
 
     stop = asyncio.Event()
@@ -42,9 +43,17 @@ async def load_across_a_delta_hot_load(gw: GatewayDeployment, tmp: Path) -> None
     async def client_loop(client: httpx.AsyncClient, k: int) -> None:
         stream = k % 2 == 0
         while not stop.is_set():
-            body = {"model": gw.model, "prompt": random_prompt(16), "max_tokens": MAX_TOKENS, "temperature": 1.0,
-                    "ignore_eos": True, "logprobs": 1, "return_tokens_as_token_ids": True, "stream": stream,
-                    "nvext": {"cache_salt": salt}}
+            body = {
+                "model": gw.model,
+                "prompt": random_prompt(16),
+                "max_tokens": MAX_TOKENS,
+                "temperature": 1.0,
+                "ignore_eos": True,
+                "logprobs": 1,
+                "return_tokens_as_token_ids": True,
+                "stream": stream,
+                "nvext": {"cache_salt": salt},
+            }
             started = time.monotonic()
             try:
                 async with client.stream("POST", "/v1/completions", json=body) as resp:

@@ -13,10 +13,16 @@ import subprocess
 import pytest
 
 
-def run_without_network(argv: list[str], *, env: dict[str, str] | None = None,
-                        timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_without_network(
+    argv: list[str], *, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     unshare = shutil.which("unshare")
     if os.geteuid() != 0 or unshare is None:
         pytest.skip("needs root and unshare to look up a name with no network (no DNS traffic)")
-    return subprocess.run([unshare, "--net", "--", *argv], env={**os.environ, **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [unshare, "--net", "--", *argv],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -13,7 +13,15 @@ def other_stack_env(tmp_path: Path) -> dict[str, str]:
     install's shell could set (its tokens file, engine key, discovery, TLS for the temporal CLI)."""
     other = Settings.create(tmp_path / "other", 18000, host="10.9.9.9")
     other.namespace, other.bucket, other.gateway_id = "other-ns", "other-bucket", "gw-other"
-    return {**other.stack_env(), "ROLLOUTS_TOKENS_FILE": "/other/tokens.json", "ROLLOUTS_ENGINE_KEY": "other-key",
-            "ROLLOUTS_DYNAMO_DISCOVERY_DIR": "/other/discovery", "ROLLOUTS_DYNAMO_DISCOVERY": "kubernetes",
-            "ROLLOUTS_DYNAMO_ROUTER_MODE": "kv", "ROLLOUTS_API_PORT": "18080", "ROLLOUTS_HOST": "10.9.9.9",
-            "TEMPORAL_TLS_CERT": "/other/cert.pem", "AWS_PROFILE": "other"}
+    return {
+        **other.stack_env(),
+        "ROLLOUTS_TOKENS_FILE": "/other/tokens.json",
+        "ROLLOUTS_ENGINE_KEY": "other-key",
+        "ROLLOUTS_DYNAMO_DISCOVERY_DIR": "/other/discovery",
+        "ROLLOUTS_DYNAMO_DISCOVERY": "kubernetes",
+        "ROLLOUTS_DYNAMO_ROUTER_MODE": "kv",
+        "ROLLOUTS_API_PORT": "18080",
+        "ROLLOUTS_HOST": "10.9.9.9",
+        "TEMPORAL_TLS_CERT": "/other/cert.pem",
+        "AWS_PROFILE": "other",
+    }

@@ -68,11 +68,16 @@ class OtlpReceiver:
             resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
                 for s in scope_spans.spans:
-                    spans.append(ReceivedSpan(
-                        service=str(resource.get("service.name", "")), name=s.name, trace_id=s.trace_id.hex(),
-                        span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex(),
-                        attributes={a.key: _value(a.value) for a in s.attributes},
-                    ))
+                    spans.append(
+                        ReceivedSpan(
+                            service=str(resource.get("service.name", "")),
+                            name=s.name,
+                            trace_id=s.trace_id.hex(),
+                            span_id=s.span_id.hex(),
+                            parent_span_id=s.parent_span_id.hex(),
+                            attributes={a.key: _value(a.value) for a in s.attributes},
+                        )
+                    )
         with self._lock:
             self.requests += 1
             self._spans.extend(spans)

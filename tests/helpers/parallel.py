@@ -60,8 +60,14 @@ def is_controller(config) -> bool:
     return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
 
 
-def unit_of(module: str, pooled: frozenset[str], multihost: bool, heavy: bool, pool_order: tuple[str, ...],
-            per_test: bool = False) -> str:
+def unit_of(
+    module: str,
+    pooled: frozenset[str],
+    multihost: bool,
+    heavy: bool,
+    pool_order: tuple[str, ...],
+    per_test: bool = False,
+) -> str:
     """The unit a module's tests run in ("" or ``EACH_TEST``: each test is a unit of its own)."""
     if multihost:
         return MULTIHOST_UNIT

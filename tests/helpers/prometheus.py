@@ -12,7 +12,8 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     assert r.status_code == 200, (url, r.status_code)
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(r.text) for s in family.samples
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
     }
 
 

@@ -39,16 +39,26 @@ def first_requests_served(settings: Settings, dep_id: str, token: str | None = N
     headers = {"Authorization": f"Bearer {token or settings.admin_token}"}
     listed = httpx.get(f"{settings.api_url}/v1alpha1/inference/deployments", headers=headers, timeout=60)
     assert listed.status_code == 200, listed.text
-    beside = tuple(sorted(d["spec"]["id"] for d in listed.json().get("items", [])
-                          if d["spec"]["id"] != dep_id and d["status"]["status"] == "STATUS_READY"))
+    beside = tuple(
+        sorted(
+            d["spec"]["id"]
+            for d in listed.json().get("items", [])
+            if d["spec"]["id"] != dep_id and d["status"]["status"] == "STATUS_READY"
+        )
+    )
     body = {"model": dep_id, "prompt": [1, 2, 3], "max_tokens": 2}
     with ThreadPoolExecutor(FIRST_REQUESTS) as pool:
-        answers = list(pool.map(lambda _: httpx.post(f"{settings.gateway_url}/v1/completions", json=body,
-                                                     headers=headers, timeout=300),
-                                range(FIRST_REQUESTS)))
+        answers = list(
+            pool.map(
+                lambda _: httpx.post(f"{settings.gateway_url}/v1/completions", json=body, headers=headers, timeout=300),
+                range(FIRST_REQUESTS),
+            )
+        )
     refused = [f"{r.status_code}: {r.text[:300]}" for r in answers if r.status_code != 200]
-    assert not refused, (f"right after READY, {len(refused)} of {FIRST_REQUESTS} requests to {dep_id} were refused "
-                         f"({len(beside)} other deployment(s) READY beside it): {refused[:3]}")
+    assert not refused, (
+        f"right after READY, {len(refused)} of {FIRST_REQUESTS} requests to {dep_id} were refused "
+        f"({len(beside)} other deployment(s) READY beside it): {refused[:3]}"
+    )
     trial = Trial(dep_id, beside)
     TRIALS.append(trial)
     return trial
@@ -74,5 +84,7 @@ def tally(per_process: list[tuple[int, int]]) -> str | None:
     checked, with_others = (sum(n) for n in zip(*per_process)) if per_process else (0, 0)
     if not checked:
         return None
-    return (f"READY, then {FIRST_REQUESTS} requests at once: {checked} deployment(s), every request "
-            f"answered 200 ({with_others} with another deployment READY beside)")
+    return (
+        f"READY, then {FIRST_REQUESTS} requests at once: {checked} deployment(s), every request "
+        f"answered 200 ({with_others} with another deployment READY beside)"
+    )

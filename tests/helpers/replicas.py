@@ -93,6 +93,7 @@ def wait_replica_state(api: Api, hl_id: str, name: str, state: str, timeout: flo
 def hot_load_workflow_status(settings: Settings, hl_id: str, timeout: float = 60) -> WorkflowExecutionStatus:
     """How Temporal describes the operation's workflow once it has closed: the API shows the
     operation's final state a moment before its workflow returns (RUNNING after ``timeout``)."""
+
     async def read() -> WorkflowExecutionStatus:
         client = await temporal_client(settings)
         handle = client.get_workflow_handle(hot_load_workflow_id(settings.organization_id, hl_id))
@@ -126,9 +127,14 @@ def engines(settings: Settings, dep_id: str) -> list[dict]:
     ``dynamoRequestSecret``, what every inference request for its workers carries)."""
     workflow_id = deployment_workflow_id(settings.organization_id, dep_id)
     replicas = [
-        {**r, "engineSecret": settings.engine_secret(workflow_id, r["name"]),
-         "dynamoFrontendUrl": settings.dynamo_frontend_url, "dynamoModel": dynamo_model(workflow_id),
-         "dynamoTls": settings.dynamo_tls(), "dynamoRequestSecret": settings.dynamo_request_secret(workflow_id)}
+        {
+            **r,
+            "engineSecret": settings.engine_secret(workflow_id, r["name"]),
+            "dynamoFrontendUrl": settings.dynamo_frontend_url,
+            "dynamoModel": dynamo_model(workflow_id),
+            "dynamoTls": settings.dynamo_tls(),
+            "dynamoRequestSecret": settings.dynamo_request_secret(workflow_id),
+        }
         for r in replicas_of(settings, dep_id)
     ]
     return sorted(replicas, key=lambda r: r["name"])
@@ -219,8 +225,11 @@ async def engine_running(engine: EngineProcess) -> int:
     gauge): each has sampled at least one token and not finished. While the engine is paused with
     ``keep``, these are the requests frozen in the pause."""
     text = (await engine.request("GET", "/metrics")).text
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("vllm:num_requests_running{")))
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running{")
+        )
+    )
 
 
 def running_requests(replica: dict) -> int:
@@ -302,8 +311,9 @@ def _wait_alone_in_pool(replica: dict, timeout: float = 60.0) -> bool:
         time.sleep(0.2)
 
 
-def requests_frozen_in_first_pause(settings: Settings, api: Api, dep_id: str, start: Any,
-                                   threads: list[Any], started: list[Any]) -> HeldPause:
+def requests_frozen_in_first_pause(
+    settings: Settings, api: Api, dep_id: str, start: Any, threads: list[Any], started: list[Any]
+) -> HeldPause:
     """Requests under way on the first replica of the walk when its pause begins.
 
     ``start()`` creates the hot-load and returns its id; its first replica's step stages the

@@ -34,9 +34,14 @@ async def call(namespace: str, annotations: list[str]) -> list[dict]:
     await asyncio.wait_for(client.wait_for_instances(), WAIT_S)
     results = []
     for instance in sorted(client.instance_ids()):
-        request = {"token_ids": PROMPT, "stop_conditions": {"max_tokens": MAX_TOKENS, "ignore_eos": True},
-                   "sampling_options": {"temperature": 0.0}, "output_options": {}, "eos_token_ids": [],
-                   "annotations": annotations}
+        request = {
+            "token_ids": PROMPT,
+            "stop_conditions": {"max_tokens": MAX_TOKENS, "ignore_eos": True},
+            "sampling_options": {"temperature": 0.0},
+            "output_options": {},
+            "eos_token_ids": [],
+            "annotations": annotations,
+        }
         tokens: list[int] = []
         try:
             stream = await asyncio.wait_for(client.direct(request, instance), WAIT_S)

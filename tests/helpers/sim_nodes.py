@@ -15,14 +15,30 @@ from common.settings import Settings
 REPO = Path(__file__).resolve().parents[2]
 
 
-def start_sim_node(settings: Settings, name: str, gpus: int, *extra: str, nice: int | None = None
-                   ) -> subprocess.Popen[bytes]:
+def start_sim_node(
+    settings: Settings, name: str, gpus: int, *extra: str, nice: int | None = None
+) -> subprocess.Popen[bytes]:
     log = open(settings.home_path / "logs" / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
     prefix = ["nice", "-n", str(nice)] if nice is not None else []
     return subprocess.Popen(
-        [*prefix, sys.executable, "-m", "workers.cli", "sim-node", "--home", str(settings.home_path),
-         "--name", name, "--gpus", str(gpus), *extra],
-        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=settings.process_env(),
+        [
+            *prefix,
+            sys.executable,
+            "-m",
+            "workers.cli",
+            "sim-node",
+            "--home",
+            str(settings.home_path),
+            "--name",
+            name,
+            "--gpus",
+            str(gpus),
+            *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=settings.process_env(),
     )
 
 

@@ -154,8 +154,6 @@ class FakeS3:
         return {"Body": io.BytesIO(data), "ContentLength": len(data)}
 
 
-
-
 # ------------------------------------------------------------------------------ real S3
 
 
@@ -192,4 +190,3 @@ def ranges(gets: list[tuple[str, str | None, int]]) -> list[tuple[str, int, int]
         first, last = (int(x) for x in byte_range.removeprefix("bytes=").split("-"))
         out.append((key.rsplit("/", 1)[1], first, last - first + 1))
     return sorted(out)
-

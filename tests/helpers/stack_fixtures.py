@@ -132,6 +132,7 @@ def json_out(proc: subprocess.CompletedProcess) -> Any:
 
 def wait_registered(settings, node: str, timeout: float = 120) -> None:
     """Until the node registry lists `node` (its first heartbeat arrived)."""
+
     async def nodes() -> dict:
         client = await temporal_client(settings)
         return (await (await client.get_workflow_handle(names.NODE_REGISTRY_ID).describe()).memo()).get("nodes", {})

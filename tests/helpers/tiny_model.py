@@ -48,5 +48,7 @@ def weights(model: Tiny) -> dict[str, str]:
 
 def new_values(seed: int) -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return [("up.weight", torch.randn(16, 8, generator=gen).to(torch.bfloat16)),
-            ("down.weight", torch.randn(8, 16, generator=gen).to(torch.bfloat16))]
+    return [
+        ("up.weight", torch.randn(16, 8, generator=gen).to(torch.bfloat16)),
+        ("down.weight", torch.randn(8, 16, generator=gen).to(torch.bfloat16)),
+    ]

@@ -8,16 +8,30 @@ from gateway.routing import Router, build_view
 GW = "gw-a"
 
 
-def view(dep_id: str, model: str = "policy", *, replicas: int = 1, status: str = "STATUS_READY",
-         weight: object = 100, gateways: tuple[str, ...] = (GW,), org: str = "org"):
+def view(
+    dep_id: str,
+    model: str = "policy",
+    *,
+    replicas: int = 1,
+    status: str = "STATUS_READY",
+    weight: object = 100,
+    gateways: tuple[str, ...] = (GW,),
+    org: str = "org",
+):
     memo = {
         "deployment": {
-            "spec": {"id": dep_id, "organizationId": org, "gatewayIds": list(gateways), "model": {"name": model},
-                     "traffic": {"weight": weight}},
+            "spec": {
+                "id": dep_id,
+                "organizationId": org,
+                "gatewayIds": list(gateways),
+                "model": {"name": model},
+                "traffic": {"weight": weight},
+            },
             "status": {"status": status},
         },
-        "replicas": [{"name": f"{dep_id}-r{i}", "engineUrl": f"http://127.0.0.1:{9000 + i}/{dep_id}"}
-                     for i in range(replicas)],
+        "replicas": [
+            {"name": f"{dep_id}-r{i}", "engineUrl": f"http://127.0.0.1:{9000 + i}/{dep_id}"} for i in range(replicas)
+        ],
     }
     v = build_view(memo, f"deployments/{org}/{dep_id}", None)
     assert v is not None

@@ -32,6 +32,7 @@ def error(r, status: int, code: str, *words: str) -> dict:
         assert w in body["message"], body
     return body
 
+
 def delta_body(prev: str) -> dict:
     return {
         "type": "SNAPSHOT_TYPE_INCREMENTAL",
@@ -41,6 +42,7 @@ def delta_body(prev: str) -> dict:
             "checksumFormat": "CHECKSUM_FORMAT_ADLER32",
         },
     }
+
 
 def deployment_state(
     dep_id: str, *, zones: list[str], chains: dict[str, list[SnapshotRef]] | None = None
@@ -60,6 +62,7 @@ def deployment_state(
         ),
     )
     return DeploymentInput(deployment=dep, gateway_zones=zones, chains=chains or {})
+
 
 async def on_base(f: Fleet, name: str, replicas: int, **hot_load: int) -> str:
     """A deployment of `replicas` whose replicas all serve the full snapshot "base", with these
@@ -91,17 +94,22 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
 async def start_control_process(address: str, f: Fleet, tmp: Path) -> subprocess.Popen:
     ready = tmp / f"control-{os.urandom(3).hex()}.ready"
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.helpers.control_process", address, f.task_queue, str(f.bucket_root), str(ready)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp / "control.log", "ab"),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp / "control.log", "ab"),
     )
     await poll(lambda: true_if(ready.exists()), 30, "control worker process ready", every=0.1)
     return proc
 
+
 async def true_if(cond: bool) -> bool | None:
     return True if cond else None
+
 
 def kill9(proc: subprocess.Popen) -> None:
     if proc.poll() is None:

@@ -57,7 +57,9 @@ def hot_load(hot_load_id: str) -> str:
 def export(address: str, workflow_id: str) -> None:
     out = subprocess.run(
         [str(TEMPORAL_BIN), "workflow", "show", "-w", workflow_id, "-o", "json", "--address", address],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     (HERE / f"{quote(workflow_id, safe='')}.json").write_text(out)
     print(f"wrote {quote(workflow_id, safe='')}.json ({len(out)} bytes)")
@@ -68,7 +70,7 @@ async def walk_paths(address: str, f: Fleet) -> None:
     dep = await f.ready_deployment("history-dep", replicas=3)
     root = f.bucket_root / f"ckpt/{dep}"
     await f.completed(dep, "step-1", hotLoadId="history-completed")
-    assert ("offered" not in {e for _, e in f.peer_events}), "a full snapshot has no early offer"
+    assert "offered" not in {e for _, e in f.peer_events}, "a full snapshot has no early offer"
     f.peer_events.clear()
     await f.completed(dep, "step-2", hotLoadId="history-early-completed", **delta_body("step-1"))
     assert any(e == "offered" for _, e in f.peer_events), "the delta was offered from the first stage"

@@ -94,8 +94,9 @@ def choose_network(in_use: Sequence[ipaddress.IPv4Network]) -> ipaddress.IPv4Net
 
 
 class Host:
-    def __init__(self, name: str, address: ipaddress.IPv4Interface, netns: str, veth: str, root: Path,
-                 shm_bytes: int) -> None:
+    def __init__(
+        self, name: str, address: ipaddress.IPv4Interface, netns: str, veth: str, root: Path, shm_bytes: int
+    ) -> None:
         self.name = name
         self.interface = address
         self.address = str(address.ip)
@@ -121,23 +122,44 @@ class Host:
         log = self.logs / "holder.log"
         with open(log, "ab") as out:
             self.holder = subprocess.Popen(
-                ["ip", "netns", "exec", self.netns, "unshare", "-m", "--propagation", "private",
-                 "sh", "-c", HOLDER_SCRIPT, "holder", str(self.shm_bytes)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.netns,
+                    "unshare",
+                    "-m",
+                    "--propagation",
+                    "private",
+                    "sh",
+                    "-c",
+                    HOLDER_SCRIPT,
+                    "holder",
+                    str(self.shm_bytes),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + BOOT_TIMEOUT
         cmdline = Path(f"/proc/{self.holder.pid}/cmdline")
         while True:
             if self.holder.poll() is not None:
-                raise HostError(f"{self.name}: holder exited with {self.holder.returncode} before mounting "
-                                f"/dev/shm: {log.read_text().strip()!r}")
+                raise HostError(
+                    f"{self.name}: holder exited with {self.holder.returncode} before mounting "
+                    f"/dev/shm: {log.read_text().strip()!r}"
+                )
             try:
                 if cmdline.read_bytes().startswith(b"sleep\0infinity"):
                     return
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise HostError(f"{self.name}: holder (pid {self.holder.pid}) did not mount /dev/shm within "
-                                f"{BOOT_TIMEOUT} s; see {log}")
+                raise HostError(
+                    f"{self.name}: holder (pid {self.holder.pid}) did not mount /dev/shm within "
+                    f"{BOOT_TIMEOUT} s; see {log}"
+                )
             time.sleep(0.005)
 
     @property
@@ -189,8 +211,13 @@ class Host:
     def _env(self, env: Mapping[str, str] | None) -> dict[str, str]:
         return {**without_stack_env(os.environ), "HOME": str(self.home), **(env or {})}
 
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None = None, log_path: Path | str | None = None,
-              cwd: Path | str | None = None) -> subprocess.Popen:
+    def spawn(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        log_path: Path | str | None = None,
+        cwd: Path | str | None = None,
+    ) -> subprocess.Popen:
         """Start ``argv`` in this host, in a new session (its own process group), stdout and stderr
         appended to ``log_path`` (default: ``logs/<program>-<n>.log``). nsenter execs the program, so
         the Popen's pid is the program's."""
@@ -199,20 +226,40 @@ class Host:
             log_path = self.logs / f"{Path(str(argv[0])).name}-{self._log_count}.log"
         argv = self._argv(argv, cwd)
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen(argv, env=self._env(env), stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                env=self._env(env),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.spawned.append(proc)
         return proc
 
-    def run(self, argv: Sequence[str], timeout: float = 60.0, env: Mapping[str, str] | None = None,
-            cwd: Path | str | None = None, check: bool = False) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        argv: Sequence[str],
+        timeout: float = 60.0,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | str | None = None,
+        check: bool = False,
+    ) -> subprocess.CompletedProcess:
         """Run a short command in this host; stdout and stderr captured as text. With ``check``, a
         non-zero exit raises HostError naming the host, the command and its output."""
-        proc = subprocess.run(self._argv(argv, cwd), env=self._env(env), stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            self._argv(argv, cwd),
+            env=self._env(env),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check and proc.returncode != 0:
-            raise HostError(f"{self.name}: {list(argv)} exited with {proc.returncode}: "
-                            f"stdout {proc.stdout.strip()!r}, stderr {proc.stderr.strip()!r}")
+            raise HostError(
+                f"{self.name}: {list(argv)} exited with {proc.returncode}: "
+                f"stdout {proc.stdout.strip()!r}, stderr {proc.stderr.strip()!r}"
+            )
         return proc
 
 
@@ -273,9 +320,16 @@ class Cluster:
             self.bridge = tag.bridge
             self.gateway = str(self.network[254])
             self.hosts = [
-                Host(f"host{k}", ipaddress.IPv4Interface(f"{self.network[k]}/{self.network.prefixlen}"),
-                     tag.netns(k), tag.veth(k), self.base_dir / f"host{k}", self.shm_bytes)
-                for k in range(1, self.count + 1)]
+                Host(
+                    f"host{k}",
+                    ipaddress.IPv4Interface(f"{self.network[k]}/{self.network.prefixlen}"),
+                    tag.netns(k),
+                    tag.veth(k),
+                    self.base_dir / f"host{k}",
+                    self.shm_bytes,
+                )
+                for k in range(1, self.count + 1)
+            ]
             ip("link", "add", self.bridge, "type", "bridge")
             ip("addr", "add", f"{self.gateway}/{self.network.prefixlen}", "dev", self.bridge)
             ip("link", "set", self.bridge, "up")
@@ -312,5 +366,7 @@ class Cluster:
         if self._given_base is None and self.base_dir is not None:
             shutil.rmtree(self.base_dir, ignore_errors=True)
         if left or errors:
-            raise LeftoverError(f"multi-host cluster {tag.text} teardown left {left or 'no names'}"
-                                + (f"; errors: {'; '.join(errors)}" if errors else ""))
+            raise LeftoverError(
+                f"multi-host cluster {tag.text} teardown left {left or 'no names'}"
+                + (f"; errors: {'; '.join(errors)}" if errors else "")
+            )

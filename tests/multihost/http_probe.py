@@ -27,8 +27,9 @@ def main(argv: list[str]) -> int:
     body = json.loads(argv[3]) if len(argv) > 3 else None
     verify = dynamo_tls.load(Path(tls)).ssl_context() if tls else True
     try:
-        r = httpx.request(method, url, headers={ENGINE_SECRET_HEADER: secret}, timeout=30, trust_env=False,
-                          json=body, verify=verify)
+        r = httpx.request(
+            method, url, headers={ENGINE_SECRET_HEADER: secret}, timeout=30, trust_env=False, json=body, verify=verify
+        )
         print(json.dumps([r.status_code, r.text[:4000]]))
     except httpx.HTTPError as exc:
         print(json.dumps([0, f"{type(exc).__name__}: {exc}"]))

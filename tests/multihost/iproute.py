@@ -23,8 +23,9 @@ import subprocess
 import time
 
 # Route types `ip route` prints before the destination (ip-route(8)).
-ROUTE_TYPES = frozenset({"unicast", "local", "broadcast", "multicast", "throw", "unreachable", "prohibit",
-                         "blackhole", "nat", "anycast"})
+ROUTE_TYPES = frozenset(
+    {"unicast", "local", "broadcast", "multicast", "throw", "unreachable", "prohibit", "blackhole", "nat", "anycast"}
+)
 
 
 class IprouteError(RuntimeError):

@@ -58,8 +58,11 @@ def node_home(host: Host) -> Path:
 
 
 def start_control_plane(host: Host, node_slots: int) -> Settings:
-    up = host.run([*ROLLOUTS, "--home", stack_home(host), "up", "--host", host.address,
-                   "--node-slots", str(node_slots)], timeout=600, cwd=REPO)
+    up = host.run(
+        [*ROLLOUTS, "--home", stack_home(host), "up", "--host", host.address, "--node-slots", str(node_slots)],
+        timeout=600,
+        cwd=REPO,
+    )
     if up.returncode != 0:
         raise RuntimeError(f"rollouts up in {host.name} failed:\n{up.stdout}\n{up.stderr}")
     settings = Settings.own(stack_home(host))
@@ -72,8 +75,11 @@ def stop_control_plane(host: Host) -> None:
 
 
 def start_node(host: Host, settings: Settings, slots: int) -> None:
-    host.spawn([*ROLLOUTS, "node", "--name", host.name, "--address", host.address, "--slots", str(slots)],
-               env=node_env(settings, node_home(host)), cwd=REPO)
+    host.spawn(
+        [*ROLLOUTS, "node", "--name", host.name, "--address", host.address, "--slots", str(slots)],
+        env=node_env(settings, node_home(host)),
+        cwd=REPO,
+    )
 
 
 def registry_nodes(settings: Settings) -> dict:
@@ -97,5 +103,16 @@ def wait_nodes(settings: Settings, expected: list[str], timeout: float = 120) ->
         time.sleep(1)
 
 
-__all__ = ["LOCAL_NODE", "REPO", "ROLLOUTS", "node_env", "node_home", "registry_nodes", "stack_home",
-           "start_control_plane", "start_node", "stop_control_plane", "wait_nodes"]
+__all__ = [
+    "LOCAL_NODE",
+    "REPO",
+    "ROLLOUTS",
+    "node_env",
+    "node_home",
+    "registry_nodes",
+    "stack_home",
+    "start_control_plane",
+    "start_node",
+    "stop_control_plane",
+    "wait_nodes",
+]

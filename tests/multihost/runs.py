@@ -136,8 +136,9 @@ def sweep_dead_runs() -> list[str]:
     namespaces = [name for name in netns_names() if parse_tag(name)]
     links = [name for name in link_names() if parse_tag(name)]
     markers = [path.stem for path in STATE_DIR.glob("*.json")] if STATE_DIR.is_dir() else []
-    tags = {tag for name in [*namespaces, *links, *(f"{PREFIX}{stem}br" for stem in markers)]
-            if (tag := parse_tag(name))}
+    tags = {
+        tag for name in [*namespaces, *links, *(f"{PREFIX}{stem}br" for stem in markers)] if (tag := parse_tag(name))
+    }
     removed: list[str] = []
     for tag in sorted(tags, key=lambda t: (t.pid, t.seq)):
         if owner_alive(tag):

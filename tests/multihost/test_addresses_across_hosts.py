@@ -89,8 +89,12 @@ print("received" if rank else "sent")
 
 
 def call(source: Host, method: str, url: str, extra: dict[str, str] | None = None) -> tuple[int, dict]:
-    proc = source.run([PYTHON, "-c", CALL, method, url, json.dumps(extra or {})], timeout=60,
-                      env={"PYTHONPATH": str(REPO)}, check=True)
+    proc = source.run(
+        [PYTHON, "-c", CALL, method, url, json.dumps(extra or {})],
+        timeout=60,
+        env={"PYTHONPATH": str(REPO)},
+        check=True,
+    )
     status, body = json.loads(proc.stdout.strip().splitlines()[-1])
     assert status, f"{source.name} could not reach {url}"
     return status, body
@@ -99,18 +103,23 @@ def call(source: Host, method: str, url: str, extra: dict[str, str] | None = Non
 @pytest.fixture(scope="module")
 def guarded_engine(cluster: Cluster) -> Host:
     engine_host = cluster[0]
-    env = EngineProcess("model", work_dir=engine_host.home / "engine", host="0.0.0.0",
-                        node_address=engine_host.address).environment()
-    engine_host.spawn([PYTHON, "-c", GUARDED_SERVER], env={"FORWARDED_ALLOW_IPS": env["FORWARDED_ALLOW_IPS"],
-                                                          "PYTHONPATH": str(REPO)})
+    env = EngineProcess(
+        "model", work_dir=engine_host.home / "engine", host="0.0.0.0", node_address=engine_host.address
+    ).environment()
+    engine_host.spawn(
+        [PYTHON, "-c", GUARDED_SERVER], env={"FORWARDED_ALLOW_IPS": env["FORWARDED_ALLOW_IPS"], "PYTHONPATH": str(REPO)}
+    )
     return engine_host
 
 
 def test_engine_control_refuses_another_host(cluster: Cluster, guarded_engine: Host) -> None:
     other = cluster[1]
     base = f"http://{guarded_engine.address}:{PORT}"
-    for method, path in (("POST", "/rollouts/pause"), ("POST", "/rollouts/collective_rpc"),
-                         ("POST", "/rollouts/swap_in_pause")):
+    for method, path in (
+        ("POST", "/rollouts/pause"),
+        ("POST", "/rollouts/collective_rpc"),
+        ("POST", "/rollouts/swap_in_pause"),
+    ):
         for extra in ({}, {"X-Forwarded-For": "127.0.0.1"}):
             status, body = call(other, method, base + path, extra)
             assert status == 403, (path, extra, body)
@@ -127,14 +136,21 @@ def test_engine_control_answers_its_own_host(guarded_engine: Host) -> None:
         assert (status, body["reached"]) == (200, "/rollouts/pause"), (url, body)
 
 
-def _broadcast(sender: Host, receiver: Host, port: int, env_of: dict[str, dict[str, str]],
-               timeout_s: float) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+def _broadcast(
+    sender: Host, receiver: Host, port: int, env_of: dict[str, dict[str, str]], timeout_s: float
+) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
     common = {"PYTHONPATH": str(REPO)}
     log = sender.logs / f"member-{port}.log"
-    send = sender.spawn([PYTHON, "-c", MEMBER, sender.address, str(port), "0", str(timeout_s)],
-                        env={**common, **env_of[sender.name]}, log_path=log)
-    received = receiver.run([PYTHON, "-c", MEMBER, sender.address, str(port), "1", str(timeout_s)],
-                            env={**common, **env_of[receiver.name]}, timeout=timeout_s + 120)
+    send = sender.spawn(
+        [PYTHON, "-c", MEMBER, sender.address, str(port), "0", str(timeout_s)],
+        env={**common, **env_of[sender.name]},
+        log_path=log,
+    )
+    received = receiver.run(
+        [PYTHON, "-c", MEMBER, sender.address, str(port), "1", str(timeout_s)],
+        env={**common, **env_of[receiver.name]},
+        timeout=timeout_s + 120,
+    )
     send.wait(timeout=timeout_s + 120)
     return subprocess.CompletedProcess(send.args, send.returncode, log.read_text(), ""), received
 
@@ -154,8 +170,12 @@ def test_without_the_node_address_the_group_does_not_form_across_hosts(cluster: 
     port, timeout_s = 8202, 8
     env = {"PYTHONPATH": str(REPO), NODE_ADDRESS_ENV: ""}
     logs = [host.logs / f"member-{port}-{rank}.log" for rank, host in enumerate((sender, receiver))]
-    members = [host.spawn([PYTHON, "-c", MEMBER, sender.address, str(port), str(rank), str(timeout_s)],
-                          env=env, log_path=logs[rank]) for rank, host in enumerate((sender, receiver))]
+    members = [
+        host.spawn(
+            [PYTHON, "-c", MEMBER, sender.address, str(port), str(rank), str(timeout_s)], env=env, log_path=logs[rank]
+        )
+        for rank, host in enumerate((sender, receiver))
+    ]
     try:
         # The member whose turn it is to connect fails first (gloo orders a pair by address and
         # port, so either may be), refused at the address the other published.

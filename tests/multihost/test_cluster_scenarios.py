@@ -133,18 +133,23 @@ def served(plane: Plane, replica: dict) -> tuple[dict[str, str], str | None]:
     host = plane.host_of(replica)
     port = replica["engineUrl"].rsplit(":", 1)[1]
     kind = "dynamo" if replica.get("dynamoWorker") else "vllm"
-    r = host.run([sys.executable, "-m", "tests.multihost.engine_probe", port, replica["engineSecret"], kind],
-                 timeout=120, cwd=REPO)
+    r = host.run(
+        [sys.executable, "-m", "tests.multihost.engine_probe", port, replica["engineSecret"], kind],
+        timeout=120,
+        cwd=REPO,
+    )
     assert r.returncode == 0, f"probe of {replica['name']} on {host.name}: {r.stderr}"
     checksums, label = json.loads(r.stdout)
     return checksums, label
 
 
-def probe_call(source: Host, method: str, url: str, secret: str, body: dict | None = None,
-               tls: Path | None = None) -> tuple[int, str]:
+def probe_call(
+    source: Host, method: str, url: str, secret: str, body: dict | None = None, tls: Path | None = None
+) -> tuple[int, str]:
     extra = ([json.dumps(body)] if body is not None else []) + ([f"--tls={tls}"] if tls else [])
-    r = source.run([sys.executable, "-m", "tests.multihost.http_probe", method, url, secret, *extra],
-                   timeout=60, cwd=REPO)
+    r = source.run(
+        [sys.executable, "-m", "tests.multihost.http_probe", method, url, secret, *extra], timeout=60, cwd=REPO
+    )
     assert r.returncode == 0, r.stderr
     status, text = json.loads(r.stdout)
     return status, text
@@ -174,7 +179,8 @@ def assert_no_mix(plane: Plane) -> dict[str, str]:
         identity = replica["currentSnapshotIdentity"]
         checksums, label = served(plane, replica)
         assert checksums == checkpoint_checksums(checkpoint_of(plane, identity)), (
-            f"{replica['name']} on {replica['node']} does not serve exactly {identity}")
+            f"{replica['name']} on {replica['node']} does not serve exactly {identity}"
+        )
         assert label == identity, (replica["name"], label, identity)
         out[replica["name"]] = identity
     return out
@@ -187,12 +193,22 @@ def first_step_held(plane: Plane, first: dict) -> Iterator[Callable[[], None]]:
     rule_id = f"hold-{uuid.uuid4().hex[:8]}"
     home = plane.homes[first["node"]]
     faults = home / FAULTS_FILE
-    faults.write_text(json.dumps({"rules": [{"id": rule_id, "point": "apply_snapshot", "replica": first["name"],
-                                             "action": "hold", "times": 1}]}))
+    faults.write_text(
+        json.dumps(
+            {
+                "rules": [
+                    {"id": rule_id, "point": "apply_snapshot", "replica": first["name"], "action": "hold", "times": 1}
+                ]
+            }
+        )
+    )
     log = home / "replicas" / plane.dep_id / first["name"] / "replica.log"
     try:
-        yield lambda: wait_for(lambda: log.exists() and f"fault {rule_id} fires" in log.read_text(), 300,
-                               f"the hold on {first['name']} fired")
+        yield lambda: wait_for(
+            lambda: log.exists() and f"fault {rule_id} fires" in log.read_text(),
+            300,
+            f"the hold on {first['name']} fired",
+        )
     finally:
         faults.unlink(missing_ok=True)
 
@@ -254,8 +270,19 @@ def test_three_hosts_full_then_three_deltas_cross_hosts(deployment: Plane, tmp_p
     # FULL: a trained step, published with cwtrain.
     base = plane.settings.home_path / "models" / "base"
     full_dir = train_step(base, tmp_path / "full-0", seed=1000)
-    published = json_out(cwtrain(plane.settings, "hotload", "publish", "--deployment", plane.dep_id,
-                                  "--checkpoint", str(full_dir), "--identity", "mh-000000"))
+    published = json_out(
+        cwtrain(
+            plane.settings,
+            "hotload",
+            "publish",
+            "--deployment",
+            plane.dep_id,
+            "--checkpoint",
+            str(full_dir),
+            "--identity",
+            "mh-000000",
+        )
+    )
     assert published["status"]["state"] in ("COMPLETED", "HOT_LOAD_STATE_COMPLETED", 3), published["status"]
     plane.chain.append(("mh-000000", full_dir))
     loads = [(published["spec"]["id"], "mh-000000")]
@@ -283,9 +310,13 @@ def test_three_hosts_full_then_three_deltas_cross_hosts(deployment: Plane, tmp_p
     print("hot-load seconds across 3 hosts:", ", ".join(f"{i} {s:.2f}" for i, s in plane.timings))
 
     # The gateway and Dynamo's frontend (in the control host) reach the workers across hosts.
-    r = httpx.post(f"{plane.settings.gateway_url}/v1/completions", trust_env=False, timeout=120,
-                   headers={"Authorization": f"Bearer {plane.settings.admin_token}"},
-                   json={"model": "multihost-model", "prompt": [5, 100, 200], "max_tokens": 4, "temperature": 0})
+    r = httpx.post(
+        f"{plane.settings.gateway_url}/v1/completions",
+        trust_env=False,
+        timeout=120,
+        headers={"Authorization": f"Bearer {plane.settings.admin_token}"},
+        json={"model": "multihost-model", "prompt": [5, 100, 200], "max_tokens": 4, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
 
 
@@ -303,9 +334,16 @@ def test_engine_control_is_unreachable_from_another_host(deployment: Plane) -> N
             status, text = probe_call(other, "POST", url + route, secret, {"secret": secret})
             assert status in (0, 403), f"{other.name} reached {route} on {own.name}: {status} {text}"
         # Inference answers across hosts, through Dynamo's frontend, from this worker alone.
-        body = {"model": replica["dynamoModel"], "prompt": [5, 6], "max_tokens": 2,
-                "nvext": {"backend_instance_id": int(replica["dynamoWorker"], 16), "extra_fields": ["worker_id"],
-                          "annotations": [request_annotation(replica["dynamoRequestSecret"])]}}
+        body = {
+            "model": replica["dynamoModel"],
+            "prompt": [5, 6],
+            "max_tokens": 2,
+            "nvext": {
+                "backend_instance_id": int(replica["dynamoWorker"], 16),
+                "extra_fields": ["worker_id"],
+                "annotations": [request_annotation(replica["dynamoRequestSecret"])],
+            },
+        }
         frontend = f"{plane.settings.dynamo_frontend_url}/v1/completions"
         status, answer = probe_call(other, "POST", frontend, secret, body, tls=plane.settings.dynamo_tls_dir)
         assert status == 200, f"inference must answer across hosts: {status} {answer}"
@@ -317,8 +355,9 @@ def test_engine_control_is_unreachable_from_another_host(deployment: Plane) -> N
             assert status != 200, f"{other.name} got a completion from Dynamo's frontend without a certificate: {text}"
         assert json.loads(answer)["nvext"]["worker_id"]["decode_worker_id"] == int(replica["dynamoWorker"], 16), answer
         # Its own host reaches the control routes over loopback.
-        status, text = probe_call(own, "POST", f"http://127.0.0.1:{port}/engine/rollouts/is_paused", secret,
-                                  {"secret": secret})
+        status, text = probe_call(
+            own, "POST", f"http://127.0.0.1:{port}/engine/rollouts/is_paused", secret, {"secret": secret}
+        )
         assert status == 200 and '"is_paused":false' in text.replace(" ", "").lower(), (own.name, status, text)
     # Whichever worker's card Dynamo's frontend reads first, it names files that every host reads:
     # the shared discovery directory, not a URL on a worker's loopback-only system server.
@@ -354,10 +393,15 @@ def test_partition_during_the_broadcast_converges(deployment: Plane, tmp_path: P
     hl = plane.api.wait_hot_load(hl_id, timeout=900)
     state = hl["status"]["state"]
     reps = hot_load_replicas(plane.api, hl_id)
-    print(f"partition of {host.name} ({target['name']}) for {t_up - t_down:.1f}s: operation {state} after "
-          f"{seconds(hl):.1f}s; replicas: " + "; ".join(
-              f"{r['name']}@{r.get('node')} {r['state']} {r.get('currentSnapshotIdentity')} source={r.get('source')} "
-              f"error={r.get('errorReason')}" for r in reps))
+    print(
+        f"partition of {host.name} ({target['name']}) for {t_up - t_down:.1f}s: operation {state} after "
+        f"{seconds(hl):.1f}s; replicas: "
+        + "; ".join(
+            f"{r['name']}@{r.get('node')} {r['state']} {r.get('currentSnapshotIdentity')} source={r.get('source')} "
+            f"error={r.get('errorReason')}"
+            for r in reps
+        )
+    )
     # The premise: the broadcast was sent while the link was down.
     sends = activity_times(plane.settings, hl_id, "send_to_peers")
     assert sends and t_down <= sends[0] <= t_up, (t_down, sends, t_up)
@@ -392,11 +436,13 @@ def test_host_death_mid_walk(deployment: Plane, tmp_path: Path) -> None:
         t_kill = time.time()
     hl = plane.api.wait_hot_load(hl_id, timeout=900)
     reps = {r["name"]: r for r in hot_load_replicas(plane.api, hl_id)}
-    print(f"{host.name} killed ({len(killed)} processes) while {first['name']} was held: operation "
-          f"{hl['status']['state']} {time.time() - t_kill:.1f}s after the kill; conditions "
-          f"{[c['message'] for c in hl['status']['conditions']]}; the victim's errorReason "
-          f"{reps[victim['name']].get('errorReason')!r}; replicas: "
-          + "; ".join(f"{n}@{r.get('node')} {r['state']} {r.get('currentSnapshotIdentity')}" for n, r in reps.items()))
+    print(
+        f"{host.name} killed ({len(killed)} processes) while {first['name']} was held: operation "
+        f"{hl['status']['state']} {time.time() - t_kill:.1f}s after the kill; conditions "
+        f"{[c['message'] for c in hl['status']['conditions']]}; the victim's errorReason "
+        f"{reps[victim['name']].get('errorReason')!r}; replicas: "
+        + "; ".join(f"{n}@{r.get('node')} {r['state']} {r.get('currentSnapshotIdentity')}" for n, r in reps.items())
+    )
     assert hl["status"]["state"] == "HOT_LOAD_STATE_FAILED", hl["status"]
     assert reps[victim["name"]]["state"] == "ERROR"
     why = reps[victim["name"]]["errorReason"]

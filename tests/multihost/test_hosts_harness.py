@@ -26,16 +26,20 @@ PYTHON = sys.executable  # the project's venv python: the hosts share the machin
 PORT = 8000  # each host has its own network namespace: nothing else binds there
 REPO = Path(__file__).resolve().parents[2]
 # Exits 0 printing "ok" when a TCP connect to ADDR:PORT succeeds within TIMEOUT s, else 1 with the error.
-CONNECT = ("import socket, sys\n"
-           "try:\n"
-           "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()\n"
-           "except OSError as exc:\n"
-           "    print(type(exc).__name__, exc); sys.exit(1)\n"
-           "print('ok')\n")
+CONNECT = (
+    "import socket, sys\n"
+    "try:\n"
+    "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()\n"
+    "except OSError as exc:\n"
+    "    print(type(exc).__name__, exc); sys.exit(1)\n"
+    "print('ok')\n"
+)
 # Fetches a URL with no proxy (an http_proxy in the environment must not carry the request elsewhere).
-FETCH = ("import sys, urllib.request\n"
-         "opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))\n"
-         "print(opener.open(sys.argv[1], timeout=10).read().decode())\n")
+FETCH = (
+    "import sys, urllib.request\n"
+    "opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))\n"
+    "print(opener.open(sys.argv[1], timeout=10).read().decode())\n"
+)
 
 
 def harness_names() -> set[str]:
@@ -127,8 +131,9 @@ def test_dev_shm_is_private_per_host(cluster: Cluster, tmp_path: Path) -> None:
     for other in (second, third):
         assert other.run(["test", "-e", f"/dev/shm/{name}"]).returncode == 1, other.name
     assert not (Path("/dev/shm") / name).exists()
-    size = first.run([PYTHON, "-c", "import os; s = os.statvfs('/dev/shm'); print(s.f_blocks * s.f_frsize)"],
-                     check=True).stdout
+    size = first.run(
+        [PYTHON, "-c", "import os; s = os.statvfs('/dev/shm'); print(s.f_blocks * s.f_frsize)"], check=True
+    ).stdout
     assert int(size) == first.shm_bytes
     # A process spawned in the host sees the same /dev/shm as one run there.
     out = first.logs / "shm-reader.log"
@@ -190,11 +195,13 @@ def test_teardown_leaves_none_of_its_names_even_on_an_error(make_cluster) -> Non
 
 
 def test_a_killed_run_is_swept_by_the_next_one(cluster: Cluster, make_cluster, tmp_path: Path) -> None:
-    script = ("import json, sys, time\n"
-              "from tests.multihost.hosts import Cluster\n"
-              f"c = Cluster(2, shm_bytes=16 * 1024**2, base_dir={str(tmp_path)!r}).__enter__()\n"
-              "print(json.dumps({'names': c.names(), 'holders': [h.holder_pid for h in c]}), flush=True)\n"
-              "time.sleep(1000)\n")
+    script = (
+        "import json, sys, time\n"
+        "from tests.multihost.hosts import Cluster\n"
+        f"c = Cluster(2, shm_bytes=16 * 1024**2, base_dir={str(tmp_path)!r}).__enter__()\n"
+        "print(json.dumps({'names': c.names(), 'holders': [h.holder_pid for h in c]}), flush=True)\n"
+        "time.sleep(1000)\n"
+    )
     child = subprocess.Popen([PYTHON, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         made = json.loads(child.stdout.readline())

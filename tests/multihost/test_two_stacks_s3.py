@@ -24,8 +24,10 @@ from workers.stack import Stack
 pytestmark = pytest.mark.stack  # it starts SeaweedFS itself (no session stack)
 
 REPO = Path(__file__).resolve().parents[2]
-START_S3 = ("import sys; from pathlib import Path; from common.settings import Settings; "
-            "from workers.stack import Stack; print(Stack(Settings.own(Path(sys.argv[1])), node_slots=0).start('s3'))")
+START_S3 = (
+    "import sys; from pathlib import Path; from common.settings import Settings; "
+    "from workers.stack import Stack; print(Stack(Settings.own(Path(sys.argv[1])), node_slots=0).start('s3'))"
+)
 
 
 def keys(settings: Settings) -> list[str]:

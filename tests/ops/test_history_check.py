@@ -22,8 +22,11 @@ async def test_exported_histories_replay_against_current_code():
     names = sorted(p.name for p in HISTORIES.glob("*.json"))
     assert names == [
         "deployments%2Forg-a%2Fhistory-dep.json",
-        "hotLoads%2Forg-a%2Fhistory-canceled.json", COMPLETED, "hotLoads%2Forg-a%2Fhistory-crash-recovered.json",
-        "hotLoads%2Forg-a%2Fhistory-early-completed.json", "hotLoads%2Forg-a%2Fhistory-failed.json",
+        "hotLoads%2Forg-a%2Fhistory-canceled.json",
+        COMPLETED,
+        "hotLoads%2Forg-a%2Fhistory-crash-recovered.json",
+        "hotLoads%2Forg-a%2Fhistory-early-completed.json",
+        "hotLoads%2Forg-a%2Fhistory-failed.json",
     ]
     out = io.StringIO()
     assert await history_check(HISTORIES, out=out) == 0, out.getvalue()

@@ -25,8 +25,9 @@ CONFIG = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlin
 def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
     # The copy comes first on the path (the editable install's finder only answers after it).
     env = {**os.environ, "PYTHONPATH": str(root)}
-    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--no-logo"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", "--no-logo"], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture
@@ -104,8 +105,9 @@ def test_no_test_imports_another_test_module_or_a_conftest():
     for path in sorted((REPO / "tests").rglob("*.py")):
         for name in sorted(_imported_modules(path)):
             last = name.rsplit(".", 1)[-1]
-            if name.startswith(".") or (name.split(".")[0] in ("tests", "conftest")
-                                        and (last == "conftest" or last.startswith("test_"))):
+            if name.startswith(".") or (
+                name.split(".")[0] in ("tests", "conftest") and (last == "conftest" or last.startswith("test_"))
+            ):
                 offences.append(f"{path.relative_to(REPO)} imports {name}")
     assert not offences, "what tests share belongs in tests/helpers/:\n" + "\n".join(offences)
 
@@ -113,8 +115,13 @@ def test_no_test_imports_another_test_module_or_a_conftest():
 def test_every_package_folder_is_a_regular_package():
     # A folder without __init__.py is a namespace package: setuptools' find leaves it out of the
     # wheel, and import-linter may read another copy of it on the path.
-    missing = [str(folder.relative_to(REPO)) for package in CONFIG["root_packages"]
-               for folder in [REPO / package, *(REPO / package).rglob("*")]
-               if folder.is_dir() and folder.name != "__pycache__" and any(folder.glob("*.py"))
-               and not (folder / "__init__.py").exists()]
+    missing = [
+        str(folder.relative_to(REPO))
+        for package in CONFIG["root_packages"]
+        for folder in [REPO / package, *(REPO / package).rglob("*")]
+        if folder.is_dir()
+        and folder.name != "__pycache__"
+        and any(folder.glob("*.py"))
+        and not (folder / "__init__.py").exists()
+    ]
     assert not missing, f"folders without __init__.py: {missing}"

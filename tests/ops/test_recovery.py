@@ -18,8 +18,10 @@ from workers.ops import OpsError, replay, rollback
 
 def api_client(f: Fleet) -> httpx.AsyncClient:
     return httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=f.app), base_url=f"http://api{PREFIX}",
-        headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60,
+        transport=httpx.ASGITransport(app=f.app),
+        base_url=f"http://api{PREFIX}",
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=60,
     )
 
 
@@ -29,8 +31,9 @@ async def test_replay_recovers_a_failed_delta_with_the_same_type_and_metadata(te
         await f.completed(dep, "s0")
         write_delta(f.bucket_root / f"ckpt/{dep}", "s1", "s0")
         f.apply_behaviour = every(f.broken)
-        r = await f.create_hot_load(dep, "s1", hotLoadId="broken-1", promptCachePolicy="PROMPT_CACHE_POLICY_RESET_ALL",
-                                    **delta_body("s0"))
+        r = await f.create_hot_load(
+            dep, "s1", hotLoadId="broken-1", promptCachePolicy="PROMPT_CACHE_POLICY_RESET_ALL", **delta_body("s0")
+        )
         assert (await f.wait_hot_load("broken-1"))["status"]["state"] == "HOT_LOAD_STATE_FAILED"
         await f.wait_idle(dep)
 

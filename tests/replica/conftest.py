@@ -33,8 +33,9 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 async def _start_engine(model_dir: Path, work_dir: Path) -> EngineProcess:
     # max-model-len 2048: the in-flight test needs generations long enough to outlast the lag of
     # the server's streams behind the engine on a busy machine.
-    engine = EngineProcess(model_dir, work_dir=work_dir, served_model_name=SERVED_NAME, max_model_len=2048,
-                           model_info_cache=model_infos())
+    engine = EngineProcess(
+        model_dir, work_dir=work_dir, served_model_name=SERVED_NAME, max_model_len=2048, model_info_cache=model_infos()
+    )
     await engine.start(timeout=600)
     return engine
 

@@ -28,8 +28,9 @@ class Flat(torch.nn.Module):
         super().__init__()
         self.slots = {n: f"p{i}" for i, n in enumerate(names)}
         for n, attr in self.slots.items():
-            self.register_parameter(attr, torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16),
-                                                             requires_grad=False))
+            self.register_parameter(
+                attr, torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16), requires_grad=False)
+            )
 
     def load_weights(self, weights) -> None:
         for name, t in weights:
@@ -40,8 +41,7 @@ def write_shards(root: Path) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     tensors: dict[str, torch.Tensor] = {}
     for s in range(SHARDS):
-        shard = {f"layers.{s}.w{i:03d}": torch.randn(4, 3, generator=gen).to(torch.bfloat16)
-                 for i in range(PER_SHARD)}
+        shard = {f"layers.{s}.w{i:03d}": torch.randn(4, 3, generator=gen).to(torch.bfloat16) for i in range(PER_SHARD)}
         save_file(shard, str(root / f"model-{s + 1:05d}-of-{SHARDS:05d}.safetensors"))
         tensors.update(shard)
     return tensors

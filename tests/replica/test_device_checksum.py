@@ -15,8 +15,16 @@ from replica.engine.tensors import adler32_hex
 from tests.helpers.devices import DEVICES
 
 SIZES = [0, 1, 2, 3, 7, 5551, 5552, 5553, 65536, 100_003]
-DTYPES = [torch.uint8, torch.int8, torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64,
-          torch.float64]
+DTYPES = [
+    torch.uint8,
+    torch.int8,
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.int32,
+    torch.int64,
+    torch.float64,
+]
 
 
 def zlib_of(t: torch.Tensor) -> int:

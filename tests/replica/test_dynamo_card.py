@@ -45,7 +45,7 @@ async def test_registration_names_the_shared_copy_and_is_not_self_hosted(tmp_pat
     model = model_dir(tmp_path / "model")
     register = dynamo_card.shared_registration(register_model, tmp_path / "discovery")
     assert await register("in", "type", "endpoint", str(model), "served", worker_type="agg") == "registered"
-    (args, kwargs), = calls
+    ((args, kwargs),) = calls
     assert args[:3] == ("in", "type", "endpoint") and args[4] == "served"
     assert Path(args[3]).parent == tmp_path / "discovery" / dynamo_card.FILES_DIR
     assert kwargs == {"worker_type": "agg", "self_host_metadata": False}

@@ -16,8 +16,15 @@ from replica.agent.engine_process import EngineStartError
 
 
 def worker(tmp_path: Path, backend: str) -> DynamoEngineProcess:
-    return DynamoEngineProcess(tmp_path / "model", work_dir=tmp_path / "work", discovery_dir=tmp_path / "discovery",
-                               namespace="ns", served_model_name="m", discovery_backend=backend, secret="s")
+    return DynamoEngineProcess(
+        tmp_path / "model",
+        work_dir=tmp_path / "work",
+        discovery_dir=tmp_path / "discovery",
+        namespace="ns",
+        served_model_name="m",
+        discovery_backend=backend,
+        secret="s",
+    )
 
 
 def test_file_discovery_registers_in_the_shared_directory(tmp_path: Path) -> None:
@@ -49,7 +56,8 @@ def test_an_unknown_backend_is_refused_by_name(tmp_path: Path) -> None:
 
 
 def test_the_worker_stops_after_a_one_second_grace_unless_the_operator_set_one(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv(GRACE_ENV, raising=False)
     w = worker(tmp_path, "file")
     w.port = 20000

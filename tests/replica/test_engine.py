@@ -107,8 +107,11 @@ async def test_engine_processes_run_our_vllm_plugin(engine: EngineProcess) -> No
     engine for its g++ build, minutes on a busy 2-core host)."""
     worker = await engine._rpc1("engine_pid")
     assert worker["idle_spin_s"] == DEFAULT_SPIN_S and worker["logprob_ranks_eager"] is True
-    r = await engine.request("POST", "/v1/completions", json={
-        "model": engine.served_model_name, "prompt": PROMPT, "max_tokens": 4, "temperature": 1.0, "logprobs": 2})
+    r = await engine.request(
+        "POST",
+        "/v1/completions",
+        json={"model": engine.served_model_name, "prompt": PROMPT, "max_tokens": 4, "temperature": 1.0, "logprobs": 2},
+    )
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"]) == 4
     cache = engine.work_dir / "cache"  # start() made it; an attached development engine has none
@@ -354,9 +357,7 @@ async def test_save_weights_round_trip(engine: EngineProcess, model_dirs: dict[s
     assert await engine.checksums() == file_checksums(model_dirs["counting"])
 
 
-async def test_refused_loads_change_nothing(
-    engine: EngineProcess, model_dirs: dict[str, Path], tmp_path: Path
-) -> None:
+async def test_refused_loads_change_nothing(engine: EngineProcess, model_dirs: dict[str, Path], tmp_path: Path) -> None:
     await load_full(engine, model_dirs["base"])
     before = await engine.checksums()
     counting = load_checkpoint(model_dirs["counting"])
@@ -396,8 +397,9 @@ async def test_broadcast_with_the_test_process_as_the_peer(engine: EngineProcess
     tensors = [(n, base[n]) for n in COUNTING_CHANGED]
     specs = [[n, "bfloat16", list(t.shape)] for n, t in tensors]
     port = free_port()
-    await engine.start_peer_stage_receive("v-base", "127.0.0.1", port, 1, 2, specs,
-                                          {n: adler32_hex(t) for n, t in tensors}, timeout_s=60)
+    await engine.start_peer_stage_receive(
+        "v-base", "127.0.0.1", port, 1, 2, specs, {n: adler32_hex(t) for n, t in tensors}, timeout_s=60
+    )
     group = await asyncio.to_thread(PeerGroup.create, "127.0.0.1", port, 0, 2, "gloo", 60)
     try:
         sent = await asyncio.to_thread(group.send, tensors, 0)
@@ -507,8 +509,9 @@ async def test_a_job_its_caller_gave_up_on_delays_the_next_one_instead_of_failin
     """A canceled step stops waiting but its engine job runs on (here a receive whose sender
     never comes, until its join times out); the next step's job starts after it."""
     await load_full(engine, model_dirs["base"])
-    await engine.start_peer_receive_files("127.0.0.1", free_port(), 1, 2, [["f", "uint8", [4]]], {"f": "00000000"},
-                                          tmp_path / "never", timeout_s=3)
+    await engine.start_peer_receive_files(
+        "127.0.0.1", free_port(), 1, 2, [["f", "uint8", [4]]], {"f": "00000000"}, tmp_path / "never", timeout_s=3
+    )
     waiting = asyncio.ensure_future(engine.wait_job("receive"))
     await asyncio.sleep(0.2)
     waiting.cancel()  # the step was canceled: nobody waits for the receive any more
@@ -517,8 +520,9 @@ async def test_a_job_its_caller_gave_up_on_delays_the_next_one_instead_of_failin
     assert (await engine.job_status())["state"] == "running"
     counting = load_checkpoint(model_dirs["counting"])
     expected = {n: adler32_hex(counting[n]) for n in COUNTING_CHANGED}
-    staged = await engine.stage_from_files("v-after", checkpoint_files(model_dirs["counting"]), COUNTING_CHANGED,
-                                           expected)
+    staged = await engine.stage_from_files(
+        "v-after", checkpoint_files(model_dirs["counting"]), COUNTING_CHANGED, expected
+    )
     assert staged["tensors"] == len(COUNTING_CHANGED)
     assert await engine.discard_staged() == {"discarded": "v-after", "rolled_back": False}
     assert await engine.served_checksums() == file_checksums(model_dirs["base"])
@@ -561,8 +565,9 @@ async def test_stage_from_arena_is_checked_and_proven_inside_the_pause(
     with pytest.raises(EngineError, match="checksum check failed"):
         await engine.stage_from_arena("v-bad", arena.path, entries, {**expected, COUNTING_CHANGED[0]: "00000001"})
     with pytest.raises(EngineError, match="outside"):
-        await engine.stage_from_arena("v-far", arena.path, [[COUNTING_CHANGED[0], "bfloat16", [1], arena.size]],
-                                      expected)
+        await engine.stage_from_arena(
+            "v-far", arena.path, [[COUNTING_CHANGED[0], "bfloat16", [1], arena.size]], expected
+        )
     staged = await engine.stage_from_arena("v1", arena.path, entries, expected)
     assert staged["tensors"] == len(COUNTING_CHANGED)
     assert await engine.served_checksums() == base_sums  # staged, not served
@@ -592,8 +597,9 @@ async def test_a_stage_rolls_back_from_the_host_copy_in_shared_memory(
     arena, layout, entries, expected = _counting_in_arena(model_dirs, tmp_path)
 
     with pytest.raises(EngineError, match="no roll-back bytes"):
-        await engine.stage_from_arena("v-part", arena.path, entries, expected,
-                                      backup=(host_arena.path, dict(list(offsets.items())[1:])))
+        await engine.stage_from_arena(
+            "v-part", arena.path, entries, expected, backup=(host_arena.path, dict(list(offsets.items())[1:]))
+        )
     staged = await engine.stage_from_arena("v1", arena.path, entries, expected, backup=(host_arena.path, offsets))
     assert staged["backup"] == "host copy"
     await _commit_of_a_changed_stage_fails(engine, arena, layout, "v1")  # rolled back from the host copy
@@ -637,8 +643,9 @@ async def test_broadcast_stages_on_the_receiver_then_commits(
     await load_full(b, model_dirs["base"])
     port = free_port()
     await a.start_peer_stage_send("127.0.0.1", port, 2, COUNTING_CHANGED, timeout_s=60)
-    await b.start_peer_stage_receive("v2", "127.0.0.1", port, 1, 2, specs,
-                                     {**expected, COUNTING_CHANGED[0]: "00000000"}, timeout_s=60)
+    await b.start_peer_stage_receive(
+        "v2", "127.0.0.1", port, 1, 2, specs, {**expected, COUNTING_CHANGED[0]: "00000000"}, timeout_s=60
+    )
     await a.wait_job("send")
     with pytest.raises(EngineError, match="checksum check failed"):
         await b.wait_job("stage")
@@ -670,8 +677,9 @@ async def test_broadcast_of_files_checks_and_writes_them(
     bad_out = tmp_path / "bad"
     port = free_port()
     await a.start_peer_send_files("127.0.0.1", port, 2, files, timeout_s=60)
-    await b.start_peer_receive_files("127.0.0.1", port, 1, 2, specs, {**expected, files[0].name: "00000000"},
-                                     bad_out, timeout_s=60)
+    await b.start_peer_receive_files(
+        "127.0.0.1", port, 1, 2, specs, {**expected, files[0].name: "00000000"}, bad_out, timeout_s=60
+    )
     await a.wait_job("send")
     with pytest.raises(EngineError, match="checksum check failed"):
         await b.wait_job("receive")
@@ -681,7 +689,8 @@ async def test_broadcast_of_files_checks_and_writes_them(
 
 
 async def test_the_agents_swap_runs_inside_the_engine_held_refused_and_proven(
-        engine: EngineProcess, model_dirs: dict[str, Path]) -> None:
+    engine: EngineProcess, model_dirs: dict[str, Path]
+) -> None:
     """The swap a replica's agent makes (one call; `replica.engine.swap` runs it in the engine's
     process, the same code on both engine kinds): a hold after the write keeps the engine paused
     and labelled, a refusal there rolls back, a proceed proves it."""

@@ -75,9 +75,11 @@ async def test_a_wildcard_node_address_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("which", ["host", "node_address"])
 def test_a_bind_or_node_address_that_does_not_resolve_is_refused_before_the_start(tmp_path: Path, which: str) -> None:
-    code = ("import asyncio, sys; from replica.agent.engine_process import EngineProcess\n"
-            f"e = EngineProcess('m', work_dir={str(tmp_path / 'work')!r}, **{{{which!r}: 'no.such.host.invalid'}})\n"
-            "try:\n    asyncio.run(e.start(timeout=1))\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n")
+    code = (
+        "import asyncio, sys; from replica.agent.engine_process import EngineProcess\n"
+        f"e = EngineProcess('m', work_dir={str(tmp_path / 'work')!r}, **{{{which!r}: 'no.such.host.invalid'}})\n"
+        "try:\n    asyncio.run(e.start(timeout=1))\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n"
+    )
     proc = run_without_network([sys.executable, "-c", code])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("AddressError") and "'no.such.host.invalid' does not resolve" in proc.stdout, proc

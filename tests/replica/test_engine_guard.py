@@ -38,8 +38,11 @@ GUARDED = [
     ("POST", "/rollouts/swap_in_pause", {"label": "forged", "previous": "x"}),
     ("GET", "/v1/models", None),
     ("POST", "/v1/completions", COMPLETION),
-    ("POST", "/v1/chat/completions", {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}],
-                                      "max_tokens": 2}),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    ),
     ("GET", "/metrics", None),
 ]
 
@@ -73,8 +76,12 @@ async def test_without_the_secret_every_route_is_refused_and_nothing_changes(eng
     assert engine.secret
     label = await engine.weight_version()
     sums = await engine.checksums()
-    for headers in ({}, {ENGINE_SECRET_HEADER: "not-" + engine.secret}, {ENGINE_SECRET_HEADER: ""},
-                    {"Authorization": f"Bearer {engine.secret}"}):
+    for headers in (
+        {},
+        {ENGINE_SECRET_HEADER: "not-" + engine.secret},
+        {ENGINE_SECRET_HEADER: ""},
+        {"Authorization": f"Bearer {engine.secret}"},
+    ):
         for method, path, body in GUARDED + OFF:
             resp = await call(engine, method, path, body, headers)
             assert resp.status_code == 401, (headers, path, resp.status_code, resp.text)
@@ -129,8 +136,14 @@ def run_server(tmp_path: Path, env_update: dict[str, str]) -> subprocess.Complet
     env = {k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}
     env.update(env_update)
     env["PYTHONPATH"] = str(REPO_ROOT)
-    return subprocess.run([sys.executable, "-m", SERVER_MODULE, "--model", str(tmp_path)],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", SERVER_MODULE, "--model", str(tmp_path)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_server_without_a_safe_secret_file_does_not_start(tmp_path: Path) -> None:

@@ -16,10 +16,21 @@ from replica.engine.guard import ALLOWED_ROUTES, CONTROL_ROUTES, INFERENCE_ROUTE
 SECRET = "s3cret-for-tests"
 
 # (client address, server address the connection arrived at)
-OWN_HOST = [("127.0.0.1", "127.0.0.1"), ("127.0.0.1", "0.0.0.0"), ("127.5.6.7", "127.0.0.1"), ("::1", "::1"),
-            ("::ffff:127.0.0.1", "::"), ("10.40.0.2", "10.40.0.2")]
-OTHER_HOST = [("10.40.0.3", "10.40.0.2"), ("10.40.0.3", "0.0.0.0"), ("192.0.2.7", "127.0.0.1"),
-              ("fd00::9", "fd00::2"), ("::ffff:10.40.0.3", "::")]
+OWN_HOST = [
+    ("127.0.0.1", "127.0.0.1"),
+    ("127.0.0.1", "0.0.0.0"),
+    ("127.5.6.7", "127.0.0.1"),
+    ("::1", "::1"),
+    ("::ffff:127.0.0.1", "::"),
+    ("10.40.0.2", "10.40.0.2"),
+]
+OTHER_HOST = [
+    ("10.40.0.3", "10.40.0.2"),
+    ("10.40.0.3", "0.0.0.0"),
+    ("192.0.2.7", "127.0.0.1"),
+    ("fd00::9", "fd00::2"),
+    ("::ffff:10.40.0.3", "::"),
+]
 
 
 class App:
@@ -34,8 +45,14 @@ class App:
         await send({"type": "http.response.body", "body": b"{}"})
 
 
-async def request(guard: EngineGuard, method: str, path: str, client: tuple[str, int] | None,
-                  server: tuple[str, int] | None, secret: str | None = SECRET) -> tuple[int, dict[str, Any]]:
+async def request(
+    guard: EngineGuard,
+    method: str,
+    path: str,
+    client: tuple[str, int] | None,
+    server: tuple[str, int] | None,
+    secret: str | None = SECRET,
+) -> tuple[int, dict[str, Any]]:
     headers = [] if secret is None else [(ENGINE_SECRET_HEADER.encode(), secret.encode())]
     scope = {"type": "http", "method": method, "path": path, "headers": headers, "client": client, "server": server}
     sent: list[dict[str, Any]] = []
@@ -53,11 +70,26 @@ async def request(guard: EngineGuard, method: str, path: str, client: tuple[str,
 
 def test_the_route_lists_split_into_control_and_inference() -> None:
     assert CONTROL_ROUTES | INFERENCE_ROUTES == ALLOWED_ROUTES and not CONTROL_ROUTES & INFERENCE_ROUTES
-    assert CONTROL_ROUTES == {("POST", f"/rollouts/{name}") for name in (
-        "pause", "resume", "is_paused", "reset_prefix_cache", "collective_rpc", "update_weight_version",
-        "weight_info", "swap_in_pause", "swap_hook")}
-    assert {path for _, path in INFERENCE_ROUTES} == {"/v1/models", "/v1/completions", "/v1/chat/completions",
-                                                    "/metrics"}
+    assert CONTROL_ROUTES == {
+        ("POST", f"/rollouts/{name}")
+        for name in (
+            "pause",
+            "resume",
+            "is_paused",
+            "reset_prefix_cache",
+            "collective_rpc",
+            "update_weight_version",
+            "weight_info",
+            "swap_in_pause",
+            "swap_hook",
+        )
+    }
+    assert {path for _, path in INFERENCE_ROUTES} == {
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/metrics",
+    }
 
 
 @pytest.mark.parametrize(("client", "server"), OWN_HOST)

@@ -29,10 +29,21 @@ def test_a_swap_is_verified_only_when_every_rank_proved_its_shard():
     moved = {"pause_bytes": 10, "staged_bytes": 30, "changed_bytes": 4, "device_staged_bytes": 10}
     summed = combine_swap([{**ok, **moved}, {**ok, **moved, "pause_bytes": 12}])
     assert swap_bytes(summed) == {"pause_bytes": 22, "staged_bytes": 60, "changed_bytes": 8, "device_staged_bytes": 20}
-    maps = combine_map([{"tensors": 3, "held": 3, "refused": {}, "refused_count": 0, "build_s": 0.1},
-                        {"tensors": 3, "held": 2, "refused": {"x": "why"}, "refused_count": 1, "build_s": 0.2}])
-    assert maps == {"tensors": 3, "held": 2, "refused": {"x": "why"}, "refused_count": 1, "build_s": 0.2, "ranks": 2,
-                    "orphans": []}
+    maps = combine_map(
+        [
+            {"tensors": 3, "held": 3, "refused": {}, "refused_count": 0, "build_s": 0.1},
+            {"tensors": 3, "held": 2, "refused": {"x": "why"}, "refused_count": 1, "build_s": 0.2},
+        ]
+    )
+    assert maps == {
+        "tensors": 3,
+        "held": 2,
+        "refused": {"x": "why"},
+        "refused_count": 1,
+        "build_s": 0.2,
+        "ranks": 2,
+        "orphans": [],
+    }
 
 
 def test_a_tensor_every_rank_finds_elsewhere_is_an_orphan_for_every_rank_to_refuse():
@@ -79,9 +90,16 @@ def test_served_shards_are_checked_against_the_same_regions_of_the_checkpoint():
     full = torch.arange(32, dtype=torch.float32).reshape(8, 4).to(torch.bfloat16)
     rows = [((4, 4), (4, 1), 0), ((4, 4), (4, 1), 16)]  # a column-parallel split: rows 0-3, 4-7
     cols = [((8, 2), (4, 1), 0), ((8, 2), (4, 1), 2)]  # a row-parallel split: columns 0-1, 2-3
-    answers = [{"checksums": {"norm": "aa"}, "regions": {"w": [[*rows[r], region_checksum(full, rows[r])]],
-                                                           "o": [[*cols[r], region_checksum(full, cols[r])]]}}
-               for r in (0, 1)]
+    answers = [
+        {
+            "checksums": {"norm": "aa"},
+            "regions": {
+                "w": [[*rows[r], region_checksum(full, rows[r])]],
+                "o": [[*cols[r], region_checksum(full, cols[r])]],
+            },
+        }
+        for r in (0, 1)
+    ]
     served = ServedWeights.combine(answers)
     tensors = {"w": full, "o": full}
     assert served.differing(["w", "o", "norm"], {"norm": "aa"}, tensors.__getitem__) == []

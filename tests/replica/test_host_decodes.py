@@ -26,8 +26,10 @@ from snapshots.host import HostWeights, checkpoint_checksums
 from snapshots.synthetic import make_checkpoint_pair
 from snapshots.writer import write_delta
 
-CHAIN = [SnapshotRef(identity="v-base", type=SnapshotType.FULL),
-         SnapshotRef(identity="v-next", type=SnapshotType.INCREMENTAL)]
+CHAIN = [
+    SnapshotRef(identity="v-base", type=SnapshotType.FULL),
+    SnapshotRef(identity="v-next", type=SnapshotType.INCREMENTAL),
+]
 INP = ApplySnapshotInput(hot_load_id="hl", identity="v-next", chain=CHAIN, bucket="", path_prefix="")
 
 
@@ -41,8 +43,9 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
 
 
 def runtime(paths: dict[str, Path], name: str) -> ReplicaRuntime:
-    rt = ReplicaRuntime(name=name, engine=None, host=HostWeights.load(paths["base"]), s3=None,
-                        workdir=paths["root"] / name)
+    rt = ReplicaRuntime(
+        name=name, engine=None, host=HostWeights.load(paths["base"]), s3=None, workdir=paths["root"] / name
+    )
     rt.applied = ["v-base"]
     return rt
 
@@ -54,6 +57,7 @@ def decoded_sums(staged) -> dict[str, str]:
 def forbid_decode(rt: ReplicaRuntime) -> None:
     def refuse(*_a, **_k):
         raise AssertionError("decoded again although a sibling's decode was published")
+
     rt.host.decode_delta_into = refuse
 
 
@@ -73,7 +77,11 @@ def test_the_second_replica_copies_the_first_ones_decode(setup) -> None:
     assert staged2.copied_from == first.arena.path
     # The metric says which stage was decoded and which copied.
     assert {k: stages(*k) - v for k, v in before.items()} == {
-        ("r1", "decoded"): 1, ("r1", "copied"): 0, ("r2", "decoded"): 0, ("r2", "copied"): 1}
+        ("r1", "decoded"): 1,
+        ("r1", "copied"): 0,
+        ("r2", "decoded"): 0,
+        ("r2", "copied"): 1,
+    }
     assert staged2.names == staged1.names and staged2.expected == staged1.expected
     assert staged2.changed_by_link == staged1.changed_by_link and staged2.links == ["v-next"]
     new = checkpoint_checksums(setup["new"])
@@ -118,9 +126,15 @@ def test_nothing_unchecked_is_copied(setup) -> None:
     def republish(src, dst):
         with once:
             if not calls:
-                calls.append(host_decodes.publish(directory, key, first.arena.path, first.arena.size,
-                                                  {n: (first.arena.offset_of(a), a.nbytes)
-                                                   for n, a in staged.decoded.items()}))
+                calls.append(
+                    host_decodes.publish(
+                        directory,
+                        key,
+                        first.arena.path,
+                        first.arena.size,
+                        {n: (first.arena.offset_of(a), a.nbytes) for n, a in staged.decoded.items()},
+                    )
+                )
         return copy(src, dst)
 
     host_decodes._copy_checked = republish

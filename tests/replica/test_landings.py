@@ -45,8 +45,14 @@ REPO = Path(__file__).resolve().parents[2]
 DENSE = ("llama", "qwen2", "qwen3", "phi3", "gemma2")
 HYBRID = ("nemotron_h",)  # Mamba-2, attention and MLP layers: tensors vLLM computes on after loading
 # An update swapped in through the map (and rolled back once before): what it leaves.
-CLEAN = {"not_held": [], "unpacked": [], "params_differ_from_fresh": [], "derived_differ_from_fresh": [],
-         "rolled_back_differ": [], "read_back_failed": []}
+CLEAN = {
+    "not_held": [],
+    "unpacked": [],
+    "params_differ_from_fresh": [],
+    "derived_differ_from_fresh": [],
+    "rolled_back_differ": [],
+    "read_back_failed": [],
+}
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +66,14 @@ def families_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def family_models(root: Path, *args: str) -> dict:
     """tests/helpers/family_models.py on the checkpoints under ``root`` (its own process, as an
     engine's): its JSON report."""
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.family_models", str(root), str(root / "base"), *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.family_models", str(root), str(root / "base"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -99,12 +110,14 @@ def test_tensors_vllm_computes_after_loading_land_in_shadows_and_are_replayed(re
     replayed, left every parameter and derived tensor as a fresh load of the twin."""
     landings = report["nemotron_h"]["landings"]
     assert landings["backbone.layers.0.mixer.A_log"] == [
-        ["model.layers.0.mixer.<ckpt:backbone/layers/0/mixer/A_log>", [4], 0, [4], 0]]
+        ["model.layers.0.mixer.<ckpt:backbone/layers/0/mixer/A_log>", [4], 0, [4], 0]
+    ]
     conv = landings["backbone.layers.0.mixer.conv1d.weight"]
     # x, B and C rows of the merged conv1d, each in the loader's [rows, 1, 4] layout.
-    assert [(ld[0], ld[1], ld[2]) for ld in conv] == [("model.layers.0.mixer.conv1d.weight", rows, offset)
-                                                      for rows, offset in (([256, 1, 4], 0), ([32, 1, 4], 1024),
-                                                                           ([32, 1, 4], 1152))]
+    assert [(ld[0], ld[1], ld[2]) for ld in conv] == [
+        ("model.layers.0.mixer.conv1d.weight", rows, offset)
+        for rows, offset in (([256, 1, 4], 0), ([32, 1, 4], 1024), ([32, 1, 4], 1152))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +148,13 @@ def test_fused_and_tied_shapes_land_where_vllm_puts_them(report):
     ]
     # Phi-3 ships qkv_proj fused: vLLM splits it into its q, k and v parts, each landing on itself.
     phi3 = report["phi3"]["landings"]["model.layers.0.self_attn.qkv_proj.weight"]
-    assert [(ld[0], ld[2], ld[4]) for ld in phi3] == [("model.layers.0.self_attn.qkv_proj.weight", off, off)
-                                                      for off in (0, 128 * 128, 192 * 128)]
+    assert [(ld[0], ld[2], ld[4]) for ld in phi3] == [
+        ("model.layers.0.self_attn.qkv_proj.weight", off, off) for off in (0, 128 * 128, 192 * 128)
+    ]
     # Tied: the embedding lands in the one parameter the embedding and lm_head share.
     assert report["qwen3"]["landings"]["model.embed_tokens.weight"] == [
-        ["model.embed_tokens.weight", [2048, 128], 0, [2048, 128], 0]]
+        ["model.embed_tokens.weight", [2048, 128], 0, [2048, 128], 0]
+    ]
     # Per-expert tensors: expert 3's gate and up rows of w13, its down_proj in w2.
     moe = report["qwen3_moe"]["landings"]
     w13, w2 = (
@@ -156,10 +171,14 @@ def test_fused_and_tied_shapes_land_where_vllm_puts_them(report):
     ds = report["deepseek_v3"]["landings"]
     shared = "model.layers.1.mlp.shared_experts.gate_up_proj.weight"
     assert [ds[f"model.layers.1.mlp.shared_experts.{x}_proj.weight"] for x in ("gate", "up")] == [
-        [[shared, [64, 128], 0, [64, 128], 0]], [[shared, [64, 128], 64 * 128, [64, 128], 0]]]
+        [[shared, [64, 128], 0, [64, 128], 0]],
+        [[shared, [64, 128], 64 * 128, [64, 128], 0]],
+    ]
     qkv_a = "model.layers.0.self_attn.fused_qkv_a_proj.weight"
     assert [ds[f"model.layers.0.self_attn.{x}.weight"] for x in ("q_a_proj", "kv_a_proj_with_mqa")] == [
-        [[qkv_a, [64, 128], 0, [64, 128], 0]], [[qkv_a, [576, 128], 64 * 128, [576, 128], 0]]]
+        [[qkv_a, [64, 128], 0, [64, 128], 0]],
+        [[qkv_a, [576, 128], 64 * 128, [576, 128], 0]],
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +200,8 @@ def test_each_tp_rank_lands_its_shard_from_the_same_slice_of_the_checkpoint(tp2)
         # Column-parallel: each rank takes its half of q's 128 rows (64 rows x 128 = 8192 elements).
         assert [ranks[r]["landings"][q] for r in "01"] == [
             [["model.layers.0.self_attn.qkv_proj.weight", [64, 128], 0, [64, 128], 0]],
-            [["model.layers.0.self_attn.qkv_proj.weight", [64, 128], 0, [64, 128], 8192]]]
+            [["model.layers.0.self_attn.qkv_proj.weight", [64, 128], 0, [64, 128], 8192]],
+        ]
         # Row-parallel: o_proj's columns 0-63 on rank 0, 64-127 on rank 1.
         o = "model.layers.0.self_attn.o_proj.weight"
         assert [ranks[r]["landings"][o][0][4] for r in "01"] == [0, 64]
@@ -222,7 +242,8 @@ def test_each_ep_rank_holds_its_own_experts_whole_and_leaves_the_others_elsewher
     # An expert lands whole in the owner's local slot (expert 5 is rank 1's local expert 1); the
     # attention is still split by tensor parallelism (q's rows).
     w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
-    assert ranks["1"]["landings"]["model.layers.0.mlp.experts.5.gate_proj.weight"] == [[w13, [64, 128], 128 * 128,
-                                                                                        [64, 128], 0]]
+    assert ranks["1"]["landings"]["model.layers.0.mlp.experts.5.gate_proj.weight"] == [
+        [w13, [64, 128], 128 * 128, [64, 128], 0]
+    ]
     q = "model.layers.0.self_attn.q_proj.weight"
     assert [ranks[r]["landings"][q][0][4] for r in "01"] == [0, 64 * 128]

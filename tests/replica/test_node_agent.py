@@ -27,9 +27,18 @@ from tests.helpers.no_network import run_without_network
 from workers import cli
 
 BAD_HOST = "no.such.host.invalid"
-ENV = ("CUDA_VISIBLE_DEVICES", "ROLLOUTS_DEBUG", "ROLLOUTS_HOST", "TEMPORAL_ADDRESS", "ROLLOUTS_NODE_NAME",
-       "ROLLOUTS_NODE_ADDRESS", "ROLLOUTS_NODE_ZONE", "ROLLOUTS_NODE_GPUS", "ROLLOUTS_NODE_SLOTS",
-       "ROLLOUTS_ENGINE_BIND")
+ENV = (
+    "CUDA_VISIBLE_DEVICES",
+    "ROLLOUTS_DEBUG",
+    "ROLLOUTS_HOST",
+    "TEMPORAL_ADDRESS",
+    "ROLLOUTS_NODE_NAME",
+    "ROLLOUTS_NODE_ADDRESS",
+    "ROLLOUTS_NODE_ZONE",
+    "ROLLOUTS_NODE_GPUS",
+    "ROLLOUTS_NODE_SLOTS",
+    "ROLLOUTS_ENGINE_BIND",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -111,9 +120,11 @@ def test_an_ip_address_resolves_to_itself_without_a_lookup() -> None:
 
 
 def test_a_name_that_does_not_resolve_is_refused_naming_it() -> None:
-    code = ("from replica.node.capacity import NodeConfigError, resolve_address\n"
-            f"try:\n    print('RESOLVED', resolve_address({BAD_HOST!r}))\n"
-            "except NodeConfigError as exc:\n    print('REFUSED', exc)\n")
+    code = (
+        "from replica.node.capacity import NodeConfigError, resolve_address\n"
+        f"try:\n    print('RESOLVED', resolve_address({BAD_HOST!r}))\n"
+        "except NodeConfigError as exc:\n    print('REFUSED', exc)\n"
+    )
     proc = run_without_network([sys.executable, "-c", code])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("REFUSED") and f"{BAD_HOST!r} does not resolve" in proc.stdout, proc
@@ -122,9 +133,13 @@ def test_a_name_that_does_not_resolve_is_refused_naming_it() -> None:
 # --------------------------------------------------------------------------- the replica's command line
 def start_input(**kw) -> StartReplicasInput:
     return StartReplicasInput(
-        deployment_id="dep-1", deployment_workflow_id="deployments/org-a/dep-1", names=["r0"], zone="Z1",
+        deployment_id="dep-1",
+        deployment_workflow_id="deployments/org-a/dep-1",
+        names=["r0"],
+        zone="Z1",
         model=ModelSource(name="m", bucket="rollouts", path="models/base"),
-        engine_config={"max-model-len": "2048"}, **kw,
+        engine_config={"max-model-len": "2048"},
+        **kw,
     )
 
 
@@ -137,18 +152,20 @@ def test_the_replica_command_line_names_its_node_and_parses(tmp_path: Path) -> N
     assert argv[:4] == [sys.executable, "-m", "workers.cli", "replica"]
     args = cli.build_parser().parse_args(argv[3:])  # what `rollouts replica` receives
     assert (args.node, args.node_address, args.engine_bind) == ("n1", "10.1.2.3", "0.0.0.0")
-    assert (args.deployment, args.name, args.workflow_id, args.zone) == (
-        "dep-1", "r0", "deployments/org-a/dep-1", "Z1")
+    assert (args.deployment, args.name, args.workflow_id, args.zone) == ("dep-1", "r0", "deployments/org-a/dep-1", "Z1")
     assert Path(args.home) == tmp_path and args.engine_config == '{"max-model-len": "2048"}'
     assert args.catch_up is None  # nothing loaded yet: the base weights
 
 
 def test_the_replica_command_line_carries_the_catch_up(tmp_path: Path) -> None:
-    chain = [SnapshotRef(identity="s1", type=SnapshotType.FULL),
-             SnapshotRef(identity="s2", type=SnapshotType.INCREMENTAL)]
+    chain = [
+        SnapshotRef(identity="s1", type=SnapshotType.FULL),
+        SnapshotRef(identity="s2", type=SnapshotType.INCREMENTAL),
+    ]
     acts = node_activities(tmp_path)
-    argv = acts._argv(start_input(target_chain=chain, hot_load_config=HotLoadConfig(bucket="ckpt", path_prefix="p")),
-                      "r0")
+    argv = acts._argv(
+        start_input(target_chain=chain, hot_load_config=HotLoadConfig(bucket="ckpt", path_prefix="p")), "r0"
+    )
     args = cli.build_parser().parse_args(argv[3:])
     catch_up = ApplySnapshotInput.model_validate_json(args.catch_up)
     assert catch_up.identity == "s2" and [link.identity for link in catch_up.chain] == ["s1", "s2"]
@@ -171,14 +188,18 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize(("flags", "named"), [
-    (["--address", BAD_HOST], "node address (--address)"),
-    (["--address", "127.0.0.1", "--engine-bind", BAD_HOST], "engine bind address (--engine-bind)"),
-])
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--address", BAD_HOST], "node address (--address)"),
+        (["--address", "127.0.0.1", "--engine-bind", BAD_HOST], "engine bind address (--engine-bind)"),
+    ],
+)
 def test_rollouts_node_refuses_an_address_that_does_not_resolve(tmp_path: Path, flags: list[str], named: str) -> None:
     home = stack_home(tmp_path)
-    proc = run_without_network([sys.executable, "-m", "workers.cli", "node", "--home", str(home), "--name", "n1",
-                                *flags])
+    proc = run_without_network(
+        [sys.executable, "-m", "workers.cli", "node", "--home", str(home), "--name", "n1", *flags]
+    )
     assert proc.returncode == 1, (proc.stdout, proc.stderr)
     line = one_line(proc.stderr)
     # NodeConfigError, not a connection error: the address is checked before Temporal is dialed.
@@ -245,5 +266,8 @@ def test_each_gpu_replica_gets_its_placements_devices_and_a_cpu_replica_none(
     acts = node_activities(tmp_path)
     assert acts.start_replicas(inp) == ["r0", "r1", "r2"]
     assert [(name, env.get("CUDA_VISIBLE_DEVICES")) for name, env in spawned] == [
-        ("r0", "4,5"), ("r1", "6,7"), ("r2", None)]
+        ("r0", "4,5"),
+        ("r1", "6,7"),
+        ("r2", None),
+    ]
     assert acts.start_replicas(inp) == [] and len(spawned) == 3

@@ -31,8 +31,10 @@ def test_receivers_fail_with_the_senders_reason_when_it_cannot_read_its_files(tm
     expected = {"model.safetensors": f"{zlib.adler32(b'delta bytes'):08x}"}
     with ThreadPoolExecutor(3) as pool:
         send = pool.submit(updates.send_files, [missing], _join(port, 0))
-        receives = [pool.submit(updates.receive_files, specs, expected, str(tmp_path / f"out-{r}"), _join(port, r))
-                    for r in (1, 2)]
+        receives = [
+            pool.submit(updates.receive_files, specs, expected, str(tmp_path / f"out-{r}"), _join(port, r))
+            for r in (1, 2)
+        ]
         with pytest.raises(FileNotFoundError):
             send.result()
         for receive in receives:
@@ -51,8 +53,10 @@ def test_a_sender_that_reads_its_files_sends_them(tmp_path: Path) -> None:
     expected = {"model.safetensors": f"{zlib.adler32(b'delta bytes'):08x}"}
     with ThreadPoolExecutor(3) as pool:
         send = pool.submit(updates.send_files, [str(path)], _join(port, 0))
-        receives = [pool.submit(updates.receive_files, specs, expected, str(tmp_path / f"out-{r}"), _join(port, r))
-                    for r in (1, 2)]
+        receives = [
+            pool.submit(updates.receive_files, specs, expected, str(tmp_path / f"out-{r}"), _join(port, r))
+            for r in (1, 2)
+        ]
         assert send.result()["bytes"] == 11
         for r, receive in zip((1, 2), receives, strict=True):
             assert receive.result()["files"] == 1
@@ -71,8 +75,10 @@ def test_receivers_fail_with_the_senders_reason_when_it_cannot_read_its_tensors(
     specs = [["w", "float32", [4]]]
     with ThreadPoolExecutor(3) as pool:
         send = pool.submit(updates.send_views, _NoSuchTensor(), ["w"], _join(port, 0))
-        receives = [pool.submit(updates.receive_files, specs, {"w": "00000000"}, str(tmp_path / f"out-{r}"),
-                                _join(port, r)) for r in (1, 2)]
+        receives = [
+            pool.submit(updates.receive_files, specs, {"w": "00000000"}, str(tmp_path / f"out-{r}"), _join(port, r))
+            for r in (1, 2)
+        ]
         with pytest.raises(KeyError, match="not held by this engine"):
             send.result()
         for receive in receives:

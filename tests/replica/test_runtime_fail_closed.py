@@ -46,15 +46,24 @@ pytestmark = pytest.mark.engine
 
 SERVED_NAME = "base"  # conftest's engines serve the model under this name
 NAME = "replica-t"
-CHAIN = [SnapshotRef(identity="v-base", type=SnapshotType.FULL),
-         SnapshotRef(identity="v-next", type=SnapshotType.INCREMENTAL)]
+CHAIN = [
+    SnapshotRef(identity="v-base", type=SnapshotType.FULL),
+    SnapshotRef(identity="v-next", type=SnapshotType.INCREMENTAL),
+]
 CHAIN_IDS = [link.identity for link in CHAIN]
 
 
 async def answer(engine: EngineProcess) -> dict[str, Any]:
     """A fixed greedy completion with its top-5 logprobs (fresh cache salt: no prefix reuse)."""
-    body = {"model": SERVED_NAME, "prompt": [100, 101, 102], "max_tokens": 6, "temperature": 0,
-            "ignore_eos": True, "logprobs": 5, "cache_salt": uuid.uuid4().hex}
+    body = {
+        "model": SERVED_NAME,
+        "prompt": [100, 101, 102],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 5,
+        "cache_salt": uuid.uuid4().hex,
+    }
     choice = (await engine.request("POST", "/v1/completions", json=body)).json()["choices"][0]
     return {"text": choice["text"], "logprobs": choice["logprobs"]["top_logprobs"]}
 
@@ -75,17 +84,25 @@ class Replica:
         await self.engine.set_weight_version("v-base")
         host_arena = StageArena(self.home)
         self.host = HostWeights.load(self.model_dirs["base"], allocate=host_arena.allocate)
-        self.runtime = ReplicaRuntime(name=NAME, engine=self.engine, host=self.host, s3=None,
-                                      workdir=self.home / "work", host_arena=host_arena, faults_home=self.home,
-                                      deployment="dep-t")
+        self.runtime = ReplicaRuntime(
+            name=NAME,
+            engine=self.engine,
+            host=self.host,
+            s3=None,
+            workdir=self.home / "work",
+            host_arena=host_arena,
+            faults_home=self.home,
+            deployment="dep-t",
+        )
         self.runtime.applied = ["v-base"]
         self.before = await answer(self.engine)
         return self.runtime
 
     def arm(self, action: str) -> str:
         rule = f"swap-{action}-{uuid.uuid4().hex[:8]}"
-        (self.home / faults.FAULTS_FILE).write_text(json.dumps(
-            {"rules": [{"id": rule, "point": "swap", "replica": NAME, "action": action}]}))
+        (self.home / faults.FAULTS_FILE).write_text(
+            json.dumps({"rules": [{"id": rule, "point": "swap", "replica": NAME, "action": action}]})
+        )
         return rule
 
     def disarm(self) -> None:
@@ -146,8 +163,7 @@ async def test_a_swap_whose_read_back_differs_rolls_back_weights_label_and_host_
     flipped[0] ^= 1
     env = ActivityEnvironment()
     with pytest.raises(ApplicationError) as app_err:
-        await env.run(replica_step, runtime,
-                      lambda: runtime._swap_in(staged, CHAIN_IDS, PromptCachePolicy.PRESERVE))
+        await env.run(replica_step, runtime, lambda: runtime._swap_in(staged, CHAIN_IDS, PromptCachePolicy.PRESERVE))
     assert app_err.value.type == READ_BACK_FAILED and app_err.value.non_retryable
     assert victim in app_err.value.message and app_err.value.details == ([victim],)
     await replica.serves_the_base_as_before()
@@ -182,8 +198,9 @@ async def test_a_hold_at_the_swap_ends_when_the_step_is_canceled(replica: Replic
     rule = replica.arm("hold")
     staged = await runtime.stage_update(replica.inp, {"v-next": replica.delta})
     env = ActivityEnvironment()
-    step = asyncio.ensure_future(env.run(replica_step, runtime,
-                                         lambda: runtime._swap_in(staged, CHAIN_IDS, PromptCachePolicy.PRESERVE)))
+    step = asyncio.ensure_future(
+        env.run(replica_step, runtime, lambda: runtime._swap_in(staged, CHAIN_IDS, PromptCachePolicy.PRESERVE))
+    )
     while faults._fired[rule] == 0:  # the hold is reached inside the pause
         assert not step.done(), step
         await asyncio.sleep(0.05)

@@ -63,8 +63,12 @@ def test_reclaims_a_killed_process_segments_and_keeps_live_ones(private_shm: Pat
     stage = segment(private_shm, "rollouts-stage-orphan")
     foreign = segment(private_shm, "someone-elses")  # a name no engine or replica creates
     shared = segment(private_shm, "psm_shared", 0o644)  # others may have it open
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(mapped), str(held)], stdout=subprocess.PIPE,
-                              text=True, start_new_session=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(mapped), str(held)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert holder.stdout is not None
         leaked = DEV_SHM / holder.stdout.readline().strip()
@@ -111,15 +115,21 @@ async def test_a_one_rank_engine_maps_no_queue_segments(engine: EngineProcess) -
 
 
 @pytest.mark.engine
-async def test_a_running_engine_keeps_its_segments(model_dirs: dict[str, Path],
-                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
+async def test_a_running_engine_keeps_its_segments(
+    model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """The engine of a tensor-parallel replica has a worker process per rank and vLLM's message
     queues between them in /dev/shm (``psm_``). Its own engine (why this test starts one): one
     rank with a worker process of its own, the executor tensor-parallel engines run, so that its
     queues exist; a reclaim keeps every segment it maps, and it still serves."""
     # A short work directory: vLLM's IPC socket paths under it must fit a socket address.
-    engine = EngineProcess(model_dirs["base"], work_dir=tmp_path_factory.mktemp("e"), served_model_name="base",
-                           env={INPROC_WORKER_ENV: "1"}, model_info_cache=model_infos())
+    engine = EngineProcess(
+        model_dirs["base"],
+        work_dir=tmp_path_factory.mktemp("e"),
+        served_model_name="base",
+        env={INPROC_WORKER_ENV: "1"},
+        model_info_cache=model_infos(),
+    )
     await engine.start(timeout=600)
     try:
         pids = await engine.engine_pids()

@@ -35,7 +35,7 @@ def test_layout_is_aligned_and_the_arena_grows(tmp_path: Path) -> None:
 
 def test_another_process_sees_the_bytes(tmp_path: Path) -> None:
     arena = StageArena(tmp_path)
-    (offset, nbytes), = arena.reserve([("t", 4096)]).values()
+    ((offset, nbytes),) = arena.reserve([("t", 4096)]).values()
     data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     arena.view(offset, nbytes)[:] = data
     code = (
@@ -43,8 +43,13 @@ def test_another_process_sees_the_bytes(tmp_path: Path) -> None:
         "f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0)\n"
         "sys.stdout.write(m[int(sys.argv[2]):int(sys.argv[2]) + int(sys.argv[3])].hex())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, arena.path, str(offset), str(nbytes)],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code, arena.path, str(offset), str(nbytes)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     assert bytes.fromhex(out) == data.tobytes()
     arena.close()
 
@@ -161,8 +166,11 @@ def test_an_arena_let_go_closes_its_file_and_the_engine_forgets_its_mapping(tmp_
 def test_views_of_many_tensors_are_view_at_s() -> None:
     memory = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
     views = shared_memory.Views(memory, "arena")
-    for name, offset, dtype, shape in (("a", 64, torch.bfloat16, (4, 8)), ("b", 128, torch.float32, (3, 5)),
-                                       ("d", 1001, torch.uint8, (7,))):
+    for name, offset, dtype, shape in (
+        ("a", 64, torch.bfloat16, (4, 8)),
+        ("b", 128, torch.float32, (3, 5)),
+        ("d", 1001, torch.uint8, (7,)),
+    ):
         got, want = views.at(name, offset, dtype, shape), shared_memory.view_at(memory, name, offset, dtype, shape, "")
         assert got.shape == want.shape and got.dtype == want.dtype and got.data_ptr() == want.data_ptr()
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and got.is_contiguous()

@@ -18,13 +18,16 @@ from snapshots.synthetic import make_checkpoint_pair
 from snapshots.writer import write_delta
 from tests.helpers.snapshot_helpers import FakeS3
 
-CHAIN = [SnapshotRef(identity="v-base", type=SnapshotType.FULL),
-         SnapshotRef(identity="v-next", type=SnapshotType.INCREMENTAL)]
+CHAIN = [
+    SnapshotRef(identity="v-base", type=SnapshotType.FULL),
+    SnapshotRef(identity="v-next", type=SnapshotType.INCREMENTAL),
+]
 INP = ApplySnapshotInput(hot_load_id="hl", identity="v-next", chain=CHAIN, bucket="b", path_prefix="ckpt")
 
 
-def test_a_new_base_and_its_delta_are_staged_on_a_new_host_copy(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_base_and_its_delta_are_staged_on_a_new_host_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ROLLOUTS_SHM_DIR", str(tmp_path / "shm"))
     (tmp_path / "shm").mkdir()
     make_checkpoint_pair(tmp_path / "base", tmp_path / "new", size_mb=2, lr=1e-2)

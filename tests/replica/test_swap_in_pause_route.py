@@ -104,7 +104,7 @@ def test_an_async_llm_is_paused_through_its_engine_core_without_the_closing_slee
     route = control_routes(engine, None, "k")["swap_in_pause"]
     asyncio.run(route({"secret": "k", "label": "s2", "previous": "s1", "clear_cache": clear_cache, "expected": 1}))
     pause = [("clear mm cache",)] if clear_cache else []
-    assert engine.calls[:len(pause) + 2] == [*pause, ("core pause", "keep", clear_cache), ("label", "s2")]
+    assert engine.calls[: len(pause) + 2] == [*pause, ("core pause", "keep", clear_cache), ("label", "s2")]
 
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
@@ -147,8 +147,9 @@ def held(engine: Engine, proceed: bool) -> tuple[dict[str, Any], list[tuple], di
     routes = control_routes(engine, None, "k")
 
     async def run() -> tuple[dict[str, Any], list[tuple], dict[str, Any]]:
-        start = await routes["swap_in_pause"]({"secret": "k", "label": "s2", "previous": "s1", "expected": 3,
-                                               "hold": True})
+        start = await routes["swap_in_pause"](
+            {"secret": "k", "label": "s2", "previous": "s1", "expected": 3, "hold": True}
+        )
         while_held = list(engine.calls)
         return start, while_held, await routes["swap_hook"]({"secret": "k", "proceed": proceed})
 

@@ -65,19 +65,22 @@ def test_a_stage_of_every_tensor_of_an_18867_tensor_model_reaches_the_engine_who
     monkeypatch.setenv("ROLLOUTS_SHM_DIR", str(tmp_path))
     ext, bodies = Recorder(), []
     client = EngineClient("http://engine")
-    monkeypatch.setattr(client, "_client",
-                        lambda: httpx.AsyncClient(base_url="http://engine", transport=serve(ext, bodies)))
+    monkeypatch.setattr(
+        client, "_client", lambda: httpx.AsyncClient(base_url="http://engine", transport=serve(ext, bodies))
+    )
     entries, expected, offsets = every_tensor()
     # The premise: sent as a request body, this call is past the server's limit.
-    direct = rpc_file.encode("stage_from_arena", ["delta-1", "/dev/shm/arena", entries, expected, True,
-                                                  "/dev/shm/host", offsets], {})
+    direct = rpc_file.encode(
+        "stage_from_arena", ["delta-1", "/dev/shm/arena", entries, expected, True, "/dev/shm/host", offsets], {}
+    )
     assert len(direct) > DYNAMO_BODY_LIMIT
 
-    result = asyncio.run(client.stage_from_arena("delta-1", "/dev/shm/arena", entries, expected,
-                                                 backup=("/dev/shm/host", offsets)))
+    result = asyncio.run(
+        client.stage_from_arena("delta-1", "/dev/shm/arena", entries, expected, backup=("/dev/shm/host", offsets))
+    )
 
     assert result == {"staged": "delta-1"}
-    (method, args, _), = ext.calls
+    ((method, args, _),) = ext.calls
     assert method == "stage_from_arena"
     assert args == ("delta-1", "/dev/shm/arena", entries, expected, True, "/dev/shm/host", offsets)
     assert max(bodies) <= rpc_file.BODY_LIMIT
@@ -108,11 +111,21 @@ TEMPORAL_PAYLOAD_LIMIT = 2 * 1024 * 1024
 
 
 def offer(tensors: int) -> PeerOffer:
-    specs = [[f"model.layers.{i // 1161}.mlp.experts.{i % 384}.down_proj.weight", "bfloat16", [64, 32]]
-             for i in range(tensors)]
-    return PeerOffer(source_replica="replica-0", host="10.0.0.1", port=29500, backend="gloo", base_identity="*",
-                     identity="full-1", chain=[], specs=specs,
-                     expected_adler32={s[0]: f"{i:08x}" for i, s in enumerate(specs)})
+    specs = [
+        [f"model.layers.{i // 1161}.mlp.experts.{i % 384}.down_proj.weight", "bfloat16", [64, 32]]
+        for i in range(tensors)
+    ]
+    return PeerOffer(
+        source_replica="replica-0",
+        host="10.0.0.1",
+        port=29500,
+        backend="gloo",
+        base_identity="*",
+        identity="full-1",
+        chain=[],
+        specs=specs,
+        expected_adler32={s[0]: f"{i:08x}" for i, s in enumerate(specs)},
+    )
 
 
 def test_an_offer_of_70000_tensors_crosses_temporal_whole_under_its_payload_limit() -> None:

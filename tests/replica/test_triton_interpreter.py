@@ -20,8 +20,9 @@ INTERPRETED = {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
 
 
 def env_of(tmp_path: Path, *extra_args: str) -> dict[str, str]:
-    return EngineProcess(tmp_path / "model", work_dir=tmp_path / "work", port=41234,
-                         extra_args=list(extra_args)).environment()
+    return EngineProcess(
+        tmp_path / "model", work_dir=tmp_path / "work", port=41234, extra_args=list(extra_args)
+    ).environment()
 
 
 def test_only_a_cpu_engine_that_returns_routes_runs_triton_interpreted(tmp_path: Path, monkeypatch) -> None:
@@ -43,8 +44,10 @@ def test_the_interpreters_sitecustomize_registers_the_entry_and_runs_the_next_on
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "sitecustomize.py").write_text("import builtins\nbuiltins.THEIRS_RAN = True\n")
-    probe = ("import builtins, triton.backends as b; "
-             "print(getattr(builtins, 'THEIRS_RAN', False), 'cpu' in b.backends, b.backends['cpu'].driver.is_active())")
+    probe = (
+        "import builtins, triton.backends as b; "
+        "print(getattr(builtins, 'THEIRS_RAN', False), 'cpu' in b.backends, b.backends['cpu'].driver.is_active())"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(TRITON_INTERPRETER_DIR), str(theirs)))}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -60,8 +60,9 @@ def checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def loaded(model: torch.nn.Module, tensors: dict[str, torch.Tensor], quantization: str | None = None) -> WeightMap:
     model.load_weights(list(tensors.items()))
-    return WeightMap.build(model, [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], tensors.__getitem__,
-                           quantization)
+    return WeightMap.build(
+        model, [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], tensors.__getitem__, quantization
+    )
 
 
 def test_fused_rows_a_widened_bias_and_what_cannot_be_taken() -> None:

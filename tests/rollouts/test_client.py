@@ -25,9 +25,17 @@ from rollouts.client import (
 
 
 def hot_load(id_: str, state: str, identity: str = "step-1", policy: str = RESET_ALL) -> dict[str, Any]:
-    return {"spec": {"id": id_, "deploymentId": "dep", "identity": identity, "type": "SNAPSHOT_TYPE_FULL",
-                     "promptCachePolicy": policy, "snapshotChain": [{"identity": identity}]},
-            "status": {"state": state}}
+    return {
+        "spec": {
+            "id": id_,
+            "deploymentId": "dep",
+            "identity": identity,
+            "type": "SNAPSHOT_TYPE_FULL",
+            "promptCachePolicy": policy,
+            "snapshotChain": [{"identity": identity}],
+        },
+        "status": {"state": state},
+    }
 
 
 class FakeApi:
@@ -61,8 +69,16 @@ class FakeApi:
         if path.endswith("/replicas"):
             token = request.url.params.get("pageToken")
             state = "READY" if self.final_state.endswith("COMPLETED") else "ERROR"
-            page = {"replicas": [{"name": "r2" if token else "r1", "state": state, "currentSnapshotIdentity": "step-1",
-                                  "errorReason": None if state == "READY" else "bad checksum"}]}
+            page = {
+                "replicas": [
+                    {
+                        "name": "r2" if token else "r1",
+                        "state": state,
+                        "currentSnapshotIdentity": "step-1",
+                        "errorReason": None if state == "READY" else "bad checksum",
+                    }
+                ]
+            }
             if not token:
                 page["nextPageToken"] = "t1"
             return httpx.Response(200, json=page)
@@ -153,6 +169,12 @@ def test_on_policy_round_waits_then_reopens(checkpoint):
 def test_a_failed_round_raises_and_keeps_the_gate_closed(checkpoint):
     gate = RoundGate()
     with pytest.raises(RoundFailed, match="bad checksum"):
-        on_policy_round(client_for(FakeApi(final_state="HOT_LOAD_STATE_FAILED")), "dep", checkpoint, "step-1",
-                        gate=gate, s3=FakeS3())
+        on_policy_round(
+            client_for(FakeApi(final_state="HOT_LOAD_STATE_FAILED")),
+            "dep",
+            checkpoint,
+            "step-1",
+            gate=gate,
+            s3=FakeS3(),
+        )
     assert not gate.is_open

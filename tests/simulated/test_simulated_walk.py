@@ -57,9 +57,23 @@ def simulated(stack, tmp_path_factory):
     log = tmp_path_factory.mktemp("sim") / "sim-node.log"
     with log.open("wb") as out:
         node = subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", "sim-node", "--home", str(stack.home_path), "--name", "sim-test",
-             "--gpus", str(REPLICAS), "--transfer-ms", "20"],
-            stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2],
+            [
+                sys.executable,
+                "-m",
+                "workers.cli",
+                "sim-node",
+                "--home",
+                str(stack.home_path),
+                "--name",
+                "sim-test",
+                "--gpus",
+                str(REPLICAS),
+                "--transfer-ms",
+                "20",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parents[2],
             start_new_session=True,  # its own process group: stop_pid signals the group
         )
     api = Api(stack)
@@ -67,13 +81,19 @@ def simulated(stack, tmp_path_factory):
     try:
         wait_registered(stack, "sim-test")
         body = {
-            "name": "simulated", "gatewayIds": [stack.gateway_id],
+            "name": "simulated",
+            "gatewayIds": [stack.gateway_id],
             "resources": {"instanceType": "cpu-local", "gpuCount": 1},
             "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
             "model": {"name": "sim-model", "bucket": stack.bucket, "path": stack.base_model_path},
             "autoscaling": {"min": REPLICAS, "max": REPLICAS},
-            "hotLoad": {"bucket": stack.bucket, "pathPrefix": PREFIX, "replicasPerGroup": GROUP,
-                        "peerFanOut": FAN_OUT, "maxConcurrentSwaps": K},
+            "hotLoad": {
+                "bucket": stack.bucket,
+                "pathPrefix": PREFIX,
+                "replicasPerGroup": GROUP,
+                "peerFanOut": FAN_OUT,
+                "maxConcurrentSwaps": K,
+            },
         }
         r = api.call("POST", "/deployments", json=body)
         assert r.status_code == 200, r.text
@@ -139,8 +159,10 @@ def test_a_simulated_deployment_hot_loads_full_then_delta(stack, simulated):
         assert events <= EVENTS_PER_REPLICA * REPLICAS, events
         assert len(groups) == -(-(REPLICAS - 1) // GROUP)  # one child workflow per group of receivers
         assert all(g <= EVENTS_PER_REPLICA * GROUP for g in groups), groups
-        print(f"{identity}: {REPLICAS} simulated replicas in {time.monotonic() - started:.1f} s; history {events} "
-              f"events, stage groups {groups}")
+        print(
+            f"{identity}: {REPLICAS} simulated replicas in {time.monotonic() - started:.1f} s; history {events} "
+            f"events, stage groups {groups}"
+        )
 
 
 def test_a_receiver_failing_mid_walk_reads_the_bucket_and_the_rest_stage_from_peers(stack, simulated):
@@ -166,7 +188,8 @@ BACK_TO_BACK = 200
 CHAIN_DELTAS = 50
 POLL_S = 0.005
 
-_CWTRAIN_LOOP = """
+_CWTRAIN_LOOP = (
+    """
 import json, sys, time
 from cwtrain import InferenceClient
 from cwtrain.hotload.runner import HotLoader
@@ -179,7 +202,9 @@ for identity, previous in plan:
     hl = loader.trigger(identity, previous_identity=previous, hot_load_id=identity, wait_for_active=False)
     states.append(loader.wait(hl.id, raise_on_failure=False).state.wire)
 print(json.dumps(states))
-""" % POLL_S
+"""
+    % POLL_S
+)
 
 
 def back_to_back_plan(tag: str) -> list[tuple[str, str | None]]:
@@ -200,9 +225,24 @@ def back_to_back(stack, simulated, tmp_path_factory):
     log = tmp_path_factory.mktemp("b2b") / "sim-node.log"
     with log.open("wb") as out:
         node = subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", "sim-node", "--home", str(stack.home_path), "--name", "sim-b2b",
-             "--gpus", "4", "--transfer-ms", "5"],
-            stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2], start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "workers.cli",
+                "sim-node",
+                "--home",
+                str(stack.home_path),
+                "--name",
+                "sim-b2b",
+                "--gpus",
+                "4",
+                "--transfer-ms",
+                "5",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parents[2],
+            start_new_session=True,
         )
     api = Api(stack)
     deployments: dict[str, str] = {}
@@ -217,7 +257,8 @@ def back_to_back(stack, simulated, tmp_path_factory):
                 upload_dir(s3, work / ("base" if previous is None else "delta"), stack.bucket, f"{PREFIX}/{identity}")
         for tag in ("get", "cw"):
             body = {
-                "name": f"simulated-back-to-back-{tag}", "gatewayIds": [stack.gateway_id],
+                "name": f"simulated-back-to-back-{tag}",
+                "gatewayIds": [stack.gateway_id],
                 "resources": {"instanceType": "cpu-local", "gpuCount": 1},
                 "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
                 "model": {"name": f"sim-b2b-{tag}", "bucket": stack.bucket, "path": stack.base_model_path},
@@ -266,9 +307,19 @@ def test_simulated_hot_loads_created_the_instant_their_predecessor_reads_termina
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "CW_", "COREWEAVE_"))}
     env.update(stack.stack_env())
     cwtrain = subprocess.Popen(
-        [str(cwtrain_python()), "-c", _CWTRAIN_LOOP, stack.api_url, stack.admin_token, deployments["cw"],
-         json.dumps(plan)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [
+            str(cwtrain_python()),
+            "-c",
+            _CWTRAIN_LOOP,
+            stack.api_url,
+            stack.admin_token,
+            deployments["cw"],
+            json.dumps(plan),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         states, refused = get_loop(api, deployments["get"])

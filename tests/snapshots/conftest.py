@@ -29,12 +29,14 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     make_checkpoint_pair(root / "base", root / "new", size_mb=1, seed=1)
     return root / "base", root / "new"
 
+
 @pytest.fixture(scope="session")
 def delta(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Our delta from ``pair``'s base to its new checkpoint."""
     out = tmp_path_factory.mktemp("delta") / "d1"
     write_delta(pair[0], pair[1], out, version="000001", base_version="000000")
     return out
+
 
 @pytest.fixture(scope="session")
 def chain(
@@ -46,9 +48,11 @@ def chain(
     write_delta(pair[1], step2, root / "d2", version="000002", base_version="000001")
     return pair[0], [delta, root / "d2"], step2
 
+
 @pytest.fixture
 def base_copy(pair: tuple[Path, Path], tmp_path: Path) -> Path:
     return copy_tree(pair[0], tmp_path / "base")
+
 
 @pytest.fixture(scope="session")
 def cw() -> Callable[..., subprocess.CompletedProcess[str]]:
@@ -63,6 +67,7 @@ def cw() -> Callable[..., subprocess.CompletedProcess[str]]:
         )
 
     return run
+
 
 @pytest.fixture
 def fake_s3(tmp_path: Path) -> FakeS3:

@@ -212,7 +212,10 @@ def test_trailing_bytes_after_the_frame(weights: HostWeights, pair: tuple[Path, 
 
 @pytest.mark.parametrize("tasks_per_worker", [4, 1])
 def test_a_bad_tensor_after_a_good_one_in_the_same_decode_task_leaves_both_untouched(
-    weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    weights: HostWeights,
+    pair: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     tasks_per_worker: int,
 ) -> None:
     """Tensors are decoded several per task (one task per tensor costs more than the decode at

@@ -116,7 +116,9 @@ def test_our_delta_passes_cwtrain_inspect_and_mirror(cw, pair: tuple[Path, Path]
         "import sys, json; from cwtrain.hotload import WeightMirror;"
         "m = WeightMirror.create(sys.argv[1], sys.argv[2]); r = m.apply_delta(sys.argv[3]);"
         "print(json.dumps({'changed': r.tensors_changed, 'checksums': m.checksums}))",
-        str(pair[0]), str(tmp_path / "mirror"), str(ours),
+        str(pair[0]),
+        str(tmp_path / "mirror"),
+        str(ours),
     )
     assert mirror.returncode == 0, mirror.stderr
     answer = json.loads(mirror.stdout.strip().splitlines()[-1])
@@ -135,7 +137,8 @@ def test_full_snapshots_are_interchangeable(cw, pair: tuple[Path, Path], tmp_pat
     assert inspect.returncode == 0, inspect.stderr
     theirs = cw(
         "import sys; from cwtrain.hotload.delta import write_full_snapshot as w; w(sys.argv[1], sys.argv[2])",
-        str(pair[0]), str(tmp_path / "theirs"),
+        str(pair[0]),
+        str(tmp_path / "theirs"),
     )
     assert theirs.returncode == 0, theirs.stderr
     loaded = HostWeights.load(tmp_path / "theirs")  # verifies cwtrain's recorded checksums

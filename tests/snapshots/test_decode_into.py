@@ -44,9 +44,7 @@ def test_chain_decoded_into_buffers_equals_the_reconstructed_checkpoint(
     assert weights.checksums() == want.checksums()
 
 
-def test_bad_checksum_names_the_tensor_and_leaves_the_host_copy(
-    pair: tuple[Path, Path], tmp_path: Path
-) -> None:
+def test_bad_checksum_names_the_tensor_and_leaves_the_host_copy(pair: tuple[Path, Path], tmp_path: Path) -> None:
     weights = HostWeights.load(pair[0])
     new = HostWeights.load(pair[1])
     a = weights.names()[1]

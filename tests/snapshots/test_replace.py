@@ -30,6 +30,7 @@ def test_exchange_without_renameat2_moves_the_old_one_aside_first(
 ) -> None:
     class NoRenameat2:
         pass
+
     monkeypatch.setattr(replace, "_libc", NoRenameat2())
     a, b = _tree(tmp_path / "a", "new"), _tree(tmp_path / "b", "old")
     exchange(a, b)

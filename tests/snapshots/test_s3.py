@@ -80,14 +80,18 @@ def _known(s3: Any, bucket: str) -> dict[str, ChainLink]:
     listing = s3.list_objects_v2(Bucket=bucket, Prefix=f"{RUN}/", Delimiter="/")
     identities = [p["Prefix"][len(RUN) + 1 : -1] for p in listing.get("CommonPrefixes", [])]
     return {
-        i: ChainLink(i, inspect_snapshot(snapshot_uri(bucket, RUN, i), s3=s3).type, PREVIOUS.get(i))
-        for i in identities
+        i: ChainLink(i, inspect_snapshot(snapshot_uri(bucket, RUN, i), s3=s3).type, PREVIOUS.get(i)) for i in identities
     }
 
 
 def test_chain_resolves_and_materializes_from_s3(
-    seaweed: Settings, s3: Any, published: dict[str, str], chain, tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    seaweed: Settings,
+    s3: Any,
+    published: dict[str, str],
+    chain,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     known = _known(s3, seaweed.bucket)
     links = resolve_chain("step-2", known)

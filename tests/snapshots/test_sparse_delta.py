@@ -77,8 +77,9 @@ def rewrite(src: Path, dst: Path, change) -> Path:
     }
     metadata = dict(header.metadata)
     change(tensors, metadata)
-    write_safetensors(dst / SHARD, [TensorSpec(n, d, (a.nbytes // _size(d),), a) for n, (d, a) in tensors.items()],
-                      metadata)
+    write_safetensors(
+        dst / SHARD, [TensorSpec(n, d, (a.nbytes // _size(d),), a) for n, (d, a) in tensors.items()], metadata
+    )
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     index["weight_map"] = dict.fromkeys(tensors, SHARD)
     (dst / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -135,7 +136,8 @@ BAD = {
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_a_malformed_sparse_delta_is_refused_naming_the_tensor_and_changes_nothing(
-        sparse_chain, tmp_path: Path, case: str) -> None:
+    sparse_chain, tmp_path: Path, case: str
+) -> None:
     base, s1, *_ = sparse_chain
     change, error, message = BAD[case]
     names = {}
@@ -158,8 +160,10 @@ def test_a_malformed_sparse_delta_is_refused_naming_the_tensor_and_changes_nothi
 
 def test_only_sparse_and_xor_encodings_are_admitted(sparse_chain, tmp_path: Path) -> None:
     _, s1, *_ = sparse_chain
-    for encoding, compression, message in (("rle", None, "'xor' .* and 'sparse'"),
-                                           ("sparse", "zstd", "not supported for a sparse delta")):
+    for encoding, compression, message in (
+        ("rle", None, "'xor' .* and 'sparse'"),
+        ("sparse", "zstd", "not supported for a sparse delta"),
+    ):
         bad = copy_tree(s1, tmp_path / encoding)
         index = json.loads((bad / "model.safetensors.index.json").read_text())
         index["metadata"]["delta_encoding"] = encoding

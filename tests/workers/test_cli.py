@@ -18,9 +18,11 @@ def test_every_subcommand_has_a_handler_that_imports():
 
 
 def test_help_loads_no_service_library():
-    code = ("import sys; from workers.cli import main\n"
-            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "heavy = ('temporalio', 'fastapi', 'torch', 'uvicorn', 'numpy', 'boto3', 'vllm')\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))")
+    code = (
+        "import sys; from workers.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = ('temporalio', 'fastapi', 'torch', 'uvicorn', 'numpy', 'boto3', 'vllm')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout

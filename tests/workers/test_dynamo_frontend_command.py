@@ -14,8 +14,14 @@ from gateway.dynamo_frontend import DynamoFrontend
 
 
 def test_kubernetes_discovery_needs_no_directory_and_advertises_the_pod_address(tmp_path: Path) -> None:
-    frontend = DynamoFrontend(tmp_path / "discovery", log_path=tmp_path / "f.log", host="0.0.0.0", port=8000,
-                              discovery_backend="kubernetes", address="10.1.2.3")
+    frontend = DynamoFrontend(
+        tmp_path / "discovery",
+        log_path=tmp_path / "f.log",
+        host="0.0.0.0",
+        port=8000,
+        discovery_backend="kubernetes",
+        address="10.1.2.3",
+    )
     command, env = frontend.command(), frontend.environment()
     assert command[command.index("--discovery-backend") + 1] == "kubernetes"
     assert command[command.index("--http-host") + 1] == "0.0.0.0"
@@ -29,8 +35,13 @@ def test_kubernetes_discovery_needs_no_directory_and_advertises_the_pod_address(
 def test_an_unreachable_address_is_refused(tmp_path: Path) -> None:
     Settings.create(tmp_path, host="0.0.0.0").save()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLOUTS_", "TEMPORAL_"))}
-    proc = subprocess.run([sys.executable, "-m", "workers.cli", "dynamo-frontend", "--home", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "dynamo-frontend", "--home", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert proc.returncode == 2
     assert "--address 0.0.0.0 is not one workers can reach" in proc.stderr
 
@@ -39,8 +50,13 @@ def test_kubernetes_discovery_without_the_pod_variables_is_refused(tmp_path: Pat
     Settings.create(tmp_path).save()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLOUTS_", "TEMPORAL_", "POD_"))}
     env.update(ROLLOUTS_DYNAMO_DISCOVERY="kubernetes", POD_NAME="frontend-0")
-    proc = subprocess.run([sys.executable, "-m", "workers.cli", "dynamo-frontend", "--home", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "dynamo-frontend", "--home", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert proc.returncode == 2
     assert "POD_NAMESPACE, POD_UID are not set" in proc.stderr and "downward API" in proc.stderr
 
@@ -50,6 +66,11 @@ def test_a_cluster_frontend_needs_no_keys(tmp_path: Path) -> None:
     # checks (here: the unreachable address), not "ROLLOUTS_ENGINE_KEY is not set".
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLOUTS_", "TEMPORAL_", "AWS_", "POD_"))}
     env.update(TEMPORAL_ADDRESS="temporal.example:7233", ROLLOUTS_HOST="0.0.0.0", ROLLOUTS_DYNAMO_PORT="8000")
-    proc = subprocess.run([sys.executable, "-m", "workers.cli", "dynamo-frontend", "--home", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "dynamo-frontend", "--home", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert proc.returncode == 2 and "--address 0.0.0.0 is not one workers can reach" in proc.stderr, proc.stderr

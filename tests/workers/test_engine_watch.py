@@ -18,10 +18,12 @@ from replica.launch import SERVER_MODULE
 from tests.helpers.engines import SESSION_ENV, EngineWatch, engines
 
 # Sleeps with the engine's module name in its argv; with a child, like vLLM's own processes.
-STAND_IN = ("import subprocess, sys, time\n"
-            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', sys.argv[1]]) "
-            "if sys.argv[2] == 'child' else None\n"
-            "time.sleep(60)\n")
+STAND_IN = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', sys.argv[1]]) "
+    "if sys.argv[2] == 'child' else None\n"
+    "time.sleep(60)\n"
+)
 
 
 @pytest.fixture
@@ -31,8 +33,13 @@ def stand_ins() -> Iterator:
     def start(session: str, n: int, child: bool = False) -> None:
         env = {**os.environ, SESSION_ENV: session}
         for _ in range(n):
-            started.append(subprocess.Popen([sys.executable, "-c", STAND_IN, SERVER_MODULE, "child" if child else "-"],
-                                            env=env, start_new_session=True))
+            started.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", STAND_IN, SERVER_MODULE, "child" if child else "-"],
+                    env=env,
+                    start_new_session=True,
+                )
+            )
 
     yield start
     for proc in started:
@@ -71,8 +78,9 @@ def test_more_than_three_at_once_is_recorded_with_the_test(stand_ins):
     wait_count(session, 4)
     watch.sample()
     excess = watch.take_excess()
-    assert excess is not None and excess.startswith("4 vLLM engines of this test session alive at once during "
-                                                    "tests/x.py::test_y (call) (at most 3)"), excess
+    assert excess is not None and excess.startswith(
+        "4 vLLM engines of this test session alive at once during tests/x.py::test_y (call) (at most 3)"
+    ), excess
 
 
 def test_a_process_started_before_a_test_began_is_not_that_tests(stand_ins):

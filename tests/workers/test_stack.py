@@ -45,10 +45,21 @@ def test_up_is_idempotent_and_down_keeps_data(tmp_path, monkeypatch: pytest.Monk
             }
             assert not leaked and env["ROLLOUTS_HOME"] == str(tmp_path / "home"), (name, leaked)
         env = (tmp_path / "home" / "stack.env").read_text()
-        for key in ("ROLLOUTS_API_URL", "CW_API_TOKEN", "ROLLOUTS_VIEWER_TOKEN", "AWS_ACCESS_KEY_ID",
-                    "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "CW_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3",
-                    "ROLLOUTS_BUCKET", "ROLLOUTS_BASE_MODEL_PATH", "ROLLOUTS_GATEWAY_ID", "TEMPORAL_ADDRESS",
-                    "TEMPORAL_UI_URL"):
+        for key in (
+            "ROLLOUTS_API_URL",
+            "CW_API_TOKEN",
+            "ROLLOUTS_VIEWER_TOKEN",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_REGION",
+            "CW_S3_ENDPOINT",
+            "AWS_ENDPOINT_URL_S3",
+            "ROLLOUTS_BUCKET",
+            "ROLLOUTS_BASE_MODEL_PATH",
+            "ROLLOUTS_GATEWAY_ID",
+            "TEMPORAL_ADDRESS",
+            "TEMPORAL_UI_URL",
+        ):
             assert f"\n{key}=" in "\n" + env, key
         assert f"\nROLLOUTS_API_URL={settings.api_url}\n" in "\n" + env  # the home's, not the shell's
         pids = stack.status()
@@ -112,8 +123,13 @@ def test_up_on_another_host_binds_and_publishes_only_that_address(tmp_path):
         stack.up(say=lines.append)
         assert json.loads((tmp_path / "home" / "stack.json").read_text())["host"] == host
         env = dict(line.split("=", 1) for line in (tmp_path / "home" / "stack.env").read_text().splitlines())
-        for key in ("ROLLOUTS_API_URL", "ROLLOUTS_GATEWAY_URL", "AWS_ENDPOINT_URL_S3", "TEMPORAL_ADDRESS",
-                    "TEMPORAL_UI_URL"):
+        for key in (
+            "ROLLOUTS_API_URL",
+            "ROLLOUTS_GATEWAY_URL",
+            "AWS_ENDPOINT_URL_S3",
+            "TEMPORAL_ADDRESS",
+            "TEMPORAL_UI_URL",
+        ):
             assert f"{host}:" in env[key] and "127.0.0.1" not in env[key], (key, env[key])
         for name in ("api", "gateway", "temporal", "temporal_ui", "s3"):
             port = settings.ports[name]

@@ -32,13 +32,18 @@ def test_up_takes_its_homes_addresses(tmp_path: Path, other_shell: dict[str, str
     for settings in (fresh, again):
         assert settings.owned
         assert (settings.api_url, settings.temporal_address, settings.s3_endpoint, settings.dynamo_frontend_url) == (
-            "http://127.0.0.1:23000", "127.0.0.1:23010", "http://127.0.0.1:23020", "http://127.0.0.1:23002")
+            "http://127.0.0.1:23000",
+            "127.0.0.1:23010",
+            "http://127.0.0.1:23020",
+            "http://127.0.0.1:23002",
+        )
         assert settings.tokens_file == tmp_path / "home" / "tokens.json"
     assert Settings.load(tmp_path / "home").api_url == other_shell["ROLLOUTS_API_URL"]  # a client's
 
 
-def test_up_still_takes_its_host_and_router_mode_from_the_environment(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_up_still_takes_its_host_and_router_mode_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ROLLOUTS_HOST", "10.1.2.3")
     monkeypatch.setenv("ROLLOUTS_DYNAMO_ROUTER_MODE", "kv")
     settings = load_or_create_settings(tmp_path / "home", 23000)

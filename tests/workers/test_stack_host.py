@@ -28,10 +28,12 @@ def no_host_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_up_refuses_a_host_that_does_not_resolve_before_starting_anything(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    code = ("import sys; from pathlib import Path; from common.settings import Settings\n"
-            "from workers.stack import Stack, StackError\n"
-            f"stack = Stack(Settings.create(Path({str(home)!r}), 17000, host={BAD_HOST!r}))\n"
-            "try:\n    stack.up(say=print)\nexcept StackError as exc:\n    print('REFUSED', exc)\n")
+    code = (
+        "import sys; from pathlib import Path; from common.settings import Settings\n"
+        "from workers.stack import Stack, StackError\n"
+        f"stack = Stack(Settings.create(Path({str(home)!r}), 17000, host={BAD_HOST!r}))\n"
+        "try:\n    stack.up(say=print)\nexcept StackError as exc:\n    print('REFUSED', exc)\n"
+    )
     proc = run_without_network([sys.executable, "-c", code])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("REFUSED") and BAD_HOST in proc.stdout and "does not resolve" in proc.stdout, proc
@@ -51,8 +53,9 @@ def test_up_refuses_the_wildcard_and_names(tmp_path: Path, host: str, reason: st
 @pytest.mark.parametrize("service", ["api", "gateway"])
 def test_a_service_refuses_a_host_that_does_not_resolve(tmp_path: Path, service: str) -> None:
     Settings.create(tmp_path, 17000).save()
-    proc = run_without_network([sys.executable, "-m", "workers.cli", service, "--home", str(tmp_path)],
-                               env={"ROLLOUTS_HOST": BAD_HOST})
+    proc = run_without_network(
+        [sys.executable, "-m", "workers.cli", service, "--home", str(tmp_path)], env={"ROLLOUTS_HOST": BAD_HOST}
+    )
     assert proc.returncode == 1, (proc.stdout, proc.stderr)
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"rollouts {service}: AddressError") and BAD_HOST in last and "ROLLOUTS_HOST" in last, last

@@ -27,13 +27,23 @@ def main(args: argparse.Namespace) -> int:
     settings = settings_of(args) if (args.home / "stack.json").exists() else Settings.create(args.home).with_env()
     address = args.address or settings.host
     if ipaddress.ip_address(address).is_unspecified:
-        print(f"rollouts dynamo-frontend: --address {address} is not one workers can reach: give this "
-              "host's own address (on Kubernetes the pod's IP)", file=sys.stderr)
+        print(
+            f"rollouts dynamo-frontend: --address {address} is not one workers can reach: give this "
+            "host's own address (on Kubernetes the pod's IP)",
+            file=sys.stderr,
+        )
         return 2
-    frontend = DynamoFrontend(settings.dynamo_discovery_dir, log_path=os.devnull, host=settings.host,
-                              port=args.port or settings.ports["dynamo"], router_mode=settings.dynamo_router_mode,
-                              discovery_backend=settings.dynamo_discovery_backend, address=address,
-                              tls=settings.dynamo_tls(), event_broker=settings.dynamo_event_broker)
+    frontend = DynamoFrontend(
+        settings.dynamo_discovery_dir,
+        log_path=os.devnull,
+        host=settings.host,
+        port=args.port or settings.ports["dynamo"],
+        router_mode=settings.dynamo_router_mode,
+        discovery_backend=settings.dynamo_discovery_backend,
+        address=address,
+        tls=settings.dynamo_tls(),
+        event_broker=settings.dynamo_event_broker,
+    )
     if problem := discovery_problem(frontend.discovery_backend, frontend.discovery_dir):
         print(f"rollouts dynamo-frontend: {problem}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ def serve(args: argparse.Namespace, make_app: Callable[[Settings], Any], port: s
     service_logging()
     settings = settings_of(args)
     host = check_bind_host(settings.host, f"{what} ({HOST_ENV} or stack.json)")
-    uvicorn.run(make_app(settings), host=host, port=settings.ports[port], log_level="warning",
-                timeout_keep_alive=KEEP_ALIVE_S)
+    uvicorn.run(
+        make_app(settings), host=host, port=settings.ports[port], log_level="warning", timeout_keep_alive=KEEP_ALIVE_S
+    )
     return 0

@@ -28,8 +28,7 @@ def main(args: argparse.Namespace) -> int:
     gpus, slots = capacity(args.gpus, args.slots)
     bind = args.engine_bind or ("127.0.0.1" if is_loopback(address) else "0.0.0.0")
     resolve_address(bind, "engine bind address (--engine-bind)")
-    node = NodeIdentity(name=name, address=address, zone=args.zone or settings.zone, engine_bind=bind,
-                        home=args.home)
+    node = NodeIdentity(name=name, address=address, zone=args.zone or settings.zone, engine_bind=bind, home=args.home)
     return asyncio.run(run_node(settings, node, gpus, slots))
 
 
@@ -51,7 +50,9 @@ def list_nodes(args: argparse.Namespace) -> int:
     for name, rec in sorted(nodes.items()):
         hb = rec["heartbeat"]
         placed = sorted(rec.get("placements", {}))
-        print(f"{name:<16} {hb['address']:<16} {hb['zone']:<12} {'lost' if rec.get('lost') else 'up':<6} "
-              f"{hb.get('gpus', 0):>5} {hb.get('slots', 0):>5} {hb.get('shmFreeBytes', 0) / 2**30:>8.1f}Gi  "
-              f"{', '.join(placed) or '-'}")
+        print(
+            f"{name:<16} {hb['address']:<16} {hb['zone']:<12} {'lost' if rec.get('lost') else 'up':<6} "
+            f"{hb.get('gpus', 0):>5} {hb.get('slots', 0):>5} {hb.get('shmFreeBytes', 0) / 2**30:>8.1f}Gi  "
+            f"{', '.join(placed) or '-'}"
+        )
     return 0

@@ -15,10 +15,22 @@ from workers.commands import service_logging, settings_of
 
 async def _run(settings: Settings, args: argparse.Namespace) -> int:
     client = await temporal_client(settings)
-    behaviour = Behaviour(state_bytes=args.state_bytes, transfer_ms=args.transfer_ms, pause_ms=args.pause_ms,
-                          faults_home=settings.home_path)
-    node = SimulatedNode(client, name=args.name, address=settings.host, zone=args.zone or settings.zone,
-                         slots=args.slots, gpus=args.gpus, behaviour=behaviour, s3=settings.s3_client())
+    behaviour = Behaviour(
+        state_bytes=args.state_bytes,
+        transfer_ms=args.transfer_ms,
+        pause_ms=args.pause_ms,
+        faults_home=settings.home_path,
+    )
+    node = SimulatedNode(
+        client,
+        name=args.name,
+        address=settings.host,
+        zone=args.zone or settings.zone,
+        slots=args.slots,
+        gpus=args.gpus,
+        behaviour=behaviour,
+        s3=settings.s3_client(),
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -54,8 +54,15 @@ def token_add(args: argparse.Namespace) -> int:
     settings = settings_of(args)
     token = args.token or f"rk-{args.role}-{secrets.token_urlsafe(24)}"
     try:
-        add_token(settings.tokens_file, token, args.role, args.org or settings.organization_id, args.name,
-                  hot_load_enabled=not args.hot_load_disabled, buckets=args.bucket)
+        add_token(
+            settings.tokens_file,
+            token,
+            args.role,
+            args.org or settings.organization_id,
+            args.name,
+            hot_load_enabled=not args.hot_load_disabled,
+            buckets=args.bucket,
+        )
     except ValueError as exc:
         print(f"rollouts token add: {exc}", file=sys.stderr)
         return 2
