@@ -169,6 +169,49 @@ def report(rows: list[tuple[str, list[float]]], baseline: dict[str, dict[str, fl
     return figures
 
 
+def api_client(app, token: str = "bench") -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url=f"http://api{PREFIX}",
+        headers={"Authorization": f"Bearer {token}"},
+    )
+
+
+async def wait_listed(http: httpx.AsyncClient, count: int) -> None:
+    """Visibility is eventually consistent: wait until every operation is listed closed."""
+    while True:
+        r = await http.get("/hotLoads", params={"parentDeploymentId": DEPLOYMENT, "maxPageSize": 1000})
+        got = r.json()["hotLoads"]
+        if len(got) == count and all(h["status"]["state"] != "HOT_LOAD_STATE_IN_PROGRESS" for h in got):
+            return
+        await asyncio.sleep(0.5)
+
+
+async def cold_list_ms(settings: Settings, client, task_queue: str) -> float:
+    """A fresh API process (empty cache) answers its first listing by loading it all."""
+    cold_app = create_app(settings, temporal_client=client, task_queue=task_queue)
+    async with cold_app.router.lifespan_context(cold_app), api_client(cold_app) as cold:
+        return await timed(cold, "/hotLoads", 1, parentDeploymentId=DEPLOYMENT, maxPageSize=50)
+
+
+async def read_rows(http: httpx.AsyncClient, ids: list[str], n: int, cold_ms: float) -> list:
+    one = ids[len(ids) // 2]
+    return [
+        ("list, cold (1st request)", cold_ms),
+        ("list, first page of 50", await timed(http, "/hotLoads", n, parentDeploymentId=DEPLOYMENT, maxPageSize=50)),
+        (
+            "list, 1000 per page",
+            await timed(http, "/hotLoads", max(20, n // 4), parentDeploymentId=DEPLOYMENT, maxPageSize=1000),
+        ),
+        ("get one", await timed(http, f"/hotLoads/{one}", n)),
+        ("replicas of one", await timed(http, f"/hotLoads/{one}/replicas", n)),
+        (
+            "list, 8 clients at once",
+            await concurrent(http, "/hotLoads", n, 8, parentDeploymentId=DEPLOYMENT, maxPageSize=50),
+        ),
+    ]
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hot-loads", type=int, default=500)
@@ -198,52 +241,11 @@ async def main() -> None:
             settings = Settings.create(Path(tmp), 30000)
             add_token(settings.tokens_file, "bench", "viewer", "org-bench", "bench")
             app = create_app(settings, temporal_client=env.client, task_queue=task_queue)
-            async with (
-                app.router.lifespan_context(app),
-                httpx.AsyncClient(
-                    transport=httpx.ASGITransport(app=app),
-                    base_url=f"http://api{PREFIX}",
-                    headers={"Authorization": "Bearer bench"},
-                ) as http,
-            ):
-                # Visibility is eventually consistent: wait until every operation is listed closed.
-                while True:
-                    r = await http.get("/hotLoads", params={"parentDeploymentId": DEPLOYMENT, "maxPageSize": 1000})
-                    got = r.json()["hotLoads"]
-                    if len(got) == len(ids) and all(h["status"]["state"] != "HOT_LOAD_STATE_IN_PROGRESS" for h in got):
-                        break
-                    await asyncio.sleep(0.5)
+            async with app.router.lifespan_context(app), api_client(app) as http:
+                await wait_listed(http, len(ids))
                 n = args.requests
-                # A fresh API process (empty cache) answers its first listing by loading it all.
-                cold_app = create_app(settings, temporal_client=env.client, task_queue=task_queue)
-                async with (
-                    cold_app.router.lifespan_context(cold_app),
-                    httpx.AsyncClient(
-                        transport=httpx.ASGITransport(app=cold_app),
-                        base_url=f"http://api{PREFIX}",
-                        headers={"Authorization": "Bearer bench"},
-                    ) as cold,
-                ):
-                    cold_ms = await timed(cold, "/hotLoads", 1, parentDeploymentId=DEPLOYMENT, maxPageSize=50)
-                rows = [
-                    ("list, cold (1st request)", cold_ms),
-                    (
-                        "list, first page of 50",
-                        await timed(http, "/hotLoads", n, parentDeploymentId=DEPLOYMENT, maxPageSize=50),
-                    ),
-                    (
-                        "list, 1000 per page",
-                        await timed(
-                            http, "/hotLoads", max(20, n // 4), parentDeploymentId=DEPLOYMENT, maxPageSize=1000
-                        ),
-                    ),
-                    ("get one", await timed(http, f"/hotLoads/{ids[len(ids) // 2]}", n)),
-                    ("replicas of one", await timed(http, f"/hotLoads/{ids[len(ids) // 2]}/replicas", n)),
-                    (
-                        "list, 8 clients at once",
-                        await concurrent(http, "/hotLoads", n, 8, parentDeploymentId=DEPLOYMENT, maxPageSize=50),
-                    ),
-                ]
+                cold_ms = await cold_list_ms(settings, env.client, task_queue)
+                rows = await read_rows(http, ids, n, cold_ms)
         index = app.state.resources.hot_loads
         print(
             f"{args.hot_loads} hot-loads in history, in-process ASGI, {n} requests each (visibility: "

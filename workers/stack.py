@@ -155,89 +155,76 @@ class Stack:
 
     # ---------------------------------------------------------------- services
     def _argv(self, name: str) -> list[str]:
-        p, py = self.s.ports, sys.executable
         if name == "temporal":
-            argv = [
-                _bin("temporal"),
-                "server",
-                "start-dev",
-                *temporal_ip_flags(self.s.host),
-                "--port",
-                str(p["temporal"]),
-                "--ui-port",
-                str(p["temporal_ui"]),
-                "--http-port",
-                str(p["temporal_http"]),
-                "--metrics-port",
-                str(p["temporal_metrics"]),
-                "--db-filename",
-                str(self.home / "temporal" / "temporal.db"),
-                *DEV_SERVER_SQLITE,
-                "--namespace",
-                self.s.namespace,
-                "--log-level",
-                "warn",
-                # Every replica agent long-polls its own task queue: the dev server's per-namespace
-                # limits (1,200 concurrent polls, 2,400 requests/s) would refuse a large deployment's.
-                *(DEV_SERVER_LIMITS if self.many_pollers else []),
-            ]
-            for attr, kind in SEARCH_ATTRIBUTES.items():
-                argv += ["--search-attribute", f"{attr}={kind}"]
-            return argv
+            return self._temporal_argv()
         if name == "s3":
-            d = self.home / "s3"
-            return [
-                _bin("weed"),
-                f"-logdir={d / 'logs'}",
-                "mini",
-                f"-dir={d / 'data'}",
-                f"-ip={self.s.host}",
-                f"-ip.bind={self.s.host}",
-                f"-s3.port={p['s3']}",
-                f"-s3.config={d / 's3.json'}",
-                f"-master.port={p['weed_master']}",
-                f"-volume.port={p['weed_volume']}",
-                f"-filer.port={p['weed_filer']}",
-                f"-admin.port={p['weed_admin']}",
-                "-admin.ui=false",
-                "-webdav=false",
-                "-s3.port.iceberg=0",
-                "-s3.port.lance=0",
-                f"-s3.localSocket={d / 's3.sock'}",
-                f"-filer.localSocket={d / 'filer.sock'}",
-                f"-bucket={self.s.bucket}",
-                *seaweed_grpc.flags(self.weed_grpc_ports()),
-            ]
-        home = ["--home", str(self.home)]
-        if name == "api":
-            return [py, "-m", "workers.cli", "api", *home]
-        if name == "worker":
-            return [py, "-m", "workers.cli", "worker", *home]
-        if name == "gateway":
-            return [py, "-m", "workers.cli", "gateway", *home]
+            return self._s3_argv()
         if name == "dynamo":
             return self._dynamo_frontend().command()
+        py, home = sys.executable, ["--home", str(self.home)]
+        if name in ("api", "worker", "gateway"):
+            return [py, "-m", "workers.cli", name, *home]
         if name == "dynamo_events":
             return [py, "-m", "workers.cli", "dynamo-events", *home]
         if name == "node":
-            return [
-                py,
-                "-m",
-                "workers.cli",
-                "node",
-                *home,
-                "--name",
-                LOCAL_NODE,
-                "--address",
-                self.s.host,
-                "--zone",
-                self.s.zone,
-                "--slots",
-                str(self.node_slots),
-                "--gpus",
-                "0",
-            ]
+            node = ["--name", LOCAL_NODE, "--address", self.s.host, "--zone", self.s.zone]
+            return [py, "-m", "workers.cli", "node", *home, *node, "--slots", str(self.node_slots), "--gpus", "0"]
         raise KeyError(name)
+
+    def _temporal_argv(self) -> list[str]:
+        p = self.s.ports
+        argv = [
+            _bin("temporal"),
+            "server",
+            "start-dev",
+            *temporal_ip_flags(self.s.host),
+            "--port",
+            str(p["temporal"]),
+            "--ui-port",
+            str(p["temporal_ui"]),
+            "--http-port",
+            str(p["temporal_http"]),
+            "--metrics-port",
+            str(p["temporal_metrics"]),
+            "--db-filename",
+            str(self.home / "temporal" / "temporal.db"),
+            *DEV_SERVER_SQLITE,
+            "--namespace",
+            self.s.namespace,
+            "--log-level",
+            "warn",
+            # Every replica agent long-polls its own task queue: the dev server's per-namespace
+            # limits (1,200 concurrent polls, 2,400 requests/s) would refuse a large deployment's.
+            *(DEV_SERVER_LIMITS if self.many_pollers else []),
+        ]
+        for attr, kind in SEARCH_ATTRIBUTES.items():
+            argv += ["--search-attribute", f"{attr}={kind}"]
+        return argv
+
+    def _s3_argv(self) -> list[str]:
+        p, d = self.s.ports, self.home / "s3"
+        return [
+            _bin("weed"),
+            f"-logdir={d / 'logs'}",
+            "mini",
+            f"-dir={d / 'data'}",
+            f"-ip={self.s.host}",
+            f"-ip.bind={self.s.host}",
+            f"-s3.port={p['s3']}",
+            f"-s3.config={d / 's3.json'}",
+            f"-master.port={p['weed_master']}",
+            f"-volume.port={p['weed_volume']}",
+            f"-filer.port={p['weed_filer']}",
+            f"-admin.port={p['weed_admin']}",
+            "-admin.ui=false",
+            "-webdav=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-s3.localSocket={d / 's3.sock'}",
+            f"-filer.localSocket={d / 'filer.sock'}",
+            f"-bucket={self.s.bucket}",
+            *seaweed_grpc.flags(self.weed_grpc_ports()),
+        ]
 
     def _dynamo_frontend(self) -> DynamoFrontend:
         return DynamoFrontend(
