@@ -51,10 +51,8 @@ EVENTS_PER_REPLICA = 10
 PREFIX = "sim/ckpt"
 
 
-@pytest.fixture(scope="module")
-def simulated(stack, tmp_path_factory):
-    """A simulated node with REPLICAS simulated GPUs, and a deployment of REPLICAS on it."""
-    log = tmp_path_factory.mktemp("sim") / "sim-node.log"
+def start_sim_node(stack, log: Path, name: str, gpus: int, transfer_ms: int) -> subprocess.Popen:
+    """A SIMULATED node agent with `gpus` simulated GPUs, registered before this returns."""
     with log.open("wb") as out:
         node = subprocess.Popen(
             [
@@ -65,41 +63,55 @@ def simulated(stack, tmp_path_factory):
                 "--home",
                 str(stack.home_path),
                 "--name",
-                "sim-test",
+                name,
                 "--gpus",
-                str(REPLICAS),
+                str(gpus),
                 "--transfer-ms",
-                "20",
-            ],
+                str(transfer_ms),
+            ],  # fmt: skip
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=Path(__file__).resolve().parents[2],
             start_new_session=True,  # its own process group: stop_pid signals the group
         )
+    try:
+        wait_registered(stack, name)
+    except BaseException:
+        stop_pid(node.pid, timeout=30)
+        raise
+    return node
+
+
+def create_sim_deployment(api: Api, stack, name: str, replicas: int, **hot_load: object) -> str:
+    """A deployment of `replicas` SIMULATED replicas (one simulated GPU each: no real CPU node takes
+    them), READY; its id."""
+    body = {
+        "name": name,
+        "gatewayIds": [stack.gateway_id],
+        "resources": {"instanceType": "cpu-local", "gpuCount": 1},
+        "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+        "model": {"name": f"{name}-model", "bucket": stack.bucket, "path": stack.base_model_path},
+        "autoscaling": {"min": replicas, "max": replicas},
+        "hotLoad": {"bucket": stack.bucket, "pathPrefix": PREFIX, **hot_load},
+    }
+    r = api.call("POST", "/deployments", json=body)
+    assert r.status_code == 200, r.text
+    dep_id = r.json()["deployment"]["spec"]["id"]
+    dep = api.wait_deployment(dep_id, timeout=300)
+    assert dep["status"]["status"] == "STATUS_READY", dep["status"]
+    return dep_id
+
+
+@pytest.fixture(scope="module")
+def simulated(stack, tmp_path_factory):
+    """A simulated node with REPLICAS simulated GPUs, and a deployment of REPLICAS on it."""
+    node = start_sim_node(stack, tmp_path_factory.mktemp("sim") / "sim-node.log", "sim-test", REPLICAS, 20)
     api = Api(stack)
     dep_id = None
     try:
-        wait_registered(stack, "sim-test")
-        body = {
-            "name": "simulated",
-            "gatewayIds": [stack.gateway_id],
-            "resources": {"instanceType": "cpu-local", "gpuCount": 1},
-            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
-            "model": {"name": "sim-model", "bucket": stack.bucket, "path": stack.base_model_path},
-            "autoscaling": {"min": REPLICAS, "max": REPLICAS},
-            "hotLoad": {
-                "bucket": stack.bucket,
-                "pathPrefix": PREFIX,
-                "replicasPerGroup": GROUP,
-                "peerFanOut": FAN_OUT,
-                "maxConcurrentSwaps": K,
-            },
-        }
-        r = api.call("POST", "/deployments", json=body)
-        assert r.status_code == 200, r.text
-        dep_id = r.json()["deployment"]["spec"]["id"]
-        dep = api.wait_deployment(dep_id, timeout=300)
-        assert dep["status"]["status"] == "STATUS_READY", dep["status"]
+        dep_id = create_sim_deployment(
+            api, stack, "simulated", REPLICAS, replicasPerGroup=GROUP, peerFanOut=FAN_OUT, maxConcurrentSwaps=K
+        )
         work = tmp_path_factory.mktemp("sim-ckpt")
         make_checkpoint_pair(work / "base", work / "new", size_mb=1, seed=0)
         s3 = stack.s3_client()
@@ -222,32 +234,10 @@ def back_to_back(stack, simulated, tmp_path_factory):
     """Two 2-replica deployments on their own SIMULATED node (the module's 40-GPU node is full),
     one per loop, and every snapshot both loops load uploaded under its identity (the same small
     real delta)."""
-    log = tmp_path_factory.mktemp("b2b") / "sim-node.log"
-    with log.open("wb") as out:
-        node = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "workers.cli",
-                "sim-node",
-                "--home",
-                str(stack.home_path),
-                "--name",
-                "sim-b2b",
-                "--gpus",
-                "4",
-                "--transfer-ms",
-                "5",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=Path(__file__).resolve().parents[2],
-            start_new_session=True,
-        )
+    node = start_sim_node(stack, tmp_path_factory.mktemp("b2b") / "sim-node.log", "sim-b2b", 4, 5)
     api = Api(stack)
     deployments: dict[str, str] = {}
     try:
-        wait_registered(stack, "sim-b2b")
         work = tmp_path_factory.mktemp("b2b-ckpt")
         make_checkpoint_pair(work / "base", work / "new", size_mb=1, seed=1)
         write_delta(work / "base", work / "new", work / "delta", version="d", base_version="full")
@@ -256,21 +246,7 @@ def back_to_back(stack, simulated, tmp_path_factory):
             for identity, previous in back_to_back_plan(tag):
                 upload_dir(s3, work / ("base" if previous is None else "delta"), stack.bucket, f"{PREFIX}/{identity}")
         for tag in ("get", "cw"):
-            body = {
-                "name": f"simulated-back-to-back-{tag}",
-                "gatewayIds": [stack.gateway_id],
-                "resources": {"instanceType": "cpu-local", "gpuCount": 1},
-                "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
-                "model": {"name": f"sim-b2b-{tag}", "bucket": stack.bucket, "path": stack.base_model_path},
-                "autoscaling": {"min": 2, "max": 2},
-                "hotLoad": {"bucket": stack.bucket, "pathPrefix": PREFIX},
-            }
-            r = api.call("POST", "/deployments", json=body)
-            assert r.status_code == 200, r.text
-            deployments[tag] = r.json()["deployment"]["spec"]["id"]
-        for dep_id in deployments.values():
-            dep = api.wait_deployment(dep_id, timeout=300)
-            assert dep["status"]["status"] == "STATUS_READY", dep["status"]
+            deployments[tag] = create_sim_deployment(api, stack, f"simulated-back-to-back-{tag}", 2)
         yield api, deployments
     finally:
         for dep_id in deployments.values():
