@@ -1,23 +1,16 @@
 """Fault points: named places in a replica agent's steps where a test can make it fail or wait.
 
-Inert unless the stack's home holds `faults.json` (`Settings.home / "faults.json"`); only the
-operator and the tests that start the stack can write there. The file is read at every fault
-point (one `stat` when it is absent), so a test arms and disarms a fault while the stack runs:
+Inert unless `Settings.home / "faults.json"` exists; it is read at every fault point (one
+`stat` when absent), so a test arms and disarms faults while the stack runs::
 
     {"rules": [{"id": "r1", "point": "stage_from_peer", "replica": "my-dep-1",
                 "action": "fail", "times": 1}]}
 
-- `point`: one of `POINTS` (where `hit` is called; see each caller);
-- `replica`: the replica name, or "*" (any); `deployment`: optional deployment id;
-- `action`: "fail" raises a non-retryable `InjectedFault` ApplicationError naming the point and
-  the replica; "s3_error" raises the error an S3 server's failure gives botocore
-  (`ClientError` InternalError, HTTP 500: what replica/agent/retries.py retries); "hold" waits `seconds` (default 3600)
-  or until the rule is removed from the file (checked every 0.2 s), whichever comes first; a cancel of the step ends the
-  wait;
-- `times`: how many times the rule fires in one agent process (default 1), counted by `id`.
-
-A fault point changes nothing by itself: each caller puts it where a real failure of that step
-could happen, so the step's own failure handling (roll-back, fallback to the bucket) runs.
+`point` is one of `POINTS`; `replica` a name or "*"; optional `deployment`; `action`: "fail"
+(non-retryable `InjectedFault`), "s3_error" (botocore's HTTP 500 `ClientError`), or "hold"
+(`seconds`, default 3600, or until the rule is removed; a cancel ends it); `times` per agent
+process, counted by `id`. A fault point changes nothing by itself: each sits where a real
+failure could happen, so the step's own failure handling runs.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """What the agent and the engine agree on to start an engine (neither imports the other).
 
-The agent (`replica.agent.engine_process.EngineProcess`) runs ``python -m SERVER_MODULE`` (or
-``DYNAMO_WORKER_MODULE`` for Dynamo's worker, `replica.agent.dynamo.DynamoEngineProcess`) with
-``--worker-extension-cls EXTENSION_CLS`` and hands the engine its secret through a 0600 file
-named by the environment variable ``SECRET_FILE_ENV``, which the engine
-(`replica.engine.guard.read_secret_file`) reads at start. A Dynamo worker gets its deployment's
-request-plane secret the same way, through ``REQUEST_SECRET_FILE_ENV``. ``NODE_ADDRESS_ENV`` carries the
-address other hosts reach this host at: the engine's peer broadcast binds its gloo device there
-(`replica.engine.peer_group`). A CPU engine started with ``ROUTED_EXPERTS_FLAG`` runs vLLM's Model
-Runner V2 with Triton's interpreter: the agent puts ``TRITON_INTERPRETER_DIR`` (a folder holding
-the ``sitecustomize`` that lets vLLM's CPU build accept Triton) first on its ``PYTHONPATH``.
+The module to run (``SERVER_MODULE`` or ``DYNAMO_WORKER_MODULE``), the extension
+(``EXTENSION_CLS``), the variables naming the 0600 files that carry the engine's secret
+(``SECRET_FILE_ENV``) and a Dynamo worker's request-plane secret (``REQUEST_SECRET_FILE_ENV``),
+the node address other hosts reach (``NODE_ADDRESS_ENV``, where peer broadcasts bind), and for
+a CPU engine with ``ROUTED_EXPERTS_FLAG`` the ``TRITON_INTERPRETER_DIR`` put first on its
+``PYTHONPATH``.
 """
 
 from pathlib import Path

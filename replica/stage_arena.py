@@ -1,32 +1,13 @@
 """Shared memory between a replica's agent and its engine: where an update is decoded once.
 
-A delta update is decoded by the agent's host copy into this arena — for each changed tensor
-``new = old XOR diff``, its Adler-32 checked — without touching the host copy itself. The engine
-maps the same memory and stages zero-copy views of those bytes (``stage_from_arena``); after the
-engine's commit succeeds the host copy takes them (one memcpy). So each replica decodes an update
-once, not once per process, and no staging file is written.
-
-Contract:
-
-- The backing file lives in ``ROLLOUTS_SHM_DIR`` (default ``/dev/shm``, else the system's temp
-  directory) and is unlinked as soon as it is created, so a killed agent leaks nothing; the
-  engine opens it as ``/proc/<agent pid>/fd/<fd>`` (Linux, same user), which :attr:`path` names.
-- The arena is reused across updates (fresh pages cost more than the copy itself: page faults)
-  and replaced by a bigger one when an update needs more; its size is at most the changed
-  tensors' bytes of the largest update so far (the model's size for a full-model RL step).
-- :func:`host_decode_slot`: one decode at a time per host (the engine's stage of a decode runs
-  after the slot is given back, beside the next replica's copy of it). A decode already uses every core
-  (its threads), so replicas sharing a host that decode together only finish together, later
-  than the first of them would alone; one after another, the first receiver of a broadcast is
-  ready to swap while the others still decode (and they copy its checked result rather than
-  decode the same update again: ``replica.agent.host_decodes``).
-- One update at a time: :meth:`reserve` hands out the whole arena again, so a stage not yet
-  committed must be abandoned first (the agent's lock and ``drop_peer_stage`` see to that). The
-  engine checks what it commits against the verified Adler-32 anyway.
-- The host copy itself lives in an arena of its own, reserved once (:meth:`allocate`): the engine
-  maps it too and takes its roll-back copies of a stage as views of it (the host copy holds
-  exactly what the engine serves until the commit succeeded), instead of copying its own
-  parameters before every swap.
+The agent decodes a delta into the arena (``new = old XOR diff``, Adler-32 checked) without
+touching the host copy; the engine stages zero-copy views of it; after the engine's commit the
+host copy takes the bytes. Invariants: the backing file (in ``ROLLOUTS_SHM_DIR``) is unlinked on
+creation, so a killed agent leaks nothing; the engine opens it via ``/proc/<agent pid>/fd/<fd>``
+(:attr:`path`); :meth:`reserve` hands out the whole arena, so one update at a time (an
+uncommitted stage is abandoned first); the arena is reused and only grows; one host decode at a
+time per host (:func:`host_decode_slot`). The host copy has an arena of its own
+(:meth:`allocate`) which the engine maps for its roll-back views. docs/design.md, "The hot-load walk".
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
-"""The replica step (task queue `deployments/ORG/ID/replicas/NAME`, run by that replica's agent).
+"""The replica steps (task queue `deployments/ORG/ID/replicas/NAME`, run by that replica's agent).
 
-`apply_snapshot` moves one replica to a snapshot chain, all-or-nothing:
-
-1. Stage, while the engine keeps serving: fetch the delta links this replica is missing (their
-   files hold only the changed tensors) and decode them once, by the host copy, into shared
-   memory (every changed tensor's Adler-32 checked); the engine stages views of those bytes,
-   with the host copy (also in shared memory) as its roll-back source. A new full base goes
-   through a staging file instead. From here on the delta's checked files may be offered to
-   peers (`PeerOfferInput.from_stage`).
-2. Pause the engine with `mode=keep` (in-flight requests and their KV cache stay; RESET_ALL drops
-   the cache), set the weight version, swap the staged tensors in place and read back their
-   Adler-32 (the served-weights proof, before anything is served), resume.
-3. Commit: the replica serves the chain; the host copy takes the same bytes on a thread, which
-   every later step waits for.
-
-If anything fails, the host copy is restored and the engine is given back the tensors it had, so
-the replica serves exactly its previous weights; the error names the cause. Snapshot errors
-(checksum, missing file, bad format) are non-retryable (`NON_RETRYABLE_SNAPSHOT`), and so is a
-read-back inside the pause that differs from the snapshot (`READ_BACK_FAILED`, naming the
-tensors): the same snapshot would fail the same way. The step heartbeats, so a cancel or a lost
-agent is noticed within seconds.
+`apply_snapshot` moves one replica to a snapshot chain, all or nothing: stage while serving,
+then one pause that labels, swaps and proves, then commit (the host copy takes the same bytes).
+Invariants: on any failure the host copy is restored and the engine serves exactly its previous
+weights, and the error names the cause; snapshot errors (`NON_RETRYABLE_SNAPSHOT`) and a failed
+read-back (`READ_BACK_FAILED`, naming the tensors) are non-retryable; every step heartbeats, so
+a cancel or a lost agent is noticed within seconds. docs/design.md, "The hot-load walk".
 """
 
 from __future__ import annotations
@@ -145,20 +131,11 @@ async def heartbeating(every: float = 2.0) -> AsyncIterator[None]:
 
 
 class PeerActivities:
-    """Weights passed replica to replica: the sender offers, then both ends join one group.
+    """Weights passed replica to replica (`send_to_peers`, `stage_from_peer`, `commit_peer_stage`).
 
-    The broadcast walk (`send_to_peers`, `stage_from_peer`, `commit_peer_stage`): the updated
-    replica sends to every other replica at once while all of them keep serving; each receiver
-    checks what it got and stages it (engine and host copy); then, one replica at a time, a
-    commit swaps the stage in inside one short pause and proves the served bytes. For a delta
-    link, the first replica offers its files as soon as its own update from the bucket has
-    checked them (`PeerOfferInput.from_stage`), so the receivers stage while it swaps; they
-    commit only after it.
-
-    The sender streams the changed tensors (or a delta link's files) from its engine process
-    over a torch.distributed group to every receiver's engine process (gloo on CPU, NCCL on
-    GPU). Each receiver checks every tensor's (file's) Adler-32 against the sender's before it
-    stages anything; it reads zero bytes from the bucket (`replica.agent.peers`).
+    Receivers stage while every replica serves and commit one at a time, in one short pause with
+    the proof; each checks every tensor's (file's) Adler-32 against the sender's before it stages
+    anything and reads nothing from the bucket (`replica.agent.peers`).
     """
 
     def __init__(self, runtime: ReplicaRuntime, metrics: ReplicaMetrics | None = None) -> None:

@@ -1,54 +1,14 @@
 """A replica engine that is NVIDIA Dynamo's vLLM worker (``runtime.engine: dynamo-vllm``).
 
-``DynamoEngineProcess`` is an :class:`replica.agent.engine_process.EngineProcess` whose process is
-``python -m replica.engine.dynamo_worker`` (Dynamo's ``dynamo.vllm`` worker with our control
-routes and weight-version spans; that module says what it adds) instead of vLLM's OpenAI server.
-Everything the agent does with an engine works unchanged on it:
-
-- **Control** goes to the worker's Dynamo system server (``DYN_SYSTEM_HOST``, always loopback:
-  only the replica's own host reaches it; ``DYN_SYSTEM_PORT`` = ``port``): the same engine
-  routes a vLLM replica serves, at ``POST /engine/rollouts/<name>`` with the engine's secret in
-  the body (``DYNAMO_TRANSPORT``, `replica.agent.engine_rpc`). ``/metrics`` and ``/health`` are
-  the system server's own (vLLM's gauges are there, labelled with the worker).
-- **Inference** is Dynamo's (a ``/v1/...`` request this object sends goes through the frontend
-  to this worker alone: ``nvext.backend_instance_id``): the worker registers in Dynamo discovery under ``namespace``
-  (``discovery_backend``: ``file``, in ``discovery_dir`` shared with the Dynamo frontend; or
-  ``kubernetes``, from the pod's ``POD_NAME`` / ``POD_UID`` / ``POD_NAMESPACE``, which the
-  process inherits: deploy/kubernetes); request plane ``tcp`` on ``node_address``, event plane
-  ``zmq`` (through the stack's relay, ``event_broker``, when it has one: the worker then binds
-  no ZMQ socket of its own); clients reach it through that frontend (``frontend_url``, where this object sends
-  ``/v1/...`` requests when it has one). With ``tls`` (the stack's certificates,
-  ``common/dynamo_tls.py``) this object reaches that frontend with the stack's client
-  certificate. Every inference request the worker serves must carry its deployment's
-  request-plane secret (``request_secret``, ``common/dynamo_planes.py``; the agent passes
-  ``Settings.dynamo_request_secret``): the worker gets it at start in a 0600 file named by
-  ``ROLLOUTS_REQUEST_SECRET_FILE``, and this object's own ``/v1/...`` requests carry it.
-- **Pause keeps new requests off a paused worker**: before a pause (``pause()``, the swap's
-  ``swap_in_pause``) the worker's ``generate`` instance leaves discovery (``leave_pool``) when
-  another instance of the namespace is registered (the worker's ``instances`` route: what its
-  own discovery client lists), so the frontend routes new requests to the others; after it,
-  it joins again (``rejoin_pool``). A lone worker stays registered: a request that reaches it
-  during the pause waits for the resume (the pause window), as on a vLLM replica, rather than
-  failing for want of a worker. A request the frontend routed before it saw the ``leave`` also
-  waits for the resume.
-- **Gate and hold-out**: an agent starts its worker ``gated``: Dynamo puts a worker in
-  discovery as soon as it serves, so its frontend may route there before the agent has loaded
-  the deployment's weights and label; such requests wait at the worker's gate until
-  ``open_gate``. A scale-out's new replica is also held out of the pool (``hold_out``: no swap's
-  resume puts it back) until its deployment makes it a member (``serve``).
-- **KV events**: with ``kv_events`` (a stack whose Dynamo router mode is ``kv``) the worker
-  publishes its KV-cache events over ZMQ on ``node_address`` (a free port) for Dynamo's KV-aware
-  router.
-- **Stop** (SIGTERM): Dynamo's worker leaves discovery, waits ``DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS``
-  (Dynamo's default 5 s) for routers to notice, finishes the requests it holds, then exits. Our
-  gateway pins each request to one worker (``backend_instance_id``): a grace for routers buys it
-  nothing, and what a scale-in needs before the stop its drain gives (``DRAIN_GRACE_S``,
-  control/autoscaler.py). So the worker waits ``STOP_GRACE_S`` (1 s); an operator's own value in
-  the agent's environment wins. (Every stop of a deployment's engines, a delete included, was
-  5 s longer with the default.)
-- **Readiness**: ``/health`` answers ``"status": "ready"`` and the worker's ``rollouts/instance``
-  route answers with its Dynamo worker id (``worker_id``), so a port some other process holds is
-  never taken for this worker.
+``DynamoEngineProcess`` is an `EngineProcess` whose process is
+``python -m replica.engine.dynamo_worker``; everything the agent does with an engine works
+unchanged on it. Control goes to the worker's system server (loopback only,
+``POST /engine/rollouts/<name>``, secret in the body: ``DYNAMO_TRANSPORT``); inference goes
+through the Dynamo frontend, pinned to this worker, carrying the deployment's request-plane
+secret. Invariants: a paused worker leaves the routing pool unless it is the namespace's only
+instance; a gated worker serves nothing until ``open_gate``; a held-out worker rejoins only on
+``serve``; readiness requires the worker's own Dynamo id, so a foreign port is never taken for
+it. The stop grace is ``STOP_GRACE_S`` unless the operator sets one. docs/design.md, "Dynamo", "Engine processes".
 """
 
 from __future__ import annotations

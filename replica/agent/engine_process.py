@@ -1,56 +1,14 @@
 """One vLLM OpenAI server process (the replica's engine), started or attached to.
 
-- ``EngineProcess(model_dir, work_dir=..., ...)`` describes an engine; ``await start()`` launches
-  ``python -m replica.engine.server`` (vLLM's OpenAI server with each choice's weight-version
-  spans) for ``model_dir`` on ``host`` (the address it binds: 127.0.0.1 by default, ``0.0.0.0``
-  for every address of the host; one that does not resolve is an ``AddressError`` naming it,
-  before anything starts) and a free port, with dev-mode routes on (``VLLM_SERVER_DEV_MODE=1``),
-  BF16, eager mode, a small KV cache (``VLLM_CPU_KVCACHE_SPACE``), ``--served-model-name``,
-  ``--max-model-len``, ``--max-num-seqs`` and our worker extension (`replica.launch`), then
-  waits until ``/health`` and ``/v1/models`` answer. A start that fails or times out raises
-  ``EngineStartError`` carrying the tail of the log, and stops what it started.
-- Addresses: the agent drives its engine at ``base_url``, over loopback (``http://127.0.0.1:PORT``)
-  unless the engine binds one specific address, then at that address: the engine's control
-  routes answer only its own host (`replica.engine.guard`). ``public_url``
-  (``http://NODE_ADDRESS:PORT``) is where other hosts (the gateway) reach its inference routes;
-  ``node_address`` defaults to the bind address, or 127.0.0.1 for the wildcard. The engine gets
-  it as ``ROLLOUTS_NODE_ADDRESS``: its peer broadcast's gloo device binds it
-  (`replica.engine.peer_group`), and when a local interface holds that IPv4 address (not
-  loopback) and ``NCCL_SOCKET_IFNAME`` is not set, it is set to that interface for NCCL.
-  ``FORWARDED_ALLOW_IPS`` is pinned to loopback (uvicorn trusts ``X-Forwarded-For`` only from
-  there), so no other host can pose as the engine's own host to the guard.
-- Every route but ``GET /health`` needs the engine's secret (`replica.engine.guard`). ``secret``
-  (default: a fresh random one; the replica agent passes ``Settings.engine_secret``) reaches the
-  server through a 0600 file in ``work_dir`` named by ``ROLLOUTS_ENGINE_SECRET_FILE`` (never its
-  command line), which ``start()`` removes once the server serves.
-- Everything the process writes goes under ``work_dir``: its log (``engine.log`` unless
-  ``log_path`` says otherwise) and, through ``TMPDIR`` / ``VLLM_CACHE_ROOT`` /
-  ``VLLM_CONFIG_ROOT`` / ``HF_HOME`` / ``XDG_*``, vLLM's IPC files and caches. Usage
-  statistics are off and Hugging Face is offline: nothing leaves the machine. The one thing
-  engines share is ``model_info_cache`` (a directory, when given: the replica agent gives one
-  under the stack's home): vLLM's record of what each model class supports
-  (``VLLM_CACHE_ROOT/modelinfos``, keyed by a hash of the class's source file, written
-  atomically). Without it, every engine start inspects its model class in a child process that
-  imports vLLM again (~20 s on two busy cores).
-- With vLLM's CPU build (``vllm-cpu``) an engine's threads are not bound to cores (``VLLM_CPU_OMP_THREADS_BIND``
-  ``nobind``; vLLM's ``auto`` binds every TP 1 engine of a host to its first core), with as many
-  OpenMP threads as ``auto`` would give (every core but one), unless ``env`` says otherwise (a
-  tensor-parallel engine's ranks: one share of the cores each).
-- With vLLM's CPU build a one-rank engine's worker runs inside its engine core process
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's uniprocess executor) instead of a third process
-  that imports vLLM again; a tensor-parallel engine keeps one worker process per rank.
-- With vLLM's CPU build, an engine started with ``--enable-return-routed-experts`` runs vLLM's
-  Model Runner V2 (the only one that returns routes) with its Triton kernels in Triton's
-  interpreter: ``VLLM_USE_V2_MODEL_RUNNER=1``, ``TRITON_INTERPRET=1`` and
-  ``replica/engine/triton_interpreter`` first on ``PYTHONPATH`` (`replica.launch`).
-- ``EngineProcess.attach(base_url, pid=None, secret=None)`` drives an engine someone else started
-  (without its secret only ``health()`` works); ``stop()`` on it signals ``pid`` if given (it
-  cannot reap it).
-- The control methods are `replica.agent.engine_rpc.EngineClient`'s.
-- ``stop()``: SIGTERM to the server, wait, then SIGKILL to its whole process group (the server,
-  the engine core and the worker: the server is started in a session of its own) on timeout.
-
-timings: bench/README.md
+``EngineProcess.start()`` launches ``python -m replica.engine.server`` with our worker
+extension (`replica.launch`) and returns once ``/health`` and ``/v1/models`` answer; a failed
+or timed-out start raises ``EngineStartError`` with the log's tail and stops what it started.
+Invariants: the agent drives the engine at ``base_url`` (loopback unless it binds one address);
+other hosts use ``public_url``; the engine's secret reaches it only through a 0600 file,
+removed once it serves; everything it writes (log, caches, IPC files) stays under
+``work_dir`` except the shared ``model_info_cache``; nothing leaves the machine (usage stats
+off, Hugging Face offline). ``stop()`` escalates SIGTERM to SIGKILL of the whole process group.
+The CPU build's thread and executor choices: docs/design.md, "Engine processes".
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """The agent's client of its engine: the engine's control routes and the extension's RPCs.
 
-:class:`EngineClient` is the one engine interface the agent drives (``EngineControl``,
-`replica.agent.engine_control`): the engine routes by name (`replica.engine_routes`: pause,
-resume, the weight-version label, ``collective_rpc`` for the extension's methods, the swap),
-reached through its :class:`Transport`, the only thing that differs between engine kinds (our
-vLLM server: ``POST /rollouts/<name>``, the secret in a header; a Dynamo worker's system server:
-``POST /engine/rollouts/<name>``, the secret in the body). Its pool methods (``leave_pool``,
-``rejoin_pool``, ``hold_out``, ``serve``, ``open_gate``) do nothing: a Dynamo worker's do
-(`replica.agent.dynamo`). An error answer raises ``EngineRequestError`` with its code and
-message; a swap whose read-back differs raises ``ReadBackFailed`` naming the tensors (the engine
-has rolled back).
-
-The connection is pooled for 60 s and the server keeps idle ones for 75 s (vLLM's default is
-5 s): a control call over a new connection to a server busy streaming waits behind it.
+:class:`EngineClient` is the one engine interface the agent drives (``EngineControl``): the
+routes of `replica.engine_routes` by name, through a :class:`Transport`, the only thing that
+differs between engine kinds (our vLLM server: ``POST /rollouts/<name>``, secret in a header;
+Dynamo's system server: ``POST /engine/rollouts/<name>``, secret in the body). Its pool methods
+are no-ops here (a Dynamo worker's are not: `replica.agent.dynamo`). An error answer raises
+``EngineRequestError``; a swap whose read-back differs raises ``ReadBackFailed`` naming the
+tensors, after the engine rolled back. Connections are pooled for 60 s and the server keeps idle
+ones 75 s, so a control call never waits behind a busy server's new connection.
 """
 
 from __future__ import annotations
@@ -214,13 +209,10 @@ class EngineClient:
     # -- pause / resume / cache -------------------------------------------------------------
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
-        """Pause generation. ``keep`` freezes running requests in place (their KV cache kept) and
-        queues new ones until ``resume``; ``wait`` drains running requests; ``abort`` aborts them.
-
-        ``clear_cache`` (vLLM 0.32, checked in ``EngineCore._finish_pause``): at the pause,
-        preempt running requests and drop the prefix cache, so after ``resume`` they are
-        recomputed on whatever weights the engine then holds. False keeps the KV cache: a frozen
-        request continues over its old KV with the new weights. Returns when the engine is paused.
+        """Pause generation and return once paused: ``keep`` freezes running requests (KV kept) and
+        queues new ones; ``wait`` drains them; ``abort`` aborts them. ``clear_cache`` preempts
+        running requests and drops the prefix cache, so they are recomputed on the weights held at
+        ``resume``; without it a frozen request continues over its old KV.
         """
         await self.leave_pool()
         try:

@@ -1,28 +1,14 @@
 """One decode of an update per host: replicas that stage the same delta links on the same weights
 copy the first one's checked result instead of decoding it again.
 
-Every replica of a host would otherwise decode the same update (zstd, XOR, Adler-32 over every
-changed tensor) one after another, since a decode already uses every core
-(:func:`replica.stage_arena.host_decode_slot`). A copy of the decoded bytes costs a fraction of
-that and is checked the same way. The contract:
-
-- **Publish.** After a replica decoded delta links into its stage arena (every changed tensor's
-  Adler-32 checked against the delta's record), :func:`publish` writes a record,
-  ``rollouts-decoded-KEY.json`` in the arena's directory: the arena (``/proc/PID/fd/FD``), each
-  tensor's offset and size, and a fresh generation. KEY (:func:`decode_key`) is a digest of the
-  weights decoded against (the replica's applied chain) and of every link's identity and
-  recorded tensor checksums: only the same update on the same weights finds the record.
-- **Withdraw.** The record is unlinked (:meth:`Publication.withdraw`) before its arena is written
-  again and when its agent stops; a killed agent's record names a descriptor that no longer opens, and the next
-  :func:`publish` on the host, or the next replica agent to start there
-  (:func:`remove_stale`), removes it.
-- **Copy, checked.** :func:`copy_published` copies the record's tensors into the caller's own
-  buffers, computing each copy's Adler-32 and comparing it with the checksums the caller's own
-  delta files record (the proof a decode gives), then reads the record again: it must still
-  name the same generation (not withdrawn while the copy ran). Any miss (no record, an arena
-  that no longer opens, a tensor missing or of another size, a checksum that differs, a record
-  withdrawn meanwhile) returns ``None`` and the caller decodes itself: sharing only saves time,
-  it never changes what is staged.
+:func:`publish` writes ``rollouts-decoded-KEY.json`` (arena path, each tensor's offset and size,
+a fresh generation) after a checked decode; KEY (:func:`decode_key`) digests the weights
+decoded against and every link's identity and checksums, so only the same update on the same
+weights finds it. :meth:`Publication.withdraw` unlinks it before its arena is rewritten and at
+stop; stale records are removed by the next publish or agent start (:func:`remove_stale`).
+:func:`copy_published` checks every copied tensor's Adler-32 against the caller's own delta
+record and that the generation did not change; any miss returns ``None`` and the caller decodes
+itself. Invariant: sharing only saves time, it never changes what is staged.
 """
 
 from __future__ import annotations

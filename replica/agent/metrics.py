@@ -1,33 +1,12 @@
-"""The replica agent's Prometheus metrics (common/metrics.py serves them): what this replica's
+"""The replica agent's Prometheus metrics (served by common/metrics.py): what this replica's
 updates cost and how they ended.
 
-- `rollouts_replica_pause_seconds` (histogram): each pause of the engine for a swap.
-- `rollouts_replica_bytes_total{source}` (counter): snapshot bytes this replica took in,
-  `source="bucket"` (read from object storage) or `"peer"` (received from a peer's broadcast).
-- `rollouts_replica_bytes_sent_total` (counter): bytes this replica broadcast to peers.
-- `rollouts_replica_swap_bytes_total{what}` (counter): what this replica's swaps moved:
-  `what="pause"` (written into the engine inside the pause), `"staged"` (made ready before
-  it), `"changed"` (the changed elements' bytes); contracts/engine_ranks.py `BYTE_COUNTS`.
-- `rollouts_replica_steps_total{step}` and `rollouts_replica_step_seconds{step}`: every step
-  the control plane ran here (`apply_snapshot`, `stage_from_peer`, `commit_peer_stage`,
-  `send_to_peers`, `offer_to_peer`).
-- `rollouts_replica_step_failures_total{step, reason}` (counter): failed steps, by the error
-  type the control plane sees (`NonRetryableSnapshot`, `ReadBackFailed`, `InjectedFault`, ...
-  or the exception's class).
-- `rollouts_replica_delta_stages_total{how}` (counter): delta updates staged here, by how the
-  new tensors were made: `how="decoded"` (this agent decoded the delta links) or `"copied"`
-  (it copied and checked another agent's decode of the same update on this host,
-  replica/agent/host_decodes.py).
-- `rollouts_replica_offers_refused_total` (counter): offers this replica declined, a normal
-  answer in the fan-out (it holds nothing to pass on yet: a stage of tensors not swapped in);
-  not a failure.
-- `rollouts_replica_state{state}` (gauge, 1 for the current state): `STARTING`, `READY`,
-  `UPDATING` (a step runs), `FAILED` (its engine died).
-- `rollouts_replica_info{deployment, replica, engine, snapshot}` (gauge, 1): who this is and
-  the snapshot it serves now.
-
-Every series also carries `deployment` and `replica` labels, so a host's agents aggregate
-without relabelling.
+Pause seconds; bytes taken in (``source`` bucket | peer) and sent; swap bytes (``what`` pause |
+staged | changed, `contracts.engine_ranks.BYTE_COUNTS`); steps, step seconds and failures per
+control-plane step (``reason``: the error type the control plane sees); delta stages by ``how``
+(decoded | copied from a sibling's decode); offers refused (a normal answer, not a failure);
+the replica's ``state`` gauge and its ``info``. Every series carries ``deployment`` and
+``replica`` labels, so a host's agents aggregate without relabelling.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """Weights passed replica to replica: offers, the send to a transfer group, and a receiver's stage
-and commit.
+and commit (`PeerSteps`, mixed into `replica.agent.runtime.ReplicaRuntime`).
 
-The sender offers what receivers serving ``target_identity`` miss: a delta link's files as it
-fetched or decoded them (an early offer waits for its own update's checked stage, before its
-swap; a replica that staged the link's files from a peer offers them too, swapped in or not,
-which is how the fan-out passes the update on), else the changed tensors as its engine serves
-them, else everything. It then broadcasts them from its engine (`send_to_peers`) to every
-receiver of the offer's group at once over a torch.distributed group between the engine
-processes (gloo, or NCCL where the operator opts in: :func:`peer_backend`), hosting the group's
-rendezvous store itself when asked (one store per offer), and holding an offer's files as hard
-links of their own until its send (`offers_root`),
-while every engine keeps serving. A sender may hold several offers (one per group) until each
-is sent. Each receiver checks what it got against the
-sender's Adler-32 and stages it (`stage_from_peer`: files are decoded and staged exactly like the
-bucket path; tensors are staged in the engine and held for the host copy), then, in walk order,
-swaps its stage in inside one short pause and proves it (`commit_peer_stage`). A receiver reads
-nothing from the bucket. `PeerSteps` is mixed into `replica.agent.runtime.ReplicaRuntime`.
-
-Addresses: an offer names the sender's ``peer_host`` (its node address, `run_replica`'s
-``node_address``) and a port free there; receivers on other hosts connect to that address. A
-rendezvous store the agent hosts (torch's TCPStore master) listens on every address of its host
-at that port, so it answers them whatever address they arrive at; each engine's gloo device binds
-its own node address (`replica.engine.peer_group`).
+A sender offers what receivers serving ``target_identity`` miss: a delta link's checked files
+(early, before its own swap, or passed on by a receiver that staged them), else the changed
+tensors it serves, else everything; it holds an offer's files as hard links until the send,
+and hosts one rendezvous store per offer on every address of its host (``peer_host``: its node
+address). `send_to_peers` broadcasts from its engine over gloo, or NCCL where the operator opts
+in (:func:`peer_backend`), while every engine keeps serving. Invariants: a receiver checks
+everything against the sender's Adler-32 before staging, reads nothing from the bucket, and
+swaps in only at its commit (`commit_peer_stage`, one short pause with the proof).
 """
 
 from __future__ import annotations
@@ -112,13 +99,10 @@ class PeerSteps:
         return offer.model_copy(update={"store_hosted": True})
 
     async def make_offer_from_stage(self, inp: PeerOfferInput, wait_s: float = 600.0) -> PeerOffer:
-        """The early offer (`inp.from_stage`): once this replica's update of `inp.hot_load_id`
-        from the bucket has decoded and checked the delta link's files, offer those files to
-        receivers that serve the link's base, before this replica swaps them in. A replica that
-        staged the link's files from a peer offers them the same way (the fan-out: it passes the
-        update on before its own turn), and one that already serves the update offers what it
-        serves. Raises ChainError when the update ends without such files (a new base, nothing
-        to do)."""
+        """The early offer (`inp.from_stage`): offer the delta link's checked files of `inp.hot_load_id`
+        to receivers serving its base, before this replica swaps them in (or what it serves, once it
+        serves the update). Raises ChainError when the update has no such files (a new base).
+        """
         chain_ids = [link.identity for link in inp.chain]
         if self.applied == chain_ids:
             return self.make_offer(inp)

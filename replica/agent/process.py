@@ -1,22 +1,13 @@
-"""One replica process: its engine (``runtime.engine``: ``dynamo-vllm``, Dynamo's vLLM worker,
-`replica.agent.dynamo`; ``vllm``, vLLM's OpenAI server), the host copy of its weights, and its
-Temporal agent.
+"""One replica process: its engine (``runtime.engine``: ``dynamo-vllm``, `replica.agent.dynamo`;
+or ``vllm``, vLLM's OpenAI server), the host copy of its weights, and its Temporal agent.
 
-`run_replica` stops an engine a killed agent left behind, reclaims the shared memory of dead
-engines (`replica.agent.shm_reclaim`), downloads the deployment's model from the bucket, starts
-the engine (with our worker extension, behind the replica's secret), loads
-the host copy of the weights (checkpoint format, what deltas apply to, in shared memory), catches
-up to the deployment's snapshot when asked, starts a Temporal worker on the replica's own task
-queue (running `replica.agent.activities`, fault points armed from the stack's home), and tells
-its deployment workflow it is ready. If the engine dies, the replica reports the failure to its
-deployment and exits; SIGTERM stops the engine and exits.
-
-Addresses: ``node_address`` (default: the settings' host) is where other hosts reach this
-replica: the engine URL it reports (``http://NODE_ADDRESS:PORT``, where the gateway sends
-inference) and the host of its peer broadcast's offers. ``engine_bind`` (default: the node
-address; a node agent on a multi-host install passes 0.0.0.0) is what the engine binds; the
-agent drives it over loopback, or at that address when it is one specific address
-(`replica.agent.engine_process`).
+`run_replica` clears what a killed agent left (its engine, dead shared memory), downloads the
+model, starts the engine behind the replica's secret, loads the host copy, catches up to the
+deployment's snapshot when asked, starts the agent on the replica's own task queue and reports
+ready. Invariants: if the engine dies the replica reports the failure and exits; SIGTERM stops
+the engine and exits. ``node_address`` is where other hosts reach it (engine URL, peer offers);
+``engine_bind`` what the engine binds; the agent drives the engine over loopback unless it binds
+one specific address. docs/design.md, "Processes and who runs what".
 """
 
 from __future__ import annotations

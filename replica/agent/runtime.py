@@ -54,18 +54,12 @@ def engine_parts(swap: dict[str, Any]) -> dict[str, float]:
 class ReplicaRuntime(PeerSteps):
     """State shared by the agent's activities: the engine, the host copy and what it serves.
 
-    Every update is staged first, the engine still serving: a delta chain is decoded once, by
-    the host copy, into the shared stage arena (`replica.stage_arena`; the host copy itself does
-    not change yet) and the engine stages views of those bytes; a new full base goes through a
-    staging file. A tensor whose name, shape or dtype differs from the engine's parameter is
-    refused there, before any pause. Then it is swapped in inside one short pause, where the
-    engine also reads back the Adler-32 of every swapped tensor against the snapshot's (the
-    proof): a difference rolls back the engine's tensors, the weight-version label and the host
-    copy, then resumes on the old weights. Only a proven swap commits the chain; the host copy
-    adopts the same bytes on a thread after the step returns, and every later step waits for
-    that first (`settled`). The host copy lives in shared memory and is the engine's roll-back
-    source for a delta stage. A failure at any point leaves the engine, its label and the host
-    copy exactly as they were, and the error says what was read back to show it.
+    Every update is staged while the engine serves (refusing, before any pause, a tensor whose name,
+    shape or dtype the engine cannot take), then swapped in and proven inside one short pause.
+    Invariants: only a proven swap commits the chain; a failure at any point leaves the engine, its
+    label and the host copy exactly as they were, and the error says what was read back to show it;
+    the host copy adopts a commit's bytes on a thread and every later step waits for that first
+    (`settled`).
     """
 
     def __init__(
@@ -181,11 +175,10 @@ class ReplicaRuntime(PeerSteps):
     ) -> StagedUpdate:
         """Stage an update for the engine, off the serving path; the host copy is not changed.
 
-        Delta links held locally are decoded once, by the host copy, into the stage arena (every
-        changed tensor's Adler-32 checked there), and the engine stages views of those bytes
-        (`replica.stage_arena`); a new full base goes through a staging file the engine reads.
-        ``decoded`` is called with the update once its delta files are decoded and checked,
-        before the engine stages it (peers may take the files from then on: the early offer)."""
+        Delta links are decoded once into the stage arena (Adler-32 checked) and the engine stages
+        views of it; a new full base goes through a staging file. ``decoded`` is called once the delta
+        files are decoded and checked, before the engine stages them (the early offer's moment).
+        """
         todo = self.missing_links(inp)
         local = local_links or {}
         if todo and all(link.identity in local for link in todo):
@@ -358,13 +351,10 @@ class ReplicaRuntime(PeerSteps):
             self._adopting = None
 
     def stage_chain(self, inp: ApplySnapshotInput, local_links: dict[str, Path] | None = None) -> StagedUpdate:
-        """Load the chain's full base as a new host copy, apply its delta links to it and write
-        every tensor to a staging file; the engine and the current host copy are not touched.
-        (`stage_update` decodes the delta links a replica is missing with `decode_links`; this is
-        the path of a replica that needs a new base, or serves the chain already.)
-
-        A delta link comes from `local_links` when given, else its files are downloaded from the
-        bucket into `links_root` first and kept for peers."""
+        """Load the chain's full base as a new host copy, apply its delta links and write every tensor to
+        a staging file; neither the engine nor the current host copy is touched. A delta link comes
+        from `local_links` when given, else it is downloaded into `links_root` (kept for peers).
+        """
         if self.applied == [link.identity for link in inp.chain]:
             return StagedUpdate(nothing_to_do=True)
         if not inp.chain or inp.chain[0].type != SnapshotType.FULL:

@@ -1,29 +1,13 @@
 """Reclaim the shared memory that dead engines and replicas left behind.
 
-vLLM's engines talk to their workers over shared-memory message queues: Python
-``multiprocessing.shared_memory`` segments, ``/dev/shm/psm_*``, several hundred MB per engine. A
-killed engine never unlinks them, and they hold their memory until someone does. A replica agent
-therefore calls :func:`reclaim_dead_segments` as it starts, before its engine.
-
-The rule: a file is removed when all of these hold:
-
-- it sits directly in ``/dev/shm`` or in the stage arenas' directory (``ROLLOUTS_SHM_DIR``,
-  ``replica.stage_arena.shm_dir``);
-- its name is one that engines or replicas create (:data:`PATTERNS`): ``psm_*`` (Python's
-  default shared-memory names, which vLLM's queues use; any program's unused ``psm_`` segment is
-  fair game) and ``rollouts-stage-*`` (a stage arena caught between its creation and its unlink);
-- it is a regular file owned by this user and readable by no one else (mode ``0600``, how both
-  are created), so only this user's processes (and root's) can have it open;
-- no process maps it (``/proc/*/maps``) or holds it open (``/proc/*/fd``), matched by device and
-  inode. The files are listed before the processes are read, and each process's descriptors
-  before its mappings, so a segment that is being created or opened while the scan runs is seen
-  in use.
-
-Processes whose ``/proc`` entries cannot be read (another user's, a non-dumpable one such as a
-sandbox's init) are not seen; engines and replica agents always can be (same user, dumpable).
-Removing a segment only such a process still uses takes its name, not its memory: the memory
-lives until the last mapping goes, so that process keeps working; only a later open by name
-would fail. What was removed is logged and returned.
+A killed vLLM engine never unlinks its ``/dev/shm/psm_*`` message queues (hundreds of MB each),
+so a replica agent calls :func:`reclaim_dead_segments` as it starts, before its engine. A file
+is removed only when all hold: it sits directly in ``/dev/shm`` or the stage arenas' directory;
+its name matches :data:`PATTERNS` (``psm_*``, ``rollouts-stage-*``); it is a regular file of
+this user, mode ``0600``; and no readable process maps or holds it open (matched by device and
+inode, files listed before processes, so one being opened during the scan is seen in use).
+A process whose ``/proc`` cannot be read keeps working on a removed segment (the memory lives
+until its last mapping). What was removed is logged and returned.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """CPU engines keep their linear weights as parameters, so an update can change them in place.
 
-vLLM's CPU backend repacks every linear weight into a kernel-private copy after loading (oneDNN
-or the AMX "sgl" kernels) and then replaces the parameter with an empty tensor
-(``dispatch_cpu_unquantized_gemm(remove_weight=True)``). That makes ``model.load_weights`` fail
-for linear layers, makes in-place changes to ``lm_head`` (which keeps its parameter) silently
-ineffective, and makes vLLM's ``/weight_checker`` hash empty tensors.
-
-:func:`install` (run when ``replica.engine.extension`` is imported inside a vLLM process, before
-the model loads) patches the dispatch to keep the parameter; :func:`redispatch` re-runs the
-original dispatch for a layer whose weights an update changed, so the kernel's packed copy is
-rebuilt from the new weights. Cost: linear weights are held twice in CPU memory. GPU platforms
-and processes without vLLM are left alone.
+vLLM's CPU backend repacks every linear weight into a kernel-private copy and empties the
+parameter (``remove_weight=True``), which breaks ``load_weights`` and in-place updates.
+:func:`install` (on importing ``replica.engine.extension`` in a vLLM process, before the model
+loads) keeps the parameter; :func:`redispatch` rebuilds a changed layer's packed copy from it.
+Cost: linear weights held twice in CPU memory. GPU platforms and processes without vLLM are
+left alone.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """CPU engines keep each fused-MoE layer's experts as the loader wrote them, so an update can change them.
 
-After loading, vLLM's CPU MoE kernel pads the experts' intermediate dimension and prepacks
-``w13_weight`` / ``w2_weight`` into its own layout (``CPUUnquantizedExperts
-.process_weights_after_loading``), replacing both parameters: a copy of a checkpoint tensor into
-the parameter would then land in the wrong place, and nothing rebuilds the packed copy.
-
-:func:`install` (run with `cpu_gemm`'s, before the model loads) patches that method to keep a
-copy of both parameters in the loader's layout first (:func:`loaded`: parameter attribute name ->
-tensor). An update writes there (`weight_map` swaps the copies in while vLLM's loader is
-observed, so the landings are theirs), then :func:`rebuild` runs vLLM's own padding and prepack
-from those copies on a scratch module and copies the result into the layer's parameters in
-place. :func:`packed_from_loaded` is the proof that the kernel's weights are the prepack of
-what the loader's copies hold. Cost: expert weights are held twice in CPU memory. GPU
-platforms, zentorch kernels (which compute on the loader's layout) and processes without vLLM
-are left alone.
+vLLM's CPU MoE kernel pads and prepacks ``w13_weight`` / ``w2_weight`` after loading, replacing
+both parameters. :func:`install` (before the model loads) keeps a loader-layout copy of both
+first (:func:`loaded`); an update writes there, :func:`rebuild` reruns vLLM's own padding and
+prepack on a scratch module and copies the result in place, and :func:`packed_from_loaded`
+proves the kernel's weights are the prepack of the copies. Cost: expert weights held twice in
+CPU memory. GPU platforms, zentorch kernels and processes without vLLM are left alone.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""Adler-32 computed where a tensor lives, with torch reductions: equal to ``zlib.adler32`` of
-the tensor's raw row-major bytes, so a GPU engine proves a parameter against the snapshot's
-checksum without copying it to the host.
+"""Adler-32 computed where a tensor lives, with torch reductions: equal to ``zlib.adler32`` of the
+tensor's raw row-major bytes, so a GPU engine proves a parameter without copying it to the host.
 
-Adler-32 over bytes ``b_0 .. b_{n-1}`` from ``(A, B) = (1, 0)`` is ``A = 1 + sum b_i`` and
-``B = n + sum (n - i) b_i``, both mod 65521. A block of ``L`` bytes moves a running ``(A, B)`` to
-``(A + S, B + L*A + W)`` with ``S = sum b_i`` and ``W = sum (L - i) b_i = L*S - sum i*b_i``.
-Each block (``BLOCK`` bytes) is reduced in int64 on the tensor's device (``i*b_i`` < 2^32, a
-block's sum of them < 2^56), then folded mod 65521 into the running pair. One small tensor
-comes back to the host per block (two integers), nothing else.
-
-On a CPU tensor zlib's (or zlib-ng's SIMD) Adler-32 is faster: `tensors.adler32_hex` is used
-there; this one is for parameters on an accelerator, and is tested against zlib on CPU tensors.
+Each ``BLOCK`` of ``L`` bytes moves the running ``(A, B)`` to ``(A + S, B + L*A + W)`` with
+``S = sum b_i`` and ``W = L*S - sum i*b_i``, reduced in int64 on the device (no overflow within a
+block), then folded mod 65521; two integers per block come back to the host. On CPU tensors
+`tensors.adler32_hex` (zlib) is faster and used instead; this one is tested against zlib.
 """
 
 from __future__ import annotations

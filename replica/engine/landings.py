@@ -1,28 +1,14 @@
 """Where each checkpoint tensor lands in the engine's parameters, as vLLM's own loader puts it.
 
-``observe(model, specs)`` calls the model's ``load_weights`` with uninitialised *probes* of the
-checkpoint tensors' shapes and dtypes (thousands a call, each its own storage), under a
-``TorchDispatchMode`` that sees every op the loader runs and executes none that would write a
-parameter. Every ``copy_`` into a parameter's storage is recorded as a :class:`Landing`: the
-region of the parameter written (its size, stride and offset in the parameter's storage) and the
-region of the checkpoint tensor read (the same, in the storage of the probe it is a view of,
-which names the tensor). vLLM decides everything: the stacked and packed mappings (q/k/v into
-``qkv_proj``, gate/up into ``gate_up_proj``, or a checkpoint that ships them fused), per-expert
-tensors into the fused expert parameters, this rank's tensor-parallel slice, the unpadded rows
-of a vocabulary, a tied embedding's second name (no landing). Nothing is written: the engine
-keeps serving what it serves.
-
-Under expert parallelism vLLM's expert layer skips an expert another rank owns; a tensor whose
-loading asked for such an expert (``expert_misses``: the layer's local id answer was -1) and
-landed nowhere is marked ``elsewhere``.
-
-A write the map cannot describe is a *problem*, named with its tensor: a copy from anything but
-a strided view of the probe (an arithmetic op on it, a gather), any other op writing into a
-parameter (``fill_``, ``index_put_``, ...), or a loader that raises. A batch where any of these
-happens, or whose loader does not take its tensors one at a time, is observed again in halves
-down to one tensor a call, so each problem is named with its own tensor. A tensor with a problem
-cannot be written in place through its landings (``unproven`` skips it). `weight_map` builds
-the engine's map from both.
+``observe(model, specs)`` runs the model's ``load_weights`` on uninitialised *probes* under a
+``TorchDispatchMode`` that records every ``copy_`` into a parameter as a :class:`Landing`
+(region of the parameter written, region of the tensor read) and executes none of them:
+nothing is written, the engine keeps serving. vLLM decides every mapping (fused q/k/v and
+gate/up, experts, tensor-parallel slices, padded vocabularies, tied names). An expert another
+rank owns is marked ``elsewhere``. Any write the map cannot describe (a non-view copy, another
+op into a parameter, a loader that raises) is a *problem* named with its tensor; a batch with
+one is observed again in halves down to one tensor, so each problem names its own tensor, and
+``unproven`` skips such tensors.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """The broadcast of tensors or whole files from one engine to the others (the walk's peers).
 
-A :class:`PeerGroup` is a gloo (CPU) or NCCL (CUDA) process group of two or more members that
-meet at ``host:port`` (rank 0 hosts the TCP rendezvous store, unless another process already
-does: ``external_store``), outside torch.distributed's global state, so an engine that already
-has its own groups (vLLM's) can join any number of them, one after another. A test or trainer
-process can take part too.
-
-Addresses: ``host:port`` is the rendezvous store's (the sender's node address; a master store
-listens on every address of its host). Each gloo member binds its own transport device to
-``device_host``, by default ``$ROLLOUTS_NODE_ADDRESS`` (the node address its agent gives the
-engine, ``replica.launch.NODE_ADDRESS_ENV``), and publishes that address to the others: not
-whatever this machine's hostname resolves to, which in a network namespace (or with a hostname
-mapped to 127.0.1.1) is an address the other hosts cannot reach. Unset: torch's default device
-(the hostname's address, else loopback). NCCL picks its interface from ``NCCL_SOCKET_IFNAME``,
-which the agent sets at the engine's start (``replica.agent.engine_process``).
-
-The wire protocol: the sender broadcasts an int64 header ``[count, crc32(specs)]``; each member
-says whether it agrees (an all-reduce of failure flags), so a receiver whose specs differ from
-the sender's makes every member fail at once instead of misreading bytes or leaving the sender
-blocked (a sender that could not read what it offered still joins and sends the count
-``SENDER_FAILED``, so its receivers fail at once, not at the group's timeout); then the tensors'
-bytes follow, packed into uint8 chunks of at most
-``PEER_CHUNK_BYTES``, in spec order. After a failure mid-stream, close the group. A whole file
-travels as one uint8 tensor named by its base name.
+A :class:`PeerGroup` is a gloo (CPU) or NCCL (CUDA) process group of two or more members meeting
+at ``host:port`` (rank 0 hosts the rendezvous store unless ``external_store``), kept outside
+torch.distributed's global state so an engine with its own groups (vLLM's) can join many in turn.
+Each gloo member binds ``device_host`` (default ``$ROLLOUTS_NODE_ADDRESS``), never what the
+hostname resolves to. Wire: the sender broadcasts ``[count, crc32(specs)]``; every member
+all-reduces whether it agrees, so mismatched specs (or ``SENDER_FAILED``) fail every member at
+once rather than misread bytes or block the sender; then the bytes follow in uint8 chunks of at
+most ``PEER_CHUNK_BYTES``, in spec order. A file travels as one uint8 tensor named by its base
+name. After a failure mid-stream the group must be closed.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """rollouts' vLLM general plugin: ``vllm.general_plugins`` entry point ``rollouts`` (pyproject.toml).
 
-vLLM calls :func:`register` in each of its processes (API server, engine core, workers) before
-the engine starts. What it does:
-
-- On CPU platforms, it shortens vLLM's idle busy-poll. A reader of vLLM's shared-memory message
-  queue (``shm_broadcast.SpinCondition``) spins with ``sched_yield`` for ``busy_loop_s`` = 1 s
-  after every message before it sleeps on a socket, in the worker (reading the engine core's
-  RPCs and steps) and in the engine core (reading the workers' replies). On a CPU host shared by
-  several replicas, every RPC (a stage, a status poll, a pause) thus burned a core per process
-  for a second, and the hot-load's own decode, transfer and swap crawled behind the spinning.
-  ``ROLLOUTS_VLLM_SPIN_S`` (default 0.05 s) caps that window: under load, engine steps follow
-  each other far faster than that, so serving still never sleeps between steps; idle, a reader
-  wakes from its socket in microseconds. GPU hosts keep vLLM's default.
-- On CPU platforms, it runs the sampler's logprob ranks eagerly. vLLM wraps
-  ``batched_count_greater_than`` (each sampled token's rank, computed for every request that
-  asks for logprobs) in ``torch.compile``, compiled lazily by inductor, i.e. g++, on the first
-  such request: on a small CPU host that stalls the engine (every running request, pauses and
-  RPCs included) for the whole build, long enough for a peer's broadcast to time out behind it
-  (timings: bench/README.md). The eager ``(x >= values).sum(-1)`` is the same integer count; its
-  temporary is a bool per logit (a quarter of the float32 logprobs tensor already there). GPU
-  hosts keep the compiled kernel.
-
-Nothing here changes what vLLM computes; a process without vLLM is unaffected.
+vLLM calls :func:`register` in each of its processes before the engine starts. On CPU platforms
+only, it caps the idle busy-poll of vLLM's shared-memory queue readers at
+``ROLLOUTS_VLLM_SPIN_S`` (default 0.05 s instead of 1 s, which burned a core per process after
+every RPC on a shared host), and runs the sampler's logprob ranks eagerly (the same integer
+count; avoids a lazy inductor compile that stalls the engine on its first logprobs request;
+bench/README.md). Invariant: nothing here changes what vLLM computes; GPU hosts and processes
+without vLLM are unaffected.
 """
 
 from __future__ import annotations

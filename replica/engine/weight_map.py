@@ -1,40 +1,14 @@
 """The engine's map from checkpoint tensors to the bytes it computes on, as vLLM's loader puts them.
 
-:meth:`WeightMap.build` runs once per worker, on the model just loaded from its checkpoint: for
-each checkpoint tensor (name, shape, dtype, from the checkpoint's headers) it observes where
-vLLM's own loader puts it (`landings.observe`: fused q/k/v and gate/up, a checkpoint that ships
-them fused, per-expert tensors in fused expert parameters, this rank's slice, a vocabulary's
-unpadded rows) and checks that the engine holds the checkpoint's values there now
-(`landings.unproven`). A CPU MoE layer's landings are in its loader-layout copies
-(`cpu_moe`). A tensor the engine cannot take in place is kept with the reason, named at
-staging: its loader does more than copy it, nothing of it lands (a tied second name), the engine
-converts it other than by a lossless widening (BF16/FP16 into a float32 parameter), or it is
-transformed after loading. A quantized engine (FP8, ...) takes none.
-
-All by checkpoint name, in the checkpoint's layout and dtype:
-
-- :meth:`check` refuses (ValueError naming each tensor) what cannot load in place byte for byte:
-  unknown or refused names, duplicates, another shape or dtype than the checkpoint's;
-- :meth:`held` is what the engine holds for a tensor: a view of the parameter when the tensor
-  lands whole in one region of its dtype (:meth:`whole`), else a copy assembled from its
-  landings (narrowed back from a wider parameter);
-- :meth:`write` copies tensors into their landings; :meth:`rebuild` then rebuilds the kernel
-  copies of the layers written (`cpu_gemm.redispatch`, `cpu_moe.rebuild`) and replays vLLM's
-  loading and post-load processing where vLLM computes on other tensors than its loader's copies
-  (:meth:`replay`, `post_load`: a parameter its post-load step rebinds lands in the loader's
-  tensor, one its loader computes, ``A = -exp(A_log)``, in a checkpoint-layout shadow; a layer
-  whose replay does not reproduce the engine's load exactly is refused at build);
-- the proof: :meth:`holds` (every landing holds its region of the tensor bit for bit, widened
-  where the parameter is wider) and :meth:`unpacked` (a rebuilt MoE layer is the prepack of its
-  loader-layout copies) with :meth:`underived` (a replayed layer holds vLLM's processing of what
-  was written).
-
-A rank of a tensor-parallel engine maps its own slice: :meth:`held` of a sliced tensor is refused
-(nothing in one rank holds it whole), while :meth:`write` and :meth:`holds` work per rank. Under
-expert parallelism a rank's entry for an expert another rank owns is *elsewhere*
-(`landings.observe`: vLLM's expert layer maps that expert to none here): :meth:`check` accepts
-it, and this rank writes and proves nothing of it (:meth:`elsewhere`; not in :meth:`names`). One
-that every rank finds elsewhere is held by none: the agent has every rank :meth:`refuse` it.
+:meth:`WeightMap.build` runs once per worker, while the engine still holds the checkpoint it
+started on: it observes where vLLM's loader lands each tensor (`landings.observe`) and checks the
+engine holds the checkpoint's values there; a tensor that cannot be taken in place is kept with
+its reason and refused at staging. Everything is by checkpoint name, layout and dtype:
+:meth:`check` refuses (naming each tensor) what cannot load byte for byte in place; :meth:`held`
+reads, :meth:`write` writes (then :meth:`rebuild` the kernel copies and replayed layers), and
+:meth:`holds` / :meth:`unpacked` / :meth:`underived` prove. A tensor-parallel rank maps and
+proves its own slice only; an expert another rank owns is *elsewhere* (accepted, never written
+or proven here). docs/design.md, "The engine's weight map".
 """
 
 from __future__ import annotations

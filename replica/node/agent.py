@@ -1,16 +1,11 @@
 """The node agent process (`rollouts node`): reports this machine and runs its replicas.
 
-It polls its own task queue (`nodes/NAME`) for the activities that start and stop replica
-processes here (replica/node/activities.py), and every `HEARTBEAT_EVERY_S` seconds it reports to
-the node registry (control/nodes.py) by signal-with-start: its name, address, zone, capacity,
-free /dev/shm and the replicas it runs. After each report it asks the registry which replicas are
-placed here and stops any it runs that are not (a replica placed elsewhere while this node was
-cut off, declared lost, must not keep polling its replica queue); a replica is left alone for its
-first `ORPHAN_GRACE_S` seconds.
-
-When the control plane is unreachable (a partition) the agent keeps its replicas running and
-keeps trying; replicas outlive the agent (a restarted agent finds them by their pid files).
-SIGTERM stops the agent only; `rollouts down` (embedded stack) stops the replicas too.
+It polls `nodes/NAME` for the activities that start and stop replica processes here
+(replica/node/activities.py) and reports to the node registry (control/nodes.py) every
+`HEARTBEAT_EVERY_S` seconds by signal-with-start. Invariants: after each report it stops any
+replica it runs that the registry places elsewhere (after its first `ORPHAN_GRACE_S` seconds),
+so a replacement's queue has one poller; a partition leaves its replicas running; replicas
+outlive the agent (a restarted one finds them by their pid files); SIGTERM stops the agent only.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """A SIMULATED node agent (`rollouts sim-node`; a stand-in for scale runs, see
 replica/simulated/__init__.py): many simulated replicas in one process.
 
-It reports to the node registry like a real node agent (replica/node/agent.py): its name,
-address, zone, `slots` (how many replicas without GPUs it takes), `gpus` (SIMULATED GPUs: a
-deployment asking `resources.gpuCount` 1 lands only on nodes that report GPUs, which keeps it off
-a stack's real CPU node) and the replicas it runs, every
-`HEARTBEAT_EVERY_S` seconds. Its node queue (`nodes/NAME`) answers `start_replicas` by creating
-each named replica in this process (replica/simulated/replica.py) with a Temporal worker on the
-replica's own task queue, then signalling `replica_ready` to the deployment as a real replica
-does, its engine URL `simulated://NODE/NAME`; `stop_replicas` stops those workers. A replica
-started with a target chain (a restart or a scale-out after hot-loads) serves that chain's
-newest identity at once.
+It reports to the node registry as a real node agent does, with `slots` and SIMULATED `gpus`
+(so a deployment asking `resources.gpuCount` lands only here, off a stack's real CPU node).
+`start_replicas` creates each replica in this process (replica/simulated/replica.py) with a
+Temporal worker on its own queue and signals `replica_ready` with engine URL
+`simulated://NODE/NAME`; `stop_replicas` stops them. A replica started with a target chain
+serves that chain's newest identity at once.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """One SIMULATED replica (a stand-in for scale runs; see replica/simulated/__init__.py): the real
 replica steps' contracts, answered without an engine.
 
-The replica keeps a small host copy (`state_bytes`, 4 KiB by default) standing for its weights:
-a snapshot's content is a deterministic function of its identity, so every step can check what it
-would serve. A step:
-
-- `apply_snapshot`: reads the chain's newest link from the bucket for real (every object under
-  its prefix, counted in `bytesReadFromBucket`), stages that identity's content, then commits.
-- `offer_to_peer` / `send_to_peers`: offers what it serves (or has staged), and "sends" for
-  `transfer_ms` (no bytes move; the sent size is the snapshot's bytes in the bucket).
-- `stage_from_peer`: waits `transfer_ms`, then stages the offered identity's content.
-- `commit_peer_stage`: commits the stage.
-- A commit pauses (timed: `pauseMs`), copies the stage into what it serves, sleeps `pause_ms`
-  if set (the simulated swap), and checks the served bytes' Adler-32 against the identity's (the
-  proof); one replica step runs at a time.
-
-Fault points of replica/faults.py (`apply_snapshot`, `stage_from_peer`, `commit_peer_stage`,
-`swap`) read the simulated node's `faults.json`: a test or the bench makes a replica fail or
-stall exactly as a real agent would.
+A small host copy (`state_bytes`) stands for its weights; a snapshot's content is a
+deterministic function of its identity, so every commit checks the served bytes' Adler-32
+against the identity's (the proof). `apply_snapshot` really reads the chain's newest link from
+the bucket; peer transfers move no bytes and take `transfer_ms`; a commit is timed (`pauseMs`)
+and sleeps `pause_ms` if set. One step runs at a time. The fault points of replica/faults.py
+read the simulated node's `faults.json`, so a replica fails or stalls as a real agent would.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Run at the start of every Python process of a CPU engine that returns routed experts (the
-replica agent puts this folder first on the engine's ``PYTHONPATH``: engine_process.py, together
-with ``TRITON_INTERPRET=1`` and ``VLLM_USE_V2_MODEL_RUNNER=1``).
+agent puts this folder first on its ``PYTHONPATH`` with ``TRITON_INTERPRET=1`` and
+``VLLM_USE_V2_MODEL_RUNNER=1``: `replica.launch`).
 
-vLLM returns routed experts only from its Model Runner V2, whose input preparation, sampling and
-routing capture are Triton kernels. vLLM's CPU build accepts Triton only with a ``cpu`` backend
-(triton-cpu), which the Triton on PyPI lacks, so without this the engine refuses to start
-("Model Runner V2 requires Triton"). This registers an inactive ``cpu`` backend entry before vLLM
-is imported (vLLM decides at import, in ``vllm.triton_utils.importing``); Triton's interpreter
-(``TRITON_INTERPRET=1``) then runs every kernel on the host. Same tokens and logprobs as the V1
-runner, about 30 ms more per engine step (docs/field-notes.md). A GPU engine never gets this.
-Python runs one ``sitecustomize``: the next one on ``sys.path`` (the environment's own, if any)
-runs after this one.
+vLLM returns routed experts only from Model Runner V2, whose kernels are Triton's, and its CPU
+build accepts Triton only with a ``cpu`` backend that PyPI's Triton lacks. This registers an
+inactive ``cpu`` backend before vLLM is imported; Triton's interpreter then runs every kernel on
+the host (same tokens and logprobs, ~30 ms more a step: docs/field-notes.md). A GPU engine never
+gets this; the environment's own ``sitecustomize``, if any, runs after this one.
 """
 
 import contextlib
