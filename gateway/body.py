@@ -1,19 +1,11 @@
 """Reading a client's request body: bounded in size, UTF-8, JSON, an object, not deeply nested.
 
-Contract: ``await read_json_object(request)`` returns the body as a dict, or raises
-``contracts.errors.PayloadTooLarge`` (HTTP 413 ``payload_too_large``) for a body over the cap, or
-``contracts.errors.InvalidArgument`` (HTTP 400) for a malformed one, whose message names the problem:
-
-- more than ``MAX_BODY_BYTES`` (8 MiB; 413): refused from ``Content-Length`` before anything is
-  read, or as soon as a body without one (chunked) grows past the cap;
-- empty, or not UTF-8 (the offset of the first bad byte);
-- not JSON (the parser's reason and offset), or ``NaN``/``Infinity``, which JSON does not have;
-- arrays/objects nested more than ``MAX_JSON_DEPTH`` (64) levels: a body nested past the
-  parser's recursion limit (about 1,000 levels) is refused the same way;
-- not a JSON object (names what it is).
-
-A refused body reaches no replica. The server discards whatever part of it was not read, so the
-client's keep-alive connection stays usable for its next request.
+``await read_json_object(request)`` returns the body as a dict, or raises ``PayloadTooLarge``
+(413) past ``MAX_BODY_BYTES`` (from ``Content-Length`` before reading, or as soon as a chunked
+body grows past it), or ``InvalidArgument`` (400) naming the problem: empty, not UTF-8 (with the
+offset), not JSON (or ``NaN``/``Infinity``), nested over ``MAX_JSON_DEPTH``, not an object.
+Invariants: a refused body reaches no replica; the unread rest is discarded, so the client's
+keep-alive connection stays usable.
 """
 
 from __future__ import annotations

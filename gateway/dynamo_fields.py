@@ -1,27 +1,13 @@
 """Which of vLLM's OpenAI request fields a dynamo deployment (``runtime.engine: dynamo-vllm``) takes.
 
-Contract: ``dynamo_request(body, chat, stream)`` returns the body to send Dynamo's frontend (a
-copy: fields it would refuse but that ask for nothing beyond its behaviour removed), or raises
-``gateway.nvext.RequestError`` (HTTP 400 ``invalid_argument``) whose message starts with the
-field's name, for a field that asks for what Dynamo cannot do. The tables below are what
-NVIDIA Dynamo 1.6.1's frontend (with its vLLM worker) does with each field (docs/field-notes.md,
-checked 2026-12-04 against the frontend and the request it hands the worker):
-
-- ``PASSED``: taken and honoured as vLLM's OpenAI server honours them; sent as they are.
-- Answered by the gateway from what Dynamo reports (``gateway/dynamo.py``): ``return_token_ids``
-  (Dynamo refuses the field; the worker's ``engine_data`` carries each choice's completion and
-  prompt ids) and ``prompt_logprobs`` (sent; the worker reports them in ``engine_data``); a
-  stream with ``prompt_logprobs`` is refused as vLLM refuses it.
-- ``add_special_tokens``: Dynamo's frontend tokenizes without special tokens (completions: the
-  text alone; chat: the rendered template alone, which is vLLM's chat default), so ``false`` is
-  what it does anyway (removed) and ``true`` is refused.
-- ``IGNORED``: Dynamo takes them but does not do them (``echo`` is not echoed, ``logit_bias`` and
-  ``suffix`` never reach the worker): refused unless they ask for nothing.
-- ``REFUSED``: Dynamo's frontend answers 400 "Unsupported parameter(s)": refused here with a
-  message naming the field, unless its value asks for nothing beyond vLLM's default (null, or
-  one of the values listed), in which case it is removed.
-
-A field in none of the tables goes to Dynamo as it is (its own 400 names a field it refuses).
+``dynamo_request(body, chat, stream)`` returns a copy of the body for Dynamo's frontend, or
+raises ``gateway.nvext.RequestError`` (400) whose message starts with the field's name. The
+tables record what Dynamo 1.6.1 does with each field (docs/field-notes.md): ``PASSED`` as they
+are; ``IGNORED`` (taken but not done) and ``REFUSED`` (Dynamo's 400) are removed when they ask
+for nothing beyond vLLM's default and refused otherwise; ``add_special_tokens`` ``false`` is
+removed (what Dynamo does anyway), ``true`` refused; ``return_token_ids`` and
+``prompt_logprobs`` are answered from the worker's ``engine_data`` (``gateway/dynamo.py``).
+A field in no table goes to Dynamo as it is.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """NVIDIA Dynamo's frontend (``python -m dynamo.frontend``), the router in front of a ``dynamo-vllm``
 deployment's workers.
 
-``DynamoFrontend(discovery_dir, ...)`` describes one frontend process: OpenAI HTTP on
-``host:port``, workers found through Dynamo's discovery (``discovery_backend``: ``file``, the
-directory ``discovery_dir`` the workers register in; or ``kubernetes``, the pod's namespace;
-``namespace`` limits it to one deployment's workers), request plane ``tcp`` (workers stream
-answers back to ``address``, default ``host``: the address they reach this process at) and
-event plane ``zmq`` (no etcd, no NATS; through the relay ``event_broker`` when given:
-``common.dynamo_planes``), ``router_mode`` (``least-loaded`` by default;
-``kv`` routes by prefix-cache overlap and needs workers that publish KV events), and session
-affinity for ``X-Dynamo-Session-ID`` kept ``session_ttl_s``. ``await start()`` launches it and
-waits until its HTTP port answers (``/v1/models``); ``await wait_model(name)`` waits until a
-worker serving ``name`` has registered; ``await stop()`` ends it (SIGTERM, then SIGKILL of its
-process group). Its log is ``log_path``. With ``tls`` (the stack's certificates,
-``common/dynamo_tls.py``) it serves HTTPS to clients holding the stack's client certificate
-only; ``url`` is then ``https://``.
+``DynamoFrontend(discovery_dir, ...)`` describes one process: OpenAI HTTP on ``host:port``,
+workers found by ``discovery_backend`` (``file`` or ``kubernetes``), request plane ``tcp``
+(answers back to ``address``), event plane ``zmq`` (through ``event_broker`` when given),
+``router_mode`` (``least-loaded``, or ``kv``), session affinity for ``X-Dynamo-Session-ID``.
+``start()`` returns once ``/v1/models`` answers; ``wait_model(name)`` once a worker of ``name``
+registered; ``stop()`` escalates SIGTERM to SIGKILL of its process group. With ``tls`` it
+serves HTTPS only to holders of the stack's client certificate.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """A dynamo deployment's inference request (``runtime.engine: dynamo-vllm``), through Dynamo's
 frontend (docs/design.md "Dynamo"; the translation is ``gateway/dynamo.py``).
 
-Contract of ``DynamoProxy(settings, router, relay)``:
-
-- ``open()`` / ``aclose()``: its HTTP client to Dynamo's frontend (``gateway.upstream``), with
-  mutual TLS from the stack's client certificate when the stack has its certificates
-  (``Settings.dynamo_tls``), so only a gateway reaches a model through the frontend.
-- ``forward(attempt, path, session)``: the answer to one planned request. The frontend's URL is
-  read from the settings once, when first needed (a gateway may serve no dynamo deployment).
-  The body is ``dynamo.upstream_body`` (a field Dynamo cannot do raises ``InvalidArgument``,
-  400), with ``X-Dynamo-Session-ID`` passed on: Dynamo's router picks the worker. A request the
-  frontend did not take (``httpx.TransportError``: refused, reset ...) or answered 503 (no worker
-  of the model registered at that moment: all paused, or between one leaving and another
-  joining) is sent again every ``DYNAMO_RETRY_S`` for up to ``DYNAMO_WAIT_S``, then answered 503
-  ``unavailable`` (the transport error) or as Dynamo answered (``upstream_error``, as any other
-  error answer of Dynamo's). Nothing else is
-  retried (Dynamo migrates a request whose worker fails). While the answer runs the frontend's
-  URL counts one request in flight on the router.
-  - A streamed request: once the first event arrived (a stream that fails before it: 503), the
-    stream is relayed (``Relay.stream``, each chunk through ``dynamo.adopt``), with
-    ``x-rollouts-replica`` naming the replica when Dynamo's first chunk names its worker.
-  - A non-streamed request: the streamed chunks are assembled (``dynamo.Assembler``), finished
-    and given ``nvext`` as a vLLM replica's answer, with ``x-rollouts-replica``; an error event,
-    a stream that ends without ``[DONE]`` or breaks is a 503 ``unavailable``.
+``DynamoProxy.open()`` makes its client (mutual TLS when the stack has its certificates);
+``forward(attempt, path, session)`` answers one planned request. Invariants: the frontend's URL
+is read once, when first needed; only a request the frontend did not take, or answered 503 (no
+worker registered), is sent again, every ``DYNAMO_RETRY_S`` for up to ``DYNAMO_WAIT_S`` (then
+503, or Dynamo's answer); nothing else is retried (Dynamo migrates a failed worker's request);
+the router counts the request in flight while it runs. A stream is relayed once its first event
+arrived; a non-streamed request is assembled from Dynamo's stream and finished like a vLLM
+replica's answer; both name the replica in ``x-rollouts-replica``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """The gateway's own error answers.
 
-Contract: ``error_response(exc)`` answers an ``contracts.errors.ApiError`` with its HTTP status and a
-body that carries the API's shape and OpenAI's envelope at once, so both kinds of client read
-it::
+``error_response(exc)`` answers a ``contracts.errors.ApiError`` with its HTTP status and a body
+that both the API's clients and OpenAI's read::
 
     {"code": "invalid_argument", "message": "...", "details": [],
      "error": {"message": "...", "type": "invalid_argument", "code": "invalid_argument"}}
 
-``code`` is one of ``contracts.errors.HTTP_STATUS``'s codes (``invalid_argument`` 400,
-``unauthenticated`` 401, ``permission_denied`` 403, ``not_found`` 404, ``payload_too_large``
-413, ``unavailable`` 503,
-``internal`` 500). vLLM's own error answers are relayed as vLLM wrote them, not through here.
+``code`` is one of ``contracts.errors.HTTP_STATUS``'s. vLLM's own error answers are relayed as
+vLLM wrote them, not through here.
 """
 
 from __future__ import annotations

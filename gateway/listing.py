@@ -1,20 +1,15 @@
 """The gateway's ``GET /v1/models`` answer.
 
-Contract: ``model_list(views)`` takes the deployments a caller may see (``Router.models``: its
-organization's, served by this gateway, ordered by model name then id) and returns OpenAI's list
-with each model name once, as routing reads ``model``: a request naming it goes to the
-deployments of that name, split by their weights. Each entry::
+``model_list(views)`` takes the deployments a caller may see (``Router.models``) and returns
+OpenAI's list with each model name once::
 
     {"id": name, "object": "model", "owned_by": "rollouts", "root": name,
      "takes_traffic": bool,
      "deployments": [{"deployment_id", "status", "takes_traffic", "weight",
                       "replicas": [{"name", "identity", "settled"}]}]}
 
-``owned_by`` is the service (several deployments may serve one name); ``takes_traffic`` on the
-entry is true when a request by that name would be served now (some deployment of it takes
-traffic with weight above 0); each deployment (by id) says whether it takes traffic, its share
-of the name's requests, and the snapshot identity each running replica serves. A deployment's id
-is a ``model`` a request may also name (that deployment alone); it is not listed as an id.
+An entry ``takes_traffic`` when a request by that name would be served now. A deployment's id
+is also a ``model`` a request may name, but is not listed as an id.
 """
 
 from __future__ import annotations

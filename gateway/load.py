@@ -1,17 +1,11 @@
 """Each deployment's load as this gateway sees it, and its report to the deployment, which
 autoscales on it (contracts/autoscaling.py: the judgement and the rule).
 
-- ``LoadMeter.begin(workflow_id)``: the gateway chose that deployment for a request; ``end``
-  once the request is over. ``track(workflow_id, response)`` ends it when the answer is over: a
-  streamed answer when its body iterator finishes, however it finishes (the last byte sent, the
-  client gone, an error), any other at once. So a request counts from its routing until its last
-  byte, whether it waits in an engine's queue or runs.
-- ``report_loop(router, meter, signal)``: every ``SAMPLE_S`` it samples the count of each
-  deployment this gateway serves that autoscales (``autoscaling.max > min``), judges the last
-  ``WINDOW_S`` of samples against the deployment's serving replicas and ``targetInFlight``, and
-  calls ``signal(workflow_id, report)`` when the judgement changes and at least every
-  ``HEARTBEAT_S``. ``temporal_signal(settings)`` makes the ``signal`` that sends the deployment
-  workflow its ``load_report``; a signal that fails is logged and sent again on the next sample.
+``LoadMeter``: a request counts from ``begin`` (routing) until its last byte (``track`` ends it
+when the answer's body ends, however it ends). ``report_loop`` samples every ``SAMPLE_S`` each
+autoscaling deployment this gateway serves, judges the last ``WINDOW_S`` against its serving
+replicas and ``targetInFlight``, and signals (``temporal_signal``: its ``load_report``) on a
+change and at least every ``HEARTBEAT_S``; a failed signal is logged and sent on the next sample.
 """
 
 from __future__ import annotations

@@ -318,12 +318,9 @@ def strip_prompt_ids(plan: RequestPlan, response: dict[str, Any]) -> None:
 
 
 def translate_routed_experts(value: Any, start: int = 0) -> dict[str, Any]:
-    """vLLM's ``routed_experts`` (base64 ``.npy``) as the guide's ``{data, shape, dtype, start}``.
-
-    vLLM captures ``[prompt + completion - 1, layers, top_k]`` (the last sampled token never runs
-    through the model), already narrowed to ``uint8``/``uint16`` by the model's expert count.
-    An engine that sends a wider integer type is narrowed here by value (every expert id fits);
-    ``start`` is the first prompt token covered (vLLM's ``routed_experts_prompt_start``).
+    """vLLM's ``routed_experts`` (base64 ``.npy``, ``[prompt + completion - 1, layers, top_k]``) as the
+    guide's ``{data, shape, dtype, start}``; a wider integer type is narrowed by value (every expert
+    id fits), and ``start`` is vLLM's ``routed_experts_prompt_start``.
     """
     if isinstance(value, dict) and {"data", "shape", "dtype"} <= set(value):
         return {**value, "start": value.get("start", start)}  # already in the guide's shape

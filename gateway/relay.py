@@ -1,27 +1,14 @@
 """The answer side of an inference request, shared by the vLLM path (``gateway/proxy.py``) and the
-Dynamo path (``gateway/dynamo_proxy.py``): what the gateway adds to an upstream answer, and the
-relay of an upstream SSE stream.
+Dynamo path (``gateway/dynamo_proxy.py``).
 
-- ``finish_answer(plan, data)``: a non-streamed answer finished for the client
-  (``gateway.nvext.finish_choice`` on each choice, then ``strip_prompt_ids``), in place.
-- ``Relay(router).response_nvext(attempt, replica)``: the top-level ``nvext`` object of an
-  answer that has finished (docs/design.md "The gateway" says what it holds): ``worker_id``,
-  ``completion_token_ids``, ``routed_experts`` (the first choice's, which ``finish_choice`` or
-  ``finish_chunk`` took off it: vLLM's on a non-streamed answer, Dynamo's worker's on its
-  finishing chunk; null when the engine gave none) and ``timing`` when named in
-  ``nvext.extra_fields``, and
-  ``weight_versions`` always: from the replica's spans when it reported them, else from the
-  attempt's view and a fresh one.
-- ``Relay(router).stream(attempt, served, upstream, first, events, adapt)``: the client's SSE body
-  for an upstream stream whose first event ``first`` has already arrived. Each chunk is finished
-  (``finish_chunk``, after ``adapt`` for a Dynamo deployment's); ``nvext`` goes on the last
-  chunk that carries a ``finish_reason`` (merged into any ``nvext`` the chunk has), held back
-  until the next event shows it is the last; payloads that are not JSON, and upstream error
-  events, pass on as they are; vLLM's ``[DONE]`` ends it. A stream that breaks (an
-  ``httpx.HTTPError``, or its end without ``[DONE]``: ``StreamBroken``) ends with the held chunk
-  (without ``nvext``) and an SSE error event ``{"error": {"message", "type": "unavailable",
-  "code": 503}}``, no ``[DONE]``, and a warning in the log; other errors propagate. However it
-  ends, the upstream response is closed and ``served.url``'s in-flight count released.
+``finish_answer(plan, data)`` finishes a non-streamed answer in place; ``Relay.response_nvext``
+builds an answer's top-level ``nvext`` (``weight_versions`` always, the rest when named in
+``nvext.extra_fields``: docs/design.md "The gateway"); ``Relay.stream`` relays an upstream SSE
+stream whose first event has arrived. Invariants of a stream: ``nvext`` goes on the last chunk
+with a ``finish_reason`` (held back until the next event shows it is last); a break (an
+``httpx.HTTPError``, or no ``[DONE]``) ends with an SSE error event (503 ``unavailable``) and no
+``[DONE]``, never a silent truncation; however it ends, the upstream response is closed and the
+replica's in-flight count released.
 """
 
 from __future__ import annotations

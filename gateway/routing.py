@@ -171,20 +171,11 @@ def weight_versions(
 ) -> dict[str, Any]:
     """``nvext.weight_versions`` for one response served by ``replica``.
 
-    With ``spans`` (the replica's own per-token record, checked by ``nvext.version_spans``):
-    they are passed on as ``spans``; ``identities`` lists the identities they name, in load
-    order (old first), and ``exact``/``identity`` say whether that is one identity. This is
-    exact whatever the views say (docs/design.md "Weight versions on every answer"), so no view is needed.
-
-    Without them, from the views: ``exact`` is true, and ``identity`` names the snapshot every
-    token of every choice came from, when the replica was settled on the same identity in a
-    view read before the request was sent and in one read after it finished, and no hot-load
-    reached the replica in between: either no hot-load started (same epoch), or exactly one
-    started and has not reached it yet. Otherwise ``identity`` is null and ``identities`` lists
-    what may have produced the tokens, in load order (a request that spanned a PRESERVE
-    hot-load has tokens of both, and without spans nothing says where the switch fell).
-    Not covered: a hot-load that started and ended entirely between two reads and was never
-    seen by this gateway, and that put back the same identity (A -> B -> A).
+    With ``spans`` (the replica's own per-token record) the answer is exact and needs no view.
+    Without them, ``exact``/``identity`` are set only when the replica was settled on one identity
+    in a view read before the request and one read after it, and no hot-load reached it between;
+    otherwise ``identities`` lists what may have produced the tokens, in load order. Not covered:
+    an unseen A -> B -> A between two reads.
     """
     if spans:
         named = _load_order(spans)

@@ -1,16 +1,10 @@
 """The gateway's side of its upstream requests (to vLLM replicas and to Dynamo's frontend).
 
-- ``upstream_client(verify)``: the ``httpx.AsyncClient`` for them: connect 5 s, read 600 s, write
-  and pool 60 s, and no overall timeout (a request queued behind a paused replica waits: docs/design.md
-  "The gateway"); at most 1024 connections, 256 kept alive, each for 4 s (pooled
-  connections expire before vLLM's server drops idle ones, 5 s by default: reusing one it just
-  closed would look like a replica failure). ``verify`` as httpx takes it (the Dynamo client's
-  is the stack's mutual-TLS context, ``common/dynamo_tls.py``).
-- ``upstream_error(status, content, content_type)``: a replica's (or Dynamo's) error answer
-  for the client: a 400 whose body names a message (OpenAI's ``error.message`` or a top-level
-  ``message``; Dynamo's ``details`` spelled out by ``gateway.dynamo.explain``) becomes our
-  ``invalid_argument`` with that message (``gateway/errors.py``); anything else passes through
-  as the upstream wrote it (status, body, content type).
+``upstream_client(verify)``: connect 5 s, read 600 s, no overall timeout (a request queued
+behind a paused replica waits); pooled connections expire after 4 s, before vLLM drops idle ones
+(5 s), so a reused connection never looks like a replica failure. ``upstream_error(status,
+content, content_type)``: an upstream 400 that names a message becomes our ``invalid_argument``
+with that message; anything else passes through as the upstream wrote it.
 """
 
 from __future__ import annotations
