@@ -1,20 +1,13 @@
 """Where a deployment may read: bucket names, object-key paths, and each organization's grants.
 
 `model.bucket`/`model.path` and `hotLoad.bucket`/`hotLoad.pathPrefix` follow one set of rules:
-
-- a bucket is 3-63 characters of lowercase letters, digits, '.' and '-', starting and ending
-  with a letter or digit, with no '..' (S3's bucket-name rules);
-- a path is an object-key prefix inside that bucket: relative (no leading '/'), no scheme
-  (`s3://…`), no '.' or '..' segment, no empty segment ('a//b'), no backslash or control
-  character; a trailing '/' is dropped.
-
-A malformed value is invalid_argument (400) naming the field (api/models.py).
-
-Each organization is granted buckets in the tokens file (contracts/tokens.py): an entry `"rollouts"`
-grants the whole bucket, `"shared/team-b"` only keys under `team-b/` (whole path segments:
-`team-b` and `team-b/…`, not `team-b2`). A deployment whose `model` or `hotLoad` names a bucket
-or path its organization is not granted is permission_denied (403) naming the field; hot-loads
-read from their deployment's `hotLoad` bucket and path, so the same check covers them.
+a bucket follows S3's bucket-name rules; a path is a relative object-key prefix with no scheme,
+no '.', '..' or empty segment, no backslash or control character (a trailing '/' is dropped). A
+malformed value is invalid_argument (400) naming the field. A grant (contracts/tokens.py) is a
+whole bucket (`"rollouts"`) or the keys under whole path segments (`"shared/team-b"`: `team-b`
+and `team-b/…`, not `team-b2`); reading outside the organization's grants is permission_denied
+(403) naming the field. Hot-loads read their deployment's `hotLoad` location, so one check
+covers them.
 """
 
 from __future__ import annotations

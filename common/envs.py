@@ -1,15 +1,12 @@
-"""Every ``ROLLOUTS_*`` environment variable the project reads, declared once: its name, its default,
-how its value is parsed and one line on what it does (:data:`TABLE`, in declaration order).
+"""Every ``ROLLOUTS_*`` environment variable the project reads, declared once: name, default,
+parser and one line on what it does (:data:`TABLE`, in declaration order).
 
-A module reads its variable through its entry (``envs.ROLLOUTS_SHM_DIR.get()``), never
-``os.environ`` by name (the Python client, rollouts/, stands alone and reads ``ROLLOUTS_API_URL``
-itself). :meth:`Var.get` reads the environment when it is called (a test or a bench may set a
-variable before the code that reads it runs), so a caller on a hot path reads once, when it
-starts, and keeps the value. An unset or blank variable is its default; a value that does not
-parse is a ValueError naming the variable and the value. ``stack=True`` marks the variables that
-locate a stack or name its parts: ``common.settings.STACK_ENV``, which a process a stack starts
-does not inherit. docs/operations.md's table of them is :func:`markdown` (``python -m common.envs``);
-tests/common/test_envs.py keeps the code, this table and that page in step.
+Invariants: a module reads its variable through its entry (``envs.ROLLOUTS_SHM_DIR.get()``),
+never ``os.environ`` by name (rollouts/, the stand-alone client, excepted); :meth:`Var.get`
+reads at call time (a hot path reads once and keeps the value); unset or blank is the default;
+a value that does not parse is a ValueError naming variable and value; ``stack=True`` marks the
+variables of ``common.settings.STACK_ENV``. docs/operations.md's table is :func:`markdown`
+(``python -m common.envs``), kept in step by tests/common/test_envs.py.
 """
 
 from __future__ import annotations

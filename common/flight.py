@@ -1,15 +1,11 @@
 """Single flight: at most one call of an async function in progress; callers that arrive meanwhile
-share it instead of starting their own (the API's listing loads and open-hot-load describes, the
-gateway's deployment reads).
+share it instead of starting their own.
 
-- `SingleFlight()`: a caller joins the call in progress, else starts one.
-- `SingleFlight(after_call=True)`: a caller gets a call that starts after it arrived: the one in
-  progress began too early, so it joins the one queued behind it (at most one), which starts when
-  the current one ends.
-
-`join` shields the call: a caller that gives up (its client went away) does not cancel it for the
-others. A call whose every caller gave up still ends; its exception is retrieved (never "never
-retrieved"). `cancel` stops what is in progress (on close).
+`SingleFlight()` joins the call in progress, else starts one; `SingleFlight(after_call=True)`
+gives each caller a call that started after it arrived (it joins the one queued behind the
+current call, at most one). Invariants: `join` shields the call, so a caller that gives up does
+not cancel it for the others; a call every caller gave up still ends and its exception is
+retrieved; `cancel` stops what is in progress (on close).
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Prometheus metrics, served with the standard client library (`prometheus_client`).
 
 Each process defines its own metrics at import, in the default registry, next to the code that
-observes them: the API (api/metrics.py: requests, admissions and refusals by reason), the control
-worker (control/metrics.py: hot-load durations and outcomes, replica step failures by reason,
-recorded by the workflows through Temporal's metric meter and mirrored into the registry),
-each replica agent (replica/agent/metrics.py: pauses, bytes from the bucket and from peers, its
-state, step failures by reason). The API serves them on its own port at `/metrics`; the worker
-and each agent, which serve nothing else over HTTP, start :func:`serve` on a port of their own.
-
-Names follow Prometheus' conventions: `rollouts_` prefix, base units (seconds, bytes), `_total`
-counters.
+observes them (api/metrics.py, control/metrics.py, replica/agent/metrics.py). The API serves them
+at its own `/metrics`; the control worker and each replica agent start :func:`serve` on a port of
+their own. Names follow Prometheus' conventions: `rollouts_` prefix, base units, `_total`
+counters. docs/design.md, "Tracing and metrics".
 """
 
 from __future__ import annotations
