@@ -197,15 +197,11 @@ def admit(state: DeploymentInput, cmd: CreateHotLoadCommand, *, deleting: bool) 
 
 
 def links_to_check(state: DeploymentInput, chain: list[SnapshotRef]) -> list[SnapshotRef]:
-    """The links of a resolved chain that admission checks in the bucket: the new one (the last),
-    and each earlier one that a replica will read in this hot-load, in chain order.
-
-    A replica serving a link of the chain applies only the links after it (replica/agent/
-    runtime.py: `missing_links`); one serving anything else (`initial`, another chain, not
-    known) rebuilds from the chain's full base. A link every replica already applied is read by
-    no one: it was checked when it joined the chain, and it is checked again (against the
-    fingerprint then, `state.verified_snapshots`) by the first hot-load that reads it. So the
-    check of a delta on top of what every replica serves is one link, however long the chain."""
+    """The links of a resolved chain that admission checks in the bucket: the new one (last), and
+    each earlier one some replica will read in this hot-load, in chain order. A link every replica
+    already applied is read by no one, so a delta on top of what every replica serves is one check,
+    however long the chain.
+    """
     ids = [link.identity for link in chain]
     first = len(chain) - 1
     for replica in state.replicas:

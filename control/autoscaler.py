@@ -1,35 +1,15 @@
 """Autoscaling of a deployment between `autoscaling.min` and `max` (contracts/autoscaling.py has
-the load reports and the rule); mixed into the deployment workflow (control/deployment.py), whose
-state, replica lock and status it uses.
+the load reports and the rule); mixed into the deployment workflow (control/deployment.py),
+whose state, replica lock and status it uses.
 
-Scale-out adds one replica without taking any out of service or holding back a hot-load. The
-new replica *joins*: it is started on the spec's runtime, but it is not a member yet: no request
-and no hot-load reaches it, and the deployment stays READY. It becomes a member only between
-hot-loads, under the replica lock (so a hot-load's admission waits for it, up to its lock wait),
-once it serves exactly the deployment's current snapshot:
-
-- from a serving peer (when a member serves the current snapshot): the joiner starts on the
-  model's base weights, reading nothing from the bucket; then a member offers what it serves
-  (`offer_to_peer`; every tensor, since the joiner serves another base), sends it
-  (`send_to_peers`) while it keeps serving, the joiner checks every tensor against the
-  member's Adler-32 and stages it (`stage_from_peer`), and swaps it in and proves it
-  (`commit_peer_stage`): the steps and checks of a hot-load's fan-out;
-- from the bucket otherwise, or when any of those steps fails (the joiner still serves what it
-  served: all-or-nothing): `apply_snapshot` of the current chain, the step a hot-load's first
-  replica runs. (Deployments whose scale-out started before peer joins existed started their
-  joiner on the chain the deployment served then and step from there by the bucket.)
-
-Then `serve_replica` puts it into its engine's routing pool and it enters the replica list. A
-joiner that fails to start or to catch up is stopped; the next try waits out the cool-down.
-
-Scale-in removes the newest member, never while a hot-load runs (so never one a hot-load walks):
-it leaves the replica list first (the gateways stop routing to it within their refresh), then
-drains (`drain_replica`: a Dynamo worker leaves its frontend's routing pool; after a grace for
-routers to notice, its engine pauses with `mode=wait`, finishing every request it holds), then
-stops.
-
-Both steps start only when the deployment is READY, no hot-load runs and no rolling update is
-due; the time a step ends is `scaled_at`, from which the next step's load must hold again.
+Invariants: a step starts only when the deployment is READY, no hot-load runs and no rolling
+update is due, one replica at a time, and the next step's load must hold again from `scaled_at`.
+Scale-out takes nothing out of service and holds back no hot-load: the new replica *joins* (no
+request, no hot-load reaches it) and becomes a member only between hot-loads, under the replica
+lock, once it serves exactly the current snapshot (from a serving member's peer transfer, else
+from the bucket; all or nothing); a joiner that fails is stopped. Scale-in removes the newest
+member, never while a hot-load runs: out of the replica list first, then drained, then stopped.
+docs/operations.md, "Autoscaling".
 """
 
 from __future__ import annotations

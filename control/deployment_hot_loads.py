@@ -1,27 +1,15 @@
 """A deployment's hot-loads, mixed into the deployment workflow (control/deployment.py), whose
 state, replica checks and memo it uses.
 
-Admission: the `create_hot_load` Update's validator applies the guide's rules without I/O
-(control/admission.py); the handler applies them again (several Updates in one workflow task all
-validate first), marks the operation active before its first await, then checks at once that
-every replica process runs (one that does not is restarted and the create is refused with
-failed_precondition; a node agent that does not answer refuses it with unavailable; a deployment
-UPDATING only because a node agent missed its last periodic check is admitted once every node
-agent answers this one) and that the snapshots this hot-load reads are in the bucket (as activities,
-one per snapshot): the new one, and each earlier link of the chain that a replica does not serve
-yet (`admission.links_to_check`), which must still have the fingerprint it had when admission
-first verified it (`state.verified_snapshots`, carried across continue-as-new, pruned to the
-kept chains). A delta on top of what every replica serves is one check, however long the chain.
-Then it starts the hot-load as a child workflow, ABANDONed when the deployment closes, its id refused
-forever after (REJECT_DUPLICATE). A create that is not admitted leaves its id free and the
-deployment as it was. What the handler starts carries the API request's trace
-(`CreateHotLoadCommand.trace_context`): one trace per operation.
-
-The end: the hot-load signals `hot_load_finished` before it closes, and a watcher awaits the
-child's close; either records the outcome (idempotently): the replicas' identities, and for a
-COMPLETED one its chain, kept for the next delta (the MAX_CHAINS_KEPT most recent) and appended
-to the completed links. A child that closed without an outcome (canceled, terminated) only
-clears the active operation, so no hot-load can block the deployment forever.
+Admission: the `create_hot_load` validator applies the guide's rules without I/O
+(control/admission.py) and the handler applies them again, marks the operation active before its
+first await, checks that every replica process runs and that each snapshot the hot-load reads is
+in the bucket with the fingerprint it was first verified with (`admission.links_to_check`,
+`state.verified_snapshots`), then starts the hot-load as a child (ABANDON, REJECT_DUPLICATE) with
+the request's trace. Invariants: a create not admitted leaves its id free and the deployment as
+it was; the outcome is recorded once, idempotently, from the `hot_load_finished` signal or the
+child's close; a child that closed without an outcome only clears the active operation, so no
+hot-load blocks the deployment forever. docs/design.md, "Admission".
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """The control worker's Prometheus metrics: how hot-loads end, and autoscaling steps.
 
-- `rollouts_hot_load_duration_seconds{outcome}` (histogram): from the workflow's start to its
-  end, by outcome (`COMPLETED`, `FAILED`, `CANCELED`).
-- `rollouts_hot_loads_ended_total{outcome, reason}` (counter): hot-loads that ended, with the failure's
-  reason (`ReplicaFailed`, `ReplicaLost`, `NoReplicas`, ...; `""` when none).
-- `rollouts_hot_load_replica_failures_total{reason}` (counter): replicas a hot-load left in
-  ERROR, by the first words of their error (what kind of failure).
-- `rollouts_autoscaling_steps_total{direction, outcome}` (counter): autoscaling steps of the
-  deployments (control/autoscaler.py): `out` `joined` or `failed`, `in` `removed`.
-
-Workflow code records them through Temporal's workflow metric meter (`hot_load_ended`,
-`scaled`: `workflow.metric_meter()`), which records nothing while a workflow replays its history
-(a worker restart, a cache eviction). The final workflow task may still run twice if its worker
-dies before it completes, so the counts are at least, never at most, what happened.
-
-The control worker's Temporal runtime keeps what the workflows record in a buffer
-(`buffered_runtime()`); `TemporalMirror`, a collector in prometheus_client's default registry
-(which common/metrics.py serves), drains the buffer on every scrape and every second, and
-answers what it has accumulated under the names and labels above (Temporal's own attributes,
-namespace, task queue and workflow type, are dropped; its SDK metrics are not mirrored).
+Hot-load durations and ends by outcome and reason, replicas left in ERROR by reason, and
+autoscaling steps by direction and outcome. Workflow code records them through Temporal's
+workflow metric meter (`hot_load_ended`, `scaled`), which records nothing during replay; a final
+workflow task may still run twice, so counts are at least what happened, never at most.
+`TemporalMirror` (a collector in the default registry) drains the runtime's buffer
+(`buffered_runtime()`) on every scrape and every second, dropping Temporal's own attributes.
 """
 
 from __future__ import annotations

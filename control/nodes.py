@@ -1,20 +1,12 @@
 """The node registry workflow (type `NodeRegistryWorkflow`, id `rollouts/nodes`): the node agents
 and every replica placement of this control plane, with one writer.
 
-- Node agents report by signal (`node_heartbeat`, signal-with-start: the first one starts the
-  registry if the control worker has not yet): name, address, zone, capacity, free /dev/shm.
-- Deployments place replicas (`place`, an Update, called from the `place_replicas` activity:
-  all-or-nothing, control/placement.py; not enough capacity is a `failed_precondition` naming
-  what is missing per node) and release them (`release`).
-- Every few seconds it declares lost each node whose last heartbeat is older than
-  `lost_after_s` (30 s by default): that node's placements are released, and each deployment
-  with a replica there gets `replicas_lost` (its replicas are placed elsewhere and catch up).
-  A lost node that reports again takes replicas again; its agent stops what it still runs
-  without a placement (replica/node/agent.py).
-- `placements_of(node)` (a query) is what a node agent should run.
-
-The memo (`nodes`) is what `rollouts nodes` shows; it changes only when something a person
-would read changes (not on every heartbeat).
+Node agents report by signal-with-start (`node_heartbeat`); deployments `place` replicas (an
+Update, from the `place_replicas` activity; all or nothing, control/placement.py) and `release`
+them; `placements_of(node)` (a query) is what a node agent should run. A node silent for
+`lost_after_s` is declared lost: its placements are released and each deployment with a replica
+there gets `replicas_lost`. The memo (`nodes`, what `rollouts nodes` shows) changes only when
+something a person would read changes. docs/design.md, "Nodes and placement".
 """
 
 from __future__ import annotations

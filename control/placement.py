@@ -1,15 +1,10 @@
 """Placement: which node runs each replica (pure; the node registry, control/nodes.py, calls it).
 
-A replica with `gpus` > 0 takes that many distinct GPU devices of one node (lowest free indices
-first); a replica without GPUs takes one CPU slot; a node whose heartbeat has `max_replicas` takes
-no more replicas than that in all. Candidates are the live nodes of the
-deployment's zone (every live node when the zone is empty). Replicas spread: each goes to the
-node holding the fewest replicas of its deployment, then the one with the most free capacity,
-then by name, so placement is deterministic.
-
-`place` is all-or-nothing: it returns a placement for every replica asked for, or raises
-`PlacementError` saying what is missing (per node: used and total capacity, lost, other zone)
-and changes nothing.
+A replica with `gpus` > 0 takes that many distinct devices of one node (lowest free first), one
+without takes a CPU slot, within each node's `max_replicas`; candidates are the live nodes of
+the deployment's zone (all of them when it is empty); replicas spread (fewest of the deployment,
+then most free capacity, then name), so placement is deterministic. `place` is all or nothing:
+a placement for every replica, or `PlacementError` saying per node what is missing.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
 """The fan-out: replicas that hold the update pass it on, `fan_out` receivers at a time.
 
-One `FanOut` per set of receivers (a hot-load's, or one stage group's: control/hot_load/group.py),
-in walk order. Senders are replicas that hold the update, added with `add`: one that serves it
-(it swapped it in) or one that holds a checked stage of it, not yet swapped in (`staged`: it
-offers from that stage, `PeerOfferInput.from_stage`).
-
-While receivers wait, each free sender takes the next `fan_out` of them in walk order (the ones
-that commit first) and passes the update to them in a group of its own, 1 + fan_out engines:
-it offers (`offer_to_peer`, hosting the group's rendezvous store), sends (`send_to_peers`), and
-each receiver stages (`stage_from_peer`: receive, check against the sender's checksums, stage;
-nothing it serves changes). A receiver that staged becomes a sender itself, reached in round
-`round(sender) + 1`, so N receivers are reached in O(log N) rounds. The receiver the workflow
-must commit next goes first: `next(name)` moves it to the head of the queue.
-
-Failures stay local. A receiver whose stage failed reads the bucket in its turn and sends
-nothing: it holds up only the members of its own transfer, never another sender's. A sender
-that offers nothing (no delta files to pass on, it cannot reach the group) is dropped and its
-receivers go back to the queue for another sender; one that offered nothing from its stage (a
-stage of tensors, not files) comes back once it swapped the update in (`committed`). Once the walk adds no more senders
-(`close`) and none is left or sending, every receiver still waiting reads the bucket.
-
-- `ready(name)`: True once that receiver holds a checked stage, False when it reads the bucket
-  (its stage failed, or no sender is left or sending to reach it).
-- `committed(name)`: that sender swapped the update in; its later offers come from what it serves.
-- `abandon()` cancels every offer, send and stage (the walk failed or was canceled); receivers
-  only staged, and each agent orders a stage before its next step, so the walk does not wait.
-- `end()` waits for the sends in flight.
-
-Peer steps are tried once (control/hot_load/options.py); the bucket is the retry.
+One `FanOut` per set of receivers (a hot-load's, or one stage group's), in walk order. Each free
+sender (`add`: serving the update, or holding a checked stage of it) takes the next `fan_out`
+waiting receivers into a group of its own (`offer_to_peer`, `send_to_peers`, `stage_from_peer`);
+a receiver that staged becomes a sender, so N receivers take O(log N) rounds; `next(name)` puts
+the receiver committed next first. Invariants: staging changes nothing any replica serves;
+failures stay local (a failed receiver reads the bucket and sends nothing; a sender that offers
+nothing is dropped and its receivers requeued); once `close`d with no sender left, every waiting
+receiver reads the bucket (`ready` is False); `abandon` cancels every transfer without waiting.
+Peer steps are tried once: the bucket is the retry. docs/design.md, "The hot-load walk".
 """
 
 from __future__ import annotations

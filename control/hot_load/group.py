@@ -1,16 +1,10 @@
 """A stage group (type `StageGroupWorkflow`, id `hotLoads/ORG/ID/stage-J`): one child workflow per
 group of a large hot-load's receivers, so that no workflow's history grows with the deployment.
 
-A hot-load of more than `hotLoad.replicasPerGroup` replicas (control/hot_load/workflow.py) splits
-its receivers, in walk order, into groups of that size. It passes the update to each group's
-first member itself, then starts the group: the fan-out (control/hot_load/fanout.py) from that
-member (or, if it did not stage, from `source`) to the others, `fanOut` at a time. The group only
-stages: nothing any member serves changes here, and the replica entries are the hot-load's. It
-returns which members hold a checked stage (and the round that reached each); the hot-load
-commits them in its walk, and the others read the bucket in their turn.
-
-A cancel (the hot-load was canceled, failed, or no longer needs the stages) abandons every
-transfer: the members only staged, and each agent orders a stage before its next step.
+The hot-load passes the update to each group's first member, then the group fans it out to the
+rest (control/hot_load/fanout.py; from `source` if the first did not stage) and returns which
+members hold a checked stage and in which round. Invariants: a group only stages (nothing any
+member serves changes; the replica entries are the hot-load's); a cancel abandons every transfer.
 """
 
 from __future__ import annotations

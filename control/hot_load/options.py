@@ -1,15 +1,10 @@
 """Activity options of the hot-load walk: how long each replica step may take and what is retried.
 
-A replica step (an update from the bucket, `apply_snapshot`) retries what can heal (a replica
-briefly unreachable, a storage hiccup); what the same snapshot would fail again fails at once: a
-wrong snapshot (checksum, missing file, bad format), a swap whose in-pause read-back found the
-engine's bytes differ from the snapshot's, and an error injected by a test fault point.
-
-A peer step (offer, send, stage, commit of a peer stage) is tried once: on failure the
-replica reads the bucket instead, which is the retry.
-
-Every step heartbeats and waits for its cancellation to complete, so a canceled step reports
-back only once its replica serves either the old or the new weights, never a mix.
+A bucket step (`apply_snapshot`) retries what can heal and fails at once on what the same
+snapshot would fail again (a wrong snapshot, a failed in-pause read-back, an injected fault); a
+peer step is tried once (the bucket is the retry). Every step heartbeats and waits for its
+cancellation to complete, so a canceled step reports back only once its replica serves the old
+or the new weights, never a mix.
 """
 
 from __future__ import annotations

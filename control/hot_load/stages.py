@@ -1,18 +1,10 @@
 """Where a hot-load's receivers get their stage: the walk asks `ready(name)` before each commit.
 
-- `NoStages`: no peer transfer (`peer_transfer=False`, or a single replica): every receiver reads
-  the bucket.
-- `FanOut` (control/hot_load/fanout.py) in the hot-load itself, while the receivers fit in one
-  group (`hotLoad.replicasPerGroup`).
-- `GroupedStages` past that: the receivers split, in walk order, into groups of
-  `replicasPerGroup`. The hot-load's own fan-out reaches each group's first member (its leader);
-  as each leader's stage ends, a `StageGroupWorkflow` child (control/hot_load/group.py) fans the
-  update out from it (from the first replica, if the leader did not stage) to the rest of its
-  group. A member's stage is known when its group's child returns. The hot-load's history holds
-  a few events per group, not per transfer.
-
-All three answer the walk the same way, the `Stages` protocol: `add_root`, `ready`, `round`,
-`committed`, `abandon`, `end`.
+`NoStages` (no peer transfer: everyone reads the bucket), `FanOut` (control/hot_load/fanout.py,
+while the receivers fit in one group), or `GroupedStages` past `hotLoad.replicasPerGroup`: the
+hot-load reaches each group's leader, then a `StageGroupWorkflow` child fans out to the rest, so
+the hot-load's history holds a few events per group, not per transfer. All three implement the
+`Stages` protocol: `add_root`, `ready`, `round`, `committed`, `abandon`, `end`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """What a hot-load workflow shows: the operation and its replicas, as the API and the UI read them.
 
-`WalkState` holds the hot-load wire object and one `Replica` per replica in walk order ((zone,
-name)). Every change is published at once, so reads need no worker:
-
-- the memo: `hotLoad` (the wire object) and the replica entries in chunks (`replicas.0`, ...;
-  contracts/memo.py), read by the API and the gateways; a change rewrites only its own chunk;
-- the search attribute `HotLoadState`, upserted on every state change (the API's and the UI's
-  filters);
-- the workflow's current details (the Temporal UI): the state, how many replicas are READY and
-  what the replica in flight does, e.g. `2/3 replicas READY; replica-2 UPDATING (commit of its
-  peer stage)`.
-
-The operation goes PENDING → IN_PROGRESS → COMPLETED | FAILED | CANCELED (each end with a
-condition); a replica PENDING_UPDATE → UPDATING → READY | ERROR, with `startedAt`, `finishedAt`,
-`transitionedAt` and `errorReason`.
+`WalkState` holds the hot-load wire object and one `Replica` per replica in walk order. Every
+change is published at once, so reads need no worker: the memo (`hotLoad` and the replica
+entries in chunks, contracts/memo.py; a change rewrites only its own chunk), the search
+attribute `HotLoadState`, and the workflow's current details for the Temporal UI. States:
+PENDING → IN_PROGRESS → COMPLETED | FAILED | CANCELED; a replica PENDING_UPDATE → UPDATING →
+READY | ERROR.
 """
 
 from __future__ import annotations
