@@ -1,25 +1,13 @@
 """The REST API, `/v1alpha1/inference`: gateways, deployments and hot-loads, as the guide states.
 
-`create_app` wires it: the per-app `ApiContext` (api/context.py: settings, the token store, the
-engines that may hot-load) on `app.state.context`; a lifespan that connects Temporal (unless a
-client is given) and serves the resources through it (api/resources.py) on `app.state.resources`;
-the middleware (outermost first: the request's span and metrics, api/middleware.py;
-authentication, api/auth.py; the body cap, api/middleware.py); the error handlers; and one
-router per resource (api/routes/), the resources' under `PREFIX`.
-
-Every request under `PREFIX` is authenticated (Bearer token → organization and role) before
-anything else is looked at (api/auth.py). Another organization's resource answers not_found. Every
-error is `{"code", "message", "details"}` with the HTTP status of its code, never a traceback: an
-`ApiError` (contracts/errors.py) as it says, a body or parameter that fails validation as
-invalid_argument naming the field (bodies are validated strictly: api/models.py), an unknown path
-or method as not_found / method_not_allowed, Temporal unreachable as unavailable, anything else as
-internal.
-
-Ids are per organization (contracts/names.py): two organizations may each create `foo`, and
-creating, reading or deleting an id another organization uses behaves as if it did not exist.
-
-`ROLLOUTS_HOT_LOAD_ENGINES` (`Settings.hot_load_engines`) names the engines whose deployments may
-hot-load (`allowed_hot_load_engines`); a name that is not an engine stops the app at creation.
+`create_app` wires the `ApiContext` (api/context.py), a lifespan that connects Temporal and
+serves the resources (api/resources.py), the middleware (outermost first: span and metrics,
+authentication, body cap), the error handlers and one router per resource (api/routes/).
+Invariants: every request under `PREFIX` is authenticated before anything else is looked at;
+ids are per organization and another organization's resource answers not_found; every error is
+`{"code", "message", "details"}` with its code's HTTP status, never a traceback (validation:
+invalid_argument naming the field; Temporal unreachable: unavailable; else internal); an unknown
+engine in `ROLLOUTS_HOT_LOAD_ENGINES` stops the app at creation.
 """
 
 from __future__ import annotations

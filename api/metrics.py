@@ -1,20 +1,10 @@
 """The API's Prometheus metrics, served at `GET /metrics` on the API's own port (no token, like
 `/healthz`).
 
-- `rollouts_api_requests_total{method, route, status}` (counter) and
-  `rollouts_api_request_seconds{method, route}` (histogram): every request, by the route's
-  template (`/v1alpha1/inference/hotLoads/{hot_load_id}`, one series per endpoint, not per id).
-- `rollouts_api_errors_total{code}` (counter): requests answered with an error, by the error
-  body's `code` (`invalid_argument`, `failed_precondition`, `already_exists`, `unavailable`, ...).
-- `rollouts_hot_loads_created_total` (counter): hot-load creates the API answered with the
-  operation (a create repeated with the same id counts again).
-- `rollouts_api_open_hot_load_reads_total{answer}` (counter): reads of an open hot-load by id
-  (api/open_reads.py), `answer="described"` (its describe, waited for) or `"kept"` (that
-  describe was late: the previous describe's answer).
-
-How hot-loads end (durations, outcomes, replica failures) is counted where they run: the control
-worker's endpoint (control/metrics.py); pauses and bytes per replica on each replica agent's
-(replica/agent/metrics.py).
+Requests and their seconds by method, route template (one series per endpoint, not per id) and
+status; errors by the body's `code`; hot-load creates answered; reads of an open hot-load by
+id (api/open_reads.py) by `answer` (`described` or `kept`). How hot-loads end is counted by the
+control worker (control/metrics.py), pauses and bytes by each replica agent.
 """
 
 from __future__ import annotations

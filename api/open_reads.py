@@ -1,26 +1,14 @@
 """Reads of an open hot-load by id: a describe, waited for only as long as a read can afford.
 
-Per open hot-load and per view (the operation alone, or with its replica entries), every read
-starts a describe, or joins the one in flight (single-flight), and:
-
-* nothing usable is kept (the first read, an answer older than `max_stale_s`, a cancel through
-  this process just dropped it): the read waits for the describe;
-* else the read waits at most `wait_s` for it: its answer when it comes in time (the usual
-  case: a describe takes a few ms), otherwise the answer kept from the last describe, while the
-  describe in flight finishes in the background and is kept for the next reads.
-
-So an answer is fresh whenever Temporal answers within `wait_s`, and otherwise at most one
-describe older (never older than `max_stale_s`): a busy Temporal (a 1,000-replica walk, where a
-describe's p99 is hundreds of ms) no longer sets a polling client's latency, and the end of a
-hot-load (what a trainer waits for) shows as soon as a describe can show it. Temporal sees one
-describe per read at most, and never two at once for one hot-load and view however many clients
-poll it. A write through this process (a cancel) drops what is kept (`forget`): the next read
-waits for a describe started after it. A read never answers an older state than the index
-already holds (`HotLoadIndex.latest`) or than this process already answered for the operation in
-either view (an operation nobody lists is not in the index: a trainer that read COMPLETED must not
-then read its replicas UPDATING): the operation alone is answered from the newer state then, the
-replica entries are waited for. A closed hot-load is not kept here: the index answers it from
-memory from then on.
+Per open hot-load and view (the operation alone, or with its replicas), a read starts a describe
+or joins the one in flight; with nothing usable kept (first read, older than `max_stale_s`,
+dropped by `forget` after a cancel) it waits for it, else at most `wait_s`, answering the last
+describe's answer when it is late (the late one is kept for the next reads). Invariants:
+Temporal sees at most one describe per read and never two at once per hot-load and view; an
+answer is at most one describe old and never older than `max_stale_s`; a read never answers an
+older state than the index holds (`HotLoadIndex.latest`) or than this process already answered
+in either view; a closed hot-load is not kept here (the index answers it).
+docs/design.md, "Processes and who runs what".
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Reads and writes of gateways, deployments and hot-loads, all through Temporal.
 
-Temporal is the system of record: every resource is a workflow (deployments and gateways are
-entity workflows `deployments/ORG/ID`, `gateways/ORG/ID`; a hot-load is the workflow
-`hotLoads/ORG/ID`, contracts/names.py) that publishes its wire object in its memo. Ids are per
-organization: each lookup builds the workflow id from the caller's organization, so another
-organization's resource, or one of the same id, is simply not found (and the memo's organization
-is checked again). Reads use describe/list (visibility),
-never a query, so they work with no worker running and for closed operations; a hot-load whose
-workflow closed without recording an end (terminated, timed out) reads as FAILED/CANCELED with a
-condition (`reconcile_hot_load`). Hot-loads are read as `Record`s (api/listing.py): a closed one
-is served from memory, listings are cached per filter, an open one read by id is described and,
-when that is late, answered from the last describe (api/open_reads.py; a cancel reads afresh). Writes are workflow
-starts and Updates; an Update's `ApplicationError` type is the API error code.
+Every resource is a workflow (`deployments/ORG/ID`, `gateways/ORG/ID`, `hotLoads/ORG/ID`) that
+publishes its wire object in its memo. Invariants: each lookup builds the workflow id from the
+caller's organization (and checks the memo's organization), so another organization's resource
+is not found; reads use describe/list, never a query, so they work with no worker running and
+for closed operations; a hot-load closed without recording an end reads as FAILED/CANCELED
+(`reconcile_hot_load`). Hot-loads are read as `Record`s (api/listing.py, api/open_reads.py).
+Writes are workflow starts and Updates; an Update's `ApplicationError` type is the API code.
 """
 
 from __future__ import annotations
@@ -273,11 +268,8 @@ class Resources:
 def reconcile_hot_load(
     memo: dict[str, Any], status: WorkflowExecutionStatus | None, close_time: datetime | None
 ) -> dict[str, Any]:
-    """The operation as it really stands when its workflow closed without recording an end.
-
-    A hot-load workflow records its terminal state in its memo before it returns. If it closed
-    otherwise (an operator terminated it, it timed out, it failed at the workflow level), the
-    memo still says PENDING or IN_PROGRESS: answer FAILED (CANCELED if it was canceled) with a
+    """The operation as it really stands when its workflow closed without recording an end (an
+    operator terminated it, it timed out or failed): FAILED (CANCELED if it was canceled) with a
     condition saying why, and a replica caught mid-step as ERROR, since what it serves is unknown.
     """
     hl = memo["hotLoad"]

@@ -1,22 +1,13 @@
 """Deployments, below `/v1alpha1/inference`: `GET /deployments/parameters`, create, get, update,
 list (optionally by `parentGatewayId`) and delete.
 
-Create: a `hotLoad` section needs an organization with hot-load enabled (else
-failed_precondition) and an engine that hot-loads (`ApiContext.hot_load_engines`: the guide's
-`dynamo-vllm`, or what `ROLLOUTS_HOT_LOAD_ENGINES` allows; else invalid_argument). A malformed
-`model.bucket`/`model.path` or `hotLoad.bucket`/`hotLoad.pathPrefix` is invalid_argument (400,
-api/models.py); a bucket or path not granted to the caller's organization is permission_denied
-(403), naming the field (api/auth.py: `require_granted`). Names are unique per organization, ids
-too (contracts/names.py).
-
-Update (not called by cwtrain; the guide: "include the same hotLoad section"):
-`PATCH /deployments/{id}` with any of the create body's fields (no `id`). Each field given replaces
-the current one. `hotLoad` must be present and equal to the deployment's (it is immutable; an
-update that omits or changes it is invalid_argument), and may not be added to a deployment
-created without it. `runtime.version`, `runtime.engineConfig` and `traffic` may change (a new runtime rolls
-the replicas onto it one at a time: control/deployment.py); `name`, `gatewayIds`, `resources`, `model`,
-`autoscaling` and `runtime.engine` must be unchanged if given. While a hot-load runs or the
-deployment is not READY the update answers failed_precondition. Answers `{"deployment": Deployment}`.
+Create: a `hotLoad` section needs hot-load enabled for the organization (else
+failed_precondition) and an engine that hot-loads (`ApiContext.hot_load_engines`; else
+invalid_argument); a bucket or path outside the organization's grants is permission_denied,
+naming the field. Update (`PATCH`): each field given replaces the current one; `hotLoad` is
+immutable and must be given equal; only `runtime.version`, `runtime.engineConfig` and `traffic`
+may change (a new runtime rolls the replicas one at a time); refused with failed_precondition
+while a hot-load runs or the deployment is not READY. Answers `{"deployment": Deployment}`.
 """
 
 from __future__ import annotations
