@@ -3,12 +3,23 @@
 Sources: the embedded stack's ``$ROLLOUTS_HOME/stack.json``, or, when it is missing and
 ``TEMPORAL_ADDRESS`` is set, the environment alone (:meth:`Settings.from_env`; a missing required
 variable is a SystemExit naming each). Invariants: for a client (:meth:`Settings.load`) the
-variables of :data:`ENV_FIELDS` override single values; the stack a home owns
-(:meth:`Settings.own`) takes none, and its processes get :meth:`Settings.process_env`, without
-any variable that locates a stack (:func:`without_stack_env`); :data:`HOT_LOAD_ENGINES_ENV` and
-:data:`ENGINE_CACHE_ENV` are read even for owned settings; every URL names :attr:`Settings.host`
-unless its own variable says otherwise; nothing here contacts an address. docs/design.md
-"Nodes and placement" (Settings); each variable: common/envs.py.
+variables below override single values; the stack a home owns (:meth:`Settings.own`) takes none,
+and its processes get :meth:`Settings.process_env`, without any variable that locates a stack
+(:func:`without_stack_env`); every URL names :attr:`Settings.host` unless its own variable says
+otherwise; nothing here contacts an address. docs/design.md "Nodes and placement"
+(Settings); each variable: common/envs.py.
+
+Variables read: ``ROLLOUTS_HOME``, ``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``,
+``TEMPORAL_UI_URL``, ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_REGION``, ``ROLLOUTS_TOKENS_FILE``, ``ROLLOUTS_ENGINE_KEY``, ``ROLLOUTS_API_URL``,
+``ROLLOUTS_GATEWAY_URL``, ``ROLLOUTS_HOST``, ``ROLLOUTS_API_PORT``, ``ROLLOUTS_GATEWAY_PORT``,
+``ROLLOUTS_WORKER_METRICS_PORT``, ``ROLLOUTS_REPLICA_METRICS_PORT``, ``ROLLOUTS_NODE_LOST_AFTER_S``,
+``ROLLOUTS_DYNAMO_ROUTER_MODE``, ``ROLLOUTS_DYNAMO_FRONTEND_URL``, ``ROLLOUTS_DYNAMO_DISCOVERY``,
+``ROLLOUTS_DYNAMO_DISCOVERY_DIR``, ``ROLLOUTS_DYNAMO_TLS_DIR``, ``ROLLOUTS_DYNAMO_EVENT_BROKER``,
+``ROLLOUTS_BUCKET``, ``ROLLOUTS_ZONE``, ``ROLLOUTS_ORGANIZATION_ID``, ``ROLLOUTS_GATEWAY_ID``,
+``ROLLOUTS_MODEL_NAME``, ``ROLLOUTS_BASE_MODEL_PATH`` (:data:`ENV_FIELDS`), and this process's
+own two, read even for owned settings: ``ROLLOUTS_HOT_LOAD_ENGINES`` (:data:`HOT_LOAD_ENGINES_ENV`)
+and ``ROLLOUTS_ENGINE_CACHE_DIR`` (:data:`ENGINE_CACHE_ENV`).
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
 """The embedded stack's base model, generated locally (no model hub here).
 
-Contract:
-
-- ``write_base_model(out_dir, seed=0)`` writes a small Llama-architecture Hugging Face
-  checkpoint into ``out_dir`` and returns ``out_dir``: ``config.json`` (``LlamaForCausalLM``,
-  hidden 256, 4 attention heads / 2 KV heads of head_dim 64, 4 layers, intermediate 688,
-  vocab 2048, ``tie_word_embeddings: false``), ``generation_config.json``, BF16 safetensors in
-  two shards (``model-0000{1,2}-of-00002.safetensors``) with ``model.safetensors.index.json``,
-  and a byte-level BPE tokenizer trained here on a built-in synthetic corpus
-  (``tokenizer.json`` + ``tokenizer_config.json`` with ``<s>``/``</s>``/``<pad>`` and a chat
-  template, so ``/v1/chat/completions`` works). The same seed gives byte-identical files.
-- ``write_counting_model(base_dir, out_dir)`` writes a FULL checkpoint with the base model's
-  config, tokenizer and shard layout whose greedy continuation of token ``i`` is ``i + 1``
-  (mod vocab): a "successor" model, so a hot-load of it changes greedy output in a way a
-  test can predict. ``counting_tensors(base_dir)`` returns only the tensors that differ from
-  the base (``COUNTING_CHANGED`` names them), for partial / delta loads.
-- ``python -m workers.base_model OUT [--counting] [--seed N]`` writes the base model (or,
-  with ``--counting``, the base model into ``OUT/base`` and the counting model into
-  ``OUT/counting``).
-
-Why the counting model works: with every layer's ``o_proj`` and ``down_proj`` at zero, the
-attention and MLP blocks add exactly zero to the residual stream, so the last hidden state is
-the current token's embedding ``e_i``. The final RMSNorm (weight ones) rescales it, and the
-logits are ``lm_head @ norm(e_i)``. With ``lm_head[j] = scale * e_{j-1}`` and near-orthogonal
-random unit-norm embeddings, logit ``i + 1`` is ``scale * sqrt(d)`` (the norm of ``norm(e_i)``
-is ``sqrt(d)``) while the others are ``scale * sqrt(d) * cos``, ``|cos| ~ 1/sqrt(d)`` — a
-margin of ~0.7 * scale * sqrt(d) against the largest of 2047 random cosines (~0.25 for d=256).
-``COUNTING_SCALE`` puts the winning logit at ~32, far above BF16 rounding (~0.125 there).
+``write_base_model(out_dir, seed=0)`` writes a small Llama-architecture checkpoint (BF16, two
+shards, a byte-level BPE tokenizer trained here with a chat template); the same seed gives
+byte-identical files. ``write_counting_model(base_dir, out_dir)`` writes a FULL checkpoint of
+the same layout whose greedy continuation of token ``i`` is ``i + 1`` (mod vocab), so a
+hot-load changes greedy output predictably; ``counting_tensors`` returns only the tensors that
+differ (``COUNTING_CHANGED``). Why it counts: with every ``o_proj`` and ``down_proj`` at zero the
+last hidden state is the token's own embedding, and ``lm_head[j] = scale * e_{j-1}`` over
+near-orthogonal unit embeddings makes logit ``i + 1`` win by a margin (``COUNTING_SCALE``: ~32)
+far above BF16 rounding. CLI: ``python -m workers.base_model OUT [--counting] [--seed N]``.
 """
 
 from __future__ import annotations

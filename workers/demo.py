@@ -1,48 +1,15 @@
-"""`make demo`: a tiny GRPO loop that learns through hot-loads, on the embedded stack.
+"""`make demo`: a tiny GRPO loop that learns through hot-loads, on the embedded stack (README.md).
 
-Starts the stack (unless it already runs), creates a 2-replica deployment of the embedded model,
-publishes the base as a FULL snapshot (``step-000000``), then loops:
-
-1. rollouts: a group of ``--group`` completions per prompt for ``--prompts`` arithmetic questions
-   (``"37 + 45 ="``, sent as the tokenizer's ids), sampled through the gateway's
-   ``/v1/completions`` at temperature 1 with logprobs and the sampled ids as cwtrain asks for them
-   (``logprobs: 1``, ``return_tokens_as_token_ids``; one request per prompt with ``n = group``,
-   all prompts at once, so both replicas serve);
-2. reward: "answer with digits", the fraction of completion tokens that are a digit
-   (``workers.grpo.digits_reward``; ~0.005 for the random-init model);
-3. a GRPO step on the trainer's own FP32 copy of the model (torch on the CPU,
-   ``workers.grpo.Policy``), exported as a BF16 checkpoint in the base layout. By default
-   (``--train head``) it updates the output head (``lm_head`` and the final norm), which is
-   enough for this task and keeps each delta to 2 of the 39 tensors; ``--train last`` adds the
-   last decoder layer, ``--train all`` everything (Adam then moves every weight: deltas ~55%);
-4. a delta against the previous published checkpoint (``snapshots.writer.write_delta``), uploaded
-   and hot-loaded through the REST API as ``SNAPSHOT_TYPE_INCREMENTAL`` with
-   ``previousSnapshotIdentity`` and ``PROMPT_CACHE_POLICY_RESET_ALL``; it waits for COMPLETED
-   with every replica READY on the identity, so the next rollouts are strictly on-policy.
-   A chain holds at most 63 deltas: at that point the step publishes a FULL snapshot instead.
-
-``--model qwen3-moe`` runs the same loop on a small random Qwen3-MoE (8 experts, top 2;
-`workers.families`, written once under ``HOME/models/`` and uploaded to the bucket): the trainer
-is transformers' Qwen3-MoE and each delta lands in the engines through vLLM's fused-MoE loader.
-The deployment returns routed experts (``enable-return-routed-experts``): each completion is its
-own request (``n`` 1) asking for ``nvext.routed_experts``, and the trainer replays the sampler's
-routes in its forward passes (`workers.routing_replay`); each step reports the share of (token,
-layer) routes where the trainer's own router agreed. vLLM returns routes from its Model Runner
-V2, whose Triton kernels run in Triton's interpreter on this CPU build (slower rollouts).
-
-Each step prints one line: identity, mean reward, delta size as % of the full checkpoint,
-seconds from create to COMPLETED, replicas READY, rollout tokens per second, trainer seconds and
-the mean |trainer − sampler| log-prob of the sampled tokens (small while the replicas serve what
-the trainer published). At the end: a PNG of reward and hot-load seconds per step (and a JSON of
-the figures) under ``HOME/demo/``, a table with the first-5 and last-5 mean reward and a greedy
-sample completion before and after, then the deployment is deleted and what the demo started
-is stopped. Exit status 0 when every hot-load completed and the reward rose.
-
-With ``--max-replicas`` above ``--replicas`` (e.g. ``--replicas 1 --max-replicas 2``) the
-deployment autoscales on the demo's own load (``targetInFlight`` 2, out after 10 s busy, in
-after 20 s idle): each change of its serving replicas is printed with the step it followed, and
-after the loop the demo waits for the scale-in before it deletes the deployment. A scale-out
-starts a second engine on the same 2 cores, so such a run takes longer than the default one.
+Starts the stack unless it runs, creates a deployment of the embedded model (or ``--model
+qwen3-moe``, with routed experts replayed by the trainer), publishes the base as a FULL snapshot,
+then per step: samples groups of completions through the gateway, scores them
+(``workers.grpo.digits_reward``), takes a GRPO step on the trainer's own copy
+(``workers.grpo.Policy``), writes a delta against the previous checkpoint (a FULL once a chain
+holds 63 deltas) and hot-loads it, waiting until every replica is READY on it, so the next
+rollouts are strictly on-policy. It prints a line per step, writes a plot and its figures under
+``HOME/demo/``, deletes the deployment and stops what it started; exit status 0 when every
+hot-load completed and the reward rose. With ``--max-replicas`` above ``--replicas`` the
+deployment autoscales on the demo's own load.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """The trainer side of `make demo`: a tiny GRPO on the CPU, in torch.
 
-Contract:
-
-- The task: "answer with digits". A prompt is an arithmetic question in the tokenizer's corpus
-  style (``"37 + 45 ="``); :func:`digits_reward` scores a completion by the fraction of its
-  tokens that are a digit ``0``-``9`` (the tokenizer splits digits one by one, so a digit is a
-  token). It is verifiable from the token ids alone and starts near 10/2048 for the random-init
-  base model, so a rise is the policy learning, not luck.
-- :func:`group_advantages`: GRPO's group-relative advantage, ``(r - mean) / (std + eps)`` within
-  each prompt's group (population std; a group whose rewards are all equal gets zeros).
-- :func:`grpo_loss`: the clipped surrogate, token-level mean over every completion token of the
-  batch (no KL term): ``-mean(min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A))`` with
-  ``ratio = exp(logp - logp_old)``.
-- :class:`Policy`: the trainer's own copy of the model (``transformers``' class its config names,
-  FP32 master weights, Adam over the tensors :func:`trainable_names` picks: ``all``, ``head``
-  or ``last``), loaded from a full checkpoint. ``step(rollouts)`` takes one GRPO
-  update (``inner_steps`` optimizer steps on the batch, ``logp_old`` taken before the first);
-  ``export(dir)`` writes the weights in BF16 with the base checkpoint's names, order, shard
-  layout and side files (config, tokenizer), i.e. a full checkpoint that
-  ``snapshots.writer.write_delta`` can diff against the previous one. When every rollout carries
-  the sampler's routed experts (an MoE deployment with routing capture), each forward pass
-  replays them (`workers.routing_replay`), and ``StepStats.extra["routes_agree"]`` is the share
-  of (token, layer) rows where the trainer's own router picked the sampler's experts.
+:func:`digits_reward` ("answer with digits": the fraction of completion tokens that are a digit,
+verifiable from ids alone, near 10/2048 for the random base); :func:`group_advantages`
+(``(r - mean) / (std + eps)`` per prompt's group, zeros for equal rewards); :func:`grpo_loss`
+(the clipped surrogate, token-level mean, no KL). :class:`Policy` holds FP32 masters and Adam
+over :func:`trainable_names` (``all``, ``head``, ``last``); ``step`` takes one GRPO update and
+``export`` writes a BF16 checkpoint with the base's names, order, shards and side files, so
+``snapshots.writer.write_delta`` can diff it. With the sampler's routed experts on every
+rollout, forward passes replay them (`workers.routing_replay`).
 """
 
 from __future__ import annotations

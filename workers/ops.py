@@ -1,20 +1,13 @@
 """Operator commands over the REST API and Temporal histories (`rollouts replay | rollback |
 history check | hotload wait`).
 
-`replay HOT_LOAD_ID` starts a new hot-load of the same deployment, identity, type, incremental
-metadata and prompt-cache policy (the guide's "Recover a failed hot-load"); `rollback IDENTITY
+`replay HOT_LOAD_ID` starts a new hot-load of the same snapshot and settings; `rollback IDENTITY
 --deployment D` re-serves an earlier snapshot with the type and metadata of its newest COMPLETED
-hot-load on D (a delta's predecessor must still have a completed hot-load there, as for any
-delta). Both wait, print one line per change of the operation or a replica, and return 0 when
-it ends COMPLETED, 1 otherwise with the reason (the API's error, or the operation's conditions
-and each replica's errorReason).
-
-They call the API with the stack's admin token: `ROLLOUTS_API_URL` and `CW_API_TOKEN` from the
-environment (stack.env), else `api_url` / `admin_token` from `$ROLLOUTS_HOME/stack.json`.
-
-`history check DIR` replays every `*.json` history in DIR (as `temporal workflow show -w ID -o
-json` exports it; the workflow id is the file name without `.json`, `%2F` standing for `/`)
-against the current workflow classes and reports each nondeterminism; exit 1 if any.
+hot-load on D. Both wait, print one line per change, and exit 0 only when it ends COMPLETED
+(else 1 with the reason). They use the stack's admin token (`ROLLOUTS_API_URL`, `CW_API_TOKEN`,
+else `$ROLLOUTS_HOME/stack.json`). `history check DIR` replays every exported `*.json` history
+(workflow id = file name, `%2F` for `/`) against the current workflow classes; exit 1 on any
+nondeterminism.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Routing replay for the demo's Mixture-of-Experts trainer (`workers.grpo.Policy`).
 
-A deployment started with ``enable-return-routed-experts`` answers each completion with the
-experts its router picked for every token in every MoE layer (``nvext.routed_experts``, rows
-``[prompt + completion - 1, layers, top_k]``). Replaying them, the trainer's forward pass sends
-each token to the experts that produced the sample, so its log-probs and gradients belong to the
-computation the sampler ran even where its own router, on FP32 masters, would pick otherwise.
-
-- ``routers(model)``: the model's MoE routers in layer order: transformers' ``*TopKRouter``
-  modules (Qwen3-MoE's), whose forward returns ``(logits, scores, indices)``. A model without
-  them (a dense model, or a family whose router is written otherwise) has none: replay refuses.
-- ``Replay(model, routes)``: a context manager. ``routes`` is ``[B, T, layers, top_k]`` (int64,
-  ``-1`` where the model routes by itself: padding and each sequence's last token). Inside it,
-  each router's indices are the given ones and its scores the softmax probabilities at those
-  indices (renormalized when the router normalizes its top-k), so the router still learns.
-  ``agreed`` / ``compared`` count the (token, layer) rows where the model's own top-k set was the
-  sampler's, over the rows given.
+Replaying the sampler's ``nvext.routed_experts`` sends each token to the experts that produced
+the sample, so the trainer's log-probs and gradients belong to the computation the sampler ran.
+``routers(model)`` lists transformers' ``*TopKRouter`` modules in layer order (none: replay
+refuses). ``Replay(model, routes)`` (``routes``: ``[B, T, layers, top_k]``, ``-1`` where the
+model routes itself) makes each router's indices the given ones and its scores the softmax
+probabilities there (so the router still learns); ``agreed`` / ``compared`` count the rows where
+the model's own top-k was the sampler's.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """The gRPC ports of a stack's SeaweedFS, chosen so that no other SeaweedFS on the machine shares them.
 
-`weed mini` serves each of its gRPC services (s3, master, volume, filer, admin) on a TCP port and
-on a Unix socket whose path its binary fixes from the port alone:
-``/tmp/seaweedfs-<service>-grpc-<port>.sock``; its own services dial each other through that
-socket (also for ``127.0.0.1:<port>``). Two stacks with the same ports (on other addresses, or in
-network namespaces, which share ``/tmp``) would share those sockets: one stack's S3 would read
-another's master, and stopping one would remove the other's sockets.
-
-So the stack never lets the gRPC ports follow its HTTP ports. Invariants:
-- each chosen port binds on the stack's address now, and no live SeaweedFS answers on its socket
-  path (a stale socket file of a dead one is free: weed replaces it);
-- the choice is made, and held, under a machine-wide lock (a file in ``/tmp``, seen by every
-  network namespace) until this stack's sockets answer, so two stacks starting at once never
-  choose the same port;
-- the ports are recorded in the stack's home and kept across restarts while they stay free.
+`weed mini` serves each gRPC service on a port and on a Unix socket whose path depends on the
+port alone (``/tmp/seaweedfs-<service>-grpc-<port>.sock``), so two stacks with the same ports
+would share sockets (docs/operations.md). Invariants: each chosen port binds on the stack's
+address and no live SeaweedFS answers on its socket path; the choice is made and held under a
+machine-wide lock in ``/tmp`` until this stack's sockets answer, so two stacks starting at once
+never choose the same port; the ports are recorded in the stack's home and kept while free.
 """
 
 from __future__ import annotations

