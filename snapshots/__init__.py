@@ -1,26 +1,12 @@
 """snapshots: everything about the bytes of a hot-load snapshot (no Temporal, no HTTP).
 
-The format (``docs/design.md``, "The snapshot format"): a *full* snapshot is Hugging Face
-safetensors shards + ``config.json`` + ``model.safetensors.index.json``; a *delta* is shards of
-1-D ``U8`` tensors, each one zstd frame of ``new XOR base`` for one changed tensor, with the new
-bytes' Adler-32 in the shard ``__metadata__`` and ``xor`` / ``zstd`` / ``adler32`` in the index
-metadata. cwtrain's ``write_delta`` and slime's disk-delta writer produce it; this package reads,
-validates, applies, materializes and writes it.
-
-Entry points (each module's docstring states its contract):
-
-* :func:`validate_identity` - identity rules.
-* :func:`inspect_snapshot`, :func:`check_required_files` - validate a directory or ``s3://`` prefix.
-* :class:`HostWeights` - a replica's host copy of its weights: load, ``apply_delta``
-  (all-or-nothing), ``tensor``, ``checksums``, ``materialize``.
-* :func:`apply_delta` - the same for plain buffers.
-* :func:`materialize_chain` (:func:`materialize_chain_report`) - base + deltas -> a full
-  checkpoint directory, streamed in bounded memory, all-or-nothing (may be done in place).
-* :func:`validate_chain`, :func:`resolve_chain` - full base + at most 63 deltas.
-* :func:`write_delta`, :func:`write_full_snapshot` - writers.
-* :mod:`snapshots.cli` - ``rollouts snapshot inspect|delta|apply|verify``.
-
-Every failure on bad input is a :class:`SnapshotError` (a ``ValueError``) naming file and tensor.
+The format is docs/design.md's "The snapshot format": full safetensors checkpoints, XOR+zstd
+deltas and sparse deltas, each tensor's Adler-32 recorded. Entry points: :func:`validate_identity`;
+:func:`inspect_snapshot`, :func:`check_required_files`; :class:`HostWeights` (a replica's host
+copy) and :func:`apply_delta`; :func:`materialize_chain` (:func:`materialize_chain_report`,
+streamed, bounded memory); :func:`validate_chain`, :func:`resolve_chain`; :func:`write_delta`,
+:func:`write_full_snapshot`; :mod:`snapshots.cli`. Invariants: every apply is all or nothing, and
+every failure on bad input is a :class:`SnapshotError` (a ``ValueError``) naming file and tensor.
 """
 
 from snapshots.chain import MAX_CHAIN_DELTAS, ChainLink, resolve_chain, validate_chain

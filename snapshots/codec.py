@@ -1,30 +1,13 @@
-"""The delta codec: bounded zstd inflation, XOR, Adler-32, applied all-or-nothing.
+"""The delta codec: bounded zstd inflation, XOR, Adler-32, applied all or nothing.
 
-A delta tensor is one zstd frame of ``new XOR base`` over the tensor's raw bytes. To apply it:
-
-1. the frame is checked before anything is decompressed (:func:`check_frame`): it must be no
-   larger than any zstd frame of the base tensor's byte length can be (checked before it is even
-   read), be one zstd frame whose block headers end exactly at the end of the delta tensor
-   (trailing bytes are refused), and not *declare* a decompressed size other than the base
-   tensor's. It is then inflated into a per-thread scratch buffer of exactly that length; a frame
-   without a declared size is refused if it would produce even one byte more (so a zstd bomb is
-   never allocated) or fewer;
-2. the scratch is XORed into the target tensor in place;
-3. the Adler-32 of the result is compared with the writer's; on a mismatch the XOR is undone
-   at once (XOR is its own inverse).
-
-A sparse delta's tensor (`snapshots.sparse`) is applied the same way with its changed elements
-instead of a frame: its values' count is checked against the tensor before anything is read,
-its indices must be strictly increasing and inside the tensor, its values are written at them
-(the old values kept), and a checksum mismatch puts the old values back.
-
-**All-or-nothing.** Every tensor is staged and verified this way in parallel (zstd, numpy and
-zlib release the GIL). If any tensor fails, every tensor already applied is XORed back with its
-frame (kept in memory until the end, so the undo cannot fail on I/O), and the first failure in
-delta order is raised: the target is exactly as before. Only when every tensor passed does the
-call return. Memory beyond the target: one scratch buffer per worker thread (the largest tensor)
-plus the compressed frames (the delta's wire size). Readers must not read the target while an
-apply runs; they would see intermediate bytes.
+A frame is checked before anything is decompressed (:func:`check_frame`: one zstd frame, no
+trailing bytes, no larger than a frame of the tensor's length can be, no other declared size),
+inflated into a per-thread scratch of exactly the tensor's length (one byte more is refused, so
+a zstd bomb is never allocated), XORed into the target and checked by Adler-32. A sparse tensor
+is bounded and checked before it is read, then scattered (old values kept). Invariants: tensors
+run in parallel, and if any fails every tensor already applied is put back from frames kept in
+memory (the undo cannot fail on I/O) and the first failure in delta order is raised: the target
+is exactly as before. Readers must not read the target during an apply.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The errors of the ``snapshots`` package.
 
-Every failure to read, validate, apply or write a snapshot raises a :class:`SnapshotError`, a
-``ValueError``: the input is bad, retrying will not help. Each error carries the ``file`` (a path,
-an ``s3://`` URI, or a name inside a snapshot) and the ``tensor`` it is about when there is one,
-and its message names both, so a one-line report ("model-00001-of-00002.safetensors: tensor
-'lm_head.weight': checksum mismatch ...") is enough to find the culprit.
-
-Subclasses let callers map failures to API reasons without parsing messages:
-
-* :class:`IdentityError` - a snapshot identity breaks the naming rules.
-* :class:`HeaderError` - a safetensors file is truncated or its header is inconsistent.
-* :class:`LayoutError` - files are missing, or the index does not describe the shards.
-* :class:`UnsupportedFormatError` - a delta uses an encoding, compression or checksum other
-  than ``xor`` / ``zstd`` / ``adler32``.
-* :class:`DeltaMismatchError` - a delta does not fit its base (unknown tensor, wrong size,
-  dtype/shape mismatch, bad or oversize zstd frame).
-* :class:`ChecksumError` - reconstructed bytes do not match the Adler-32 the writer recorded,
-  or a checksum is missing or malformed.
-* :class:`ChainError` - a snapshot chain is too long, broken, or out of order.
+Every failure to read, validate, apply or write a snapshot is a :class:`SnapshotError`, a
+``ValueError`` (bad input: a retry will not help), carrying the ``file`` and, when there is one,
+the ``tensor``, both named in its message. Subclasses let callers map failures to API reasons
+without parsing messages: :class:`IdentityError`, :class:`HeaderError`, :class:`LayoutError`,
+:class:`UnsupportedFormatError`, :class:`DeltaMismatchError`, :class:`ChecksumError`,
+:class:`ChainError`.
 """
 
 from __future__ import annotations

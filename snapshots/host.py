@@ -1,25 +1,12 @@
 """``HostWeights``: a replica's host-side copy of the weights it serves, in checkpoint format.
 
-The replica keeps the bytes of every tensor exactly as the trainer's checkpoint holds them
-(same names, dtypes, shapes, shard layout), so it can apply the trainer's deltas to them, prove
-what it serves (per-tensor Adler-32), hand tensors to the engine, and write them out as a full
-checkpoint. The API is deliberately small::
-
-    weights = HostWeights.load("/models/base")            # or "s3://bucket/prefix/step-1/", s3=client
-    changed = weights.apply_delta("s3://bucket/prefix/step-2/", s3=client)   # all-or-nothing
-    for name in changed:
-        engine_param.copy_(weights.tensor(name))          # torch view, right dtype and shape
-    weights.checksums()                                   # {name: "8-hex adler32"}
-    weights.materialize("/tmp/step-2")                    # a full checkpoint directory
-
-Loading verifies the Adler-32 recorded in a full snapshot's shard ``__metadata__`` (cwtrain's
-``write_full_snapshot`` records them). ``apply_delta`` is all-or-nothing: if any tensor fails
-(see :mod:`snapshots.codec`) the weights are exactly as before and a ``SnapshotError`` names the
-file and tensor. It changes the buffers in place: tensors returned by :meth:`tensor` are views
-and see the new values; do not read them while an apply runs.
-
-Memory: each shard is one contiguous buffer of the shard file's size (``mmap=True`` maps local
-shards copy-on-write instead, so only the pages a delta touches become private memory).
+Every tensor's bytes exactly as the trainer's checkpoint holds them (names, dtypes, shapes,
+shard layout), so the replica applies deltas to them, proves what it serves (Adler-32), hands
+tensors to the engine (:meth:`tensor`, zero-copy views) and writes them out (:meth:`materialize`).
+Invariants: loading verifies the Adler-32 a full snapshot records; :meth:`apply_delta` is all or
+nothing (on failure the weights are exactly as before and a ``SnapshotError`` names file and
+tensor); it changes buffers in place, so views see new values and must not be read during an
+apply. Memory: one buffer per shard (``mmap=True``: local shards copy-on-write).
 """
 
 from __future__ import annotations
@@ -389,21 +376,11 @@ def apply_delta(
     s3: Any = None,
     workers: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """Apply one delta to ``base``, all-or-nothing, and return the changed tensors' new bytes.
+    """Apply one delta to ``base``, all or nothing, and return name -> flat ``uint8`` new bytes of
+    every changed tensor (views of the caller's buffers for a mapping ``base``).
 
-    Args:
-        base: A mapping of tensor name -> writable contiguous buffer (``bytearray``,
-            ``memoryview``, numpy array), changed in place; or a full checkpoint location,
-            loaded into memory (see :class:`snapshots.host.HostWeights`) and left untouched.
-        delta_location: A delta directory, ``s3://`` prefix, or a :class:`DeltaPlan`.
-        s3: A boto3 S3 client for ``s3://`` locations.
-
-    Returns:
-        name -> flat ``uint8`` array of the new bytes, for every changed tensor. For a mapping
-        base these are views of the caller's buffers.
-
-    Raises:
-        SnapshotError: the delta is malformed or does not fit ``base``; ``base`` is unchanged.
+    ``base`` is a mapping of name -> writable contiguous buffer, changed in place, or a full
+    checkpoint location, loaded and left untouched. Raises SnapshotError (``base`` unchanged).
     """
     plan = delta_location if isinstance(delta_location, DeltaPlan) else read_delta_plan(delta_location, s3=s3)
     if isinstance(base, Mapping):

@@ -1,26 +1,13 @@
 """Validate and describe a snapshot, local or on S3, without reading tensor data.
 
-A snapshot is the set of immediate children of ``DIR/`` or ``s3://BUCKET/PREFIX/IDENTITY/``.
-
-* **full**: ``config.json`` + ``model.safetensors.index.json`` + every shard its ``weight_map``
-  names (a non-empty map). A checkpoint saved as one ``model.safetensors`` without an index is
-  accepted too; its index is generated from the header. Shards may carry each tensor's Adler-32
-  in ``__metadata__`` (cwtrain's ``write_full_snapshot`` does); they are verified on load.
-* **delta**: the index + every shard its ``weight_map`` names. The index ``metadata`` has
-  ``delta_encoding: xor``, ``compression_format: zstd`` (assumed when absent, as cwtrain does)
-  and ``checksum_format: adler32``; anything else is refused by name. Every changed tensor is a
-  1-D ``U8`` tensor (one zstd frame of ``new XOR base``) with an 8-hex-digit Adler-32 of the new
-  bytes in its shard's ``__metadata__``. A *sparse* delta (``delta_encoding: sparse``, no
-  compression) carries each changed tensor's changed elements instead, as ``NAME.indices`` and
-  ``NAME.values`` (`snapshots.sparse`). ``version`` / ``base_version`` are informational: the
-  service chains deltas by the identities in the hot-load request, as the guide says, so they
-  may hold slime's ``000001`` counters.
-
-:func:`check_required_files` is the cheap admission check (one listing + the index);
-:func:`verify_required_files` is the same check returning the snapshot's fingerprint too;
-:func:`inspect_snapshot` also validates every shard header (one or two ranged reads per shard).
-:func:`read_delta_plan` and :func:`read_full_layout` return the validated layout that the apply,
-materialize and write paths work from.
+A snapshot is the set of immediate children of ``DIR/`` or ``s3://BUCKET/PREFIX/IDENTITY/``;
+its layout (full, XOR delta, sparse delta) is docs/design.md's "The snapshot format", and any
+other delta encoding, compression or checksum format is refused by name. ``version`` /
+``base_version`` are informational: deltas chain by the hot-load request's identities.
+:func:`check_required_files` is the cheap admission check (one listing and the index);
+:func:`verify_required_files` also returns the fingerprint; :func:`inspect_snapshot` validates
+every shard header too; :func:`read_delta_plan` / :func:`read_full_layout` return the validated
+layout the apply, materialize and write paths work from.
 """
 
 from __future__ import annotations

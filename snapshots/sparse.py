@@ -1,24 +1,11 @@
-"""Sparse deltas: a delta that carries only the changed elements of each tensor, as indices and
-values, the way trainers that sync changed elements publish them (docs/wire.md, "Sparse
-deltas").
+"""Sparse deltas: only the changed elements of each tensor, as indices and values, the way trainers
+that sync changed elements publish them (layout: docs/wire.md, "Sparse deltas").
 
-The layout: an index whose ``metadata`` has ``delta_encoding: sparse`` and ``checksum_format:
-adler32`` (``compression_format`` absent or ``none``). For each changed tensor ``NAME`` the
-``weight_map`` names two tensors of the shards:
-
-- ``NAME.indices``: 1-D ``I32`` or ``I64``, the changed elements' positions in the tensor taken
-  row-major (flat), strictly increasing;
-- ``NAME.values``: 1-D, as many elements, the new values in the tensor's own dtype;
-
-and the ``__metadata__`` of the shard holding ``NAME.values`` maps ``NAME`` to the Adler-32 of
-the whole new tensor (8 hex digits), as an XOR delta's does. The chain rules, the Adler-32
-proofs and replay are the same as for an XOR delta: only the way the new bytes are made differs.
-
-This module has no other snapshot module's types: :func:`pairs` validates the layout from the
-index's weight map and the shard headers (a problem names the file and tensor),
-:func:`check_size` bounds what will be read before it is, :func:`read` reads one tensor's
-indices and values from its snapshot and checks them (:func:`decode`), and :func:`scatter` writes
-them into a flat byte buffer, returning the old values so that the caller can undo it.
+Chain rules, Adler-32 proofs and replay are the same as an XOR delta's; only how the new bytes
+are made differs. This module depends on no other snapshot module's types: :func:`pairs`
+validates the layout from the index and shard headers, :func:`check_size` bounds what will be
+read before it is, :func:`read` reads and checks (:func:`decode`) one tensor's indices and
+values, and :func:`scatter` writes them into a flat buffer, returning the old values for undo.
 """
 
 from __future__ import annotations

@@ -1,50 +1,16 @@
 """Streaming materialization: a full base + a chain of deltas -> a full checkpoint directory.
 
-:func:`materialize_chain_report` (and :func:`snapshots.host.materialize_chain`, which returns
-just the path) reconstructs ``base`` + ``deltas`` (applied in order, each to the result of the
-one before) into ``out_dir`` without ever holding the model in memory. The contract:
-
-* **Output.** The same checkpoint :meth:`HostWeights.materialize` writes: the base's shard
-  names, each shard's tensors in the base file's order, every tensor's Adler-32 in the shard
-  ``__metadata__``, the index with ``checksum_format: adler32`` and no delta keys, and the base's
-  ``config.json`` and other small side files.
-* **Verified.** Every changed tensor is checked after *each* delta that touches it: each frame
-  is one zstd frame (no trailing bytes), no longer than a zstd frame of the tensor can be,
-  decompressing to exactly the base tensor's byte length (a declared other size is refused
-  before decompressing, an undeclared one is refused at the first byte past the tensor, so a
-  zstd bomb is never allocated), and the result has the Adler-32 that delta's writer recorded.
-  A tensor no delta touches is copied, and its Adler-32 must match the one the base records in
-  its ``__metadata__``, if it records one.
-* **All-or-nothing.** Everything is written into a temporary sibling of ``out_dir`` that
-  replaces ``out_dir`` only once every tensor of every link is verified (and, with ``fsync``,
-  on disk). On any failure ``out_dir`` is untouched and the first failure (base first, then the
-  deltas in chain order, then each delta's own order) is raised as a :class:`SnapshotError`
-  naming file and tensor. ``out_dir`` may be the base directory itself: an in-place apply that
-  leaves the base exactly as it was on failure.
-* **Durable.** With ``fsync`` (the default) the new files and the rename are synced before the
-  call returns; each tensor's write-back is started as soon as it is written, so the final
-  fsync overlaps the pass instead of following it.
-* **Bounded memory.** Tensors are streamed in chunks of ``chunk_bytes``: base bytes are read
-  with ``preadv`` into a reusable per-thread buffer (page cache, not resident memory as mmap'd
-  pages would be, and a clean error rather than SIGBUS if a shard is cut short under us; on
-  S3, one streaming ranged GET per tensor), each delta's next decompressed
-  chunk is XORed into it, each link's running Adler-32 is updated and the chunk is written at
-  its offset in the new shard. Memory is two chunk buffers per worker plus the zstd frames of
-  the tensors in flight (one per delta that changed the tensor, each at most a bit more than the
-  tensor), whatever the model size. Delta frames are read with one ranged read (a ranged GET on
-  S3) per changed tensor: nothing else of a delta is fetched but its index and shard headers.
-* **Sparse deltas** (`snapshots.sparse`) are streamed the same way: a link's indices and values
-  are read and checked once (their count against the tensor before the read), then each chunk
-  takes the values whose positions fall in it. ``chunk_bytes`` is a multiple of 8, so no
-  element straddles two chunks.
-* **Parallel.** Tensors are spread over ``workers`` threads, largest first; zstd, numpy's XOR,
-  zlib's Adler-32 and the file I/O all release the GIL.
-
-:func:`stream_checksums` runs the same pass without writing: the Adler-32 of every tensor of a
-checkpoint (+ deltas), in bounded memory.
-
-The module is one concern, the streamed pass, and runs a little over 500 lines because this
-contract is stated here in full.
+:func:`materialize_chain_report` (and :func:`snapshots.host.materialize_chain`) writes the same
+checkpoint :meth:`HostWeights.materialize` does, never holding the model in memory. Invariants:
+every changed tensor is checked after *each* delta that touches it (bounded frames as in
+`snapshots.codec`, the writer's Adler-32), an untouched tensor against the base's recorded one;
+all or nothing: everything goes into a temporary sibling that replaces ``out_dir`` only once
+every link is verified (``out_dir`` may be the base: an in-place apply), else the first failure
+(base, then deltas in chain order) is raised naming file and tensor and ``out_dir`` is untouched;
+with ``fsync`` the result is durable before return; memory is two ``chunk_bytes`` buffers per
+worker plus the frames in flight, whatever the model size; only the index, shard headers and
+changed tensors' frames of a delta are read. :func:`stream_checksums` is the same pass without
+writing.
 """
 
 from __future__ import annotations

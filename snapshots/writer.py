@@ -1,22 +1,12 @@
 """Writers: deltas between two full checkpoints, and checksummed full snapshots.
 
-:func:`write_delta` produces exactly the layout slime and cwtrain write and the service reads:
-for every tensor whose bytes differ, one zstd (level 1) frame of ``new XOR base`` stored as a
-1-D ``U8`` tensor; each shard's ``__metadata__`` maps those names to ``"%08x" % adler32(new)``;
-shards are ``model-{i:05d}-of-{n:05d}.safetensors`` (0-based, like cwtrain), each at most
-``shard_bytes`` of frames (a single larger frame gets a shard of its own); the index ``metadata``
-holds ``version``, ``base_version``, ``delta_encoding: xor``, ``compression_format: zstd``,
-``checksum_format: adler32``, and ``weight_map`` lists only the changed tensors. Both checkpoints
-must hold the same tensor names with the same dtypes and shapes. When nothing changed, nothing
-is written and ``DeltaStats.changed == 0`` says so: an empty delta is reported, not published.
-
-It streams: checkpoints are memory-mapped, at most ``2 * workers`` tensors are diffed at once
-(XOR into a per-thread scratch, compress, Adler-32, all GIL-free), and frames are held only
-until their shard is written, so memory is a few tensors plus one shard.
-
-:func:`write_full_snapshot` writes tensors (a state dict) or re-writes a checkpoint directory as
-a full snapshot with every tensor's Adler-32 in ``__metadata__`` and ``checksum_format: adler32``
-in the index, like cwtrain's ``write_full_snapshot``.
+:func:`write_delta` writes exactly the layout slime and cwtrain write and the service reads
+(docs/design.md, "The snapshot format"): zstd level 1 frames of ``new XOR base`` for the changed
+tensors only, shards of at most ``shard_bytes``, each new tensor's Adler-32 recorded. Both
+checkpoints must hold the same names, dtypes and shapes; an empty delta is reported
+(``DeltaStats.changed == 0``), never written. It streams (memory: a few tensors plus one shard).
+:func:`write_full_snapshot` writes a state dict or re-writes a checkpoint with every tensor's
+Adler-32, like cwtrain's ``write_full_snapshot``.
 """
 
 from __future__ import annotations
