@@ -86,8 +86,37 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
             "chunk_size": 64,
         },
     ),
+    # Its MoE variant, as NVIDIA's Nemotron 3 Nano lays it out: Mamba-2 ("M"), MoE ("E") and
+    # attention ("*") decoder layers; each MoE layer routes to non-gated ReLU² experts (an up and a
+    # down projection each, no gate) by a sigmoid router with a score-correction bias, beside a
+    # shared expert. vLLM's CPU build refuses its experts (``is_act_and_mul=False is supported
+    # only for CUDA, XPU and ROCm``): no CPU engine serves it (CUDA_ONLY).
+    "nemotron_h_moe": (
+        T.NemotronHConfig,
+        T.NemotronHForCausalLM,
+        {
+            "num_hidden_layers": None,
+            "layers_block_type": ["mamba", "moe", "attention", "moe"],
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 64,
+            "n_groups": 2,
+            "ssm_state_size": 16,
+            "chunk_size": 64,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 64,
+            "moe_shared_expert_intermediate_size": 64,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+        },
+    ),
 }
-MOE = ("qwen3_moe", "mixtral", "deepseek_v3")  # the families with routed experts
+MOE = ("qwen3_moe", "mixtral", "deepseek_v3", "nemotron_h_moe")  # the families with routed experts
+# Families no CPU engine serves (vLLM's CPU build refuses their layers): tested on vLLM's model
+# classes without an engine (tests/helpers/family_models.py), not end to end.
+CUDA_ONLY = ("nemotron_h_moe",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 

@@ -14,6 +14,14 @@ shard of the model, and prints ``{family: {rank: report}}``; ``--ep`` with it: e
 (vLLM's ``enable_expert_parallel``: each rank owns a share of the experts, whole). ``--no-replay``:
 the map writes without replaying vLLM's loading and post-load processing (`post_load`), the premise
 of the check that a write reaches what the engine computes with.
+
+For an MoE family it also binds vLLM's routed-experts capturer to the model and runs each MoE
+layer's router (:func:`routes`: the shape and zeros of ``routed_experts``), and where the experts
+are used as the loader wrote them, writes one expert in place beside vLLM's load of it
+(:func:`one_expert`). A family no CPU engine serves (`workers.families.CUDA_ONLY`: Nemotron-H's
+non-gated ReLU² experts) is built with two of vLLM's platform checks lifted
+(:func:`allow_non_gated_experts_on_cpu`) and the MoE kernel an H100 picks for it (Triton): its
+building, loading, post-load processing and routing are vLLM's; no expert kernel runs.
 """
 
 from __future__ import annotations
@@ -29,7 +37,37 @@ import torch
 
 from common.processes import free_port
 from replica.engine.files import read_safetensors
-from workers.families import FAMILIES, write_family
+from workers.families import CUDA_ONLY, FAMILIES, MOE, write_family
+
+# Per family, what its engine is started with besides the defaults below: a family no CPU engine
+# serves (`workers.families.CUDA_ONLY`) with the MoE kernel vLLM picks for it on an H100 (Triton).
+ENGINE_ARGS: dict[str, dict[str, str]] = {"nemotron_h_moe": {"moe_backend": "triton"}}
+
+
+def allow_non_gated_experts_on_cpu() -> None:
+    """Let vLLM build (not run) non-gated fused experts (``is_act_and_mul=False``: Nemotron-H's
+    ReLU² experts) on the CPU, as it builds them on a GPU, by lifting exactly two platform checks:
+    ``FusedMoEConfig``'s (its last statement: the refusal is swallowed after everything else in
+    it ran) and the Triton experts' device check (so vLLM's backend oracle picks Triton, its
+    default for these experts on an H100). Every other part of building, loading and post-load
+    processing is vLLM's own; nothing here runs an expert kernel. Gated experts are unaffected."""
+    from vllm.model_executor.layers.fused_moe import config as moe_config  # noqa: PLC0415
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts  # noqa: PLC0415
+
+    original = moe_config.FusedMoEConfig.__post_init__
+    if getattr(original, "_rollouts_cpu", False):
+        return
+
+    def post_init(self) -> None:
+        try:
+            original(self)
+        except NotImplementedError as exc:
+            if "is_act_and_mul=False" not in str(exc):
+                raise
+
+    post_init._rollouts_cpu = True  # type: ignore[attr-defined]
+    moe_config.FusedMoEConfig.__post_init__ = post_init  # type: ignore[method-assign]
+    TritonExperts._supports_current_device = staticmethod(lambda: True)  # type: ignore[method-assign]
 
 
 def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -60,6 +98,9 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
     post_load.install()
     torch.accelerator.empty_cache = lambda: None  # no accelerator here (vLLM's CPU worker does the same)
 
+    if any(d.name in CUDA_ONLY for d in model_dirs):
+        allow_non_gated_experts_on_cpu()
+
     def engine_config(directory: Path):
         return EngineArgs(
             model=str(directory),
@@ -68,6 +109,7 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
             max_model_len=256,
             tensor_parallel_size=world,
             enable_expert_parallel=ep,
+            **ENGINE_ARGS.get(directory.name.removesuffix("-s1"), {}),
         ).create_engine_config()
 
     report: dict[str, dict] = {}
@@ -103,6 +145,8 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
             "params_changed_by_observe": changed,
             "moe_layers_with_loader_copies": sum(1 for m in model.modules() if cpu_moe.loaded(m)),
         }
+        if model_dir.name in MOE:
+            r["routes"] = routes(model, config)
         if twin.exists():
             new = checkpoint_tensors(twin)
             update = [(n, new[n]) for n in wmap.names()]
@@ -143,6 +187,8 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
                 "read_back_failed": stage.commit(wmap, staged).get("read_back_failed", []),
             }
             r["repack_s"] = swapped["repack_s"]  # the rebuild and replay inside the pause
+            if r["moe_layers_with_loader_copies"] == 0 and any(".experts.3." in n for n in wmap.names()):
+                r["one_expert"] = one_expert(wmap, model, fresh, checkpoint)
             # The replay's own cost (in a swap's repack_s) and its proof's (in a commit's verify_s).
             names = [n for n, _ in update]
             t0 = time.perf_counter()
@@ -151,6 +197,78 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
             wmap.underived(names)
             r["replay_s"], r["replay_proof_s"] = round(t1 - t0, 6), round(time.perf_counter() - t1, 6)
     return report
+
+
+def one_expert(wmap, model: torch.nn.Module, fresh: torch.nn.Module, checkpoint) -> dict:
+    """One expert's tensors (the first MoE layer's expert 3, the start checkpoint's values) written
+    in place through the map into ``model`` (holding the twin), beside vLLM's own load of those
+    tensors into ``fresh`` (a model loaded from the twin whose experts vLLM's kernel uses as its
+    loader wrote them: no CPU prepack to load around). Which parameters (and which experts of
+    them) the write changed, and what differs from vLLM's load after it."""
+    from replica.engine import stage  # noqa: PLC0415
+
+    layer = next(n for n in wmap.names() if ".experts.3." in n).partition(".experts.3.")[0]
+    update = [(n, checkpoint.read(n)) for n in wmap.names() if n.startswith(f"{layer}.experts.3.")]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    staged = stage.take(wmap, "one-expert", update)
+    stage.swap(wmap, staged)
+    failed = stage.commit(wmap, staged).get("read_back_failed", [])
+    fresh.load_weights(update)  # type: ignore[operator]  # vLLM's model class
+    changed = {}
+    for n, p in model.named_parameters():
+        if not torch.equal(p.detach(), before[n]):
+            rows = (p.detach() != before[n]).flatten(1).any(1) if p.dim() > 1 else None
+            changed[n] = None if rows is None else rows.nonzero().flatten().tolist()
+    fresh_params = dict(fresh.named_parameters())
+    return {
+        "names": [n for n, _ in update],
+        "changed": changed,  # parameter -> the indices along its first (expert) dimension that changed
+        "read_back_failed": failed,
+        "params_differ_from_vllm_load": [
+            n for n, p in model.named_parameters() if not torch.equal(p.detach(), fresh_params[n].detach())
+        ],
+        "derived_differ_from_vllm_load": derived_differ(model, fresh),
+    }
+
+
+def routes(model: torch.nn.Module, config, tokens: int = 5) -> dict:
+    """vLLM's routed-experts capture on ``model``: its capturer (sized from the engine's config, as
+    its workers size it) bound to the model's MoE routers, then each MoE layer's router run as its
+    MoE runner runs it (``select_experts`` on the layer's gate logits of random hidden states).
+    What the capturer then holds for ``tokens`` tokens (``[tokens, layers, top_k]``, the engine's
+    ``routed_experts`` of them), beside each MoE layer's own top-k ids, by decoder layer."""
+    from vllm.forward_context import set_forward_context  # noqa: PLC0415
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (  # noqa: PLC0415
+        RoutedExpertsCapturer,
+        bind_routed_experts_capturer,
+    )
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner  # noqa: PLC0415
+
+    capturer = RoutedExpertsCapturer(max_num_batched_tokens=tokens, vllm_config=config)
+    bind_routed_experts_capturer(model, capturer)
+    gen = torch.Generator().manual_seed(0)
+    routed: dict[int, list] = {}
+    with set_forward_context(None, config), torch.no_grad():
+        for block in model.modules():  # an MoE block: its gate (the router's logits) beside its runner
+            runner = getattr(block, "experts", None)
+            if not isinstance(runner, MoERunner):
+                continue
+            hidden = torch.randn(tokens, block.gate.weight.shape[1], generator=gen).to(block.gate.weight.dtype)
+            logits, _ = block.gate(hidden)
+            _, ids = runner.router.select_experts(
+                hidden_states=hidden,
+                router_logits=logits,
+                topk_indices_dtype=runner._quant_method.topk_indices_dtype,
+                input_ids=None,
+            )
+            routed[runner.layer_id] = ids.tolist()
+    captured = capturer.snapshot_routing_data(tokens)
+    return {
+        "shape": list(captured.shape),
+        "dtype": str(captured.dtype).removeprefix("torch."),
+        "captured": captured.tolist(),
+        "routed": routed,
+    }
 
 
 def layer_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

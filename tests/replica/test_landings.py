@@ -1,5 +1,5 @@
 """Where each checkpoint tensor lands, from vLLM's own loaders, and the engine's weight map built
-from it (replica/engine/landings.py, weight_map.py), on the real model classes of eight families
+from it (replica/engine/landings.py, weight_map.py), on the real model classes of ten families
 at tensor-parallel size 1 (small random checkpoints written by ``transformers``;
 tests/helpers/family_models.py builds each model in a process of its own, as an engine does, and
 loads the checkpoint).
@@ -13,7 +13,13 @@ Then a second checkpoint of each family written through the map leaves every par
 prepacked experts included, bit for bit what vLLM's loader makes of that checkpoint in a fresh
 model (Llama, Qwen2 with q/k/v biases, Qwen3 with tied embeddings, Phi-3 shipping q/k/v and
 gate/up already fused, Gemma 2, Qwen3-MoE, Mixtral, and a DeepSeek-V3-style MoE: multi-head latent
-attention, a shared expert beside the routed ones, a score-correction bias).
+attention, a shared expert beside the routed ones, a score-correction bias), and Nemotron-H, dense
+and MoE (Mamba-2, attention and ReLU² layers; the MoE's non-gated experts are built as on a GPU,
+since vLLM's CPU build refuses them: what is and is not exercised is in
+tests/helpers/family_models.py). In Nemotron-H's MoE, one expert written in place changes only
+its slots of the fused expert parameters, as vLLM's own load of it does. vLLM's routed-experts
+capturer on each MoE family counts every decoder layer, with zeros where a layer has no MoE block
+(Nemotron-H's Mamba and attention layers, DeepSeek-V3's dense first layer).
 
 At tensor-parallel size 2 (Qwen2 and Qwen3-MoE, two rank processes over gloo as vLLM's CPU
 backend runs them): each rank's landings read its own slice of the checkpoint (column-parallel
@@ -92,7 +98,9 @@ def test_every_tensor_of_every_family_lands_where_the_engine_holds_it(report):
         assert r["params_changed_by_observe"] == [], family
     # The experts' landings are in the loader-layout copies of each MoE layer (both layers; the
     # DeepSeek-style model's first layer is dense).
-    assert [report[f]["moe_layers_with_loader_copies"] for f in MOE] == [2, 2, 1]
+    # Nemotron-H's MoE runs vLLM's Triton experts (what an H100 engine picks for its non-gated
+    # experts; no CPU prepack), so none.
+    assert [report[f]["moe_layers_with_loader_copies"] for f in MOE] == [2, 2, 1, 0]
     assert [report[f]["moe_layers_with_loader_copies"] for f in DENSE + HYBRID] == [0] * len(DENSE + HYBRID)
 
 
@@ -247,3 +255,88 @@ def test_each_ep_rank_holds_its_own_experts_whole_and_leaves_the_others_elsewher
     ]
     q = "model.layers.0.self_attn.q_proj.weight"
     assert [ranks[r]["landings"][q][0][4] for r in "01"] == [0, 64 * 128]
+
+
+def test_nemotron_h_moe_lands_every_tensor_where_vllm_s_non_gated_experts_load_it(report):
+    """Nemotron-H's MoE variant (Nemotron 3 Nano's layout; no CPU engine serves it, see
+    tests/helpers/family_models.py's ``allow_non_gated_experts_on_cpu``): each expert's
+    ``up_proj`` fills its whole slot of ``w13_weight`` (one projection, no gate rows: 64 rows per
+    expert), ``down_proj`` its slot of ``w2_weight``; the router's gate and score-correction bias
+    (BF16 into vLLM's float32 parameter), the shared expert's up and down projections, the Mamba
+    mixer's tensors and the attention's land where vLLM's loader writes them."""
+    landings = report["nemotron_h_moe"]["landings"]
+    moe = "model.layers.1.mixer"
+    w13, w2 = f"{moe}.experts.routed_experts.w13_weight", f"{moe}.experts.routed_experts.w2_weight"
+    for e in (0, 3, 7):
+        assert landings[f"backbone.layers.1.mixer.experts.{e}.up_proj.weight"] == [
+            [w13, [64, 128], e * 64 * 128, [64, 128], 0]
+        ]
+        assert landings[f"backbone.layers.1.mixer.experts.{e}.down_proj.weight"] == [
+            [w2, [128, 64], e * 128 * 64, [128, 64], 0]
+        ]
+    assert landings["backbone.layers.1.mixer.gate.weight"] == [[f"{moe}.gate.weight", [8, 128], 0, [8, 128], 0]]
+    assert landings["backbone.layers.1.mixer.gate.e_score_correction_bias"] == [
+        [f"{moe}.gate.e_score_correction_bias", [8], 0, [8], 0]
+    ]
+    for proj, shape in (("up_proj", [64, 128]), ("down_proj", [128, 64])):
+        assert landings[f"backbone.layers.1.mixer.shared_experts.{proj}.weight"] == [
+            [f"{moe}.shared_experts.{proj}.weight", shape, 0, shape, 0]
+        ]
+    # The Mamba mixer: A_log in its checkpoint-layout shadow (vLLM computes A = -exp(A_log)),
+    # conv1d in the loader tensor its post-load step released; the attention's q, k, v in qkv_proj.
+    assert landings["backbone.layers.0.mixer.A_log"] == [
+        ["model.layers.0.mixer.<ckpt:backbone/layers/0/mixer/A_log>", [4], 0, [4], 0]
+    ]
+    assert [ld[0] for ld in landings["backbone.layers.0.mixer.conv1d.weight"]] == [
+        "model.layers.0.mixer.conv1d.weight"
+    ] * 3
+    for x in ("D", "dt_bias", "norm.weight", "in_proj.weight", "out_proj.weight", "conv1d.bias"):
+        assert landings[f"backbone.layers.0.mixer.{x}"], x
+    assert [landings[f"backbone.layers.2.mixer.{x}_proj.weight"][0][:3] for x in "qkv"] == [
+        ["model.layers.2.mixer.qkv_proj.weight", [128, 128], 0],
+        ["model.layers.2.mixer.qkv_proj.weight", [64, 128], 128 * 128],
+        ["model.layers.2.mixer.qkv_proj.weight", [64, 128], 192 * 128],
+    ]
+
+
+def test_one_expert_written_in_place_changes_that_expert_only_as_vllm_loads_it(report):
+    """Expert 3's up and down projections of the first MoE layer, written through the map into
+    the engine's model and proven, change its slot of ``w13_weight`` and ``w2_weight`` and nothing
+    else, and leave every parameter and derived tensor as vLLM's own ``load_weights`` of the same
+    two tensors leaves a model holding the same checkpoint."""
+    one = report["nemotron_h_moe"]["one_expert"]
+    assert one["names"] == [
+        "backbone.layers.1.mixer.experts.3.down_proj.weight",
+        "backbone.layers.1.mixer.experts.3.up_proj.weight",
+    ]
+    assert one["changed"] == {
+        "model.layers.1.mixer.experts.routed_experts.w13_weight": [3],
+        "model.layers.1.mixer.experts.routed_experts.w2_weight": [3],
+    }
+    assert one["read_back_failed"] == []
+    assert one["params_differ_from_vllm_load"] == one["derived_differ_from_vllm_load"] == []
+
+
+@pytest.mark.parametrize(
+    ("family", "moe_layers", "layers"),
+    [("qwen3_moe", [0, 1], 2), ("mixtral", [0, 1], 2), ("deepseek_v3", [1], 2), ("nemotron_h_moe", [1, 3], 4)],
+)
+def test_routed_experts_count_every_decoder_layer_and_layers_without_moe_are_zeros(report, family, moe_layers, layers):
+    """The guide's shape rule for ``routed_experts``: ``[tokens, num_decoder_layers, top_k]``,
+    every decoder layer counted, those without an MoE block zeros. From vLLM's own capturer bound
+    to each family's model (tests/helpers/family_models.py ``routes``): Nemotron-H's Mamba (0) and
+    attention (2) layers and DeepSeek-V3's dense first layer are zeros; each MoE layer holds the
+    ids its router picked."""
+    routes = report[family]["routes"]
+    tokens, top_k = 5, 2
+    assert routes["shape"] == [tokens, layers, top_k] and routes["dtype"] == "uint8"
+    assert sorted(int(k) for k in routes["routed"]) == moe_layers
+    captured = routes["captured"]
+    for layer in range(layers):
+        rows = [captured[t][layer] for t in range(tokens)]
+        if layer in moe_layers:
+            assert rows == routes["routed"][str(layer)], (family, layer)
+        else:
+            assert rows == [[0] * top_k] * tokens, (family, layer)
+    # (The premise: the MoE layers' ids are not all zeros, so zeros mark the layers without one.)
+    assert any(any(r) for layer in moe_layers for r in routes["routed"][str(layer)])
