@@ -177,6 +177,24 @@ def test_routed_experts_translate_to_the_guides_shape(dtype, experts):
     json.dumps(out)  # plain JSON
 
 
+def test_a_hybrid_model_s_routes_keep_every_decoder_layer_with_zeros_where_no_moe_block():
+    """Nemotron-H's MoE layout (Mamba "M", MoE "E", attention "*" decoder layers): vLLM's capturer
+    counts every decoder layer and leaves zeros where a layer has no MoE block
+    (tests/replica/test_landings.py checks that on vLLM's model class); the translation keeps
+    that layer axis and those zeros as they are."""
+    pattern = "MEMEM*E" * 7 + "MEMEMEM"  # 56 decoder layers, 24 of them MoE
+    tokens, top_k = 9, 6
+    rng = np.random.default_rng(0)
+    routes = np.zeros((tokens, len(pattern), top_k), dtype=np.int64)  # (a wider dtype: narrowed by value)
+    moe = [i for i, kind in enumerate(pattern) if kind == "E"]
+    routes[:, moe] = rng.integers(1, 128, size=(tokens, len(moe), top_k))
+    out = translate_routed_experts(npy_b64(routes))
+    assert out["shape"] == [tokens, len(pattern), top_k] and out["dtype"] == "uint8"
+    decoded = np.frombuffer(base64.b64decode(out["data"]), dtype=out["dtype"]).reshape(out["shape"])
+    assert np.array_equal(decoded, routes)
+    assert not decoded[:, [i for i, kind in enumerate(pattern) if kind != "E"]].any()
+
+
 def test_routed_experts_from_a_wider_dtype_are_narrowed_and_start_is_kept():
     routes = np.array([[[1, 200]], [[3, 4]]], dtype=np.int32)
     out = translate_routed_experts(npy_b64(routes), start=5)

@@ -1,7 +1,8 @@
 """vLLM's model classes of the model families RL labs train, on the small random checkpoints
 `workers.families` writes, as an engine builds and loads them.
 
-    python -m tests.helpers.family_models OUT_DIR BASE_MODEL_DIR [--tp N [--ep]] [--no-replay] FAMILY [FAMILY ...]
+    python -m tests.helpers.family_models OUT_DIR BASE_MODEL_DIR \
+        [--tp N [--ep]] [--no-replay] [--platform-checks] FAMILY [FAMILY ...]
 
 ``observe`` (run in a process of its own: it imports vLLM and initialises its distributed
 state) builds vLLM's model class for each checkpoint at tensor-parallel size 1 in this process,
@@ -22,6 +23,7 @@ are used as the loader wrote them, writes one expert in place beside vLLM's load
 non-gated ReLU² experts) is built with two of vLLM's platform checks lifted
 (:func:`allow_non_gated_experts_on_cpu`) and the MoE kernel an H100 picks for it (Triton): its
 building, loading, post-load processing and routing are vLLM's; no expert kernel runs.
+``--platform-checks`` leaves those checks in place (vLLM then refuses to build it).
 """
 
 from __future__ import annotations
@@ -75,7 +77,9 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return dict(read_safetensors(sorted(str(p) for p in model_dir.glob("*.safetensors")), None))
 
 
-def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0, ep: bool = False) -> dict[str, dict]:
+def observe(
+    model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0, ep: bool = False, lift: bool = True
+) -> dict[str, dict]:
     """What ``weight_map`` makes of each checkpoint on vLLM's model class (see the docstring), on
     ``rank`` of ``world`` tensor-parallel ranks; then the checkpoint's ``-s1`` twin written
     through the map, compared with a model loaded from the twin."""
@@ -98,7 +102,7 @@ def observe(model_dirs: list[Path], world: int = 1, rank: int = 0, port: int = 0
     post_load.install()
     torch.accelerator.empty_cache = lambda: None  # no accelerator here (vLLM's CPU worker does the same)
 
-    if any(d.name in CUDA_ONLY for d in model_dirs):
+    if lift and any(d.name in CUDA_ONLY for d in model_dirs):
         allow_non_gated_experts_on_cpu()
 
     def engine_config(directory: Path):
@@ -316,7 +320,7 @@ def observe_ranks(model_dirs: list[Path], world: int, scratch: Path, ep: bool = 
 
 def main(argv: list[str]) -> int:
     out, base, rest = Path(argv[0]), Path(argv[1]), argv[2:]
-    world, ep = 1, False
+    world, ep, lift = 1, False, True
     if rest[:1] == ["--tp"]:
         world, rest = int(rest[1]), rest[2:]
     if rest[:1] == ["--ep"]:
@@ -326,13 +330,15 @@ def main(argv: list[str]) -> int:
 
         WeightMap.replay = lambda self, names: None  # type: ignore[method-assign]
         rest = rest[1:]
+    if rest[:1] == ["--platform-checks"]:  # the premise: vLLM's CPU build refuses a CUDA_ONLY family
+        lift, rest = False, rest[1:]
     unknown = [f for f in rest if f not in FAMILIES]
     if unknown:
         raise SystemExit(f"unknown families {unknown}: one of {sorted(FAMILIES)}")
     dirs = [write_family(out, base, family) for family in rest]
     for family in rest:
         write_family(out, base, family, seed=1)
-    print(json.dumps(observe(dirs) if world == 1 else observe_ranks(dirs, world, out, ep)))
+    print(json.dumps(observe(dirs, lift=lift) if world == 1 else observe_ranks(dirs, world, out, ep)))
     return 0
 
 

@@ -69,10 +69,10 @@ def families_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def family_models(root: Path, *args: str) -> dict:
+def run_family_models(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """tests/helpers/family_models.py on the checkpoints under ``root`` (its own process, as an
-    engine's): its JSON report."""
-    proc = subprocess.run(
+    engine's)."""
+    return subprocess.run(
         [sys.executable, "-m", "tests.helpers.family_models", str(root), str(root / "base"), *args],
         cwd=REPO,
         capture_output=True,
@@ -80,6 +80,11 @@ def family_models(root: Path, *args: str) -> dict:
         timeout=600,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
     )
+
+
+def family_models(root: Path, *args: str) -> dict:
+    """:func:`run_family_models`'s JSON report."""
+    proc = run_family_models(root, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -297,6 +302,15 @@ def test_nemotron_h_moe_lands_every_tensor_where_vllm_s_non_gated_experts_load_i
         ["model.layers.2.mixer.qkv_proj.weight", [64, 128], 128 * 128],
         ["model.layers.2.mixer.qkv_proj.weight", [64, 128], 192 * 128],
     ]
+
+
+def test_vllm_s_cpu_build_refuses_nemotron_h_moe_s_experts_unless_its_platform_checks_are_lifted(families_root):
+    """The premise of building Nemotron-H's MoE here with two platform checks lifted: vLLM's CPU
+    build refuses its non-gated experts (no CPU engine can serve it). If a vLLM release serves them
+    on the CPU, this fails: drop ``allow_non_gated_experts_on_cpu`` and test the family end to end."""
+    proc = run_family_models(families_root, "--platform-checks", "nemotron_h_moe")
+    assert proc.returncode != 0
+    assert "is_act_and_mul=False is supported only for CUDA, XPU and ROCm" in proc.stderr
 
 
 def test_one_expert_written_in_place_changes_that_expert_only_as_vllm_loads_it(report):
