@@ -2,23 +2,42 @@
 
 Replaying the sampler's ``nvext.routed_experts`` sends each token to the experts that produced
 the sample, so the trainer's log-probs and gradients belong to the computation the sampler ran.
-``routers(model)`` lists transformers' ``*TopKRouter`` modules in layer order (none: replay
-refuses). ``Replay(model, routes)`` (``routes``: ``[B, T, layers, top_k]``, ``-1`` where the
-model routes itself) makes each router's indices the given ones and its scores the softmax
+``routers(model)`` lists transformers' ``*TopKRouter`` modules with their decoder layer's index
+(none: replay refuses). ``Replay(model, routes)`` (``routes``: ``[B, T, layers, top_k]`` over
+every decoder layer, as vLLM captures them: a layer without an MoE block, a hybrid's attention
+or Mamba layer or DeepSeek's dense first layers, has zeros there and is not read; ``-1`` where
+the model routes itself) makes each router's indices the given ones and its scores the softmax
 probabilities there (so the router still learns); ``agreed`` / ``compared`` count the rows where
 the model's own top-k was the sampler's.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 from torch import nn
 
+_DECODER_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
-def routers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+def routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """Each MoE router of ``model`` with the index of the decoder layer it routes, in layer order."""
+    found = []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            at = _DECODER_LAYER.search(name)
+            if at is None:
+                raise ValueError(f"MoE router {name!r} is not inside a decoder layer ('layers.N.')")
+            found.append((int(at.group(1)), module))
+    return sorted(found, key=lambda pair: pair[0])
+
+
+def decoder_layers(model: nn.Module) -> int:
+    """How many decoder layers ``model`` has: the layer axis of the routes vLLM captures."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(config.num_hidden_layers)
 
 
 class Replay:
@@ -26,10 +45,11 @@ class Replay:
         self.layers = routers(model)
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no MoE router to replay routes through")
-        if routes.ndim != 4 or routes.shape[2] != len(self.layers) or routes.shape[3] != self.layers[0].top_k:
+        layers, top_k = decoder_layers(model), self.layers[0][1].top_k
+        if routes.ndim != 4 or routes.shape[2] != layers or routes.shape[3] != top_k:
             raise ValueError(
-                f"routes of shape {list(routes.shape)} do not fit {len(self.layers)} MoE layers "
-                f"of top-{self.layers[0].top_k}: expected [batch, tokens, layers, top_k]"
+                f"routes of shape {list(routes.shape)} do not fit {layers} decoder layers (MoE routers at "
+                f"{[i for i, _ in self.layers]}) of top-{top_k}: expected [batch, tokens, layers, top_k]"
             )
         self.routes = routes
         self.agreed = 0
@@ -37,7 +57,7 @@ class Replay:
         self._hooks: list[Any] = []
 
     def __enter__(self) -> Replay:
-        for layer, router in enumerate(self.layers):
+        for layer, router in self.layers:
             self._hooks.append(router.register_forward_hook(self._hook(layer)))
         return self
 
