@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 from common.dynamo_planes import DISCOVERY_BACKENDS
 
 T = TypeVar("T")
+N = TypeVar("N", int, float)
 
 
 @dataclass(frozen=True)
@@ -59,35 +60,31 @@ def _declare(
 
 
 # ------------------------------------------------------------------ parsers (ValueError: the reason)
-def _int(value: str) -> int:
+def _parsed(kind: Callable[[str], N], value: str, what: str) -> N:
+    """``kind(value)``; a value it cannot read is a ValueError saying it is not ``what``."""
     try:
-        return int(value)
+        return kind(value)
     except ValueError:
-        raise ValueError("not an integer") from None
+        raise ValueError(f"not {what}") from None
+
+
+def _int(value: str) -> int:
+    return _parsed(int, value, "an integer")
 
 
 def _port(value: str) -> int:
-    try:
-        port = int(value)
-    except ValueError:
-        port = -1
+    port = _parsed(int, value, "a TCP port (1-65535)")
     if not 0 < port < 65536:
         raise ValueError("not a TCP port (1-65535)")
     return port
 
 
 def _bytes(value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError("not a number of bytes") from None
+    return _parsed(int, value, "a number of bytes")
 
 
 def _seconds(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError("not a number of seconds") from None
+    seconds = _parsed(float, value, "a number of seconds")
     if not seconds > 0:
         raise ValueError("must be more than 0")
     return seconds
