@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from replica.peer_join import PeerJoin
 from snapshots.regions import ServedWeights
 
 
@@ -65,51 +66,21 @@ class EngineControl(Protocol):
     async def served_shards(self, names: Sequence[str] | None = None) -> ServedWeights: ...
 
     # -- peers (jobs inside the engine, awaited with wait_job)
-    async def start_peer_stage_send(
-        self,
-        host: str,
-        port: int,
-        world_size: int,
-        names: Sequence[str] | None = None,
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
-        external_store: bool = False,
-    ) -> None: ...
+    async def start_peer_stage_send(self, join: PeerJoin, names: Sequence[str] | None = None) -> None: ...
     async def start_peer_stage_receive(
         self,
+        join: PeerJoin,
         label: str,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
         specs: Sequence[Sequence[Any]],
         expected_adler32: Mapping[str, str] | None = None,
         save_path: Path | str | None = None,
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
-        external_store: bool = False,
     ) -> None: ...
-    async def start_peer_send_files(
-        self,
-        host: str,
-        port: int,
-        world_size: int,
-        paths: Sequence[Path | str],
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
-        external_store: bool = False,
-    ) -> None: ...
+    async def start_peer_send_files(self, join: PeerJoin, paths: Sequence[Path | str]) -> None: ...
     async def start_peer_receive_files(
         self,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
+        join: PeerJoin,
         specs: Sequence[Sequence[Any]],
         expected_adler32: Mapping[str, str],
         out_dir: Path | str,
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
-        external_store: bool = False,
     ) -> None: ...
     async def wait_job(self, kind: str, timeout_s: float = 600.0, rpc_every_s: float = 5.0) -> dict[str, Any]: ...

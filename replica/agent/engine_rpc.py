@@ -27,6 +27,7 @@ from common.settings import ENGINE_SECRET_HEADER
 from contracts.engine_ranks import combine_map, combine_swap, slowest
 from replica import rpc_file
 from replica.engine_routes import DYNAMO_PREFIX, VLLM_PREFIX
+from replica.peer_join import PeerJoin
 from replica.stage_arena import shm_dir
 from snapshots.regions import ServedWeights
 
@@ -436,100 +437,42 @@ class EngineClient:
         )
         return await self.wait_job("stage")
 
-    async def start_peer_stage_send(
-        self,
-        host: str,
-        port: int,
-        world_size: int,
-        names: Sequence[str] | None = None,
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
-        external_store: bool = False,
-    ) -> None:
-        """Start broadcasting ``names`` to ranks 1..world_size-1 (``wait_job("send")``).
-        ``external_store``: another process already hosts the rendezvous store at host:port."""
-        await self._start_job(
-            "peer_stage_send",
-            host,
-            port,
-            world_size,
-            None if names is None else list(names),
-            backend,
-            timeout_s,
-            external_store,
-        )
+    async def start_peer_stage_send(self, join: PeerJoin, names: Sequence[str] | None = None) -> None:
+        """Start broadcasting ``names`` to the group's other ranks (``wait_job("send")``)."""
+        await self._start_job("peer_stage_send", join.to_json(), None if names is None else list(names))
 
     async def start_peer_stage_receive(
         self,
+        join: PeerJoin,
         label: str,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
         specs: Sequence[Sequence[Any]],
         expected_adler32: Mapping[str, str] | None = None,
         save_path: Path | str | None = None,
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
-        external_store: bool = False,
     ) -> None:
         """Start receiving a broadcast into a stage (``wait_job("stage")``)."""
         await self._start_job(
             "peer_stage_receive",
+            join.to_json(),
             label,
-            host,
-            port,
-            rank,
-            world_size,
             [list(s) for s in specs],
             None if expected_adler32 is None else dict(expected_adler32),
             None if save_path is None else str(save_path),
-            backend,
-            timeout_s,
-            external_store,
         )
 
-    async def start_peer_send_files(
-        self,
-        host: str,
-        port: int,
-        world_size: int,
-        paths: Sequence[Path | str],
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
-        external_store: bool = False,
-    ) -> None:
-        """Start broadcasting whole files to ranks 1..world_size-1 (``wait_job("send")``)."""
-        await self._start_job(
-            "peer_send_files", host, port, world_size, [str(p) for p in paths], backend, timeout_s, external_store
-        )
+    async def start_peer_send_files(self, join: PeerJoin, paths: Sequence[Path | str]) -> None:
+        """Start broadcasting whole files to the group's other ranks (``wait_job("send")``)."""
+        await self._start_job("peer_send_files", join.to_json(), [str(p) for p in paths])
 
     async def start_peer_receive_files(
         self,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
+        join: PeerJoin,
         specs: Sequence[Sequence[Any]],
         expected_adler32: Mapping[str, str],
         out_dir: Path | str,
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
-        external_store: bool = False,
     ) -> None:
         """Start receiving broadcast files into ``out_dir`` (``wait_job("receive")``)."""
         await self._start_job(
-            "peer_receive_files",
-            host,
-            port,
-            rank,
-            world_size,
-            [list(s) for s in specs],
-            dict(expected_adler32),
-            str(out_dir),
-            backend,
-            timeout_s,
-            external_store,
+            "peer_receive_files", join.to_json(), [list(s) for s in specs], dict(expected_adler32), str(out_dir)
         )
 
     async def served_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:

@@ -46,6 +46,7 @@ from replica.agent.staged import (
     one_line,
     read_raw,
 )
+from replica.peer_join import PeerJoin
 from replica.stage_arena import decode_turn_marker
 from snapshots.errors import ChainError
 
@@ -69,6 +70,19 @@ def peer_backend(environ: Mapping[str, str]) -> str:
             f"{PEER_BACKEND_ENV}=nccl needs a replica placed on GPUs (its node agent gave it no CUDA_VISIBLE_DEVICES)"
         )
     return value
+
+
+def _join(offer: PeerOffer, rank: int = 0) -> PeerJoin:
+    """This engine's place, as ``rank`` (0: the sender), in the group ``offer`` describes."""
+    return PeerJoin(
+        offer.host,
+        offer.port,
+        offer.world_size,
+        rank,
+        offer.backend,
+        timeout_s=PEER_JOIN_TIMEOUT_S,
+        external_store=offer.store_hosted,
+    )
 
 
 class PeerSteps:
@@ -249,25 +263,9 @@ class PeerSteps:
         try:
             if offer.mode == "files":
                 link_dir = held or self.link_dirs[offer.identity]
-                await self.engine.start_peer_send_files(
-                    offer.host,
-                    offer.port,
-                    offer.world_size,
-                    [str(link_dir / s[0]) for s in offer.specs],
-                    offer.backend,
-                    timeout_s=PEER_JOIN_TIMEOUT_S,
-                    external_store=offer.store_hosted,
-                )
+                await self.engine.start_peer_send_files(_join(offer), [str(link_dir / s[0]) for s in offer.specs])
             else:
-                await self.engine.start_peer_stage_send(
-                    offer.host,
-                    offer.port,
-                    offer.world_size,
-                    [s[0] for s in offer.specs],
-                    offer.backend,
-                    timeout_s=PEER_JOIN_TIMEOUT_S,
-                    external_store=offer.store_hosted,
-                )
+                await self.engine.start_peer_stage_send(_join(offer), [s[0] for s in offer.specs])
             return int((await self.engine.wait_job("send"))["bytes"])
         finally:
             self.peer_stores.pop(offer.port, None)  # the group is formed (or failed): its store is done
@@ -305,17 +303,7 @@ class PeerSteps:
         path = self.staging / f"peer-{offer.identity}.safetensors"
         try:
             await self.engine.start_peer_stage_receive(
-                offer.identity,
-                offer.host,
-                offer.port,
-                rank,
-                offer.world_size,
-                offer.specs,
-                expected_adler32=offer.expected_adler32,
-                save_path=path,
-                backend=offer.backend,
-                timeout_s=PEER_JOIN_TIMEOUT_S,
-                external_store=offer.store_hosted,
+                _join(offer, rank), offer.identity, offer.specs, expected_adler32=offer.expected_adler32, save_path=path
             )
             got = await self.engine.wait_job("stage")
             # The host copy takes the same bytes the engine checked (no bucket reads).
@@ -367,16 +355,7 @@ class PeerSteps:
     ) -> StageFromPeerResult:
         try:
             await self.engine.start_peer_receive_files(
-                offer.host,
-                offer.port,
-                rank,
-                offer.world_size,
-                offer.specs,
-                offer.expected_adler32,
-                link_dir,
-                offer.backend,
-                timeout_s=PEER_JOIN_TIMEOUT_S,
-                external_store=offer.store_hosted,
+                _join(offer, rank), offer.specs, offer.expected_adler32, link_dir
             )
             got = await self.engine.wait_job("receive")
         except Exception as exc:

@@ -32,6 +32,7 @@ from replica.engine.stage import Stage, StageSlot
 from replica.engine.step_delay import set_step_delay
 from replica.engine.tensors import ALGORITHMS, dtype_to_str
 from replica.engine.weight_map import WeightMap
+from replica.peer_join import PeerJoin
 
 if "vllm" in sys.modules:  # the worker imports this module before it loads the model
     cpu_gemm.install()
@@ -83,20 +84,20 @@ def _start_stage(worker: Any, fn: Callable[[], tuple[Stage, dict[str, Any]]]) ->
     return _jobs(worker).start("stage", run)
 
 
-def _joiner(
-    worker: Any, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float, external_store: bool
-) -> Callable[[], PeerGroup]:
-    device = getattr(worker, "device", None) if backend == "nccl" else None
+def _joiner(worker: Any, join: dict[str, Any]) -> Callable[[], PeerGroup]:
+    """What forms the group ``join`` (a `PeerJoin` as JSON) describes, when the job runs."""
+    j = PeerJoin.of(join)
+    device = getattr(worker, "device", None) if j.backend == "nccl" else None
     return functools.partial(
         PeerGroup.create,
-        host,
-        port,
-        rank,
-        world_size,
-        backend=backend,
-        timeout_s=timeout_s,
+        j.host,
+        j.port,
+        j.rank,
+        j.world_size,
+        backend=j.backend,
+        timeout_s=j.timeout_s,
         device=device,
-        external_store=external_store,
+        external_store=j.external_store,
     )
 
 
@@ -221,75 +222,41 @@ class WeightLoaderExtension:
 
     def peer_stage_receive(
         self,
+        join: dict[str, Any],
         label: str,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
         specs: list[list[Any]],
         expected_adler32: dict[str, str] | None = None,
         save_path: str | None = None,
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
-        external_store: bool = False,
     ) -> dict[str, Any]:
         _one_rank_only(self, "receiving a stage from a peer engine")
         wmap = _weight_map(self)
-        join = _joiner(self, host, port, rank, world_size, backend, timeout_s, external_store)
+        group = _joiner(self, join)
         return _start_stage(
-            self, lambda: updates.stage_from_peer(wmap, label, join, specs, expected_adler32, save_path)
+            self, lambda: updates.stage_from_peer(wmap, label, group, specs, expected_adler32, save_path)
         )
 
-    def peer_stage_send(
-        self,
-        host: str,
-        port: int,
-        world_size: int,
-        names: list[str] | None = None,
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
-        external_store: bool = False,
-    ) -> dict[str, Any]:
+    def peer_stage_send(self, join: dict[str, Any], names: list[str] | None = None) -> dict[str, Any]:
         _one_rank_only(self, "sending this engine's tensors to peers")
         wmap = _weight_map(self)
-        join = _joiner(self, host, port, 0, world_size, backend, timeout_s, external_store)
-        return _jobs(self).start("send", lambda: updates.send_views(wmap, names, join))
+        group = _joiner(self, join)
+        return _jobs(self).start("send", lambda: updates.send_views(wmap, names, group))
 
-    def peer_send_files(
-        self,
-        host: str,
-        port: int,
-        world_size: int,
-        paths: list[str],
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
-        external_store: bool = False,
-    ) -> dict[str, Any]:
+    def peer_send_files(self, join: dict[str, Any], paths: list[str]) -> dict[str, Any]:
         # Beside a stage job (files, not weights): the early offer's sender stages the same update.
         if _rank(self)[0]:  # files are the agent's: one rank of the engine moves them
             return _jobs(self).start("send", lambda: {"skipped": f"rank {_rank(self)[0]}"}, beside=True)
-        join = _joiner(self, host, port, 0, world_size, backend, timeout_s, external_store)
-        return _jobs(self).start("send", lambda: updates.send_files(paths, join), beside=True)
+        group = _joiner(self, join)
+        return _jobs(self).start("send", lambda: updates.send_files(paths, group), beside=True)
 
     def peer_receive_files(
-        self,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        specs: list[list[Any]],
-        expected_adler32: dict[str, str],
-        out_dir: str,
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
-        external_store: bool = False,
+        self, join: dict[str, Any], specs: list[list[Any]], expected_adler32: dict[str, str], out_dir: str
     ) -> dict[str, Any]:
         for spec in specs:
             plain_file_name(str(spec[0]))
         if _rank(self)[0]:
             return _jobs(self).start("receive", lambda: {"skipped": f"rank {_rank(self)[0]}"})
-        join = _joiner(self, host, port, rank, world_size, backend, timeout_s, external_store)
-        return _jobs(self).start("receive", lambda: updates.receive_files(specs, expected_adler32, out_dir, join))
+        group = _joiner(self, join)
+        return _jobs(self).start("receive", lambda: updates.receive_files(specs, expected_adler32, out_dir, group))
 
     def checksum_job(self, names: list[str] | None = None) -> dict[str, Any]:
         wmap = _weight_map(self)

@@ -18,6 +18,7 @@ from contracts.records import SnapshotRef, SnapshotType
 from replica.agent.peers import OFFERS_KEPT, PEER_BACKEND_ENV, peer_backend
 from replica.agent.runtime import ReplicaRuntime
 from replica.agent.staged import StagedUpdate
+from replica.peer_join import PeerJoin
 from snapshots.errors import ChainError
 
 CHAIN = [
@@ -73,9 +74,7 @@ class _SendingEngine:
     def __init__(self) -> None:
         self.sent: dict[str, bytes] = {}
 
-    async def start_peer_send_files(
-        self, host: str, port: int, world_size: int, paths: list[str], backend: str, **_: object
-    ) -> None:
+    async def start_peer_send_files(self, join: PeerJoin, paths: list[str]) -> None:
         self.sent = {Path(p).name: Path(p).read_bytes() for p in paths}
 
     async def wait_job(self, kind: str) -> dict[str, int]:

@@ -32,6 +32,7 @@ from replica.agent.engine_process import EngineError, EngineProcess, EngineReque
 from replica.engine.peer_group import PeerGroup
 from replica.engine.plugin import DEFAULT_SPIN_S
 from replica.engine.tensors import adler32_hex, normalize_specs
+from replica.peer_join import PeerJoin
 from replica.stage_arena import StageArena
 from snapshots.host import HostWeights
 from tests.helpers.engine_weights import load, stage, swap_held_then_refused_then_proven, swap_in_pause
@@ -398,7 +399,7 @@ async def test_broadcast_with_the_test_process_as_the_peer(engine: EngineProcess
     specs = [[n, "bfloat16", list(t.shape)] for n, t in tensors]
     port = free_port()
     await engine.start_peer_stage_receive(
-        "v-base", "127.0.0.1", port, 1, 2, specs, {n: adler32_hex(t) for n, t in tensors}, timeout_s=60
+        PeerJoin("127.0.0.1", port, 2, 1, timeout_s=60), "v-base", specs, {n: adler32_hex(t) for n, t in tensors}
     )
     group = await asyncio.to_thread(PeerGroup.create, "127.0.0.1", port, 0, 2, "gloo", 60)
     try:
@@ -416,7 +417,7 @@ async def test_broadcast_with_the_test_process_as_the_peer(engine: EngineProcess
     names = ["model.layers.2.self_attn.v_proj.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"]
     specs = await engine.weight_specs(names)
     port = free_port()
-    await engine.start_peer_stage_send("127.0.0.1", port, 2, names, timeout_s=60)
+    await engine.start_peer_stage_send(PeerJoin("127.0.0.1", port, 2, timeout_s=60), names)
     group = await asyncio.to_thread(PeerGroup.create, "127.0.0.1", port, 1, 2, "gloo", 60)
     try:
         received = await asyncio.to_thread(group.receive, normalize_specs(specs), 0)
@@ -428,7 +429,7 @@ async def test_broadcast_with_the_test_process_as_the_peer(engine: EngineProcess
     # Disagreeing specs fail on both sides at once (no hang) and stage nothing.
     before = await engine.checksums()
     port = free_port()
-    await engine.start_peer_stage_receive("v-short", "127.0.0.1", port, 1, 2, specs[:2], timeout_s=60)
+    await engine.start_peer_stage_receive(PeerJoin("127.0.0.1", port, 2, 1, timeout_s=60), "v-short", specs[:2])
     group = await asyncio.to_thread(PeerGroup.create, "127.0.0.1", port, 0, 2, "gloo", 60)
     try:
         with pytest.raises(ValueError, match="rejected"):
@@ -510,7 +511,10 @@ async def test_a_job_its_caller_gave_up_on_delays_the_next_one_instead_of_failin
     never comes, until its join times out); the next step's job starts after it."""
     await load_full(engine, model_dirs["base"])
     await engine.start_peer_receive_files(
-        "127.0.0.1", free_port(), 1, 2, [["f", "uint8", [4]]], {"f": "00000000"}, tmp_path / "never", timeout_s=3
+        PeerJoin("127.0.0.1", free_port(), 2, 1, timeout_s=3),
+        [["f", "uint8", [4]]],
+        {"f": "00000000"},
+        tmp_path / "never",
     )
     waiting = asyncio.ensure_future(engine.wait_job("receive"))
     await asyncio.sleep(0.2)
@@ -627,8 +631,8 @@ async def test_broadcast_stages_on_the_receiver_then_commits(
     specs = await a.weight_specs(COUNTING_CHANGED)
     port = free_port()
     saved = tmp_path / "received.safetensors"
-    await a.start_peer_stage_send("127.0.0.1", port, 2, COUNTING_CHANGED, timeout_s=60)
-    await b.start_peer_stage_receive("v1", "127.0.0.1", port, 1, 2, specs, expected, saved, timeout_s=60)
+    await a.start_peer_stage_send(PeerJoin("127.0.0.1", port, 2, timeout_s=60), COUNTING_CHANGED)
+    await b.start_peer_stage_receive(PeerJoin("127.0.0.1", port, 2, 1, timeout_s=60), "v1", specs, expected, saved)
     sent, got = await asyncio.gather(a.wait_job("send"), b.wait_job("stage"))
     assert sent["bytes"] == got["bytes"] > 0 and got["tensors"] == len(COUNTING_CHANGED)
     assert await b.served_checksums() == file_checksums(model_dirs["base"])  # still serving the old
@@ -642,9 +646,9 @@ async def test_broadcast_stages_on_the_receiver_then_commits(
     # Checksums that disagree with the bytes: the receiver refuses the stage; nothing changes.
     await load_full(b, model_dirs["base"])
     port = free_port()
-    await a.start_peer_stage_send("127.0.0.1", port, 2, COUNTING_CHANGED, timeout_s=60)
+    await a.start_peer_stage_send(PeerJoin("127.0.0.1", port, 2, timeout_s=60), COUNTING_CHANGED)
     await b.start_peer_stage_receive(
-        "v2", "127.0.0.1", port, 1, 2, specs, {**expected, COUNTING_CHANGED[0]: "00000000"}, timeout_s=60
+        PeerJoin("127.0.0.1", port, 2, 1, timeout_s=60), "v2", specs, {**expected, COUNTING_CHANGED[0]: "00000000"}
     )
     await a.wait_job("send")
     with pytest.raises(EngineError, match="checksum check failed"):
@@ -667,8 +671,8 @@ async def test_broadcast_of_files_checks_and_writes_them(
 
     out = tmp_path / "received"
     port = free_port()
-    await a.start_peer_send_files("127.0.0.1", port, 2, files, timeout_s=60)
-    await b.start_peer_receive_files("127.0.0.1", port, 1, 2, specs, expected, out, timeout_s=60)
+    await a.start_peer_send_files(PeerJoin("127.0.0.1", port, 2, timeout_s=60), files)
+    await b.start_peer_receive_files(PeerJoin("127.0.0.1", port, 2, 1, timeout_s=60), specs, expected, out)
     sent, got = await asyncio.gather(a.wait_job("send"), b.wait_job("receive"))
     assert sent["bytes"] == got["bytes"] == sum(p.stat().st_size for p in files)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == {p.name: p.read_bytes() for p in files}
@@ -676,16 +680,18 @@ async def test_broadcast_of_files_checks_and_writes_them(
 
     bad_out = tmp_path / "bad"
     port = free_port()
-    await a.start_peer_send_files("127.0.0.1", port, 2, files, timeout_s=60)
+    await a.start_peer_send_files(PeerJoin("127.0.0.1", port, 2, timeout_s=60), files)
     await b.start_peer_receive_files(
-        "127.0.0.1", port, 1, 2, specs, {**expected, files[0].name: "00000000"}, bad_out, timeout_s=60
+        PeerJoin("127.0.0.1", port, 2, 1, timeout_s=60), specs, {**expected, files[0].name: "00000000"}, bad_out
     )
     await a.wait_job("send")
     with pytest.raises(EngineError, match="checksum check failed"):
         await b.wait_job("receive")
     assert not bad_out.exists()
     with pytest.raises(EngineRequestError, match="not a plain file name"):
-        await b.start_peer_receive_files("127.0.0.1", free_port(), 1, 2, [["../x", "uint8", [1]]], {}, bad_out)
+        await b.start_peer_receive_files(
+            PeerJoin("127.0.0.1", free_port(), 2, 1), [["../x", "uint8", [1]]], {}, bad_out
+        )
 
 
 async def test_the_agents_swap_runs_inside_the_engine_held_refused_and_proven(
