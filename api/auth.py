@@ -4,7 +4,7 @@ else is looked at.
 `authenticate` (an HTTP middleware) maps the Bearer token to a `Principal` (organization and
 role: contracts/tokens.py): a missing or unknown token answers unauthenticated, and a viewer's write
 answers permission_denied naming the write (`write_action`), even when its body is invalid or
-oversized. Routes take the principal with `Depends(principal)`.
+oversized. Routes take the principal with `p: PrincipalDep` (`Depends(principal)`).
 
 Where deployments read (common/buckets.py): `require_granted` answers permission_denied naming the
 field when a bucket or path is not granted to the caller's organization in the tokens file.
@@ -13,11 +13,12 @@ field when a bucket or path is not granted to the caller's organization in the t
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 from fastapi import Depends, Header, Request
 from fastapi.responses import JSONResponse
 
-from api.context import ApiContext, context
+from api.context import ContextDep, context
 from common.buckets import grant_problem
 from contracts.errors import ApiError, PermissionDenied
 from contracts.records import HotLoadConfig, ModelSource
@@ -59,11 +60,13 @@ async def authenticate(request: Request, call_next):
     return await call_next(request)
 
 
-def principal(
-    request: Request, authorization: str | None = Header(default=None), ctx: ApiContext = Depends(context)
-) -> Principal:
+def principal(ctx: ContextDep, request: Request, authorization: str | None = Header(default=None)) -> Principal:
     who = getattr(request.state, "principal", None)
     return who if who is not None else ctx.tokens.authenticate(authorization)
+
+
+# A route's parameter `p: PrincipalDep` is the caller, authenticated.
+PrincipalDep = Annotated[Principal, Depends(principal)]
 
 
 def require_granted(p: Principal, model: ModelSource | None, hot_load: HotLoadConfig | None) -> None:

@@ -1,7 +1,7 @@
 """What every route of the API shares, per app: one `ApiContext` on `app.state.context`.
 
-Routes reach it with the dependency `context` (`Depends(context)`), and the Temporal-backed reads
-and writes with `resources` (`Depends(resources)`), which answers unavailable ("the API is
+Routes reach it with the dependency `context` (a parameter `ctx: ContextDep`), and the
+Temporal-backed reads and writes with `resources` (`r: ResourcesDep`), which answers unavailable ("the API is
 starting") until the app's lifespan has connected them. `resources` and `cancel_wait_s` live on
 `app.state` itself, where api/app.py sets them and tests and benches read or change them; the
 context reads them there on each use.
@@ -10,6 +10,7 @@ context reads them there on each use.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 from fastapi import Depends, Request
 from starlette.datastructures import State
@@ -46,5 +47,13 @@ def context(request: Request) -> ApiContext:
     return request.app.state.context
 
 
-def resources(ctx: ApiContext = Depends(context)) -> Resources:
+# A route's parameter `ctx: ContextDep` is the app's context.
+ContextDep = Annotated[ApiContext, Depends(context)]
+
+
+def resources(ctx: ContextDep) -> Resources:
     return ctx.resources
+
+
+# A route's parameter `r: ResourcesDep` is the Temporal-backed reads and writes.
+ResourcesDep = Annotated[Resources, Depends(resources)]

@@ -18,7 +18,7 @@ import bisect
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -62,6 +62,19 @@ def dumps(doc: Any) -> bytes:
 
 def is_closed(status: WorkflowExecutionStatus | None, close_time: datetime | None) -> bool:
     return status != WorkflowExecutionStatus.RUNNING and close_time is not None
+
+
+async def _hot_load_memo(wf: WorkflowExecution, *, whole: bool) -> Mapping[str, Any] | None:
+    """The execution's memo: ``whole``, or only its ``hotLoad`` entry (a running operation's
+    replica entries left undecoded). None: it carries no hot-load."""
+    if whole:
+        memo = await wf.memo()
+    else:
+        try:
+            memo = {"hotLoad": await wf.memo_value("hotLoad")}
+        except KeyError:
+            return None
+    return memo if "hotLoad" in memo else None
 
 
 @dataclass(frozen=True)
@@ -314,14 +327,8 @@ class HotLoadIndex:
                 return None
             raise
         closed = is_closed(desc.status, desc.close_time)
-        if replicas or closed:
-            memo = await desc.memo()
-        else:
-            try:
-                memo = {"hotLoad": await desc.memo_value("hotLoad")}
-            except KeyError:
-                return None
-        if "hotLoad" not in memo:
+        memo = await _hot_load_memo(desc, whole=replicas or closed)
+        if memo is None:
             return None
         return self.observed(self.reconcile(memo, desc.status, desc.close_time), closed)  # type: ignore[arg-type]  # memo(): a dict, typed Mapping
 
@@ -361,14 +368,9 @@ class HotLoadIndex:
         if held is not None:
             self.records[wf.id] = held
             return held
-        if closed:
-            memo = await wf.memo()
-        else:  # listings show no replica entries: a running one's are not decoded
-            try:
-                memo = {"hotLoad": await wf.memo_value("hotLoad")}
-            except KeyError:
-                return None
-        if "hotLoad" not in memo:
+        # Listings show no replica entries: a running one's are not decoded.
+        memo = await _hot_load_memo(wf, whole=closed)
+        if memo is None:
             return None
         return self._store(
             self.record(self.reconcile(memo, wf.status, wf.close_time), closed),  # type: ignore[arg-type]  # memo(): a dict, typed Mapping

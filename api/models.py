@@ -72,17 +72,24 @@ else:
 Name = Annotated[str, Field(min_length=1, max_length=128)]
 
 
+def _resource_id(field: str):
+    def check(value: str) -> str:
+        if p := resource_id_problem(value, field):
+            raise ValueError(p)
+        return value
+
+    return check
+
+
+# A resource id the caller chose (`common/ids.py`).
+GatewayId = DeploymentId = Annotated[str, AfterValidator(_resource_id("id"))]
+HotLoadId = Annotated[str, AfterValidator(_resource_id("hotLoadId"))]
+
+
 class CreateGatewayRequest(WireModel):
-    id: str | None = None
+    id: GatewayId | None = None
     name: Name
     zones: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=16)
-
-    @field_validator("id")
-    @classmethod
-    def _id(cls, v: str | None) -> str | None:
-        if v is not None and (p := resource_id_problem(v, "id")):
-            raise ValueError(p)
-        return v
 
 
 def _bucket(value: str) -> str:
@@ -199,7 +206,7 @@ class AutoscalingIn(Autoscaling):
 
 
 class CreateDeploymentRequest(WireModel):
-    id: str | None = None
+    id: DeploymentId | None = None
     name: Name
     gateway_ids: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(min_length=1, max_length=8)
     runtime: RuntimeIn
@@ -208,13 +215,6 @@ class CreateDeploymentRequest(WireModel):
     autoscaling: AutoscalingIn = Field(default_factory=AutoscalingIn)
     traffic: TrafficIn = Field(default_factory=TrafficIn)
     hot_load: HotLoadConfigIn | None = None
-
-    @field_validator("id")
-    @classmethod
-    def _id(cls, v: str | None) -> str | None:
-        if v is not None and (p := resource_id_problem(v, "id")):
-            raise ValueError(p)
-        return v
 
     @model_validator(mode="after")
     def _engine_config_fits_resources(self) -> CreateDeploymentRequest:
@@ -261,7 +261,7 @@ class IncrementalSnapshotMetadataIn(WireModel):
 
 class CreateHotLoadRequest(WireModel):
     deployment_id: Annotated[str, Field(min_length=1, max_length=128)]
-    hot_load_id: str | None = None
+    hot_load_id: HotLoadId | None = None
     identity: str
     type: SnapshotTypeIn
     incremental_snapshot_metadata: IncrementalSnapshotMetadataIn | None = None
@@ -271,13 +271,6 @@ class CreateHotLoadRequest(WireModel):
     @classmethod
     def _identity(cls, v: str) -> str:
         if p := identity_problem(v, "identity"):
-            raise ValueError(p)
-        return v
-
-    @field_validator("hot_load_id")
-    @classmethod
-    def _hl_id(cls, v: str | None) -> str | None:
-        if v is not None and (p := resource_id_problem(v, "hotLoadId")):
             raise ValueError(p)
         return v
 

@@ -15,13 +15,12 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 
-from api.auth import principal, require_granted
+from api.auth import PrincipalDep, require_granted
 from api.clock import now
-from api.context import ApiContext, context, resources
+from api.context import ContextDep, ResourcesDep
 from api.models import ENGINE_CONFIG_KEYS, CreateDeploymentRequest, UpdateDeploymentRequest
-from api.resources import Resources
 from contracts import names
 from contracts.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from contracts.records import (
@@ -34,7 +33,6 @@ from contracts.records import (
     ResourceStatus,
     UpdateDeploymentCommand,
 )
-from contracts.tokens import Principal
 
 router = APIRouter()
 
@@ -55,9 +53,9 @@ def _fields(body: CreateDeploymentRequest | UpdateDeploymentRequest) -> dict[str
 
 @router.get("/deployments/parameters")
 async def deployment_parameters(
-    gatewayIds: list[str] = Query(default=[]),
-    p: Principal = Depends(principal),  # noqa: N803 - wire name
-    ctx: ApiContext = Depends(context),
+    p: PrincipalDep,
+    ctx: ContextDep,
+    gatewayIds: list[str] = Query(default=[]),  # noqa: N803 - wire name
 ) -> dict[str, Any]:
     settings = ctx.settings
     return {
@@ -72,12 +70,7 @@ async def deployment_parameters(
 
 
 @router.post("/deployments")
-async def create_deployment(
-    body: CreateDeploymentRequest,
-    p: Principal = Depends(principal),
-    r: Resources = Depends(resources),
-    ctx: ApiContext = Depends(context),
-):
+async def create_deployment(body: CreateDeploymentRequest, p: PrincipalDep, r: ResourcesDep, ctx: ContextDep):
     p.require_admin("creating a deployment")
     if body.hot_load is not None:
         if not p.hot_load_enabled:
@@ -124,17 +117,12 @@ async def create_deployment(
 
 
 @router.get("/deployments/{deployment_id}")
-async def get_deployment(deployment_id: str, p: Principal = Depends(principal), r: Resources = Depends(resources)):
+async def get_deployment(deployment_id: str, p: PrincipalDep, r: ResourcesDep):
     return {"deployment": (await r.get_deployment(p.organization_id, deployment_id)).wire()}
 
 
 @router.patch("/deployments/{deployment_id}")
-async def update_deployment(
-    deployment_id: str,
-    body: UpdateDeploymentRequest,
-    p: Principal = Depends(principal),
-    r: Resources = Depends(resources),
-):
+async def update_deployment(deployment_id: str, body: UpdateDeploymentRequest, p: PrincipalDep, r: ResourcesDep):
     p.require_admin("updating a deployment")
     cmd = UpdateDeploymentCommand(**_fields(body), updated_at=now())
     return {"deployment": (await r.update_deployment(p.organization_id, deployment_id, cmd)).wire()}
@@ -142,15 +130,15 @@ async def update_deployment(
 
 @router.get("/deployments")
 async def list_deployments(
-    parentGatewayId: str | None = None,
-    p: Principal = Depends(principal),
-    r: Resources = Depends(resources),  # noqa: N803
+    p: PrincipalDep,
+    r: ResourcesDep,
+    parentGatewayId: str | None = None,  # noqa: N803 - wire name
 ):
     return {"items": [d.wire() for d in await r.list_deployments(p.organization_id, parentGatewayId)]}
 
 
 @router.delete("/deployments/{deployment_id}")
-async def delete_deployment(deployment_id: str, p: Principal = Depends(principal), r: Resources = Depends(resources)):
+async def delete_deployment(deployment_id: str, p: PrincipalDep, r: ResourcesDep):
     p.require_admin("deleting a deployment")
     await r.delete_deployment(p.organization_id, deployment_id)
     return {}

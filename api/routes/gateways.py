@@ -7,32 +7,25 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
-from api.auth import principal
+from api.auth import PrincipalDep
 from api.clock import now
-from api.context import ApiContext, context, resources
+from api.context import ContextDep, ResourcesDep
 from api.models import CreateGatewayRequest
-from api.resources import Resources
 from contracts.errors import AlreadyExists, InvalidArgument
 from contracts.records import Gateway, GatewaySpec, GatewayStatus, ResourceStatus
-from contracts.tokens import Principal
 
 router = APIRouter()
 
 
 @router.get("/gateways/parameters")
-async def gateway_parameters(p: Principal = Depends(principal), ctx: ApiContext = Depends(context)) -> dict[str, Any]:
+async def gateway_parameters(p: PrincipalDep, ctx: ContextDep) -> dict[str, Any]:
     return {"zones": [ctx.settings.zone]}
 
 
 @router.post("/gateways")
-async def create_gateway(
-    body: CreateGatewayRequest,
-    p: Principal = Depends(principal),
-    r: Resources = Depends(resources),
-    ctx: ApiContext = Depends(context),
-):
+async def create_gateway(body: CreateGatewayRequest, p: PrincipalDep, r: ResourcesDep, ctx: ContextDep):
     p.require_admin("creating a gateway")
     settings = ctx.settings
     zones = body.zones or [settings.zone]
@@ -57,17 +50,17 @@ async def create_gateway(
 
 
 @router.get("/gateways/{gateway_id}")
-async def get_gateway(gateway_id: str, p: Principal = Depends(principal), r: Resources = Depends(resources)):
+async def get_gateway(gateway_id: str, p: PrincipalDep, r: ResourcesDep):
     return {"gateway": (await r.get_gateway(p.organization_id, gateway_id)).wire()}
 
 
 @router.get("/gateways")
-async def list_gateways(p: Principal = Depends(principal), r: Resources = Depends(resources)):
+async def list_gateways(p: PrincipalDep, r: ResourcesDep):
     return {"items": [g.wire() for g in await r.list_gateways(p.organization_id)]}
 
 
 @router.delete("/gateways/{gateway_id}")
-async def delete_gateway(gateway_id: str, p: Principal = Depends(principal), r: Resources = Depends(resources)):
+async def delete_gateway(gateway_id: str, p: PrincipalDep, r: ResourcesDep):
     p.require_admin("deleting a gateway")
     await r.delete_gateway(p.organization_id, gateway_id)
     return {}

@@ -16,20 +16,18 @@ import asyncio
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import Response
 from opentelemetry import propagate as otel_propagate
 
 from api import metrics as api_metrics
-from api.auth import principal, require_granted
+from api.auth import PrincipalDep, require_granted
 from api.clock import now
-from api.context import ApiContext, context, resources
+from api.context import ContextDep, ResourcesDep
 from api.listing import Record, dumps, page
 from api.models import CreateHotLoadRequest
-from api.resources import Resources
 from contracts.errors import FailedPrecondition
 from contracts.records import TERMINAL_HOT_LOAD_STATES, CreateHotLoadCommand, PromptCachePolicy
-from contracts.tokens import Principal
 
 router = APIRouter()
 
@@ -40,9 +38,7 @@ def hot_load_response(rec: Record) -> Response:
 
 
 @router.post("/hotLoads")
-async def create_hot_load(
-    body: CreateHotLoadRequest, p: Principal = Depends(principal), r: Resources = Depends(resources)
-):
+async def create_hot_load(body: CreateHotLoadRequest, p: PrincipalDep, r: ResourcesDep):
     p.require_admin("creating a hot-load")
     dep = await r.get_deployment(p.organization_id, body.deployment_id)  # not_found across orgs
     require_granted(p, None, dep.spec.hot_load)  # a grant revoked since the create stops reads
@@ -64,11 +60,11 @@ async def create_hot_load(
 
 @router.get("/hotLoads")
 async def list_hot_loads(
+    p: PrincipalDep,
+    r: ResourcesDep,
     parentDeploymentId: str | None = None,  # noqa: N803 - wire names
     maxPageSize: int | None = None,  # noqa: N803
     pageToken: str | None = None,  # noqa: N803
-    p: Principal = Depends(principal),
-    r: Resources = Depends(resources),
 ):
     items, token = await r.list_hot_loads(p.organization_id, parentDeploymentId, maxPageSize, pageToken)
     # Each item is JSON already (encoded once per record): join, do not re-encode.
@@ -77,17 +73,17 @@ async def list_hot_loads(
 
 
 @router.get("/hotLoads/{hot_load_id}")
-async def get_hot_load(hot_load_id: str, p: Principal = Depends(principal), r: Resources = Depends(resources)):
+async def get_hot_load(hot_load_id: str, p: PrincipalDep, r: ResourcesDep):
     return hot_load_response(await r.hot_load(p.organization_id, hot_load_id))
 
 
 @router.get("/hotLoads/{hot_load_id}/replicas")
 async def list_hot_load_replicas(
     hot_load_id: str,
+    p: PrincipalDep,
+    r: ResourcesDep,
     maxPageSize: int | None = None,  # noqa: N803
     pageToken: str | None = None,  # noqa: N803
-    p: Principal = Depends(principal),
-    r: Resources = Depends(resources),
 ):
     rec = await r.hot_load(p.organization_id, hot_load_id, replicas=True)  # ordered by (zone, name)
     chunk, token = page(rec.replicas, maxPageSize, pageToken, f"replicas:{hot_load_id}")
@@ -98,12 +94,7 @@ async def list_hot_load_replicas(
 
 
 @router.post("/hotLoads/{hot_load_id}:cancel")
-async def cancel_hot_load(
-    hot_load_id: str,
-    p: Principal = Depends(principal),
-    r: Resources = Depends(resources),
-    ctx: ApiContext = Depends(context),
-):
+async def cancel_hot_load(hot_load_id: str, p: PrincipalDep, r: ResourcesDep, ctx: ContextDep):
     p.require_admin("canceling a hot-load")
     state = (await r.hot_load(p.organization_id, hot_load_id, fresh=True)).hot_load["status"]["state"]
     if state in TERMINAL_HOT_LOAD_STATES:
