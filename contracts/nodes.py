@@ -17,8 +17,14 @@ These are Temporal payloads (JSON, camelCase), never REST wire objects.
 
 from __future__ import annotations
 
-from pydantic import Field
+from datetime import timedelta
+from typing import Any
 
+from pydantic import Field
+from temporalio.client import Client, WorkflowHandle
+from temporalio.common import WorkflowIDConflictPolicy
+
+from contracts import names
 from contracts.records import Placement, WireModel
 
 # How often a node agent reports, and how long the registry waits before it declares it lost.
@@ -84,3 +90,20 @@ class ReplicasLost(WireModel):
 
 def placement_key(deployment_workflow_id: str, replica: str) -> str:
     return f"{deployment_workflow_id}/{replica}"
+
+
+async def report_heartbeat(
+    client: Client, heartbeat: NodeHeartbeat, rpc_timeout: timedelta
+) -> WorkflowHandle[Any, Any]:
+    """Send one heartbeat to the node registry, starting the registry if it does not run (a
+    node agent's, real or simulated, every `HEARTBEAT_EVERY_S`); the registry's handle."""
+    return await client.start_workflow(
+        names.NODE_REGISTRY_WORKFLOW,
+        RegistryState(),
+        id=names.NODE_REGISTRY_ID,
+        task_queue=names.CONTROL_TASK_QUEUE,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        start_signal=names.NODE_HEARTBEAT,
+        start_signal_args=[heartbeat],
+        rpc_timeout=rpc_timeout,
+    )

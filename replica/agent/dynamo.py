@@ -24,7 +24,7 @@ from common import envs
 from common.addresses import host_port
 from common.dynamo_planes import DISCOVERY_BACKENDS, discovery_problem, plane_args, plane_env, request_annotation
 from common.dynamo_tls import DynamoTls
-from common.processes import free_port, free_port_below, wait_serving
+from common.processes import free_port, free_port_below
 from replica.agent.engine_process import EngineProcess, EngineStartError
 from replica.agent.engine_rpc import DYNAMO_TRANSPORT, EngineRequestError
 from replica.engine_routes import DYNAMO_PREFIX
@@ -82,33 +82,17 @@ class DynamoEngineProcess(EngineProcess):
 
     @classmethod
     def attach(
-        cls,
-        base_url: str,
-        *,
-        pid: int | None = None,
-        served_model_name: str | None = None,
-        secret: str | None = None,
-        discovery_dir: Path | str = ".",
-        namespace: str = "",
-        worker_id: int | None = None,
-        frontend_url: str | None = None,
-        tls: DynamoTls | None = None,
-        request_secret: str | None = None,
+        cls, base_url: str, *, worker_id: int | None = None, request_secret: str | None = None, **options: Any
     ) -> DynamoEngineProcess:
         """A running worker whose system server is at ``base_url`` (its control URL); with
-        ``worker_id`` (its Dynamo id) and ``frontend_url``, ``/v1/...`` requests reach it."""
-        engine = super().attach(
-            base_url,
-            pid=pid,
-            served_model_name=served_model_name,
-            secret=secret,
-            discovery_dir=discovery_dir,
-            namespace=namespace,
-            frontend_url=frontend_url,
-        )
+        ``worker_id`` (its Dynamo id) and ``frontend_url``, ``/v1/...`` requests reach it.
+        ``options``: `EngineProcess.attach`'s and this constructor's (``discovery_dir``,
+        ``namespace``, ``frontend_url``, ``tls``)."""
+        options.setdefault("discovery_dir", ".")
+        options.setdefault("namespace", "")
+        engine = super().attach(base_url, **options)
         assert isinstance(engine, DynamoEngineProcess)
         engine.worker_id = worker_id
-        engine.tls = tls
         engine.request_secret = request_secret
         return engine
 
@@ -200,16 +184,7 @@ class DynamoEngineProcess(EngineProcess):
                 self.worker_id = answer["worker_id"]
                 return True
 
-            await wait_serving(
-                self._proc,
-                serving,
-                name="the Dynamo worker",
-                url=self.base_url,
-                log_path=self.log_path,
-                timeout=timeout,
-                error=EngineStartError,
-                not_yet=(httpx.HTTPError, ValueError),
-            )
+            await self._until_serving(serving, timeout, "the Dynamo worker", (httpx.HTTPError, ValueError))
 
     async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """An inference request (``/v1/...``) goes through the frontend to this worker alone."""

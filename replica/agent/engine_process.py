@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -326,16 +326,27 @@ class EngineProcess(EngineClient):
                 models = await client.get(self.base_url + "/v1/models")
                 return models.status_code == 200 and bool(models.json().get("data"))
 
-            await wait_serving(
-                self._proc,
-                serving,
-                name="vLLM",
-                url=self.base_url,
-                log_path=self.log_path,
-                timeout=timeout,
-                error=EngineStartError,
-                not_yet=(httpx.HTTPError,),
-            )
+            await self._until_serving(serving, timeout)
+
+    async def _until_serving(
+        self,
+        serving: Callable[[], Awaitable[bool]],
+        timeout: float,
+        name: str = "vLLM",
+        not_yet: tuple[type[BaseException], ...] = (httpx.HTTPError,),
+    ) -> None:
+        """Until ``serving()`` is true (``not_yet``: the errors that mean not yet); EngineStartError
+        naming ``name``, with its log's tail, when the process exits first or ``timeout`` passes."""
+        await wait_serving(
+            self._proc,
+            serving,
+            name=name,
+            url=self.base_url,
+            log_path=self.log_path,
+            timeout=timeout,
+            error=EngineStartError,
+            not_yet=not_yet,
+        )
 
     async def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, wait up to ``timeout``, then SIGKILL the process group. Returns the exit code

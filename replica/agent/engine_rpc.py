@@ -64,6 +64,17 @@ class ReadBackFailed(EngineError):
         )
 
 
+def _whole(served: ServedWeights, shards_by: str) -> dict[str, str]:
+    """The checksums of ``served``; EngineError when a rank holds only a shard of some tensor
+    (``shards_by``: the method that reads shards)."""
+    if served.regions:
+        raise EngineError(
+            f"the engine's ranks hold shards of {len(served.regions)} tensor(s) "
+            f"({', '.join(sorted(served.regions)[:3])}): read them with {shards_by}"
+        )
+    return served.checksums
+
+
 @dataclass(frozen=True)
 class Transport:
     """Where an engine serves its control routes and where its secret goes (module docstring)."""
@@ -287,13 +298,7 @@ class EngineClient:
         """Per-tensor digest of what the engine holds, by checkpoint name; EngineError for a
         tensor that no rank holds whole (a tensor-parallel shard: `served_weights`)."""
         results = await self._rpc_ranks("weight_checksums", None if names is None else list(names), algorithm)
-        served = ServedWeights.combine(results)
-        if served.regions:
-            raise EngineError(
-                f"the engine's ranks hold shards of {len(served.regions)} tensor(s) "
-                f"({', '.join(sorted(served.regions)[:3])}): read them with served_weights"
-            )
-        return served.checksums
+        return _whole(ServedWeights.combine(results), "served_weights")
 
     async def served_weights(self, names: Sequence[str] | None = None) -> ServedWeights:
         """What every rank holds for ``names`` (all when None): checksums of the tensors a rank
@@ -478,13 +483,7 @@ class EngineClient:
     async def served_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
         """Adler-32 of what the engine serves, computed off the serving path (a background job);
         EngineError for a tensor no rank holds whole (a tensor-parallel shard: `served_shards`)."""
-        served = await self.served_shards(names)
-        if served.regions:
-            raise EngineError(
-                f"the engine's ranks hold shards of {len(served.regions)} tensor(s) "
-                f"({', '.join(sorted(served.regions)[:3])}): read them with served_shards"
-            )
-        return served.checksums
+        return _whole(await self.served_shards(names), "served_shards")
 
     async def served_shards(self, names: Sequence[str] | None = None) -> ServedWeights:
         """What every rank serves (`served_weights`), computed off the serving path (a background

@@ -19,13 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
 from temporalio.client import Client
-from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from common.processes import PidFile, stop_pid
 from common.settings import Settings, temporal_client
 from contracts import names
-from contracts.nodes import HEARTBEAT_EVERY_S, NodeHeartbeat, RegistryState
+from contracts.nodes import HEARTBEAT_EVERY_S, NodeHeartbeat, report_heartbeat
 from contracts.records import rfc3339
 from replica.node.activities import NodeActivities, NodeIdentity, running_replicas
 from replica.node.capacity import shm_bytes
@@ -72,16 +71,7 @@ class NodeAgent:
 
     async def report(self) -> None:
         """One heartbeat (starting the registry if it does not run), then stop orphans."""
-        handle = await self.client.start_workflow(
-            names.NODE_REGISTRY_WORKFLOW,
-            RegistryState(),
-            id=names.NODE_REGISTRY_ID,
-            task_queue=names.CONTROL_TASK_QUEUE,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            start_signal=names.NODE_HEARTBEAT,
-            start_signal_args=[self.heartbeat()],
-            rpc_timeout=RPC_TIMEOUT,
-        )
+        handle = await report_heartbeat(self.client, self.heartbeat(), RPC_TIMEOUT)
         try:
             placed = set(
                 await handle.query("placements_of", self.node.name, result_type=list[str], rpc_timeout=RPC_TIMEOUT)

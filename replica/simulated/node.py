@@ -20,12 +20,11 @@ from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client
-from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from contracts import names
 from contracts.activities import StartReplicasInput, StopReplicasInput
-from contracts.nodes import HEARTBEAT_EVERY_S, NodeHeartbeat, RegistryState
+from contracts.nodes import HEARTBEAT_EVERY_S, NodeHeartbeat, report_heartbeat
 from contracts.records import ReplicaEndpoint, rfc3339
 from replica.simulated.replica import ENGINE, Behaviour, SimulatedReplica, content
 
@@ -73,16 +72,7 @@ class SimulatedNode:
         )
 
     async def report(self) -> None:
-        await self.client.start_workflow(
-            names.NODE_REGISTRY_WORKFLOW,
-            RegistryState(),
-            id=names.NODE_REGISTRY_ID,
-            task_queue=names.CONTROL_TASK_QUEUE,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            start_signal=names.NODE_HEARTBEAT,
-            start_signal_args=[self.heartbeat()],
-            rpc_timeout=timedelta(seconds=HEARTBEAT_EVERY_S),
-        )
+        await report_heartbeat(self.client, self.heartbeat(), timedelta(seconds=HEARTBEAT_EVERY_S))
 
     async def report_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
