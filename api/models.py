@@ -82,12 +82,12 @@ def _resource_id(field: str):
 
 
 # A resource id the caller chose (`common/ids.py`).
-GatewayId = DeploymentId = Annotated[str, AfterValidator(_resource_id("id"))]
+ResourceId = Annotated[str, AfterValidator(_resource_id("id"))]
 HotLoadId = Annotated[str, AfterValidator(_resource_id("hotLoadId"))]
 
 
 class CreateGatewayRequest(WireModel):
-    id: GatewayId | None = None
+    id: ResourceId | None = None
     name: Name
     zones: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=16)
 
@@ -206,7 +206,7 @@ class AutoscalingIn(Autoscaling):
 
 
 class CreateDeploymentRequest(WireModel):
-    id: DeploymentId | None = None
+    id: ResourceId | None = None
     name: Name
     gateway_ids: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(min_length=1, max_length=8)
     runtime: RuntimeIn

@@ -83,3 +83,20 @@ def give_base_tokenizer(settings: Settings, *dirs: Path) -> None:
     for d in dirs:
         for f in TOKENIZER_FILES:
             shutil.copy2(settings.home_path / "models" / "base" / f, d / f)
+
+
+def deployment_body(
+    settings: Settings, name: str, *, gpus: int, autoscaling: dict[str, Any], hot_load: dict[str, Any]
+) -> dict[str, Any]:
+    """A POST /deployments body: ``name``, a dynamo-vllm deployment of the stack's base model on
+    cpu-local instances of ``gpus`` (simulated) GPUs, hot-loading from the stack's bucket
+    (``hot_load``: the section's other fields)."""
+    return {
+        "name": name,
+        "gatewayIds": [settings.gateway_id],
+        "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
+        "model": {"name": f"{name}-model", "bucket": settings.bucket, "path": settings.base_model_path},
+        "resources": {"instanceType": "cpu-local", "gpuCount": gpus},
+        "autoscaling": autoscaling,
+        "hotLoad": {"bucket": settings.bucket, **hot_load},
+    }

@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench_kit import Api, stack_running  # noqa: E402  (bench/, beside this file)
+from bench_kit import Api, deployment_body, stack_running  # noqa: E402  (bench/, beside this file)
 
 from common.settings import Settings, temporal_client  # noqa: E402
 from contracts import names  # noqa: E402
@@ -150,15 +150,13 @@ def create_ready_deployment(settings: Settings, api: Api, replicas: int, engine:
     dep_id = api.call(
         "POST",
         "/deployments",
-        json={
-            "name": "chain",
-            "gatewayIds": [settings.gateway_id],
-            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
-            "model": {"name": "chain-model", "bucket": settings.bucket, "path": settings.base_model_path},
-            "resources": {"instanceType": "cpu-local", "gpuCount": 0 if engine else 1},
-            "autoscaling": {"min": replicas, "max": replicas},
-            "hotLoad": {"bucket": settings.bucket, "pathPrefix": PREFIX},
-        },
+        json=deployment_body(
+            settings,
+            "chain",
+            gpus=0 if engine else 1,
+            autoscaling={"min": replicas, "max": replicas},
+            hot_load={"pathPrefix": PREFIX},
+        ),
     )["deployment"]["spec"]["id"]
     while (status := api.call("GET", f"/deployments/{dep_id}")["deployment"]["status"]["status"]) != "STATUS_READY":
         if status == "STATUS_FAILED":

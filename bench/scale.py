@@ -58,7 +58,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench_kit import Api, stack_running  # noqa: E402  (bench/, beside this file)
+from bench_kit import Api, deployment_body, stack_running  # noqa: E402  (bench/, beside this file)
 
 from common.settings import Settings, temporal_client  # noqa: E402
 from contracts import names  # noqa: E402
@@ -444,26 +444,22 @@ def create_deployment(settings: Settings, api: Api, args: argparse.Namespace) ->
     return api.call(
         "POST",
         "/deployments",
-        json={
-            "name": "scale",
-            "gatewayIds": [settings.gateway_id],
-            "runtime": {"engine": "dynamo-vllm", "version": "0.32.0"},
-            "model": {"name": "scale-model", "bucket": settings.bucket, "path": settings.base_model_path},
-            # One simulated GPU each: placement puts them on the simulated nodes only.
-            "resources": {"instanceType": "cpu-local", "gpuCount": 1},
-            "autoscaling": {
+        json=deployment_body(
+            settings,
+            "scale",
+            gpus=1,  # one simulated GPU each: placement puts them on the simulated nodes only
+            autoscaling={
                 "min": args.replicas,
                 "max": args.replicas + args.autoscale,
                 **({"scaleOutAfterSeconds": 0, "scaleInAfterSeconds": 0} if args.autoscale else {}),
             },
-            "hotLoad": {
-                "bucket": settings.bucket,
+            hot_load={
                 "pathPrefix": "scale/ckpt",
                 "peerFanOut": args.fan_out,
                 "replicasPerGroup": args.group_size,
                 "maxConcurrentSwaps": args.max_concurrent_swaps,
             },
-        },
+        ),
     )["deployment"]["spec"]["id"]
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from replica.engine.tensors import nbytes
+from replica.engine.tensors import nbytes, row_major_strides
 
 SHARED_MAPS: dict[str, tuple[tuple[int, int, int], Any, torch.Tensor]] = {}
 
@@ -73,12 +73,4 @@ class Views:
         if typed is None:
             whole = self.memory[: self.memory.numel() - self.memory.numel() % item]
             typed = self.typed[dtype] = whole.view(dtype)
-        return typed.as_strided(shape, _row_major(shape), offset // item)
-
-
-def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, out = 1, []
-    for s in reversed(shape):
-        out.append(stride)
-        stride *= s
-    return tuple(reversed(out))
+        return typed.as_strided(shape, row_major_strides(shape), offset // item)

@@ -55,6 +55,15 @@ def dtype_to_str(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides, in elements, of a contiguous (row-major) tensor of ``shape``."""
+    stride, out = 1, []
+    for s in reversed(shape):
+        out.append(stride)
+        stride *= s
+    return tuple(reversed(out))
+
+
 def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:

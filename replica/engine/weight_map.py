@@ -22,7 +22,7 @@ import torch
 
 from replica.engine import cpu_gemm, cpu_moe, post_load
 from replica.engine.landings import Landing, Region, TensorMap, observe, unproven
-from replica.engine.tensors import dtype_to_str
+from replica.engine.tensors import dtype_to_str, row_major_strides
 
 Spec = tuple[str, tuple[int, ...], torch.dtype]
 HostSlices = tuple[memoryview, list[tuple[str, int, int]]]  # a host parameter's bytes, (name, first, end) slices
@@ -150,7 +150,7 @@ class WeightMap:
                 continue
             key = f"{tmap.written[0].rpartition('.')[0]}.{_CKPT.format(name.replace('.', '/'))}"
             self.shadows[key] = read(name).contiguous().clone()
-            whole = Region(tuple(e.shape), _contiguous(tuple(e.shape)), 0)
+            whole = Region(tuple(e.shape), row_major_strides(tuple(e.shape)), 0)
             e.landings, e.computed_into, e.refused = [Landing(key, whole, whole, e.dtype)], list(tmap.written), None
             self.covered |= set(tmap.written)
 
@@ -235,7 +235,11 @@ class WeightMap:
         if len(e.landings) != 1:
             return None
         ld = e.landings[0]
-        if ld.src.offset != 0 or ld.src.numel() != math.prod(e.shape) or ld.src.stride != _contiguous(ld.src.size):
+        if (
+            ld.src.offset != 0
+            or ld.src.numel() != math.prod(e.shape)
+            or ld.src.stride != row_major_strides(ld.src.size)
+        ):
             return None
         dst = ld.dst.view(self.target(ld.param))
         if dst.dtype != e.dtype or not dst.is_contiguous():
@@ -466,7 +470,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def _whole_source(src: Region, shape: tuple[int, ...]) -> bool:
     """Whether ``src`` is all of a checkpoint tensor of ``shape``, row-major."""
-    return src.offset == 0 and src.numel() == math.prod(shape) and src.stride == _contiguous(src.size)
+    return src.offset == 0 and src.numel() == math.prod(shape) and src.stride == row_major_strides(src.size)
 
 
 def _dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -486,11 +490,3 @@ def _host_bytes(target: torch.Tensor) -> memoryview | None:
     if target.device.type != "cpu" or not target.is_contiguous() or not target.numel():
         return None
     return target.detach().reshape(-1).view(torch.uint8).numpy().data
-
-
-def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
-    stride, out = 1, []
-    for s in reversed(size):
-        out.append(stride)
-        stride *= s
-    return tuple(reversed(out))
