@@ -36,7 +36,9 @@ def routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
 
 def decoder_layers(model: nn.Module) -> int:
     """How many decoder layers ``model`` has: the layer axis of the routes vLLM captures."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config: Any = model.config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
     return int(config.num_hidden_layers)
 
 
