@@ -106,6 +106,19 @@ def write_delta(root: Path, identity: str, base: str, *, missing: tuple[str, ...
             (d / name).write_text(text)
 
 
+def replica_endpoint(name: str, task_queue: str, i: int = 0) -> ReplicaEndpoint:
+    """How the fleet's ``i``-th replica ``name`` reports ready: its queue, a stand-in engine URL and pids."""
+    return ReplicaEndpoint(
+        name=name,
+        zone=ZONE,
+        task_queue=task_queue,
+        engine_url="http://127.0.0.1:1",
+        engine_pid=1000 + i,
+        agent_pid=2000 + i,
+        started_at="2026-01-01T00:00:00.000000Z",
+    )
+
+
 def fleet_node(task_queue: str) -> str:
     """The stand-in node every replica of a fleet is placed on (its own queue per fleet)."""
     return f"fleet-{task_queue}"
@@ -257,26 +270,8 @@ class Fleet:
         for i in range(count):
             name = f"replica-{i}"
             tq = f"{self.task_queue}/replica/{dep_id}/{name}"
-            worker = Worker(
-                self.client,
-                task_queue=tq,
-                activities=self._replica_activities(name),
-                max_heartbeat_throttle_interval=timedelta(milliseconds=200),
-                default_heartbeat_throttle_interval=timedelta(milliseconds=200),
-            )
-            asyncio.create_task(worker.run())
-            self._replica_workers[tq] = worker
-            endpoints.append(
-                ReplicaEndpoint(
-                    name=name,
-                    zone=ZONE,
-                    task_queue=tq,
-                    engine_url="http://127.0.0.1:1",
-                    engine_pid=1000 + i,
-                    agent_pid=2000 + i,
-                    started_at="2026-01-01T00:00:00.000000Z",
-                )
-            )
+            self._serve_replica(self.client, tq, name)
+            endpoints.append(replica_endpoint(name, tq, i))
         return endpoints
 
     async def deployment_from_state(self, state: DeploymentInput) -> str:
@@ -365,15 +360,7 @@ class Fleet:
         """The replica `name` reports ready, as a (re)started replica does once it serves."""
         await self.deployment_handle(dep_id).signal(
             DeploymentWorkflow.replica_ready,
-            ReplicaEndpoint(
-                name=name,
-                zone=ZONE,
-                task_queue=f"{self.task_queue}/replica/{dep_id}/{name}",
-                engine_url="http://127.0.0.1:1",
-                engine_pid=1000,
-                agent_pid=2000,
-                started_at="2026-01-01T00:00:00.000000Z",
-            ),
+            replica_endpoint(name, f"{self.task_queue}/replica/{dep_id}/{name}"),
         )
 
     @property
@@ -409,29 +396,12 @@ class Fleet:
                 continue
             started.append(name)
             if tq not in self._replica_workers:
-                worker = Worker(
-                    activity.client(),
-                    task_queue=tq,
-                    activities=self._replica_activities(name),
-                    # A cancel reaches a step only with a heartbeat's answer: send them often.
-                    max_heartbeat_throttle_interval=timedelta(milliseconds=200),
-                    default_heartbeat_throttle_interval=timedelta(milliseconds=200),
-                )
-                asyncio.create_task(worker.run())
-                self._replica_workers[tq] = worker
+                self._serve_replica(activity.client(), tq, name)
             if not self.report_ready:
                 continue
             await handle.signal(
                 names.REPLICA_READY,
-                ReplicaEndpoint(
-                    name=name,
-                    zone=ZONE,
-                    task_queue=tq,
-                    engine_url="http://127.0.0.1:1",
-                    engine_pid=1000 + i,
-                    agent_pid=2000 + i,
-                    started_at="2026-01-01T00:00:00.000000Z",
-                ),
+                replica_endpoint(name, tq, i),
             )
         return started
 
@@ -444,6 +414,19 @@ class Fleet:
     @activity.defn(name=names.CHECK_SNAPSHOT)
     def check_snapshot_files(self, inp: CheckSnapshotInput) -> list[str]:
         return check_local_snapshot(self.bucket_root, inp)
+
+    def _serve_replica(self, client: Client, task_queue: str, name: str) -> None:
+        """A worker for replica ``name``'s steps on ``task_queue``, running from now on."""
+        worker = Worker(
+            client,
+            task_queue=task_queue,
+            activities=self._replica_activities(name),
+            # A cancel reaches a step only with a heartbeat's answer: send them often.
+            max_heartbeat_throttle_interval=timedelta(milliseconds=200),
+            default_heartbeat_throttle_interval=timedelta(milliseconds=200),
+        )
+        asyncio.create_task(worker.run())
+        self._replica_workers[task_queue] = worker
 
     def _replica_activities(self, replica: str) -> list:
         """The replica steps under their real names: the update from the bucket and the
