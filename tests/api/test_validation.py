@@ -39,6 +39,16 @@ def post(client, path, body, token="admin-t"):
 GOOD_HOT_LOAD = {"deploymentId": "d1", "identity": "step-1", "type": "SNAPSHOT_TYPE_FULL"}
 
 
+def deployment_body(engine: str) -> dict:
+    """A deployment request on ``engine`` that names every required field, without hot-load."""
+    return {
+        "name": "d",
+        "gatewayIds": ["g"],
+        "runtime": {"engine": engine},
+        "model": {"name": "m", "bucket": "bkt", "path": "p"},
+    }
+
+
 def test_missing_token_is_unauthenticated(client):
     r = client.get(f"{PREFIX}/hotLoads/x")
     assert r.status_code == 401
@@ -119,13 +129,7 @@ def test_oversized_body_is_refused(client):
 
 
 def test_deployment_hot_load_needs_enabled_org_and_engine(client):
-    body = {
-        "name": "d",
-        "gatewayIds": ["g"],
-        "runtime": {"engine": "dynamo-vllm"},
-        "model": {"name": "m", "bucket": "bkt", "path": "p"},
-        "hotLoad": {"bucket": "bkt", "pathPrefix": "ckpt"},
-    }
+    body = {**deployment_body("dynamo-vllm"), "hotLoad": {"bucket": "bkt", "pathPrefix": "ckpt"}}
     r = post(client, "/deployments", body, token="other-t")
     assert r.status_code == 412
     assert r.json()["message"] == "hot-load is not enabled for this organization"
@@ -135,12 +139,7 @@ def test_deployment_hot_load_needs_enabled_org_and_engine(client):
 
 
 def test_the_engine_is_one_the_service_runs(client):
-    body = {
-        "name": "d",
-        "gatewayIds": ["g"],
-        "runtime": {"engine": "sglang"},
-        "model": {"name": "m", "bucket": "bkt", "path": "p"},
-    }
+    body = deployment_body("sglang")
     r = post(client, "/deployments", body)
     assert r.status_code == 400
     assert "runtime.engine" in r.json()["message"] and "'sglang'" in r.json()["message"]
