@@ -54,7 +54,7 @@ from tests.helpers.temporal_server import temporal_env  # noqa: F401 - one dev s
 # Fixtures that start the embedded stack or its SeaweedFS (tests/snapshots/conftest.py).
 STACK_FIXTURES = frozenset({"stack", "seaweed"})
 # Fixtures that start a vLLM engine of their own (tests/replica/conftest.py, tests/gateway/test_weight_spans.py).
-ENGINE_FIXTURES = frozenset({"engine", "engine_b", "start_engine"})
+ENGINE_FIXTURES = frozenset({"engine", "engine_b", "running_engine"})
 # Fixtures that make network-namespace hosts (tests/multihost/conftest.py).
 MULTIHOST_FIXTURES = frozenset({"cluster", "make_cluster"})
 

@@ -316,6 +316,10 @@ class Fleet:
         """``GET /hotLoads/{hl_id}/replicas``: the replica entries, in walk order."""
         return (await self.call("GET", f"/hotLoads/{hl_id}/replicas")).json()["replicas"]
 
+    async def replica_outcomes(self, hl_id: str) -> list[tuple[str, str]]:
+        """Each replica entry's ``(state, currentSnapshotIdentity)``, in walk order."""
+        return [(r["state"], r["currentSnapshotIdentity"]) for r in await self.hot_load_replicas(hl_id)]
+
     async def wait_idle(self, dep_id: str, timeout: float = 90) -> None:
         """Until the deployment has taken note that its last hot-load ended."""
 
@@ -325,8 +329,8 @@ class Fleet:
 
         await poll(check, timeout, f"deployment {dep_id} idle")
 
-    async def completed(self, dep_id: str, identity: str, **body: Any) -> dict:
-        """Publish (files) + hot-load + wait: a COMPLETED hot-load of `identity`."""
+    async def accepted(self, dep_id: str, identity: str, **body: Any) -> str:
+        """Publish (files) + hot-load: the id of an accepted hot-load of `identity`."""
         if body.get("type") == "SNAPSHOT_TYPE_INCREMENTAL":
             write_delta(
                 self.bucket_root / f"ckpt/{dep_id}",
@@ -337,7 +341,11 @@ class Fleet:
             write_full(self.bucket_root / f"ckpt/{dep_id}", identity)
         r = await self.create_hot_load(dep_id, identity, **body)
         assert r.status_code == 200, r.text
-        hl = await self.wait_hot_load(r.json()["hotLoad"]["spec"]["id"])
+        return r.json()["hotLoad"]["spec"]["id"]
+
+    async def completed(self, dep_id: str, identity: str, **body: Any) -> dict:
+        """Publish (files) + hot-load + wait: a COMPLETED hot-load of `identity`."""
+        hl = await self.wait_hot_load(await self.accepted(dep_id, identity, **body))
         assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl
         await self.wait_idle(dep_id)
         return hl
