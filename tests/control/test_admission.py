@@ -100,24 +100,13 @@ async def test_type_and_metadata_must_match(temporal_env, tmp_path):
 async def test_unsupported_formats_are_invalid_argument(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
-        body = delta_body("s0")
-        body["incrementalSnapshotMetadata"]["checksumFormat"] = "CHECKSUM_FORMAT_XXH3_128"
-        error(
-            await f.create_hot_load(dep, "s1", **body),
-            400,
-            "invalid_argument",
-            "checksumFormat",
-            "CHECKSUM_FORMAT_ADLER32",
-        )
-        body = delta_body("s0")
-        body["incrementalSnapshotMetadata"]["compressionFormat"] = "COMPRESSION_FORMAT_LZ4"
-        error(
-            await f.create_hot_load(dep, "s1", **body),
-            400,
-            "invalid_argument",
-            "compressionFormat",
-            "COMPRESSION_FORMAT_ZSTD",
-        )
+        for field, value, supported in [
+            ("checksumFormat", "CHECKSUM_FORMAT_XXH3_128", "CHECKSUM_FORMAT_ADLER32"),
+            ("compressionFormat", "COMPRESSION_FORMAT_LZ4", "COMPRESSION_FORMAT_ZSTD"),
+        ]:
+            body = delta_body("s0")
+            body["incrementalSnapshotMetadata"][field] = value
+            error(await f.create_hot_load(dep, "s1", **body), 400, "invalid_argument", field, supported)
 
 
 async def test_identity_rules(temporal_env, tmp_path):
