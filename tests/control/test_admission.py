@@ -304,9 +304,7 @@ async def test_a_lost_replica_is_reported_before_a_missing_snapshot(temporal_env
     """Both checks fail at once: the caller sees the replica's, as when they ran in turn."""
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
-        members = (await f.deployment_state(dep)).members
-        f.report_ready = False
-        await f.lose(dep, members[1])
+        members = await f.members_losing(dep, 1)
         write_full(f.bucket_root / f"ckpt/{dep}", "s1", missing=("config.json",))
         error(await f.create_hot_load(dep, "s1"), 412, "failed_precondition", "STATUS_UPDATING", members[1])
         await no_hot_load_started(f, dep)

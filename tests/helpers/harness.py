@@ -364,6 +364,14 @@ class Fleet:
         for name in replicas:
             await self._replica_workers.pop(f"{self.task_queue}/replica/{dep_id}/{name}").shutdown()
 
+    async def members_losing(self, dep_id: str, *indices: int) -> list[str]:
+        """The deployment's members, of which those at ``indices`` are lost (``lose``); from now
+        on a restarted replica reports ready only when the test says (``report_ready`` off)."""
+        members = (await self.deployment_state(dep_id)).members
+        self.report_ready = False
+        await self.lose(dep_id, *(members[i] for i in indices))
+        return members
+
     async def signal_ready(self, dep_id: str, name: str) -> None:
         """The replica `name` reports ready, as a (re)started replica does once it serves."""
         await self.deployment_handle(dep_id).signal(
