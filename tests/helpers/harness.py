@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -229,6 +229,21 @@ class Fleet:
         self._pool.shutdown(wait=False)
 
     # ------------------------------------------------------------------ HTTP
+    @asynccontextmanager
+    async def other_api(self, task_queue: str | None = None) -> AsyncIterator[httpx.AsyncClient]:
+        """An admin's client of a second API process on the same Temporal (its own, empty caches),
+        started; ``task_queue``: where it starts work (the fleet's by default)."""
+        app = create_app(self.settings, temporal_client=self.client, task_queue=task_queue or self.task_queue)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app),
+                base_url=f"http://api{PREFIX}",
+                headers={"Authorization": f"Bearer {ADMIN}"},
+            ) as http,
+        ):
+            yield http
+
     async def call(self, method: str, path: str, token: str = ADMIN, **kw: Any) -> httpx.Response:
         return await self.http.request(method, path, headers={"Authorization": f"Bearer {token}"}, **kw)
 
