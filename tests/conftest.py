@@ -54,7 +54,7 @@ from tests.helpers.temporal_server import temporal_env  # noqa: F401 - one dev s
 # Fixtures that start the embedded stack or its SeaweedFS (tests/snapshots/conftest.py).
 STACK_FIXTURES = frozenset({"stack", "seaweed"})
 # Fixtures that start a vLLM engine of their own (tests/replica/conftest.py, tests/gateway/test_weight_spans.py).
-ENGINE_FIXTURES = frozenset({"engine", "engine_b", "start_engine"})
+ENGINE_FIXTURES = frozenset({"engine", "engine_b", "running_engine"})
 # Fixtures that make network-namespace hosts (tests/multihost/conftest.py).
 MULTIHOST_FIXTURES = frozenset({"cluster", "make_cluster"})
 
@@ -203,28 +203,28 @@ def _check(item: pytest.Item, phase: str) -> None:
             )
 
 
+def _watched(item: pytest.Item, phase: str):
+    """The body of the three phase wrappers below: the engine watch follows ``item`` through
+    ``phase``, then ``_check`` judges what the phase started."""
+    WATCH.enter(item.nodeid, phase)
+    result = yield
+    _check(item, phase)
+    return result
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
-    WATCH.enter(item.nodeid, "setup")
-    result = yield
-    _check(item, "setup")
-    return result
+    return (yield from _watched(item, "setup"))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    WATCH.enter(item.nodeid, "call")
-    result = yield
-    _check(item, "call")
-    return result
+    return (yield from _watched(item, "call"))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
-    WATCH.enter(item.nodeid, "teardown")
-    result = yield
-    _check(item, "teardown")
-    return result
+    return (yield from _watched(item, "teardown"))
 
 
 @pytest.fixture(scope="session")

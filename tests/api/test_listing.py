@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
-
-from api.app import PREFIX, create_app
 from contracts import names
-from tests.helpers.harness import ADMIN, ORG, OTHER_ORG, Fleet, poll, write_full
+from rollouts.client import hot_load_body
+from tests.helpers.harness import ORG, OTHER_ORG, Fleet, poll, write_full
 from tests.helpers.workflow_checks import error, every
 
 
@@ -112,15 +110,7 @@ async def test_history_newest_first_over_closed_and_open_operations(temporal_env
 
         # An API restart with no worker running: a fresh process, an empty cache, same answers.
         expected = ["newer", *newest_first]
-        fresh = create_app(f.settings, temporal_client=f.client, task_queue="no-worker-here")
-        async with (
-            fresh.router.lifespan_context(fresh),
-            httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=fresh),
-                base_url=f"http://api{PREFIX}",
-                headers={"Authorization": f"Bearer {ADMIN}"},
-            ) as http,
-        ):
+        async with f.other_api(task_queue="no-worker-here") as http:
             got = (await http.get("/hotLoads", params={"parentDeploymentId": dep, "maxPageSize": 1000})).json()
             assert [h["spec"]["id"] for h in got["hotLoads"]] == expected
             states = {h["spec"]["id"]: h["status"]["state"] for h in got["hotLoads"]}
@@ -278,26 +268,10 @@ async def test_listing_follows_changes_made_elsewhere(temporal_env, tmp_path):
 
             await poll(check, 60, f"listing {expected}", every=0.1)
 
-        other = create_app(f.settings, temporal_client=f.client, task_queue=f.task_queue)
-        async with (
-            other.router.lifespan_context(other),
-            httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=other),
-                base_url=f"http://api{PREFIX}",
-                headers={"Authorization": f"Bearer {ADMIN}"},
-            ) as http,
-        ):
+        async with f.other_api() as http:
             write_full(f.bucket_root / f"ckpt/{dep}", "s1")
             f.apply_behaviour = every(f.held)
-            r = await http.post(
-                "/hotLoads",
-                json={
-                    "deploymentId": dep,
-                    "identity": "s1",
-                    "type": "SNAPSHOT_TYPE_FULL",
-                    "hotLoadId": "e-1",
-                },
-            )
+            r = await http.post("/hotLoads", json=hot_load_body(dep, "s1", hot_load_id="e-1"))
             assert r.status_code == 200, r.text
         await asyncio.wait_for(f.started.wait(), 30)
         await until([("e-1", "HOT_LOAD_STATE_IN_PROGRESS"), ("e-0", "HOT_LOAD_STATE_COMPLETED")])

@@ -84,6 +84,12 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def kept_one(index: FakeIndex, reads: OpenReads) -> None:
+    """A first read, answered in time by describe 1: what ``reads`` keeps from now on."""
+    await answer(index, record(1))
+    await reads.read(WF, replicas=False)
+
+
 def version(rec: Record | None) -> int:
     assert rec is not None
     return int(rec.updated_at[-3:-1])
@@ -109,8 +115,7 @@ async def test_a_describe_in_time_is_the_answer_and_a_late_one_is_kept_for_the_n
 
 async def test_too_old_is_not_given(setup) -> None:
     index, clock, reads = setup
-    await answer(index, record(1))
-    await reads.read(WF, replicas=False)
+    await kept_one(index, reads)
     clock.now += 2.5
     late = asyncio.create_task(reads.read(WF, replicas=False))
     await asyncio.sleep(0.05)
@@ -121,8 +126,7 @@ async def test_too_old_is_not_given(setup) -> None:
 
 async def test_after_forget_a_read_waits_for_a_describe_of_its_own(setup) -> None:
     index, clock, reads = setup
-    await answer(index, record(1))
-    await reads.read(WF, replicas=False)
+    await kept_one(index, reads)
     assert version(await reads.read(WF, replicas=False)) == 1  # kept; its describe is still in flight
     assert len(index.calls) == 2
     reads.forget(WF)
@@ -138,8 +142,7 @@ async def test_after_forget_a_read_waits_for_a_describe_of_its_own(setup) -> Non
 
 async def test_a_failed_describe_is_replaced_by_what_is_kept_until_too_old(setup) -> None:
     index, clock, reads = setup
-    await answer(index, record(1))
-    await reads.read(WF, replicas=False)
+    await kept_one(index, reads)
     await answer(index, RPCError("down", RPCStatusCode.UNAVAILABLE, b""))
     assert version(await reads.read(WF, replicas=False)) == 1
     clock.now += 2.5

@@ -39,6 +39,19 @@ def post(client, path, body, token="admin-t"):
 GOOD_HOT_LOAD = {"deploymentId": "d1", "identity": "step-1", "type": "SNAPSHOT_TYPE_FULL"}
 
 
+def deployment_body(engine: str = "dynamo-vllm", engine_config: dict | None = None, **extra: object) -> dict:
+    """A deployment request on ``engine`` (with ``engineConfig`` when given) that names every
+    required field, and the ``extra`` fields."""
+    runtime = {"engine": engine} if engine_config is None else {"engine": engine, "engineConfig": engine_config}
+    return {
+        "name": "d",
+        "gatewayIds": ["g"],
+        "runtime": runtime,
+        "model": {"name": "m", "bucket": "bkt", "path": "p"},
+        **extra,
+    }
+
+
 def test_missing_token_is_unauthenticated(client):
     r = client.get(f"{PREFIX}/hotLoads/x")
     assert r.status_code == 401
@@ -119,13 +132,7 @@ def test_oversized_body_is_refused(client):
 
 
 def test_deployment_hot_load_needs_enabled_org_and_engine(client):
-    body = {
-        "name": "d",
-        "gatewayIds": ["g"],
-        "runtime": {"engine": "dynamo-vllm"},
-        "model": {"name": "m", "bucket": "bkt", "path": "p"},
-        "hotLoad": {"bucket": "bkt", "pathPrefix": "ckpt"},
-    }
+    body = deployment_body(hotLoad={"bucket": "bkt", "pathPrefix": "ckpt"})
     r = post(client, "/deployments", body, token="other-t")
     assert r.status_code == 412
     assert r.json()["message"] == "hot-load is not enabled for this organization"
@@ -135,12 +142,7 @@ def test_deployment_hot_load_needs_enabled_org_and_engine(client):
 
 
 def test_the_engine_is_one_the_service_runs(client):
-    body = {
-        "name": "d",
-        "gatewayIds": ["g"],
-        "runtime": {"engine": "sglang"},
-        "model": {"name": "m", "bucket": "bkt", "path": "p"},
-    }
+    body = deployment_body("sglang")
     r = post(client, "/deployments", body)
     assert r.status_code == 400
     assert "runtime.engine" in r.json()["message"] and "'sglang'" in r.json()["message"]
@@ -270,12 +272,7 @@ def test_update_body_is_validated_strictly(client):
 
 
 def test_engine_config_is_an_allow_list(client):
-    body = {
-        "name": "d",
-        "gatewayIds": ["g"],
-        "model": {"name": "m", "bucket": "bkt", "path": "p"},
-        "runtime": {"engine": "dynamo-vllm", "engineConfig": {"host": "0.0.0.0"}},
-    }
+    body = deployment_body(engine_config={"host": "0.0.0.0"})
     r = post(client, "/deployments", body)
     assert r.status_code == 400 and "'host'" in r.json()["message"] and "runtime.engineConfig" in r.json()["message"]
     body["runtime"]["engineConfig"] = {"max-model-len": "lots"}
@@ -288,13 +285,7 @@ def test_engine_config_is_an_allow_list(client):
 
 @pytest.mark.parametrize("weight", [-1, 101, "50", 12.5, True])
 def test_traffic_weight_is_an_integer_from_0_to_100(client, weight):
-    body = {
-        "name": "d",
-        "gatewayIds": ["g"],
-        "runtime": {"engine": "dynamo-vllm"},
-        "model": {"name": "m", "bucket": "bkt", "path": "p"},
-        "traffic": {"weight": weight},
-    }
+    body = deployment_body(traffic={"weight": weight})
     r = post(client, "/deployments", body)
     assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text
     assert "traffic.weight" in r.json()["message"], r.text
@@ -321,13 +312,7 @@ def test_traffic_weight_is_an_integer_from_0_to_100(client, weight):
     ],
 )
 def test_large_deployment_settings_are_bounded_integers(client, field, value):
-    body = {
-        "name": "d",
-        "gatewayIds": ["g"],
-        "runtime": {"engine": "dynamo-vllm"},
-        "model": {"name": "m", "bucket": "bkt", "path": "p"},
-        "hotLoad": {"bucket": "bkt", field: value},
-    }
+    body = deployment_body(hotLoad={"bucket": "bkt", field: value})
     r = post(client, "/deployments", body)
     assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text
     assert f"hotLoad.{field}" in r.json()["message"], r.text
@@ -351,13 +336,9 @@ def test_an_operator_may_let_vllm_hot_load_and_nothing_unknown(monkeypatch, tmp_
 
 
 def test_tensor_parallel_is_accepted_and_the_gpus_must_fit_it(client):
-    body = {
-        "name": "d",
-        "gatewayIds": ["g"],
-        "model": {"name": "m", "bucket": "bkt", "path": "p"},
-        "runtime": {"engine": "dynamo-vllm", "engineConfig": {"tensor-parallel-size": "2"}},
-        "resources": {"instanceType": "gpu", "gpuCount": 3},
-    }
+    body = deployment_body(
+        engine_config={"tensor-parallel-size": "2"}, resources={"instanceType": "gpu", "gpuCount": 3}
+    )
     r = post(client, "/deployments", body)
     assert r.status_code == 400, r.text
     assert (
@@ -385,16 +366,10 @@ def test_tensor_parallel_is_accepted_and_the_gpus_must_fit_it(client):
     ],
 )
 def test_expert_parallel_needs_tensor_parallel_ranks_on_gpus(client, tp, gpus, why):
-    body = {
-        "name": "d",
-        "gatewayIds": ["g"],
-        "model": {"name": "m", "bucket": "bkt", "path": "p"},
-        "runtime": {
-            "engine": "dynamo-vllm",
-            "engineConfig": {"tensor-parallel-size": tp, "enable-expert-parallel": ""},
-        },
-        "resources": {"instanceType": "gpu" if gpus else "cpu", "gpuCount": gpus},
-    }
+    body = deployment_body(
+        engine_config={"tensor-parallel-size": tp, "enable-expert-parallel": ""},
+        resources={"instanceType": "gpu" if gpus else "cpu", "gpuCount": gpus},
+    )
     r = post(client, "/deployments", body)
     assert r.status_code == 400 and re.search(why, r.json()["message"]), r.text
 

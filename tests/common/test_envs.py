@@ -5,13 +5,13 @@ that does not parse is an error naming the variable."""
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
 import pytest
 
 from common import envs
+from tests.helpers.source_strings import string_constants
 
 REPO = Path(__file__).resolve().parents[2]
 OPERATIONS = REPO / "docs" / "operations.md"
@@ -38,23 +38,7 @@ def names_mentioned(text: str) -> set[str]:
 def names_used_as_strings(text: str) -> set[str]:
     """String constants that are a ROLLOUTS_* name or its prefix (``f"ROLLOUTS_{x}"``), docstrings
     aside: how a module reads a variable by name (``os.environ.get("ROLLOUTS_X")``)."""
-    tree = ast.parse(text)
-    docstrings = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
-    }
-    return {
-        node.value
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Constant)
-        and isinstance(node.value, str)
-        and id(node) not in docstrings
-        and re.fullmatch(r"ROLLOUTS_[A-Z0-9_]*", node.value)
-    }
+    return {value for value in string_constants(text) if re.fullmatch(r"ROLLOUTS_[A-Z0-9_]*", value)}
 
 
 def test_the_scanners_find_what_they_look_for() -> None:

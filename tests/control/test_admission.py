@@ -100,24 +100,13 @@ async def test_type_and_metadata_must_match(temporal_env, tmp_path):
 async def test_unsupported_formats_are_invalid_argument(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
-        body = delta_body("s0")
-        body["incrementalSnapshotMetadata"]["checksumFormat"] = "CHECKSUM_FORMAT_XXH3_128"
-        error(
-            await f.create_hot_load(dep, "s1", **body),
-            400,
-            "invalid_argument",
-            "checksumFormat",
-            "CHECKSUM_FORMAT_ADLER32",
-        )
-        body = delta_body("s0")
-        body["incrementalSnapshotMetadata"]["compressionFormat"] = "COMPRESSION_FORMAT_LZ4"
-        error(
-            await f.create_hot_load(dep, "s1", **body),
-            400,
-            "invalid_argument",
-            "compressionFormat",
-            "COMPRESSION_FORMAT_ZSTD",
-        )
+        for field, value, supported in [
+            ("checksumFormat", "CHECKSUM_FORMAT_XXH3_128", "CHECKSUM_FORMAT_ADLER32"),
+            ("compressionFormat", "COMPRESSION_FORMAT_LZ4", "COMPRESSION_FORMAT_ZSTD"),
+        ]:
+            body = delta_body("s0")
+            body["incrementalSnapshotMetadata"][field] = value
+            error(await f.create_hot_load(dep, "s1", **body), 400, "invalid_argument", field, supported)
 
 
 async def test_identity_rules(temporal_env, tmp_path):
@@ -315,9 +304,7 @@ async def test_a_lost_replica_is_reported_before_a_missing_snapshot(temporal_env
     """Both checks fail at once: the caller sees the replica's, as when they ran in turn."""
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
-        members = (await f.deployment_state(dep)).members
-        f.report_ready = False
-        await f.lose(dep, members[1])
+        members = await f.members_losing(dep, 1)
         write_full(f.bucket_root / f"ckpt/{dep}", "s1", missing=("config.json",))
         error(await f.create_hot_load(dep, "s1"), 412, "failed_precondition", "STATUS_UPDATING", members[1])
         await no_hot_load_started(f, dep)

@@ -41,6 +41,12 @@ async def _workflow_failure(f: Fleet, hot_load_id: str) -> str:
     return failed.value.cause.message
 
 
+async def sources(f: Fleet, hl_id: str) -> list[str]:
+    """Each replica's source (``bucket`` or ``peer:<sender>``), replica-0 first."""
+    replicas = {r["name"]: r for r in await f.hot_load_replicas(hl_id)}
+    return [replicas[f"replica-{i}"]["source"] for i in range(len(replicas))]
+
+
 async def test_receivers_commit_as_their_stages_finish_and_a_failed_stage_reads_the_bucket(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         state = deployment_state("walk", zones=[ZONE])
@@ -56,16 +62,15 @@ async def test_receivers_commit_as_their_stages_finish_and_a_failed_stage_reads_
             raise RuntimeError("gloo: connection reset")
 
         f.stage_behaviour = {"replica-2": slow, "replica-3": broken}
-        hl = await f.completed(dep, "step-1", hotLoadId="walk-1")
-        assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED"
-        replicas = {r["name"]: r for r in await f.hot_load_replicas("walk-1")}
-        assert [replicas[f"replica-{i}"]["source"] for i in range(4)] == [
+        await f.completed(dep, "step-1", hotLoadId="walk-1")
+        assert await sources(f, "walk-1") == [
             "bucket",
             "peer:replica-0",
             "peer:replica-0",
             "bucket",
         ]
-        assert all(r["state"] == "READY" for r in replicas.values()), replicas
+        outcomes = await f.replica_outcomes("walk-1")
+        assert all(state == "READY" for state, _ in outcomes), outcomes
         # One replica at a time, in walk order: replica-1 committed while replica-2 still staged.
         commits = [name for name, event in f.peer_events if event == "commit"]
         assert commits == ["replica-1", "replica-2"]
@@ -98,10 +103,8 @@ async def test_receivers_stage_while_the_first_replica_swaps_and_commit_after_it
                 raise ApplicationError("no receiver staged during the first replica's swap", non_retryable=True)
 
         f.swap_behaviour = {"replica-0": swap_once_all_staged}
-        hl = await f.completed(dep, "step-1", hotLoadId="early-1", **DELTA)
-        assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
-        replicas = {r["name"]: r for r in await f.hot_load_replicas("early-1")}
-        assert [replicas[f"replica-{i}"]["source"] for i in range(4)] == ["bucket"] + ["peer:replica-0"] * 3
+        await f.completed(dep, "step-1", hotLoadId="early-1", **DELTA)
+        assert await sources(f, "early-1") == ["bucket"] + ["peer:replica-0"] * 3
         events = f.peer_events
         assert events.index(("replica-0", "offered")) < min(i for i, (_, e) in enumerate(events) if e == "staged")
         # The receivers commit only after the first replica serves the update, in walk order.
@@ -140,10 +143,8 @@ async def test_without_an_early_offer_the_first_replica_broadcasts_after_its_com
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await on_base(f, "late", 3)
         f.refuse_early_offer = True
-        hl = await f.completed(dep, "step-1", hotLoadId="late-1", **DELTA)
-        assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
-        replicas = {r["name"]: r for r in await f.hot_load_replicas("late-1")}
-        assert [replicas[f"replica-{i}"]["source"] for i in range(3)] == ["bucket"] + ["peer:replica-0"] * 2
+        await f.completed(dep, "step-1", hotLoadId="late-1", **DELTA)
+        assert await sources(f, "late-1") == ["bucket"] + ["peer:replica-0"] * 2
         events = f.peer_events
         assert events.index(("replica-0", "applied")) < min(i for i, (_, e) in enumerate(events) if e == "staged")
 
@@ -157,9 +158,8 @@ async def test_a_receiver_whose_commit_fails_reads_the_bucket(temporal_env, tmp_
 
         f.commit_behaviour = {"replica-1": swap_fails}
         await f.completed(dep, "step-1", hotLoadId="commit-fails-1", **DELTA)
-        replicas = {r["name"]: r for r in await f.hot_load_replicas("commit-fails-1")}
-        assert [replicas[f"replica-{i}"]["source"] for i in range(3)] == ["bucket", "bucket", "peer:replica-0"]
-        assert all(r["state"] == "READY" and r["currentSnapshotIdentity"] == "step-1" for r in replicas.values())
+        assert await sources(f, "commit-fails-1") == ["bucket", "bucket", "peer:replica-0"]
+        assert await f.replica_outcomes("commit-fails-1") == [("READY", "step-1")] * 3
         assert [n for n, e in f.peer_events if e == "commit"] == ["replica-1", "replica-2"]
 
 
@@ -174,13 +174,10 @@ async def test_a_receiver_failing_from_the_bucket_too_fails_the_walk_and_later_r
 
         f.stage_behaviour = {"replica-1": stage_fails}
         f.apply_behaviour = {"replica-1": f.broken}
-        write_delta(f.bucket_root / f"ckpt/{dep}", "step-1", "base")
-        r = await f.create_hot_load(dep, "step-1", hotLoadId="receiver-fails-1", **DELTA)
-        assert r.status_code == 200, r.text
-        hl = await f.wait_hot_load("receiver-fails-1")
+        hl = await f.wait_hot_load(await f.accepted(dep, "step-1", hotLoadId="receiver-fails-1", **DELTA))
         assert hl["status"]["state"] == "HOT_LOAD_STATE_FAILED", hl["status"]
         replicas = await f.hot_load_replicas("receiver-fails-1")
-        assert [(r["state"], r["currentSnapshotIdentity"]) for r in replicas] == [
+        assert await f.replica_outcomes("receiver-fails-1") == [
             ("READY", "step-1"),
             ("ERROR", "base"),
             ("PENDING_UPDATE", "base"),

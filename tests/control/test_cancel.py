@@ -15,7 +15,7 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError, CancelledError
 
 from contracts import names
-from tests.helpers.harness import OTHER_ORG, VIEWER, ZONE, Fleet, write_delta, write_full
+from tests.helpers.harness import OTHER_ORG, VIEWER, ZONE, Fleet
 from tests.helpers.workflow_checks import deployment_state, error, every
 
 
@@ -27,14 +27,21 @@ async def assert_workflow_canceled(f: Fleet, hot_load_id: str) -> None:
     assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
 
 
+async def cancel(f: Fleet, hl: str) -> dict:
+    """Cancel hot-load ``hl`` (accepted) and wait for its end, which is CANCELED."""
+    r = await f.call("POST", f"/hotLoads/{hl}:cancel", json={})
+    assert r.status_code == 200, r.text
+    end = await f.wait_hot_load(hl)
+    assert end["status"]["state"] == "HOT_LOAD_STATE_CANCELED", end["status"]
+    return end
+
+
 async def start_held(f: Fleet, behaviour) -> tuple[str, str]:
     dep = await f.ready_deployment()
     f.apply_behaviour = every(behaviour)
-    write_full(f.bucket_root / f"ckpt/{dep}", "s1")
-    r = await f.create_hot_load(dep, "s1")
-    assert r.status_code == 200, r.text
+    hl = await f.accepted(dep, "s1")
     await asyncio.wait_for(f.started.wait(), 30)
-    return dep, r.json()["hotLoad"]["spec"]["id"]
+    return dep, hl
 
 
 async def test_viewer_cannot_cancel_and_other_org_sees_nothing(temporal_env, tmp_path):
@@ -101,9 +108,8 @@ async def test_cancel_while_a_step_finishes_stops_before_the_next_replica(tempor
         end = await f.wait_hot_load(hl)
         assert f.cancel_seen.is_set()
         assert end["status"]["state"] == "HOT_LOAD_STATE_CANCELED", end["status"]
-        replicas = await f.hot_load_replicas(hl)
         # The replica mid-step finished it (all-or-nothing) and says so; the others were not touched.
-        assert [(r["state"], r["currentSnapshotIdentity"]) for r in replicas] == [
+        assert await f.replica_outcomes(hl) == [
             ("READY", "s1"),
             ("PENDING_UPDATE", "initial"),
             ("PENDING_UPDATE", "initial"),
@@ -112,86 +118,56 @@ async def test_cancel_while_a_step_finishes_stops_before_the_next_replica(tempor
         await assert_workflow_canceled(f, hl)
 
 
-async def test_cancel_while_a_receiver_commits_leaves_the_rest_on_their_weights(temporal_env, tmp_path):
+async def held_commit(f: Fleet, replica: str) -> None:
+    await f.held(replica, None)
+
+
+async def held_commit_then_fail(f: Fleet, replica: str) -> None:
+    """A held fault point: the replica agent ends the commit it was asked to give up with an error."""
+    try:
+        await f.held(replica, None)
+    except asyncio.CancelledError:
+        raise ApplicationError(f"the step on {replica} was canceled while held") from None
+
+
+@pytest.mark.parametrize(
+    ("commit", "name"),
+    [
+        pytest.param(held_commit, "cancel-walk", id="held"),
+        pytest.param(held_commit_then_fail, "cancel-fail", id="fails"),
+    ],
+)
+async def test_cancel_while_a_receiver_commits_leaves_the_rest_on_their_weights(temporal_env, tmp_path, commit, name):
+    """Whether the commit in flight ends or fails once the cancel is asked, the walk stops there,
+    without starting a step from the bucket, and the deployment goes on."""
     async with Fleet(temporal_env.client, tmp_path) as f:
-        state = deployment_state("cancel-walk", zones=[ZONE])
-        state.replicas = f.replica_endpoints("cancel-walk", 3)
+        state = deployment_state(name, zones=[ZONE])
+        state.replicas = f.replica_endpoints(name, 3)
         dep = await f.deployment_from_state(state)
-        await f.completed(dep, "base", hotLoadId="cancel-walk-base")
+        await f.completed(dep, "base", hotLoadId=f"{name}-base")
         f.peer_events.clear()
-
-        async def held_commit(replica: str) -> None:
-            await f.held(replica, None)
-
-        f.commit_behaviour = {"replica-1": held_commit}
-        write_delta(f.bucket_root / f"ckpt/{dep}", "step-1", "base")
-        r = await f.create_hot_load(
+        f.commit_behaviour = {"replica-1": lambda replica: commit(f, replica)}
+        hl = await f.accepted(
             dep,
             "step-1",
-            hotLoadId="cancel-walk-1",
+            hotLoadId=f"{name}-1",
             type="SNAPSHOT_TYPE_INCREMENTAL",
             incrementalSnapshotMetadata={"previousSnapshotIdentity": "base"},
         )
-        assert r.status_code == 200, r.text
         await asyncio.wait_for(f.started.wait(), 30)
         assert ("replica-1", "commit") in f.peer_events  # the walk is at the second replica's commit
-        r = await f.call("POST", "/hotLoads/cancel-walk-1:cancel", json={})
-        assert r.status_code == 200, r.text
-        end = await f.wait_hot_load("cancel-walk-1")
-        assert end["status"]["state"] == "HOT_LOAD_STATE_CANCELED", end["status"]
-        replicas = await f.hot_load_replicas("cancel-walk-1")
-        assert [(r["state"], r["currentSnapshotIdentity"]) for r in replicas] == [
+        await cancel(f, hl)
+        assert await f.replica_outcomes(hl) == [
             ("READY", "step-1"),
             ("PENDING_UPDATE", "base"),
             ("PENDING_UPDATE", "base"),
         ]
         assert [n for n, e in f.peer_events if e in ("commit", "applied")] == ["replica-0", "replica-1"]
-        await assert_workflow_canceled(f, "cancel-walk-1")
+        await assert_workflow_canceled(f, hl)
         await f.wait_idle(dep)
         f.commit_behaviour = {}
         f.hold.set()
-        await f.completed(dep, "step-2", hotLoadId="cancel-walk-2")
-
-
-async def test_a_receivers_commit_failing_after_a_cancel_reads_no_bucket(temporal_env, tmp_path):
-    """The replica agent may end a commit it was asked to give up with an error (a held fault
-    point does): the walk still stops there, without starting a step from the bucket."""
-    async with Fleet(temporal_env.client, tmp_path) as f:
-        state = deployment_state("cancel-fail", zones=[ZONE])
-        state.replicas = f.replica_endpoints("cancel-fail", 3)
-        dep = await f.deployment_from_state(state)
-        await f.completed(dep, "base", hotLoadId="cancel-fail-base")
-        f.peer_events.clear()
-
-        async def held_then_fail(replica: str) -> None:
-            try:
-                await f.held(replica, None)
-            except asyncio.CancelledError:
-                raise ApplicationError(f"the step on {replica} was canceled while held") from None
-
-        f.commit_behaviour = {"replica-1": held_then_fail}
-        write_delta(f.bucket_root / f"ckpt/{dep}", "step-1", "base")
-        r = await f.create_hot_load(
-            dep,
-            "step-1",
-            hotLoadId="cancel-fail-1",
-            type="SNAPSHOT_TYPE_INCREMENTAL",
-            incrementalSnapshotMetadata={"previousSnapshotIdentity": "base"},
-        )
-        assert r.status_code == 200, r.text
-        await asyncio.wait_for(f.started.wait(), 30)
-        r = await f.call("POST", "/hotLoads/cancel-fail-1:cancel", json={})
-        assert r.status_code == 200, r.text
-        end = await f.wait_hot_load("cancel-fail-1")
-        assert end["status"]["state"] == "HOT_LOAD_STATE_CANCELED", end["status"]
-        replicas = await f.hot_load_replicas("cancel-fail-1")
-        assert [(r["state"], r["currentSnapshotIdentity"]) for r in replicas] == [
-            ("READY", "step-1"),
-            ("PENDING_UPDATE", "base"),
-            ("PENDING_UPDATE", "base"),
-        ]
-        assert [n for n, e in f.peer_events if e in ("commit", "applied")] == ["replica-0", "replica-1"]
-        await assert_workflow_canceled(f, "cancel-fail-1")
+        await f.completed(dep, "step-2", hotLoadId=f"{name}-2")
 
 
 async def test_a_first_step_failing_after_a_cancel_ends_canceled_with_every_replica_on_its_weights(
@@ -208,11 +184,7 @@ async def test_a_first_step_failing_after_a_cancel_ends_canceled_with_every_repl
                 raise ApplicationError(f"the step on {replica} was canceled while held") from None
 
         _, hl = await start_held(f, held_then_fail)
-        r = await f.call("POST", f"/hotLoads/{hl}:cancel", json={})
-        assert r.status_code == 200, r.text
-        end = await f.wait_hot_load(hl)
-        assert end["status"]["state"] == "HOT_LOAD_STATE_CANCELED", end["status"]
-        replicas = await f.hot_load_replicas(hl)
-        assert [(r["state"], r["currentSnapshotIdentity"]) for r in replicas] == [("PENDING_UPDATE", "initial")] * 3
+        await cancel(f, hl)
+        assert await f.replica_outcomes(hl) == [("PENDING_UPDATE", "initial")] * 3
         assert f.applied == []
         await assert_workflow_canceled(f, hl)

@@ -7,14 +7,28 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
+
 from contracts.records import ReplicaFailure
 from control.deployment import DeploymentWorkflow
-from tests.helpers.harness import OTHER_ORG, VIEWER, Fleet, poll, write_full
+from tests.helpers.harness import ADMIN, OTHER_ORG, VIEWER, Fleet, poll, write_full
 from tests.helpers.workflow_checks import error, every
 
 
 def hot_load_section(dep: str) -> dict:
     return {"bucket": "rollouts", "pathPrefix": f"ckpt/{dep}", "transitionMode": "TRANSITION_MODE_ASYNC"}
+
+
+async def update(f: Fleet, dep: str, body: dict, token: str = ADMIN) -> httpx.Response:
+    """``PATCH /deployments/{dep}`` with ``body``."""
+    return await f.call("PATCH", f"/deployments/{dep}", token=token, json=body)
+
+
+async def hot_load_refused(f: Fleet, dep: str, status: str, reason: str) -> None:
+    """A hot-load of a published snapshot is refused while the deployment is ``status`` (its
+    condition's reason ``reason``)."""
+    write_full(f.bucket_root / f"ckpt/{dep}", "s1")
+    error(await f.create_hot_load(dep, "s1"), 412, "failed_precondition", f"{status}, not STATUS_READY", reason)
 
 
 async def test_update_changes_engine_config_and_traffic(temporal_env, tmp_path):
@@ -30,7 +44,7 @@ async def test_update_changes_engine_config_and_traffic(temporal_env, tmp_path):
             },
             "traffic": {"weight": 40},
         }
-        r = await f.call("PATCH", f"/deployments/{dep}", json=body)
+        r = await update(f, dep, body)
         assert r.status_code == 200, r.text
         spec = r.json()["deployment"]["spec"]
         assert spec["runtime"]["engineConfig"] == {"enable-return-routed-experts": ""}
@@ -53,7 +67,7 @@ async def test_update_changes_engine_config_and_traffic(temporal_env, tmp_path):
         after = (await f.deployment_state(dep)).members
         assert len(after) == 2 and not set(after) & set(before) and f.stopped == before
         # Traffic alone needs no new replicas: none is replaced, the deployment stays READY.
-        r = await f.call("PATCH", f"/deployments/{dep}", json={**body, "traffic": {"weight": 70}})
+        r = await update(f, dep, {**body, "traffic": {"weight": 70}})
         assert r.status_code == 200 and r.json()["deployment"]["status"]["status"] == "STATUS_READY", r.text
         assert (await f.deployment_state(dep)).members == after and f.stopped == before
 
@@ -77,7 +91,7 @@ async def test_update_rolls_one_replica_at_a_time_and_refuses_hot_loads_meanwhil
             "hotLoad": hot_load_section(dep),
             "runtime": {"engine": "dynamo-vllm", "version": "0.32.0", "engineConfig": {"max-num-seqs": "6"}},
         }
-        r = await f.call("PATCH", f"/deployments/{dep}", json=body)
+        r = await update(f, dep, body)
         assert r.status_code == 200 and r.json()["deployment"]["status"]["status"] == "STATUS_UPDATING", r.text
         first = await _new_pending(f, dep, set(old))
         state = await f.deployment_state(dep)
@@ -88,15 +102,8 @@ async def test_update_rolls_one_replica_at_a_time_and_refuses_hot_loads_meanwhil
             got["conditions"][0]["reason"] == "RollingUpdate"
             and "2 replica(s) still on the previous" in got["conditions"][0]["message"]
         )
-        write_full(f.bucket_root / f"ckpt/{dep}", "s1")
-        error(
-            await f.create_hot_load(dep, "s1"),
-            412,
-            "failed_precondition",
-            "STATUS_UPDATING, not STATUS_READY",
-            "RollingUpdate",
-        )
-        error(await f.call("PATCH", f"/deployments/{dep}", json=body), 412, "failed_precondition", "STATUS_UPDATING")
+        await hot_load_refused(f, dep, "STATUS_UPDATING", "RollingUpdate")
+        error(await update(f, dep, body), 412, "failed_precondition", "STATUS_UPDATING")
 
         await f.signal_ready(dep, first)
         second = await _new_pending(f, dep, {*old, first})
@@ -122,7 +129,7 @@ async def test_a_failed_update_leaves_the_old_replicas_serving_until_updated_aga
             "hotLoad": hot_load_section(dep),
             "runtime": {"engine": "dynamo-vllm", "version": "0.32.0", "engineConfig": {"max-num-seqs": "7"}},
         }
-        assert (await f.call("PATCH", f"/deployments/{dep}", json=bad)).status_code == 200
+        assert (await update(f, dep, bad)).status_code == 200
         new = await _new_pending(f, dep, set(old))
         await f.deployment_handle(dep).signal(
             DeploymentWorkflow.replica_failed,
@@ -134,17 +141,10 @@ async def test_a_failed_update_leaves_the_old_replicas_serving_until_updated_aga
         assert "2 replica(s) still serve the previous runtime" in cond["message"]
         assert got["status"]["readyReplicas"] == 2 and f.stopped == [new]
         assert [r.name for r in (await f.deployment_state(dep)).replicas] == old
-        write_full(f.bucket_root / f"ckpt/{dep}", "s1")
-        error(
-            await f.create_hot_load(dep, "s1"),
-            412,
-            "failed_precondition",
-            "STATUS_ERROR, not STATUS_READY",
-            "UpdateFailed",
-        )
+        await hot_load_refused(f, dep, "STATUS_ERROR", "UpdateFailed")
         # Updating again (here: back to the previous runtime) rolls again.
         back = {**bad, "runtime": {"engine": "dynamo-vllm", "version": "0.32.0", "engineConfig": {}}}
-        r = await f.call("PATCH", f"/deployments/{dep}", json=back)
+        r = await update(f, dep, back)
         assert r.status_code == 200 and r.json()["deployment"]["status"]["status"] == "STATUS_UPDATING", r.text
         first = await _new_pending(f, dep, {*old, new})
         await f.signal_ready(dep, first)
@@ -157,37 +157,19 @@ async def test_a_failed_update_leaves_the_old_replicas_serving_until_updated_aga
 async def test_update_that_omits_or_changes_hot_load_is_refused(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
-        error(
-            await f.call("PATCH", f"/deployments/{dep}", json={"traffic": {"weight": 10}}),
-            400,
-            "invalid_argument",
-            "hotLoad",
-            "must include",
-        )
+        error(await update(f, dep, {"traffic": {"weight": 10}}), 400, "invalid_argument", "hotLoad", "must include")
         changed = {**hot_load_section(dep), "pathPrefix": "elsewhere"}
+        error(await update(f, dep, {"hotLoad": changed}), 400, "invalid_argument", "hotLoad", "immutable")
         error(
-            await f.call("PATCH", f"/deployments/{dep}", json={"hotLoad": changed}),
-            400,
-            "invalid_argument",
-            "hotLoad",
-            "immutable",
-        )
-        error(
-            await f.call(
-                "PATCH",
-                f"/deployments/{dep}",
-                json={"hotLoad": hot_load_section(dep), "autoscaling": {"min": 3, "max": 3}},
-            ),
+            await update(f, dep, {"hotLoad": hot_load_section(dep), "autoscaling": {"min": 3, "max": 3}}),
             400,
             "invalid_argument",
             "autoscaling",
             "cannot be changed",
         )
         error(
-            await f.call(
-                "PATCH",
-                f"/deployments/{dep}",
-                json={"hotLoad": hot_load_section(dep), "model": {"name": "x", "bucket": "rollouts", "path": "p"}},
+            await update(
+                f, dep, {"hotLoad": hot_load_section(dep), "model": {"name": "x", "bucket": "rollouts", "path": "p"}}
             ),
             400,
             "invalid_argument",
@@ -195,13 +177,8 @@ async def test_update_that_omits_or_changes_hot_load_is_refused(temporal_env, tm
         )
         assert (await f.call("GET", f"/deployments/{dep}")).json()["deployment"]["spec"]["traffic"] == {"weight": 100}
         plain = await f.ready_deployment(hot_load=False)
-        error(
-            await f.call("PATCH", f"/deployments/{plain}", json={"hotLoad": hot_load_section(plain)}),
-            400,
-            "invalid_argument",
-            "cannot be added",
-        )
-        r = await f.call("PATCH", f"/deployments/{plain}", json={"traffic": {"weight": 5}})
+        error(await update(f, plain, {"hotLoad": hot_load_section(plain)}), 400, "invalid_argument", "cannot be added")
+        r = await update(f, plain, {"traffic": {"weight": 5}})
         assert r.status_code == 200 and r.json()["deployment"]["spec"]["traffic"] == {"weight": 5}
 
 
@@ -209,44 +186,27 @@ async def test_no_update_while_a_hot_load_runs(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
         f.apply_behaviour = every(f.held)
-        write_full(f.bucket_root / f"ckpt/{dep}", "s1")
-        r = await f.create_hot_load(dep, "s1", hotLoadId="busy")
-        assert r.status_code == 200
+        await f.accepted(dep, "s1", hotLoadId="busy")
         await asyncio.wait_for(f.started.wait(), 30)
         body = {"hotLoad": hot_load_section(dep), "traffic": {"weight": 10}}
-        error(
-            await f.call("PATCH", f"/deployments/{dep}", json=body),
-            412,
-            "failed_precondition",
-            "busy is already in progress",
-        )
+        error(await update(f, dep, body), 412, "failed_precondition", "busy is already in progress")
         f.hold.set()
         await f.wait_hot_load("busy")
         await f.wait_idle(dep)
-        assert (await f.call("PATCH", f"/deployments/{dep}", json=body)).status_code == 200
+        assert (await update(f, dep, body)).status_code == 200
 
 
 async def test_update_roles_and_organizations(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
         body = {"hotLoad": hot_load_section(dep), "traffic": {"weight": 10}}
-        error(
-            await f.call("PATCH", f"/deployments/{dep}", token=VIEWER, json=body),
-            403,
-            "permission_denied",
-            "updating a deployment",
-        )
-        error(await f.call("PATCH", f"/deployments/{dep}", token=OTHER_ORG, json=body), 404, "not_found")
-        error(await f.call("PATCH", "/deployments/nope", json=body), 404, "not_found")
+        error(await update(f, dep, body, token=VIEWER), 403, "permission_denied", "updating a deployment")
+        error(await update(f, dep, body, token=OTHER_ORG), 404, "not_found")
+        error(await update(f, "nope", body), 404, "not_found")
 
 
 async def test_no_update_before_the_deployment_is_ready(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path, report_ready=False) as f:
         dep = await f.ready_deployment(wait=False)
         body = {"hotLoad": hot_load_section(dep), "traffic": {"weight": 10}}
-        error(
-            await f.call("PATCH", f"/deployments/{dep}", json=body),
-            412,
-            "failed_precondition",
-            "STATUS_CREATING, not STATUS_READY",
-        )
+        error(await update(f, dep, body), 412, "failed_precondition", "STATUS_CREATING, not STATUS_READY")

@@ -28,6 +28,7 @@ from common.settings import SEARCH_ATTRIBUTES
 from contracts import names
 from contracts.activities import CheckSnapshotInput
 from contracts.records import TERMINAL_HOT_LOAD_STATES
+from rollouts.client import hot_load_body
 from tests.helpers.harness import ADMIN, ZONE, Fleet, poll, write_full
 from tests.helpers.temporal_server import REPO, TEMPORAL_BIN
 from tests.helpers.workflow_checks import deployment_state, every, free_port, kill9, start_control_process, true_if
@@ -280,15 +281,7 @@ async def test_api_process_killed_mid_hot_load_and_mid_create_then_restarted(tem
             # 1. Killed mid-operation: the operation does not need the API.
             await api.start()
             async with api.http() as http:
-                created = await http.post(
-                    "/hotLoads",
-                    json={
-                        "deploymentId": dep,
-                        "identity": "s1",
-                        "type": "SNAPSHOT_TYPE_FULL",
-                        "hotLoadId": "api-crash",
-                    },
-                )
+                created = await http.post("/hotLoads", json=hot_load_body(dep, "s1", hot_load_id="api-crash"))
                 assert created.status_code == 200, created.text
                 await asyncio.wait_for(f.started.wait(), 30)
                 api.kill9()

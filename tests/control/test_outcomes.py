@@ -15,7 +15,7 @@ from temporalio.exceptions import ApplicationError, CancelledError
 from contracts import names
 from contracts.records import HotLoadState
 from contracts.search import STATE
-from tests.helpers.harness import ORG, ZONE, Fleet, poll, write_full
+from tests.helpers.harness import ORG, ZONE, Fleet, poll
 from tests.helpers.workflow_checks import deployment_state
 
 
@@ -48,8 +48,7 @@ async def test_a_failed_hot_load_is_a_failed_workflow_naming_the_replica(tempora
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await _deployment(f, "outcome-failed")
         f.apply_behaviour = {"replica-1": f.broken}
-        write_full(f.bucket_root / f"ckpt/{dep}", "s1")
-        assert (await f.create_hot_load(dep, "s1", hotLoadId="outcome-failed-1")).status_code == 200
+        await f.accepted(dep, "s1", hotLoadId="outcome-failed-1")
         hl = await f.wait_hot_load("outcome-failed-1")
 
         # The API answers from the memo, as before.
@@ -87,8 +86,7 @@ async def test_a_canceled_hot_load_is_a_canceled_workflow(temporal_env, tmp_path
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await _deployment(f, "outcome-canceled")
         f.apply_behaviour = {"replica-0": f.held}
-        write_full(f.bucket_root / f"ckpt/{dep}", "s1")
-        assert (await f.create_hot_load(dep, "s1", hotLoadId="outcome-canceled-1")).status_code == 200
+        await f.accepted(dep, "s1", hotLoadId="outcome-canceled-1")
         await asyncio.wait_for(f.started.wait(), 30)
 
         # While it runs, the UI's details say where the walk is.

@@ -20,10 +20,8 @@ async def _status(f: Fleet, dep: str) -> dict:
 async def test_a_replica_found_gone_at_admission_refuses_the_hot_load(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
-        members = (await f.deployment_state(dep)).members
+        members = await f.members_losing(dep, 1)  # restarted replicas take their time
         assert len(members) == 2
-        f.report_ready = False  # restarted replicas take their time
-        await f.lose(dep, members[1])
         # The deployment still believes it is READY: nothing told it yet.
         assert (await _status(f, dep))["status"] == "STATUS_READY"
         write_full(f.bucket_root / f"ckpt/{dep}", "s1")
@@ -88,9 +86,7 @@ async def test_the_control_worker_on_start_finds_every_replica_gone(temporal_env
 async def test_a_replica_reporting_its_engine_dead_takes_the_deployment_out_of_ready(temporal_env, tmp_path):
     async with Fleet(temporal_env.client, tmp_path) as f:
         dep = await f.ready_deployment()
-        members = (await f.deployment_state(dep)).members
-        f.report_ready = False
-        await f.lose(dep, members[0])
+        members = await f.members_losing(dep, 0)
         await f.deployment_handle(dep).signal(
             DeploymentWorkflow.replica_failed, ReplicaFailure(name=members[0], reason="engine process 7 exited")
         )

@@ -11,41 +11,23 @@ string constant equal to it (not a docstring) appears in the Python sources of t
 
 from __future__ import annotations
 
-import ast
 import re
 from collections import defaultdict
-from pathlib import Path
 
 import common.settings
 from tests.helpers.deploy_files import DEPLOY, REPO, TARGETS, containers, load_yaml_documents, render
+from tests.helpers.source_strings import string_constants
 
 SOURCE_PACKAGES = ("common", "api", "gateway", "control", "replica", "workers")
 ASSIGNMENT = re.compile(r"^\s*(?:#\s*)?(?:export\s+)?([A-Z][A-Z0-9_]*)=", re.MULTILINE)
 SYSTEMD_ENVIRONMENT = re.compile(r"^Environment=([A-Z][A-Z0-9_]*)=", re.MULTILINE)
 
 
-def _string_constants(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    docstrings = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
-    }
-    return {
-        node.value
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
-    }
-
-
 def names_the_code_reads() -> set[str]:
     names: set[str] = set()
     for package in SOURCE_PACKAGES:
         for path in (REPO / package).rglob("*.py"):
-            names |= _string_constants(path)
+            names |= string_constants(path.read_text(), filename=str(path))
     names |= {f"ROLLOUTS_{field.upper()}" for field in getattr(common.settings, "ENV_FIELDS", ())}
     return names
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from common.processes import pid_alive
 from tests.helpers.deploy_files import DEPLOY
 
 SBATCH = DEPLOY / "slurm" / "rollouts-nodes.sbatch"
@@ -60,14 +61,6 @@ def _wait_for(condition, what: str, deadline_s: float = 60.0) -> None:
         if time.monotonic() > end:
             pytest.fail(f"gave up waiting for {what}")
         time.sleep(0.05)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state == "Z"
 
 
 @pytest.fixture
@@ -138,7 +131,7 @@ def test_one_agent_per_node_with_its_gpus_and_a_clean_stop(fake, allocated, gpus
             gpus,
         ]
         replica = int((fake_dir / "replica").read_text())
-        assert not _gone(replica) and scratch.is_dir()  # the premise: there is something to clean up
+        assert pid_alive(replica) and scratch.is_dir()  # the premise: there is something to clean up
 
         os.kill(int((fake_dir / "task.pid").read_text()), signal.SIGTERM)  # Slurm's TERM to the step
         output, _ = job.communicate(timeout=120)
@@ -146,5 +139,5 @@ def test_one_agent_per_node_with_its_gpus_and_a_clean_stop(fake, allocated, gpus
         if job.poll() is None:
             job.kill()
     assert (fake_dir / "agent-exit").read_text().strip() == "terminated", output
-    _wait_for(lambda: _gone(replica), "the replica to be stopped")
+    _wait_for(lambda: not pid_alive(replica), "the replica to be stopped")
     assert not scratch.exists()

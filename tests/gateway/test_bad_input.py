@@ -7,21 +7,16 @@ shape. The same on the real stack: ``test_bad_input_stack.py``."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from common.processes import free_port
 from common.settings import Settings
 from contracts.tokens import add_token
 from gateway.body import MAX_BODY_BYTES
-from gateway.routing import DeploymentView, ReplicaView, Router
-from tests.helpers.gateway import Connection, LocalGateway
+from tests.helpers.gateway import Connection, LocalGateway, gateway_before
 
 ADMIN, VIEWER = "admin-tok", "viewer-tok"
 GOOD = {"model": "m", "prompt": [1, 2], "max_tokens": 1}
@@ -65,45 +60,27 @@ def local(tmp_path_factory) -> Iterator[tuple[LocalGateway, list[dict]]]:
     add_token(settings.tokens_file, ADMIN, "admin", "org", "admin")
     add_token(settings.tokens_file, VIEWER, "viewer", "org", "viewer")
     seen: list[dict] = []
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(fake_replica(seen), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    router = Router()
-    router.set_view(
-        DeploymentView(
-            "dep",
-            "m",
-            "deployments/dep",
-            {},
-            "org",
-            (ReplicaView("r1", f"http://127.0.0.1:{port}", "initial"),),
-            gateway_ids=(settings.gateway_id,),
-        )
-    )
-    with LocalGateway(settings, router) as gateway:
+    with gateway_before(settings, fake_replica(seen), "m", "initial") as gateway:
         yield gateway, seen
-    server.should_exit = True
-    thread.join(5)
+
+
+def refused(status_body: tuple[int, dict], status: int, code: str, message: str) -> None:
+    """The API's error shape (``code``, empty ``details`` and OpenAI's ``error``) with ``status``,
+    ``code`` and a message that contains ``message``."""
+    got, body = status_body
+    assert got == status, body
+    assert body["code"] == code and body["details"] == [], body
+    assert body["error"] == {"message": body["message"], "type": code, "code": code}
+    assert message in body["message"], body["message"]
 
 
 def invalid(status_body: tuple[int, dict], message: str) -> None:
-    status, body = status_body
-    assert status == 400, body
-    assert body["code"] == "invalid_argument" and body["details"] == [], body
-    assert body["error"] == {"message": body["message"], "type": "invalid_argument", "code": "invalid_argument"}
-    assert message in body["message"], body["message"]
+    refused(status_body, 400, "invalid_argument", message)
 
 
 def too_large(status_body: tuple[int, dict], message: str) -> None:
     """HTTP's own answer to a body over the cap: 413 ``payload_too_large``, in both shapes."""
-    status, body = status_body
-    assert status == 413, body
-    assert body["code"] == "payload_too_large" and body["details"] == [], body
-    assert body["error"] == {"message": body["message"], "type": "payload_too_large", "code": "payload_too_large"}
-    assert message in body["message"], body["message"]
+    refused(status_body, 413, "payload_too_large", message)
 
 
 def chunks(total: int, size: int = 1 << 20) -> Iterator[bytes]:

@@ -9,20 +9,15 @@ from __future__ import annotations
 import base64
 import io
 import json
-import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 
-from common.processes import free_port
 from common.settings import Settings
 from contracts.tokens import add_token
-from gateway.routing import DeploymentView, ReplicaView, Router
-from tests.helpers.gateway import LocalGateway
+from tests.helpers.gateway import gateway_before
 
 PROMPT, COMPLETION, LAYERS, TOP_K = 5, 4, 3, 2
 ROUTES = np.arange((PROMPT + COMPLETION - 1) * LAYERS * TOP_K, dtype=np.uint8).reshape(
@@ -65,28 +60,8 @@ def moe_gateway(tmp_path_factory):
     home = tmp_path_factory.mktemp("moe")
     settings = Settings.create(home)
     add_token(settings.tokens_file, "tok", "admin", "org", "test")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(fake_moe_replica(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    router = Router()
-    router.set_view(
-        DeploymentView(
-            "dep",
-            "moe",
-            "deployments/dep",
-            {"enable-return-routed-experts": ""},
-            "org",
-            (ReplicaView("r1", f"http://127.0.0.1:{port}", "step-1"),),
-            gateway_ids=(settings.gateway_id,),
-        )
-    )
-    with LocalGateway(settings, router) as gateway:
+    with gateway_before(settings, fake_moe_replica(), "moe", "step-1", {"enable-return-routed-experts": ""}) as gateway:
         yield gateway
-    server.should_exit = True
-    thread.join(5)
 
 
 def decode(routed: dict) -> np.ndarray:

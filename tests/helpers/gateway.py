@@ -15,9 +15,10 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import uvicorn
@@ -27,7 +28,7 @@ from common.settings import Settings, temporal_client
 from contracts.memo import replica_list
 from contracts.names import deployment_workflow_id
 from gateway.app import create_gateway_app
-from gateway.routing import DeploymentView, Router, build_view
+from gateway.routing import DeploymentView, ReplicaView, Router, build_view
 from rollouts.client import RolloutsClient, upload_checkpoint
 from tests.helpers.stack_fixtures import Api
 from workers.base_model import VOCAB
@@ -106,34 +107,59 @@ def random_prompt(n: int, seed: int | None = None) -> list[int]:
     return [rng.randrange(10, 2000) for _ in range(n)]
 
 
-class LocalGateway:
-    """The gateway app in this process on a free port, serving a routing table the test controls
-    (``router.views``): for fault injection without touching the shared deployment."""
+class ThreadServer:
+    """An ASGI app served by uvicorn in a daemon thread of this process on a free local port
+    (``url``), from entering the with block (it has started) to leaving it (it has stopped)."""
 
-    def __init__(self, settings: Settings, router: Router) -> None:
-        self.router = router
+    def __init__(self, app: Any) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            create_gateway_app(settings, refresh=False, router=router),
-            host="127.0.0.1",
-            port=self.port,
-            log_level="warning",
-        )
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> LocalGateway:
+    def __enter__(self) -> Self:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
-            assert time.monotonic() < deadline, "local gateway did not start"
+            assert time.monotonic() < deadline, f"the server at {self.url} did not start"
             time.sleep(0.05)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+class LocalGateway(ThreadServer):
+    """The gateway app in this process on a free port, serving a routing table the test controls
+    (``router.views``): for fault injection without touching the shared deployment."""
+
+    def __init__(self, settings: Settings, router: Router) -> None:
+        self.router = router
+        super().__init__(create_gateway_app(settings, refresh=False, router=router))
+
+
+@contextmanager
+def gateway_before(
+    settings: Settings, replica: Any, model: str, label: str, args: dict[str, str] | None = None
+) -> Iterator[LocalGateway]:
+    """A ``LocalGateway`` routing deployment ``dep`` (org ``org``, serving ``model`` at weight
+    version ``label``) to one replica: the ASGI app ``replica`` (a fake engine) served beside it."""
+    with ThreadServer(replica) as served:
+        router = Router()
+        router.set_view(
+            DeploymentView(
+                "dep",
+                model,
+                "deployments/dep",
+                args or {},
+                "org",
+                (ReplicaView("r1", served.url, label),),
+                gateway_ids=(settings.gateway_id,),
+            )
+        )
+        with LocalGateway(settings, router) as gateway:
+            yield gateway
 
 
 class Connection:

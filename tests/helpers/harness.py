@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -104,6 +104,19 @@ def write_delta(root: Path, identity: str, base: str, *, missing: tuple[str, ...
     for name, text in files.items():
         if name not in missing:
             (d / name).write_text(text)
+
+
+def replica_endpoint(name: str, task_queue: str, i: int = 0) -> ReplicaEndpoint:
+    """How the fleet's ``i``-th replica ``name`` reports ready: its queue, a stand-in engine URL and pids."""
+    return ReplicaEndpoint(
+        name=name,
+        zone=ZONE,
+        task_queue=task_queue,
+        engine_url="http://127.0.0.1:1",
+        engine_pid=1000 + i,
+        agent_pid=2000 + i,
+        started_at="2026-01-01T00:00:00.000000Z",
+    )
 
 
 def fleet_node(task_queue: str) -> str:
@@ -216,6 +229,21 @@ class Fleet:
         self._pool.shutdown(wait=False)
 
     # ------------------------------------------------------------------ HTTP
+    @asynccontextmanager
+    async def other_api(self, task_queue: str | None = None) -> AsyncIterator[httpx.AsyncClient]:
+        """An admin's client of a second API process on the same Temporal (its own, empty caches),
+        started; ``task_queue``: where it starts work (the fleet's by default)."""
+        app = create_app(self.settings, temporal_client=self.client, task_queue=task_queue or self.task_queue)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app),
+                base_url=f"http://api{PREFIX}",
+                headers={"Authorization": f"Bearer {ADMIN}"},
+            ) as http,
+        ):
+            yield http
+
     async def call(self, method: str, path: str, token: str = ADMIN, **kw: Any) -> httpx.Response:
         return await self.http.request(method, path, headers={"Authorization": f"Bearer {token}"}, **kw)
 
@@ -257,26 +285,8 @@ class Fleet:
         for i in range(count):
             name = f"replica-{i}"
             tq = f"{self.task_queue}/replica/{dep_id}/{name}"
-            worker = Worker(
-                self.client,
-                task_queue=tq,
-                activities=self._replica_activities(name),
-                max_heartbeat_throttle_interval=timedelta(milliseconds=200),
-                default_heartbeat_throttle_interval=timedelta(milliseconds=200),
-            )
-            asyncio.create_task(worker.run())
-            self._replica_workers[tq] = worker
-            endpoints.append(
-                ReplicaEndpoint(
-                    name=name,
-                    zone=ZONE,
-                    task_queue=tq,
-                    engine_url="http://127.0.0.1:1",
-                    engine_pid=1000 + i,
-                    agent_pid=2000 + i,
-                    started_at="2026-01-01T00:00:00.000000Z",
-                )
-            )
+            self._serve_replica(self.client, tq, name)
+            endpoints.append(replica_endpoint(name, tq, i))
         return endpoints
 
     async def deployment_from_state(self, state: DeploymentInput) -> str:
@@ -321,6 +331,10 @@ class Fleet:
         """``GET /hotLoads/{hl_id}/replicas``: the replica entries, in walk order."""
         return (await self.call("GET", f"/hotLoads/{hl_id}/replicas")).json()["replicas"]
 
+    async def replica_outcomes(self, hl_id: str) -> list[tuple[str, str]]:
+        """Each replica entry's ``(state, currentSnapshotIdentity)``, in walk order."""
+        return [(r["state"], r["currentSnapshotIdentity"]) for r in await self.hot_load_replicas(hl_id)]
+
     async def wait_idle(self, dep_id: str, timeout: float = 90) -> None:
         """Until the deployment has taken note that its last hot-load ended."""
 
@@ -330,8 +344,8 @@ class Fleet:
 
         await poll(check, timeout, f"deployment {dep_id} idle")
 
-    async def completed(self, dep_id: str, identity: str, **body: Any) -> dict:
-        """Publish (files) + hot-load + wait: a COMPLETED hot-load of `identity`."""
+    async def accepted(self, dep_id: str, identity: str, **body: Any) -> str:
+        """Publish (files) + hot-load: the id of an accepted hot-load of `identity`."""
         if body.get("type") == "SNAPSHOT_TYPE_INCREMENTAL":
             write_delta(
                 self.bucket_root / f"ckpt/{dep_id}",
@@ -342,7 +356,11 @@ class Fleet:
             write_full(self.bucket_root / f"ckpt/{dep_id}", identity)
         r = await self.create_hot_load(dep_id, identity, **body)
         assert r.status_code == 200, r.text
-        hl = await self.wait_hot_load(r.json()["hotLoad"]["spec"]["id"])
+        return r.json()["hotLoad"]["spec"]["id"]
+
+    async def completed(self, dep_id: str, identity: str, **body: Any) -> dict:
+        """Publish (files) + hot-load + wait: a COMPLETED hot-load of `identity`."""
+        hl = await self.wait_hot_load(await self.accepted(dep_id, identity, **body))
         assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl
         await self.wait_idle(dep_id)
         return hl
@@ -361,19 +379,19 @@ class Fleet:
         for name in replicas:
             await self._replica_workers.pop(f"{self.task_queue}/replica/{dep_id}/{name}").shutdown()
 
+    async def members_losing(self, dep_id: str, *indices: int) -> list[str]:
+        """The deployment's members, of which those at ``indices`` are lost (``lose``); from now
+        on a restarted replica reports ready only when the test says (``report_ready`` off)."""
+        members = (await self.deployment_state(dep_id)).members
+        self.report_ready = False
+        await self.lose(dep_id, *(members[i] for i in indices))
+        return members
+
     async def signal_ready(self, dep_id: str, name: str) -> None:
         """The replica `name` reports ready, as a (re)started replica does once it serves."""
         await self.deployment_handle(dep_id).signal(
             DeploymentWorkflow.replica_ready,
-            ReplicaEndpoint(
-                name=name,
-                zone=ZONE,
-                task_queue=f"{self.task_queue}/replica/{dep_id}/{name}",
-                engine_url="http://127.0.0.1:1",
-                engine_pid=1000,
-                agent_pid=2000,
-                started_at="2026-01-01T00:00:00.000000Z",
-            ),
+            replica_endpoint(name, f"{self.task_queue}/replica/{dep_id}/{name}"),
         )
 
     @property
@@ -409,29 +427,12 @@ class Fleet:
                 continue
             started.append(name)
             if tq not in self._replica_workers:
-                worker = Worker(
-                    activity.client(),
-                    task_queue=tq,
-                    activities=self._replica_activities(name),
-                    # A cancel reaches a step only with a heartbeat's answer: send them often.
-                    max_heartbeat_throttle_interval=timedelta(milliseconds=200),
-                    default_heartbeat_throttle_interval=timedelta(milliseconds=200),
-                )
-                asyncio.create_task(worker.run())
-                self._replica_workers[tq] = worker
+                self._serve_replica(activity.client(), tq, name)
             if not self.report_ready:
                 continue
             await handle.signal(
                 names.REPLICA_READY,
-                ReplicaEndpoint(
-                    name=name,
-                    zone=ZONE,
-                    task_queue=tq,
-                    engine_url="http://127.0.0.1:1",
-                    engine_pid=1000 + i,
-                    agent_pid=2000 + i,
-                    started_at="2026-01-01T00:00:00.000000Z",
-                ),
+                replica_endpoint(name, tq, i),
             )
         return started
 
@@ -444,6 +445,19 @@ class Fleet:
     @activity.defn(name=names.CHECK_SNAPSHOT)
     def check_snapshot_files(self, inp: CheckSnapshotInput) -> list[str]:
         return check_local_snapshot(self.bucket_root, inp)
+
+    def _serve_replica(self, client: Client, task_queue: str, name: str) -> None:
+        """A worker for replica ``name``'s steps on ``task_queue``, running from now on."""
+        worker = Worker(
+            client,
+            task_queue=task_queue,
+            activities=self._replica_activities(name),
+            # A cancel reaches a step only with a heartbeat's answer: send them often.
+            max_heartbeat_throttle_interval=timedelta(milliseconds=200),
+            default_heartbeat_throttle_interval=timedelta(milliseconds=200),
+        )
+        asyncio.create_task(worker.run())
+        self._replica_workers[task_queue] = worker
 
     def _replica_activities(self, replica: str) -> list:
         """The replica steps under their real names: the update from the bucket and the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -26,3 +27,10 @@ def run_without_network(
         text=True,
         timeout=timeout,
     )
+
+
+def python_without_network(code: str) -> str:
+    """What ``python -c code`` prints with no network; it must exit 0 (its stderr is the message)."""
+    proc = run_without_network([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout

@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,26 +72,39 @@ class Api:
         return httpx.request(method, f"{self.base}{path}", headers=self.headers, timeout=60, **kw)
 
     def wait_deployment(self, dep_id: str, timeout: float = 900) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            r = self.call("GET", f"/deployments/{dep_id}")
-            assert r.status_code == 200, f"GET deployment {dep_id}: {r.status_code} {r.text}"
-            dep = r.json()["deployment"]
-            if dep["status"]["status"] in ("STATUS_READY", "STATUS_FAILED"):
-                return dep
-            time.sleep(0.5)
-        raise TimeoutError(f"deployment {dep_id} not ready after {timeout}s")
+        """The deployment once it is ready or failed."""
+        return self._wait(
+            f"/deployments/{dep_id}",
+            "deployment",
+            lambda dep: dep["status"]["status"] in ("STATUS_READY", "STATUS_FAILED"),
+            f"deployment {dep_id} not ready",
+            timeout,
+            every=0.5,
+        )
 
     def wait_hot_load(self, hl_id: str, timeout: float = 900) -> dict:
+        """The hot-load once it is in a terminal state (a small delta completes in a few hundred ms)."""
+        return self._wait(
+            f"/hotLoads/{hl_id}",
+            "hotLoad",
+            lambda hl: hl["status"]["state"] in TERMINAL_HOT_LOAD_STATES,
+            f"hot-load {hl_id} not terminal",
+            timeout,
+            every=0.25,
+        )
+
+    def _wait(self, path: str, key: str, done: Callable[[dict], bool], late: str, timeout: float, every: float) -> dict:
+        """GET ``path`` every ``every`` s until its ``key`` record is ``done``; every answer must be
+        a 200; ``TimeoutError`` (``late``) after ``timeout`` s."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            r = self.call("GET", f"/hotLoads/{hl_id}")
-            assert r.status_code == 200, f"GET hot-load {hl_id}: {r.status_code} {r.text}"
-            hl = r.json()["hotLoad"]
-            if hl["status"]["state"] in TERMINAL_HOT_LOAD_STATES:
-                return hl
-            time.sleep(0.25)  # a small delta completes in a few hundred ms
-        raise TimeoutError(f"hot-load {hl_id} not terminal after {timeout}s")
+            r = self.call("GET", path)
+            assert r.status_code == 200, f"GET {path}: {r.status_code} {r.text}"
+            record = r.json()[key]
+            if done(record):
+                return record
+            time.sleep(every)
+        raise TimeoutError(f"{late} after {timeout}s")
 
 
 def deployment_body(settings: Settings, name: str, replicas: int, path_prefix: str) -> dict:

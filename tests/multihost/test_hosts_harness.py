@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from common.processes import pid_alive
 from tests.multihost.hosts import Cluster, Host, choose_network
 from tests.multihost.iproute import link_names, netns_names
 from tests.multihost.runs import IFNAME_MAX, MAX_HOSTS, MAX_SEQ, RunTag, marker_path, parse_tag
@@ -59,14 +60,6 @@ def wait_connects(source: Host, target: Host, within: float = 30.0) -> None:
                 f"{source.name} cannot connect to {target.name} {target.address}:{PORT}: {probe.stdout.strip()}"
             )
         time.sleep(0.1)
-
-
-def is_running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +164,7 @@ def test_kill_all_leaves_no_process_and_boot_starts_an_empty_host(make_cluster) 
         assert set(before) <= set(killed)
         assert host.pids() == []
         assert not host.alive and tree.returncode == -signal.SIGKILL and sleeper.returncode == -signal.SIGKILL
-        assert not any(is_running(pid) for pid in before)
+        assert not any(pid_alive(pid) for pid in before)
 
         host.boot()
         assert host.alive and host.pids() == [host.holder_pid]
@@ -190,7 +183,7 @@ def test_teardown_leaves_none_of_its_names_even_on_an_error(make_cluster) -> Non
             tag = made.tag
             raise RuntimeError("the test body failed")
     assert not set(names) & (set(netns_names()) | set(link_names()))
-    assert not any(is_running(pid) for pid in [*holders, spawned.pid])
+    assert not any(pid_alive(pid) for pid in [*holders, spawned.pid])
     assert not marker_path(tag).exists()
 
 
@@ -209,13 +202,13 @@ def test_a_killed_run_is_swept_by_the_next_one(cluster: Cluster, make_cluster, t
         child.kill()
         child.wait(timeout=30)
     assert set(made["names"]) <= harness_names()  # premise: the killed run left its namespaces and links
-    assert all(is_running(pid) for pid in made["holders"])  # and its hosts' processes
+    assert all(pid_alive(pid) for pid in made["holders"])  # and its hosts' processes
     live = set(cluster.names())
 
     with make_cluster(1, shm_bytes=16 * 1024**2):
         pass
 
     assert not set(made["names"]) & harness_names()
-    assert not any(is_running(pid) for pid in made["holders"])
+    assert not any(pid_alive(pid) for pid in made["holders"])
     assert not marker_path(parse_tag(made["names"][0])).exists()
     assert live <= harness_names()  # this process's live cluster was left alone

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -40,10 +41,21 @@ async def _start_engine(model_dir: Path, work_dir: Path) -> EngineProcess:
     return engine
 
 
+@asynccontextmanager
+async def _running_engine(model_dir: Path, work_dir: Path, label: str) -> AsyncIterator[EngineProcess]:
+    """A started engine serving ``model_dir`` (its start printed under ``label``), stopped on leaving."""
+    eng = await _start_engine(model_dir, work_dir)
+    print(f"\n[{label}] started in {eng.start_seconds:.1f}s at {eng.base_url} pid {eng.pid}")
+    try:
+        yield eng
+    finally:
+        await eng.stop()
+
+
 @pytest.fixture(scope="session")
-def start_engine():
-    """``await start_engine(model_dir, work_dir)`` -> a started EngineProcess (caller stops it)."""
-    return _start_engine
+def running_engine():
+    """``async with running_engine(model_dir, work_dir, label) as engine``: an engine of its own."""
+    return _running_engine
 
 
 @pytest.fixture(scope="session")
@@ -56,9 +68,5 @@ async def engine(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathF
             url, served_model_name=SERVED_NAME, secret=os.environ.get("ROLLOUTS_TEST_ENGINE_SECRET")
         )
         return
-    eng = await _start_engine(model_dirs["base"], tmp_path_factory.mktemp("engine-a"))
-    print(f"\n[engine] started in {eng.start_seconds:.1f}s at {eng.base_url} pid {eng.pid}")
-    try:
+    async with _running_engine(model_dirs["base"], tmp_path_factory.mktemp("engine-a"), "engine") as eng:
         yield eng
-    finally:
-        await eng.stop()

@@ -444,13 +444,9 @@ async def test_broadcast_with_the_test_process_as_the_peer(engine: EngineProcess
 
 
 @pytest.fixture(scope="module")
-async def engine_b(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, start_engine):
-    eng = await start_engine(model_dirs["base"], tmp_path_factory.mktemp("engine-b"))
-    print(f"\n[engine b] started in {eng.start_seconds:.1f}s at {eng.base_url} pid {eng.pid}")
-    try:
+async def engine_b(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, running_engine):
+    async with running_engine(model_dirs["base"], tmp_path_factory.mktemp("engine-b"), "engine b") as eng:
         yield eng
-    finally:
-        await eng.stop()
 
 
 async def test_staged_update_from_files_changes_nothing_until_commit(

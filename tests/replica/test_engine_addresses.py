@@ -6,7 +6,6 @@ the URLs of EngineProcess objects, and a start refused on an address that does n
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from common.addresses import AddressError
 from replica.agent import engine_process
 from replica.agent.engine_process import EngineProcess
 from replica.launch import NODE_ADDRESS_ENV
-from tests.helpers.no_network import run_without_network
+from tests.helpers.no_network import python_without_network
 
 
 def engine(tmp_path: Path, **kwargs: object) -> EngineProcess:
@@ -80,10 +79,9 @@ def test_a_bind_or_node_address_that_does_not_resolve_is_refused_before_the_star
         f"e = EngineProcess('m', work_dir={str(tmp_path / 'work')!r}, **{{{which!r}: 'no.such.host.invalid'}})\n"
         "try:\n    asyncio.run(e.start(timeout=1))\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n"
     )
-    proc = run_without_network([sys.executable, "-c", code])
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("AddressError") and "'no.such.host.invalid' does not resolve" in proc.stdout, proc
-    assert ("--engine-bind" if which == "host" else "--node-address") in proc.stdout
+    out = python_without_network(code)
+    assert out.startswith("AddressError") and "'no.such.host.invalid' does not resolve" in out, out
+    assert ("--engine-bind" if which == "host" else "--node-address") in out
     assert not (tmp_path / "work").exists()  # nothing started
 
 

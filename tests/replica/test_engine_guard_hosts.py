@@ -68,6 +68,17 @@ async def request(
     return sent[0]["status"], json.loads(body or b"{}")
 
 
+async def answered_with_the_secret(routes: set[tuple[str, str]], client: str, server: str) -> tuple[App, EngineGuard]:
+    """A guard in front of a fresh app, each of whose ``routes``, asked with the secret by
+    ``client`` of ``server``, has answered 200."""
+    app = App()
+    guard = EngineGuard(app, SECRET)
+    for method, path in sorted(routes):
+        status, _ = await request(guard, method, path, (client, 40000), (server, 8000))
+        assert status == 200, (client, path)
+    return app, guard
+
+
 def test_the_route_lists_split_into_control_and_inference() -> None:
     assert CONTROL_ROUTES | INFERENCE_ROUTES == ALLOWED_ROUTES and not CONTROL_ROUTES & INFERENCE_ROUTES
     assert CONTROL_ROUTES == {
@@ -94,11 +105,7 @@ def test_the_route_lists_split_into_control_and_inference() -> None:
 
 @pytest.mark.parametrize(("client", "server"), OWN_HOST)
 async def test_control_routes_answer_the_engines_own_host(client: str, server: str) -> None:
-    app = App()
-    guard = EngineGuard(app, SECRET)
-    for method, path in sorted(CONTROL_ROUTES):
-        status, _ = await request(guard, method, path, (client, 40000), (server, 8000))
-        assert status == 200, (client, path)
+    app, _ = await answered_with_the_secret(CONTROL_ROUTES, client, server)
     assert sorted(app.reached) == sorted(CONTROL_ROUTES)
 
 
@@ -117,11 +124,8 @@ async def test_control_routes_refuse_another_host_even_with_the_secret(client: s
 
 @pytest.mark.parametrize(("client", "server"), OTHER_HOST + OWN_HOST)
 async def test_inference_routes_answer_any_host_with_the_secret(client: str, server: str) -> None:
-    app = App()
-    guard = EngineGuard(app, SECRET)
+    app, guard = await answered_with_the_secret(INFERENCE_ROUTES, client, server)
     for method, path in sorted(INFERENCE_ROUTES):
-        status, _ = await request(guard, method, path, (client, 40000), (server, 8000))
-        assert status == 200, (client, path)
         for secret in (None, "wrong"):
             status, body = await request(guard, method, path, (client, 40000), (server, 8000), secret)
             assert status == 401 and body["error"]["type"] == "unauthenticated", (client, path, secret)

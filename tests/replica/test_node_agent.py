@@ -23,7 +23,7 @@ from replica.node import activities as node_activities_module
 from replica.node import capacity as node_capacity
 from replica.node.activities import NodeActivities, NodeIdentity, visible_devices
 from replica.node.capacity import NodeConfigError, capacity, check_name, resolve_address
-from tests.helpers.no_network import run_without_network
+from tests.helpers.no_network import python_without_network, run_without_network
 from workers import cli
 
 BAD_HOST = "no.such.host.invalid"
@@ -125,9 +125,8 @@ def test_a_name_that_does_not_resolve_is_refused_naming_it() -> None:
         f"try:\n    print('RESOLVED', resolve_address({BAD_HOST!r}))\n"
         "except NodeConfigError as exc:\n    print('REFUSED', exc)\n"
     )
-    proc = run_without_network([sys.executable, "-c", code])
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("REFUSED") and f"{BAD_HOST!r} does not resolve" in proc.stdout, proc
+    out = python_without_network(code)
+    assert out.startswith("REFUSED") and f"{BAD_HOST!r} does not resolve" in out, out
 
 
 # --------------------------------------------------------------------------- the replica's command line

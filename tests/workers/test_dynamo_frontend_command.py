@@ -13,6 +13,22 @@ from common.settings import Settings
 from gateway.dynamo_frontend import DynamoFrontend
 
 
+def run_frontend(home: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``rollouts dynamo-frontend --home home`` in a child process with exactly ``env``."""
+    return subprocess.run(
+        [sys.executable, "-m", "workers.cli", "dynamo-frontend", "--home", str(home)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def without(*prefixes: str) -> dict[str, str]:
+    """This process's environment without the variables whose names start with ``prefixes``."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+
+
 def test_kubernetes_discovery_needs_no_directory_and_advertises_the_pod_address(tmp_path: Path) -> None:
     frontend = DynamoFrontend(
         tmp_path / "discovery",
@@ -34,29 +50,17 @@ def test_kubernetes_discovery_needs_no_directory_and_advertises_the_pod_address(
 
 def test_an_unreachable_address_is_refused(tmp_path: Path) -> None:
     Settings.create(tmp_path, host="0.0.0.0").save()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLOUTS_", "TEMPORAL_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "workers.cli", "dynamo-frontend", "--home", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
+    env = without("ROLLOUTS_", "TEMPORAL_")
+    proc = run_frontend(tmp_path, env)
     assert proc.returncode == 2
     assert "--address 0.0.0.0 is not one workers can reach" in proc.stderr
 
 
 def test_kubernetes_discovery_without_the_pod_variables_is_refused(tmp_path: Path) -> None:
     Settings.create(tmp_path).save()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLOUTS_", "TEMPORAL_", "POD_"))}
+    env = without("ROLLOUTS_", "TEMPORAL_", "POD_")
     env.update(ROLLOUTS_DYNAMO_DISCOVERY="kubernetes", POD_NAME="frontend-0")
-    proc = subprocess.run(
-        [sys.executable, "-m", "workers.cli", "dynamo-frontend", "--home", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
+    proc = run_frontend(tmp_path, env)
     assert proc.returncode == 2
     assert "POD_NAMESPACE, POD_UID are not set" in proc.stderr and "downward API" in proc.stderr
 
@@ -64,13 +68,7 @@ def test_kubernetes_discovery_without_the_pod_variables_is_refused(tmp_path: Pat
 def test_a_cluster_frontend_needs_no_keys(tmp_path: Path) -> None:
     # No stack.json, a cluster's environment without S3 or engine keys: it gets as far as its own
     # checks (here: the unreachable address), not "ROLLOUTS_ENGINE_KEY is not set".
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLOUTS_", "TEMPORAL_", "AWS_", "POD_"))}
+    env = without("ROLLOUTS_", "TEMPORAL_", "AWS_", "POD_")
     env.update(TEMPORAL_ADDRESS="temporal.example:7233", ROLLOUTS_HOST="0.0.0.0", ROLLOUTS_DYNAMO_PORT="8000")
-    proc = subprocess.run(
-        [sys.executable, "-m", "workers.cli", "dynamo-frontend", "--home", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
+    proc = run_frontend(tmp_path, env)
     assert proc.returncode == 2 and "--address 0.0.0.0 is not one workers can reach" in proc.stderr, proc.stderr

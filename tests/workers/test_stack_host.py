@@ -14,7 +14,7 @@ import pytest
 
 from common.processes import PidFile
 from common.settings import Settings
-from tests.helpers.no_network import run_without_network
+from tests.helpers.no_network import python_without_network, run_without_network
 from workers.stack import Stack, StackError, load_or_create_settings
 
 BAD_HOST = "no.such.host.invalid"
@@ -34,10 +34,9 @@ def test_up_refuses_a_host_that_does_not_resolve_before_starting_anything(tmp_pa
         f"stack = Stack(Settings.create(Path({str(home)!r}), 17000, host={BAD_HOST!r}))\n"
         "try:\n    stack.up(say=print)\nexcept StackError as exc:\n    print('REFUSED', exc)\n"
     )
-    proc = run_without_network([sys.executable, "-c", code])
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("REFUSED") and BAD_HOST in proc.stdout and "does not resolve" in proc.stdout, proc
-    assert "--host" in proc.stdout and "ROLLOUTS_HOST" in proc.stdout
+    out = python_without_network(code)
+    assert out.startswith("REFUSED") and BAD_HOST in out and "does not resolve" in out, out
+    assert "--host" in out and "ROLLOUTS_HOST" in out
     assert not home.exists()  # nothing written, nothing started
 
 
