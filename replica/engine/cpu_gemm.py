@@ -81,7 +81,7 @@ def stale(module: torch.nn.Module) -> bool:
     kernel = getattr(module, "cpu_linear", None)
     if kernel is None or not isinstance(weight, torch.Tensor) or weight.ndim != 2 or not weight.numel():
         return False
-    scratch = torch.nn.Module()
+    scratch: Any = torch.nn.Module()  # (vLLM's dispatch gives it a ``cpu_linear``)
     scratch.weight = torch.nn.Parameter(weight.data, requires_grad=False)
     _dispatch()(scratch, remove_weight=False)
     x = _probe(weight.shape[1], weight.dtype)
