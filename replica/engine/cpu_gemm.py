@@ -3,14 +3,24 @@
 vLLM's CPU backend repacks every linear weight into a kernel-private copy and empties the
 parameter (``remove_weight=True``), which breaks ``load_weights`` and in-place updates.
 :func:`install` (on importing ``replica.engine.extension`` in a vLLM process, before the model
-loads) keeps the parameter; :func:`redispatch` rebuilds a changed layer's packed copy from it.
-Cost: linear weights held twice in CPU memory. GPU platforms and processes without vLLM are
-left alone.
+loads) keeps the parameter; :func:`redispatch` rebuilds a changed layer's packed copy from it
+(`weight_map` calls it for every module holding the weight: a tied ``lm_head`` packs the
+embedding's weight for itself). :func:`stale` is the proof: the layer's kernel computes what
+vLLM's dispatch makes of the weight it holds now. Cost: linear weights held twice in CPU memory;
+the proof packs each written layer once more. GPU platforms and processes without vLLM are left
+alone.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+# The proof's probe input: one-hot rows reading back this many of the weight's columns exactly
+# (a product by 1.0 and sums of zeros round nothing), and as many rows of random values mixing
+# every column.
+PROBE_COLUMNS, PROBE_MIXED = 8, 2
 
 
 def install() -> None:
@@ -41,9 +51,45 @@ def redispatch(module: torch.nn.Module) -> None:
     """Rebuild a CPU layer's packed kernel copy from its (just updated) weight parameter."""
     if not hasattr(module, "cpu_linear"):
         return
-    # A layer with a packed CPU copy exists only in a vLLM process: vLLM is loaded.
+    # (A layer with a packed CPU copy exists only in a vLLM process: vLLM is loaded.)
+    _dispatch()(module, remove_weight=False)
+
+
+def _dispatch() -> Any:
     from vllm.model_executor.layers import utils as layer_utils  # noqa: PLC0415 - vLLM processes only
 
     dispatch = layer_utils.dispatch_cpu_unquantized_gemm
-    dispatch = getattr(dispatch, "_rollouts_original", dispatch)
-    dispatch(module, remove_weight=False)
+    return getattr(dispatch, "_rollouts_original", dispatch)
+
+
+def _probe(k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of one-hot vectors at :data:`PROBE_COLUMNS` columns spread over ``k``, then
+    :data:`PROBE_MIXED` rows of fixed random values (the same every call)."""
+    columns = sorted({round(i * (k - 1) / max(PROBE_COLUMNS - 1, 1)) for i in range(min(PROBE_COLUMNS, k))})
+    onehot = torch.zeros(len(columns), k, dtype=dtype)
+    onehot[range(len(columns)), columns] = 1
+    mixed = torch.randn(PROBE_MIXED, k, generator=torch.Generator().manual_seed(0)).to(dtype)
+    return torch.cat([onehot, mixed])
+
+
+def stale(module: torch.nn.Module) -> bool:
+    """Whether a CPU linear layer's kernel (its packed copy) computes other than vLLM's dispatch
+    makes of the weight the layer holds now: both run on a probe input (:func:`_probe`) and are
+    compared bit for bit; the fresh dispatch runs on a scratch module holding the same weight
+    (no copy). False for a module without a packed CPU kernel."""
+    weight = getattr(module, "weight", None)
+    kernel = getattr(module, "cpu_linear", None)
+    if kernel is None or not isinstance(weight, torch.Tensor) or weight.ndim != 2 or not weight.numel():
+        return False
+    scratch: Any = torch.nn.Module()  # (vLLM's dispatch gives it a ``cpu_linear``)
+    scratch.weight = torch.nn.Parameter(weight.data, requires_grad=False)
+    _dispatch()(scratch, remove_weight=False)
+    x = _probe(weight.shape[1], weight.dtype)
+    with torch.no_grad():
+        held, fresh = kernel(x, weight, None), scratch.cpu_linear(x, scratch.weight, None)
+    return held.shape != fresh.shape or held.dtype != fresh.dtype or not torch.equal(_bits(held), _bits(fresh))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same width: equal exactly when the bits are."""
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])

@@ -172,7 +172,9 @@ def proof(
 
     With ``expected_adler32`` covering every tensor, a tensor held whole in its dtype is proven by
     the Adler-32 of the engine's own bytes where they live; others are bit-compared landing by
-    landing with the bytes given. Rebuilt MoE layers must be the prepack of what was written.
+    landing with the bytes given. Every kernel copy rebuilt (a MoE layer's prepack, a linear
+    layer's packed weight: `cpu_gemm.stale`) must be vLLM's packing of what was written, and every
+    replayed layer its processing (`WeightMap.unpacked`).
     """
     if not (expected_adler32 and all(n in expected_adler32 for n, _ in tensors)):
         bad = [n for n, t in tensors if not wmap.holds(n, t)]

@@ -84,8 +84,9 @@ class WeightMap:
     def __init__(self, model: torch.nn.Module, entries: dict[str, Entry]) -> None:
         self.model = model
         self.entries = entries
-        self.modules = dict(model.named_modules())
+        self.modules = dict(model.named_modules(remove_duplicate=False))  # (every name a parameter has)
         self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.holders = _holders(model)
         self.covered = {ld.param for e in entries.values() for ld in e.landings} | {
             p for e in entries.values() for p in e.computed_into
         }
@@ -357,7 +358,9 @@ class WeightMap:
             raise ValueError(f"refusing to load ({len(problems)} problem(s)): " + "; ".join(problems[:8]))
 
     def layers(self, names: Iterable[str]) -> list[torch.nn.Module]:
-        """The modules whose parameters the tensors ``names`` land in (one lookup per parameter name)."""
+        """The modules whose parameters the tensors ``names`` land in (one lookup per parameter
+        name), every module holding the parameter: a tied ``lm_head`` with the embedding, whose
+        packed kernel copy is its own (:func:`_holders`)."""
         owners: dict[str, None] = {}
         for n in names:
             e = self.entries[n]
@@ -367,8 +370,9 @@ class WeightMap:
                 owners[param] = None
         out: dict[int, torch.nn.Module] = {}
         for param in owners:
-            module = self.modules[param.rpartition(".")[0]]
-            out[id(module)] = module
+            for module_name in self.holders.get(param, [param.rpartition(".")[0]]):
+                module = self.modules[module_name]
+                out[id(module)] = module
         return list(out.values())
 
     # -- replaying vLLM's loading and post-load processing (`post_load`) ---------------------
@@ -452,12 +456,29 @@ class WeightMap:
         return True
 
     def unpacked(self, names: Iterable[str]) -> list[str]:
-        """Of ``names``, those landing in a MoE layer whose kernel weights are not the prepack of
-        its loader-layout copies (one check per layer)."""
+        """Of ``names``, those landing in a layer whose kernel copy is not vLLM's packing of what
+        it holds now: a MoE layer's prepack of its loader-layout copies, a linear layer's packed
+        GEMM weight (`cpu_gemm.stale`, every module holding the weight: a tied ``lm_head`` too);
+        one check per layer. Then those :meth:`underived`."""
         names = list(names)
-        bad = {id(m) for m in self.layers(names) if not cpu_moe.packed_from_loaded(m)}
+        bad = {id(m) for m in self.layers(names) if not cpu_moe.packed_from_loaded(m) or cpu_gemm.stale(m)}
         out = [n for n in names if any(id(m) in bad for m in self.layers([n]))] if bad else []
         return out + [n for n in self.underived(names) if n not in out]
+
+
+def _holders(model: torch.nn.Module) -> dict[str, list[str]]:
+    """For each parameter name, the names of every module holding a parameter on its storage:
+    one tied parameter (a ``lm_head`` sharing the embedding's weight) has a name and a module
+    per holder, and each holder may keep a kernel copy of its own (`cpu_gemm`)."""
+    by_storage: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.numel():
+            by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(name)
+    out: dict[str, list[str]] = {}
+    for names in by_storage.values():
+        modules = list(dict.fromkeys(n.rpartition(".")[0] for n in names))
+        out.update({n: modules for n in names})
+    return out
 
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

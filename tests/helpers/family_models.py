@@ -1,8 +1,8 @@
 """vLLM's model classes of the model families RL labs train, on the small random checkpoints
 `workers.families` writes, as an engine builds and loads them.
 
-    python -m tests.helpers.family_models OUT_DIR BASE_MODEL_DIR \
-        [--tp N [--ep]] [--no-replay] [--platform-checks] FAMILY [FAMILY ...]
+    python -m tests.helpers.family_models OUT_DIR BASE_MODEL_DIR [--tp N [--ep]] [--no-replay]
+        [--skip-lm-head-rebuild] [--platform-checks] FAMILY [FAMILY ...]
 
 ``observe`` (run in a process of its own: it imports vLLM and initialises its distributed
 state) builds vLLM's model class for each checkpoint at tensor-parallel size 1 in this process,
@@ -14,7 +14,9 @@ With ``--tp N`` it starts N rank processes over gloo (vLLM's CPU backend), each 
 shard of the model, and prints ``{family: {rank: report}}``; ``--ep`` with it: expert parallel
 (vLLM's ``enable_expert_parallel``: each rank owns a share of the experts, whole). ``--no-replay``:
 the map writes without replaying vLLM's loading and post-load processing (`post_load`), the premise
-of the check that a write reaches what the engine computes with.
+of the check that a write reaches what the engine computes with; ``--skip-lm-head-rebuild``: the
+swap leaves a tied ``lm_head``'s packed kernel copy as it was (the premise of the kernels'
+comparison and proof).
 
 For an MoE family it also binds vLLM's routed-experts capturer to the model and runs each MoE
 layer's router (:func:`routes`: the shape and zeros of ``routed_experts``), and where the experts
@@ -186,6 +188,9 @@ def observe(
                 # What the layers compute with besides parameters: buffers, and tensors vLLM's
                 # post-load step keeps on a layer (a Mamba conv weight's unpacked copy, ...).
                 "derived_differ_from_fresh": derived_differ(model, fresh),
+                # What each linear layer's packed CPU kernel computes (a tied lm_head's own copy
+                # of the embedding's weight included).
+                "kernels_differ_from_fresh": kernels_differ(model, fresh),
                 "rolled_back_differ": rolled_back_differ,
                 # The swap's proof (stage.commit): rolls back what it cannot prove.
                 "read_back_failed": stage.commit(wmap, staged).get("read_back_failed", []),
@@ -297,6 +302,23 @@ def derived_differ(model: torch.nn.Module, fresh: torch.nn.Module) -> list[str]:
     )
 
 
+def kernels_differ(model: torch.nn.Module, fresh: torch.nn.Module) -> list[str]:
+    """The layers whose packed CPU GEMM kernel (``cpu_linear``) answers a fixed random input
+    other than the fresh model's layer of the same name, bit for bit."""
+    theirs = dict(fresh.named_modules())
+    out = []
+    for name, m in model.named_modules():
+        weight = getattr(m, "weight", None)
+        if not hasattr(m, "cpu_linear") or not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+            continue
+        x = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        other = theirs[name]
+        with torch.no_grad():
+            if not torch.equal(m.cpu_linear(x, m.weight, None), other.cpu_linear(x, other.weight, None)):
+                out.append(name)
+    return out
+
+
 def _rank(model_dirs: list[Path], world: int, rank: int, port: int, out: Path, ep: bool) -> None:
     out.write_text(json.dumps(observe(model_dirs, world, rank, port, ep)))
 
@@ -329,6 +351,12 @@ def main(argv: list[str]) -> int:
         from replica.engine.weight_map import WeightMap  # noqa: PLC0415
 
         WeightMap.replay = lambda self, names: None  # type: ignore[method-assign]
+        rest = rest[1:]
+    if rest[:1] == ["--skip-lm-head-rebuild"]:  # the premise: a tied lm_head's packed copy left as it was
+        from replica.engine import cpu_gemm  # noqa: PLC0415
+
+        redispatch = cpu_gemm.redispatch
+        cpu_gemm.redispatch = lambda m: None if type(m).__name__ == "ParallelLMHead" else redispatch(m)
         rest = rest[1:]
     if rest[:1] == ["--platform-checks"]:  # the premise: vLLM's CPU build refuses a CUDA_ONLY family
         lift, rest = False, rest[1:]

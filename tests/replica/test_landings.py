@@ -56,6 +56,7 @@ CLEAN = {
     "unpacked": [],
     "params_differ_from_fresh": [],
     "derived_differ_from_fresh": [],
+    "kernels_differ_from_fresh": [],
     "rolled_back_differ": [],
     "read_back_failed": [],
 }
@@ -149,6 +150,25 @@ def test_without_the_replay_the_engine_computes_with_stale_tensors_and_the_proof
     # naming the tensors of the layer it could not prove, and the swap rolls back.
     assert "backbone.layers.0.mixer.A_log" in update["unpacked"]
     assert "backbone.layers.0.mixer.A_log" in update["read_back_failed"]
+
+
+@pytest.fixture(scope="module")
+def stale_lm_head(families_root: Path) -> dict[str, dict]:
+    """Qwen3's update written with its tied ``lm_head``'s packed kernel copy left as it was."""
+    return family_models(families_root, "--skip-lm-head-rebuild", "qwen3")
+
+
+def test_a_tied_lm_head_left_packed_from_the_old_embedding_is_caught_by_the_proof(stale_lm_head):
+    """Qwen3 ties ``lm_head`` to the embedding: one parameter, two modules, and vLLM's CPU backend
+    packs the weight for each (``cpu_linear``). The update above (every kernel as a fresh load's)
+    rebuilt both; without the ``lm_head``'s rebuild the logits come from the old embedding."""
+    update = stale_lm_head["qwen3"]["update"]
+    # The premise: the embedding's bytes are in place, the logits' kernel computes with the old ones.
+    assert update["not_held"] == [] and update["params_differ_from_fresh"] == []
+    assert update["kernels_differ_from_fresh"] == ["lm_head"]
+    # The swap's proof reads the kernel back (`cpu_gemm.stale`), names the tensor and rolls back.
+    assert update["unpacked"] == ["model.embed_tokens.weight"]
+    assert update["read_back_failed"] == ["model.embed_tokens.weight"]
 
 
 def test_fused_and_tied_shapes_land_where_vllm_puts_them(report):
