@@ -11,9 +11,15 @@ sets how many (32 is the 8B model without its embeddings; the CPU default is 2).
 
 It reports, side by side in one run:
 
-- an RL-like delta (``--changed`` of the BF16 elements, 5 % by default) swapped in as its changed
-  elements (scatter) against the same delta swapped in whole (dense, the baseline): the pause
+- an RL-like delta (``--changed`` of the BF16 elements, 5 % by default) swapped in as the engine
+  plans it (`scatter.plan`: each tensor's changed elements scattered, or the tensor whole, as
+  the plan chooses) against the same delta swapped in whole (dense, the baseline): the pause
   (swap + proof), the bytes written into the engine inside it, and their ratios;
+- a memcpy of the bytes the pause must touch (every byte of the update: the proof reads it all),
+  measured in each run beside the swaps (this machine's speed varies with its load), and each
+  pause as a multiple of it;
+- on the host, what a scattered element costs against copying bytes (the crossover the plan's
+  host cost model rests on, `scatter.HOST_SCATTER_ELEMENT_BYTES`);
 - a FULL (every element new): the pause and its bytes; on CUDA also a FULL past the device
   budget from pinned host memory (the pause's asynchronous copies) against the same from
   pageable memory (the baseline);
@@ -158,6 +164,44 @@ def swap_in(
     return pause, report
 
 
+def memcpy_s(dst: torch.Tensor, src: torch.Tensor, repeats: int = 3) -> float:
+    """Median seconds of ``dst.copy_(src)`` (two buffers allocated and touched once, reused)."""
+    times = []
+    for _ in range(repeats):
+        sync(str(dst.device))
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(str(dst.device))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def host_scatter_cost(fraction: float, size: int = 256 << 20) -> dict[str, float]:
+    """On host memory, over a BF16 buffer of ``size`` bytes (past the caches): ns per element of a
+    scatter of ``fraction`` of its elements at sorted random offsets (int32 and int64 offsets),
+    ns per byte of a copy of the whole buffer, and what one scattered element costs in copied
+    bytes (the crossover: scattering wins below width / that fraction of elements changed)."""
+    dst = torch.zeros(size // 2, dtype=BF16)
+    src = torch.ones(size // 2, dtype=BF16)
+    count = int(fraction * dst.numel())
+    gen = torch.Generator().manual_seed(0)
+    offsets = torch.randperm(dst.numel(), generator=gen)[:count].sort().values
+    values = torch.ones(count, dtype=BF16)
+    copy_ns_per_byte = memcpy_s(dst, src) * 1e9 / size
+    out = {"copy_ns_per_byte": copy_ns_per_byte}
+    for dtype in (torch.int32, torch.int64):
+        index = offsets.to(dtype)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            dst[index] = values
+            times.append(time.perf_counter() - t0)
+        ns = statistics.median(times) * 1e9 / count
+        out[f"{str(dtype).removeprefix('torch.')}_ns"] = ns
+        out[f"{str(dtype).removeprefix('torch.')}_bytes"] = ns / copy_ns_per_byte
+    return out
+
+
 def copy_rates(device: str, size: int) -> dict[str, float]:
     """GB/s host -> device from pageable and pinned memory, and device -> device."""
     if not device.startswith("cuda"):
@@ -197,22 +241,28 @@ def parse_args() -> argparse.Namespace:
 
 Checkpoint = dict[str, torch.Tensor]
 Rows = dict[str, list[tuple[float, dict]]]
+MEMCPY = "memcpy"  # the row of a memcpy of the update's bytes, measured beside each run's swaps
 
 
 def measure_deltas_and_full(
     wmap: WeightMap, base: Checkpoint, shapes: dict[str, tuple[int, ...]], args: argparse.Namespace, device: str
 ) -> tuple[Rows, Checkpoint]:
-    """Each run's delta whole and scattered (from the same weights), then one FULL; the rows and
-    the weights served at the end."""
-    rows: Rows = {"delta, scattered": [], "delta, whole (baseline)": [], "FULL": []}
+    """Each run: a memcpy of the update's bytes, the delta whole and as planned (from the same
+    weights); then one FULL. The rows (the memcpy's as ``(seconds, {})``) and the weights served
+    at the end."""
+    rows: Rows = {"delta, as planned": [], "delta, whole (baseline)": [], "FULL": [], MEMCPY: []}
+    size = sum(t.nbytes for t in base.values())
+    src, dst = torch.ones(size, dtype=torch.uint8, device=device), torch.zeros(size, dtype=torch.uint8, device=device)
     current = base
     for run in range(args.runs):
         new = rl_step(current, args.changed, seed=run + 1)
-        # The same delta twice: whole, then back, then scattered (each from the same weights).
+        rows[MEMCPY].append((memcpy_s(dst, src), {}))
+        # The same delta twice: whole, then back, then as planned (each from the same weights).
         rows["delta, whole (baseline)"].append(swap_in(wmap, f"whole-{run}", new, current, False, device))
         swap_in(wmap, f"back-{run}", current, new, False, device)
-        rows["delta, scattered"].append(swap_in(wmap, f"delta-{run}", new, current, True, device))
+        rows["delta, as planned"].append(swap_in(wmap, f"delta-{run}", new, current, True, device))
         current = new
+    del src, dst
     full = random_checkpoint(shapes, seed=100)
     rows["FULL"].append(swap_in(wmap, "full", full, None, False, device))
     return rows, full
@@ -244,11 +294,13 @@ def print_medians(rows: Rows) -> dict[str, tuple[float, float, float]]:
     )
     medians = {}
     for what, results in rows.items():
+        if what == MEMCPY:
+            continue
         pause = statistics.median(p for p, _ in results)
         write = statistics.median(r["copy_s"] + r["repack_s"] for _, r in results)
         prove = statistics.median(r["verify_s"] for _, r in results)
         moved = statistics.median(r["pause_bytes"] for _, r in results)
-        changed = [r["changed_bytes"] for _, r in results] if what.startswith("delta, scattered") else []
+        changed = [r["changed_bytes"] for _, r in results] if what.startswith("delta, as planned") else []
         medians[what] = (pause, moved, write)
         shown = f"{statistics.median(changed) / 1e6:8.1f} MB" if changed else f"{'—':>11}"
         print(
@@ -257,29 +309,50 @@ def print_medians(rows: Rows) -> dict[str, tuple[float, float, float]]:
     return medians
 
 
-def print_comparisons(medians: dict[str, tuple[float, float, float]], device: str) -> None:
-    """Scattered against whole, pinned against pageable, and the copy rates."""
-    (p_sparse, b_sparse, w_sparse), (p_dense, b_dense, w_dense) = (
-        medians["delta, scattered"],
-        medians["delta, whole (baseline)"],
-    )
-    print(
-        f"\nscattered delta vs whole: {b_dense / max(b_sparse, 1):.1f}x fewer bytes inside the pause, the write "
-        f"{w_dense / w_sparse:.2f}x shorter, the pause {p_dense / p_sparse:.2f}x shorter"
-    )
+def than(ours: float, baseline: float) -> str:
+    """``ours`` against ``baseline`` in words: "2.00x shorter" (half of it), "1.60x longer"."""
+    if ours <= 0 or baseline <= 0:
+        return "—"
+    return f"{baseline / ours:.2f}x shorter" if ours < baseline else f"{ours / baseline:.2f}x longer"
+
+
+def print_comparisons(medians: dict[str, tuple[float, float, float]], rows: Rows, device: str) -> None:
+    """Each delta against the whole one, each pause against the memcpy of the update's bytes,
+    pinned against pageable, and the copy rates."""
+    p_dense, b_dense, w_dense = medians["delta, whole (baseline)"]
+    print()
+    for what, (pause, moved, write) in medians.items():
+        if what.startswith("delta") and what != "delta, whole (baseline)":
+            print(
+                f"{what} vs whole: {b_dense / max(moved, 1):.1f}x fewer bytes inside the pause, the write "
+                f"{than(write, w_dense)}, the pause {than(pause, p_dense)}"
+            )
+    copy = statistics.median(s for s, _ in rows[MEMCPY])
+    print(f"memcpy of the update's bytes (the proof reads every one), beside each run: {1000 * copy:.1f} ms (median)")
+    for what, (pause, _, _) in medians.items():
+        print(f"  {what:<26} pause {1000 * pause:7.1f} ms = {pause / copy:.2f}x the memcpy")
 
     if "FULL, pinned" in medians:
         (p_pin, _, w_pin), (p_page, _, w_page) = medians["FULL, pinned"], medians["FULL, pageable (baseline)"]
-        print(
-            f"FULL from pinned vs pageable memory: the write {w_page / w_pin:.2f}x shorter, the pause "
-            f"{p_page / p_pin:.2f}x shorter"
-        )
+        print(f"FULL from pinned vs pageable memory: the write {than(w_pin, w_page)}, the pause {than(p_pin, p_page)}")
 
     rates = copy_rates(device, 1 << 30)
     if rates:
         print(
             f"host -> device: pinned {rates['pinned']:.1f} GB/s, pageable {rates['pageable']:.1f} GB/s; "
             f"device -> device {rates['device']:.0f} GB/s"
+        )
+
+
+def print_host_scatter_cost(fraction: float) -> None:
+    """What one scattered element costs on host memory, in bytes of a copy (the plan's crossover)."""
+    for f in sorted({0.01, fraction}):
+        cost = host_scatter_cost(f)
+        print(
+            f"host scatter of {100 * f:.0f} % of 128 M BF16 elements: int32 offsets {cost['int32_ns']:.1f} ns, "
+            f"int64 {cost['int64_ns']:.1f} ns an element; a copy {cost['copy_ns_per_byte']:.3f} ns a byte: one "
+            f"scattered element costs what copying {cost['int32_bytes']:.0f} (int32) / {cost['int64_bytes']:.0f} "
+            "(int64) bytes does"
         )
 
 
@@ -319,7 +392,9 @@ def main() -> None:
     rows, current = measure_deltas_and_full(wmap, base, shapes, args, device)
     if device.startswith("cuda"):
         current = measure_full_from_host(wmap, base, current, args.runs, device, rows)
-    print_comparisons(print_medians(rows), device)
+    print_comparisons(print_medians(rows), rows, device)
+    if not device.startswith("cuda"):
+        print_host_scatter_cost(args.changed)
     if not rollback_is_exact(wmap, current, args.changed):
         raise SystemExit(1)
 
