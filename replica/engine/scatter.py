@@ -1,9 +1,13 @@
 """How a stage's tensors cross into the engine inside the pause: only the changed elements where
-that moves fewer bytes, and on an accelerator from buffers already on the device.
+that costs the pause less, and on an accelerator from buffers already on the device.
 
 :func:`plan` (stage time, engine serving) chooses per tensor: **sparse** (changed elements'
 offsets and new values, plus the old values for :func:`roll_back`) or **dense** (the whole
-tensor) when that moves no more bytes, when the device budget
+tensor) when that costs no more (:func:`element_cost`: on an accelerator the bytes that cross;
+on the host time, a scattered element, a random access, costing what a copy of
+``HOST_SCATTER_ELEMENT_BYTES`` bytes does, so a tensor changed in more than ~3 % of its BF16
+elements goes whole: from the stage's own tensor, no memory beyond it, its roll-back copy kept
+as for a scattered one), when the device budget
 (``ROLLOUTS_SCATTER_BUDGET_BYTES``) is spent, or when no roll-back copy is given (a FULL). Dense
 tensors beyond the device budget go through pinned host memory while
 ``ROLLOUTS_PINNED_BUDGET_BYTES`` lasts (:func:`write_pinned`), else from pageable memory.
@@ -29,6 +33,12 @@ DEFAULT_PINNED_BUDGET = envs.ROLLOUTS_PINNED_BUDGET_BYTES.default
 # Streams the pause's pinned copies alternate over: the host thread issues every copy at once
 # and the copy engine never waits for it.
 COPY_STREAMS = 2
+# What one scattered element costs on host memory, in bytes of a copy (torch's indexed write
+# with int64 offsets: a random access per element against a streaming copy at memory bandwidth).
+# `bench/gpu_hotload.py --device cpu` measures it (2-core AMD EPYC, 2026-12-07: 15–40 ns an
+# element against 0.13–0.3 ns a byte, i.e. ~50–130 bytes, varying with the machine's load). A
+# tensor goes whole when count * this >= its bytes: above ~3 % of a BF16 tensor's elements.
+HOST_SCATTER_ELEMENT_BYTES = 64
 
 
 def budget_from_env() -> int:
@@ -99,8 +109,21 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _offset_dtype(target: torch.Tensor) -> torch.dtype:
-    """What a scatter's offsets into ``target`` are kept as: int32 below 2^31 elements."""
+    """What a scatter's offsets into ``target`` are kept as: on an accelerator int32 below 2^31
+    elements (fewer bytes cross); on the host int64, which torch's indexed write takes as it is
+    (int32 offsets it widens in a fresh buffer inside the pause: twice the time, measured)."""
+    if target.device.type == "cpu":
+        return torch.int64
     return torch.int32 if flat(target).numel() < 2**31 else torch.int64
+
+
+def element_cost(target: torch.Tensor) -> int:
+    """What scattering one element into ``target`` costs the pause, in bytes of a whole-tensor
+    write (module docstring): on an accelerator the bytes it moves (value and offset), on the
+    host ``HOST_SCATTER_ELEMENT_BYTES``."""
+    if target.device.type == "cpu":
+        return HOST_SCATTER_ELEMENT_BYTES
+    return target.element_size() + _offset_dtype(target).itemsize
 
 
 def _scatter(wmap: WeightMap, ld: Landing, new: torch.Tensor, mask: torch.Tensor) -> Scatter:
@@ -151,11 +174,12 @@ def _plan_one(
     counts = {ld: int(mask.sum()) for ld, mask in masks.items()}
     # A region several landings read (a tensor loaded into two places) changed once.
     out.changed_bytes += sum({ld.src: counts[ld] for ld in landings}.values()) * t.element_size()
-    sparse = 0
+    sparse = cost = 0
     for ld in landings:
         target = wmap.target(ld.param)
         sparse += counts[ld] * (target.element_size() + _offset_dtype(target).itemsize)
-    if sparse < dense_bytes(wmap, name) and out.device_staged_bytes + sparse <= budget:
+        cost += counts[ld] * element_cost(target)
+    if cost < dense_bytes(wmap, name) and out.device_staged_bytes + sparse <= budget:
         scatters = [_scatter(wmap, ld, new, masks[ld]) for ld in landings]
         out.sparse[name] = scatters
         size = sum(s.nbytes() for s in scatters)
@@ -177,7 +201,7 @@ def _plan_batches(
     """Plan the tensors that land whole in one dense region (`WeightMap.dense_landing`) a
     parameter at a time: their new and old bytes compared in one operation per chunk of
     ``BATCH_BYTES``, each tensor then decided as :func:`_plan_one` decides it (scattered when
-    that moves fewer bytes than writing it whole, within the budget), and the chosen tensors'
+    that costs less than writing it whole, :func:`element_cost`, within the budget), and the chosen tensors'
     changed elements gathered into one :class:`Scatter` per chunk. Returns the other tensors."""
     groups: dict[tuple[str, torch.dtype], list[tuple[str, torch.Tensor, Landing]]] = {}
     alone = []
@@ -222,6 +246,7 @@ def _plan_chunk(
     their bytes, then only the changed elements are handled (their tensor, the counts)."""
     target = wmap.target(param)
     width, per_element = target.element_size(), target.element_size() + _offset_dtype(target).itemsize
+    cost = element_cost(target)
     new = torch.cat([t.reshape(-1) for _, t, _ in chunk])
     old = torch.cat([backup[name].reshape(-1) for name, _, _ in chunk])
     positions = (bits(new) != bits(old)).nonzero().squeeze(1)
@@ -233,7 +258,7 @@ def _plan_chunk(
     for (name, t, _), numel, count in zip(chunk, numels, counts):
         out.changed_bytes += count * item
         sparse = count * per_element
-        if sparse < numel * width and out.device_staged_bytes + sparse <= budget:
+        if count * cost < numel * width and out.device_staged_bytes + sparse <= budget:
             chosen.append(True)
             out.batched_names.add(name)
             out.device_staged_bytes += sparse

@@ -23,7 +23,7 @@ import torch
 
 from replica.engine import scatter
 from replica.engine.device_checksum import adler32_device_hex
-from replica.engine.tensors import adler32_hex, adler32_slices, nbytes
+from replica.engine.tensors import adler32_groups, adler32_hex, nbytes
 from replica.engine.weight_map import WeightMap
 
 logger = logging.getLogger("rollouts.engine.stage")
@@ -171,7 +171,8 @@ def proof(
     """Read back what the engine holds for ``tensors``: (tensors that differ, Adler-32 of each proven).
 
     With ``expected_adler32`` covering every tensor, a tensor held whole in its dtype is proven by
-    the Adler-32 of the engine's own bytes where they live; others are bit-compared landing by
+    the Adler-32 of the engine's own bytes where they live (on the host each parameter's bytes read
+    once, on every core: `WeightMap.host_slices`, `tensors.adler32_groups`); others are bit-compared landing by
     landing with the bytes given. Every kernel copy rebuilt (a MoE layer's prepack, a linear
     layer's packed weight: `cpu_gemm.stale`) must be vLLM's packing of what was written, and every
     replayed layer its processing (`WeightMap.unpacked`).
@@ -183,7 +184,7 @@ def proof(
     bad = []
     mine = [(n, t) for n, t in tensors if not wmap.entry(n).elsewhere]  # another rank proves its experts
     groups, _ = wmap.host_slices(n for n, _ in mine)
-    host_sums = {n: s for data, slices in groups for n, s in adler32_slices(data, slices)}
+    host_sums = adler32_groups(groups)  # every core of the process at once
     for n, t in mine:
         want = expected_adler32[n].lower()
         got = host_sums.get(n)  # held whole in a host parameter: its bytes read once per parameter

@@ -31,6 +31,7 @@ import httpx
 import numpy as np
 import psutil
 
+from replica.engine import scatter
 from snapshots.inspect import read_delta_plan
 from snapshots.sparse_writer import write_sparse_delta
 from tests.helpers.chains import changed_tensors, cwtrain_routes, cwtrain_write_delta
@@ -42,10 +43,12 @@ from tests.helpers.trainer import train_step
 from workers.families import MOE, write_family
 from workers.stack import upload_dir
 
-# A scattered element crosses as its value at the parameter's width and an int32 offset: at most
-# (4 + 4) / 2 times its BF16 bytes (a bias kept in float32); a tensor goes whole only when that
-# moves fewer bytes (replica/engine/scatter.py).
-SCATTER_OVERHEAD = 4
+# A scattered element crosses as its value at the parameter's width and an int64 offset on the
+# host: at most (4 + 8) / 2 times its BF16 bytes (a bias kept in float32). On the host a tensor
+# goes whole when count * HOST_SCATTER_ELEMENT_BYTES >= its bytes (faster than its scatter):
+# then at most HOST_SCATTER_ELEMENT_BYTES / 2 times its changed BF16 bytes
+# (replica/engine/scatter.py).
+SCATTER_OVERHEAD = max(6, scatter.HOST_SCATTER_ELEMENT_BYTES // 2)
 PROMPT_IDS = [5, 100, 200, 300, 17, 42]
 ROUTES_KEY = "enable-return-routed-experts"
 EVERY = 10**9  # train_step changes this many tensors: all of them

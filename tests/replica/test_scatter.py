@@ -2,8 +2,9 @@
 same stage -> swap -> commit | discard lifecycle, on a model with vLLM's loader interface whose
 landings are strided (q/k/v into columns of one fused parameter) and widened (a BF16 tensor in a
 float32 parameter): no vLLM. The bytes inside the pause are counted and bounded by the changed
-bytes; a failed read-back or another rank's failure rolls back exactly. On CPU tensors in
-``make test``, on a CUDA device in ``make test-gpu``."""
+bytes; a failed read-back or another rank's failure rolls back exactly. On the host each tensor
+goes the faster way (scattered below the crossover, whole above it), both proven and rolled back
+exactly. On CPU tensors in ``make test``, on a CUDA device in ``make test-gpu``."""
 
 from __future__ import annotations
 
@@ -18,10 +19,13 @@ from tests.helpers.devices import DEVICES
 from tests.helpers.expert_models import Experts, expert_checkpoint, loaded
 
 BF16 = torch.bfloat16
-# A scattered element moves its value at the parameter's width plus an int32 offset: at most
-# (4 + 4) / 2 = 4 times its checkpoint bytes (BF16 widened to float32); a dense tensor is chosen
-# only when it moves fewer bytes than that.
-OVERHEAD = 4
+# A scattered element moves its value at the parameter's width plus its offset (int64 on the
+# host, int32 on an accelerator): at most (4 + 8) / 2 = 6 times its checkpoint bytes (BF16
+# widened to float32).
+OVERHEAD = 6
+# Of each tensor's elements, what a delta the plan scatters on every device changes: below the
+# host's crossover (a BF16 element's 2 bytes / scatter.HOST_SCATTER_ELEMENT_BYTES, ~3 %).
+SPARSE = 0.01
 
 
 class Fused(torch.nn.Module):
@@ -85,9 +89,9 @@ def stage_of(wmap: WeightMap, old: dict[str, torch.Tensor], new: dict[str, torch
 
 
 def delta_in_slot(device: str, seed: int) -> tuple[dict, dict, WeightMap, StageSlot]:
-    """An engine on checkpoint ``seed`` with a 5 % delta (seed + 1) staged in its slot as "v1"."""
+    """An engine on checkpoint ``seed`` with a delta (seed + 1) it scatters staged in its slot as "v1"."""
     old = checkpoint(seed)
-    new = changed(old, 0.05, seed=seed + 1)
+    new = changed(old, SPARSE, seed=seed + 1)
     wmap, slot = engine(device, old), StageSlot()
     slot.put(stage_of(wmap, old, new, "v1")[0])
     return old, new, wmap, slot
@@ -96,7 +100,7 @@ def delta_in_slot(device: str, seed: int) -> tuple[dict, dict, WeightMap, StageS
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_sparse_delta_moves_only_its_changed_elements_and_is_proven(device: str) -> None:
     old = checkpoint(1)
-    new = changed(old, 0.05, seed=2)
+    new = changed(old, SPARSE, seed=2)
     wmap, slot = engine(device, old), StageSlot()
     stage, expected = stage_of(wmap, old, new, "v1")
     assert set(stage.scattered()) == {"q", "k", "v", "norm"}
@@ -178,6 +182,7 @@ def test_a_full_goes_whole_staged_on_the_accelerator(device: str) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_failed_read_back_after_a_scatter_restores_every_element(device: str) -> None:
     old, new, wmap, slot = delta_in_slot(device, seed=6)
+    assert slot.stage is not None and slot.stage.scattered() == set(new)
     slot.swap(wmap, "v1")
     # A fault after the scatter: an element the delta did not change differs now.
     unchanged = (new["q"].view(torch.int16) == old["q"].view(torch.int16)).reshape(-1).nonzero()[0, 0]
@@ -222,7 +227,10 @@ def test_a_full_past_the_device_budget_crosses_from_pinned_memory_and_is_proven(
         take(engine(device, old), "full", tensors)
 
 
-def test_fused_experts_are_planned_a_parameter_at_a_time_as_tensor_by_tensor() -> None:
+def test_fused_experts_are_planned_a_parameter_at_a_time_as_tensor_by_tensor(monkeypatch) -> None:
+    # These experts' 24 elements are fewer than what one scattered element costs on the host:
+    # a cost at which a few changed elements still scatter (the plan compares them either way).
+    monkeypatch.setattr(scatter, "HOST_SCATTER_ELEMENT_BYTES", 6)
     old = expert_checkpoint(0)
     new = changed(old, 0.05, seed=9)
     new["experts.2.down_proj.weight"] = changed(old, 1.0, seed=10)["experts.2.down_proj.weight"]  # goes whole
@@ -247,6 +255,54 @@ def test_fused_experts_are_planned_a_parameter_at_a_time_as_tensor_by_tensor() -
     assert all(adler32_hex(wmap.held(n)) == expected[n] for n in new)
     slot.discard(wmap)
     assert all(torch.equal(wmap.held(n).view(torch.int16), old[n].view(torch.int16)) for n in old)
+
+
+def host_choice(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], wmap: WeightMap) -> set[str]:
+    """The tensors the host's cost model scatters, from the counts of their changed elements:
+    scattering them costs less than a copy of the whole tensor."""
+    out = set()
+    for name in new:
+        count = int((new[name].view(torch.int16) != old[name].view(torch.int16)).sum())
+        if count * scatter.HOST_SCATTER_ELEMENT_BYTES < scatter.dense_bytes(wmap, name):
+            out.add(name)
+    return out
+
+
+def test_on_the_host_each_tensor_goes_the_faster_way_proven_and_rolled_back_exactly() -> None:
+    """A delta changing q and the widened norm densely (20 %: whole is faster on the host), k
+    sparsely (1 %: scattered), v not at all: each planned by the host's cost model, the bytes
+    served after the swap are the new ones exactly, and every roll-back (a failed read-back in a
+    tensor of either form, another rank's failure) puts the old ones back exactly."""
+    old = checkpoint(20)
+    new = {**changed(old, 0.2, seed=21), "k": changed(old, SPARSE, seed=22)["k"], "v": old["v"].clone()}
+    wmap = engine("cpu", old)
+    stage, expected = stage_of(wmap, old, new, "v1")
+    assert stage.scattered() == host_choice(old, new, wmap) == {"k", "v"}  # the premise: both forms
+    report = stage.plan.report()
+    whole = scatter.dense_bytes(wmap, "q") + scatter.dense_bytes(wmap, "norm")
+    assert report["pause_bytes"] == whole + sum(s.nbytes() for s in stage.scatters())
+    assert not stage.plan.on_device and not stage.plan.pinned  # copied from the stage's own tensors
+    slot = StageSlot()
+    slot.put(stage)
+    assert slot.swap_and_commit(wmap, "v1", hold=True)["checksums"] == expected
+    assert same(served(wmap), new) and torch.equal(wmap.model.norm, new["norm"].float())
+    assert slot.discard(wmap)["rolled_back"] and same(served(wmap), old)  # another rank failed
+
+    for name in ("q", "k"):  # an element the delta left as it was, altered after the write
+        slot.put(stage_of(wmap, old, new, f"bad-{name}")[0])
+        slot.swap(wmap, f"bad-{name}")
+        column = 32 * "qkv".index(name)
+        unchanged = (new[name].view(torch.int16) == old[name].view(torch.int16)).reshape(-1).nonzero()[0, 0]
+        wmap.model.qkv.data[unchanged // 32, column + unchanged % 32] += 1
+        assert slot.commit(wmap, f"bad-{name}") == {"read_back_failed": [name], "rolled_back": True}
+        assert same(served(wmap), old)
+
+
+def test_the_cost_of_a_scattered_element_is_time_on_the_host_and_bytes_on_an_accelerator() -> None:
+    host, accelerator = torch.empty(8, dtype=BF16), torch.empty(8, dtype=BF16, device="meta")
+    assert scatter.element_cost(host) == scatter.HOST_SCATTER_ELEMENT_BYTES
+    assert scatter.element_cost(accelerator) == 2 + 4  # a BF16 value and an int32 offset cross
+    assert scatter._offset_dtype(host) == torch.int64  # taken by torch's indexed write as it is
 
 
 def test_each_changed_position_is_placed_in_its_segment() -> None:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from contracts.engine_ranks import HELD_BY_NO_RANK
+from replica.engine import tensors as tensor_bytes
 from replica.engine.stage import proof
-from replica.engine.tensors import adler32_hex, adler32_slices
+from replica.engine.tensors import adler32_combine, adler32_groups, adler32_hex, adler32_slices
 from replica.engine.weight_map import WeightMap
 from tests.helpers.expert_models import Experts, expert_checkpoint, loaded
 
@@ -215,3 +216,18 @@ def test_adler32_of_slices_equals_each_tensor_s_own() -> None:
     slices = [(str(i), i * 1000, (i + 1) * 1000) for i in range(64)]
     got = dict(adler32_slices(data.reshape(-1).numpy().data, slices))
     assert got == {str(i): adler32_hex(data[i]) for i in range(64)}
+
+
+def test_adler32_on_every_core_equals_zlib_s_of_each_slice(monkeypatch) -> None:
+    """The proof's Adler-32 cut into pieces summed on several threads and combined: equal to one
+    pass over each slice (slices spanning many pieces, one shorter than a piece, one empty)."""
+    monkeypatch.setattr(tensor_bytes, "PIECE_BYTES", 1009)
+    monkeypatch.setattr(tensor_bytes, "CHECKSUM_THREADS", 2)
+    gen = torch.Generator().manual_seed(4)
+    data = torch.randint(0, 256, (100_000,), dtype=torch.uint8, generator=gen)
+    other = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=gen)
+    slices = [("all", 0, 100_000), ("short", 7, 500), ("empty", 30, 30), ("tail", 98_000, 100_000)]
+    got = adler32_groups([(data.numpy().data, slices), (other.numpy().data, [("other", 0, 5000)])])
+    want = {n: adler32_hex(data[a:b]) for n, a, b in slices} | {"other": adler32_hex(other)}
+    assert got == want and want["all"] != want["tail"]
+    assert adler32_combine(int(want["short"], 16), 1, 0) == int(want["short"], 16)  # B empty: A's
