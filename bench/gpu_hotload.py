@@ -164,6 +164,19 @@ def swap_in(
     return pause, report
 
 
+def every_tensor_scattered(
+    wmap: WeightMap, label: str, tensors: dict[str, torch.Tensor], backup: dict[str, torch.Tensor], device: str
+) -> tuple[float, dict]:
+    """:func:`swap_in` of a delta with every tensor's changed elements scattered (a scattered
+    element costing nothing: the host's choice set aside), the form the plan weighs against."""
+    chosen = scatter.HOST_SCATTER_ELEMENT_BYTES
+    scatter.HOST_SCATTER_ELEMENT_BYTES = 0
+    try:
+        return swap_in(wmap, label, tensors, backup, True, device)
+    finally:
+        scatter.HOST_SCATTER_ELEMENT_BYTES = chosen
+
+
 def memcpy_s(dst: torch.Tensor, src: torch.Tensor, repeats: int = 3) -> float:
     """Median seconds of ``dst.copy_(src)`` (two buffers allocated and touched once, reused)."""
     times = []
@@ -250,7 +263,13 @@ def measure_deltas_and_full(
     """Each run: a memcpy of the update's bytes, the delta whole and as planned (from the same
     weights); then one FULL. The rows (the memcpy's as ``(seconds, {})``) and the weights served
     at the end."""
-    rows: Rows = {"delta, as planned": [], "delta, whole (baseline)": [], "FULL": [], MEMCPY: []}
+    rows: Rows = {
+        "delta, as planned": [],
+        "delta, all scattered": [],
+        "delta, whole (baseline)": [],
+        "FULL": [],
+        MEMCPY: [],
+    }
     size = sum(t.nbytes for t in base.values())
     src, dst = torch.ones(size, dtype=torch.uint8, device=device), torch.zeros(size, dtype=torch.uint8, device=device)
     current = base
@@ -261,6 +280,8 @@ def measure_deltas_and_full(
         rows["delta, whole (baseline)"].append(swap_in(wmap, f"whole-{run}", new, current, False, device))
         swap_in(wmap, f"back-{run}", current, new, False, device)
         rows["delta, as planned"].append(swap_in(wmap, f"delta-{run}", new, current, True, device))
+        swap_in(wmap, f"back-again-{run}", current, new, False, device)
+        rows["delta, all scattered"].append(every_tensor_scattered(wmap, f"scattered-{run}", new, current, device))
         current = new
     del src, dst
     full = random_checkpoint(shapes, seed=100)
@@ -286,6 +307,10 @@ def measure_full_from_host(
     return current
 
 
+def r_changed(what: str) -> bool:
+    return what in ("delta, as planned", "delta, all scattered")
+
+
 def print_medians(rows: Rows) -> dict[str, tuple[float, float, float]]:
     """The table of medians; per update: (pause s, bytes in the pause, write s)."""
     print(
@@ -300,7 +325,7 @@ def print_medians(rows: Rows) -> dict[str, tuple[float, float, float]]:
         write = statistics.median(r["copy_s"] + r["repack_s"] for _, r in results)
         prove = statistics.median(r["verify_s"] for _, r in results)
         moved = statistics.median(r["pause_bytes"] for _, r in results)
-        changed = [r["changed_bytes"] for _, r in results] if what.startswith("delta, as planned") else []
+        changed = [r["changed_bytes"] for _, r in results] if r_changed(what) else []
         medians[what] = (pause, moved, write)
         shown = f"{statistics.median(changed) / 1e6:8.1f} MB" if changed else f"{'—':>11}"
         print(
@@ -346,13 +371,13 @@ def print_comparisons(medians: dict[str, tuple[float, float, float]], rows: Rows
 
 def print_host_scatter_cost(fraction: float) -> None:
     """What one scattered element costs on host memory, in bytes of a copy (the plan's crossover)."""
-    for f in sorted({0.01, fraction}):
+    for f in sorted({0.01, 0.03, fraction}):  # 3 %: about where the plan's host crossover falls
         cost = host_scatter_cost(f)
         print(
             f"host scatter of {100 * f:.0f} % of 128 M BF16 elements: int32 offsets {cost['int32_ns']:.1f} ns, "
             f"int64 {cost['int64_ns']:.1f} ns an element; a copy {cost['copy_ns_per_byte']:.3f} ns a byte: one "
             f"scattered element costs what copying {cost['int32_bytes']:.0f} (int32) / {cost['int64_bytes']:.0f} "
-            "(int64) bytes does"
+            f"(int64) bytes does (the plan takes {scatter.HOST_SCATTER_ELEMENT_BYTES})"
         )
 
 
