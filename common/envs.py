@@ -320,6 +320,13 @@ ROLLOUTS_PINNED_BUDGET_BYTES = _declare(
     "pinned host memory for dense tensors past the scatter budget",
     shown="4 GiB",
 )
+ROLLOUTS_STAGE_KERNEL_BYTES = _declare(
+    "ROLLOUTS_STAGE_KERNEL_BYTES",
+    _bytes,
+    4 << 30,
+    "host memory a CPU stage may hold in kernel copies derived before the pause (0: derive in the pause)",
+    shown="4 GiB",
+)
 ROLLOUTS_SHM_DIR = _declare(
     "ROLLOUTS_SHM_DIR",
     _path,

@@ -6,9 +6,14 @@ parameter (``remove_weight=True``), which breaks ``load_weights`` and in-place u
 loads) keeps the parameter; :func:`redispatch` rebuilds a changed layer's packed copy from it
 (`weight_map` calls it for every module holding the weight: a tied ``lm_head`` packs the
 embedding's weight for itself). :func:`stale` is the proof: the layer's kernel computes what
-vLLM's dispatch makes of the weight it holds now. Cost: linear weights held twice in CPU memory;
-the proof packs each written layer once more. GPU platforms and processes without vLLM are left
-alone.
+vLLM's dispatch makes of the weight it holds now. :func:`prebuilt` runs the dispatch ahead of
+the pause on a scratch layer holding the values the weight will hold, so the pause only swaps
+the layer's ``cpu_linear`` (:func:`put`; `kernel_copies`): oneDNN's handler and the AMX kernel
+pack their own copy (tests/replica/test_kernel_copies.py overwrites and frees the weight a
+handler was built from), the fallback reads the weight given at each call; zentorch's kernel
+may keep the weight and a non-2-D weight is repacked in place, so those are redispatched in
+the pause. Cost: linear weights held twice in CPU memory; the proof packs each layer rebuilt in
+the pause once more. GPU platforms and processes without vLLM are left alone.
 """
 
 from __future__ import annotations
@@ -93,3 +98,25 @@ def stale(module: torch.nn.Module) -> bool:
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as integers of the same width: equal exactly when the bits are."""
     return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def prebuilt(module: torch.nn.Module, weight: torch.Tensor) -> Any:
+    """The ``cpu_linear`` vLLM's CPU GEMM dispatch builds for ``module`` from ``weight`` (the
+    values its weight parameter will hold), on a scratch layer: nothing of ``module`` changes.
+    None where the kernel would keep a reference to ``weight`` or the dispatch repacks the
+    parameter itself (module docstring): that layer is redispatched inside the pause."""
+    if not hasattr(module, "cpu_linear") or weight.ndim != 2 or weight.is_meta:
+        return None
+    from vllm.platforms import current_platform  # noqa: PLC0415 - vLLM processes only
+
+    if current_platform.is_zen_cpu():
+        return None
+    scratch: Any = torch.nn.Module()  # (vLLM's dispatch gives it a ``cpu_linear``)
+    scratch.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=False))
+    _dispatch()(scratch, remove_weight=False)
+    return scratch.cpu_linear
+
+
+def put(module: torch.nn.Module, linear: Any) -> None:
+    """Make ``linear`` (from :func:`prebuilt`) the layer's CPU kernel."""
+    module.cpu_linear = linear

@@ -4,8 +4,10 @@ vLLM's CPU MoE kernel pads and prepacks ``w13_weight`` / ``w2_weight`` after loa
 both parameters. :func:`install` (before the model loads) keeps a loader-layout copy of both
 first (:func:`loaded`); an update writes there, :func:`rebuild` reruns vLLM's own padding and
 prepack on a scratch module and copies the result in place, and :func:`packed_from_loaded`
-proves the kernel's weights are the prepack of the copies. Cost: expert weights held twice in
-CPU memory. GPU platforms, zentorch kernels and processes without vLLM are left alone.
+proves the kernel's weights are the prepack of the copies. A stage derives the prepack before
+the pause instead (:func:`pack` of the image the write will produce, `kernel_copies`), and the
+pause only copies it in (:func:`put`). Cost: expert weights held twice in CPU memory. GPU
+platforms, zentorch kernels and processes without vLLM are left alone.
 """
 
 from __future__ import annotations
@@ -56,22 +58,33 @@ def loaded(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return copies
 
 
-def _packed(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """vLLM's padding and prepack of the module's loader-layout copies, on a scratch module."""
+def pack(module: torch.nn.Module, copies: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """vLLM's padding and prepack, for the CPU MoE layer ``module``, of loader-layout tensors
+    ``copies`` (its own, or an image of them), on a scratch module: ``copies`` are only read."""
     scratch = torch.nn.Module()
-    for name, t in loaded(module).items():
+    for name, t in copies.items():
         # No copy: vLLM's step reads the loader's tensors and replaces the scratch's parameters with new ones.
         scratch.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
     _ORIGINAL(module.__dict__[_EXPERTS], scratch)
     return {name: getattr(scratch, name).detach() for name in _WEIGHTS}
 
 
+def _packed(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """vLLM's padding and prepack of the module's loader-layout copies, on a scratch module."""
+    return pack(module, loaded(module))
+
+
+def put(module: torch.nn.Module, packed: dict[str, torch.Tensor]) -> None:
+    """Copy a prepack (:func:`pack`) into the layer's kernel weights, in place."""
+    for name, t in packed.items():
+        getattr(module, name).data.copy_(t)
+
+
 def rebuild(module: torch.nn.Module) -> None:
     """Re-pack a CPU MoE layer's kernel weights from its loader-layout copies, in place."""
     if not loaded(module):
         return
-    for name, t in _packed(module).items():
-        getattr(module, name).data.copy_(t)
+    put(module, _packed(module))
 
 
 def packed_from_loaded(module: torch.nn.Module) -> bool:

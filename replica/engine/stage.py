@@ -1,9 +1,12 @@
 """The one lifecycle of a weight update inside the engine: stage -> swap -> commit | discard.
 
 :func:`take` (engine serving) checks every tensor loads in place and keeps it with its
-roll-back copy and Adler-32, planning its crossing (`scatter.plan`); :func:`swap` (inside the
-pause) writes it in; :func:`commit` proves what the engine holds (:func:`proof`) and answers
-``verified`` or ``read_back_failed``; discard drops the stage, rolling a swapped one back.
+roll-back copy and Adler-32, planning its crossing (`scatter.plan`) and deriving the CPU kernels'
+copies of the layers it writes (`kernel_copies`: vLLM's prepack of a MoE layer, a linear
+layer's kernel, from the values they will hold); :func:`swap` (inside the pause) writes it in
+and puts those copies in place (re-deriving only the layers left to it); :func:`commit` proves
+what the engine holds (:func:`proof`) and answers ``verified`` or ``read_back_failed``;
+discard drops the stage, rolling a swapped one back.
 Invariants: :class:`StageSlot` holds one stage, a swapped stage refuses the next until it is
 committed or discarded; a failed swap or proof restores the roll-back copies; a stage's
 roll-back copy is always of the weights the engine serves; with ``hold`` (tensor parallel) a
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-from replica.engine import scatter
+from replica.engine import kernel_copies, scatter
 from replica.engine.device_checksum import adler32_device_hex
 from replica.engine.tensors import adler32_groups, adler32_hex, nbytes
 from replica.engine.weight_map import WeightMap
@@ -46,6 +49,12 @@ class Stage:
     held: bool = False  # proven and kept swapped in until released (a rank of a TP engine)
     checked: bool = False  # the staged bytes were checked against ``expected_adler32`` when taken
     plan: scatter.Plan | None = None  # how each tensor crosses into the engine (`scatter.plan`)
+    # The CPU kernels' copies derived from the values the swap writes (`kernel_copies`), until proven.
+    kernels: kernel_copies.KernelCopies | None = None
+
+    def derived(self) -> set[int]:
+        """The layers (by id) whose kernel copies were derived at staging."""
+        return self.kernels.ids() if self.kernels is not None else set()
 
     def scattered(self) -> set[str]:
         """The tensors whose changed elements the swap scatters (:meth:`scatters`)."""
@@ -101,7 +110,8 @@ def take(
     given ``backup``, views of bytes equal to what the engine serves, else copies taken now) and
     the Adler-32 the commit proves them against. ``checked``: the caller checked the tensors
     against those. ``sparse``: plan the swap by changed elements (`scatter.plan`: a delta's
-    tensors, most of whose elements the engine already holds)."""
+    tensors, most of whose elements the engine already holds). The CPU kernels' copies of the
+    layers written are derived here too (`kernel_copies.derive`)."""
     wmap.check(tensors)
     with BACKUP_LOCK:
         if backup is None:  # nothing to keep of another rank's experts: this rank holds none of them
@@ -109,7 +119,10 @@ def take(
         # The plan reads the roll-back copies: the pool's may not be refilled meanwhile.
         planned = scatter.plan(wmap, tensors, backup if sparse else None)
     expected = None if expected_adler32 is None else {n: c.lower() for n, c in expected_adler32.items()}
-    return Stage(label, tensors, backup, expected, checked=checked and expected is not None, plan=planned)
+    kernels = kernel_copies.derive(wmap, tensors)
+    return Stage(
+        label, tensors, backup, expected, checked=checked and expected is not None, plan=planned, kernels=kernels
+    )
 
 
 def _dense(stage: Stage, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -120,7 +133,8 @@ def _dense(stage: Stage, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[st
 def roll_back(wmap: WeightMap, stage: Stage) -> None:
     """Put the stage's roll-back copies back into the engine: whole, unless the stage was proven
     (held: another rank failed), when the elements it changed are known to be the only ones
-    that differ and a scattered tensor gets back only their old values."""
+    that differ and a scattered tensor gets back only their old values. Every kernel copy of
+    the layers written is re-derived in place from what was restored (a rare path)."""
     backup = list(stage.backup.items())
     if stage.held:
         wmap.write(_dense(stage, backup))
@@ -144,7 +158,9 @@ def swap(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the copies landed: copy_s is their time, not their issue's
         t1 = time.perf_counter()
-        wmap.rebuild(n for n, _ in stage.tensors)
+        if stage.kernels is not None:
+            stage.kernels.put()
+        wmap.rebuild((n for n, _ in stage.tensors), done=stage.derived())
     except BaseException:
         logger.exception("swap of %s failed; restoring the previous values", stage.label)
         roll_back(wmap, stage)
@@ -167,19 +183,22 @@ def proof(
     tensors: list[tuple[str, torch.Tensor]],
     expected_adler32: dict[str, str] | None,
     checked: bool = False,
+    kernels: kernel_copies.KernelCopies | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """Read back what the engine holds for ``tensors``: (tensors that differ, Adler-32 of each proven).
 
     With ``expected_adler32`` covering every tensor, a tensor held whole in its dtype is proven by
     the Adler-32 of the engine's own bytes where they live (on the host each parameter's bytes read
     once, on every core: `WeightMap.host_slices`, `tensors.adler32_groups`); others are bit-compared landing by
-    landing with the bytes given. Every kernel copy rebuilt (a MoE layer's prepack, a linear
-    layer's packed weight: `cpu_gemm.stale`) must be vLLM's packing of what was written, and every
-    replayed layer its processing (`WeightMap.unpacked`).
+    landing with the bytes given. Every layer whose ``kernels`` were derived at staging must
+    compute with them (`kernel_copies.KernelCopies.differ`: the packs' Adler-32 as vLLM made
+    them); every kernel copy rebuilt in the pause (a MoE layer's prepack, a linear layer's packed
+    weight: `cpu_gemm.stale`) must be vLLM's packing of what was written, and every replayed
+    layer its processing (`WeightMap.unpacked`).
     """
     if not (expected_adler32 and all(n in expected_adler32 for n, _ in tensors)):
         bad = [n for n, t in tensors if not wmap.holds(n, t)]
-        return bad + [n for n in wmap.unpacked(n for n, _ in tensors) if n not in bad], {}
+        return bad + [n for n in _unpacked(wmap, [n for n, _ in tensors], kernels) if n not in bad], {}
     held: dict[str, str] = {}
     bad = []
     mine = [(n, t) for n, t in tensors if not wmap.entry(n).elsewhere]  # another rank proves its experts
@@ -192,10 +211,20 @@ def proof(
             held[n] = want
         else:
             bad.append(n)
-    for n in wmap.unpacked(held):
+    for n in _unpacked(wmap, list(held), kernels):
         bad.append(n)
         del held[n]
     return bad, held
+
+
+def _unpacked(wmap: WeightMap, names: list[str], kernels: kernel_copies.KernelCopies | None) -> list[str]:
+    """Of ``names``, those landing in a layer that does not compute with kernel copies of what
+    was written: against those derived at staging, else re-derived (`WeightMap.unpacked`)."""
+    if kernels is None:
+        return wmap.unpacked(names)
+    bad = kernels.differ(wmap, names)
+    seen = set(bad)
+    return bad + [n for n in wmap.unpacked(names, done=kernels.ids()) if n not in seen]
 
 
 def _proven_alone(wmap: WeightMap, name: str, t: torch.Tensor, want: str, checked: bool) -> bool:
@@ -213,11 +242,12 @@ def commit(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
     """Prove a swapped stage (:func:`proof`). ``{"verified": n, "checksums": {...}, "verify_s"}``,
     or, after rolling back, ``{"read_back_failed": [names], "rolled_back": True}``."""
     t0 = time.perf_counter()
-    bad, held = proof(wmap, stage.ready(), stage.expected_adler32, stage.checked)
+    bad, held = proof(wmap, stage.ready(), stage.expected_adler32, stage.checked, stage.kernels)
     if bad:
         logger.error("read-back of %s differs for %s; rolling back", stage.label, bad[:8])
         roll_back(wmap, stage)
         return {"read_back_failed": bad, "rolled_back": True}
+    stage.kernels = None  # proven: the engine holds them; a roll-back re-derives in place
     result: dict[str, Any] = {"verified": len(stage.tensors), "verify_s": round(time.perf_counter() - t0, 6)}
     if held:
         result["checksums"] = held

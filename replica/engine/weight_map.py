@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -433,13 +433,14 @@ class WeightMap:
                 for ld in self.entry(name).landings:
                     ld.dst.view(self.target(ld.param)).copy_(ld.src.view(src), non_blocking=non_blocking)
 
-    def rebuild(self, names: Iterable[str]) -> None:
-        """Rebuild the kernel copies of the layers the tensors ``names`` land in."""
+    def rebuild(self, names: Iterable[str], done: Collection[int] = ()) -> None:
+        """Rebuild the kernel copies of the layers the tensors ``names`` land in, but those
+        (by id) in ``done`` (derived at staging and put in place: `kernel_copies`)."""
         names = list(names)
         replayed = {id(m) for m in self._replayed(names)}
         with torch.no_grad():
             for module in self.layers(names):
-                if id(module) not in replayed:
+                if id(module) not in replayed and id(module) not in done:
                     cpu_gemm.redispatch(module)
                     cpu_moe.rebuild(module)
         self.replay(names)
@@ -455,13 +456,18 @@ class WeightMap:
                 return False
         return True
 
-    def unpacked(self, names: Iterable[str]) -> list[str]:
+    def unpacked(self, names: Iterable[str], done: Collection[int] = ()) -> list[str]:
         """Of ``names``, those landing in a layer whose kernel copy is not vLLM's packing of what
         it holds now: a MoE layer's prepack of its loader-layout copies, a linear layer's packed
         GEMM weight (`cpu_gemm.stale`, every module holding the weight: a tied ``lm_head`` too);
-        one check per layer. Then those :meth:`underived`."""
+        one check per layer, but for the layers (by id) in ``done`` (derived at staging, proven
+        against that: `kernel_copies`). Then those :meth:`underived`."""
         names = list(names)
-        bad = {id(m) for m in self.layers(names) if not cpu_moe.packed_from_loaded(m) or cpu_gemm.stale(m)}
+        bad = {
+            id(m)
+            for m in self.layers(names)
+            if id(m) not in done and (not cpu_moe.packed_from_loaded(m) or cpu_gemm.stale(m))
+        }
         out = [n for n in names if any(id(m) in bad for m in self.layers([n]))] if bad else []
         return out + [n for n in self.underived(names) if n not in out]
 

@@ -1,0 +1,187 @@
+"""The CPU kernels' copies of the layers an update writes, derived at staging (the engine serving).
+
+vLLM's CPU kernels compute on copies of their layers' weights that vLLM derives after loading:
+a fused-MoE layer's padded prepack of its experts (`cpu_moe`), a linear layer's kernel with its
+own packed copy (`cpu_gemm`). Deriving them anew from what a swap wrote takes most of a pause at
+tens of thousands of tensors, so a stage derives them before it (:func:`derive`): for each such
+layer the update writes, the *image* the write will produce (a scratch copy of the layer's
+loader-layout tensors, or its weight, with the update's tensors copied in through the same
+landings `weight_map.WeightMap.write` uses), and vLLM's own derivation of that image (its
+prepack, on a scratch module; its GEMM dispatch, on a scratch layer). The pause then copies the
+packs into the layers' parameters in place and swaps the layers' kernels (:meth:`KernelCopies.put`).
+
+Its proof (:meth:`KernelCopies.differ`) gives the guarantee the pause's own re-derivation and
+compare gave, with no second prepack: the pack and the kernel were computed by vLLM's own code
+from exactly the image, the staged tensors (checked against their Adler-32 at staging) written
+through the write's own landings; the engine's loader copies are proven equal to those tensors
+(the stage's proof: each tensor's landings against its Adler-32; a layer the update covers only
+in part also has its image compared with what the engine holds, for the elements not written);
+the engine's packed weights are proven to be that pack (their Adler-32 against the one taken of
+the pack the moment vLLM made it, so a pack that went stale or wrong in the stage is refused,
+not only a copy that failed); each layer computes with the kernel built (by identity: a
+oneDNN or AMX kernel's packed copy is private to it, and was trusted the same way when it was
+rebuilt in the pause). A refusal rolls the stage back (a roll-back re-derives every layer in
+place from what it restored: `WeightMap.rebuild`). Layers whose tensors vLLM computes after its loader's copies
+(`post_load`'s replay) and kernels that may keep a reference to their weight are left to the
+pause, as before.
+
+Cost: until the swap, the stage holds one more copy of the touched layers' packed experts and
+kernels (and, for a layer written in part, its image), up to ``ROLLOUTS_STAGE_KERNEL_BYTES``;
+layers past it are re-derived inside the pause.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from common import envs
+from replica.engine import cpu_gemm, cpu_moe, post_load
+from replica.engine.tensors import adler32_hex
+from replica.engine.weight_map import WeightMap, bits
+
+
+@dataclass
+class Layer:
+    """One layer's kernel copies, derived from the image its write will produce."""
+
+    module: torch.nn.Module
+    packed: dict[str, torch.Tensor] = field(default_factory=dict)  # a MoE layer's prepack (`cpu_moe.pack`)
+    sums: dict[str, str] = field(default_factory=dict)  # each pack's Adler-32, taken as vLLM made it
+    linear: Any = None  # a linear layer's kernel (`cpu_gemm.prebuilt`)
+    # (engine tensor, its image): kept only where the update covers the tensor in part.
+    partial: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def put(self) -> None:
+        if self.packed:
+            cpu_moe.put(self.module, self.packed)
+        if self.linear is not None:
+            cpu_gemm.put(self.module, self.linear)
+
+    def holds(self) -> bool:
+        """Whether the layer computes with what was derived, from what the engine holds."""
+        if any(adler32_hex(getattr(self.module, n).detach()) != s for n, s in self.sums.items()):
+            return False
+        if self.linear is not None and getattr(self.module, "cpu_linear", None) is not self.linear:
+            return False
+        return all(torch.equal(bits(held), bits(image)) for held, image in self.partial)
+
+
+@dataclass
+class KernelCopies:
+    """The kernel copies a stage derived (:func:`derive`), by layer."""
+
+    layers: list[Layer]
+
+    def ids(self) -> set[int]:
+        """The layers derived: the swap's rebuild leaves them alone (`WeightMap.rebuild`)."""
+        return {id(layer.module) for layer in self.layers}
+
+    def put(self) -> None:
+        """Inside the pause: the packs copied into place, the kernels swapped in."""
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.put()
+
+    def differ(self, wmap: WeightMap, names: Iterable[str]) -> list[str]:
+        """Of ``names``, those landing in a derived layer that does not compute with what was
+        derived from what the engine holds (the proof; module docstring)."""
+        bad = {id(layer.module) for layer in self.layers if not layer.holds()}
+        if not bad:
+            return []
+        return [n for n in names if any(id(m) in bad for m in wmap.layers([n]))]
+
+
+def derive(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]]) -> KernelCopies | None:
+    """The kernel copies of the layers ``tensors`` land in (module docstring), within
+    ``ROLLOUTS_STAGE_KERNEL_BYTES``; None when there are none (a GPU engine, a model without
+    CPU kernel copies, a budget of 0)."""
+    budget = envs.ROLLOUTS_STAGE_KERNEL_BYTES.get()
+    if budget <= 0:
+        return None
+    mine = [(n, t) for n, t in tensors if not wmap.entry(n).elsewhere]
+    replayed = _replayed(wmap, [n for n, _ in mine])
+    by_module = _by_module(wmap, mine)
+    layers: list[Layer] = []
+    held = 0
+    with torch.no_grad():
+        for prefix, (module, landed) in by_module.items():
+            if id(module) in replayed:
+                continue
+            size = _size(module)
+            if size is None or held + size > budget:
+                continue
+            layer = _derive_layer(wmap, prefix, module, landed)
+            if layer is not None:
+                layers.append(layer)
+                held += size
+    return KernelCopies(layers) if layers else None
+
+
+def _replayed(wmap: WeightMap, names: list[str]) -> set[int]:
+    """The layers whose tensors vLLM computes after its loader's copies (`WeightMap.replay`)."""
+    computed = wmap.layers(n for n, e in wmap.entries.items() if e.computed_into and e.refused is None)
+    return {id(m) for m in wmap.layers(names) if post_load.loaded(m)} | {id(m) for m in computed}
+
+
+Landed = list[tuple[str, torch.Tensor]]
+
+
+def _by_module(wmap: WeightMap, tensors: Landed) -> dict[str, tuple[torch.nn.Module, Landed]]:
+    """The tensors grouped by each layer (by its name) one of their landings is in."""
+    out: dict[str, tuple[torch.nn.Module, Landed]] = {}
+    for name, t in tensors:
+        for prefix in dict.fromkeys(ld.param.rpartition(".")[0] for ld in wmap.entry(name).landings):
+            out.setdefault(prefix, (wmap.modules[prefix], []))[1].append((name, t))
+    return out
+
+
+def _size(module: torch.nn.Module) -> int | None:
+    """The bytes a layer's derived copies hold (about its weights'); None for a layer with no
+    kernel copies of its own."""
+    copies = cpu_moe.loaded(module)
+    if copies:
+        return sum(t.numel() * t.element_size() for t in copies.values())
+    weight = getattr(module, "weight", None)
+    if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return None
+
+
+def _derive_layer(wmap: WeightMap, prefix: str, module: torch.nn.Module, landed: Landed) -> Layer | None:
+    """The layer ``prefix`` derived from the image of ``landed`` written into it (None: a
+    kernel left to the pause, `cpu_gemm.prebuilt`)."""
+    copies = cpu_moe.loaded(module)
+    if copies:
+        images, partial = _images(wmap, prefix, copies, landed)
+        packed = cpu_moe.pack(module, images)
+        sums = {n: adler32_hex(t) for n, t in packed.items()}
+        return Layer(module, packed=packed, sums=sums, partial=partial)
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)  # a linear layer (`_size` checked it has one)
+    images, partial = _images(wmap, prefix, {"weight": weight.data}, landed)
+    linear = cpu_gemm.prebuilt(module, images["weight"])
+    return None if linear is None else Layer(module, linear=linear, partial=partial)
+
+
+def _images(
+    wmap: WeightMap, prefix: str, targets: dict[str, torch.Tensor], landed: Landed
+) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Scratch copies of the layer's ``targets`` (attribute -> the tensor its landings write) with
+    ``landed`` copied in as `WeightMap.write` copies them, and (engine tensor, image) for each
+    target the update does not cover whole (the proof compares those)."""
+    images = {attr: t.clone() for attr, t in targets.items()}
+    covered = {attr: torch.zeros(t.shape, dtype=torch.bool) for attr, t in targets.items()}
+    for name, t in landed:
+        src = t.contiguous()
+        for ld in wmap.entry(name).landings:
+            owner, _, attr = ld.param.rpartition(".")
+            if owner != prefix or attr not in images:
+                continue
+            ld.dst.view(images[attr]).copy_(ld.src.view(src))
+            ld.dst.view(covered[attr]).fill_(True)
+    partial = [(targets[attr], images[attr]) for attr in images if not bool(covered[attr].all())]
+    return images, partial
