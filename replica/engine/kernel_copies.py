@@ -72,9 +72,12 @@ class Layer:
 
 @dataclass
 class KernelCopies:
-    """The kernel copies a stage derived (:func:`derive`), by layer."""
+    """The kernel copies a stage derived (:func:`derive`), by layer, and the tensors landing in
+    a layer still to be re-derived or replayed inside the pause (``pending``: past the budget, a
+    kernel that keeps its weight, `post_load`'s replay; the others need nothing there)."""
 
     layers: list[Layer]
+    pending: list[str]
 
     def ids(self) -> set[int]:
         """The layers derived: the swap's rebuild leaves them alone (`WeightMap.rebuild`)."""
@@ -106,19 +109,20 @@ def derive(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]]) -> Kern
     replayed = _replayed(wmap, [n for n, _ in mine])
     by_module = _by_module(wmap, mine)
     layers: list[Layer] = []
+    pending: dict[str, None] = {}  # the tensors landing in a layer the pause must still derive
     held = 0
     with torch.no_grad():
         for prefix, (module, landed) in by_module.items():
-            if id(module) in replayed:
-                continue
-            size = _size(module)
-            if size is None or held + size > budget:
-                continue
-            layer = _derive_layer(wmap, prefix, module, landed)
+            size = None if id(module) in replayed else _size(module)
+            layer = None
+            if size is not None and held + size <= budget:
+                layer = _derive_layer(wmap, prefix, module, landed)
             if layer is not None:
                 layers.append(layer)
-                held += size
-    return KernelCopies(layers) if layers else None
+                held += size or 0
+            elif id(module) in replayed or size is not None:
+                pending.update(dict.fromkeys(n for n, _ in landed))
+    return KernelCopies(layers, list(pending)) if layers else None
 
 
 def _replayed(wmap: WeightMap, names: list[str]) -> set[int]:
@@ -131,10 +135,13 @@ Landed = list[tuple[str, torch.Tensor]]
 
 
 def _by_module(wmap: WeightMap, tensors: Landed) -> dict[str, tuple[torch.nn.Module, Landed]]:
-    """The tensors grouped by each layer (by its name) one of their landings is in."""
+    """The tensors grouped by each layer (by its name) one of their landings, or a parameter its
+    loader computes (`post_load`), is in: the layers `WeightMap.layers` finds."""
     out: dict[str, tuple[torch.nn.Module, Landed]] = {}
     for name, t in tensors:
-        for prefix in dict.fromkeys(ld.param.rpartition(".")[0] for ld in wmap.entry(name).landings):
+        e = wmap.entry(name)
+        params = [ld.param for ld in e.landings] + e.computed_into
+        for prefix in dict.fromkeys(p.rpartition(".")[0] for p in params):
             out.setdefault(prefix, (wmap.modules[prefix], []))[1].append((name, t))
     return out
 

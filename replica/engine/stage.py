@@ -52,10 +52,6 @@ class Stage:
     # The CPU kernels' copies derived from the values the swap writes (`kernel_copies`), until proven.
     kernels: kernel_copies.KernelCopies | None = None
 
-    def derived(self) -> set[int]:
-        """The layers (by id) whose kernel copies were derived at staging."""
-        return self.kernels.ids() if self.kernels is not None else set()
-
     def scattered(self) -> set[str]:
         """The tensors whose changed elements the swap scatters (:meth:`scatters`)."""
         return self.plan.scattered() if self.plan is not None else set()
@@ -158,9 +154,12 @@ def swap(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the copies landed: copy_s is their time, not their issue's
         t1 = time.perf_counter()
-        if stage.kernels is not None:
+        if stage.kernels is None:
+            wmap.rebuild(n for n, _ in stage.tensors)
+        else:
             stage.kernels.put()
-        wmap.rebuild((n for n, _ in stage.tensors), done=stage.derived())
+            if stage.kernels.pending:  # the layers left to the pause (`kernel_copies.KernelCopies`)
+                wmap.rebuild(stage.kernels.pending, done=stage.kernels.ids())
     except BaseException:
         logger.exception("swap of %s failed; restoring the previous values", stage.label)
         roll_back(wmap, stage)
@@ -223,8 +222,11 @@ def _unpacked(wmap: WeightMap, names: list[str], kernels: kernel_copies.KernelCo
     if kernels is None:
         return wmap.unpacked(names)
     bad = kernels.differ(wmap, names)
-    seen = set(bad)
-    return bad + [n for n in wmap.unpacked(names, done=kernels.ids()) if n not in seen]
+    if not kernels.pending:
+        return bad
+    seen, given = set(bad), set(names)
+    pending = [n for n in kernels.pending if n in given]
+    return bad + [n for n in wmap.unpacked(pending, done=kernels.ids()) if n not in seen]
 
 
 def _proven_alone(wmap: WeightMap, name: str, t: torch.Tensor, want: str, checked: bool) -> bool:
