@@ -135,14 +135,19 @@ Landed = list[tuple[str, torch.Tensor]]
 
 
 def _by_module(wmap: WeightMap, tensors: Landed) -> dict[str, tuple[torch.nn.Module, Landed]]:
-    """The tensors grouped by each layer (by its name) one of their landings, or a parameter its
-    loader computes (`post_load`), is in: the layers `WeightMap.layers` finds."""
+    """The tensors grouped by each layer (by its name) holding a parameter one of their landings,
+    or a parameter their loader computes (`post_load`), is in: the layers `WeightMap.layers`
+    finds (a tied ``lm_head`` with the embedding: each keeps a kernel of its own)."""
     out: dict[str, tuple[torch.nn.Module, Landed]] = {}
+    first: dict[int, str] = {}  # a module under several names (a tied ``lm_head``): grouped once
     for name, t in tensors:
         e = wmap.entry(name)
         params = [ld.param for ld in e.landings] + e.computed_into
-        for prefix in dict.fromkeys(p.rpartition(".")[0] for p in params):
-            out.setdefault(prefix, (wmap.modules[prefix], []))[1].append((name, t))
+        holders = (h for p in params for h in wmap.holders.get(p, [p.rpartition(".")[0]]))
+        for prefix in dict.fromkeys(holders):
+            module = wmap.modules[prefix]
+            prefix = first.setdefault(id(module), prefix)
+            out.setdefault(prefix, (module, []))[1].append((name, t))
     return out
 
 
@@ -163,32 +168,47 @@ def _derive_layer(wmap: WeightMap, prefix: str, module: torch.nn.Module, landed:
     kernel left to the pause, `cpu_gemm.prebuilt`)."""
     copies = cpu_moe.loaded(module)
     if copies:
-        images, partial = _images(wmap, prefix, copies, landed)
+        imaged = _images(wmap, prefix, copies, landed)
+        if imaged is None:
+            return None
+        images, partial = imaged
         packed = cpu_moe.pack(module, images)
         sums = {n: adler32_hex(t) for n, t in packed.items()}
         return Layer(module, packed=packed, sums=sums, partial=partial)
     weight = module.weight
     assert isinstance(weight, torch.Tensor)  # a linear layer (`_size` checked it has one)
-    images, partial = _images(wmap, prefix, {"weight": weight.data}, landed)
+    imaged = _images(wmap, prefix, {"weight": weight.data}, landed)
+    if imaged is None:
+        return None
+    images, partial = imaged
     linear = cpu_gemm.prebuilt(module, images["weight"])
     return None if linear is None else Layer(module, linear=linear, partial=partial)
 
 
 def _images(
     wmap: WeightMap, prefix: str, targets: dict[str, torch.Tensor], landed: Landed
-) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]] | None:
     """Scratch copies of the layer's ``targets`` (attribute -> the tensor its landings write) with
     ``landed`` copied in as `WeightMap.write` copies them, and (engine tensor, image) for each
-    target the update does not cover whole (the proof compares those)."""
+    target the update does not cover whole (the proof compares those). None when a landing in
+    one of ``targets``' names is in another tensor than that target (left to the pause)."""
     images = {attr: t.clone() for attr, t in targets.items()}
     covered = {attr: torch.zeros(t.shape, dtype=torch.bool) for attr, t in targets.items()}
     for name, t in landed:
         src = t.contiguous()
         for ld in wmap.entry(name).landings:
             owner, _, attr = ld.param.rpartition(".")
-            if owner != prefix or attr not in images:
+            if owner != prefix and prefix not in wmap.holders.get(ld.param, ()):
                 continue
+            if attr not in images:
+                continue  # (a linear layer's bias: its kernel reads it at each call)
+            if not _same_storage(targets[attr], wmap.target(ld.param)):
+                return None
             ld.dst.view(images[attr]).copy_(ld.src.view(src))
             ld.dst.view(covered[attr]).fill_(True)
     partial = [(targets[attr], images[attr]) for attr in images if not bool(covered[attr].all())]
     return images, partial
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.shape == b.shape

@@ -355,8 +355,10 @@ def main(argv: list[str]) -> int:
     if rest[:1] == ["--skip-lm-head-rebuild"]:  # the premise: a tied lm_head's packed copy left as it was
         from replica.engine import cpu_gemm  # noqa: PLC0415
 
-        redispatch = cpu_gemm.redispatch
+        redispatch, put = cpu_gemm.redispatch, cpu_gemm.put
         cpu_gemm.redispatch = lambda m: None if type(m).__name__ == "ParallelLMHead" else redispatch(m)
+        # (and its kernel derived at staging not put in: `kernel_copies`)
+        cpu_gemm.put = lambda m, linear: None if type(m).__name__ == "ParallelLMHead" else put(m, linear)
         rest = rest[1:]
     if rest[:1] == ["--platform-checks"]:  # the premise: vLLM's CPU build refuses a CUDA_ONLY family
         lift, rest = False, rest[1:]
