@@ -18,12 +18,13 @@ through the write's own landings; the engine's loader copies are proven equal to
 in part also has its image compared with what the engine holds, for the elements not written);
 the engine's packed weights are proven to be that pack (their Adler-32 against the one taken of
 the pack the moment vLLM made it, so a pack that went stale or wrong in the stage is refused,
-not only a copy that failed); each layer computes with the kernel built (by identity: a
-oneDNN or AMX kernel's packed copy is private to it, and was trusted the same way when it was
-rebuilt in the pause). A refusal rolls the stage back (a roll-back re-derives every layer in
-place from what it restored: `WeightMap.rebuild`). Layers whose tensors vLLM computes after its loader's copies
-(`post_load`'s replay) and kernels that may keep a reference to their weight are left to the
-pause, as before.
+not only a copy that failed); each layer computes with the kernel built (by identity: vLLM's
+dispatch built it from the image, proven to be the weight the engine holds; a kernel rebuilt in
+the pause is read back on a probe instead, `cpu_gemm.stale`, at the cost of a kernel creation).
+A refusal rolls the stage back (a roll-back re-derives every layer in place from what it
+restored: `WeightMap.rebuild`). Layers whose tensors vLLM computes after its loader's copies
+(`post_load`'s replay), kernels that may keep a reference to their weight and layers past the
+budget are left to the pause, as before (:attr:`KernelCopies.pending`).
 
 Cost: until the swap, the stage holds one more copy of the touched layers' packed experts and
 kernels (and, for a layer written in part, its image), up to ``ROLLOUTS_STAGE_KERNEL_BYTES``;
