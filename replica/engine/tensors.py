@@ -121,8 +121,9 @@ def _pool() -> ThreadPoolExecutor:
 def adler32_groups(groups: Iterable[tuple[memoryview, Sequence[tuple[str, int, int]]]]) -> dict[str, str]:
     """``{name: Adler-32}`` of every ``data[first:end]`` slice of every group, as
     :func:`adler32_slices` gives them, with every core of the process summing at once: each slice
-    cut into pieces of at most ``PIECE_BYTES``, summed on ``CHECKSUM_THREADS`` threads and
-    combined in order (:func:`adler32_combine`)."""
+    cut into pieces of at most ``PIECE_BYTES``, the pieces summed in tasks of about that many
+    bytes (many small slices one task: a task per slice would cost more than its sum) on
+    ``CHECKSUM_THREADS`` threads, and combined in order (:func:`adler32_combine`)."""
     names: list[str] = []
     pieces: list[tuple[int, memoryview, int, int]] = []  # (slice index, bytes, first, end)
     for data, slices in groups:
@@ -131,16 +132,33 @@ def adler32_groups(groups: Iterable[tuple[memoryview, Sequence[tuple[str, int, i
             starts = range(first, end, PIECE_BYTES) if end > first else [first]
             pieces.extend((len(names) - 1, data, a, min(a + PIECE_BYTES, end)) for a in starts)
 
-    def one(piece: tuple[int, memoryview, int, int]) -> int:
-        _, data, first, end = piece
-        return adler32(data[first:end]) & 0xFFFFFFFF
+    def summed(batch: list[tuple[int, memoryview, int, int]]) -> list[int]:
+        return [adler32(data[first:end]) & 0xFFFFFFFF for _, data, first, end in batch]
 
-    sums = _pool().map(one, pieces) if CHECKSUM_THREADS > 1 and len(pieces) > 1 else map(one, pieces)
+    batches = list(_batches(pieces))
+    if CHECKSUM_THREADS > 1 and len(batches) > 1:
+        sums = [v for part in _pool().map(summed, batches) for v in part]
+    else:
+        sums = [v for batch in batches for v in summed(batch)]
     out: list[int | None] = [None] * len(names)
-    for (index, _, first, end), value in zip(pieces, sums):
+    for (index, _, first, end), value in zip(pieces, sums, strict=True):
         held = out[index]
         out[index] = value if held is None else adler32_combine(held, value, end - first)
     return {name: "%08x" % (value or 0) for name, value in zip(names, out)}
+
+
+def _batches(pieces: list[tuple[int, memoryview, int, int]]) -> Iterator[list[tuple[int, memoryview, int, int]]]:
+    """``pieces`` in order, cut into runs of about ``PIECE_BYTES`` (one task each)."""
+    batch: list[tuple[int, memoryview, int, int]] = []
+    size = 0
+    for piece in pieces:
+        batch.append(piece)
+        size += piece[3] - piece[2]
+        if size >= PIECE_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def sha256_hex(t: torch.Tensor) -> str:

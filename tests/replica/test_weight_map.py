@@ -231,3 +231,9 @@ def test_adler32_on_every_core_equals_zlib_s_of_each_slice(monkeypatch) -> None:
     want = {n: adler32_hex(data[a:b]) for n, a, b in slices} | {"other": adler32_hex(other)}
     assert got == want and want["all"] != want["tail"]
     assert adler32_combine(int(want["short"], 16), 1, 0) == int(want["short"], 16)  # B empty: A's
+    # Many slices smaller than a piece (an MoE layer's experts): summed a run of them per task.
+    experts = [(f"e{i}", 40 * i, 40 * i + 40) for i in range(2000)]
+    tasks = list(tensor_bytes._batches([(i, data.numpy().data, a, b) for i, (_, a, b) in enumerate(experts)]))
+    assert 2 < len(tasks) < 100 and sum(map(len, tasks)) == len(experts)
+    got = adler32_groups([(data.numpy().data, experts)])
+    assert got == {n: adler32_hex(data[a:b]) for n, a, b in experts}
