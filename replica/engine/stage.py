@@ -26,8 +26,8 @@ import torch
 
 from replica.engine import kernel_copies, scatter
 from replica.engine.device_checksum import adler32_device_hex
-from replica.engine.tensors import adler32_groups, adler32_hex, nbytes
-from replica.engine.weight_map import WeightMap
+from replica.engine.tensors import adler32_hex, nbytes
+from replica.engine.weight_map import HostProof, WeightMap
 
 logger = logging.getLogger("rollouts.engine.stage")
 
@@ -51,6 +51,8 @@ class Stage:
     plan: scatter.Plan | None = None  # how each tensor crosses into the engine (`scatter.plan`)
     # The CPU kernels' copies derived from the values the swap writes (`kernel_copies`), until proven.
     kernels: kernel_copies.KernelCopies | None = None
+    # The proof's host checksums laid out when taken (`WeightMap.host_proof`), so the pause only sums.
+    host: HostProof | None = None
 
     def scattered(self) -> set[str]:
         """The tensors whose changed elements the swap scatters (:meth:`scatters`)."""
@@ -116,8 +118,18 @@ def take(
         planned = scatter.plan(wmap, tensors, backup if sparse else None)
     expected = None if expected_adler32 is None else {n: c.lower() for n, c in expected_adler32.items()}
     kernels = kernel_copies.derive(wmap, tensors)
+    host = None
+    if expected is not None and all(n in expected for n, _ in tensors):
+        host = wmap.host_proof(n for n, _ in tensors if not wmap.entry(n).elsewhere)
     return Stage(
-        label, tensors, backup, expected, checked=checked and expected is not None, plan=planned, kernels=kernels
+        label,
+        tensors,
+        backup,
+        expected,
+        checked=checked and expected is not None,
+        plan=planned,
+        kernels=kernels,
+        host=host,
     )
 
 
@@ -183,17 +195,19 @@ def proof(
     expected_adler32: dict[str, str] | None,
     checked: bool = False,
     kernels: kernel_copies.KernelCopies | None = None,
+    host: HostProof | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """Read back what the engine holds for ``tensors``: (tensors that differ, Adler-32 of each proven).
 
     With ``expected_adler32`` covering every tensor, a tensor held whole in its dtype is proven by
     the Adler-32 of the engine's own bytes where they live (on the host each parameter's bytes read
-    once, on every core: `WeightMap.host_slices`, `tensors.adler32_groups`); others are bit-compared landing by
+    once, on every core: `WeightMap.host_proof`, `tensors.ChecksumPlan`); others are bit-compared landing by
     landing with the bytes given. Every layer whose ``kernels`` were derived at staging must
     compute with them (`kernel_copies.KernelCopies.differ`: the packs' Adler-32 as vLLM made
     them); every kernel copy rebuilt in the pause (a MoE layer's prepack, a linear layer's packed
     weight: `cpu_gemm.stale`) must be vLLM's packing of what was written, and every replayed
-    layer its processing (`WeightMap.unpacked`).
+    layer its processing (`WeightMap.unpacked`). ``host``: the host checksums laid out at staging,
+    used while every parameter they read is where it was (else laid out again here).
     """
     if not (expected_adler32 and all(n in expected_adler32 for n, _ in tensors)):
         bad = [n for n, t in tensors if not wmap.holds(n, t)]
@@ -201,8 +215,9 @@ def proof(
     held: dict[str, str] = {}
     bad = []
     mine = [(n, t) for n, t in tensors if not wmap.entry(n).elsewhere]  # another rank proves its experts
-    groups, _ = wmap.host_slices(n for n, _ in mine)
-    host_sums = adler32_groups(groups)  # every core of the process at once
+    if host is None or not host.current(wmap):
+        host = wmap.host_proof(n for n, _ in mine)
+    host_sums = host.plan.run()  # every core of the process at once
     for n, t in mine:
         want = expected_adler32[n].lower()
         got = host_sums.get(n)  # held whole in a host parameter: its bytes read once per parameter
@@ -244,7 +259,7 @@ def commit(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
     """Prove a swapped stage (:func:`proof`). ``{"verified": n, "checksums": {...}, "verify_s"}``,
     or, after rolling back, ``{"read_back_failed": [names], "rolled_back": True}``."""
     t0 = time.perf_counter()
-    bad, held = proof(wmap, stage.ready(), stage.expected_adler32, stage.checked, stage.kernels)
+    bad, held = proof(wmap, stage.ready(), stage.expected_adler32, stage.checked, stage.kernels, stage.host)
     if bad:
         logger.error("read-back of %s differs for %s; rolling back", stage.label, bad[:8])
         roll_back(wmap, stage)

@@ -120,31 +120,45 @@ def _pool() -> ThreadPoolExecutor:
 
 def adler32_groups(groups: Iterable[tuple[memoryview, Sequence[tuple[str, int, int]]]]) -> dict[str, str]:
     """``{name: Adler-32}`` of every ``data[first:end]`` slice of every group, as
-    :func:`adler32_slices` gives them, with every core of the process summing at once: each slice
-    cut into pieces of at most ``PIECE_BYTES``, the pieces summed in tasks of about that many
-    bytes (many small slices one task: a task per slice would cost more than its sum) on
-    ``CHECKSUM_THREADS`` threads, and combined in order (:func:`adler32_combine`)."""
-    names: list[str] = []
-    pieces: list[tuple[int, memoryview, int, int]] = []  # (slice index, bytes, first, end)
-    for data, slices in groups:
-        for name, first, end in slices:
-            names.append(name)
-            starts = range(first, end, PIECE_BYTES) if end > first else [first]
-            pieces.extend((len(names) - 1, data, a, min(a + PIECE_BYTES, end)) for a in starts)
+    :func:`adler32_slices` gives them, on every core of the process (:class:`ChecksumPlan`)."""
+    return ChecksumPlan(groups).run()
 
-    def summed(batch: list[tuple[int, memoryview, int, int]]) -> list[int]:
-        return [adler32(data[first:end]) & 0xFFFFFFFF for _, data, first, end in batch]
 
-    batches = list(_batches(pieces))
-    if CHECKSUM_THREADS > 1 and len(batches) > 1:
-        sums = [v for part in _pool().map(summed, batches) for v in part]
-    else:
-        sums = [v for batch in batches for v in summed(batch)]
-    out: list[int | None] = [None] * len(names)
-    for (index, _, first, end), value in zip(pieces, sums, strict=True):
-        held = out[index]
-        out[index] = value if held is None else adler32_combine(held, value, end - first)
-    return {name: "%08x" % (value or 0) for name, value in zip(names, out)}
+class ChecksumPlan:
+    """The Adler-32 of many slices of host bytes, laid out once (a stage lays its proof out before
+    the pause) and :meth:`run` as often as needed: each slice cut into pieces of at most
+    ``PIECE_BYTES``, the pieces summed in tasks of about that many bytes (many small slices one
+    task: a task per slice would cost more than its sum) on ``CHECKSUM_THREADS`` threads, and
+    combined in order (:func:`adler32_combine`). The bytes are read when it runs, not before."""
+
+    def __init__(self, groups: Iterable[tuple[memoryview, Sequence[tuple[str, int, int]]]]) -> None:
+        self.names: list[str] = []
+        self.pieces: list[tuple[int, memoryview, int, int]] = []  # (slice index, bytes, first, end)
+        for data, slices in groups:
+            for name, first, end in slices:
+                self.names.append(name)
+                if end - first <= PIECE_BYTES:
+                    self.pieces.append((len(self.names) - 1, data, first, end))
+                else:
+                    starts = range(first, end, PIECE_BYTES)
+                    self.pieces.extend((len(self.names) - 1, data, a, min(a + PIECE_BYTES, end)) for a in starts)
+        self.batches = list(_batches(self.pieces))
+
+    def run(self) -> dict[str, str]:
+        """``{name: Adler-32}`` of every slice, as its bytes are now."""
+        if CHECKSUM_THREADS > 1 and len(self.batches) > 1:
+            sums = [v for part in _pool().map(_summed, self.batches) for v in part]
+        else:
+            sums = [v for batch in self.batches for v in _summed(batch)]
+        out: list[int | None] = [None] * len(self.names)
+        for (index, _, first, end), value in zip(self.pieces, sums, strict=True):
+            held = out[index]
+            out[index] = value if held is None else adler32_combine(held, value, end - first)
+        return {name: "%08x" % (value or 0) for name, value in zip(self.names, out)}
+
+
+def _summed(batch: list[tuple[int, memoryview, int, int]]) -> list[int]:
+    return [adler32(data[first:end]) & 0xFFFFFFFF for _, data, first, end in batch]
 
 
 def _batches(pieces: list[tuple[int, memoryview, int, int]]) -> Iterator[list[tuple[int, memoryview, int, int]]]:

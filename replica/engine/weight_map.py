@@ -22,10 +22,29 @@ import torch
 
 from replica.engine import cpu_gemm, cpu_moe, post_load
 from replica.engine.landings import Landing, Region, TensorMap, observe, unproven
-from replica.engine.tensors import dtype_to_str, row_major_strides
+from replica.engine.tensors import ChecksumPlan, dtype_to_str, row_major_strides
 
 Spec = tuple[str, tuple[int, ...], torch.dtype]
 HostSlices = tuple[memoryview, list[tuple[str, int, int]]]  # a host parameter's bytes, (name, first, end) slices
+
+
+@dataclass(frozen=True)
+class HostProof:
+    """A proof's host checksums laid out before the pause (`WeightMap.host_proof`): valid while
+    every parameter it reads is still where it was (:meth:`current`: vLLM may replace one)."""
+
+    plan: ChecksumPlan
+    rest: list[str]  # the names it does not cover
+    where: list[tuple[str, int, int]]  # (parameter, data_ptr, nbytes) of each group's bytes
+
+    def current(self, wmap: WeightMap) -> bool:
+        for param, ptr, size in self.where:
+            target = wmap.target(param)
+            if target.data_ptr() != ptr or target.nbytes != size:
+                return False
+        return True
+
+
 # Conversions vLLM's loader makes that lose nothing (a copy_ into a wider float parameter).
 LOSSLESS = {
     (torch.bfloat16, torch.float32),
@@ -265,6 +284,19 @@ class WeightMap:
         ``([(its bytes, [(name, first byte, end byte), ...]), ...], the rest)``. The proof reads
         each group's bytes once and checks every tensor's slice of them (a fused expert
         parameter's equal-sized slices), with no torch call per tensor."""
+        groups, rest = self._host_groups(names)
+        return [(data, slices) for _, data, slices in groups.values()], rest
+
+    def host_proof(self, names: Iterable[str]) -> HostProof:
+        """:meth:`host_slices` of ``names`` laid out for a later proof (`HostProof`)."""
+        groups, rest = self._host_groups(names)
+        where = [(param, target.data_ptr(), target.nbytes) for param, (target, _, _) in groups.items()]
+        plan = ChecksumPlan((data, slices) for _, data, slices in groups.values())
+        return HostProof(plan, rest, where)
+
+    def _host_groups(
+        self, names: Iterable[str]
+    ) -> tuple[dict[str, tuple[torch.Tensor, memoryview, list[tuple[str, int, int]]]], list[str]]:
         groups: dict[str, tuple[torch.Tensor, memoryview | None, list[tuple[str, int, int]]]] = {}
         rest: list[str] = []
         for name in names:
@@ -284,7 +316,8 @@ class WeightMap:
                 rest.append(name)
             else:
                 slices.append((name, start, end))
-        return [(data, slices) for _, data, slices in groups.values() if data is not None and slices], rest
+        kept = {p: (t, d, sl) for p, (t, d, sl) in groups.items() if d is not None and sl}
+        return kept, rest
 
     def held(self, name: str) -> torch.Tensor:
         """What the engine holds for ``name`` (module docstring); ValueError for a tensor this rank

@@ -210,6 +210,28 @@ def test_the_proof_reads_each_fused_parameter_once_with_the_per_tensor_answer() 
     assert len(held) == len(update) - 1
 
 
+def test_a_proof_laid_out_before_the_swap_reads_the_parameters_where_they_are_when_it_runs() -> None:
+    """The stage lays its host checksums out when taken (`WeightMap.host_proof`); the proof in the
+    pause sums what the engine holds then. A parameter vLLM replaced since (other storage) makes it
+    lay them out again: the old bytes are never what it proves."""
+    wmap = loaded(Experts(), expert_checkpoint(0))
+    new = expert_checkpoint(1)
+    update = [(n, new[n]) for n in sorted(new)]
+    expected = {n: adler32_hex(t) for n, t in update}
+    host = wmap.host_proof(n for n, _ in update)
+    assert host.rest == [] and host.current(wmap)
+    wmap.write(update)
+    assert proof(wmap, update, expected, host=host) == ([], expected)
+    # w13 moved to new storage (as vLLM's replace_parameter does), holding the update but one byte.
+    param = wmap.model.get_parameter("w13")
+    param.data = param.data.clone()
+    raw = param.data.view(-1).view(torch.uint8)
+    raw[(5 * 2 * Experts.INTER + Experts.INTER) * Experts.H * 2 + 3] ^= 0x10
+    assert not host.current(wmap)
+    bad, _ = proof(wmap, update, expected, host=host)
+    assert bad == ["experts.5.up_proj.weight"]
+
+
 def test_adler32_of_slices_equals_each_tensor_s_own() -> None:
     gen = torch.Generator().manual_seed(3)
     data = torch.randint(0, 256, (64, 1000), dtype=torch.uint8, generator=gen)
