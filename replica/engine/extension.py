@@ -15,6 +15,7 @@ Importing this module in a vLLM process installs the CPU patches (`cpu_gemm`, `c
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
 import threading
@@ -53,9 +54,18 @@ def _weight_map(worker: Any) -> WeightMap:
                 worker._rollouts_map = WeightMap.build(
                     worker.model_runner.model, checkpoint.specs, checkpoint.read, getattr(config, "quantization", None)
                 )
+            _freeze_heap()
             worker._rollouts_map_build_s = round(time.perf_counter() - t0, 3)
         wmap: WeightMap = worker._rollouts_map
         return wmap
+
+
+def _freeze_heap() -> None:
+    """Move the model's and the map's objects (one each per tensor: tens of thousands on an MoE)
+    out of the garbage collector's reach, as vLLM does with its own after start-up: otherwise a
+    stage, which makes as many short-lived objects, pays full collections walking them all."""
+    gc.collect()
+    gc.freeze()
 
 
 def _jobs(worker: Any) -> JobRunner:
