@@ -178,21 +178,19 @@ def run(out: Path, base: Path, family: str) -> dict:
     # A budget that fits one MoE layer: the rest re-derived in the pause, all proven.
     one = sum(t.numel() * t.element_size() for t in cpu_moe.loaded(layer).values())
     os.environ["ROLLOUTS_STAGE_KERNEL_BYTES"] = str(one)
-    derived, result = swap_and_commit(back)
-    report["budget_of_one_layer"] = {
-        "derived": derived["layers"],
-        "verified": result.get("verified") == len(names),
-        "unpacked": wmap.unpacked(names),
-        "kernels_not_of_what_is_held": kernels_of_what_is_held(model),
-    }
+
+    def under_budget(tensors: list) -> dict:
+        derived, result = swap_and_commit(tensors)
+        return {
+            "derived": derived["layers"],
+            "verified": result.get("verified") == len(names),
+            "unpacked": wmap.unpacked(names),
+            "kernels_not_of_what_is_held": kernels_of_what_is_held(model),
+        }
+
+    report["budget_of_one_layer"] = under_budget(back)
     os.environ["ROLLOUTS_STAGE_KERNEL_BYTES"] = "0"
-    derived, result = swap_and_commit(update)
-    report["budget_of_zero"] = {
-        "derived": derived["layers"],
-        "verified": result.get("verified") == len(names),
-        "unpacked": wmap.unpacked(names),
-        "kernels_not_of_what_is_held": kernels_of_what_is_held(model),
-    }
+    report["budget_of_zero"] = under_budget(update)
     return report
 
 
