@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from replica.engine.tensors import bits
+
 # The proof's probe input: one-hot rows reading back this many of the weight's columns exactly
 # (a product by 1.0 and sums of zeros round nothing), and as many rows of random values mixing
 # every column.
@@ -86,18 +88,19 @@ def stale(module: torch.nn.Module) -> bool:
     kernel = getattr(module, "cpu_linear", None)
     if kernel is None or not isinstance(weight, torch.Tensor) or weight.ndim != 2 or not weight.numel():
         return False
-    scratch: Any = torch.nn.Module()  # (vLLM's dispatch gives it a ``cpu_linear``)
-    scratch.weight = torch.nn.Parameter(weight.data, requires_grad=False)
-    _dispatch()(scratch, remove_weight=False)
+    scratch = _dispatched(weight.data)
     x = _probe(weight.shape[1], weight.dtype)
     with torch.no_grad():
         held, fresh = kernel(x, weight, None), scratch.cpu_linear(x, scratch.weight, None)
-    return held.shape != fresh.shape or held.dtype != fresh.dtype or not torch.equal(_bits(held), _bits(fresh))
+    return held.shape != fresh.shape or held.dtype != fresh.dtype or not torch.equal(bits(held), bits(fresh))
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as integers of the same width: equal exactly when the bits are."""
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+def _dispatched(weight: torch.Tensor) -> Any:
+    """A scratch layer holding ``weight`` (no copy), given its ``cpu_linear`` by vLLM's dispatch."""
+    scratch: Any = torch.nn.Module()
+    scratch.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=False))
+    _dispatch()(scratch, remove_weight=False)
+    return scratch
 
 
 def prebuilt(module: torch.nn.Module, weight: torch.Tensor) -> Any:
@@ -111,10 +114,7 @@ def prebuilt(module: torch.nn.Module, weight: torch.Tensor) -> Any:
 
     if current_platform.is_zen_cpu():
         return None
-    scratch: Any = torch.nn.Module()  # (vLLM's dispatch gives it a ``cpu_linear``)
-    scratch.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=False))
-    _dispatch()(scratch, remove_weight=False)
-    return scratch.cpu_linear
+    return _dispatched(weight).cpu_linear
 
 
 def put(module: torch.nn.Module, linear: Any) -> None:

@@ -40,9 +40,9 @@ from typing import Any
 import torch
 
 from common import envs
-from replica.engine import cpu_gemm, cpu_moe, post_load
-from replica.engine.tensors import adler32_hex
-from replica.engine.weight_map import WeightMap, bits
+from replica.engine import cpu_gemm, cpu_moe
+from replica.engine.tensors import adler32_hex, bits
+from replica.engine.weight_map import WeightMap
 
 
 @dataclass
@@ -107,7 +107,7 @@ def derive(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]]) -> Kern
     if budget <= 0:
         return None
     mine = [(n, t) for n, t in tensors if not wmap.entry(n).elsewhere]
-    replayed = _replayed(wmap, [n for n, _ in mine])
+    replayed = {id(m) for m in wmap.replayed(n for n, _ in mine)}
     by_module = _by_module(wmap, mine)
     layers: list[Layer] = []
     pending: dict[str, None] = {}  # the tensors landing in a layer the pause must still derive
@@ -124,12 +124,6 @@ def derive(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]]) -> Kern
             elif id(module) in replayed or size is not None:
                 pending.update(dict.fromkeys(n for n, _ in landed))
     return KernelCopies(layers, list(pending)) if layers else None
-
-
-def _replayed(wmap: WeightMap, names: list[str]) -> set[int]:
-    """The layers whose tensors vLLM computes after its loader's copies (`WeightMap.replay`)."""
-    computed = wmap.layers(n for n, e in wmap.entries.items() if e.computed_into and e.refused is None)
-    return {id(m) for m in wmap.layers(names) if post_load.loaded(m)} | {id(m) for m in computed}
 
 
 Landed = list[tuple[str, torch.Tensor]]

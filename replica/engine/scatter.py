@@ -24,7 +24,8 @@ import torch
 
 from common import envs
 from replica.engine.landings import Landing
-from replica.engine.weight_map import WeightMap, bits
+from replica.engine.tensors import bits
+from replica.engine.weight_map import WeightMap
 
 BUDGET_ENV = envs.ROLLOUTS_SCATTER_BUDGET_BYTES.name
 DEFAULT_BUDGET = envs.ROLLOUTS_SCATTER_BUDGET_BYTES.default

@@ -66,6 +66,14 @@ def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same width: equal exactly when the bits are."""
+    return t.view(_INT[t.element_size()])
+
+
 def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -118,15 +126,10 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
-def adler32_groups(groups: Iterable[tuple[memoryview, Sequence[tuple[str, int, int]]]]) -> dict[str, str]:
-    """``{name: Adler-32}`` of every ``data[first:end]`` slice of every group, as
-    :func:`adler32_slices` gives them, on every core of the process (:class:`ChecksumPlan`)."""
-    return ChecksumPlan(groups).run()
-
-
 class ChecksumPlan:
-    """The Adler-32 of many slices of host bytes, laid out once (a stage lays its proof out before
-    the pause) and :meth:`run` as often as needed: each slice cut into pieces of at most
+    """``{name: Adler-32}`` of every ``data[first:end]`` slice of every group, as
+    :func:`adler32_slices` gives them, on every core of the process: laid out once (a stage lays
+    its proof out before the pause) and :meth:`run` as often as needed: each slice cut into pieces of at most
     ``PIECE_BYTES``, the pieces summed in tasks of about that many bytes (many small slices one
     task: a task per slice would cost more than its sum) on ``CHECKSUM_THREADS`` threads, and
     combined in order (:func:`adler32_combine`). The bytes are read when it runs, not before."""

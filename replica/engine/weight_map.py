@@ -22,7 +22,7 @@ import torch
 
 from replica.engine import cpu_gemm, cpu_moe, post_load
 from replica.engine.landings import Landing, Region, TensorMap, observe, unproven
-from replica.engine.tensors import ChecksumPlan, dtype_to_str, row_major_strides
+from replica.engine.tensors import ChecksumPlan, bits, dtype_to_str, row_major_strides
 
 Spec = tuple[str, tuple[int, ...], torch.dtype]
 HostSlices = tuple[memoryview, list[tuple[str, int, int]]]  # a host parameter's bytes, (name, first, end) slices
@@ -177,7 +177,7 @@ class WeightMap:
     def _check_replay(self) -> None:
         """Refuse every tensor landing in a layer whose replay (:meth:`replay`) does not reproduce
         exactly what the engine holds now, just loaded from the checkpoint: named, with why."""
-        for module in self._replayed(self.names()):
+        for module in self.replayed(self.names()):
             layers = self._unit([module])
             try:
                 bad = post_load.differs(self.model, layers, self._derive(layers))
@@ -410,7 +410,7 @@ class WeightMap:
 
     # -- replaying vLLM's loading and post-load processing (`post_load`) ---------------------
 
-    def _replayed(self, names: Iterable[str]) -> list[torch.nn.Module]:
+    def replayed(self, names: Iterable[str]) -> list[torch.nn.Module]:
         """Of the layers ``names`` land in, those whose tensors vLLM computes after its loader's
         copies: a loader-layout tensor kept by `post_load`, or a computed tensor landing there."""
         computed = {
@@ -438,8 +438,8 @@ class WeightMap:
 
     def replay(self, names: Iterable[str]) -> None:
         """Replay vLLM's loading and post-load processing, in place, for the layers ``names`` land
-        in whose tensors it computes (:meth:`_replayed`)."""
-        replayed = self._replayed(names)
+        in whose tensors it computes (:meth:`replayed`)."""
+        replayed = self.replayed(names)
         if replayed:
             layers = self._unit(replayed)
             post_load.apply(self.model, layers, self._derive(layers))
@@ -448,7 +448,7 @@ class WeightMap:
         """Of ``names``, those landing in a layer whose tensors are not vLLM's processing of what
         its loader-layout tensors and shadows hold now (the proof after a swap)."""
         names = list(names)
-        replayed = self._replayed(names)
+        replayed = self.replayed(names)
         if not replayed:
             return []
         layers = self._unit(replayed)
@@ -470,7 +470,7 @@ class WeightMap:
         """Rebuild the kernel copies of the layers the tensors ``names`` land in, but those
         (by id) in ``done`` (derived at staging and put in place: `kernel_copies`)."""
         names = list(names)
-        replayed = {id(m) for m in self._replayed(names)}
+        replayed = {id(m) for m in self.replayed(names)}
         with torch.no_grad():
             for module in self.layers(names):
                 if id(module) not in replayed and id(module) not in done:
@@ -518,14 +518,6 @@ def _holders(model: torch.nn.Module) -> dict[str, list[str]]:
         modules = list(dict.fromkeys(n.rpartition(".")[0] for n in names))
         out.update({n: modules for n in names})
     return out
-
-
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as integers of the same width: equal exactly when the bits are."""
-    return t.view(_INT[t.element_size()])
 
 
 def _whole_source(src: Region, shape: tuple[int, ...]) -> bool:

@@ -12,7 +12,7 @@ import torch
 from contracts.engine_ranks import HELD_BY_NO_RANK
 from replica.engine import tensors as tensor_bytes
 from replica.engine.stage import proof
-from replica.engine.tensors import adler32_combine, adler32_groups, adler32_hex, adler32_slices
+from replica.engine.tensors import ChecksumPlan, adler32_combine, adler32_hex, adler32_slices
 from replica.engine.weight_map import WeightMap
 from tests.helpers.expert_models import Experts, expert_checkpoint, loaded
 
@@ -249,13 +249,12 @@ def test_adler32_on_every_core_equals_zlib_s_of_each_slice(monkeypatch) -> None:
     data = torch.randint(0, 256, (100_000,), dtype=torch.uint8, generator=gen)
     other = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=gen)
     slices = [("all", 0, 100_000), ("short", 7, 500), ("empty", 30, 30), ("tail", 98_000, 100_000)]
-    got = adler32_groups([(data.numpy().data, slices), (other.numpy().data, [("other", 0, 5000)])])
+    got = ChecksumPlan([(data.numpy().data, slices), (other.numpy().data, [("other", 0, 5000)])]).run()
     want = {n: adler32_hex(data[a:b]) for n, a, b in slices} | {"other": adler32_hex(other)}
     assert got == want and want["all"] != want["tail"]
     assert adler32_combine(int(want["short"], 16), 1, 0) == int(want["short"], 16)  # B empty: A's
     # Many slices smaller than a piece (an MoE layer's experts): summed a run of them per task.
     experts = [(f"e{i}", 40 * i, 40 * i + 40) for i in range(2000)]
-    tasks = list(tensor_bytes._batches([(i, data.numpy().data, a, b) for i, (_, a, b) in enumerate(experts)]))
-    assert 2 < len(tasks) < 100 and sum(map(len, tasks)) == len(experts)
-    got = adler32_groups([(data.numpy().data, experts)])
-    assert got == {n: adler32_hex(data[a:b]) for n, a, b in experts}
+    plan = ChecksumPlan([(data.numpy().data, experts)])
+    assert 2 < len(plan.batches) < 100 and sum(map(len, plan.batches)) == len(experts)
+    assert plan.run() == {n: adler32_hex(data[a:b]) for n, a, b in experts}
