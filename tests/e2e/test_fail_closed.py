@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import uuid
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from snapshots.host import checkpoint_checksums
+from tests.helpers.engine_weights import fixed_answer
 from tests.helpers.replicas import ROLLING_PREFIX, attach, engines, hot_load, served_checksums
 from workers.base_model import INDEX_NAME
 from workers.stack import upload_dir
@@ -48,21 +48,8 @@ def observe(replica: dict) -> dict:
     async def read() -> dict:
         engine = attach(replica)
         try:
-            body = {
-                "model": (await engine.models())[0],
-                "prompt": [100, 101, 102],
-                "max_tokens": 6,
-                "temperature": 0,
-                "ignore_eos": True,
-                "logprobs": 5,
-                "cache_salt": uuid.uuid4().hex,
-            }
-            choice = (await engine.request("POST", "/v1/completions", json=body)).json()["choices"][0]
-            return {
-                "label": await engine.weight_version(),
-                "text": choice["text"],
-                "logprobs": choice["logprobs"]["top_logprobs"],
-            }
+            answer = await fixed_answer(engine, (await engine.models())[0])
+            return {"label": await engine.weight_version(), **answer}
         finally:
             await engine.aclose()
 

@@ -12,12 +12,15 @@ one ``pause(keep)`` (the extension's one lifecycle, `replica.engine.stage`).
   the engine to serve a checkpoint.
 - ``await swap_held_then_refused_then_proven(engine, base_dir, counting_dir, changed)``: the
   engine-side swap a replica's agent calls, checked the same way on either engine kind.
+- ``await fixed_answer(engine, model)``: a fixed greedy completion with its top-5 logprobs, what
+  a test compares before and after a change to an engine's weights.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -121,3 +124,19 @@ async def swap_held_then_refused_then_proven(
     assert set(report["timings_ms"]) == {"pause", "label", "swap", "resume", "window"}, report
     assert (await engine.weight_version(), await engine.checksums()) == ("v-base", base)
     return report
+
+
+async def fixed_answer(engine: Any, model: str) -> dict[str, Any]:
+    """``engine``'s (anything with our engines' ``request``) greedy completion of a fixed prompt
+    as ``model``: its text and top-5 logprobs (a fresh cache salt: no prefix reuse)."""
+    body = {
+        "model": model,
+        "prompt": [100, 101, 102],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 5,
+        "cache_salt": uuid.uuid4().hex,
+    }
+    choice = (await engine.request("POST", "/v1/completions", json=body)).json()["choices"][0]
+    return {"text": choice["text"], "logprobs": choice["logprobs"]["top_logprobs"]}

@@ -40,7 +40,7 @@ from replica.agent.staged import EngineUpdateError
 from replica.stage_arena import StageArena
 from snapshots.host import HostWeights, checkpoint_checksums
 from snapshots.writer import write_delta
-from tests.helpers.engine_weights import load
+from tests.helpers.engine_weights import fixed_answer, load
 
 pytestmark = pytest.mark.engine
 
@@ -54,18 +54,7 @@ CHAIN_IDS = [link.identity for link in CHAIN]
 
 
 async def answer(engine: EngineProcess) -> dict[str, Any]:
-    """A fixed greedy completion with its top-5 logprobs (fresh cache salt: no prefix reuse)."""
-    body = {
-        "model": SERVED_NAME,
-        "prompt": [100, 101, 102],
-        "max_tokens": 6,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": 5,
-        "cache_salt": uuid.uuid4().hex,
-    }
-    choice = (await engine.request("POST", "/v1/completions", json=body)).json()["choices"][0]
-    return {"text": choice["text"], "logprobs": choice["logprobs"]["top_logprobs"]}
+    return await fixed_answer(engine, SERVED_NAME)
 
 
 class Replica:
