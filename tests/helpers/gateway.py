@@ -205,11 +205,15 @@ class Connection:
 
 class ChaosProxy:
     """A TCP proxy in front of a real replica that cuts both connections after ``limit`` bytes
-    of the replica's answer went through (0: accept, then close at once)."""
+    of the replica's answer went through (0: accept, then close at once), or, with ``events``,
+    right after that many whole server-sent events of its body (``cut_at``: the bytes it let
+    through, once it cut; a stream the replica ended first is not cut)."""
 
-    def __init__(self, upstream_port: int, limit: int) -> None:
+    def __init__(self, upstream_port: int, limit: int = 1 << 62, events: int | None = None) -> None:
         self.upstream_port = upstream_port
         self.limit = limit
+        self.events = events
+        self.cut_at: int | None = None
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.loop = asyncio.new_event_loop()
@@ -231,16 +235,34 @@ class ChaosProxy:
                 pass
 
         task = asyncio.ensure_future(pump_up())
-        sent = 0
+        sent, passed = 0, b""
         try:
             while sent < self.limit and (data := await up_reader.read(min(65536, self.limit - sent))):
+                if self.events is not None and (end := self._events_end(passed + data)) is not None:
+                    data = data[: end - len(passed)]
+                    self.limit = sent + len(data)
+                passed += data if self.events is not None else b""
                 writer.write(data)
                 await writer.drain()
                 sent += len(data)
+            if sent >= self.limit:
+                self.cut_at = sent
         finally:
             task.cancel()
             for w in (writer, up_writer):
                 w.transport.abort()  # a reset, as when a replica dies
+
+    def _events_end(self, passed: bytes) -> int | None:
+        """Where the ``events``-th whole event of the body ends in ``passed`` (the answer's bytes
+        so far, headers included), or None while it has not."""
+        if (at := passed.find(b"\r\n\r\n")) < 0:
+            return None
+        at += 4
+        for _ in range(self.events or 0):
+            if (end := passed.find(b"\n\n", at)) < 0:
+                return None
+            at = end + 2
+        return at
 
     def __enter__(self) -> ChaosProxy:
         self.thread.start()
