@@ -235,17 +235,18 @@ class ChaosProxy:
                 pass
 
         task = asyncio.ensure_future(pump_up())
-        sent, passed = 0, b""
+        limit, sent, passed = self.limit, 0, b""  # this connection's: the next one cuts afresh
         try:
-            while sent < self.limit and (data := await up_reader.read(min(65536, self.limit - sent))):
-                if self.events is not None and (end := self._events_end(passed + data)) is not None:
-                    data = data[: end - len(passed)]
-                    self.limit = sent + len(data)
-                passed += data if self.events is not None else b""
+            while sent < limit and (data := await up_reader.read(min(65536, limit - sent))):
+                if self.events is not None:
+                    passed += data
+                    if (end := self._events_end(passed)) is not None:
+                        limit = end
+                        data = data[: end - sent]
                 writer.write(data)
                 await writer.drain()
                 sent += len(data)
-            if sent >= self.limit:
+            if sent >= limit:
                 self.cut_at = sent
         finally:
             task.cancel()
