@@ -1,8 +1,10 @@
 """Crashes in the middle of a real multi-replica delta hot-load (real Dynamo vLLM workers on CPU, real S3,
 real Temporal dev server; tests/control/test_durability.py covers the same with test replicas).
 
-While a delta hot-load walks the 3-replica deployment, kill -9 the control worker, or the
-Temporal dev server (restarted on the same SQLite file), then restart it. The operation ends
+While a delta hot-load walks the 3-replica deployment (held, by the fault point ``pause``, just
+before the second replica's pause: the first is done, the walk is surely under way), kill -9 the
+control worker, or the Temporal dev server (restarted on the same SQLite file), restart it, then
+release the hold. The operation ends
 COMPLETED, every replica is READY on the identity and serves exactly the trainer's weights, no
 engine is left paused, and no engine restarted.
 """
@@ -17,7 +19,17 @@ import pytest
 
 from snapshots.host import checkpoint_checksums
 from snapshots.writer import write_delta
-from tests.helpers.replicas import ROLLING_PREFIX, engines, hot_load, paused, served_checksums
+from tests.helpers.replicas import (
+    ROLLING_PREFIX,
+    engines,
+    fault,
+    faults,
+    hot_load,
+    hot_load_replicas,
+    paused,
+    served_checksums,
+    walk_order,
+)
 from tests.helpers.trainer import train_step
 from workers.stack import Stack, upload_dir
 
@@ -57,23 +69,22 @@ def test_crash_mid_walk_then_restart_completes(stack, rolling, tmp_path, victim)
         "type": "SNAPSHOT_TYPE_INCREMENTAL",
         "incrementalSnapshotMetadata": {"previousSnapshotIdentity": full_id},
     }
-    hl_id = api.call("POST", "/hotLoads", json=body).json()["hotLoad"]["spec"]["id"]
-    # Kill as soon as the walk is under way: the first replica has started its step.
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        reps = api.call("GET", f"/hotLoads/{hl_id}/replicas").json().get("replicas", [])
-        if any(r["state"] != "PENDING_UPDATE" for r in reps):
-            break
-        time.sleep(0.05)
-    state = api.call("GET", f"/hotLoads/{hl_id}").json()["hotLoad"]["status"]["state"]
-    assert state == "HOT_LOAD_STATE_IN_PROGRESS", f"the walk was not under way when {victim} was killed: {state}"
-    kill9(pid)
-    time.sleep(3)  # the rest of the stack notices: the API answers 503 while Temporal is down
-    if victim == "temporal":
-        assert api.call("GET", f"/hotLoads/{hl_id}").status_code == 503
-    services.pid_file(victim).remove()
-    print(services.start(victim))
-
+    first, second = (r["name"] for r in walk_order(stack, dep_id)[:2])
+    hold = fault("pause", second, "hold")
+    with faults(stack, hold):
+        hl_id = api.call("POST", "/hotLoads", json=body).json()["hotLoad"]["spec"]["id"]
+        hold.wait_fired(stack, dep_id)
+        state = api.call("GET", f"/hotLoads/{hl_id}").json()["hotLoad"]["status"]["state"]
+        assert state == "HOT_LOAD_STATE_IN_PROGRESS", f"the walk was not under way when {victim} was killed: {state}"
+        reps = {r["name"]: r["state"] for r in hot_load_replicas(api, hl_id)}
+        assert (reps[first], reps[second]) == ("READY", "UPDATING"), reps  # mid-walk: one done, one held
+        kill9(pid)
+        time.sleep(3)  # the rest of the stack notices: the API answers 503 while Temporal is down
+        if victim == "temporal":
+            assert api.call("GET", f"/hotLoads/{hl_id}").status_code == 503
+        services.pid_file(victim).remove()
+        print(services.start(victim))
+    # the hold is released (faults.json removed): the walk goes on under the restarted process
     hl = api.wait_hot_load(hl_id, timeout=900)
     assert hl["status"]["state"] == "HOT_LOAD_STATE_COMPLETED", hl["status"]
     reps = api.call("GET", f"/hotLoads/{hl_id}/replicas").json()["replicas"]
