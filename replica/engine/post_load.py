@@ -104,7 +104,7 @@ class Key:
     """One tensor a layer holds: a parameter, a buffer or a plain tensor attribute."""
 
     layer: int  # index into the layers given
-    kind: str  # "param" | "buffer" | "attr"
+    kind: str  # "param" | "buffer" | "attr" | "impl" (a tensor of the layer's ``impl``)
     name: str
 
 
@@ -115,6 +115,14 @@ def _storages(model: torch.nn.Module) -> set[int]:
     for module in model.modules():
         out |= {t.untyped_storage().data_ptr() for t in loaded(module).values() if t.numel()}
     return out
+
+
+def _impl(module: torch.nn.Module) -> Any:
+    """An attention layer's backend implementation (``impl``: not a module), whose post-load
+    step may keep tensors of its own (AMX MLA packs ``kv_b_proj`` into ``_w_uk_packed``...);
+    None for any other layer."""
+    impl = module.__dict__.get("impl")
+    return None if impl is None or isinstance(impl, torch.nn.Module) or not hasattr(impl, "__dict__") else impl
 
 
 def _state(layers: Sequence[torch.nn.Module], aliased: set[int]) -> dict[Key, torch.Tensor]:
@@ -129,6 +137,8 @@ def _state(layers: Sequence[torch.nn.Module], aliased: set[int]) -> dict[Key, to
         for n, v in m.__dict__.items():
             if isinstance(v, torch.Tensor) and not n.startswith(_OURS):
                 out[Key(i, "attr", n)] = v
+        if (impl := _impl(m)) is not None:
+            out.update((Key(i, "impl", n), v) for n, v in vars(impl).items() if isinstance(v, torch.Tensor))
     return out
 
 
@@ -139,6 +149,9 @@ def _scratch(layers: Sequence[torch.nn.Module], aliased: set[int]) -> Iterator[N
     (buffers on a weight's storage excepted), so vLLM's loader and post-load step run on them
     and nothing the engine serves changes; after: every binding as it was."""
     saved = []
+    impls = [(impl, dict(vars(impl))) for m in layers if (impl := _impl(m)) is not None]
+    for impl, attrs in impls:
+        vars(impl).update((n, v.clone()) for n, v in attrs.items() if isinstance(v, torch.Tensor))
     for m in layers:
         saved.append(
             (
@@ -162,6 +175,9 @@ def _scratch(layers: Sequence[torch.nn.Module], aliased: set[int]) -> Iterator[N
     try:
         yield
     finally:
+        for impl, attrs in impls:
+            vars(impl).clear()
+            vars(impl).update(attrs)
         for m, attrs, params, buffers, data in saved:
             m.__dict__.clear()
             m.__dict__.update(attrs)
@@ -200,8 +216,12 @@ def derive(
     """What ``layers`` hold once vLLM's loader has loaded ``computed`` (checkpoint tensors whose
     loader computes on them, by checkpoint name) and vLLM's post-load step has run on every layer
     with loader tensors and on the deferred attention layers given (last): on scratch copies."""
+    from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: PLC0415 - vLLM processes only
+
     aliased = _storages(model)
-    with _scratch(layers, aliased), torch.no_grad():
+    dtype, _ = model.__dict__[_CONTEXT]
+    # As vLLM's loader runs it: a tensor the step makes without a dtype (an emptied weight) has the model's.
+    with _scratch(layers, aliased), torch.no_grad(), set_default_torch_dtype(dtype):
         computed = list(computed)
         if computed:
             loader: Any = model  # vLLM's model class
@@ -227,6 +247,8 @@ def apply(model: torch.nn.Module, layers: Sequence[torch.nn.Module], derived: di
                 held.copy_(value)
             elif key.kind == "attr":
                 layers[key.layer].__dict__[key.name] = value
+            elif key.kind == "impl":
+                vars(_impl(layers[key.layer]))[key.name] = value
             else:
                 raise ValueError(
                     f"{type(layers[key.layer]).__name__}.{key.name}: vLLM's post-load step makes "

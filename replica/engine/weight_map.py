@@ -468,15 +468,23 @@ class WeightMap:
 
     def rebuild(self, names: Iterable[str], done: Collection[int] = ()) -> None:
         """Rebuild the kernel copies of the layers the tensors ``names`` land in, but those
-        (by id) in ``done`` (derived at staging and put in place: `kernel_copies`)."""
+        (by id) in ``done`` (derived at staging and put in place: `kernel_copies`): MoE packs,
+        then `post_load`'s replay, then every GEMM kernel (a replayed layer's too: the replay
+        keeps tensors, not the kernel vLLM's dispatch built on its scratch copies)."""
         names = list(names)
         replayed = {id(m) for m in self.replayed(names)}
+        layers = [m for m in self.layers(names) if id(m) not in done]
         with torch.no_grad():
-            for module in self.layers(names):
-                if id(module) not in replayed and id(module) not in done:
-                    cpu_gemm.redispatch(module)
+            for module in layers:
+                if id(module) not in replayed:
                     cpu_moe.rebuild(module)
         self.replay(names)
+        with torch.no_grad():
+            # After the replay: it restores the tensors a GEMM kernel packs from (a bias vLLM's
+            # dispatch widened to float32 on an AMX CPU makes the layer replayed), and the
+            # kernel the replayed dispatch built on scratch copies is not kept.
+            for module in layers:
+                cpu_gemm.redispatch(module)
 
     def holds(self, name: str, t: torch.Tensor) -> bool:
         """Whether every landing of ``name`` holds its region of ``t`` bit for bit (widened to the

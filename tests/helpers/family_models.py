@@ -281,7 +281,8 @@ def routes(model: torch.nn.Module, config, tokens: int = 5) -> dict:
 
 
 def layer_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every buffer and plain tensor attribute of every layer (not ours), by qualified name."""
+    """Every buffer and plain tensor attribute of every layer (not ours), and of an attention
+    layer's backend ``impl`` (AMX MLA's packed ``kv_b_proj``), by qualified name."""
     out = {}
     for prefix, module in model.named_modules():
         for n, b in module._buffers.items():
@@ -290,6 +291,9 @@ def layer_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         for n, v in module.__dict__.items():
             if isinstance(v, torch.Tensor) and not n.startswith("_rollouts_"):
                 out[f"{prefix}.{n}"] = v
+        impl = module.__dict__.get("impl")
+        if impl is not None and not isinstance(impl, torch.nn.Module) and hasattr(impl, "__dict__"):
+            out.update((f"{prefix}.impl.{n}", v) for n, v in vars(impl).items() if isinstance(v, torch.Tensor))
     return out
 
 
