@@ -168,6 +168,7 @@ class WeightLoaderExtension:
             "parent_pid": os.getppid(),
             "idle_spin_s": idle_spin_cap(),
             "logprob_ranks_eager": logprob_ranks_eager(),
+            "gc_enabled": gc.isenabled(),
             "rank": rank,
             "ranks": ranks,
         }

@@ -5,12 +5,15 @@ only, it caps the idle busy-poll of vLLM's shared-memory queue readers at
 ``ROLLOUTS_VLLM_SPIN_S`` (default 0.05 s instead of 1 s, which burned a core per process after
 every RPC on a shared host), and runs the sampler's logprob ranks eagerly (the same integer
 count; avoids a lazy inductor compile that stalls the engine on its first logprobs request;
-bench/README.md). Invariant: nothing here changes what vLLM computes; GPU hosts and processes
+bench/README.md); it also turns the cyclic garbage collector back on where a spawned process
+of ours turned it off for vLLM's import (replica/engine/dynamo_worker.py). Invariant: nothing
+here changes what vLLM computes; GPU hosts and processes
 without vLLM are unaffected.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +28,9 @@ DEFAULT_SPIN_S = envs.ROLLOUTS_VLLM_SPIN_S.default
 
 
 def register() -> None:
+    if not gc.isenabled():  # off in a process vLLM spawned, while it imported vLLM (replica/engine/dynamo_worker.py)
+        gc.enable()
+        logger.info("the garbage collector is back on after vLLM's import")
     shorten_idle_spin()
     eager_logprob_ranks()
 

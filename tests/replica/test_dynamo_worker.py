@@ -85,6 +85,8 @@ async def test_control_over_the_system_server(
     assert not await worker.is_paused()
     pids = await worker.engine_pids()
     assert pids["server"] == worker.pid and pids["worker"] != worker.pid
+    # The engine core imported vLLM with the garbage collector off; our vLLM plugin turned it on.
+    assert (await worker._rpc1("engine_pid"))["gc_enabled"] is True
 
     wrong = DynamoEngineProcess(
         model_dirs["base"],

@@ -3,6 +3,8 @@ tests/replica/test_engine.py)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import zmq
@@ -17,6 +19,7 @@ from replica.engine.plugin import (
     eager_logprob_ranks,
     idle_spin_cap,
     logprob_ranks_eager,
+    register,
     shorten_idle_spin,
 )
 
@@ -49,3 +52,13 @@ def test_the_sampler_counts_logprob_ranks_eagerly() -> None:
     x[0, :4] = values[0, 0]  # ties count (vLLM's rank: 1 + how many logits are at least as large)
     expected = torch.tensor([sum(1 for v in row if v >= values[i, 0]) for i, row in enumerate(x.tolist())])
     assert torch.equal(count_at_least(x, values), expected)
+
+
+def test_register_turns_the_garbage_collector_back_on() -> None:
+    """A process vLLM spawned from our Dynamo worker imports vLLM with it off (dynamo_worker.py)."""
+    gc.disable()
+    try:
+        register()
+        assert gc.isenabled()
+    finally:
+        gc.enable()
