@@ -22,6 +22,7 @@ from pathlib import Path
 
 from common.processes import stop_pid
 from common.settings import ENGINE_CACHE_ENV
+from replica.agent.engine_process import share_model_infos
 
 _MADE = "ROLLOUTS_TEST_ENGINE_CACHE_MADE"  # set when this session made the directory
 
@@ -60,3 +61,13 @@ def model_infos() -> Path | None:
     ``model_info_cache``); None outside a test session that shares one."""
     value = os.environ.get(ENGINE_CACHE_ENV)
     return Path(value) / "modelinfos" if value else None
+
+
+def vllm_process_env(scratch: Path) -> dict[str, str]:
+    """The environment of a test's own vLLM process (a model built in it, no engine server):
+    vLLM's cache root in ``scratch``, its model-class records the session's (else vLLM inspects
+    each architecture in a child process that imports vLLM again)."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(scratch)}
+    if (shared := model_infos()) is not None:
+        share_model_infos(shared, scratch / "modelinfos")
+    return env

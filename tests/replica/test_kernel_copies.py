@@ -17,13 +17,13 @@ building it at staging). Marked ``engine``: it builds vLLM's model class (~30 s)
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.engine_cache import vllm_process_env
 from workers.base_model import write_base_model
 
 pytestmark = pytest.mark.engine
@@ -41,7 +41,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        env=vllm_process_env(root / "vllm-cache"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -35,13 +35,13 @@ what an engine start costs, ~40 s in all, and make test-fast leaves it out).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.engine_cache import vllm_process_env
 from workers.base_model import write_base_model
 from workers.families import FAMILIES, MOE
 
@@ -79,7 +79,7 @@ def run_family_models(root: Path, *args: str) -> subprocess.CompletedProcess[str
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        env=vllm_process_env(root / "vllm-cache"),
     )
 
 
