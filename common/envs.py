@@ -337,6 +337,14 @@ ROLLOUTS_SHM_DIR = _declare(
 ROLLOUTS_JOB_DIR = _declare(
     "ROLLOUTS_JOB_DIR", _str, None, "where an engine's background jobs write results", shown="a per-process temp dir"
 )
+ROLLOUTS_CPU_KV_CACHE_BYTES = _declare(
+    "ROLLOUTS_CPU_KV_CACHE_BYTES",
+    _bytes,
+    1 << 30,
+    "CPU engines: their KV cache (vLLM's `--kv-cache-memory-bytes`), unless the deployment's "
+    "engineConfig sets `kv-cache-memory-bytes`",
+    shown="1 GiB",
+)
 ROLLOUTS_VLLM_SPIN_S = _declare(
     "ROLLOUTS_VLLM_SPIN_S", float, 0.05, "CPU engines: the cap on vLLM's idle busy-poll, in seconds"
 )

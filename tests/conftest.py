@@ -31,6 +31,7 @@ import time
 
 import pytest
 
+from common import envs
 from common.settings import without_stack_env
 from tests.helpers import ready
 from tests.helpers.deployments import POOL, POOLED_FIXTURES
@@ -59,6 +60,7 @@ ENGINE_FIXTURES = frozenset({"engine", "engine_b", "running_engine"})
 MULTIHOST_FIXTURES = frozenset({"cluster", "make_cluster"})
 
 WATCH = EngineWatch()
+TEST_KV_CACHE_BYTES = 256 << 20
 # module node id -> (the pooled fixtures its tests use, whether they start the stack or an engine)
 MODULES: dict[str, tuple[frozenset[str], bool]] = {}
 # Under xdist, the controller's copy of each worker's summary (engines, pool, READY checks).
@@ -70,6 +72,8 @@ STARTED = time.monotonic()  # when this process's session began: each worker's s
 def pytest_configure(config: pytest.Config) -> None:
     for name in set(os.environ) - set(without_stack_env(os.environ)):
         del os.environ[name]
+    # The suite's models are tiny: a 1 GiB KV cache per engine only costs its allocation and release.
+    os.environ.setdefault(envs.ROLLOUTS_CPU_KV_CACHE_BYTES.name, str(TEST_KV_CACHE_BYTES))
     mark_session(worker())
     if is_controller(config):
         share_units()

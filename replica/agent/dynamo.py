@@ -132,7 +132,7 @@ class DynamoEngineProcess(EngineProcess):
                     }
                 ),
             ]
-        return cmd + self.extra_args
+        return cmd + self.kv_cache_args() + self.extra_args
 
     def environment(self) -> dict[str, str]:
         env = plane_env(self.discovery_backend, self.discovery_dir, super().environment(), self.event_broker)

@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from common import envs
 from common.addresses import AddressError, check_bind_host, host_port, interface_of, is_loopback, is_wildcard
 from common.processes import free_port, pid_alive, terminate, wait_serving
 from replica.agent.engine_rpc import EngineClient, EngineError, EngineRequestError, EngineStartError, ReadBackFailed
@@ -46,6 +47,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+KV_CACHE_FLAG = "--kv-cache-memory-bytes"  # vLLM's; a CPU engine's default: ROLLOUTS_CPU_KV_CACHE_BYTES
 INPROC_WORKER_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": a one-rank CPU engine's worker runs in its engine core
 
 
@@ -89,7 +91,6 @@ class EngineProcess(EngineClient):
         log_path: Path | str | None = None,
         max_model_len: int = 1024,
         max_num_seqs: int = 32,
-        kv_cache_gib: int = 1,
         dtype: str = "bfloat16",
         worker_extension_cls: str | None = EXTENSION_CLS,
         python: str = sys.executable,
@@ -110,7 +111,6 @@ class EngineProcess(EngineClient):
         self.log_path = Path(log_path) if log_path else self.work_dir / "engine.log"
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
-        self.kv_cache_gib = kv_cache_gib
         self.dtype = dtype
         self.worker_extension_cls = worker_extension_cls
         self.python = python
@@ -184,16 +184,24 @@ class EngineProcess(EngineClient):
         ]  # fmt: skip
         if self.worker_extension_cls:
             cmd += ["--worker-extension-cls", self.worker_extension_cls]
-        return cmd + self.extra_args
+        return cmd + self.kv_cache_args() + self.extra_args
+
+    def kv_cache_args(self) -> list[str]:
+        """A CPU engine's KV cache size as vLLM's flag (``ROLLOUTS_CPU_KV_CACHE_BYTES``), unless
+        the deployment's engine config gives its own; none on a GPU build (vLLM sizes it there)."""
+        if not cpu_build() or KV_CACHE_FLAG in self.extra_args:
+            return []
+        return [KV_CACHE_FLAG, str(envs.ROLLOUTS_CPU_KV_CACHE_BYTES.get())]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
+        # vLLM's legacy variable would override the flag (its CPU platform reads it last).
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         tmp = self.work_dir / "tmp"
         cache = self.work_dir / "cache"
         env.update(
             {
                 "VLLM_SERVER_DEV_MODE": "1",
-                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                 # Keep every file the engine writes under work_dir, and nothing leaves the machine.
                 "TMPDIR": str(tmp),
                 "VLLM_CACHE_ROOT": str(cache / "vllm"),

@@ -169,6 +169,7 @@ class WeightLoaderExtension:
             "idle_spin_s": idle_spin_cap(),
             "logprob_ranks_eager": logprob_ranks_eager(),
             "gc_enabled": gc.isenabled(),
+            "kv_cache_bytes": getattr(self, "cache_config").kv_cache_memory_bytes,  # vLLM's worker: the mixin's host
             "rank": rank,
             "ranks": ranks,
         }

@@ -47,7 +47,7 @@ def engine_flags(engine: EngineProcess) -> list[str]:
     ]
     if engine.worker_extension_cls:
         flags += ["--worker-extension-cls", engine.worker_extension_cls]
-    return flags + engine.extra_args
+    return flags + engine.kv_cache_args() + engine.extra_args
 
 
 class FreshAnswers:

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file as load_checkpoint_file
 from safetensors.torch import save_file
 
+from common import envs
 from replica.agent.engine_process import EngineError, EngineProcess, EngineRequestError, ReadBackFailed, free_port
 from replica.engine.peer_group import PeerGroup
 from replica.engine.plugin import DEFAULT_SPIN_S
@@ -108,6 +109,10 @@ async def test_engine_processes_run_our_vllm_plugin(engine: EngineProcess) -> No
     engine for its g++ build, minutes on a busy 2-core host)."""
     worker = await engine._rpc1("engine_pid")
     assert worker["idle_spin_s"] == DEFAULT_SPIN_S and worker["logprob_ranks_eager"] is True
+    # Its KV cache is the size the agent's flag gave (ROLLOUTS_CPU_KV_CACHE_BYTES: the suite's).
+    assert (
+        worker["kv_cache_bytes"] == envs.ROLLOUTS_CPU_KV_CACHE_BYTES.get() != envs.ROLLOUTS_CPU_KV_CACHE_BYTES.default
+    )
     r = await engine.request(
         "POST",
         "/v1/completions",
