@@ -54,9 +54,16 @@ def install() -> None:
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
 
 
+def packs(module: torch.nn.Module) -> bool:
+    """Whether vLLM's CPU GEMM dispatch gave the layer a kernel of its own. A layer vLLM marks
+    ``_cpu_skip_gemm_dispatch`` (MLA's ``kv_b_proj``) keeps ``torch.nn.functional.linear`` on
+    its weight, which needs no rebuild (a packed one would compute other than vLLM's)."""
+    return hasattr(module, "cpu_linear") and not getattr(module, "_cpu_skip_gemm_dispatch", False)
+
+
 def redispatch(module: torch.nn.Module) -> None:
     """Rebuild a CPU layer's packed kernel copy from its (just updated) weight parameter."""
-    if not hasattr(module, "cpu_linear"):
+    if not packs(module):
         return
     # (A layer with a packed CPU copy exists only in a vLLM process: vLLM is loaded.)
     _dispatch()(module, remove_weight=False)
@@ -86,7 +93,9 @@ def stale(module: torch.nn.Module) -> bool:
     (no copy). False for a module without a packed CPU kernel."""
     weight = getattr(module, "weight", None)
     kernel = getattr(module, "cpu_linear", None)
-    if kernel is None or not isinstance(weight, torch.Tensor) or weight.ndim != 2 or not weight.numel():
+    if kernel is None or not packs(module) or not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        return False
+    if not weight.numel():
         return False
     scratch = _dispatched(weight.data)
     x = _probe(weight.shape[1], weight.dtype)
@@ -108,7 +117,7 @@ def prebuilt(module: torch.nn.Module, weight: torch.Tensor) -> Any:
     values its weight parameter will hold), on a scratch layer: nothing of ``module`` changes.
     None where the kernel would keep a reference to ``weight`` or the dispatch repacks the
     parameter itself (module docstring): that layer is redispatched inside the pause."""
-    if not hasattr(module, "cpu_linear") or weight.ndim != 2 or weight.is_meta:
+    if not packs(module) or weight.ndim != 2 or weight.is_meta:
         return None
     from vllm.platforms import current_platform  # noqa: PLC0415 - vLLM processes only
 

@@ -153,7 +153,7 @@ def _size(module: torch.nn.Module) -> int | None:
     if copies:
         return sum(t.numel() * t.element_size() for t in copies.values())
     weight = getattr(module, "weight", None)
-    if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor):
+    if cpu_gemm.packs(module) and isinstance(weight, torch.Tensor):
         return weight.numel() * weight.element_size()
     return None
 

@@ -36,6 +36,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -306,9 +307,15 @@ def derived_differ(model: torch.nn.Module, fresh: torch.nn.Module) -> list[str]:
     )
 
 
+def kernel_kind(kernel: Any) -> Any:
+    """Which kernel a layer's ``cpu_linear`` is: the dispatch's closure by its code (one per
+    path: sgl, oneDNN, torch's fallback), or the function itself (torch's ``linear``)."""
+    return getattr(kernel, "__code__", kernel)
+
+
 def kernels_differ(model: torch.nn.Module, fresh: torch.nn.Module) -> list[str]:
-    """The layers whose packed CPU GEMM kernel (``cpu_linear``) answers a fixed random input
-    other than the fresh model's layer of the same name, bit for bit."""
+    """The layers whose CPU GEMM kernel (``cpu_linear``) answers a fixed random input other than
+    the fresh model's layer of the same name, bit for bit, or is another kind of kernel."""
     theirs = dict(fresh.named_modules())
     out = []
     for name, m in model.named_modules():
@@ -320,6 +327,8 @@ def kernels_differ(model: torch.nn.Module, fresh: torch.nn.Module) -> list[str]:
         with torch.no_grad():
             if not torch.equal(m.cpu_linear(x, m.weight, None), other.cpu_linear(x, other.weight, None)):
                 out.append(name)
+            elif kernel_kind(m.cpu_linear) is not kernel_kind(other.cpu_linear):
+                out.append(name)  # the same bits here, from another kernel than vLLM's (torch's own linear)
     return out
 
 
