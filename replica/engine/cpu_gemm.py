@@ -93,9 +93,9 @@ def stale(module: torch.nn.Module) -> bool:
     (no copy). False for a module without a packed CPU kernel."""
     weight = getattr(module, "weight", None)
     kernel = getattr(module, "cpu_linear", None)
-    if kernel is None or not packs(module) or not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+    if kernel is None or not packs(module):
         return False
-    if not weight.numel():
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or not weight.numel():
         return False
     scratch = _dispatched(weight.data)
     x = _probe(weight.shape[1], weight.dtype)

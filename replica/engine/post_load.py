@@ -117,7 +117,7 @@ def _storages(model: torch.nn.Module) -> set[int]:
     return out
 
 
-def _impl(module: torch.nn.Module) -> Any:
+def impl_of(module: torch.nn.Module) -> Any:
     """An attention layer's backend implementation (``impl``: not a module), whose post-load
     step may keep tensors of its own (AMX MLA packs ``kv_b_proj`` into ``_w_uk_packed``...);
     None for any other layer."""
@@ -137,7 +137,7 @@ def _state(layers: Sequence[torch.nn.Module], aliased: set[int]) -> dict[Key, to
         for n, v in m.__dict__.items():
             if isinstance(v, torch.Tensor) and not n.startswith(_OURS):
                 out[Key(i, "attr", n)] = v
-        if (impl := _impl(m)) is not None:
+        if (impl := impl_of(m)) is not None:
             out.update((Key(i, "impl", n), v) for n, v in vars(impl).items() if isinstance(v, torch.Tensor))
     return out
 
@@ -149,7 +149,7 @@ def _scratch(layers: Sequence[torch.nn.Module], aliased: set[int]) -> Iterator[N
     (buffers on a weight's storage excepted), so vLLM's loader and post-load step run on them
     and nothing the engine serves changes; after: every binding as it was."""
     saved = []
-    impls = [(impl, dict(vars(impl))) for m in layers if (impl := _impl(m)) is not None]
+    impls = [(impl, dict(vars(impl))) for m in layers if (impl := impl_of(m)) is not None]
     for impl, attrs in impls:
         vars(impl).update((n, v.clone()) for n, v in attrs.items() if isinstance(v, torch.Tensor))
     for m in layers:
@@ -248,7 +248,7 @@ def apply(model: torch.nn.Module, layers: Sequence[torch.nn.Module], derived: di
             elif key.kind == "attr":
                 layers[key.layer].__dict__[key.name] = value
             elif key.kind == "impl":
-                vars(_impl(layers[key.layer]))[key.name] = value
+                vars(impl_of(layers[key.layer]))[key.name] = value
             else:
                 raise ValueError(
                     f"{type(layers[key.layer]).__name__}.{key.name}: vLLM's post-load step makes "

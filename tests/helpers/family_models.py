@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from common.processes import free_port
+from replica.engine import post_load
 from replica.engine.files import read_safetensors
 from workers.families import CUDA_ONLY, FAMILIES, MOE, write_family
 
@@ -96,7 +97,7 @@ def observe(
     from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
     from vllm.model_executor.model_loader import get_model  # noqa: PLC0415
 
-    from replica.engine import cpu_gemm, cpu_moe, post_load, stage  # noqa: PLC0415
+    from replica.engine import cpu_gemm, cpu_moe, stage  # noqa: PLC0415
     from replica.engine.files import Checkpoint  # noqa: PLC0415
     from replica.engine.weight_map import WeightMap  # noqa: PLC0415
 
@@ -292,8 +293,7 @@ def layer_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         for n, v in module.__dict__.items():
             if isinstance(v, torch.Tensor) and not n.startswith("_rollouts_"):
                 out[f"{prefix}.{n}"] = v
-        impl = module.__dict__.get("impl")
-        if impl is not None and not isinstance(impl, torch.nn.Module) and hasattr(impl, "__dict__"):
+        if (impl := post_load.impl_of(module)) is not None:
             out.update((f"{prefix}.impl.{n}", v) for n, v in vars(impl).items() if isinstance(v, torch.Tensor))
     return out
 
