@@ -3,7 +3,7 @@
 vLLM's CPU MoE kernel pads and prepacks ``w13_weight`` / ``w2_weight`` after loading, replacing
 both parameters. :func:`install` (before the model loads) keeps a loader-layout copy of both
 first (:func:`loaded`); an update writes there, :func:`rebuild` reruns vLLM's own padding and
-prepack on a scratch module and copies the result in place, and :func:`packed_from_loaded`
+prepack on a scratch module and puts the result in (:func:`put`), and :func:`packed_from_loaded`
 proves the kernel's weights are the prepack of the copies. A stage derives the prepack before
 the pause instead (:func:`pack` of the image the write will produce, `kernel_copies`), and the
 pause only copies it in (:func:`put`). Cost: expert weights held twice in CPU memory. GPU
@@ -75,9 +75,15 @@ def _packed(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def put(module: torch.nn.Module, packed: dict[str, torch.Tensor]) -> None:
-    """Copy a prepack (:func:`pack`) into the layer's kernel weights, in place."""
+    """Make a prepack (:func:`pack`: new tensors, never a view of the loader's copies) the
+    layer's kernel weights: each parameter takes the pack's storage, no copy (the kernel reads
+    the parameters at every forward; the old pack is freed). A pack of another layout is copied."""
     for name, t in packed.items():
-        getattr(module, name).data.copy_(t)
+        param = getattr(module, name)
+        if (t.shape, t.stride(), t.dtype, t.device) == (param.shape, param.stride(), param.dtype, param.device):
+            param.data = t
+        else:
+            param.data.copy_(t)
 
 
 def rebuild(module: torch.nn.Module) -> None:

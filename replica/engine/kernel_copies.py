@@ -7,8 +7,9 @@ tens of thousands of tensors, so a stage derives them before it (:func:`derive`)
 layer the update writes, the *image* the write will produce (a scratch copy of the layer's
 loader-layout tensors, or its weight, with the update's tensors copied in through the same
 landings `weight_map.WeightMap.write` uses), and vLLM's own derivation of that image (its
-prepack, on a scratch module; its GEMM dispatch, on a scratch layer). The pause then copies the
-packs into the layers' parameters in place and swaps the layers' kernels (:meth:`KernelCopies.put`).
+prepack, on a scratch module; its GEMM dispatch, on a scratch layer). The pause then puts the
+packs in as the layers' parameters' storage (`cpu_moe.put`, no copy) and swaps the layers'
+kernels (:meth:`KernelCopies.put`).
 
 Its proof (:meth:`KernelCopies.differ`) gives the guarantee the pause's own re-derivation and
 compare gave, with no second prepack: the pack and the kernel were computed by vLLM's own code
@@ -85,7 +86,7 @@ class KernelCopies:
         return {id(layer.module) for layer in self.layers}
 
     def put(self) -> None:
-        """Inside the pause: the packs copied into place, the kernels swapped in."""
+        """Inside the pause: the packs put in as the MoE parameters' storage, the kernels swapped in."""
         with torch.no_grad():
             for layer in self.layers:
                 layer.put()
@@ -189,20 +190,34 @@ def _images(
     one of ``targets``' names is in another tensor than that target (left to the pause)."""
     images = {attr: t.clone() for attr, t in targets.items()}
     covered = {attr: torch.zeros(t.shape, dtype=torch.bool) for attr, t in targets.items()}
+    into: dict[str, str | None] = {}  # a landing's parameter -> the image it writes (None: none)
     for name, t in landed:
         src = t.contiguous()
         for ld in wmap.entry(name).landings:
-            owner, _, attr = ld.param.rpartition(".")
-            if owner != prefix and prefix not in wmap.holders.get(ld.param, ()):
+            if ld.param not in into:
+                into[ld.param] = _image_of(wmap, prefix, targets, ld.param)
+            attr = into[ld.param]
+            if attr is None:
                 continue
-            if attr not in images:
-                continue  # (a linear layer's bias: its kernel reads it at each call)
-            if not _same_storage(targets[attr], wmap.target(ld.param)):
+            if attr == _ELSEWHERE:
                 return None
             ld.dst.view(images[attr]).copy_(ld.src.view(src))
             ld.dst.view(covered[attr]).fill_(True)
     partial = [(targets[attr], images[attr]) for attr in images if not bool(covered[attr].all())]
     return images, partial
+
+
+_ELSEWHERE = ""  # `_image_of`: the parameter is named as a target but is another tensor
+
+
+def _image_of(wmap: WeightMap, prefix: str, targets: dict[str, torch.Tensor], param: str) -> str | None:
+    """Which of the layer ``prefix``'s ``targets`` a landing in ``param`` writes: its attribute,
+    None when none (another layer's, a linear layer's bias: its kernel reads it at each call),
+    ``_ELSEWHERE`` when the name is a target's but the tensor is not."""
+    owner, _, attr = param.rpartition(".")
+    if (owner != prefix and prefix not in wmap.holders.get(param, ())) or attr not in targets:
+        return None
+    return attr if _same_storage(targets[attr], wmap.target(param)) else _ELSEWHERE
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -253,21 +253,9 @@ def _plan_chunk(
     positions = (bits(new) != bits(old)).nonzero().squeeze(1)
     numels = [t.numel() for _, t, _ in chunk]
     member = _members(positions, numels)
-    counts = torch.bincount(member, minlength=len(chunk)).tolist()
-    chosen = []
-    item = new.element_size()
-    for (name, t, _), numel, count in zip(chunk, numels, counts):
-        out.changed_bytes += count * item
-        sparse = count * per_element
-        if count * cost < numel * width and out.device_staged_bytes + sparse <= budget:
-            chosen.append(True)
-            out.batched_names.add(name)
-            out.device_staged_bytes += sparse
-            out.staged_bytes += sparse
-            out.pause_bytes += sparse
-        else:
-            chosen.append(False)
-            _dense(wmap, name, t, out, budget, pinned_budget)
+    counts = torch.bincount(member, minlength=len(chunk))
+    out.changed_bytes += int(counts.sum()) * new.element_size()
+    chosen = _choose(wmap, chunk, counts, torch.tensor(numels) * width, cost, per_element, out, budget, pinned_budget)
     if not any(chosen):
         return
     if not all(chosen):  # the tensors going whole: none of their elements is scattered
@@ -282,6 +270,43 @@ def _plan_chunk(
     values = new[positions].to(target.dtype)
     offsets, values = _to_device(offsets, target.device), _to_device(values, target.device)
     out.batched.append(Scatter(param, offsets, values, flat(target)[offsets].clone()))
+
+
+def _choose(
+    wmap: WeightMap,
+    chunk: list[tuple[str, torch.Tensor, Landing]],
+    counts: torch.Tensor,
+    whole: torch.Tensor,
+    cost: int,
+    per_element: int,
+    out: Plan,
+    budget: int,
+    pinned_budget: int,
+) -> list[bool]:
+    """Which of ``chunk``'s tensors are scattered (True) or go whole (:func:`_dense`), given each
+    one's changed ``counts`` and ``whole`` bytes: scattered when that costs less, while the
+    budget lasts, taken in order. When every tensor is scattered within the budget (an
+    optimizer step's delta: tens of thousands of tensors) it is decided for the chunk at once."""
+    sparse = counts * per_element
+    total = int(sparse.sum())
+    if bool((counts * cost < whole).all()) and out.device_staged_bytes + total <= budget:
+        out.batched_names.update(name for name, _, _ in chunk)
+        out.device_staged_bytes += total
+        out.staged_bytes += total
+        out.pause_bytes += total
+        return [True] * len(chunk)
+    chosen = []
+    for (name, t, _), count, size, numel_bytes in zip(chunk, counts.tolist(), sparse.tolist(), whole.tolist()):
+        if count * cost < numel_bytes and out.device_staged_bytes + size <= budget:
+            chosen.append(True)
+            out.batched_names.add(name)
+            out.device_staged_bytes += size
+            out.staged_bytes += size
+            out.pause_bytes += size
+        else:
+            chosen.append(False)
+            _dense(wmap, name, t, out, budget, pinned_budget)
+    return chosen
 
 
 def _members(positions: torch.Tensor, numels: list[int]) -> torch.Tensor:
