@@ -28,7 +28,7 @@ from replica.engine import cpu_gemm, cpu_moe, post_load, updates
 from replica.engine.files import Checkpoint, plain_file_name, save_tensors
 from replica.engine.jobs import JobRunner
 from replica.engine.peer_group import PeerGroup
-from replica.engine.plugin import idle_spin_cap, logprob_ranks_eager
+from replica.engine.plugin import idle_spin_cap, logprob_ranks_eager, vocab_masks_eager
 from replica.engine.stage import Stage, StageSlot
 from replica.engine.step_delay import set_step_delay
 from replica.engine.tensors import ALGORITHMS, dtype_to_str
@@ -168,6 +168,7 @@ class WeightLoaderExtension:
             "parent_pid": os.getppid(),
             "idle_spin_s": idle_spin_cap(),
             "logprob_ranks_eager": logprob_ranks_eager(),
+            "vocab_masks_eager": vocab_masks_eager(),
             "gc_enabled": gc.isenabled(),
             "kv_cache_bytes": getattr(self, "cache_config").kv_cache_memory_bytes,  # vLLM's worker: the mixin's host
             "rank": rank,

@@ -5,10 +5,12 @@ only, it caps the idle busy-poll of vLLM's shared-memory queue readers at
 ``ROLLOUTS_VLLM_SPIN_S`` (default 0.05 s instead of 1 s, which burned a core per process after
 every RPC on a shared host), and runs the sampler's logprob ranks eagerly (the same integer
 count; avoids a lazy inductor compile that stalls the engine on its first logprobs request;
-bench/README.md); it also turns the cyclic garbage collector back on where a spawned process
-of ours turned it off for vLLM's import (replica/engine/dynamo_worker.py). Invariant: nothing
-here changes what vLLM computes; GPU hosts and processes
-without vLLM are unaffected.
+bench/README.md), and runs a tensor-parallel embedding's token-id masking eagerly (vLLM's own
+function, uncompiled: integer arithmetic, the same ids; its inductor compile cost each rank of
+every tensor-parallel engine ~15 CPU-s on its first request); it also turns the cyclic garbage
+collector back on where a spawned process of ours turned it off for vLLM's import
+(replica/engine/dynamo_worker.py). Invariant: nothing here changes what vLLM computes; GPU hosts
+and processes without vLLM are unaffected.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def register() -> None:
         logger.info("the garbage collector is back on after vLLM's import")
     shorten_idle_spin()
     eager_logprob_ranks()
+    eager_vocab_masks()
 
 
 def idle_spin_cap() -> float | None:
@@ -104,3 +107,32 @@ def logprob_ranks_eager() -> bool:
     except Exception:  # noqa: BLE001
         return False
     return getattr(sampler, "batched_count_greater_than", None) is count_at_least
+
+
+def eager_vocab_masks() -> bool:
+    """On CPU platforms, run vLLM's ``get_masked_input_and_mask`` (a tensor-parallel embedding's
+    token ids shifted into this rank's shard, and the mask of the others) as the plain function
+    ``torch.compile`` wraps; True if applied (idempotent)."""
+    try:
+        from vllm.model_executor.layers import vocab_parallel_embedding as vocab  # noqa: PLC0415 - vLLM loads plugins while it imports itself; a layout without these modules is skipped
+        from vllm.platforms import current_platform  # noqa: PLC0415 - vLLM loads plugins while it imports itself; a layout without these modules is skipped
+    except Exception:  # noqa: BLE001 - another vLLM layout: leave it alone
+        return False
+    if not current_platform.is_cpu():
+        return False
+    compiled = getattr(vocab, "get_masked_input_and_mask", None)
+    plain = getattr(compiled, "_torchdynamo_orig_callable", None)
+    if plain is not None:
+        vocab.get_masked_input_and_mask = plain
+        logger.info("vLLM's tensor-parallel embedding masks token ids eagerly (no inductor compile)")
+    return vocab_masks_eager()
+
+
+def vocab_masks_eager() -> bool:
+    """Whether this process's vLLM embedding masks token ids with the uncompiled function."""
+    try:
+        from vllm.model_executor.layers import vocab_parallel_embedding as vocab  # noqa: PLC0415 - vLLM loads plugins while it imports itself; a layout without these modules is skipped
+    except Exception:  # noqa: BLE001
+        return False
+    fn = getattr(vocab, "get_masked_input_and_mask", None)
+    return fn is not None and not hasattr(fn, "_torchdynamo_orig_callable")

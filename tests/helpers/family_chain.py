@@ -16,7 +16,7 @@ packed copy, ``A = -exp(A_log)``, an absorbed projection) that a hot-load left s
 otherwise. Where asked, a sparse delta (changed elements as indices and values) one step back,
 COMPLETED and compared the same way. A corrupted delta FAILS naming its tensor, the replica still
 serves (and answers) what it served, and its engine never restarted. At tensor-parallel size 2,
-every socket the ranks listen on is on the stack's host.
+every socket the ranks listen on is on the stack's host, and no rank compiled code (inductor).
 """
 
 from __future__ import annotations
@@ -127,6 +127,12 @@ def off_host_sockets(pid: int, host: str) -> list[str]:
                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.ip != host
             ]
     return wrong
+
+
+def compiled_code(pid: int) -> list[str]:
+    """What inductor compiled in the engine ``pid``'s cache (its ``TORCHINDUCTOR_CACHE_DIR``)."""
+    cache = Path(psutil.Process(pid).environ()["TORCHINDUCTOR_CACHE_DIR"])
+    return sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.suffix in (".so", ".cpp"))
 
 
 def corrupt_one_frame(delta: Path) -> str:
@@ -281,6 +287,9 @@ def run_family_chain(
         assert engines(stack, dep_id)[0]["enginePid"] == pid
         if tp > 1:  # the ranks are new processes: every socket they listen on is on the stack's host
             assert off_host_sockets(pid, stack.host) == []
+            # Their embedding masked token ids uncompiled (replica/engine/plugin.py): no rank compiled.
+            compiled = compiled_code(pid)
+            assert not compiled, f"the engine's ranks compiled {len(compiled)} files with inductor: {compiled[:4]}"
         return figures
     finally:
         fresh.close()

@@ -109,6 +109,7 @@ async def test_engine_processes_run_our_vllm_plugin(engine: EngineProcess) -> No
     engine for its g++ build, minutes on a busy 2-core host)."""
     worker = await engine._rpc1("engine_pid")
     assert worker["idle_spin_s"] == DEFAULT_SPIN_S and worker["logprob_ranks_eager"] is True
+    assert worker["vocab_masks_eager"] is True
     # Its KV cache is the size the agent's flag gave (ROLLOUTS_CPU_KV_CACHE_BYTES: the suite's).
     assert (
         worker["kv_cache_bytes"] == envs.ROLLOUTS_CPU_KV_CACHE_BYTES.get() != envs.ROLLOUTS_CPU_KV_CACHE_BYTES.default
