@@ -185,16 +185,23 @@ async def _run_replica(settings: Settings, spec: ReplicaSpec, held: contextlib.E
             names.REPLICA_FAILED, ReplicaFailure(name=spec.name, reason=f"start failed: {one_line(exc)}; log {workdir}")
         )
         if engine is not None:
-            await engine.stop()
+            await _stop_engine(engine)
         metrics.state("FAILED")
         return 1
     try:
         return await _serve(spec, client, deployment, engine, runtime, metrics, metrics_url)
     finally:
         runtime.withdraw_decode()  # its arena goes with this process
-        await engine.stop()
+        await _stop_engine(engine)
         engine_pid_file.remove()
         shutil.rmtree(runtime.staging, ignore_errors=True)
+
+
+async def _stop_engine(engine: EngineProcess) -> None:
+    """Stop the engine and remove its work directory (its TMPDIR and caches: nothing there
+    outlives it; the host's shared caches are links, which go, not what they point at)."""
+    await engine.stop()
+    shutil.rmtree(engine.work_dir, ignore_errors=True)
 
 
 async def _clear_leftovers(engine_pid_file: PidFile, name: str) -> None:

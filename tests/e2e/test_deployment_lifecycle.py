@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from common.processes import stop_pid
@@ -111,6 +112,8 @@ def test_engine_config_update_rolls_the_replica_onto_it(stack, lifecycle):
     dep_id = dep["spec"]["id"]
     (old,) = engines(stack, dep_id)
     assert flag(old["enginePid"], "--max-num-seqs") == "32"
+    old_dir = Path(psutil.Process(old["enginePid"]).cwd())  # its work directory (TMPDIR, caches)
+    assert (old_dir / "tmp").is_dir()
 
     patch = {"hotLoad": body["hotLoad"], "runtime": {**body["runtime"], "engineConfig": {"max-num-seqs": "6"}}}
     r = api.call("PATCH", f"/deployments/{dep_id}", json=patch)
@@ -145,6 +148,7 @@ def test_engine_config_update_rolls_the_replica_onto_it(stack, lifecycle):
     assert new["name"] != old["name"]
     assert flag(new["enginePid"], "--max-num-seqs") == "6"
     assert not Path(f"/proc/{old['enginePid']}").exists(), "the replaced engine still runs"
+    assert not old_dir.exists(), f"the replaced engine's work directory {old_dir} was left behind"
     # It caught up to the deployment's snapshot before it served.
     assert new["currentSnapshotIdentity"] == TRAINED
     assert served_checksums(new) == expected
