@@ -53,6 +53,9 @@ class Stage:
     kernels: kernel_copies.KernelCopies | None = None
     # The proof's host checksums laid out when taken (`WeightMap.host_proof`), so the pause only sums.
     host: HostProof | None = None
+    # `WeightMap.refusals` when the tensors were checked: the swap checks them again only if a
+    # tensor was refused since (the entries change only so).
+    checked_at: int = -1
 
     def scattered(self) -> set[str]:
         """The tensors whose changed elements the swap scatters (:meth:`scatters`)."""
@@ -111,6 +114,7 @@ def take(
     tensors, most of whose elements the engine already holds). The CPU kernels' copies of the
     layers written are derived here too (`kernel_copies.derive`)."""
     wmap.check(tensors)
+    checked_at = wmap.refusals
     with BACKUP_LOCK:
         if backup is None:  # nothing to keep of another rank's experts: this rank holds none of them
             backup = _backup_copies(wmap, [n for n, _ in tensors if not wmap.entry(n).elsewhere])
@@ -130,6 +134,7 @@ def take(
         plan=planned,
         kernels=kernels,
         host=host,
+        checked_at=checked_at,
     )
 
 
@@ -158,7 +163,8 @@ def swap(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
     restore the roll-back copies and raise. The report: ``copy_s``, ``repack_s`` and, for a
     planned stage, its bytes (`scatter.Plan.report`)."""
     t0 = time.perf_counter()
-    wmap.check(stage.tensors)
+    if stage.checked_at != wmap.refusals:
+        wmap.check(stage.tensors)
     try:
         wmap.write(stage.dense())
         scatter.write_pinned(wmap, stage.pinned())

@@ -113,6 +113,7 @@ class WeightMap:
         self.shadows: dict[str, torch.Tensor] = {}
         self.dependents = post_load.dependents(model) if post_load.processed(model) else {}
         self._dense_landings: dict[str, Landing | None] = {}  # :meth:`dense_landing`'s answers
+        self.refusals = 0  # how many times :meth:`refuse` ran: a stage checked before is checked again
 
     # -- building -------------------------------------------------------------------------
 
@@ -217,6 +218,7 @@ class WeightMap:
     def refuse(self, names: Iterable[str], why: str) -> None:
         """Refuse ``names`` from now on (:meth:`check` names each with ``why``): what the ranks'
         maps together show no rank holds (`contracts.engine_ranks.combine_map`)."""
+        self.refusals += 1
         for name in names:
             e = self.entries[name]
             e.refused, e.elsewhere, e.landings = why, False, []

@@ -96,6 +96,23 @@ def test_what_cannot_load_in_place_is_refused_at_staging() -> None:
         check_expected([("up.weight", up)], {"up.weight": "00000000"})
 
 
+def test_a_tensor_refused_after_staging_is_refused_by_the_swap_and_nothing_changes() -> None:
+    """The swap checks its tensors again only if the map refused one since the stage was taken
+    (`WeightMap.refusals`): a stage taken before a refusal is refused whole, naming it, before
+    anything is written (no write and roll-back)."""
+    model, slot = Tiny(), StageSlot()
+    before = weights(model)
+    tensors = new_values(8)
+    slot.put(take(model, "v1", tensors, expected_adler32={n: adler32_hex(t) for n, t in tensors}))
+    model.refuse(["down.weight"], "held by no rank")
+    written = []
+    write = model.write
+    model.write = lambda pairs, **kw: (written.append([n for n, _ in pairs]), write(pairs, **kw))[1]
+    with pytest.raises(ValueError, match="down.weight: held by no rank"):
+        slot.swap(model, "v1")
+    assert written == [] and weights(model) == before
+
+
 def test_one_dtype_table() -> None:
     assert dtype_from_str("bf16") is dtype_from_str("torch.bfloat16") is torch.bfloat16
     assert dtype_to_str(torch.float8_e4m3fn) == "float8_e4m3fn"
