@@ -16,9 +16,12 @@ Engine-taken roll-back copies live in one reused host buffer, guarded by ``BACKU
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -277,6 +280,20 @@ def commit(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
     return result
 
 
+@contextlib.contextmanager
+def collector_held() -> Iterator[None]:
+    """The cyclic garbage collector held off inside the pause's swap and proof, on as before
+    after: a stage of tens of thousands of tensors made a collection there cost up to ~50 ms
+    (48 x 128 experts in process: the pause's median 94 ms with it, 79 ms without)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 class StageSlot:
     """The engine's one stage (module docstring); the methods run on the worker's RPC thread,
     except :meth:`put`, which a stage job calls when its stage is ready."""
@@ -307,7 +324,7 @@ class StageSlot:
     def swap(self, wmap: WeightMap, label: str) -> dict[str, Any]:
         stage = self._get(label, swapped=False)
         try:
-            with BACKUP_LOCK:
+            with BACKUP_LOCK, collector_held():
                 return swap(wmap, stage)
         except BaseException:
             self.stage = None
@@ -318,7 +335,7 @@ class StageSlot:
         that :meth:`discard` can still roll it back (another rank of the engine failed its proof)
         until :meth:`release` drops it; a stage that failed is rolled back and dropped either way."""
         stage = self._get(label, swapped=True)
-        with BACKUP_LOCK:
+        with BACKUP_LOCK, collector_held():
             result = commit(wmap, stage)
         if hold and "verified" in result:
             stage.held = True

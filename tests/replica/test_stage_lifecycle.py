@@ -5,6 +5,8 @@ as free functions on a small torch model with vLLM's ``load_weights`` interface 
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -111,6 +113,28 @@ def test_a_tensor_refused_after_staging_is_refused_by_the_swap_and_nothing_chang
     with pytest.raises(ValueError, match="down.weight: held by no rank"):
         slot.swap(model, "v1")
     assert written == [] and weights(model) == before
+
+
+def test_the_collector_is_held_off_inside_the_swap_and_proof_and_back_on_after() -> None:
+    model, slot = Tiny(), StageSlot()
+    tensors = new_values(9)
+    slot.put(take(model, "v1", tensors, expected_adler32={n: adler32_hex(t) for n, t in tensors}))
+    seen = []
+    write, holds = model.write, model.holds
+    model.write = lambda pairs, **kw: (seen.append(gc.isenabled()), write(pairs, **kw))[1]
+    model.holds = lambda name, t: (seen.append(gc.isenabled()), holds(name, t))[1]
+    assert gc.isenabled()
+    slot.swap(model, "v1")
+    assert gc.isenabled()
+    assert slot.commit(model, "v1")["verified"] == 2 and gc.isenabled()
+    assert seen and not any(seen), seen
+    gc.disable()  # a caller's own choice is left as it was
+    try:
+        slot.put(take(model, "v2", new_values(10)))
+        slot.swap_and_commit(model, "v2")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_one_dtype_table() -> None:
