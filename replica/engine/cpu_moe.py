@@ -6,7 +6,7 @@ first (:func:`loaded`); an update writes there, :func:`rebuild` reruns vLLM's ow
 prepack on a scratch module and puts the result in (:func:`put`), and :func:`packed_from_loaded`
 proves the kernel's weights are the prepack of the copies. A stage derives the prepack before
 the pause instead (:func:`pack` of the image the write will produce, `kernel_copies`), and the
-pause only copies it in (:func:`put`). Cost: expert weights held twice in CPU memory. GPU
+pause only puts it in (:func:`put`). Cost: expert weights held twice in CPU memory. GPU
 platforms, zentorch kernels and processes without vLLM are left alone.
 """
 

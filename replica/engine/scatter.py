@@ -78,6 +78,13 @@ class Plan:
     device_staged_bytes: int = 0
     pinned_staged_bytes: int = 0
 
+    def scatter_bytes(self, size: int) -> None:
+        """Count ``size`` bytes of scattered elements (offsets and values): staged on the
+        device holding the parameter and moved inside the pause."""
+        self.device_staged_bytes += size
+        self.staged_bytes += size
+        self.pause_bytes += size
+
     def scattered(self) -> set[str]:
         """The tensors whose changed elements are scattered (none of them is written whole)."""
         return set(self.sparse) | self.batched_names
@@ -183,10 +190,7 @@ def _plan_one(
     if cost < dense_bytes(wmap, name) and out.device_staged_bytes + sparse <= budget:
         scatters = [_scatter(wmap, ld, new, masks[ld]) for ld in landings]
         out.sparse[name] = scatters
-        size = sum(s.nbytes() for s in scatters)
-        out.device_staged_bytes += size
-        out.staged_bytes += size
-        out.pause_bytes += size
+        out.scatter_bytes(sum(s.nbytes() for s in scatters))
     else:
         _dense(wmap, name, t, out, budget, pinned_budget)
 
@@ -291,18 +295,14 @@ def _choose(
     total = int(sparse.sum())
     if bool((counts * cost < whole).all()) and out.device_staged_bytes + total <= budget:
         out.batched_names.update(name for name, _, _ in chunk)
-        out.device_staged_bytes += total
-        out.staged_bytes += total
-        out.pause_bytes += total
+        out.scatter_bytes(total)
         return [True] * len(chunk)
     chosen = []
     for (name, t, _), count, size, numel_bytes in zip(chunk, counts.tolist(), sparse.tolist(), whole.tolist()):
         if count * cost < numel_bytes and out.device_staged_bytes + size <= budget:
             chosen.append(True)
             out.batched_names.add(name)
-            out.device_staged_bytes += size
-            out.staged_bytes += size
-            out.pause_bytes += size
+            out.scatter_bytes(size)
         else:
             chosen.append(False)
             _dense(wmap, name, t, out, budget, pinned_budget)

@@ -119,15 +119,15 @@ def test_the_collector_is_held_off_inside_the_swap_and_proof_and_back_on_after()
     model, slot = Tiny(), StageSlot()
     tensors = new_values(9)
     slot.put(take(model, "v1", tensors, expected_adler32={n: adler32_hex(t) for n, t in tensors}))
-    seen = []
-    write, holds = model.write, model.holds
-    model.write = lambda pairs, **kw: (seen.append(gc.isenabled()), write(pairs, **kw))[1]
-    model.holds = lambda name, t: (seen.append(gc.isenabled()), holds(name, t))[1]
+    seen: dict[str, list[bool]] = {"swap": [], "proof": []}
+    write, unpacked = model.write, model.unpacked
+    model.write = lambda pairs, **kw: (seen["swap"].append(gc.isenabled()), write(pairs, **kw))[1]
+    model.unpacked = lambda *a, **kw: (seen["proof"].append(gc.isenabled()), unpacked(*a, **kw))[1]
     assert gc.isenabled()
     slot.swap(model, "v1")
     assert gc.isenabled()
     assert slot.commit(model, "v1")["verified"] == 2 and gc.isenabled()
-    assert seen and not any(seen), seen
+    assert seen["swap"] and seen["proof"] and not any(seen["swap"] + seen["proof"]), seen
     gc.disable()  # a caller's own choice is left as it was
     try:
         slot.put(take(model, "v2", new_values(10)))
