@@ -29,7 +29,7 @@ from replica import faults
 from replica.agent.downloads import download_prefix
 from replica.agent.engine_control import EngineControl
 from replica.agent.engine_rpc import ReadBackFailed
-from replica.agent.host_decodes import Publication, copy_published, decode_key, publish
+from replica.agent.host_decodes import Publication, copy_published, decode_key, publish, read_published
 from replica.agent.metrics import delta_staged
 from replica.agent.peers import PeerSteps
 from replica.agent.staged import EngineUpdateError, PeerStage, StagedUpdate, fmt, ms_since, one_line
@@ -255,66 +255,84 @@ class ReplicaRuntime(PeerSteps):
     def decode_links(self, inp: ApplySnapshotInput, todo: list[SnapshotRef], local: dict[str, Path]) -> StagedUpdate:
         """Decode the missing delta links (local directories) into the stage arena, in chain
         order, against the host copy (which does not change); each link's tensors are checked
-        against their recorded Adler-32. Raises SnapshotError naming file and tensor."""
+        against their recorded Adler-32. A checked decode of the same links on the same weights
+        that this host published is copied instead, before any delta plan is read
+        (`replica.agent.host_decodes`). Raises SnapshotError naming file and tensor."""
+        ids = [link.identity for link in todo]
+        key = decode_key(self.applied, ids, [Path(local[i]) for i in ids])
+        staged = StagedUpdate(identity=inp.identity)
+        self.withdraw_decode()  # before the arena is written again
+        if not self._copy_host_decode(key, ids, staged):
+            self._decode_here(key, todo, local, staged)
+        for link in todo:
+            staged.links.append(link.identity)
+            staged.link_dirs[link.identity] = Path(local[link.identity])
+        return staged
+
+    def _decode_here(self, key: str, todo: list[SnapshotRef], local: dict[str, Path], staged: StagedUpdate) -> None:
+        """:meth:`decode_links`' own decode; publishes it for this host's other replicas."""
         plans = [read_delta_plan(local[link.identity]) for link in todo]
         sizes: dict[str, int] = {}
         for plan in plans:
             for name in plan.tensors:
                 if name in self.host and name not in sizes:
                     sizes[name] = self.host.info(name).nbytes
-        self.withdraw_decode()  # before the arena is written again
         layout = self.arena.reserve(list(sizes.items()))
         out = {n: self.arena.view(offset, nbytes) for n, (offset, nbytes) in layout.items()}
-        staged = StagedUpdate(identity=inp.identity)
-        key = decode_key(self.applied, [link.identity for link in todo], plans)
-        if out and self._copy_host_decode(key, plans, todo, out, staged):
-            decoded = set(staged.expected)
-            delta_staged(self.deployment, self.name, copied=True)
-        else:
-            decoded = set()
-            for link, plan in zip(todo, plans):
-                report = self.host.decode_delta_into(plan, out, decoded)
-                decoded.update(report.changed)
-                staged.expected.update(report.checksums)
-                staged.changed_by_link[link.identity] = list(report.changed)
-            if out:
-                delta_staged(self.deployment, self.name, copied=False)
-            if decoded:
-                self.decode_published = publish(
-                    self.arena.directory, key, self.arena.path, self.arena.size, {n: layout[n] for n in decoded}
-                )
-        for link in todo:
-            staged.links.append(link.identity)
-            staged.link_dirs[link.identity] = Path(local[link.identity])
-        staged.names = sorted(decoded)
+        decoded: set[str] = set()
+        for link, plan in zip(todo, plans):
+            report = self.host.decode_delta_into(plan, out, decoded)
+            decoded.update(report.changed)
+            staged.expected.update(report.checksums)
+            staged.changed_by_link[link.identity] = list(report.changed)
+        if out:
+            delta_staged(self.deployment, self.name, copied=False)
+        self._hold_decoded(staged, out, layout, decoded)
+        if decoded:
+            self.decode_published = publish(
+                self.arena.directory,
+                key,
+                self.arena.path,
+                self.arena.size,
+                {n: (*layout[n], staged.expected[n]) for n in staged.names},
+                {link: list(names or []) for link, names in staged.changed_by_link.items()},
+            )
+
+    @staticmethod
+    def _hold_decoded(
+        staged: StagedUpdate, out: dict[str, np.ndarray], layout: dict[str, tuple[int, int]], names: set[str]
+    ) -> None:
+        staged.names = sorted(names)
         staged.decoded = {n: out[n] for n in staged.names}
         staged.arena_offsets = {n: layout[n][0] for n in staged.names}
-        return staged
 
-    def _copy_host_decode(
-        self, key: str, plans: list[Any], todo: list[SnapshotRef], out: dict[str, np.ndarray], staged: StagedUpdate
-    ) -> bool:
-        """Fill `out` with another replica's checked decode of the same update on the same
-        weights, when this host has one (`replica.agent.host_decodes`); False: decode here."""
-        expected: dict[str, str] = {}
-        for plan in plans:
-            if any(name not in out for name in plan.tensors):
-                return False  # a tensor the base lacks: the decode names it
-            expected.update({t.name: t.checksum for t in plan.tensors.values()})
+    def _copy_host_decode(self, key: str, ids: list[str], staged: StagedUpdate) -> bool:
+        """Fill the stage arena with another replica's checked decode of the same update on the
+        same weights, when this host has one (`replica.agent.host_decodes`); False: decode here."""
         t0 = time.perf_counter()
-        source = copy_published(self.arena.directory, key, out, expected, workers=self.host.workers)
+        published = read_published(self.arena.directory, key)
+        if published is None or set(published.changed) != set(ids):
+            return False
+        for name, (_, nbytes) in published.places.items():
+            if name not in self.host or self.host.info(name).nbytes != nbytes:
+                return False  # the decode here names what does not fit
+        in_order = sorted(published.places, key=lambda n: published.places[n][0])
+        layout = self.arena.reserve([(n, published.places[n][1]) for n in in_order])
+        out = {n: self.arena.view(offset, nbytes) for n, (offset, nbytes) in layout.items()}
+        source = copy_published(published, out, workers=self.host.workers)
         if source is None:
             return False
-        staged.expected.update(expected)
-        for link, plan in zip(todo, plans):
-            staged.changed_by_link[link.identity] = list(plan.tensors)
+        staged.expected.update(published.checksums)
+        staged.changed_by_link.update({link: list(names) for link, names in published.changed.items()})
         staged.copied_from = source
+        self._hold_decoded(staged, out, layout, set(out))
+        delta_staged(self.deployment, self.name, copied=True)
         log.info(
             "%s: copied this host's decode of %s from %s and checked it: %d tensors, %.0f ms",
             self.name,
             staged.identity,
             source,
-            len(expected),
+            len(out),
             ms_since(t0),
         )
         return True

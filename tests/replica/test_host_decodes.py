@@ -8,6 +8,7 @@ and the arenas' directory is the test's own, so no other test's records are seen
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import threading
@@ -20,6 +21,7 @@ from prometheus_client import REGISTRY
 from contracts.activities import ApplySnapshotInput
 from contracts.records import SnapshotRef, SnapshotType
 from replica.agent import host_decodes
+from replica.agent import runtime as runtime_module
 from replica.agent.runtime import ReplicaRuntime
 from snapshots.errors import SnapshotError
 from snapshots.host import HostWeights, checkpoint_checksums
@@ -67,12 +69,18 @@ def stages(replica: str, how: str) -> float:
     return REGISTRY.get_sample_value("rollouts_replica_delta_stages_total", labels) or 0.0
 
 
-def test_the_second_replica_copies_the_first_ones_decode(setup) -> None:
+def refuse_plan(*_a, **_k):
+    raise AssertionError("read a delta plan although a sibling's decode was published")
+
+
+def test_the_second_replica_copies_the_first_ones_decode(setup, monkeypatch: pytest.MonkeyPatch) -> None:
     first, second = runtime(setup, "r1"), runtime(setup, "r2")
     before = {(r, how): stages(r, how) for r in ("r1", "r2") for how in ("decoded", "copied")}
     staged1 = first.decode_links(INP, CHAIN[1:], {"v-next": setup["delta"]})
     assert staged1.copied_from == "" and staged1.names
     forbid_decode(second)
+    # It finds the decode by the files' headers: no delta plan is read (that is the first one's work).
+    monkeypatch.setattr(runtime_module, "read_delta_plan", refuse_plan)
     staged2 = second.decode_links(INP, CHAIN[1:], {"v-next": setup["delta"]})
     assert staged2.copied_from == first.arena.path
     # The metric says which stage was decoded and which copied.
@@ -103,19 +111,34 @@ def test_a_withdrawn_or_other_update_is_decoded_again(setup) -> None:
     assert third.decode_links(INP, CHAIN[1:], {"v-next": setup["delta"]}).copied_from == ""
 
 
+def test_other_files_under_the_same_link_are_decoded_again(setup) -> None:
+    """The key binds each shard's header (every frame's place and tensor's Adler-32), not only
+    the link's name: files of another step published under the same identity are decoded."""
+    first, second = runtime(setup, "r1"), runtime(setup, "r2")
+    first.decode_links(INP, CHAIN[1:], {"v-next": setup["delta"]})
+    root = setup["root"]
+    make_checkpoint_pair(root / "base2", root / "other", size_mb=2, lr=3e-2)
+    write_delta(setup["base"], root / "other", root / "other-delta", version="v-next", base_version="v-base")
+    staged = second.decode_links(INP, CHAIN[1:], {"v-next": root / "other-delta"})
+    assert staged.copied_from == ""
+    other = checkpoint_checksums(root / "other")
+    assert decoded_sums(staged) == {n: other[n] for n in staged.names}
+
+
 def test_nothing_unchecked_is_copied(setup) -> None:
     first = runtime(setup, "r1")
     staged = first.decode_links(INP, CHAIN[1:], {"v-next": setup["delta"]})
-    key = host_decodes.record_path(first.arena.directory, "x").parent.glob("rollouts-decoded-*.json")
-    key = next(iter(key)).name.removeprefix("rollouts-decoded-").removesuffix(".json")
-    out = {n: np.empty_like(a) for n, a in staged.decoded.items()}
     directory = first.arena.directory
-    assert host_decodes.copy_published(directory, key, out, staged.expected) == first.arena.path
+    key = next(directory.glob("rollouts-decoded-*.json")).name.removeprefix("rollouts-decoded-").removesuffix(".json")
+    published = host_decodes.read_published(directory, key)
+    assert published is not None and published.checksums == staged.expected
+    out = {n: np.empty_like(a) for n, a in staged.decoded.items()}
+    assert host_decodes.copy_published(published, out) == first.arena.path
 
-    # A byte of the published arena changes: its Adler-32 differs from the delta's record.
+    # A byte of the published arena changes: its Adler-32 differs from the record's.
     victim = staged.names[0]
     staged.decoded[victim][0] ^= 1
-    assert host_decodes.copy_published(directory, key, out, staged.expected) is None
+    assert host_decodes.copy_published(published, out) is None
     staged.decoded[victim][0] ^= 1
 
     # The record is replaced while the copy runs (its arena reused and published again).
@@ -132,27 +155,46 @@ def test_nothing_unchecked_is_copied(setup) -> None:
                         key,
                         first.arena.path,
                         first.arena.size,
-                        {n: (first.arena.offset_of(a), a.nbytes) for n, a in staged.decoded.items()},
+                        {
+                            n: (first.arena.offset_of(a), a.nbytes, staged.expected[n])
+                            for n, a in staged.decoded.items()
+                        },
+                        {"v-next": list(staged.names)},
                     )
                 )
         return copy(src, dst)
 
     host_decodes._copy_checked = republish
     try:
-        assert host_decodes.copy_published(directory, key, out, staged.expected) is None
+        assert host_decodes.copy_published(published, out) is None
     finally:
         host_decodes._copy_checked = copy
+    published = host_decodes.read_published(directory, key)
+    assert published is not None and host_decodes.copy_published(published, out) == first.arena.path
 
-    # Other tensors or sizes than the caller's delta names.
-    assert host_decodes.copy_published(directory, key, {victim: out[victim]}, staged.expected) is None
-    assert host_decodes.copy_published(directory, key, {victim: out[victim][:-1]}, {victim: "0"}) is None
+    # Other tensors or sizes than the record names.
+    assert host_decodes.copy_published(published, {victim: out[victim]}) is None
+    assert host_decodes.copy_published(published, {**out, victim: out[victim][:-1]}) is None
+
+    # A record that names a tensor outside its arena, or changes it does not hold, is not read.
+    record = host_decodes.record_path(directory, key)
+    text = record.read_text()
+    broken = json.loads(text)
+    broken["size"] = 8
+    record.write_text(json.dumps(broken))
+    assert host_decodes.read_published(directory, key) is None
+    broken = json.loads(text)
+    broken["changed"]["v-next"].append("not-decoded")
+    record.write_text(json.dumps(broken))
+    assert host_decodes.read_published(directory, key) is None
+    record.write_text(text)
 
     # The publishing agent is gone: its descriptor no longer opens, and the next publish on
     # the host removes its record.
-    record = host_decodes.record_path(directory, key)
-    record.write_text(record.read_text().replace(first.arena.path, "/proc/999999999/fd/3"))
-    assert host_decodes.copy_published(directory, key, out, staged.expected) is None
-    host_decodes.publish(directory, "other", first.arena.path, first.arena.size, {})
+    record.write_text(text.replace(first.arena.path, "/proc/999999999/fd/3"))
+    published = host_decodes.read_published(directory, key)
+    assert published is not None and host_decodes.copy_published(published, out) is None
+    host_decodes.publish(directory, "other", first.arena.path, first.arena.size, {}, {})
     assert not record.exists()
 
 
@@ -174,8 +216,8 @@ def test_a_corrupt_delta_is_refused_and_nothing_is_published(setup) -> None:
 def test_records_of_agents_that_are_gone_are_removed_and_no_others(tmp_path: Path) -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()
-    live = host_decodes.publish(tmp_path, "live", f"/proc/{os.getpid()}/fd/3", 8, {"t": (0, 8)})
-    dead = host_decodes.publish(tmp_path, "dead", f"/proc/{gone.pid}/fd/3", 8, {"t": (0, 8)})  # last
+    live = host_decodes.publish(tmp_path, "live", f"/proc/{os.getpid()}/fd/3", 8, {"t": (0, 8, "0")}, {})
+    dead = host_decodes.publish(tmp_path, "dead", f"/proc/{gone.pid}/fd/3", 8, {"t": (0, 8, "0")}, {})  # last
     other = tmp_path / "rollouts-decoded-unreadable.json"
     other.write_text("not json")
     assert host_decodes.remove_stale(tmp_path) == [dead.path]
