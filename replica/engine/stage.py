@@ -70,7 +70,7 @@ class Stage:
     def ready(self) -> list[tuple[str, torch.Tensor]]:
         """The staged tensors, each where it is held ready (on the engine's device when staged there)."""
         on_device = self.plan.on_device if self.plan is not None else {}
-        return [(n, on_device.get(n, t)) for n, t in self.tensors]
+        return [(n, on_device.get(n, t)) for n, t in self.tensors] if on_device else self.tensors
 
     def dense(self) -> list[tuple[str, torch.Tensor]]:
         """What the swap copies whole and at once: :meth:`ready` but the scattered tensors and
@@ -127,7 +127,7 @@ def take(
     kernels = kernel_copies.derive(wmap, tensors)
     host = None
     if expected is not None and all(n in expected for n, _ in tensors):
-        host = wmap.host_proof(n for n, _ in tensors if not wmap.entry(n).elsewhere)
+        host = wmap.host_proof((n for n, _ in tensors if not wmap.entry(n).elsewhere), expected)
     return Stage(
         label,
         tensors,
@@ -221,23 +221,40 @@ def proof(
     if not (expected_adler32 and all(n in expected_adler32 for n, _ in tensors)):
         bad = [n for n, t in tensors if not wmap.holds(n, t)]
         return bad + [n for n in _unpacked(wmap, [n for n, _ in tensors], kernels) if n not in bad], {}
-    held: dict[str, str] = {}
-    bad = []
-    mine = [(n, t) for n, t in tensors if not wmap.entry(n).elsewhere]  # another rank proves its experts
-    if host is None or not host.current(wmap):
-        host = wmap.host_proof(n for n, _ in mine)
-    host_sums = host.plan.run()  # every core of the process at once
-    for n, t in mine:
-        want = expected_adler32[n].lower()
-        got = host_sums.get(n)  # held whole in a host parameter: its bytes read once per parameter
-        if got == want if got is not None else _proven_alone(wmap, n, t, want, checked):
-            held[n] = want
-        else:
-            bad.append(n)
+    if host is None or not host.current(wmap):  # another rank proves its experts
+        host = wmap.host_proof(n for n, _ in tensors if not wmap.entry(n).elsewhere)
+    held, bad = _host_proven(host, expected_adler32)
+    if host.rest:
+        given = dict(tensors)
+        for n in host.rest:
+            want = expected_adler32[n].lower()
+            if _proven_alone(wmap, n, given[n], want, checked):
+                held[n] = want
+            else:
+                bad.append(n)
     for n in _unpacked(wmap, list(held), kernels):
         bad.append(n)
         del held[n]
     return bad, held
+
+
+def _host_proven(host: HostProof, expected: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """(proven, differing) of the tensors ``host`` sums: each slice's Adler-32 (every core at
+    once) against ``expected``, the whole list compared at once (`HostProof.want`, laid out at
+    staging) and tensor by tensor only when it differs."""
+    names = host.plan.names
+    want = host.want if host.want is not None else [int(expected[n], 16) for n in names]
+    got = host.plan.values()
+    if got == want:
+        return {n: expected[n].lower() for n in names}, []
+    held: dict[str, str] = {}
+    bad: list[str] = []
+    for n, g, w in zip(names, got, want, strict=True):
+        if g == w:
+            held[n] = expected[n].lower()
+        else:
+            bad.append(n)
+    return held, bad
 
 
 def _unpacked(wmap: WeightMap, names: list[str], kernels: kernel_copies.KernelCopies | None) -> list[str]:

@@ -149,15 +149,22 @@ class ChecksumPlan:
 
     def run(self) -> dict[str, str]:
         """``{name: Adler-32}`` of every slice, as its bytes are now."""
+        return {name: "%08x" % value for name, value in zip(self.names, self.values())}
+
+    def values(self) -> list[int]:
+        """The Adler-32 of every slice as an int, in :attr:`names` order (what :meth:`run` gives
+        without a string per slice: a proof compares the whole list at once)."""
         if CHECKSUM_THREADS > 1 and len(self.batches) > 1:
             sums = [v for part in _pool().map(_summed, self.batches) for v in part]
         else:
             sums = [v for batch in self.batches for v in _summed(batch)]
+        if len(sums) == len(self.names):  # every slice one piece: the sums are the slices'
+            return sums
         out: list[int | None] = [None] * len(self.names)
         for (index, _, first, end), value in zip(self.pieces, sums, strict=True):
             held = out[index]
             out[index] = value if held is None else adler32_combine(held, value, end - first)
-        return {name: "%08x" % (value or 0) for name, value in zip(self.names, out)}
+        return [value or 0 for value in out]
 
 
 def _summed(batch: list[tuple[int, memoryview, int, int]]) -> list[int]:

@@ -36,6 +36,7 @@ class HostProof:
     plan: ChecksumPlan
     rest: list[str]  # the names it does not cover
     where: list[tuple[str, int, int]]  # (parameter, data_ptr, nbytes) of each group's bytes
+    want: list[int] | None = None  # the expected Adler-32 of each of `plan.names`, when laid out with them
 
     def current(self, wmap: WeightMap) -> bool:
         for param, ptr, size in self.where:
@@ -289,12 +290,14 @@ class WeightMap:
         groups, rest = self._host_groups(names)
         return [(data, slices) for _, data, slices in groups.values()], rest
 
-    def host_proof(self, names: Iterable[str]) -> HostProof:
-        """:meth:`host_slices` of ``names`` laid out for a later proof (`HostProof`)."""
+    def host_proof(self, names: Iterable[str], expected: dict[str, str] | None = None) -> HostProof:
+        """:meth:`host_slices` of ``names`` laid out for a later proof (`HostProof`), with what
+        each should sum to when ``expected`` (name -> Adler-32) is given."""
         groups, rest = self._host_groups(names)
         where = [(param, target.data_ptr(), target.nbytes) for param, (target, _, _) in groups.items()]
         plan = ChecksumPlan((data, slices) for _, data, slices in groups.values())
-        return HostProof(plan, rest, where)
+        want = None if expected is None else [int(expected[n], 16) for n in plan.names]
+        return HostProof(plan, rest, where, want)
 
     def _host_groups(
         self, names: Iterable[str]

@@ -232,6 +232,23 @@ def test_a_proof_laid_out_before_the_swap_reads_the_parameters_where_they_are_wh
     assert bad == ["experts.5.up_proj.weight"]
 
 
+def test_a_proof_laid_out_with_its_sums_names_each_tensor_that_differs() -> None:
+    """Laid out with the expected sums (as a stage is taken), the proof compares the whole list
+    at once: equal, every tensor is proven; one byte off, exactly its tensor is named."""
+    wmap = loaded(Experts(), expert_checkpoint(0))
+    new = expert_checkpoint(1)
+    update = [(n, new[n]) for n in sorted(new)]
+    expected = {n: adler32_hex(t) for n, t in update}
+    host = wmap.host_proof((n for n, _ in update), expected)
+    assert host.want is not None and len(host.want) == len(update)
+    wmap.write(update)
+    assert proof(wmap, update, expected, host=host) == ([], expected)
+    raw = wmap.target("w13").view(-1).view(torch.uint8)
+    raw[(2 * 2 * Experts.INTER) * Experts.H * 2 + 1] ^= 0x01  # the gate rows of expert 2
+    bad, held = proof(wmap, update, expected, host=host)
+    assert bad == ["experts.2.gate_proj.weight"] and set(held) == set(expected) - set(bad)
+
+
 def test_adler32_of_slices_equals_each_tensor_s_own() -> None:
     gen = torch.Generator().manual_seed(3)
     data = torch.randint(0, 256, (64, 1000), dtype=torch.uint8, generator=gen)
