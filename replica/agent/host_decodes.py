@@ -190,39 +190,84 @@ def _copy_checked(src: np.ndarray, dst: np.ndarray) -> str:
         chunk = dst[start : start + CHUNK_BYTES]
         np.copyto(chunk, src[start : start + CHUNK_BYTES])
         value = adler32(chunk, value)
-    return f"{value & 0xFFFFFFFF:08x}"
+    return _hex(value)
 
 
 def _copy_all(
-    mapped: mmap.mmap, places: dict[str, tuple[int, int]], out: dict[str, np.ndarray], workers: int
+    mapped: mmap.mmap,
+    names: list[str],
+    places: dict[str, tuple[int, int]],
+    dest: np.ndarray,
+    layout: dict[str, tuple[int, int]],
+    runs: bool,
+    workers: int,
 ) -> dict[str, str]:
-    """Copy every tensor out of the mapped arena, largest first, on ``workers`` threads; returns
-    each copy's Adler-32 (no view of the mapping outlives the call)."""
+    """Copy every tensor out of the mapped arena into ``dest`` at ``layout`` (name -> (offset,
+    nbytes)), in the arena's order on ``workers`` threads, a run of tensors lying the same
+    distance apart in both (the same layout: its padding is padding in both) in one copy;
+    returns each copy's Adler-32 (no view of the mapping outlives the call). ``names``: in the
+    arena's order; ``runs``: their ``layout`` places are in the same order (else one at a time)."""
     source = np.frombuffer(mapped, dtype=np.uint8)
-    names = sorted(out, key=lambda n: -out[n].nbytes)
 
     def some(batch: list[str]) -> list[str]:
-        out_ = []
-        for name in batch:
-            offset, nbytes = places[name]
-            out_.append(_copy_checked(source[offset : offset + nbytes], out[name]))
-        return out_
+        digests: list[str] = []
+        i = 0
+        while i < len(batch):
+            j = _run_end(batch, i, places, layout) if runs else i + 1
+            first = places[batch[i]][0]
+            shift = layout[batch[i]][0] - first
+            if j == i + 1:  # one tensor (a large one: copied and summed a chunk at a time)
+                size = places[batch[i]][1]
+                digests.append(_copy_checked(source[first : first + size], dest[first + shift : first + shift + size]))
+            else:
+                last, size = places[batch[j - 1]]
+                end = last + size
+                np.copyto(dest[first + shift : end + shift], source[first:end])
+                digests.extend(_hex(adler32(dest[o : o + n])) for o, n in (layout[name] for name in batch[i:j]))
+            i = j
+        return digests
 
     # Several tensors per task (a task per tensor costs more than copying a small one).
     workers = max(1, min(workers, len(names)))
-    batches = [names[r.start : r.stop] for r in task_batches([out[n].nbytes for n in names], workers)]
+    batches = [names[r.start : r.stop] for r in task_batches([layout[n][1] for n in names], workers)]
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return dict(zip(names, (d for digests in pool.map(some, batches) for d in digests)))
 
 
-def copy_published(published: Published, out: dict[str, np.ndarray], *, workers: int | None = None) -> str | None:
-    """Fill ``out`` (name -> flat buffer: every tensor ``published`` holds, each its size) from
-    the published decode, every tensor checked against the record's Adler-32; returns the arena
-    copied from, or ``None`` when the caller must decode itself (module docstring)."""
-    if set(out) != set(published.places):
+def _run_end(batch: list[str], i: int, places: dict[str, tuple[int, int]], layout: dict[str, tuple[int, int]]) -> int:
+    """Where the run of ``batch[i:]`` copied at once ends: tensors after each other in the arena,
+    the same distance apart in ``layout``, up to ``CHUNK_BYTES`` (the copy still in the CPU cache
+    when its Adler-32 are computed)."""
+    first, size = places[batch[i]]
+    shift = layout[batch[i]][0] - first
+    end, j = first + size, i + 1
+    while j < len(batch) and end - first < CHUNK_BYTES:
+        offset, nbytes = places[batch[j]]
+        if offset < end or layout[batch[j]][0] - offset != shift or end + nbytes - first > CHUNK_BYTES:
+            break
+        end, j = offset + nbytes, j + 1
+    return j
+
+
+def _hex(value: int) -> str:
+    return f"{value & 0xFFFFFFFF:08x}"
+
+
+def copy_published(
+    published: Published, dest: np.ndarray, layout: dict[str, tuple[int, int]], *, workers: int | None = None
+) -> str | None:
+    """Fill ``dest`` at ``layout`` (name -> (offset, nbytes): every tensor ``published`` holds,
+    each its size) from the published decode, every tensor checked against the record's
+    Adler-32; returns the arena copied from, or ``None`` when the caller must decode itself
+    (module docstring)."""
+    if set(layout) != set(published.places):
         return None
-    if any(published.places[n][1] != buf.nbytes for n, buf in out.items()):
+    if any(published.places[n][1] != nbytes or offset + nbytes > dest.nbytes for n, (offset, nbytes) in layout.items()):
         return None
+    names = sorted(layout, key=lambda n: published.places[n][0])
+    # A run copied at once must not write into another tensor's place: runs only where the
+    # layout keeps the arena's order.
+    runs = all(layout[b][0] >= layout[a][0] + layout[a][1] for a, b in zip(names, names[1:]))
     try:
         fd = os.open(published.arena, os.O_RDONLY)
     except OSError:
@@ -236,13 +281,13 @@ def copy_published(published: Published, out: dict[str, np.ndarray], *, workers:
     finally:
         os.close(fd)
     try:
-        digests = _copy_all(mapped, published.places, out, workers or default_workers())
+        digests = _copy_all(mapped, names, published.places, dest, layout, runs, workers or default_workers())
     finally:
         try:
             mapped.close()
         except BufferError:
             pass
-    if any(digests[n] != published.checksums[n] for n in out):
+    if any(digests[n] != published.checksums[n] for n in layout):
         return None
     again = _read_record(published.path)
     if again is None or again.get("generation") != published.generation:

@@ -318,10 +318,10 @@ class ReplicaRuntime(PeerSteps):
                 return False  # the decode here names what does not fit
         in_order = sorted(published.places, key=lambda n: published.places[n][0])
         layout = self.arena.reserve([(n, published.places[n][1]) for n in in_order])
-        out = {n: self.arena.view(offset, nbytes) for n, (offset, nbytes) in layout.items()}
-        source = copy_published(published, out, workers=self.host.workers)
+        source = copy_published(published, self.arena.view(0, self.arena.size), layout, workers=self.host.workers)
         if source is None:
             return False
+        out = {n: self.arena.view(offset, nbytes) for n, (offset, nbytes) in layout.items()}
         staged.expected.update(published.checksums)
         staged.changed_by_link.update({link: list(names) for link, names in published.changed.items()})
         staged.copied_from = source

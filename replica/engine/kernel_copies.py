@@ -42,6 +42,7 @@ import torch
 
 from common import envs
 from replica.engine import cpu_gemm, cpu_moe
+from replica.engine.landings import Landing
 from replica.engine.tensors import adler32_hex, bits
 from replica.engine.weight_map import WeightMap
 
@@ -191,8 +192,8 @@ def _images(
     images = {attr: t.clone() for attr, t in targets.items()}
     covered = {attr: torch.zeros(t.shape, dtype=torch.bool) for attr, t in targets.items()}
     into: dict[str, str | None] = {}  # a landing's parameter -> the image it writes (None: none)
+    by_image: dict[str, list[tuple[str, torch.Tensor, Landing]]] = {}
     for name, t in landed:
-        src = t.contiguous()
         for ld in wmap.entry(name).landings:
             if ld.param not in into:
                 into[ld.param] = _image_of(wmap, prefix, targets, ld.param)
@@ -201,10 +202,39 @@ def _images(
                 continue
             if attr == _ELSEWHERE:
                 return None
-            ld.dst.view(images[attr]).copy_(ld.src.view(src))
-            ld.dst.view(covered[attr]).fill_(True)
+            by_image.setdefault(attr, []).append((name, t, ld))
+    for attr, items in by_image.items():
+        if not _copy_blocks(wmap, images[attr], covered[attr], items):
+            for _, t, ld in items:
+                ld.dst.view(images[attr]).copy_(ld.src.view(t.contiguous()))
+                ld.dst.view(covered[attr]).fill_(True)
     partial = [(targets[attr], images[attr]) for attr in images if not bool(covered[attr].all())]
     return images, partial
+
+
+def _copy_blocks(
+    wmap: WeightMap, image: torch.Tensor, covered: torch.Tensor, items: list[tuple[str, torch.Tensor, Landing]]
+) -> bool:
+    """Write ``items`` into ``image`` in two torch calls when each is a whole tensor landing in
+    one dense region (`WeightMap.dense_landing`) of the same size at a distinct multiple of it
+    (a fused expert parameter's rows: an expert's tensors in an MoE layer), marking ``covered``;
+    False (nothing written) otherwise, for the landing-by-landing copy."""
+    size = items[0][2].dst.numel()
+    if not size or not image.is_contiguous() or image.numel() % size:
+        return False
+    rows: list[int] = []
+    flat: list[torch.Tensor] = []
+    for name, t, ld in items:
+        if wmap.dense_landing(name) is not ld or ld.dst.numel() != size or ld.dst.offset % size:
+            return False
+        rows.append(ld.dst.offset // size)
+        flat.append(t.reshape(-1))
+    if len(set(rows)) != len(rows):
+        return False  # two tensors in one region: the landing order decides, as the loader's
+    index = torch.tensor(rows, dtype=torch.int64)
+    image.view(-1, size).index_copy_(0, index, torch.stack(flat).to(image.dtype))
+    covered.view(-1, size)[index] = True
+    return True
 
 
 _ELSEWHERE = ""  # `_image_of`: the parameter is named as a target but is another tensor

@@ -132,13 +132,25 @@ def test_nothing_unchecked_is_copied(setup) -> None:
     key = next(directory.glob("rollouts-decoded-*.json")).name.removeprefix("rollouts-decoded-").removesuffix(".json")
     published = host_decodes.read_published(directory, key)
     assert published is not None and published.checksums == staged.expected
-    out = {n: np.empty_like(a) for n, a in staged.decoded.items()}
-    assert host_decodes.copy_published(published, out) == first.arena.path
+    dest = np.zeros(published.size + 4096, dtype=np.uint8)
+    out = dict(published.places)  # the same layout (runs copied at once)
+    assert host_decodes.copy_published(published, dest, out) == first.arena.path
+    assert all(bytes(dest[o : o + n]) == bytes(staged.decoded[name]) for name, (o, n) in out.items())
+    shifted = {name: (o + 64, n) for name, (o, n) in out.items()}  # runs, 64 bytes further on
+    assert host_decodes.copy_published(published, dest, shifted) == first.arena.path
+    assert all(bytes(dest[o : o + n]) == bytes(staged.decoded[name]) for name, (o, n) in shifted.items())
+    # Another layout (shifted, the last tensor first): copied one at a time, each in its own place.
+    last = max(out, key=lambda name: out[name][0])
+    other = {name: (o + 4096 - out[last][1], n) for name, (o, n) in out.items() if name != last}
+    other[last] = (0, out[last][1])
+    dest[:] = 0
+    assert host_decodes.copy_published(published, dest, other) == first.arena.path
+    assert all(bytes(dest[o : o + n]) == bytes(staged.decoded[name]) for name, (o, n) in other.items())
 
     # A byte of the published arena changes: its Adler-32 differs from the record's.
     victim = staged.names[0]
     staged.decoded[victim][0] ^= 1
-    assert host_decodes.copy_published(published, out) is None
+    assert host_decodes.copy_published(published, dest, out) is None
     staged.decoded[victim][0] ^= 1
 
     # The record is replaced while the copy runs (its arena reused and published again).
@@ -166,15 +178,15 @@ def test_nothing_unchecked_is_copied(setup) -> None:
 
     host_decodes._copy_checked = republish
     try:
-        assert host_decodes.copy_published(published, out) is None
+        assert host_decodes.copy_published(published, dest, out, workers=1) is None
     finally:
         host_decodes._copy_checked = copy
     published = host_decodes.read_published(directory, key)
-    assert published is not None and host_decodes.copy_published(published, out) == first.arena.path
+    assert published is not None and host_decodes.copy_published(published, dest, out) == first.arena.path
 
     # Other tensors or sizes than the record names.
-    assert host_decodes.copy_published(published, {victim: out[victim]}) is None
-    assert host_decodes.copy_published(published, {**out, victim: out[victim][:-1]}) is None
+    assert host_decodes.copy_published(published, dest, {victim: out[victim]}) is None
+    assert host_decodes.copy_published(published, dest, {**out, victim: (out[victim][0], out[victim][1] - 1)}) is None
 
     # A record that names a tensor outside its arena, or changes it does not hold, is not read.
     record = host_decodes.record_path(directory, key)
@@ -193,7 +205,7 @@ def test_nothing_unchecked_is_copied(setup) -> None:
     # the host removes its record.
     record.write_text(text.replace(first.arena.path, "/proc/999999999/fd/3"))
     published = host_decodes.read_published(directory, key)
-    assert published is not None and host_decodes.copy_published(published, out) is None
+    assert published is not None and host_decodes.copy_published(published, dest, out) is None
     host_decodes.publish(directory, "other", first.arena.path, first.arena.size, {}, {})
     assert not record.exists()
 
