@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from snapshots.errors import (
@@ -335,7 +336,7 @@ def _located(
 
 def _checksum(recorded: str, file: str, tensor: str) -> str:
     """A recorded Adler-32, lower-cased; a ChecksumError unless it is 8 hex digits."""
-    if not CHECKSUM_RE.match(recorded):
+    if len(recorded) != 8 or not CHECKSUM_RE.match(recorded):
         raise ChecksumError(f"checksum {recorded!r} is not 8 hex digits", file=file, tensor=tensor)
     return recorded.lower()
 
@@ -367,7 +368,7 @@ def read_delta_plan(location: Any, *, s3: Any = None) -> DeltaPlan:
         if checksum is None:
             raise ChecksumError("no Adler-32 checksum for this tensor in __metadata__", file=header.file, tensor=name)
         tensors[name] = DeltaTensor(name, shard, entry.begin, entry.end, _checksum(checksum, header.file, name))
-    ordered = dict(sorted(tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)))
+    ordered = {t.name: t for t in sorted(tensors.values(), key=attrgetter("file", "begin"))}
     return DeltaPlan(source, index, files, ordered)
 
 

@@ -24,8 +24,9 @@ import os
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeGuard
 
 import numpy as np
 
@@ -113,6 +114,19 @@ def parse_json_object(body: bytes, what: str, error: type[SnapshotError], file: 
     return raw
 
 
+def _is_shape(shape: Any) -> TypeGuard[list[int]]:
+    """A list of non-negative ints (a bool is not one): one dimension checked without a generator."""
+    if type(shape) is not list:
+        return False
+    if len(shape) == 1:
+        return type(shape[0]) is int and shape[0] >= 0
+    return all(type(d) is int and d >= 0 for d in shape)
+
+
+def _is_offset_pair(begin: Any, end: Any) -> bool:
+    return type(begin) is int and type(end) is int and 0 <= begin <= end
+
+
 def parse_header(header_bytes: bytes, file_size: int, file: str) -> SafetensorsHeader:
     """Validate the JSON header of a file of ``file_size`` bytes (see the module docstring)."""
     data_start = 8 + len(header_bytes)
@@ -127,28 +141,22 @@ def parse_header(header_bytes: bytes, file_size: int, file: str) -> SafetensorsH
     for name, info in raw.items():
         if name == METADATA_KEY:
             continue
-        if not isinstance(info, dict):
+        if type(info) is not dict:  # (JSON objects decode as dict itself)
             raise HeaderError("entry is not an object", file=file, tensor=name)
         dtype = info.get("dtype")
-        if dtype not in DTYPE_SIZES:
+        if type(dtype) is not str or dtype not in DTYPE_SIZES:
             raise HeaderError(f"unknown dtype {dtype!r}", file=file, tensor=name)
+        width = DTYPE_SIZES[dtype]
         shape = info.get("shape")
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
+        if not _is_shape(shape):
             raise HeaderError(f"shape {shape!r} is not a list of non-negative ints", file=file, tensor=name)
         offsets = info.get("data_offsets")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]
-        ):
+        if not (type(offsets) is list and len(offsets) == 2 and _is_offset_pair(offsets[0], offsets[1])):
             raise HeaderError(
                 f"data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end", file=file, tensor=name
             )
         begin, end = offsets
-        expected = math.prod(shape) * DTYPE_SIZES[dtype]
+        expected = (shape[0] if len(shape) == 1 else math.prod(shape)) * width
         if end - begin != expected:
             raise HeaderError(
                 f"data_offsets span {end - begin} bytes but {dtype}{shape} needs {expected}",
@@ -162,7 +170,7 @@ def parse_header(header_bytes: bytes, file_size: int, file: str) -> SafetensorsH
                 tensor=name,
             )
         tensors[name] = TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
-    spans = sorted((t for t in tensors.values() if t.nbytes), key=lambda t: t.begin)
+    spans = sorted((t for t in tensors.values() if t.end > t.begin), key=attrgetter("begin"))
     for prev, nxt in zip(spans, spans[1:]):
         if nxt.begin < prev.end:
             raise HeaderError(
