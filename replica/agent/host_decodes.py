@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from snapshots.codec import adler32, default_workers, task_batches
+from snapshots.codec import adler32, default_workers, task_batches, threads_for
 from snapshots.safetensors_io import HEADER_PROBE_BYTES
 
 #: Bytes copied and checksummed per step: the copy's bytes are still in the CPU cache when
@@ -227,9 +227,11 @@ def _copy_all(
             i = j
         return digests
 
-    # Several tensors per task (a task per tensor costs more than copying a small one).
-    workers = max(1, min(workers, len(names)))
-    batches = [names[r.start : r.stop] for r in task_batches([layout[n][1] for n in names], workers)]
+    # Several tensors per task (a task per tensor costs more than copying a small one), and small
+    # ones on one thread (`snapshots.codec.threads_for`).
+    sizes = [layout[n][1] for n in names]
+    workers = threads_for(sizes, workers)
+    batches = [names[r.start : r.stop] for r in task_batches(sizes, workers)]
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return dict(zip(names, (d for digests in pool.map(some, batches) for d in digests)))
 

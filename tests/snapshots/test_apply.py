@@ -247,6 +247,12 @@ def test_a_delta_decode_opens_each_file_once(
     assert raw_bytes(weights) == raw_bytes(new)
 
 
+def test_small_tensors_are_worked_on_one_thread() -> None:
+    assert codec.threads_for([], 4) == 1
+    assert codec.threads_for([4096] * 18_867, 4) == 1  # an MoE's experts at tiny widths
+    assert codec.threads_for([3 << 20] * 100, 4) == 4 and codec.threads_for([3 << 20], 4) == 1
+
+
 def test_tasks_take_several_small_tensors_and_a_big_one_alone() -> None:
     assert codec.task_batches([], 2) == []
     assert [list(r) for r in codec.task_batches([10] * 16, 1)] == [list(range(i, i + 4)) for i in range(0, 16, 4)]
@@ -321,9 +327,13 @@ def test_unsupported_encoding_on_apply(weights: HostWeights, tmp_path: Path) -> 
     _assert_fails_untouched(weights, d, SnapshotError, "delta_encoding 'overwrite' is not supported")
 
 
+@pytest.mark.parametrize("threads", ["one thread", "every worker"])
 def test_failure_among_many_tensors_rolls_back_all(
-    weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path
+    weights: HostWeights, pair: tuple[Path, Path], tmp_path: Path, threads: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if threads == "every worker":  # however small the tensors
+        monkeypatch.setattr(codec, "THREADED_MEAN_BYTES", 0)
+        monkeypatch.setattr(weights, "workers", 3)
     new = HostWeights.load(pair[1])
     names = [n for n in weights.names() if weights.raw(n).tobytes() != new.raw(n).tobytes()]
     frames = {n: xor_frame(weights.raw(n), new.raw(n)) for n in names}
