@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from common import envs
-from replica.engine import cpu_gemm, cpu_moe
+from replica.engine import cpu_gemm, cpu_moe, scatter
 from replica.engine.landings import Landing
 from replica.engine.tensors import adler32_hex, bits
 from replica.engine.weight_map import WeightMap
@@ -223,16 +223,15 @@ def _copy_blocks(
     if not size or not image.is_contiguous() or image.numel() % size:
         return False
     rows: list[int] = []
-    flat: list[torch.Tensor] = []
-    for name, t, ld in items:
+    for name, _, ld in items:
         if wmap.dense_landing(name) is not ld or ld.dst.numel() != size or ld.dst.offset % size:
             return False
         rows.append(ld.dst.offset // size)
-        flat.append(t.reshape(-1))
     if len(set(rows)) != len(rows):
         return False  # two tensors in one region: the landing order decides, as the loader's
     index = torch.tensor(rows, dtype=torch.int64)
-    image.view(-1, size).index_copy_(0, index, torch.stack(flat).to(image.dtype))
+    blocks = scatter.flat_cat([t for _, t, _ in items]).view(len(items), size)
+    image.view(-1, size).index_copy_(0, index, blocks.to(image.dtype))
     covered.view(-1, size)[index] = True
     return True
 

@@ -252,8 +252,8 @@ def _plan_chunk(
     target = wmap.target(param)
     width, per_element = target.element_size(), target.element_size() + _offset_dtype(target).itemsize
     cost = element_cost(target)
-    new = torch.cat([t.reshape(-1) for _, t, _ in chunk])
-    old = torch.cat([backup[name].reshape(-1) for name, _, _ in chunk])
+    new = flat_cat([t for _, t, _ in chunk])
+    old = flat_cat([backup[name] for name, _, _ in chunk])
     positions = (bits(new) != bits(old)).nonzero().squeeze(1)
     numels = [t.numel() for _, t, _ in chunk]
     member = _members(positions, numels)
@@ -274,6 +274,16 @@ def _plan_chunk(
     values = new[positions].to(target.dtype)
     offsets, values = _to_device(offsets, target.device), _to_device(values, target.device)
     out.batched.append(Scatter(param, offsets, values, flat(target)[offsets].clone()))
+
+
+def flat_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors``' elements one after the other, flat: concatenated along their first dimension
+    when they share the others (a fused parameter's experts: no view made per tensor), else
+    each flattened first."""
+    rest = tensors[0].shape[1:]
+    if all(t.dim() and t.shape[1:] == rest for t in tensors):
+        return torch.cat(tensors).view(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def _choose(

@@ -58,19 +58,24 @@ def view_at(
 class Views:
     """:func:`view_at` for many tensors of one mapped file: one ``as_strided`` per tensor on a
     view of the whole file in the tensor's dtype (made once per dtype), where the offset is a
-    multiple of the dtype's size; else :func:`view_at`."""
+    multiple of the dtype's size; else :func:`view_at`. A shape's size and strides are worked
+    out once per shape (a stage's tens of thousands of experts share a few)."""
 
     def __init__(self, memory: torch.Tensor, where: str) -> None:
         self.memory, self.where = memory, where
         self.typed: dict[torch.dtype, torch.Tensor] = {}
+        self.shapes: dict[tuple[torch.dtype, tuple[int, ...]], tuple[int, tuple[int, ...]]] = {}
 
     def at(self, name: str, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        known = self.shapes.get((dtype, shape))
+        if known is None:
+            known = self.shapes[(dtype, shape)] = (nbytes(dtype, shape), row_major_strides(shape))
+        size, strides = known
         item = dtype.itemsize
-        size = nbytes(dtype, shape)
         if offset % item or offset < 0 or offset + size > self.memory.numel():
             return view_at(self.memory, name, offset, dtype, shape, self.where)  # (it names a bad offset)
         typed = self.typed.get(dtype)
         if typed is None:
             whole = self.memory[: self.memory.numel() - self.memory.numel() % item]
             typed = self.typed[dtype] = whole.view(dtype)
-        return typed.as_strided(shape, row_major_strides(shape), offset // item)
+        return typed.as_strided(shape, strides, offset // item)

@@ -58,10 +58,13 @@ def stage_from_arena(
     expected = {n: c.lower() for n, c in expected.items()}
     t0 = time.perf_counter()
     arena = Views(map_shared(path), "arena")
-    tensors = [
-        (str(name), arena.at(str(name), int(offset), dtype_from_str(str(dtype)), tuple(int(x) for x in shape)))
-        for name, dtype, shape, offset in entries
-    ]
+    dtypes: dict[str, torch.dtype] = {}
+    tensors = []
+    for name, dtype, shape, offset in entries:
+        torch_dtype = dtypes.get(str(dtype))
+        if torch_dtype is None:
+            torch_dtype = dtypes[str(dtype)] = dtype_from_str(str(dtype))
+        tensors.append((str(name), arena.at(str(name), int(offset), torch_dtype, tuple(map(int, shape)))))
     missing = [n for n, _ in tensors if n not in expected]
     if missing:
         raise ValueError(f"no expected Adler-32 for {missing[:8]}")

@@ -272,9 +272,11 @@ class WeightMap:
     def dense_landing(self, name: str) -> Landing | None:
         """The one landing of ``name`` when it takes the whole tensor, row-major, into one dense
         region of its parameter (element ``j`` of the tensor at ``dst.offset + j``); else None."""
-        e = self.entry(name)
-        if name in self._dense_landings:  # landings do not change once built (a refused entry raised above)
+        # Landings do not change once built; a refused entry's is forgotten (:meth:`refuse`), so
+        # only a known entry that may still be taken is found here.
+        if name in self._dense_landings:
             return self._dense_landings[name]
+        e = self.entry(name)
         ld = e.landings[0] if len(e.landings) == 1 else None
         if ld is not None and not (_whole_source(ld.src, e.shape) and _dense(ld.dst.size, ld.dst.stride)):
             ld = None

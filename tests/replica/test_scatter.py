@@ -309,3 +309,11 @@ def test_each_changed_position_is_placed_in_its_segment() -> None:
     positions = torch.tensor([0, 2, 3, 6, 7, 8])
     assert scatter._members(positions, [5, 5]).tolist() == [0, 0, 0, 1, 1, 1]
     assert scatter._members(positions, [1, 3, 6]).tolist() == [0, 1, 1, 2, 2, 2]
+
+
+def test_flat_cat_is_each_tensor_flattened_one_after_the_other() -> None:
+    gen = torch.Generator().manual_seed(5)
+    same = [torch.randn(3, 4, generator=gen) for _ in range(3)]  # a fused parameter's experts
+    mixed = [torch.randn(3, 4, generator=gen), torch.randn(4, 3, generator=gen).t(), torch.randn(5, generator=gen)]
+    for tensors in (same, mixed, [torch.tensor(1.0), torch.randn(2, generator=gen)]):
+        assert torch.equal(scatter.flat_cat(tensors), torch.cat([t.reshape(-1) for t in tensors]))
