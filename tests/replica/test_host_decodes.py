@@ -195,8 +195,13 @@ def test_nothing_unchecked_is_copied(setup) -> None:
     broken["size"] = 8
     record.write_text(json.dumps(broken))
     assert host_decodes.read_published(directory, key) is None
+    for change in ("not-decoded", -1, len(staged.names)):
+        broken = json.loads(text)
+        broken["changed"]["v-next"].append(change)
+        record.write_text(json.dumps(broken))
+        assert host_decodes.read_published(directory, key) is None, change
     broken = json.loads(text)
-    broken["changed"]["v-next"].append("not-decoded")
+    broken["offsets"][0] = -64
     record.write_text(json.dumps(broken))
     assert host_decodes.read_published(directory, key) is None
     record.write_text(text)
