@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import random
@@ -19,6 +20,16 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+
+def freeze_heap() -> None:
+    """Move this process's objects alive now out of the cyclic collector's reach (after a full
+    collection), as vLLM does after start-up: a long-lived process holding an object per tensor
+    (tens of thousands on an MoE) otherwise pays a full collection walking them all, and every
+    module's objects, whenever a hot-load makes as many short-lived ones (~0.2-0.3 s each in a
+    replica's agent at 18,867 tensors)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _proc_start_time(pid: int) -> str | None:

@@ -28,7 +28,7 @@ from typing import Any
 from temporalio.worker import Worker
 
 from common.metrics import serve as serve_metrics
-from common.processes import PidFile, stop_pid
+from common.processes import PidFile, freeze_heap, stop_pid
 from common.settings import Settings, temporal_client
 from common.telemetry import setup_tracing, temporal_interceptors
 from contracts import names
@@ -376,6 +376,7 @@ async def _serve(
         )
         metrics.serving(runtime.current_identity)
         metrics.state("READY")
+        freeze_heap()  # the host copy's objects, one per tensor, and every module's
         log.info(
             "replica %s ready: engine %s (pid %d), queue %s, metrics %s",
             spec.name,

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from common.processes import freeze_heap
 from replica import rpc_file
 from replica.engine import cpu_gemm, cpu_moe, post_load, updates
 from replica.engine.files import Checkpoint, plain_file_name, save_tensors
@@ -54,18 +55,10 @@ def _weight_map(worker: Any) -> WeightMap:
                 worker._rollouts_map = WeightMap.build(
                     worker.model_runner.model, checkpoint.specs, checkpoint.read, getattr(config, "quantization", None)
                 )
-            _freeze_heap()
+            freeze_heap()  # the model's and the map's objects (`common.processes`)
             worker._rollouts_map_build_s = round(time.perf_counter() - t0, 3)
         wmap: WeightMap = worker._rollouts_map
         return wmap
-
-
-def _freeze_heap() -> None:
-    """Move the model's and the map's objects (one each per tensor: tens of thousands on an MoE)
-    out of the garbage collector's reach, as vLLM does with its own after start-up: otherwise a
-    stage, which makes as many short-lived objects, pays full collections walking them all."""
-    gc.collect()
-    gc.freeze()
 
 
 def _jobs(worker: Any) -> JobRunner:
