@@ -271,11 +271,11 @@ class WeightLoaderExtension:
     def swap_staged(self, label: str) -> dict[str, Any]:
         return _slot(self).swap(_weight_map(self), label)
 
-    def commit_staged(self, label: str, hold: bool = False) -> dict[str, Any]:
-        return _slot(self).commit(_weight_map(self), label, hold)
+    def commit_staged(self, label: str, hold: bool = False, checksums: bool = True) -> dict[str, Any]:
+        return _slot(self).commit(_weight_map(self), label, hold, checksums)
 
-    def swap_and_commit_staged(self, label: str, hold: bool = False) -> dict[str, Any]:
-        return _slot(self).swap_and_commit(_weight_map(self), label, hold)
+    def swap_and_commit_staged(self, label: str, hold: bool = False, checksums: bool = True) -> dict[str, Any]:
+        return _slot(self).swap_and_commit(_weight_map(self), label, hold, checksums)
 
     def release_staged(self, label: str) -> dict[str, Any]:
         return _slot(self).release(label)

@@ -281,9 +281,11 @@ def _proven_alone(wmap: WeightMap, name: str, t: torch.Tensor, want: str, checke
     return (checked or adler32_hex(t) == want) and wmap.holds(name, t)
 
 
-def commit(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
-    """Prove a swapped stage (:func:`proof`). ``{"verified": n, "checksums": {...}, "verify_s"}``,
-    or, after rolling back, ``{"read_back_failed": [names], "rolled_back": True}``."""
+def commit(wmap: WeightMap, stage: Stage, checksums: bool = True) -> dict[str, Any]:
+    """Prove a swapped stage (:func:`proof`). ``{"verified": n, "checksums": {...}, "verify_s"}``
+    (``checksums``: each proven tensor's, unless not asked for: the pause's own call leaves out a
+    payload of one entry per tensor), or, after rolling back, ``{"read_back_failed": [names],
+    "rolled_back": True}``."""
     t0 = time.perf_counter()
     bad, held = proof(wmap, stage.ready(), stage.expected_adler32, stage.checked, stage.kernels, stage.host)
     if bad:
@@ -292,7 +294,7 @@ def commit(wmap: WeightMap, stage: Stage) -> dict[str, Any]:
         return {"read_back_failed": bad, "rolled_back": True}
     stage.kernels = None  # proven: the engine holds them; a roll-back re-derives in place
     result: dict[str, Any] = {"verified": len(stage.tensors), "verify_s": round(time.perf_counter() - t0, 6)}
-    if held:
+    if held and checksums:
         result["checksums"] = held
     return result
 
@@ -347,23 +349,25 @@ class StageSlot:
             self.stage = None
             raise
 
-    def commit(self, wmap: WeightMap, label: str, hold: bool = False) -> dict[str, Any]:
+    def commit(self, wmap: WeightMap, label: str, hold: bool = False, checksums: bool = True) -> dict[str, Any]:
         """Prove the swapped stage (:func:`commit`). ``hold``: a proven stage stays swapped in, so
         that :meth:`discard` can still roll it back (another rank of the engine failed its proof)
         until :meth:`release` drops it; a stage that failed is rolled back and dropped either way."""
         stage = self._get(label, swapped=True)
         with BACKUP_LOCK, collector_held():
-            result = commit(wmap, stage)
+            result = commit(wmap, stage, checksums)
         if hold and "verified" in result:
             stage.held = True
         else:
             self.stage = None
         return result
 
-    def swap_and_commit(self, wmap: WeightMap, label: str, hold: bool = False) -> dict[str, Any]:
+    def swap_and_commit(
+        self, wmap: WeightMap, label: str, hold: bool = False, checksums: bool = True
+    ) -> dict[str, Any]:
         """:meth:`swap` then :meth:`commit` in one call (one RPC inside the pause)."""
         result = self.swap(wmap, label)
-        result.update(self.commit(wmap, label, hold))
+        result.update(self.commit(wmap, label, hold, checksums))
         return result
 
     def release(self, label: str) -> dict[str, Any]:

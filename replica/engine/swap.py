@@ -120,7 +120,8 @@ async def _write_and_prove(engine: Any, request: SwapRequest, after_write: Seque
     """Write the stage in and prove it: one call to every rank when nothing runs between the two
     (``swap_and_commit_staged``), else ``swap_staged``, the ``after_write`` steps, ``commit_staged``.
     A tensor-parallel engine's ranks hold their proven stages until all proved."""
-    proof_args = (request.label, True) if request.ranks > 1 else (request.label,)
+    # Each proven tensor's checksum stays in the engine: the transaction needs only the count.
+    proof_args = (request.label, request.ranks > 1, False)
     if not after_write:
         return _combined(await engine.collective_rpc(method="swap_and_commit_staged", args=proof_args), request)
     written = slowest(_counted(await engine.collective_rpc(method="swap_staged", args=(request.label,)), request))

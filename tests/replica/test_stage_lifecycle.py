@@ -58,9 +58,14 @@ def test_swap_and_commit_in_one_call_proves_or_rolls_back() -> None:
     tensors = new_values(7)
     slot.put(take(model, "v2", tensors, expected_adler32={n: adler32_hex(t) for n, t in tensors}))
     model.corrupt = "up.weight"
-    result = slot.swap_and_commit(model, "v2")
+    result = slot.swap_and_commit(model, "v2", checksums=False)
     assert result["read_back_failed"] == ["up.weight"] and result["rolled_back"]
     assert weights(model) == expected and slot.stage is None
+    # The pause's own call asks for the count only: the same proof, no checksum per tensor back.
+    model.corrupt = None
+    slot.put(take(model, "v2", tensors, expected_adler32={n: adler32_hex(t) for n, t in tensors}))
+    result = slot.swap_and_commit(model, "v2", checksums=False)
+    assert result["verified"] == 2 and "checksums" not in result and weights(model) != expected
 
 
 def test_discard_rolls_a_swapped_stage_back_and_a_swapped_stage_blocks_the_next() -> None:

@@ -49,7 +49,7 @@ def swap(engine: Engine, **extra: Any) -> dict[str, Any]:
 def test_a_swap_in_one_call_pauses_labels_swaps_and_resumes_in_order() -> None:
     engine = Engine({"verified": 3, "verify_s": 0.001, "copy_s": 0.002})
     answer = swap(engine, expected=3)
-    assert engine.calls == [("pause", "keep", False), ("label", "s2"), ("swap_and_commit_staged", "s2"), ("resume",)]
+    assert engine.calls == [("pause", "keep", False), ("label", "s2"), ("swap_and_commit_staged", "s2", False, False), ("resume",)]
     assert answer["result"]["verified"] == 3
     t = answer["timings_ms"]
     assert set(t) == {"pause", "label", "swap", "resume", "window"}
@@ -161,7 +161,7 @@ def test_a_held_swap_waits_after_its_write_then_proves_and_resumes() -> None:
     start, while_held, answer = held(engine, proceed=True)
     assert start == {"held": True}
     assert while_held == [("pause", "keep", False), ("label", "s2"), ("swap_staged", "s2")]  # paused, not proven
-    assert engine.calls[3:] == [("commit_staged", "s2"), ("resume",)]
+    assert engine.calls[3:] == [("commit_staged", "s2", False, False), ("resume",)]
     assert answer["result"] == {"verified": 3, "verify_s": 0.001, "copy_s": 0.002}
     assert set(answer["timings_ms"]) == {"pause", "label", "swap", "resume", "window"}
 
