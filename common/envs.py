@@ -337,12 +337,6 @@ ROLLOUTS_SHM_DIR = _declare(
 ROLLOUTS_JOB_DIR = _declare(
     "ROLLOUTS_JOB_DIR", _str, None, "where an engine's background jobs write results", shown="a per-process temp dir"
 )
-ROLLOUTS_JOB_NICE = _declare(
-    "ROLLOUTS_JOB_NICE",
-    _int,
-    10,
-    "the niceness of an engine's background job thread (staging, transfers): serving and the pause run first",
-)
 ROLLOUTS_CPU_KV_CACHE_BYTES = _declare(
     "ROLLOUTS_CPU_KV_CACHE_BYTES",
     _bytes,

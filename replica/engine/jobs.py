@@ -2,12 +2,11 @@
 
 An RPC runs inside the engine core's loop, so a long one stalls generation as surely as a pause.
 Staging, transfers and checksums therefore run on a thread of the worker (:class:`Job`), one at
-a time, while the engine keeps serving, at a lower priority (``ROLLOUTS_JOB_NICE``). A job's
-final status ``{"kind", "state": "done" | "failed", "result", "error"}`` is also written as JSON
-(atomically) to its result file (:func:`result_path`), so a caller on the same host waits on that
-file instead of polling over RPC: every RPC makes vLLM's worker busy-poll its message queue
-afterwards (``shm_broadcast``'s spin, capped by `replica.engine.plugin`), and polling kept every
-worker of a host spinning.
+a time, while the engine keeps serving. A job's final status ``{"kind", "state": "done" |
+"failed", "result", "error"}`` is also written as JSON (atomically) to its result file
+(:func:`result_path`), so a caller on the same host waits on that file instead of polling over
+RPC: every RPC makes vLLM's worker busy-poll its message queue afterwards (``shm_broadcast``'s
+spin, capped by `replica.engine.plugin`), and polling kept every worker of a host spinning.
 """
 
 from __future__ import annotations
@@ -49,7 +48,6 @@ class Job:
         self._thread.start()
 
     def _run(self, fn: Callable[[], dict[str, Any]]) -> None:
-        _yield_to_serving()
         try:
             result = fn()
             result["seconds"] = round(time.perf_counter() - self.started, 6)
@@ -68,20 +66,6 @@ class Job:
 
     def status(self) -> dict[str, Any]:
         return {"kind": self.kind, "state": self.state, "result": self.result, "error": self.error}
-
-
-def _yield_to_serving() -> None:
-    """Lower this thread's scheduling priority (Linux: a thread's own niceness) to
-    ``ROLLOUTS_JOB_NICE``: on a host whose cores are all busy, generation and another replica's
-    pause get them first, and the stage the least."""
-    nice = envs.ROLLOUTS_JOB_NICE.get()
-    if nice <= 0:
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), min(nice, 19)))
-    except OSError:
-        logger.warning("could not lower the priority of the background job thread", exc_info=True)
 
 
 IDLE = {"kind": None, "state": "idle", "result": None, "error": None}

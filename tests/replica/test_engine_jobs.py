@@ -3,7 +3,6 @@ the agent's files (the early offer's sender stages the update it passes on); no 
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -26,19 +25,3 @@ def test_a_file_send_runs_beside_a_stage_and_each_slot_takes_one_job() -> None:
     assert runner.status("stage")["result"]["staged"] is True
     assert runner.status("send")["result"]["sent"] is True
     assert runner.status("receive")["kind"] is None  # none of that kind: idle
-
-
-def own_niceness() -> int:
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-
-@pytest.mark.parametrize("nice", ["10", "0"])
-def test_a_job_runs_at_a_lower_priority_than_serving(nice: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The job's own thread takes ``ROLLOUTS_JOB_NICE`` (0: as the engine); the thread that
-    started it (the engine's, serving) keeps its priority."""
-    monkeypatch.setenv("ROLLOUTS_JOB_NICE", nice)
-    runner, before = JobRunner(), own_niceness()
-    runner.start("stage", lambda: {"nice": own_niceness()})
-    runner.job._thread.join(10)
-    assert runner.status("stage")["result"]["nice"] == max(before, int(nice))
-    assert own_niceness() == before
