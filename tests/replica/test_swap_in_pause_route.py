@@ -49,7 +49,12 @@ def swap(engine: Engine, **extra: Any) -> dict[str, Any]:
 def test_a_swap_in_one_call_pauses_labels_swaps_and_resumes_in_order() -> None:
     engine = Engine({"verified": 3, "verify_s": 0.001, "copy_s": 0.002})
     answer = swap(engine, expected=3)
-    assert engine.calls == [("pause", "keep", False), ("label", "s2"), ("swap_and_commit_staged", "s2", False, False), ("resume",)]
+    assert engine.calls == [
+        ("pause", "keep", False),
+        ("label", "s2"),
+        ("swap_and_commit_staged", "s2", False, False),
+        ("resume",),
+    ]
     assert answer["result"]["verified"] == 3
     t = answer["timings_ms"]
     assert set(t) == {"pause", "label", "swap", "resume", "window"}
