@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from common import envs
-from replica.engine import cpu_gemm, cpu_moe, scatter
+from replica.engine import cpu_gemm, cpu_moe, host_pauses, scatter
 from replica.engine.landings import Landing
 from replica.engine.tensors import adler32_hex, bits
 from replica.engine.weight_map import WeightMap
@@ -116,6 +116,7 @@ def derive(wmap: WeightMap, tensors: Sequence[tuple[str, torch.Tensor]]) -> Kern
     held = 0
     with torch.no_grad():
         for prefix, (module, landed) in by_module.items():
+            host_pauses.give_way()  # another engine's pause on this host goes first
             size = None if id(module) in replayed else _size(module)
             layer = None
             if size is not None and held + size <= budget:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common import envs
+from replica.engine import host_pauses
 from replica.engine.landings import Landing
 from replica.engine.tensors import bits
 from replica.engine.weight_map import WeightMap
@@ -218,6 +219,7 @@ def _plan_batches(
             groups.setdefault((ld.param, t.dtype), []).append((name, t, ld))
     for (param, _), members in groups.items():
         for chunk in _chunks(members):
+            host_pauses.give_way()  # another engine's pause on this host goes first
             _plan_chunk(wmap, param, chunk, backup, out, budget, pinned_budget)
     return alone
 

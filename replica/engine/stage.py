@@ -3,7 +3,8 @@
 :func:`take` (engine serving) checks every tensor loads in place and keeps it with its
 roll-back copy and Adler-32, planning its crossing (`scatter.plan`) and deriving the CPU kernels'
 copies of the layers it writes (`kernel_copies`: vLLM's prepack of a MoE layer, a linear
-layer's kernel, from the values they will hold); :func:`swap` (inside the pause) writes it in
+layer's kernel, from the values they will hold), giving way to another engine's pause on the
+host between its steps (`host_pauses`); :func:`swap` (inside the pause) writes it in
 and puts those copies in place (re-deriving only the layers left to it); :func:`commit` proves
 what the engine holds (:func:`proof`) and answers ``verified`` or ``read_back_failed``;
 discard drops the stage, rolling a swapped one back.
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from replica.engine import kernel_copies, scatter
+from replica.engine import host_pauses, kernel_copies, scatter
 from replica.engine.device_checksum import adler32_device_hex
 from replica.engine.tensors import adler32_hex, nbytes
 from replica.engine.weight_map import HostProof, WeightMap
@@ -116,6 +117,7 @@ def take(
     against those. ``sparse``: plan the swap by changed elements (`scatter.plan`: a delta's
     tensors, most of whose elements the engine already holds). The CPU kernels' copies of the
     layers written are derived here too (`kernel_copies.derive`)."""
+    host_pauses.begin_stage()
     wmap.check(tensors)
     checked_at = wmap.refusals
     with BACKUP_LOCK:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from contracts.engine_ranks import combine_swap, slowest
+from replica.engine import host_pauses
 
 # A step between the write and the proof (the "swap" fault point's hold is one: `HeldSwap`).
 AfterWrite = Callable[[], Awaitable[None]]
@@ -90,6 +91,11 @@ async def swap_in_pause(engine: Any, request: SwapRequest, after_write: Sequence
     """The transaction (module docstring) over vLLM's ``engine``; answers the ranks' combined
     report (``verified``, or ``read_back_failed``) and ``timings_ms`` (the pause's parts and its
     window, all measured here: no hop between the agent and the engine falls inside the pause)."""
+    with host_pauses.pausing():  # the host's other engines' stages give way meanwhile
+        return await _in_pause(engine, request, after_write)
+
+
+async def _in_pause(engine: Any, request: SwapRequest, after_write: Sequence[AfterWrite]) -> dict[str, Any]:
     laps = _Laps()
     await pause_at_once(engine, request.clear_cache)
     laps.lap("pause")
