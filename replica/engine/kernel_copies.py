@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from common import envs
-from replica.engine import cpu_gemm, cpu_moe, host_pauses, scatter
+from replica.engine import cpu_gemm, cpu_moe, host_pauses
 from replica.engine.landings import Landing
-from replica.engine.tensors import adler32_hex, bits
+from replica.engine.tensors import adler32_hex, bits, flat_cat
 from replica.engine.weight_map import WeightMap
 
 
@@ -231,7 +231,7 @@ def _copy_blocks(
     if len(set(rows)) != len(rows):
         return False  # two tensors in one region: the landing order decides, as the loader's
     index = torch.tensor(rows, dtype=torch.int64)
-    blocks = scatter.flat_cat([t for _, t, _ in items]).view(len(items), size)
+    blocks = flat_cat([t for _, t, _ in items]).view(len(items), size)
     image.view(-1, size).index_copy_(0, index, blocks.to(image.dtype))
     covered.view(-1, size)[index] = True
     return True

@@ -25,7 +25,7 @@ import torch
 from common import envs
 from replica.engine import host_pauses
 from replica.engine.landings import Landing
-from replica.engine.tensors import bits
+from replica.engine.tensors import bits, flat_cat
 from replica.engine.weight_map import WeightMap
 
 BUDGET_ENV = envs.ROLLOUTS_SCATTER_BUDGET_BYTES.name
@@ -276,16 +276,6 @@ def _plan_chunk(
     values = new[positions].to(target.dtype)
     offsets, values = _to_device(offsets, target.device), _to_device(values, target.device)
     out.batched.append(Scatter(param, offsets, values, flat(target)[offsets].clone()))
-
-
-def flat_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``tensors``' elements one after the other, flat: concatenated along their first dimension
-    when they share the others (a fused parameter's experts: no view made per tensor), else
-    each flattened first."""
-    rest = tensors[0].shape[1:]
-    if all(t.dim() and t.shape[1:] == rest for t in tensors):
-        return torch.cat(tensors).view(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def _choose(

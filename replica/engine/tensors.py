@@ -74,6 +74,16 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT[t.element_size()])
 
 
+def flat_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors``' elements one after the other, flat: concatenated along their first dimension
+    when they share the others (a fused parameter's experts: no view made per tensor), else
+    each flattened first."""
+    rest = tensors[0].shape[1:]
+    if all(t.dim() and t.shape[1:] == rest for t in tensors):
+        return torch.cat(tensors).view(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
 def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:

@@ -13,7 +13,7 @@ import torch
 
 from replica.engine import scatter
 from replica.engine.stage import StageSlot, take
-from replica.engine.tensors import adler32_hex
+from replica.engine.tensors import adler32_hex, flat_cat
 from replica.engine.weight_map import Entry, WeightMap
 from tests.helpers.devices import DEVICES
 from tests.helpers.expert_models import Experts, expert_checkpoint, loaded
@@ -316,4 +316,4 @@ def test_flat_cat_is_each_tensor_flattened_one_after_the_other() -> None:
     same = [torch.randn(3, 4, generator=gen) for _ in range(3)]  # a fused parameter's experts
     mixed = [torch.randn(3, 4, generator=gen), torch.randn(4, 3, generator=gen).t(), torch.randn(5, generator=gen)]
     for tensors in (same, mixed, [torch.tensor(1.0), torch.randn(2, generator=gen)]):
-        assert torch.equal(scatter.flat_cat(tensors), torch.cat([t.reshape(-1) for t in tensors]))
+        assert torch.equal(flat_cat(tensors), torch.cat([t.reshape(-1) for t in tensors]))
