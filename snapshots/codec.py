@@ -133,6 +133,11 @@ def check_frame(frame: Any, nbytes: int, *, file: str | None = None, tensor: str
     Raises:
         DeltaMismatchError: naming ``file`` and ``tensor``.
     """
+    return _checked_frame(frame, nbytes, file, tensor)[0]
+
+
+def _checked_frame(frame: Any, nbytes: int, file: str | None, tensor: str | None) -> tuple[memoryview, bool]:
+    """:func:`check_frame`, and whether the frame declares its size (then exactly ``nbytes``)."""
     view = memoryview(frame).cast("B")
     if len(view) == 0:
         raise DeltaMismatchError("empty zstd frame", file=file, tensor=tensor)
@@ -159,7 +164,7 @@ def check_frame(frame: Any, nbytes: int, *, file: str | None = None, tensor: str
             file=file,
             tensor=tensor,
         )
-    return view
+    return view, declared != _UNKNOWN_SIZE
 
 
 def fill_from(reader: Any, out: memoryview) -> int:
@@ -182,8 +187,12 @@ def inflate_exact(frame: Any, out: np.ndarray, *, file: str | None = None, tenso
             decompressing into ``out`` and probing for one byte more, so an oversize frame is
             never allocated).
     """
+    _stream_into(check_frame(frame, out.nbytes, file=file, tensor=tensor), out, file, tensor)
+
+
+def _stream_into(view: memoryview, out: np.ndarray, file: str | None, tensor: str | None) -> None:
+    """Decompress the checked frame ``view`` into ``out`` (:func:`inflate_exact`'s second half)."""
     nbytes = out.nbytes
-    view = check_frame(frame, nbytes, file=file, tensor=tensor)
     try:
         with _state.dctx.stream_reader(view, read_across_frames=False) as reader:
             got = fill_from(reader, out.data.cast("B"))
@@ -201,10 +210,10 @@ SMALL_FRAME_BYTES = 64 << 10
 def inflated(frame: Any, nbytes: int, *, file: str | None = None, tensor: str | None = None) -> np.ndarray:
     """The ``nbytes`` bytes the single zstd frame ``frame`` holds, as :func:`inflate_exact` checks
     them, read-only; valid until this thread's next call (it may be this thread's reused buffer)."""
-    view = check_frame(frame, nbytes, file=file, tensor=tensor)
-    if nbytes > SMALL_FRAME_BYTES or zstandard.frame_content_size(view) != nbytes:
+    view, declared = _checked_frame(frame, nbytes, file, tensor)
+    if nbytes > SMALL_FRAME_BYTES or not declared:
         out = _state.buffer(nbytes)
-        inflate_exact(view, out, file=file, tensor=tensor)
+        _stream_into(view, out, file, tensor)
         return out
     try:
         # The frame declares exactly ``nbytes`` (checked above) and zstd holds it to that.
