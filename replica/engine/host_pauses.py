@@ -61,12 +61,12 @@ def give_way() -> None:
     """Wait while another engine of this host is inside its pause, within what is left of
     ``WAIT_LIMIT_S`` for this stage."""
     left = WAIT_LIMIT_S - getattr(_waited, "s", 0.0)
-    if left <= 0 or not _someone_pausing():
+    if left <= 0:
         return
     t0 = time.monotonic()
-    while time.monotonic() - t0 < left and _someone_pausing():
+    while _someone_pausing() and time.monotonic() - t0 < left:
         time.sleep(_POLL_S)
-    _waited.s = getattr(_waited, "s", 0.0) + time.monotonic() - t0
+    _waited.s = WAIT_LIMIT_S - left + time.monotonic() - t0
 
 
 def _someone_pausing() -> bool:

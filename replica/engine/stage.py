@@ -223,8 +223,8 @@ def proof(
     if not (expected_adler32 and all(n in expected_adler32 for n, _ in tensors)):
         bad = [n for n, t in tensors if not wmap.holds(n, t)]
         return bad + [n for n in _unpacked(wmap, [n for n, _ in tensors], kernels) if n not in bad], {}
-    if host is None or not host.current(wmap):  # another rank proves its experts
-        host = wmap.host_proof(n for n, _ in tensors if not wmap.entry(n).elsewhere)
+    if host is None or not host.current(wmap):
+        host = wmap.host_proof(n for n, _ in tensors if not wmap.entry(n).elsewhere)  # another rank proves its experts
     held, bad = _host_proven(host, expected_adler32)
     if host.rest:
         given = dict(tensors)
